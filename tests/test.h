@@ -1,0 +1,120 @@
+/* tests/test.h: the smallest test harness that does the job.
+
+   Each test file is one program. A test is a function registered with
+   TEST(name); CHECK(...) and friends count failures inside it. main() is
+   provided by TEST_MAIN(), which runs every test (or those whose name
+   contains argv[1]) and prints one line per test and a last line
+       test-summary: <passed> passed, <failed> failed
+   that the Makefile adds up across all test programs.
+
+   EXPECT_DIES(code, "text") runs `code` in a forked child and checks that
+   it exits with a non-zero status and that its standard error contains
+   "text": this is how the library's one-line fatal errors are tested. */
+#ifndef MGPU_TEST_H
+#define MGPU_TEST_H
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef void (*test__fn)(void);
+typedef struct { const char *name; test__fn fn; } test__entry;
+static test__entry test__table[512];
+static int test__count;
+static int test__failures; /* failures inside the running test */
+
+#define TEST(name)                                                         \
+    static void test_##name(void);                                        \
+    __attribute__((constructor)) static void test__register_##name(void) { \
+        test__table[test__count].name = #name;                             \
+        test__table[test__count].fn = test_##name;                         \
+        test__count++;                                                     \
+    }                                                                      \
+    static void test_##name(void)
+
+#define CHECK(cond)                                                          \
+    do {                                                                     \
+        if (!(cond)) {                                                       \
+            fprintf(stderr, "  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, \
+                    #cond);                                                  \
+            test__failures++;                                                \
+        }                                                                    \
+    } while (0)
+
+/* |got - want| <= atol + rtol * |want| */
+#define CHECK_CLOSE(got, want, atol, rtol)                                    \
+    do {                                                                      \
+        double test__g = (double)(got), test__w = (double)(want);             \
+        if (!(fabs(test__g - test__w) <= (atol) + (rtol) * fabs(test__w))) {  \
+            fprintf(stderr, "  %s:%d: %s = %.9g, want %.9g (atol %g, rtol %g)\n", \
+                    __FILE__, __LINE__, #got, test__g, test__w, (double)(atol), \
+                    (double)(rtol));                                          \
+            test__failures++;                                                 \
+        }                                                                     \
+    } while (0)
+
+#define CHECK_EQ_INT(got, want)                                               \
+    do {                                                                      \
+        long long test__g = (long long)(got), test__w = (long long)(want);    \
+        if (test__g != test__w) {                                             \
+            fprintf(stderr, "  %s:%d: %s = %lld, want %lld\n", __FILE__,      \
+                    __LINE__, #got, test__g, test__w);                        \
+            test__failures++;                                                 \
+        }                                                                     \
+    } while (0)
+
+/* Runs `code` in a child process; passes when the child exits non-zero
+   (not by a signal: a crash is a failure) and its stderr contains `text`. */
+#define EXPECT_DIES(code, text)                                               \
+    do {                                                                      \
+        int test__pipe[2];                                                    \
+        if (pipe(test__pipe) != 0) { perror("pipe"); exit(2); }               \
+        fflush(stdout); fflush(stderr);                                       \
+        pid_t test__pid = fork();                                             \
+        if (test__pid == 0) {                                                 \
+            close(test__pipe[0]);                                             \
+            dup2(test__pipe[1], 2);                                           \
+            { code; }                                                         \
+            _exit(0);                                                         \
+        }                                                                     \
+        close(test__pipe[1]);                                                 \
+        char test__err[4096]; size_t test__len = 0; ssize_t test__r;          \
+        while ((test__r = read(test__pipe[0], test__err + test__len,          \
+                               sizeof test__err - 1 - test__len)) > 0)        \
+            test__len += (size_t)test__r;                                     \
+        test__err[test__len] = 0;                                             \
+        close(test__pipe[0]);                                                 \
+        int test__status = 0;                                                 \
+        waitpid(test__pid, &test__status, 0);                                 \
+        if (!WIFEXITED(test__status) || WEXITSTATUS(test__status) == 0 ||     \
+            !strstr(test__err, text)) {                                       \
+            fprintf(stderr, "  %s:%d: expected `%s` to fail with \"%s\"; "    \
+                    "%s %d, stderr: %s\n", __FILE__, __LINE__, #code, text,   \
+                    WIFEXITED(test__status) ? "exit status" : "signal",       \
+                    WIFEXITED(test__status) ? WEXITSTATUS(test__status)       \
+                                            : WTERMSIG(test__status),         \
+                    test__err);                                               \
+            test__failures++;                                                 \
+        }                                                                     \
+    } while (0)
+
+#define TEST_MAIN()                                                          \
+    int main(int argc, char **argv) {                                        \
+        int passed = 0, failed = 0;                                          \
+        for (int i = 0; i < test__count; i++) {                              \
+            if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue; \
+            test__failures = 0;                                              \
+            test__table[i].fn();                                             \
+            printf("%s %s\n", test__failures ? "FAIL" : "ok  ",              \
+                   test__table[i].name);                                     \
+            fflush(stdout);                                                  \
+            if (test__failures) failed++; else passed++;                     \
+        }                                                                    \
+        printf("test-summary: %d passed, %d failed\n", passed, failed);      \
+        return failed ? 1 : 0;                                               \
+    }
+
+#endif
