@@ -443,6 +443,7 @@ struct mgpu_event {
     pthread_mutex_t mutex;
     pthread_cond_t done_cond;
     uint64_t recorded, completed; /* generations: done when completed >= recorded */
+    int refs;                     /* the owner, plus each queued task that uses it */
     double time;                  /* host seconds when it completed (CPU queues) */
     mgpu__queue *queue;           /* where it was last recorded */
 #if MGPU_CUDA
@@ -616,20 +617,33 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
    ====================================================================== */
 MGPU_DEF mgpu_event *mgpu_event_new(void) {
     mgpu_event *e = (mgpu_event *)mgpu__xcalloc(1, sizeof *e);
+    e->refs = 1;
     MGPU__PTHREAD_CHECK(pthread_mutex_init(&e->mutex, NULL));
     MGPU__PTHREAD_CHECK(pthread_cond_init(&e->done_cond, NULL));
     return e;
 }
 
-MGPU_DEF void mgpu_event_free(mgpu_event *e) {
-    if (!e) return;
-    mgpu_event_synchronize(e);
+/* An event lives until its owner has freed it and no queued task still
+   records or waits on it: freeing never has to wait for the queues. */
+static void mgpu__event_retain(mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    e->refs++;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+}
+static void mgpu__event_release(mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    int last = --e->refs == 0;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    if (!last) return;
 #if MGPU_CUDA
     if (e->cuda_created) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
 #endif
     pthread_mutex_destroy(&e->mutex);
     pthread_cond_destroy(&e->done_cond);
     free(e);
+}
+MGPU_DEF void mgpu_event_free(mgpu_event *e) {
+    if (e) mgpu__event_release(e);
 }
 
 typedef struct { mgpu_event *event; uint64_t generation; } mgpu__event_args;
@@ -642,6 +656,7 @@ static void mgpu__event_complete(const void *args, const mgpu__exec *ex) {
     e->time = mgpu_now();
     MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&e->done_cond));
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    mgpu__event_release(e);
 }
 
 static void mgpu__event_record_on(mgpu_event *e, mgpu__queue *q) {
@@ -661,6 +676,7 @@ static void mgpu__event_record_on(mgpu_event *e, mgpu__queue *q) {
     }
 #endif
     mgpu__event_args a = {e, generation};
+    mgpu__event_retain(e);
     mgpu__queue_push(q, NULL, mgpu__event_complete, &a, sizeof a);
 }
 
@@ -685,6 +701,7 @@ static void mgpu__event_wait_task(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__wait_args *a = (const mgpu__wait_args *)args;
     mgpu__event_host_wait(a->event, a->generation, a->source);
+    mgpu__event_release(a->event);
 }
 
 /* Queue q waits (in order, without blocking the host) for e's last record. */
@@ -706,6 +723,7 @@ static void mgpu__event_wait_on(mgpu__queue *q, mgpu_event *e) {
     }
 #endif
     mgpu__wait_args a = {e, generation, source};
+    mgpu__event_retain(e);
     mgpu__queue_push(q, NULL, mgpu__event_wait_task, &a, sizeof a);
 }
 

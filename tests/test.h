@@ -26,14 +26,14 @@ static test__entry test__table[512];
 static int test__count;
 static int test__failures; /* failures inside the running test */
 
-#define TEST(name)                                                         \
-    static void test_##name(void);                                        \
-    __attribute__((constructor)) static void test__register_##name(void) { \
-        test__table[test__count].name = #name;                             \
-        test__table[test__count].fn = test_##name;                         \
+#define TEST(test_name)                                                    \
+    static void test_##test_name(void);                                   \
+    __attribute__((constructor)) static void test__register_##test_name(void) { \
+        test__table[test__count].name = #test_name;                        \
+        test__table[test__count].fn = test_##test_name;                    \
         test__count++;                                                     \
     }                                                                      \
-    static void test_##name(void)
+    static void test_##test_name(void)
 
 #define CHECK(cond)                                                          \
     do {                                                                     \

@@ -1,0 +1,135 @@
+# mgpu: build the chapters, the tests and the benchmarks.
+#
+#   make chapter1 && ./chapter1     (chapter2, chapter3 likewise)
+#   make test                       everything that needs no GPU; ends "N passed, N failed"
+#   make test-gpu                   the same, plus CUDA against CPU (on a GPU machine)
+#   make test-asan                  the CPU tests under Address/UndefinedBehaviorSanitizer
+#   make bench                      the chapters' workloads beside PyTorch (GPU machine)
+#   make data                       fill data/fashion-mnist/
+#
+# With nvcc (found by compiling a tiny CUDA file, not by asking the package
+# manager) every program carries both backends: it runs on the GPUs when
+# there are some and on the CPU otherwise. Without nvcc, gcc builds the CPU
+# backend alone. Variables you may set: CUDA_HOME, NCCL_HOME, CUDA_ARCHS,
+# NVCC, CC, MGPU_DATA, USE_CUDA=0 (force the CPU-only build).
+
+CC         ?= gcc
+CUDA_HOME  ?= /usr/local/cuda
+NCCL_HOME  ?= $(CUDA_HOME)
+NVCC       ?= $(CUDA_HOME)/bin/nvcc
+CUDA_ARCHS ?= 80 90
+BUILD      := build
+
+# The data set: the --data flag, then $MGPU_DATA, then data/fashion-mnist.
+# For the tests, fall back to the shared copy beside the checkout.
+MGPU_DATA  ?= $(firstword $(wildcard data/fashion-mnist/train-images-idx3-ubyte*) $(wildcard ../shared/fashion-mnist/train-images-idx3-ubyte*))
+export MGPU_DATA := $(patsubst %/,%,$(dir $(MGPU_DATA)))
+
+CFLAGS_C   := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g
+LIBS       := -lopenblas -lstb -lz -lpthread -lm
+ASAN       := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+
+# ------------------------------------------------------------ is nvcc there?
+ifeq ($(USE_CUDA),0)
+HAVE_NVCC := 0
+else
+HAVE_NVCC := $(shell mkdir -p $(BUILD) && printf '__global__ void k(){}\nint main(){k<<<1,1>>>();return 0;}\n' > $(BUILD)/probe.cu && $(NVCC) -o $(BUILD)/probe $(BUILD)/probe.cu >/dev/null 2>&1 && echo 1 || echo 0)
+endif
+GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)) \
+              -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+NVFLAGS    := -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra -D_GNU_SOURCE \
+              -I$(NCCL_HOME)/include
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
+              -Wl,-rpath,$(NCCL_HOME)/lib -lcublas -lcudart $(LIBS)
+
+ifeq ($(HAVE_NVCC),1)
+COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
+else
+COMPILE    = $(CC) $(CFLAGS_C) -I. $< -o $@ $(LIBS)
+endif
+
+HEADERS    := mgpu.h $(wildcard kernels/*.h) $(wildcard parts/*.h)
+CHAPTERS   := $(sort $(wildcard chapters/[0-9][0-9]_*.c))
+CPU_TESTS  := $(sort $(wildcard tests/test_*.c))
+GPU_TESTS  := $(sort $(wildcard tests/gpu_*.c))
+
+# chapters/01_automatic_parallelism.c -> chapter1
+chapter_number = $(shell echo $(notdir $(1)) | sed 's/^0*\([0-9]*\)_.*/\1/')
+CHAPTER_BINS := $(foreach c,$(CHAPTERS),chapter$(call chapter_number,$(c)))
+
+.PHONY: all deps test test-gpu test-asan bench data clean
+
+all: $(CHAPTER_BINS)
+
+# ------------------------------------------------------- Debian packages
+# Installed with apt-get when running as root; otherwise the command is printed.
+DEPS_STAMP := $(BUILD)/deps.ok
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP):
+	@mkdir -p $(BUILD)
+	@missing=""; \
+	  [ -e /usr/include/x86_64-linux-gnu/cblas.h ] || [ -e /usr/include/cblas.h ] || missing="$$missing libopenblas-dev"; \
+	  [ -e /usr/include/stb/stb_image_write.h ] || missing="$$missing libstb-dev"; \
+	  [ -e /usr/include/zlib.h ] || missing="$$missing zlib1g-dev"; \
+	  [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] || missing="$$missing libopenmpi-dev"; \
+	  command -v mpirun >/dev/null || missing="$$missing openmpi-bin"; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      echo "installing:$$missing"; \
+	      (apt-get install -y $$missing || (apt-get update && apt-get install -y $$missing)) >/dev/null || exit 1; \
+	    else \
+	      echo "mgpu needs:$$missing. Install them with:"; \
+	      echo "  sudo apt-get install -y$$missing"; exit 1; \
+	    fi; \
+	  fi
+	@touch $@
+
+# --------------------------------------------------------------- chapters
+define chapter_rule
+chapter$(call chapter_number,$(1)): $(1) $$(HEADERS) $$(DEPS_STAMP)
+	$$(COMPILE)
+endef
+$(foreach c,$(CHAPTERS),$(eval $(call chapter_rule,$(c))))
+
+# ----------------------------------------------------------------- tests
+$(BUILD)/tests/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_C) -O1 -I. $< -o $@ $(LIBS)
+
+$(BUILD)/asan/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_C) $(ASAN) -I. $< -o $@ $(LIBS)
+
+$(BUILD)/cuda/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
+
+CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
+ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
+CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
+
+# The CUDA build of every test is compiled in `make test` too (it cannot run
+# its GPU half here, but it must build), when nvcc is there.
+ifeq ($(HAVE_NVCC),1)
+TEST_CUDA_BUILD := $(CUDA_TEST_BINS)
+endif
+
+test: $(CPU_TEST_BINS) $(TEST_CUDA_BUILD) all
+	@bash tests/run.sh $(CPU_TEST_BINS) -- tests/smoke.sh
+
+test-asan: $(ASAN_TEST_BINS)
+	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)
+
+test-gpu: $(CUDA_TEST_BINS) all
+	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
+
+# ------------------------------------------------------------- benchmarks
+bench: all
+	@bash bench/run.sh
+
+# ------------------------------------------------------------------ data
+data:
+	@bash data/fetch.sh
+
+clean:
+	rm -rf $(BUILD) chapter[0-9]

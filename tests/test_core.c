@@ -1,0 +1,391 @@
+/* tests/test_core.c: devices as queues, events, timers, tensors, copies,
+   the random generator, the matrix product and the allocator.
+
+   Built with gcc this runs on CPU devices; built with nvcc on a GPU
+   machine (make test-gpu) the same tests also cover GPU and virtual GPU
+   devices. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+/* ---------------------------------------------------------------- queues */
+typedef struct { int *log; int *count; int value; pthread_mutex_t *mutex; } append_args;
+static void append_task(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const append_args *a = (const append_args *)args;
+    pthread_mutex_lock(a->mutex);
+    a->log[(*a->count)++] = a->value;
+    pthread_mutex_unlock(a->mutex);
+}
+
+TEST(queue_runs_tasks_in_order) {
+    mgpu_device *d[1];
+    mgpu_devices(1, 0, d);
+    enum { N = 2000 }; /* more than the ring holds, so the producer also waits */
+    static int log[N];
+    int count = 0;
+    pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
+    for (int i = 0; i < N; i++) {
+        append_args a = {log, &count, i, &mutex};
+        mgpu__launch_on(&d[0]->queue[0], "append", append_task, NULL, &a, sizeof a);
+    }
+    mgpu_synchronize(d[0]);
+    CHECK_EQ_INT(count, N);
+    int in_order = 1;
+    for (int i = 0; i < N; i++) in_order &= log[i] == i;
+    CHECK(in_order);
+}
+
+typedef struct { int ms; } sleep_args;
+static void sleep_task(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    usleep((useconds_t)((const sleep_args *)args)->ms * 1000);
+}
+static void enqueue_sleep(mgpu_device *d, int ms) {
+    sleep_args a = {ms};
+    mgpu__launch_on(&d->queue[0], "sleep", sleep_task, NULL, &a, sizeof a);
+}
+
+TEST(launch_returns_before_the_work_is_done) {
+    mgpu_device *d[1];
+    mgpu_devices(1, 0, d);
+    double t0 = mgpu_now();
+    enqueue_sleep(d[0], 200);
+    double enqueued = mgpu_now() - t0;
+    mgpu_synchronize(d[0]);
+    double done = mgpu_now() - t0;
+    CHECK(enqueued < 0.05);
+    CHECK(done >= 0.19);
+}
+
+TEST(two_cpu_devices_run_at_the_same_time) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    double t0 = mgpu_now();
+    enqueue_sleep(d[0], 200);
+    enqueue_sleep(d[1], 200);
+    mgpu_synchronize_all();
+    double both = mgpu_now() - t0;
+    CHECK(both >= 0.19);
+    CHECK(both < 0.30); /* in series it would take 0.40 */
+}
+
+TEST(device_names_and_virtual_devices) {
+    mgpu_device *d[4];
+    mgpu_devices(4, 0, d);
+    CHECK(strcmp(mgpu_device_name(d[0]), "cpu") == 0);
+    CHECK(strcmp(mgpu_device_name(d[1]), "cpu#1") == 0);
+    CHECK(strcmp(mgpu_device_name(d[3]), "cpu#3") == 0);
+    CHECK(d[0] == mgpu_cpu());
+    mgpu_device *again[2];
+    mgpu_devices(2, 0, again);
+    CHECK(again[1] == d[1]); /* the same logical device each time */
+    char buf[128];
+    CHECK(strcmp(mgpu_device_list(buf, sizeof buf, d, 2), "[cpu, cpu#1]") == 0);
+    if (mgpu_num_gpus() == 0) {
+        CHECK(mgpu_try_gpu(0) == mgpu_cpu());
+        mgpu_device *all[4];
+        CHECK_EQ_INT(mgpu_try_all_gpus(all, 4), 1);
+        CHECK(all[0] == mgpu_cpu());
+    } else {
+        CHECK(strcmp(mgpu_device_name(mgpu_try_gpu(0)), "cuda:0") == 0);
+        mgpu_device *g[MGPU_MAX_DEVICES];
+        int n = mgpu_num_gpus();
+        mgpu_devices(n + 1, 1, g); /* one past the physical GPUs: a virtual device */
+        CHECK(strcmp(mgpu_device_name(g[n]), "cuda:0#1") == 0);
+    }
+}
+
+TEST(bad_device_requests_are_clear_errors) {
+    mgpu_device *d[MGPU_MAX_DEVICES + 1];
+    EXPECT_DIES(mgpu_devices(0, 0, d), "asked for 0 devices");
+    EXPECT_DIES(mgpu_devices(MGPU_MAX_DEVICES + 1, 0, d), "between 1 and 16");
+    EXPECT_DIES(mgpu_try_gpu(-1), "device index -1 is negative");
+}
+
+/* ------------------------------------------------------- events, timers */
+TEST(events_order_and_time_work_across_devices) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    mgpu_event *start = mgpu_event_new(), *end = mgpu_event_new(), *handoff = mgpu_event_new();
+    mgpu_event_record(start, d[0]);
+    enqueue_sleep(d[0], 100);
+    mgpu_event_record(handoff, d[0]);
+    mgpu_event_wait(d[1], handoff); /* d[1] may not start its sleep before d[0] is done */
+    enqueue_sleep(d[1], 100);
+    mgpu_event_record(end, d[1]);
+    mgpu_event_synchronize(end);
+    double ms = mgpu_event_elapsed_ms(start, end);
+    CHECK(ms >= 195 && ms < 300);
+    mgpu_event_free(start);
+    mgpu_event_free(end);
+    mgpu_event_free(handoff);
+}
+
+TEST(timer_sums_averages_and_cumulates) {
+    mgpu_timer t;
+    mgpu_timer_init(&t);
+    for (int i = 1; i <= 3; i++) {
+        mgpu_timer_start(&t);
+        usleep((useconds_t)(i * 20000));
+        mgpu_timer_stop(&t);
+    }
+    CHECK_EQ_INT(t.n, 3);
+    CHECK_CLOSE(mgpu_timer_sum(&t), 0.120, 0.015, 0);
+    CHECK_CLOSE(mgpu_timer_avg(&t), 0.040, 0.005, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 0), 0.020, 0.005, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 1), 0.060, 0.010, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 2), mgpu_timer_sum(&t), 1e-12, 0);
+}
+
+/* --------------------------------------------------------------- tensors */
+/* Every kind of device this machine has: CPU, virtual CPU, and on a GPU
+   machine the GPU, a virtual GPU device and a second GPU if present. */
+static int all_kinds_of_device(mgpu_device **out) {
+    int n = 0;
+    mgpu_device *cpus[2];
+    mgpu_devices(2, 0, cpus);
+    out[n++] = cpus[0];
+    out[n++] = cpus[1];
+    int gpus = mgpu_num_gpus();
+    if (gpus > 0) {
+        mgpu_device *g[MGPU_MAX_DEVICES];
+        mgpu_devices(gpus + 1, 1, g);
+        out[n++] = g[0];
+        out[n++] = g[gpus]; /* virtual: cuda:0#1 */
+        if (gpus > 1) out[n++] = g[1];
+    }
+    return n;
+}
+
+TEST(round_trips_between_every_pair_of_devices) {
+    mgpu_device *devs[8];
+    int n = all_kinds_of_device(devs);
+    float host[37], back[37];
+    for (int i = 0; i < 37; i++) host[i] = 0.5f * (float)i - 3.0f;
+    for (int a = 0; a < n; a++)
+        for (int b = 0; b < n; b++)
+            for (int non_blocking = 0; non_blocking <= 1; non_blocking++) {
+                mgpu_tensor *x = mgpu_from_host(devs[a], mgpu_shape1(37), host);
+                mgpu_tensor *y = mgpu_to(x, devs[b], non_blocking);
+                mgpu_add_(y, y); /* runs on b after the copy arrives */
+                mgpu_tensor *z = mgpu_to(y, devs[a], non_blocking);
+                mgpu_to_host(z, back);
+                int same = 1;
+                for (int i = 0; i < 37; i++) same &= back[i] == 2 * host[i];
+                if (!same)
+                    fprintf(stderr, "  %s -> %s (non_blocking %d) changed the data\n",
+                            mgpu_device_name(devs[a]), mgpu_device_name(devs[b]), non_blocking);
+                CHECK(same);
+                mgpu_free(x);
+                mgpu_free(y);
+                mgpu_free(z);
+            }
+}
+
+TEST(non_blocking_copy_into_pinned_memory) {
+    mgpu_device *d[1];
+    mgpu_devices(1, 1, d);
+    mgpu_tensor *x = mgpu_arange(d[0], mgpu_shape2(64, 64));
+    mgpu_tensor *host = mgpu_empty_pinned(mgpu_shape2(64, 64));
+    mgpu_copy(host, x, 1);
+    mgpu_synchronize_all();
+    CHECK_EQ_INT(host->pinned, 1);
+    CHECK_CLOSE(host->data[4095], 4095, 0, 0);
+    CHECK_CLOSE(host->data[65], 65, 0, 0);
+    mgpu_free(x);
+    mgpu_free(host);
+}
+
+TEST(views_and_narrow_share_memory) {
+    mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(4, 5));
+    mgpu_tensor *rows = mgpu_narrow(x, 2, 2);
+    CHECK_EQ_INT(rows->shape.d[0], 2);
+    CHECK_EQ_INT(rows->numel, 10);
+    CHECK_CLOSE(mgpu_item(rows, 0), 10, 0, 0);
+    mgpu_tensor *flat = mgpu_view(x, mgpu_shape1(20));
+    CHECK_CLOSE(mgpu_item(flat, 19), 19, 0, 0);
+    char a[64];
+    CHECK(strcmp(mgpu_shape_str(x->shape, a, sizeof a), "[4, 5]") == 0);
+    EXPECT_DIES(mgpu_view(x, mgpu_shape2(3, 5)), "cannot view a tensor of shape [4, 5] as [3, 5]");
+    EXPECT_DIES(mgpu_narrow(x, 3, 2), "cannot take rows 3..5 of a tensor of shape [4, 5]");
+    EXPECT_DIES(mgpu_empty(mgpu_cpu(), mgpu_shape2(-1, 5)), "negative size");
+    mgpu_free(rows);
+    mgpu_free(flat);
+    mgpu_free(x);
+}
+
+TEST(operations_refuse_tensors_from_two_devices) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    mgpu_tensor *a = mgpu_zeros(d[0], mgpu_shape1(3));
+    mgpu_tensor *b = mgpu_zeros(d[1], mgpu_shape1(3));
+    mgpu_tensor *c = mgpu_zeros(d[0], mgpu_shape1(4));
+    EXPECT_DIES(mgpu_add_(a, b), "a tensor on cpu#1 is used with one on cpu");
+    EXPECT_DIES(mgpu_add_(a, c), "mgpu_add_: shapes [3] and [4] differ");
+    mgpu_free(a);
+    mgpu_free(b);
+    mgpu_free(c);
+}
+
+TEST(allocator_reuses_freed_blocks) {
+    mgpu_device *d = mgpu_cpu();
+    size_t before = mgpu_device_memory_in_use(d);
+    mgpu_tensor *a = mgpu_empty(d, mgpu_shape2(100, 100));
+    float *first = a->data;
+    CHECK_EQ_INT(mgpu_device_memory_in_use(d) - before, 40448); /* 40000 rounded up to 512s */
+    mgpu_free(a);
+    CHECK_EQ_INT(mgpu_device_memory_in_use(d), before);
+    mgpu_tensor *b = mgpu_empty(d, mgpu_shape2(50, 200)); /* same bytes, other shape */
+    CHECK(b->data == first);
+    mgpu_tensor *c = mgpu_empty(d, mgpu_shape2(100, 100)); /* b holds the block: a new one */
+    CHECK(c->data != first);
+    CHECK(mgpu_device_memory_peak(d) >= before + 2 * 40448);
+    mgpu_free(b);
+    mgpu_free(c);
+}
+
+/* ---------------------------------------------------------------- random */
+TEST(philox_matches_the_published_test_vector) {
+    /* Random123's known answer for Philox4x32-10, counter 0, key 0. */
+    uint32_t r[4];
+    mgpu_philox(0, 0, r);
+    CHECK_EQ_INT(r[0], 0x6627e8d5u);
+    CHECK_EQ_INT(r[1], 0xe169c58du);
+    CHECK_EQ_INT(r[2], 0xbc57ac4cu);
+    CHECK_EQ_INT(r[3], 0x9b00dbd8u);
+}
+
+static void draw(uint64_t seed, mgpu_device *d, float *out, int n, int normal) {
+    mgpu_manual_seed(seed);
+    mgpu_tensor *t = normal ? mgpu_randn(d, mgpu_shape1(n), 0, 1) : mgpu_rand(d, mgpu_shape1(n));
+    mgpu_to_host(t, out);
+    mgpu_free(t);
+}
+
+TEST(generator_is_reproducible_and_has_the_right_moments) {
+    enum { N = 100000 };
+    static float a[N], b[N], c[N];
+    mgpu_device *devs[8];
+    int ndev = all_kinds_of_device(devs);
+    for (int normal = 0; normal <= 1; normal++) {
+        draw(42, devs[0], a, N, normal);
+        for (int k = 1; k < ndev; k++) { /* same numbers on every device */
+            draw(42, devs[k], b, N, normal);
+            int same = 1;
+            for (int i = 0; i < N; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * (1 + fabsf(a[i]));
+            CHECK(same);
+        }
+        draw(43, devs[0], c, N, normal);
+        int differ = 0;
+        for (int i = 0; i < N; i++) differ += a[i] != c[i];
+        CHECK(differ > N * 0.99);
+        double mean = 0, sq = 0;
+        for (int i = 0; i < N; i++) { mean += a[i]; sq += (double)a[i] * a[i]; }
+        mean /= N;
+        double var = sq / N - mean * mean;
+        /* 5 standard errors: sd(mean) = sqrt(var/N) */
+        CHECK_CLOSE(mean, normal ? 0.0 : 0.5, 5 * sqrt((normal ? 1.0 : 1.0 / 12) / N), 0);
+        CHECK_CLOSE(var, normal ? 1.0 : 1.0 / 12, normal ? 0.02 : 0.002, 0);
+    }
+    /* two draws in a row differ: the offset moves on */
+    mgpu_manual_seed(7);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape1(8));
+    mgpu_tensor *y = mgpu_rand(mgpu_cpu(), mgpu_shape1(8));
+    CHECK(mgpu_item(x, 0) != mgpu_item(y, 0));
+    mgpu_free(x);
+    mgpu_free(y);
+}
+
+/* ---------------------------------------------------------------- matmul */
+static void check_matmul(mgpu_device *d, int m, int k, int n) {
+    mgpu_manual_seed((uint64_t)(m * 1000003 + k * 1009 + n));
+    mgpu_tensor *a = mgpu_randn(d, mgpu_shape2(m, k), 0, 1);
+    mgpu_tensor *b = mgpu_randn(d, mgpu_shape2(k, n), 0, 1);
+    mgpu_tensor *c = mgpu_mm(a, b);
+    float *ha = (float *)malloc(sizeof(float) * (size_t)m * k);
+    float *hb = (float *)malloc(sizeof(float) * (size_t)k * n);
+    float *hc = (float *)malloc(sizeof(float) * (size_t)m * n);
+    mgpu_to_host(a, ha);
+    mgpu_to_host(b, hb);
+    mgpu_to_host(c, hc);
+    double worst = 0;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double want = 0, scale = 0;
+            for (int p = 0; p < k; p++) {
+                want += (double)ha[i * k + p] * hb[p * n + j];
+                scale += fabs((double)ha[i * k + p] * hb[p * n + j]);
+            }
+            /* float accumulation: error grows like k * eps * sum |a b| at worst */
+            double err = fabs(hc[i * n + j] - want) / (scale + 1e-30);
+            if (err > worst) worst = err;
+        }
+    if (worst > 1e-5)
+        fprintf(stderr, "  matmul %dx%dx%d on %s: relative error %g\n", m, k, n,
+                mgpu_device_name(d), worst);
+    CHECK(worst <= 1e-5);
+    free(ha);
+    free(hb);
+    free(hc);
+    mgpu_free(a);
+    mgpu_free(b);
+    mgpu_free(c);
+}
+
+TEST(matmul_matches_a_double_precision_reference) {
+    static const int shapes[][3] = {{1, 1, 1}, {3, 5, 7}, {64, 1, 33}, {17, 31, 1},
+                                    {1, 200, 1}, {128, 96, 80}, {256, 800, 128}};
+    mgpu_device *devs[8];
+    int ndev = all_kinds_of_device(devs);
+    for (int k = 0; k < ndev; k++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            check_matmul(devs[k], shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+TEST(matmul_shape_errors_are_clear) {
+    mgpu_tensor *a = mgpu_zeros(mgpu_cpu(), mgpu_shape2(3, 4));
+    mgpu_tensor *b = mgpu_zeros(mgpu_cpu(), mgpu_shape2(5, 6));
+    mgpu_tensor *v = mgpu_zeros(mgpu_cpu(), mgpu_shape1(4));
+    EXPECT_DIES(mgpu_mm(a, b), "mgpu_matmul: cannot multiply [3, 4] by [5, 6] into [3, 6]");
+    EXPECT_DIES(mgpu_mm(a, v), "mgpu_mm: both tensors must be matrices");
+    mgpu_free(a);
+    mgpu_free(b);
+    mgpu_free(v);
+}
+
+/* --------------------------------------------------------------- tracing */
+TEST(tracer_records_overlapping_work_on_two_devices) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    mgpu_trace_begin();
+    enqueue_sleep(d[0], 60);
+    enqueue_sleep(d[1], 60);
+    mgpu_trace_end();
+    int found = 0;
+    double s[2] = {0, 0}, e[2] = {0, 0};
+    for (int i = 0; i < mgpu__g.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__g.trace[i];
+        if (strcmp(r->name, "sleep") != 0) continue;
+        int which = r->queue_id == d[0]->index * 2 ? 0 : 1;
+        s[which] = r->start;
+        e[which] = r->end;
+        found++;
+    }
+    CHECK_EQ_INT(found, 2);
+    CHECK(e[0] - s[0] >= 0.055);
+    CHECK(s[1] < e[0] && s[0] < e[1]); /* the two bars overlap in time */
+    char path[] = "/tmp/mgpu_trace_XXXXXX.png";
+    int fd = mkstemps(path, 4);
+    CHECK(fd >= 0);
+    close(fd);
+    CHECK_EQ_INT(mgpu_trace_write_png(path, "two devices"), 0);
+    FILE *f = fopen(path, "rb");
+    unsigned char magic[8] = {0};
+    CHECK(f && fread(magic, 1, 8, f) == 8);
+    if (f) fclose(f);
+    CHECK(magic[1] == 'P' && magic[2] == 'N' && magic[3] == 'G');
+    unlink(path);
+}
+
+TEST_MAIN()
