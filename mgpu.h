@@ -202,7 +202,8 @@ MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i); /* sum of the fir
 
 typedef struct mgpu_benchmark { const char *description; double started; int done; } mgpu_benchmark;
 MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description);
-MGPU_DEF void mgpu_benchmark_end(mgpu_benchmark *b); /* synchronises all, prints */
+/* Synchronises every device, prints "<description>: 0.5620 sec", returns the seconds. */
+MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b);
 #define MGPU__CAT2(a, b) a##b
 #define MGPU__CAT(a, b) MGPU__CAT2(a, b)
 #define MGPU_BENCHMARK(description)                                          \
@@ -231,7 +232,7 @@ typedef struct mgpu_tensor {
     mgpu_device *device;
     int pinned;           /* host memory that the GPU can copy asynchronously */
     mgpu__block *block;   /* allocator block; NULL for a view */
-    mgpu_event *last_read;/* a copy queue may still be reading the tensor */
+    mgpu_event *last_read;/* a copy queue may still be using the tensor */
 } mgpu_tensor;
 
 MGPU_DEF mgpu_tensor *mgpu_empty(mgpu_device *dev, mgpu_shape shape);
@@ -270,6 +271,30 @@ MGPU_DEF void mgpu_manual_seed(uint64_t seed);
 /* Philox4x32-10: four 32-bit random words for (key, counter). */
 MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]);
 
+/* ------------------------------------------------------ command-line flags */
+/* Every chapter takes the same flags; a chapter sets its defaults, then
+   parses. Extra flags of its own go in an mgpu_flag array. A bad flag or
+   value is a one-line error and exit status 1; --help prints the flags. */
+typedef struct mgpu_options {
+    int devices, epochs, batch_size;
+    double lr;
+    const char *data;  /* NULL: $MGPU_DATA, then data/fashion-mnist */
+    const char *out;   /* folder for PNG and CSV files */
+    int cpu;           /* --cpu: CPU devices even when there are GPUs */
+    int full;          /* --full: the book's setting on a machine without a GPU */
+    uint64_t seed;
+} mgpu_options;
+typedef struct mgpu_flag {
+    const char *name;  /* "--size" */
+    char type;         /* 'i' positive int, 'd' positive double, 's' string, 'b' switch */
+    void *value;       /* int*, double*, const char**, int* */
+    const char *help;
+} mgpu_flag;
+MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
+                                 const mgpu_flag *extra, int nextra);
+/* "<out>/<name>", creating <out> when needed; into buf. */
+MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size);
+
 /* --------------------------------------------------------------- tracing */
 MGPU_DEF void mgpu_trace_begin(void);
 MGPU_DEF void mgpu_trace_end(void);  /* synchronises all devices */
@@ -295,6 +320,7 @@ MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title);
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/stat.h>
 #include <cblas.h>
 #if MGPU_CUDA
 #include <cublas_v2.h>
@@ -1036,11 +1062,107 @@ MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description) {
     b.started = mgpu_now();
     return b;
 }
-MGPU_DEF void mgpu_benchmark_end(mgpu_benchmark *b) {
+MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
     mgpu_synchronize_all();
-    printf("%s: %.4f sec\n", b->description, mgpu_now() - b->started);
+    double seconds = mgpu_now() - b->started;
+    printf("%s: %.4f sec\n", b->description, seconds);
     fflush(stdout);
     b->done = 1;
+    return seconds;
+}
+
+/* ======================================================================
+   Command-line flags
+   ====================================================================== */
+static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
+    char *end = NULL;
+    errno = 0;
+    if (f->type == 'i') {
+        long v = strtol(text, &end, 10);
+        if (errno || *end || end == text || v <= 0 || v > 1000000000)
+            mgpu_fatal("%s: expected a positive whole number, got '%s'", f->name, text);
+        *(int *)f->value = (int)v;
+    } else if (f->type == 'd') {
+        double v = strtod(text, &end);
+        if (errno || *end || end == text || !(v > 0) || !isfinite(v))
+            mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
+        *(double *)f->value = v;
+    } else {
+        *(const char **)f->value = text;
+    }
+}
+
+static void mgpu__flag_print(const mgpu_flag *f) {
+    char value[64] = "";
+    if (f->type == 'i') snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
+    if (f->type == 'd') snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
+    if (f->type == 's') {
+        const char *v = *(const char **)f->value;
+        snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
+    }
+    char left[96];
+    snprintf(left, sizeof left, "%s%s", f->name, value);
+    printf("  %-32s %s\n", left, f->help);
+}
+
+MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
+                                 const mgpu_flag *extra, int nextra) {
+    int seed = (int)o->seed, help = 0;
+    const mgpu_flag common[] = {
+        {"--devices", 'i', &o->devices, "number of (logical) devices"},
+        {"--epochs", 'i', &o->epochs, "passes over the training data"},
+        {"--batch-size", 'i', &o->batch_size, "global batch size, split over the devices"},
+        {"--lr", 'd', &o->lr, "learning rate"},
+        {"--data", 's', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
+        {"--out", 's', &o->out, "folder for the PNG and CSV files"},
+        {"--seed", 'i', &seed, "random seed"},
+        {"--cpu", 'b', &o->cpu, "use CPU devices even when there are GPUs"},
+        {"--full", 'b', &o->full, "the book's full setting, also without a GPU"},
+        {"--help", 'b', &help, "print this help"},
+    };
+    int ncommon = (int)(sizeof common / sizeof common[0]);
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        const mgpu_flag *f = NULL;
+        for (int k = 0; k < ncommon + nextra && !f; k++) {
+            const mgpu_flag *c = k < ncommon ? &common[k] : &extra[k - ncommon];
+            if (strcmp(arg, c->name) == 0) f = c;
+        }
+        if (!f) mgpu_fatal("unknown flag '%s' (try --help)", arg);
+        if (f->type == 'b') {
+            *(int *)f->value = 1;
+            continue;
+        }
+        if (i + 1 >= argc) mgpu_fatal("%s needs a value (try --help)", arg);
+        mgpu__flag_set(f, argv[++i]);
+    }
+    o->seed = (uint64_t)seed;
+    if (help) {
+        printf("%s\n\nflags:\n", about);
+        for (int k = 0; k < ncommon; k++) mgpu__flag_print(&common[k]);
+        for (int k = 0; k < nextra; k++) mgpu__flag_print(&extra[k]);
+        exit(0);
+    }
+    if (!o->out) o->out = ".";
+}
+
+MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size) {
+    const char *dir = o->out ? o->out : ".";
+    /* mkdir -p, one component at a time */
+    char path[1024];
+    snprintf(path, sizeof path, "%s", dir);
+    for (char *p = path + 1; ; p++) {
+        char c = *p;
+        if (c == '/' || c == 0) {
+            *p = 0;
+            if (mkdir(path, 0777) != 0 && errno != EEXIST)
+                mgpu_fatal("--out %s: cannot create folder %s (%s)", dir, path, strerror(errno));
+            *p = c;
+        }
+        if (!c) break;
+    }
+    snprintf(buf, size, "%s/%s", dir, name);
+    return buf;
 }
 
 /* ======================================================================
@@ -1292,7 +1414,15 @@ MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
     return v;
 }
 
-/* Before an operation on its own device writes t: wait for copies still reading it. */
+/* Remembers that a copy queue may still use t (one event per tensor: the
+   latest copy, which the copy queue runs after the earlier ones). */
+static void mgpu__tensor_track(mgpu_tensor *t, mgpu_event *copy_done) {
+    mgpu__event_retain(copy_done);
+    mgpu_event_free(t->last_read);
+    t->last_read = copy_done;
+}
+
+/* Before an operation on its own device writes t: wait for copies still using it. */
 static void mgpu__before_write(mgpu_tensor *t) {
     if (!t->last_read) return;
     mgpu__event_wait_on(&t->device->queue[0], t->last_read);
@@ -1451,18 +1581,18 @@ MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocki
     }
     mgpu__memcpy_args args = {dst->data, src->data, src->numel * sizeof(float), to->gpu, from->gpu};
     mgpu__launch_on(q, "copy", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &args, sizeof args);
-    /* The destination's compute queue uses the result only after the copy;
-       the source remembers that it is being read. */
     mgpu_event *done = mgpu_event_new();
     mgpu__event_record_on(done, q);
-    mgpu__event_wait_on(&to->queue[0], done);
-    mgpu_tensor *reader = (mgpu_tensor *)src; /* bookkeeping only, the data is not changed */
-    if (q != &from->queue[0]) {
-        mgpu_event_free(reader->last_read);
-        reader->last_read = done;
-    }
+    /* The destination's compute queue uses the result only after the copy.
+       Pinned host memory is the exception: it is a staging area the host
+       reads after synchronising (as in PyTorch), so that a device copying
+       its results out keeps computing meanwhile. */
+    if (dst->pinned) mgpu__tensor_track(dst, done);
+    else mgpu__event_wait_on(&to->queue[0], done);
+    /* The source remembers that a copy queue may still be reading it. */
+    if (q != &from->queue[0]) mgpu__tensor_track((mgpu_tensor *)src, done);
     if (!non_blocking) mgpu_event_synchronize(done);
-    if (reader->last_read != done) mgpu_event_free(done);
+    mgpu_event_free(done);
     mgpu_event_free(ready);
 }
 

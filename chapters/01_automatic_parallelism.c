@@ -1,0 +1,170 @@
+/* Chapter 1: automatic parallelism.
+
+   What it teaches. A device runs what you give it in order, but
+   asynchronously to your program: enqueueing work returns at once. So two
+   devices given work back to back, with one synchronisation at the end,
+   compute at the same time, and the total is close to the longer of the
+   two, not their sum. The same holds for one device's compute and its copy
+   engine: results can travel to the host while the next ones are being
+   computed, if the copies do not block the program.
+
+   What you should see.
+     dev1 (cuda:0) time: ...     dev2 (cuda:1) time: ...
+     dev1 & dev2: ...            about the larger of the two
+     run on dev1: ...  copy to host: ...  run on dev1 and copy to host: ...
+                                 less than the sum of the two before it
+   and chapter1_timeline.png, one lane per device queue: the two compute
+   lanes overlap, then the copy lane runs under the compute lane.
+
+   On one GPU the second device is virtual (cuda:0#1): its own queue on the
+   same GPU. A 4000x4000 product fills the whole GPU, so the two queues take
+   turns and "dev1 & dev2" is about the sum: parallelism needs hardware to
+   run on. Without a GPU the two devices are CPU worker threads, each with
+   its own share of the cores, and they do overlap. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+
+#define MAX_REPS 200
+
+/* The book's workload: `reps` products of x with itself, kept in a list. */
+static void run(mgpu_tensor *x, int reps, mgpu_tensor **results) {
+    for (int i = 0; i < reps; i++) {
+        if (!results[i]) results[i] = mgpu_empty(x->device, x->shape);
+        mgpu_matmul(results[i], x, x);
+    }
+}
+
+/* Copies every result to host memory, each copy blocking the program. */
+static void copy_to_host(mgpu_tensor **results, mgpu_tensor **host, int reps) {
+    for (int i = 0; i < reps; i++) mgpu_copy(host[i], results[i], 0);
+}
+
+/* Each product, then at once a non-blocking copy of it into pinned memory.
+   A copy waits for what its device was given before it: enqueued right
+   after product i, copy i waits for product i only, and travels while
+   product i+1 is computed. (Enqueue all products first and every copy
+   would wait for all of them.) */
+static void run_and_copy(mgpu_tensor *x, int reps, mgpu_tensor **results, mgpu_tensor **pinned) {
+    for (int i = 0; i < reps; i++) {
+        mgpu_matmul(results[i], x, x);
+        mgpu_copy(pinned[i], results[i], 1);
+    }
+}
+
+int main(int argc, char **argv) {
+    mgpu_options o;
+    memset(&o, 0, sizeof o);
+    o.seed = 1;
+    int size = 0, reps = 0;
+    const mgpu_flag extra[] = {
+        {"--size", 'i', &size, "matrix size (default: 4000 on a GPU or with --full, else 1250)"},
+        {"--reps", 'i', &reps, "matrix products per run (default 50)"},
+    };
+    mgpu_options_parse(&o, argc, argv,
+                       "chapter1: automatic parallelism on two devices, and compute overlapped "
+                       "with copies",
+                       extra, 2);
+
+    mgpu_device *dev[2];
+    mgpu_devices(2, !o.cpu, dev);
+    int on_gpu = mgpu_device_is_gpu(dev[0]);
+    int reduced = !on_gpu && !o.full;
+    if (!size) size = reduced ? 1250 : 4000;
+    if (!reps) reps = 50;
+    MGPU_REQUIRE(reps <= MAX_REPS, "--reps: at most %d", MAX_REPS);
+    if (reduced)
+        printf("No GPU: two CPU devices, %d products of %dx%d matrices (--full: 50 of 4000x4000).\n",
+               reps, size, size);
+
+    char name1[64], name2[64], both[96], run1[64], runcopy[96];
+    snprintf(name1, sizeof name1, "dev1 (%s) time", mgpu_device_name(dev[0]));
+    snprintf(name2, sizeof name2, "dev2 (%s) time", mgpu_device_name(dev[1]));
+    snprintf(both, sizeof both, "dev1 & dev2");
+    snprintf(run1, sizeof run1, "run on dev1 (%s)", mgpu_device_name(dev[0]));
+    snprintf(runcopy, sizeof runcopy, "run on dev1 (%s) and copy to host", mgpu_device_name(dev[0]));
+
+    mgpu_manual_seed(o.seed);
+    mgpu_tensor *x1 = mgpu_rand(dev[0], mgpu_shape2(size, size));
+    mgpu_tensor *x2 = mgpu_rand(dev[1], mgpu_shape2(size, size));
+    mgpu_tensor *y1[MAX_REPS] = {0}, *y2[MAX_REPS] = {0};
+
+    /* Warm up both devices (allocations, library start-up) before timing. */
+    run(x1, reps, y1);
+    run(x2, reps, y2);
+    mgpu_synchronize_all();
+
+    printf("\n1. Two devices\n");
+    mgpu_benchmark b = mgpu_benchmark_begin(name1);
+    run(x1, reps, y1);
+    mgpu_synchronize(dev[0]);
+    double t1 = mgpu_benchmark_end(&b);
+
+    b = mgpu_benchmark_begin(name2);
+    run(x2, reps, y2);
+    mgpu_synchronize(dev[1]);
+    double t2 = mgpu_benchmark_end(&b);
+
+    mgpu_trace_begin();
+    b = mgpu_benchmark_begin(both);
+    run(x1, reps, y1); /* returns as soon as the work is enqueued ... */
+    run(x2, reps, y2); /* ... so this starts while dev1 is still busy */
+    mgpu_synchronize_all();
+    double t12 = mgpu_benchmark_end(&b);
+
+    printf("\n2. Compute and copy\n");
+    mgpu_tensor *host[MAX_REPS], *pinned[MAX_REPS];
+    for (int i = 0; i < reps; i++) {
+        host[i] = mgpu_empty(mgpu_cpu(), x1->shape);
+        pinned[i] = mgpu_empty_pinned(x1->shape);
+    }
+    b = mgpu_benchmark_begin(run1);
+    run(x1, reps, y1);
+    mgpu_synchronize_all();
+    double t_run = mgpu_benchmark_end(&b);
+
+    b = mgpu_benchmark_begin("copy to host");
+    copy_to_host(y1, host, reps);
+    mgpu_synchronize_all();
+    double t_copy = mgpu_benchmark_end(&b);
+
+    b = mgpu_benchmark_begin(runcopy);
+    run_and_copy(x1, reps, y1, pinned);
+    mgpu_synchronize_all();
+    double t_both = mgpu_benchmark_end(&b);
+    mgpu_trace_end();
+
+    double flops = 2.0 * size * (double)size * size * reps;
+    double bytes = 4.0 * size * (double)size * reps;
+    printf("\nWhat the numbers say on this machine:\n");
+    printf("  each device alone: %.1f and %.1f GFLOP/s\n", flops / t1 * 1e-9, flops / t2 * 1e-9);
+    printf("  together they took %.2f of the sum of the two alone (1.00: one after the other,\n"
+           "  0.50: fully side by side).\n", t12 / (t1 + t2));
+    if (on_gpu && mgpu_device_gpu_index(dev[0]) == mgpu_device_gpu_index(dev[1]))
+        printf("  Both devices are queues on the same GPU: a %dx%d product keeps every\n"
+               "  multiprocessor busy, so the queues take turns and little overlaps.\n",
+               size, size);
+    else if (t12 / (t1 + t2) < 0.75)
+        printf("  The devices ran at the same time: one synchronisation at the end let\n"
+               "  the second start while the first was still busy.\n");
+    else
+        printf("  Little overlap here: the two devices share what limits them (cores or\n"
+               "  memory bandwidth).\n");
+    printf("  copies moved %.2f GB/s; compute and copy together took %.2f of their sum\n"
+           "  and %.2f of the longer one.\n",
+           bytes / t_copy * 1e-9, t_both / (t_run + t_copy), t_both / (t_run > t_copy ? t_run : t_copy));
+
+    char path[1024];
+    mgpu_out_path(&o, "chapter1_timeline.png", path, sizeof path);
+    if (mgpu_trace_write_png(path, "chapter 1: two devices, then compute and copy") == 0)
+        printf("\ntimeline: %s\n", path);
+
+    for (int i = 0; i < reps; i++) {
+        mgpu_free(y1[i]);
+        mgpu_free(y2[i]);
+        mgpu_free(host[i]);
+        mgpu_free(pinned[i]);
+    }
+    mgpu_free(x1);
+    mgpu_free(x2);
+    return 0;
+}
