@@ -265,6 +265,7 @@ MGPU_DEF mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b);
 #include "parts/data_decl.h"
 #include "parts/layers_decl.h"
 #include "parts/train_ops_decl.h"
+#include "parts/comm_decl.h"
 
 /* ---------------------------------------------------------------- random */
 MGPU_DEF void mgpu_manual_seed(uint64_t seed);
@@ -1674,5 +1675,6 @@ MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
 #include "parts/data_impl.h"
 #include "parts/layers_impl.h"
 #include "parts/train_ops_impl.h"
+#include "parts/comm_impl.h"
 #endif /* MGPU__IMPLEMENTED */
 #endif /* MGPU_IMPLEMENTATION */
