@@ -70,6 +70,7 @@
        mgpu_shape mgpu_shape1(a) ... mgpu_shape4(a, b, c, d)
        mgpu_tensor *mgpu_empty(dev, shape)   mgpu_zeros  mgpu_ones  mgpu_full(dev, shape, v)
        mgpu_tensor *mgpu_rand(dev, shape)    uniform [0, 1)   (the generator: section 5)
+       mgpu_tensor *mgpu_rand_uniform(dev, shape, low, high)
        mgpu_tensor *mgpu_randn(dev, shape, mean, std)
        mgpu_tensor *mgpu_arange(dev, shape)  0, 1, 2, ... in row-major order
        mgpu_tensor *mgpu_empty_pinned(shape) host tensor in page-locked memory
@@ -78,6 +79,7 @@
        mgpu_tensor *mgpu_to(const mgpu_tensor *t, mgpu_device *dev, int non_blocking)
        void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking)
        mgpu_tensor *mgpu_view(t, shape)   same memory, new shape (same numel)
+       mgpu_tensor *mgpu_ensure(&slot, dev, shape)  reuse *slot if it has that shape
        mgpu_tensor *mgpu_narrow(t, start, length)  rows start.. of dimension 0 (a view)
        void mgpu_print(const char *label, const mgpu_tensor *t)
        void mgpu_free(mgpu_tensor *t)
@@ -233,6 +235,7 @@ typedef struct mgpu_tensor {
     int pinned;           /* host memory that the GPU can copy asynchronously */
     mgpu__block *block;   /* allocator block; NULL for a view */
     mgpu_event *last_read;/* a copy queue may still be using the tensor */
+    struct mgpu_tensor *base; /* a view's tensor, which keeps last_read for it */
 } mgpu_tensor;
 
 MGPU_DEF mgpu_tensor *mgpu_empty(mgpu_device *dev, mgpu_shape shape);
@@ -240,6 +243,7 @@ MGPU_DEF mgpu_tensor *mgpu_zeros(mgpu_device *dev, mgpu_shape shape);
 MGPU_DEF mgpu_tensor *mgpu_ones(mgpu_device *dev, mgpu_shape shape);
 MGPU_DEF mgpu_tensor *mgpu_full(mgpu_device *dev, mgpu_shape shape, float value);
 MGPU_DEF mgpu_tensor *mgpu_rand(mgpu_device *dev, mgpu_shape shape);
+MGPU_DEF mgpu_tensor *mgpu_rand_uniform(mgpu_device *dev, mgpu_shape shape, float low, float high);
 MGPU_DEF mgpu_tensor *mgpu_randn(mgpu_device *dev, mgpu_shape shape, float mean, float std);
 MGPU_DEF mgpu_tensor *mgpu_arange(mgpu_device *dev, mgpu_shape shape);
 MGPU_DEF mgpu_tensor *mgpu_empty_pinned(mgpu_shape shape);
@@ -249,6 +253,10 @@ MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i); /* one value, blocking
 MGPU_DEF mgpu_tensor *mgpu_to(const mgpu_tensor *t, mgpu_device *dev, int non_blocking);
 MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking);
 MGPU_DEF mgpu_tensor *mgpu_view(const mgpu_tensor *t, mgpu_shape shape);
+/* Makes *slot a tensor of this shape on dev, reusing the one there when it
+   already is: a loop that calls it every step allocates only when a shape
+   changes (a shorter last batch). */
+MGPU_DEF mgpu_tensor *mgpu_ensure(mgpu_tensor **slot, mgpu_device *dev, mgpu_shape shape);
 MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length);
 MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t);
 MGPU_DEF void mgpu_free(mgpu_tensor *t);
@@ -266,6 +274,8 @@ MGPU_DEF mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b);
 #include "parts/layers_decl.h"
 #include "parts/train_ops_decl.h"
 #include "parts/comm_decl.h"
+#include "parts/nn_decl.h"
+#include "parts/parallel_decl.h"
 
 /* ---------------------------------------------------------------- random */
 MGPU_DEF void mgpu_manual_seed(uint64_t seed);
@@ -904,6 +914,26 @@ MGPU_DEF void mgpu_shutdown(void) {
     mgpu__g.initialised = 0;
 }
 
+/* fork() copies only the calling thread: in the child, the CPU queues get
+   new worker threads (and fresh locks), so a forked child, such as a test
+   that expects an error, can still run work on its devices. */
+static void mgpu__after_fork_in_child(void) {
+    pthread_mutex_init(&mgpu__g.mutex, NULL);
+    for (int i = 0; i < mgpu__g.ndevices; i++) {
+        mgpu_device *d = mgpu__g.devices[i];
+        pthread_mutex_init(&d->alloc_mutex, NULL);
+        for (int lane = 0; lane < 2; lane++) {
+            mgpu__queue *q = &d->queue[lane];
+            if (!q->started) continue;
+            pthread_mutex_init(&q->mutex, NULL);
+            pthread_cond_init(&q->changed, NULL);
+            q->busy = 0;
+            MGPU__PTHREAD_CHECK(pthread_create(&q->thread, NULL, mgpu__worker, q));
+        }
+    }
+    mgpu__g.pid = getpid();
+}
+
 static void mgpu__init(void) {
     if (mgpu__g.initialised) return;
     mgpu__g.initialised = 1;
@@ -924,6 +954,7 @@ static void mgpu__init(void) {
     }
 #endif
     atexit(mgpu_shutdown);
+    pthread_atfork(NULL, NULL, mgpu__after_fork_in_child);
 }
 
 /* ======================================================================
@@ -1003,13 +1034,17 @@ static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) 
         b->bytes = bytes;
         b->ptr = mgpu__raw_alloc(d, bytes, pinned);
     }
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
     d->in_use += bytes;
     if (d->in_use > d->peak) d->peak = d->in_use;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
     return b;
 }
 
 static void mgpu__block_release(mgpu_device *d, mgpu__block *b, int pinned, mgpu_event *pending) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
     d->in_use -= b->bytes;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
     if (pinned) {
         /* Pinned host memory is rare and large: give it straight back, once
            nothing reads it. */
@@ -1397,7 +1432,15 @@ MGPU_DEF mgpu_tensor *mgpu_view(const mgpu_tensor *t, mgpu_shape shape) {
     v->numel = t->numel;
     v->device = t->device;
     v->pinned = t->pinned;
+    v->base = t->base ? t->base : (mgpu_tensor *)t;
     return v;
+}
+
+MGPU_DEF mgpu_tensor *mgpu_ensure(mgpu_tensor **slot, mgpu_device *dev, mgpu_shape shape) {
+    if (*slot && (*slot)->device == dev && mgpu_shape_equal((*slot)->shape, shape)) return *slot;
+    mgpu_free(*slot);
+    *slot = mgpu_empty(dev, shape);
+    return *slot;
 }
 
 MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
@@ -1418,6 +1461,7 @@ MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
 /* Remembers that a copy queue may still use t (one event per tensor: the
    latest copy, which the copy queue runs after the earlier ones). */
 static void mgpu__tensor_track(mgpu_tensor *t, mgpu_event *copy_done) {
+    if (t->base) t = t->base;
     mgpu__event_retain(copy_done);
     mgpu_event_free(t->last_read);
     t->last_read = copy_done;
@@ -1425,6 +1469,7 @@ static void mgpu__tensor_track(mgpu_tensor *t, mgpu_event *copy_done) {
 
 /* Before an operation on its own device writes t: wait for copies still using it. */
 static void mgpu__before_write(mgpu_tensor *t) {
+    if (t->base) t = t->base;
     if (!t->last_read) return;
     mgpu__event_wait_on(&t->device->queue[0], t->last_read);
     mgpu_event_free(t->last_read);
@@ -1484,11 +1529,12 @@ MGPU_DEF mgpu_tensor *mgpu_full(mgpu_device *dev, mgpu_shape shape, float value)
 }
 MGPU_DEF mgpu_tensor *mgpu_zeros(mgpu_device *dev, mgpu_shape shape) { return mgpu_full(dev, shape, 0.0f); }
 MGPU_DEF mgpu_tensor *mgpu_ones(mgpu_device *dev, mgpu_shape shape) { return mgpu_full(dev, shape, 1.0f); }
-MGPU_DEF mgpu_tensor *mgpu_rand(mgpu_device *dev, mgpu_shape shape) {
+MGPU_DEF mgpu_tensor *mgpu_rand_uniform(mgpu_device *dev, mgpu_shape shape, float low, float high) {
     mgpu_tensor *t = mgpu_empty(dev, shape);
-    mgpu__fill_launch(t, MGPU__FILL_UNIFORM, 0, 0);
+    mgpu__fill_launch(t, MGPU__FILL_UNIFORM, low, high);
     return t;
 }
+MGPU_DEF mgpu_tensor *mgpu_rand(mgpu_device *dev, mgpu_shape shape) { return mgpu_rand_uniform(dev, shape, 0, 1); }
 MGPU_DEF mgpu_tensor *mgpu_randn(mgpu_device *dev, mgpu_shape shape, float mean, float std) {
     mgpu_tensor *t = mgpu_empty(dev, shape);
     mgpu__fill_launch(t, MGPU__FILL_NORMAL, mean, std);
@@ -1572,16 +1618,28 @@ MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocki
     mgpu__require_same_shape(dst, src, "mgpu_copy");
     mgpu_device *from = src->device, *to = dst->device;
     mgpu__queue *q = (to->gpu >= 0 && from->gpu < 0) ? &to->queue[1] : &from->queue[1];
-    /* Wait for the source to be written and for the destination to be free. */
+    /* Wait for the source to be written and for the destination to be free.
+       One event per queue: an event re-recorded on another queue could
+       complete out of order (and a CUDA event belongs to one GPU). */
     mgpu_event *ready = mgpu_event_new();
     mgpu__event_record_on(ready, &from->queue[0]);
     mgpu__event_wait_on(q, ready);
     if (to != from) {
-        mgpu__event_record_on(ready, &to->queue[0]);
-        mgpu__event_wait_on(q, ready);
+        mgpu_event *free_dst = mgpu_event_new();
+        mgpu__event_record_on(free_dst, &to->queue[0]);
+        mgpu__event_wait_on(q, free_dst);
+        mgpu_event_free(free_dst);
     }
     mgpu__memcpy_args args = {dst->data, src->data, src->numel * sizeof(float), to->gpu, from->gpu};
     mgpu__launch_on(q, "copy", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &args, sizeof args);
+    /* One event per tensor marks its last copy: make this copy's event
+       also cover copies still using the tensors from other queues (a batch
+       scattered to several GPUs is read by several copy queues). */
+    const mgpu_tensor *tracked[2] = {src, dst->pinned ? dst : NULL};
+    for (int i = 0; i < 2; i++) {
+        const mgpu_tensor *t = tracked[i] && tracked[i]->base ? tracked[i]->base : tracked[i];
+        if (t && t->last_read) mgpu__event_wait_on(q, t->last_read);
+    }
     mgpu_event *done = mgpu_event_new();
     mgpu__event_record_on(done, q);
     /* The destination's compute queue uses the result only after the copy.
@@ -1676,5 +1734,7 @@ MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
 #include "parts/layers_impl.h"
 #include "parts/train_ops_impl.h"
 #include "parts/comm_impl.h"
+#include "parts/nn_impl.h"
+#include "parts/parallel_impl.h"
 #endif /* MGPU__IMPLEMENTED */
 #endif /* MGPU_IMPLEMENTATION */

@@ -1,1 +1,97 @@
-/* placeholder: being written */
+/* kernels/activation.h: ReLU and the residual sum.
+
+   ReLU, forward and backward:
+       y = max(x, 0)
+       dL/dx = dL/dy * [x > 0]
+   The mask [x > 0] equals [y > 0] (y is x where x is positive, 0 elsewhere),
+   so the backward pass may be given either the input or the output of the
+   forward pass: keeping y alone lets a network overwrite x in place. At
+   x = 0 exactly, ReLU has no derivative; like PyTorch we take 0.
+
+   The residual sum of a ResNet block:
+       y = a + b
+       dL/da = dL/dy,  dL/db = dL/dy
+   Its backward pass is the identity on both branches, so it needs no
+   kernel: the caller hands the same dy to both branches (adding it, with
+   mgpu_add_, to whatever gradient a branch has already received).
+
+   As in elementwise.h, the value of each output element is a small
+   function of its index, shared by the CPU loop and the CUDA grid-stride
+   loop (one thread per element, consecutive threads on consecutive
+   addresses, so every warp reads and writes whole cache lines). The output
+   may be the same memory as an input: element i reads only element i. */
+
+typedef struct {
+    float *y;
+    const float *x;
+    size_t n;
+} mgpu__relu_args;
+
+typedef struct {
+    float *dx;
+    const float *dy;
+    const float *mask; /* the forward input x or output y: only its sign is used */
+    size_t n;
+} mgpu__relu_backward_args;
+
+typedef struct {
+    float *y;
+    const float *a, *b;
+    size_t n;
+} mgpu__add_args;
+
+static MGPU__HOSTDEVICE inline float mgpu__relu_value(const mgpu__relu_args *p, size_t i) {
+    return p->x[i] > 0.0f ? p->x[i] : 0.0f;
+}
+static MGPU__HOSTDEVICE inline float mgpu__relu_backward_value(const mgpu__relu_backward_args *p,
+                                                               size_t i) {
+    return p->mask[i] > 0.0f ? p->dy[i] : 0.0f;
+}
+static MGPU__HOSTDEVICE inline float mgpu__add_value(const mgpu__add_args *p, size_t i) {
+    return p->a[i] + p->b[i];
+}
+
+static void mgpu__relu_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__relu_args *p = (const mgpu__relu_args *)args;
+    for (size_t i = 0; i < p->n; i++) p->y[i] = mgpu__relu_value(p, i);
+}
+static void mgpu__relu_backward_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__relu_backward_args *p = (const mgpu__relu_backward_args *)args;
+    for (size_t i = 0; i < p->n; i++) p->dx[i] = mgpu__relu_backward_value(p, i);
+}
+static void mgpu__add_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__add_args *p = (const mgpu__add_args *)args;
+    for (size_t i = 0; i < p->n; i++) p->y[i] = mgpu__add_value(p, i);
+}
+
+#if MGPU_CUDA
+static __global__ void mgpu__relu_kernel(mgpu__relu_args p) {
+    MGPU__GRID_STRIDE_LOOP(i, p.n) p.y[i] = mgpu__relu_value(&p, i);
+}
+static void mgpu__relu_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__relu_args *p = (const mgpu__relu_args *)args;
+    mgpu__relu_kernel<<<mgpu__grid_for(p->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+static __global__ void mgpu__relu_backward_kernel(mgpu__relu_backward_args p) {
+    MGPU__GRID_STRIDE_LOOP(i, p.n) p.dx[i] = mgpu__relu_backward_value(&p, i);
+}
+static void mgpu__relu_backward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__relu_backward_args *p = (const mgpu__relu_backward_args *)args;
+    mgpu__relu_backward_kernel<<<mgpu__grid_for(p->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+static __global__ void mgpu__add_kernel(mgpu__add_args p) {
+    MGPU__GRID_STRIDE_LOOP(i, p.n) p.y[i] = mgpu__add_value(&p, i);
+}
+static void mgpu__add_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__add_args *p = (const mgpu__add_args *)args;
+    mgpu__add_kernel<<<mgpu__grid_for(p->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif

@@ -1,1 +1,365 @@
-/* placeholder: being written */
+/* kernels/batchnorm.h: batch normalisation over channels (PyTorch's
+   BatchNorm2d), with an optional fused ReLU.
+
+   Forward. x is [N, C, H, W]; channel c is normalised over its m = N*H*W
+   values:
+       mean_c = (1/m) sum x          var_c = (1/m) sum (x - mean_c)^2  (biased)
+       invstd_c = 1 / sqrt(var_c + eps)
+       xhat = (x - mean_c) invstd_c           y = gamma_c xhat + beta_c
+   and with the fused ReLU, y = max(y, 0). In training mode these are the
+   batch's statistics, and the running ones move towards them:
+       running_mean = (1 - momentum) running_mean + momentum mean_c
+       running_var  = (1 - momentum) running_var  + momentum var_c m/(m-1)
+   (the running variance is the unbiased estimate, as in PyTorch). In
+   evaluation mode the running statistics take the place of the batch's.
+   Training saves mean_c and invstd_c for the backward pass.
+
+   Backward (training mode). Let g = dL/dy, set to 0 where the fused ReLU
+   clipped (y <= 0). Every x of a channel moves its mean and variance, so
+   dx has two terms more than the per-value chain rule:
+       dbeta_c  = sum g                 dgamma_c = sum g xhat
+       dx = gamma_c invstd_c (g - dbeta_c / m - xhat dgamma_c / m)
+   The two sums are the only reductions; the rest is elementwise.
+
+   Why fuse the ReLU: both steps do a few flops per value and are limited
+   by memory bandwidth. A separate ReLU would read and write the whole
+   activation once more, forward and backward; fused, y is written once and
+   backward takes the ReLU's mask from y (y > 0).
+
+   The CUDA version. A channel's values are not contiguous (one run of H*W
+   values per image), and one block per channel would leave most of a GPU
+   idle for ResNet's 64 channels. So each channel is cut into S slices
+   (mgpu__bn_splits: about 4096 values each, at most 64) and the work is
+   three kernels:
+     1. a grid of S x C blocks: each reduces its slice to one partial
+        result (warp shuffles, then one value per warp in shared memory);
+     2. one thread per channel merges its S partials and writes the
+        channel's results (statistics and running statistics forward,
+        dgamma and dbeta backward);
+     3. one thread per value writes y, or dx.
+
+   Variance. The GPU uses Welford's algorithm: each thread keeps (count,
+   mean, sum of squared deviations) of its values, and partial results are
+   merged with Chan et al.'s formula. This reads x once and never subtracts
+   two large, nearly equal numbers. The one-pass formula E[x^2] - E[x]^2
+   does: with a mean of 1000 and a standard deviation of 1, E[x^2] is about
+   1e6, which float stores only to within 0.06, so the variance 1 is lost.
+   The CPU reference takes the textbook two passes (the mean, then the
+   squared deviations) in double. */
+
+/* ---------------------------------------------------------------- forward */
+typedef struct {
+    float *y;
+    const float *x, *gamma, *beta;
+    float *running_mean, *running_var;
+    float *save_mean, *save_invstd; /* written in training mode */
+    float *partials;                /* CUDA scratch: [C][S] Welford partials */
+    int n, c, hw, splits;           /* x is [n, c, hw]; splits = S */
+    int training, fuse_relu;
+    float momentum, eps;
+} mgpu__bn_forward_args;
+
+/* Where the j-th of the N*H*W values of channel c lies in x. */
+static MGPU__HOSTDEVICE inline size_t mgpu__bn_offset(size_t j, int c, int channels, int hw) {
+    size_t image = j / (size_t)hw, pixel = j % (size_t)hw;
+    return (image * (size_t)channels + (size_t)c) * (size_t)hw + pixel;
+}
+/* The channel of the i-th value of x. */
+static MGPU__HOSTDEVICE inline int mgpu__bn_channel(size_t i, int channels, int hw) {
+    return (int)(i / (size_t)hw % (size_t)channels);
+}
+
+/* The statistics that normalise channel c: the batch's (saved by the
+   reduction) in training mode, the running ones in evaluation mode. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_stats(const mgpu__bn_forward_args *a, int c,
+                                                   float *mean, float *invstd) {
+    if (a->training) {
+        *mean = a->save_mean[c];
+        *invstd = a->save_invstd[c];
+    } else {
+        *mean = a->running_mean[c];
+        *invstd = 1.0f / sqrtf(a->running_var[c] + a->eps);
+    }
+}
+
+/* y at value i. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args *a, size_t i) {
+    int c = mgpu__bn_channel(i, a->c, a->hw);
+    float mean, invstd;
+    mgpu__bn_stats(a, c, &mean, &invstd);
+    float y = a->gamma[c] * ((a->x[i] - mean) * invstd) + a->beta[c];
+    return a->fuse_relu && y < 0.0f ? 0.0f : y;
+}
+
+/* Once channel c's batch mean and (biased) variance are known: save them
+   for backward and move the running statistics. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_finish_stats(const mgpu__bn_forward_args *a, int c,
+                                                          double mean, double var) {
+    double m = (double)a->n * (double)a->hw;
+    a->save_mean[c] = (float)mean;
+    a->save_invstd[c] = (float)(1.0 / sqrt(var + a->eps));
+    a->running_mean[c] = (1.0f - a->momentum) * a->running_mean[c] + a->momentum * (float)mean;
+    a->running_var[c] =
+        (1.0f - a->momentum) * a->running_var[c] + a->momentum * (float)(var * m / (m - 1.0));
+}
+
+static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
+    size_t m = (size_t)a->n * (size_t)a->hw;
+    if (a->training) {
+        for (int c = 0; c < a->c; c++) {
+            double sum = 0, squares = 0;
+            for (size_t j = 0; j < m; j++) sum += a->x[mgpu__bn_offset(j, c, a->c, a->hw)];
+            double mean = sum / (double)m;
+            for (size_t j = 0; j < m; j++) {
+                double d = a->x[mgpu__bn_offset(j, c, a->c, a->hw)] - mean;
+                squares += d * d;
+            }
+            mgpu__bn_finish_stats(a, c, mean, squares / (double)m);
+        }
+    }
+    /* After the statistics: y may be x itself. */
+    for (size_t i = 0; i < m * (size_t)a->c; i++) a->y[i] = mgpu__bn_output(a, i);
+}
+
+/* --------------------------------------------------------------- backward */
+typedef struct {
+    float *dx, *dgamma, *dbeta;
+    const float *dy, *x, *y, *gamma, *save_mean, *save_invstd; /* y: only with fuse_relu */
+    float *partials; /* CUDA scratch: [C][S] partial sums, then [C] channel means */
+    int n, c, hw, splits;
+    int fuse_relu, accumulate; /* accumulate: dgamma += ..., dbeta += ... */
+} mgpu__bn_backward_args;
+
+/* g at value i: dy, except where the fused ReLU clipped. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_grad_out(const mgpu__bn_backward_args *a, size_t i) {
+    return a->fuse_relu && a->y[i] <= 0.0f ? 0.0f : a->dy[i];
+}
+static MGPU__HOSTDEVICE inline float mgpu__bn_xhat(const mgpu__bn_backward_args *a, size_t i, int c) {
+    return (a->x[i] - a->save_mean[c]) * a->save_invstd[c];
+}
+/* dbeta_c and dgamma_c from the channel's sums of g and of g xhat. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward_args *a, int c,
+                                                         float sum_g, float sum_g_xhat) {
+    a->dbeta[c] = (a->accumulate ? a->dbeta[c] : 0.0f) + sum_g;
+    a->dgamma[c] = (a->accumulate ? a->dgamma[c] : 0.0f) + sum_g_xhat;
+}
+/* dx at value i of channel c, given the channel's means of g and g xhat. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward_args *a, size_t i,
+                                                         int c, float mean_g, float mean_g_xhat) {
+    return a->gamma[c] * a->save_invstd[c] *
+           (mgpu__bn_grad_out(a, i) - mean_g - mgpu__bn_xhat(a, i, c) * mean_g_xhat);
+}
+
+static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
+    size_t m = (size_t)a->n * (size_t)a->hw;
+    for (int c = 0; c < a->c; c++) {
+        double sum_g = 0, sum_g_xhat = 0;
+        for (size_t j = 0; j < m; j++) {
+            size_t i = mgpu__bn_offset(j, c, a->c, a->hw);
+            double g = mgpu__bn_grad_out(a, i);
+            sum_g += g;
+            sum_g_xhat += g * mgpu__bn_xhat(a, i, c);
+        }
+        mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
+        float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
+        for (size_t j = 0; j < m; j++) {
+            size_t i = mgpu__bn_offset(j, c, a->c, a->hw);
+            a->dx[i] = mgpu__bn_input_grad(a, i, c, mean_g, mean_g_xhat);
+        }
+    }
+}
+
+/* How many slices the CUDA reduction cuts a channel of m values into:
+   about 4096 values a block, so that even 64 channels fill a large GPU,
+   and at most 64, so that merging the partials stays trivial. */
+static int mgpu__bn_splits(size_t m) {
+    size_t s = (m + 4095) / 4096;
+    return (int)(s < 1 ? 1 : s > 64 ? 64 : s);
+}
+
+#if MGPU_CUDA
+/* ---------------------------------------------------------------------
+   Reductions for the CUDA kernels of this file and of kernels/loss.h.
+   A value type needs a shuffle (mgpu__shfl_xor) and an operator that
+   combines two values. */
+typedef struct { float n, mean, m2; } mgpu__welford; /* count, mean, sum of squared deviations */
+typedef struct { float a, b; } mgpu__pair;            /* two sums at once */
+
+static __device__ inline float mgpu__shfl_xor(float v, int mask) {
+    return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+static __device__ inline double mgpu__shfl_xor(double v, int mask) {
+    return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+static __device__ inline mgpu__welford mgpu__shfl_xor(mgpu__welford v, int mask) {
+    v.n = mgpu__shfl_xor(v.n, mask);
+    v.mean = mgpu__shfl_xor(v.mean, mask);
+    v.m2 = mgpu__shfl_xor(v.m2, mask);
+    return v;
+}
+static __device__ inline mgpu__pair mgpu__shfl_xor(mgpu__pair v, int mask) {
+    v.a = mgpu__shfl_xor(v.a, mask);
+    v.b = mgpu__shfl_xor(v.b, mask);
+    return v;
+}
+
+struct mgpu__sum_op {
+    __device__ float operator()(float x, float y) const { return x + y; }
+    __device__ double operator()(double x, double y) const { return x + y; }
+    __device__ mgpu__pair operator()(mgpu__pair x, mgpu__pair y) const {
+        x.a += y.a;
+        x.b += y.b;
+        return x;
+    }
+};
+struct mgpu__max_op {
+    __device__ float operator()(float x, float y) const { return fmaxf(x, y); }
+};
+/* Chan et al.: the statistics of two sets from those of each. */
+struct mgpu__welford_op {
+    __device__ mgpu__welford operator()(mgpu__welford x, mgpu__welford y) const {
+        if (y.n == 0) return x;
+        if (x.n == 0) return y;
+        mgpu__welford r;
+        float delta = y.mean - x.mean;
+        r.n = x.n + y.n;
+        r.mean = x.mean + delta * (y.n / r.n);
+        r.m2 = x.m2 + y.m2 + delta * delta * (x.n * (y.n / r.n));
+        return r;
+    }
+};
+/* Welford: one more value into a thread's running statistics. */
+static __device__ inline void mgpu__welford_add(mgpu__welford *w, float x) {
+    w->n += 1.0f;
+    float delta = x - w->mean;
+    w->mean += delta / w->n;
+    w->m2 += delta * (x - w->mean);
+}
+
+/* Butterfly reduction: every lane of the warp ends with the combination of
+   all 32 lanes' values (the same bits in each, for a commutative op). */
+template <typename T, typename Op>
+static __device__ inline T mgpu__warp_allreduce(T v, Op op) {
+    for (int mask = 16; mask > 0; mask >>= 1) v = op(v, mgpu__shfl_xor(v, mask));
+    return v;
+}
+/* Reduction over a block (blockDim.x a multiple of 32): each warp reduces,
+   one value per warp goes through shared memory, the first warp reduces
+   those. Thread 0 has the result. Once per kernel: the buffer is reused. */
+template <typename T, typename Op>
+static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
+    __shared__ T per_warp[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = mgpu__warp_allreduce(v, op);
+    if (lane == 0) per_warp[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x / 32) ? per_warp[lane] : identity;
+        v = mgpu__warp_allreduce(v, op);
+    }
+    return v;
+}
+
+/* --------------------------------------------------- batch norm kernels */
+#define MGPU__BN_BLOCK 256
+
+/* The values [begin, end) of its channel that block blockIdx.x of the
+   S x C grid reduces. */
+static __device__ inline void mgpu__bn_slice(size_t m, int splits, size_t *begin, size_t *end) {
+    size_t chunk = (m + (size_t)splits - 1) / (size_t)splits;
+    *begin = blockIdx.x * chunk;
+    *end = *begin + chunk < m ? *begin + chunk : m;
+}
+
+static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a) {
+    int c = blockIdx.y;
+    size_t begin, end;
+    mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
+    mgpu__welford w = {0, 0, 0};
+    for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x)
+        mgpu__welford_add(&w, a.x[mgpu__bn_offset(j, c, a.c, a.hw)]);
+    mgpu__welford none = {0, 0, 0};
+    w = mgpu__block_reduce(w, mgpu__welford_op(), none);
+    if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.x] = w;
+}
+
+static __global__ void mgpu__bn_finish_stats_kernel(mgpu__bn_forward_args a) {
+    MGPU__GRID_STRIDE_LOOP(c, (size_t)a.c) {
+        const mgpu__welford *p = (const mgpu__welford *)a.partials + c * a.splits;
+        mgpu__welford w = p[0];
+        for (int s = 1; s < a.splits; s++) w = mgpu__welford_op()(w, p[s]);
+        mgpu__bn_finish_stats(&a, (int)c, w.mean, w.m2 / w.n);
+    }
+}
+
+static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) a.y[i] = mgpu__bn_output(&a, i);
+}
+
+static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    if (a->training) {
+        mgpu__bn_stats_kernel<<<dim3(a->splits, a->c), MGPU__BN_BLOCK, 0, stream>>>(*a);
+        MGPU_CUDA_CHECK_LAUNCH();
+        mgpu__bn_finish_stats_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
+    size_t numel = (size_t)a->n * a->c * a->hw;
+    mgpu__bn_output_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a) {
+    int c = blockIdx.y;
+    size_t begin, end;
+    mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
+    mgpu__pair sums = {0, 0}; /* sum of g, sum of g xhat */
+    for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+        size_t i = mgpu__bn_offset(j, c, a.c, a.hw);
+        float g = mgpu__bn_grad_out(&a, i);
+        sums.a += g;
+        sums.b += g * mgpu__bn_xhat(&a, i, c);
+    }
+    mgpu__pair zero = {0, 0};
+    sums = mgpu__block_reduce(sums, mgpu__sum_op(), zero);
+    if (threadIdx.x == 0) ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.x] = sums;
+}
+
+static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
+    float m = (float)((size_t)a.n * a.hw);
+    mgpu__pair *means = (mgpu__pair *)a.partials + (size_t)a.c * a.splits;
+    MGPU__GRID_STRIDE_LOOP(c, (size_t)a.c) {
+        const mgpu__pair *p = (const mgpu__pair *)a.partials + c * a.splits;
+        mgpu__pair total = p[0];
+        for (int s = 1; s < a.splits; s++) total = mgpu__sum_op()(total, p[s]);
+        mgpu__bn_param_grads(&a, (int)c, total.a, total.b);
+        means[c].a = total.a / m;
+        means[c].b = total.b / m;
+    }
+}
+
+static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a) {
+    const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) {
+        int c = mgpu__bn_channel(i, a.c, a.hw);
+        a.dx[i] = mgpu__bn_input_grad(&a, i, c, means[c].a, means[c].b);
+    }
+}
+
+static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    mgpu__bn_grad_sums_kernel<<<dim3(a->splits, a->c), MGPU__BN_BLOCK, 0, stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__bn_finish_grads_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+    size_t numel = (size_t)a->n * a->c * a->hw;
+    mgpu__bn_input_grad_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif

@@ -1,1 +1,265 @@
-/* placeholder: being written */
+/* kernels/conv.h: 2-D convolution through im2col and a matrix product.
+
+   The operation (PyTorch's conv2d, which is a cross-correlation): input x
+   [N, C, H, W], weight w [K, C, R, S], bias b [K], stride t, zero padding
+   d; output y [N, K, P, Q] with P = (H + 2d - R) / t + 1 (rounded down),
+   Q likewise, and
+       y[n,k,p,q] = b[k] + sum_{c,r,s} w[k,c,r,s] * x[n, c, p*t + r - d, q*t + s - d]
+   where x is 0 outside the image (the padding).
+
+   im2col. Lay the inputs that one output pixel sees out as a column: for
+   every (c, r, s) (a row) and every output pixel (n, p, q) (a column),
+       col[(c,r,s), (n,p,q)] = x[n, c, p*t + r - d, q*t + s - d]
+   Then, with the weight read as a matrix W [K, C*R*S] and the output of a
+   batch laid out as Y [K, (n,p,q)],
+       Y = W col
+   one matrix product that a BLAS runs near the machine's peak, where the
+   direct loops above would not.
+
+   Backward. With G = dL/dY laid out like Y, [K, (n,p,q)]:
+       dL/dW   = G col^T                 [K, C*R*S]
+       dL/db_k = sum over (n,p,q) of G[k, (n,p,q)]
+       dL/dcol = W^T G                   [C*R*S, (n,p,q)]
+       dL/dx   = col2im(dL/dcol): every entry of dcol goes back, added, to
+                 the input pixel that im2col copied it from (a pixel seen
+                 by several windows collects several contributions; the
+                 padding's are dropped).
+
+   Layout. A tensor is [N, K, P, Q], but the product gives [K, N, P*Q]:
+   the two outer axes are swapped. So the forward pass swaps them back
+   after the product (mgpu__swap_outer), and the backward pass swaps dy the
+   other way before its products. The batch is processed in chunks of
+   images so that the col buffer stays bounded; a chunk holds as many
+   images as fit, so one product covers many images (a GPU needs large
+   products: one per image would be thousands of small launches).
+
+   This file holds the data movement (im2col, col2im, the axis swap); the
+   wrappers in the implementation (mgpu_conv2d_forward, ...) enqueue them
+   with the matrix products of matmul.h and the per-channel bias kernels
+   of linear.h.
+
+   CPU: for each row (c, r, s) of col, the output positions whose input
+   lies inside the image are a contiguous range of rows p and of columns
+   q, computed once (mgpu__conv_valid_range), so the innermost loop copies
+   a run along one image row without any test. col2im walks the same
+   runs backwards, adding instead of copying.
+   CUDA: one thread per element, consecutive threads on consecutive
+   elements of what they write. im2col: a thread per entry of col (a
+   warp writes a run of col, reading a run of an image row). col2im: a
+   thread per input pixel, which gathers the (at most R*S) entries of
+   dcol that came from it: each pixel is written once, by one thread, so
+   no atomics are needed and the result does not depend on timing. */
+
+/* The geometry of a convolution over a chunk of n images. */
+typedef struct {
+    int n, c, h, w; /* input: n images of c channels, h x w */
+    int k, r, s;    /* weight: k filters of c x r x s */
+    int p, q;       /* output size */
+    int stride, pad;
+} mgpu__conv_geom;
+
+/* The input coordinate that output coordinate o reads through kernel tap
+   t (outside [0, size) it is in the padding). */
+static MGPU__HOSTDEVICE inline int mgpu__conv_in(int o, int t, int stride, int pad) {
+    return o * stride + t - pad;
+}
+
+typedef struct {
+    const float *x; /* the chunk's first image */
+    float *col;     /* [c*r*s, n*p*q] */
+    mgpu__conv_geom g;
+} mgpu__im2col_args;
+
+typedef struct {
+    const float *col; /* [c*r*s, n*p*q] */
+    float *dx;        /* the chunk's first image; overwritten */
+    mgpu__conv_geom g;
+} mgpu__col2im_args;
+
+/* in [outer, middle, inner] -> out [middle, outer, inner] */
+typedef struct {
+    float *out;
+    const float *in;
+    int outer, middle;
+    size_t inner;
+} mgpu__swap_outer_args;
+
+/* The output positions o in [0, out) whose input o*stride + t - pad lies
+   in [0, in): the range [*lo, *hi). */
+static void mgpu__conv_valid_range(int in, int out, int t, int stride, int pad, int *lo, int *hi) {
+    int first = pad - t, end = in + pad - t; /* want first <= o*stride < end */
+    *lo = first <= 0 ? 0 : (first + stride - 1) / stride;
+    *hi = end <= 0 ? 0 : (end + stride - 1) / stride;
+    if (*hi > out) *hi = out;
+    if (*lo > *hi) *lo = *hi;
+}
+
+/* Walks every entry of col with the input pixel it copies. to_col: col =
+   that pixel, or 0 in the padding (im2col; x is only read). Otherwise
+   x += col for every entry inside the image (the scattering half of
+   col2im; the caller zeroes x first). The innermost loops move a run of
+   one image row; stride 1, the common case, gets its own loops, which
+   the compiler turns into vector instructions. */
+static void mgpu__im2col_walk(const mgpu__conv_geom *g, float *x, float *col, int to_col) {
+    size_t pq = (size_t)g->p * g->q, cols = (size_t)g->n * pq, plane = (size_t)g->h * g->w;
+    int t = g->stride;
+    for (int c = 0; c < g->c; c++)
+        for (int r = 0; r < g->r; r++) {
+            int p_lo, p_hi;
+            mgpu__conv_valid_range(g->h, g->p, r, t, g->pad, &p_lo, &p_hi);
+            for (int s = 0; s < g->s; s++) {
+                int q_lo, q_hi;
+                mgpu__conv_valid_range(g->w, g->q, s, t, g->pad, &q_lo, &q_hi);
+                int len = q_hi - q_lo, first = mgpu__conv_in(q_lo, s, t, g->pad);
+                float *row = col + ((size_t)(c * g->r + r) * g->s + s) * cols;
+                for (int img = 0; img < g->n; img++) {
+                    float *x_plane = x + ((size_t)img * g->c + c) * plane;
+                    float *out = row + (size_t)img * pq;
+                    if (to_col) { /* whole rows of padding above and below */
+                        memset(out, 0, (size_t)p_lo * g->q * sizeof(float));
+                        memset(out + (size_t)p_hi * g->q, 0,
+                               (size_t)(g->p - p_hi) * g->q * sizeof(float));
+                    }
+                    for (int p = p_lo; p < p_hi; p++) {
+                        float *cs = out + (size_t)p * g->q;
+                        if (to_col) { /* the padding left and right of the run */
+                            for (int q = 0; q < q_lo; q++) cs[q] = 0.0f;
+                            for (int q = q_hi; q < g->q; q++) cs[q] = 0.0f;
+                        }
+                        if (len == 0) continue;
+                        /* the run: col[.., q_lo + j] <-> x[.., h, first + j*t] for j < len */
+                        float *xs = x_plane + (size_t)mgpu__conv_in(p, r, t, g->pad) * g->w + first;
+                        cs += q_lo;
+                        if (to_col && t == 1)
+                            for (int j = 0; j < len; j++) cs[j] = xs[j];
+                        else if (to_col)
+                            for (int j = 0; j < len; j++) cs[j] = xs[j * t];
+                        else if (t == 1)
+                            for (int j = 0; j < len; j++) xs[j] += cs[j];
+                        else
+                            for (int j = 0; j < len; j++) xs[j * t] += cs[j];
+                    }
+                }
+            }
+        }
+}
+
+static void mgpu__im2col_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__im2col_args *a = (const mgpu__im2col_args *)args;
+    mgpu__im2col_walk(&a->g, (float *)a->x, a->col, 1); /* x is only read */
+}
+
+static void mgpu__col2im_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__col2im_args *a = (const mgpu__col2im_args *)args;
+    memset(a->dx, 0, (size_t)a->g.n * a->g.c * a->g.h * a->g.w * sizeof(float));
+    mgpu__im2col_walk(&a->g, a->dx, (float *)a->col, 0); /* col is only read */
+}
+
+static void mgpu__swap_outer_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
+    for (int m = 0; m < a->middle; m++)
+        for (int o = 0; o < a->outer; o++)
+            memcpy(a->out + ((size_t)m * a->outer + o) * a->inner,
+                   a->in + ((size_t)o * a->middle + m) * a->inner, a->inner * sizeof(float));
+}
+
+#if MGPU_CUDA
+/* Index arithmetic on the GPU is 32-bit: the wrappers keep every tensor
+   and every chunk's col buffer below 2^31 elements. A 64-bit division is
+   a long subroutine on a GPU and would cost more than the memory traffic.
+   im2col and col2im use a 2-D grid, blockIdx.y for a row of col (one
+   (c, r, s)) or an image plane, so that per element only the position
+   along the row is decomposed. */
+
+/* Threads per block for rows of n elements: 256, fewer for short rows (a
+   4x4 map would leave most of a 256-thread block idle). */
+static unsigned mgpu__row_block(unsigned n) { return n >= 256 ? 256 : (n + 31) / 32 * 32; }
+static dim3 mgpu__row_grid(unsigned n, unsigned rows) {
+    return dim3(mgpu__grid_for(n, mgpu__row_block(n)), rows < 65535 ? rows : 65535);
+}
+#define MGPU__ROW_LOOP(row, rows) for (unsigned row = blockIdx.y; row < (rows); row += gridDim.y)
+#define MGPU__ALONG_ROW_LOOP(j, n) \
+    for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < (n); j += gridDim.x * blockDim.x)
+
+static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a) {
+    const mgpu__conv_geom g = a.g;
+    unsigned cols = g.n * g.p * g.q, rows = g.c * g.r * g.s;
+    MGPU__ROW_LOOP(row, rows) {
+        int s = row % g.s, r = row / g.s % g.r, c = row / (g.s * g.r);
+        const float *x_c = a.x + (size_t)c * g.h * g.w; /* channel c of the first image */
+        float *out = a.col + (size_t)row * cols;
+        MGPU__ALONG_ROW_LOOP(j, cols) { /* j = (img, p, q) */
+            unsigned q = j % g.q, img_p = j / g.q, p = img_p % g.p, img = img_p / g.p;
+            int h = mgpu__conv_in(p, r, g.stride, g.pad), w = mgpu__conv_in(q, s, g.stride, g.pad);
+            out[j] = (h >= 0 && h < g.h && w >= 0 && w < g.w)
+                         ? x_c[((size_t)img * g.c * g.h + h) * g.w + w]
+                         : 0.0f;
+        }
+    }
+}
+static void mgpu__im2col_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__im2col_args *a = (const mgpu__im2col_args *)args;
+    unsigned cols = a->g.n * a->g.p * a->g.q, rows = a->g.c * a->g.r * a->g.s;
+    mgpu__im2col_kernel<<<mgpu__row_grid(cols, rows), mgpu__row_block(cols), 0,
+                          (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+/* The output positions o in [*lo, *hi) whose window covers input
+   coordinate i: i = o*stride + t - pad for a tap 0 <= t < taps. */
+static __device__ inline void mgpu__conv_covering(int i, int taps, int stride, int pad, int out,
+                                                  int *lo, int *hi) {
+    int last = i + pad, first = last - taps + 1; /* first <= o*stride <= last */
+    *lo = first <= 0 ? 0 : (first + stride - 1) / stride;
+    *hi = last / stride + 1;
+    if (*hi > out) *hi = out;
+}
+
+static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a) {
+    const mgpu__conv_geom g = a.g;
+    unsigned pq = g.p * g.q, cols = g.n * pq, hw = g.h * g.w, planes = g.n * g.c;
+    MGPU__ROW_LOOP(plane, planes) { /* plane = (img, c) */
+        unsigned img = plane / g.c, c = plane % g.c;
+        const float *col_c = a.col + (size_t)c * g.r * g.s * cols + img * pq; /* row (c, 0, 0) */
+        float *dx = a.dx + (size_t)plane * hw;
+        MGPU__ALONG_ROW_LOOP(i, hw) {
+            int h = i / g.w, w = i % g.w, p_lo, p_hi, q_lo, q_hi;
+            mgpu__conv_covering(h, g.r, g.stride, g.pad, g.p, &p_lo, &p_hi);
+            mgpu__conv_covering(w, g.s, g.stride, g.pad, g.q, &q_lo, &q_hi);
+            float sum = 0.0f;
+            for (int p = p_lo; p < p_hi; p++) {
+                int r = h + g.pad - p * g.stride; /* the tap through which (p, q) sees (h, w) */
+                for (int q = q_lo; q < q_hi; q++) {
+                    int s = w + g.pad - q * g.stride;
+                    sum += col_c[(size_t)(r * g.s + s) * cols + p * g.q + q];
+                }
+            }
+            dx[i] = sum;
+        }
+    }
+}
+static void mgpu__col2im_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__col2im_args *a = (const mgpu__col2im_args *)args;
+    unsigned hw = a->g.h * a->g.w, planes = a->g.n * a->g.c;
+    mgpu__col2im_kernel<<<mgpu__row_grid(hw, planes), mgpu__row_block(hw), 0,
+                          (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a) {
+    unsigned inner = (unsigned)a.inner, total = a.outer * a.middle * inner;
+    MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner] */
+        unsigned i = (unsigned)e, k = i % inner, m_o = i / inner, o = m_o % a.outer, m = m_o / a.outer;
+        a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k];
+    }
+}
+static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
+    size_t total = (size_t)a->outer * a->middle * a->inner;
+    mgpu__swap_outer_kernel<<<mgpu__grid_for(total, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif

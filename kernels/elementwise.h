@@ -13,14 +13,14 @@ typedef struct {
     float *y;
     size_t n;
     int kind;             /* MGPU__FILL_* */
-    float a, b;           /* constant: a; normal: mean a, std b */
+    float a, b;           /* constant: a; uniform: [a, b); normal: mean a, std b */
     uint64_t key, offset; /* the random draw (see mgpu__random_at) */
 } mgpu__fill_args;
 
 static MGPU__HOSTDEVICE inline float mgpu__fill_value(const mgpu__fill_args *f, size_t i) {
     switch (f->kind) {
     case MGPU__FILL_CONSTANT: return f->a;
-    case MGPU__FILL_UNIFORM: return mgpu__random_at(f->key, f->offset, i, 0);
+    case MGPU__FILL_UNIFORM: return f->a + (f->b - f->a) * mgpu__random_at(f->key, f->offset, i, 0);
     case MGPU__FILL_NORMAL: return f->a + f->b * mgpu__random_at(f->key, f->offset, i, 1);
     default: return (float)i; /* arange */
     }

@@ -1,1 +1,166 @@
-/* placeholder: being written */
+/* kernels/linear.h: the linear layer, and the per-channel bias kernels
+   that the convolution and global average pooling share with it.
+
+   The layer, with W stored [in, out] as in the book's LeNet
+   (torch.mm(h, W) + b): x [N, in], W [in, out], b [out],
+       y = x W + b                                   [N, out]
+   Backward, with dy = dL/dy [N, out]:
+       dL/dx = dy W^T                                [N, in]
+       dL/dW = x^T dy                                [in, out]
+       dL/db = the sum of the rows of dy             [out]
+   The three products are matmul.h's gemm (the wrappers set the transpose
+   flags; see mgpu__gemm_dense); what remains is adding b to every row and
+   summing dy over the rows.
+
+   The same two operations, over another axis, are the bias of a
+   convolution (one value per channel k of y [N, K, P*Q]) and global
+   average pooling (one value per plane of x [N*C, H*W]). So they are
+   written once for a tensor viewed as [outer, channels, inner]:
+       broadcast:  y[o,k,i] = beta * y[o,k,i] + alpha * v[k]
+       sum:        out[k]   = beta * out[k]   + alpha * sum_{o,i} x[o,k,i]
+   linear bias: outer = N, inner = 1; conv bias: outer = N, inner = P*Q;
+   global pooling: outer = 1, channels = N*C, inner = H*W, alpha = 1/(H*W).
+   beta = 1 accumulates (the bias add, and gradients that add up like
+   PyTorch's .grad); beta = 0 overwrites without reading the old value (it
+   may be uninitialised memory, even NaN).
+
+   CUDA: the broadcast is one thread per element. The sum is one block per
+   channel: the block's threads stride over the channel's outer*inner
+   values, then add their partial sums in a tree (warp shuffles, then one
+   value per warp through shared memory). The order of the additions is
+   fixed, so the result is the same from run to run. When inner is large
+   (convolutions, pooling) a warp reads runs of consecutive values; the
+   linear layer's inner = 1 reads with a stride, but there dy is small. */
+
+/* Row-major C [m x n] = op(A) op(B) + beta C for dense matrices: op(A) is
+   m x k (A is stored k x m when transposed), op(B) is k x n. */
+static mgpu__gemm_args mgpu__gemm_dense(int trans_a, int trans_b, int m, int n, int k,
+                                        const float *a, const float *b, float *c, float beta) {
+    mgpu__gemm_args g;
+    memset(&g, 0, sizeof g);
+    g.trans_a = trans_a;
+    g.trans_b = trans_b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.alpha = 1.0f;
+    g.beta = beta;
+    g.a = a;
+    g.lda = trans_a ? m : k;
+    g.b = b;
+    g.ldb = trans_b ? k : n;
+    g.c = c;
+    g.ldc = n;
+    return g;
+}
+
+typedef struct {
+    float *y;       /* [outer, channels, inner] */
+    const float *v; /* [channels] */
+    int outer, channels;
+    size_t inner;
+    float alpha, beta;
+} mgpu__chan_broadcast_args;
+
+typedef struct {
+    float *out;     /* [channels] */
+    const float *x; /* [outer, channels, inner] */
+    int outer, channels;
+    size_t inner;
+    float alpha, beta;
+} mgpu__chan_sum_args;
+
+/* Loops over (o, k, i) rather than calling mgpu__chan_broadcast_value per
+   element: two integer divisions per element would cost more than the
+   addition itself. */
+static void mgpu__chan_broadcast_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__chan_broadcast_args *p = (const mgpu__chan_broadcast_args *)args;
+    for (int o = 0; o < p->outer; o++)
+        for (int k = 0; k < p->channels; k++) {
+            float *run = p->y + ((size_t)o * p->channels + k) * p->inner, v = p->alpha * p->v[k];
+            if (p->beta != 0.0f)
+                for (size_t i = 0; i < p->inner; i++) run[i] = p->beta * run[i] + v;
+            else
+                for (size_t i = 0; i < p->inner; i++) run[i] = v;
+        }
+}
+
+/* The sum of a run of floats, with 8 independent partial sums: the
+   additions need not wait for one another, and the compiler can put the
+   8 lanes in one vector register. (A single running sum is a chain of
+   dependent additions, several times slower.) */
+static float mgpu__sum_run(const float *v, size_t n) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += v[i + j];
+    float sum = 0.0f;
+    for (; i < n; i++) sum += v[i];
+    for (int j = 0; j < 8; j++) sum += lane[j];
+    return sum;
+}
+
+static void mgpu__chan_sum_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
+    for (int k = 0; k < p->channels; k++) {
+        double sum = 0.0; /* runs are added in double: a channel may hold millions of values */
+        for (int o = 0; o < p->outer; o++)
+            sum += mgpu__sum_run(p->x + ((size_t)o * p->channels + k) * p->inner, p->inner);
+        float s = p->alpha * (float)sum;
+        p->out[k] = p->beta != 0.0f ? p->beta * p->out[k] + s : s;
+    }
+}
+
+#if MGPU_CUDA
+/* 32-bit index arithmetic: the wrappers keep tensors below 2^31 elements
+   (a 64-bit division is a long subroutine on a GPU). */
+static __global__ void mgpu__chan_broadcast_kernel(mgpu__chan_broadcast_args p) {
+    unsigned inner = (unsigned)p.inner, n = p.outer * p.channels * inner;
+    MGPU__GRID_STRIDE_LOOP(i, n) {
+        float v = p.alpha * p.v[(unsigned)i / inner % p.channels];
+        p.y[i] = p.beta != 0.0f ? p.beta * p.y[i] + v : v;
+    }
+}
+static void mgpu__chan_broadcast_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__chan_broadcast_args *p = (const mgpu__chan_broadcast_args *)args;
+    size_t n = (size_t)p->outer * p->channels * p->inner;
+    mgpu__chan_broadcast_kernel<<<mgpu__grid_for(n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+/* The sum of v over the 32 lanes of a warp, in lane 0. */
+static __device__ inline float mgpu__warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
+    __shared__ float warp_sums[32];
+    unsigned k = blockIdx.x, inner = (unsigned)p.inner, count = p.outer * inner;
+    float sum = 0.0f;
+    for (unsigned j = threadIdx.x; j < count; j += blockDim.x) /* j = (o, i) */
+        sum += p.x[((size_t)(j / inner) * p.channels + k) * inner + j % inner];
+    sum = mgpu__warp_sum(sum);
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) warp_sums[warp] = sum;
+    __syncthreads();
+    if (warp == 0) {
+        sum = mgpu__warp_sum(lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f);
+        if (lane == 0) {
+            float s = p.alpha * sum;
+            p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + s : s;
+        }
+    }
+}
+static void mgpu__chan_sum_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
+    if (p->channels == 0) return;
+    /* A block no wider than the work: global pooling of a 4x4 map has 16 values per channel. */
+    size_t count = (size_t)p->outer * p->inner;
+    unsigned block = count >= 256 ? 256 : count > 32 ? 128 : 32;
+    mgpu__chan_sum_kernel<<<(unsigned)p->channels, block, 0, (cudaStream_t)ex->stream>>>(*p);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif

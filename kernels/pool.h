@@ -1,1 +1,120 @@
-/* placeholder: being written */
+/* kernels/pool.h: average pooling.
+
+   k x k average pooling with stride k (the LeNet's is k = 2): x [N, C, H, W]
+   -> y [N, C, H/k, W/k], sizes rounded down like PyTorch's avg_pool2d (a
+   9x9 map pools to 4x4; the last row and column are not seen):
+       y[n,c,p,q] = (1/k^2) sum_{i,j < k} x[n, c, p*k + i, q*k + j]
+   Backward: each input pixel is in at most one window (the stride equals
+   the window), and counts 1/k^2 in it:
+       dL/dx[n,c,h,w] = dL/dy[n, c, h/k, w/k] / k^2,  or 0 for the pixels
+                        in the rounded-off last rows and columns.
+   Every image plane is pooled alone, so the kernels see x as [N*C, H, W].
+
+   Global average pooling, x [N, C, H, W] -> y [N, C], is the mean of each
+   plane, and its backward pass spreads dL/dy[n,c] evenly, / (H*W), over
+   the plane. Those are the per-channel sum and broadcast of linear.h with
+   the planes as channels (outer = 1, channels = N*C, inner = H*W), so they
+   have no kernel here.
+
+   CPU: loops over planes and rows, so the innermost loop runs along an
+   image row. CUDA: one thread per output element (of y forward, of dx
+   backward) computes it from its index, so consecutive threads write
+   consecutive addresses; the backward pass gathers from dy and writes
+   every dx element, so dx needs no zeroing and no atomics. Both sides add
+   the k*k values of a window in the same order and divide the same way,
+   so they agree to the last bit. */
+
+typedef struct {
+    float *y;       /* [planes, h/k, w/k] */
+    const float *x; /* [planes, h, w] */
+    size_t n;       /* elements of y */
+    int h, w, k;
+} mgpu__avg_pool_args;
+
+typedef struct {
+    float *dx;       /* [planes, h, w] */
+    const float *dy; /* [planes, h/k, w/k] */
+    size_t n;        /* elements of dx */
+    int h, w, k;
+} mgpu__avg_pool_backward_args;
+
+static void mgpu__avg_pool_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__avg_pool_args *a = (const mgpu__avg_pool_args *)args;
+    int k = a->k, P = a->h / k, Q = a->w / k;
+    size_t planes = a->n / ((size_t)P * Q);
+    for (size_t plane = 0; plane < planes; plane++)
+        for (int p = 0; p < P; p++) {
+            const float *rows = a->x + (plane * a->h + (size_t)p * k) * a->w; /* the k rows of window row p */
+            float *out = a->y + (plane * P + p) * Q;
+            for (int q = 0; q < Q; q++) {
+                float sum = 0.0f;
+                for (int di = 0; di < k; di++)
+                    for (int dj = 0; dj < k; dj++) sum += rows[(size_t)di * a->w + q * k + dj];
+                out[q] = sum / (float)(k * k);
+            }
+        }
+}
+
+static void mgpu__avg_pool_backward_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__avg_pool_backward_args *a = (const mgpu__avg_pool_backward_args *)args;
+    int k = a->k, P = a->h / k, Q = a->w / k;
+    size_t planes = a->n / ((size_t)a->h * a->w);
+    for (size_t plane = 0; plane < planes; plane++)
+        for (int h = 0; h < a->h; h++) {
+            float *row = a->dx + (plane * a->h + h) * a->w;
+            int w = 0;
+            if (h / k < P) {
+                const float *g = a->dy + (plane * P + h / k) * Q;
+                for (int q = 0; q < Q; q++) {
+                    float share = g[q] / (float)(k * k);
+                    for (int dj = 0; dj < k; dj++) row[w++] = share;
+                }
+            }
+            for (; w < a->w; w++) row[w] = 0.0f; /* rounded off: in no window */
+        }
+}
+
+#if MGPU_CUDA
+/* 32-bit index arithmetic: the wrappers keep tensors below 2^31 elements
+   (a 64-bit division is a long subroutine on a GPU). */
+static __device__ inline float mgpu__avg_pool_value(const mgpu__avg_pool_args *a, unsigned i) {
+    int k = a->k;
+    unsigned P = a->h / k, Q = a->w / k;
+    unsigned q = i % Q, plane_p = i / Q, p = plane_p % P, plane = plane_p / P;
+    const float *window = a->x + ((size_t)plane * a->h + p * k) * a->w + q * k;
+    float sum = 0.0f;
+    for (int di = 0; di < k; di++)
+        for (int dj = 0; dj < k; dj++) sum += window[di * a->w + dj];
+    return sum / (float)(k * k);
+}
+
+static __device__ inline float mgpu__avg_pool_backward_value(const mgpu__avg_pool_backward_args *a,
+                                                             unsigned i) {
+    int k = a->k;
+    unsigned P = a->h / k, Q = a->w / k;
+    unsigned w = i % a->w, plane_h = i / a->w, h = plane_h % a->h, plane = plane_h / a->h;
+    unsigned p = h / k, q = w / k;
+    if (p >= P || q >= Q) return 0.0f; /* rounded off: in no window */
+    return a->dy[((size_t)plane * P + p) * Q + q] / (float)(k * k);
+}
+
+static __global__ void mgpu__avg_pool_kernel(mgpu__avg_pool_args a) {
+    MGPU__GRID_STRIDE_LOOP(i, a.n) a.y[i] = mgpu__avg_pool_value(&a, (unsigned)i);
+}
+static void mgpu__avg_pool_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__avg_pool_args *a = (const mgpu__avg_pool_args *)args;
+    mgpu__avg_pool_kernel<<<mgpu__grid_for(a->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+static __global__ void mgpu__avg_pool_backward_kernel(mgpu__avg_pool_backward_args a) {
+    MGPU__GRID_STRIDE_LOOP(i, a.n) a.dx[i] = mgpu__avg_pool_backward_value(&a, (unsigned)i);
+}
+static void mgpu__avg_pool_backward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__avg_pool_backward_args *a = (const mgpu__avg_pool_backward_args *)args;
+    mgpu__avg_pool_backward_kernel<<<mgpu__grid_for(a->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif

@@ -33,11 +33,11 @@
        mgpu_chart_write_png(&ch, "out/lenet.png");
    Zeroed fields take defaults: a 640x480 picture, the x and y ranges taken
    from the data and widened to "nice" tick values (steps of 1, 2 or 5 times
-   a power of ten), and colour 0 means the next colour of the palette
+   a power of ten), and colour 0 gives series i colour i of the palette
    (matplotlib's "tab10"; mgpu_palette(i) gives them). Points whose x or y
    is NaN are skipped: the curve goes straight from the point before to the
-   point after. A legend lists the named series in the corner that hides
-   the fewest points.
+   point after. A legend lists the named series in the corner of the plot
+   where it hides the least of the curves.
 
    Animator (the book's d2l.Animator): a chart that fills in during
    training. Every mgpu_animator_add appends one x and one y per series and
@@ -59,7 +59,9 @@
 
    Timelines: one horizontal lane per device queue, one bar per operation
    from its start to its end time in milliseconds, so work that overlaps in
-   time on different lanes (parallelism) is seen at a glance. Bars with the
+   time on different lanes (parallelism) is seen at a glance. The picture
+   is 1000 pixels wide and as tall as its lanes and legend need; a bar on
+   no lane, or that ends before it starts, is left out. Bars with the
    same name get the same colour (a hash of the name picks it, and names in
    one picture never share a colour while the palette lasts); a name is
    written inside its bar where it fits, and a legend maps names to colours.
@@ -68,16 +70,18 @@
 
    Errors: a picture or CSV that cannot be written prints one line
        mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
-   to stderr and the function returns non-zero; the program goes on. PNGs
-   are written to "<path>.tmp" and renamed, so a viewer never sees half a
-   file. */
+   to stderr and the function returns non-zero; the program goes on (an
+   Animator says it once and then only keeps its points). PNGs are written
+   to "<path>.tmp" and renamed, so a viewer never sees half a file. Out of
+   memory, a canvas of no pixels or a series an animator does not have are
+   bugs, and fatal (mgpu_fatal). */
 
 typedef struct mgpu_canvas {
     int width, height;
     unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
 } mgpu_canvas;
 
-/* A canvas filled with the background colour; NULL when out of memory. */
+/* A canvas filled with the background colour. */
 MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb);
 MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c);
 /* Pixels x0 <= x < x1, y0 <= y < y1. */
@@ -86,7 +90,8 @@ MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int 
 MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
                                uint32_t rgb, int thickness);
 /* Text whose top-left corner is (x, y). */
-MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb, int scale);
+MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
+                               int scale);
 MGPU_DEF int mgpu_text_width(const char *text, int scale);
 /* 0 on success; non-zero (after a one-line error) when it cannot be written. */
 MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path);
@@ -99,13 +104,13 @@ typedef struct mgpu_series {
     uint32_t color;   /* 0xRRGGBB; 0 picks palette colour i for series i */
     int n;            /* number of points */
     const double *x, *y;
-    int dashed;       /* non-zero draws a dashed line */
+    int dashed; /* non-zero draws a dashed line */
 } mgpu_series;
 
 typedef struct mgpu_chart {
     const char *title, *xlabel, *ylabel; /* any may be NULL */
-    double xmin, xmax, ymin, ymax; /* a range with min >= max is taken from the data */
-    int width, height;             /* 0 means 640 and 480 */
+    double xmin, xmax, ymin, ymax;       /* a range with min >= max is taken from the data */
+    int width, height;                   /* 0 means 640 and 480 */
     int nseries;
     const mgpu_series *series;
 } mgpu_chart;
@@ -118,9 +123,8 @@ typedef struct mgpu_animator mgpu_animator;
 /* xmin >= xmax takes the x range from the data; the y range always is.
    ylabel and title may be NULL. The strings are copied. */
 MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
-                                          const char *xlabel, const char *ylabel,
-                                          double xmin, double xmax, int nseries,
-                                          const char *const *names);
+                                          const char *xlabel, const char *ylabel, double xmin,
+                                          double xmax, int nseries, const char *const *names);
 /* ys holds nseries values (NaN: no value for that series at this x). */
 MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys);
 MGPU_DEF int mgpu_animator_count(const mgpu_animator *a); /* points added so far */
@@ -128,17 +132,17 @@ MGPU_DEF int mgpu_animator_count(const mgpu_animator *a); /* points added so far
 MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series);
 MGPU_DEF void mgpu_animator_free(mgpu_animator *a);
 /* Series `series` of every animator as one curve each, labelled labels[i]
-   (labels may be NULL: "run 1", "run 2", ...); the x range and axis labels
-   are those of the first animator. */
+   (labels NULL: each animator's title). The x range and x label are the
+   first animator's; so is the y label, or else the series' name. */
 MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
                                           const mgpu_animator *const *animators, int series,
                                           const char *const *labels);
 
 /* ---- device timelines ---- */
 typedef struct mgpu_timeline_bar {
-    int lane;               /* 0 .. nlanes-1 */
+    int lane; /* 0 .. nlanes-1 */
     double start_ms, end_ms;
-    char name[32];          /* NUL-terminated; bars with equal names share a colour */
+    char name[32]; /* NUL-terminated; bars with equal names share a colour */
 } mgpu_timeline_bar;
 
 MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,

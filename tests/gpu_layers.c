@@ -1,0 +1,225 @@
+/* tests/gpu_layers.c: every layer kernel on the GPU against the same call
+   on the CPU (whose correctness tests/test_layers.c establishes).
+
+   Inputs are drawn on the CPU device and copied to GPU 0, so both sides
+   see the same numbers. Outputs and gradients start as NaN, so a kernel
+   that fails to write an element (or reads a tensor it should overwrite)
+   is caught; parameter gradients are then accumulated once more on top.
+
+   Tolerances, relative to the largest magnitude of the CPU result:
+   products (convolutions, linear layers) 1e-4: cuBLAS and OpenBLAS add
+   the same float terms in different orders, which moves a sum of n terms
+   by about sqrt(n) * 6e-8 of its size, at most ~1e-5 for the sums here
+   (up to ~10^5 terms); elementwise operations 1e-6 (ReLU, the residual
+   sum and pooling compute the same float operations, up to the division
+   in pooling); the channel sums (bias gradients, global pooling) 1e-5
+   (float on the GPU, double on the CPU).
+
+   Built with nvcc only; without a GPU it says "skipped: no GPU" and
+   passes. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+static mgpu_device *gpu;
+
+/* The same tensor on the CPU and on the GPU. */
+typedef struct { mgpu_tensor *c, *g; } pair;
+static pair pair_randn(mgpu_shape s) {
+    pair p;
+    p.c = mgpu_randn(mgpu_cpu(), s, 0.0f, 1.0f);
+    p.g = mgpu_to(p.c, gpu, 0);
+    return p;
+}
+static pair pair_nan(mgpu_shape s) {
+    pair p;
+    p.c = mgpu_full(mgpu_cpu(), s, NAN);
+    p.g = mgpu_full(gpu, s, NAN);
+    return p;
+}
+static void pair_free(pair *p) {
+    mgpu_free(p->c);
+    mgpu_free(p->g);
+}
+/* NULL stands for "no tensor" (no bias, no dx). */
+static mgpu_tensor *on_cpu(pair *p, int present) { return present ? p->c : NULL; }
+static mgpu_tensor *on_gpu(pair *p, int present) { return present ? p->g : NULL; }
+
+/* max |gpu - cpu| <= tol * max(1, max |cpu|) */
+static void check_same(const char *name, const char *what, const pair *p, double tol) {
+    size_t n = p->c->numel;
+    float *want = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
+    mgpu_to_host(p->c, want);
+    mgpu_to_host(p->g, got);
+    double scale = 1.0, err = 0.0;
+    size_t worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (fabs(want[i]) > scale) scale = fabs(want[i]);
+        double e = fabs((double)got[i] - want[i]);
+        if (!(e <= err)) { /* also catches NaN */
+            err = isnan(e) ? INFINITY : e;
+            worst = i;
+        }
+    }
+    if (!(err <= tol * scale)) {
+        fprintf(stderr, "  %s, %s: element %zu is %.9g on the GPU, %.9g on the CPU (max error %.3g, "
+                "allowed %.3g)\n", name, what, worst, got[worst], want[worst], err, tol * scale);
+        test__failures++;
+    }
+    free(want);
+    free(got);
+}
+
+/* ------------------------------------------------------------ convolution */
+static void conv_compare(const char *name, int n, int c, int h, int w, int k, int r, int s,
+                         int stride, int pad, int bias, int with_dx) {
+    mgpu_shape xs = mgpu_shape4(n, c, h, w), ws = mgpu_shape4(k, c, r, s);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k));
+    pair y = pair_nan(ys), dy = pair_randn(ys);
+    pair dx = pair_nan(xs), dw = pair_nan(ws), db = pair_nan(mgpu_shape1(k));
+    mgpu_conv2d_forward(y.c, x.c, wt.c, on_cpu(&b, bias), stride, pad);
+    mgpu_conv2d_forward(y.g, x.g, wt.g, on_gpu(&b, bias), stride, pad);
+    check_same(name, "y", &y, 1e-4);
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        mgpu_conv2d_backward(on_cpu(&dx, with_dx), dw.c, on_cpu(&db, bias), dy.c, x.c, wt.c, stride,
+                             pad, accumulate);
+        mgpu_conv2d_backward(on_gpu(&dx, with_dx), dw.g, on_gpu(&db, bias), dy.g, x.g, wt.g, stride,
+                             pad, accumulate);
+        if (with_dx) check_same(name, "dx", &dx, 1e-4);
+        check_same(name, accumulate ? "dw accumulated" : "dw", &dw, 1e-4);
+        if (bias) check_same(name, accumulate ? "db accumulated" : "db", &db, 1e-5);
+    }
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y); pair_free(&dy);
+    pair_free(&dx); pair_free(&dw); pair_free(&db);
+}
+
+TEST(conv2d_small_shapes) {
+    /*            name                   N  C   H   W  K  R  S  t  d  bias dx */
+    conv_compare("3x3 single image", 1, 1, 6, 6, 2, 3, 3, 1, 0, 1, 1);
+    conv_compare("3x3 pad 1", 3, 3, 7, 9, 4, 3, 3, 1, 1, 1, 1);
+    conv_compare("5x5 no bias", 2, 2, 8, 7, 3, 5, 5, 1, 0, 0, 1);
+    conv_compare("5x5 stride 2 pad 1", 2, 3, 9, 8, 5, 5, 5, 2, 1, 1, 1);
+    conv_compare("1x1 stride 2", 2, 4, 6, 5, 3, 1, 1, 2, 0, 1, 1);
+    conv_compare("3x2 kernel", 2, 2, 6, 7, 3, 3, 2, 1, 1, 1, 1);
+    conv_compare("3x3 stride 3 pad 2", 1, 2, 11, 10, 2, 3, 3, 3, 2, 1, 0);
+    conv_compare("5x5 pad 2 of 3x1", 2, 2, 3, 1, 2, 5, 5, 1, 2, 1, 1);
+}
+
+TEST(conv2d_lenet_and_resnet_shapes) {
+    conv_compare("LeNet conv 1", 256, 1, 28, 28, 20, 3, 3, 1, 0, 1, 0);
+    conv_compare("LeNet conv 2", 256, 20, 13, 13, 50, 5, 5, 1, 0, 1, 1);
+    conv_compare("ResNet stem", 64, 1, 28, 28, 64, 3, 3, 1, 1, 0, 0);
+    conv_compare("ResNet downsampling 3x3", 32, 64, 28, 28, 128, 3, 3, 2, 1, 0, 1);
+    conv_compare("ResNet 1x1 shortcut", 32, 64, 28, 28, 128, 1, 1, 2, 0, 0, 1);
+    conv_compare("ResNet stage 4", 64, 512, 4, 4, 512, 3, 3, 1, 1, 0, 1);
+}
+
+/* 96 images of 64 x 28 x 28 with 64 3x3 filters need (576 + 64) * 784
+   floats of scratch each: 33 fit in the GPU's 64 MiB, so 3 chunks. Then
+   a tiny budget: one image per chunk. */
+TEST(conv2d_in_chunks) {
+    conv_compare("three chunks", 96, 64, 28, 28, 64, 3, 3, 1, 1, 1, 1);
+    size_t saved = mgpu__conv_scratch_floats[1];
+    mgpu__conv_scratch_floats[1] = 1;
+    conv_compare("one image per chunk", 5, 3, 9, 8, 4, 3, 3, 2, 1, 1, 1);
+    mgpu__conv_scratch_floats[1] = saved;
+}
+
+/* ---------------------------------------------------------------- pooling */
+static void pool_compare(const char *name, mgpu_shape xs, int k) {
+    mgpu_shape ys = mgpu_avg_pool2d_output_shape(xs, k);
+    pair x = pair_randn(xs), y = pair_nan(ys), dy = pair_randn(ys), dx = pair_nan(xs);
+    mgpu_avg_pool2d_forward(y.c, x.c, k);
+    mgpu_avg_pool2d_forward(y.g, x.g, k);
+    check_same(name, "y", &y, 1e-6);
+    mgpu_avg_pool2d_backward(dx.c, dy.c, k);
+    mgpu_avg_pool2d_backward(dx.g, dy.g, k);
+    check_same(name, "dx", &dx, 1e-6);
+    pair_free(&x); pair_free(&y); pair_free(&dy); pair_free(&dx);
+}
+
+static void global_pool_compare(const char *name, mgpu_shape xs) {
+    mgpu_shape ys = mgpu_shape2(xs.d[0], xs.d[1]);
+    pair x = pair_randn(xs), y = pair_nan(ys), dy = pair_randn(ys), dx = pair_nan(xs);
+    mgpu_global_avg_pool_forward(y.c, x.c);
+    mgpu_global_avg_pool_forward(y.g, x.g);
+    check_same(name, "y", &y, 1e-5);
+    mgpu_global_avg_pool_backward(dx.c, dy.c);
+    mgpu_global_avg_pool_backward(dx.g, dy.g);
+    check_same(name, "dx", &dx, 1e-6);
+    pair_free(&x); pair_free(&y); pair_free(&dy); pair_free(&dx);
+}
+
+TEST(pooling) {
+    pool_compare("2x2 LeNet 1", mgpu_shape4(256, 20, 26, 26), 2);
+    pool_compare("2x2 LeNet 2 (9x9 rounds down)", mgpu_shape4(256, 50, 9, 9), 2);
+    pool_compare("3x3 of 9x7", mgpu_shape4(3, 2, 9, 7), 3);
+    global_pool_compare("global 4x4", mgpu_shape4(256, 512, 4, 4));
+    global_pool_compare("global 7x7", mgpu_shape4(3, 5, 7, 7));
+    global_pool_compare("global 28x28", mgpu_shape4(4, 3, 28, 28));
+}
+
+/* ------------------------------------------------- ReLU, residual sum */
+TEST(relu_and_add) {
+    mgpu_shape s = mgpu_shape4(64, 32, 14, 14);
+    pair x = pair_randn(s), y = pair_nan(s), dy = pair_randn(s), dx = pair_nan(s);
+    mgpu_relu_forward(y.c, x.c);
+    mgpu_relu_forward(y.g, x.g);
+    check_same("relu", "y", &y, 1e-6);
+    mgpu_relu_backward(dx.c, dy.c, x.c);
+    mgpu_relu_backward(dx.g, dy.g, x.g);
+    check_same("relu", "dx, mask from x", &dx, 1e-6);
+    mgpu_fill(dx.c, NAN);
+    mgpu_fill(dx.g, NAN);
+    mgpu_relu_backward(dx.c, dy.c, y.c);
+    mgpu_relu_backward(dx.g, dy.g, y.g);
+    check_same("relu", "dx, mask from y", &dx, 1e-6);
+    mgpu_add(y.c, x.c, dy.c);
+    mgpu_add(y.g, x.g, dy.g);
+    check_same("add", "y", &y, 1e-6);
+    pair_free(&x); pair_free(&y); pair_free(&dy); pair_free(&dx);
+}
+
+/* ----------------------------------------------------------------- linear */
+static void linear_compare(const char *name, mgpu_shape xs, int fout, int bias, int with_dx) {
+    int rows = xs.d[0], fin = (int)(mgpu_shape_numel(xs) / (size_t)rows);
+    mgpu_shape ws = mgpu_shape2(fin, fout), ys = mgpu_shape2(rows, fout);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(fout));
+    pair y = pair_nan(ys), dy = pair_randn(ys);
+    pair dx = pair_nan(xs), dw = pair_nan(ws), db = pair_nan(mgpu_shape1(fout));
+    mgpu_linear_forward(y.c, x.c, wt.c, on_cpu(&b, bias));
+    mgpu_linear_forward(y.g, x.g, wt.g, on_gpu(&b, bias));
+    check_same(name, "y", &y, 1e-4);
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        mgpu_linear_backward(on_cpu(&dx, with_dx), dw.c, on_cpu(&db, bias), dy.c, x.c, wt.c, accumulate);
+        mgpu_linear_backward(on_gpu(&dx, with_dx), dw.g, on_gpu(&db, bias), dy.g, x.g, wt.g, accumulate);
+        if (with_dx) check_same(name, "dx", &dx, 1e-4);
+        check_same(name, accumulate ? "dw accumulated" : "dw", &dw, 1e-4);
+        if (bias) check_same(name, accumulate ? "db accumulated" : "db", &db, 1e-5);
+    }
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y); pair_free(&dy);
+    pair_free(&dx); pair_free(&dw); pair_free(&db);
+}
+
+TEST(linear) {
+    linear_compare("LeNet 800 -> 128 of pooled maps", mgpu_shape4(256, 50, 4, 4), 128, 1, 1);
+    linear_compare("LeNet 128 -> 10", mgpu_shape2(256, 128), 10, 1, 1);
+    linear_compare("ResNet head 512 -> 10", mgpu_shape2(1024, 512), 10, 1, 1);
+    linear_compare("odd sizes, no bias, no dx", mgpu_shape2(7, 13), 5, 0, 0);
+}
+
+/* Without a GPU there is nothing to compare: say so, and pass. */
+int gpu_main(int argc, char **argv);
+int main(int argc, char **argv) {
+    if (mgpu_num_gpus() == 0) {
+        printf("skipped: no GPU\n");
+        printf("test-summary: 0 passed, 0 failed\n");
+        return 0;
+    }
+    gpu = mgpu_try_gpu(0);
+    return gpu_main(argc, argv);
+}
+#define main gpu_main
+TEST_MAIN()
+#undef main

@@ -1,0 +1,637 @@
+/* tests/test_data.c: the IDX reader, the data set and the loaders.
+
+   The real-data tests read Fashion-MNIST from $MGPU_DATA, else from
+   ../shared/fashion-mnist; without it they print a note and pass. The
+   other tests write their own small files into a fresh temporary folder. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+#include <sys/stat.h>
+#include <zlib.h>
+
+/* ------------------------------------------------------------ real data */
+static const char *real_dir(void) {
+    const char *env = getenv("MGPU_DATA");
+    return env && env[0] ? env : "../shared/fashion-mnist";
+}
+
+/* Loaded once and shared by the tests; NULL when the data set is absent. */
+static mgpu_dataset *real_train, *real_test;
+static int real_loaded;
+static int have_real_data(void) {
+    if (!real_loaded) {
+        real_loaded = 1;
+        char path[4096];
+        struct stat st;
+        snprintf(path, sizeof path, "%s/train-images-idx3-ubyte.gz", real_dir());
+        if (stat(path, &st) != 0) {
+            printf("  note: no Fashion-MNIST in %s (set MGPU_DATA): real-data tests skipped\n",
+                   real_dir());
+            return 0;
+        }
+        double start = mgpu_now();
+        mgpu_dataset_load_fashion_mnist(real_dir(), &real_train, &real_test);
+        printf("  loaded Fashion-MNIST (70000 images) in %.2f s\n", mgpu_now() - start);
+    }
+    return real_train != NULL;
+}
+
+static long long pixel_sum(const mgpu_dataset *d, int first, int count) {
+    size_t pixels = (size_t)d->rows * (size_t)d->cols;
+    long long sum = 0;
+    for (size_t i = (size_t)first * pixels; i < (size_t)(first + count) * pixels; i++)
+        sum += d->images[i];
+    return sum;
+}
+
+/* The sums were computed once from the files with Python's gzip module:
+     python3 -c "import gzip; b = gzip.open('train-images-idx3-ubyte.gz').read();
+                 print(sum(b[16:16 + 784]), sum(b[16:]))"
+   and the same for the last image and for the t10k files. */
+TEST(real_files_load) {
+    if (!have_real_data()) return;
+    CHECK_EQ_INT(real_train->n, 60000);
+    CHECK_EQ_INT(real_test->n, 10000);
+    CHECK_EQ_INT(real_train->rows, 28);
+    CHECK_EQ_INT(real_train->cols, 28);
+    CHECK_EQ_INT(real_test->rows, 28);
+    CHECK_EQ_INT(real_test->cols, 28);
+    CHECK_EQ_INT(real_train->labels[0], 9);
+    CHECK(strcmp(mgpu_fashion_mnist_label(real_train->labels[0]), "Ankle boot") == 0);
+    CHECK_EQ_INT(real_test->labels[0], 9);
+    CHECK_EQ_INT(pixel_sum(real_train, 0, 1), 76247);
+    CHECK_EQ_INT(pixel_sum(real_train, 59999, 1), 16684);
+    CHECK_EQ_INT(pixel_sum(real_test, 0, 1), 33456);
+    CHECK_EQ_INT(pixel_sum(real_test, 9999, 1), 24390);
+    CHECK_EQ_INT(pixel_sum(real_train, 0, 60000), 3431114169LL);
+    CHECK_EQ_INT(pixel_sum(real_test, 0, 10000), 573469082LL);
+    /* The classes are balanced: 6000 and 1000 of each. */
+    int train_count[10] = {0}, test_count[10] = {0};
+    for (int i = 0; i < real_train->n; i++) train_count[real_train->labels[i]]++;
+    for (int i = 0; i < real_test->n; i++) test_count[real_test->labels[i]]++;
+    for (int k = 0; k < 10; k++) {
+        CHECK_EQ_INT(train_count[k], 6000);
+        CHECK_EQ_INT(test_count[k], 1000);
+    }
+}
+
+TEST(label_names) {
+    CHECK(strcmp(mgpu_fashion_mnist_label(0), "T-shirt/top") == 0);
+    CHECK(strcmp(mgpu_fashion_mnist_label(7), "Sneaker") == 0);
+    CHECK(strcmp(mgpu_fashion_mnist_label(9), "Ankle boot") == 0);
+    EXPECT_DIES(mgpu_fashion_mnist_label(10), "10 is not a class");
+}
+
+TEST(data_dir_lookup) {
+    const char *saved = getenv("MGPU_DATA");
+    char *copy = saved ? strdup(saved) : NULL;
+    setenv("MGPU_DATA", "/somewhere/else", 1);
+    CHECK(strcmp(mgpu_data_dir("flag/dir"), "flag/dir") == 0);
+    CHECK(strcmp(mgpu_data_dir(NULL), "/somewhere/else") == 0);
+    unsetenv("MGPU_DATA");
+    CHECK(strcmp(mgpu_data_dir(NULL), "data/fashion-mnist") == 0);
+    setenv("MGPU_DATA", "", 1);
+    CHECK(strcmp(mgpu_data_dir(NULL), "data/fashion-mnist") == 0);
+    if (copy) setenv("MGPU_DATA", copy, 1);
+    else unsetenv("MGPU_DATA");
+    free(copy);
+}
+
+/* -------------------------------------------------------------- loaders */
+/* A data set whose 2x2 images spell their own index: pixels 0 and 1 are
+   its low and high bytes, so a batch tells which samples it holds. */
+static mgpu_dataset *indexed_dataset(int n) {
+    mgpu_dataset *d = (mgpu_dataset *)calloc(1, sizeof *d);
+    d->n = n;
+    d->rows = d->cols = 2;
+    d->images = (unsigned char *)malloc((size_t)n * 4);
+    d->labels = (unsigned char *)malloc((size_t)n);
+    for (int i = 0; i < n; i++) {
+        d->images[4 * i + 0] = (unsigned char)(i & 255);
+        d->images[4 * i + 1] = (unsigned char)(i >> 8);
+        d->images[4 * i + 2] = (unsigned char)(i % 251);
+        d->images[4 * i + 3] = 255;
+        d->labels[i] = (unsigned char)(i % 10);
+    }
+    return d;
+}
+
+/* Runs one epoch of an indexed data set, checking every batch (shape,
+   pixels exactly byte / 255, labels), and writes the sample order. */
+static void run_indexed_epoch(mgpu_loader *l, const mgpu_dataset *d, int batch_size, int epoch,
+                              int *order) {
+    mgpu_loader_start_epoch(l, epoch);
+    mgpu_batch b;
+    int seen = 0, batches = 0;
+    while (mgpu_loader_next(l, &b)) {
+        int want_n = d->n - seen < batch_size ? d->n - seen : batch_size;
+        CHECK_EQ_INT(b.n, want_n);
+        CHECK_EQ_INT(b.x->shape.ndim, 4);
+        CHECK_EQ_INT(b.x->shape.d[0], b.n);
+        CHECK_EQ_INT(b.x->shape.d[1], 1);
+        CHECK_EQ_INT(b.x->shape.d[2], 2);
+        CHECK_EQ_INT(b.y->shape.ndim, 1);
+        CHECK_EQ_INT(b.y->shape.d[0], b.n);
+        CHECK(b.x->device == mgpu_cpu() && b.x->pinned);
+        for (int i = 0; i < b.n && seen < d->n; i++) {
+            const float *px = b.x->data + 4 * i;
+            int index = (int)lroundf(px[0] * 255.0f) + 256 * (int)lroundf(px[1] * 255.0f);
+            if (index < 0 || index >= d->n) {
+                CHECK(index >= 0 && index < d->n);
+                return;
+            }
+            for (int p = 0; p < 4; p++)
+                if (px[p] != (float)d->images[4 * index + p] / 255.0f) {
+                    CHECK(px[p] == (float)d->images[4 * index + p] / 255.0f);
+                    return;
+                }
+            CHECK(b.y->data[i] == (float)d->labels[index]);
+            order[seen++] = index;
+        }
+        batches++;
+    }
+    CHECK_EQ_INT(seen, d->n);
+    CHECK_EQ_INT(batches, mgpu_loader_num_batches(l));
+    CHECK_EQ_INT(mgpu_loader_next(l, &b), 0); /* stays at the end */
+}
+
+/* Every index once: the order is a permutation. */
+static int is_permutation(const int *order, int n) {
+    char *seen = (char *)calloc((size_t)n, 1);
+    int ok = 1;
+    for (int i = 0; i < n && ok; i++) {
+        if (order[i] < 0 || order[i] >= n || seen[order[i]]) ok = 0;
+        else seen[order[i]] = 1;
+    }
+    free(seen);
+    return ok;
+}
+static int is_identity(const int *order, int n) {
+    for (int i = 0; i < n; i++)
+        if (order[i] != i) return 0;
+    return 1;
+}
+
+TEST(loader_visits_every_sample_once) {
+    static const int sizes[2][2] = {{60000, 256}, {50, 7}}; /* last batches of 96 and 1 */
+    for (int c = 0; c < 2; c++) {
+        int n = sizes[c][0], bs = sizes[c][1];
+        mgpu_dataset *d = indexed_dataset(n);
+        int *order = (int *)malloc((size_t)n * sizeof(int));
+        mgpu_loader *shuffled = mgpu_loader_new(d, bs, 1, 42);
+        CHECK_EQ_INT(mgpu_loader_num_batches(shuffled), (n + bs - 1) / bs);
+        for (int epoch = 0; epoch < 2; epoch++) {
+            run_indexed_epoch(shuffled, d, bs, epoch, order);
+            CHECK(is_permutation(order, n));
+            CHECK(!is_identity(order, n));
+        }
+        mgpu_loader *in_order = mgpu_loader_new(d, bs, 0, 42);
+        for (int epoch = 0; epoch < 2; epoch++) {
+            run_indexed_epoch(in_order, d, bs, epoch, order);
+            CHECK(is_identity(order, n));
+        }
+        mgpu_loader_free(shuffled);
+        mgpu_loader_free(in_order);
+        mgpu_dataset_free(d);
+        free(order);
+    }
+}
+
+TEST(loader_batch_larger_than_data_set) {
+    mgpu_dataset *d = indexed_dataset(5);
+    int order[5];
+    mgpu_loader *l = mgpu_loader_new(d, 8, 1, 1);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 1);
+    run_indexed_epoch(l, d, 8, 0, order);
+    CHECK(is_permutation(order, 5));
+    mgpu_loader_free(l);
+    mgpu_dataset_free(d);
+}
+
+TEST(shuffle_depends_only_on_seed_and_epoch) {
+    enum { N = 1000, BS = 64 };
+    mgpu_dataset *d = indexed_dataset(N);
+    static int a[N], b[N], c[N], e[N];
+    mgpu_loader *first = mgpu_loader_new(d, BS, 1, 7);
+    run_indexed_epoch(first, d, BS, 3, a);
+    /* Another loader with the same seed, after other epochs and an
+       abandoned one, gives epoch 3 the same order. */
+    mgpu_loader *second = mgpu_loader_new(d, BS, 1, 7);
+    run_indexed_epoch(second, d, BS, 4, b);
+    mgpu_batch batch;
+    mgpu_loader_start_epoch(second, 0);
+    CHECK(mgpu_loader_next(second, &batch));
+    run_indexed_epoch(second, d, BS, 3, c);
+    CHECK(memcmp(a, c, sizeof a) == 0);
+    CHECK(memcmp(a, b, sizeof a) != 0); /* another epoch, another order */
+    mgpu_loader *other_seed = mgpu_loader_new(d, BS, 1, 8);
+    run_indexed_epoch(other_seed, d, BS, 3, e);
+    CHECK(memcmp(a, e, sizeof a) != 0);
+    mgpu_loader_free(first);
+    mgpu_loader_free(second);
+    mgpu_loader_free(other_seed);
+    mgpu_dataset_free(d);
+}
+
+TEST(test_iterator_in_order_with_pixels_over_255) {
+    if (!have_real_data()) return;
+    const mgpu_dataset *d = real_test;
+    size_t pixels = 28 * 28;
+    mgpu_loader *l = mgpu_loader_new(d, 256, 0, 0);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 40); /* 39 of 256 and one of 16 */
+    mgpu_loader_start_epoch(l, 0);
+    mgpu_batch b;
+    int seen = 0, bad_pixels = 0, bad_labels = 0;
+    while (mgpu_loader_next(l, &b)) {
+        CHECK_EQ_INT(b.x->shape.d[0], b.n);
+        for (size_t i = 0; i < (size_t)b.n * pixels; i++)
+            bad_pixels += b.x->data[i] != (float)d->images[(size_t)seen * pixels + i] / 255.0f;
+        for (int i = 0; i < b.n; i++) bad_labels += b.y->data[i] != (float)d->labels[seen + i];
+        seen += b.n;
+    }
+    CHECK_EQ_INT(seen, 10000);
+    CHECK_EQ_INT(b.n, 16);
+    CHECK_EQ_INT(bad_pixels, 0);
+    CHECK_EQ_INT(bad_labels, 0);
+    mgpu_loader_free(l);
+}
+
+/* The book's setting on the real training set: batches of 256, shuffled;
+   every image comes once, so the pixel sum of an epoch is the data set's. */
+TEST(real_train_loader_full_epoch) {
+    if (!have_real_data()) return;
+    mgpu_loader *l = mgpu_loader_new(real_train, 256, 1, 2024);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 235);
+    mgpu_loader_start_epoch(l, 0);
+    mgpu_batch b;
+    double sum = 0;
+    int seen = 0, counts[10] = {0};
+    while (mgpu_loader_next(l, &b)) {
+        for (size_t i = 0; i < b.x->numel; i++) sum += b.x->data[i];
+        for (int i = 0; i < b.n; i++) counts[(int)b.y->data[i]]++;
+        seen += b.n;
+    }
+    CHECK_EQ_INT(seen, 60000);
+    CHECK_EQ_INT(b.n, 96);
+    CHECK_CLOSE(sum, 3431114169.0 / 255.0, 0, 1e-7);
+    for (int k = 0; k < 10; k++) CHECK_EQ_INT(counts[k], 6000);
+    mgpu_loader_free(l);
+}
+
+/* A subset of 50 real images in batches of 7: each comes exactly once,
+   recognised by comparing its pixels with the 50 originals. */
+TEST(real_subset_batches_of_7) {
+    if (!have_real_data()) return;
+    mgpu_dataset *d = mgpu_dataset_subset(real_train, 50);
+    CHECK_EQ_INT(d->n, 50);
+    CHECK(memcmp(d->images, real_train->images, 50 * 784) == 0);
+    CHECK(memcmp(d->labels, real_train->labels, 50) == 0);
+    mgpu_loader *l = mgpu_loader_new(d, 7, 1, 5);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 8);
+    int times[50] = {0};
+    mgpu_loader_start_epoch(l, 1);
+    mgpu_batch b;
+    while (mgpu_loader_next(l, &b)) {
+        for (int i = 0; i < b.n; i++) {
+            for (int j = 0; j < 50; j++) {
+                int same = b.y->data[i] == (float)d->labels[j];
+                for (int p = 0; p < 784 && same; p++)
+                    same = b.x->data[i * 784 + p] == (float)d->images[j * 784 + p] / 255.0f;
+                times[j] += same;
+            }
+        }
+    }
+    CHECK_EQ_INT(b.n, 1);
+    for (int j = 0; j < 50; j++) CHECK_EQ_INT(times[j], 1);
+    mgpu_loader_free(l);
+    mgpu_dataset_free(d);
+    mgpu_dataset *all = mgpu_dataset_subset(real_test, 20000);
+    CHECK_EQ_INT(all->n, 10000);
+    mgpu_dataset_free(all);
+}
+
+/* Batches used asynchronously: summed on the CPU device's queue, copied
+   (non-blocking) whole to another device, and half of each through a view
+   freed at once, as a scatter does, while the loader refills its buffers.
+   Every copy must hold its own batch. */
+TEST(loader_batches_used_asynchronously) {
+    enum { N = 3000, BS = 100, HALF = BS / 2 * 4 };
+    mgpu_dataset *d = indexed_dataset(N);
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_tensor *sum = mgpu_zeros(mgpu_cpu(), mgpu_shape4(BS, 1, 2, 2));
+    mgpu_tensor *whole[N / BS], *half[N / BS];
+    mgpu_loader *l = mgpu_loader_new(d, BS, 0, 0);
+    mgpu_loader_start_epoch(l, 0);
+    mgpu_batch b;
+    int k = 0;
+    while (mgpu_loader_next(l, &b)) {
+        mgpu_add_(sum, b.x);
+        whole[k] = mgpu_to(b.x, devs[1], 1);
+        mgpu_tensor *second_half = mgpu_narrow(b.x, BS / 2, BS / 2);
+        half[k] = mgpu_to(second_half, devs[1], 1);
+        mgpu_free(second_half);
+        k++;
+    }
+    CHECK_EQ_INT(k, N / BS);
+    float *host = (float *)malloc(BS * 4 * sizeof(float));
+    int bad = 0;
+    for (int j = 0; j < k; j++) {
+        const unsigned char *want = d->images + (size_t)j * BS * 4;
+        mgpu_to_host(whole[j], host);
+        for (int i = 0; i < BS * 4; i++) bad += host[i] != (float)want[i] / 255.0f;
+        mgpu_to_host(half[j], host);
+        for (int i = 0; i < HALF; i++) bad += host[i] != (float)want[HALF + i] / 255.0f;
+        mgpu_free(whole[j]);
+        mgpu_free(half[j]);
+    }
+    CHECK_EQ_INT(bad, 0);
+    mgpu_to_host(sum, host);
+    double worst = 0;
+    for (int i = 0; i < BS * 4; i++) {
+        double want = 0;
+        for (int j = 0; j < k; j++) want += d->images[(size_t)j * BS * 4 + i] / 255.0;
+        worst = fmax(worst, fabs(host[i] - want));
+    }
+    CHECK_CLOSE(worst, 0, 1e-4, 0);
+    free(host);
+    mgpu_free(sum);
+    mgpu_loader_free(l);
+    mgpu_dataset_free(d);
+}
+
+TEST(loader_free_mid_epoch) {
+    mgpu_dataset *d = indexed_dataset(10000);
+    mgpu_batch b;
+    /* Never started. */
+    mgpu_loader_free(mgpu_loader_new(d, 32, 1, 3));
+    /* Started, nothing taken: the thread is busy filling. */
+    mgpu_loader *l = mgpu_loader_new(d, 32, 1, 3);
+    mgpu_loader_start_epoch(l, 0);
+    mgpu_loader_free(l);
+    /* Two batches taken, the rest abandoned. */
+    l = mgpu_loader_new(d, 32, 1, 3);
+    mgpu_loader_start_epoch(l, 0);
+    CHECK(mgpu_loader_next(l, &b));
+    CHECK(mgpu_loader_next(l, &b));
+    mgpu_loader_free(l);
+    /* Holding the short last batch (a view). */
+    l = mgpu_loader_new(d, 3000, 0, 3);
+    mgpu_loader_start_epoch(l, 0);
+    for (int i = 0; i < 4; i++) CHECK(mgpu_loader_next(l, &b));
+    CHECK_EQ_INT(b.n, 1000);
+    mgpu_loader_free(l);
+    mgpu_loader_free(NULL);
+    mgpu_dataset_free(d);
+}
+
+/* ------------------------------------------------------------ bad input */
+static char tmp_dir[64];
+static char tmp_paths[64][128];
+static int tmp_count;
+
+/* A path in the temporary folder, removed at the end. */
+static const char *tmp_path(const char *name) {
+    if (!tmp_dir[0]) {
+        strcpy(tmp_dir, "/tmp/mgpu_test_data_XXXXXX");
+        if (!mkdtemp(tmp_dir)) { perror("mkdtemp"); exit(2); }
+    }
+    char *p = tmp_paths[tmp_count++];
+    snprintf(p, sizeof tmp_paths[0], "%s/%s", tmp_dir, name);
+    return p;
+}
+
+static void put_be32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24); p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);  p[3] = (unsigned char)v;
+}
+
+/* Writes bytes to path, gzip-compressed or not. */
+static void write_bytes(const char *path, const unsigned char *bytes, size_t n, int gzip) {
+    if (gzip) {
+        gzFile gz = gzopen(path, "wb");
+        if (!gz || gzwrite(gz, bytes, (unsigned)n) != (int)n || gzclose(gz) != Z_OK) {
+            perror(path);
+            exit(2);
+        }
+        return;
+    }
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(bytes, 1, n, f) != n || fclose(f) != 0) { perror(path); exit(2); }
+}
+
+/* An IDX image file: the header says `count` images of rows x cols, and
+   `body` images follow (pixel values i % 256). */
+static const char *images_file(const char *name, uint32_t magic, uint32_t count, uint32_t rows,
+                               uint32_t cols, uint32_t body, int gzip) {
+    size_t n = 16 + (size_t)body * rows * cols;
+    unsigned char *bytes = (unsigned char *)malloc(n);
+    put_be32(bytes, magic);
+    put_be32(bytes + 4, count);
+    put_be32(bytes + 8, rows);
+    put_be32(bytes + 12, cols);
+    for (size_t i = 16; i < n; i++) bytes[i] = (unsigned char)i;
+    const char *path = tmp_path(name);
+    write_bytes(path, bytes, n, gzip);
+    free(bytes);
+    return path;
+}
+
+/* An IDX label file holding `count` labels i % 10, with labels[bad_at] = bad. */
+static const char *labels_file(const char *name, uint32_t count, int bad_at, int bad, int gzip) {
+    unsigned char *bytes = (unsigned char *)malloc(8 + (size_t)count);
+    put_be32(bytes, 0x00000801);
+    put_be32(bytes + 4, count);
+    for (uint32_t i = 0; i < count; i++) bytes[8 + i] = (unsigned char)(i % 10);
+    if (bad_at >= 0) bytes[8 + bad_at] = (unsigned char)bad;
+    const char *path = tmp_path(name);
+    write_bytes(path, bytes, 8 + (size_t)count, gzip);
+    free(bytes);
+    return path;
+}
+
+/* A file's bytes (for cutting and corrupting it). */
+static unsigned char *read_bytes(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { perror(path); exit(2); }
+    unsigned char *bytes = (unsigned char *)malloc(1 << 20);
+    *n = fread(bytes, 1, 1 << 20, f);
+    fclose(f);
+    return bytes;
+}
+
+/* "mgpu: error: <path>: <problem>": the line must name the file. */
+#define EXPECT_BAD_FILE(images, labels, bad_path, problem)                         \
+    do {                                                                           \
+        char want_[512];                                                           \
+        snprintf(want_, sizeof want_, "mgpu: error: %s: %s", bad_path, problem);   \
+        EXPECT_DIES(mgpu_dataset_load(images, labels), want_);                     \
+    } while (0)
+
+TEST(small_files_load_plain_and_gzip) {
+    const char *labels = labels_file("ok-labels", 5, -1, 0, 0);
+    for (int gzip = 0; gzip < 2; gzip++) {
+        const char *images = images_file(gzip ? "ok.gz" : "ok", 0x803, 5, 3, 4, 5, gzip);
+        mgpu_dataset *d = mgpu_dataset_load(images, labels);
+        CHECK_EQ_INT(d->n, 5);
+        CHECK_EQ_INT(d->rows, 3);
+        CHECK_EQ_INT(d->cols, 4);
+        for (int i = 0; i < 5 * 12; i++) CHECK_EQ_INT(d->images[i], (16 + i) % 256);
+        for (int i = 0; i < 5; i++) CHECK_EQ_INT(d->labels[i], i);
+        mgpu_dataset_free(d);
+    }
+}
+
+TEST(bad_images_files) {
+    const char *labels = labels_file("labels5", 5, -1, 0, 1);
+    const char *p;
+    p = images_file("wrong-magic.gz", 0x804, 5, 4, 4, 5, 1);
+    EXPECT_BAD_FILE(p, labels, p, "wrong magic number 0x00000804: not an IDX images file (0x00000803)");
+    EXPECT_BAD_FILE(labels, labels, labels, "wrong magic number 0x00000801: not an IDX images file");
+    /* Random bytes: neither gzip nor IDX. */
+    unsigned char junk[300];
+    for (int i = 0; i < 300; i++) junk[i] = (unsigned char)(i * 37 + 11);
+    p = tmp_path("random-bytes");
+    write_bytes(p, junk, sizeof junk, 0);
+    EXPECT_BAD_FILE(p, labels, p, "wrong magic number 0x0b30557a: not an IDX images file (0x00000803), and not gzip-compressed either");
+    /* A header cut after 10 bytes, plain and compressed. */
+    p = images_file("short-header", 0x803, 5, 4, 4, 0, 0);
+    truncate(p, 10);
+    EXPECT_BAD_FILE(p, labels, p, "truncated: the file ends in the middle of the header (10 of 16 bytes)");
+    p = tmp_path("empty.gz");
+    write_bytes(p, junk, 0, 1);
+    EXPECT_BAD_FILE(p, labels, p, "truncated: the file ends in the middle of the header (0 of 16 bytes)");
+    /* 5 images announced, 3 there. */
+    p = images_file("short-body", 0x803, 5, 4, 4, 3, 0);
+    EXPECT_BAD_FILE(p, labels, p, "truncated: the header announces 5 images of 4x4 (96 bytes in all), the file has 64");
+    p = images_file("short-body.gz", 0x803, 5, 4, 4, 3, 1);
+    EXPECT_BAD_FILE(p, labels, p, "truncated: the file ends in the middle of the images (48 of 80 bytes)");
+    /* A count far larger than the file holds: refused before allocating. */
+    p = images_file("huge-count", 0x803, 2000000000u, 28, 28, 2, 0);
+    EXPECT_BAD_FILE(p, labels, p, "truncated: the header announces 2000000000 images of 28x28");
+    p = images_file("huge-count.gz", 0x803, 2000000000u, 28, 28, 2, 1);
+    EXPECT_BAD_FILE(p, labels, p, "the header announces 2000000000 images of 28x28 (1568000000000 bytes), more than a");
+    p = images_file("too-many.gz", 0x803, 0x80000000u, 1, 1, 2, 1);
+    EXPECT_BAD_FILE(p, labels, p, "2147483648 images are too many");
+    /* Zero images, and images with no pixels. */
+    p = images_file("zero.gz", 0x803, 0, 28, 28, 0, 1);
+    EXPECT_BAD_FILE(p, labels, p, "holds no images");
+    p = images_file("zero-rows.gz", 0x803, 5, 0, 4, 0, 1);
+    EXPECT_BAD_FILE(p, labels, p, "images of 0x4 pixels: each side must be 1 to 65535");
+    /* More bytes than the header says, plain and compressed. */
+    p = images_file("trailing", 0x803, 5, 4, 4, 6, 0);
+    EXPECT_BAD_FILE(p, labels, p, "the file is longer than its header says: 112 bytes, 96 expected for 5 images of 4x4");
+    p = images_file("trailing.gz", 0x803, 5, 4, 4, 6, 1);
+    EXPECT_BAD_FILE(p, labels, p, "the file is longer than its header says: more than 96 bytes of data");
+}
+
+TEST(bad_gzip_streams) {
+    const char *labels = labels_file("labels-ok", 50, -1, 0, 0);
+    const char *good = images_file("good.gz", 0x803, 50, 28, 28, 50, 1);
+    size_t n;
+    unsigned char *bytes = read_bytes(good, &n);
+    /* A valid gzip header (10 bytes), then garbage instead of deflate data. */
+    for (size_t i = 10; i < n; i++) bytes[i] = (unsigned char)(0xA5 ^ (i * 131));
+    const char *p = tmp_path("garbage.gz");
+    write_bytes(p, bytes, n, 0);
+    EXPECT_BAD_FILE(p, labels, p, "corrupt gzip data (");
+    free(bytes);
+    /* The same stream cut in the middle, and cut just before its trailer. */
+    bytes = read_bytes(good, &n);
+    p = tmp_path("cut-in-half.gz");
+    write_bytes(p, bytes, n / 2, 0);
+    EXPECT_BAD_FILE(p, labels, p, "truncated gzip stream (unexpected end of file)");
+    p = tmp_path("no-trailer.gz");
+    write_bytes(p, bytes, n - 8, 0);
+    EXPECT_BAD_FILE(p, labels, p, "truncated gzip stream (unexpected end of file)");
+    /* A wrong CRC in the trailer: the data is corrupt. */
+    bytes[n - 8] ^= 0xFF;
+    p = tmp_path("bad-crc.gz");
+    write_bytes(p, bytes, n, 0);
+    EXPECT_BAD_FILE(p, labels, p, "corrupt gzip data (incorrect data check)");
+    free(bytes);
+}
+
+TEST(bad_labels_files) {
+    const char *images = images_file("images5.gz", 0x803, 5, 4, 4, 5, 1);
+    const char *p;
+    p = labels_file("labels4.gz", 4, -1, 0, 1);
+    char want[512];
+    snprintf(want, sizeof want, "mgpu: error: %s: 4 labels, but %s holds 5 images", p, images);
+    EXPECT_DIES(mgpu_dataset_load(images, p), want);
+    p = labels_file("label10.gz", 5, 3, 10, 1);
+    EXPECT_BAD_FILE(images, p, p, "label 10 of sample 3 is not in 0..9");
+    p = labels_file("label255", 5, 4, 255, 0);
+    EXPECT_BAD_FILE(images, p, p, "label 255 of sample 4 is not in 0..9");
+    EXPECT_BAD_FILE(images, images, images, "wrong magic number 0x00000803: not an IDX labels file (0x00000801)");
+    p = labels_file("labels-short", 5, -1, 0, 0);
+    truncate(p, 11);
+    EXPECT_BAD_FILE(images, p, p, "truncated: the header announces 5 labels (13 bytes in all), the file has 11");
+    p = labels_file("labels-zero.gz", 0, -1, 0, 1);
+    EXPECT_BAD_FILE(images, p, p, "holds no labels");
+}
+
+TEST(bad_paths) {
+    const char *labels = labels_file("labels-for-paths", 5, -1, 0, 0);
+    const char *dir = tmp_path("a-folder");
+    mkdir(dir, 0700);
+    EXPECT_BAD_FILE(dir, labels, dir, "is a directory, not an IDX file");
+    const char *missing = tmp_path("no-such-file.gz");
+    EXPECT_BAD_FILE(missing, labels, missing, "cannot open (No such file or directory)");
+    EXPECT_BAD_FILE("/dev/null", labels, "/dev/null", "is not a regular file");
+}
+
+/* Looking up Fashion-MNIST in a folder: .gz first, else uncompressed;
+   nothing there says where it looked and how to get the data. */
+TEST(fashion_mnist_lookup) {
+    const char *empty = tmp_path("empty-folder");
+    mkdir(empty, 0700);
+    mgpu_dataset *train = NULL, *test = NULL;
+    char want[512];
+    snprintf(want, sizeof want,
+             "mgpu: error: Fashion-MNIST not found: no %s/train-images-idx3-ubyte.gz nor "
+             "%s/train-images-idx3-ubyte", empty, empty);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(empty, &train, &test), want);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(empty, &train, &test), "`make data` fetches the data set");
+    /* A folder of small uncompressed files with the right names. */
+    const char *folder = tmp_path("small-fashion");
+    mkdir(folder, 0700);
+    images_file("small-fashion/t10k-images-idx3-ubyte", 0x803, 3, 28, 28, 3, 0);
+    labels_file("small-fashion/t10k-labels-idx1-ubyte", 3, -1, 0, 0);
+    mgpu_dataset_load_fashion_mnist(folder, NULL, &test);
+    CHECK(test != NULL && test->n == 3 && test->rows == 28);
+    mgpu_dataset_free(test);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(folder, &train, NULL), "train-images-idx3-ubyte");
+    /* Right names, wrong image size. */
+    const char *odd = images_file("small-fashion/train-images-idx3-ubyte.gz", 0x803, 3, 32, 32, 3, 1);
+    labels_file("small-fashion/train-labels-idx1-ubyte.gz", 3, -1, 0, 1);
+    snprintf(want, sizeof want, "mgpu: error: %s: images of 32x32 pixels; Fashion-MNIST's are 28x28", odd);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(folder, &train, NULL), want);
+}
+
+TEST(loader_misuse) {
+    mgpu_dataset *d = indexed_dataset(10);
+    mgpu_loader *l = mgpu_loader_new(d, 4, 1, 0);
+    mgpu_batch b;
+    EXPECT_DIES(mgpu_loader_next(l, &b), "no epoch started; call mgpu_loader_start_epoch first");
+    EXPECT_DIES(mgpu_loader_start_epoch(l, -1), "epoch -1 is negative");
+    EXPECT_DIES(mgpu_loader_new(d, 0, 1, 0), "batch size 0");
+    EXPECT_DIES(mgpu_dataset_subset(d, 0), "take at least one sample");
+    mgpu_loader_free(l);
+    mgpu_dataset_free(d);
+}
+
+/* Runs last (tests run in the order they are written): removes the files. */
+TEST(zz_cleanup) {
+    for (int i = tmp_count - 1; i >= 0; i--) {
+        struct stat st;
+        if (stat(tmp_paths[i], &st) == 0 && S_ISDIR(st.st_mode)) rmdir(tmp_paths[i]);
+        else unlink(tmp_paths[i]);
+    }
+    if (tmp_dir[0]) CHECK(rmdir(tmp_dir) == 0);
+    mgpu_dataset_free(real_train);
+    mgpu_dataset_free(real_test);
+}
+
+TEST_MAIN()

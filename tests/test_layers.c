@@ -1,0 +1,676 @@
+/* tests/test_layers.c: the layers on the CPU device.
+
+   Forward: every output against direct loops in double (for the
+   convolution, the sum over (c, r, s) straight from its definition, not
+   im2col), so a wrong index in im2col, in the product or in the layout
+   shows up as a wrong value.
+
+   Backward: against finite differences of L = sum(y * r), with a random
+   "upstream gradient" r (accumulated in double). Then dL/dy = r, so the
+   backward pass run with dy = r must give dL/d(input) for every input,
+   and the central difference
+       (L(v + eps) - L(v - eps)) / ((v + eps) - (v - eps))
+   estimates it. Every operation here is linear in each input taken alone
+   (the convolution and the linear layer in x for fixed weights and in the
+   weights for fixed x; ReLU on inputs kept at least 0.1 away from its
+   kink, with eps = 0.01), so the difference quotient is exact up to
+   rounding: its only error is the float rounding of the outputs that
+   change, about 1e-7 * |y| each, divided by 2 eps = 0.02: at most 5e-5
+   in these cases. The tolerance, 1e-3 absolute plus 1e-3 relative, leaves
+   a wide margin and still catches any wrong index (which is off by O(1)). The
+   denominator is the difference of the two float inputs actually used, so
+   the rounding of v +- eps to float costs nothing.
+
+   Every element of an input of up to 200 elements is checked; of larger
+   ones, 60 chosen at random. Gradients are first computed with their
+   tensors filled with NaN (an overwrite must not read them), then again
+   with accumulate = 1 on top of random values (parameter gradients must
+   add; dx must still be overwritten). */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+/* ------------------------------------------------------------- helpers */
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static double rng_uniform(void) { /* [0, 1), xorshift64* */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (double)((rng_state * 0x2545f4914f6cdd1dull) >> 11) / 9007199254740992.0;
+}
+static float *random_values(size_t n, int away_from_zero) {
+    float *v = (float *)malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        double u = 2.0 * rng_uniform() - 1.0; /* [-1, 1) */
+        if (away_from_zero) u = (u < 0 ? -0.1 : 0.1) + 0.9 * u; /* |u| >= 0.1 */
+        v[i] = (float)u;
+    }
+    return v;
+}
+static float *to_host(const mgpu_tensor *t) {
+    float *v = (float *)malloc(t->numel * sizeof(float));
+    mgpu_to_host(t, v);
+    return v;
+}
+/* Sets one element of a tensor on the CPU device (its memory is the host's). */
+static void set_element(mgpu_tensor *t, size_t i, float v) {
+    mgpu_synchronize(t->device);
+    t->data[i] = v;
+}
+static mgpu_tensor *tensor_of(mgpu_shape s, const float *v) { return mgpu_from_host(mgpu_cpu(), s, v); }
+
+/* Compares got with a double reference, element by element; on the first
+   failure says where. */
+static void check_values(const char *what, const float *got, const double *want, size_t n,
+                         double atol, double rtol) {
+    int before = test__failures;
+    for (size_t i = 0; i < n && test__failures == before; i++) {
+        CHECK_CLOSE(got[i], want[i], atol, rtol);
+        if (test__failures != before) fprintf(stderr, "  (%s, element %zu)\n", what, i);
+    }
+}
+
+/* ------------------------------------------------- the operations tested */
+typedef struct layer_case layer_case;
+#define MAX_INPUTS 3
+struct layer_case {
+    const char *name;
+    int ninputs;                       /* the input, then the parameters */
+    mgpu_shape in[MAX_INPUTS];
+    int is_param[MAX_INPUTS];          /* gradient accumulates with accumulate = 1 */
+    mgpu_shape out;
+    int stride, pad, k, mask_is_output; /* what the operation needs */
+    void (*forward)(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in);
+    void (*backward)(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                     mgpu_tensor *const *in, int accumulate);
+    void (*reference)(const layer_case *c, const float *const *in, double *y);
+};
+
+/* conv: in = x, w, and b when there are 3 inputs */
+static void conv_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    mgpu_conv2d_forward(y, in[0], in[1], c->ninputs > 2 ? in[2] : NULL, c->stride, c->pad);
+}
+static void conv_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                          mgpu_tensor *const *in, int accumulate) {
+    mgpu_conv2d_backward(grad[0], grad[1], c->ninputs > 2 ? grad[2] : NULL, dy, in[0], in[1],
+                         c->stride, c->pad, accumulate);
+}
+static void conv_reference(const layer_case *c, const float *const *in, double *y) {
+    const int *xs = c->in[0].d, *ws = c->in[1].d, *ys = c->out.d;
+    for (int n = 0; n < ys[0]; n++)
+        for (int k = 0; k < ys[1]; k++)
+            for (int p = 0; p < ys[2]; p++)
+                for (int q = 0; q < ys[3]; q++) {
+                    double sum = c->ninputs > 2 ? in[2][k] : 0.0;
+                    for (int ch = 0; ch < xs[1]; ch++)
+                        for (int r = 0; r < ws[2]; r++)
+                            for (int s = 0; s < ws[3]; s++) {
+                                int h = p * c->stride + r - c->pad, w = q * c->stride + s - c->pad;
+                                if (h < 0 || h >= xs[2] || w < 0 || w >= xs[3]) continue;
+                                sum += (double)in[1][((k * ws[1] + ch) * ws[2] + r) * ws[3] + s] *
+                                       in[0][((n * xs[1] + ch) * xs[2] + h) * xs[3] + w];
+                            }
+                    y[((n * ys[1] + k) * ys[2] + p) * ys[3] + q] = sum;
+                }
+}
+static layer_case conv_case(const char *name, int n, int ch, int h, int w, int k, int r, int s,
+                            int stride, int pad, int bias) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = bias ? 3 : 2;
+    c.in[0] = mgpu_shape4(n, ch, h, w);
+    c.in[1] = mgpu_shape4(k, ch, r, s);
+    c.in[2] = mgpu_shape1(k);
+    c.is_param[1] = c.is_param[2] = 1;
+    c.out = mgpu_conv2d_output_shape(c.in[0], c.in[1], stride, pad);
+    c.stride = stride;
+    c.pad = pad;
+    c.forward = conv_forward;
+    c.backward = conv_backward;
+    c.reference = conv_reference;
+    return c;
+}
+
+/* linear: in = x, w, and b when there are 3 inputs */
+static void linear_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    mgpu_linear_forward(y, in[0], in[1], c->ninputs > 2 ? in[2] : NULL);
+}
+static void linear_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                            mgpu_tensor *const *in, int accumulate) {
+    mgpu_linear_backward(grad[0], grad[1], c->ninputs > 2 ? grad[2] : NULL, dy, in[0], in[1],
+                         accumulate);
+}
+static void linear_reference(const layer_case *c, const float *const *in, double *y) {
+    int rows = c->out.d[0], fin = c->in[1].d[0], fout = c->in[1].d[1];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < fout; j++) {
+            double sum = c->ninputs > 2 ? in[2][j] : 0.0;
+            for (int l = 0; l < fin; l++) sum += (double)in[0][i * fin + l] * in[1][l * fout + j];
+            y[i * fout + j] = sum;
+        }
+}
+static layer_case linear_case(const char *name, mgpu_shape x, int fout, int bias) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = bias ? 3 : 2;
+    c.in[0] = x;
+    c.in[1] = mgpu_shape2((int)(mgpu_shape_numel(x) / (size_t)x.d[0]), fout);
+    c.in[2] = mgpu_shape1(fout);
+    c.is_param[1] = c.is_param[2] = 1;
+    c.out = mgpu_shape2(x.d[0], fout);
+    c.forward = linear_forward;
+    c.backward = linear_backward;
+    c.reference = linear_reference;
+    return c;
+}
+
+/* average pooling: in = x */
+static void pool_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    mgpu_avg_pool2d_forward(y, in[0], c->k);
+}
+static void pool_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                          mgpu_tensor *const *in, int accumulate) {
+    (void)in;
+    (void)accumulate;
+    mgpu_avg_pool2d_backward(grad[0], dy, c->k);
+}
+static void pool_reference(const layer_case *c, const float *const *in, double *y) {
+    const int *xs = c->in[0].d, *ys = c->out.d;
+    for (int plane = 0; plane < ys[0] * ys[1]; plane++)
+        for (int p = 0; p < ys[2]; p++)
+            for (int q = 0; q < ys[3]; q++) {
+                double sum = 0;
+                for (int i = 0; i < c->k; i++)
+                    for (int j = 0; j < c->k; j++)
+                        sum += in[0][(plane * xs[2] + p * c->k + i) * xs[3] + q * c->k + j];
+                y[(plane * ys[2] + p) * ys[3] + q] = sum / (c->k * c->k);
+            }
+}
+static layer_case pool_case(const char *name, mgpu_shape x, int k) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = 1;
+    c.in[0] = x;
+    c.out = mgpu_avg_pool2d_output_shape(x, k);
+    c.k = k;
+    c.forward = pool_forward;
+    c.backward = pool_backward;
+    c.reference = pool_reference;
+    return c;
+}
+
+/* global average pooling: in = x */
+static void gpool_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    (void)c;
+    mgpu_global_avg_pool_forward(y, in[0]);
+}
+static void gpool_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                           mgpu_tensor *const *in, int accumulate) {
+    (void)c;
+    (void)in;
+    (void)accumulate;
+    mgpu_global_avg_pool_backward(grad[0], dy);
+}
+static void gpool_reference(const layer_case *c, const float *const *in, double *y) {
+    int planes = c->out.d[0] * c->out.d[1], hw = c->in[0].d[2] * c->in[0].d[3];
+    for (int p = 0; p < planes; p++) {
+        double sum = 0;
+        for (int i = 0; i < hw; i++) sum += in[0][p * hw + i];
+        y[p] = sum / hw;
+    }
+}
+static layer_case gpool_case(const char *name, mgpu_shape x) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = 1;
+    c.in[0] = x;
+    c.out = mgpu_shape2(x.d[0], x.d[1]);
+    c.forward = gpool_forward;
+    c.backward = gpool_backward;
+    c.reference = gpool_reference;
+    return c;
+}
+
+/* ReLU: in = x; the backward mask is x, or the output recomputed */
+static void relu_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    (void)c;
+    mgpu_relu_forward(y, in[0]);
+}
+static void relu_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                          mgpu_tensor *const *in, int accumulate) {
+    (void)accumulate;
+    if (!c->mask_is_output) {
+        mgpu_relu_backward(grad[0], dy, in[0]);
+        return;
+    }
+    mgpu_tensor *y = mgpu_empty(in[0]->device, in[0]->shape);
+    mgpu_relu_forward(y, in[0]);
+    mgpu_relu_backward(grad[0], dy, y);
+    mgpu_free(y);
+}
+static void relu_reference(const layer_case *c, const float *const *in, double *y) {
+    for (size_t i = 0; i < mgpu_shape_numel(c->out); i++) y[i] = in[0][i] > 0 ? in[0][i] : 0.0;
+}
+static layer_case relu_case(const char *name, mgpu_shape x, int mask_is_output) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = 1;
+    c.in[0] = x;
+    c.out = x;
+    c.mask_is_output = mask_is_output;
+    c.forward = relu_forward;
+    c.backward = relu_backward;
+    c.reference = relu_reference;
+    return c;
+}
+
+/* residual sum: in = a, b; the backward pass is the documented rule
+   dL/da = dL/db = dL/dy, which the finite differences check */
+static void add_forward(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in) {
+    (void)c;
+    mgpu_add(y, in[0], in[1]);
+}
+static void add_backward(const layer_case *c, mgpu_tensor *const *grad, const mgpu_tensor *dy,
+                         mgpu_tensor *const *in, int accumulate) {
+    (void)c;
+    (void)in;
+    (void)accumulate;
+    mgpu_copy(grad[0], dy, 0);
+    mgpu_copy(grad[1], dy, 0);
+}
+static void add_reference(const layer_case *c, const float *const *in, double *y) {
+    for (size_t i = 0; i < mgpu_shape_numel(c->out); i++) y[i] = (double)in[0][i] + in[1][i];
+}
+static layer_case add_case(const char *name, mgpu_shape x) {
+    layer_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    c.ninputs = 2;
+    c.in[0] = c.in[1] = x;
+    c.out = x;
+    c.forward = add_forward;
+    c.backward = add_backward;
+    c.reference = add_reference;
+    return c;
+}
+
+/* ---------------------------------------------------------- the checks */
+
+/* Random inputs of a case (kept away from 0, where ReLU has its kink). */
+typedef struct {
+    float *value[MAX_INPUTS];
+    mgpu_tensor *in[MAX_INPUTS];
+} case_inputs;
+static case_inputs inputs_new(const layer_case *c) {
+    case_inputs ci;
+    memset(&ci, 0, sizeof ci);
+    for (int i = 0; i < c->ninputs; i++) {
+        ci.value[i] = random_values(mgpu_shape_numel(c->in[i]), 1);
+        ci.in[i] = tensor_of(c->in[i], ci.value[i]);
+    }
+    return ci;
+}
+static void inputs_free(const layer_case *c, case_inputs *ci) {
+    for (int i = 0; i < c->ninputs; i++) {
+        free(ci->value[i]);
+        mgpu_free(ci->in[i]);
+    }
+}
+
+/* The forward output against the double reference. */
+static void check_forward(const layer_case *c) {
+    case_inputs ci = inputs_new(c);
+    size_t n = mgpu_shape_numel(c->out);
+    mgpu_tensor *y = mgpu_full(mgpu_cpu(), c->out, NAN);
+    c->forward(c, y, ci.in);
+    float *got = to_host(y);
+    double *want = (double *)malloc(n * sizeof(double));
+    c->reference(c, (const float *const *)ci.value, want);
+    /* float accumulation over at most a few hundred terms of size ~1 */
+    check_values(c->name, got, want, n, 1e-5, 1e-5);
+    free(got);
+    free(want);
+    mgpu_free(y);
+    inputs_free(c, &ci);
+}
+
+/* L = sum(y * r) in double, for the current inputs. */
+static double loss_of(const layer_case *c, mgpu_tensor *y, mgpu_tensor *const *in, const float *r) {
+    c->forward(c, y, in);
+    float *v = to_host(y);
+    double sum = 0;
+    for (size_t i = 0; i < y->numel; i++) sum += (double)v[i] * r[i];
+    free(v);
+    return sum;
+}
+
+static void check_gradients(const layer_case *c) {
+    int failures_before = test__failures;
+    mgpu_device *cpu = mgpu_cpu();
+    case_inputs ci = inputs_new(c);
+    size_t nout = mgpu_shape_numel(c->out);
+    float *r = random_values(nout, 0);
+    mgpu_tensor *dy = tensor_of(c->out, r), *y = mgpu_empty(cpu, c->out);
+    mgpu_tensor *grad[MAX_INPUTS];
+    float *analytic[MAX_INPUTS];
+
+    /* Overwrite: the gradient tensors hold NaN, which must not be read. */
+    for (int i = 0; i < c->ninputs; i++) grad[i] = mgpu_full(cpu, c->in[i], NAN);
+    c->backward(c, grad, dy, ci.in, 0);
+    for (int i = 0; i < c->ninputs; i++) analytic[i] = to_host(grad[i]);
+
+    const float eps = 1e-2f;
+    for (int i = 0; i < c->ninputs; i++) {
+        size_t n = mgpu_shape_numel(c->in[i]);
+        size_t count = n <= 200 ? n : 60;
+        for (size_t j = 0; j < count; j++) {
+            size_t e = n <= 200 ? j : (size_t)(rng_uniform() * (double)n);
+            float v = ci.value[i][e], plus = v + eps, minus = v - eps;
+            set_element(ci.in[i], e, plus);
+            double lp = loss_of(c, y, ci.in, r);
+            set_element(ci.in[i], e, minus);
+            double lm = loss_of(c, y, ci.in, r);
+            set_element(ci.in[i], e, v);
+            double numeric = (lp - lm) / ((double)plus - (double)minus);
+            int before = test__failures;
+            CHECK_CLOSE(analytic[i][e], numeric, 1e-3, 1e-3);
+            if (test__failures != before)
+                fprintf(stderr, "  (%s: gradient of input %d, element %zu)\n", c->name, i, e);
+        }
+    }
+
+    /* Accumulate: parameter gradients add to what is there; dx is still
+       overwritten (it holds NaN again). */
+    float *start[MAX_INPUTS];
+    for (int i = 0; i < c->ninputs; i++) {
+        size_t n = mgpu_shape_numel(c->in[i]);
+        start[i] = random_values(n, 0);
+        mgpu_free(grad[i]);
+        grad[i] = c->is_param[i] ? tensor_of(c->in[i], start[i]) : mgpu_full(cpu, c->in[i], NAN);
+    }
+    c->backward(c, grad, dy, ci.in, 1);
+    for (int i = 0; i < c->ninputs; i++) {
+        size_t n = mgpu_shape_numel(c->in[i]);
+        float *got = to_host(grad[i]);
+        double *want = (double *)malloc(n * sizeof(double));
+        for (size_t e = 0; e < n; e++)
+            want[e] = (double)analytic[i][e] + (c->is_param[i] ? start[i][e] : 0.0f);
+        check_values(c->name, got, want, n, 1e-5, 1e-5);
+        free(got);
+        free(want);
+        free(start[i]);
+        free(analytic[i]);
+        mgpu_free(grad[i]);
+    }
+    if (test__failures != failures_before) fprintf(stderr, "  (in case %s)\n", c->name);
+    free(r);
+    mgpu_free(dy);
+    mgpu_free(y);
+    inputs_free(c, &ci);
+}
+
+static void check_case(const layer_case *c) {
+    check_forward(c);
+    check_gradients(c);
+}
+
+/* ----------------------------------------------------------------- tests */
+static layer_case conv_cases[10];
+static int nconv_cases;
+__attribute__((constructor)) static void make_conv_cases(void) {
+    int i = 0;
+    /*                         name                   N  C   H  W  K  R  S  t  d  bias */
+    conv_cases[i++] = conv_case("3x3 single image", 1, 1, 6, 6, 2, 3, 3, 1, 0, 1);
+    conv_cases[i++] = conv_case("3x3 pad 1", 3, 3, 7, 9, 4, 3, 3, 1, 1, 1);
+    conv_cases[i++] = conv_case("5x5 no bias", 2, 2, 8, 7, 3, 5, 5, 1, 0, 0);
+    conv_cases[i++] = conv_case("5x5 stride 2 pad 1", 2, 3, 9, 8, 5, 5, 5, 2, 1, 1);
+    conv_cases[i++] = conv_case("1x1 stride 2", 2, 4, 6, 5, 3, 1, 1, 2, 0, 1);
+    conv_cases[i++] = conv_case("3x3 stride 2 pad 1", 1, 2, 7, 7, 2, 3, 3, 2, 1, 0);
+    conv_cases[i++] = conv_case("1x1 pad 1", 2, 3, 5, 6, 2, 1, 1, 1, 1, 1);
+    conv_cases[i++] = conv_case("3x2 kernel", 2, 2, 6, 7, 3, 3, 2, 1, 1, 1);
+    conv_cases[i++] = conv_case("3x3 stride 3 pad 2", 1, 2, 11, 10, 2, 3, 3, 3, 2, 1);
+    /* a 1-pixel-wide input: some kernel columns see only padding */
+    conv_cases[i++] = conv_case("5x5 pad 2 of 3x1", 2, 2, 3, 1, 2, 5, 5, 1, 2, 1);
+    nconv_cases = i;
+}
+
+TEST(conv2d_forward_and_gradients) {
+    for (int i = 0; i < nconv_cases; i++) check_case(&conv_cases[i]);
+}
+
+/* The first layer needs no dx: dw and db are the same without it. */
+TEST(conv2d_backward_without_dx) {
+    layer_case c = conv_case("no dx", 2, 3, 7, 6, 4, 3, 3, 1, 1, 1);
+    case_inputs ci = inputs_new(&c);
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *dy = mgpu_randn(cpu, c.out, 0, 1);
+    mgpu_tensor *dx = mgpu_empty(cpu, c.in[0]), *dw1 = mgpu_empty(cpu, c.in[1]),
+                *db1 = mgpu_empty(cpu, c.in[2]), *dw2 = mgpu_empty(cpu, c.in[1]),
+                *db2 = mgpu_empty(cpu, c.in[2]);
+    mgpu_conv2d_backward(dx, dw1, db1, dy, ci.in[0], ci.in[1], 1, 1, 0);
+    mgpu_conv2d_backward(NULL, dw2, db2, dy, ci.in[0], ci.in[1], 1, 1, 0);
+    float *a = to_host(dw1), *b = to_host(dw2), *ab = to_host(db1), *bb = to_host(db2);
+    for (size_t i = 0; i < dw1->numel; i++) CHECK(a[i] == b[i]);
+    for (size_t i = 0; i < db1->numel; i++) CHECK(ab[i] == bb[i]);
+    free(a); free(b); free(ab); free(bb);
+    mgpu_free(dy); mgpu_free(dx); mgpu_free(dw1); mgpu_free(db1); mgpu_free(dw2); mgpu_free(db2);
+    inputs_free(&c, &ci);
+}
+
+/* y, dx, dw, db of a convolution case, on the host. */
+static void conv_run(const layer_case *c, const case_inputs *ci, const mgpu_tensor *dy,
+                     float *out[4]) {
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *y = mgpu_empty(cpu, c->out);
+    mgpu_tensor *grads[3] = {mgpu_empty(cpu, c->in[0]), mgpu_empty(cpu, c->in[1]),
+                             mgpu_empty(cpu, c->in[2])};
+    conv_forward(c, y, ci->in);
+    conv_backward(c, grads, dy, ci->in, 0);
+    out[0] = to_host(y);
+    mgpu_free(y);
+    for (int t = 0; t < 3; t++) {
+        out[t + 1] = to_host(grads[t]);
+        mgpu_free(grads[t]);
+    }
+}
+
+/* A scratch budget of a few images makes the batch run in several chunks;
+   the results must be those of one chunk, and dw must add up over the
+   chunks (also on top of an existing gradient: the finite differences). */
+TEST(conv2d_in_chunks) {
+    size_t saved = mgpu__conv_scratch_floats[0]; /* the CPU's */
+    layer_case c = conv_case("in chunks", 5, 3, 7, 6, 4, 3, 3, 1, 1, 1);
+    size_t per_image = (size_t)(3 * 3 * 3 + 4) * 7 * 6; /* (C*R*S + K) * P*Q */
+    size_t sizes[4] = {mgpu_shape_numel(c.out), mgpu_shape_numel(c.in[0]),
+                       mgpu_shape_numel(c.in[1]), mgpu_shape_numel(c.in[2])};
+    case_inputs ci = inputs_new(&c);
+    mgpu_tensor *dy = mgpu_randn(mgpu_cpu(), c.out, 0, 1);
+    float *whole[4], *chunked[4];
+    conv_run(&c, &ci, dy, whole);
+    /* chunks of 2, 2 and 1 images; then a budget below one image: 1 per chunk */
+    size_t budgets[2] = {2 * per_image, 1};
+    for (int b = 0; b < 2; b++) {
+        mgpu__conv_scratch_floats[0] = budgets[b];
+        conv_run(&c, &ci, dy, chunked);
+        for (int t = 0; t < 4; t++) {
+            int before = test__failures;
+            for (size_t e = 0; e < sizes[t] && before == test__failures; e++)
+                CHECK_CLOSE(chunked[t][e], whole[t][e], 1e-5, 1e-5);
+            if (before != test__failures) fprintf(stderr, "  (budget %zu, tensor %d)\n", budgets[b], t);
+            free(chunked[t]);
+        }
+    }
+    mgpu__conv_scratch_floats[0] = 2 * per_image;
+    check_gradients(&c);
+    mgpu__conv_scratch_floats[0] = 1;
+    check_gradients(&conv_cases[3]);
+    mgpu__conv_scratch_floats[0] = saved;
+    for (int t = 0; t < 4; t++) free(whole[t]);
+    mgpu_free(dy);
+    inputs_free(&c, &ci);
+}
+
+TEST(avg_pool2d_forward_and_gradients) {
+    layer_case cases[] = {
+        pool_case("2x2 even", mgpu_shape4(2, 3, 8, 6), 2),
+        pool_case("2x2 of 9x9 rounds down", mgpu_shape4(1, 2, 9, 9), 2),
+        pool_case("3x3 of 9x7", mgpu_shape4(2, 1, 9, 7), 3),
+        pool_case("4x4 whole map", mgpu_shape4(1, 2, 4, 4), 4),
+        pool_case("1x1 identity", mgpu_shape4(1, 2, 3, 2), 1),
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+    CHECK(mgpu_shape_equal(mgpu_avg_pool2d_output_shape(mgpu_shape4(256, 50, 9, 9), 2),
+                           mgpu_shape4(256, 50, 4, 4)));
+}
+
+TEST(global_avg_pool_forward_and_gradients) {
+    layer_case cases[] = {
+        gpool_case("4x5", mgpu_shape4(2, 3, 4, 5)),
+        gpool_case("1x1", mgpu_shape4(3, 2, 1, 1)),
+        gpool_case("7x7", mgpu_shape4(2, 4, 7, 7)),
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+}
+
+TEST(relu_forward_and_gradients) {
+    layer_case by_input = relu_case("relu, mask from x", mgpu_shape4(2, 3, 4, 5), 0);
+    layer_case by_output = relu_case("relu, mask from y", mgpu_shape2(7, 9), 1);
+    check_case(&by_input);
+    check_case(&by_output);
+}
+
+TEST(relu_in_place) {
+    float v[6] = {-2, -0.5f, 0, 0.25f, 3, -1e-3f}, want[6] = {0, 0, 0, 0.25f, 3, 0};
+    mgpu_tensor *t = tensor_of(mgpu_shape2(2, 3), v);
+    mgpu_relu_forward(t, t);
+    float got[6];
+    mgpu_to_host(t, got);
+    for (int i = 0; i < 6; i++) CHECK(got[i] == want[i]);
+    /* backward in place: dx = dy; at exactly 0 the gradient is 0, like PyTorch */
+    float g[6] = {1, 2, 3, 4, 5, 6}, gwant[6] = {0, 0, 0, 4, 5, 0};
+    mgpu_tensor *d = tensor_of(mgpu_shape2(2, 3), g);
+    mgpu_relu_backward(d, d, t);
+    mgpu_to_host(d, got);
+    for (int i = 0; i < 6; i++) CHECK(got[i] == gwant[i]);
+    mgpu_free(t);
+    mgpu_free(d);
+}
+
+TEST(add_forward_and_gradients) {
+    layer_case c = add_case("add", mgpu_shape3(2, 3, 4));
+    check_case(&c);
+    /* in place: a += b */
+    float a[3] = {1, 2, 3}, b[3] = {10, 20, 30}, got[3];
+    mgpu_tensor *ta = tensor_of(mgpu_shape1(3), a), *tb = tensor_of(mgpu_shape1(3), b);
+    mgpu_add(ta, ta, tb);
+    mgpu_to_host(ta, got);
+    CHECK(got[0] == 11 && got[1] == 22 && got[2] == 33);
+    mgpu_free(ta);
+    mgpu_free(tb);
+}
+
+TEST(linear_forward_and_gradients) {
+    layer_case cases[] = {
+        linear_case("linear 4x7 -> 3", mgpu_shape2(4, 7), 3, 1),
+        linear_case("linear, one row, no bias", mgpu_shape2(1, 5), 2, 0),
+        linear_case("linear of an image batch", mgpu_shape4(3, 2, 2, 2), 4, 1),
+        linear_case("linear 20x30 -> 10", mgpu_shape2(20, 30), 10, 1),
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+}
+
+/* The LeNet's shapes, end to end: 28x28 -> conv 3x3 -> 26 -> pool -> 13
+   -> conv 5x5 -> 9 -> pool -> 4 (rounded down) -> 50*4*4 = 800 features. */
+TEST(lenet_shapes) {
+    mgpu_shape h1 = mgpu_conv2d_output_shape(mgpu_shape4(256, 1, 28, 28), mgpu_shape4(20, 1, 3, 3), 1, 0);
+    mgpu_shape p1 = mgpu_avg_pool2d_output_shape(h1, 2);
+    mgpu_shape h2 = mgpu_conv2d_output_shape(p1, mgpu_shape4(50, 20, 5, 5), 1, 0);
+    mgpu_shape p2 = mgpu_avg_pool2d_output_shape(h2, 2);
+    CHECK(mgpu_shape_equal(h1, mgpu_shape4(256, 20, 26, 26)));
+    CHECK(mgpu_shape_equal(p1, mgpu_shape4(256, 20, 13, 13)));
+    CHECK(mgpu_shape_equal(h2, mgpu_shape4(256, 50, 9, 9)));
+    CHECK(mgpu_shape_equal(p2, mgpu_shape4(256, 50, 4, 4)));
+    /* ResNet's strided 3x3 and 1x1 shortcut give the same size */
+    CHECK(mgpu_shape_equal(mgpu_conv2d_output_shape(mgpu_shape4(2, 64, 28, 28), mgpu_shape4(128, 64, 3, 3), 2, 1),
+                           mgpu_conv2d_output_shape(mgpu_shape4(2, 64, 28, 28), mgpu_shape4(128, 64, 1, 1), 2, 0)));
+}
+
+/* ----------------------------------------------------------- bad calls */
+TEST(errors_name_the_shapes) {
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8));
+    mgpu_tensor *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3)), *w2 = mgpu_zeros(cpu, mgpu_shape4(4, 2, 3, 3));
+    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6)), *ybad = mgpu_zeros(cpu, mgpu_shape4(2, 4, 8, 8));
+    mgpu_tensor *b5 = mgpu_zeros(cpu, mgpu_shape1(5)), *dw = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 2));
+    mgpu_tensor *big = mgpu_zeros(cpu, mgpu_shape4(4, 3, 9, 9));
+    mgpu_tensor *lx = mgpu_zeros(cpu, mgpu_shape2(4, 7)), *lw = mgpu_zeros(cpu, mgpu_shape2(6, 3));
+    mgpu_tensor *ly = mgpu_zeros(cpu, mgpu_shape2(4, 3)), *lw7 = mgpu_zeros(cpu, mgpu_shape2(7, 3));
+    mgpu_tensor *ly5 = mgpu_zeros(cpu, mgpu_shape2(5, 3)), *r23 = mgpu_zeros(cpu, mgpu_shape2(2, 3));
+    mgpu_tensor *r32 = mgpu_zeros(cpu, mgpu_shape2(3, 2)), *p = mgpu_zeros(cpu, mgpu_shape4(2, 3, 3, 3));
+    mgpu_synchronize(cpu); /* the children fork from an idle worker */
+
+    EXPECT_DIES(mgpu_conv2d_forward(y, x, w2, NULL, 1, 0),
+                "mgpu_conv2d_forward: input [2, 3, 8, 8] has 3 channels but weight [4, 2, 3, 3] expects 2");
+    EXPECT_DIES(mgpu_conv2d_forward(ybad, x, w, NULL, 1, 0),
+                "mgpu_conv2d_forward: output y has shape [2, 4, 8, 8], expected [2, 4, 6, 6]");
+    EXPECT_DIES(mgpu_conv2d_forward(y, x, w, b5, 1, 0),
+                "mgpu_conv2d_forward: bias b has shape [5], expected [4]");
+    EXPECT_DIES(mgpu_conv2d_forward(y, x, big, NULL, 1, 0),
+                "mgpu_conv2d_forward: a 9x9 kernel does not fit in input [2, 3, 8, 8] padded by 0");
+    EXPECT_DIES(mgpu_conv2d_forward(y, x, w, NULL, 0, 0), "stride 0 must be >= 1");
+    EXPECT_DIES(mgpu_conv2d_backward(NULL, dw, NULL, y, x, w, 1, 0, 0),
+                "mgpu_conv2d_backward: weight gradient dw has shape [4, 3, 3, 2], expected [4, 3, 3, 3]");
+    EXPECT_DIES(mgpu_conv2d_backward(NULL, w, NULL, ybad, x, w, 1, 0, 0),
+                "mgpu_conv2d_backward: output gradient dy has shape [2, 4, 8, 8], expected [2, 4, 6, 6]");
+    EXPECT_DIES(mgpu_conv2d_output_shape(mgpu_shape2(2, 3), mgpu_shape4(4, 3, 3, 3), 1, 0),
+                "input [2, 3] and weight [4, 3, 3, 3] must both have 4 dimensions");
+    EXPECT_DIES(mgpu_linear_forward(ly, lx, lw, NULL),
+                "mgpu_linear_forward: input [4, 7] has 7 features but weight [6, 3] expects 6");
+    EXPECT_DIES(mgpu_linear_forward(ly5, lx, lw7, NULL),
+                "mgpu_linear_forward: output y has shape [5, 3], expected [4, 3]");
+    EXPECT_DIES(mgpu_linear_backward(NULL, lw, NULL, ly, lx, lw7, 0),
+                "mgpu_linear_backward: weight gradient dw has shape [6, 3], expected [7, 3]");
+    EXPECT_DIES(mgpu_avg_pool2d_forward(y, x, 2),
+                "mgpu_avg_pool2d_forward: output y has shape [2, 4, 6, 6], expected [2, 3, 4, 4]");
+    EXPECT_DIES(mgpu_avg_pool2d_forward(p, p, 4), "mgpu_avg_pool2d_forward: cannot pool input [2, 3, 3, 3] with 4x4 windows");
+    EXPECT_DIES(mgpu_global_avg_pool_forward(r32, x),
+                "mgpu_global_avg_pool_forward: output y has shape [3, 2], expected [2, 3]");
+    EXPECT_DIES(mgpu_relu_forward(r23, r32), "mgpu_relu_forward: shapes [2, 3] and [3, 2] differ");
+    EXPECT_DIES(mgpu_add(r23, r23, r32), "mgpu_add: shapes [2, 3] and [3, 2] differ");
+
+    mgpu_free(x); mgpu_free(w); mgpu_free(w2); mgpu_free(y); mgpu_free(ybad); mgpu_free(b5);
+    mgpu_free(dw); mgpu_free(big); mgpu_free(lx); mgpu_free(lw); mgpu_free(ly); mgpu_free(lw7);
+    mgpu_free(ly5); mgpu_free(r23); mgpu_free(r32); mgpu_free(p);
+}
+
+/* A second CPU device is made in the child only: mgpu_devices also shares
+   the cores between CPU devices, which would slow the rest of the tests. */
+static mgpu_tensor *on_second_device(mgpu_shape s) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    return mgpu_empty(devs[1], s);
+}
+
+TEST(errors_name_the_devices) {
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8)), *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3));
+    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6)), *lx = mgpu_zeros(cpu, mgpu_shape2(4, 7));
+    mgpu_tensor *ly = mgpu_zeros(cpu, mgpu_shape2(4, 3));
+    mgpu_synchronize(cpu);
+    EXPECT_DIES(mgpu_conv2d_forward(y, x, on_second_device(w->shape), NULL, 1, 0),
+                "mgpu_conv2d_forward: a tensor on cpu#1 is used with one on cpu; copy it first with mgpu_to");
+    EXPECT_DIES(mgpu_conv2d_backward(on_second_device(x->shape), w, NULL, y, x, w, 1, 0, 0),
+                "mgpu_conv2d_backward: a tensor on cpu#1 is used with one on cpu");
+    EXPECT_DIES(mgpu_linear_forward(ly, lx, on_second_device(mgpu_shape2(7, 3)), NULL),
+                "mgpu_linear_forward: a tensor on cpu#1 is used with one on cpu");
+    EXPECT_DIES(mgpu_relu_forward(on_second_device(ly->shape), ly),
+                "mgpu_relu_forward: a tensor on cpu is used with one on cpu#1");
+    mgpu_free(x); mgpu_free(w); mgpu_free(y); mgpu_free(lx); mgpu_free(ly);
+}
+
+TEST_MAIN()
