@@ -57,17 +57,24 @@
    devices are distinct GPUs, the ring otherwise, and nothing for one
    device; it returns the name of what it used: "nccl", "ring" or "none".
 
-   Overlap. mgpu_allreduce_start is mgpu_allreduce_auto without the last
-   step: the reduction is queued on the communication queues (each starts
-   when its compute queue has produced data[i]) and the compute queues go
-   on at once; mgpu_comm_wait(devices, n) then makes each compute queue
-   wait for everything given to its communication queue so far. In
-   between, do not touch data[i] on its device: it is being reduced.
+   Overlap. mgpu_allreduce_start(data, n, average, scratch) is
+   mgpu_allreduce_auto without its last step: the reduction is queued on
+   the communication queues (each starts when its compute queue has
+   produced data[i]) and the compute queues go on at once;
+   mgpu_comm_wait(devices, n) then makes each compute queue wait for
+   everything given to its communication queue so far. In between, leave
+   data[i] alone: it is being reduced.
        backward of the last layers ...
-       mgpu_allreduce_start(bucket, n, 0);   reduction of their gradients starts
-       backward of the earlier layers ...     runs meanwhile
-       mgpu_comm_wait(devices, n);            the optimiser sees every sum
-   A bucket is one flat tensor per device (gradients can be views into it).
+       mgpu_allreduce_start(bucket, n, 0, scratch);  their reduction starts
+       backward of the earlier layers ...             runs meanwhile
+       mgpu_comm_wait(devices, n);                    the optimiser sees every sum
+   A bucket is one flat tensor per device (gradients can be views into
+   it). scratch is NULL, or the ring's receive buffers: one per device, on
+   that device, of at least ceil(numel / n) elements, kept from call to
+   call and freed after mgpu_comm_wait. Why keep them: memory the ring
+   takes from the allocator goes back marked "in use until this reduction
+   ends", and the next tensor of that size would make its compute queue
+   wait for the reduction, stalling the backward pass the overlap is for.
 
    Peer access. Two GPUs copy straight to each other (NVLink or PCIe)
    only once peer access is on; otherwise the driver stages every copy
@@ -100,5 +107,6 @@ MGPU_DEF void mgpu_nccl_reduce_scatter(mgpu_nccl_comm *comm, mgpu_tensor *const 
 MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *comm, mgpu_tensor *const *in, mgpu_tensor **out);
 
 MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average);
-MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average);
+MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average,
+                                          mgpu_tensor *const *scratch);
 MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);

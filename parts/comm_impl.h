@@ -31,6 +31,7 @@ static void mgpu__devices_of(mgpu_tensor *const *data, int n, mgpu_device **devi
     for (int i = 0; i < n; i++) devices[i] = data[i]->device;
 }
 
+/* Peer access (see the manual), for each ordered pair of GPUs once. */
 MGPU_DEF void mgpu_enable_peer_access(mgpu_device *const *devices, int n) {
 #if MGPU_CUDA
     static unsigned char tried[MGPU_MAX_DEVICES][MGPU_MAX_DEVICES]; /* [from][to] */
@@ -245,8 +246,10 @@ static void mgpu__ring_average(mgpu__ring *r) {
 }
 
 /* The ring itself, on the communication queues; the caller orders it
-   with the compute queues (mgpu__comm_begin before, mgpu_comm_wait after). */
-static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average) {
+   with the compute queues (mgpu__comm_begin before, mgpu_comm_wait after).
+   scratch: the receive buffers, or NULL to take them from the allocator
+   for this call (see mgpu_allreduce_start for why a caller keeps its own). */
+static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average, mgpu_tensor *const *scratch) {
     mgpu__ring r;
     memset(&r, 0, sizeof r);
     r.n = n;
@@ -254,7 +257,7 @@ static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average) {
     for (int i = 0; i < n; i++) {
         r.dev[i] = data[i]->device;
         r.data[i] = data[i]->data;
-        r.recv[i] = mgpu_empty(r.dev[i], mgpu_shape1((int)((r.numel + n - 1) / n)));
+        r.recv[i] = scratch ? scratch[i] : mgpu_empty(r.dev[i], mgpu_shape1((int)((r.numel + n - 1) / n)));
         r.mark[i] = mgpu_event_new();
     }
     /* Reduce-scatter: at step s device i-1 sends chunk (i-1-s), which
@@ -271,12 +274,15 @@ static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average) {
         mgpu__ring_mark(&r);
         for (int i = 0; i < n; i++) mgpu__ring_receive(&r, i, mgpu__mod(i - s, n), 0);
     }
-    /* Device i+1's queue may still be reading data[i], and device i's its
-       receive buffer: the tensors remember it, so that whatever writes or
-       reuses their memory next waits for it. */
+    /* In the last step device i+1 read data[i]: device i's queue waits for
+       it, so that once a device's communication queue is done nothing
+       touches its vector any more (mgpu_comm_wait relies on this). A
+       receive buffer of our own goes back to the cache marked as in use
+       until device i's queue is done with it. */
     mgpu__ring_mark(&r);
     for (int i = 0; i < n; i++) {
-        mgpu__tensor_track(data[i], r.mark[mgpu__mod(i + 1, n)]);
+        mgpu__event_wait_on(&r.dev[i]->queue[1], r.mark[mgpu__mod(i + 1, n)]);
+        if (scratch) continue;
         mgpu__tensor_track(r.recv[i], r.mark[i]);
         mgpu_free(r.recv[i]);
     }
@@ -285,22 +291,28 @@ static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average) {
 
 /* A CPU queue cannot copy GPU memory, nor a GPU stream wait for a CPU
    queue without stopping the host: a ring is all GPUs or all CPU devices. */
-static void mgpu__ring_start(const char *op, mgpu_tensor *const *data, int n, int average) {
+static void mgpu__ring_start(const char *op, mgpu_tensor *const *data, int n, int average,
+                             mgpu_tensor *const *scratch) {
     for (int i = 1; i < n; i++)
         MGPU_REQUIRE(mgpu_device_is_gpu(data[i]->device) == mgpu_device_is_gpu(data[0]->device),
                      "%s: %s and %s: the devices of a ring must be all GPUs or all CPU devices", op,
                      data[0]->device->name, data[i]->device->name);
     if (n == 1 || data[0]->numel == 0) return;
+    size_t chunk = (data[0]->numel + n - 1) / n; /* the longest chunk */
+    for (int i = 0; scratch && i < n; i++)
+        MGPU_REQUIRE(scratch[i] && scratch[i]->device == data[i]->device && scratch[i]->numel >= chunk,
+                     "%s: scratch[%d] must hold at least %zu elements on %s", op, i, chunk,
+                     data[i]->device->name);
     mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
     mgpu__devices_of(data, n, devices);
     mgpu_enable_peer_access(devices, n);
     mgpu__comm_begin(data, n);
-    mgpu__ring_run(data, n, average);
+    mgpu__ring_run(data, n, average, scratch);
 }
 
 MGPU_DEF void mgpu_ring_allreduce(mgpu_tensor **data, int n, int average) {
     mgpu__require_collective("mgpu_ring_allreduce", data, n);
-    mgpu__ring_start("mgpu_ring_allreduce", data, n, average);
+    mgpu__ring_start("mgpu_ring_allreduce", data, n, average, NULL);
     mgpu__comm_end(data, n);
 }
 
@@ -518,7 +530,8 @@ MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *c, mgpu_tensor *const *in, mg
 #endif
 
 /* ---------------------------------------------------- choosing an algorithm */
-static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int n, int average) {
+static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int n, int average,
+                                         mgpu_tensor *const *scratch) {
     mgpu__require_collective(op, data, n);
     if (n == 1) return "none"; /* the sum of one vector is itself, and so is its average */
 #if MGPU_CUDA
@@ -530,16 +543,16 @@ static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int
         return "nccl";
     }
 #endif
-    mgpu__ring_start(op, data, n, average);
+    mgpu__ring_start(op, data, n, average, scratch);
     return "ring";
 }
 
-MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average) {
-    return mgpu__allreduce_start("mgpu_allreduce_start", data, n, average);
+MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average, mgpu_tensor *const *scratch) {
+    return mgpu__allreduce_start("mgpu_allreduce_start", data, n, average, scratch);
 }
 
 MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average) {
-    const char *algorithm = mgpu__allreduce_start("mgpu_allreduce_auto", data, n, average);
+    const char *algorithm = mgpu__allreduce_start("mgpu_allreduce_auto", data, n, average, NULL);
     if (n > 1) mgpu__comm_end(data, n);
     return algorithm;
 }

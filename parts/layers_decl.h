@@ -6,7 +6,8 @@
    Images are NCHW: x [N, C, H, W]. Every function writes into tensors that
    you allocate (mgpu_empty) with the right shapes; the shapes and devices
    are checked, and a mismatch is a one-line error naming the function and
-   the shapes. All tensors of a call must be on the same device. Like every
+   the shapes. All tensors of a call must be on the same device, and hold
+   fewer than 2^31 elements (the GPU kernels index in 32 bits). Like every
    operation, these only enqueue work on the device and return at once.
 
    Backward functions take dy = dL/dy, the gradient of the loss with

@@ -133,7 +133,8 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
                                                 s.kout->data, 0.0f);
         MGPU__ENQUEUE(dev, "conv2d", mgpu__gemm, prod);
         /* [K, n, P*Q] -> y's [n, K, P*Q] */
-        mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n, pq};
+        mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
+                                      pq};
         MGPU__ENQUEUE(dev, "conv2d", mgpu__swap_outer, back);
     }
     mgpu__conv_scratch_free(&s);
@@ -174,7 +175,8 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
         int cols = part.n * (int)pq;
         /* G [K, n*P*Q] from dy's [n, K, P*Q] */
-        mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n, g.k, pq};
+        mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
+                                       g.k, pq};
         MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__swap_outer, there);
         mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
         MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__im2col, im);
@@ -194,7 +196,8 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     }
     mgpu__conv_scratch_free(&s);
     if (db) {
-        mgpu__chan_sum_args sum = {db->data, dy->data, g.n, g.k, pq, 1.0f, accumulate ? 1.0f : 0.0f};
+        float beta = accumulate ? 1.0f : 0.0f;
+        mgpu__chan_sum_args sum = {db->data, dy->data, g.n, g.k, pq, 1.0f, beta};
         MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__chan_sum, sum);
     }
 }
@@ -248,7 +251,8 @@ static void mgpu__global_pool_check(const char *op, const mgpu_tensor *images,
 MGPU_DEF void mgpu_global_avg_pool_forward(mgpu_tensor *y, const mgpu_tensor *x) {
     mgpu__global_pool_check("mgpu_global_avg_pool_forward", x, y, "output y");
     size_t hw = (size_t)x->shape.d[2] * x->shape.d[3];
-    mgpu__chan_sum_args a = {y->data, x->data, 1, (int)y->numel, hw, 1.0f / (float)hw, 0.0f};
+    float mean = 1.0f / (float)hw;
+    mgpu__chan_sum_args a = {y->data, x->data, 1, (int)y->numel, hw, mean, 0.0f};
     mgpu__before_write(y);
     MGPU__ENQUEUE(x->device, "global_avg_pool", mgpu__chan_sum, a);
 }
@@ -256,7 +260,8 @@ MGPU_DEF void mgpu_global_avg_pool_forward(mgpu_tensor *y, const mgpu_tensor *x)
 MGPU_DEF void mgpu_global_avg_pool_backward(mgpu_tensor *dx, const mgpu_tensor *dy) {
     mgpu__global_pool_check("mgpu_global_avg_pool_backward", dx, dy, "output gradient dy");
     size_t hw = (size_t)dx->shape.d[2] * dx->shape.d[3];
-    mgpu__chan_broadcast_args a = {dx->data, dy->data, 1, (int)dy->numel, hw, 1.0f / (float)hw, 0.0f};
+    float share = 1.0f / (float)hw; /* each pixel's part in its plane's mean */
+    mgpu__chan_broadcast_args a = {dx->data, dy->data, 1, (int)dy->numel, hw, share, 0.0f};
     mgpu__before_write(dx);
     MGPU__ENQUEUE(dx->device, "global_avg_pool_backward", mgpu__chan_broadcast, a);
 }
@@ -270,7 +275,8 @@ MGPU_DEF void mgpu_relu_forward(mgpu_tensor *y, const mgpu_tensor *x) {
     MGPU__ENQUEUE(y->device, "relu", mgpu__relu, a);
 }
 
-MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *y_or_x) {
+MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy,
+                                 const mgpu_tensor *y_or_x) {
     const char *op = "mgpu_relu_backward";
     mgpu__require_device(dy, dx->device, op);
     mgpu__require_device(y_or_x, dx->device, op);

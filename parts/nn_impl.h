@@ -440,10 +440,10 @@ MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0) mgpu_fatal("%s: cannot read the checkpoint (%s)", path, strerror(errno));
-    long size = ftell(f);
-    if (size < 0 || fseek(f, 0, SEEK_SET) != 0)
-        mgpu_fatal("%s: cannot read the checkpoint (not a regular file?)", path);
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode))
+        mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
+    long size = (long)st.st_size;
     unsigned char *bytes = (unsigned char *)mgpu__xmalloc((size_t)size);
     if (fread(bytes, 1, (size_t)size, f) != (size_t)size)
         mgpu_fatal("%s: cannot read the checkpoint (%s)", path, strerror(errno));

@@ -28,8 +28,9 @@
        void mgpu_data_parallel_step(dp, X, y, lr, momentum, weight_decay);
    one SGD step on the mean cross-entropy of the whole batch X [N,...],
    y [N] (on any device; usually pinned host memory from the loader).
-       double mgpu_data_parallel_take_loss(dp);
-   the summed loss of the steps since the last call (this waits for them).
+       void mgpu_data_parallel_take_stats(dp, &loss_sum, &correct);
+   the summed loss and the number of right predictions of the steps since
+   the last call (this waits for them), as the book's training loops count.
        const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none" */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
@@ -40,6 +41,7 @@ MGPU_DEF mgpu_net *mgpu_data_parallel_replica(mgpu_data_parallel *dp, int i);
 MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                       const mgpu_tensor *y, float lr, float momentum,
                                       float weight_decay);
-MGPU_DEF double mgpu_data_parallel_take_loss(mgpu_data_parallel *dp);
+MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,
+                                            double *correct);
 MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);

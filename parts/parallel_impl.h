@@ -8,7 +8,7 @@ struct mgpu_data_parallel {
     mgpu_device *devices[MGPU_MAX_DEVICES];
     mgpu_net *replicas[MGPU_MAX_DEVICES];   /* replicas[0] is the caller's net */
     mgpu_tensor *x_shards[MGPU_MAX_DEVICES], *y_shards[MGPU_MAX_DEVICES];
-    mgpu_tensor *loss_sum[MGPU_MAX_DEVICES];
+    mgpu_tensor *loss_sum[MGPU_MAX_DEVICES], *correct[MGPU_MAX_DEVICES], *count[MGPU_MAX_DEVICES];
     /* gather mode, on device 0: the whole batch's logits, labels and
        logit gradients, and a staging copy of each other replica's gradients */
     mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
@@ -29,6 +29,8 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         /* Replicas start as exact copies: one broadcast from device 0. */
         dp->replicas[i] = i == 0 ? net : mgpu_net_replicate(net, devices[i]);
         dp->loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        dp->correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
     }
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
     return dp;
@@ -52,6 +54,8 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
         mgpu_net *r = dp->replicas[i];
         mgpu_net_zero_grad(r);
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
+        mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
+        mgpu_add_(dp->correct[i], dp->count[i]);
         mgpu_net_loss_backward(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
     }
     if (dp->n > 1) {
@@ -95,6 +99,8 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
     mgpu_cross_entropy_forward(dp->losses, dp->logits, dp->labels);
     mgpu_sum(dp->batch_loss, dp->losses);
     mgpu_add_(dp->loss_sum[0], dp->batch_loss);
+    mgpu_accuracy_count(dp->count[0], dp->logits, dp->labels);
+    mgpu_add_(dp->correct[0], dp->count[0]);
     mgpu_cross_entropy_backward(dp->dlogits, dp->logits, dp->labels, 1.0f / (float)batch);
     /* 5. scatter the logits' gradient back, backward on every device */
     row = 0;
@@ -134,13 +140,15 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
         mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay);
 }
 
-MGPU_DEF double mgpu_data_parallel_take_loss(mgpu_data_parallel *dp) {
-    double total = 0;
+MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,
+                                            double *correct) {
+    *loss_sum = *correct = 0;
     for (int i = 0; i < dp->n; i++) {
-        total += mgpu_item(dp->loss_sum[i], 0);
+        *loss_sum += mgpu_item(dp->loss_sum[i], 0);
+        *correct += mgpu_item(dp->correct[i], 0);
         mgpu_fill(dp->loss_sum[i], 0.0f);
+        mgpu_fill(dp->correct[i], 0.0f);
     }
-    return total;
 }
 
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
@@ -150,6 +158,8 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
         mgpu_free(dp->x_shards[i]);
         mgpu_free(dp->y_shards[i]);
         mgpu_free(dp->loss_sum[i]);
+        mgpu_free(dp->correct[i]);
+        mgpu_free(dp->count[i]);
         for (int p = 0; p < 128; p++) mgpu_free(dp->staged[i][p]);
     }
     mgpu_free(dp->logits);

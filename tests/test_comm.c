@@ -172,23 +172,47 @@ TEST(allreduce_is_ordered_with_compute) {
 }
 
 /* mgpu_allreduce_start leaves the compute queues free: work enqueued on
-   them before mgpu_comm_wait runs meanwhile; after it, the sums are there. */
+   them before mgpu_comm_wait runs meanwhile; after it, the sums are there.
+   Twice: with receive buffers from the allocator, then with our own
+   (used for two reductions in a row). */
 TEST(allreduce_start_lets_compute_go_on) {
     enum { K = 3 };
     size_t len = 100003;
     mgpu_device *dev[K];
-    mgpu_tensor *data[K], *other[K];
+    mgpu_tensor *data[K], *other[K], *scratch[K];
     mgpu_devices(K, TEST_COMM_ON_GPU, dev);
-    for (int i = 0; i < K; i++) data[i] = input_on(dev[i], i, len, 1.0f);
-    const char *algorithm = mgpu_allreduce_start(data, K, 1);
-    CHECK(strcmp(algorithm, TEST_COMM_ON_GPU && K <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
-    for (int i = 0; i < K; i++) other[i] = mgpu_full(dev[i], mgpu_shape1(1000), (float)i);
-    mgpu_comm_wait(dev, K);
-    check_result(data, K, len, 1, 1.0, "mgpu_allreduce_start");
-    for (int i = 0; i < K; i++) {
-        CHECK_CLOSE(mgpu_item(other[i], 999), i, 0, 0);
+    for (int i = 0; i < K; i++) scratch[i] = mgpu_empty(dev[i], mgpu_shape1((int)((len + K - 1) / K)));
+    for (int own = 0; own <= 1; own++) {
+        for (int round = 0; round < 1 + own; round++) {
+            for (int i = 0; i < K; i++) data[i] = input_on(dev[i], i, len, 1.0f);
+            const char *algorithm = mgpu_allreduce_start(data, K, 1, own ? scratch : NULL);
+            CHECK(strcmp(algorithm, TEST_COMM_ON_GPU && K <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
+            for (int i = 0; i < K; i++) other[i] = mgpu_full(dev[i], mgpu_shape1(1000), (float)i);
+            mgpu_comm_wait(dev, K);
+            check_result(data, K, len, 1, 1.0, own ? "mgpu_allreduce_start, own scratch" : "mgpu_allreduce_start");
+            for (int i = 0; i < K; i++) {
+                CHECK_CLOSE(mgpu_item(other[i], 999), i, 0, 0);
+                mgpu_free(data[i]);
+                mgpu_free(other[i]);
+            }
+        }
+    }
+    for (int i = 0; i < K; i++) mgpu_free(scratch[i]);
+}
+
+TEST(too_small_scratch_is_an_error) {
+    mgpu_device *dev[2];
+    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_tensor *data[2] = {mgpu_zeros(dev[0], mgpu_shape1(9)), mgpu_zeros(dev[1], mgpu_shape1(9))};
+    mgpu_tensor *scratch[2] = {mgpu_zeros(dev[0], mgpu_shape1(5)), mgpu_zeros(dev[1], mgpu_shape1(4))};
+    char want[200];
+    snprintf(want, sizeof want, "mgpu: error: mgpu_allreduce_start: scratch[1] must hold at least 5 elements on %s\n",
+             mgpu_device_name(dev[1]));
+    if (!(TEST_COMM_ON_GPU && mgpu_num_gpus() >= 2)) /* NCCL needs no scratch */
+        EXPECT_DIES(mgpu_allreduce_start(data, 2, 0, scratch), want);
+    for (int i = 0; i < 2; i++) {
         mgpu_free(data[i]);
-        mgpu_free(other[i]);
+        mgpu_free(scratch[i]);
     }
 }
 

@@ -57,7 +57,9 @@ static void set_element(mgpu_tensor *t, size_t i, float v) {
     mgpu_synchronize(t->device);
     t->data[i] = v;
 }
-static mgpu_tensor *tensor_of(mgpu_shape s, const float *v) { return mgpu_from_host(mgpu_cpu(), s, v); }
+static mgpu_tensor *tensor_of(mgpu_shape s, const float *v) {
+    return mgpu_from_host(mgpu_cpu(), s, v);
+}
 
 /* Compares got with a double reference, element by element; on the first
    failure says where. */
@@ -501,7 +503,8 @@ TEST(conv2d_in_chunks) {
             int before = test__failures;
             for (size_t e = 0; e < sizes[t] && before == test__failures; e++)
                 CHECK_CLOSE(chunked[t][e], whole[t][e], 1e-5, 1e-5);
-            if (before != test__failures) fprintf(stderr, "  (budget %zu, tensor %d)\n", budgets[b], t);
+            if (before != test__failures)
+                fprintf(stderr, "  (budget %zu, tensor %d)\n", budgets[b], t);
             free(chunked[t]);
         }
     }
@@ -587,7 +590,8 @@ TEST(linear_forward_and_gradients) {
 /* The LeNet's shapes, end to end: 28x28 -> conv 3x3 -> 26 -> pool -> 13
    -> conv 5x5 -> 9 -> pool -> 4 (rounded down) -> 50*4*4 = 800 features. */
 TEST(lenet_shapes) {
-    mgpu_shape h1 = mgpu_conv2d_output_shape(mgpu_shape4(256, 1, 28, 28), mgpu_shape4(20, 1, 3, 3), 1, 0);
+    mgpu_shape h1 =
+        mgpu_conv2d_output_shape(mgpu_shape4(256, 1, 28, 28), mgpu_shape4(20, 1, 3, 3), 1, 0);
     mgpu_shape p1 = mgpu_avg_pool2d_output_shape(h1, 2);
     mgpu_shape h2 = mgpu_conv2d_output_shape(p1, mgpu_shape4(50, 20, 5, 5), 1, 0);
     mgpu_shape p2 = mgpu_avg_pool2d_output_shape(h2, 2);
@@ -596,16 +600,19 @@ TEST(lenet_shapes) {
     CHECK(mgpu_shape_equal(h2, mgpu_shape4(256, 50, 9, 9)));
     CHECK(mgpu_shape_equal(p2, mgpu_shape4(256, 50, 4, 4)));
     /* ResNet's strided 3x3 and 1x1 shortcut give the same size */
-    CHECK(mgpu_shape_equal(mgpu_conv2d_output_shape(mgpu_shape4(2, 64, 28, 28), mgpu_shape4(128, 64, 3, 3), 2, 1),
-                           mgpu_conv2d_output_shape(mgpu_shape4(2, 64, 28, 28), mgpu_shape4(128, 64, 1, 1), 2, 0)));
+    mgpu_shape x = mgpu_shape4(2, 64, 28, 28);
+    CHECK(mgpu_shape_equal(mgpu_conv2d_output_shape(x, mgpu_shape4(128, 64, 3, 3), 2, 1),
+                           mgpu_conv2d_output_shape(x, mgpu_shape4(128, 64, 1, 1), 2, 0)));
 }
 
 /* ----------------------------------------------------------- bad calls */
 TEST(errors_name_the_shapes) {
     mgpu_device *cpu = mgpu_cpu();
     mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8));
-    mgpu_tensor *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3)), *w2 = mgpu_zeros(cpu, mgpu_shape4(4, 2, 3, 3));
-    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6)), *ybad = mgpu_zeros(cpu, mgpu_shape4(2, 4, 8, 8));
+    mgpu_tensor *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3));
+    mgpu_tensor *w2 = mgpu_zeros(cpu, mgpu_shape4(4, 2, 3, 3));
+    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6));
+    mgpu_tensor *ybad = mgpu_zeros(cpu, mgpu_shape4(2, 4, 8, 8));
     mgpu_tensor *b5 = mgpu_zeros(cpu, mgpu_shape1(5)), *dw = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 2));
     mgpu_tensor *big = mgpu_zeros(cpu, mgpu_shape4(4, 3, 9, 9));
     mgpu_tensor *lx = mgpu_zeros(cpu, mgpu_shape2(4, 7)), *lw = mgpu_zeros(cpu, mgpu_shape2(6, 3));
@@ -615,7 +622,8 @@ TEST(errors_name_the_shapes) {
     mgpu_synchronize(cpu); /* the children fork from an idle worker */
 
     EXPECT_DIES(mgpu_conv2d_forward(y, x, w2, NULL, 1, 0),
-                "mgpu_conv2d_forward: input [2, 3, 8, 8] has 3 channels but weight [4, 2, 3, 3] expects 2");
+                "mgpu_conv2d_forward: input [2, 3, 8, 8] has 3 channels "
+                "but weight [4, 2, 3, 3] expects 2");
     EXPECT_DIES(mgpu_conv2d_forward(ybad, x, w, NULL, 1, 0),
                 "mgpu_conv2d_forward: output y has shape [2, 4, 8, 8], expected [2, 4, 6, 6]");
     EXPECT_DIES(mgpu_conv2d_forward(y, x, w, b5, 1, 0),
@@ -637,7 +645,8 @@ TEST(errors_name_the_shapes) {
                 "mgpu_linear_backward: weight gradient dw has shape [6, 3], expected [7, 3]");
     EXPECT_DIES(mgpu_avg_pool2d_forward(y, x, 2),
                 "mgpu_avg_pool2d_forward: output y has shape [2, 4, 6, 6], expected [2, 3, 4, 4]");
-    EXPECT_DIES(mgpu_avg_pool2d_forward(p, p, 4), "mgpu_avg_pool2d_forward: cannot pool input [2, 3, 3, 3] with 4x4 windows");
+    EXPECT_DIES(mgpu_avg_pool2d_forward(p, p, 4),
+                "mgpu_avg_pool2d_forward: cannot pool input [2, 3, 3, 3] with 4x4 windows");
     EXPECT_DIES(mgpu_global_avg_pool_forward(r32, x),
                 "mgpu_global_avg_pool_forward: output y has shape [3, 2], expected [2, 3]");
     EXPECT_DIES(mgpu_relu_forward(r23, r32), "mgpu_relu_forward: shapes [2, 3] and [3, 2] differ");
@@ -658,12 +667,15 @@ static mgpu_tensor *on_second_device(mgpu_shape s) {
 
 TEST(errors_name_the_devices) {
     mgpu_device *cpu = mgpu_cpu();
-    mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8)), *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3));
-    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6)), *lx = mgpu_zeros(cpu, mgpu_shape2(4, 7));
+    mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8));
+    mgpu_tensor *w = mgpu_zeros(cpu, mgpu_shape4(4, 3, 3, 3));
+    mgpu_tensor *y = mgpu_zeros(cpu, mgpu_shape4(2, 4, 6, 6));
+    mgpu_tensor *lx = mgpu_zeros(cpu, mgpu_shape2(4, 7));
     mgpu_tensor *ly = mgpu_zeros(cpu, mgpu_shape2(4, 3));
     mgpu_synchronize(cpu);
     EXPECT_DIES(mgpu_conv2d_forward(y, x, on_second_device(w->shape), NULL, 1, 0),
-                "mgpu_conv2d_forward: a tensor on cpu#1 is used with one on cpu; copy it first with mgpu_to");
+                "mgpu_conv2d_forward: a tensor on cpu#1 is used with one on cpu; "
+                "copy it first with mgpu_to");
     EXPECT_DIES(mgpu_conv2d_backward(on_second_device(x->shape), w, NULL, y, x, w, 1, 0, 0),
                 "mgpu_conv2d_backward: a tensor on cpu#1 is used with one on cpu");
     EXPECT_DIES(mgpu_linear_forward(ly, lx, on_second_device(mgpu_shape2(7, 3)), NULL),

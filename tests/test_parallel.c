@@ -1,0 +1,296 @@
+/* tests/test_parallel.c: networks and the data-parallel wrapper.
+
+   - k devices train exactly like 1 device on the same global batch when
+     the network has no batch norm (the split changes where, not what);
+   - with batch norm, each device normalises with its own shard's
+     statistics: 2 devices equal 1 device that runs the two shards one after
+     the other and adds their gradients;
+   - DataParallel's gather puts more memory on device 0 than allreduce;
+   - save then load gives the same outputs; damaged checkpoints are clear
+     errors. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+/* A small network without batch norm: conv, ReLU, global pool, linear. */
+static mgpu_net *small_net(mgpu_device *d, int with_batchnorm) {
+    mgpu_manual_seed(5);
+    mgpu_net *net = mgpu__net_new(d);
+    mgpu__net_add(net, mgpu__conv_new("conv", 1, 6, 3, 1, 1, d));
+    /* a larger init than the book's 0.01, so 20 steps move the weights */
+    mgpu_scale_(net->layers[0]->weight.value, 30.0f);
+    if (with_batchnorm) mgpu__net_add(net, mgpu__batchnorm_new("bn", 6, 1, d));
+    else mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu"));
+    mgpu__net_add(net, mgpu__residual_new("block", 6, 8, 2, d));
+    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
+    mgpu__net_add(net, mgpu__linear_new("fc", 8, 10, d));
+    return net;
+}
+
+/* The residual block has batch norm inside; for a network without any,
+   replace it by conv + ReLU only. */
+static mgpu_net *plain_net(mgpu_device *d) {
+    mgpu_manual_seed(5);
+    mgpu_net *net = mgpu__net_new(d);
+    mgpu__net_add(net, mgpu__conv_new("conv1", 1, 6, 3, 1, 1, d));
+    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu1"));
+    mgpu__net_add(net, mgpu__conv_new("conv2", 6, 8, 3, 2, 1, d));
+    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu2"));
+    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
+    mgpu__net_add(net, mgpu__linear_new("fc", 8, 10, d));
+    for (int i = 0; i < net->nparams; i++) mgpu_scale_(net->params[i]->value, 30.0f);
+    return net;
+}
+
+static void batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
+    mgpu_manual_seed(1000 + (uint64_t)step);
+    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    float labels[64];
+    for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + step) % 10);
+    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+}
+
+/* Largest difference between two networks' parameters, relative to each
+   tensor's largest value: max |a - b| / max |b|, over the tensors. */
+static double max_param_diff(mgpu_net *a, mgpu_net *b) {
+    double worst = 0;
+    for (int p = 0; p < a->nparams; p++) {
+        size_t n = a->params[p]->value->numel;
+        float *va = (float *)malloc(n * sizeof(float)), *vb = (float *)malloc(n * sizeof(float));
+        mgpu_to_host(a->params[p]->value, va);
+        mgpu_to_host(b->params[p]->value, vb);
+        double diff = 0, scale = 1e-30;
+        for (size_t i = 0; i < n; i++) {
+            diff = fmax(diff, fabs((double)va[i] - vb[i]));
+            scale = fmax(scale, fabs((double)vb[i]));
+        }
+        worst = fmax(worst, diff / scale);
+        free(va);
+        free(vb);
+    }
+    return worst;
+}
+
+static void train_steps(mgpu_data_parallel *dp, int steps) {
+    for (int s = 0; s < steps; s++) {
+        mgpu_tensor *x, *y;
+        batch(s, 12, &x, &y);
+        mgpu_data_parallel_step(dp, x, y, 0.1f, 0.5f, 1e-4f);
+        mgpu_synchronize_all();
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+}
+
+TEST(k_devices_train_like_one_without_batchnorm) {
+    for (int mode = 0; mode < 2; mode++)
+        for (int k = 2; k <= 3; k++) {
+            mgpu_device *devs[3];
+            mgpu_devices(k, 0, devs);
+            mgpu_net *one = plain_net(devs[0]);
+            mgpu_data_parallel *dp1 = mgpu_data_parallel_new(one, devs, 1, MGPU_DP_ALLREDUCE);
+            /* 10 steps: the sums are taken in another order on k devices, so
+               the two runs drift apart by rounding (1e-7 relative a step); far
+               longer, a pre-activation within rounding of zero can flip a ReLU
+               and the runs part for real (seen after ~15 steps here). */
+            train_steps(dp1, 10);
+            mgpu_net *many = plain_net(devs[0]);
+            mgpu_data_parallel *dpk =
+                mgpu_data_parallel_new(many, devs, k, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
+            train_steps(dpk, 10);
+            double moved = 0, diff = max_param_diff(one, many);
+            mgpu_net *start = plain_net(devs[0]);
+            moved = max_param_diff(one, start);
+            if (diff > 1e-5)
+                fprintf(stderr, "  %d devices (%s): parameters differ by %g (relative)\n", k,
+                        mode ? "allreduce" : "gather", diff);
+            CHECK(diff <= 1e-5);
+            CHECK(moved > 1e-2); /* training did change them: the comparison means something */
+            /* the replicas stay identical to each other */
+            for (int i = 1; i < k; i++)
+                if (mode) CHECK(max_param_diff(mgpu_data_parallel_replica(dpk, i), many) == 0);
+            mgpu_data_parallel_free(dp1);
+            mgpu_data_parallel_free(dpk);
+            mgpu_net_free(one);
+            mgpu_net_free(many);
+            mgpu_net_free(start);
+        }
+}
+
+TEST(batchnorm_uses_each_shards_statistics) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    /* 2 devices: one step */
+    mgpu_net *two = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(two, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_step(dp, x, y, 0.5f, 0.0f, 0.0f);
+    /* 1 device: the two shards one after the other, gradients added */
+    mgpu_net *one = small_net(devs[0], 1);
+    mgpu_net_zero_grad(one);
+    mgpu_tensor *x0 = mgpu_narrow(x, 0, 6), *x1 = mgpu_narrow(x, 6, 6);
+    mgpu_tensor *y0 = mgpu_narrow(y, 0, 6), *y1 = mgpu_narrow(y, 6, 6);
+    mgpu_net_loss_backward(one, mgpu_net_forward(one, x1), y1, 1.0f / 12, NULL);
+    mgpu_net_loss_backward(one, mgpu_net_forward(one, x0), y0, 1.0f / 12, NULL);
+    mgpu_net_sgd(one, 0.5f, 0.0f, 0.0f);
+    double diff = max_param_diff(one, two);
+    if (diff > 1e-5) fprintf(stderr, "  parameters differ by %g\n", diff);
+    CHECK(diff <= 1e-5);
+    /* device 0's running statistics come from shard 0 alone ... */
+    const mgpu_layer *bn_two = two->layers[1];
+    mgpu_net *shard0 = small_net(devs[0], 1), *whole = small_net(devs[0], 1);
+    mgpu_net_forward(shard0, x0);
+    mgpu_net_forward(whole, x);
+    float a[6], b[6], c[6];
+    mgpu_to_host(shard0->layers[1]->running_mean, a);
+    mgpu_to_host(bn_two->running_mean, b);
+    mgpu_to_host(whole->layers[1]->running_mean, c);
+    double apart = 0;
+    for (int i = 0; i < 6; i++) {
+        CHECK_CLOSE(b[i], a[i], 1e-7, 1e-5);
+        apart += fabs(c[i] - b[i]);
+    }
+    CHECK(apart > 1e-4); /* ... not from the whole batch */
+    mgpu_net_free(shard0);
+    mgpu_free(x0); mgpu_free(x1); mgpu_free(y0); mgpu_free(y1);
+    mgpu_free(x); mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(one);
+    mgpu_net_free(two);
+    mgpu_net_free(whole);
+}
+
+TEST(gather_puts_more_memory_on_device_0_than_allreduce) {
+    size_t extra[2];
+    for (int mode = 0; mode < 2; mode++) {
+        mgpu_device *devs[2];
+        mgpu_devices(2, 0, devs);
+        mgpu_synchronize_all();
+        mgpu_device_reset_peak(devs[0]);
+        mgpu_device_reset_peak(devs[1]);
+        size_t base0 = mgpu_device_memory_in_use(devs[0]), base1 = mgpu_device_memory_in_use(devs[1]);
+        mgpu_net *net = mgpu_resnet18(10, 1, devs[0]);
+        mgpu_data_parallel *dp =
+            mgpu_data_parallel_new(net, devs, 2, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
+        mgpu_tensor *x, *y;
+        batch(0, 4, &x, &y);
+        mgpu_tensor *x28 = mgpu_rand(mgpu_cpu(), mgpu_shape4(4, 1, 28, 28));
+        mgpu_data_parallel_step(dp, x28, y, 0.1f, 0, 0);
+        mgpu_synchronize_all();
+        size_t p0 = mgpu_device_memory_peak(devs[0]) - base0, p1 = mgpu_device_memory_peak(devs[1]) - base1;
+        extra[mode] = p0 > p1 ? p0 - p1 : 0;
+        /* ResNet-18's gradients are 44.7 MB: gather stages a copy on device 0 */
+        if (mode == 0) CHECK(p0 > p1 + 40u * 1000 * 1000);
+        else CHECK(p0 < p1 + p1 / 20);
+        mgpu_free(x); mgpu_free(y); mgpu_free(x28);
+        mgpu_data_parallel_free(dp);
+        mgpu_net_free(net);
+    }
+    CHECK(extra[0] > extra[1]);
+}
+
+static void temp_path(char *path, size_t size, const char *name) {
+    snprintf(path, size, "/tmp/mgpu_test_%d_%s", (int)getpid(), name);
+}
+
+/* Writes bytes to a file (for damaged checkpoints). */
+static void write_bytes(const char *path, const unsigned char *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, n, f) != n) { perror(path); exit(2); }
+    fclose(f);
+}
+static unsigned char *read_bytes(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = (unsigned char *)malloc(*n);
+    if (fread(b, 1, *n, f) != *n) { perror(path); exit(2); }
+    fclose(f);
+    return b;
+}
+
+TEST(save_then_load_gives_the_same_outputs) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_net *a = small_net(d, 1);
+    mgpu_tensor *x, *y;
+    batch(3, 5, &x, &y);
+    for (int s = 0; s < 3; s++) mgpu_net_train_step(a, x, y, 0.3f, 0.9f, 0.0f, NULL);
+    mgpu_net_set_training(a, 0);
+    float before[50], after[50];
+    mgpu_to_host(mgpu_net_forward(a, x), before);
+    char path[256];
+    temp_path(path, sizeof path, "net.ckpt");
+    mgpu_net_save(a, path);
+    mgpu_net *b = small_net(d, 1); /* different weights: a was trained */
+    mgpu_net_load(b, path);
+    mgpu_net_set_training(b, 0);
+    mgpu_to_host(mgpu_net_forward(b, x), after);
+    int same = 1;
+    for (int i = 0; i < 50; i++) same &= before[i] == after[i];
+    CHECK(same);
+    unlink(path);
+    mgpu_free(x); mgpu_free(y);
+    mgpu_net_free(a);
+    mgpu_net_free(b);
+}
+
+TEST(damaged_checkpoints_are_clear_errors) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_net *net = small_net(d, 1);
+    char path[256], bad[256];
+    temp_path(path, sizeof path, "good.ckpt");
+    temp_path(bad, sizeof bad, "bad.ckpt");
+    mgpu_net_save(net, path);
+    size_t n;
+    unsigned char *bytes = read_bytes(path, &n);
+
+    bytes[0] ^= 0xff; /* magic */
+    write_bytes(bad, bytes, n);
+    EXPECT_DIES(mgpu_net_load(net, bad), "not an mgpu checkpoint");
+    bytes[0] ^= 0xff;
+
+    bytes[8] = 7; /* version */
+    write_bytes(bad, bytes, n);
+    EXPECT_DIES(mgpu_net_load(net, bad), "checkpoint version 7, this library reads version 1");
+    bytes[8] = 1;
+
+    bytes[n / 2] ^= 0x10; /* a flipped bit in the values */
+    write_bytes(bad, bytes, n);
+    EXPECT_DIES(mgpu_net_load(net, bad), "checksum mismatch (the file is damaged)");
+    bytes[n / 2] ^= 0x10;
+
+    write_bytes(bad, bytes, n - 100); /* truncated */
+    EXPECT_DIES(mgpu_net_load(net, bad), "truncated");
+    write_bytes(bad, bytes, 10);
+    EXPECT_DIES(mgpu_net_load(net, bad), "not an mgpu checkpoint");
+
+    mgpu_net *other = plain_net(d); /* another network's checkpoint */
+    EXPECT_DIES(mgpu_net_load(other, path), "the network has");
+    EXPECT_DIES(mgpu_net_load(net, "/nonexistent/x.ckpt"), "cannot open the checkpoint");
+    EXPECT_DIES(mgpu_net_load(net, "/tmp"), "cannot read the checkpoint");
+
+    free(bytes);
+    unlink(path);
+    unlink(bad);
+    mgpu_net_free(net);
+    mgpu_net_free(other);
+}
+
+TEST(resnet18_has_the_books_shape) {
+    mgpu_net *net = mgpu_resnet18(10, 1, mgpu_cpu());
+    /* conv and linear weights and biases, batch norm gammas and betas */
+    CHECK_EQ_INT(mgpu_net_num_weights(net), 11175818);
+    CHECK_EQ_INT(mgpu_net_num_params(net), 76);
+    CHECK_EQ_INT(mgpu_net_num_buffers(net), 34);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(2, 1, 28, 28));
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    CHECK_EQ_INT(logits->shape.d[0], 2);
+    CHECK_EQ_INT(logits->shape.d[1], 10);
+    EXPECT_DIES(mgpu_resnet18(0, 1, mgpu_cpu()), "0 classes and 1 input channels");
+    mgpu_free(x);
+    mgpu_net_free(net);
+}
+
+TEST_MAIN()
