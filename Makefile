@@ -39,8 +39,8 @@ GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a))
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 NVFLAGS    := -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra -D_GNU_SOURCE \
               -I$(NCCL_HOME)/include
-CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
-              -Wl,-rpath,$(NCCL_HOME)/lib -lcublas -lcudart $(LIBS)
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -Xlinker -rpath,$(CUDA_HOME)/lib64 \
+              -Xlinker -rpath,$(NCCL_HOME)/lib -lcublas -lnccl -lcudart $(LIBS)
 
 ifeq ($(HAVE_NVCC),1)
 COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
@@ -126,6 +126,10 @@ test-gpu: $(CUDA_TEST_BINS) all
 # ------------------------------------------------------------- benchmarks
 bench: all
 	@bash bench/run.sh
+
+# The allreduce benchmark: the book's allreduce, the ring and NCCL.
+bench/allreduce: bench/allreduce.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
 
 # ------------------------------------------------------------------ data
 data:

@@ -153,7 +153,9 @@ int main(int argc, char **argv) {
     const char *label_ptrs[8];
     int nruns = 0;
     for (int k = 1; k <= max_devices && nruns < 8; k *= 2, nruns++) {
-        run_config c = {k, per_device_batch * k, o.epochs, (float)(o.lr ? o.lr * k : 0.1 * k)};
+        /* the book: lr 0.1 per 256 samples; the reduced run takes smaller steps */
+        double lr = o.lr ? o.lr : reduced ? 0.05 : 0.1;
+        run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k)};
         runs[nruns] = train(&c, use_gpu, train_set, test_set, &o);
         snprintf(labels[nruns], sizeof labels[nruns], "%d device%s", k, k > 1 ? "s" : "");
         label_ptrs[nruns] = labels[nruns];

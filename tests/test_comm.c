@@ -122,6 +122,27 @@ TEST(book_allreduce_sums_on_every_device) { check_every_size(run_book, "mgpu_all
 TEST(ring_allreduce_sums_and_averages) { check_every_size(run_ring, "mgpu_ring_allreduce", 1); }
 TEST(auto_allreduce_sums_and_averages) { check_every_size(run_auto, "mgpu_allreduce_auto", 1); }
 
+/* The tolerance is not idle: with these inputs the float sums of 8
+   devices differ from the correctly rounded sum at many elements. */
+TEST(float_rounding_is_visible) {
+    enum { K = 8, LEN = 1009 };
+    mgpu_device *dev[K];
+    mgpu_tensor *data[K];
+    float got[LEN];
+    mgpu_devices(K, TEST_COMM_ON_GPU, dev);
+    for (int i = 0; i < K; i++) data[i] = input_on(dev[i], i, LEN, 1.0f);
+    mgpu_ring_allreduce(data, K, 0);
+    mgpu_to_host(data[0], got);
+    int rounded = 0;
+    for (size_t j = 0; j < LEN; j++) {
+        double want = 0;
+        for (int i = 0; i < K; i++) want += (double)input_value(i, j);
+        rounded += got[j] != (float)want;
+    }
+    CHECK(rounded > LEN / 10);
+    for (int i = 0; i < K; i++) mgpu_free(data[i]);
+}
+
 /* NCCL for distinct GPUs, the ring for virtual devices or CPU devices,
    nothing for one device. */
 TEST(auto_allreduce_names_its_algorithm) {
