@@ -269,13 +269,717 @@ MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tenso
 MGPU_DEF mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b);
 
 /* ------------------------------------------------------------ drawing */
-#include "parts/plot_decl.h"
-#include "parts/data_decl.h"
-#include "parts/layers_decl.h"
-#include "parts/train_ops_decl.h"
-#include "parts/comm_decl.h"
-#include "parts/nn_decl.h"
-#include "parts/parallel_decl.h"
+/* ---------------------------------------------------------------------------
+   Plots: PNG pictures of curves and device timelines
+   ---------------------------------------------------------------------------
+   The chapters show what happened as pictures: accuracy and loss curves
+   while a model trains, and a timeline of what every device did and when.
+   Everything is drawn by a small rasteriser in this file into an RGB pixel
+   buffer (a canvas) with a built-in 5x7 bitmap font, and saved as a PNG
+   through stb_image_write. No plotting library, no fonts on the system.
+
+   Colours are 0xRRGGBB integers. Coordinates are pixels: x grows to the
+   right, y grows downwards, (0, 0) is the top-left pixel. Everything drawn
+   is clipped to the canvas, so drawing partly (or wholly) outside is safe.
+
+   Canvas: the building blocks.
+       mgpu_canvas *c = mgpu_canvas_new(200, 100, 0xFFFFFF);
+       mgpu_canvas_fill_rect(c, 10, 10, 50, 30, 0x1F77B4); // x in [10,50), y in [10,30)
+       mgpu_canvas_line(c, 0, 99, 199, 0, 0xD62728, 2);    // 2 pixels thick
+       mgpu_canvas_text(c, 60, 10, "loss: 0.25", 0x000000, 2); // twice the font size
+       if (mgpu_canvas_write_png(c, "out/pic.png") != 0) { ... }
+       mgpu_canvas_free(c);
+   The font has every printable ASCII character (32..126). A character is a
+   5x7 pixel glyph (descenders of g, j, p, q, y and _ go 2 rows lower) in a
+   6-pixel-wide cell; `scale` multiplies every font pixel, so a string is
+   mgpu_text_width(s, scale) pixels wide and 9*scale pixels tall.
+
+   Line charts: fill an mgpu_chart with one mgpu_series per curve.
+       mgpu_series s[2];  mgpu_chart ch;
+       memset(s, 0, sizeof s);  memset(&ch, 0, sizeof ch);
+       s[0].name = "train loss"; s[0].n = n; s[0].x = epochs; s[0].y = loss;
+       s[1].name = "test acc";   s[1].n = n; s[1].x = epochs; s[1].y = acc;
+       s[1].dashed = 1;
+       ch.title = "LeNet"; ch.xlabel = "epoch"; ch.nseries = 2; ch.series = s;
+       mgpu_chart_write_png(&ch, "out/lenet.png");
+   Zeroed fields take defaults: a 640x480 picture, the x and y ranges taken
+   from the data and widened to "nice" tick values (steps of 1, 2 or 5 times
+   a power of ten), and colour 0 gives series i colour i of the palette
+   (matplotlib's "tab10"; mgpu_palette(i) gives them). Points whose x or y
+   is NaN are skipped: the curve goes straight from the point before to the
+   point after. A legend lists the named series in the corner of the plot
+   where it hides the least of the curves.
+
+   Animator (the book's d2l.Animator): a chart that fills in during
+   training. Every mgpu_animator_add appends one x and one y per series and
+   rewrites both the PNG and a CSV beside it ("curves.png" -> "curves.csv",
+   header "x,name1,name2,...", an empty field for NaN), so opening the PNG
+   in a viewer that reloads shows the training progress, and the CSV keeps
+   the numbers. Pass NaN for a series that has no value at this x (the
+   book adds the test accuracy once per epoch, the training loss more
+   often). Each add encodes a PNG (a few milliseconds): add a few points
+   per epoch, not one per batch. A NULL png_path keeps the points in memory
+   and writes nothing.
+       const char *names[] = {"train loss", "train acc", "test acc"};
+       mgpu_animator *a = mgpu_animator_new("out/ch2.png", "2 devices",
+                              "epoch", NULL, 1, 10, 3, names);
+       ... mgpu_animator_add(a, epoch + 1.0, ys);
+       printf("test acc: %.2f\n", mgpu_animator_last(a, 2));
+   mgpu_animator_write_combined puts one series (say the test accuracy) of
+   several animators (say the runs on 1, 2 and 4 devices) in one chart.
+
+   Timelines: one horizontal lane per device queue, one bar per operation
+   from its start to its end time in milliseconds, so work that overlaps in
+   time on different lanes (parallelism) is seen at a glance. The picture
+   is 1000 pixels wide and as tall as its lanes and legend need; a bar on
+   no lane, or that ends before it starts, is left out. Bars with the
+   same name get the same colour (a hash of the name picks it, and names in
+   one picture never share a colour while the palette lasts); a name is
+   written inside its bar where it fits, and a legend maps names to colours.
+   Give operations of the same kind the same name ("matmul", "copy to
+   host") rather than numbering them.
+
+   Errors: a picture or CSV that cannot be written prints one line
+       mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
+   to stderr and the function returns non-zero; the program goes on (an
+   Animator says it once and then only keeps its points). PNGs are written
+   to "<path>.tmp" and renamed, so a viewer never sees half a file. Out of
+   memory, a canvas of no pixels or a series an animator does not have are
+   bugs, and fatal (mgpu_fatal). */
+
+typedef struct mgpu_canvas {
+    int width, height;
+    unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
+} mgpu_canvas;
+
+/* A canvas filled with the background colour. */
+MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb);
+MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c);
+/* Pixels x0 <= x < x1, y0 <= y < y1. */
+MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb);
+/* A straight line between two pixel positions, `thickness` pixels wide. */
+MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
+                               uint32_t rgb, int thickness);
+/* Text whose top-left corner is (x, y). */
+MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
+                               int scale);
+MGPU_DEF int mgpu_text_width(const char *text, int scale);
+/* 0 on success; non-zero (after a one-line error) when it cannot be written. */
+MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path);
+/* Colour i (any i >= 0, it wraps) of the 10-colour palette charts use. */
+MGPU_DEF uint32_t mgpu_palette(int i);
+
+/* ---- line charts ---- */
+typedef struct mgpu_series {
+    const char *name; /* in the legend; NULL leaves the series out of it */
+    uint32_t color;   /* 0xRRGGBB; 0 picks palette colour i for series i */
+    int n;            /* number of points */
+    const double *x, *y;
+    int dashed; /* non-zero draws a dashed line */
+} mgpu_series;
+
+typedef struct mgpu_chart {
+    const char *title, *xlabel, *ylabel; /* any may be NULL */
+    double xmin, xmax, ymin, ymax;       /* a range with min >= max is taken from the data */
+    int width, height;                   /* 0 means 640 and 480 */
+    int nseries;
+    const mgpu_series *series;
+} mgpu_chart;
+
+MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *chart, const char *path);
+
+/* ---- the Animator ---- */
+typedef struct mgpu_animator mgpu_animator;
+
+/* xmin >= xmax takes the x range from the data; the y range always is.
+   ylabel and title may be NULL. The strings are copied. */
+MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
+                                          const char *xlabel, const char *ylabel, double xmin,
+                                          double xmax, int nseries, const char *const *names);
+/* ys holds nseries values (NaN: no value for that series at this x). */
+MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys);
+MGPU_DEF int mgpu_animator_count(const mgpu_animator *a); /* points added so far */
+/* The last value of a series that was not NaN; NaN when there is none. */
+MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series);
+MGPU_DEF void mgpu_animator_free(mgpu_animator *a);
+/* Series `series` of every animator as one curve each, labelled labels[i]
+   (labels NULL: each animator's title). The x range and x label are the
+   first animator's; so is the y label, or else the series' name. */
+MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
+                                          const mgpu_animator *const *animators, int series,
+                                          const char *const *labels);
+
+/* ---- device timelines ---- */
+typedef struct mgpu_timeline_bar {
+    int lane; /* 0 .. nlanes-1 */
+    double start_ms, end_ms;
+    char name[32]; /* NUL-terminated; bars with equal names share a colour */
+} mgpu_timeline_bar;
+
+MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
+                                     const char *const *lane_names, int nbars,
+                                     const mgpu_timeline_bar *bars);
+/* ---------------------------------------------------------------------------
+   Data: Fashion-MNIST in memory, and batches prepared ahead
+   ---------------------------------------------------------------------------
+   The whole data set is read into host memory once (47 MB of pixels for
+   the training set, a fraction of a second). A loader then cuts it into
+   batches, the way the book's load_data_fashion_mnist(batch_size) does
+   with two DataLoaders: the training loader reshuffles every epoch and the
+   test loader goes in order.
+
+   Where the files are. mgpu_data_dir(flag) picks the folder: the --data
+   flag when given (non-NULL), else $MGPU_DATA, else data/fashion-mnist
+   (which `make data` fills). In it, each file is looked up as
+   train-images-idx3-ubyte.gz or, uncompressed, train-images-idx3-ubyte.
+
+       mgpu_dataset *train, *test;
+       mgpu_dataset_load_fashion_mnist(mgpu_data_dir(flag_data), &train, &test);
+       printf("%d images of %dx%d, the first is a %s\n", train->n, train->rows,
+              train->cols, mgpu_fashion_mnist_label(train->labels[0]));
+
+   The files are in IDX format (big-endian 32-bit header words, then one
+   byte per pixel or label), gzip-compressed or not: zlib reads both and
+   tells them apart by the gzip magic number. Everything is checked: the
+   magic numbers, the sizes, that the file holds exactly what its header
+   announces (no more, no less), labels in 0..9, as many labels as images.
+   Bad input stops the program with one line naming the file and the
+   problem, for example
+       mgpu: error: data/fashion-mnist/t10k-labels-idx1-ubyte.gz: label 12 of sample 17 is not in 0..9
+
+   A data set is plain data that a program may also build itself (images
+   and labels from malloc, so mgpu_dataset_free frees them):
+       n images of rows x cols bytes, one after the other; n labels.
+   mgpu_dataset_subset(d, n) copies the first n samples, in order (all of
+   them when n >= d->n): the reduced runs without a GPU train on these.
+
+   Loaders: batches prepared ahead. A loader owns a thread that copies the
+   samples of the next batches, converted to floats, into pinned host
+   tensors while the program computes on the current one, so that neither
+   waits for the other (DataLoader's num_workers and pin_memory):
+       mgpu_loader *it = mgpu_loader_new(train, 256, 1, seed);   shuffled
+       for (int epoch = 0; epoch < epochs; epoch++) {
+           mgpu_loader_start_epoch(it, epoch);
+           mgpu_batch b;
+           while (mgpu_loader_next(it, &b)) {
+               ... b.x: [b.n, 1, rows, cols], pixels / 255 in [0, 1] (ToTensor)
+               ... b.y: [b.n], the labels as floats (0. to 9.)
+           }
+       }
+       mgpu_loader_free(it);
+   - Order: a shuffling loader visits the samples in an order that depends
+     only on (seed, epoch): the same pair gives the same order whatever
+     happened before, another epoch gives another one. It is a Fisher-Yates
+     shuffle driven by Philox (section 5). Without shuffling, the order is
+     the data set's, every epoch.
+   - Every sample once per epoch: the last batch holds what is left (60000
+     samples in batches of 256 end with a batch of 96), as DataLoader's
+     default drop_last=False. mgpu_loader_num_batches gives the count.
+   - The batch's tensors live on the host (device mgpu_cpu(), pinned, so a
+     non-blocking mgpu_copy or mgpu_to onto a GPU overlaps compute). They
+     belong to the loader: do not free them. A batch stays valid until the
+     next call of mgpu_loader_next, mgpu_loader_start_epoch or
+     mgpu_loader_free, and work enqueued on it before that call is safe:
+     the loader waits for copies of the batch (or of views of it) and for
+     operations on mgpu_cpu() that read it before it reuses the memory.
+     Views you take of a batch (mgpu_narrow, to scatter it) are yours to
+     free; they show other data once the batch is reused.
+   - A full batch is one of the loader's buffers itself; the shorter last
+     batch is an mgpu_narrow view of its first b.n rows, so every batch's
+     shape tells its true size.
+   - mgpu_loader_start_epoch may be called at any time, also in the middle
+     of an epoch (the rest of that epoch is dropped), and mgpu_loader_free
+     too: the thread stops cleanly.
+   The data set must outlive its loaders. */
+typedef struct mgpu_dataset {
+    int n, rows, cols;
+    unsigned char *images; /* n * rows * cols bytes, row-major, image after image */
+    unsigned char *labels; /* n labels, each in 0..9 */
+} mgpu_dataset;
+
+typedef struct mgpu_loader mgpu_loader;
+typedef struct mgpu_batch {
+    mgpu_tensor *x; /* [n, 1, rows, cols] pinned host memory, pixels / 255 in [0, 1] */
+    mgpu_tensor *y; /* [n] the labels, as floats */
+    int n;          /* samples in this batch */
+} mgpu_batch;
+
+/* The data folder: flag_dir if non-NULL, else $MGPU_DATA, else "data/fashion-mnist". */
+MGPU_DEF const char *mgpu_data_dir(const char *flag_dir);
+/* Reads an IDX image file and an IDX label file (each gzip-compressed or not). */
+MGPU_DEF mgpu_dataset *mgpu_dataset_load(const char *images_path, const char *labels_path);
+/* Reads Fashion-MNIST's four files from dir (NULL: mgpu_data_dir(NULL));
+   a NULL train or test skips that part. */
+MGPU_DEF void mgpu_dataset_load_fashion_mnist(const char *dir, mgpu_dataset **train,
+                                              mgpu_dataset **test);
+/* A copy of the first n samples (all of them when n >= d->n). */
+MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n);
+MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d);
+/* "T-shirt/top", "Trouser", ..., "Ankle boot" for k = 0..9. */
+MGPU_DEF const char *mgpu_fashion_mnist_label(int k);
+
+MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int shuffle,
+                                      uint64_t seed);
+/* Starts (or restarts) an epoch; shuffled in an order that depends only on (seed, epoch). */
+MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch);
+/* 1 and the next batch in *out, or 0 at the end of the epoch. */
+MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out);
+MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l);
+MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
+/* ---------------------------------------------------------------- layers
+   The layers of a LeNet and of a ResNet, forward and backward, on any
+   device (the CPU and CUDA versions compute the same thing; see
+   kernels/conv.h, pool.h, activation.h and linear.h for the maths).
+
+   Images are NCHW: x [N, C, H, W]. Every function writes into tensors that
+   you allocate (mgpu_empty) with the right shapes; the shapes and devices
+   are checked, and a mismatch is a one-line error naming the function and
+   the shapes. All tensors of a call must be on the same device, and hold
+   fewer than 2^31 elements (the GPU kernels index in 32 bits). Like every
+   operation, these only enqueue work on the device and return at once.
+
+   Backward functions take dy = dL/dy, the gradient of the loss with
+   respect to the layer's output, and produce the gradients of its inputs.
+   An input gradient (dx) is always overwritten. Parameter gradients (dw,
+   db) are overwritten when accumulate is 0 and added to when it is 1, like
+   PyTorch's .grad (which adds up until it is zeroed): use 1 when the same
+   parameters are used more than once, or to sum over several batches.
+
+   Convolution (PyTorch's conv2d): x [N, C, H, W], weight w [K, C, R, S],
+   bias b [K], stride >= 1, zero padding pad >= 0 on every side;
+   y [N, K, P, Q] with P = (H + 2 pad - R) / stride + 1 (rounded down), Q
+   likewise.
+       mgpu_shape mgpu_conv2d_output_shape(x_shape, w_shape, stride, pad)
+   gives [N, K, P, Q] (and checks that the shapes fit together).
+       mgpu_conv2d_forward(y, x, w, b, stride, pad)     b may be NULL: no bias
+       mgpu_conv2d_backward(dx, dw, db, dy, x, w, stride, pad, accumulate)
+   dx [N, C, H, W] may be NULL (the first layer needs no input gradient);
+   dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
+   pass's input and weight.
+
+   Average pooling, k x k windows with stride k: x [N, C, H, W] ->
+   y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
+       mgpu_shape mgpu_avg_pool2d_output_shape(x_shape, k)
+       mgpu_avg_pool2d_forward(y, x, k)
+       mgpu_avg_pool2d_backward(dx, dy, k)          dx has the shape of x
+   Global average pooling, the mean of each plane: x [N, C, H, W] -> y [N, C].
+       mgpu_global_avg_pool_forward(y, x)
+       mgpu_global_avg_pool_backward(dx, dy)        dx [N, C, H, W], dy [N, C]
+
+   ReLU, y = max(x, 0), any shape; y may be x itself (in place).
+       mgpu_relu_forward(y, x)
+       mgpu_relu_backward(dx, dy, y_or_x)     dx = dy where y_or_x > 0, else 0
+   The mask can be the forward input or output (both are positive at the
+   same places), so an in-place ReLU loses nothing. dx may be dy.
+
+   Residual sum, y = a + b (same shapes; y may be a or b):
+       mgpu_add(y, a, b)
+   Its backward pass needs no function: dL/da = dL/db = dL/dy. Hand dy to
+   both branches (mgpu_add_ adds it to a gradient a branch already has).
+
+   Linear layer, with the weight stored [in, out] as in the book's LeNet
+   (torch.mm(x, W) + b): x [N, in], w [in, out], b [out], y [N, out].
+   x may also be an image batch [N, C, H, W] with C*H*W = in: it is read
+   as [N, in] (flattened), and dx then has x's shape.
+       mgpu_linear_forward(y, x, w, b)          b may be NULL: no bias
+       mgpu_linear_backward(dx, dw, db, dy, x, w, accumulate)
+   dx (may be NULL) = dy w^T; dw = x^T dy; db (may be NULL) = the sum of
+   the rows of dy.
+
+   A LeNet step, for instance (h1 = conv + bias, a1 = ReLU, p1 = pooling):
+       mgpu_conv2d_forward(h1, x, w1, b1, 1, 0);
+       mgpu_relu_forward(a1, h1);
+       mgpu_avg_pool2d_forward(p1, a1, 2);
+       ...
+       mgpu_avg_pool2d_backward(da1, dp1, 2);
+       mgpu_relu_backward(dh1, da1, a1);
+       mgpu_conv2d_backward(NULL, dw1, db1, dh1, x, w1, 1, 0, 0);
+*/
+MGPU_DEF mgpu_shape mgpu_conv2d_output_shape(mgpu_shape x, mgpu_shape w, int stride, int pad);
+MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                  const mgpu_tensor *b, int stride, int pad);
+MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu_tensor *w, int stride, int pad, int accumulate);
+
+MGPU_DEF mgpu_shape mgpu_avg_pool2d_output_shape(mgpu_shape x, int k);
+MGPU_DEF void mgpu_avg_pool2d_forward(mgpu_tensor *y, const mgpu_tensor *x, int k);
+MGPU_DEF void mgpu_avg_pool2d_backward(mgpu_tensor *dx, const mgpu_tensor *dy, int k);
+MGPU_DEF void mgpu_global_avg_pool_forward(mgpu_tensor *y, const mgpu_tensor *x);
+MGPU_DEF void mgpu_global_avg_pool_backward(mgpu_tensor *dx, const mgpu_tensor *dy);
+
+MGPU_DEF void mgpu_relu_forward(mgpu_tensor *y, const mgpu_tensor *x);
+MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *y_or_x);
+MGPU_DEF void mgpu_add(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b);
+
+MGPU_DEF void mgpu_linear_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                  const mgpu_tensor *b);
+MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu_tensor *w, int accumulate);
+/* ------------------------------------------- batch norm, losses, optimisers
+   Training operations. Like every operation they are enqueued on the
+   device of their tensors (all on one device) and return at once; the
+   caller allocates every tensor, including the outputs.
+
+   Batch normalisation over channels, as PyTorch's BatchNorm2d
+   (kernels/batchnorm.h has the maths):
+
+       void mgpu_batchnorm2d_forward(y, x, gamma, beta, running_mean, running_var,
+                                     save_mean, save_invstd, training, momentum, eps,
+                                     fuse_relu)
+   x and y are [N, C, H, W] (or [N, C], or [N, C, L]: every dimension after
+   the second is a spatial one); gamma, beta, running_mean, running_var,
+   save_mean and save_invstd hold C values each (shape [C]).
+   training 1: normalises with the batch's mean and biased variance over
+   N*H*W values per channel (N*H*W must be more than 1), writes the mean and
+   1/sqrt(var + eps) to save_mean and save_invstd for the backward pass, and
+   updates running_mean and running_var with `momentum` (PyTorch: 0.1; the
+   running variance takes the unbiased variance, times m/(m-1)).
+   training 0: normalises with running_mean and running_var and changes
+   nothing else; save_mean and save_invstd may be NULL.
+   eps is added to the variance (PyTorch: 1e-5). fuse_relu 1 gives
+   y = max(0, batch norm of x) in the same pass. y may be x itself when no
+   backward pass will follow (backward needs x).
+
+       void mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, y, gamma,
+                                      save_mean, save_invstd, fuse_relu, accumulate)
+   The backward pass of a training-mode forward: from dy = dL/dy, the x and
+   gamma that forward used and its save_mean and save_invstd, writes dx
+   (shape of x) and dgamma, dbeta ([C]). With fuse_relu, pass the forward's
+   y (the ReLU's mask is y > 0; y is not read otherwise and may be NULL).
+   accumulate 1 adds to dgamma and dbeta, as PyTorch's .grad does; 0
+   overwrites them. dx is always overwritten.
+
+   Softmax cross-entropy (PyTorch's CrossEntropyLoss; kernels/loss.h):
+   logits are [N, classes]; labels hold N class indices stored as floats
+   (0., 1., ...). A label that is not an integer in [0, classes) is a fatal
+   error on a CPU device; on a GPU the sample's loss and gradient row
+   become NaN and it counts as wrong in the accuracy.
+
+       void mgpu_cross_entropy_forward(losses, logits, labels)
+   losses ([N]): one loss per sample, log sum_j exp(z_j) - z_label
+   (reduction='none'; computed stably).
+       void mgpu_cross_entropy_backward(dlogits, logits, labels, scale)
+   dlogits ([N, classes]): the gradient of scale * (sum of the N losses):
+   scale 1 for the book's loss(...).sum(), 1/N for the mean
+   (reduction='mean').
+       void mgpu_accuracy_count(count, logits, labels)
+   count ([1]): how many rows have their largest logit at the label (the
+   first largest when several are equal, like torch.argmax). Read it with
+   mgpu_item(count, 0); it stays on the device until then.
+
+       void mgpu_sum(out, x)     out ([1]) = the sum of all of x's values
+       void mgpu_mean(out, x)    out ([1]) = their mean (x not empty)
+   For reporting (a loss, a count): summed in double.
+
+   Stochastic gradient descent (kernels/sgd.h):
+
+       void mgpu_sgd_book(param, grad, lr, batch_size)
+   The book's d2l.sgd for a loss summed over a batch:
+   param -= lr * grad / batch_size, then grad = 0, in one pass.
+
+       void mgpu_sgd_step(param, grad, momentum_buf, lr, momentum, weight_decay,
+                          first_step)
+   torch.optim.SGD: g = grad + weight_decay * param; with momentum,
+   buf = g at the first step (first_step 1) and momentum * buf + g after,
+   and param -= lr * buf; without (momentum 0), param -= lr * g and
+   momentum_buf is not used (pass NULL). momentum_buf has the shape of
+   param. grad is not changed: zero it with mgpu_fill(grad, 0) before the
+   next backward pass, PyTorch's zero_grad(). */
+MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
+                                       const mgpu_tensor *gamma, const mgpu_tensor *beta,
+                                       mgpu_tensor *running_mean, mgpu_tensor *running_var,
+                                       mgpu_tensor *save_mean, mgpu_tensor *save_invstd,
+                                       int training, float momentum, float eps, int fuse_relu);
+MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
+                                        const mgpu_tensor *dy, const mgpu_tensor *x,
+                                        const mgpu_tensor *y, const mgpu_tensor *gamma,
+                                        const mgpu_tensor *save_mean,
+                                        const mgpu_tensor *save_invstd, int fuse_relu,
+                                        int accumulate);
+MGPU_DEF void mgpu_cross_entropy_forward(mgpu_tensor *losses, const mgpu_tensor *logits,
+                                         const mgpu_tensor *labels);
+MGPU_DEF void mgpu_cross_entropy_backward(mgpu_tensor *dlogits, const mgpu_tensor *logits,
+                                          const mgpu_tensor *labels, float scale);
+MGPU_DEF void mgpu_accuracy_count(mgpu_tensor *count, const mgpu_tensor *logits,
+                                  const mgpu_tensor *labels);
+MGPU_DEF void mgpu_sum(mgpu_tensor *out, const mgpu_tensor *x);
+MGPU_DEF void mgpu_mean(mgpu_tensor *out, const mgpu_tensor *x);
+MGPU_DEF void mgpu_sgd_book(mgpu_tensor *param, mgpu_tensor *grad, float lr, int batch_size);
+MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
+                            mgpu_tensor *momentum_buf, float lr, float momentum,
+                            float weight_decay, int first_step);
+/* ---------------------------------------------------------------------------
+   Communication: parameters on every device, splitting a batch, allreduce
+   ---------------------------------------------------------------------------
+   Data parallelism needs three things: a copy of the parameters on every
+   device, each device's share of the batch, and, after each backward pass,
+   the sum of every device's gradients on every device (an allreduce).
+
+   The book's functions.
+       mgpu_param p[4];  mgpu_get_params(p, params, 4, dev);
+   copies each of params[0..3] to dev, each with a zero gradient of the same
+   shape (p[k].value, p[k].grad); mgpu_params_free(p, 4) frees them.
+       mgpu_allreduce(grads, n);
+   the book's allreduce: adds grads[1..n-1] into grads[0] (copying each to
+   grads[0]'s device first), then copies the sum back to every device.
+       mgpu_scatter(x, devices, n, out);
+   splits x along dimension 0 as PyTorch's nn.parallel.scatter does: chunks
+   of ceil(N/n) rows, the last one shorter, out[i] a new tensor on
+   devices[i]. A device that would get no rows (4 rows on 3 devices: 2, 2
+   and nothing) is an error. mgpu_split_batch does it for the images X and
+   the labels y, which must have the same number of rows. The copies are
+   non-blocking (the batch usually sits in pinned host memory).
+
+   The ring allreduce. The book's version moves everything through device
+   0: with n devices of N bytes each, device 0 receives and sends (n-1)N
+   bytes while the others wait. A ring cuts each vector into n chunks and
+   lets every device send and receive at once:
+     reduce-scatter, n-1 steps: at step s device i sends its chunk
+       (i - s) mod n to device i+1, which adds it to its own copy of that
+       chunk. After n-1 steps device i holds the full sum of chunk (i+1).
+     all-gather, n-1 steps: at step s device i sends the finished chunk
+       (i + 1 - s) mod n to device i+1, which keeps it.
+   Each device sends 2(n-1)/n N bytes in all, whatever n is: this is the
+   "bus bandwidth" factor 2(n-1)/n of nccl-tests. Any length works (a
+   vector shorter than n leaves some chunks empty).
+       mgpu_ring_allreduce(grads, n, average);   average: divide by n
+   The ring runs on each device's communication queue (its copy queue: a
+   CUDA stream, or a worker thread on the CPU), so it can run while the
+   compute queue goes on with other work; the adds are kernels on that
+   queue. mgpu_ring_allreduce makes each compute queue wait for the result,
+   so the next operation on grads[i] sees the sum.
+
+   NCCL. Between distinct physical GPUs, NVIDIA's NCCL does the same job
+   over NVLink or PCIe with tuned kernels. In one process:
+       mgpu_nccl_comm *c = mgpu_nccl_init(devices, n);
+   returns NULL when the devices are not n distinct GPUs (virtual devices
+   share a GPU, and NCCL before 2.30 refuses two ranks on one GPU; CPU
+   devices have no NCCL; nor does a build without nvcc). Then
+       mgpu_nccl_allreduce(c, data, average)      data[i] on GPU i of c
+       mgpu_nccl_broadcast(c, data, root)         data[root] to all
+       mgpu_nccl_reduce_scatter(c, in, out, average)  out[i] = chunk i of the sum;
+                                                  in[i] has n times out[i]'s elements
+       mgpu_nccl_all_gather(c, in, out)           out[i] = in[0], in[1], ... in a row
+       mgpu_nccl_free(c)
+   run on the communication queues too; the compute queues wait for them.
+
+   Choosing. mgpu_allreduce_auto(data, n, average) uses NCCL when the
+   devices are distinct GPUs, the ring otherwise, and nothing for one
+   device; it returns the name of what it used: "nccl", "ring" or "none".
+
+   Overlap. mgpu_allreduce_start(data, n, average, scratch) is
+   mgpu_allreduce_auto without its last step: the reduction is queued on
+   the communication queues (each starts when its compute queue has
+   produced data[i]) and the compute queues go on at once;
+   mgpu_comm_wait(devices, n) then makes each compute queue wait for
+   everything given to its communication queue so far. In between, leave
+   data[i] alone: it is being reduced.
+       backward of the last layers ...
+       mgpu_allreduce_start(bucket, n, 0, scratch);  their reduction starts
+       backward of the earlier layers ...             runs meanwhile
+       mgpu_comm_wait(devices, n);                    the optimiser sees every sum
+   A bucket is one flat tensor per device (gradients can be views into
+   it). scratch is NULL, or the ring's receive buffers: one per device, on
+   that device, of at least ceil(numel / n) elements, kept from call to
+   call and freed after mgpu_comm_wait. Why keep them: memory the ring
+   takes from the allocator goes back marked "in use until this reduction
+   ends", and the next tensor of that size would make its compute queue
+   wait for the reduction, stalling the backward pass the overlap is for.
+
+   Peer access. Two GPUs copy straight to each other (NVLink or PCIe)
+   only once peer access is on; otherwise the driver stages every copy
+   through host memory. mgpu_enable_peer_access(devices, n) turns it on
+   for every pair that can; the ring and the book's allreduce call it.
+
+   Errors: tensors of different shapes, devices of mixed kinds in a ring,
+   or more than MGPU_MAX_DEVICES tensors are one-line errors naming the
+   function; NCCL failures name the file, line and NCCL's message. */
+
+typedef struct mgpu_param { mgpu_tensor *value, *grad; } mgpu_param;
+MGPU_DEF void mgpu_get_params(mgpu_param *out, mgpu_tensor *const *params, int n, mgpu_device *dev);
+MGPU_DEF void mgpu_params_free(mgpu_param *p, int n);
+
+MGPU_DEF void mgpu_allreduce(mgpu_tensor **data, int n);
+MGPU_DEF void mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out);
+MGPU_DEF void mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
+                               int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards);
+
+MGPU_DEF void mgpu_ring_allreduce(mgpu_tensor **data, int n, int average);
+MGPU_DEF void mgpu_enable_peer_access(mgpu_device *const *devices, int n);
+
+typedef struct mgpu_nccl_comm mgpu_nccl_comm;
+MGPU_DEF mgpu_nccl_comm *mgpu_nccl_init(mgpu_device *const *devices, int n);
+MGPU_DEF void mgpu_nccl_free(mgpu_nccl_comm *comm);
+MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *comm, mgpu_tensor **data, int average);
+MGPU_DEF void mgpu_nccl_broadcast(mgpu_nccl_comm *comm, mgpu_tensor **data, int root);
+MGPU_DEF void mgpu_nccl_reduce_scatter(mgpu_nccl_comm *comm, mgpu_tensor *const *in, mgpu_tensor **out,
+                                       int average);
+MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *comm, mgpu_tensor *const *in, mgpu_tensor **out);
+
+MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average);
+MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average,
+                                          mgpu_tensor *const *scratch);
+MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
+/* ----------------------------------------------------------- networks
+   A network (mgpu_net) is a list of layers on one device, each with its
+   parameters (value and gradient, mgpu_param) and buffers (batch norm's
+   running statistics). It is what chapter 3's ResNet-18 is made of, and
+   what a course extends with its own layer kinds.
+
+       mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
+   The book's ResNet-18 for small images: a 3x3 stem convolution (stride 1,
+   padding 1), batch norm, ReLU, no max-pool; four stages of two residual
+   blocks (64, 128, 256, 512 channels; a 1x1 strided convolution on the
+   shortcut where the shape changes); global average pooling; a linear
+   layer. Conv and linear weights ~ Normal(0, 0.01) (the book's
+   init_weights); their biases as PyTorch initialises them,
+   Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)); batch norm gamma 1, beta 0.
+   Draws come from the generator (mgpu_manual_seed first).
+
+       mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
+   runs the layers in order and returns the logits [N, classes] (owned by
+   the net: valid until the next forward). In training mode batch norm
+   uses the batch's statistics and updates its running ones; in evaluation
+   mode it uses the running ones (mgpu_net_set_training).
+
+       void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
+   back-propagates through the layers of the last forward and ADDS every
+   parameter's gradient into param.grad, as PyTorch's .backward() does;
+   mgpu_net_zero_grad clears them.
+
+       void mgpu_net_train_step(net, x, labels, lr, momentum, weight_decay, loss_sum_or_NULL)
+   one SGD step on the mean cross-entropy; adds the batch's summed loss to
+   a one-element tensor on the net's device when given one (read it once an
+   epoch: reading it every step would make the host wait every step).
+
+       int mgpu_net_num_params(net);   mgpu_param *mgpu_net_param(net, i);
+       int mgpu_net_num_buffers(net);  mgpu_tensor *mgpu_net_buffer(net, i);
+       size_t mgpu_net_num_weights(net)         number of trainable floats
+       mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev)
+   a copy on another device (values and buffers copied, gradients zero).
+       void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_buffers)
+       void mgpu_net_save(const mgpu_net *net, const char *path)
+       void mgpu_net_load(mgpu_net *net, const char *path)
+   One file holds every parameter and buffer: a header (magic "MGPUNET1",
+   version, tensor count), each tensor's shape and values, and a 64-bit
+   FNV-1a checksum of everything before it. Loading a damaged file, another
+   network's file or a file from another version is a one-line error. */
+typedef enum {
+    MGPU_LAYER_CONV,
+    MGPU_LAYER_BATCHNORM,
+    MGPU_LAYER_RELU,
+    MGPU_LAYER_RESIDUAL,
+    MGPU_LAYER_GLOBAL_AVG_POOL,
+    MGPU_LAYER_LINEAR
+} mgpu_layer_kind;
+
+typedef struct mgpu_layer mgpu_layer;
+struct mgpu_layer {
+    mgpu_layer_kind kind;
+    char name[40];
+    /* settings */
+    int in_channels, out_channels, kernel, stride, pad;
+    int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
+    int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
+    /* parameters: conv/linear weight and bias; batch norm gamma and beta */
+    mgpu_param weight, bias;
+    /* batch norm buffers, and what its backward pass needs */
+    mgpu_tensor *running_mean, *running_var, *save_mean, *save_invstd;
+    /* a residual block's layers (shortcut is NULL for the identity) */
+    mgpu_layer *conv1, *bn1, *conv2, *bn2, *shortcut;
+    /* activations of the last forward, kept for the backward */
+    const mgpu_tensor *input;
+    mgpu_tensor *output, *dinput, *dsum;
+};
+
+typedef struct mgpu_net {
+    mgpu_device *device;
+    int training;
+    int nlayers;
+    mgpu_layer *layers[16];
+    int nparams, nbuffers;
+    mgpu_param *params[128];    /* pointers into the layers, in registration order */
+    mgpu_tensor **buffers[128];
+    mgpu_tensor *momentum[128]; /* SGD momentum buffers, made at the first step */
+    int steps;
+    /* scratch of the training step */
+    mgpu_tensor *losses, *dlogits, *loss_sum;
+} mgpu_net;
+
+MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
+MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
+MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
+MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net);
+MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training);
+MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay);
+MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
+                                     const mgpu_tensor *labels, float scale,
+                                     mgpu_tensor *loss_sum);
+MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                  float lr, float momentum, float weight_decay,
+                                  mgpu_tensor *loss_sum);
+MGPU_DEF int mgpu_net_num_params(const mgpu_net *net);
+MGPU_DEF mgpu_param *mgpu_net_param(mgpu_net *net, int i);
+MGPU_DEF int mgpu_net_num_buffers(const mgpu_net *net);
+MGPU_DEF mgpu_tensor *mgpu_net_buffer(mgpu_net *net, int i);
+MGPU_DEF size_t mgpu_net_num_weights(const mgpu_net *net);
+MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev);
+MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_buffers);
+MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path);
+MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path);
+MGPU_DEF void mgpu_net_free(mgpu_net *net);
+/* Counts, on the net's device, the rows of logits whose argmax is the label,
+   over a whole data set in evaluation mode; returns the accuracy. */
+MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size);
+/* ---------------------------------------------------- data parallelism
+   mgpu_data_parallel is the library's nn.DataParallel: one replica of a
+   network per device; each step scatters the batch (ceil(N/k) rows each),
+   runs forward and backward on every device's queue at the same time,
+   combines the gradients and updates, so the replicas stay identical.
+
+       mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
+                                                  int n, mgpu_dp_mode mode);
+   net must live on devices[0]; it becomes replica 0 (the seed's `.module`,
+   mgpu_data_parallel_module) and the wrapper copies it to the others.
+   Two ways to combine the gradients:
+     MGPU_DP_GATHER     what torch.nn.DataParallel does: every step the
+                        parameters are broadcast from device 0, the logits
+                        gathered on device 0 for the loss, and every
+                        replica's gradients summed into device 0, which
+                        alone runs the optimiser. Device 0 holds the full
+                        batch's logits and a staging copy of every other
+                        device's gradients: it needs more memory than the
+                        others.
+     MGPU_DP_ALLREDUCE  what DistributedDataParallel does: the gradients are
+                        allreduced (NCCL between distinct GPUs, else the
+                        ring), every replica runs the same SGD step, and no
+                        device carries more than the others.
+   Batch norm uses each device's own shard statistics (as PyTorch's
+   DataParallel does); the running statistics used for evaluation are
+   device 0's, updated from device 0's shard only.
+
+       void mgpu_data_parallel_step(dp, X, y, lr, momentum, weight_decay);
+   one SGD step on the mean cross-entropy of the whole batch X [N,...],
+   y [N] (on any device; usually pinned host memory from the loader).
+       void mgpu_data_parallel_take_stats(dp, &loss_sum, &correct);
+   the summed loss and the number of right predictions of the steps since
+   the last call (this waits for them), as the book's training loops count.
+       const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none" */
+typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
+typedef struct mgpu_data_parallel mgpu_data_parallel;
+MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
+                                                    int n, mgpu_dp_mode mode);
+MGPU_DEF mgpu_net *mgpu_data_parallel_module(mgpu_data_parallel *dp);
+MGPU_DEF mgpu_net *mgpu_data_parallel_replica(mgpu_data_parallel *dp, int i);
+MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor *X,
+                                      const mgpu_tensor *y, float lr, float momentum,
+                                      float weight_decay);
+MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,
+                                            double *correct);
+MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp);
+MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------- random */
 MGPU_DEF void mgpu_manual_seed(uint64_t seed);
@@ -1353,7 +2057,908 @@ MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
 #ifdef __cplusplus
 }
 #endif
-#include "parts/plot_impl.h"
+/* ===========================================================================
+   Plots: implementation (see "Plots" in the manual above)
+   ===========================================================================
+   Four layers, each built on the one before:
+     1. the canvas: an RGB buffer with rectangles, lines and text, saved as
+        a PNG by stb_image_write;
+     2. the frame: the plot area of a chart, its axes with "nice" ticks and
+        the mapping from data values to pixels;
+     3. line charts and the Animator that redraws one after every point;
+     4. device timelines.
+   Out of memory and calls that make no sense (a canvas of no pixels, a
+   series an animator does not have) are fatal here as everywhere in mgpu
+   (mgpu_fatal); a file that cannot be written is not (see the manual). */
+#include <errno.h>
+#include <stb/stb_image_write.h>
+
+/* ---- 1. the canvas ------------------------------------------------------ */
+
+/* realloc that does not fail: the animator's arrays grow with it. */
+static void *mgpu__plot_grow(void *p, size_t bytes) {
+    p = realloc(p, bytes ? bytes : 1);
+    if (!p) mgpu_fatal("out of host memory (asked for %zu bytes)", bytes);
+    return p;
+}
+
+/* A duplicate of s; NULL stays NULL. */
+static char *mgpu__plot_strdup(const char *s) {
+    char *copy;
+    if (!s) return NULL;
+    copy = (char *)mgpu__xmalloc(strlen(s) + 1);
+    return strcpy(copy, s);
+}
+
+/* The font: one glyph per printable ASCII character, 32 (space) to 126 (~).
+   A glyph is 9 rows of 5 pixels, top row first; in each row byte bit 4 is
+   the leftmost pixel. Rows 0-6 hold capitals and digits, the baseline is
+   under row 6, and rows 7-8 are for descenders (g j p q y , _). */
+#define MGPU__GLYPH_W 5
+#define MGPU__GLYPH_H 9
+#define MGPU__CAP_H 7  /* height of capitals and digits, for centring text */
+#define MGPU__CELL_W 6 /* a glyph and a blank column before the next one */
+static const unsigned char mgpu__font[95][MGPU__GLYPH_H] = {
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* space */
+    {0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ! */
+    {0x0A, 0x0A, 0x0A, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* " */
+    {0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A, 0x00, 0x00}, /* # */
+    {0x04, 0x0F, 0x14, 0x0E, 0x05, 0x1E, 0x04, 0x00, 0x00}, /* $ */
+    {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03, 0x00, 0x00}, /* % */
+    {0x0C, 0x12, 0x14, 0x08, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* & */
+    {0x04, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ' */
+    {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02, 0x00, 0x00}, /* ( */
+    {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08, 0x00, 0x00}, /* ) */
+    {0x00, 0x04, 0x15, 0x0E, 0x15, 0x04, 0x00, 0x00, 0x00}, /* asterisk */
+    {0x00, 0x04, 0x04, 0x1F, 0x04, 0x04, 0x00, 0x00, 0x00}, /* + */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08, 0x00}, /* , */
+    {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00, 0x00}, /* - */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C, 0x00, 0x00}, /* . */
+    {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00, 0x00, 0x00}, /* slash */
+    {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E, 0x00, 0x00}, /* 0 */
+    {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* 1 */
+    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* 2 */
+    {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 3 */
+    {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02, 0x00, 0x00}, /* 4 */
+    {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 5 */
+    {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 6 */
+    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08, 0x00, 0x00}, /* 7 */
+    {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 8 */
+    {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C, 0x00, 0x00}, /* 9 */
+    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00, 0x00, 0x00}, /* : */
+    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x04, 0x08, 0x00, 0x00}, /* ; */
+    {0x02, 0x04, 0x08, 0x10, 0x08, 0x04, 0x02, 0x00, 0x00}, /* < */
+    {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00}, /* = */
+    {0x08, 0x04, 0x02, 0x01, 0x02, 0x04, 0x08, 0x00, 0x00}, /* > */
+    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ? */
+    {0x0E, 0x11, 0x01, 0x0D, 0x15, 0x15, 0x0E, 0x00, 0x00}, /* @ */
+    {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* A */
+    {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* B */
+    {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* C */
+    {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C, 0x00, 0x00}, /* D */
+    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* E */
+    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* F */
+    {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* G */
+    {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* H */
+    {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* I */
+    {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C, 0x00, 0x00}, /* J */
+    {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11, 0x00, 0x00}, /* K */
+    {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* L */
+    {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11, 0x00, 0x00}, /* M */
+    {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11, 0x00, 0x00}, /* N */
+    {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* O */
+    {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* P */
+    {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* Q */
+    {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11, 0x00, 0x00}, /* R */
+    {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E, 0x00, 0x00}, /* S */
+    {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* T */
+    {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* U */
+    {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* V */
+    {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* W */
+    {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11, 0x00, 0x00}, /* X */
+    {0x11, 0x11, 0x0A, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* Y */
+    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F, 0x00, 0x00}, /* Z */
+    {0x0E, 0x08, 0x08, 0x08, 0x08, 0x08, 0x0E, 0x00, 0x00}, /* [ */
+    {0x00, 0x10, 0x08, 0x04, 0x02, 0x01, 0x00, 0x00, 0x00}, /* backslash */
+    {0x0E, 0x02, 0x02, 0x02, 0x02, 0x02, 0x0E, 0x00, 0x00}, /* ] */
+    {0x04, 0x0A, 0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ^ */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F, 0x00}, /* _ */
+    {0x08, 0x04, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ` */
+    {0x00, 0x00, 0x0E, 0x01, 0x0F, 0x11, 0x0F, 0x00, 0x00}, /* a */
+    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* b */
+    {0x00, 0x00, 0x0E, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* c */
+    {0x01, 0x01, 0x0D, 0x13, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* d */
+    {0x00, 0x00, 0x0E, 0x11, 0x1F, 0x10, 0x0E, 0x00, 0x00}, /* e */
+    {0x06, 0x09, 0x08, 0x1C, 0x08, 0x08, 0x08, 0x00, 0x00}, /* f */
+    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* g */
+    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* h */
+    {0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* i */
+    {0x02, 0x00, 0x06, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C}, /* j */
+    {0x10, 0x10, 0x12, 0x14, 0x18, 0x14, 0x12, 0x00, 0x00}, /* k */
+    {0x0C, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* l */
+    {0x00, 0x00, 0x1A, 0x15, 0x15, 0x15, 0x15, 0x00, 0x00}, /* m */
+    {0x00, 0x00, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* n */
+    {0x00, 0x00, 0x0E, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* o */
+    {0x00, 0x00, 0x1E, 0x11, 0x11, 0x11, 0x1E, 0x10, 0x10}, /* p */
+    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x01}, /* q */
+    {0x00, 0x00, 0x16, 0x19, 0x10, 0x10, 0x10, 0x00, 0x00}, /* r */
+    {0x00, 0x00, 0x0F, 0x10, 0x0E, 0x01, 0x1E, 0x00, 0x00}, /* s */
+    {0x08, 0x08, 0x1C, 0x08, 0x08, 0x09, 0x06, 0x00, 0x00}, /* t */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x13, 0x0D, 0x00, 0x00}, /* u */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* v */
+    {0x00, 0x00, 0x11, 0x11, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* w */
+    {0x00, 0x00, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x00, 0x00}, /* x */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* y */
+    {0x00, 0x00, 0x1F, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* z */
+    {0x02, 0x04, 0x04, 0x08, 0x04, 0x04, 0x02, 0x00, 0x00}, /* { */
+    {0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* | */
+    {0x08, 0x04, 0x04, 0x02, 0x04, 0x04, 0x08, 0x00, 0x00}, /* } */
+    {0x00, 0x00, 0x08, 0x15, 0x02, 0x00, 0x00, 0x00, 0x00}, /* ~ */
+};
+
+/* matplotlib's "tab10": ten colours that are easy to tell apart. */
+static const uint32_t mgpu__palette[10] = {0x1F77B4, 0xFF7F0E, 0x2CA02C, 0xD62728, 0x9467BD,
+                                           0x8C564B, 0xE377C2, 0x7F7F7F, 0xBCBD22, 0x17BECF};
+#define MGPU__INK 0x222222u  /* text, frames and ticks */
+#define MGPU__GRID 0xE4E4E4u /* grid lines behind the data */
+#define MGPU__WHITE 0xFFFFFFu
+
+MGPU_DEF uint32_t mgpu_palette(int i) { return mgpu__palette[(i % 10 + 10) % 10]; }
+
+MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb) {
+    mgpu_canvas *c;
+    MGPU_REQUIRE(width > 0 && height > 0, "a canvas of %dx%d pixels cannot be made", width, height);
+    c = (mgpu_canvas *)mgpu__xmalloc(sizeof *c);
+    c->width = width;
+    c->height = height;
+    c->rgb = (unsigned char *)mgpu__xmalloc((size_t)width * (size_t)height * 3);
+    mgpu_canvas_fill_rect(c, 0, 0, width, height, background_rgb);
+    return c;
+}
+
+MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c) {
+    if (!c) return;
+    free(c->rgb);
+    free(c);
+}
+
+static int mgpu__plot_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* Every other drawing operation ends up here, so this is where clipping to
+   the canvas happens. */
+MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
+    x0 = mgpu__plot_clamp(x0, 0, c->width);
+    x1 = mgpu__plot_clamp(x1, 0, c->width);
+    y0 = mgpu__plot_clamp(y0, 0, c->height);
+    y1 = mgpu__plot_clamp(y1, 0, c->height);
+    for (int y = y0; y < y1; y++) {
+        unsigned char *p = c->rgb + ((size_t)y * (size_t)c->width + (size_t)x0) * 3;
+        for (int x = x0; x < x1; x++, p += 3) {
+            p[0] = (unsigned char)(rgb >> 16);
+            p[1] = (unsigned char)(rgb >> 8);
+            p[2] = (unsigned char)rgb;
+        }
+    }
+}
+
+/* A 1-pixel outline around the pixels x0..x1, y0..y1 (both inclusive). */
+static void mgpu__plot_outline(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
+    mgpu_canvas_fill_rect(c, x0, y0, x1 + 1, y0 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x0, y1, x1 + 1, y1 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x0, y0, x0 + 1, y1 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x1, y0, x1 + 1, y1 + 1, rgb);
+}
+
+/* A box of pixel positions, edges included. */
+typedef struct mgpu__plot_box {
+    double x0, y0, x1, y1;
+} mgpu__plot_box;
+
+/* Liang-Barsky clipping. The segment is p(t) = (x0,y0) + t*(dx,dy) for t in
+   [0,1]; each side of the box keeps the t on its inner side, and [*t0, *t1]
+   ends up as the part inside all four. Returns 0 when nothing is left. */
+static int mgpu__plot_clip(mgpu__plot_box box, double x0, double y0, double x1, double y1,
+                           double *t0, double *t1) {
+    double dx = x1 - x0, dy = y1 - y0;
+    double p[4], q[4]; /* side i keeps the t with p[i] * t <= q[i] */
+    p[0] = -dx, q[0] = x0 - box.x0;
+    p[1] = dx, q[1] = box.x1 - x0;
+    p[2] = -dy, q[2] = y0 - box.y0;
+    p[3] = dy, q[3] = box.y1 - y0;
+    *t0 = 0;
+    *t1 = 1;
+    for (int i = 0; i < 4; i++) {
+        if (p[i] == 0) { /* parallel to this side: wholly inside it or wholly outside */
+            if (q[i] < 0) return 0;
+        } else if (p[i] < 0) { /* coming in through this side */
+            *t0 = fmax(*t0, q[i] / p[i]);
+        } else { /* going out through it */
+            *t1 = fmin(*t1, q[i] / p[i]);
+        }
+    }
+    return *t0 <= *t1;
+}
+
+MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
+                               uint32_t rgb, int thickness) {
+    mgpu__plot_box near_canvas;
+    double t0, t1, ax, ay, bx, by;
+    int steps, half;
+    if (!isfinite(x0) || !isfinite(y0) || !isfinite(x1) || !isfinite(y1)) return;
+    if (thickness < 1) thickness = 1;
+    /* Walk only the part that can touch the canvas: a line towards a point
+       far outside costs no more than one across the picture. */
+    near_canvas.x0 = near_canvas.y0 = -thickness;
+    near_canvas.x1 = c->width + thickness;
+    near_canvas.y1 = c->height + thickness;
+    if (!mgpu__plot_clip(near_canvas, x0, y0, x1, y1, &t0, &t1)) return;
+    ax = x0 + t0 * (x1 - x0), ay = y0 + t0 * (y1 - y0);
+    bx = x0 + t1 * (x1 - x0), by = y0 + t1 * (y1 - y0);
+    /* One step per pixel along the longer direction, and at every step a
+       thickness x thickness square (the "brush") centred on the line. */
+    steps = (int)ceil(fmax(fabs(bx - ax), fabs(by - ay)));
+    half = thickness / 2;
+    for (int i = 0; i <= steps; i++) {
+        double f = steps ? (double)i / steps : 0;
+        int x = (int)lround(ax + f * (bx - ax)) - half, y = (int)lround(ay + f * (by - ay)) - half;
+        mgpu_canvas_fill_rect(c, x, y, x + thickness, y + thickness, rgb);
+    }
+}
+
+/* The segment's part inside `clip`; dashed when dash > 0 (dash pixels on,
+   dash pixels off). *travel is the length of the polyline before this
+   segment, so the dashes run on from one segment to the next. */
+static void mgpu__plot_stroke(mgpu_canvas *c, mgpu__plot_box clip, double x0, double y0, double x1,
+                              double y1, uint32_t rgb, int thickness, double dash, double *travel) {
+    double len = hypot(x1 - x0, y1 - y0), start = *travel, t0, t1;
+    *travel += len;
+    if (!mgpu__plot_clip(clip, x0, y0, x1, y1, &t0, &t1)) return;
+    if (dash <= 0 || len == 0) {
+        mgpu_canvas_line(c, x0 + t0 * (x1 - x0), y0 + t0 * (y1 - y0), x0 + t1 * (x1 - x0),
+                         y0 + t1 * (y1 - y0), rgb, thickness);
+        return;
+    }
+    /* s runs along the segment from one dash boundary to the next. */
+    for (double s = t0 * len; s < t1 * len;) {
+        double phase = fmod(start + s, 2 * dash); /* < dash: in a dash; else in a gap */
+        double end = fmin(s + (phase < dash ? dash - phase : 2 * dash - phase), t1 * len);
+        if (end <= s) break; /* rounding left nothing to advance over */
+        if (phase < dash)
+            mgpu_canvas_line(c, x0 + s / len * (x1 - x0), y0 + s / len * (y1 - y0),
+                             x0 + end / len * (x1 - x0), y0 + end / len * (y1 - y0), rgb,
+                             thickness);
+        s = end;
+    }
+}
+
+static const unsigned char *mgpu__plot_glyph(char ch) {
+    unsigned char code = (unsigned char)ch;
+    return mgpu__font[(code < 32 || code > 126 ? '?' : code) - 32];
+}
+
+MGPU_DEF int mgpu_text_width(const char *text, int scale) {
+    int n = text ? (int)strlen(text) : 0;
+    return n ? (n * MGPU__CELL_W - 1) * scale : 0; /* no blank column after the last glyph */
+}
+
+/* Text in a box whose top-left corner is (x, y); `vertical` turns it a
+   quarter turn anticlockwise, to read from bottom to top (a y-axis label). */
+static void mgpu__plot_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb, int scale,
+                            int vertical) {
+    int length = mgpu_text_width(text, scale);
+    if (scale < 1 || !text) return;
+    for (int i = 0; text[i]; i++) {
+        const unsigned char *glyph = mgpu__plot_glyph(text[i]);
+        for (int row = 0; row < MGPU__GLYPH_H; row++)
+            for (int col = 0; col < MGPU__GLYPH_W; col++) {
+                /* (along, across): the font pixel's place along the text and across it */
+                int along = (i * MGPU__CELL_W + col) * scale, across = row * scale;
+                if (!(glyph[row] & (0x10 >> col))) continue;
+                if (vertical)
+                    mgpu_canvas_fill_rect(c, x + across, y + length - along - scale,
+                                          x + across + scale, y + length - along, rgb);
+                else
+                    mgpu_canvas_fill_rect(c, x + along, y + across, x + along + scale,
+                                          y + across + scale, rgb);
+            }
+    }
+}
+
+MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
+                               int scale) {
+    mgpu__plot_text(c, x, y, text, rgb, scale, 0);
+}
+
+/* One line on stderr about a file that could not be written; returns -1 so
+   that callers can `return mgpu__plot_write_failed(...)`. */
+static int mgpu__plot_write_failed(const char *path, const char *what, const char *reason) {
+    fprintf(stderr, "mgpu: error: %s: cannot write %s (%s)\n", path, what, reason);
+    return -1;
+}
+
+/* stb_image_write hands the encoded PNG over piece by piece. A failed fwrite
+   is remembered by the FILE and seen by ferror() at the end. */
+static void mgpu__plot_png_piece(void *file, void *data, int size) {
+    fwrite(data, 1, (size_t)size, (FILE *)file);
+}
+
+MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
+    /* The picture goes to "<path>.tmp", which is then renamed over `path`:
+       a viewer that reloads the file (the Animator rewrites it after every
+       point) sees the old picture or the new one, never half of one. */
+    size_t length = strlen(path);
+    char *tmp = (char *)mgpu__xmalloc(length + 5);
+    FILE *f;
+    int failed, error;
+    memcpy(tmp, path, length);
+    memcpy(tmp + length, ".tmp", 5);
+    errno = 0;
+    f = fopen(tmp, "wb");
+    if (!f) {
+        error = errno;
+        free(tmp);
+        return mgpu__plot_write_failed(path, "PNG", strerror(error));
+    }
+    failed = !stbi_write_png_to_func(mgpu__plot_png_piece, f, c->width, c->height, 3, c->rgb,
+                                     c->width * 3);
+    failed |= ferror(f) != 0;
+    failed |= fclose(f) != 0; /* closed in any case; a full disk may only show here */
+    if (!failed) failed = rename(tmp, path) != 0;
+    error = errno;
+    if (failed) remove(tmp);
+    free(tmp);
+    if (failed)
+        return mgpu__plot_write_failed(path, "PNG", error ? strerror(error) : "encoder failed");
+    return 0;
+}
+
+/* ---- 2. the frame: axes, ticks and the data-to-pixel mapping ------------ */
+
+/* An axis shows values lo..hi with a tick every `step`. */
+typedef struct mgpu__plot_axis {
+    double lo, hi, step;
+} mgpu__plot_axis;
+
+/* 1, 2 or 5 times a power of ten, giving about `ticks` ticks over `span`:
+   the steps people read easily. */
+static double mgpu__plot_nice_step(double span, int ticks) {
+    double raw = span / (ticks > 1 ? ticks : 1), magnitude = pow(10, floor(log10(raw))),
+           ratio = raw / magnitude;
+    return (ratio < 1.5 ? 1 : ratio < 3.5 ? 2 : ratio < 7.5 ? 5 : 10) * magnitude;
+}
+
+/* The axis for [lo, hi]: kept as it is when `fixed`; otherwise it comes from
+   the data (lo > hi when there was none) and is widened to whole ticks. */
+static mgpu__plot_axis mgpu__plot_axis_new(double lo, double hi, int fixed, int ticks) {
+    mgpu__plot_axis a;
+    if (!fixed && !(lo <= hi)) { /* no data at all */
+        lo = 0;
+        hi = 1;
+    } else if (!fixed && lo == hi) { /* a single value: centre it */
+        double pad = lo != 0 ? fabs(lo) / 10 : 1;
+        lo -= pad;
+        hi += pad;
+    }
+    a.step = mgpu__plot_nice_step(hi - lo, ticks);
+    /* the 1e-9 keeps a value that is a whole tick up to rounding on that tick */
+    a.lo = fixed ? lo : floor(lo / a.step + 1e-9) * a.step;
+    a.hi = fixed ? hi : ceil(hi / a.step - 1e-9) * a.step;
+    return a;
+}
+
+/* Tick i of an axis: its value and its label, with as many decimals as the
+   step needs (a step of 0.05 gives "0.35"). Returns 0 past the last tick. */
+static int mgpu__plot_tick(const mgpu__plot_axis *a, int i, double *value, char label[32]) {
+    int decimals = a->step >= 1 ? 0 : (int)ceil(-log10(a->step) - 1e-9);
+    *value = (ceil(a->lo / a->step - 1e-9) + i) * a->step;
+    if (i >= 100 || *value > a->hi + a->step * 1e-9) return 0;
+    if (*value == 0) *value = 0; /* -0.0 would print as "-0" */
+    snprintf(label, 32, "%.*f", decimals, *value);
+    return 1;
+}
+
+/* The frame of a chart: the plot area (pixels x0..x1, y0..y1, edges
+   included, where the frame is drawn), its axes and the font scale. */
+typedef struct mgpu__plot_frame {
+    mgpu_canvas *c;
+    int x0, y0, x1, y1;
+    mgpu__plot_axis ax, ay;
+    int scale;
+} mgpu__plot_frame;
+
+static double mgpu__plot_px(const mgpu__plot_frame *f, double x) {
+    return f->x0 + (x - f->ax.lo) / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0);
+}
+
+static double mgpu__plot_py(const mgpu__plot_frame *f, double y) /* pixel y grows downwards */
+{
+    return f->y1 - (y - f->ay.lo) / (f->ay.hi - f->ay.lo) * (f->y1 - f->y0);
+}
+
+static mgpu__plot_box mgpu__plot_area(const mgpu__plot_frame *f) {
+    mgpu__plot_box box;
+    box.x0 = f->x0, box.y0 = f->y0, box.x1 = f->x1, box.y1 = f->y1;
+    return box;
+}
+
+/* The widest tick label of an axis, to size the margin beside it. */
+static int mgpu__plot_widest_tick(const mgpu__plot_axis *a, int scale) {
+    char label[32];
+    double value;
+    int widest = 0;
+    for (int i = 0; mgpu__plot_tick(a, i, &value, label); i++)
+        if (mgpu_text_width(label, scale) > widest) widest = mgpu_text_width(label, scale);
+    return widest;
+}
+
+/* Grid lines, tick marks and numbers of the x axis (below the frame) or of
+   the y axis (left of it). Drawn before the data, so the grid is behind it. */
+static void mgpu__plot_ticks(const mgpu__plot_frame *f, int y_axis) {
+    int s = f->scale, tick = 3 * s;
+    char label[32];
+    double value;
+    for (int i = 0; mgpu__plot_tick(y_axis ? &f->ay : &f->ax, i, &value, label); i++) {
+        int width = mgpu_text_width(label, s);
+        if (y_axis) {
+            int y = (int)lround(mgpu__plot_py(f, value));
+            mgpu_canvas_fill_rect(f->c, f->x0 + 1, y, f->x1, y + 1, MGPU__GRID);
+            mgpu_canvas_fill_rect(f->c, f->x0 - tick, y, f->x0, y + 1, MGPU__INK);
+            mgpu_canvas_text(f->c, f->x0 - tick - 2 * s - width, y - MGPU__CAP_H * s / 2, label,
+                             MGPU__INK, s);
+        } else {
+            int x = (int)lround(mgpu__plot_px(f, value));
+            mgpu_canvas_fill_rect(f->c, x, f->y0 + 1, x + 1, f->y1, MGPU__GRID);
+            mgpu_canvas_fill_rect(f->c, x, f->y1 + 1, x + 1, f->y1 + 1 + tick, MGPU__INK);
+            mgpu_canvas_text(f->c, x - width / 2, f->y1 + tick + 3 * s, label, MGPU__INK, s);
+        }
+    }
+}
+
+/* The margins: a title line above the plot area, the tick numbers and an
+   x label below it. */
+static int mgpu__plot_top(const char *title, int s) { return title && *title ? 20 * s : 8 * s; }
+static int mgpu__plot_bottom(const char *xlabel, int s) {
+    return xlabel && *xlabel ? 32 * s : 18 * s;
+}
+
+/* Chooses the x axis for data in [xlo, xhi] (see mgpu__plot_axis_new) and
+   places the plot area: `left_width` pixels of numbers or names left of it,
+   and `below` pixels for something else (a legend) under its margin. */
+static void mgpu__plot_layout(mgpu__plot_frame *f, double xlo, double xhi, int xfixed,
+                              int left_width, int below, const char *title, const char *xlabel,
+                              const char *ylabel) {
+    int s = f->scale;
+    f->x0 = 4 * s + (ylabel && *ylabel ? 14 * s : 0) + left_width + 5 * s;
+    f->y0 = mgpu__plot_top(title, s);
+    f->y1 = f->c->height - 1 - below - mgpu__plot_bottom(xlabel, s);
+    /* About one tick per 50 font pixels of width, fewer while the numbers
+       would run into each other. The last number is centred on the right
+       edge of the frame, so half of it must fit beside the frame. */
+    for (int ticks = f->c->width / (50 * s);; ticks--) {
+        int widest;
+        f->ax = mgpu__plot_axis_new(xlo, xhi, xfixed, ticks);
+        widest = mgpu__plot_widest_tick(&f->ax, s);
+        f->x1 = f->c->width - 1 - 4 * s - widest / 2;
+        if (ticks <= 2 || f->ax.step / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0) >= widest + 6 * s)
+            break;
+    }
+}
+
+/* Title above the plot area, x label under the tick numbers, y label
+   turned up the left edge of the picture; each centred on the plot area. */
+static void mgpu__plot_labels(const mgpu__plot_frame *f, const char *title, const char *xlabel,
+                              const char *ylabel) {
+    int s = f->scale, cx = (f->x0 + f->x1) / 2, cy = (f->y0 + f->y1) / 2;
+    int title_x = cx - mgpu_text_width(title, s) / 2,
+        title_max = f->c->width - 4 * s - mgpu_text_width(title, s);
+    /* a long title moves left rather than off the picture */
+    mgpu_canvas_text(f->c, title_x < title_max ? title_x : title_max, 5 * s, title, MGPU__INK, s);
+    mgpu_canvas_text(f->c, cx - mgpu_text_width(xlabel, s) / 2, f->y1 + 19 * s, xlabel, MGPU__INK,
+                     s);
+    mgpu__plot_text(f->c, 4 * s, cy - mgpu_text_width(ylabel, s) / 2, ylabel, MGPU__INK, s, 1);
+}
+
+/* ---- 3. line charts and the Animator ------------------------------------ */
+
+/* How many pixels of a w x h box at (x, y) are data: neither background nor
+   grid. The legend goes where this is smallest. */
+static long mgpu__chart_ink(const mgpu_canvas *c, int x, int y, int w, int h) {
+    int x0 = mgpu__plot_clamp(x, 0, c->width), x1 = mgpu__plot_clamp(x + w, 0, c->width);
+    int y0 = mgpu__plot_clamp(y, 0, c->height), y1 = mgpu__plot_clamp(y + h, 0, c->height);
+    long count = 0;
+    for (int j = y0; j < y1; j++)
+        for (int i = x0; i < x1; i++) {
+            const unsigned char *p = c->rgb + ((size_t)j * (size_t)c->width + (size_t)i) * 3;
+            uint32_t rgb = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
+            count += rgb != MGPU__WHITE && rgb != MGPU__GRID;
+        }
+    return count;
+}
+
+static uint32_t mgpu__chart_color(const mgpu_chart *ch, int i) {
+    return ch->series[i].color ? ch->series[i].color : mgpu_palette(i);
+}
+
+/* One curve. Points with a NaN (or infinite) coordinate are passed over and
+   their neighbours joined, as the book's Animator does with missing values. */
+static void mgpu__chart_curve(const mgpu__plot_frame *f, const mgpu_series *series, uint32_t rgb) {
+    int s = f->scale, points = 0;
+    double travel = 0, px = 0, py = 0;
+    for (int i = 0; i < series->n; i++) {
+        double qx, qy;
+        if (!isfinite(series->x[i]) || !isfinite(series->y[i])) continue;
+        qx = mgpu__plot_px(f, series->x[i]), qy = mgpu__plot_py(f, series->y[i]);
+        if (points++)
+            mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, qx, qy, rgb, s,
+                              series->dashed ? 6 * s : 0, &travel);
+        px = qx, py = qy;
+    }
+    if (points == 1) /* a lone point draws no line: mark it with a dot */
+        mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, px, py, rgb, 3 * s, 0, &travel);
+}
+
+/* A box with a line sample and the name of every named series, in the
+   corner of the plot area that hides the fewest data pixels. */
+static void mgpu__chart_legend(const mgpu__plot_frame *f, const mgpu_chart *ch) {
+    int s = f->scale, pad = 5 * s, row = 12 * s, sample = 18 * s, entries = 0, widest = 0;
+    int w, h, x = 0, y = 0;
+    long least = -1;
+    for (int i = 0; i < ch->nseries; i++) {
+        if (!ch->series[i].name) continue;
+        entries++;
+        if (mgpu_text_width(ch->series[i].name, s) > widest)
+            widest = mgpu_text_width(ch->series[i].name, s);
+    }
+    if (!entries) return;
+    w = 3 * pad + sample + widest;
+    h = 2 * pad + entries * row - 3 * s;
+    /* corners in the order tried: upper right, upper left, lower right, lower left */
+    for (int corner = 0; corner < 4; corner++) {
+        int cx = corner % 2 ? f->x0 + pad : f->x1 - pad - w,
+            cy = corner < 2 ? f->y0 + pad : f->y1 - pad - h;
+        long ink = mgpu__chart_ink(f->c, cx, cy, w, h);
+        if (least < 0 || ink < least) least = ink, x = cx, y = cy;
+    }
+    mgpu_canvas_fill_rect(f->c, x, y, x + w, y + h, MGPU__WHITE);
+    mgpu__plot_outline(f->c, x, y, x + w - 1, y + h - 1, 0xAAAAAA);
+    y += pad;
+    for (int i = 0; i < ch->nseries; i++) {
+        double travel = 0, mid = y + MGPU__CAP_H * s / 2;
+        if (!ch->series[i].name) continue;
+        mgpu__plot_stroke(f->c, mgpu__plot_area(f), x + pad, mid, x + pad + sample, mid,
+                          mgpu__chart_color(ch, i), s, ch->series[i].dashed ? 6 * s : 0, &travel);
+        mgpu_canvas_text(f->c, x + 2 * pad + sample, y, ch->series[i].name, MGPU__INK, s);
+        y += row;
+    }
+}
+
+MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *ch, const char *path) {
+    mgpu__plot_frame f;
+    double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
+    int width = ch->width > 0 ? ch->width : 640, height = ch->height > 0 ? ch->height : 480, result;
+    int xfixed = ch->xmin < ch->xmax, yfixed = ch->ymin < ch->ymax;
+    for (int i = 0; i < ch->nseries; i++)
+        for (int j = 0; j < ch->series[i].n; j++) {
+            double x = ch->series[i].x[j], y = ch->series[i].y[j];
+            if (!isfinite(x) || !isfinite(y)) continue;
+            xlo = fmin(xlo, x), xhi = fmax(xhi, x), ylo = fmin(ylo, y), yhi = fmax(yhi, y);
+        }
+    f.c = mgpu_canvas_new(width, height, MGPU__WHITE);
+    f.scale = width >= 480 && height >= 360 ? 2 : 1;
+    /* about one y tick per 40 font pixels of height */
+    f.ay = mgpu__plot_axis_new(yfixed ? ch->ymin : ylo, yfixed ? ch->ymax : yhi, yfixed,
+                               height / (40 * f.scale));
+    mgpu__plot_layout(&f, xfixed ? ch->xmin : xlo, xfixed ? ch->xmax : xhi, xfixed,
+                      mgpu__plot_widest_tick(&f.ay, f.scale), 0, ch->title, ch->xlabel, ch->ylabel);
+    /* back to front: grid, curves, legend, then the frame over the curves' ends */
+    mgpu__plot_ticks(&f, 0);
+    mgpu__plot_ticks(&f, 1);
+    for (int i = 0; i < ch->nseries; i++)
+        mgpu__chart_curve(&f, &ch->series[i], mgpu__chart_color(ch, i));
+    mgpu__chart_legend(&f, ch);
+    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
+    mgpu__plot_labels(&f, ch->title, ch->xlabel, ch->ylabel);
+    result = mgpu_canvas_write_png(f.c, path);
+    mgpu_canvas_free(f.c);
+    return result;
+}
+
+struct mgpu_animator {
+    char *png_path, *csv_path; /* NULL: write nothing */
+    char *title, *xlabel, *ylabel;
+    double xmin, xmax;
+    int nseries;
+    char **names;
+    int n, capacity; /* points added, and room for */
+    double *x;       /* x[i]: the x of point i */
+    double **y;      /* y[k][i]: series k at point i, NaN for none */
+};
+
+MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
+                                          const char *xlabel, const char *ylabel, double xmin,
+                                          double xmax, int nseries, const char *const *names) {
+    mgpu_animator *a = (mgpu_animator *)mgpu__xmalloc(sizeof *a);
+    memset(a, 0, sizeof *a);
+    if (png_path) { /* the CSV goes beside the PNG: "run.png" -> "run.csv" */
+        size_t stem = strlen(png_path);
+        if (stem >= 4 && strcmp(png_path + stem - 4, ".png") == 0) stem -= 4;
+        a->png_path = mgpu__plot_strdup(png_path);
+        a->csv_path = (char *)mgpu__xmalloc(stem + 5);
+        memcpy(a->csv_path, png_path, stem);
+        strcpy(a->csv_path + stem, ".csv");
+    }
+    a->title = mgpu__plot_strdup(title);
+    a->xlabel = mgpu__plot_strdup(xlabel);
+    a->ylabel = mgpu__plot_strdup(ylabel);
+    a->xmin = xmin;
+    a->xmax = xmax;
+    a->nseries = nseries > 0 ? nseries : 0;
+    a->names = (char **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->names);
+    a->y = (double **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->y);
+    for (int k = 0; k < a->nseries; k++) {
+        a->names[k] = mgpu__plot_strdup(names ? names[k] : NULL);
+        a->y[k] = NULL;
+    }
+    return a;
+}
+
+MGPU_DEF void mgpu_animator_free(mgpu_animator *a) {
+    if (!a) return;
+    for (int k = 0; k < a->nseries; k++) {
+        free(a->names[k]);
+        free(a->y[k]);
+    }
+    free(a->names);
+    free(a->y);
+    free(a->x);
+    free(a->png_path);
+    free(a->csv_path);
+    free(a->title);
+    free(a->xlabel);
+    free(a->ylabel);
+    free(a);
+}
+
+/* A series number that the animator does not have is a bug in the caller. */
+static void mgpu__animator_check(const mgpu_animator *a, int series) {
+    MGPU_REQUIRE(series >= 0 && series < a->nseries, "animator has no series %d (it has %d)",
+                 series, a->nseries);
+}
+
+MGPU_DEF int mgpu_animator_count(const mgpu_animator *a) { return a->n; }
+
+MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series) {
+    mgpu__animator_check(a, series);
+    for (int i = a->n - 1; i >= 0; i--)
+        if (!isnan(a->y[series][i])) return a->y[series][i];
+    return NAN;
+}
+
+/* "x,name1,name2,..." and then one line per point; NaN is an empty field,
+   which spreadsheets and pandas read as a missing value. */
+static int mgpu__animator_write_csv(const mgpu_animator *a) {
+    FILE *f = fopen(a->csv_path, "w");
+    int failed;
+    if (!f) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
+    fputs("x", f);
+    for (int k = 0; k < a->nseries; k++) fprintf(f, ",%s", a->names[k] ? a->names[k] : "");
+    for (int i = 0; i < a->n; i++) {
+        fprintf(f, "\n%.9g", a->x[i]);
+        for (int k = 0; k < a->nseries; k++) {
+            if (isnan(a->y[k][i]))
+                fputs(",", f);
+            else
+                fprintf(f, ",%.9g", a->y[k][i]);
+        }
+    }
+    fputs("\n", f);
+    failed = ferror(f) != 0;
+    failed |= fclose(f) != 0;
+    return failed ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno)) : 0;
+}
+
+/* The curve of series k, labelled `name`. */
+static mgpu_series mgpu__animator_series(const mgpu_animator *a, int k, const char *name) {
+    mgpu_series s;
+    memset(&s, 0, sizeof s);
+    s.name = name;
+    s.n = a->n;
+    s.x = a->x;
+    s.y = a->y[k];
+    return s;
+}
+
+/* A chart of `nseries` curves with the animator's title, labels and x range. */
+static mgpu_chart mgpu__animator_chart(const mgpu_animator *a, int nseries,
+                                       const mgpu_series *series) {
+    mgpu_chart ch;
+    memset(&ch, 0, sizeof ch);
+    ch.title = a->title;
+    ch.xlabel = a->xlabel;
+    ch.ylabel = a->ylabel;
+    ch.xmin = a->xmin;
+    ch.xmax = a->xmax;
+    ch.nseries = nseries;
+    ch.series = series;
+    return ch;
+}
+
+MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys) {
+    mgpu_series *series;
+    mgpu_chart ch;
+    if (a->n == a->capacity) {
+        a->capacity = a->capacity ? 2 * a->capacity : 64;
+        a->x = (double *)mgpu__plot_grow(a->x, (size_t)a->capacity * sizeof *a->x);
+        for (int k = 0; k < a->nseries; k++)
+            a->y[k] = (double *)mgpu__plot_grow(a->y[k], (size_t)a->capacity * sizeof *a->y[k]);
+    }
+    a->x[a->n] = x;
+    for (int k = 0; k < a->nseries; k++) a->y[k][a->n] = ys[k];
+    a->n++;
+    if (!a->png_path) return;
+    series = (mgpu_series *)mgpu__xmalloc((size_t)a->nseries * sizeof *series);
+    for (int k = 0; k < a->nseries; k++) series[k] = mgpu__animator_series(a, k, a->names[k]);
+    ch = mgpu__animator_chart(a, a->nseries, series);
+    /* One error line is enough: after a failed write the animator stops
+       writing (rather than repeating the error at every point) and only
+       keeps the points. */
+    if (mgpu__animator_write_csv(a) != 0 || mgpu_chart_write_png(&ch, a->png_path) != 0) {
+        free(a->png_path);
+        free(a->csv_path);
+        a->png_path = a->csv_path = NULL;
+    }
+    free(series);
+}
+
+MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
+                                          const mgpu_animator *const *animators, int series,
+                                          const char *const *labels) {
+    mgpu_series *curves =
+        (mgpu_series *)mgpu__xcalloc((size_t)(nanimators > 0 ? nanimators : 0), sizeof *curves);
+    mgpu_chart ch;
+    int result;
+    memset(&ch, 0, sizeof ch);
+    for (int i = 0; i < nanimators; i++) {
+        const mgpu_animator *a = animators[i];
+        const char *label = labels ? labels[i] : a->title ? a->title : a->names[series];
+        mgpu__animator_check(a, series);
+        curves[i] = mgpu__animator_series(a, series, label);
+    }
+    if (nanimators > 0) {
+        ch = mgpu__animator_chart(animators[0], nanimators, curves);
+        /* the legend names the runs, so the y axis says what the curves are */
+        if (!ch.ylabel) ch.ylabel = animators[0]->names[series];
+    }
+    ch.title = title;
+    result = mgpu_chart_write_png(&ch, png_path);
+    free(curves);
+    return result;
+}
+
+/* ---- 4. device timelines ------------------------------------------------ */
+
+/* A distinct bar name and the palette colour it got. */
+typedef struct mgpu__timeline_key {
+    const char *name;
+    int slot;
+} mgpu__timeline_key;
+
+/* FNV-1a: a simple hash that spreads short names well. */
+static uint32_t mgpu__timeline_hash(const char *s) {
+    uint32_t h = 2166136261u;
+    while (*s) h = (h ^ (unsigned char)*s++) * 16777619u;
+    return h;
+}
+
+/* The index of `name` among the keys, adding it on first sight. A new name
+   gets the colour its hash points at or, if another name has that one, the
+   next free one (linear probing): the same name keeps its colour from one
+   picture to the next as far as possible, and two names in a picture share
+   a colour only when there are more than ten. */
+static int mgpu__timeline_key_of(mgpu__timeline_key *keys, int *nkeys, const char *name) {
+    int slot = (int)(mgpu__timeline_hash(name) % 10);
+    for (int k = 0; k < *nkeys; k++)
+        if (strcmp(keys[k].name, name) == 0) return k;
+    for (int tries = 0; tries < 10; tries++, slot = (slot + 1) % 10) {
+        int taken = 0;
+        for (int k = 0; k < *nkeys; k++) taken |= keys[k].slot == slot;
+        if (!taken) break;
+    } /* all ten taken: the loop came back round to the hash's colour */
+    keys[*nkeys].name = name;
+    keys[*nkeys].slot = slot;
+    return (*nkeys)++;
+}
+
+/* The legend under a timeline: a colour square and a name for each of the
+   first ten keys (then "+N more"), in rows wrapped at `width`. Returns its
+   height; with c == NULL it only measures. */
+static int mgpu__timeline_legend(mgpu_canvas *c, int x0, int y0, int width,
+                                 const mgpu__timeline_key *keys, int nkeys, int s) {
+    int x = x0, y = y0, row = 14 * s, shown = nkeys < 10 ? nkeys : 10;
+    char more[32];
+    snprintf(more, sizeof more, "+%d more", nkeys - shown);
+    for (int k = 0; k < shown + (nkeys > shown); k++) {
+        const char *text = k < shown ? keys[k].name : more;
+        int swatch = k < shown ? 11 * s : 0, w = swatch + mgpu_text_width(text, s);
+        if (x > x0 && x + w > x0 + width) x = x0, y += row; /* wrap */
+        if (c && k < shown)
+            mgpu_canvas_fill_rect(c, x, y, x + 7 * s, y + 7 * s, mgpu_palette(keys[k].slot));
+        if (c) mgpu_canvas_text(c, x + swatch, y, text, MGPU__INK, s);
+        x += w + 14 * s;
+    }
+    return nkeys ? y + row - y0 : 0;
+}
+
+/* Black or white, whichever reads better on `rgb` (by its luminance). */
+static uint32_t mgpu__timeline_text_color(uint32_t rgb) {
+    double luma = 0.299 * (rgb >> 16 & 255) + 0.587 * (rgb >> 8 & 255) + 0.114 * (rgb & 255);
+    return luma > 150 ? 0x000000 : 0xFFFFFF;
+}
+
+MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
+                                     const char *const *lane_names, int nbars,
+                                     const mgpu_timeline_bar *bars) {
+    const int s = 2, width = 1000, lane_h = 16 * s;
+    const char *xlabel = "time (ms)";
+    size_t room = (size_t)(nbars > 0 ? nbars : 0); /* at most one key per bar */
+    mgpu__timeline_key *keys = (mgpu__timeline_key *)mgpu__xcalloc(room, sizeof *keys);
+    int *key_of = (int *)mgpu__xcalloc(room, sizeof *key_of);
+    int nkeys = 0, names_w = 0, legend_h, result;
+    double lo = INFINITY, hi = -INFINITY;
+    mgpu__plot_frame f;
+    for (int b = 0; b < nbars; b++) { /* bars off every lane or with no time span are left out */
+        int drawn = bars[b].lane >= 0 && bars[b].lane < nlanes && isfinite(bars[b].start_ms) &&
+                    isfinite(bars[b].end_ms) && bars[b].start_ms <= bars[b].end_ms;
+        key_of[b] = drawn ? mgpu__timeline_key_of(keys, &nkeys, bars[b].name) : -1;
+        if (drawn) lo = fmin(lo, bars[b].start_ms), hi = fmax(hi, bars[b].end_ms);
+    }
+    for (int l = 0; l < nlanes; l++)
+        if (mgpu_text_width(lane_names[l], s) > names_w)
+            names_w = mgpu_text_width(lane_names[l], s);
+    /* The picture is as tall as its lanes and legend need. */
+    legend_h = mgpu__timeline_legend(NULL, 4 * s, 0, width - 8 * s, keys, nkeys, s);
+    f.c = mgpu_canvas_new(width,
+                          mgpu__plot_top(title, s) + nlanes * lane_h + 1 +
+                              mgpu__plot_bottom(xlabel, s) + legend_h + 4 * s,
+                          MGPU__WHITE);
+    f.scale = s;
+    f.ay.lo = f.ay.hi = f.ay.step = 0; /* unused: the vertical direction holds lanes, not values */
+    mgpu__plot_layout(&f, lo, hi, 0, names_w, legend_h + 4 * s, title, xlabel, NULL);
+    for (int l = 0; l < nlanes; l++) {
+        int top = f.y0 + l * lane_h;
+        /* every other lane shaded: stripes guide the eye along a lane */
+        if (l % 2) mgpu_canvas_fill_rect(f.c, f.x0, top, f.x1, top + lane_h, 0xF4F4F4);
+        mgpu_canvas_text(f.c, f.x0 - 5 * s - mgpu_text_width(lane_names[l], s),
+                         top + (lane_h - MGPU__CAP_H * s) / 2, lane_names[l], MGPU__INK, s);
+    }
+    mgpu__plot_ticks(&f, 0);
+    for (int b = 0; b < nbars; b++) {
+        const mgpu_timeline_bar *bar = &bars[b];
+        int x0 = (int)lround(mgpu__plot_px(&f, bar->start_ms)),
+            x1 = (int)lround(mgpu__plot_px(&f, bar->end_ms));
+        int top = f.y0 + bar->lane * lane_h + 3 * s, bottom = top + lane_h - 6 * s;
+        uint32_t rgb;
+        if (key_of[b] < 0) continue;
+        rgb = mgpu_palette(keys[key_of[b]].slot);
+        /* At least one pixel, so that the shortest operation still shows; a
+           one-pixel gap at the end, so that back-to-back bars stay apart. */
+        x1 = x1 - x0 >= 3 ? x1 - 1 : x0 + 1;
+        mgpu_canvas_fill_rect(f.c, x0, top, x1, bottom, rgb);
+        if (mgpu_text_width(bar->name, s) + 4 * s <= x1 - x0)
+            mgpu_canvas_text(f.c, (x0 + x1 - mgpu_text_width(bar->name, s)) / 2,
+                             (top + bottom - MGPU__CAP_H * s) / 2, bar->name,
+                             mgpu__timeline_text_color(rgb), s);
+    }
+    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
+    mgpu__plot_labels(&f, title, xlabel, NULL);
+    mgpu__timeline_legend(f.c, 4 * s, f.y1 + mgpu__plot_bottom(xlabel, s), width - 8 * s, keys,
+                          nkeys, s);
+    result = mgpu_canvas_write_png(f.c, path);
+    mgpu_canvas_free(f.c);
+    free(keys);
+    free(key_of);
+    return result;
+}
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -1730,11 +3335,2318 @@ MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
 }
 #endif
 
-#include "parts/data_impl.h"
-#include "parts/layers_impl.h"
-#include "parts/train_ops_impl.h"
-#include "parts/comm_impl.h"
-#include "parts/nn_impl.h"
-#include "parts/parallel_impl.h"
+/* ======================================================================
+   Data: the IDX reader, the data set and the loaders (see "Data" above)
+   ======================================================================
+   The reader trusts nothing in a file: every size it reads is checked
+   against what the file can hold before memory is allocated or bytes are
+   read, and every read is checked for errors, so a bad file gives one line
+   naming it and the problem, never a crash or a read past the end. */
+#include <limits.h>
+#include <sys/stat.h>
+#include <zlib.h>
+
+/* ------------------------------------------------------------ IDX files */
+typedef struct mgpu__idx_file {
+    const char *path;
+    gzFile gz;
+    long long disk_bytes; /* the file's size on disk (compressed or not) */
+} mgpu__idx_file;
+
+static void mgpu__idx_fail(const mgpu__idx_file *f, const char *fmt, ...) MGPU__PRINTF(2, 3);
+static void mgpu__idx_fail(const mgpu__idx_file *f, const char *fmt, ...) {
+    char problem[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(problem, sizeof problem, fmt, ap);
+    va_end(ap);
+    mgpu_fatal("%s: %s", f->path, problem);
+}
+
+/* Opens path for reading: a regular file, gzip-compressed or not. */
+static mgpu__idx_file mgpu__idx_open(const char *path) {
+    mgpu__idx_file f;
+    f.path = path;
+    f.gz = NULL;
+    struct stat st;
+    if (stat(path, &st) != 0) mgpu__idx_fail(&f, "cannot open (%s)", strerror(errno));
+    if (S_ISDIR(st.st_mode)) mgpu__idx_fail(&f, "is a directory, not an IDX file");
+    if (!S_ISREG(st.st_mode)) mgpu__idx_fail(&f, "is not a regular file");
+    f.disk_bytes = (long long)st.st_size;
+    f.gz = gzopen(path, "rb");
+    if (!f.gz) mgpu__idx_fail(&f, "cannot open (%s)", errno ? strerror(errno) : "out of memory");
+    /* Large reads go faster through a larger buffer (zlib's default is 8 KiB). */
+    if (gzbuffer(f.gz, 1 << 17) != 0) mgpu__idx_fail(&f, "cannot set up zlib's buffer");
+    return f;
+}
+
+/* Reads up to n bytes; a zlib error (corrupt or cut gzip data) is fatal.
+   Returns how many bytes there were before the end of the data. */
+static size_t mgpu__idx_read_some(mgpu__idx_file *f, unsigned char *buf, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+        /* gzread takes and returns int-sized counts: read in chunks of 1 GiB. */
+        size_t chunk = n - got < ((size_t)1 << 30) ? n - got : ((size_t)1 << 30);
+        int r = gzread(f->gz, buf + got, (unsigned)chunk);
+        int err = Z_OK;
+        const char *msg = gzerror(f->gz, &err);
+        /* zlib's message starts with the path, which ours already names. */
+        size_t len = strlen(f->path);
+        if (strncmp(msg, f->path, len) == 0 && strncmp(msg + len, ": ", 2) == 0) msg += len + 2;
+        if (err == Z_BUF_ERROR)
+            mgpu__idx_fail(f, "truncated gzip stream (%s)", msg);
+        if (r < 0 || err != Z_OK)
+            mgpu__idx_fail(f, "corrupt gzip data (%s)", err == Z_ERRNO ? strerror(errno) : msg);
+        if (r == 0) break;
+        got += (size_t)r;
+    }
+    return got;
+}
+
+/* Reads exactly n bytes of `what` ("images" or "labels"). */
+static void mgpu__idx_read(mgpu__idx_file *f, unsigned char *buf, size_t n, const char *what) {
+    size_t got = mgpu__idx_read_some(f, buf, n);
+    if (got < n)
+        mgpu__idx_fail(f, "truncated: the file ends in the middle of the %s (%zu of %zu bytes)",
+                       what, got, n);
+}
+
+static uint32_t mgpu__big_endian32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* What a header announces, for messages: "5 images of 28x28" or "5 labels". */
+static void mgpu__idx_announced(char *buf, size_t size, int ndims, const uint32_t *dims) {
+    if (ndims == 3)
+        snprintf(buf, size, "%u images of %ux%u", dims[0], dims[1], dims[2]);
+    else
+        snprintf(buf, size, "%u labels", dims[0]);
+}
+
+/* Reads a whole IDX file of unsigned bytes with ndims dimensions (3 for
+   images: count, rows, cols; 1 for labels: count) into dims and a new
+   buffer. The magic number is 0x00000800 + ndims: two zero bytes, the type
+   (0x08, unsigned byte) and the number of dimensions. */
+static unsigned char *mgpu__idx_load(const char *path, int ndims, uint32_t dims[3]) {
+    const char *kind = ndims == 3 ? "images" : "labels";
+    const uint32_t magic = 0x00000800u | (uint32_t)ndims;
+    mgpu__idx_file f = mgpu__idx_open(path);
+
+    /* The magic number first: a wrong file is named as such, even when it
+       is too short for the header it should have. */
+    unsigned char header[16] = {0};
+    size_t header_bytes = 4 + 4 * (size_t)ndims;
+    size_t got = mgpu__idx_read_some(&f, header, header_bytes);
+    int compressed = !gzdirect(f.gz); /* zlib knows after the first read */
+    uint32_t found = mgpu__big_endian32(header);
+    if (got >= 4 && found != magic)
+        mgpu__idx_fail(&f, "wrong magic number 0x%08x: not an IDX %s file (0x%08x)%s", found, kind,
+                       magic, compressed ? "" : ", and not gzip-compressed either");
+    if (got < header_bytes)
+        mgpu__idx_fail(&f, "truncated: the file ends in the middle of the header (%zu of %zu bytes)",
+                       got, header_bytes);
+    for (int i = 0; i < ndims; i++) dims[i] = mgpu__big_endian32(header + 4 + 4 * i);
+    if (dims[0] == 0) mgpu__idx_fail(&f, "holds no %s", kind);
+    /* Sizes must fit the int fields of mgpu_dataset. */
+    if (dims[0] > INT_MAX) mgpu__idx_fail(&f, "%u %s are too many (at most %d)", dims[0], kind, INT_MAX);
+    if (ndims == 3 && (dims[1] == 0 || dims[2] == 0 || dims[1] > 65535 || dims[2] > 65535))
+        mgpu__idx_fail(&f, "images of %ux%u pixels: each side must be 1 to 65535", dims[1], dims[2]);
+
+    uint64_t payload = dims[0];
+    for (int i = 1; i < ndims; i++) payload *= dims[i];
+    char announced[96];
+    mgpu__idx_announced(announced, sizeof announced, ndims, dims);
+    /* Check the size before allocating: an uncompressed file must be
+       exactly header + payload; a gzip file cannot hold more than 1032
+       times its own size (deflate's largest ratio). */
+    if (!compressed) {
+        long long want = (long long)(header_bytes + payload);
+        if (f.disk_bytes < want)
+            mgpu__idx_fail(&f, "truncated: the header announces %s (%lld bytes in all), the file has %lld",
+                           announced, want, f.disk_bytes);
+        if (f.disk_bytes > want)
+            mgpu__idx_fail(&f, "the file is longer than its header says: %lld bytes, %lld expected for %s",
+                           f.disk_bytes, want, announced);
+    } else if (payload / 1032 > (uint64_t)f.disk_bytes) {
+        mgpu__idx_fail(&f, "the header announces %s (%llu bytes), more than a %lld-byte gzip file can hold",
+                       announced, (unsigned long long)payload, f.disk_bytes);
+    }
+    unsigned char *data = (unsigned char *)mgpu__xmalloc((size_t)payload);
+    mgpu__idx_read(&f, data, (size_t)payload, kind);
+    /* One more byte must not be there. Reading it also makes zlib check the
+       gzip trailer (CRC and length) of the data just read. */
+    unsigned char extra;
+    if (mgpu__idx_read_some(&f, &extra, 1) != 0)
+        mgpu__idx_fail(&f, "the file is longer than its header says: more than %llu bytes of data for %s",
+                       (unsigned long long)(header_bytes + payload), announced);
+    int rc = gzclose(f.gz);
+    if (rc != Z_OK) mgpu__idx_fail(&f, "cannot close (zlib error %d)", rc);
+    return data;
+}
+
+/* ------------------------------------------------------------ data sets */
+MGPU_DEF const char *mgpu_data_dir(const char *flag_dir) {
+    if (flag_dir) return flag_dir;
+    const char *env = getenv("MGPU_DATA");
+    if (env && env[0]) return env;
+    return "data/fashion-mnist";
+}
+
+MGPU_DEF mgpu_dataset *mgpu_dataset_load(const char *images_path, const char *labels_path) {
+    uint32_t idims[3], ldims[3];
+    unsigned char *images = mgpu__idx_load(images_path, 3, idims);
+    unsigned char *labels = mgpu__idx_load(labels_path, 1, ldims);
+    if (ldims[0] != idims[0])
+        mgpu_fatal("%s: %u labels, but %s holds %u images", labels_path, ldims[0], images_path,
+                   idims[0]);
+    for (uint32_t i = 0; i < ldims[0]; i++)
+        if (labels[i] > 9)
+            mgpu_fatal("%s: label %d of sample %u is not in 0..9", labels_path, labels[i], i);
+    mgpu_dataset *d = (mgpu_dataset *)mgpu__xcalloc(1, sizeof *d);
+    d->n = (int)idims[0];
+    d->rows = (int)idims[1];
+    d->cols = (int)idims[2];
+    d->images = images;
+    d->labels = labels;
+    return d;
+}
+
+/* dir/name.gz if it exists, else dir/name if it exists, into path; 0 if neither. */
+static int mgpu__data_find(const char *dir, const char *name, char *path, size_t size) {
+    static const char *const suffixes[2] = {".gz", ""};
+    for (int i = 0; i < 2; i++) {
+        struct stat st;
+        int len = snprintf(path, size, "%s/%s%s", dir, name, suffixes[i]);
+        MGPU_REQUIRE(len > 0 && (size_t)len < size, "data path too long: %s/%s", dir, name);
+        if (stat(path, &st) == 0) return 1;
+    }
+    return 0;
+}
+
+static mgpu_dataset *mgpu__fashion_mnist_part(const char *dir, const char *prefix) {
+    char names[2][64], paths[2][4096];
+    snprintf(names[0], sizeof names[0], "%s-images-idx3-ubyte", prefix);
+    snprintf(names[1], sizeof names[1], "%s-labels-idx1-ubyte", prefix);
+    for (int i = 0; i < 2; i++)
+        if (!mgpu__data_find(dir, names[i], paths[i], sizeof paths[i]))
+            mgpu_fatal("Fashion-MNIST not found: no %s/%s.gz nor %s/%s (the folder comes from "
+                       "--data, else $MGPU_DATA, else data/fashion-mnist); `make data` fetches "
+                       "the data set",
+                       dir, names[i], dir, names[i]);
+    mgpu_dataset *d = mgpu_dataset_load(paths[0], paths[1]);
+    if (d->rows != 28 || d->cols != 28)
+        mgpu_fatal("%s: images of %dx%d pixels; Fashion-MNIST's are 28x28", paths[0], d->rows,
+                   d->cols);
+    return d;
+}
+
+MGPU_DEF void mgpu_dataset_load_fashion_mnist(const char *dir, mgpu_dataset **train,
+                                              mgpu_dataset **test) {
+    if (!dir) dir = mgpu_data_dir(NULL);
+    if (train) *train = mgpu__fashion_mnist_part(dir, "train");
+    if (test) *test = mgpu__fashion_mnist_part(dir, "t10k");
+}
+
+MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n) {
+    MGPU_REQUIRE(n >= 1, "mgpu_dataset_subset: n is %d; take at least one sample", n);
+    if (n > d->n) n = d->n;
+    size_t pixels = (size_t)d->rows * (size_t)d->cols;
+    mgpu_dataset *s = (mgpu_dataset *)mgpu__xcalloc(1, sizeof *s);
+    *s = *d;
+    s->n = n;
+    s->images = (unsigned char *)mgpu__xmalloc((size_t)n * pixels);
+    s->labels = (unsigned char *)mgpu__xmalloc((size_t)n);
+    memcpy(s->images, d->images, (size_t)n * pixels);
+    memcpy(s->labels, d->labels, (size_t)n);
+    return s;
+}
+
+MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d) {
+    if (!d) return;
+    free(d->images);
+    free(d->labels);
+    free(d);
+}
+
+MGPU_DEF const char *mgpu_fashion_mnist_label(int k) {
+    static const char *const names[10] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                                          "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
+    MGPU_REQUIRE(k >= 0 && k < 10, "mgpu_fashion_mnist_label: %d is not a class (0..9)", k);
+    return names[k];
+}
+
+/* ------------------------------------------------------------- loaders
+   A producer/consumer pair around a ring of MGPU__LOADER_RING batch
+   buffers. Batch k of an epoch goes into slot k % RING. The loader thread
+   (the producer) fills batch k once the program (the consumer) has
+   released batch k - RING, so with 3 slots it works up to two batches
+   ahead of the one the program holds. The program releases a batch when
+   it asks for the next one.
+
+   Released is not the same as unused: the program may have enqueued work
+   that still reads the batch. Only two kinds of queue can read host
+   memory: a copy queue (mgpu_copy of the batch, or of a view of it, onto
+   any device) and the compute queue of the CPU device the buffers live
+   on. So a release puts a fence in the slot: an event recorded on each of
+   those queues at that moment. The producer waits for the fence before it
+   overwrites the slot; it never waits for work enqueued after the
+   release, so it stays ahead. */
+#define MGPU__LOADER_RING 3
+#define MGPU__LOADER_FENCE (MGPU_MAX_DEVICES * 4 + 1) /* every copy queue, and cpu's compute queue */
+
+typedef struct mgpu__loader_fence {
+    int n;
+    mgpu_event *events[MGPU__LOADER_FENCE];
+} mgpu__loader_fence;
+
+struct mgpu_loader {
+    const mgpu_dataset *data;
+    int batch_size, capacity; /* capacity: rows of a buffer, min(batch_size, n) */
+    int shuffle, nbatches;
+    uint64_t seed;
+    int *order;               /* the epoch's order of the samples */
+    mgpu_tensor *x[MGPU__LOADER_RING], *y[MGPU__LOADER_RING];
+    mgpu__loader_fence fence[MGPU__LOADER_RING];
+    mgpu_tensor *short_x, *short_y; /* views exposing a short last batch */
+    pthread_t thread;
+    pthread_mutex_t mutex;
+    pthread_cond_t changed;
+    /* Under the mutex. Batches [0, produced) of the epoch are ready,
+       [0, handed) were given out and [0, released) given back. */
+    int active, produced, handed, released;
+    int filling;              /* the producer is writing a slot */
+    int stop;
+};
+
+/* The order of the samples in epoch `epoch`: a Fisher-Yates shuffle whose
+   random words come from Philox under a key made from (seed, epoch), so
+   the order depends on nothing else. Step t (swapping position n-1-t with
+   a position j in 0..n-1-t) uses word t: counter t / 4, word t % 4.
+   j = word * (i + 1) / 2^32 is uniform up to a bias below (i + 1) / 2^32,
+   under 2e-5 for 60000 samples: far below what training could notice. */
+static void mgpu__loader_shuffle(int *order, int n, uint64_t seed, int epoch) {
+    uint32_t r[4];
+    mgpu_philox(seed, (uint64_t)epoch, r);
+    uint64_t key = (uint64_t)r[0] | (uint64_t)r[1] << 32;
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = n - 1, t = 0; i > 0; i--, t++) {
+        if (t % 4 == 0) mgpu_philox(key, (uint64_t)t / 4, r);
+        int j = (int)(((uint64_t)r[t % 4] * (uint64_t)(i + 1)) >> 32);
+        int tmp = order[i];
+        order[i] = order[j];
+        order[j] = tmp;
+    }
+}
+
+/* Samples in batch k: batch_size, except for a shorter last batch. */
+static int mgpu__loader_batch_n(const mgpu_loader *l, int k) {
+    int left = l->data->n - k * l->batch_size;
+    return left < l->batch_size ? left : l->batch_size;
+}
+
+/* The program's side: marks "now" on every queue that may read the slot. */
+static void mgpu__loader_fence_record(mgpu__loader_fence *f) {
+    mgpu_device *cpu = mgpu_cpu();
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
+    int ndevices = mgpu__g.ndevices;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    for (; f->n < ndevices + 1; f->n++) f->events[f->n] = mgpu_event_new();
+    for (int i = 0; i < ndevices; i++) mgpu__event_record_on(f->events[i], &mgpu__g.devices[i]->queue[1]);
+    mgpu__event_record_on(f->events[ndevices], &cpu->queue[0]);
+}
+
+/* The loader thread's side: waits until those queues have passed the marks. */
+static void mgpu__loader_fence_wait(mgpu__loader_fence *f) {
+    for (int i = 0; i < f->n; i++) mgpu_event_synchronize(f->events[i]);
+}
+
+/* The producer's work: batch k into its slot, as ToTensor would (byte / 255). */
+static void mgpu__loader_fill(mgpu_loader *l, int k) {
+    int slot = k % MGPU__LOADER_RING;
+    mgpu__loader_fence_wait(&l->fence[slot]);
+    const mgpu_dataset *d = l->data;
+    size_t pixels = (size_t)d->rows * (size_t)d->cols;
+    int n = mgpu__loader_batch_n(l, k);
+    for (int i = 0; i < n; i++) {
+        int sample = l->order[k * l->batch_size + i];
+        const unsigned char *src = d->images + (size_t)sample * pixels;
+        float *dst = l->x[slot]->data + (size_t)i * pixels;
+        for (size_t p = 0; p < pixels; p++) dst[p] = (float)src[p] / 255.0f;
+        l->y[slot]->data[i] = (float)d->labels[sample];
+    }
+}
+
+static void *mgpu__loader_thread(void *arg) {
+    mgpu_loader *l = (mgpu_loader *)arg;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+    for (;;) {
+        while (!l->stop && !(l->active && l->produced < l->nbatches &&
+                             l->produced - l->released < MGPU__LOADER_RING))
+            MGPU__PTHREAD_CHECK(pthread_cond_wait(&l->changed, &l->mutex));
+        if (l->stop) break;
+        int k = l->produced;
+        l->filling = 1;
+        MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+        mgpu__loader_fill(l, k);
+        MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+        l->filling = 0;
+        l->produced++;
+        MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
+    }
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+    return NULL;
+}
+
+MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int shuffle,
+                                      uint64_t seed) {
+    MGPU_REQUIRE(d && d->n >= 1, "mgpu_loader_new: the data set is empty");
+    MGPU_REQUIRE(batch_size >= 1, "mgpu_loader_new: batch size %d; it must be at least 1",
+                 batch_size);
+    mgpu_loader *l = (mgpu_loader *)mgpu__xcalloc(1, sizeof *l);
+    l->data = d;
+    l->batch_size = batch_size;
+    l->capacity = batch_size < d->n ? batch_size : d->n;
+    l->shuffle = shuffle;
+    l->nbatches = (int)(((long long)d->n + batch_size - 1) / batch_size);
+    l->seed = seed;
+    l->order = (int *)mgpu__xmalloc((size_t)d->n * sizeof(int));
+    for (int i = 0; i < d->n; i++) l->order[i] = i;
+    /* Allocated here, on the program's thread, like every tensor. */
+    for (int s = 0; s < MGPU__LOADER_RING; s++) {
+        l->x[s] = mgpu_empty_pinned(mgpu_shape4(l->capacity, 1, d->rows, d->cols));
+        l->y[s] = mgpu_empty_pinned(mgpu_shape1(l->capacity));
+    }
+    MGPU__PTHREAD_CHECK(pthread_mutex_init(&l->mutex, NULL));
+    MGPU__PTHREAD_CHECK(pthread_cond_init(&l->changed, NULL));
+    MGPU__PTHREAD_CHECK(pthread_create(&l->thread, NULL, mgpu__loader_thread, l));
+    return l;
+}
+
+/* Under the mutex: gives back the batch the program holds, if any. The
+   views of a short last batch go with it (copies from them are covered by
+   the fence). */
+static void mgpu__loader_release_held(mgpu_loader *l) {
+    mgpu_free(l->short_x);
+    mgpu_free(l->short_y);
+    l->short_x = l->short_y = NULL;
+    if (l->handed == l->released) return;
+    mgpu__loader_fence_record(&l->fence[(l->handed - 1) % MGPU__LOADER_RING]);
+    l->released = l->handed;
+    MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
+}
+
+MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch) {
+    MGPU_REQUIRE(epoch >= 0, "mgpu_loader_start_epoch: epoch %d is negative", epoch);
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+    mgpu__loader_release_held(l);
+    /* The producer may be writing a batch of the old epoch: let it finish
+       before the order changes under it. */
+    while (l->filling) MGPU__PTHREAD_CHECK(pthread_cond_wait(&l->changed, &l->mutex));
+    if (l->shuffle) mgpu__loader_shuffle(l->order, l->data->n, l->seed, epoch);
+    l->active = 1;
+    l->produced = l->handed = l->released = 0;
+    MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+}
+
+MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out) {
+    /* `active` is written by this thread only: no lock needed to read it. */
+    MGPU_REQUIRE(l->active, "mgpu_loader_next: no epoch started; call mgpu_loader_start_epoch first");
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+    mgpu__loader_release_held(l);
+    if (l->handed == l->nbatches) {
+        MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+        return 0;
+    }
+    while (l->produced <= l->handed)
+        MGPU__PTHREAD_CHECK(pthread_cond_wait(&l->changed, &l->mutex));
+    int k = l->handed++;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+    int slot = k % MGPU__LOADER_RING;
+    out->n = mgpu__loader_batch_n(l, k);
+    out->x = l->x[slot];
+    out->y = l->y[slot];
+    if (out->n < l->capacity) {
+        out->x = l->short_x = mgpu_narrow(l->x[slot], 0, out->n);
+        out->y = l->short_y = mgpu_narrow(l->y[slot], 0, out->n);
+    }
+    return 1;
+}
+
+MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l) { return l->nbatches; }
+
+MGPU_DEF void mgpu_loader_free(mgpu_loader *l) {
+    if (!l) return;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+    mgpu__loader_release_held(l);
+    l->stop = 1;
+    MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+    MGPU__PTHREAD_CHECK(pthread_join(l->thread, NULL));
+    /* Work the program enqueued on the batches must end before their memory goes. */
+    for (int s = 0; s < MGPU__LOADER_RING; s++) {
+        mgpu__loader_fence_wait(&l->fence[s]);
+        for (int i = 0; i < l->fence[s].n; i++) mgpu_event_free(l->fence[s].events[i]);
+        mgpu_free(l->x[s]);
+        mgpu_free(l->y[s]);
+    }
+    pthread_mutex_destroy(&l->mutex);
+    pthread_cond_destroy(&l->changed);
+    free(l->order);
+    free(l);
+}
+/* ======================================================================
+   Layers: the public wrappers of kernels/conv.h, pool.h, activation.h
+   and linear.h. Each checks shapes and devices, then enqueues the kernels
+   on the device's compute queue. A convolution is several kernels in a
+   row (im2col, a product, an axis swap, ...), enqueued one after another
+   on the same queue, so they run in that order.
+   ====================================================================== */
+
+/* Enqueues fn##_cpu / fn##_cuda with `args` on dev's compute queue. */
+#define MGPU__ENQUEUE(dev, name, fn, args)                                                 \
+    mgpu__launch_on(&(dev)->queue[0], name, fn##_cpu, MGPU__CUDA_FN(fn##_cuda), &(args), \
+                    sizeof(args))
+
+static void mgpu__require_shape(const mgpu_tensor *t, mgpu_shape want, const char *op,
+                                const char *what) {
+    char a[64], b[64];
+    MGPU_REQUIRE(mgpu_shape_equal(t->shape, want), "%s: %s has shape %s, expected %s", op, what,
+                 mgpu_shape_str(t->shape, a, sizeof a), mgpu_shape_str(want, b, sizeof b));
+}
+
+/* The GPU kernels index in 32 bits (a 64-bit division is slow on a GPU),
+   so the layers take tensors of up to 2^31 - 1 elements (8 GiB). */
+#define MGPU__MAX_LAYER_NUMEL ((size_t)0x7fffffff)
+static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
+    char s[64];
+    MGPU_REQUIRE(t->numel <= MGPU__MAX_LAYER_NUMEL,
+                 "%s: a tensor of shape %s has %zu elements, more than the layers handle "
+                 "(2^31 - 1)", op, mgpu_shape_str(t->shape, s, sizeof s), t->numel);
+}
+
+/* ----------------------------------------------------------- convolution */
+
+/* Scratch a convolution may use at once, in floats: the col buffer and
+   the output in [K, n*P*Q] order, for a chunk of n images. On a GPU, 64
+   MiB: one product should cover as many images as it can. On the CPU,
+   4 MiB: a chunk whose col buffer stays in the processor's cache between
+   im2col and the product is faster than one product over the whole
+   batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
+   force many small chunks. */
+static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
+
+/* The geometry of conv(x, w) over the whole batch; checks that the shapes fit. */
+static mgpu__conv_geom mgpu__conv_geometry(const char *op, mgpu_shape x, mgpu_shape w, int stride,
+                                           int pad) {
+    char sx[64], sw[64];
+    mgpu_shape_str(x, sx, sizeof sx);
+    mgpu_shape_str(w, sw, sizeof sw);
+    MGPU_REQUIRE(x.ndim == 4 && w.ndim == 4,
+                 "%s: input %s and weight %s must both have 4 dimensions ([N, C, H, W] and "
+                 "[K, C, R, S])", op, sx, sw);
+    MGPU_REQUIRE(x.d[0] >= 1, "%s: input %s is an empty batch", op, sx);
+    MGPU_REQUIRE(x.d[1] == w.d[1],
+                 "%s: input %s has %d channels but weight %s expects %d", op, sx, x.d[1], sw,
+                 w.d[1]);
+    MGPU_REQUIRE(stride >= 1 && pad >= 0, "%s: stride %d must be >= 1 and padding %d >= 0", op,
+                 stride, pad);
+    MGPU_REQUIRE(x.d[2] + 2 * pad >= w.d[2] && x.d[3] + 2 * pad >= w.d[3],
+                 "%s: a %dx%d kernel does not fit in input %s padded by %d", op, w.d[2], w.d[3],
+                 sx, pad);
+    mgpu__conv_geom g;
+    g.n = x.d[0]; g.c = x.d[1]; g.h = x.d[2]; g.w = x.d[3];
+    g.k = w.d[0]; g.r = w.d[2]; g.s = w.d[3];
+    g.stride = stride;
+    g.pad = pad;
+    g.p = (g.h + 2 * pad - g.r) / stride + 1;
+    g.q = (g.w + 2 * pad - g.s) / stride + 1;
+    return g;
+}
+
+MGPU_DEF mgpu_shape mgpu_conv2d_output_shape(mgpu_shape x, mgpu_shape w, int stride, int pad) {
+    mgpu__conv_geom g = mgpu__conv_geometry("mgpu_conv2d_output_shape", x, w, stride, pad);
+    return mgpu_shape4(g.n, g.k, g.p, g.q);
+}
+
+/* Images per chunk: as many as the scratch allows, at least one. */
+static int mgpu__conv_chunk(const mgpu__conv_geom *g, const mgpu_device *dev) {
+    size_t per_image = (size_t)(g->c * g->r * g->s + g->k) * g->p * g->q;
+    size_t n = mgpu__conv_scratch_floats[mgpu_device_is_gpu(dev)] / (per_image ? per_image : 1);
+    if (n > (size_t)g->n) n = (size_t)g->n;
+    return n < 1 ? 1 : (int)n;
+}
+
+/* The scratch of a chunked convolution: col [C*R*S, n*P*Q] and the output
+   (or its gradient) in product order [K, n*P*Q]. Freed right after the
+   kernels are enqueued: the allocator hands the blocks out again only to
+   work enqueued later on the same queue. */
+typedef struct {
+    int chunk;
+    mgpu_tensor *col, *kout;
+} mgpu__conv_scratch;
+
+static mgpu__conv_scratch mgpu__conv_scratch_new(mgpu_device *dev, const mgpu__conv_geom *g) {
+    mgpu__conv_scratch s;
+    s.chunk = mgpu__conv_chunk(g, dev);
+    MGPU_REQUIRE((size_t)s.chunk * g->c * g->r * g->s * g->p * g->q <= MGPU__MAX_LAYER_NUMEL,
+                 "conv2d: one image needs %zu floats of im2col scratch, more than the layers "
+                 "handle (2^31 - 1)", (size_t)g->c * g->r * g->s * g->p * g->q);
+    int cols = s.chunk * g->p * g->q;
+    s.col = mgpu_empty(dev, mgpu_shape2(g->c * g->r * g->s, cols));
+    s.kout = mgpu_empty(dev, mgpu_shape2(g->k, cols));
+    return s;
+}
+static void mgpu__conv_scratch_free(mgpu__conv_scratch *s) {
+    mgpu_free(s->col);
+    mgpu_free(s->kout);
+}
+
+MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                  const mgpu_tensor *b, int stride, int pad) {
+    const char *op = "mgpu_conv2d_forward";
+    mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
+    mgpu_device *dev = x->device;
+    mgpu__require_device(w, dev, op);
+    mgpu__require_device(y, dev, op);
+    mgpu__require_shape(y, mgpu_shape4(g.n, g.k, g.p, g.q), op, "output y");
+    mgpu__require_indexable(x, op);
+    mgpu__require_indexable(y, op);
+    if (b) {
+        mgpu__require_device(b, dev, op);
+        mgpu__require_shape(b, mgpu_shape1(g.k), op, "bias b");
+    }
+    mgpu__before_write(y);
+    size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s;
+    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
+    for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
+        mgpu__conv_geom part = g;
+        part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
+        int cols = part.n * (int)pq;
+        mgpu__im2col_args im = {x->data + (size_t)n0 * g.c * g.h * g.w, s.col->data, part};
+        MGPU__ENQUEUE(dev, "conv2d", mgpu__im2col, im);
+        /* Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q] */
+        mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, g.k, cols, (int)crs, w->data, s.col->data,
+                                                s.kout->data, 0.0f);
+        MGPU__ENQUEUE(dev, "conv2d", mgpu__gemm, prod);
+        /* [K, n, P*Q] -> y's [n, K, P*Q] */
+        mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
+                                      pq};
+        MGPU__ENQUEUE(dev, "conv2d", mgpu__swap_outer, back);
+    }
+    mgpu__conv_scratch_free(&s);
+    if (b) {
+        mgpu__chan_broadcast_args bias = {y->data, b->data, g.n, g.k, pq, 1.0f, 1.0f};
+        MGPU__ENQUEUE(dev, "conv2d", mgpu__chan_broadcast, bias);
+    }
+}
+
+MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu_tensor *w, int stride, int pad, int accumulate) {
+    const char *op = "mgpu_conv2d_backward";
+    mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
+    mgpu_device *dev = x->device;
+    mgpu__require_device(w, dev, op);
+    mgpu__require_device(dy, dev, op);
+    mgpu__require_device(dw, dev, op);
+    mgpu__require_shape(dy, mgpu_shape4(g.n, g.k, g.p, g.q), op, "output gradient dy");
+    mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
+    mgpu__require_indexable(x, op);
+    mgpu__require_indexable(dy, op);
+    if (dx) {
+        mgpu__require_device(dx, dev, op);
+        mgpu__require_shape(dx, x->shape, op, "input gradient dx");
+    }
+    if (db) {
+        mgpu__require_device(db, dev, op);
+        mgpu__require_shape(db, mgpu_shape1(g.k), op, "bias gradient db");
+    }
+    if (dx) mgpu__before_write(dx);
+    if (db) mgpu__before_write(db);
+    mgpu__before_write(dw);
+    size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s, chw = (size_t)g.c * g.h * g.w;
+    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
+    for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
+        mgpu__conv_geom part = g;
+        part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
+        int cols = part.n * (int)pq;
+        /* G [K, n*P*Q] from dy's [n, K, P*Q] */
+        mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
+                                       g.k, pq};
+        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__swap_outer, there);
+        mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
+        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__im2col, im);
+        /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
+        float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
+        mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
+                                               s.col->data, dw->data, beta);
+        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dwp);
+        if (dx) {
+            /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
+            mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
+                                                    s.kout->data, s.col->data, 0.0f);
+            MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dcol);
+            mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
+            MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__col2im, back);
+        }
+    }
+    mgpu__conv_scratch_free(&s);
+    if (db) {
+        float beta = accumulate ? 1.0f : 0.0f;
+        mgpu__chan_sum_args sum = {db->data, dy->data, g.n, g.k, pq, 1.0f, beta};
+        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__chan_sum, sum);
+    }
+}
+
+/* --------------------------------------------------------------- pooling */
+static mgpu_shape mgpu__avg_pool_shape(const char *op, mgpu_shape x, int k) {
+    char sx[64];
+    MGPU_REQUIRE(x.ndim == 4 && k >= 1 && x.d[2] >= k && x.d[3] >= k,
+                 "%s: cannot pool input %s with %dx%d windows (want [N, C, H, W] with "
+                 "H, W >= k >= 1)", op, mgpu_shape_str(x, sx, sizeof sx), k, k);
+    return mgpu_shape4(x.d[0], x.d[1], x.d[2] / k, x.d[3] / k);
+}
+MGPU_DEF mgpu_shape mgpu_avg_pool2d_output_shape(mgpu_shape x, int k) {
+    return mgpu__avg_pool_shape("mgpu_avg_pool2d_output_shape", x, k);
+}
+
+MGPU_DEF void mgpu_avg_pool2d_forward(mgpu_tensor *y, const mgpu_tensor *x, int k) {
+    const char *op = "mgpu_avg_pool2d_forward";
+    mgpu__require_device(y, x->device, op);
+    mgpu__require_shape(y, mgpu__avg_pool_shape(op, x->shape, k), op, "output y");
+    mgpu__require_indexable(x, op);
+    mgpu__avg_pool_args a = {y->data, x->data, y->numel, x->shape.d[2], x->shape.d[3], k};
+    mgpu__before_write(y);
+    MGPU__ENQUEUE(x->device, "avg_pool2d", mgpu__avg_pool, a);
+}
+
+MGPU_DEF void mgpu_avg_pool2d_backward(mgpu_tensor *dx, const mgpu_tensor *dy, int k) {
+    const char *op = "mgpu_avg_pool2d_backward";
+    mgpu__require_device(dy, dx->device, op);
+    mgpu__require_shape(dy, mgpu__avg_pool_shape(op, dx->shape, k), op, "output gradient dy");
+    mgpu__require_indexable(dx, op);
+    mgpu__avg_pool_backward_args a = {dx->data, dy->data, dx->numel, dx->shape.d[2],
+                                      dx->shape.d[3], k};
+    mgpu__before_write(dx);
+    MGPU__ENQUEUE(dx->device, "avg_pool2d_backward", mgpu__avg_pool_backward, a);
+}
+
+/* images [N, C, H, W] and means [N, C] on one device. The kernels see
+   the images as [1, N*C, H*W]: one channel per plane. */
+static void mgpu__global_pool_check(const char *op, const mgpu_tensor *images,
+                                    const mgpu_tensor *means, const char *means_name) {
+    char s[64];
+    mgpu__require_device(means, images->device, op);
+    MGPU_REQUIRE(images->shape.ndim == 4, "%s: images %s must be [N, C, H, W]", op,
+                 mgpu_shape_str(images->shape, s, sizeof s));
+    mgpu__require_shape(means, mgpu_shape2(images->shape.d[0], images->shape.d[1]), op,
+                        means_name);
+    mgpu__require_indexable(images, op);
+}
+
+MGPU_DEF void mgpu_global_avg_pool_forward(mgpu_tensor *y, const mgpu_tensor *x) {
+    mgpu__global_pool_check("mgpu_global_avg_pool_forward", x, y, "output y");
+    size_t hw = (size_t)x->shape.d[2] * x->shape.d[3];
+    float mean = 1.0f / (float)hw;
+    mgpu__chan_sum_args a = {y->data, x->data, 1, (int)y->numel, hw, mean, 0.0f};
+    mgpu__before_write(y);
+    MGPU__ENQUEUE(x->device, "global_avg_pool", mgpu__chan_sum, a);
+}
+
+MGPU_DEF void mgpu_global_avg_pool_backward(mgpu_tensor *dx, const mgpu_tensor *dy) {
+    mgpu__global_pool_check("mgpu_global_avg_pool_backward", dx, dy, "output gradient dy");
+    size_t hw = (size_t)dx->shape.d[2] * dx->shape.d[3];
+    float share = 1.0f / (float)hw; /* each pixel's part in its plane's mean */
+    mgpu__chan_broadcast_args a = {dx->data, dy->data, 1, (int)dy->numel, hw, share, 0.0f};
+    mgpu__before_write(dx);
+    MGPU__ENQUEUE(dx->device, "global_avg_pool_backward", mgpu__chan_broadcast, a);
+}
+
+/* ----------------------------------------------------- ReLU and residuals */
+MGPU_DEF void mgpu_relu_forward(mgpu_tensor *y, const mgpu_tensor *x) {
+    mgpu__require_device(x, y->device, "mgpu_relu_forward");
+    mgpu__require_same_shape(y, x, "mgpu_relu_forward");
+    mgpu__relu_args a = {y->data, x->data, y->numel};
+    mgpu__before_write(y);
+    MGPU__ENQUEUE(y->device, "relu", mgpu__relu, a);
+}
+
+MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy,
+                                 const mgpu_tensor *y_or_x) {
+    const char *op = "mgpu_relu_backward";
+    mgpu__require_device(dy, dx->device, op);
+    mgpu__require_device(y_or_x, dx->device, op);
+    mgpu__require_same_shape(dx, dy, op);
+    mgpu__require_same_shape(dx, y_or_x, op);
+    mgpu__relu_backward_args a = {dx->data, dy->data, y_or_x->data, dx->numel};
+    mgpu__before_write(dx);
+    MGPU__ENQUEUE(dx->device, "relu_backward", mgpu__relu_backward, a);
+}
+
+MGPU_DEF void mgpu_add(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b) {
+    mgpu__require_device(a, y->device, "mgpu_add");
+    mgpu__require_device(b, y->device, "mgpu_add");
+    mgpu__require_same_shape(a, b, "mgpu_add");
+    mgpu__require_same_shape(y, a, "mgpu_add");
+    mgpu__add_args args = {y->data, a->data, b->data, y->numel};
+    mgpu__before_write(y);
+    MGPU__ENQUEUE(y->device, "add", mgpu__add, args);
+}
+
+/* ---------------------------------------------------------------- linear */
+
+/* Checks x [N, in...] against w [in, out]; returns N. */
+static int mgpu__linear_check(const char *op, const mgpu_tensor *x, const mgpu_tensor *w) {
+    char sx[64], sw[64];
+    mgpu_shape_str(x->shape, sx, sizeof sx);
+    mgpu_shape_str(w->shape, sw, sizeof sw);
+    mgpu__require_device(w, x->device, op);
+    MGPU_REQUIRE(w->shape.ndim == 2, "%s: weight %s must be a matrix [in, out]", op, sw);
+    MGPU_REQUIRE(x->shape.ndim >= 2, "%s: input %s must be [N, in] (or [N, C, H, W])", op, sx);
+    size_t features = x->numel / (size_t)(x->shape.d[0] ? x->shape.d[0] : 1);
+    MGPU_REQUIRE(features == (size_t)w->shape.d[0],
+                 "%s: input %s has %zu features but weight %s expects %d", op, sx, features, sw,
+                 w->shape.d[0]);
+    return x->shape.d[0];
+}
+
+MGPU_DEF void mgpu_linear_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                  const mgpu_tensor *b) {
+    const char *op = "mgpu_linear_forward";
+    int n = mgpu__linear_check(op, x, w), in = w->shape.d[0], out = w->shape.d[1];
+    mgpu__require_device(y, x->device, op);
+    mgpu__require_shape(y, mgpu_shape2(n, out), op, "output y");
+    mgpu__require_indexable(y, op);
+    if (b) {
+        mgpu__require_device(b, x->device, op);
+        mgpu__require_shape(b, mgpu_shape1(out), op, "bias b");
+    }
+    mgpu__before_write(y);
+    mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, n, out, in, x->data, w->data, y->data, 0.0f);
+    MGPU__ENQUEUE(x->device, "linear", mgpu__gemm, prod);
+    if (b) {
+        mgpu__chan_broadcast_args bias = {y->data, b->data, n, out, 1, 1.0f, 1.0f};
+        MGPU__ENQUEUE(x->device, "linear", mgpu__chan_broadcast, bias);
+    }
+}
+
+MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu_tensor *w, int accumulate) {
+    const char *op = "mgpu_linear_backward";
+    int n = mgpu__linear_check(op, x, w), in = w->shape.d[0], out = w->shape.d[1];
+    mgpu_device *dev = x->device;
+    float beta = accumulate ? 1.0f : 0.0f;
+    mgpu__require_device(dy, dev, op);
+    mgpu__require_device(dw, dev, op);
+    mgpu__require_shape(dy, mgpu_shape2(n, out), op, "output gradient dy");
+    mgpu__require_indexable(dy, op);
+    mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
+    if (dx) {
+        mgpu__require_device(dx, dev, op);
+        mgpu__require_shape(dx, x->shape, op, "input gradient dx");
+    }
+    if (db) {
+        mgpu__require_device(db, dev, op);
+        mgpu__require_shape(db, mgpu_shape1(out), op, "bias gradient db");
+    }
+    if (dx) { /* dx [N, in] = dy [N, out] w^T */
+        mgpu__gemm_args dxp = mgpu__gemm_dense(0, 1, n, in, out, dy->data, w->data, dx->data, 0.0f);
+        mgpu__before_write(dx);
+        MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dxp);
+    }
+    /* dw [in, out] (+)= x^T [in, N] dy [N, out] */
+    mgpu__gemm_args dwp = mgpu__gemm_dense(1, 0, in, out, n, x->data, dy->data, dw->data, beta);
+    mgpu__before_write(dw);
+    MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dwp);
+    if (db) {
+        mgpu__chan_sum_args sum = {db->data, dy->data, n, out, 1, 1.0f, beta};
+        mgpu__before_write(db);
+        MGPU__ENQUEUE(dev, "linear_backward", mgpu__chan_sum, sum);
+    }
+}
+/* ======================================================================
+   Batch norm, losses, optimisers: checks, then one kernel launch each
+   (the kernels are in kernels/batchnorm.h, loss.h and sgd.h).
+   ====================================================================== */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A tensor that must be there, on dev. */
+static void mgpu__require_tensor(const mgpu_tensor *t, const mgpu_device *dev, const char *op,
+                                 const char *what) {
+    MGPU_REQUIRE(t != NULL, "%s: %s is NULL", op, what);
+    mgpu__require_device(t, dev, op);
+}
+/* gamma, beta, the running and saved statistics: one value per channel. */
+static void mgpu__require_per_channel(const mgpu_tensor *t, int channels, const mgpu_device *dev,
+                                      const char *op, const char *what) {
+    char s[64];
+    mgpu__require_tensor(t, dev, op, what);
+    MGPU_REQUIRE(t->numel == (size_t)channels, "%s: %s has shape %s; it needs one value per channel (%d)",
+                 op, what, mgpu_shape_str(t->shape, s, sizeof s), channels);
+}
+
+/* x is [N, C, spatial...]: the sizes batch norm works with. */
+static void mgpu__bn_dims(const mgpu_tensor *x, const char *op, int *n, int *c, int *hw) {
+    char s[64];
+    MGPU_REQUIRE(x->shape.ndim >= 2, "%s: x has shape %s; it must be [N, C, H, W] or [N, C]", op,
+                 mgpu_shape_str(x->shape, s, sizeof s));
+    *n = x->shape.d[0];
+    *c = x->shape.d[1];
+    MGPU_REQUIRE(*c >= 1, "%s: x has shape %s, with no channels", op, mgpu_shape_str(x->shape, s, sizeof s));
+    *hw = 1;
+    for (int k = 2; k < x->shape.ndim; k++) *hw *= x->shape.d[k];
+}
+
+/* The CUDA reduction's scratch (see kernels/batchnorm.h); none on the CPU. */
+static mgpu_tensor *mgpu__bn_scratch(mgpu_device *dev, size_t floats) {
+    return mgpu_device_is_gpu(dev) ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
+}
+
+MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
+                                       const mgpu_tensor *gamma, const mgpu_tensor *beta,
+                                       mgpu_tensor *running_mean, mgpu_tensor *running_var,
+                                       mgpu_tensor *save_mean, mgpu_tensor *save_invstd,
+                                       int training, float momentum, float eps, int fuse_relu) {
+    const char *op = "mgpu_batchnorm2d_forward";
+    char s[64];
+    mgpu_device *dev = y->device;
+    mgpu__bn_forward_args a;
+    memset(&a, 0, sizeof a);
+    mgpu__bn_dims(x, op, &a.n, &a.c, &a.hw);
+    mgpu__require_device(x, dev, op);
+    mgpu__require_same_shape(y, x, op);
+    mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
+    mgpu__require_per_channel(beta, a.c, dev, op, "beta");
+    mgpu__require_per_channel(running_mean, a.c, dev, op, "running_mean");
+    mgpu__require_per_channel(running_var, a.c, dev, op, "running_var");
+    size_t m = (size_t)a.n * (size_t)a.hw;
+    if (training) {
+        mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
+        mgpu__require_per_channel(save_invstd, a.c, dev, op, "save_invstd");
+        MGPU_REQUIRE(m > 1, "%s: training needs more than one value per channel; x has shape %s",
+                     op, mgpu_shape_str(x->shape, s, sizeof s));
+    }
+    a.y = y->data;
+    a.x = x->data;
+    a.gamma = gamma->data;
+    a.beta = beta->data;
+    a.running_mean = running_mean->data;
+    a.running_var = running_var->data;
+    a.training = training != 0;
+    a.fuse_relu = fuse_relu != 0;
+    a.momentum = momentum;
+    a.eps = eps;
+    a.splits = mgpu__bn_splits(m);
+    mgpu_tensor *scratch = NULL;
+    mgpu__before_write(y);
+    if (training) {
+        a.save_mean = save_mean->data;
+        a.save_invstd = save_invstd->data;
+        mgpu__before_write(running_mean);
+        mgpu__before_write(running_var);
+        mgpu__before_write(save_mean);
+        mgpu__before_write(save_invstd);
+        scratch = mgpu__bn_scratch(dev, (size_t)a.c * a.splits * 3); /* Welford triples */
+        a.partials = scratch ? scratch->data : NULL;
+    }
+    mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
+    mgpu_free(scratch);
+}
+
+MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
+                                        const mgpu_tensor *dy, const mgpu_tensor *x,
+                                        const mgpu_tensor *y, const mgpu_tensor *gamma,
+                                        const mgpu_tensor *save_mean,
+                                        const mgpu_tensor *save_invstd, int fuse_relu,
+                                        int accumulate) {
+    const char *op = "mgpu_batchnorm2d_backward";
+    mgpu_device *dev = dx->device;
+    mgpu__bn_backward_args a;
+    memset(&a, 0, sizeof a);
+    mgpu__bn_dims(x, op, &a.n, &a.c, &a.hw);
+    mgpu__require_device(x, dev, op);
+    mgpu__require_tensor(dy, dev, op, "dy");
+    mgpu__require_same_shape(dx, x, op);
+    mgpu__require_same_shape(dy, x, op);
+    if (fuse_relu) {
+        mgpu__require_tensor(y, dev, op, "y (needed with fuse_relu)");
+        mgpu__require_same_shape(y, x, op);
+    }
+    mgpu__require_per_channel(dgamma, a.c, dev, op, "dgamma");
+    mgpu__require_per_channel(dbeta, a.c, dev, op, "dbeta");
+    mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
+    mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
+    mgpu__require_per_channel(save_invstd, a.c, dev, op, "save_invstd");
+    a.dx = dx->data;
+    a.dgamma = dgamma->data;
+    a.dbeta = dbeta->data;
+    a.dy = dy->data;
+    a.x = x->data;
+    a.y = fuse_relu ? y->data : NULL;
+    a.gamma = gamma->data;
+    a.save_mean = save_mean->data;
+    a.save_invstd = save_invstd->data;
+    a.fuse_relu = fuse_relu != 0;
+    a.accumulate = accumulate != 0;
+    a.splits = mgpu__bn_splits((size_t)a.n * (size_t)a.hw);
+    /* Partial sums of g and g xhat per slice, then the two means per channel. */
+    mgpu_tensor *scratch = mgpu__bn_scratch(dev, (size_t)a.c * a.splits * 2 + (size_t)a.c * 2);
+    a.partials = scratch ? scratch->data : NULL;
+    mgpu__before_write(dx);
+    mgpu__before_write(dgamma);
+    mgpu__before_write(dbeta);
+    mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
+    mgpu_free(scratch);
+}
+
+/* Checks logits [N, classes] and labels [N] against out's device. */
+static mgpu__ce_args mgpu__ce_prepare(const char *op, mgpu_tensor *out, const mgpu_tensor *logits,
+                                      const mgpu_tensor *labels) {
+    char sl[64], sy[64];
+    mgpu__require_device(logits, out->device, op);
+    mgpu__require_device(labels, out->device, op);
+    MGPU_REQUIRE(logits->shape.ndim == 2 && logits->shape.d[1] >= 1 &&
+                     labels->numel == (size_t)logits->shape.d[0],
+                 "%s: logits %s and labels %s do not match; they must be [N, classes] and [N]", op,
+                 mgpu_shape_str(logits->shape, sl, sizeof sl),
+                 mgpu_shape_str(labels->shape, sy, sizeof sy));
+    mgpu__ce_args a;
+    memset(&a, 0, sizeof a);
+    a.out = out->data;
+    a.logits = logits->data;
+    a.labels = labels->data;
+    a.n = logits->shape.d[0];
+    a.classes = logits->shape.d[1];
+    a.op = op;
+    return a;
+}
+/* out must have `numel` values, `what` says which. */
+static void mgpu__require_numel(const mgpu_tensor *out, size_t numel, const char *op, const char *what) {
+    char s[64];
+    MGPU_REQUIRE(out->numel == numel, "%s: the output has shape %s; it must be %s (%zu values)", op,
+                 mgpu_shape_str(out->shape, s, sizeof s), what, numel);
+}
+
+MGPU_DEF void mgpu_cross_entropy_forward(mgpu_tensor *losses, const mgpu_tensor *logits,
+                                         const mgpu_tensor *labels) {
+    const char *op = "mgpu_cross_entropy_forward";
+    mgpu__ce_args a = mgpu__ce_prepare(op, losses, logits, labels);
+    mgpu__require_numel(losses, (size_t)a.n, op, "[N]");
+    mgpu__before_write(losses);
+    mgpu__launch_on(&losses->device->queue[0], "cross entropy", mgpu__ce_forward_cpu,
+                    MGPU__CUDA_FN(mgpu__ce_forward_cuda), &a, sizeof a);
+}
+
+MGPU_DEF void mgpu_cross_entropy_backward(mgpu_tensor *dlogits, const mgpu_tensor *logits,
+                                          const mgpu_tensor *labels, float scale) {
+    const char *op = "mgpu_cross_entropy_backward";
+    mgpu__ce_args a = mgpu__ce_prepare(op, dlogits, logits, labels);
+    mgpu__require_same_shape(dlogits, logits, op);
+    a.scale = scale;
+    mgpu__before_write(dlogits);
+    mgpu__launch_on(&dlogits->device->queue[0], "cross entropy backward", mgpu__ce_backward_cpu,
+                    MGPU__CUDA_FN(mgpu__ce_backward_cuda), &a, sizeof a);
+}
+
+MGPU_DEF void mgpu_accuracy_count(mgpu_tensor *count, const mgpu_tensor *logits,
+                                  const mgpu_tensor *labels) {
+    const char *op = "mgpu_accuracy_count";
+    mgpu__ce_args a = mgpu__ce_prepare(op, count, logits, labels);
+    mgpu__require_numel(count, 1, op, "[1]");
+    mgpu__before_write(count);
+    mgpu__launch_on(&count->device->queue[0], "accuracy", mgpu__accuracy_cpu,
+                    MGPU__CUDA_FN(mgpu__accuracy_cuda), &a, sizeof a);
+}
+
+static void mgpu__sum_launch(const char *op, mgpu_tensor *out, const mgpu_tensor *x, double scale) {
+    mgpu__require_device(x, out->device, op);
+    mgpu__require_numel(out, 1, op, "[1]");
+    mgpu__sum_args a = {out->data, x->data, x->numel, scale};
+    mgpu__before_write(out);
+    mgpu__launch_on(&out->device->queue[0], "sum", mgpu__sum_cpu, MGPU__CUDA_FN(mgpu__sum_cuda),
+                    &a, sizeof a);
+}
+MGPU_DEF void mgpu_sum(mgpu_tensor *out, const mgpu_tensor *x) {
+    mgpu__sum_launch("mgpu_sum", out, x, 1.0);
+}
+MGPU_DEF void mgpu_mean(mgpu_tensor *out, const mgpu_tensor *x) {
+    MGPU_REQUIRE(x->numel > 0, "mgpu_mean: the tensor is empty");
+    mgpu__sum_launch("mgpu_mean", out, x, 1.0 / (double)x->numel);
+}
+
+MGPU_DEF void mgpu_sgd_book(mgpu_tensor *param, mgpu_tensor *grad, float lr, int batch_size) {
+    const char *op = "mgpu_sgd_book";
+    mgpu__require_device(grad, param->device, op);
+    mgpu__require_same_shape(param, grad, op);
+    MGPU_REQUIRE(batch_size > 0, "%s: batch_size is %d; it must be positive", op, batch_size);
+    mgpu__sgd_book_args a = {param->data, grad->data, param->numel, lr, (float)batch_size};
+    mgpu__before_write(param);
+    mgpu__before_write(grad);
+    mgpu__launch_on(&param->device->queue[0], "sgd", mgpu__sgd_book_cpu,
+                    MGPU__CUDA_FN(mgpu__sgd_book_cuda), &a, sizeof a);
+}
+
+MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
+                            mgpu_tensor *momentum_buf, float lr, float momentum,
+                            float weight_decay, int first_step) {
+    const char *op = "mgpu_sgd_step";
+    mgpu__require_device(grad, param->device, op);
+    mgpu__require_same_shape(param, grad, op);
+    mgpu__sgd_args a = {param->data, grad->data, NULL, param->numel, lr, momentum, weight_decay,
+                        first_step != 0};
+    if (momentum != 0.0f) {
+        mgpu__require_tensor(momentum_buf, param->device, op, "momentum_buf (needed with momentum)");
+        mgpu__require_same_shape(param, momentum_buf, op);
+        mgpu__before_write(momentum_buf);
+        a.buf = momentum_buf->data;
+    }
+    mgpu__before_write(param);
+    mgpu__launch_on(&param->device->queue[0], "sgd", mgpu__sgd_cpu, MGPU__CUDA_FN(mgpu__sgd_cuda),
+                    &a, sizeof a);
+}
+
+#ifdef __cplusplus
+}
+#endif
+/* ======================================================================
+   Communication: the book's functions, the ring allreduce, NCCL
+   (see "Communication" above)
+   ======================================================================
+   Two kinds of code live here. The book's functions (get_params,
+   allreduce, scatter) are built from tensor operations: mgpu_to, mgpu_copy
+   and mgpu_add_ already order themselves with events, so these read like
+   the book's Python. The ring and NCCL run on each device's communication
+   queue (queue[1], the copy queue), so that a reduction can go on while
+   the compute queue (queue[0]) works; they order themselves with explicit
+   events, and the comments say why each wait is there. */
+#if MGPU_CUDA
+#include <nccl.h>
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Every collective takes one tensor per device, all of one shape. */
+static void mgpu__require_collective(const char *op, mgpu_tensor *const *data, int n) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES,
+                 "%s: %d tensors; the number must be between 1 and %d", op, n, MGPU_MAX_DEVICES);
+    for (int i = 0; i < n; i++) {
+        MGPU_REQUIRE(data[i] != NULL, "%s: tensor %d is NULL", op, i);
+        mgpu__require_same_shape(data[i], data[0], op);
+    }
+}
+
+static void mgpu__devices_of(mgpu_tensor *const *data, int n, mgpu_device **devices) {
+    for (int i = 0; i < n; i++) devices[i] = data[i]->device;
+}
+
+/* Peer access (see the manual), for each ordered pair of GPUs once. */
+MGPU_DEF void mgpu_enable_peer_access(mgpu_device *const *devices, int n) {
+#if MGPU_CUDA
+    static unsigned char tried[MGPU_MAX_DEVICES][MGPU_MAX_DEVICES]; /* [from][to] */
+    for (int a = 0; a < n; a++)
+        for (int b = 0; b < n; b++) {
+            int from = devices[a]->gpu, to = devices[b]->gpu, can = 0;
+            if (from < 0 || to < 0 || from == to || from >= MGPU_MAX_DEVICES || to >= MGPU_MAX_DEVICES ||
+                tried[from][to])
+                continue;
+            tried[from][to] = 1;
+            MGPU_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from, to));
+            if (!can) continue; /* the driver stages the copies through host memory */
+            MGPU_CUDA_CHECK(cudaSetDevice(from));
+            cudaError_t err = cudaDeviceEnablePeerAccess(to, 0);
+            if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError(); /* done before: fine */
+            else MGPU_CUDA_CHECK(err);
+        }
+#else
+    (void)devices;
+    (void)n;
+#endif
+}
+
+/* ------------------------------------------------------ the book's functions */
+MGPU_DEF void mgpu_get_params(mgpu_param *out, mgpu_tensor *const *params, int n, mgpu_device *dev) {
+    MGPU_REQUIRE(dev != NULL, "mgpu_get_params: the device is NULL");
+    for (int k = 0; k < n; k++) {
+        MGPU_REQUIRE(params[k] != NULL, "mgpu_get_params: parameter %d is NULL", k);
+        out[k].value = mgpu_to(params[k], dev, 1);
+        out[k].grad = mgpu_zeros(dev, params[k]->shape); /* the book's requires_grad_() */
+    }
+}
+
+MGPU_DEF void mgpu_params_free(mgpu_param *p, int n) {
+    for (int k = 0; k < n; k++) {
+        mgpu_free(p[k].value);
+        mgpu_free(p[k].grad);
+        p[k].value = p[k].grad = NULL;
+    }
+}
+
+/* The book's allreduce. Each copy waits for the data it reads and the add
+   waits for the copy (mgpu_copy's events), so the whole function only
+   enqueues work. The staging tensor can be freed at once: its memory goes
+   back to device 0's cache, and whatever uses it next is enqueued on
+   device 0 after this add. */
+MGPU_DEF void mgpu_allreduce(mgpu_tensor **data, int n) {
+    mgpu__require_collective("mgpu_allreduce", data, n);
+    mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
+    mgpu__devices_of(data, n, devices);
+    mgpu_enable_peer_access(devices, n);
+    for (int i = 1; i < n; i++) { /* sum everything into data[0] */
+        mgpu_tensor *staged = mgpu_to(data[i], data[0]->device, 1);
+        mgpu_add_(data[0], staged);
+        mgpu_free(staged);
+    }
+    for (int i = 1; i < n; i++) mgpu_copy(data[i], data[0], 1); /* send the sum back */
+}
+
+/* A copy from a view leaves its mark ("a copy queue may still read this")
+   on the view; hand the mark to the tensor the view looks into before the
+   view goes, so that a later write to it waits for the copy. */
+static void mgpu__free_view_of(mgpu_tensor *base, mgpu_tensor *view) {
+    if (view->last_read) mgpu__tensor_track(base, view->last_read);
+    mgpu_free(view);
+}
+
+MGPU_DEF void mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out) {
+    char s[64];
+    MGPU_REQUIRE(n >= 1, "mgpu_scatter: %d devices; there must be at least one", n);
+    int rows = x->shape.d[0];
+    int chunk = (rows + n - 1) / n;                       /* ceil(rows / n), as PyTorch */
+    int used = chunk ? (rows + chunk - 1) / chunk : 0;    /* devices that get rows */
+    MGPU_REQUIRE(used == n,
+                 "mgpu_scatter: %d rows (shape %s) cannot be split over %d devices: chunks of "
+                 "ceil(%d/%d) = %d rows leave nothing for device %d (%s)",
+                 rows, mgpu_shape_str(x->shape, s, sizeof s), n, rows, n, chunk, used,
+                 devices[used]->name);
+    for (int i = 0; i < n; i++) {
+        int start = i * chunk;
+        mgpu_tensor *part = mgpu_narrow(x, start, rows - start < chunk ? rows - start : chunk);
+        out[i] = mgpu_to(part, devices[i], 1);
+        mgpu__free_view_of((mgpu_tensor *)x, part);
+    }
+}
+
+MGPU_DEF void mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
+                               int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards) {
+    char sx[64], sy[64];
+    MGPU_REQUIRE(X->shape.d[0] == y->shape.d[0],
+                 "mgpu_split_batch: X has %d rows (shape %s) but y has %d (shape %s)", X->shape.d[0],
+                 mgpu_shape_str(X->shape, sx, sizeof sx), y->shape.d[0],
+                 mgpu_shape_str(y->shape, sy, sizeof sy));
+    mgpu_scatter(X, devices, n, X_shards);
+    mgpu_scatter(y, devices, n, y_shards);
+}
+
+/* ------------------------------------------------- communication queues */
+/* Queue `waiter` goes no further before `q` has done what it was given so far. */
+static void mgpu__queue_wait_queue(mgpu__queue *waiter, mgpu__queue *q) {
+    mgpu_event *e = mgpu_event_new();
+    mgpu__event_record_on(e, q);
+    mgpu__event_wait_on(waiter, e);
+    mgpu_event_free(e);
+}
+
+/* Before a collective writes data[i] on its device's communication queue:
+   that queue waits until the compute queue has produced data[i], and until
+   copies that may still read data[i] are done (mgpu__before_write makes the
+   compute queue wait for them first). */
+static void mgpu__comm_begin(mgpu_tensor *const *data, int n) {
+    for (int i = 0; i < n; i++) {
+        mgpu__before_write(data[i]);
+        mgpu__queue_wait_queue(&data[i]->device->queue[1], &data[i]->device->queue[0]);
+    }
+}
+
+MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n) {
+    for (int i = 0; i < n; i++) mgpu__queue_wait_queue(&devices[i]->queue[0], &devices[i]->queue[1]);
+}
+
+static void mgpu__comm_end(mgpu_tensor *const *data, int n) {
+    mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
+    mgpu__devices_of(data, n, devices);
+    mgpu_comm_wait(devices, n);
+}
+
+/* ------------------------------------------------------ the ring allreduce
+   Device i receives from its left neighbour i-1 and sends to its right
+   neighbour i+1. The vector is cut into n chunks (chunk c starts at
+   c*numel/n, so lengths differ by at most one and short vectors leave
+   some chunks empty). Everything runs on the communication queues:
+
+   Each step begins with every device marking how far its queue has got
+   (the end of the previous step); then each device i, on its own queue,
+   waits for its left neighbour's mark, copies the chunk it needs from the
+   neighbour's vector and, in the reduce-scatter, adds it to its own. So
+   "device i-1 sends chunk c at step s" is "device i copies chunk c of
+   device i-1 as it was after step s-1". Why nothing races:
+   - What device i receives at step s+1 is the chunk its neighbour added at
+     step s: the mark of step s+1 comes after that add, so a half-added
+     chunk is never sent.
+   - Device i's receive buffer and vector are written only by its own
+     queue, in order: the copy of step s+1 into the buffer comes after the
+     add of step s that read it.
+   - Device i must not overwrite a chunk that device i+1 is still reading.
+     In the reduce-scatter, at step s device i writes chunk (i-1-s) while
+     device i+1 reads chunk (i-s): different chunks. In the all-gather
+     device i overwrites chunk (i-s) at step s, the chunk device i+1 read
+     in reduce-scatter step s. By then device i has waited for device i-1
+     after its previous step, which had waited for device i-2 a step
+     earlier, and so on round the ring: n-1 hops back is device i+1, n-1
+     steps earlier, i.e. after reduce-scatter step s. So it is done.
+   - Marks are only ever recorded on their own device's queue, so a queue
+     waiting on an old mark is never confused by a newer one.
+   The marking is done for all devices before any device is given its
+   step: marking device i-1 after device i-1 had been given its own copy
+   would make device i wait for that copy too, and the n copies of a step
+   would run one after another instead of at once. */
+typedef struct mgpu__ring {
+    int n;
+    size_t numel;
+    mgpu_device *dev[MGPU_MAX_DEVICES];
+    float *data[MGPU_MAX_DEVICES];
+    mgpu_tensor *recv[MGPU_MAX_DEVICES]; /* one chunk: what the left neighbour sent */
+    mgpu_event *mark[MGPU_MAX_DEVICES];  /* recorded only on device i's communication queue */
+} mgpu__ring;
+
+static int mgpu__mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* Chunk c of the ring's vectors: its first element, and its length in *len. */
+static size_t mgpu__ring_chunk(const mgpu__ring *r, int c, size_t *len) {
+    size_t start = r->numel * (size_t)c / (size_t)r->n;
+    *len = r->numel * (size_t)(c + 1) / (size_t)r->n - start;
+    return start;
+}
+
+/* The start of a step: every device marks how far its queue has got. */
+static void mgpu__ring_mark(mgpu__ring *r) {
+    for (int i = 0; i < r->n; i++) mgpu__event_record_on(r->mark[i], &r->dev[i]->queue[1]);
+}
+
+/* Device i gets chunk c from its left neighbour and adds it to its own
+   chunk c (reduce), or keeps it in place of its own (gather). */
+static void mgpu__ring_receive(mgpu__ring *r, int i, int c, int reduce) {
+    int left = mgpu__mod(i - 1, r->n);
+    mgpu__queue *q = &r->dev[i]->queue[1];
+    size_t len, start = mgpu__ring_chunk(r, c, &len);
+    mgpu__event_wait_on(q, r->mark[left]);
+    if (len == 0) return;
+    float *mine = r->data[i] + start;
+    mgpu__memcpy_args copy = {reduce ? r->recv[i]->data : mine, r->data[left] + start,
+                              len * sizeof(float), r->dev[i]->gpu, r->dev[left]->gpu};
+    mgpu__launch_on(q, "ring copy", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &copy,
+                    sizeof copy);
+    if (!reduce) return;
+    mgpu__axpby_args add = {mine, r->recv[i]->data, len, 1.0f, 1.0f};
+    mgpu__launch_on(q, "ring add", mgpu__axpby_cpu, MGPU__CUDA_FN(mgpu__axpby_cuda), &add, sizeof add);
+}
+
+/* After the reduce-scatter: device i divides the chunk it owns by n, so
+   the all-gather spreads averages (1/n of the work of scaling everything). */
+static void mgpu__ring_average(mgpu__ring *r) {
+    for (int i = 0; i < r->n; i++) {
+        size_t len, start = mgpu__ring_chunk(r, mgpu__mod(i + 1, r->n), &len);
+        if (len == 0) continue;
+        float *owned = r->data[i] + start;
+        mgpu__axpby_args scale = {owned, owned, len, 0.0f, 1.0f / (float)r->n};
+        mgpu__launch_on(&r->dev[i]->queue[1], "ring scale", mgpu__axpby_cpu,
+                        MGPU__CUDA_FN(mgpu__axpby_cuda), &scale, sizeof scale);
+    }
+}
+
+/* The ring itself, on the communication queues; the caller orders it
+   with the compute queues (mgpu__comm_begin before, mgpu_comm_wait after).
+   scratch: the receive buffers, or NULL to take them from the allocator
+   for this call (see mgpu_allreduce_start for why a caller keeps its own). */
+static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average, mgpu_tensor *const *scratch) {
+    mgpu__ring r;
+    memset(&r, 0, sizeof r);
+    r.n = n;
+    r.numel = data[0]->numel;
+    for (int i = 0; i < n; i++) {
+        r.dev[i] = data[i]->device;
+        r.data[i] = data[i]->data;
+        r.recv[i] = scratch ? scratch[i] : mgpu_empty(r.dev[i], mgpu_shape1((int)((r.numel + n - 1) / n)));
+        r.mark[i] = mgpu_event_new();
+    }
+    /* Reduce-scatter: at step s device i-1 sends chunk (i-1-s), which
+       device i adds to its own. Afterwards device i owns the whole sum of
+       chunk (i+1) mod n. */
+    for (int s = 0; s < n - 1; s++) {
+        mgpu__ring_mark(&r);
+        for (int i = 0; i < n; i++) mgpu__ring_receive(&r, i, mgpu__mod(i - 1 - s, n), 1);
+    }
+    if (average) mgpu__ring_average(&r);
+    /* All-gather: at step s device i-1 sends the finished chunk (i-s),
+       which device i keeps. */
+    for (int s = 0; s < n - 1; s++) {
+        mgpu__ring_mark(&r);
+        for (int i = 0; i < n; i++) mgpu__ring_receive(&r, i, mgpu__mod(i - s, n), 0);
+    }
+    /* In the last step device i+1 read data[i]: device i's queue waits for
+       it, so that once a device's communication queue is done nothing
+       touches its vector any more (mgpu_comm_wait relies on this). A
+       receive buffer of our own goes back to the cache marked as in use
+       until device i's queue is done with it. */
+    mgpu__ring_mark(&r);
+    for (int i = 0; i < n; i++) {
+        mgpu__event_wait_on(&r.dev[i]->queue[1], r.mark[mgpu__mod(i + 1, n)]);
+        if (scratch) continue;
+        mgpu__tensor_track(r.recv[i], r.mark[i]);
+        mgpu_free(r.recv[i]);
+    }
+    for (int i = 0; i < n; i++) mgpu_event_free(r.mark[i]);
+}
+
+/* A CPU queue cannot copy GPU memory, nor a GPU stream wait for a CPU
+   queue without stopping the host: a ring is all GPUs or all CPU devices. */
+static void mgpu__ring_start(const char *op, mgpu_tensor *const *data, int n, int average,
+                             mgpu_tensor *const *scratch) {
+    for (int i = 1; i < n; i++)
+        MGPU_REQUIRE(mgpu_device_is_gpu(data[i]->device) == mgpu_device_is_gpu(data[0]->device),
+                     "%s: %s and %s: the devices of a ring must be all GPUs or all CPU devices", op,
+                     data[0]->device->name, data[i]->device->name);
+    if (n == 1 || data[0]->numel == 0) return;
+    size_t chunk = (data[0]->numel + n - 1) / n; /* the longest chunk */
+    for (int i = 0; scratch && i < n; i++)
+        MGPU_REQUIRE(scratch[i] && scratch[i]->device == data[i]->device && scratch[i]->numel >= chunk,
+                     "%s: scratch[%d] must hold at least %zu elements on %s", op, i, chunk,
+                     data[i]->device->name);
+    mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
+    mgpu__devices_of(data, n, devices);
+    mgpu_enable_peer_access(devices, n);
+    mgpu__comm_begin(data, n);
+    mgpu__ring_run(data, n, average, scratch);
+}
+
+MGPU_DEF void mgpu_ring_allreduce(mgpu_tensor **data, int n, int average) {
+    mgpu__require_collective("mgpu_ring_allreduce", data, n);
+    mgpu__ring_start("mgpu_ring_allreduce", data, n, average, NULL);
+    mgpu__comm_end(data, n);
+}
+
+/* ------------------------------------------------------------------ NCCL */
+#if MGPU_CUDA
+#define MGPU_NCCL_CHECK(call)                                                         \
+    do {                                                                              \
+        ncclResult_t mgpu__nr = (call);                                               \
+        if (mgpu__nr != ncclSuccess)                                                  \
+            mgpu_fatal_at(__FILE__, __LINE__, "%s: %s (NCCL_DEBUG=WARN tells more)",  \
+                          #call, ncclGetErrorString(mgpu__nr));                       \
+    } while (0)
+
+struct mgpu_nccl_comm {
+    int n;
+    int gpus[MGPU_MAX_DEVICES];            /* rank i is physical GPU gpus[i] */
+    ncclComm_t comms[MGPU_MAX_DEVICES];
+    struct mgpu_nccl_comm *next;           /* in mgpu_allreduce_auto's cache */
+};
+
+MGPU_DEF mgpu_nccl_comm *mgpu_nccl_init(mgpu_device *const *devices, int n) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES,
+                 "mgpu_nccl_init: %d devices; the number must be between 1 and %d", n, MGPU_MAX_DEVICES);
+    for (int i = 0; i < n; i++) {
+        if (devices[i]->gpu < 0) return NULL;
+        for (int j = 0; j < i; j++)
+            if (devices[j]->gpu == devices[i]->gpu) return NULL; /* virtual: one GPU twice */
+    }
+    mgpu_nccl_comm *c = (mgpu_nccl_comm *)mgpu__xcalloc(1, sizeof *c);
+    c->n = n;
+    for (int i = 0; i < n; i++) c->gpus[i] = devices[i]->gpu;
+    MGPU_NCCL_CHECK(ncclCommInitAll(c->comms, n, c->gpus));
+    return c;
+}
+
+MGPU_DEF void mgpu_nccl_free(mgpu_nccl_comm *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n; i++) {
+        /* NCCL work still queued must end before its communicator goes. */
+        MGPU_CUDA_CHECK(cudaSetDevice(c->gpus[i]));
+        MGPU_CUDA_CHECK(cudaDeviceSynchronize());
+        MGPU_NCCL_CHECK(ncclCommDestroy(c->comms[i]));
+    }
+    free(c);
+}
+
+/* Rank i's tensor must be on GPU i of the communicator. */
+static void mgpu__require_nccl(const char *op, const mgpu_nccl_comm *c, mgpu_tensor *const *t,
+                               const char *what) {
+    MGPU_REQUIRE(c != NULL, "%s: the communicator is NULL (mgpu_nccl_init gives NULL unless the "
+                            "devices are distinct GPUs)", op);
+    for (int i = 0; i < c->n; i++) {
+        MGPU_REQUIRE(t[i] != NULL, "%s: %s[%d] is NULL", op, what, i);
+        MGPU_REQUIRE(t[i]->device->gpu == c->gpus[i], "%s: %s[%d] is on %s, but rank %d is GPU %d", op,
+                     what, i, t[i]->device->name, i, c->gpus[i]);
+    }
+}
+
+/* The tracer's bar for an NCCL call on queue q: NCCL work reaches the
+   stream only at ncclGroupEnd, so the bar is opened before the group and
+   closed after it (an index, not a pointer: the trace may grow meanwhile). */
+static int mgpu__nccl_trace_open(mgpu__queue *q, const char *name) {
+    if (!mgpu__g.tracing) return -1;
+    MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
+    mgpu__trace_add(q, name, 0, 0);
+    int rec = mgpu__g.trace_n - 1;
+    MGPU_CUDA_CHECK(cudaEventRecord(mgpu__g.trace[rec].cuda_start, q->stream));
+    return rec;
+}
+static void mgpu__nccl_trace_close(mgpu__queue *q, int rec) {
+    if (rec < 0) return;
+    MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
+    MGPU_CUDA_CHECK(cudaEventRecord(mgpu__g.trace[rec].cuda_end, q->stream));
+}
+
+typedef enum {
+    MGPU__NCCL_ALLREDUCE, MGPU__NCCL_BROADCAST, MGPU__NCCL_REDUCE_SCATTER, MGPU__NCCL_ALL_GATHER
+} mgpu__nccl_kind;
+
+/* One NCCL call per rank on its device's communication queue. In one
+   process the calls of all ranks go between ncclGroupStart and
+   ncclGroupEnd: a call waits for the other ranks, so making them one by
+   one would wait for ever. `arg` is `average` for the reductions and the
+   root for the broadcast. */
+static void mgpu__nccl_start(const mgpu_nccl_comm *c, const char *name, mgpu__nccl_kind kind,
+                             mgpu_tensor *const *in, mgpu_tensor *const *out, int arg) {
+    int trace[MGPU_MAX_DEVICES];
+    mgpu__comm_begin(out, c->n);
+    for (int i = 0; i < c->n; i++) trace[i] = mgpu__nccl_trace_open(&out[i]->device->queue[1], name);
+    ncclRedOp_t op = arg ? ncclAvg : ncclSum;
+    MGPU_NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < c->n; i++) {
+        cudaStream_t s = out[i]->device->queue[1].stream;
+        const void *src = in[i]->data;
+        void *dst = out[i]->data;
+        switch (kind) {
+        case MGPU__NCCL_ALLREDUCE:
+            MGPU_NCCL_CHECK(ncclAllReduce(src, dst, out[i]->numel, ncclFloat, op, c->comms[i], s));
+            break;
+        case MGPU__NCCL_BROADCAST:
+            MGPU_NCCL_CHECK(ncclBroadcast(src, dst, out[i]->numel, ncclFloat, arg, c->comms[i], s));
+            break;
+        case MGPU__NCCL_REDUCE_SCATTER:
+            MGPU_NCCL_CHECK(ncclReduceScatter(src, dst, out[i]->numel, ncclFloat, op, c->comms[i], s));
+            break;
+        case MGPU__NCCL_ALL_GATHER:
+            MGPU_NCCL_CHECK(ncclAllGather(src, dst, in[i]->numel, ncclFloat, c->comms[i], s));
+            break;
+        }
+    }
+    MGPU_NCCL_CHECK(ncclGroupEnd());
+    for (int i = 0; i < c->n; i++) mgpu__nccl_trace_close(&out[i]->device->queue[1], trace[i]);
+}
+
+MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *c, mgpu_tensor **data, int average) {
+    mgpu__require_nccl("mgpu_nccl_allreduce", c, data, "data");
+    mgpu__require_collective("mgpu_nccl_allreduce", data, c->n);
+    mgpu__nccl_start(c, "nccl allreduce", MGPU__NCCL_ALLREDUCE, data, data, average);
+    mgpu__comm_end(data, c->n);
+}
+
+MGPU_DEF void mgpu_nccl_broadcast(mgpu_nccl_comm *c, mgpu_tensor **data, int root) {
+    mgpu__require_nccl("mgpu_nccl_broadcast", c, data, "data");
+    mgpu__require_collective("mgpu_nccl_broadcast", data, c->n);
+    MGPU_REQUIRE(root >= 0 && root < c->n, "mgpu_nccl_broadcast: root %d of %d ranks", root, c->n);
+    mgpu__nccl_start(c, "nccl broadcast", MGPU__NCCL_BROADCAST, data, data, root);
+    mgpu__comm_end(data, c->n);
+}
+
+/* in[i] holds n times as many elements as out[i]. */
+static void mgpu__require_n_times(const char *op, const mgpu_tensor *big, const mgpu_tensor *small, int n) {
+    char sb[64], ss[64];
+    MGPU_REQUIRE(big->numel == (size_t)n * small->numel,
+                 "%s: %s must hold %d times the elements of %s (one part per rank)", op,
+                 mgpu_shape_str(big->shape, sb, sizeof sb), n, mgpu_shape_str(small->shape, ss, sizeof ss));
+}
+
+MGPU_DEF void mgpu_nccl_reduce_scatter(mgpu_nccl_comm *c, mgpu_tensor *const *in, mgpu_tensor **out,
+                                       int average) {
+    mgpu__require_nccl("mgpu_nccl_reduce_scatter", c, in, "in");
+    mgpu__require_nccl("mgpu_nccl_reduce_scatter", c, out, "out");
+    mgpu__require_collective("mgpu_nccl_reduce_scatter", out, c->n);
+    for (int i = 0; i < c->n; i++) {
+        mgpu__require_device(in[i], out[i]->device, "mgpu_nccl_reduce_scatter");
+        mgpu__require_n_times("mgpu_nccl_reduce_scatter", in[i], out[i], c->n);
+    }
+    mgpu__nccl_start(c, "nccl reduce-scatter", MGPU__NCCL_REDUCE_SCATTER, in, out, average);
+    mgpu__comm_end(out, c->n);
+}
+
+MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *c, mgpu_tensor *const *in, mgpu_tensor **out) {
+    mgpu__require_nccl("mgpu_nccl_all_gather", c, in, "in");
+    mgpu__require_nccl("mgpu_nccl_all_gather", c, out, "out");
+    mgpu__require_collective("mgpu_nccl_all_gather", in, c->n);
+    for (int i = 0; i < c->n; i++) {
+        mgpu__require_device(in[i], out[i]->device, "mgpu_nccl_all_gather");
+        mgpu__require_n_times("mgpu_nccl_all_gather", out[i], in[i], c->n);
+    }
+    mgpu__nccl_start(c, "nccl all-gather", MGPU__NCCL_ALL_GATHER, in, out, 0);
+    mgpu__comm_end(out, c->n);
+}
+
+/* The communicators mgpu_allreduce_auto makes, one per list of GPUs, kept
+   until the program ends (making one takes a while). */
+static mgpu_nccl_comm *mgpu__nccl_cache;
+static void mgpu__nccl_cache_free(void) {
+    while (mgpu__nccl_cache) {
+        mgpu_nccl_comm *c = mgpu__nccl_cache;
+        mgpu__nccl_cache = c->next;
+        mgpu_nccl_free(c);
+    }
+}
+/* NULL when the devices are not distinct GPUs. */
+static mgpu_nccl_comm *mgpu__nccl_for(mgpu_device *const *devices, int n) {
+    for (mgpu_nccl_comm *c = mgpu__nccl_cache; c; c = c->next) {
+        int same = c->n == n;
+        for (int i = 0; i < n && same; i++) same = c->gpus[i] == devices[i]->gpu;
+        if (same) return c;
+    }
+    mgpu_nccl_comm *c = mgpu_nccl_init(devices, n);
+    if (!c) return NULL;
+    if (!mgpu__nccl_cache) atexit(mgpu__nccl_cache_free); /* runs before mgpu_shutdown */
+    c->next = mgpu__nccl_cache;
+    mgpu__nccl_cache = c;
+    return c;
+}
+
+#else /* no nvcc: no GPU, no NCCL, so no communicator can be made */
+MGPU_DEF mgpu_nccl_comm *mgpu_nccl_init(mgpu_device *const *devices, int n) {
+    (void)devices;
+    (void)n;
+    return NULL;
+}
+MGPU_DEF void mgpu_nccl_free(mgpu_nccl_comm *c) { (void)c; }
+static void mgpu__no_nccl(const char *op) {
+    mgpu_fatal("%s: this program was built without CUDA, so without NCCL (mgpu_nccl_init gives NULL)", op);
+}
+MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *c, mgpu_tensor **data, int average) {
+    (void)c; (void)data; (void)average;
+    mgpu__no_nccl("mgpu_nccl_allreduce");
+}
+MGPU_DEF void mgpu_nccl_broadcast(mgpu_nccl_comm *c, mgpu_tensor **data, int root) {
+    (void)c; (void)data; (void)root;
+    mgpu__no_nccl("mgpu_nccl_broadcast");
+}
+MGPU_DEF void mgpu_nccl_reduce_scatter(mgpu_nccl_comm *c, mgpu_tensor *const *in, mgpu_tensor **out,
+                                       int average) {
+    (void)c; (void)in; (void)out; (void)average;
+    mgpu__no_nccl("mgpu_nccl_reduce_scatter");
+}
+MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *c, mgpu_tensor *const *in, mgpu_tensor **out) {
+    (void)c; (void)in; (void)out;
+    mgpu__no_nccl("mgpu_nccl_all_gather");
+}
+#endif
+
+/* ---------------------------------------------------- choosing an algorithm */
+static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int n, int average,
+                                         mgpu_tensor *const *scratch) {
+    mgpu__require_collective(op, data, n);
+    if (n == 1) return "none"; /* the sum of one vector is itself, and so is its average */
+#if MGPU_CUDA
+    mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
+    mgpu__devices_of(data, n, devices);
+    mgpu_nccl_comm *c = mgpu__nccl_for(devices, n);
+    if (c) {
+        mgpu__nccl_start(c, "nccl allreduce", MGPU__NCCL_ALLREDUCE, data, data, average);
+        return "nccl";
+    }
+#endif
+    mgpu__ring_start(op, data, n, average, scratch);
+    return "ring";
+}
+
+MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average, mgpu_tensor *const *scratch) {
+    return mgpu__allreduce_start("mgpu_allreduce_start", data, n, average, scratch);
+}
+
+MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average) {
+    const char *algorithm = mgpu__allreduce_start("mgpu_allreduce_auto", data, n, average, NULL);
+    if (n > 1) mgpu__comm_end(data, n);
+    return algorithm;
+}
+
+#ifdef __cplusplus
+}
+#endif
+/* ======================================================================
+   Networks: layers with parameters, buffers and saved activations.
+   ====================================================================== */
+
+static mgpu_layer *mgpu__layer_new(mgpu_layer_kind kind, const char *name) {
+    mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
+    l->kind = kind;
+    l->need_dinput = 1;
+    snprintf(l->name, sizeof l->name, "%s", name);
+    return l;
+}
+
+/* A parameter: its value and a zero gradient of the same shape. */
+static mgpu_param mgpu__param_new(mgpu_tensor *value) {
+    mgpu_param p;
+    p.value = value;
+    p.grad = mgpu_zeros(value->device, value->shape);
+    return p;
+}
+
+/* PyTorch's default bias initialisation: Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
+static mgpu_tensor *mgpu__bias_init(mgpu_device *d, int n, int fan_in) {
+    float bound = 1.0f / sqrtf((float)fan_in);
+    return mgpu_rand_uniform(d, mgpu_shape1(n), -bound, bound);
+}
+
+static mgpu_layer *mgpu__conv_new(const char *name, int in, int out, int kernel, int stride, int pad,
+                                  mgpu_device *d) {
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_CONV, name);
+    l->in_channels = in;
+    l->out_channels = out;
+    l->kernel = kernel;
+    l->stride = stride;
+    l->pad = pad;
+    l->weight = mgpu__param_new(mgpu_randn(d, mgpu_shape4(out, in, kernel, kernel), 0.0f, 0.01f));
+    l->bias = mgpu__param_new(mgpu__bias_init(d, out, in * kernel * kernel));
+    return l;
+}
+
+static mgpu_layer *mgpu__batchnorm_new(const char *name, int channels, int fuse_relu, mgpu_device *d) {
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_BATCHNORM, name);
+    l->in_channels = l->out_channels = channels;
+    l->fuse_relu = fuse_relu;
+    l->weight = mgpu__param_new(mgpu_ones(d, mgpu_shape1(channels)));
+    l->bias = mgpu__param_new(mgpu_zeros(d, mgpu_shape1(channels)));
+    l->running_mean = mgpu_zeros(d, mgpu_shape1(channels));
+    l->running_var = mgpu_ones(d, mgpu_shape1(channels));
+    l->save_mean = mgpu_zeros(d, mgpu_shape1(channels));
+    l->save_invstd = mgpu_zeros(d, mgpu_shape1(channels));
+    return l;
+}
+
+/* The book's Residual: conv3x3-BN-ReLU-conv3x3-BN, plus the input (through
+   a strided 1x1 convolution when the shape changes), then ReLU. */
+static mgpu_layer *mgpu__residual_new(const char *name, int in, int out, int stride, mgpu_device *d) {
+    char sub[64];
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_RESIDUAL, name);
+    l->in_channels = in;
+    l->out_channels = out;
+    l->stride = stride;
+    snprintf(sub, sizeof sub, "%s.conv1", name);
+    l->conv1 = mgpu__conv_new(sub, in, out, 3, stride, 1, d);
+    snprintf(sub, sizeof sub, "%s.conv2", name);
+    l->conv2 = mgpu__conv_new(sub, out, out, 3, 1, 1, d);
+    if (in != out || stride != 1) {
+        snprintf(sub, sizeof sub, "%s.conv3", name);
+        l->shortcut = mgpu__conv_new(sub, in, out, 1, stride, 0, d);
+    }
+    snprintf(sub, sizeof sub, "%s.bn1", name);
+    l->bn1 = mgpu__batchnorm_new(sub, out, 1, d);
+    snprintf(sub, sizeof sub, "%s.bn2", name);
+    l->bn2 = mgpu__batchnorm_new(sub, out, 0, d);
+    return l;
+}
+
+static mgpu_layer *mgpu__linear_new(const char *name, int in, int out, mgpu_device *d) {
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_LINEAR, name);
+    l->in_channels = in;
+    l->out_channels = out;
+    /* stored [in, out]: y = x W + b, as the book's from-scratch layers */
+    l->weight = mgpu__param_new(mgpu_randn(d, mgpu_shape2(in, out), 0.0f, 0.01f));
+    l->bias = mgpu__param_new(mgpu__bias_init(d, out, in));
+    return l;
+}
+
+/* Lists a layer's parameters and buffers in the net, in PyTorch's order
+   (the order of the attributes of the book's modules). */
+static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
+    if (l->kind == MGPU_LAYER_RESIDUAL) {
+        mgpu_layer *order[5] = {l->conv1, l->conv2, l->shortcut, l->bn1, l->bn2};
+        for (int i = 0; i < 5; i++)
+            if (order[i]) mgpu__net_register(net, order[i]);
+        return;
+    }
+    if (l->weight.value) {
+        net->params[net->nparams++] = &l->weight;
+        net->params[net->nparams++] = &l->bias;
+    }
+    if (l->running_mean) {
+        net->buffers[net->nbuffers++] = &l->running_mean;
+        net->buffers[net->nbuffers++] = &l->running_var;
+    }
+}
+
+static mgpu_net *mgpu__net_new(mgpu_device *d) {
+    mgpu_net *net = (mgpu_net *)mgpu__xcalloc(1, sizeof *net);
+    net->device = d;
+    net->training = 1;
+    return net;
+}
+
+static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
+    MGPU_REQUIRE(net->nlayers < (int)(sizeof net->layers / sizeof net->layers[0]),
+                 "a network holds at most %d layers", (int)(sizeof net->layers / sizeof net->layers[0]));
+    if (net->nlayers == 0) l->need_dinput = 0;
+    net->layers[net->nlayers++] = l;
+    mgpu__net_register(net, l);
+}
+
+MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {
+    MGPU_REQUIRE(num_classes > 0 && in_channels > 0,
+                 "mgpu_resnet18: %d classes and %d input channels must both be positive",
+                 num_classes, in_channels);
+    mgpu_net *net = mgpu__net_new(dev);
+    mgpu__net_add(net, mgpu__conv_new("stem.conv", in_channels, 64, 3, 1, 1, dev));
+    mgpu__net_add(net, mgpu__batchnorm_new("stem.bn", 64, 1, dev));
+    static const int channels[4] = {64, 128, 256, 512};
+    int in = 64;
+    for (int stage = 0; stage < 4; stage++)
+        for (int block = 0; block < 2; block++) {
+            char name[40];
+            snprintf(name, sizeof name, "stage%d.block%d", stage + 1, block + 1);
+            int stride = (stage > 0 && block == 0) ? 2 : 1;
+            mgpu__net_add(net, mgpu__residual_new(name, in, channels[stage], stride, dev));
+            in = channels[stage];
+        }
+    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
+    mgpu__net_add(net, mgpu__linear_new("fc", 512, num_classes, dev));
+    return net;
+}
+
+/* ------------------------------------------------------------ forward */
+static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int training) {
+    mgpu_device *d = x->device;
+    l->input = x;
+    switch (l->kind) {
+    case MGPU_LAYER_CONV:
+        mgpu_ensure(&l->output, d,
+                     mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
+        mgpu_conv2d_forward(l->output, x, l->weight.value, l->bias.value, l->stride, l->pad);
+        break;
+    case MGPU_LAYER_BATCHNORM:
+        mgpu_ensure(&l->output, d, x->shape);
+        mgpu_batchnorm2d_forward(l->output, x, l->weight.value, l->bias.value, l->running_mean,
+                                 l->running_var, l->save_mean, l->save_invstd, training, 0.1f,
+                                 1e-5f, l->fuse_relu);
+        break;
+    case MGPU_LAYER_RELU:
+        mgpu_ensure(&l->output, d, x->shape);
+        mgpu_relu_forward(l->output, x);
+        break;
+    case MGPU_LAYER_RESIDUAL: {
+        const mgpu_tensor *y = mgpu__layer_forward(l->conv1, x, training);
+        y = mgpu__layer_forward(l->bn1, y, training); /* with its ReLU */
+        y = mgpu__layer_forward(l->conv2, y, training);
+        y = mgpu__layer_forward(l->bn2, y, training);
+        const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, training) : x;
+        mgpu_ensure(&l->output, d, y->shape);
+        mgpu_add(l->output, y, skip);
+        mgpu_relu_forward(l->output, l->output);
+        break;
+    }
+    case MGPU_LAYER_GLOBAL_AVG_POOL:
+        mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], x->shape.d[1]));
+        mgpu_global_avg_pool_forward(l->output, x);
+        break;
+    case MGPU_LAYER_LINEAR:
+        mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], l->out_channels));
+        mgpu_linear_forward(l->output, x, l->weight.value, l->bias.value);
+        break;
+    }
+    return l->output;
+}
+
+MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
+    MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
+                 x->device->name, net->device->name);
+    const mgpu_tensor *h = x;
+    for (int i = 0; i < net->nlayers; i++) h = mgpu__layer_forward(net->layers[i], h, net->training);
+    return (mgpu_tensor *)h;
+}
+
+/* ----------------------------------------------------------- backward */
+static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy) {
+    mgpu_device *d = dy->device;
+    mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
+    switch (l->kind) {
+    case MGPU_LAYER_CONV:
+        mgpu_conv2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value,
+                             l->stride, l->pad, 1);
+        break;
+    case MGPU_LAYER_BATCHNORM:
+        mgpu_batchnorm2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->output,
+                                  l->weight.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
+        break;
+    case MGPU_LAYER_RELU:
+        mgpu_relu_backward(dx, dy, l->output);
+        break;
+    case MGPU_LAYER_RESIDUAL: {
+        /* out = relu(main + skip): the gradient of the sum goes to both. */
+        mgpu_tensor *dsum = mgpu_ensure(&l->dsum, d, l->output->shape);
+        mgpu_relu_backward(dsum, dy, l->output);
+        const mgpu_tensor *g = mgpu__layer_backward(l->bn2, dsum);
+        g = mgpu__layer_backward(l->conv2, g);
+        g = mgpu__layer_backward(l->bn1, g);
+        g = mgpu__layer_backward(l->conv1, g);
+        const mgpu_tensor *dskip = l->shortcut ? mgpu__layer_backward(l->shortcut, dsum) : dsum;
+        mgpu_add(dx, g, dskip);
+        break;
+    }
+    case MGPU_LAYER_GLOBAL_AVG_POOL:
+        mgpu_global_avg_pool_backward(dx, dy);
+        break;
+    case MGPU_LAYER_LINEAR:
+        mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, 1);
+        break;
+    }
+    return dx;
+}
+
+MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
+    MGPU_REQUIRE(net->nlayers > 0 && net->layers[net->nlayers - 1]->output,
+                 "mgpu_net_backward: run mgpu_net_forward first");
+    const mgpu_tensor *g = dlogits;
+    for (int i = net->nlayers - 1; i >= 0; i--) g = mgpu__layer_backward(net->layers[i], g);
+}
+
+MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
+    for (int i = 0; i < net->nparams; i++) mgpu_fill(net->params[i]->grad, 0.0f);
+}
+MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
+
+MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay) {
+    for (int i = 0; i < net->nparams; i++) {
+        mgpu_param *p = net->params[i];
+        if (momentum != 0.0f && !net->momentum[i])
+            net->momentum[i] = mgpu_zeros(net->device, p->value->shape);
+        mgpu_sgd_step(p->value, p->grad, momentum != 0.0f ? net->momentum[i] : NULL, lr, momentum,
+                      weight_decay, net->steps == 0);
+    }
+    net->steps++;
+}
+
+MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
+                                     const mgpu_tensor *labels, float scale,
+                                     mgpu_tensor *loss_sum) {
+    int n = logits->shape.d[0];
+    mgpu_ensure(&net->losses, net->device, mgpu_shape1(n));
+    mgpu_ensure(&net->dlogits, net->device, logits->shape);
+    mgpu_cross_entropy_forward(net->losses, logits, labels);
+    if (loss_sum) {
+        mgpu_ensure(&net->loss_sum, net->device, mgpu_shape1(1));
+        mgpu_sum(net->loss_sum, net->losses);
+        mgpu_add_(loss_sum, net->loss_sum);
+    }
+    mgpu_cross_entropy_backward(net->dlogits, logits, labels, scale);
+    mgpu_net_backward(net, net->dlogits);
+}
+
+MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                  float lr, float momentum, float weight_decay,
+                                  mgpu_tensor *loss_sum) {
+    mgpu_net_zero_grad(net);
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    mgpu_net_loss_backward(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum);
+    mgpu_net_sgd(net, lr, momentum, weight_decay);
+}
+
+/* ------------------------------------------------------------ access */
+MGPU_DEF int mgpu_net_num_params(const mgpu_net *net) { return net->nparams; }
+MGPU_DEF mgpu_param *mgpu_net_param(mgpu_net *net, int i) {
+    MGPU_REQUIRE(i >= 0 && i < net->nparams, "mgpu_net_param: index %d of %d", i, net->nparams);
+    return net->params[i];
+}
+MGPU_DEF int mgpu_net_num_buffers(const mgpu_net *net) { return net->nbuffers; }
+MGPU_DEF mgpu_tensor *mgpu_net_buffer(mgpu_net *net, int i) {
+    MGPU_REQUIRE(i >= 0 && i < net->nbuffers, "mgpu_net_buffer: index %d of %d", i, net->nbuffers);
+    return *net->buffers[i];
+}
+MGPU_DEF size_t mgpu_net_num_weights(const mgpu_net *net) {
+    size_t n = 0;
+    for (int i = 0; i < net->nparams; i++) n += net->params[i]->value->numel;
+    return n;
+}
+
+/* ---------------------------------------------------------- replicas */
+static mgpu_tensor *mgpu__clone(const mgpu_tensor *t, mgpu_device *d) {
+    return t ? mgpu_to(t, d, 1) : NULL;
+}
+
+static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
+    if (!src) return NULL;
+    mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
+    *l = *src; /* the settings */
+    l->input = NULL;
+    l->output = l->dinput = l->dsum = NULL;
+    if (src->weight.value) {
+        l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
+        l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
+    }
+    l->running_mean = mgpu__clone(src->running_mean, d);
+    l->running_var = mgpu__clone(src->running_var, d);
+    l->save_mean = mgpu__clone(src->save_mean, d);
+    l->save_invstd = mgpu__clone(src->save_invstd, d);
+    l->conv1 = mgpu__layer_clone(src->conv1, d);
+    l->bn1 = mgpu__layer_clone(src->bn1, d);
+    l->conv2 = mgpu__layer_clone(src->conv2, d);
+    l->bn2 = mgpu__layer_clone(src->bn2, d);
+    l->shortcut = mgpu__layer_clone(src->shortcut, d);
+    return l;
+}
+
+MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
+    mgpu_net *copy = mgpu__net_new(dev);
+    copy->training = net->training;
+    for (int i = 0; i < net->nlayers; i++) mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
+    return copy;
+}
+
+MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_buffers) {
+    MGPU_REQUIRE(dst->nparams == src->nparams && dst->nbuffers == src->nbuffers,
+                 "mgpu_net_copy_params: the networks differ (%d and %d parameters)", dst->nparams,
+                 src->nparams);
+    for (int i = 0; i < src->nparams; i++) mgpu_copy(dst->params[i]->value, src->params[i]->value, 1);
+    if (with_buffers)
+        for (int i = 0; i < src->nbuffers; i++) mgpu_copy(*dst->buffers[i], *src->buffers[i], 1);
+}
+
+static void mgpu__layer_free(mgpu_layer *l) {
+    if (!l) return;
+    mgpu_free(l->weight.value);
+    mgpu_free(l->weight.grad);
+    mgpu_free(l->bias.value);
+    mgpu_free(l->bias.grad);
+    mgpu_free(l->running_mean);
+    mgpu_free(l->running_var);
+    mgpu_free(l->save_mean);
+    mgpu_free(l->save_invstd);
+    mgpu_free(l->output);
+    mgpu_free(l->dinput);
+    mgpu_free(l->dsum);
+    mgpu__layer_free(l->conv1);
+    mgpu__layer_free(l->bn1);
+    mgpu__layer_free(l->conv2);
+    mgpu__layer_free(l->bn2);
+    mgpu__layer_free(l->shortcut);
+    free(l);
+}
+
+MGPU_DEF void mgpu_net_free(mgpu_net *net) {
+    if (!net) return;
+    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i]);
+    for (int i = 0; i < net->nparams; i++) mgpu_free(net->momentum[i]);
+    mgpu_free(net->losses);
+    mgpu_free(net->dlogits);
+    mgpu_free(net->loss_sum);
+    free(net);
+}
+
+/* -------------------------------------------------------- evaluation */
+MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
+    int was_training = net->training;
+    net->training = 0;
+    mgpu_loader *loader = mgpu_loader_new(data, batch_size, 0, 0);
+    mgpu_loader_start_epoch(loader, 0);
+    mgpu_tensor *correct = mgpu_zeros(net->device, mgpu_shape1(1));
+    mgpu_tensor *count = mgpu_empty(net->device, mgpu_shape1(1));
+    mgpu_batch b;
+    while (mgpu_loader_next(loader, &b)) {
+        mgpu_tensor *x = mgpu_to(b.x, net->device, 1);
+        mgpu_tensor *y = mgpu_to(b.y, net->device, 1);
+        mgpu_accuracy_count(count, mgpu_net_forward(net, x), y);
+        mgpu_add_(correct, count);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    double accuracy = mgpu_item(correct, 0) / (double)data->n;
+    mgpu_free(correct);
+    mgpu_free(count);
+    mgpu_loader_free(loader);
+    net->training = was_training;
+    return accuracy;
+}
+
+/* ---------------------------------------------------- save and load */
+#define MGPU__NET_MAGIC "MGPUNET1"
+#define MGPU__NET_VERSION 1u
+
+/* 64-bit FNV-1a: simple, and any flipped byte changes it. */
+static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+#define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
+
+/* The tensors of a checkpoint, in order: parameters, then buffers. */
+static int mgpu__net_num_saved(const mgpu_net *net) { return net->nparams + net->nbuffers; }
+static mgpu_tensor *mgpu__net_saved(const mgpu_net *net, int i) {
+    return i < net->nparams ? net->params[i]->value : *net->buffers[i - net->nparams];
+}
+
+static void mgpu__write_all(FILE *f, const char *path, const void *data, size_t n, uint64_t *hash) {
+    if (fwrite(data, 1, n, f) != n)
+        mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(errno));
+    *hash = mgpu__fnv1a(*hash, data, n);
+}
+
+MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
+    FILE *f = fopen(path, "wb");
+    if (!f) mgpu_fatal("%s: cannot open for writing (%s)", path, strerror(errno));
+    uint64_t hash = MGPU__FNV_OFFSET;
+    uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)mgpu__net_num_saved(net)};
+    mgpu__write_all(f, path, MGPU__NET_MAGIC, 8, &hash);
+    mgpu__write_all(f, path, header, sizeof header, &hash);
+    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
+        const mgpu_tensor *t = mgpu__net_saved(net, i);
+        uint32_t shape[1 + MGPU_MAX_DIMS] = {(uint32_t)t->shape.ndim};
+        for (int k = 0; k < MGPU_MAX_DIMS; k++) shape[1 + k] = (uint32_t)t->shape.d[k];
+        mgpu__write_all(f, path, shape, sizeof shape, &hash);
+        float *values = (float *)mgpu__xmalloc(t->numel * sizeof(float));
+        mgpu_to_host(t, values);
+        mgpu__write_all(f, path, values, t->numel * sizeof(float), &hash);
+        free(values);
+    }
+    if (fwrite(&hash, sizeof hash, 1, f) != 1 || fclose(f) != 0)
+        mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(errno));
+}
+
+MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode))
+        mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
+    long size = (long)st.st_size;
+    unsigned char *bytes = (unsigned char *)mgpu__xmalloc((size_t)size);
+    if (fread(bytes, 1, (size_t)size, f) != (size_t)size)
+        mgpu_fatal("%s: cannot read the checkpoint (%s)", path, strerror(errno));
+    fclose(f);
+    /* Check everything before touching the network. */
+    size_t at = 0, total = (size_t)size;
+    const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
+    if (total < header_bytes + trailer || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
+        mgpu_fatal("%s: not an mgpu checkpoint (no \"" MGPU__NET_MAGIC "\" header)", path);
+    uint32_t header[2];
+    memcpy(header, bytes + 8, sizeof header);
+    at = header_bytes;
+    if (header[0] != MGPU__NET_VERSION)
+        mgpu_fatal("%s: checkpoint version %u, this library reads version %u", path, header[0],
+                   MGPU__NET_VERSION);
+    if ((int)header[1] != mgpu__net_num_saved(net))
+        mgpu_fatal("%s: holds %u tensors, the network has %d (another network's checkpoint?)", path,
+                   header[1], mgpu__net_num_saved(net));
+    size_t *offsets = (size_t *)mgpu__xcalloc((size_t)header[1], sizeof(size_t));
+    for (int i = 0; i < (int)header[1]; i++) {
+        const mgpu_tensor *t = mgpu__net_saved(net, i);
+        uint32_t shape[1 + MGPU_MAX_DIMS];
+        if (at + sizeof shape > total - trailer)
+            mgpu_fatal("%s: truncated in tensor %d of %u", path, i, header[1]);
+        memcpy(shape, bytes + at, sizeof shape);
+        at += sizeof shape;
+        int same = shape[0] == (uint32_t)t->shape.ndim;
+        for (int k = 0; k < MGPU_MAX_DIMS; k++) same &= shape[1 + k] == (uint32_t)t->shape.d[k];
+        if (!same) {
+            char want[64];
+            mgpu_fatal("%s: tensor %d has shape (%u dims: %u, %u, %u, %u), the network's is %s", path,
+                       i, shape[0], shape[1], shape[2], shape[3], shape[4],
+                       mgpu_shape_str(t->shape, want, sizeof want));
+        }
+        offsets[i] = at;
+        if (t->numel * sizeof(float) > total - trailer - at)
+            mgpu_fatal("%s: truncated in tensor %d of %u", path, i, header[1]);
+        at += t->numel * sizeof(float);
+    }
+    if (at != total - trailer)
+        mgpu_fatal("%s: %zu bytes after the last tensor, expected %zu (damaged file)", path,
+                   total - at, trailer);
+    uint64_t stored;
+    memcpy(&stored, bytes + at, sizeof stored);
+    if (stored != mgpu__fnv1a(MGPU__FNV_OFFSET, bytes, at))
+        mgpu_fatal("%s: checksum mismatch (the file is damaged)", path);
+    for (int i = 0; i < (int)header[1]; i++) {
+        mgpu_tensor *t = mgpu__net_saved(net, i);
+        mgpu_tensor *host = mgpu_from_host(mgpu_cpu(), t->shape, (const float *)(bytes + offsets[i]));
+        mgpu_copy(t, host, 0);
+        mgpu_free(host);
+    }
+    free(offsets);
+    free(bytes);
+}
+/* ======================================================================
+   Data parallelism
+   ====================================================================== */
+struct mgpu_data_parallel {
+    int n;
+    mgpu_dp_mode mode;
+    const char *algorithm;
+    mgpu_device *devices[MGPU_MAX_DEVICES];
+    mgpu_net *replicas[MGPU_MAX_DEVICES];   /* replicas[0] is the caller's net */
+    mgpu_tensor *x_shards[MGPU_MAX_DEVICES], *y_shards[MGPU_MAX_DEVICES];
+    mgpu_tensor *loss_sum[MGPU_MAX_DEVICES], *correct[MGPU_MAX_DEVICES], *count[MGPU_MAX_DEVICES];
+    /* gather mode, on device 0: the whole batch's logits, labels and
+       logit gradients, and a staging copy of each other replica's gradients */
+    mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
+    mgpu_tensor *staged[MGPU_MAX_DEVICES][128];
+};
+
+MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
+                                                    int n, mgpu_dp_mode mode) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES, "mgpu_data_parallel_new: %d devices", n);
+    MGPU_REQUIRE(net->device == devices[0],
+                 "mgpu_data_parallel_new: the network is on %s, it must be on devices[0] (%s)",
+                 net->device->name, devices[0]->name);
+    mgpu_data_parallel *dp = (mgpu_data_parallel *)mgpu__xcalloc(1, sizeof *dp);
+    dp->n = n;
+    dp->mode = mode;
+    for (int i = 0; i < n; i++) {
+        dp->devices[i] = devices[i];
+        /* Replicas start as exact copies: one broadcast from device 0. */
+        dp->replicas[i] = i == 0 ? net : mgpu_net_replicate(net, devices[i]);
+        dp->loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        dp->correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+    }
+    dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
+    return dp;
+}
+
+MGPU_DEF mgpu_net *mgpu_data_parallel_module(mgpu_data_parallel *dp) { return dp->replicas[0]; }
+MGPU_DEF mgpu_net *mgpu_data_parallel_replica(mgpu_data_parallel *dp, int i) {
+    MGPU_REQUIRE(i >= 0 && i < dp->n, "mgpu_data_parallel_replica: index %d of %d", i, dp->n);
+    return dp->replicas[i];
+}
+MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp) {
+    return dp->algorithm ? dp->algorithm : "(not run yet)";
+}
+
+/* DistributedDataParallel's way: each device computes the loss of its own
+   shard, scaled by 1/N of the WHOLE batch, so that the allreduced sum of
+   the replicas' gradients is the gradient of the batch's mean loss. */
+static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr, float momentum,
+                                    float weight_decay) {
+    for (int i = 0; i < dp->n; i++) {
+        mgpu_net *r = dp->replicas[i];
+        mgpu_net_zero_grad(r);
+        mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
+        mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
+        mgpu_add_(dp->correct[i], dp->count[i]);
+        mgpu_net_loss_backward(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
+    }
+    if (dp->n > 1) {
+        mgpu_tensor *grads[MGPU_MAX_DEVICES];
+        for (int p = 0; p < dp->replicas[0]->nparams; p++) {
+            for (int i = 0; i < dp->n; i++) grads[i] = dp->replicas[i]->params[p]->grad;
+            dp->algorithm = mgpu_allreduce_auto(grads, dp->n, 0);
+        }
+    }
+    for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
+}
+
+/* torch.nn.DataParallel's way, step by step. */
+static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, float momentum,
+                                 float weight_decay) {
+    mgpu_net *module = dp->replicas[0];
+    mgpu_device *d0 = dp->devices[0];
+    /* 1. replicate: broadcast device 0's parameters and buffers */
+    for (int i = 1; i < dp->n; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
+    /* 2. forward on every device, 3. gather the logits on device 0 */
+    int classes = 0, row = 0;
+    for (int i = 0; i < dp->n; i++) {
+        mgpu_net *r = dp->replicas[i];
+        mgpu_net_zero_grad(r);
+        mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
+        classes = logits->shape.d[1];
+        mgpu_ensure(&dp->logits, d0, mgpu_shape2(batch, classes));
+        mgpu_ensure(&dp->labels, d0, mgpu_shape1(batch));
+        mgpu_tensor *rows = mgpu_narrow(dp->logits, row, logits->shape.d[0]);
+        mgpu_tensor *labels = mgpu_narrow(dp->labels, row, logits->shape.d[0]);
+        mgpu_copy(rows, logits, 1);
+        mgpu_copy(labels, dp->y_shards[i], 1);
+        row += logits->shape.d[0];
+        mgpu_free(rows);
+        mgpu_free(labels);
+    }
+    /* 4. the loss of the whole batch on device 0 */
+    mgpu_ensure(&dp->losses, d0, mgpu_shape1(batch));
+    mgpu_ensure(&dp->dlogits, d0, dp->logits->shape);
+    mgpu_ensure(&dp->batch_loss, d0, mgpu_shape1(1));
+    mgpu_cross_entropy_forward(dp->losses, dp->logits, dp->labels);
+    mgpu_sum(dp->batch_loss, dp->losses);
+    mgpu_add_(dp->loss_sum[0], dp->batch_loss);
+    mgpu_accuracy_count(dp->count[0], dp->logits, dp->labels);
+    mgpu_add_(dp->correct[0], dp->count[0]);
+    mgpu_cross_entropy_backward(dp->dlogits, dp->logits, dp->labels, 1.0f / (float)batch);
+    /* 5. scatter the logits' gradient back, backward on every device */
+    row = 0;
+    for (int i = 0; i < dp->n; i++) {
+        mgpu_net *r = dp->replicas[i];
+        int rows_here = dp->x_shards[i]->shape.d[0];
+        mgpu_tensor *slice = mgpu_narrow(dp->dlogits, row, rows_here);
+        mgpu_tensor *dlogits = i == 0 ? slice : mgpu_to(slice, dp->devices[i], 1);
+        mgpu_net_backward(r, dlogits);
+        if (dlogits != slice) mgpu_free(dlogits);
+        mgpu_free(slice);
+        row += rows_here;
+    }
+    /* 6. sum every replica's gradients into device 0, 7. SGD there only */
+    for (int i = 1; i < dp->n; i++)
+        for (int p = 0; p < module->nparams; p++) {
+            mgpu_tensor *grad = dp->replicas[i]->params[p]->grad;
+            mgpu_tensor *staged = mgpu_ensure(&dp->staged[i][p], d0, grad->shape);
+            mgpu_copy(staged, grad, 1);
+            mgpu_add_(module->params[p]->grad, staged);
+        }
+    mgpu_net_sgd(module, lr, momentum, weight_decay);
+}
+
+MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor *X,
+                                      const mgpu_tensor *y, float lr, float momentum,
+                                      float weight_decay) {
+    int batch = X->shape.d[0];
+    for (int i = 0; i < dp->n; i++) {
+        mgpu_free(dp->x_shards[i]);
+        mgpu_free(dp->y_shards[i]);
+    }
+    mgpu_split_batch(X, y, dp->devices, dp->n, dp->x_shards, dp->y_shards);
+    if (dp->mode == MGPU_DP_GATHER)
+        mgpu__dp_step_gather(dp, batch, lr, momentum, weight_decay);
+    else
+        mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay);
+}
+
+MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,
+                                            double *correct) {
+    *loss_sum = *correct = 0;
+    for (int i = 0; i < dp->n; i++) {
+        *loss_sum += mgpu_item(dp->loss_sum[i], 0);
+        *correct += mgpu_item(dp->correct[i], 0);
+        mgpu_fill(dp->loss_sum[i], 0.0f);
+        mgpu_fill(dp->correct[i], 0.0f);
+    }
+}
+
+MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
+    if (!dp) return;
+    for (int i = 0; i < dp->n; i++) {
+        if (i > 0) mgpu_net_free(dp->replicas[i]);
+        mgpu_free(dp->x_shards[i]);
+        mgpu_free(dp->y_shards[i]);
+        mgpu_free(dp->loss_sum[i]);
+        mgpu_free(dp->correct[i]);
+        mgpu_free(dp->count[i]);
+        for (int p = 0; p < 128; p++) mgpu_free(dp->staged[i][p]);
+    }
+    mgpu_free(dp->logits);
+    mgpu_free(dp->labels);
+    mgpu_free(dp->dlogits);
+    mgpu_free(dp->losses);
+    mgpu_free(dp->batch_loss);
+    free(dp);
+}
 #endif /* MGPU__IMPLEMENTED */
 #endif /* MGPU_IMPLEMENTATION */

@@ -252,7 +252,8 @@ static void mgpu__col2im_cuda(const void *args, const mgpu__exec *ex) {
 static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a) {
     unsigned inner = (unsigned)a.inner, total = a.outer * a.middle * inner;
     MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner] */
-        unsigned i = (unsigned)e, k = i % inner, m_o = i / inner, o = m_o % a.outer, m = m_o / a.outer;
+        unsigned i = (unsigned)e, k = i % inner, m_o = i / inner;
+        unsigned o = m_o % a.outer, m = m_o / a.outer;
         a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k];
     }
 }

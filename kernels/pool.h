@@ -45,7 +45,8 @@ static void mgpu__avg_pool_cpu(const void *args, const mgpu__exec *ex) {
     size_t planes = a->n / ((size_t)P * Q);
     for (size_t plane = 0; plane < planes; plane++)
         for (int p = 0; p < P; p++) {
-            const float *rows = a->x + (plane * a->h + (size_t)p * k) * a->w; /* the k rows of window row p */
+            /* the k image rows under the windows of output row p */
+            const float *rows = a->x + (plane * a->h + (size_t)p * k) * a->w;
             float *out = a->y + (plane * P + p) * Q;
             for (int q = 0; q < Q; q++) {
                 float sum = 0.0f;

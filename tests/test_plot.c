@@ -7,7 +7,7 @@
    Animator is compared as text, and the error line of a file that cannot
    be written is captured from stderr. */
 #define MGPU_IMPLEMENTATION
-#include "../parts/plot_standalone.h"
+#include "../mgpu.h"
 #include "test.h"
 #include <ftw.h>
 #include <stb/stb_image.h>
