@@ -900,6 +900,7 @@ typedef struct mgpu_net {
     int nlayers;
     mgpu_layer *layers[16];
     int nparams, nbuffers;
+    int first_param[17];        /* layer i's parameters are params[first_param[i] ..] */
     mgpu_param *params[128];    /* pointers into the layers, in registration order */
     mgpu_tensor **buffers[128];
     mgpu_tensor *momentum[128]; /* SGD momentum buffers, made at the first step */
@@ -966,7 +967,18 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
        void mgpu_data_parallel_take_stats(dp, &loss_sum, &correct);
    the summed loss and the number of right predictions of the steps since
    the last call (this waits for them), as the book's training loops count.
-       const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none" */
+       const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none"
+
+   In MGPU_DP_ALLREDUCE mode the gradients travel in buckets, as in
+   PyTorch's DDP: each replica's gradients become views into a few flat
+   tensors of about 25 MiB, filled from the last layer back; the reduction
+   of a bucket starts on the communication queues as soon as the backward
+   pass has produced it, and runs while the backward of the earlier layers
+   goes on; the optimiser waits for the last bucket. Before the first step,
+       void mgpu_data_parallel_configure(dp, bucket_bytes, overlap, reduce);
+   sets the bucket size, overlap 0 to reduce only after the whole backward
+   pass, and reduce 0 to skip the reduction (to time what it costs: the
+   replicas then drift apart). */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -979,6 +991,8 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
 MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,
                                             double *correct);
 MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp);
+MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket_bytes,
+                                           int overlap, int reduce);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------- random */
@@ -5091,8 +5105,10 @@ static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     MGPU_REQUIRE(net->nlayers < (int)(sizeof net->layers / sizeof net->layers[0]),
                  "a network holds at most %d layers", (int)(sizeof net->layers / sizeof net->layers[0]));
     if (net->nlayers == 0) l->need_dinput = 0;
+    net->first_param[net->nlayers] = net->nparams;
     net->layers[net->nlayers++] = l;
     mgpu__net_register(net, l);
+    net->first_param[net->nlayers] = net->nparams;
 }
 
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {
@@ -5229,9 +5245,11 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     net->steps++;
 }
 
-MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
-                                     const mgpu_tensor *labels, float scale,
-                                     mgpu_tensor *loss_sum) {
+/* The loss's gradient with respect to the logits (and the loss, added to
+   loss_sum when given): where every backward pass starts. */
+static const mgpu_tensor *mgpu__net_loss_grad(mgpu_net *net, const mgpu_tensor *logits,
+                                              const mgpu_tensor *labels, float scale,
+                                              mgpu_tensor *loss_sum) {
     int n = logits->shape.d[0];
     mgpu_ensure(&net->losses, net->device, mgpu_shape1(n));
     mgpu_ensure(&net->dlogits, net->device, logits->shape);
@@ -5242,7 +5260,13 @@ MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
         mgpu_add_(loss_sum, net->loss_sum);
     }
     mgpu_cross_entropy_backward(net->dlogits, logits, labels, scale);
-    mgpu_net_backward(net, net->dlogits);
+    return net->dlogits;
+}
+
+MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
+                                     const mgpu_tensor *labels, float scale,
+                                     mgpu_tensor *loss_sum) {
+    mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum));
 }
 
 MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
@@ -5492,6 +5516,14 @@ struct mgpu_data_parallel {
        logit gradients, and a staging copy of each other replica's gradients */
     mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
     mgpu_tensor *staged[MGPU_MAX_DEVICES][128];
+    /* allreduce mode: the gradients in buckets, each one flat tensor per
+       device that the parameters' gradients are views into */
+    size_t bucket_bytes;
+    int overlap, reduce;
+    int nbuckets;
+    int bucket_last_layer[128];          /* the bucket is complete once backward reaches it */
+    mgpu_tensor *bucket[128][MGPU_MAX_DEVICES];
+    mgpu_tensor *scratch[128][MGPU_MAX_DEVICES];
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -5512,7 +5544,74 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
     }
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
+    dp->bucket_bytes = 25u << 20;
+    dp->overlap = 1;
+    dp->reduce = 1;
     return dp;
+}
+
+MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket_bytes,
+                                           int overlap, int reduce) {
+    MGPU_REQUIRE(dp->nbuckets == 0,
+                 "mgpu_data_parallel_configure: call it before the first step");
+    dp->bucket_bytes = bucket_bytes;
+    dp->overlap = overlap;
+    dp->reduce = reduce;
+}
+
+/* Groups the gradients into buckets of about bucket_bytes, from the last
+   layer back (the order backward produces them), and makes every replica's
+   gradients views into one flat tensor per bucket, so a bucket is reduced
+   as one vector. A bucket holds whole top-level layers. */
+static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
+    const mgpu_net *net = dp->replicas[0];
+    int last = net->nlayers - 1;
+    while (last >= 0) {
+        size_t floats = 0;
+        int first = last;
+        for (; first >= 0; first--) {
+            for (int p = net->first_param[first]; p < net->first_param[first + 1]; p++)
+                floats += net->params[p]->value->numel;
+            if (floats * sizeof(float) >= dp->bucket_bytes) break;
+        }
+        if (first < 0) first = 0;
+        if (floats > 0) {
+            MGPU_REQUIRE(dp->nbuckets < 128, "too many gradient buckets: raise bucket_bytes");
+            int b = dp->nbuckets++;
+            dp->bucket_last_layer[b] = first;
+            int p0 = net->first_param[first], p1 = net->first_param[last + 1];
+            for (int i = 0; i < dp->n; i++) {
+                mgpu_net *r = dp->replicas[i];
+                mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)floats));
+                int offset = 0;
+                for (int p = p0; p < p1; p++) {
+                    mgpu_param *param = r->params[p];
+                    mgpu_tensor *rows = mgpu_narrow(flat, offset, (int)param->grad->numel);
+                    mgpu_free(param->grad);
+                    param->grad = mgpu_view(rows, param->value->shape);
+                    mgpu_free(rows);
+                    offset += (int)param->value->numel;
+                }
+                dp->bucket[b][i] = flat;
+                int share = (int)((floats + (size_t)dp->n - 1) / (size_t)dp->n);
+                dp->scratch[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(share));
+            }
+        }
+        last = first - 1;
+    }
+}
+
+/* Gives replica 0's gradients their own memory again: the caller keeps
+   that network after the wrapper is gone. */
+static void mgpu__dp_unbucket_module(mgpu_data_parallel *dp) {
+    mgpu_net *net = dp->replicas[0];
+    for (int p = 0; p < net->nparams && dp->nbuckets; p++) {
+        mgpu_param *param = net->params[p];
+        mgpu_tensor *own = mgpu_empty(net->device, param->value->shape);
+        mgpu_copy(own, param->grad, 0);
+        mgpu_free(param->grad);
+        param->grad = own;
+    }
 }
 
 MGPU_DEF mgpu_net *mgpu_data_parallel_module(mgpu_data_parallel *dp) { return dp->replicas[0]; }
@@ -5526,24 +5625,41 @@ MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp) 
 
 /* DistributedDataParallel's way: each device computes the loss of its own
    shard, scaled by 1/N of the WHOLE batch, so that the allreduced sum of
-   the replicas' gradients is the gradient of the batch's mean loss. */
+   the replicas' gradients is the gradient of the batch's mean loss. The
+   backward pass runs layer by layer on all devices together, and each
+   bucket's reduction starts on the communication queues as soon as the
+   backward of its layers has been enqueued everywhere, while the backward
+   of the earlier layers goes on. The optimiser waits for the last bucket. */
 static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr, float momentum,
                                     float weight_decay) {
+    if (dp->n > 1 && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
+    const mgpu_tensor *grad[MGPU_MAX_DEVICES];
     for (int i = 0; i < dp->n; i++) {
         mgpu_net *r = dp->replicas[i];
-        mgpu_net_zero_grad(r);
+        if (dp->nbuckets)
+            for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
+        else
+            mgpu_net_zero_grad(r);
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
         mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
         mgpu_add_(dp->correct[i], dp->count[i]);
-        mgpu_net_loss_backward(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
+        grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
     }
-    if (dp->n > 1) {
-        mgpu_tensor *grads[MGPU_MAX_DEVICES];
-        for (int p = 0; p < dp->replicas[0]->nparams; p++) {
-            for (int i = 0; i < dp->n; i++) grads[i] = dp->replicas[i]->params[p]->grad;
-            dp->algorithm = mgpu_allreduce_auto(grads, dp->n, 0);
+    int next_bucket = 0;
+    for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
+        for (int i = 0; i < dp->n; i++)
+            grad[i] = mgpu__layer_backward(dp->replicas[i]->layers[layer], grad[i]);
+        int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
+        if (complete && dp->reduce && dp->overlap) {
+            dp->algorithm = mgpu_allreduce_start(dp->bucket[next_bucket], dp->n, 0,
+                                                 dp->scratch[next_bucket]);
         }
+        next_bucket += complete;
     }
+    if (dp->reduce && !dp->overlap)
+        for (int b = 0; b < dp->nbuckets; b++)
+            dp->algorithm = mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
+    if (dp->n > 1) mgpu_comm_wait(dp->devices, dp->n);
     for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
 }
 
@@ -5632,6 +5748,7 @@ MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss
 
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     if (!dp) return;
+    mgpu__dp_unbucket_module(dp);
     for (int i = 0; i < dp->n; i++) {
         if (i > 0) mgpu_net_free(dp->replicas[i]);
         mgpu_free(dp->x_shards[i]);
@@ -5641,6 +5758,12 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
         mgpu_free(dp->count[i]);
         for (int p = 0; p < 128; p++) mgpu_free(dp->staged[i][p]);
     }
+    /* after the replicas, whose gradients were views into the buckets */
+    for (int b = 0; b < dp->nbuckets; b++)
+        for (int i = 0; i < dp->n; i++) {
+            mgpu_free(dp->bucket[b][i]);
+            mgpu_free(dp->scratch[b][i]);
+        }
     mgpu_free(dp->logits);
     mgpu_free(dp->labels);
     mgpu_free(dp->dlogits);

@@ -109,7 +109,7 @@ static void replica_free(replica *r) {
 /* One minibatch on every device: the book's train_batch. */
 static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *replicas, int n,
                         float lr, mgpu_tensor **loss_sum, mgpu_tensor **correct) {
-    mgpu_device *devices[MGPU_MAX_DEVICES];
+    mgpu_device *devices[MGPU_MAX_DEVICES] = {0};
     mgpu_tensor *X_shards[MGPU_MAX_DEVICES], *y_shards[MGPU_MAX_DEVICES];
     for (int i = 0; i < n; i++) devices[i] = replicas[i].device;
     mgpu_split_batch(X, y, devices, n, X_shards, y_shards);

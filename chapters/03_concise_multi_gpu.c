@@ -111,6 +111,33 @@ static void memory_table(int ndevices, int batch_size, int use_gpu, const mgpu_d
     }
 }
 
+/* One traced training step on 2 devices: the timeline shows each bucket's
+   reduction (on the copy queues) running under the rest of the backward
+   pass (on the compute queues). */
+static void step_timeline(int batch_size, int use_gpu, const mgpu_dataset *train_set,
+                          const mgpu_options *o) {
+    mgpu_device *devices[2];
+    mgpu_devices(2, use_gpu, devices);
+    mgpu_net *net = mgpu_resnet18(10, 1, devices[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, 2, MGPU_DP_ALLREDUCE);
+    mgpu_loader *loader = mgpu_loader_new(train_set, batch_size, 0, 0);
+    mgpu_loader_start_epoch(loader, 0);
+    mgpu_batch b;
+    if (mgpu_loader_next(loader, &b)) {
+        mgpu_data_parallel_step(dp, b.x, b.y, 0.1f, 0.0f, 0.0f); /* warm-up: buckets, caches */
+        mgpu_trace_begin();
+        mgpu_data_parallel_step(dp, b.x, b.y, 0.1f, 0.0f, 0.0f);
+        mgpu_trace_end();
+        char path[1024];
+        mgpu_trace_write_png(mgpu_out_path(o, "chapter3_step_timeline.png", path, sizeof path),
+                             "one ResNet-18 step on 2 devices: gradient buckets reduced under backward");
+        printf("step timeline (%s, buckets of 25 MiB): %s\n", mgpu_data_parallel_algorithm(dp), path);
+    }
+    mgpu_loader_free(loader);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
@@ -167,6 +194,7 @@ int main(int argc, char **argv) {
     printf("plots: %s, and one chapter3_<N>_device(s).png per run beside it\n", path);
 
     memory_table(max_devices >= 2 ? 2 : 1, per_device_batch * 2, use_gpu, train_set);
+    step_timeline(per_device_batch * 2, use_gpu, train_set, &o);
 
     for (int i = 0; i < nruns; i++) mgpu_animator_free(runs[i]);
     mgpu_dataset_free(train_set);

@@ -45,8 +45,37 @@ check chapter1_unknown_flag 1 "^mgpu: error: unknown flag '--bogus' \(try --help
 check chapter1_bad_number 1 "^mgpu: error: --size: expected a positive whole number, got 'ten'$" -- ./chapter1 --size ten
 check chapter1_missing_value 1 "^mgpu: error: --reps needs a value" -- ./chapter1 --reps
 
-for extra in tests/smoke_*.sh; do
-    [ -e "$extra" ] && . "$extra"
+
+# Chapter 2 on a few hundred images: the demos print as in the book, both
+# runs print their seed-style line, and the plots are written.
+check chapter2_runs 0 \
+    '^b1 grad: tensor\(\[0\., 0\.' '^ tensor\(\[\[3\., 3\.\]\], device=.cpu#1.\)$' \
+    '^load into \[cpu, cpu#1\]$' \
+    '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu\]$' \
+    '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu, cpu#1\]$' \
+    -- ./chapter2 --cpu --train-samples 600 --epochs 2 --out "$out/ch2"
+for f in chapter2_test_acc.png chapter2_1_device.png chapter2_2_devices.png chapter2_1_device.csv; do
+    if [ -s "$out/ch2/$f" ]; then echo "ok   chapter2_writes_$f"; passed=$((passed + 1));
+    else echo "FAIL chapter2_writes_$f"; failed=$((failed + 1)); fi
+done
+check chapter2_missing_data 1 "^mgpu: error: .*nonexistent.*" -- ./chapter2 --cpu --data /nonexistent
+check chapter2_bad_lr 1 "^mgpu: error: --lr: expected a positive number, got '-1'$" -- ./chapter2 --lr -1
+
+# Chapter 3 on a handful of images: three runs (1, 2, 4 devices), the
+# memory table, the step timeline, and a training loss that falls.
+check chapter3_runs 0 \
+    '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu\] \(gradients: none\)$' \
+    '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu, cpu#1\] \(gradients: ring\)$' \
+    '^test acc: .* on \[cpu, cpu#1, cpu#2, cpu#3\] \(gradients: ring\)$' \
+    '^  gather on device 0 \(DataParallel\) ' '^  allreduce \(DDP\) ' '^step timeline \(ring' \
+    -- ./chapter3 --cpu --train-samples 96 --test-samples 32 --epochs 2 --batch-size 16 --out "$out/ch3"
+# the loss of epoch 2 is below that of epoch 1 in the 1-device run's CSV
+if awk -F, 'NR==2{a=$2} NR==3{b=$2} END{exit !(b < a)}' "$out/ch3/chapter3_1_device.csv" 2>/dev/null; then
+    echo "ok   chapter3_loss_falls"; passed=$((passed + 1));
+else echo "FAIL chapter3_loss_falls"; cat "$out/ch3/chapter3_1_device.csv"; failed=$((failed + 1)); fi
+for f in chapter3_test_acc.png chapter3_step_timeline.png chapter3_4_devices.png; do
+    if png_ok "$out/ch3/$f"; then echo "ok   chapter3_writes_$f"; passed=$((passed + 1));
+    else echo "FAIL chapter3_writes_$f"; failed=$((failed + 1)); fi
 done
 
 echo "test-summary: $passed passed, $failed failed"

@@ -138,4 +138,76 @@ TEST(resnet18_training_step_matches_pytorch) {
     fixture_free(&f);
 }
 
+
+/* Trains the chapter's LeNet for `steps` batches on n devices from the same
+   start; returns the parameters of device 0 in host memory. */
+static float *lenet_after_steps(mgpu_tensor **params, int n, int steps, size_t *count) {
+    mgpu_device *devices[2];
+    mgpu_devices(n, 0, devices);
+    replica replicas[2];
+    memset(replicas, 0, sizeof replicas);
+    mgpu_tensor *loss_sum[2], *correct[2];
+    for (int i = 0; i < n; i++) {
+        replicas[i].device = devices[i];
+        mgpu_get_params(replicas[i].params, params, NUM_PARAMS, devices[i]);
+        loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+    }
+    for (int s = 0; s < steps; s++) {
+        mgpu_tensor *x = formula_tensor(mgpu_cpu(), mgpu_shape4(32, 1, 28, 28), 2000 + s, 0.5, 0.5);
+        float labels[32];
+        for (int i = 0; i < 32; i++) labels[i] = (float)((i * 3 + s) % 10);
+        mgpu_tensor *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(32), labels);
+        train_batch(x, y, replicas, n, 0.2f, loss_sum, correct);
+        mgpu_synchronize_all();
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    *count = 0;
+    for (int k = 0; k < NUM_PARAMS; k++) *count += params[k]->numel;
+    float *out = (float *)malloc(*count * sizeof(float)), *at = out;
+    for (int k = 0; k < NUM_PARAMS; k++) {
+        mgpu_to_host(replicas[0].params[k].value, at);
+        at += params[k]->numel;
+    }
+    for (int i = 0; i < n; i++) {
+        replica_free(&replicas[i]);
+        mgpu_free(loss_sum[i]);
+        mgpu_free(correct[i]);
+    }
+    return out;
+}
+
+TEST(lenet_on_two_devices_trains_like_on_one) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_manual_seed(11);
+    mgpu_tensor *params[NUM_PARAMS];
+    lenet_init(params);
+    /* the book's scale 0.01 barely moves in 20 steps: start from larger weights */
+    for (int k = 0; k < NUM_PARAMS; k += 2) mgpu_scale_(params[k], 20.0f);
+    (void)d;
+    size_t n;
+    float *one = lenet_after_steps(params, 1, 20, &n);
+    float *two = lenet_after_steps(params, 2, 20, &n);
+    float *start = (float *)malloc(n * sizeof(float)), *at = start;
+    for (int k = 0; k < NUM_PARAMS; k++) {
+        mgpu_to_host(params[k], at);
+        at += params[k]->numel;
+    }
+    double diff = 0, scale = 0, moved = 0;
+    for (size_t i = 0; i < n; i++) {
+        diff = fmax(diff, fabs((double)one[i] - two[i]));
+        scale = fmax(scale, fabs((double)one[i]));
+        moved = fmax(moved, fabs((double)one[i] - start[i]));
+    }
+    /* relative to the largest parameter, as the rounding of a float sum */
+    if (diff > 1e-5 * scale) fprintf(stderr, "  1 and 2 devices differ by %g (scale %g)\n", diff, scale);
+    CHECK(diff <= 1e-5 * scale);
+    CHECK(moved > 1e-3 * scale); /* and training moved them */
+    free(one);
+    free(two);
+    free(start);
+    for (int k = 0; k < NUM_PARAMS; k++) mgpu_free(params[k]);
+}
+
 TEST_MAIN()

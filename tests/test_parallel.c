@@ -293,4 +293,97 @@ TEST(resnet18_has_the_books_shape) {
     mgpu_net_free(net);
 }
 
+
+/* Trains `steps` steps of the ResNet-like small net with batch norm on k
+   devices, with the given bucket size and overlap; returns replica 0. */
+static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int steps,
+                                mgpu_data_parallel **out) {
+    mgpu_device *devs[4];
+    mgpu_devices(k, 0, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, k, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, bucket_bytes, overlap, 1);
+    train_steps(dp, steps);
+    *out = dp;
+    return net;
+}
+
+TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
+    for (int k = 2; k <= 3; k++) {
+        mgpu_data_parallel *dp_ref, *dp_small, *dp_late;
+        mgpu_net *ref = train_bucketed(k, 1u << 30, 0, 5, &dp_ref);      /* one bucket, after backward */
+        mgpu_net *small = train_bucketed(k, 256, 1, 5, &dp_small);       /* many buckets, overlapped */
+        mgpu_net *late = train_bucketed(k, 256, 0, 5, &dp_late);         /* many buckets, after */
+        CHECK(dp_small->nbuckets >= 3);
+        CHECK_EQ_INT(dp_ref->nbuckets, 1);
+        /* the same sums in the same order: bitwise equal whatever the timing */
+        CHECK(max_param_diff(small, late) == 0);
+        /* other bucket boundaries chunk the ring differently: rounding only */
+        double diff = max_param_diff(small, ref);
+        if (diff > 1e-6) fprintf(stderr, "  %d devices: bucketed and single-bucket differ by %g\n", k, diff);
+        CHECK(diff <= 1e-6);
+        for (int i = 1; i < k; i++) CHECK(max_param_diff(mgpu_data_parallel_replica(dp_small, i), small) == 0);
+        CHECK(strcmp(mgpu_data_parallel_algorithm(dp_small), "ring") == 0);
+        mgpu_data_parallel_free(dp_ref);
+        mgpu_data_parallel_free(dp_small);
+        mgpu_data_parallel_free(dp_late);
+        /* the wrapper is gone: the networks keep gradients of their own */
+        mgpu_tensor *x, *y;
+        batch(9, 6, &x, &y);
+        mgpu_net_train_step(small, x, y, 0.1f, 0, 0, NULL);
+        mgpu_free(x);
+        mgpu_free(y);
+        mgpu_net_free(ref);
+        mgpu_net_free(small);
+        mgpu_net_free(late);
+    }
+}
+
+TEST(switching_the_reduction_off_lets_replicas_drift) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 1024, 1, 0);
+    train_steps(dp, 2);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-4);
+    EXPECT_DIES(mgpu_data_parallel_configure(dp, 1024, 1, 1), "before the first step");
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
+TEST(reduction_runs_under_the_backward_pass) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_manual_seed(3);
+    mgpu_net *net = mgpu_resnet18(10, 1, devs[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 4u << 20, 1, 1);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(8, 1, 28, 28));
+    float labels[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    mgpu_tensor *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(8), labels);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0); /* warm up */
+    mgpu_trace_begin();
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0);
+    mgpu_trace_end();
+    /* some communication (on a copy queue) happened while device 0's
+       compute queue was still in its backward pass */
+    double last_backward_end = 0, first_comm_start = 1e300;
+    for (int i = 0; i < mgpu__g.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__g.trace[i];
+        if (r->queue_id == devs[0]->index * 2 && strstr(r->name, "backward"))
+            last_backward_end = fmax(last_backward_end, r->end);
+        if (r->queue_id % 2 == 1) first_comm_start = fmin(first_comm_start, r->start);
+    }
+    CHECK(first_comm_start < last_backward_end);
+    char path[256];
+    temp_path(path, sizeof path, "step.png");
+    CHECK_EQ_INT(mgpu_trace_write_png(path, "a step"), 0);
+    unlink(path);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 TEST_MAIN()
