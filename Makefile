@@ -124,11 +124,15 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all
+bench: all bench/matmul bench/allreduce
 	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
 bench/allreduce: bench/allreduce.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# mgpu_matmul against cuBLAS (or cblas) called directly.
+bench/matmul: bench/matmul.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # ------------------------------------------------------------------ data

@@ -514,6 +514,9 @@ MGPU_DEF void mgpu_dataset_load_fashion_mnist(const char *dir, mgpu_dataset **tr
                                               mgpu_dataset **test);
 /* A copy of the first n samples (all of them when n >= d->n). */
 MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n);
+/* Keeps only the first n samples of d, in place (n <= 0 or >= d->n: all);
+   the reduced runs of the chapters train on such a part. */
+MGPU_DEF void mgpu_dataset_truncate(mgpu_dataset *d, int n);
 MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d);
 /* "T-shirt/top", "Trouser", ..., "Ankle boot" for k = 0..9. */
 MGPU_DEF const char *mgpu_fashion_mnist_label(int k);
@@ -934,6 +937,12 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net);
 /* Counts, on the net's device, the rows of logits whose argmax is the label,
    over a whole data set in evaluation mode; returns the accuracy. */
 MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size);
+/* The book's evaluate_accuracy_gpu for any model: the fraction of a data
+   set that forward(model, x) classifies right, running on dev, in batches
+   of batch_size in the data set's order. forward returns the logits. */
+typedef mgpu_tensor *(*mgpu_forward_fn)(void *model, const mgpu_tensor *x);
+MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgpu_device *dev,
+                                       const mgpu_dataset *data, int batch_size);
 /* ---------------------------------------------------- data parallelism
    mgpu_data_parallel is the library's nn.DataParallel: one replica of a
    network per device; each step scatters the batch (ceil(N/k) rows each),
@@ -3561,6 +3570,10 @@ MGPU_DEF void mgpu_dataset_load_fashion_mnist(const char *dir, mgpu_dataset **tr
     if (test) *test = mgpu__fashion_mnist_part(dir, "t10k");
 }
 
+MGPU_DEF void mgpu_dataset_truncate(mgpu_dataset *d, int n) {
+    if (n > 0 && n < d->n) d->n = n;
+}
+
 MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n) {
     MGPU_REQUIRE(n >= 1, "mgpu_dataset_subset: n is %d; take at least one sample", n);
     if (n > d->n) n = d->n;
@@ -5370,19 +5383,18 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
 }
 
 /* -------------------------------------------------------- evaluation */
-MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
-    int was_training = net->training;
-    net->training = 0;
+MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgpu_device *dev,
+                                       const mgpu_dataset *data, int batch_size) {
     mgpu_loader *loader = mgpu_loader_new(data, batch_size, 0, 0);
     mgpu_loader_start_epoch(loader, 0);
-    mgpu_tensor *correct = mgpu_zeros(net->device, mgpu_shape1(1));
-    mgpu_tensor *count = mgpu_empty(net->device, mgpu_shape1(1));
+    mgpu_tensor *correct = mgpu_zeros(dev, mgpu_shape1(1));
+    mgpu_tensor *count = mgpu_empty(dev, mgpu_shape1(1));
     mgpu_batch b;
     while (mgpu_loader_next(loader, &b)) {
-        mgpu_tensor *x = mgpu_to(b.x, net->device, 1);
-        mgpu_tensor *y = mgpu_to(b.y, net->device, 1);
-        mgpu_accuracy_count(count, mgpu_net_forward(net, x), y);
-        mgpu_add_(correct, count);
+        mgpu_tensor *x = mgpu_to(b.x, dev, 1);
+        mgpu_tensor *y = mgpu_to(b.y, dev, 1);
+        mgpu_accuracy_count(count, forward(model, x), y);
+        mgpu_add_(correct, count); /* counted on the device: one read at the end */
         mgpu_free(x);
         mgpu_free(y);
     }
@@ -5390,6 +5402,17 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
     mgpu_free(correct);
     mgpu_free(count);
     mgpu_loader_free(loader);
+    return accuracy;
+}
+
+static mgpu_tensor *mgpu__net_forward_fn(void *net, const mgpu_tensor *x) {
+    return mgpu_net_forward((mgpu_net *)net, x);
+}
+
+MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
+    int was_training = net->training;
+    net->training = 0;
+    double accuracy = mgpu_evaluate_accuracy(mgpu__net_forward_fn, net, net->device, data, batch_size);
     net->training = was_training;
     return accuracy;
 }

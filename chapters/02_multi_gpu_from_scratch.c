@@ -143,23 +143,9 @@ static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *rep
     }
 }
 
-static double evaluate_accuracy(replica *r, mgpu_loader *test, int n_test) {
-    mgpu_tensor *correct = mgpu_zeros(r->device, mgpu_shape1(1));
-    mgpu_tensor *count = mgpu_empty(r->device, mgpu_shape1(1));
-    mgpu_batch b;
-    mgpu_loader_start_epoch(test, 0);
-    while (mgpu_loader_next(test, &b)) {
-        mgpu_tensor *x = mgpu_to(b.x, r->device, 1);
-        mgpu_tensor *y = mgpu_to(b.y, r->device, 1);
-        mgpu_accuracy_count(count, lenet_forward(r, x), y);
-        mgpu_add_(correct, count);
-        mgpu_free(x);
-        mgpu_free(y);
-    }
-    double acc = mgpu_item(correct, 0) / n_test;
-    mgpu_free(correct);
-    mgpu_free(count);
-    return acc;
+/* The model for mgpu_evaluate_accuracy: a replica's LeNet. */
+static mgpu_tensor *lenet_forward_fn(void *model, const mgpu_tensor *x) {
+    return lenet_forward((replica *)model, x);
 }
 
 /* The book's train(num_gpus, batch_size, lr). */
@@ -186,7 +172,6 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
     mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title,
                                                 "epoch", "", 1, epochs, 3, series);
     mgpu_loader *train_loader = mgpu_loader_new(train_set, batch_size, 1, o->seed);
-    mgpu_loader *test_loader = mgpu_loader_new(test_set, 256, 0, 0);
     mgpu_timer timer;
     mgpu_timer_init(&timer);
     for (int epoch = 0; epoch < epochs; epoch++) {
@@ -205,7 +190,9 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
             mgpu_fill(loss_sum[i], 0);
             mgpu_fill(correct[i], 0);
         }
-        double test_acc = evaluate_accuracy(&replicas[0], test_loader, test_set->n);
+        /* the book evaluates on device 0 only, the others wait */
+        double test_acc = mgpu_evaluate_accuracy(lenet_forward_fn, &replicas[0], devices[0],
+                                                 test_set, 256);
         double ys[3] = {loss / train_set->n, right / train_set->n, test_acc};
         mgpu_animator_add(animator, epoch + 1, ys);
         fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.1f sec\n",
@@ -215,7 +202,6 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
            mgpu_timer_avg(&timer), list);
     fflush(stdout);
     mgpu_loader_free(train_loader);
-    mgpu_loader_free(test_loader);
     for (int i = 0; i < num_devices; i++) {
         replica_free(&replicas[i]);
         mgpu_free(loss_sum[i]);
@@ -249,11 +235,7 @@ int main(int argc, char **argv) {
 
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
-    if (train_samples && train_samples < train_set->n) {
-        mgpu_dataset *subset = mgpu_dataset_subset(train_set, train_samples);
-        mgpu_dataset_free(train_set);
-        train_set = subset;
-    }
+    mgpu_dataset_truncate(train_set, train_samples);
 
     /* 1. the parameters, and a copy on device 0 */
     mgpu_manual_seed(o.seed);

@@ -166,14 +166,8 @@ int main(int argc, char **argv) {
     }
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
-    mgpu_dataset **sets[2] = {&train_set, &test_set};
-    int keep[2] = {train_samples, test_samples};
-    for (int s = 0; s < 2; s++)
-        if (keep[s] && keep[s] < (*sets[s])->n) {
-            mgpu_dataset *subset = mgpu_dataset_subset(*sets[s], keep[s]);
-            mgpu_dataset_free(*sets[s]);
-            *sets[s] = subset;
-        }
+    mgpu_dataset_truncate(train_set, train_samples);
+    mgpu_dataset_truncate(test_set, test_samples);
 
     mgpu_animator *runs[8];
     char labels[8][32];

@@ -137,15 +137,4 @@ TEST(nccl_wrong_device_is_an_error) {
     mgpu_free(on_cpu[0]);
 }
 
-/* test_comm.c's main, run only when there is a GPU. */
-#define main run_tests
-TEST_MAIN()
-#undef main
-
-int main(int argc, char **argv) {
-    if (mgpu_num_gpus() == 0) {
-        printf("skipped: no GPU\ntest-summary: 0 passed, 0 failed\n");
-        return 0;
-    }
-    return run_tests(argc, argv);
-}
+TEST_MAIN_GPU((void)0)

@@ -79,13 +79,4 @@ TEST(loader_batches_copied_to_gpus) {
     mgpu_dataset_free(d);
 }
 
-#define main run_tests
-TEST_MAIN()
-#undef main
-int main(int argc, char **argv) {
-    if (mgpu_num_gpus() == 0) {
-        printf("skipped: no GPU\ntest-summary: 0 passed, 0 failed\n");
-        return 0;
-    }
-    return run_tests(argc, argv);
-}
+TEST_MAIN_GPU((void)0)

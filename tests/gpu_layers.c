@@ -209,17 +209,4 @@ TEST(linear) {
     linear_compare("odd sizes, no bias, no dx", mgpu_shape2(7, 13), 5, 0, 0);
 }
 
-/* Without a GPU there is nothing to compare: say so, and pass. */
-int gpu_main(int argc, char **argv);
-int main(int argc, char **argv) {
-    if (mgpu_num_gpus() == 0) {
-        printf("skipped: no GPU\n");
-        printf("test-summary: 0 passed, 0 failed\n");
-        return 0;
-    }
-    gpu = mgpu_try_gpu(0);
-    return gpu_main(argc, argv);
-}
-#define main gpu_main
-TEST_MAIN()
-#undef main
+TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))

@@ -209,15 +209,4 @@ static void check_sgd_step(float momentum, float weight_decay) {
 TEST(sgd_momentum_weight_decay) { check_sgd_step(0.9f, 5e-4f); }
 TEST(sgd_plain) { check_sgd_step(0.0f, 0.0f); }
 
-#define main run_tests
-TEST_MAIN()
-#undef main
-int main(int argc, char **argv) {
-    if (mgpu_num_gpus() == 0) {
-        printf("skipped: no GPU\ntest-summary: 0 passed, 0 failed\n");
-        return 0;
-    }
-    cpu_dev = mgpu_cpu();
-    gpu_dev = mgpu_try_gpu(0);
-    return run_tests(argc, argv);
-}
+TEST_MAIN_GPU((cpu_dev = mgpu_cpu(), gpu_dev = mgpu_try_gpu(0)))

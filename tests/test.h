@@ -2,8 +2,9 @@
 
    Each test file is one program. A test is a function registered with
    TEST(name); CHECK(...) and friends count failures inside it. main() is
-   provided by TEST_MAIN(), which runs every test (or those whose name
-   contains argv[1]) and prints one line per test and a last line
+   provided by TEST_MAIN() (TEST_MAIN_GPU(setup) for tests that need a
+   GPU), which runs every test (or those whose name contains argv[1]) and
+   prints one line per test and a last line
        test-summary: <passed> passed, <failed> failed
    that the Makefile adds up across all test programs.
 
@@ -101,20 +102,34 @@ static int test__failures; /* failures inside the running test */
         }                                                                     \
     } while (0)
 
-#define TEST_MAIN()                                                          \
-    int main(int argc, char **argv) {                                        \
-        int passed = 0, failed = 0;                                          \
-        for (int i = 0; i < test__count; i++) {                              \
-            if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue; \
-            test__failures = 0;                                              \
-            test__table[i].fn();                                             \
-            printf("%s %s\n", test__failures ? "FAIL" : "ok  ",              \
-                   test__table[i].name);                                     \
-            fflush(stdout);                                                  \
-            if (test__failures) failed++; else passed++;                     \
-        }                                                                    \
-        printf("test-summary: %d passed, %d failed\n", passed, failed);      \
-        return failed ? 1 : 0;                                               \
+/* Runs the registered tests (those whose name contains argv[1] when given). */
+static int test__run_all(int argc, char **argv) {
+    int passed = 0, failed = 0;
+    for (int i = 0; i < test__count; i++) {
+        if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue;
+        test__failures = 0;
+        test__table[i].fn();
+        printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
+        fflush(stdout);
+        if (test__failures) failed++; else passed++;
+    }
+    printf("test-summary: %d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
+
+#define TEST_MAIN() \
+    int main(int argc, char **argv) { return test__run_all(argc, argv); }
+
+/* For the CUDA-against-CPU tests: without a GPU there is nothing to
+   compare, so say so and pass; `setup` runs first when there is one. */
+#define TEST_MAIN_GPU(setup)                                                  \
+    int main(int argc, char **argv) {                                         \
+        if (mgpu_num_gpus() == 0) {                                           \
+            printf("skipped: no GPU\ntest-summary: 0 passed, 0 failed\n");    \
+            return 0;                                                         \
+        }                                                                     \
+        setup;                                                                \
+        return test__run_all(argc, argv);                                     \
     }
 
 #endif

@@ -1,0 +1,76 @@
+"""Fashion-MNIST for the PyTorch reference programs, read from the same IDX
+files mgpu reads.
+
+The book gets the data through torchvision (which downloads it); the
+benchmark must not download anything and must train on exactly the bytes
+the C programs train on, so this reads the four IDX files itself: the
+folder from --data, else $MGPU_DATA, else data/fashion-mnist (the lookup
+of mgpu_data_dir), each file gzip-compressed or not.
+
+IDX: a big-endian 32-bit magic number whose low byte is the number of
+dimensions and whose third byte is the element type (0x08: unsigned byte),
+one big-endian 32-bit size per dimension, then the elements. Pixels are
+scaled to [0, 1] as torchvision's ToTensor does; labels become int64, as
+CrossEntropyLoss wants them. Only what the benchmark needs is checked
+(magic, sizes, length): mgpu's reader is the one that validates everything.
+"""
+import gzip
+import os
+import struct
+
+import torch
+
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def data_dir(flag=None):
+    for folder in (flag, os.environ.get("MGPU_DATA"), "data/fashion-mnist"):
+        if folder and _find(folder, FILES["train"][0]):
+            return folder
+    raise SystemExit("fashion_mnist: no Fashion-MNIST files in --data, $MGPU_DATA or "
+                     "data/fashion-mnist (`make data` fills data/fashion-mnist)")
+
+
+def _find(folder, name):
+    for path in (os.path.join(folder, name + ".gz"), os.path.join(folder, name)):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def read_idx(path):
+    """The elements of one IDX file as a uint8 tensor of its shape."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4:
+        raise SystemExit(f"{path}: too short for an IDX header")
+    magic = struct.unpack(">I", raw[:4])[0]
+    ndim, element_type = magic & 0xFF, (magic >> 8) & 0xFF
+    if magic >> 16 != 0 or element_type != 0x08 or ndim == 0:
+        raise SystemExit(f"{path}: magic number 0x{magic:08x} is not an IDX file of bytes")
+    header = 4 + 4 * ndim
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    count = 1
+    for size in shape:
+        count *= size
+    if len(raw) != header + count:
+        raise SystemExit(f"{path}: {len(raw) - header} bytes of data, the header says {count}")
+    return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(shape)
+
+
+def load(split, folder=None, samples=0):
+    """(images [N, 1, 28, 28] float32 in [0, 1], labels [N] int64) of "train"
+    or "test"; the first `samples` of them when samples > 0, as mgpu's
+    --train-samples / --test-samples take them."""
+    folder = data_dir(folder)
+    images_name, labels_name = FILES[split]
+    images = read_idx(_find(folder, images_name))
+    labels = read_idx(_find(folder, labels_name))
+    if images.shape[0] != labels.shape[0]:
+        raise SystemExit(f"{folder}: {images.shape[0]} {split} images but {labels.shape[0]} labels")
+    if samples > 0:
+        images, labels = images[:samples], labels[:samples]
+    return images.unsqueeze(1).float().div_(255), labels.long()
