@@ -85,8 +85,16 @@ $(DEPS_STAMP):
 	@touch $@
 
 # --------------------------------------------------------------- chapters
+# Chapters 2 and 3 train on Fashion-MNIST: building them also fills
+# data/fashion-mnist (make data), so `make chapter3 && ./chapter3` is all a
+# fresh machine needs.
+DATA_FILE := data/fashion-mnist/t10k-labels-idx1-ubyte.gz
+$(DATA_FILE):
+	@bash data/fetch.sh
+needs_data = $(if $(filter 1,$(call chapter_number,$(1))),,$(DATA_FILE))
+
 define chapter_rule
-chapter$(call chapter_number,$(1)): $(1) $$(HEADERS) $$(DEPS_STAMP)
+chapter$(call chapter_number,$(1)): $(1) $$(HEADERS) $$(DEPS_STAMP) $(call needs_data,$(1))
 	$$(COMPILE)
 endef
 $(foreach c,$(CHAPTERS),$(eval $(call chapter_rule,$(c))))

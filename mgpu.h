@@ -11,7 +11,7 @@
    the implementation includes them (each kernel file holds the CPU
    reference of its operations beside their CUDA versions).
    Link with: -lopenblas -lstb -lz -lpthread -lm, and with nvcc also
-   -lcublas (and -lnccl for the NCCL functions).
+   -lcublas -lnccl.
 
    ======================================================================
    THE MANUAL
@@ -20,7 +20,7 @@
    1. Devices are queues
    ---------------------
    A device (mgpu_device) runs the operations you give it in order, and
-   asynchronously to your program: calling mgpu_relu(...) only *enqueues*
+   asynchronously to your program: calling mgpu_relu_forward(...) only *enqueues*
    the work and returns at once. Each device has two queues: a compute
    queue for operations and a copy queue for transfers between devices, so
    copies can overlap compute. On a GPU the queues are CUDA streams; on the
@@ -95,8 +95,22 @@
        void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b)   c = a b
        mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b)               new c
        void mgpu_fill(t, v)   void mgpu_add_(y, x)  (y += x)   void mgpu_scale_(y, s)
-   Cuda uses cuBLAS, the CPU OpenBLAS (through cblas). Shapes are checked;
+   A GPU uses cuBLAS, the CPU OpenBLAS (through cblas). Shapes are checked;
    a mismatch is a one-line error naming both shapes.
+
+   The rest of the library has a manual section of its own above its
+   declarations, below this comment, in this order:
+     DRAWING          canvas, line charts, the Animator, timelines (PNG)
+     DATA             Fashion-MNIST: IDX files, data sets, the batch loader
+     LAYERS           convolution, pooling, ReLU, residual add, linear
+     TRAINING         batch norm, cross-entropy, accuracy, sums, SGD
+     COMMUNICATION    get_params, the book's allreduce, scatter,
+                      split_batch, the ring allreduce, NCCL, overlap
+     NETWORKS         layers with parameters, ResNet-18, save and load,
+                      evaluate_accuracy
+     DATA PARALLELISM the DataParallel-style wrapper, gradient buckets
+   Every operation runs on the queue of the device its tensors are on, and
+   every tensor it touches must be on that device (copy with mgpu_to).
 
    5. Random numbers
    -----------------
@@ -268,9 +282,8 @@ MGPU_DEF void mgpu_scale_(mgpu_tensor *y, float s);               /* y *= s */
 MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b);
 MGPU_DEF mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b);
 
-/* ------------------------------------------------------------ drawing */
 /* ---------------------------------------------------------------------------
-   Plots: PNG pictures of curves and device timelines
+   DRAWING. Plots: PNG pictures of curves and device timelines
    ---------------------------------------------------------------------------
    The chapters show what happened as pictures: accuracy and loss curves
    while a model trains, and a timeline of what every device did and when.
@@ -420,7 +433,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
                                      const char *const *lane_names, int nbars,
                                      const mgpu_timeline_bar *bars);
 /* ---------------------------------------------------------------------------
-   Data: Fashion-MNIST in memory, and batches prepared ahead
+   DATA. Fashion-MNIST in memory, and batches prepared ahead
    ---------------------------------------------------------------------------
    The whole data set is read into host memory once (47 MB of pixels for
    the training set, a fraction of a second). A loader then cuts it into
@@ -529,8 +542,8 @@ MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch);
 MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out);
 MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l);
 MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
-/* ---------------------------------------------------------------- layers
-   The layers of a LeNet and of a ResNet, forward and backward, on any
+/* ---------------------------------------------------------------------------
+   LAYERS. The layers of a LeNet and of a ResNet, forward and backward, on any
    device (the CPU and CUDA versions compute the same thing; see
    kernels/conv.h, pool.h, activation.h and linear.h for the maths).
 
@@ -620,8 +633,8 @@ MGPU_DEF void mgpu_linear_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
 MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                    const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu_tensor *w, int accumulate);
-/* ------------------------------------------- batch norm, losses, optimisers
-   Training operations. Like every operation they are enqueued on the
+/* ---------------------------------------------------------------------------
+   TRAINING. Batch norm, losses, optimisers. Like every operation they are enqueued on the
    device of their tensors (all on one device) and return at once; the
    caller allocates every tensor, including the outputs.
 
@@ -714,7 +727,7 @@ MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
                             mgpu_tensor *momentum_buf, float lr, float momentum,
                             float weight_decay, int first_step);
 /* ---------------------------------------------------------------------------
-   Communication: parameters on every device, splitting a batch, allreduce
+   COMMUNICATION. Parameters on every device, splitting a batch, allreduce
    ---------------------------------------------------------------------------
    Data parallelism needs three things: a copy of the parameters on every
    device, each device's share of the batch, and, after each backward pass,
@@ -825,8 +838,8 @@ MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average)
 MGPU_DEF const char *mgpu_allreduce_start(mgpu_tensor **data, int n, int average,
                                           mgpu_tensor *const *scratch);
 MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
-/* ----------------------------------------------------------- networks
-   A network (mgpu_net) is a list of layers on one device, each with its
+/* ---------------------------------------------------------------------------
+   NETWORKS. A network (mgpu_net) is a list of layers on one device, each with its
    parameters (value and gradient, mgpu_param) and buffers (batch norm's
    running statistics). It is what chapter 3's ResNet-18 is made of, and
    what a course extends with its own layer kinds.
@@ -943,8 +956,8 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
 typedef mgpu_tensor *(*mgpu_forward_fn)(void *model, const mgpu_tensor *x);
 MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgpu_device *dev,
                                        const mgpu_dataset *data, int batch_size);
-/* ---------------------------------------------------- data parallelism
-   mgpu_data_parallel is the library's nn.DataParallel: one replica of a
+/* ---------------------------------------------------------------------------
+   DATA PARALLELISM. mgpu_data_parallel is the library's nn.DataParallel: one replica of a
    network per device; each step scatters the batch (ceil(N/k) rows each),
    runs forward and backward on every device's queue at the same time,
    combines the gradients and updates, so the replicas stay identical.
