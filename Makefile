@@ -22,8 +22,11 @@ BUILD      := build
 
 # The data set: the --data flag, then $MGPU_DATA, then data/fashion-mnist.
 # For the tests, fall back to the shared copy beside the checkout.
-MGPU_DATA  ?= $(firstword $(wildcard data/fashion-mnist/train-images-idx3-ubyte*) $(wildcard ../shared/fashion-mnist/train-images-idx3-ubyte*))
-export MGPU_DATA := $(patsubst %/,%,$(dir $(MGPU_DATA)))
+ifndef MGPU_DATA
+MGPU_DATA := $(patsubst %/,%,$(dir $(firstword $(wildcard data/fashion-mnist/train-images-idx3-ubyte*) \
+                                               $(wildcard ../shared/fashion-mnist/train-images-idx3-ubyte*))))
+endif
+export MGPU_DATA
 
 CFLAGS_C   := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g
 LIBS       := -lopenblas -lstb -lz -lpthread -lm

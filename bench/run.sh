@@ -1,0 +1,280 @@
+#!/usr/bin/env bash
+# bench/run.sh (run by `make bench`): the chapters' workloads in mgpu and in
+# PyTorch, side by side in one session, and a block of results with the
+# date and the device, on stdout and in bench/results-<date>-<device>.md.
+#
+# What is measured, and how (each program's own header says more):
+#   chapter 1  ./chapter1: the book's Benchmark lines. Two devices alone and
+#              together: together / (dev1 + dev2) is 0.5 when they overlap
+#              fully, 1 when they take turns. Compute, copy, and both with
+#              non-blocking copies: both / max(compute, copy), target at
+#              most 1.1 on a GPU (issue 2).
+#              ./bench/matmul: mgpu_matmul against cuBLAS (cblas on the
+#              CPU) called directly, 2 N^3 FLOPs per N x N product; the
+#              time ratio mgpu / direct, target at most 1.05 (issue 2).
+#   chapter 2  ./chapter2 and bench/pytorch/chapter2.py (the book's PyTorch
+#              code, same IDX files, same batches of 256, lr 0.2) on 1 and
+#              2 devices: seconds per epoch (the training loop, averaged
+#              over the epochs) and the final test accuracy (issue 3).
+#   chapter 3  ./chapter3 --max-devices 1 and bench/pytorch/chapter3.py,
+#              the book's code ("seed") and a tuned version ("tuned"):
+#              seconds per epoch (the last epoch when there are several:
+#              the first one includes start-up) and TFLOP/s, with
+#                FLOP per epoch = 2 * 3 * MACs per image * training images
+#              where MACs per image, the multiply-adds of one forward pass
+#              of the book's ResNet-18 on a 1x28x28 image, are summed over
+#              its convolutions (H_out * W_out * C_out * C_in * k * k each)
+#              and its linear layer (512 * 10); 2 FLOPs per multiply-add,
+#              and a training step costs three forward passes (issue 4).
+#   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
+#              over its floor (the bytes it must move at the copy rate
+#              measured in the same run) at 64 MiB and the largest size
+#              (issue 5).
+#
+# Settings: on a GPU the book's, except that chapter 3 trains 2 epochs (not
+# 10) and chapter 1 and 2 run as they do by default there. Without a GPU,
+# smaller settings that keep the whole run under ~10 minutes on 2 cores;
+# the results block states them.
+#
+# Environment: PYTHON, the Python that has torch (default python3; without
+# torch the PyTorch parts are skipped, with a line saying so); MGPU_DATA,
+# the Fashion-MNIST folder (else data/fashion-mnist); BENCH_OUT, where the
+# programs' logs, PNGs and CSVs go (default build/bench).
+set -u
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+DATA=${MGPU_DATA:-data/fashion-mnist}
+OUT=${BENCH_OUT:-build/bench}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+if ! ls "$DATA"/train-images-idx3-ubyte* >/dev/null 2>&1; then
+    echo "bench/run.sh: error: no Fashion-MNIST in $DATA (set MGPU_DATA, or run \`make data\`)" >&2
+    exit 1
+fi
+
+# ------------------------------------------------------------ the machine
+if gpu_names=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) && [ -n "$gpu_names" ]; then
+    ON_GPU=1
+    ngpus=$(echo "$gpu_names" | wc -l)
+    DEVICE="$(echo "$gpu_names" | head -n 1) x$ngpus, $(nproc) CPU cores"
+    SLUG=$(echo "$gpu_names" | head -n 1)
+else
+    ON_GPU=0
+    cpu_model=$(grep -m 1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+    DEVICE="CPU: ${cpu_model:-unknown}, $(nproc) cores (no GPU)"
+    SLUG="cpu ${cpu_model:-unknown} $(nproc)cores"
+fi
+SLUG=$(echo "$SLUG" | tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\{1,\}/-/g; s/^-//; s/-$//')
+STAMP=$(date -u '+%Y-%m-%d %H:%M UTC')
+RESULTS=bench/results-$(date -u '+%Y-%m-%d-%H%M')-$SLUG.md
+
+# The workloads' sizes. Chapter 3's are passed to mgpu and PyTorch alike.
+if [ $ON_GPU = 1 ]; then
+    CH1_FLAGS=(--full)
+    CH2_EPOCHS=10 CH2_SAMPLES=60000
+    CH3_EPOCHS=2 CH3_SAMPLES=60000 CH3_TEST=10000 CH3_BATCH=256 CH3_LR=0.1
+    SETTINGS="the book's: chapter 1 at 4000x4000, matmul 4000x4000, chapter 2 10 epochs of 60000 images; chapter 3 2 epochs of 60000 images at batch 256 (the last one is reported)"
+else
+    CH1_FLAGS=()
+    CH2_EPOCHS=1 CH2_SAMPLES=60000
+    CH3_EPOCHS=1 CH3_SAMPLES=512 CH3_TEST=256 CH3_BATCH=32 CH3_LR=0.05
+    SETTINGS="reduced for a CPU: chapter 1 at 1250x1250 (its default without a GPU), matmul 1000x1000, chapter 2 one epoch of 60000 images, chapter 3 one epoch of 512 images at batch 32 (chapter 3's reduced default)"
+fi
+
+# --------------------------------------------------------------- helpers
+# step NAME COMMAND...: runs COMMAND with its output in $LOGS/NAME.log and
+# says how long it took; a failure shows the end of the log and the run
+# goes on (that step's figures are then missing).
+step() {
+    local name=$1; shift
+    local t0=$SECONDS
+    printf -- '-- %-16s %s\n' "$name" "$*"
+    "$@" >"$LOGS/$name.log" 2>&1
+    local status=$?
+    if [ $status -ne 0 ]; then
+        echo "   FAILED (exit status $status); the end of $LOGS/$name.log:"
+        tail -n 5 "$LOGS/$name.log" | sed 's/^/   | /'
+    else
+        echo "   done in $((SECONDS - t0)) s"
+    fi
+}
+# value NAME SED_EXPRESSION: the first number the expression picks from the log.
+value() { sed -n "$2" "$LOGS/$1.log" 2>/dev/null | head -n 1; }
+# result NAME KEY [MATCH]: KEY=... from the first "RESULT" line (containing MATCH) of the log.
+result() {
+    grep "^RESULT.*${3:-}" "$LOGS/$1.log" 2>/dev/null | head -n 1 |
+        sed -n "s/.* $2=\([^ ]*\).*/\1/p"
+}
+# calc FORMAT EXPRESSION: awk arithmetic; "-" when a number is missing
+# (the expression no longer parses) or a division by zero (inf).
+calc() {
+    awk "BEGIN { x = $2; if (x - x != 0) print \"-\"; else printf \"$1\", x }" 2>/dev/null || echo "-"
+}
+ROWS=""
+# row WORKLOAD FIGURE VALUE TARGET: a line of the results table.
+row() { ROWS+="| $1 | $2 | ${3:--} | ${4:-} |"$'\n'; }
+or_dash() { echo "${1:--}"; }
+
+# Multiply-adds of one forward pass of the book's ResNet-18 on a 1x28x28
+# image (the formula is in the header; chapter3.py counts the same with
+# hooks, and the two are compared below).
+resnet18_macs() {
+    awk 'function conv(hw, cout, cin, k) { return hw * hw * cout * cin * k * k }
+    BEGIN {
+        hw = 28; c = 64; macs = conv(hw, 64, 1, 3)          # stem: 3x3, stride 1
+        for (stage = 0; stage < 4; stage++) {
+            out = 64 * 2 ^ stage
+            if (stage == 0) macs += conv(hw, out, c, 3)
+            else {                                          # stride 2, and the 1x1 shortcut
+                hw = int((hw - 1) / 2) + 1
+                macs += conv(hw, out, c, 3) + conv(hw, out, c, 1)
+            }
+            macs += 3 * conv(hw, out, out, 3)               # the three other 3x3 convolutions
+            c = out
+        }
+        printf "%.0f", macs + 512 * 10                      # and the linear layer
+    }'
+}
+
+# ---------------------------------------------------- is PyTorch there?
+TORCH=0
+if ! torch_version=$("$PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    TORCH_NOTE="PyTorch: skipped: '$PYTHON' cannot import torch (PYTHON=/path/to/python make bench picks another)"
+elif [ $ON_GPU = 1 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    TORCH_NOTE="PyTorch: skipped: torch $torch_version sees no GPU, and a CPU run beside mgpu on the GPU compares nothing"
+else
+    TORCH=1
+    TORCH_NOTE="PyTorch $torch_version ($PYTHON), float32 (TF32 off)"
+    TORCH_DEVICE=$([ $ON_GPU = 1 ] && echo cuda || echo cpu)
+fi
+
+echo "make bench: $STAMP, $DEVICE"
+echo "settings: $SETTINGS"
+echo "$TORCH_NOTE"
+echo "logs, PNGs and CSVs: $OUT"
+
+# ------------------------------------------------------------- chapter 1
+step chapter1 ./chapter1 "${CH1_FLAGS[@]}" --out "$OUT"
+step matmul ./bench/matmul
+t1=$(value chapter1 's/^dev1 (.*) time: \([0-9.]*\) sec$/\1/p')
+t2=$(value chapter1 's/^dev2 (.*) time: \([0-9.]*\) sec$/\1/p')
+t12=$(value chapter1 's/^dev1 & dev2: \([0-9.]*\) sec$/\1/p')
+trun=$(value chapter1 's/^run on dev1 ([^)]*): \([0-9.]*\) sec$/\1/p')
+tcopy=$(value chapter1 's/^copy to host: \([0-9.]*\) sec$/\1/p')
+tboth=$(value chapter1 's/^run on dev1 (.*) and copy to host: \([0-9.]*\) sec$/\1/p')
+gbps=$(value chapter1 's/.*copies moved \([0-9.]*\) GB\/s.*/\1/p')
+devs=$(value chapter1 's/^dev1 (\(.*\)) time: .*/\1/p'),$(value chapter1 's/^dev2 (\(.*\)) time: .*/\1/p')
+row "chapter 1 ($devs)" "dev1 alone / dev2 alone / together (s)" "$(or_dash "$t1") / $(or_dash "$t2") / $(or_dash "$t12")"
+row "chapter 1" "together / (dev1 + dev2)" "$(calc %.2f "$t12 / ($t1 + $t2)")" \
+    "< 0.75 on 2 CPU cores (issue 2); on one GPU ~1 (virtual devices take turns)"
+row "chapter 1" "compute / copy to host / both (s)" "$(or_dash "$trun") / $(or_dash "$tcopy") / $(or_dash "$tboth")"
+row "chapter 1" "both / max(compute, copy)" \
+    "$(calc %.2f "$tboth / ($trun > $tcopy ? $trun : $tcopy)")" "<= 1.1 on a GPU (issue 2)"
+row "chapter 1" "copy to host (GB/s)" "$(or_dash "$gbps")"
+mm_unit=$([ $ON_GPU = 1 ] && echo "TFLOP/s" || echo "GFLOP/s")
+mm_div=$([ $ON_GPU = 1 ] && echo 1000 || echo 1)
+row "matmul $(result matmul size)x$(result matmul size) ($(result matmul device))" \
+    "mgpu_matmul / BLAS direct ($mm_unit)" \
+    "$(calc %.2f "$(result matmul mgpu_gflops) / $mm_div") / $(calc %.2f "$(result matmul direct_gflops) / $mm_div")"
+row "matmul" "time ratio mgpu / direct" "$(calc %.3f "$(result matmul ratio)")" "<= 1.05 on a GPU (issue 2)"
+
+# ------------------------------------------------------------- chapter 2
+step chapter2 ./chapter2 --epochs $CH2_EPOCHS --train-samples $CH2_SAMPLES --data "$DATA" --out "$OUT"
+# "test acc: 0.84, 2.2 sec/epoch, on [cuda:0]", one line per run
+ch2_line() { grep '^test acc: .* sec/epoch, on ' "$LOGS/$1.log" 2>/dev/null | sed -n "$2p"; }
+ch2_secs() { ch2_line "$@" | sed -n 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p'; }
+ch2_acc() { ch2_line "$@" | sed -n 's/^test acc: \([0-9.]*\),.*/\1/p'; }
+ch2_on() { ch2_line "$@" | sed -n 's/.* on \(\[[^]]*\]\).*/\1/p'; }
+m1=$(ch2_secs chapter2 1) m2=$(ch2_secs chapter2 2)
+if [ $TORCH = 1 ]; then
+    step chapter2.py "$PYTHON" -u bench/pytorch/chapter2.py --epochs $CH2_EPOCHS \
+        --train-samples $CH2_SAMPLES --device $TORCH_DEVICE --data "$DATA"
+fi
+p1=$(result chapter2.py sec_per_epoch devices=1) p2=$(result chapter2.py sec_per_epoch devices=2)
+ch2_what="$CH2_EPOCHS epoch(s) of $CH2_SAMPLES images, batch 256"
+row "chapter 2 mgpu, 1 device $(ch2_on chapter2 1)" "sec/epoch, test acc ($ch2_what)" \
+    "$(or_dash "$m1"), $(or_dash "$(ch2_acc chapter2 1)")" \
+    "<= 0.15 s on an H100/H200; <= 20 s on 2 CPU cores; acc >= 0.80 after 10 epochs (issue 3)"
+row "chapter 2 mgpu, 2 devices $(ch2_on chapter2 2)" "sec/epoch, test acc" \
+    "$(or_dash "$m2"), $(or_dash "$(ch2_acc chapter2 2)")"
+row "chapter 2" "mgpu 2 devices / 1 device" "$(calc %.2f "$m2 / $m1")" "<= 1.3 with 2 virtual devices on one GPU (issue 3)"
+if [ $TORCH = 1 ]; then
+    row "chapter 2 PyTorch (book's code), 1 device $(result chapter2.py on devices=1)" "sec/epoch, test acc" \
+        "$(or_dash "$p1"), $(or_dash "$(result chapter2.py test_acc devices=1)")"
+    row "chapter 2 PyTorch (book's code), 2 devices $(result chapter2.py on devices=2)" "sec/epoch, test acc" \
+        "$(or_dash "$p2"), $(or_dash "$(result chapter2.py test_acc devices=2)")"
+    row "chapter 2" "PyTorch / mgpu, 1 device" "$(calc %.2f "$p1 / $m1")" ">= 10 on an H100/H200 (issue 3)"
+    row "chapter 2" "PyTorch / mgpu, 2 devices" "$(calc %.2f "$p2 / $m2")"
+fi
+
+# ------------------------------------------------------------- chapter 3
+CH3_COMMON=(--epochs $CH3_EPOCHS --train-samples $CH3_SAMPLES --test-samples $CH3_TEST
+            --batch-size $CH3_BATCH --lr $CH3_LR --data "$DATA")
+step chapter3 ./chapter3 --max-devices 1 "${CH3_COMMON[@]}" --out "$OUT"
+if [ $TORCH = 1 ]; then
+    step chapter3.py "$PYTHON" -u bench/pytorch/chapter3.py "${CH3_COMMON[@]}" --device $TORCH_DEVICE
+fi
+MACS=$(resnet18_macs)
+FLOP=$(calc %.6e "2 * 3 * $MACS * $CH3_SAMPLES")
+# per-epoch lines on stderr: "  epoch 2/2: loss 0.41, train acc 0.85, test acc 0.86, 5.3 sec"
+c_first=$(value chapter3 's/^  epoch 1\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p')
+c_last=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p' "$LOGS/chapter3.log" 2>/dev/null | tail -n 1)
+c_acc=$(value chapter3 's/^test acc: \([0-9.]*\), .*/\1/p')
+c_on=$(value chapter3 's/^test acc: .* on \(\[[^]]*\]\).*/\1/p')
+ch3_what="$CH3_SAMPLES images, batch $CH3_BATCH"
+row "chapter 3 ResNet-18" "FLOP per epoch ($CH3_SAMPLES images; $(calc %.1f "$MACS / 1e6") M MACs per image)" "$FLOP"
+row "chapter 3 mgpu $c_on" "sec/epoch, last (first) epoch; TFLOP/s; test acc ($ch3_what)" \
+    "$(or_dash "$c_last") ($(or_dash "$c_first")); $(calc %.3f "$FLOP / $c_last / 1e12"); $(or_dash "$c_acc")" \
+    "<= 2.0 s on an H100/H200 at batch 256 (issue 4)"
+if [ $TORCH = 1 ]; then
+    hook_macs=$(result chapter3.py macs_per_image)
+    [ -n "$hook_macs" ] && [ "$hook_macs" != "$MACS" ] &&
+        echo "note: chapter3.py counts $hook_macs multiply-adds per image, this script $MACS"
+    for v in seed tuned; do
+        last=$(result chapter3.py last_epoch "variant=$v")
+        row "chapter 3 PyTorch $v $(result chapter3.py on "variant=$v")" "sec/epoch, last (first) epoch; TFLOP/s; test acc" \
+            "$(or_dash "$last") ($(or_dash "$(result chapter3.py first_epoch "variant=$v")")); $(calc %.3f "$FLOP / $last / 1e12"); $(or_dash "$(result chapter3.py test_acc "variant=$v")")"
+    done
+    p_seed=$(result chapter3.py last_epoch variant=seed) p_tuned=$(result chapter3.py last_epoch variant=tuned)
+    row "chapter 3" "PyTorch seed / mgpu (last epochs)" "$(calc %.2f "$p_seed / $c_last")" ">= 1.5 on an H100/H200 (issue 4)"
+    row "chapter 3" "PyTorch tuned / mgpu (last epochs)" "$(calc %.2f "$p_tuned / $c_last")" ">= 1.0 on an H100/H200 (issue 4)"
+fi
+
+# ------------------------------------------------------------- allreduce
+for k in 2 4; do
+    step allreduce-$k ./bench/allreduce --devices $k --out "$OUT/allreduce-$k"
+    csv=$OUT/allreduce-$k/bench_allreduce.csv
+    # columns: bytes,algorithm,time_us,algbw_GBps,busbw_GBps,floor_us,time_over_floor,best_floor_us
+    largest=$(tail -n +2 "$csv" 2>/dev/null | cut -d, -f1 | sort -n | tail -n 1)
+    for bytes in 67108864 $largest; do
+        best=""
+        for alg in book ring nccl; do
+            line=$(grep "^$bytes,$alg," "$csv" 2>/dev/null) || continue
+            IFS=, read -r _ _ us _ busbw _ over best <<<"$line"
+            target=""
+            [ $alg = ring ] && target="<= 1.25 on 2 and 4 virtual devices of one GPU, >= 64 MiB (issue 5)"
+            row "allreduce $k devices, $((bytes >> 20)) MiB" "$alg: time (us), busbw (GB/s), time / its floor" \
+                "$us, $busbw, $(or_dash "$over")" "$target"
+        done
+        [ -n "$best" ] && row "allreduce $k devices, $((bytes >> 20)) MiB" \
+            "best possible allreduce's floor (us)" "$best"
+        [ "$bytes" = "$largest" ] && break
+    done
+    rate=$(value allreduce-$k 's/^copy rate: \(.*\)/\1/p')
+    row "allreduce $k devices $(value allreduce-$k 's/^allreduce on [0-9]* devices \(.*\)/\1/p')" "copy rate" "$(or_dash "$rate")"
+done
+
+# --------------------------------------------------------------- results
+{
+    echo "### make bench: $STAMP, $DEVICE"
+    echo
+    echo "mgpu $(git describe --always --dirty 2>/dev/null || echo '(no git)'); settings: $SETTINGS."
+    echo "$TORCH_NOTE. Logs, PNGs and CSVs in $OUT."
+    echo
+    echo "| workload | figure | value | target |"
+    echo "| --- | --- | --- | --- |"
+    printf '%s' "$ROWS"
+} | tee "$RESULTS"
+echo
+echo "written to $RESULTS"
