@@ -78,5 +78,17 @@ for f in chapter3_test_acc.png chapter3_step_timeline.png chapter3_4_devices.png
     else echo "FAIL chapter3_writes_$f"; failed=$((failed + 1)); fi
 done
 
+
+# The README's example program, built the way the README says, with gcc
+# (C11, strict warnings) and, when there is one, nvcc: a program that uses
+# only what the documentation shows compiles and runs.
+awk '/^```c$/{on=1; next} /^```$/{on=0} on' README.md > "$out/readme_example.c"
+check readme_example_gcc 0 'both: [0-9.]+ sec' \
+    -- bash -c "gcc -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I. '$out/readme_example.c' -o '$out/readme_gcc' -lopenblas -lstb -lz -lpthread -lm && '$out/readme_gcc'"
+if command -v "${NVCC:-/usr/local/cuda/bin/nvcc}" >/dev/null 2>&1; then
+    check readme_example_nvcc 0 'both: [0-9.]+ sec' \
+        -- bash -c "'${NVCC:-/usr/local/cuda/bin/nvcc}' -x cu -std=c++17 -I. '$out/readme_example.c' -o '$out/readme_nvcc' -lcublas -lnccl -lopenblas -lstb -lz -lpthread -lm && '$out/readme_nvcc'"
+fi
+
 echo "test-summary: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
