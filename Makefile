@@ -135,7 +135,7 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all bench/matmul bench/allreduce
+bench: all bench/matmul bench/overlap bench/allreduce
 	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
@@ -144,6 +144,10 @@ bench/allreduce: bench/allreduce.c $(HEADERS) $(DEPS_STAMP)
 
 # mgpu_matmul against cuBLAS (or cblas) called directly.
 bench/matmul: bench/matmul.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# A ResNet-18 step on 2 devices: no gradient reduction, after backward, overlapped.
+bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # ------------------------------------------------------------------ data

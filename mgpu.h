@@ -1870,7 +1870,8 @@ static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
 
 static void mgpu__flag_print(const mgpu_flag *f) {
     char value[64] = "";
-    if (f->type == 'i') snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
+    if (f->type == 'i' && *(int *)f->value) snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
+    if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
     if (f->type == 'd') snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
     if (f->type == 's') {
         const char *v = *(const char **)f->value;

@@ -26,6 +26,10 @@
 #              its convolutions (H_out * W_out * C_out * C_in * k * k each)
 #              and its linear layer (512 * 10); 2 FLOPs per multiply-add,
 #              and a training step costs three forward passes (issue 4).
+#   overlap    ./bench/overlap: a ResNet-18 step on 2 devices with the
+#              gradients not reduced, reduced after backward, and reduced
+#              in buckets overlapped with backward; overlapped / not
+#              reduced, target at most 1.05 on one GPU (issue 5).
 #   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
@@ -67,6 +71,9 @@ else
 fi
 SLUG=$(echo "$SLUG" | tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\{1,\}/-/g; s/^-//; s/-$//')
 STAMP=$(date -u '+%Y-%m-%d %H:%M UTC')
+# Other work on the machine slows everything, PyTorch's CPU threads most:
+# the results say how busy the machine was when the run started.
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
 RESULTS=bench/results-$(date -u '+%Y-%m-%d-%H%M')-$SLUG.md
 
 # The workloads' sizes. Chapter 3's are passed to mgpu and PyTorch alike.
@@ -149,7 +156,7 @@ else
     TORCH_DEVICE=$([ $ON_GPU = 1 ] && echo cuda || echo cpu)
 fi
 
-echo "make bench: $STAMP, $DEVICE"
+echo "make bench: $STAMP, $DEVICE, load average $LOAD"
 echo "settings: $SETTINGS"
 echo "$TORCH_NOTE"
 echo "logs, PNGs and CSVs: $OUT"
@@ -201,9 +208,9 @@ row "chapter 2 mgpu, 2 devices $(ch2_on chapter2 2)" "sec/epoch, test acc" \
 row "chapter 2" "mgpu 2 devices / 1 device" "$(calc %.2f "$m2 / $m1")" "<= 1.3 with 2 virtual devices on one GPU (issue 3)"
 if [ $TORCH = 1 ]; then
     row "chapter 2 PyTorch (book's code), 1 device $(result chapter2.py on devices=1)" "sec/epoch, test acc" \
-        "$(or_dash "$p1"), $(or_dash "$(result chapter2.py test_acc devices=1)")"
+        "$(calc %.2f "$p1"), $(calc %.2f "$(result chapter2.py test_acc devices=1)")"
     row "chapter 2 PyTorch (book's code), 2 devices $(result chapter2.py on devices=2)" "sec/epoch, test acc" \
-        "$(or_dash "$p2"), $(or_dash "$(result chapter2.py test_acc devices=2)")"
+        "$(calc %.2f "$p2"), $(calc %.2f "$(result chapter2.py test_acc devices=2)")"
     row "chapter 2" "PyTorch / mgpu, 1 device" "$(calc %.2f "$p1 / $m1")" ">= 10 on an H100/H200 (issue 3)"
     row "chapter 2" "PyTorch / mgpu, 2 devices" "$(calc %.2f "$p2 / $m2")"
 fi
@@ -234,12 +241,20 @@ if [ $TORCH = 1 ]; then
     for v in seed tuned; do
         last=$(result chapter3.py last_epoch "variant=$v")
         row "chapter 3 PyTorch $v $(result chapter3.py on "variant=$v")" "sec/epoch, last (first) epoch; TFLOP/s; test acc" \
-            "$(or_dash "$last") ($(or_dash "$(result chapter3.py first_epoch "variant=$v")")); $(calc %.3f "$FLOP / $last / 1e12"); $(or_dash "$(result chapter3.py test_acc "variant=$v")")"
+            "$(calc %.2f "$last") ($(calc %.2f "$(result chapter3.py first_epoch "variant=$v")")); $(calc %.3f "$FLOP / $last / 1e12"); $(calc %.2f "$(result chapter3.py test_acc "variant=$v")")"
     done
     p_seed=$(result chapter3.py last_epoch variant=seed) p_tuned=$(result chapter3.py last_epoch variant=tuned)
     row "chapter 3" "PyTorch seed / mgpu (last epochs)" "$(calc %.2f "$p_seed / $c_last")" ">= 1.5 on an H100/H200 (issue 4)"
     row "chapter 3" "PyTorch tuned / mgpu (last epochs)" "$(calc %.2f "$p_tuned / $c_last")" ">= 1.0 on an H100/H200 (issue 4)"
 fi
+
+# ------------------------------------------------------------- overlap
+step overlap ./bench/overlap --data "$DATA"
+row "overlap, ResNet-18 step on $(value overlap 's/^ResNet-18 step on \(\[[^]]*\]\).*/\1/p'), batch $(result overlap batch)" \
+    "ms per step: no reduction / after backward / overlapped ($(result overlap algorithm))" \
+    "$(calc %.1f "$(result overlap none_ms)") / $(calc %.1f "$(result overlap after_ms)") / $(calc %.1f "$(result overlap overlapped_ms)")"
+row "overlap" "overlapped / no reduction" "$(calc %.3f "$(result overlap ratio)")" \
+    "<= 1.05 on 2 virtual devices of one GPU (issue 5)"
 
 # ------------------------------------------------------------- allreduce
 for k in 2 4; do
@@ -255,7 +270,7 @@ for k in 2 4; do
             target=""
             [ $alg = ring ] && target="<= 1.25 on 2 and 4 virtual devices of one GPU, >= 64 MiB (issue 5)"
             row "allreduce $k devices, $((bytes >> 20)) MiB" "$alg: time (us), busbw (GB/s), time / its floor" \
-                "$us, $busbw, $(or_dash "$over")" "$target"
+                "$(calc %.1f "$us"), $(calc %.2f "$busbw"), $(or_dash "$over")" "$target"
         done
         [ -n "$best" ] && row "allreduce $k devices, $((bytes >> 20)) MiB" \
             "best possible allreduce's floor (us)" "$best"
@@ -269,7 +284,8 @@ done
 {
     echo "### make bench: $STAMP, $DEVICE"
     echo
-    echo "mgpu $(git describe --always --dirty 2>/dev/null || echo '(no git)'); settings: $SETTINGS."
+    echo "mgpu $(git describe --always --dirty 2>/dev/null || echo '(no git)'); load average at the start $LOAD;"
+    echo "settings: $SETTINGS."
     echo "$TORCH_NOTE. Logs, PNGs and CSVs in $OUT."
     echo
     echo "| workload | figure | value | target |"

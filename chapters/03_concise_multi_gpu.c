@@ -141,17 +141,16 @@ static void step_timeline(int batch_size, int use_gpu, const mgpu_dataset *train
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
-    o.epochs = 10;
-    o.seed = 1;
-    int train_samples = 0, test_samples = 0, max_devices = 4;
+    o.seed = 1; /* epochs: 0 until parsed, then the book's 10 or the reduced run's 2 */
+    int train_samples = 0, test_samples = 0;
     const mgpu_flag extra[] = {
         {"--train-samples", 'i', &train_samples, "use the first N training images"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
-        {"--max-devices", 'i', &max_devices, "the largest run: 1, 2, 4, ... up to N devices"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter3: ResNet-18 on 1, 2 and 4 devices with a DataParallel-style wrapper",
-                       extra, 3);
+                       extra, 2);
+    int max_devices = o.devices ? o.devices : 4; /* runs on 1, 2, 4, ... up to this many */
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     /* the book: batch 256 per device, lr 0.1 per 256; reduced: batch 32 per device */
@@ -159,11 +158,12 @@ int main(int argc, char **argv) {
     if (reduced) {
         if (!train_samples) train_samples = 512;
         if (!test_samples) test_samples = 256;
-        if (o.epochs == 10) o.epochs = 2;
+        if (!o.epochs) o.epochs = 2;
         printf("No GPU: a reduced run on CPU devices: %d training and %d test images, %d epochs, "
                "batch %d per device (--full: the book's setting).\n",
                train_samples, test_samples, o.epochs, per_device_batch);
     }
+    if (!o.epochs) o.epochs = 10;
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
     mgpu_dataset_truncate(train_set, train_samples);

@@ -103,24 +103,39 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_finish_stats(const mgpu__bn_forward
         (1.0f - a->momentum) * a->running_var[c] + a->momentum * (float)(var * m / (m - 1.0));
 }
 
+/* The CPU walks each channel image by image: a channel of one image is
+   hw contiguous values, so the inner loops read memory in order. */
 static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     size_t m = (size_t)a->n * (size_t)a->hw;
-    if (a->training) {
-        for (int c = 0; c < a->c; c++) {
+    for (int c = 0; c < a->c; c++) {
+        if (a->training) { /* two passes in double: the mean, then the squared deviations */
             double sum = 0, squares = 0;
-            for (size_t j = 0; j < m; j++) sum += a->x[mgpu__bn_offset(j, c, a->c, a->hw)];
+            for (int n = 0; n < a->n; n++) {
+                const float *x = a->x + ((size_t)n * a->c + c) * a->hw;
+                for (int p = 0; p < a->hw; p++) sum += x[p];
+            }
             double mean = sum / (double)m;
-            for (size_t j = 0; j < m; j++) {
-                double d = a->x[mgpu__bn_offset(j, c, a->c, a->hw)] - mean;
-                squares += d * d;
+            for (int n = 0; n < a->n; n++) {
+                const float *x = a->x + ((size_t)n * a->c + c) * a->hw;
+                for (int p = 0; p < a->hw; p++) squares += (x[p] - mean) * (x[p] - mean);
             }
             mgpu__bn_finish_stats(a, c, mean, squares / (double)m);
         }
+        /* y = gamma (x - mean) invstd + beta = scale x + shift; after the
+           statistics, so y may be x itself */
+        float mean, invstd;
+        mgpu__bn_stats(a, c, &mean, &invstd);
+        float scale = a->gamma[c] * invstd, shift = a->beta[c] - mean * scale;
+        for (int n = 0; n < a->n; n++) {
+            size_t at = ((size_t)n * a->c + c) * a->hw;
+            for (int p = 0; p < a->hw; p++) {
+                float y = scale * a->x[at + p] + shift;
+                a->y[at + p] = a->fuse_relu && y < 0.0f ? 0.0f : y;
+            }
+        }
     }
-    /* After the statistics: y may be x itself. */
-    for (size_t i = 0; i < m * (size_t)a->c; i++) a->y[i] = mgpu__bn_output(a, i);
 }
 
 /* --------------------------------------------------------------- backward */
@@ -158,17 +173,20 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
     size_t m = (size_t)a->n * (size_t)a->hw;
     for (int c = 0; c < a->c; c++) {
         double sum_g = 0, sum_g_xhat = 0;
-        for (size_t j = 0; j < m; j++) {
-            size_t i = mgpu__bn_offset(j, c, a->c, a->hw);
-            double g = mgpu__bn_grad_out(a, i);
-            sum_g += g;
-            sum_g_xhat += g * mgpu__bn_xhat(a, i, c);
+        for (int n = 0; n < a->n; n++) {
+            size_t at = ((size_t)n * a->c + c) * a->hw;
+            for (size_t i = at; i < at + (size_t)a->hw; i++) {
+                double g = mgpu__bn_grad_out(a, i);
+                sum_g += g;
+                sum_g_xhat += g * mgpu__bn_xhat(a, i, c);
+            }
         }
         mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
         float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
-        for (size_t j = 0; j < m; j++) {
-            size_t i = mgpu__bn_offset(j, c, a->c, a->hw);
-            a->dx[i] = mgpu__bn_input_grad(a, i, c, mean_g, mean_g_xhat);
+        for (int n = 0; n < a->n; n++) {
+            size_t at = ((size_t)n * a->c + c) * a->hw;
+            for (size_t i = at; i < at + (size_t)a->hw; i++)
+                a->dx[i] = mgpu__bn_input_grad(a, i, c, mean_g, mean_g_xhat);
         }
     }
 }
