@@ -188,6 +188,9 @@ MGPU_DEF void mgpu_synchronize_all(void);
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d);
 MGPU_DEF size_t mgpu_device_memory_peak(const mgpu_device *d);
 MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d);
+/* How many blocks the device's allocator has taken from the system so far:
+   it stops growing once a training loop has seen all its shapes. */
+MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d);
 /* Writes a comma-separated list of names, "[cuda:0, cuda:0#1]", into buf. */
 MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const *devices, int n);
 /* Stops the worker threads and frees every cached block (also at exit). */
@@ -1212,6 +1215,7 @@ struct mgpu_device {
     mgpu__queue queue[2]; /* compute, copy */
     mgpu__block *cache;   /* free blocks */
     size_t in_use, peak, cached;
+    size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
 };
 
@@ -1620,6 +1624,7 @@ MGPU_DEF void mgpu_synchronize_all(void) {
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d) { return d->in_use; }
 MGPU_DEF size_t mgpu_device_memory_peak(const mgpu_device *d) { return d->peak; }
 MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d) { d->peak = d->in_use; }
+MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d) { return d->allocations; }
 MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const *devices, int n) {
     size_t used = (size_t)snprintf(buf, size, "[");
     for (int i = 0; i < n && used < size; i++)
@@ -1769,12 +1774,14 @@ static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) 
         mgpu_event_free(b->pending);
         b->pending = NULL;
     }
-    if (!b) {
+    int fresh = !b;
+    if (fresh) {
         b = (mgpu__block *)mgpu__xcalloc(1, sizeof *b);
         b->bytes = bytes;
         b->ptr = mgpu__raw_alloc(d, bytes, pinned);
     }
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
+    d->allocations += (size_t)fresh;
     d->in_use += bytes;
     if (d->in_use > d->peak) d->peak = d->in_use;
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));

@@ -386,4 +386,27 @@ TEST(reduction_runs_under_the_backward_pass) {
     mgpu_net_free(net);
 }
 
+
+TEST(a_training_step_allocates_nothing_after_the_first) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 256, 1, 1);
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f); /* momentum buffers appear at the first */
+    mgpu_synchronize_all();
+    size_t before[2] = {mgpu_device_allocations(devs[0]), mgpu_device_allocations(devs[1])};
+    for (int s = 0; s < 3; s++) mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+    mgpu_synchronize_all();
+    CHECK_EQ_INT(mgpu_device_allocations(devs[0]), before[0]);
+    CHECK_EQ_INT(mgpu_device_allocations(devs[1]), before[1]);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 TEST_MAIN()
