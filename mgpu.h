@@ -219,6 +219,10 @@ MGPU_DEF double mgpu_timer_avg(const mgpu_timer *t);
 MGPU_DEF double mgpu_timer_sum(const mgpu_timer *t);
 MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i); /* sum of the first i+1 */
 
+/* Seconds as the book prints them, one decimal, or three below 1 s:
+   printf("%.*f sec/epoch", MGPU_SECONDS(t)). */
+#define MGPU_SECONDS(t) ((t) < 1.0 ? 3 : 1), (t)
+
 typedef struct mgpu_benchmark { const char *description; double started; int done; } mgpu_benchmark;
 MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description);
 /* Synchronises every device, prints "<description>: 0.5620 sec", returns the seconds. */

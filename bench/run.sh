@@ -16,7 +16,7 @@
 #              code, same IDX files, same batches of 256, lr 0.2) on 1 and
 #              2 devices: seconds per epoch (the training loop, averaged
 #              over the epochs) and the final test accuracy (issue 3).
-#   chapter 3  ./chapter3 --max-devices 1 and bench/pytorch/chapter3.py,
+#   chapter 3  ./chapter3 --devices 1 and bench/pytorch/chapter3.py,
 #              the book's code ("seed") and a tuned version ("tuned"):
 #              seconds per epoch (the last epoch when there are several:
 #              the first one includes start-up) and TFLOP/s, with
@@ -187,7 +187,8 @@ row "matmul $(result matmul size)x$(result matmul size) ($(result matmul device)
 row "matmul" "time ratio mgpu / direct" "$(calc %.3f "$(result matmul ratio)")" "<= 1.05 on a GPU (issue 2)"
 
 # ------------------------------------------------------------- chapter 2
-step chapter2 ./chapter2 --epochs $CH2_EPOCHS --train-samples $CH2_SAMPLES --data "$DATA" --out "$OUT"
+CH2_COMMON=(--epochs $CH2_EPOCHS --train-samples $CH2_SAMPLES --batch-size 256 --data "$DATA")
+step chapter2 ./chapter2 "${CH2_COMMON[@]}" --out "$OUT"
 # "test acc: 0.84, 2.2 sec/epoch, on [cuda:0]", one line per run
 ch2_line() { grep '^test acc: .* sec/epoch, on ' "$LOGS/$1.log" 2>/dev/null | sed -n "$2p"; }
 ch2_secs() { ch2_line "$@" | sed -n 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p'; }
@@ -195,8 +196,7 @@ ch2_acc() { ch2_line "$@" | sed -n 's/^test acc: \([0-9.]*\),.*/\1/p'; }
 ch2_on() { ch2_line "$@" | sed -n 's/.* on \(\[[^]]*\]\).*/\1/p'; }
 m1=$(ch2_secs chapter2 1) m2=$(ch2_secs chapter2 2)
 if [ $TORCH = 1 ]; then
-    step chapter2.py "$PYTHON" -u bench/pytorch/chapter2.py --epochs $CH2_EPOCHS \
-        --train-samples $CH2_SAMPLES --device $TORCH_DEVICE --data "$DATA"
+    step chapter2.py "$PYTHON" -u bench/pytorch/chapter2.py "${CH2_COMMON[@]}" --device $TORCH_DEVICE
 fi
 p1=$(result chapter2.py sec_per_epoch devices=1) p2=$(result chapter2.py sec_per_epoch devices=2)
 ch2_what="$CH2_EPOCHS epoch(s) of $CH2_SAMPLES images, batch 256"
@@ -218,7 +218,7 @@ fi
 # ------------------------------------------------------------- chapter 3
 CH3_COMMON=(--epochs $CH3_EPOCHS --train-samples $CH3_SAMPLES --test-samples $CH3_TEST
             --batch-size $CH3_BATCH --lr $CH3_LR --data "$DATA")
-step chapter3 ./chapter3 --max-devices 1 "${CH3_COMMON[@]}" --out "$OUT"
+step chapter3 ./chapter3 --devices 1 "${CH3_COMMON[@]}" --out "$OUT"
 if [ $TORCH = 1 ]; then
     step chapter3.py "$PYTHON" -u bench/pytorch/chapter3.py "${CH3_COMMON[@]}" --device $TORCH_DEVICE
 fi

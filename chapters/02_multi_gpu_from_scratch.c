@@ -195,11 +195,11 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
                                                  test_set, 256);
         double ys[3] = {loss / train_set->n, right / train_set->n, test_acc};
         mgpu_animator_add(animator, epoch + 1, ys);
-        fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.1f sec\n",
-                epoch + 1, epochs, ys[0], ys[1], ys[2], timer.times[epoch]);
+        fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.*f sec\n",
+                epoch + 1, epochs, ys[0], ys[1], ys[2], MGPU_SECONDS(timer.times[epoch]));
     }
-    printf("test acc: %.2f, %.1f sec/epoch, on %s\n", mgpu_animator_last(animator, 2),
-           mgpu_timer_avg(&timer), list);
+    printf("test acc: %.2f, %.*f sec/epoch, on %s\n", mgpu_animator_last(animator, 2),
+           MGPU_SECONDS(mgpu_timer_avg(&timer)), list);
     fflush(stdout);
     mgpu_loader_free(train_loader);
     for (int i = 0; i < num_devices; i++) {
