@@ -1234,6 +1234,7 @@ struct mgpu_event {
 #if MGPU_CUDA
     cudaEvent_t cuda;
     int cuda_created;
+    int cuda_gpu;  /* the GPU the CUDA event was made on */
 #endif
 };
 
@@ -1244,6 +1245,7 @@ typedef struct mgpu__trace_record {
     double start, end;    /* host seconds (CPU queues) */
 #if MGPU_CUDA
     cudaEvent_t cuda_start, cuda_end; /* GPU queues */
+    int cuda_gpu;                     /* the GPU they were made on (events belong to one) */
 #endif
 } mgpu__trace_record;
 
@@ -1266,7 +1268,8 @@ static struct {
 } mgpu__g;
 
 static void mgpu__init(void);
-static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end);
+static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
+                            void **gpu_events);
 
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
@@ -1281,7 +1284,7 @@ static void *mgpu__worker(void *arg) {
         MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&q->mutex));
         double start = mgpu__g.tracing ? mgpu_now() : 0.0;
         task->fn(task->args, &cpu_exec);
-        if (mgpu__g.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now());
+        if (mgpu__g.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now(), NULL);
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
         q->busy = 0;
         q->tail++;
@@ -1376,14 +1379,13 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
         if (!cuda) mgpu_fatal("'%s' has no CUDA version", name);
         mgpu__exec ex = {1, (void *)q->stream, (void *)q->cublas};
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
-        mgpu__trace_record *rec = NULL;
+        void *bar[2] = {NULL, NULL}; /* the tracer's start and end events */
         if (mgpu__g.tracing) {
-            mgpu__trace_add(q, name, 0, 0);
-            rec = &mgpu__g.trace[mgpu__g.trace_n - 1];
-            MGPU_CUDA_CHECK(cudaEventRecord(rec->cuda_start, q->stream));
+            mgpu__trace_add(q, name, 0, 0, bar);
+            MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
         }
         cuda(args, &ex);
-        if (rec) MGPU_CUDA_CHECK(cudaEventRecord(rec->cuda_end, q->stream));
+        if (bar[1]) MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[1], q->stream));
         return;
     }
 #else
@@ -1452,9 +1454,16 @@ static void mgpu__event_record_on(mgpu_event *e, mgpu__queue *q) {
 #if MGPU_CUDA
     if (mgpu__queue_on_gpu(q)) {
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
+        if (e->cuda_created && e->cuda_gpu != q->device->gpu) {
+            /* a CUDA event belongs to one GPU: recorded on another, it is made anew */
+            MGPU_CUDA_CHECK(cudaEventSynchronize(e->cuda));
+            MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
+            e->cuda_created = 0;
+        }
         if (!e->cuda_created) {
             MGPU_CUDA_CHECK(cudaEventCreate(&e->cuda));
             e->cuda_created = 1;
+            e->cuda_gpu = q->device->gpu;
         }
         MGPU_CUDA_CHECK(cudaEventRecord(e->cuda, q->stream));
         return;
@@ -2015,7 +2024,12 @@ static uint64_t mgpu__random_offset(size_t n) {
 /* ======================================================================
    Tracing
    ====================================================================== */
-static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end) {
+/* Adds a bar to the trace. On a GPU queue the times come from two CUDA
+   events that the caller records around the work: their handles are
+   returned in gpu_events (records are reused from trace to trace, and
+   another thread may grow the array meanwhile, so no pointer is kept). */
+static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
+                            void **gpu_events) {
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
     if (mgpu__g.trace_n == mgpu__g.trace_cap) {
         int cap = mgpu__g.trace_cap ? 2 * mgpu__g.trace_cap : 1024;
@@ -2033,9 +2047,21 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, doub
     r->end = end;
 #if MGPU_CUDA
     if (mgpu__queue_on_gpu(q)) {
-        if (!r->cuda_start) MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_start));
-        if (!r->cuda_end) MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_end));
+        if (r->cuda_start && r->cuda_gpu != q->device->gpu) {
+            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_start));
+            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_end));
+            r->cuda_start = r->cuda_end = NULL;
+        }
+        if (!r->cuda_start) { /* the caller has made q's GPU current */
+            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_start));
+            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_end));
+            r->cuda_gpu = q->device->gpu;
+        }
+        gpu_events[0] = (void *)r->cuda_start;
+        gpu_events[1] = (void *)r->cuda_end;
     }
+#else
+    (void)gpu_events;
 #endif
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
 }
@@ -4842,18 +4868,17 @@ static void mgpu__require_nccl(const char *op, const mgpu_nccl_comm *c, mgpu_ten
 /* The tracer's bar for an NCCL call on queue q: NCCL work reaches the
    stream only at ncclGroupEnd, so the bar is opened before the group and
    closed after it (an index, not a pointer: the trace may grow meanwhile). */
-static int mgpu__nccl_trace_open(mgpu__queue *q, const char *name) {
-    if (!mgpu__g.tracing) return -1;
+static void mgpu__nccl_trace_open(mgpu__queue *q, const char *name, void **bar) {
+    bar[0] = bar[1] = NULL;
+    if (!mgpu__g.tracing) return;
     MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
-    mgpu__trace_add(q, name, 0, 0);
-    int rec = mgpu__g.trace_n - 1;
-    MGPU_CUDA_CHECK(cudaEventRecord(mgpu__g.trace[rec].cuda_start, q->stream));
-    return rec;
+    mgpu__trace_add(q, name, 0, 0, bar);
+    MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
 }
-static void mgpu__nccl_trace_close(mgpu__queue *q, int rec) {
-    if (rec < 0) return;
+static void mgpu__nccl_trace_close(mgpu__queue *q, void **bar) {
+    if (!bar[1]) return;
     MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
-    MGPU_CUDA_CHECK(cudaEventRecord(mgpu__g.trace[rec].cuda_end, q->stream));
+    MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[1], q->stream));
 }
 
 typedef enum {
@@ -4867,9 +4892,9 @@ typedef enum {
    root for the broadcast. */
 static void mgpu__nccl_start(const mgpu_nccl_comm *c, const char *name, mgpu__nccl_kind kind,
                              mgpu_tensor *const *in, mgpu_tensor *const *out, int arg) {
-    int trace[MGPU_MAX_DEVICES];
+    void *bars[MGPU_MAX_DEVICES][2];
     mgpu__comm_begin(out, c->n);
-    for (int i = 0; i < c->n; i++) trace[i] = mgpu__nccl_trace_open(&out[i]->device->queue[1], name);
+    for (int i = 0; i < c->n; i++) mgpu__nccl_trace_open(&out[i]->device->queue[1], name, bars[i]);
     ncclRedOp_t op = arg ? ncclAvg : ncclSum;
     MGPU_NCCL_CHECK(ncclGroupStart());
     for (int i = 0; i < c->n; i++) {
@@ -4892,7 +4917,7 @@ static void mgpu__nccl_start(const mgpu_nccl_comm *c, const char *name, mgpu__nc
         }
     }
     MGPU_NCCL_CHECK(ncclGroupEnd());
-    for (int i = 0; i < c->n; i++) mgpu__nccl_trace_close(&out[i]->device->queue[1], trace[i]);
+    for (int i = 0; i < c->n; i++) mgpu__nccl_trace_close(&out[i]->device->queue[1], bars[i]);
 }
 
 MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *c, mgpu_tensor **data, int average) {
