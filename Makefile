@@ -15,7 +15,12 @@
 
 CC         ?= gcc
 CUDA_HOME  ?= /usr/local/cuda
-NCCL_HOME  ?= $(CUDA_HOME)
+# NCCL: beside the CUDA toolkit, else the nvidia-nccl package that PyTorch
+# installs (as on the GPU machine), else the toolkit's folder anyway.
+PY_SITE    := $(shell python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+NCCL_HOME  ?= $(patsubst %/include/nccl.h,%,$(firstword $(wildcard $(CUDA_HOME)/include/nccl.h \
+                $(PY_SITE)/nvidia/nccl/include/nccl.h $(PY_SITE)/nvidia/*/include/nccl.h) \
+                $(CUDA_HOME)/include/nccl.h))
 NVCC       ?= $(CUDA_HOME)/bin/nvcc
 CUDA_ARCHS ?= 80 90
 BUILD      := build
@@ -42,8 +47,11 @@ GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a))
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 NVFLAGS    := -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra -D_GNU_SOURCE \
               -I$(NCCL_HOME)/include
-CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -Xlinker -rpath,$(CUDA_HOME)/lib64 \
-              -Xlinker -rpath,$(NCCL_HOME)/lib -lcublas -lnccl -lcudart $(LIBS)
+# pip's NCCL ships libnccl.so.2 without the libnccl.so link -lnccl looks for
+NCCL_LIB   := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib64/libnccl.so),-lnccl,-l:libnccl.so.2)
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 \
+              -Xlinker -rpath,$(CUDA_HOME)/lib64 -Xlinker -rpath,$(NCCL_HOME)/lib \
+              -lcublas $(NCCL_LIB) -lcudart $(LIBS)
 
 ifeq ($(HAVE_NVCC),1)
 COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
