@@ -111,15 +111,15 @@ endef
 $(foreach c,$(CHAPTERS),$(eval $(call chapter_rule,$(c))))
 
 # ----------------------------------------------------------------- tests
-$(BUILD)/tests/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_C) -O1 -I. $< -o $@ $(LIBS)
 
-$(BUILD)/asan/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/asan/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_C) $(ASAN) -I. $< -o $@ $(LIBS)
 
-$(BUILD)/cuda/%: tests/%.c tests/test.h $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
 

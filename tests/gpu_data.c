@@ -8,23 +8,8 @@
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
+#include "datasets.h"
 
-/* Images of 2x2 pixels spelling their index (as in test_data.c). */
-static mgpu_dataset *indexed_dataset(int n) {
-    mgpu_dataset *d = (mgpu_dataset *)calloc(1, sizeof *d);
-    d->n = n;
-    d->rows = d->cols = 2;
-    d->images = (unsigned char *)malloc((size_t)n * 4);
-    d->labels = (unsigned char *)malloc((size_t)n);
-    for (int i = 0; i < n; i++) {
-        d->images[4 * i + 0] = (unsigned char)(i & 255);
-        d->images[4 * i + 1] = (unsigned char)(i >> 8);
-        d->images[4 * i + 2] = (unsigned char)(i % 251);
-        d->images[4 * i + 3] = 255;
-        d->labels[i] = (unsigned char)(i % 10);
-    }
-    return d;
-}
 
 TEST(loader_batches_copied_to_gpus) {
     enum { N = 20000, BS = 256 };

@@ -6,6 +6,7 @@
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
+#include "datasets.h"
 
 #include <sys/stat.h>
 #include <zlib.h>
@@ -101,23 +102,6 @@ TEST(data_dir_lookup) {
 }
 
 /* -------------------------------------------------------------- loaders */
-/* A data set whose 2x2 images spell their own index: pixels 0 and 1 are
-   its low and high bytes, so a batch tells which samples it holds. */
-static mgpu_dataset *indexed_dataset(int n) {
-    mgpu_dataset *d = (mgpu_dataset *)calloc(1, sizeof *d);
-    d->n = n;
-    d->rows = d->cols = 2;
-    d->images = (unsigned char *)malloc((size_t)n * 4);
-    d->labels = (unsigned char *)malloc((size_t)n);
-    for (int i = 0; i < n; i++) {
-        d->images[4 * i + 0] = (unsigned char)(i & 255);
-        d->images[4 * i + 1] = (unsigned char)(i >> 8);
-        d->images[4 * i + 2] = (unsigned char)(i % 251);
-        d->images[4 * i + 3] = 255;
-        d->labels[i] = (unsigned char)(i % 10);
-    }
-    return d;
-}
 
 /* Runs one epoch of an indexed data set, checking every batch (shape,
    pixels exactly byte / 255, labels), and writes the sample order. */

@@ -144,16 +144,9 @@ def main():
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.2)
-    ap.add_argument("--train-samples", type=int, default=0, help="the first N training images (0: all)")
-    ap.add_argument("--device", choices=["cuda", "cpu"],
-                    default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--data", help="Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)")
-    ap.add_argument("--seed", type=int, default=1)
+    fashion_mnist.add_common_args(ap)
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("chapter2.py: --device cuda, but PyTorch sees no GPU")
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    fashion_mnist.check_device_float32(args, "chapter2.py")
 
     train_set = TensorDataset(*fashion_mnist.load("train", args.data, args.train_samples))
     test_set = TensorDataset(*fashion_mnist.load("test", args.data))

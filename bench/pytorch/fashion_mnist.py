@@ -74,3 +74,21 @@ def load(split, folder=None, samples=0):
     if samples > 0:
         images, labels = images[:samples], labels[:samples]
     return images.unsqueeze(1).float().div_(255), labels.long()
+
+
+def add_common_args(ap):
+    """The flags both benchmark programs take (as mgpu's chapters do)."""
+    ap.add_argument("--train-samples", type=int, default=0, help="the first N training images (0: all)")
+    ap.add_argument("--device", choices=["cuda", "cpu"],
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--data", help="Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)")
+    ap.add_argument("--seed", type=int, default=1)
+
+
+def check_device_float32(args, program):
+    """Fails clearly when --device cuda has no GPU; then switches TF32 off
+    (PyTorch allows it in cuDNN convolutions by default): float32 only, as mgpu."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{program}: --device cuda, but PyTorch sees no GPU")
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
