@@ -1904,6 +1904,9 @@ static void mgpu__flag_print(const mgpu_flag *f) {
 
 MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
                                  const mgpu_flag *extra, int nextra) {
+    /* one line at a time, also into a pipe or a log, so that the lines on
+       stdout and the progress lines on stderr come out in order */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     int seed = (int)o->seed, help = 0;
     const mgpu_flag common[] = {
         {"--devices", 'i', &o->devices, "number of (logical) devices"},
