@@ -599,6 +599,8 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
        mgpu_add(y, a, b)
    Its backward pass needs no function: dL/da = dL/db = dL/dy. Hand dy to
    both branches (mgpu_add_ adds it to a gradient a branch already has).
+       mgpu_add_relu(y, a, b)      y = max(a + b, 0), a ResNet block's end
+   in one pass; its backward is mgpu_relu_backward(dsum, dy, y).
 
    Linear layer, with the weight stored [in, out] as in the book's LeNet
    (torch.mm(x, W) + b): x [N, in], w [in, out], b [out], y [N, out].
@@ -634,6 +636,7 @@ MGPU_DEF void mgpu_global_avg_pool_backward(mgpu_tensor *dx, const mgpu_tensor *
 MGPU_DEF void mgpu_relu_forward(mgpu_tensor *y, const mgpu_tensor *x);
 MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *y_or_x);
 MGPU_DEF void mgpu_add(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b);
+MGPU_DEF void mgpu_add_relu(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b);
 
 MGPU_DEF void mgpu_linear_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                   const mgpu_tensor *b);
@@ -4165,14 +4168,21 @@ MGPU_DEF void mgpu_relu_backward(mgpu_tensor *dx, const mgpu_tensor *dy,
     MGPU__ENQUEUE(dx->device, "relu_backward", mgpu__relu_backward, a);
 }
 
-MGPU_DEF void mgpu_add(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b) {
-    mgpu__require_device(a, y->device, "mgpu_add");
-    mgpu__require_device(b, y->device, "mgpu_add");
-    mgpu__require_same_shape(a, b, "mgpu_add");
-    mgpu__require_same_shape(y, a, "mgpu_add");
-    mgpu__add_args args = {y->data, a->data, b->data, y->numel};
+static void mgpu__residual_launch(const char *op, mgpu_tensor *y, const mgpu_tensor *a,
+                                  const mgpu_tensor *b, int relu) {
+    mgpu__require_device(a, y->device, op);
+    mgpu__require_device(b, y->device, op);
+    mgpu__require_same_shape(a, b, op);
+    mgpu__require_same_shape(y, a, op);
+    mgpu__add_args args = {y->data, a->data, b->data, y->numel, relu};
     mgpu__before_write(y);
-    MGPU__ENQUEUE(y->device, "add", mgpu__add, args);
+    MGPU__ENQUEUE(y->device, relu ? "add_relu" : "add", mgpu__add, args);
+}
+MGPU_DEF void mgpu_add(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b) {
+    mgpu__residual_launch("mgpu_add", y, a, b, 0);
+}
+MGPU_DEF void mgpu_add_relu(mgpu_tensor *y, const mgpu_tensor *a, const mgpu_tensor *b) {
+    mgpu__residual_launch("mgpu_add_relu", y, a, b, 1);
 }
 
 /* ---------------------------------------------------------------- linear */
@@ -5226,8 +5236,7 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int
         y = mgpu__layer_forward(l->bn2, y, training);
         const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, training) : x;
         mgpu_ensure(&l->output, d, y->shape);
-        mgpu_add(l->output, y, skip);
-        mgpu_relu_forward(l->output, l->output);
+        mgpu_add_relu(l->output, y, skip);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:

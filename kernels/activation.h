@@ -14,6 +14,9 @@
    Its backward pass is the identity on both branches, so it needs no
    kernel: the caller hands the same dy to both branches (adding it, with
    mgpu_add_, to whatever gradient a branch has already received).
+   A ResNet block ends with ReLU(a + b); fused, that is one pass over
+   memory instead of two (the sum is never written), and its backward is
+   ReLU's, masked by the block's output.
 
    As in elementwise.h, the value of each output element is a small
    function of its index, shared by the CPU loop and the CUDA grid-stride
@@ -38,6 +41,7 @@ typedef struct {
     float *y;
     const float *a, *b;
     size_t n;
+    int relu; /* y = max(a + b, 0) */
 } mgpu__add_args;
 
 static MGPU__HOSTDEVICE inline float mgpu__relu_value(const mgpu__relu_args *p, size_t i) {
@@ -48,7 +52,8 @@ static MGPU__HOSTDEVICE inline float mgpu__relu_backward_value(const mgpu__relu_
     return p->mask[i] > 0.0f ? p->dy[i] : 0.0f;
 }
 static MGPU__HOSTDEVICE inline float mgpu__add_value(const mgpu__add_args *p, size_t i) {
-    return p->a[i] + p->b[i];
+    float sum = p->a[i] + p->b[i];
+    return p->relu && !(sum > 0.0f) ? 0.0f : sum;
 }
 
 static void mgpu__relu_cpu(const void *args, const mgpu__exec *ex) {

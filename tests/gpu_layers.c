@@ -178,6 +178,9 @@ TEST(relu_and_add) {
     mgpu_add(y.c, x.c, dy.c);
     mgpu_add(y.g, x.g, dy.g);
     check_same("add", "y", &y, 1e-6);
+    mgpu_add_relu(y.c, x.c, dy.c);
+    mgpu_add_relu(y.g, x.g, dy.g);
+    check_same("add_relu", "y", &y, 1e-6);
     pair_free(&x); pair_free(&y); pair_free(&dy); pair_free(&dx);
 }
 

@@ -577,6 +577,24 @@ TEST(add_forward_and_gradients) {
     mgpu_free(tb);
 }
 
+TEST(add_relu_is_relu_of_the_sum) {
+    float a[6] = {1, -2, 3, -4, 0.5f, -0.25f}, b[6] = {-3, 1, 1, 5, -0.5f, 0.125f};
+    float got[6], want[6];
+    mgpu_tensor *ta = tensor_of(mgpu_shape2(2, 3), a), *tb = tensor_of(mgpu_shape2(2, 3), b);
+    mgpu_tensor *y = mgpu_empty(mgpu_cpu(), mgpu_shape2(2, 3));
+    mgpu_add_relu(y, ta, tb);
+    mgpu_to_host(y, got);
+    for (int i = 0; i < 6; i++) want[i] = a[i] + b[i] > 0 ? a[i] + b[i] : 0;
+    for (int i = 0; i < 6; i++) CHECK(got[i] == want[i]);
+    mgpu_add_relu(ta, ta, tb); /* in place */
+    mgpu_to_host(ta, got);
+    for (int i = 0; i < 6; i++) CHECK(got[i] == want[i]);
+    EXPECT_DIES(mgpu_add_relu(y, ta, mgpu_view(tb, mgpu_shape1(6))), "mgpu_add_relu: shapes");
+    mgpu_free(ta);
+    mgpu_free(tb);
+    mgpu_free(y);
+}
+
 TEST(linear_forward_and_gradients) {
     layer_case cases[] = {
         linear_case("linear 4x7 -> 3", mgpu_shape2(4, 7), 3, 1),
