@@ -96,7 +96,9 @@
        mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b)               new c
        void mgpu_fill(t, v)   void mgpu_add_(y, x)  (y += x)   void mgpu_scale_(y, s)
    A GPU uses cuBLAS, the CPU OpenBLAS (through cblas). Shapes are checked;
-   a mismatch is a one-line error naming both shapes.
+   a mismatch is a one-line error naming both shapes. On a GPU the products
+   are plain float32; with the environment variable MGPU_TF32=1 they use
+   the tensor cores in TF32 (as PyTorch's allow_tf32), faster and less exact.
 
    The rest of the library has a manual section of its own above its
    declarations, below this comment, in this order:
@@ -1307,6 +1309,11 @@ static void mgpu__queue_init(mgpu__queue *q, mgpu_device *d, int lane) {
         MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&q->stream, cudaStreamNonBlocking));
         MGPU_CUBLAS_CHECK(cublasCreate(&q->cublas));
         MGPU_CUBLAS_CHECK(cublasSetStream(q->cublas, q->stream));
+        /* MGPU_TF32=1: float32 products on the tensor cores with 10-bit
+           mantissas (PyTorch's allow_tf32); off by default: plain float32 */
+        const char *tf32 = getenv("MGPU_TF32");
+        if (tf32 && strcmp(tf32, "1") == 0)
+            MGPU_CUBLAS_CHECK(cublasSetMathMode(q->cublas, CUBLAS_TF32_TENSOR_OP_MATH));
         return;
     }
 #endif
