@@ -2914,7 +2914,7 @@ MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *titl
     if (nanimators > 0) {
         ch = mgpu__animator_chart(animators[0], nanimators, curves);
         /* the legend names the runs, so the y axis says what the curves are */
-        if (!ch.ylabel) ch.ylabel = animators[0]->names[series];
+        if (!ch.ylabel || !*ch.ylabel) ch.ylabel = animators[0]->names[series];
     }
     ch.title = title;
     result = mgpu_chart_write_png(&ch, png_path);
