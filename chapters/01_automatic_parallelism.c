@@ -65,6 +65,8 @@ int main(int argc, char **argv) {
                        "with copies",
                        extra, 2);
 
+    MGPU_REQUIRE(o.devices == 0 || o.devices == 2,
+                 "--devices %d: chapter 1 compares exactly two devices", o.devices);
     mgpu_device *dev[2];
     mgpu_devices(2, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);
