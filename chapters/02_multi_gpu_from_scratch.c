@@ -47,7 +47,7 @@ static void lenet_init(mgpu_tensor **params) {
 typedef struct {
     mgpu_device *device;
     mgpu_param params[NUM_PARAMS];
-    mgpu_tensor *h1, *a1, *p1, *h2, *a2, *p2, *h3, *a3, *logits, *losses;
+    mgpu_tensor *h1, *a1, *p1, *h2, *a2, *p2, *h3, *a3, *logits, *losses, *count;
     mgpu_tensor *dlogits, *da3, *dh3, *dp2, *da2, *dh2, *dp1, *da1, *dh1;
 } replica;
 
@@ -101,7 +101,7 @@ static void lenet_backward(replica *r, const mgpu_tensor *x, const mgpu_tensor *
 static void replica_free(replica *r) {
     mgpu_params_free(r->params, NUM_PARAMS);
     mgpu_tensor **all[] = {&r->h1, &r->a1, &r->p1, &r->h2, &r->a2, &r->p2, &r->h3, &r->a3,
-                           &r->logits, &r->losses, &r->dlogits, &r->da3, &r->dh3, &r->dp2,
+                           &r->logits, &r->losses, &r->count, &r->dlogits, &r->da3, &r->dh3, &r->dp2,
                            &r->da2, &r->dh2, &r->dp1, &r->da1, &r->dh1};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mgpu_free(*all[i]);
 }
@@ -119,12 +119,11 @@ static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *rep
         mgpu_tensor *logits = lenet_forward(r, X_shards[i]);
         mgpu_cross_entropy_forward(mgpu_ensure(&r->losses, r->device, mgpu_shape1(X_shards[i]->shape.d[0])),
                                    logits, y_shards[i]);
-        mgpu_tensor *part = mgpu_empty(r->device, mgpu_shape1(1));
-        mgpu_sum(part, r->losses);
-        mgpu_add_(loss_sum[i], part);
-        mgpu_accuracy_count(part, logits, y_shards[i]);
-        mgpu_add_(correct[i], part);
-        mgpu_free(part);
+        mgpu_tensor *count = mgpu_ensure(&r->count, r->device, mgpu_shape1(1));
+        mgpu_sum(count, r->losses);
+        mgpu_add_(loss_sum[i], count);
+        mgpu_accuracy_count(count, logits, y_shards[i]);
+        mgpu_add_(correct[i], count);
         lenet_backward(r, X_shards[i], y_shards[i]);
     }
     /* sum every gradient across the devices, and send the sum back to each */

@@ -268,27 +268,20 @@ static void check_rows(mgpu_tensor *out, mgpu_device *dev, int first, int rows, 
     for (int j = 0; j < rows * cols; j++) CHECK_CLOSE(mgpu_item(out, (size_t)j), first * cols + j, 0, 0);
 }
 
-TEST(scatter_4x5_onto_2_devices) {
+/* Scatters a rows x cols arange onto 2 devices; the first gets `first` rows. */
+static void check_scatter_onto_2(int rows, int cols, int first) {
     mgpu_device *dev[2];
     mgpu_devices(2, TEST_COMM_ON_GPU, dev);
-    mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(4, 5)), *out[2];
+    mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(rows, cols)), *out[2];
     mgpu_scatter(x, dev, 2, out);
-    check_rows(out[0], dev[0], 0, 2, 5);
-    check_rows(out[1], dev[1], 2, 2, 5);
+    check_rows(out[0], dev[0], 0, first, cols);
+    check_rows(out[1], dev[1], first, rows - first, cols);
     for (int i = 0; i < 2; i++) mgpu_free(out[i]);
     mgpu_free(x);
 }
 
-TEST(scatter_5_rows_gives_3_and_2) {
-    mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
-    mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(5, 3)), *out[2];
-    mgpu_scatter(x, dev, 2, out);
-    check_rows(out[0], dev[0], 0, 3, 3);
-    check_rows(out[1], dev[1], 3, 2, 3);
-    for (int i = 0; i < 2; i++) mgpu_free(out[i]);
-    mgpu_free(x);
-}
+TEST(scatter_4x5_onto_2_devices) { check_scatter_onto_2(4, 5, 2); }
+TEST(scatter_5_rows_gives_3_and_2) { check_scatter_onto_2(5, 3, 3); }
 
 /* PyTorch's chunks of ceil(4/3) = 2 rows are 2, 2 and nothing. */
 TEST(scatter_leaving_a_device_empty_is_an_error) {
