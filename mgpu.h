@@ -95,10 +95,20 @@
        void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b)   c = a b
        mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b)               new c
        void mgpu_fill(t, v)   void mgpu_add_(y, x)  (y += x)   void mgpu_scale_(y, s)
+       void mgpu_set_tf32(int conv, int matmul)      which products may use TF32
+       void mgpu_get_tf32(int *conv, int *matmul)    and which do now
+       const char *mgpu_tf32_str(void)               the same, in words
    A GPU uses cuBLAS, the CPU OpenBLAS (through cblas). Shapes are checked;
-   a mismatch is a one-line error naming both shapes. On a GPU the products
-   are plain float32; with the environment variable MGPU_TF32=1 they use
-   the tensor cores in TF32 (as PyTorch's allow_tf32), faster and less exact.
+   a mismatch is a one-line error naming both shapes.
+   Precision on a GPU. Since the A100, a GPU's tensor cores multiply float32
+   matrices several times faster in TF32: the inputs rounded to 10-bit
+   mantissas (about 3 decimal digits), the sums kept in float32. mgpu
+   follows PyTorch's defaults: the products inside convolutions use TF32
+   (torch.backends.cudnn.allow_tf32 = True), mgpu_matmul and the linear
+   layers stay float32 (torch.backends.cuda.matmul.allow_tf32 = False).
+   mgpu_set_tf32(conv, matmul) changes both for the work enqueued after
+   it; the environment variable MGPU_TF32 sets them at start (0: neither,
+   1: both). The CPU always computes in float32.
 
    The rest of the library has a manual section of its own above its
    declarations, below this comment, in this order:
@@ -290,6 +300,9 @@ MGPU_DEF void mgpu_add_(mgpu_tensor *y, const mgpu_tensor *x);   /* y += x */
 MGPU_DEF void mgpu_scale_(mgpu_tensor *y, float s);               /* y *= s */
 MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b);
 MGPU_DEF mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b);
+MGPU_DEF void mgpu_set_tf32(int conv, int matmul);
+MGPU_DEF void mgpu_get_tf32(int *conv, int *matmul);
+MGPU_DEF const char *mgpu_tf32_str(void);
 
 /* ---------------------------------------------------------------------------
    DRAWING. Plots: PNG pictures of curves and device timelines
@@ -1309,11 +1322,6 @@ static void mgpu__queue_init(mgpu__queue *q, mgpu_device *d, int lane) {
         MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&q->stream, cudaStreamNonBlocking));
         MGPU_CUBLAS_CHECK(cublasCreate(&q->cublas));
         MGPU_CUBLAS_CHECK(cublasSetStream(q->cublas, q->stream));
-        /* MGPU_TF32=1: float32 products on the tensor cores with 10-bit
-           mantissas (PyTorch's allow_tf32); off by default: plain float32 */
-        const char *tf32 = getenv("MGPU_TF32");
-        if (tf32 && strcmp(tf32, "1") == 0)
-            MGPU_CUBLAS_CHECK(cublasSetMathMode(q->cublas, CUBLAS_TF32_TENSOR_OP_MATH));
         return;
     }
 #endif
@@ -3254,6 +3262,40 @@ MGPU_DEF void mgpu_scale_(mgpu_tensor *y, float s) {
 }
 
 /* ------------------------------------------------------------ matmul */
+/* Which products may use TF32 on a GPU: [0] convolutions, [1] mgpu_matmul
+   and the linear layers. -1 until first asked: then MGPU_TF32 or
+   PyTorch's defaults (conv yes, matmul no). */
+static int mgpu__tf32[2] = {-1, -1};
+MGPU_DEF void mgpu_set_tf32(int conv, int matmul) {
+    mgpu__tf32[0] = conv != 0;
+    mgpu__tf32[1] = matmul != 0;
+}
+enum { MGPU__TF32_CONV, MGPU__TF32_MATMUL };
+static int mgpu__tf32_allowed(int which) {
+    if (mgpu__tf32[which] < 0) {
+        const char *env = getenv("MGPU_TF32");
+        MGPU_REQUIRE(!env || !*env || strcmp(env, "0") == 0 || strcmp(env, "1") == 0,
+                     "MGPU_TF32=%s: want 0 (float32 everywhere) or 1 (TF32 in every product)",
+                     env);
+        if (env && *env) mgpu_set_tf32(env[0] == '1', env[0] == '1');
+        else mgpu_set_tf32(1, 0);
+    }
+    return mgpu__tf32[which];
+}
+MGPU_DEF void mgpu_get_tf32(int *conv, int *matmul) {
+    *conv = mgpu__tf32_allowed(MGPU__TF32_CONV);
+    *matmul = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
+}
+MGPU_DEF const char *mgpu_tf32_str(void) {
+    static const char *words[2][2] = {
+        {"float32 everywhere", "TF32 in matrix products, float32 in convolutions"},
+        {"TF32 in convolutions, float32 in matrix products (PyTorch's defaults)",
+         "TF32 in every product"}};
+    int conv, matmul;
+    mgpu_get_tf32(&conv, &matmul);
+    return words[conv][matmul];
+}
+
 MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b) {
     char sa[64], sb[64], sc[64];
     mgpu__require_device(a, c->device, "mgpu_matmul");
@@ -3273,6 +3315,7 @@ MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tenso
     g.a = a->data; g.lda = g.k;
     g.b = b->data; g.ldb = g.n;
     g.c = c->data; g.ldc = g.n;
+    g.tf32 = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
     mgpu__before_write(c);
     mgpu__launch_on(&c->device->queue[0], "matmul", mgpu__gemm_cpu, MGPU__CUDA_FN(mgpu__gemm_cuda),
                     &g, sizeof g);
@@ -4009,6 +4052,7 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     }
     mgpu__before_write(y);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s;
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
     mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
     for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
         mgpu__conv_geom part = g;
@@ -4018,7 +4062,7 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
         MGPU__ENQUEUE(dev, "conv2d", mgpu__im2col, im);
         /* Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q] */
         mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, g.k, cols, (int)crs, w->data, s.col->data,
-                                                s.kout->data, 0.0f);
+                                                s.kout->data, 0.0f, tf32);
         MGPU__ENQUEUE(dev, "conv2d", mgpu__gemm, prod);
         /* [K, n, P*Q] -> y's [n, K, P*Q] */
         mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
@@ -4057,6 +4101,7 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     if (db) mgpu__before_write(db);
     mgpu__before_write(dw);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s, chw = (size_t)g.c * g.h * g.w;
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
     mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
     for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
         mgpu__conv_geom part = g;
@@ -4071,12 +4116,12 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
         float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
         mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
-                                               s.col->data, dw->data, beta);
+                                               s.col->data, dw->data, beta, tf32);
         MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dwp);
         if (dx) {
             /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
             mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
-                                                    s.kout->data, s.col->data, 0.0f);
+                                                    s.kout->data, s.col->data, 0.0f, tf32);
             MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dcol);
             mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
             MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__col2im, back);
@@ -4221,7 +4266,9 @@ MGPU_DEF void mgpu_linear_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
         mgpu__require_shape(b, mgpu_shape1(out), op, "bias b");
     }
     mgpu__before_write(y);
-    mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, n, out, in, x->data, w->data, y->data, 0.0f);
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
+    mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, n, out, in, x->data, w->data, y->data, 0.0f,
+                                            tf32);
     MGPU__ENQUEUE(x->device, "linear", mgpu__gemm, prod);
     if (b) {
         mgpu__chan_broadcast_args bias = {y->data, b->data, n, out, 1, 1.0f, 1.0f};
@@ -4236,6 +4283,7 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     int n = mgpu__linear_check(op, x, w), in = w->shape.d[0], out = w->shape.d[1];
     mgpu_device *dev = x->device;
     float beta = accumulate ? 1.0f : 0.0f;
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
     mgpu__require_device(dy, dev, op);
     mgpu__require_device(dw, dev, op);
     mgpu__require_shape(dy, mgpu_shape2(n, out), op, "output gradient dy");
@@ -4250,12 +4298,14 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         mgpu__require_shape(db, mgpu_shape1(out), op, "bias gradient db");
     }
     if (dx) { /* dx [N, in] = dy [N, out] w^T */
-        mgpu__gemm_args dxp = mgpu__gemm_dense(0, 1, n, in, out, dy->data, w->data, dx->data, 0.0f);
+        mgpu__gemm_args dxp = mgpu__gemm_dense(0, 1, n, in, out, dy->data, w->data, dx->data,
+                                               0.0f, tf32);
         mgpu__before_write(dx);
         MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dxp);
     }
     /* dw [in, out] (+)= x^T [in, N] dy [N, out] */
-    mgpu__gemm_args dwp = mgpu__gemm_dense(1, 0, in, out, n, x->data, dy->data, dw->data, beta);
+    mgpu__gemm_args dwp = mgpu__gemm_dense(1, 0, in, out, n, x->data, dy->data, dw->data, beta,
+                                           tf32);
     mgpu__before_write(dw);
     MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dwp);
     if (db) {

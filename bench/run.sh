@@ -26,6 +26,10 @@
 #              its convolutions (H_out * W_out * C_out * C_in * k * k each)
 #              and its linear layer (512 * 10); 2 FLOPs per multiply-add,
 #              and a training step costs three forward passes (issue 4).
+#              Both sides at PyTorch's default precision on a GPU (TF32 in
+#              the convolutions, float32 matrix products), which mgpu
+#              follows; on a GPU the tuned variant and mgpu run once more
+#              in float32 everywhere (MGPU_TF32=0, --tf32 0), one epoch.
 #   overlap    ./bench/overlap: a ResNet-18 step on 2 devices with the
 #              gradients not reduced, reduced after backward, and reduced
 #              in buckets overlapped with backward; overlapped / not
@@ -152,7 +156,7 @@ elif [ $ON_GPU = 1 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cu
     TORCH_NOTE="PyTorch: skipped: torch $torch_version sees no GPU, and a CPU run beside mgpu on the GPU compares nothing"
 else
     TORCH=1
-    TORCH_NOTE="PyTorch $torch_version ($PYTHON), float32 (TF32 off)"
+    TORCH_NOTE="PyTorch $torch_version ($PYTHON)"
     TORCH_DEVICE=$([ $ON_GPU = 1 ] && echo cuda || echo cpu)
 fi
 
@@ -246,6 +250,23 @@ if [ $TORCH = 1 ]; then
     p_seed=$(result chapter3.py last_epoch variant=seed) p_tuned=$(result chapter3.py last_epoch variant=tuned)
     row "chapter 3" "PyTorch seed / mgpu (last epochs)" "$(calc %.2f "$p_seed / $c_last")" ">= 1.5 on an H100/H200 (issue 4)"
     row "chapter 3" "PyTorch tuned / mgpu (last epochs)" "$(calc %.2f "$p_tuned / $c_last")" ">= 1.0 on an H100/H200 (issue 4)"
+fi
+if [ $ON_GPU = 1 ]; then
+    # the same in float32 everywhere: one epoch (the first, so start-up included on both sides)
+    CH3_FP32=(--epochs 1 --train-samples $CH3_SAMPLES --test-samples $CH3_TEST
+              --batch-size $CH3_BATCH --lr $CH3_LR --data "$DATA")
+    step chapter3-fp32 env MGPU_TF32=0 ./chapter3 --devices 1 "${CH3_FP32[@]}" --out "$OUT/fp32"
+    c32=$(value chapter3-fp32 's/^  epoch 1\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p')
+    row "chapter 3 mgpu, float32 everywhere (MGPU_TF32=0)" "sec/epoch (first epoch); TFLOP/s" \
+        "$(or_dash "$c32"); $(calc %.3f "$FLOP / $c32 / 1e12")"
+    if [ $TORCH = 1 ]; then
+        step chapter3.py-fp32 "$PYTHON" -u bench/pytorch/chapter3.py "${CH3_FP32[@]}" --device $TORCH_DEVICE \
+            --variant tuned --tf32 0
+        t32=$(result chapter3.py-fp32 first_epoch variant=tuned)
+        row "chapter 3 PyTorch tuned, float32 everywhere (--tf32 0)" "sec/epoch (first epoch); TFLOP/s" \
+            "$(calc %.2f "$t32"); $(calc %.3f "$FLOP / $t32 / 1e12")"
+        row "chapter 3, float32 everywhere" "PyTorch tuned / mgpu (first epochs)" "$(calc %.2f "$t32 / $c32")"
+    fi
 fi
 
 # ------------------------------------------------------------- overlap

@@ -232,6 +232,7 @@ int main(int argc, char **argv) {
         printf("No GPU: a reduced run, %d training images, %d epochs, batch %d "
                "(--full: 60000, 10 and 256).\n", train_samples, o.epochs, o.batch_size);
     }
+    if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
 
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);

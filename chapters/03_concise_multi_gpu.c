@@ -165,6 +165,7 @@ int main(int argc, char **argv) {
                train_samples, test_samples, o.epochs, per_device_batch);
     }
     if (!o.epochs) o.epochs = 10;
+    if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
     mgpu_dataset_truncate(train_set, train_samples);

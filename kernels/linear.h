@@ -35,7 +35,8 @@
 /* Row-major C [m x n] = op(A) op(B) + beta C for dense matrices: op(A) is
    m x k (A is stored k x m when transposed), op(B) is k x n. */
 static mgpu__gemm_args mgpu__gemm_dense(int trans_a, int trans_b, int m, int n, int k,
-                                        const float *a, const float *b, float *c, float beta) {
+                                        const float *a, const float *b, float *c, float beta,
+                                        int tf32) {
     mgpu__gemm_args g;
     memset(&g, 0, sizeof g);
     g.trans_a = trans_a;
@@ -45,6 +46,7 @@ static mgpu__gemm_args mgpu__gemm_dense(int trans_a, int trans_b, int m, int n, 
     g.k = k;
     g.alpha = 1.0f;
     g.beta = beta;
+    g.tf32 = tf32;
     g.a = a;
     g.lda = trans_a ? m : k;
     g.b = b;

@@ -17,6 +17,7 @@ typedef struct {
     int ldb;
     float *c;
     int ldc;
+    int tf32; /* GPU: may round the inputs to TF32 (mgpu_set_tf32); the CPU ignores it */
 } mgpu__gemm_args;
 
 static void mgpu__gemm_cpu(const void *args, const mgpu__exec *ex) {
@@ -32,9 +33,14 @@ static void mgpu__gemm_cpu(const void *args, const mgpu__exec *ex) {
 static void mgpu__gemm_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__gemm_args *g = (const mgpu__gemm_args *)args;
     if (g->m == 0 || g->n == 0) return;
-    MGPU_CUBLAS_CHECK(cublasSgemm((cublasHandle_t)ex->cublas, g->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                  g->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g->n, g->m, g->k, &g->alpha,
-                                  g->b, g->ldb, g->a, g->lda, &g->beta, g->c, g->ldc));
+    /* The compute type says, per call, whether the tensor cores may take
+       TF32 inputs; the handle stays in its default (float32) math mode. */
+    MGPU_CUBLAS_CHECK(cublasGemmEx((cublasHandle_t)ex->cublas, g->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                   g->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g->n, g->m, g->k, &g->alpha,
+                                   g->b, CUDA_R_32F, g->ldb, g->a, CUDA_R_32F, g->lda, &g->beta,
+                                   g->c, CUDA_R_32F, g->ldc,
+                                   g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT));
 }
 #endif
 

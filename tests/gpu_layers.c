@@ -13,7 +13,8 @@
    (up to ~10^5 terms); elementwise operations 1e-6 (ReLU, the residual
    sum and pooling compute the same float operations, up to the division
    in pooling); the channel sums (bias gradients, global pooling) 1e-5
-   (float on the GPU, double on the CPU).
+   (float on the GPU, double on the CPU). These hold with TF32 off, as the
+   harness sets it; the TF32 products have a test of their own.
 
    Built with nvcc only; without a GPU it says "skipped: no GPU" and
    passes. */
@@ -45,8 +46,8 @@ static void pair_free(pair *p) {
 static mgpu_tensor *on_cpu(pair *p, int present) { return present ? p->c : NULL; }
 static mgpu_tensor *on_gpu(pair *p, int present) { return present ? p->g : NULL; }
 
-/* max |gpu - cpu| <= tol * max(1, max |cpu|) */
-static void check_same(const char *name, const char *what, const pair *p, double tol) {
+/* max |gpu - cpu| <= tol * max(1, max |cpu|); returns max |gpu - cpu| / max(1, max |cpu|) */
+static double check_same(const char *name, const char *what, const pair *p, double tol) {
     size_t n = p->c->numel;
     float *want = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
     mgpu_to_host(p->c, want);
@@ -68,6 +69,7 @@ static void check_same(const char *name, const char *what, const pair *p, double
     }
     free(want);
     free(got);
+    return err / scale;
 }
 
 /* ------------------------------------------------------------ convolution */
@@ -210,6 +212,50 @@ TEST(linear) {
     linear_compare("LeNet 128 -> 10", mgpu_shape2(256, 128), 10, 1, 1);
     linear_compare("ResNet head 512 -> 10", mgpu_shape2(1024, 512), 10, 1, 1);
     linear_compare("odd sizes, no bias, no dx", mgpu_shape2(7, 13), 5, 0, 0);
+}
+
+/* ------------------------------------------------------------------- TF32 */
+/* TF32 rounds each input of a product to 10 bits of mantissa (relative
+   error up to 2^-11 = 4.9e-4) and keeps float32 sums. For a sum of K
+   products of standard normal numbers the error is a random walk of K
+   such roundings: ~5e-4 * sqrt(K) * 0.8 in absolute terms, against a
+   largest output of ~4 sqrt(K), so ~1e-4 of the largest output, a few
+   times that at the worst of a million elements. Allowed: 2e-3. And the
+   rounding must show: at least 1e-5 and ten times float32's error, so a
+   setting that never reaches cuBLAS fails the test. */
+static void tf32_compare(const char *name, double tf32_err, double float32_err) {
+    if (!(tf32_err <= 2e-3 && tf32_err >= 1e-5 && tf32_err >= 10 * float32_err)) {
+        fprintf(stderr, "  %s: error %.3g with TF32, %.3g in float32 (want TF32's in [1e-5, "
+                "2e-3] and >= 10x float32's)\n", name, tf32_err, float32_err);
+        test__failures++;
+    }
+}
+
+TEST(tf32_products_are_rounded_but_close) {
+    /* a ResNet stage-2 convolution: sums of 64 * 3 * 3 = 576 products */
+    mgpu_shape xs = mgpu_shape4(32, 64, 14, 14), ws = mgpu_shape4(64, 64, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
+    pair x = pair_randn(xs), wt = pair_randn(ws), y = pair_nan(ys);
+    mgpu_conv2d_forward(y.c, x.c, wt.c, NULL, 1, 1);
+    mgpu_set_tf32(0, 1); /* matmul only: the convolution stays float32 */
+    mgpu_conv2d_forward(y.g, x.g, wt.g, NULL, 1, 1);
+    double conv32 = check_same("conv, TF32 for matmul only", "y", &y, 1e-4);
+    mgpu_set_tf32(1, 0);
+    mgpu_conv2d_forward(y.g, x.g, wt.g, NULL, 1, 1);
+    tf32_compare("conv", check_same("conv, TF32", "y", &y, 2e-3), conv32);
+    pair_free(&x); pair_free(&wt); pair_free(&y);
+
+    /* the ResNet head's product: sums of 512 */
+    mgpu_shape as = mgpu_shape2(1024, 512), bs = mgpu_shape2(512, 10);
+    pair a = pair_randn(as), lw = pair_randn(bs), out = pair_nan(mgpu_shape2(1024, 10));
+    mgpu_linear_forward(out.c, a.c, lw.c, NULL);
+    mgpu_linear_forward(out.g, a.g, lw.g, NULL); /* (1, 0): the linear layer stays float32 */
+    double lin32 = check_same("linear, TF32 for conv only", "y", &out, 1e-4);
+    mgpu_set_tf32(0, 1);
+    mgpu_linear_forward(out.g, a.g, lw.g, NULL);
+    tf32_compare("linear", check_same("linear, TF32", "y", &out, 2e-3), lin32);
+    pair_free(&a); pair_free(&lw); pair_free(&out);
+    mgpu_set_tf32(0, 0);
 }
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))

@@ -103,8 +103,12 @@ static int test__failures; /* failures inside the running test */
     } while (0)
 
 /* Runs the registered tests (those whose name contains argv[1] when given). */
+/* The tests compare with float32 (or double) references at float32
+   tolerances, so on a GPU they switch TF32 off (mgpu_set_tf32); the TF32
+   products are checked on their own, in tests/gpu_layers.c. */
 static int test__run_all(int argc, char **argv) {
     int passed = 0, failed = 0;
+    mgpu_set_tf32(0, 0);
     for (int i = 0; i < test__count; i++) {
         if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue;
         test__failures = 0;

@@ -354,6 +354,39 @@ TEST(matmul_shape_errors_are_clear) {
     mgpu_free(v);
 }
 
+/* Where the TF32 settings come from: MGPU_TF32 at the first product, else
+   PyTorch's defaults; a bad value is a clear error. (The harness has set
+   them already: forget that, then put it back.) */
+static void tf32_from_environment(const char *value, int conv, int matmul) {
+    if (value) setenv("MGPU_TF32", value, 1);
+    else unsetenv("MGPU_TF32");
+    mgpu__tf32[0] = mgpu__tf32[1] = -1;
+    int got_conv = -1, got_matmul = -1;
+    mgpu_get_tf32(&got_conv, &got_matmul);
+    CHECK(got_conv == conv && got_matmul == matmul);
+}
+TEST(tf32_settings_default_to_pytorchs) {
+    const char *saved = getenv("MGPU_TF32");
+    char *saved_copy = saved ? strdup(saved) : NULL;
+    tf32_from_environment(NULL, 1, 0); /* cudnn.allow_tf32 True, matmul.allow_tf32 False */
+    tf32_from_environment("", 1, 0);
+    tf32_from_environment("0", 0, 0);
+    tf32_from_environment("1", 1, 1);
+    setenv("MGPU_TF32", "yes", 1);
+    mgpu__tf32[0] = mgpu__tf32[1] = -1;
+    EXPECT_DIES(mgpu_mm(mgpu_ones(mgpu_cpu(), mgpu_shape2(1, 1)),
+                        mgpu_ones(mgpu_cpu(), mgpu_shape2(1, 1))),
+                "MGPU_TF32=yes: want 0 (float32 everywhere) or 1 (TF32 in every product)");
+    mgpu_set_tf32(1, 0);
+    int conv, matmul;
+    mgpu_get_tf32(&conv, &matmul);
+    CHECK(conv == 1 && matmul == 0);
+    if (saved_copy) setenv("MGPU_TF32", saved_copy, 1);
+    else unsetenv("MGPU_TF32");
+    free(saved_copy);
+    mgpu_set_tf32(0, 0);
+}
+
 /* --------------------------------------------------------------- tracing */
 TEST(tracer_records_overlapping_work_on_two_devices) {
     mgpu_device *d[2];

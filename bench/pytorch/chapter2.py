@@ -23,8 +23,9 @@ Differences from the book, each for the benchmark's sake:
     GPU), as mgpu's virtual devices do; nn.parallel.scatter copies to CUDA
     only, so CPU devices (--device cpu) split with torch.chunk, which cuts
     the same ceil(N/k) pieces;
-  - float32 throughout: TF32 is switched off (PyTorch allows it for
-    convolutions by default), because mgpu computes in float32.
+  - on a GPU, PyTorch's default precision (TF32 in cuDNN's convolutions,
+    float32 matrix products), which mgpu follows too; --tf32 0 or 1
+    changes it as MGPU_TF32 does for mgpu.
 
 Timing, as the book's: the seconds of each epoch's training loop (the test
 accuracy is computed after the timer stops), averaged over the epochs.
@@ -146,7 +147,7 @@ def main():
     ap.add_argument("--lr", type=float, default=0.2)
     fashion_mnist.add_common_args(ap)
     args = ap.parse_args()
-    fashion_mnist.check_device_float32(args, "chapter2.py")
+    precision = fashion_mnist.check_device_set_precision(args, "chapter2.py")
 
     train_set = TensorDataset(*fashion_mnist.load("train", args.data, args.train_samples))
     test_set = TensorDataset(*fashion_mnist.load("test", args.data))
@@ -156,7 +157,7 @@ def main():
     params = init_params()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     print(f"PyTorch {torch.__version__}, {len(train_set)} training images, {args.epochs} epochs, "
-          f"batch {args.batch_size}, lr {args.lr}, float32 (no TF32)")
+          f"batch {args.batch_size}, lr {args.lr}, {precision}")
 
     for k in (int(n) for n in args.devices.split(",")):
         devices = [torch.device("cuda", i % gpus) if gpus else torch.device("cpu") for i in range(k)]

@@ -5,6 +5,7 @@ all three).
     python3 bench/pytorch/chapter3.py [--variant seed|tuned|both]
         [--epochs 1] [--steps N] [--batch-size 256] [--lr 0.1]
         [--train-samples N] [--test-samples N] [--device cuda|cpu] [--data DIR]
+        [--tf32 default|0|1]
 
 The model is the book's ResNet-18 for 28x28 grayscale images (seed 000,
 section 3): a 3x3 stem convolution (stride 1, padding 1) with batch norm
@@ -26,10 +27,12 @@ lr 0.1 at batch 256 on one device, mean cross-entropy.
          GPU as one tensor, shuffled there with randperm, no DataParallel,
          torch.backends.cudnn.benchmark = True (cuDNN times its algorithms
          for each shape once and keeps the fastest), channels-last memory
-         format. No automatic mixed precision and no TF32: float32, as mgpu.
+         format. No automatic mixed precision.
 
-Both switch TF32 off (PyTorch allows it for convolutions by default):
-mgpu computes in float32, and so does this comparison.
+Precision, both variants: PyTorch's defaults on a GPU, TF32 in cuDNN's
+convolutions and float32 matrix products, which mgpu follows too (its
+MGPU_TF32); --tf32 0 makes both float32 everywhere, --tf32 1 TF32 in
+every product.
 
 FLOPs. Only the convolutions and the linear layer count (batch norm, ReLU,
 the additions and the pooling are a few FLOPs per element, memory-bound).
@@ -238,14 +241,14 @@ def main():
     ap.add_argument("--test-samples", type=int, default=0, help="the first N test images (0: all)")
     fashion_mnist.add_common_args(ap)
     args = ap.parse_args()
-    fashion_mnist.check_device_float32(args, "chapter3.py")
+    precision = fashion_mnist.check_device_set_precision(args, "chapter3.py")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
 
     train_set = fashion_mnist.load("train", args.data, args.train_samples)
     test_set = fashion_mnist.load("test", args.data, args.test_samples)
     macs = macs_per_image()
     print(f"PyTorch {torch.__version__} on {device}, {train_set[1].shape[0]} training images, "
-          f"{args.epochs} epoch(s), batch {args.batch_size}, lr {args.lr}, float32 (no TF32); "
+          f"{args.epochs} epoch(s), batch {args.batch_size}, lr {args.lr}, {precision}; "
           f"{macs / 1e6:.1f} M multiply-adds per image forward")
     for name in (["seed", "tuned"] if args.variant == "both" else [args.variant]):
         run(name, args, device, train_set, test_set, macs)

@@ -83,12 +83,22 @@ def add_common_args(ap):
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--data", help="Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tf32", choices=["default", "0", "1"], default="default",
+                    help="as mgpu's MGPU_TF32: default: PyTorch's defaults (TF32 in cuDNN's "
+                         "convolutions, float32 matrix products); 0: float32 everywhere; 1: TF32 in both")
 
 
-def check_device_float32(args, program):
-    """Fails clearly when --device cuda has no GPU; then switches TF32 off
-    (PyTorch allows it in cuDNN convolutions by default): float32 only, as mgpu."""
+def check_device_set_precision(args, program):
+    """Fails clearly when --device cuda has no GPU; then sets which float32
+    products may use TF32 (--tf32), the same choice as mgpu's MGPU_TF32,
+    explicitly rather than through the defaults of this PyTorch version.
+    Returns the setting in words, for the first line of the output."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{program}: --device cuda, but PyTorch sees no GPU")
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    conv, matmul = {"default": ("tf32", "ieee"), "0": ("ieee", "ieee"), "1": ("tf32", "tf32")}[args.tf32]
+    torch.backends.cudnn.conv.fp32_precision = conv
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    if args.device != "cuda":
+        return "float32 (a CPU)"
+    return {"default": "TF32 in convolutions, float32 matrix products (PyTorch's defaults)",
+            "0": "float32 everywhere (--tf32 0)", "1": "TF32 in every product (--tf32 1)"}[args.tf32]
