@@ -73,17 +73,23 @@ CHAPTER_BINS := $(foreach c,$(CHAPTERS),chapter$(call chapter_number,$(c)))
 all: $(CHAPTER_BINS)
 
 # ------------------------------------------------------- Debian packages
-# Installed with apt-get when running as root; otherwise the command is printed.
+# Each library is looked for by compiling and linking a tiny program, so
+# a copy outside /usr found through CPATH and LIBRARY_PATH counts (as on
+# the GPU machine, which has no package registry: bench/gpu_session.sh).
+# Missing ones are installed with apt-get when running as root; otherwise
+# the command is printed. (OpenMPI joins this list with the chapter that
+# uses it.)
 DEPS_STAMP := $(BUILD)/deps.ok
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	@mkdir -p $(BUILD)
 	@missing=""; \
-	  [ -e /usr/include/x86_64-linux-gnu/cblas.h ] || [ -e /usr/include/cblas.h ] || missing="$$missing libopenblas-dev"; \
-	  [ -e /usr/include/stb/stb_image_write.h ] || missing="$$missing libstb-dev"; \
-	  [ -e /usr/include/zlib.h ] || missing="$$missing zlib1g-dev"; \
-	  [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] || missing="$$missing libopenmpi-dev"; \
-	  command -v mpirun >/dev/null || missing="$$missing openmpi-bin"; \
+	  for dep in "cblas.h openblas libopenblas-dev" "stb/stb_image_write.h stb libstb-dev" \
+	             "zlib.h z zlib1g-dev"; do \
+	    set -- $$dep; \
+	    printf '#include <%s>\nint main(void) { return 0; }\n' $$1 | \
+	      $(CC) -x c - -o $(BUILD)/deps-probe -l$$2 >/dev/null 2>&1 || missing="$$missing $$3"; \
+	  done; \
 	  if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ]; then \
 	      echo "installing:$$missing"; \
@@ -143,7 +149,7 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all bench/matmul bench/overlap bench/allreduce
+bench: all bench/matmul bench/overlap bench/allreduce bench/profile
 	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
@@ -156,6 +162,10 @@ bench/matmul: bench/matmul.c $(HEADERS) $(DEPS_STAMP)
 
 # A ResNet-18 step on 2 devices: no gradient reduction, after backward, overlapped.
 bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# Where the time of a ResNet-18 step goes (the tracer's summary).
+bench/profile: bench/profile.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # ------------------------------------------------------------------ data

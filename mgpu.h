@@ -135,8 +135,12 @@
    ----------
        mgpu_trace_begin();  ... work ...;  mgpu_trace_end();
        mgpu_trace_write_png("timeline.png", "title");
+       mgpu_trace_summary(stdout);
    records every operation and copy (device, queue, name, start, end) and
-   draws one lane per device queue, so overlap can be seen.
+   draws one lane per device queue, so overlap can be seen. The summary
+   is a profile: per operation name, how often it ran, its total and mean
+   time and its share of all traced time, the largest first. On a GPU the
+   times come from CUDA events around each operation.
 
    7. Errors
    ---------
@@ -1075,6 +1079,7 @@ MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char
 MGPU_DEF void mgpu_trace_begin(void);
 MGPU_DEF void mgpu_trace_end(void);  /* synchronises all devices */
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title);
+MGPU_DEF void mgpu_trace_summary(FILE *f);
 
 #ifdef __cplusplus
 }
@@ -2109,6 +2114,22 @@ MGPU_DEF void mgpu_trace_end(void) {
     mgpu__g.trace_stop = mgpu_now();
 }
 
+/* A record's start and end in milliseconds since mgpu_trace_begin. */
+static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, double *end_ms) {
+    *start_ms = 1e3 * (r->start - mgpu__g.trace_start);
+    *end_ms = 1e3 * (r->end - mgpu__g.trace_start);
+#if MGPU_CUDA
+    const mgpu_device *d = mgpu__g.devices[r->queue_id / 2];
+    if (d->gpu >= 0) {
+        float s = 0, e = 0;
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__g.trace_cuda_start[d->gpu], r->cuda_start));
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__g.trace_cuda_start[d->gpu], r->cuda_end));
+        *start_ms = s;
+        *end_ms = e;
+    }
+#endif
+}
+
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
     mgpu__init();
     /* Lanes: only the queues that did something, in device order. */
@@ -2131,22 +2152,45 @@ MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
         mgpu_timeline_bar *b = &bars[i];
         b->lane = lane_of[r->queue_id];
         snprintf(b->name, sizeof b->name, "%s", r->name);
-        b->start_ms = 1e3 * (r->start - mgpu__g.trace_start);
-        b->end_ms = 1e3 * (r->end - mgpu__g.trace_start);
-#if MGPU_CUDA
-        const mgpu_device *d = mgpu__g.devices[r->queue_id / 2];
-        if (d->gpu >= 0) {
-            float s = 0, e = 0;
-            MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__g.trace_cuda_start[d->gpu], r->cuda_start));
-            MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__g.trace_cuda_start[d->gpu], r->cuda_end));
-            b->start_ms = s;
-            b->end_ms = e;
-        }
-#endif
+        mgpu__trace_times(r, &b->start_ms, &b->end_ms);
     }
     int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__g.trace_n, bars);
     free(bars);
     return rc;
+}
+
+typedef struct { const char *name; int calls; double total_ms; } mgpu__trace_total;
+static int mgpu__trace_total_cmp(const void *a, const void *b) {
+    double x = ((const mgpu__trace_total *)a)->total_ms, y = ((const mgpu__trace_total *)b)->total_ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+MGPU_DEF void mgpu_trace_summary(FILE *f) {
+    mgpu__init();
+    mgpu__trace_total *totals =
+        (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__g.trace_n + 1, sizeof *totals);
+    int ntotals = 0;
+    double all_ms = 0;
+    for (int i = 0; i < mgpu__g.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__g.trace[i];
+        double start, end;
+        mgpu__trace_times(r, &start, &end);
+        int t = 0;
+        while (t < ntotals && strcmp(totals[t].name, r->name) != 0) t++;
+        if (t == ntotals) totals[ntotals++].name = r->name;
+        totals[t].calls++;
+        totals[t].total_ms += end - start;
+        all_ms += end - start;
+    }
+    qsort(totals, (size_t)ntotals, sizeof *totals, mgpu__trace_total_cmp);
+    fprintf(f, "%-32s %7s %11s %10s %7s\n", "operation", "calls", "total ms", "mean us", "share");
+    for (int t = 0; t < ntotals; t++)
+        fprintf(f, "%-32s %7d %11.3f %10.1f %6.1f%%\n", totals[t].name, totals[t].calls,
+                totals[t].total_ms, 1e3 * totals[t].total_ms / totals[t].calls,
+                all_ms > 0 ? 100.0 * totals[t].total_ms / all_ms : 0.0);
+    fprintf(f, "%-32s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", "all",
+            mgpu__g.trace_n, all_ms, 1e3 * (mgpu__g.trace_stop - mgpu__g.trace_start));
+    free(totals);
 }
 
 #ifdef __cplusplus
@@ -4059,20 +4103,20 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
         part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
         int cols = part.n * (int)pq;
         mgpu__im2col_args im = {x->data + (size_t)n0 * g.c * g.h * g.w, s.col->data, part};
-        MGPU__ENQUEUE(dev, "conv2d", mgpu__im2col, im);
+        MGPU__ENQUEUE(dev, "conv2d im2col", mgpu__im2col, im);
         /* Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q] */
         mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, g.k, cols, (int)crs, w->data, s.col->data,
                                                 s.kout->data, 0.0f, tf32);
-        MGPU__ENQUEUE(dev, "conv2d", mgpu__gemm, prod);
+        MGPU__ENQUEUE(dev, "conv2d product", mgpu__gemm, prod);
         /* [K, n, P*Q] -> y's [n, K, P*Q] */
         mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
                                       pq};
-        MGPU__ENQUEUE(dev, "conv2d", mgpu__swap_outer, back);
+        MGPU__ENQUEUE(dev, "conv2d layout", mgpu__swap_outer, back);
     }
     mgpu__conv_scratch_free(&s);
     if (b) {
         mgpu__chan_broadcast_args bias = {y->data, b->data, g.n, g.k, pq, 1.0f, 1.0f};
-        MGPU__ENQUEUE(dev, "conv2d", mgpu__chan_broadcast, bias);
+        MGPU__ENQUEUE(dev, "conv2d bias", mgpu__chan_broadcast, bias);
     }
 }
 
@@ -4110,28 +4154,28 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         /* G [K, n*P*Q] from dy's [n, K, P*Q] */
         mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
                                        g.k, pq};
-        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__swap_outer, there);
+        MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
         mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
-        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__im2col, im);
+        MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
         /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
         float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
         mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
                                                s.col->data, dw->data, beta, tf32);
-        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dwp);
+        MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
         if (dx) {
             /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
             mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
                                                     s.kout->data, s.col->data, 0.0f, tf32);
-            MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__gemm, dcol);
+            MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
             mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
-            MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__col2im, back);
+            MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
         }
     }
     mgpu__conv_scratch_free(&s);
     if (db) {
         float beta = accumulate ? 1.0f : 0.0f;
         mgpu__chan_sum_args sum = {db->data, dy->data, g.n, g.k, pq, 1.0f, beta};
-        MGPU__ENQUEUE(dev, "conv2d_backward", mgpu__chan_sum, sum);
+        MGPU__ENQUEUE(dev, "conv2d_backward bias", mgpu__chan_sum, sum);
     }
 }
 

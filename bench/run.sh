@@ -30,6 +30,9 @@
 #              the convolutions, float32 matrix products), which mgpu
 #              follows; on a GPU the tuned variant and mgpu run once more
 #              in float32 everywhere (MGPU_TF32=0, --tf32 0), one epoch.
+#   profile    ./bench/profile: chapter 3's step on one device (batch 256
+#              on a GPU), its time and TFLOP/s, and the tracer's table of
+#              where the time goes (copied below the results table).
 #   overlap    ./bench/overlap: a ResNet-18 step on 2 devices with the
 #              gradients not reduced, reduced after backward, and reduced
 #              in buckets overlapped with backward; overlapped / not
@@ -269,6 +272,14 @@ if [ $ON_GPU = 1 ]; then
     fi
 fi
 
+# ------------------------------------------------------------- profile
+step profile ./bench/profile --data "$DATA"
+p_ms=$(result profile step_ms)
+p_batch=$(result profile batch)
+row "ResNet-18 step $(result profile on), batch $(or_dash "$p_batch")" "ms per step; TFLOP/s" \
+    "$(calc %.2f "$p_ms"); $(calc %.3f "6 * $MACS * $p_batch / ($p_ms / 1e3) / 1e12")" \
+    "an epoch is 235 such steps at batch 256"
+
 # ------------------------------------------------------------- overlap
 step overlap ./bench/overlap --data "$DATA"
 row "overlap, ResNet-18 step on $(value overlap 's/^ResNet-18 step on \(\[[^]]*\]\).*/\1/p'), batch $(result overlap batch)" \
@@ -312,6 +323,14 @@ done
     echo "| workload | figure | value | target |"
     echo "| --- | --- | --- | --- |"
     printf '%s' "$ROWS"
+    if grep -q '^operation' "$LOGS/profile.log" 2>/dev/null; then
+        echo
+        echo "Where a ResNet-18 step's time goes (./bench/profile):"
+        echo
+        echo '```'
+        sed -n '/^ResNet-18 training step/,/^all /p' "$LOGS/profile.log"
+        echo '```'
+    fi
 } | tee "$RESULTS"
 echo
 echo "written to $RESULTS"

@@ -421,4 +421,28 @@ TEST(tracer_records_overlapping_work_on_two_devices) {
     unlink(path);
 }
 
+/* The summary adds the bars up by name: two sleeps of 60 ms and one of 20. */
+TEST(trace_summary_totals_time_by_operation) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    mgpu_trace_begin();
+    enqueue_sleep(d[0], 60);
+    enqueue_sleep(d[1], 60);
+    enqueue_sleep(d[1], 20);
+    mgpu_trace_end();
+    char text[4096] = {0};
+    FILE *f = fmemopen(text, sizeof text - 1, "w");
+    mgpu_trace_summary(f);
+    fclose(f);
+    const char *row = strstr(text, "\nsleep ");
+    int calls = 0;
+    double total = 0, mean = 0, share = 0;
+    CHECK(row && sscanf(row, " sleep %d %lf %lf %lf%%", &calls, &total, &mean, &share) == 4);
+    CHECK_EQ_INT(calls, 3);
+    CHECK(total >= 139 && total < 200);       /* ms: 140 asked for, sleeps overrun a little */
+    CHECK(fabs(mean - 1e3 * total / 3) < 0.5); /* us, from rounded figures */
+    CHECK(share > 99.0);                       /* nothing else ran */
+    CHECK(strstr(text, "operation") == text);
+}
+
 TEST_MAIN()

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# bench/gpu_session.sh STAGE...: the GPU checks, in as few device calls as
+# possible, on a GPU machine that has no package registry (the device tool's
+# machines: nothing can be installed there, and each call may be at most
+# 10 minutes).
+#
+#   bash bench/gpu_session.sh build test          # make, make test-gpu
+#   bash bench/gpu_session.sh chapters            # ./chapter1 --full, ./chapter2, ./chapter3
+#   bash bench/gpu_session.sh bench               # make bench beside PyTorch
+#   bash bench/gpu_session.sh profile             # ./bench/profile, float32 and TF32
+#
+# Every stage builds what it needs first (make is quick when nothing
+# changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT
+# is set (the device tool sets it), each stage also copies its log and its
+# few most useful files there, at most 8 files in all for the stages above
+# together (the tool's limit on what comes back).
+#
+# Before the call, on the machine with the registries:
+#   mkdir -p .devdata && cp ../shared/fashion-mnist/*.gz .devdata/
+#   mkdir -p .deps/debs && (cd .deps/debs && apt-get download libopenblas-pthread-dev \
+#       libopenblas0-pthread libgfortran5 libquadmath0 libstb-dev libstb0 zlib1g-dev zlib1g)
+# and name .devdata and .deps in the call's carry. (Both are ignored by
+# git.) The Debian packages are unpacked under .deps/root and found through
+# CPATH, LIBRARY_PATH and LD_LIBRARY_PATH, only if the machine lacks the
+# libraries: the Makefile looks for them by compiling a tiny program.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SESSION=build/gpu-session
+mkdir -p "$SESSION"
+JOBS=$(nproc)
+export MGPU_DATA=${MGPU_DATA:-$PWD/.devdata}
+export PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+say() { printf '\n### %s\n' "$*"; }
+
+# --- the libraries, from carried Debian packages when the machine has none
+libraries_found() {
+    printf '#include <cblas.h>\n#include <stb/stb_image_write.h>\n#include <zlib.h>\nint main(void) { return 0; }\n' |
+        ${CC:-gcc} -x c - -o "$SESSION/probe" -lopenblas -lstb -lz >/dev/null 2>&1
+}
+if ! libraries_found && ls .deps/debs/*.deb >/dev/null 2>&1; then
+    root=$PWD/.deps/root
+    for deb in .deps/debs/*.deb; do dpkg -x "$deb" "$root" || exit 1; done
+    # zlib1g-dev's libz.so points at /lib/...; point it at the unpacked runtime
+    ln -sf ../../../lib/x86_64-linux-gnu/libz.so.1 "$root/usr/lib/x86_64-linux-gnu/libz.so"
+    lib=$root/usr/lib/x86_64-linux-gnu
+    export CPATH=$root/usr/include:$root/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
+    export LIBRARY_PATH=$lib:$lib/openblas-pthread:$root/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "libraries: from the carried Debian packages under $root"
+fi
+libraries_found || echo "libraries: OpenBLAS, stb or zlib missing, and no usable .deps/debs (see the header)"
+
+# keep LOG FILE...: copies the files to $OUT when it is set
+keep() { [ -n "${OUT:-}" ] && cp "$@" "$OUT/" 2>/dev/null; return 0; }
+
+# stage NAME COMMAND...: runs COMMAND with its output shown and in the stage's log
+stage() {
+    local name=$1; shift
+    mkdir -p "$SESSION/$name"
+    local t0=$SECONDS
+    say "$name: $*"
+    "$@" 2>&1 | tee "$SESSION/$name/$name.log"
+    local status=${PIPESTATUS[0]}
+    echo "== $name: exit status $status, $((SECONDS - t0)) s"
+    keep "$SESSION/$name/$name.log"
+    return "$status"
+}
+
+build() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvcc --version | tail -n 2
+    make -j"$JOBS" all bench/matmul bench/overlap bench/allreduce bench/profile
+}
+
+chapters() {
+    local out=$SESSION/chapters
+    ./chapter1 --full --out "$out" &&
+        ./chapter2 --out "$out" &&
+        ./chapter3 --out "$out"
+}
+
+profile() {
+    ./bench/profile --data "$MGPU_DATA" &&
+        echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA"
+}
+
+status=0
+for s in "$@"; do
+    case $s in
+    build) stage build build || status=1 ;;
+    test) stage test make -j"$JOBS" test-gpu || status=1 ;;
+    chapters)
+        stage build build >/dev/null || { status=1; continue; }
+        stage chapters chapters || status=1
+        keep "$SESSION"/chapters/chapter1_timeline.png "$SESSION"/chapters/chapter3_test_acc.png \
+            "$SESSION"/chapters/chapter3_step_timeline.png ;;
+    bench)
+        stage build build >/dev/null || { status=1; continue; }
+        BENCH_OUT=$SESSION/bench/out stage bench make bench || status=1
+        keep "$(ls -t bench/results-*.md | head -n 1)" ;;
+    profile)
+        stage build build >/dev/null || { status=1; continue; }
+        stage profile profile || status=1 ;;
+    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile)"; exit 2 ;;
+    esac
+done
+exit $status
