@@ -209,7 +209,9 @@ MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d);
 MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d);
 /* Writes a comma-separated list of names, "[cuda:0, cuda:0#1]", into buf. */
 MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const *devices, int n);
-/* Stops the worker threads and frees every cached block (also at exit). */
+/* Waits for every queue, stops the worker threads and frees every cached
+   block. At exit the library waits for the queues by itself, and tears
+   down too when no GPU is in use. */
 MGPU_DEF void mgpu_shutdown(void);
 
 /* ---------------------------------------------------------------- events */
@@ -272,6 +274,7 @@ typedef struct mgpu_tensor {
     int pinned;           /* host memory that the GPU can copy asynchronously */
     mgpu__block *block;   /* allocator block; NULL for a view */
     mgpu_event *last_read;/* a copy queue may still be using the tensor */
+    mgpu_event *last_write;/* pinned: a copy into it that may still be running */
     struct mgpu_tensor *base; /* a view's tensor, which keeps last_read for it */
 } mgpu_tensor;
 
@@ -1275,6 +1278,7 @@ typedef struct mgpu__trace_record {
 static struct {
     int initialised;
     pid_t pid;
+    int forked; /* a child of fork(): CUDA cannot be used here */
     pthread_mutex_t mutex;
     int num_gpus;
     int ndevices;
@@ -1560,6 +1564,9 @@ MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
     if (start->queue && mgpu__queue_on_gpu(start->queue) && end->queue &&
         mgpu__queue_on_gpu(end->queue)) {
         float ms = 0;
+        MGPU_REQUIRE(start->cuda_gpu == end->cuda_gpu,
+                     "mgpu_event_elapsed_ms: the events were recorded on GPUs %d and %d; "
+                     "time two events of one GPU", start->cuda_gpu, end->cuda_gpu);
         MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start->cuda, end->cuda));
         return ms;
     }
@@ -1695,6 +1702,25 @@ MGPU_DEF void mgpu_shutdown(void) {
     mgpu__g.initialised = 0;
 }
 
+/* At the end of the process: wait for every queue, so that no work is
+   lost, then tear down. With GPUs, stop after the waiting: the CUDA
+   libraries may have run their own exit handlers already (those a library
+   registers when its first handle is made run before this one), and
+   destroying cuBLAS handles or streams after them can crash; the end of
+   the process frees all of it (PyTorch leaks its handles at exit for the
+   same reason). A forked child leaves the GPUs alone: CUDA does not work
+   across fork. */
+static void mgpu__at_exit(void) {
+    if (!mgpu__g.initialised || mgpu__g.pid != getpid()) return;
+    if (mgpu__g.num_gpus == 0) {
+        mgpu_shutdown();
+        return;
+    }
+    for (int i = 0; i < mgpu__g.ndevices; i++)
+        if (!(mgpu__g.forked && mgpu_device_is_gpu(mgpu__g.devices[i])))
+            mgpu_synchronize(mgpu__g.devices[i]);
+}
+
 /* fork() copies only the calling thread: in the child, the CPU queues get
    new worker threads (and fresh locks), so a forked child, such as a test
    that expects an error, can still run work on its devices. */
@@ -1713,6 +1739,7 @@ static void mgpu__after_fork_in_child(void) {
         }
     }
     mgpu__g.pid = getpid();
+    mgpu__g.forked = 1;
 }
 
 static void mgpu__init(void) {
@@ -1734,7 +1761,7 @@ static void mgpu__init(void) {
                 cudaGetErrorString(err));
     }
 #endif
-    atexit(mgpu_shutdown);
+    atexit(mgpu__at_exit);
     pthread_atfork(NULL, NULL, mgpu__after_fork_in_child);
 }
 
@@ -2132,6 +2159,7 @@ static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, dou
 
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
     mgpu__init();
+    if (mgpu__g.tracing) mgpu_trace_end(); /* every traced operation must have finished */
     /* Lanes: only the queues that did something, in device order. */
     int lane_of[MGPU_MAX_DEVICES * 8];
     const char *lane_names[MGPU_MAX_DEVICES * 8];
@@ -2167,6 +2195,7 @@ static int mgpu__trace_total_cmp(const void *a, const void *b) {
 
 MGPU_DEF void mgpu_trace_summary(FILE *f) {
     mgpu__init();
+    if (mgpu__g.tracing) mgpu_trace_end(); /* every traced operation must have finished */
     mgpu__trace_total *totals =
         (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__g.trace_n + 1, sizeof *totals);
     int ntotals = 0;
@@ -3163,6 +3192,7 @@ MGPU_DEF void mgpu_free(mgpu_tensor *t) {
     if (!t) return;
     if (t->block) mgpu__block_release(t->device, t->block, t->pinned, t->last_read);
     else mgpu_event_free(t->last_read);
+    mgpu_event_free(t->last_write); /* covered by last_read, which waited for it */
     free(t);
 }
 
@@ -3409,6 +3439,12 @@ MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocki
         mgpu__event_wait_on(q, free_dst);
         mgpu_event_free(free_dst);
     }
+    /* ... and for copies on other queues still reading (or, pinned, writing) dst. */
+    const mgpu_tensor *dst_base = dst->base ? dst->base : dst;
+    if (dst_base->last_read) mgpu__event_wait_on(q, dst_base->last_read);
+    /* A pinned source may still be being filled by a copy on another queue. */
+    const mgpu_tensor *src_base = src->base ? src->base : src;
+    if (src_base->last_write) mgpu__event_wait_on(q, src_base->last_write);
     mgpu__memcpy_args args = {dst->data, src->data, src->numel * sizeof(float), to->gpu, from->gpu};
     mgpu__launch_on(q, "copy", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &args, sizeof args);
     /* One event per tensor marks its last copy: make this copy's event
@@ -3425,8 +3461,15 @@ MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocki
        Pinned host memory is the exception: it is a staging area the host
        reads after synchronising (as in PyTorch), so that a device copying
        its results out keeps computing meanwhile. */
-    if (dst->pinned) mgpu__tensor_track(dst, done);
-    else mgpu__event_wait_on(&to->queue[0], done);
+    if (dst->pinned) {
+        mgpu__tensor_track(dst, done);
+        mgpu_tensor *w = dst->base ? dst->base : dst;
+        mgpu__event_retain(done);
+        mgpu_event_free(w->last_write);
+        w->last_write = done;
+    } else {
+        mgpu__event_wait_on(&to->queue[0], done);
+    }
     /* The source remembers that a copy queue may still be reading it. */
     if (q != &from->queue[0]) mgpu__tensor_track((mgpu_tensor *)src, done);
     if (!non_blocking) mgpu_event_synchronize(done);
@@ -3445,8 +3488,14 @@ MGPU_DEF mgpu_tensor *mgpu_from_host(mgpu_device *dev, mgpu_shape shape, const f
     mgpu_synchronize(dev);
 #if MGPU_CUDA
     if (dev->gpu >= 0) {
+        /* On the device's own (non-blocking) compute stream: the legacy default
+           stream that cudaMemcpy uses does not order the queues' streams, and a
+           pageable host-to-device cudaMemcpy may return before its DMA lands. */
+        cudaStream_t s = dev->queue[0].stream;
         MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
-        MGPU_CUDA_CHECK(cudaMemcpy(t->data, values, t->numel * sizeof(float), cudaMemcpyHostToDevice));
+        MGPU_CUDA_CHECK(cudaMemcpyAsync(t->data, values, t->numel * sizeof(float),
+                                        cudaMemcpyHostToDevice, s));
+        MGPU_CUDA_CHECK(cudaStreamSynchronize(s));
         return t;
     }
 #endif
@@ -3455,6 +3504,10 @@ MGPU_DEF mgpu_tensor *mgpu_from_host(mgpu_device *dev, mgpu_shape shape, const f
 }
 
 MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
+    /* A non-blocking copy into pinned memory is tracked on the tensor, not
+       waited for by the CPU device's queues: wait for it here. */
+    const mgpu_tensor *b = t->base ? t->base : t;
+    if (b->last_write) mgpu_event_synchronize(b->last_write);
     mgpu_synchronize(t->device);
 #if MGPU_CUDA
     if (t->device->gpu >= 0) {
@@ -5083,15 +5136,10 @@ MGPU_DEF void mgpu_nccl_all_gather(mgpu_nccl_comm *c, mgpu_tensor *const *in, mg
 }
 
 /* The communicators mgpu_allreduce_auto makes, one per list of GPUs, kept
-   until the program ends (making one takes a while). */
+   until the process ends (making one takes a while); like the library's
+   other CUDA objects they are left to the end of the process, not
+   destroyed at exit (see mgpu__at_exit). */
 static mgpu_nccl_comm *mgpu__nccl_cache;
-static void mgpu__nccl_cache_free(void) {
-    while (mgpu__nccl_cache) {
-        mgpu_nccl_comm *c = mgpu__nccl_cache;
-        mgpu__nccl_cache = c->next;
-        mgpu_nccl_free(c);
-    }
-}
 /* NULL when the devices are not distinct GPUs. */
 static mgpu_nccl_comm *mgpu__nccl_for(mgpu_device *const *devices, int n) {
     for (mgpu_nccl_comm *c = mgpu__nccl_cache; c; c = c->next) {
@@ -5101,7 +5149,6 @@ static mgpu_nccl_comm *mgpu__nccl_for(mgpu_device *const *devices, int n) {
     }
     mgpu_nccl_comm *c = mgpu_nccl_init(devices, n);
     if (!c) return NULL;
-    if (!mgpu__nccl_cache) atexit(mgpu__nccl_cache_free); /* runs before mgpu_shutdown */
     c->next = mgpu__nccl_cache;
     mgpu__nccl_cache = c;
     return c;

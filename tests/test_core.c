@@ -197,6 +197,44 @@ TEST(non_blocking_copy_into_pinned_memory) {
     mgpu_free(host);
 }
 
+/* Copies on different devices' copy queues that touch the same tensor must
+   keep their order. Tensors of 256 MiB, so that an unordered copy would
+   still be running when the next one starts (found by review: each of
+   these failed every run before the waits were added). */
+#define BIG_COPY ((size_t)1 << 26)
+TEST(a_copy_does_not_overwrite_a_tensor_another_copy_still_reads) {
+    mgpu_device *d[3];
+    mgpu_devices(3, 0, d);
+    mgpu_tensor *a = mgpu_full(d[0], mgpu_shape1(BIG_COPY), 1.0f);
+    mgpu_tensor *b = mgpu_empty(d[1], mgpu_shape1(BIG_COPY));
+    mgpu_tensor *c = mgpu_full(d[2], mgpu_shape1(BIG_COPY), 2.0f);
+    mgpu_synchronize_all();
+    mgpu_copy(b, a, 1); /* d0's copy queue reads a ... */
+    mgpu_copy(a, c, 1); /* ... and d2's copy queue overwrites it */
+    mgpu_synchronize_all();
+    CHECK_CLOSE(mgpu_item(b, 0), 1.0f, 0, 0);
+    CHECK_CLOSE(mgpu_item(b, BIG_COPY - 1), 1.0f, 0, 0);
+    CHECK_CLOSE(mgpu_item(a, BIG_COPY - 1), 2.0f, 0, 0);
+    mgpu_free(a); mgpu_free(b); mgpu_free(c);
+}
+
+TEST(pinned_memory_is_read_after_the_copy_into_it) {
+    mgpu_device *d[3];
+    mgpu_devices(3, 0, d);
+    mgpu_tensor *x = mgpu_full(d[1], mgpu_shape1(BIG_COPY), 3.0f);
+    mgpu_tensor *p = mgpu_empty_pinned(mgpu_shape1(BIG_COPY));
+    mgpu_synchronize_all();
+    mgpu_copy(p, x, 1);                          /* d1's copy queue writes p */
+    CHECK_CLOSE(mgpu_item(p, BIG_COPY - 1), 3.0f, 0, 0); /* the host waits for it */
+    mgpu_fill(x, 4.0f);
+    mgpu_copy(p, x, 1);                          /* d1's copy queue writes p again */
+    mgpu_tensor *y = mgpu_to(p, d[2], 1);        /* another copy queue reads it after */
+    mgpu_synchronize_all();
+    CHECK_CLOSE(mgpu_item(y, 0), 4.0f, 0, 0);
+    CHECK_CLOSE(mgpu_item(y, BIG_COPY - 1), 4.0f, 0, 0);
+    mgpu_free(x); mgpu_free(p); mgpu_free(y);
+}
+
 TEST(views_and_narrow_share_memory) {
     mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(4, 5));
     mgpu_tensor *rows = mgpu_narrow(x, 2, 2);
