@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh build test          # make, make test-gpu
 #   bash bench/gpu_session.sh chapters            # ./chapter1 --full, ./chapter2, ./chapter3
 #   bash bench/gpu_session.sh bench               # make bench beside PyTorch
-#   bash bench/gpu_session.sh profile             # ./bench/profile, float32 and TF32
+#   bash bench/gpu_session.sh profile             # ./bench/profile, TF32 and float32
+#   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #
 # Every stage builds what it needs first (make is quick when nothing
 # changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT
@@ -82,6 +83,26 @@ chapters() {
         ./chapter3 --out "$out"
 }
 
+# The kernels' tests at small sizes under compute-sanitizer: memcheck
+# (out-of-bounds and misaligned accesses, launch errors) and racecheck
+# (shared-memory races in the reductions).
+sanitize() {
+    make -j"$JOBS" build/cuda/gpu_layers build/cuda/gpu_train_ops || return 1
+    local cs status=0
+    cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in memcheck racecheck; do
+        for t in "gpu_layers conv2d_small" "gpu_layers pooling" "gpu_layers relu" \
+                 "gpu_layers linear" "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
+                 "gpu_train_ops cross_entropy_10" "gpu_train_ops cross_entropy_one" \
+                 "gpu_train_ops sum_of" "gpu_train_ops sgd"; do
+            set -- $t
+            echo "-- $tool: $1 $2"
+            "$cs" --tool $tool --error-exitcode 3 "build/cuda/$1" "$2" | tail -n 3 || status=1
+        done
+    done
+    return $status
+}
+
 profile() {
     ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA"
@@ -104,7 +125,9 @@ for s in "$@"; do
     profile)
         stage build build >/dev/null || { status=1; continue; }
         stage profile profile || status=1 ;;
-    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile)"; exit 2 ;;
+    sanitize) stage sanitize sanitize || status=1 ;;
+    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile, sanitize)"
+       exit 2 ;;
     esac
 done
 exit $status
