@@ -3380,16 +3380,9 @@ MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tenso
                  "mgpu_matmul: cannot multiply %s by %s into %s",
                  mgpu_shape_str(a->shape, sa, sizeof sa), mgpu_shape_str(b->shape, sb, sizeof sb),
                  mgpu_shape_str(c->shape, sc, sizeof sc));
-    mgpu__gemm_args g;
-    memset(&g, 0, sizeof g);
-    g.m = a->shape.d[0];
-    g.n = b->shape.d[1];
-    g.k = a->shape.d[1];
-    g.alpha = 1.0f;
-    g.a = a->data; g.lda = g.k;
-    g.b = b->data; g.ldb = g.n;
-    g.c = c->data; g.ldc = g.n;
-    g.tf32 = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
+    mgpu__gemm_args g = mgpu__gemm_dense(0, 0, a->shape.d[0], b->shape.d[1], a->shape.d[1], a->data,
+                                         b->data, c->data, 0.0f,
+                                         mgpu__tf32_allowed(MGPU__TF32_MATMUL));
     mgpu__before_write(c);
     mgpu__launch_on(&c->device->queue[0], "matmul", mgpu__gemm_cpu, MGPU__CUDA_FN(mgpu__gemm_cuda),
                     &g, sizeof g);
@@ -4039,6 +4032,22 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l) {
     mgpu__launch_on(&(dev)->queue[0], name, fn##_cpu, MGPU__CUDA_FN(fn##_cuda), &(args), \
                     sizeof(args))
 
+/* Enqueues a per-channel sum (kernels/linear.h) on dev, with the scratch
+   for the GPU's split sum when it needs one. */
+static void mgpu__enqueue_chan_sum(mgpu_device *dev, const char *name, float *out, const float *x,
+                                   int outer, int channels, size_t inner, float alpha,
+                                   float beta) {
+    mgpu__chan_sum_args a = {out, x, outer, channels, inner, alpha, beta, NULL, 1};
+    mgpu_tensor *partials = NULL;
+    if (mgpu_device_is_gpu(dev)) a.splits = mgpu__chan_sum_splits(outer, channels, inner);
+    if (a.splits > 1) {
+        partials = mgpu_empty(dev, mgpu_shape1(channels * a.splits));
+        a.partials = partials->data;
+    }
+    MGPU__ENQUEUE(dev, name, mgpu__chan_sum, a);
+    mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
+}
+
 static void mgpu__require_shape(const mgpu_tensor *t, mgpu_shape want, const char *op,
                                 const char *what) {
     char a[64], b[64];
@@ -4077,6 +4086,9 @@ static mgpu__conv_geom mgpu__conv_geometry(const char *op, mgpu_shape x, mgpu_sh
                  "%s: input %s and weight %s must both have 4 dimensions ([N, C, H, W] and "
                  "[K, C, R, S])", op, sx, sw);
     MGPU_REQUIRE(x.d[0] >= 1, "%s: input %s is an empty batch", op, sx);
+    MGPU_REQUIRE(x.d[1] >= 1 && x.d[2] >= 1 && x.d[3] >= 1 && w.d[0] >= 1 && w.d[2] >= 1 &&
+                     w.d[3] >= 1,
+                 "%s: input %s and weight %s must have no empty dimension", op, sx, sw);
     MGPU_REQUIRE(x.d[1] == w.d[1],
                  "%s: input %s has %d channels but weight %s expects %d", op, sx, x.d[1], sw,
                  w.d[1]);
@@ -4226,9 +4238,8 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     }
     mgpu__conv_scratch_free(&s);
     if (db) {
-        float beta = accumulate ? 1.0f : 0.0f;
-        mgpu__chan_sum_args sum = {db->data, dy->data, g.n, g.k, pq, 1.0f, beta};
-        MGPU__ENQUEUE(dev, "conv2d_backward bias", mgpu__chan_sum, sum);
+        mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k, pq, 1.0f,
+                               accumulate ? 1.0f : 0.0f);
     }
 }
 
@@ -4282,9 +4293,9 @@ MGPU_DEF void mgpu_global_avg_pool_forward(mgpu_tensor *y, const mgpu_tensor *x)
     mgpu__global_pool_check("mgpu_global_avg_pool_forward", x, y, "output y");
     size_t hw = (size_t)x->shape.d[2] * x->shape.d[3];
     float mean = 1.0f / (float)hw;
-    mgpu__chan_sum_args a = {y->data, x->data, 1, (int)y->numel, hw, mean, 0.0f};
     mgpu__before_write(y);
-    MGPU__ENQUEUE(x->device, "global_avg_pool", mgpu__chan_sum, a);
+    mgpu__enqueue_chan_sum(x->device, "global_avg_pool", y->data, x->data, 1, (int)y->numel, hw,
+                           mean, 0.0f);
 }
 
 MGPU_DEF void mgpu_global_avg_pool_backward(mgpu_tensor *dx, const mgpu_tensor *dy) {
@@ -4406,9 +4417,8 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     mgpu__before_write(dw);
     MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dwp);
     if (db) {
-        mgpu__chan_sum_args sum = {db->data, dy->data, n, out, 1, 1.0f, beta};
         mgpu__before_write(db);
-        MGPU__ENQUEUE(dev, "linear_backward", mgpu__chan_sum, sum);
+        mgpu__enqueue_chan_sum(dev, "linear_backward", db->data, dy->data, n, out, 1, 1.0f, beta);
     }
 }
 /* ======================================================================

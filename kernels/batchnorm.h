@@ -31,7 +31,7 @@
    idle for ResNet's 64 channels. So each channel is cut into S slices
    (mgpu__bn_splits: about 4096 values each, at most 64) and the work is
    three kernels:
-     1. a grid of S x C blocks: each reduces its slice to one partial
+     1. a grid of C x S blocks: each reduces its slice to one partial
         result (warp shuffles, then one value per warp in shared memory);
      2. one thread per channel merges its S partials and writes the
         channel's results (statistics and running statistics forward,
@@ -259,7 +259,8 @@ static __device__ inline void mgpu__welford_add(mgpu__welford *w, float x) {
 }
 
 /* Butterfly reduction: every lane of the warp ends with the combination of
-   all 32 lanes' values (the same bits in each, for a commutative op). */
+   all 32 lanes' values (combined in different orders, so the last bits
+   may differ from lane to lane: callers use lane 0's). */
 template <typename T, typename Op>
 static __device__ inline T mgpu__warp_allreduce(T v, Op op) {
     for (int mask = 16; mask > 0; mask >>= 1) v = op(v, mgpu__shfl_xor(v, mask));
@@ -285,16 +286,17 @@ static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
 /* --------------------------------------------------- batch norm kernels */
 #define MGPU__BN_BLOCK 256
 
-/* The values [begin, end) of its channel that block blockIdx.x of the
-   S x C grid reduces. */
+/* The values [begin, end) of its channel that block (c, blockIdx.y) of the
+   C x S grid reduces. (Channels on x: the grid's y and z are limited to
+   65535, its x to 2^31 - 1.) */
 static __device__ inline void mgpu__bn_slice(size_t m, int splits, size_t *begin, size_t *end) {
     size_t chunk = (m + (size_t)splits - 1) / (size_t)splits;
-    *begin = blockIdx.x * chunk;
+    *begin = blockIdx.y * chunk;
     *end = *begin + chunk < m ? *begin + chunk : m;
 }
 
 static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a) {
-    int c = blockIdx.y;
+    int c = blockIdx.x;
     size_t begin, end;
     mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
     mgpu__welford w = {0, 0, 0};
@@ -302,7 +304,7 @@ static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a) {
         mgpu__welford_add(&w, a.x[mgpu__bn_offset(j, c, a.c, a.hw)]);
     mgpu__welford none = {0, 0, 0};
     w = mgpu__block_reduce(w, mgpu__welford_op(), none);
-    if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.x] = w;
+    if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
 }
 
 static __global__ void mgpu__bn_finish_stats_kernel(mgpu__bn_forward_args a) {
@@ -322,7 +324,7 @@ static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     cudaStream_t stream = (cudaStream_t)ex->stream;
     if (a->training) {
-        mgpu__bn_stats_kernel<<<dim3(a->splits, a->c), MGPU__BN_BLOCK, 0, stream>>>(*a);
+        mgpu__bn_stats_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a);
         MGPU_CUDA_CHECK_LAUNCH();
         mgpu__bn_finish_stats_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
         MGPU_CUDA_CHECK_LAUNCH();
@@ -333,7 +335,7 @@ static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
 }
 
 static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a) {
-    int c = blockIdx.y;
+    int c = blockIdx.x;
     size_t begin, end;
     mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
     mgpu__pair sums = {0, 0}; /* sum of g, sum of g xhat */
@@ -345,7 +347,7 @@ static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a) {
     }
     mgpu__pair zero = {0, 0};
     sums = mgpu__block_reduce(sums, mgpu__sum_op(), zero);
-    if (threadIdx.x == 0) ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.x] = sums;
+    if (threadIdx.x == 0) ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.y] = sums;
 }
 
 static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
@@ -372,7 +374,7 @@ static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a) {
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
     cudaStream_t stream = (cudaStream_t)ex->stream;
-    mgpu__bn_grad_sums_kernel<<<dim3(a->splits, a->c), MGPU__BN_BLOCK, 0, stream>>>(*a);
+    mgpu__bn_grad_sums_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_finish_grads_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();

@@ -30,7 +30,16 @@
    value per warp through shared memory). The order of the additions is
    fixed, so the result is the same from run to run. When inner is large
    (convolutions, pooling) a warp reads runs of consecutive values; the
-   linear layer's inner = 1 reads with a stride, but there dy is small. */
+   linear layer's inner = 1 reads with a stride, but there dy is small.
+   Few channels with many values each (the bias gradient of a 64-channel
+   convolution at batch 256: 200704 values per channel) would leave most
+   of a GPU idle with one block per channel, so the sum is then split:
+   `splits` blocks per channel each sum a slab of the outer axis into
+   `partials`, and a second kernel adds each channel's partials in order
+   (still the same result from run to run). mgpu__chan_sum_splits decides,
+   and the wrapper provides the scratch. */
+
+static inline int mgpu__max1(int x) { return x > 1 ? x : 1; }
 
 /* Row-major C [m x n] = op(A) op(B) + beta C for dense matrices: op(A) is
    m x k (A is stored k x m when transposed), op(B) is k x n. */
@@ -47,12 +56,13 @@ static mgpu__gemm_args mgpu__gemm_dense(int trans_a, int trans_b, int m, int n, 
     g.alpha = 1.0f;
     g.beta = beta;
     g.tf32 = tf32;
+    /* BLAS wants every leading dimension >= 1, even for an empty matrix */
     g.a = a;
-    g.lda = trans_a ? m : k;
+    g.lda = mgpu__max1(trans_a ? m : k);
     g.b = b;
-    g.ldb = trans_b ? k : n;
+    g.ldb = mgpu__max1(trans_b ? k : n);
     g.c = c;
-    g.ldc = n;
+    g.ldc = mgpu__max1(n);
     return g;
 }
 
@@ -70,7 +80,21 @@ typedef struct {
     int outer, channels;
     size_t inner;
     float alpha, beta;
+    float *partials; /* GPU, splits > 1: [channels, splits] scratch */
+    int splits;      /* blocks per channel on a GPU; 1 on the CPU */
 } mgpu__chan_sum_args;
+
+/* Blocks per channel for the GPU's sum: enough blocks in all (512) to
+   fill a GPU, but each one summing at least 4096 values, and at most 64
+   per channel (and no more than there are slabs of the outer axis). */
+static int mgpu__chan_sum_splits(int outer, int channels, size_t inner) {
+    size_t count = (size_t)outer * inner, want = (512 + (size_t)channels - 1) / (size_t)channels;
+    size_t most = count / 4096;
+    if (want > most) want = most;
+    if (want > 64) want = 64;
+    if (want > (size_t)outer) want = (size_t)outer;
+    return want < 1 ? 1 : (int)want;
+}
 
 /* Loops over (o, k, i) rather than calling mgpu__chan_broadcast_value per
    element: two integer divisions per element would cost more than the
@@ -156,13 +180,50 @@ static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
         }
     }
 }
+/* Split sum, first half: block (k, s) sums channel k over its slab s of the
+   outer axis into partials[k * splits + s]. */
+static __global__ void mgpu__chan_sum_partial_kernel(mgpu__chan_sum_args p) {
+    __shared__ float warp_sums[32];
+    unsigned k = blockIdx.x, s = blockIdx.y, inner = (unsigned)p.inner;
+    unsigned per = ((unsigned)p.outer + p.splits - 1) / p.splits, first = s * per;
+    unsigned last = first + per < (unsigned)p.outer ? first + per : (unsigned)p.outer;
+    unsigned count = first < last ? (last - first) * inner : 0;
+    float sum = 0.0f;
+    for (unsigned j = threadIdx.x; j < count; j += blockDim.x) /* j = (o - first, i) */
+        sum += p.x[((size_t)(first + j / inner) * p.channels + k) * inner + j % inner];
+    sum = mgpu__warp_sum(sum);
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) warp_sums[warp] = sum;
+    __syncthreads();
+    if (warp == 0) {
+        sum = mgpu__warp_sum(lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f);
+        if (lane == 0) p.partials[(size_t)k * p.splits + s] = sum;
+    }
+}
+/* Second half: each channel's partials, added in order. */
+static __global__ void mgpu__chan_sum_finish_kernel(mgpu__chan_sum_args p) {
+    MGPU__GRID_STRIDE_LOOP(k, (size_t)p.channels) {
+        float sum = 0.0f;
+        for (int s = 0; s < p.splits; s++) sum += p.partials[k * p.splits + s];
+        float v = p.alpha * sum;
+        p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + v : v;
+    }
+}
 static void mgpu__chan_sum_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
     if (p->channels == 0) return;
+    cudaStream_t stream = (cudaStream_t)ex->stream;
     /* A block no wider than the work: global pooling of a 4x4 map has 16 values per channel. */
     size_t count = (size_t)p->outer * p->inner;
     unsigned block = count >= 256 ? 256 : count > 32 ? 128 : 32;
-    mgpu__chan_sum_kernel<<<(unsigned)p->channels, block, 0, (cudaStream_t)ex->stream>>>(*p);
+    if (p->splits > 1) {
+        mgpu__chan_sum_partial_kernel<<<dim3((unsigned)p->channels, (unsigned)p->splits), 256, 0,
+                                        stream>>>(*p);
+        MGPU_CUDA_CHECK_LAUNCH();
+        mgpu__chan_sum_finish_kernel<<<mgpu__grid_for((size_t)p->channels, 256), 256, 0, stream>>>(*p);
+    } else {
+        mgpu__chan_sum_kernel<<<(unsigned)p->channels, block, 0, stream>>>(*p);
+    }
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif
