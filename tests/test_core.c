@@ -381,6 +381,23 @@ TEST(matmul_matches_a_double_precision_reference) {
             check_matmul(devs[k], shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
+/* A product over an empty inner dimension is a matrix of zeros (BLAS
+   still wants leading dimensions of at least 1). */
+TEST(matmul_with_nothing_to_sum_gives_zeros) {
+    mgpu_device *devs[8];
+    int ndev = all_kinds_of_device(devs);
+    for (int k = 0; k < ndev; k++) {
+        mgpu_tensor *a = mgpu_zeros(devs[k], mgpu_shape2(3, 0));
+        mgpu_tensor *b = mgpu_zeros(devs[k], mgpu_shape2(0, 4));
+        mgpu_tensor *c = mgpu_full(devs[k], mgpu_shape2(3, 4), NAN);
+        mgpu_matmul(c, a, b);
+        float out[12];
+        mgpu_to_host(c, out);
+        for (int i = 0; i < 12; i++) CHECK_CLOSE(out[i], 0.0f, 0, 0);
+        mgpu_free(a); mgpu_free(b); mgpu_free(c);
+    }
+}
+
 TEST(matmul_shape_errors_are_clear) {
     mgpu_tensor *a = mgpu_zeros(mgpu_cpu(), mgpu_shape2(3, 4));
     mgpu_tensor *b = mgpu_zeros(mgpu_cpu(), mgpu_shape2(5, 6));

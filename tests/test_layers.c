@@ -655,6 +655,10 @@ TEST(errors_name_the_shapes) {
                 "mgpu_conv2d_backward: output gradient dy has shape [2, 4, 8, 8], expected [2, 4, 6, 6]");
     EXPECT_DIES(mgpu_conv2d_output_shape(mgpu_shape2(2, 3), mgpu_shape4(4, 3, 3, 3), 1, 0),
                 "input [2, 3] and weight [4, 3, 3, 3] must both have 4 dimensions");
+    EXPECT_DIES(mgpu_conv2d_output_shape(mgpu_shape4(2, 0, 8, 8), mgpu_shape4(4, 0, 1, 1), 1, 1),
+                "input [2, 0, 8, 8] and weight [4, 0, 1, 1] must have no empty dimension");
+    EXPECT_DIES(mgpu_conv2d_output_shape(mgpu_shape4(2, 3, 0, 8), mgpu_shape4(4, 3, 1, 1), 1, 1),
+                "input [2, 3, 0, 8] and weight [4, 3, 1, 1] must have no empty dimension");
     EXPECT_DIES(mgpu_linear_forward(ly, lx, lw, NULL),
                 "mgpu_linear_forward: input [4, 7] has 7 features but weight [6, 3] expects 6");
     EXPECT_DIES(mgpu_linear_forward(ly5, lx, lw7, NULL),
