@@ -600,7 +600,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
        mgpu_conv2d_backward(dx, dw, db, dy, x, w, stride, pad, accumulate)
    dx [N, C, H, W] may be NULL (the first layer needs no input gradient);
    dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
-   pass's input and weight.
+   pass's input and weight. A convolution works through im2col in chunks
+   of images whose scratch (the col buffer) is at most 4 MiB on the CPU
+   and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
+   another size for both (for measuring: bench/profile).
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4075,6 +4078,19 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
 static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
+/* MGPU_CONV_SCRATCH_MB, read at the first convolution, replaces both. */
+static int mgpu__conv_scratch_env_read;
+static void mgpu__conv_scratch_from_environment(void) {
+    if (mgpu__conv_scratch_env_read) return;
+    mgpu__conv_scratch_env_read = 1;
+    const char *env = getenv("MGPU_CONV_SCRATCH_MB");
+    if (!env || !*env) return;
+    char *end;
+    long mb = strtol(env, &end, 10);
+    MGPU_REQUIRE(*end == '\0' && mb >= 1 && mb <= 65536,
+                 "MGPU_CONV_SCRATCH_MB=%s: want a whole number of MiB from 1 to 65536", env);
+    mgpu__conv_scratch_floats[0] = mgpu__conv_scratch_floats[1] = (size_t)mb << 18;
+}
 
 /* The geometry of conv(x, w) over the whole batch; checks that the shapes fit. */
 static mgpu__conv_geom mgpu__conv_geometry(const char *op, mgpu_shape x, mgpu_shape w, int stride,
@@ -4114,6 +4130,7 @@ MGPU_DEF mgpu_shape mgpu_conv2d_output_shape(mgpu_shape x, mgpu_shape w, int str
 
 /* Images per chunk: as many as the scratch allows, at least one. */
 static int mgpu__conv_chunk(const mgpu__conv_geom *g, const mgpu_device *dev) {
+    mgpu__conv_scratch_from_environment();
     size_t per_image = (size_t)(g->c * g->r * g->s + g->k) * g->p * g->q;
     size_t n = mgpu__conv_scratch_floats[mgpu_device_is_gpu(dev)] / (per_image ? per_image : 1);
     if (n > (size_t)g->n) n = (size_t)g->n;
@@ -4175,14 +4192,10 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
         MGPU__ENQUEUE(dev, "conv2d product", mgpu__gemm, prod);
         /* [K, n, P*Q] -> y's [n, K, P*Q] */
         mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
-                                      pq};
-        MGPU__ENQUEUE(dev, "conv2d layout", mgpu__swap_outer, back);
+                                      pq, b ? b->data : NULL};
+        MGPU__ENQUEUE(dev, "conv2d layout and bias", mgpu__swap_outer, back);
     }
     mgpu__conv_scratch_free(&s);
-    if (b) {
-        mgpu__chan_broadcast_args bias = {y->data, b->data, g.n, g.k, pq, 1.0f, 1.0f};
-        MGPU__ENQUEUE(dev, "conv2d bias", mgpu__chan_broadcast, bias);
-    }
 }
 
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
@@ -4218,7 +4231,7 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         int cols = part.n * (int)pq;
         /* G [K, n*P*Q] from dy's [n, K, P*Q] */
         mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
-                                       g.k, pq};
+                                       g.k, pq, NULL};
         MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
         mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
         MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);

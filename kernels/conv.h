@@ -27,7 +27,8 @@
 
    Layout. A tensor is [N, K, P, Q], but the product gives [K, N, P*Q]:
    the two outer axes are swapped. So the forward pass swaps them back
-   after the product (mgpu__swap_outer), and the backward pass swaps dy the
+   after the product (mgpu__swap_outer, which adds the bias on the way:
+   one pass over y instead of two), and the backward pass swaps dy the
    other way before its products. The batch is processed in chunks of
    images so that the col buffer stays bounded; a chunk holds as many
    images as fit, so one product covers many images (a GPU needs large
@@ -76,12 +77,14 @@ typedef struct {
     mgpu__conv_geom g;
 } mgpu__col2im_args;
 
-/* in [outer, middle, inner] -> out [middle, outer, inner] */
+/* in [outer, middle, inner] -> out [middle, outer, inner], plus bias[o]
+   on every value of in's run o when bias is not NULL */
 typedef struct {
     float *out;
     const float *in;
     int outer, middle;
     size_t inner;
+    const float *bias;
 } mgpu__swap_outer_args;
 
 /* The output positions o in [0, out) whose input o*stride + t - pad lies
@@ -161,9 +164,16 @@ static void mgpu__swap_outer_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
     for (int m = 0; m < a->middle; m++)
-        for (int o = 0; o < a->outer; o++)
-            memcpy(a->out + ((size_t)m * a->outer + o) * a->inner,
-                   a->in + ((size_t)o * a->middle + m) * a->inner, a->inner * sizeof(float));
+        for (int o = 0; o < a->outer; o++) {
+            float *out = a->out + ((size_t)m * a->outer + o) * a->inner;
+            const float *in = a->in + ((size_t)o * a->middle + m) * a->inner;
+            if (!a->bias) {
+                memcpy(out, in, a->inner * sizeof(float));
+                continue;
+            }
+            float b = a->bias[o];
+            for (size_t i = 0; i < a->inner; i++) out[i] = in[i] + b;
+        }
 }
 
 #if MGPU_CUDA
@@ -254,7 +264,7 @@ static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a) {
     MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner] */
         unsigned i = (unsigned)e, k = i % inner, m_o = i / inner;
         unsigned o = m_o % a.outer, m = m_o / a.outer;
-        a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k];
+        a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k] + (a.bias ? a.bias[o] : 0.0f);
     }
 }
 static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {

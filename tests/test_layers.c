@@ -518,6 +518,27 @@ TEST(conv2d_in_chunks) {
     inputs_free(&c, &ci);
 }
 
+/* MGPU_CONV_SCRATCH_MB sets the budget of both kinds of device: 3 MiB is
+   3 << 18 = 786432 floats, so 77 images of (9 + 4) * 28 * 28 floats fit in a chunk,
+   where the default 4 MiB holds 102. A bad value is a clear error. */
+TEST(conv_scratch_size_from_the_environment) {
+    size_t saved[2] = {mgpu__conv_scratch_floats[0], mgpu__conv_scratch_floats[1]};
+    mgpu__conv_geom g = mgpu__conv_geometry("test", mgpu_shape4(256, 1, 28, 28),
+                                            mgpu_shape4(4, 1, 3, 3), 1, 1);
+    CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 102);
+    setenv("MGPU_CONV_SCRATCH_MB", "3", 1);
+    mgpu__conv_scratch_env_read = 0;
+    CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 77);
+    CHECK(mgpu__conv_scratch_floats[1] == (size_t)3 << 18);
+    setenv("MGPU_CONV_SCRATCH_MB", "3x", 1);
+    mgpu__conv_scratch_env_read = 0;
+    EXPECT_DIES(mgpu__conv_chunk(&g, mgpu_cpu()),
+                "MGPU_CONV_SCRATCH_MB=3x: want a whole number of MiB from 1 to 65536");
+    unsetenv("MGPU_CONV_SCRATCH_MB");
+    mgpu__conv_scratch_floats[0] = saved[0];
+    mgpu__conv_scratch_floats[1] = saved[1];
+}
+
 TEST(avg_pool2d_forward_and_gradients) {
     layer_case cases[] = {
         pool_case("2x2 even", mgpu_shape4(2, 3, 8, 6), 2),
