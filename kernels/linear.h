@@ -162,27 +162,10 @@ static __device__ inline float mgpu__warp_sum(float v) {
     return v;
 }
 
+/* Block (k, s) sums channel k over slab s of the outer axis (the whole
+   axis when splits is 1): into out[k] when there is one slab, else into
+   partials[k * splits + s] for mgpu__chan_sum_finish_kernel. */
 static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
-    __shared__ float warp_sums[32];
-    unsigned k = blockIdx.x, inner = (unsigned)p.inner, count = p.outer * inner;
-    float sum = 0.0f;
-    for (unsigned j = threadIdx.x; j < count; j += blockDim.x) /* j = (o, i) */
-        sum += p.x[((size_t)(j / inner) * p.channels + k) * inner + j % inner];
-    sum = mgpu__warp_sum(sum);
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0) warp_sums[warp] = sum;
-    __syncthreads();
-    if (warp == 0) {
-        sum = mgpu__warp_sum(lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f);
-        if (lane == 0) {
-            float s = p.alpha * sum;
-            p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + s : s;
-        }
-    }
-}
-/* Split sum, first half: block (k, s) sums channel k over its slab s of the
-   outer axis into partials[k * splits + s]. */
-static __global__ void mgpu__chan_sum_partial_kernel(mgpu__chan_sum_args p) {
     __shared__ float warp_sums[32];
     unsigned k = blockIdx.x, s = blockIdx.y, inner = (unsigned)p.inner;
     unsigned per = ((unsigned)p.outer + p.splits - 1) / p.splits, first = s * per;
@@ -197,10 +180,15 @@ static __global__ void mgpu__chan_sum_partial_kernel(mgpu__chan_sum_args p) {
     __syncthreads();
     if (warp == 0) {
         sum = mgpu__warp_sum(lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f);
-        if (lane == 0) p.partials[(size_t)k * p.splits + s] = sum;
+        if (lane == 0 && p.splits > 1) {
+            p.partials[(size_t)k * p.splits + s] = sum;
+        } else if (lane == 0) {
+            float v = p.alpha * sum;
+            p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + v : v;
+        }
     }
 }
-/* Second half: each channel's partials, added in order. */
+/* When the sum is split: each channel's partials, added in order. */
 static __global__ void mgpu__chan_sum_finish_kernel(mgpu__chan_sum_args p) {
     MGPU__GRID_STRIDE_LOOP(k, (size_t)p.channels) {
         float sum = 0.0f;
@@ -214,16 +202,13 @@ static void mgpu__chan_sum_cuda(const void *args, const mgpu__exec *ex) {
     if (p->channels == 0) return;
     cudaStream_t stream = (cudaStream_t)ex->stream;
     /* A block no wider than the work: global pooling of a 4x4 map has 16 values per channel. */
-    size_t count = (size_t)p->outer * p->inner;
+    size_t count = (size_t)p->outer * p->inner / (size_t)p->splits;
     unsigned block = count >= 256 ? 256 : count > 32 ? 128 : 32;
-    if (p->splits > 1) {
-        mgpu__chan_sum_partial_kernel<<<dim3((unsigned)p->channels, (unsigned)p->splits), 256, 0,
-                                        stream>>>(*p);
-        MGPU_CUDA_CHECK_LAUNCH();
-        mgpu__chan_sum_finish_kernel<<<mgpu__grid_for((size_t)p->channels, 256), 256, 0, stream>>>(*p);
-    } else {
-        mgpu__chan_sum_kernel<<<(unsigned)p->channels, block, 0, stream>>>(*p);
-    }
+    mgpu__chan_sum_kernel<<<dim3((unsigned)p->channels, (unsigned)p->splits), block, 0, stream>>>(*p);
     MGPU_CUDA_CHECK_LAUNCH();
+    if (p->splits > 1) {
+        mgpu__chan_sum_finish_kernel<<<mgpu__grid_for((size_t)p->channels, 256), 256, 0, stream>>>(*p);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
 }
 #endif
