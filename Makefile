@@ -130,6 +130,20 @@ $(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	$(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
 
 CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
+
+# The CUDA kernels run on the CPU (tests/cuda_emu.h): their launches
+# kernel<<<config>>>(args); are rewritten into calls of the emulator, and
+# the kernels are compared with their CPU references, GPU or not.
+# The kernel files in the order mgpu.h includes them.
+EMU_TEST     := $(BUILD)/tests/emu_kernels
+KERNEL_FILES := $(shell sed -n 's/^\#include "\(kernels\/[a-z_]*\.h\)"/\1/p' mgpu.h)
+$(BUILD)/emu/kernels.h: $(KERNEL_FILES)
+	@mkdir -p $(dir $@)
+	perl -0pe 's/(\w+)<<<(.*?)>>>\((.*?)\);/MGPU_EMU_LAUNCH(($$2), [&] { $$1($$3); });/gs' \
+	  $(KERNEL_FILES) > $@
+$(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++20 -O1 -Wall -Wextra -Werror -Itests -I$(BUILD)/emu $< -o $@ -lopenblas -lpthread
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
@@ -139,8 +153,8 @@ ifeq ($(HAVE_NVCC),1)
 TEST_CUDA_BUILD := $(CUDA_TEST_BINS)
 endif
 
-test: $(CPU_TEST_BINS) $(TEST_CUDA_BUILD) all
-	@bash tests/run.sh $(CPU_TEST_BINS) -- tests/smoke.sh
+test: $(CPU_TEST_BINS) $(EMU_TEST) $(TEST_CUDA_BUILD) all
+	@bash tests/run.sh $(CPU_TEST_BINS) $(EMU_TEST) -- tests/smoke.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

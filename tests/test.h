@@ -108,7 +108,9 @@ static int test__failures; /* failures inside the running test */
    products are checked on their own, in tests/gpu_layers.c. */
 static int test__run_all(int argc, char **argv) {
     int passed = 0, failed = 0;
+#ifdef MGPU_H /* tests/emu_kernels.cpp runs the kernels without the library */
     mgpu_set_tf32(0, 0);
+#endif
     for (int i = 0; i < test__count; i++) {
         if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue;
         test__failures = 0;

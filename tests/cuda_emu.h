@@ -1,0 +1,194 @@
+/* tests/cuda_emu.h: runs the CUDA kernels of kernels/ on the CPU, so that
+   `make test` checks them against their CPU references on a machine with
+   no GPU (tests/emu_kernels.cpp; tests/gpu_*.c do the same on a real GPU).
+
+   How a GPU runs a kernel, written out with threads: a launch
+   kernel<<<grid, block>>>(args) runs grid.x * grid.y * grid.z blocks, and
+   every block runs block.x threads that see their own threadIdx and the
+   block's blockIdx. Here the blocks run one after another; the threads of
+   a block run at the same time as real OS threads, so that
+     __syncthreads()      is a barrier of the block's threads, and
+     __shfl_*_sync(...)   is an exchange among the 32 threads of a warp,
+                          with a barrier of the warp before and after;
+   __shared__ variables are static, shared by the threads of the block
+   (blocks run one at a time, so they do not share them with another).
+
+   What it checks beyond the arithmetic: launch configurations a GPU
+   refuses (an empty grid, gridDim.y or .z above 65535, more than 1024
+   threads), warp shuffles with a partial mask or after some threads of
+   the warp have returned (undefined on a GPU), and the leading dimensions
+   cuBLAS would reject. What it cannot check: timing, memory coalescing,
+   races between blocks (blocks run in order here).
+
+   The build (see the Makefile) rewrites every launch in kernels/,
+   name<<<config>>>(args);  ->  MGPU_EMU_LAUNCH((config), [&] { name(args); });
+   into build/emu/kernels.h, which this header's user includes next. */
+#ifndef MGPU_CUDA_EMU_H
+#define MGPU_CUDA_EMU_H
+#include <atomic>
+#include <barrier>
+#include <cblas.h>
+#include <functional>
+#include <math.h>
+#include <mutex>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <thread>
+#include <vector>
+
+/* ----------------------------------------------- the language's pieces */
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+static thread_local dim3 blockIdx, threadIdx;
+static dim3 blockDim, gridDim;
+#define __global__
+#define __device__
+#define __host__
+#define __shared__ static
+#define MGPU_CUDA 1
+#define MGPU__HOSTDEVICE
+
+static void mgpu_emu_fail(const char *what) {
+    fprintf(stderr, "cuda_emu: %s\n", what);
+    abort();
+}
+
+/* ---------------------------------------- the runtime and cuBLAS calls */
+typedef void *cudaStream_t;
+typedef int cudaError_t;
+#define cudaSuccess 0
+static int cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) {
+    memset(p, v, n);
+    return 0;
+}
+#define MGPU_CUDA_CHECK(call) do { if ((call) != 0) mgpu_emu_fail(#call " failed"); } while (0)
+#define MGPU_CUDA_CHECK_LAUNCH() do { } while (0) /* a bad launch has aborted already */
+#define MGPU_CUBLAS_CHECK(call) do { if ((call) != 0) mgpu_emu_fail(#call " was refused"); } while (0)
+static void mgpu_fatal(const char *fmt, ...) { mgpu_emu_fail(fmt); }
+
+typedef struct mgpu__exec {
+    int on_gpu;
+    void *stream;
+    void *cublas;
+} mgpu__exec;
+
+typedef void *cublasHandle_t;
+enum cublasOperation_t { CUBLAS_OP_N, CUBLAS_OP_T };
+enum { CUDA_R_32F };
+enum { CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 };
+enum { CUBLAS_GEMM_DEFAULT };
+/* cuBLAS's product, column-major, in double; it refuses leading dimensions
+   below max(1, rows) as cuBLAS does. */
+static int cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                        int k, const float *alpha, const float *a, int, int lda, const float *b,
+                        int, int ldb, const float *beta, float *c, int, int ldc, int, int) {
+    int a_rows = ta == CUBLAS_OP_N ? m : k, b_rows = tb == CUBLAS_OP_N ? k : n;
+    if (lda < (a_rows > 1 ? a_rows : 1) || ldb < (b_rows > 1 ? b_rows : 1) ||
+        ldc < (m > 1 ? m : 1))
+        return 7; /* CUBLAS_STATUS_INVALID_VALUE */
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            double s = 0;
+            for (int p = 0; p < k; p++)
+                s += (double)(ta == CUBLAS_OP_N ? a[i + (size_t)p * lda] : a[p + (size_t)i * lda]) *
+                     (tb == CUBLAS_OP_N ? b[p + (size_t)j * ldb] : b[j + (size_t)p * ldb]);
+            float *out = &c[i + (size_t)j * ldc];
+            *out = *alpha * (float)s + (*beta == 0.0f ? 0.0f : *beta * *out);
+        }
+    return 0;
+}
+
+/* ------------------------------------------------------------- warps */
+struct mgpu_emu_warp {
+    std::barrier<> *barrier;
+    unsigned char slot[32][16]; /* each lane's value during a shuffle */
+    std::atomic<unsigned> exited{0};
+};
+static std::vector<mgpu_emu_warp *> mgpu_emu_warps;
+static std::barrier<> *mgpu_emu_block_barrier;
+
+template <typename T> static T mgpu_emu_shuffle(unsigned mask, T v, int (*source)(int, int), int arg) {
+    static_assert(sizeof(T) <= 16, "shuffled values are at most 16 bytes here");
+    if (mask != 0xffffffffu) mgpu_emu_fail("a shuffle with a partial mask");
+    mgpu_emu_warp *w = mgpu_emu_warps[threadIdx.x / 32];
+    int lane = threadIdx.x % 32;
+    if (w->exited.load()) mgpu_emu_fail("a shuffle after some threads of the warp returned");
+    memcpy(w->slot[lane], &v, sizeof v);
+    w->barrier->arrive_and_wait();
+    T r;
+    memcpy(&r, w->slot[source(lane, arg)], sizeof r);
+    w->barrier->arrive_and_wait();
+    return r;
+}
+static int mgpu_emu_xor_lane(int lane, int mask) { return lane ^ mask; }
+static int mgpu_emu_down_lane(int lane, int delta) { return lane + delta < 32 ? lane + delta : lane; }
+template <typename T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    return mgpu_emu_shuffle(mask, v, mgpu_emu_xor_lane, lane_mask);
+}
+template <typename T> static T __shfl_down_sync(unsigned mask, T v, int delta) {
+    return mgpu_emu_shuffle(mask, v, mgpu_emu_down_lane, delta);
+}
+static void __syncthreads() { mgpu_emu_block_barrier->arrive_and_wait(); }
+static std::mutex mgpu_emu_atomic_mutex;
+static float atomicAdd(float *address, float value) {
+    std::lock_guard<std::mutex> hold(mgpu_emu_atomic_mutex);
+    float old = *address;
+    *address = old + value;
+    return old;
+}
+
+/* ------------------------------------------------------------ launches */
+static long mgpu_emu_launches;
+static void mgpu_emu_launch(dim3 grid, dim3 block, size_t, cudaStream_t,
+                            const std::function<void()> &kernel) {
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
+        mgpu_emu_fail("a grid a GPU refuses (empty, or y or z above 65535)");
+    if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || block.x % 32)
+        mgpu_emu_fail("a block of other than 1 to 32 whole warps in x");
+    mgpu_emu_launches++;
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                std::barrier<> block_barrier(block.x);
+                mgpu_emu_block_barrier = &block_barrier;
+                mgpu_emu_warps.clear();
+                for (unsigned w = 0; w < block.x / 32; w++) {
+                    mgpu_emu_warp *warp = new mgpu_emu_warp;
+                    warp->barrier = new std::barrier<>(32);
+                    mgpu_emu_warps.push_back(warp);
+                }
+                std::vector<std::thread> threads;
+                for (unsigned tx = 0; tx < block.x; tx++)
+                    threads.emplace_back([&, tx, bx, by, bz] {
+                        blockIdx = dim3(bx, by, bz);
+                        threadIdx = dim3(tx, 0, 0);
+                        kernel();
+                        /* a thread that has returned no longer counts in the barriers */
+                        mgpu_emu_warps[tx / 32]->exited |= 1u << (tx % 32);
+                        block_barrier.arrive_and_drop();
+                        mgpu_emu_warps[tx / 32]->barrier->arrive_and_drop();
+                    });
+                for (std::thread &t : threads) t.join();
+                for (mgpu_emu_warp *w : mgpu_emu_warps) {
+                    delete w->barrier;
+                    delete w;
+                }
+            }
+}
+#define MGPU_EMU_UNPAREN(...) __VA_ARGS__
+#define MGPU_EMU_CALL(f, ...) f(__VA_ARGS__)
+#define MGPU_EMU_LAUNCH(config, kernel) MGPU_EMU_CALL(mgpu_emu_launch, MGPU_EMU_UNPAREN config, kernel)
+
+/* The fill kernels draw random numbers through mgpu.h's generator, which is
+   not part of kernels/: any function of the same arguments will do, as the
+   CPU reference calls the same one. */
+static inline float mgpu__random_at(uint64_t key, uint64_t offset, uint64_t i, int normal) {
+    return (float)((key + offset + i) % 1000) / 1000.0f - (normal ? 0.5f : 0.0f);
+}
+#endif

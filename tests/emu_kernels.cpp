@@ -1,0 +1,317 @@
+/* tests/emu_kernels.cpp: every CUDA kernel of kernels/ against its CPU
+   reference, run on the CPU by tests/cuda_emu.h, so that `make test`
+   checks the GPU code's indexing, launch configurations, reductions and
+   cuBLAS arguments on a machine without a GPU. (On a GPU, tests/gpu_*.c
+   compare the real kernels, at the chapters' sizes.)
+
+   The sizes are small, as every CUDA thread is an OS thread here, but they
+   cover the edges: windows that hang over the padding, strides 1 to 3,
+   partial blocks and warps, reductions split over several blocks, ties.
+   Outputs start as NaN, so an element a kernel fails to write is caught.
+
+   Tolerances, relative to max(1, |CPU value|): copies and elementwise
+   operations are exact (0); sums taken in another order 1e-5 (batch norm's
+   input gradient 1e-4: a difference of two such sums). */
+#include "cuda_emu.h"
+#include "kernels.h" /* the files of kernels/, their launches rewritten (Makefile) */
+#include "test.h"
+
+static unsigned emu_seed = 12345;
+static float uniform() { /* in [-0.5, 0.5) */
+    emu_seed = emu_seed * 1103515245u + 12345u;
+    return (float)((emu_seed >> 8) & 0xffff) / 65536.0f - 0.5f;
+}
+static std::vector<float> random_values(size_t n, float shift = 0.0f, float scale = 1.0f) {
+    std::vector<float> v(n);
+    for (float &x : v) x = shift + scale * uniform();
+    return v;
+}
+static std::vector<float> nans(size_t n) { return std::vector<float>(n, NAN); }
+
+static const mgpu__exec on_gpu = {1, NULL, NULL}, on_cpu = {0, NULL, NULL};
+
+/* max over i of |gpu - cpu| / max(1, |cpu|) <= tol; names the first element that is not */
+static void same(const char *what, const std::vector<float> &gpu, const std::vector<float> &cpu,
+                 double tol) {
+    for (size_t i = 0; i < cpu.size(); i++) {
+        double err = fabs((double)gpu[i] - cpu[i]), scale = fabs(cpu[i]) > 1 ? fabs(cpu[i]) : 1;
+        if (!(err <= tol * scale) && !(isnan(gpu[i]) && isnan(cpu[i]))) {
+            fprintf(stderr, "  %s: element %zu is %.9g on the GPU, %.9g on the CPU\n", what, i,
+                    gpu[i], cpu[i]);
+            test__failures++;
+            return;
+        }
+    }
+}
+
+/* ---------------------------------------------------------- convolution */
+TEST(im2col_col2im_and_layout_swap) {
+    int cases = 0;
+    for (int n = 1; n <= 2; n++)
+        for (int h = 1; h <= 6; h += 5)
+            for (int r = 1; r <= 3; r++)
+                for (int stride = 1; stride <= 3; stride++)
+                    for (int pad = 0; pad <= 2; pad++) {
+                        int c = 2, w = h + 1, s = 4 - r; /* non-square images and kernels */
+                        if (h + 2 * pad < r || w + 2 * pad < s) continue;
+                        mgpu__conv_geom g = {n, c, h, w, 2, r, s, 0, 0, stride, pad};
+                        g.p = (h + 2 * pad - r) / stride + 1;
+                        g.q = (w + 2 * pad - s) / stride + 1;
+                        size_t xs = (size_t)n * c * h * w, cs = (size_t)c * r * s * n * g.p * g.q;
+                        std::vector<float> x = random_values(xs), col_c = nans(cs), col_g = nans(cs);
+                        mgpu__im2col_args a = {x.data(), col_c.data(), g};
+                        mgpu__im2col_cpu(&a, &on_cpu);
+                        a.col = col_g.data();
+                        mgpu__im2col_cuda(&a, &on_gpu);
+                        same("im2col", col_g, col_c, 0);
+                        std::vector<float> dcol = random_values(cs), dx_c = nans(xs), dx_g = nans(xs);
+                        mgpu__col2im_args b = {dcol.data(), dx_c.data(), g};
+                        mgpu__col2im_cpu(&b, &on_cpu);
+                        b.dx = dx_g.data();
+                        mgpu__col2im_cuda(&b, &on_gpu);
+                        same("col2im", dx_g, dx_c, 1e-5);
+                        cases++;
+                    }
+    CHECK(cases > 80);
+    for (int with_bias = 0; with_bias <= 1; with_bias++) {
+        int outer = 3, middle = 5;
+        size_t inner = 37, total = outer * middle * inner;
+        std::vector<float> in = random_values(total), bias = random_values(outer);
+        std::vector<float> out_c = nans(total), out_g = nans(total);
+        mgpu__swap_outer_args a = {out_c.data(), in.data(), outer, middle, inner,
+                                   with_bias ? bias.data() : NULL};
+        mgpu__swap_outer_cpu(&a, &on_cpu);
+        a.out = out_g.data();
+        mgpu__swap_outer_cuda(&a, &on_gpu);
+        same(with_bias ? "swap with bias" : "swap", out_g, out_c, 0);
+    }
+}
+
+/* cuBLAS's arguments for the four transpose combinations, an empty inner
+   dimension and beta 0 over NaN (tests/cuda_emu.h refuses what cuBLAS would). */
+TEST(gemm_arguments_for_cublas) {
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++)
+            for (int k = 0; k <= 5; k += 5)
+                for (int beta = 0; beta <= 1; beta++) {
+                    int m = 3, n = 4;
+                    std::vector<float> a = random_values(m * 5 + 1), b = random_values(5 * n + 1);
+                    std::vector<float> c_c = beta ? random_values(m * n) : nans(m * n), c_g = c_c;
+                    mgpu__gemm_args g = mgpu__gemm_dense(ta, tb, m, n, k, a.data(), b.data(),
+                                                         c_c.data(), (float)beta, 1);
+                    mgpu__gemm_cpu(&g, &on_cpu);
+                    g.c = c_g.data();
+                    mgpu__gemm_cuda(&g, &on_gpu);
+                    same("gemm", c_g, c_c, 1e-6);
+                }
+}
+
+/* ------------------------------------------- pooling, bias, channel sums */
+TEST(pooling) {
+    for (int h = 4; h <= 9; h += 5)
+        for (int k = 1; k <= 3; k++) {
+            int planes = 3, w = h - 1; /* the layer wants H, W >= k */
+            size_t xs = (size_t)planes * h * w, ys = (size_t)planes * (h / k) * (w / k);
+            std::vector<float> x = random_values(xs), y_c = nans(ys), y_g = nans(ys);
+            mgpu__avg_pool_args a = {y_c.data(), x.data(), ys, h, w, k};
+            mgpu__avg_pool_cpu(&a, &on_cpu);
+            a.y = y_g.data();
+            mgpu__avg_pool_cuda(&a, &on_gpu);
+            same("avg pool", y_g, y_c, 0);
+            std::vector<float> dx_c = nans(xs), dx_g = nans(xs);
+            mgpu__avg_pool_backward_args b = {dx_c.data(), y_c.data(), xs, h, w, k};
+            mgpu__avg_pool_backward_cpu(&b, &on_cpu);
+            b.dx = dx_g.data();
+            mgpu__avg_pool_backward_cuda(&b, &on_gpu);
+            same("avg pool backward", dx_g, dx_c, 0);
+        }
+}
+
+TEST(channel_broadcast_and_sums) {
+    /* outer, channels, inner: one block per channel, and sums split over
+       several blocks per channel (mgpu__chan_sum_splits > 1) */
+    static const int shapes[][3] = {{1, 3, 16}, {4, 2, 1}, {3, 2, 37}, {40, 3, 1},
+                                    {9, 3, 1000}, {10, 1, 2900}, {12, 1, 4096}};
+    int split_cases = 0;
+    for (const auto &d : shapes)
+        for (int beta = 0; beta <= 1; beta++) {
+            int outer = d[0], channels = d[1];
+            size_t inner = d[2], total = (size_t)outer * channels * inner;
+            std::vector<float> x = random_values(total), v = random_values(channels);
+            std::vector<float> y_c = beta ? random_values(total) : nans(total), y_g = y_c;
+            mgpu__chan_broadcast_args a = {y_c.data(), v.data(), outer, channels, inner, 0.5f,
+                                           (float)beta};
+            mgpu__chan_broadcast_cpu(&a, &on_cpu);
+            a.y = y_g.data();
+            mgpu__chan_broadcast_cuda(&a, &on_gpu);
+            same("broadcast", y_g, y_c, 0);
+
+            int splits = mgpu__chan_sum_splits(outer, channels, inner);
+            split_cases += splits > 1;
+            std::vector<float> s_c = beta ? random_values(channels) : nans(channels), s_g = s_c;
+            std::vector<float> partials = nans((size_t)channels * splits);
+            mgpu__chan_sum_args b = {s_c.data(), x.data(), outer, channels, inner, 0.25f,
+                                     (float)beta, NULL, 1};
+            mgpu__chan_sum_cpu(&b, &on_cpu);
+            b.out = s_g.data();
+            b.partials = partials.data();
+            b.splits = splits;
+            mgpu__chan_sum_cuda(&b, &on_gpu);
+            same("channel sum", s_g, s_c, 1e-5);
+        }
+    CHECK(split_cases >= 6);
+}
+
+/* ---------------------------------------------------------- batch norm */
+static void batchnorm_case(int n, int c, int hw) {
+    size_t total = (size_t)n * c * hw;
+    int splits = mgpu__bn_splits((size_t)n * hw);
+    for (int training = 0; training <= 1; training++)
+        for (int relu = 0; relu <= 1; relu++) {
+            std::vector<float> x = random_values(total, 3.0f), gamma = random_values(c, 1.0f);
+            std::vector<float> beta = random_values(c), rm_c = random_values(c), rv_c = random_values(c, 1.0f);
+            std::vector<float> rm_g = rm_c, rv_g = rv_c, y_c = nans(total), y_g = nans(total);
+            std::vector<float> mean_c = nans(c), mean_g = nans(c), inv_c = nans(c), inv_g = nans(c);
+            std::vector<float> partials = nans((size_t)c * splits * 3);
+            mgpu__bn_forward_args a;
+            memset(&a, 0, sizeof a);
+            a.y = y_c.data(); a.x = x.data(); a.gamma = gamma.data(); a.beta = beta.data();
+            a.running_mean = rm_c.data(); a.running_var = rv_c.data();
+            a.save_mean = training ? mean_c.data() : NULL;
+            a.save_invstd = training ? inv_c.data() : NULL;
+            a.n = n; a.c = c; a.hw = hw; a.splits = splits; a.training = training;
+            a.fuse_relu = relu; a.momentum = 0.1f; a.eps = 1e-5f;
+            mgpu__bn_forward_args b = a;
+            b.y = y_g.data(); b.running_mean = rm_g.data(); b.running_var = rv_g.data();
+            b.save_mean = training ? mean_g.data() : NULL;
+            b.save_invstd = training ? inv_g.data() : NULL;
+            b.partials = partials.data();
+            mgpu__bn_forward_cpu(&a, &on_cpu);
+            mgpu__bn_forward_cuda(&b, &on_gpu);
+            same("batch norm y", y_g, y_c, 1e-5);
+            same("running mean", rm_g, rm_c, 1e-5);
+            same("running variance", rv_g, rv_c, 1e-5);
+            if (!training) continue;
+            same("saved mean", mean_g, mean_c, 1e-5);
+            same("saved 1/std", inv_g, inv_c, 1e-5);
+            for (int accumulate = 0; accumulate <= 1; accumulate++) {
+                std::vector<float> dy = random_values(total), dx_c = nans(total), dx_g = nans(total);
+                std::vector<float> dg_c = accumulate ? random_values(c) : nans(c), dg_g = dg_c;
+                std::vector<float> db_c = accumulate ? random_values(c) : nans(c), db_g = db_c;
+                std::vector<float> scratch = nans((size_t)c * splits * 2 + (size_t)c * 2);
+                mgpu__bn_backward_args p;
+                memset(&p, 0, sizeof p);
+                p.dx = dx_c.data(); p.dgamma = dg_c.data(); p.dbeta = db_c.data(); p.dy = dy.data();
+                p.x = x.data(); p.y = relu ? y_c.data() : NULL; p.gamma = gamma.data();
+                p.save_mean = mean_c.data(); p.save_invstd = inv_c.data();
+                p.n = n; p.c = c; p.hw = hw; p.splits = splits; p.fuse_relu = relu;
+                p.accumulate = accumulate;
+                mgpu__bn_backward_args q = p;
+                q.dx = dx_g.data(); q.dgamma = dg_g.data(); q.dbeta = db_g.data();
+                q.partials = scratch.data();
+                mgpu__bn_backward_cpu(&p, &on_cpu);
+                mgpu__bn_backward_cuda(&q, &on_gpu);
+                same("batch norm dx", dx_g, dx_c, 1e-4);
+                same("dgamma", dg_g, dg_c, 1e-5);
+                same("dbeta", db_g, db_c, 1e-5);
+            }
+        }
+}
+TEST(batchnorm_one_block_per_channel) { batchnorm_case(2, 3, 5); }
+TEST(batchnorm_split_channels) {
+    CHECK(mgpu__bn_splits(2 * 4097) > 1); /* the sums really are split */
+    batchnorm_case(2, 1, 4097);
+}
+
+/* ---------------------------------------------------- loss and the rest */
+TEST(cross_entropy_accuracy_and_sum) {
+    static const int shapes[][2] = {{1, 1}, {3, 10}, {5, 33}, {7, 100}, {40, 3}};
+    for (const auto &d : shapes) {
+        int n = d[0], k = d[1];
+        std::vector<float> z = random_values((size_t)n * k, 0.0f, 8.0f), labels(n);
+        if (k > 3) z[1] = z[2] = z[3] = 5.0f; /* a tie for the first row's largest logit */
+        for (int i = 0; i < n; i++) labels[i] = (float)((i * 7) % k);
+        mgpu__ce_args a;
+        memset(&a, 0, sizeof a);
+        a.logits = z.data(); a.labels = labels.data(); a.n = n; a.classes = k; a.scale = 0.5f;
+        a.op = "test";
+        std::vector<float> loss_c = nans(n), loss_g = nans(n);
+        a.out = loss_c.data();
+        mgpu__ce_forward_cpu(&a, &on_cpu);
+        a.out = loss_g.data();
+        mgpu__ce_forward_cuda(&a, &on_gpu);
+        same("cross entropy", loss_g, loss_c, 1e-5);
+        std::vector<float> dz_c = nans((size_t)n * k), dz_g = nans((size_t)n * k);
+        a.out = dz_c.data();
+        mgpu__ce_backward_cpu(&a, &on_cpu);
+        a.out = dz_g.data();
+        mgpu__ce_backward_cuda(&a, &on_gpu);
+        same("cross entropy gradient", dz_g, dz_c, 1e-5);
+        std::vector<float> right_c = nans(1), right_g = nans(1);
+        a.out = right_c.data();
+        mgpu__accuracy_cpu(&a, &on_cpu);
+        a.out = right_g.data();
+        mgpu__accuracy_cuda(&a, &on_gpu);
+        same("accuracy", right_g, right_c, 0);
+    }
+    for (size_t n : {(size_t)0, (size_t)1, (size_t)5, (size_t)1000, (size_t)5000}) {
+        std::vector<float> x = random_values(n), s_c = nans(1), s_g = nans(1);
+        mgpu__sum_args a = {s_c.data(), x.data(), n, 0.5};
+        mgpu__sum_cpu(&a, &on_cpu);
+        a.out = s_g.data();
+        mgpu__sum_cuda(&a, &on_gpu);
+        same("sum", s_g, s_c, 1e-5);
+    }
+}
+
+/* The elementwise kernels share their per-element function with the CPU:
+   what is left to check is that the grid covers every element once. */
+TEST(elementwise_relu_add_and_sgd) {
+    size_t n = 1000; /* not a multiple of the 256-thread blocks */
+    std::vector<float> x = random_values(n), y = random_values(n), g = random_values(n);
+    std::vector<float> out_c = nans(n), out_g = nans(n);
+    mgpu__fill_args f = {out_c.data(), n, MGPU__FILL_NORMAL, 1.0f, 2.0f, 7, 3};
+    mgpu__fill_cpu(&f, &on_cpu);
+    f.y = out_g.data();
+    mgpu__fill_cuda(&f, &on_gpu);
+    same("fill", out_g, out_c, 0);
+    mgpu__axpby_args p = {out_c.data(), x.data(), n, 0.5f, -2.0f};
+    mgpu__axpby_cpu(&p, &on_cpu);
+    p.y = out_g.data();
+    mgpu__axpby_cuda(&p, &on_gpu);
+    same("axpby", out_g, out_c, 0);
+    mgpu__relu_args relu = {out_c.data(), x.data(), n};
+    mgpu__relu_cpu(&relu, &on_cpu);
+    relu.y = out_g.data();
+    mgpu__relu_cuda(&relu, &on_gpu);
+    same("ReLU", out_g, out_c, 0);
+    mgpu__add_args s = {out_c.data(), x.data(), y.data(), n, 1};
+    mgpu__add_cpu(&s, &on_cpu);
+    s.y = out_g.data();
+    mgpu__add_cuda(&s, &on_gpu);
+    same("add and ReLU", out_g, out_c, 0);
+    mgpu__relu_backward_args r = {out_c.data(), y.data(), x.data(), n};
+    mgpu__relu_backward_cpu(&r, &on_cpu);
+    r.dx = out_g.data();
+    mgpu__relu_backward_cuda(&r, &on_gpu);
+    same("ReLU backward", out_g, out_c, 0);
+    std::vector<float> param_c = random_values(n), param_g = param_c, buf_c = random_values(n),
+                       buf_g = buf_c;
+    mgpu__sgd_args sgd = {param_c.data(), g.data(), buf_c.data(), n, 0.1f, 0.9f, 5e-4f, 0};
+    mgpu__sgd_cpu(&sgd, &on_cpu);
+    sgd.param = param_g.data();
+    sgd.buf = buf_g.data();
+    mgpu__sgd_cuda(&sgd, &on_gpu);
+    same("SGD parameters", param_g, param_c, 0);
+    same("SGD momentum", buf_g, buf_c, 0);
+    std::vector<float> grad_c = g, grad_g = g;
+    mgpu__sgd_book_args book = {param_c.data(), grad_c.data(), n, 0.2f, 256.0f};
+    mgpu__sgd_book_cpu(&book, &on_cpu);
+    book.param = param_g.data();
+    book.grad = grad_g.data();
+    mgpu__sgd_book_cuda(&book, &on_gpu);
+    same("the book's SGD", param_g, param_c, 0);
+    same("the book's SGD zeroes the gradient", grad_g, grad_c, 0);
+}
+
+TEST_MAIN()
