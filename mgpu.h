@@ -603,7 +603,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
-   another size for both (for measuring: bench/profile).
+   another size for both (for measuring: bench/profile). MGPU_CONV=implicit
+   makes a GPU's forward convolutions, when they may use TF32, an implicit
+   GEMM on the tensor cores that never writes the col buffer (an
+   experiment: kernels/conv_implicit.h).
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -1112,6 +1115,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #if MGPU_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <mma.h> /* WMMA: the tensor cores from CUDA C++ (kernels/conv_implicit.h) */
 #endif
 
 #ifdef __cplusplus
@@ -3273,6 +3277,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/matmul.h"
 #include "kernels/activation.h"
 #include "kernels/conv.h"
+#include "kernels/conv_implicit.h"
 #include "kernels/pool.h"
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
@@ -4078,11 +4083,20 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
 static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
-/* MGPU_CONV_SCRATCH_MB, read at the first convolution, replaces both. */
+/* MGPU_CONV=implicit: a GPU's TF32 forward convolutions use the implicit
+   GEMM of kernels/conv_implicit.h instead of im2col (an experiment). */
+static int mgpu__conv_implicit;
+/* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
+   scratch sizes, MGPU_CONV chooses the GPU's forward algorithm. */
 static int mgpu__conv_scratch_env_read;
 static void mgpu__conv_scratch_from_environment(void) {
     if (mgpu__conv_scratch_env_read) return;
     mgpu__conv_scratch_env_read = 1;
+    const char *algorithm = getenv("MGPU_CONV");
+    MGPU_REQUIRE(!algorithm || !*algorithm || strcmp(algorithm, "im2col") == 0 ||
+                     strcmp(algorithm, "implicit") == 0,
+                 "MGPU_CONV=%s: want im2col (the default) or implicit", algorithm);
+    mgpu__conv_implicit = algorithm && strcmp(algorithm, "implicit") == 0;
     const char *env = getenv("MGPU_CONV_SCRATCH_MB");
     if (!env || !*env) return;
     char *end;
@@ -4179,6 +4193,15 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     mgpu__before_write(y);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s;
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
+    mgpu__conv_scratch_from_environment();
+#if MGPU_CUDA
+    if (mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev)) {
+        mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g};
+        mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &im,
+                        sizeof im);
+        return;
+    }
+#endif
     mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
     for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
         mgpu__conv_geom part = g;

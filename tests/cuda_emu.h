@@ -141,6 +141,90 @@ static float atomicAdd(float *address, float value) {
     return old;
 }
 
+/* -------------------------------------------------- WMMA (tensor cores) */
+/* The WMMA fragments the kernels use (TF32 inputs, row-major, float
+   accumulators). On a GPU a fragment is spread over the 32 threads of a
+   warp; here every thread holds all of it and does the whole product, so
+   the results are the same (each thread's copy is identical). The rules a
+   GPU enforces are checked: 32-byte aligned pointers, leading dimensions
+   that are multiples of 4 floats. */
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+namespace precision { struct tf32 {}; }
+enum layout_t { mem_row_major, mem_col_major };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment;
+template <int M, int N, int K> struct fragment<matrix_a, M, N, K, precision::tf32, row_major> {
+    static const int num_elements = M * K;
+    float x[M * K];
+};
+template <int M, int N, int K> struct fragment<matrix_b, M, N, K, precision::tf32, row_major> {
+    static const int num_elements = K * N;
+    float x[K * N];
+};
+template <int M, int N, int K> struct fragment<accumulator, M, N, K, float, void> {
+    static const int num_elements = M * N;
+    float x[M * N];
+};
+static void mgpu_emu_check_tile(const void *p, unsigned ldm) {
+    if ((uintptr_t)p % 32) mgpu_emu_fail("a WMMA pointer that is not 32-byte aligned");
+    if (ldm % 4) mgpu_emu_fail("a WMMA leading dimension that is not a multiple of 4 floats");
+}
+template <int M, int N, int K>
+static void load_matrix_sync(fragment<matrix_a, M, N, K, precision::tf32, row_major> &f,
+                             const float *p, unsigned ldm) {
+    mgpu_emu_check_tile(p, ldm);
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) f.x[i * K + k] = p[(size_t)i * ldm + k];
+}
+template <int M, int N, int K>
+static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, row_major> &f,
+                             const float *p, unsigned ldm) {
+    mgpu_emu_check_tile(p, ldm);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)k * ldm + j];
+}
+template <int M, int N, int K>
+static void fill_fragment(fragment<accumulator, M, N, K, float, void> &f, float v) {
+    for (float &x : f.x) x = v;
+}
+template <int M, int N, int K>
+static void mma_sync(fragment<accumulator, M, N, K, float, void> &d,
+                     const fragment<matrix_a, M, N, K, precision::tf32, row_major> &a,
+                     const fragment<matrix_b, M, N, K, precision::tf32, row_major> &b,
+                     const fragment<accumulator, M, N, K, float, void> &c) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = c.x[i * N + j];
+            for (int k = 0; k < K; k++) s += a.x[i * K + k] * b.x[k * N + j];
+            d.x[i * N + j] = s;
+        }
+}
+/* Collective on a GPU; here one thread writes (the others hold the same values). */
+template <int M, int N, int K>
+static void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float, void> &f,
+                              unsigned ldm, layout_t layout) {
+    mgpu_emu_check_tile(p, ldm);
+    if (layout != mem_row_major) mgpu_emu_fail("only row-major WMMA stores are emulated");
+    if (threadIdx.x % 32 != 0) return;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) p[(size_t)i * ldm + j] = f.x[i * N + j];
+}
+/* float to TF32: 10 bits of mantissa, rounded to nearest, ties away from zero (cvt.rna) */
+static float __float_to_tf32(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & ~0x1fffu;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+} // namespace wmma
+} // namespace nvcuda
+#define __align__(n) __attribute__((aligned(n)))
+
 /* ------------------------------------------------------------ launches */
 static long mgpu_emu_launches;
 static void mgpu_emu_launch(dim3 grid, dim3 block, size_t, cudaStream_t,

@@ -87,6 +87,43 @@ TEST(im2col_col2im_and_layout_swap) {
     }
 }
 
+/* The implicit-GEMM convolution (TF32 on the tensor cores) against the
+   CPU's im2col, product and layout swap. TF32 keeps 10 bits of mantissa:
+   allowed 2e-3 of the largest output (tests/gpu_layers.c says why). */
+static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
+    mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
+    g.p = (h + 2 * pad - r) / stride + 1;
+    g.q = (w + 2 * pad - r) / stride + 1;
+    size_t pq = (size_t)g.p * g.q, crs = (size_t)c * r * r, ys = (size_t)n * k * pq;
+    std::vector<float> x = random_values((size_t)n * c * h * w), wt = random_values(k * crs);
+    std::vector<float> b = random_values(k), col = nans(crs * n * pq), prod = nans(k * n * pq);
+    std::vector<float> y_c = nans(ys), y_g = nans(ys);
+    mgpu__im2col_args im = {x.data(), col.data(), g};
+    mgpu__im2col_cpu(&im, &on_cpu);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, (int)(n * pq), (int)crs, 1.0f,
+                wt.data(), (int)crs, col.data(), (int)(n * pq), 0.0f, prod.data(), (int)(n * pq));
+    mgpu__swap_outer_args swap = {y_c.data(), prod.data(), k, n, pq, bias ? b.data() : NULL};
+    mgpu__swap_outer_cpu(&swap, &on_cpu);
+    mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g};
+    mgpu__conv_implicit_cuda(&a, &on_gpu);
+    float largest = 1;
+    for (float v : y_c) largest = fabsf(v) > largest ? fabsf(v) : largest;
+    for (size_t i = 0; i < ys; i++)
+        if (!(fabsf(y_g[i] - y_c[i]) <= 2e-3f * largest)) {
+            fprintf(stderr, "  implicit conv n%d c%d %dx%d k%d r%d stride %d pad %d: y[%zu] is %.7g, "
+                    "want %.7g\n", n, c, h, w, k, r, stride, pad, i, y_g[i], y_c[i]);
+            test__failures++;
+            return;
+        }
+}
+TEST(implicit_gemm_convolution) {
+    /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
+    implicit_case(1, 1, 6, 6, 3, 3, 1, 1, 1);
+    implicit_case(2, 3, 7, 5, 70, 3, 2, 1, 0);
+    implicit_case(1, 5, 9, 9, 4, 1, 2, 0, 1);
+    implicit_case(3, 2, 8, 8, 5, 3, 1, 0, 1);
+}
+
 /* cuBLAS's arguments for the four transpose combinations, an empty inner
    dimension and beta 0 over NaN (tests/cuda_emu.h refuses what cuBLAS would). */
 TEST(gemm_arguments_for_cublas) {

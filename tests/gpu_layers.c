@@ -258,4 +258,32 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_set_tf32(0, 0);
 }
 
+/* MGPU_CONV=implicit: the forward convolution as an implicit GEMM on the
+   tensor cores (kernels/conv_implicit.h), TF32, at ResNet-18's shapes and
+   at sizes that leave partial tiles; within TF32's 2e-3 of the CPU. */
+static void implicit_compare(const char *name, int n, int c, int h, int k, int r, int stride,
+                             int pad, int bias) {
+    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
+    mgpu_conv2d_forward(y.c, x.c, wt.c, on_cpu(&b, bias), stride, pad);
+    mgpu_conv2d_forward(y.g, x.g, wt.g, on_gpu(&b, bias), stride, pad);
+    check_same(name, "y", &y, 2e-3);
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+}
+TEST(implicit_gemm_convolution) {
+    mgpu__conv_scratch_from_environment(); /* so that MGPU_CONV is not read after this */
+    mgpu__conv_implicit = 1;
+    mgpu_set_tf32(1, 0);
+    /*               name                   N    C   H    K  R  t  d  bias */
+    implicit_compare("stem",                64,  1, 28,  64, 3, 1, 1, 1);
+    implicit_compare("stage 1",             32, 64, 28,  64, 3, 1, 1, 1);
+    implicit_compare("downsampling 3x3",    32, 64, 28, 128, 3, 2, 1, 0);
+    implicit_compare("1x1 shortcut",        32, 64, 28, 128, 1, 2, 0, 1);
+    implicit_compare("stage 4",             16, 512, 4, 512, 3, 1, 1, 1);
+    implicit_compare("partial tiles",        3,  5, 11,  70, 3, 2, 2, 1);
+    mgpu_set_tf32(0, 0);
+    mgpu__conv_implicit = 0;
+}
+
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))

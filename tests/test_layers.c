@@ -518,10 +518,10 @@ TEST(conv2d_in_chunks) {
     inputs_free(&c, &ci);
 }
 
-/* MGPU_CONV_SCRATCH_MB sets the budget of both kinds of device: 3 MiB is
+/* MGPU_CONV_SCRATCH_MB sets the scratch of both kinds of device: 3 MiB is
    3 << 18 = 786432 floats, so 77 images of (9 + 4) * 28 * 28 floats fit in a chunk,
    where the default 4 MiB holds 102. A bad value is a clear error. */
-TEST(conv_scratch_size_from_the_environment) {
+TEST(conv_settings_from_the_environment) {
     size_t saved[2] = {mgpu__conv_scratch_floats[0], mgpu__conv_scratch_floats[1]};
     mgpu__conv_geom g = mgpu__conv_geometry("test", mgpu_shape4(256, 1, 28, 28),
                                             mgpu_shape4(4, 1, 3, 3), 1, 1);
@@ -537,6 +537,19 @@ TEST(conv_scratch_size_from_the_environment) {
     unsetenv("MGPU_CONV_SCRATCH_MB");
     mgpu__conv_scratch_floats[0] = saved[0];
     mgpu__conv_scratch_floats[1] = saved[1];
+    /* MGPU_CONV chooses the GPU's forward algorithm; a CPU keeps im2col */
+    setenv("MGPU_CONV", "implicit", 1);
+    mgpu__conv_scratch_env_read = 0;
+    mgpu__conv_scratch_from_environment();
+    CHECK_EQ_INT(mgpu__conv_implicit, 1);
+    setenv("MGPU_CONV", "winograd", 1);
+    mgpu__conv_scratch_env_read = 0;
+    EXPECT_DIES(mgpu__conv_scratch_from_environment(),
+                "MGPU_CONV=winograd: want im2col (the default) or implicit");
+    unsetenv("MGPU_CONV");
+    mgpu__conv_scratch_env_read = 0;
+    mgpu__conv_scratch_from_environment();
+    CHECK_EQ_INT(mgpu__conv_implicit, 0);
 }
 
 TEST(avg_pool2d_forward_and_gradients) {

@@ -1,0 +1,127 @@
+/* kernels/conv_implicit.h: the forward convolution as an implicit GEMM on
+   the tensor cores (GPU only, TF32), an experiment beside conv.h's im2col.
+
+   Why. conv.h writes the col buffer [C*R*S, n*P*Q] to memory and the
+   product reads it back: for a 3x3 convolution that is 9 times its input,
+   twice. bench/traffic.py counts 31 GB of memory traffic per ResNet-18
+   step at batch 256, most of it col buffers, against 3 GB without them.
+   An implicit GEMM computes the same product, Y = W col, but gathers each
+   tile of col from x while loading it into shared memory, so col never
+   exists in device memory (cuDNN's main algorithm works this way).
+
+   The product. Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q], with
+       col[(c,r,s), (img,p,q)] = x[img, c, p*t + r - d, q*t + s - d]
+   (0 in the padding), written straight to y[img, k, p, q] with the bias.
+
+   The kernel. A block computes a 64 x 64 tile of Y (64 filters, 64 output
+   pixels) with 4 warps, each a 32 x 32 corner of it as 2 x 2 WMMA tiles of
+   16 x 16, stepping through C*R*S 16 at a time:
+     1. 16 threads decode the step's 16 values of (c, r, s) into a table
+        in shared memory (the offset of c, r and s in x, and r and s);
+     2. all threads load the W tile [64 x 16] (rows of W are contiguous)
+        and gather the col tile [16 x 64]: each thread owns one output
+        pixel (its column) for the whole kernel, decoded once, so a gather
+        is an add, two range tests and a load;
+     3. each warp multiplies its tiles with the tensor cores (two WMMA
+        steps of k = 8; the inputs rounded to TF32, the sums in float32).
+   At the end the accumulators go through shared memory, so that the
+   writes to y are consecutive pixels of one filter (coalesced).
+
+   It is used when MGPU_CONV=implicit is set and the convolution may use
+   TF32 (mgpu_set_tf32); otherwise conv.h's im2col path runs. Whether it is
+   the faster one is for bench/profile to say on a GPU. */
+
+#if MGPU_CUDA
+#define MGPU__IMPLICIT_TILE 64 /* filters and pixels per block */
+#define MGPU__IMPLICIT_STEP 16 /* values of (c, r, s) per step */
+
+typedef struct {
+    float *y;       /* [n, K, P, Q] */
+    const float *x; /* [n, C, H, W] */
+    const float *w; /* [K, C*R*S] */
+    const float *b; /* [K] or NULL */
+    mgpu__conv_geom g;
+} mgpu__conv_implicit_args;
+
+static __global__ void mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
+    using namespace nvcuda;
+    const mgpu__conv_geom g = a.g;
+    const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP;
+    /* rows padded by 4 floats: WMMA wants leading dimensions that are multiples of 4 */
+    __shared__ __align__(32) float w_tile[T][S + 4];
+    __shared__ __align__(32) float col_tile[S][T + 4];
+    __shared__ __align__(32) float y_tile[T][T + 4];
+    __shared__ int k_offset[S], k_r[S], k_s[S]; /* the step's (c, r, s), decoded */
+
+    int tid = threadIdx.x, warp = tid / 32;
+    int rs = g.r * g.s, crs = g.c * rs, pq = g.p * g.q, hw = g.h * g.w;
+    int filter0 = blockIdx.y * T, pixel0 = blockIdx.x * T, npq = g.n * pq;
+    /* this thread's output pixel (column of the col tile), decoded once */
+    int column = tid % T, pixel = pixel0 + column;
+    int img = pixel / pq, in_image = pixel % pq;
+    int h0 = (in_image / g.q) * g.stride - g.pad, w0 = (in_image % g.q) * g.stride - g.pad;
+    const float *x_img = a.x + (size_t)img * g.c * hw;
+
+    wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2][2];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    int warp_row = (warp / 2) * 32, warp_col = (warp % 2) * 32;
+
+    for (int k0 = 0; k0 < crs; k0 += S) {
+        if (tid < S) { /* 1. decode this step's (c, r, s) */
+            int k = k0 + tid, c = k / rs, r = k % rs / g.s, s = k % g.s;
+            k_offset[tid] = k < crs ? c * hw + r * g.w + s : 0;
+            k_r[tid] = k < crs ? r : -(1 << 20); /* past the end: outside every image */
+            k_s[tid] = s;
+        }
+        __syncthreads(); /* the table is ready, and the last step's tiles are used up */
+        /* 2. the W tile (8 values a thread: consecutive threads, consecutive k) */
+        for (int e = tid; e < T * S; e += blockDim.x) {
+            int m = e / S, kk = e % S, filter = filter0 + m, k = k0 + kk;
+            w_tile[m][kk] = filter < g.k && k < crs ? a.w[(size_t)filter * crs + k] : 0.0f;
+        }
+        /* ... and the col tile: this thread's column, rows tid / T, + 2, + 4, ... */
+        for (int kk = tid / T; kk < S; kk += blockDim.x / T) {
+            int h = h0 + k_r[kk], w = w0 + k_s[kk];
+            col_tile[kk][column] = pixel < npq && h >= 0 && h < g.h && w >= 0 && w < g.w
+                                       ? x_img[k_offset[kk] + (h0 * g.w + w0)]
+                                       : 0.0f;
+        }
+        __syncthreads();
+        /* 3. the tensor cores: two steps of k = 8 */
+        for (int kk = 0; kk < S; kk += 8) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb[2];
+            for (int i = 0; i < 2; i++) {
+                wmma::load_matrix_sync(fa[i], &w_tile[warp_row + 16 * i][kk], S + 4);
+                wmma::load_matrix_sync(fb[i], &col_tile[kk][warp_col + 16 * i], T + 4);
+                for (int t = 0; t < fa[i].num_elements; t++) fa[i].x[t] = wmma::__float_to_tf32(fa[i].x[t]);
+                for (int t = 0; t < fb[i].num_elements; t++) fb[i].x[t] = wmma::__float_to_tf32(fb[i].x[t]);
+            }
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+    }
+    /* the tile of Y to y [img, filter, p, q], through shared memory */
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++)
+            wmma::store_matrix_sync(&y_tile[warp_row + 16 * i][warp_col + 16 * j], acc[i][j], T + 4,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    if (pixel >= npq) return;
+    float *y_pixel = a.y + (size_t)img * g.k * pq + in_image;
+    for (int m = tid / T; m < T; m += blockDim.x / T) {
+        int filter = filter0 + m;
+        if (filter < g.k) y_pixel[(size_t)filter * pq] = y_tile[m][column] + (a.b ? a.b[filter] : 0.0f);
+    }
+}
+
+static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
+    unsigned pixels = (unsigned)a->g.n * a->g.p * a->g.q;
+    dim3 grid((pixels + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
+              (a->g.k + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
+    mgpu__conv_implicit_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif
