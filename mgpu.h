@@ -4176,6 +4176,25 @@ static void mgpu__conv_scratch_free(mgpu__conv_scratch *s) {
     mgpu_free(s->kout);
 }
 
+#if MGPU_CUDA
+/* The implicit GEMM needs TF32 tensor cores: code compiled for sm_80 or
+   newer (a plain `nvcc` without -gencode compiles for an older GPU, and
+   kernels/conv_implicit.h leaves the kernel's body out). Asked once (the
+   library's GPUs are alike). */
+static int mgpu__conv_implicit_available(void) {
+    static int available = -1;
+    if (available < 0) {
+        cudaFuncAttributes f;
+        MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_implicit_kernel));
+        available = f.ptxVersion >= 80 && f.binaryVersion >= 80;
+        if (!available)
+            fprintf(stderr, "mgpu: MGPU_CONV=implicit needs code built for sm_80 or newer (this is "
+                    "sm_%d): using im2col\n", f.ptxVersion);
+    }
+    return available;
+}
+#endif
+
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                   const mgpu_tensor *b, int stride, int pad) {
     const char *op = "mgpu_conv2d_forward";
@@ -4195,7 +4214,8 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
     mgpu__conv_scratch_from_environment();
 #if MGPU_CUDA
-    if (mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev)) {
+    if (mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev) &&
+        mgpu__conv_implicit_available()) {
         mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g};
         mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &im,
                         sizeof im);

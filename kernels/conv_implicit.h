@@ -44,6 +44,7 @@ typedef struct {
 } mgpu__conv_implicit_args;
 
 static __global__ void mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800 /* TF32 WMMA: sm_80 and newer */
     using namespace nvcuda;
     const mgpu__conv_geom g = a.g;
     const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP;
@@ -114,6 +115,7 @@ static __global__ void mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
         int filter = filter0 + m;
         if (filter < g.k) y_pixel[(size_t)filter * pq] = y_tile[m][column] + (a.b ? a.b[filter] : 0.0f);
     }
+#endif
 }
 
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
