@@ -604,9 +604,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
    another size for both (for measuring: bench/profile). MGPU_CONV=implicit
-   makes a GPU's forward convolutions, when they may use TF32, an implicit
-   GEMM on the tensor cores that never writes the col buffer (an
-   experiment: kernels/conv_implicit.h).
+   makes a GPU's convolutions, when they may use TF32, compute y and dx as
+   implicit GEMMs on the tensor cores that never write a col buffer (an
+   experiment: kernels/conv_implicit.h; dw still goes through im2col).
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4083,8 +4083,9 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
 static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
-/* MGPU_CONV=implicit: a GPU's TF32 forward convolutions use the implicit
-   GEMM of kernels/conv_implicit.h instead of im2col (an experiment). */
+/* MGPU_CONV=implicit: a GPU's TF32 convolutions compute y and dx with the
+   implicit GEMMs of kernels/conv_implicit.h instead of im2col (an
+   experiment). */
 static int mgpu__conv_implicit;
 /* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
    scratch sizes, MGPU_CONV chooses the GPU's forward algorithm. */
@@ -4193,6 +4194,12 @@ static int mgpu__conv_implicit_available(void) {
     }
     return available;
 }
+/* Whether this convolution takes the implicit GEMMs (MGPU_CONV=implicit). */
+static int mgpu__conv_use_implicit(const mgpu_device *dev, int tf32) {
+    mgpu__conv_scratch_from_environment();
+    return mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev) &&
+           mgpu__conv_implicit_available();
+}
 #endif
 
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
@@ -4212,10 +4219,8 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     mgpu__before_write(y);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s;
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
-    mgpu__conv_scratch_from_environment();
 #if MGPU_CUDA
-    if (mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev) &&
-        mgpu__conv_implicit_available()) {
+    if (mgpu__conv_use_implicit(dev, tf32)) {
         mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g};
         mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &im,
                         sizeof im);
@@ -4266,7 +4271,15 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     if (db) mgpu__before_write(db);
     mgpu__before_write(dw);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s, chw = (size_t)g.c * g.h * g.w;
-    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit_dx = 0;
+#if MGPU_CUDA
+    if (dx && mgpu__conv_use_implicit(dev, tf32)) { /* dx without dcol; dw below */
+        mgpu__conv_implicit_dgrad_args im = {dx->data, dy->data, w->data, g};
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
+                        mgpu__conv_implicit_dgrad_cuda, &im, sizeof im);
+        implicit_dx = 1;
+    }
+#endif
     mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
     for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
         mgpu__conv_geom part = g;
@@ -4283,7 +4296,7 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
                                                s.col->data, dw->data, beta, tf32);
         MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
-        if (dx) {
+        if (dx && !implicit_dx) {
             /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
             mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
                                                     s.kout->data, s.col->data, 0.0f, tf32);

@@ -88,8 +88,19 @@ TEST(im2col_col2im_and_layout_swap) {
 }
 
 /* The implicit-GEMM convolution (TF32 on the tensor cores) against the
-   CPU's im2col, product and layout swap. TF32 keeps 10 bits of mantissa:
-   allowed 2e-3 of the largest output (tests/gpu_layers.c says why). */
+   CPU's im2col path: y, and dx. TF32 keeps 10 bits of mantissa: allowed
+   2e-3 of the largest value (tests/gpu_layers.c says why). */
+static void close_in_tf32(const char *name, const char *what, const std::vector<float> &gpu,
+                          const std::vector<float> &cpu) {
+    float largest = 1;
+    for (float v : cpu) largest = fabsf(v) > largest ? fabsf(v) : largest;
+    for (size_t i = 0; i < cpu.size(); i++)
+        if (!(fabsf(gpu[i] - cpu[i]) <= 2e-3f * largest)) {
+            fprintf(stderr, "  %s: %s[%zu] is %.7g, want %.7g\n", name, what, i, gpu[i], cpu[i]);
+            test__failures++;
+            return;
+        }
+}
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -106,15 +117,21 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     mgpu__swap_outer_cpu(&swap, &on_cpu);
     mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g};
     mgpu__conv_implicit_cuda(&a, &on_gpu);
-    float largest = 1;
-    for (float v : y_c) largest = fabsf(v) > largest ? fabsf(v) : largest;
-    for (size_t i = 0; i < ys; i++)
-        if (!(fabsf(y_g[i] - y_c[i]) <= 2e-3f * largest)) {
-            fprintf(stderr, "  implicit conv n%d c%d %dx%d k%d r%d stride %d pad %d: y[%zu] is %.7g, "
-                    "want %.7g\n", n, c, h, w, k, r, stride, pad, i, y_g[i], y_c[i]);
-            test__failures++;
-            return;
-        }
+    char name[96];
+    snprintf(name, sizeof name, "implicit conv n%d c%d %dx%d k%d r%d stride %d pad %d", n, c, h, w,
+             k, r, stride, pad);
+    close_in_tf32(name, "y", y_g, y_c);
+    /* dx: the CPU's dcol = W^T G (G = dy as [K, n*P*Q]) and col2im; the GPU's implicit GEMM */
+    std::vector<float> dy = random_values(ys), gk = nans(ys), dx_c = nans(x.size()), dx_g = nans(x.size());
+    mgpu__swap_outer_args there = {gk.data(), dy.data(), n, k, pq, NULL};
+    mgpu__swap_outer_cpu(&there, &on_cpu);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)crs, (int)(n * pq), k, 1.0f,
+                wt.data(), (int)crs, gk.data(), (int)(n * pq), 0.0f, col.data(), (int)(n * pq));
+    mgpu__col2im_args back = {col.data(), dx_c.data(), g};
+    mgpu__col2im_cpu(&back, &on_cpu);
+    mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g};
+    mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
+    close_in_tf32(name, "dx", dx_g, dx_c);
 }
 TEST(implicit_gemm_convolution) {
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
@@ -122,6 +139,7 @@ TEST(implicit_gemm_convolution) {
     implicit_case(2, 3, 7, 5, 70, 3, 2, 1, 0);
     implicit_case(1, 5, 9, 9, 4, 1, 2, 0, 1);
     implicit_case(3, 2, 8, 8, 5, 3, 1, 0, 1);
+    implicit_case(1, 70, 5, 5, 6, 3, 2, 2, 0); /* more than one tile of input channels */
 }
 
 /* cuBLAS's arguments for the four transpose combinations, an empty inner

@@ -258,9 +258,10 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_set_tf32(0, 0);
 }
 
-/* MGPU_CONV=implicit: the forward convolution as an implicit GEMM on the
-   tensor cores (kernels/conv_implicit.h), TF32, at ResNet-18's shapes and
-   at sizes that leave partial tiles; within TF32's 2e-3 of the CPU. */
+/* MGPU_CONV=implicit: y and dx as implicit GEMMs on the tensor cores
+   (kernels/conv_implicit.h), TF32, at ResNet-18's shapes and at sizes
+   that leave partial tiles; within TF32's 2e-3 of the CPU (dw, through
+   im2col in TF32, too). */
 static void implicit_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                              int pad, int bias) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -269,7 +270,13 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     mgpu_conv2d_forward(y.c, x.c, wt.c, on_cpu(&b, bias), stride, pad);
     mgpu_conv2d_forward(y.g, x.g, wt.g, on_gpu(&b, bias), stride, pad);
     check_same(name, "y", &y, 2e-3);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws), db = pair_nan(mgpu_shape1(k));
+    mgpu_conv2d_backward(dx.c, dw.c, on_cpu(&db, bias), dy.c, x.c, wt.c, stride, pad, 0);
+    mgpu_conv2d_backward(dx.g, dw.g, on_gpu(&db, bias), dy.g, x.g, wt.g, stride, pad, 0);
+    check_same(name, "dx", &dx, 2e-3);
+    check_same(name, "dw", &dw, 2e-3);
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
 TEST(implicit_gemm_convolution) {
     mgpu__conv_scratch_from_environment(); /* so that MGPU_CONV is not read after this */
