@@ -604,9 +604,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
    another size for both (for measuring: bench/profile). MGPU_CONV=implicit
-   makes a GPU's convolutions, when they may use TF32, compute y and dx as
-   implicit GEMMs on the tensor cores that never write a col buffer (an
-   experiment: kernels/conv_implicit.h; dw still goes through im2col).
+   makes a GPU's convolutions, when they may use TF32, compute y, dx and dw
+   as implicit GEMMs on the tensor cores that never write a col buffer (an
+   experiment: kernels/conv_implicit.h).
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4083,8 +4083,8 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
 static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
-/* MGPU_CONV=implicit: a GPU's TF32 convolutions compute y and dx with the
-   implicit GEMMs of kernels/conv_implicit.h instead of im2col (an
+/* MGPU_CONV=implicit: a GPU's TF32 convolutions compute y, dx and dw with
+   the implicit GEMMs of kernels/conv_implicit.h instead of im2col (an
    experiment). */
 static int mgpu__conv_implicit;
 /* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
@@ -4271,41 +4271,53 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     if (db) mgpu__before_write(db);
     mgpu__before_write(dw);
     size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s, chw = (size_t)g.c * g.h * g.w;
-    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit_dx = 0;
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
 #if MGPU_CUDA
-    if (dx && mgpu__conv_use_implicit(dev, tf32)) { /* dx without dcol; dw below */
-        mgpu__conv_implicit_dgrad_args im = {dx->data, dy->data, w->data, g};
-        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
-                        mgpu__conv_implicit_dgrad_cuda, &im, sizeof im);
-        implicit_dx = 1;
+    implicit = mgpu__conv_use_implicit(dev, tf32);
+    if (implicit) { /* dx and dw without col buffers (MGPU_CONV=implicit) */
+        if (dx) {
+            mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, g};
+            mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
+                            mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
+        }
+        mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL,
+                                             accumulate ? 1.0f : 0.0f,
+                                             mgpu__conv_implicit_wgrad_splits(&g), g};
+        mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g.k * (int)crs));
+        wg.partials = partials->data;
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
+                        mgpu__conv_implicit_wgrad_cuda, &wg, sizeof wg);
+        mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
     }
 #endif
-    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
-    for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
-        mgpu__conv_geom part = g;
-        part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
-        int cols = part.n * (int)pq;
-        /* G [K, n*P*Q] from dy's [n, K, P*Q] */
-        mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
-                                       g.k, pq, NULL};
-        MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
-        mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
-        MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
-        /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
-        float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
-        mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
-                                               s.col->data, dw->data, beta, tf32);
-        MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
-        if (dx && !implicit_dx) {
-            /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
-            mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
-                                                    s.kout->data, s.col->data, 0.0f, tf32);
-            MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
-            mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
-            MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
+    if (!implicit) {
+        mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
+        for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
+            mgpu__conv_geom part = g;
+            part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
+            int cols = part.n * (int)pq;
+            /* G [K, n*P*Q] from dy's [n, K, P*Q] */
+            mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
+                                           g.k, pq, NULL};
+            MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
+            mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
+            MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
+            /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
+            float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
+            mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
+                                                   s.col->data, dw->data, beta, tf32);
+            MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
+            if (dx) {
+                /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
+                mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
+                                                        s.kout->data, s.col->data, 0.0f, tf32);
+                MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
+                mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
+                MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
+            }
         }
+        mgpu__conv_scratch_free(&s);
     }
-    mgpu__conv_scratch_free(&s);
     if (db) {
         mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k, pq, 1.0f,
                                accumulate ? 1.0f : 0.0f);

@@ -103,8 +103,8 @@ sanitize() {
     return $status
 }
 
-# The step's profile at PyTorch's precision, with the implicit-GEMM forward
-# convolution (MGPU_CONV=implicit) and in float32, then the step
+# The step's profile at PyTorch's precision, with the implicit-GEMM
+# convolutions (MGPU_CONV=implicit) and in float32, then the step
 # time for other sizes of the convolutions' im2col scratch (64 MiB by
 # default on a GPU: 16 MiB would keep a chunk's col buffer in the 50 MB
 # L2 cache, at the price of more, smaller products).

@@ -1,5 +1,5 @@
-/* kernels/conv_implicit.h: the convolution's forward pass and input
-   gradient as implicit GEMMs on the tensor cores (GPU only, TF32), an
+/* kernels/conv_implicit.h: the convolution's forward pass and both its
+   gradients as implicit GEMMs on the tensor cores (GPU only, TF32), an
    experiment beside conv.h's im2col.
 
    Why. conv.h writes the col buffer [C*R*S, n*P*Q] to memory and the
@@ -33,9 +33,16 @@
        dx[img, c, h, w] = sum over (k, r, s) of w[k, c, r, s] * dy[img, k, p, q]
    where p = (h + d - r) / t and q = (w + d - s) / t must be whole and
    inside the output (the windows that covered the pixel). Rows are input
-   channels, columns input pixels, steps (k, r, s). (The weight gradient
-   still goes through im2col: its long sum over n*P*Q needs a split of
-   the sum over blocks, the next step.)
+   channels, columns input pixels, steps (k, r, s).
+
+   And the weight gradient, dW [K, C*R*S] = G col^T:
+       dw[k, (c,r,s)] = sum over (img,p,q) of dy[img, k, p, q] * x[img, c, p*t + r - d, q*t + s - d]
+   Rows are filters, columns (c, r, s), steps output pixels. The output is
+   small (for stage 1, 64 x 576: 9 tiles) and the sum long (n*P*Q =
+   200704 values at batch 256), so the sum is split over blocks (grid.z):
+   each adds up a slice of the pixels into its own partial tile, and a
+   second kernel adds the partial tiles in order (the same result from run
+   to run) into dw.
 
    Used when MGPU_CONV=implicit is set and the convolution may use TF32
    (mgpu_set_tf32); otherwise conv.h's im2col path runs. Whether it is the
@@ -218,6 +225,91 @@ static __global__ void mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgra
 #endif
 }
 
+typedef struct {
+    float *dw;         /* [K, C*R*S]: beta * dw + the gradient */
+    const float *dy;   /* [n, K, P, Q] */
+    const float *x;    /* [n, C, H, W] */
+    float *partials;   /* [splits, K, C*R*S] scratch */
+    float beta;
+    int splits;        /* slices of the sum over the output pixels */
+    mgpu__conv_geom g;
+} mgpu__conv_implicit_wgrad_args;
+
+/* Slices of the sum: about 1024 blocks in all, each summing at least 256
+   output pixels, the partial tiles at most 16M floats. */
+static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g) {
+    size_t crs = (size_t)g->c * g->r * g->s, tiles = ((size_t)g->k + MGPU__IMPLICIT_TILE - 1) /
+        MGPU__IMPLICIT_TILE * ((crs + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
+    size_t pixels = (size_t)g->n * g->p * g->q, splits = (1024 + tiles - 1) / tiles;
+    if (splits > pixels / 256) splits = pixels / 256;
+    if (splits > ((size_t)16 << 20) / ((size_t)g->k * crs)) splits = ((size_t)16 << 20) / ((size_t)g->k * crs);
+    return splits < 1 ? 1 : (int)splits;
+}
+
+static __global__ void mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    const mgpu__conv_geom g = a.g;
+    const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP;
+    __shared__ __align__(32) mgpu__implicit_tiles t;
+    __shared__ int l_dy[S], l_x[S], l_h[S], l_w[S]; /* the step's output pixels, decoded */
+
+    int tid = threadIdx.x, warp = tid / 32;
+    int rs = g.r * g.s, crs = g.c * rs, pq = g.p * g.q, hw = g.h * g.w;
+    int filter0 = blockIdx.y * T, column0 = blockIdx.x * T;
+    /* this block's slice of the output pixels */
+    int pixels = g.n * pq, per = (pixels + a.splits - 1) / a.splits;
+    int first = blockIdx.z * per, end = first + per < pixels ? first + per : pixels;
+    /* this thread's (c, r, s), decoded once */
+    int column = tid % T, k = column0 + column;
+    int c = k / rs, r = k % rs / g.s, s = k % g.s;
+    int x_c = c * hw;
+
+    mgpu__implicit_acc acc[2][2];
+    mgpu__implicit_zero(acc);
+    for (int l0 = first; l0 < end; l0 += S) {
+        if (tid < S) { /* 1. decode this step's output pixels (img, p, q) */
+            int l = l0 + tid, img = l / pq, in_image = l % pq;
+            l_dy[tid] = l < end ? img * g.k * pq + in_image : 0;
+            l_x[tid] = l < end ? img * g.c * hw : 0;
+            l_h[tid] = l < end ? in_image / g.q * g.stride - g.pad : -(1 << 20);
+            l_w[tid] = in_image % g.q * g.stride - g.pad;
+        }
+        __syncthreads();
+        /* 2. the G tile (dy: rows are filters) */
+        for (int e = tid; e < T * S; e += blockDim.x) {
+            int m = e / S, kk = e % S, filter = filter0 + m;
+            t.a[m][kk] = filter < g.k && l0 + kk < end ? a.dy[l_dy[kk] + filter * pq] : 0.0f;
+        }
+        /* ... and the col^T tile, gathered from x: this thread's (c, r, s) */
+        for (int kk = tid / T; kk < S; kk += blockDim.x / T) {
+            int h = l_h[kk] + r, w = l_w[kk] + s;
+            t.b[kk][column] = k < crs && h >= 0 && h < g.h && w >= 0 && w < g.w
+                                  ? a.x[l_x[kk] + x_c + h * g.w + w]
+                                  : 0.0f;
+        }
+        __syncthreads();
+        mgpu__implicit_multiply(acc, &t, warp);
+    }
+    mgpu__implicit_store(acc, &t, warp);
+    __syncthreads();
+    if (k >= crs) return;
+    float *partial = a.partials + (size_t)blockIdx.z * g.k * crs + k;
+    for (int m = tid / T; m < T; m += blockDim.x / T) {
+        int filter = filter0 + m;
+        if (filter < g.k) partial[(size_t)filter * crs] = t.out[m][column];
+    }
+#endif
+}
+/* dw = beta dw + the partial tiles, added in order */
+static __global__ void mgpu__conv_implicit_wgrad_finish_kernel(mgpu__conv_implicit_wgrad_args a) {
+    size_t n = (size_t)a.g.k * a.g.c * a.g.r * a.g.s;
+    MGPU__GRID_STRIDE_LOOP(i, n) {
+        float sum = 0.0f;
+        for (int z = 0; z < a.splits; z++) sum += a.partials[(size_t)z * n + i];
+        a.dw[i] = a.beta != 0.0f ? a.beta * a.dw[i] + sum : sum;
+    }
+}
+
 /* Grids: pixels on x (up to 2^31 - 1 blocks), rows on y. */
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
@@ -233,6 +325,18 @@ static void mgpu__conv_implicit_dgrad_cuda(const void *args, const mgpu__exec *e
     dim3 grid((pixels + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
               (a->g.c + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
     mgpu__conv_implicit_dgrad_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_implicit_wgrad_args *a = (const mgpu__conv_implicit_wgrad_args *)args;
+    unsigned crs = (unsigned)a->g.c * a->g.r * a->g.s;
+    size_t n = (size_t)a->g.k * crs;
+    dim3 grid((crs + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
+              (a->g.k + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE, (unsigned)a->splits);
+    mgpu__conv_implicit_wgrad_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__conv_implicit_wgrad_finish_kernel<<<mgpu__grid_for(n, 256), 256, 0,
+                                              (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif

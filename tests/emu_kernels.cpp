@@ -132,6 +132,19 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g};
     mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
     close_in_tf32(name, "dx", dx_g, dx_c);
+    /* dw = G col^T, on top of an existing gradient (beta 1), with the sum
+       in one slice, in the library's number of slices, and in 3 */
+    mgpu__im2col_cpu(&im, &on_cpu);
+    std::vector<float> dw_start = random_values(k * crs), dw_c = dw_start;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, k, (int)crs, (int)(n * pq), 1.0f,
+                gk.data(), (int)(n * pq), col.data(), (int)(n * pq), 1.0f, dw_c.data(), (int)crs);
+    for (int splits : {1, mgpu__conv_implicit_wgrad_splits(&g), 3}) {
+        std::vector<float> dw_g = dw_start, partials = nans((size_t)splits * k * crs);
+        mgpu__conv_implicit_wgrad_args wg = {dw_g.data(), dy.data(), x.data(), partials.data(), 1.0f,
+                                             splits, g};
+        mgpu__conv_implicit_wgrad_cuda(&wg, &on_gpu);
+        close_in_tf32(name, "dw", dw_g, dw_c);
+    }
 }
 TEST(implicit_gemm_convolution) {
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */

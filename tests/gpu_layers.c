@@ -258,10 +258,9 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_set_tf32(0, 0);
 }
 
-/* MGPU_CONV=implicit: y and dx as implicit GEMMs on the tensor cores
+/* MGPU_CONV=implicit: y, dx and dw as implicit GEMMs on the tensor cores
    (kernels/conv_implicit.h), TF32, at ResNet-18's shapes and at sizes
-   that leave partial tiles; within TF32's 2e-3 of the CPU (dw, through
-   im2col in TF32, too). */
+   that leave partial tiles; within TF32's 2e-3 of the CPU. */
 static void implicit_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                              int pad, int bias) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
