@@ -310,29 +310,28 @@ static __global__ void mgpu__conv_implicit_wgrad_finish_kernel(mgpu__conv_implic
     }
 }
 
-/* Grids: pixels on x (up to 2^31 - 1 blocks), rows on y. */
+/* A block per 64 x 64 tile: the columns on x (up to 2^31 - 1 blocks), the
+   rows on y, the slices of a split sum on z. */
+static dim3 mgpu__implicit_grid(size_t columns, int rows, int slices) {
+    return dim3((unsigned)((columns + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE),
+                (unsigned)((rows + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE), (unsigned)slices);
+}
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
-    unsigned pixels = (unsigned)a->g.n * a->g.p * a->g.q;
-    dim3 grid((pixels + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
-              (a->g.k + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
+    dim3 grid = mgpu__implicit_grid((size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
     mgpu__conv_implicit_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_dgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_dgrad_args *a = (const mgpu__conv_implicit_dgrad_args *)args;
-    unsigned pixels = (unsigned)a->g.n * a->g.h * a->g.w;
-    dim3 grid((pixels + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
-              (a->g.c + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
+    dim3 grid = mgpu__implicit_grid((size_t)a->g.n * a->g.h * a->g.w, a->g.c, 1);
     mgpu__conv_implicit_dgrad_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_wgrad_args *a = (const mgpu__conv_implicit_wgrad_args *)args;
-    unsigned crs = (unsigned)a->g.c * a->g.r * a->g.s;
-    size_t n = (size_t)a->g.k * crs;
-    dim3 grid((crs + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE,
-              (a->g.k + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE, (unsigned)a->splits);
+    size_t crs = (size_t)a->g.c * a->g.r * a->g.s, n = (size_t)a->g.k * crs;
+    dim3 grid = mgpu__implicit_grid(crs, a->g.k, a->splits);
     mgpu__conv_implicit_wgrad_kernel<<<grid, 128, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__conv_implicit_wgrad_finish_kernel<<<mgpu__grid_for(n, 256), 256, 0,
