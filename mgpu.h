@@ -4089,10 +4089,10 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20}
 static int mgpu__conv_implicit;
 /* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
    scratch sizes, MGPU_CONV chooses the GPU's forward algorithm. */
-static int mgpu__conv_scratch_env_read;
-static void mgpu__conv_scratch_from_environment(void) {
-    if (mgpu__conv_scratch_env_read) return;
-    mgpu__conv_scratch_env_read = 1;
+static int mgpu__conv_env_read;
+static void mgpu__conv_settings_from_environment(void) {
+    if (mgpu__conv_env_read) return;
+    mgpu__conv_env_read = 1;
     const char *algorithm = getenv("MGPU_CONV");
     MGPU_REQUIRE(!algorithm || !*algorithm || strcmp(algorithm, "im2col") == 0 ||
                      strcmp(algorithm, "implicit") == 0,
@@ -4145,7 +4145,7 @@ MGPU_DEF mgpu_shape mgpu_conv2d_output_shape(mgpu_shape x, mgpu_shape w, int str
 
 /* Images per chunk: as many as the scratch allows, at least one. */
 static int mgpu__conv_chunk(const mgpu__conv_geom *g, const mgpu_device *dev) {
-    mgpu__conv_scratch_from_environment();
+    mgpu__conv_settings_from_environment();
     size_t per_image = (size_t)(g->c * g->r * g->s + g->k) * g->p * g->q;
     size_t n = mgpu__conv_scratch_floats[mgpu_device_is_gpu(dev)] / (per_image ? per_image : 1);
     if (n > (size_t)g->n) n = (size_t)g->n;
@@ -4196,7 +4196,7 @@ static int mgpu__conv_implicit_available(void) {
 }
 /* Whether this convolution takes the implicit GEMMs (MGPU_CONV=implicit). */
 static int mgpu__conv_use_implicit(const mgpu_device *dev, int tf32) {
-    mgpu__conv_scratch_from_environment();
+    mgpu__conv_settings_from_environment();
     return mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev) &&
            mgpu__conv_implicit_available();
 }

@@ -278,7 +278,7 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
 TEST(implicit_gemm_convolution) {
-    mgpu__conv_scratch_from_environment(); /* so that MGPU_CONV is not read after this */
+    mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
     mgpu__conv_implicit = 1;
     mgpu_set_tf32(1, 0);
     /*               name                   N    C   H    K  R  t  d  bias */

@@ -527,11 +527,11 @@ TEST(conv_settings_from_the_environment) {
                                             mgpu_shape4(4, 1, 3, 3), 1, 1);
     CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 102);
     setenv("MGPU_CONV_SCRATCH_MB", "3", 1);
-    mgpu__conv_scratch_env_read = 0;
+    mgpu__conv_env_read = 0;
     CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 77);
     CHECK(mgpu__conv_scratch_floats[1] == (size_t)3 << 18);
     setenv("MGPU_CONV_SCRATCH_MB", "3x", 1);
-    mgpu__conv_scratch_env_read = 0;
+    mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_chunk(&g, mgpu_cpu()),
                 "MGPU_CONV_SCRATCH_MB=3x: want a whole number of MiB from 1 to 65536");
     unsetenv("MGPU_CONV_SCRATCH_MB");
@@ -539,16 +539,16 @@ TEST(conv_settings_from_the_environment) {
     mgpu__conv_scratch_floats[1] = saved[1];
     /* MGPU_CONV chooses the GPU's forward algorithm; a CPU keeps im2col */
     setenv("MGPU_CONV", "implicit", 1);
-    mgpu__conv_scratch_env_read = 0;
-    mgpu__conv_scratch_from_environment();
+    mgpu__conv_env_read = 0;
+    mgpu__conv_settings_from_environment();
     CHECK_EQ_INT(mgpu__conv_implicit, 1);
     setenv("MGPU_CONV", "winograd", 1);
-    mgpu__conv_scratch_env_read = 0;
-    EXPECT_DIES(mgpu__conv_scratch_from_environment(),
+    mgpu__conv_env_read = 0;
+    EXPECT_DIES(mgpu__conv_settings_from_environment(),
                 "MGPU_CONV=winograd: want im2col (the default) or implicit");
     unsetenv("MGPU_CONV");
-    mgpu__conv_scratch_env_read = 0;
-    mgpu__conv_scratch_from_environment();
+    mgpu__conv_env_read = 0;
+    mgpu__conv_settings_from_environment();
     CHECK_EQ_INT(mgpu__conv_implicit, 0);
 }
 
