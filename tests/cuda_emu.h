@@ -47,6 +47,7 @@ static thread_local dim3 blockIdx, threadIdx;
 static dim3 blockDim, gridDim;
 #define __global__
 #define __device__
+#define __launch_bounds__(...)
 #define __host__
 #define __shared__ static
 #define MGPU_CUDA 1
@@ -187,6 +188,11 @@ static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, row_ma
     for (int k = 0; k < K; k++)
         for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)k * ldm + j];
 }
+static void mgpu_emu_check_tf32(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if (bits & 0x1fffu) mgpu_emu_fail("a TF32 WMMA input not rounded with __float_to_tf32");
+}
 template <int M, int N, int K>
 static void fill_fragment(fragment<accumulator, M, N, K, float, void> &f, float v) {
     for (float &x : f.x) x = v;
@@ -196,6 +202,10 @@ static void mma_sync(fragment<accumulator, M, N, K, float, void> &d,
                      const fragment<matrix_a, M, N, K, precision::tf32, row_major> &a,
                      const fragment<matrix_b, M, N, K, precision::tf32, row_major> &b,
                      const fragment<accumulator, M, N, K, float, void> &c) {
+    /* the CUDA guide: a TF32 fragment holds values already rounded with
+       __float_to_tf32 (the tensor cores read only their top 19 bits) */
+    for (float v : a.x) mgpu_emu_check_tf32(v);
+    for (float v : b.x) mgpu_emu_check_tf32(v);
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
             float s = c.x[i * N + j];
