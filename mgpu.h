@@ -4186,7 +4186,7 @@ static int mgpu__conv_implicit_available(void) {
     static int available = -1;
     if (available < 0) {
         cudaFuncAttributes f;
-        MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_implicit_kernel));
+        MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_implicit_kernel<64, 64>));
         available = f.ptxVersion >= 80 && f.binaryVersion >= 80;
         if (!available)
             fprintf(stderr, "mgpu: MGPU_CONV=implicit needs code built for sm_80 or newer (this is "
@@ -4221,7 +4221,8 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
     if (mgpu__conv_use_implicit(dev, tf32)) {
-        mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g};
+        mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g,
+                                       mgpu__implicit_tile_for(g.k, (size_t)g.n * pq, 0)};
         mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &im,
                         sizeof im);
         return;
@@ -4276,13 +4277,15 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     implicit = mgpu__conv_use_implicit(dev, tf32);
     if (implicit) { /* dx and dw without col buffers (MGPU_CONV=implicit) */
         if (dx) {
-            mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, g};
+            mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, g,
+                                                mgpu__implicit_tile_for(g.c, chw / g.c * g.n, 0)};
             mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
                             mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
         }
         mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL,
-                                             accumulate ? 1.0f : 0.0f,
-                                             mgpu__conv_implicit_wgrad_splits(&g), g};
+                                             accumulate ? 1.0f : 0.0f, 0, g,
+                                             mgpu__implicit_tile_for(g.k, crs, 1)};
+        wg.splits = mgpu__conv_implicit_wgrad_splits(&g, wg.tile);
         mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g.k * (int)crs));
         wg.partials = partials->data;
         mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,

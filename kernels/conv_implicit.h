@@ -14,15 +14,16 @@
        col[(c,r,s), (img,p,q)] = x[img, c, p*t + r - d, q*t + s - d]
    (0 in the padding), written straight to y[img, k, p, q] with the bias.
 
-   The kernel. A block computes a 64 x 64 tile of Y (64 filters, 64 output
-   pixels) with 4 warps, each a 32 x 32 corner of it as 2 x 2 WMMA tiles of
-   16 x 16, stepping through C*R*S 16 at a time. For each step:
+   The kernel. A block computes a tile of Y, 64 x 64 (64 filters, 64
+   output pixels), 128 x 64 or 64 x 128 (mgpu__implicit_tile_for picks),
+   with 4 warps, each a quarter of it as 16 x 16 WMMA tiles, stepping
+   through C*R*S 16 at a time. For each step:
      1. 16 threads decode the step's 16 values of (c, r, s) into a table
         in shared memory (the offset of c, r and s in x, and r and s);
-     2. all threads load the W tile [64 x 16] (rows of W are contiguous)
-        and gather the col tile [16 x 64] into registers: each thread owns
-        one output pixel (its column) for the whole kernel, decoded once,
-        so a gather is an add, two range tests and a load;
+     2. all threads load the W tile [rows x 16] (rows of W are contiguous)
+        and gather the col tile [16 x pixels] into registers: each thread
+        owns one output pixel (its column) for the whole kernel, decoded
+        once, so a gather is an add, two range tests and a load;
      3. the values go to shared memory, rounded to TF32;
      4. each warp multiplies its tiles with the tensor cores (two WMMA
         steps of k = 8, the sums in float32).
@@ -30,8 +31,9 @@
    in flight while the tensor cores multiply step i, from a second copy of
    the tiles. At the end the accumulators go through shared memory, so
    that the writes to y are consecutive pixels of one filter (coalesced).
-   On sm_90: 128 registers a thread (4 blocks a multiprocessor), 19 KB of
-   shared memory a block, no spills.
+   On sm_90, 64 x 64: 128 registers a thread (4 blocks a multiprocessor),
+   19 KB of shared memory a block; the larger tiles: 168 registers (3
+   blocks), 35 KB; no spills.
 
    The input gradient is the same machine on another product: dx [C,
    n*H*W] = W^T dcol with dcol never written either,
@@ -54,78 +56,93 @@
    faster one is for bench/profile to say on a GPU. */
 
 #if MGPU_CUDA
-#define MGPU__IMPLICIT_TILE 64     /* rows (filters or channels) and pixels per block */
 #define MGPU__IMPLICIT_STEP 16     /* values of the summed index per step */
-#define MGPU__IMPLICIT_THREADS 128 /* 4 warps */
-#define MGPU__IMPLICIT_BLOCKS_PER_SM 4 /* registers for 16 warps a multiprocessor: at most 128 a thread */
-/* values of each of the step's two tiles that one thread loads */
-#define MGPU__IMPLICIT_PER_THREAD (MGPU__IMPLICIT_TILE * MGPU__IMPLICIT_STEP / MGPU__IMPLICIT_THREADS)
+#define MGPU__IMPLICIT_THREADS 128 /* 4 warps, in 2 x 2 over the block's tile */
+/* Blocks a multiprocessor should hold (so at most 128 registers a thread
+   for 64 x 64, 168 for the larger tiles) */
+#define MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 3)
 
-/* A block's tiles in shared memory: two copies of the step's tiles (one
-   being multiplied, the next being filled), and at the end, in the same
-   bytes, the finished tile on its way to memory. Rows are padded by 4
-   floats, as WMMA wants leading dimensions that are multiples of 4. */
-typedef union {
+/* The block tiles compiled, rows x columns of the product (rows: filters
+   or channels; columns: pixels, or (c, r, s) for dW). A larger tile loads
+   fewer values per multiply-add (64 x 64: 1 load per 32; 128 x 64: 1 per
+   43) but gives fewer blocks, and a 128-row tile wastes half its work on a
+   layer of 64 filters. mgpu__implicit_tile_for picks one per product;
+   bench/conv times each. */
+typedef enum { MGPU__TILE_64x64, MGPU__TILE_128x64, MGPU__TILE_64x128, MGPU__TILE_KINDS } mgpu__implicit_tile;
+static const int mgpu__implicit_tile_rows[MGPU__TILE_KINDS] = {64, 128, 64};
+static const int mgpu__implicit_tile_columns[MGPU__TILE_KINDS] = {64, 64, 128};
+static const char *const mgpu__implicit_tile_names[MGPU__TILE_KINDS] = {"64x64", "128x64", "64x128"};
+
+/* A block's tiles in shared memory, for a TM x TN tile of the product:
+   two copies of the step's tiles (one being multiplied, the next being
+   filled), and at the end, in the same bytes, the finished tile on its way
+   to memory. Rows are padded by 4 floats, as WMMA wants leading dimensions
+   that are multiples of 4. */
+template <int TM, int TN> union mgpu__implicit_tiles {
     struct {
-        float a[2][MGPU__IMPLICIT_TILE][MGPU__IMPLICIT_STEP + 4]; /* rows x step */
-        float b[2][MGPU__IMPLICIT_STEP][MGPU__IMPLICIT_TILE + 4]; /* step x pixels */
+        float a[2][TM][MGPU__IMPLICIT_STEP + 4]; /* rows x step */
+        float b[2][MGPU__IMPLICIT_STEP][TN + 4]; /* step x columns */
     } step;
-    float out[MGPU__IMPLICIT_TILE][MGPU__IMPLICIT_TILE + 4]; /* rows x pixels */
-} mgpu__implicit_tiles;
+    float out[TM][TN + 4]; /* rows x columns */
+};
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800 /* TF32 WMMA: sm_80 and newer */
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 8, float> mgpu__implicit_acc;
 
-/* Which values of the step's tiles thread tid loads, the j-th of
-   MGPU__IMPLICIT_PER_THREAD each: in the rows x step tile a, always the
-   same step column and every 8th row; in the step x pixels tile b, always
-   the same pixel and every 2nd step row. */
-static __device__ inline int mgpu__implicit_a_row(int tid, int j) {
-    return tid / MGPU__IMPLICIT_STEP + j * (MGPU__IMPLICIT_THREADS / MGPU__IMPLICIT_STEP);
-}
-static __device__ inline int mgpu__implicit_b_row(int tid, int j) {
-    return tid / MGPU__IMPLICIT_TILE + j * (MGPU__IMPLICIT_THREADS / MGPU__IMPLICIT_TILE);
-}
+/* What one thread loads of a step's tiles, for a TM x TN block tile. In
+   the rows x step tile a: always the same step column (tid % STEP) and
+   every ROWS_APART-th row from tid / STEP, A_PER of them; in the step x
+   columns tile b: always the same column (tid % TN) and every
+   B_APART-th step row from tid / TN, B_PER of them. Each warp owns a
+   (TM/2) x (TN/2) corner of the tile as FM x FN WMMA tiles of 16 x 16. */
+template <int TM, int TN> struct mgpu__implicit_layout {
+    static const int A_PER = TM * MGPU__IMPLICIT_STEP / MGPU__IMPLICIT_THREADS;
+    static const int A_APART = MGPU__IMPLICIT_THREADS / MGPU__IMPLICIT_STEP;
+    static const int B_PER = TN * MGPU__IMPLICIT_STEP / MGPU__IMPLICIT_THREADS;
+    static const int B_APART = MGPU__IMPLICIT_THREADS / TN;
+    static const int FM = TM / 32, FN = TN / 32;
+    static_assert(TN <= MGPU__IMPLICIT_THREADS && MGPU__IMPLICIT_THREADS % TN == 0,
+                  "a column per thread");
+};
 
 /* The values loaded from memory into the tiles of copy `slot`, rounded to
    TF32 here once rather than by every warp that reads them. */
-static __device__ void mgpu__implicit_stage(mgpu__implicit_tiles *t, int slot,
-                                            const float (&a)[MGPU__IMPLICIT_PER_THREAD],
-                                            const float (&b)[MGPU__IMPLICIT_PER_THREAD]) {
+template <int TM, int TN>
+static __device__ void mgpu__implicit_stage(mgpu__implicit_tiles<TM, TN> *t, int slot,
+                                            const float (&a)[mgpu__implicit_layout<TM, TN>::A_PER],
+                                            const float (&b)[mgpu__implicit_layout<TM, TN>::B_PER]) {
+    typedef mgpu__implicit_layout<TM, TN> L;
     int tid = threadIdx.x;
-    for (int j = 0; j < MGPU__IMPLICIT_PER_THREAD; j++) {
-        t->step.a[slot][mgpu__implicit_a_row(tid, j)][tid % MGPU__IMPLICIT_STEP] = nvcuda::wmma::__float_to_tf32(a[j]);
-        t->step.b[slot][mgpu__implicit_b_row(tid, j)][tid % MGPU__IMPLICIT_TILE] = nvcuda::wmma::__float_to_tf32(b[j]);
-    }
+    for (int j = 0; j < L::A_PER; j++)
+        t->step.a[slot][tid / MGPU__IMPLICIT_STEP + j * L::A_APART][tid % MGPU__IMPLICIT_STEP] =
+            nvcuda::wmma::__float_to_tf32(a[j]);
+    for (int j = 0; j < L::B_PER; j++)
+        t->step.b[slot][tid / TN + j * L::B_APART][tid % TN] = nvcuda::wmma::__float_to_tf32(b[j]);
 }
 
-/* Warp `warp` of 4 owns the 32 x 32 corner (row, col) of the block's tile. */
-static __device__ inline void mgpu__implicit_corner(int warp, int *row, int *col) {
-    *row = (warp / 2) * 32;
-    *col = (warp % 2) * 32;
-}
-/* acc += a b for this warp's 2 x 2 tiles of 16 x 16, from copy `slot`:
-   two tensor-core steps of k = 8. */
-static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[2][2],
-                                               const mgpu__implicit_tiles *t, int slot, int warp) {
+/* acc += a b for warp `warp`'s FM x FN tiles of 16 x 16, from copy
+   `slot`: two tensor-core steps of k = 8. */
+template <int TM, int TN>
+static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32][TN / 32],
+                                               const mgpu__implicit_tiles<TM, TN> *t, int slot, int warp) {
     using namespace nvcuda;
-    int row, col;
-    mgpu__implicit_corner(warp, &row, &col);
+    const int FM = TM / 32, FN = TN / 32;
+    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
     for (int kk = 0; kk < MGPU__IMPLICIT_STEP; kk += 8) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[2];
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb[2];
-        for (int i = 0; i < 2; i++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[FM];
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb[FN];
+        for (int i = 0; i < FM; i++)
             wmma::load_matrix_sync(fa[i], &t->step.a[slot][row + 16 * i][kk], MGPU__IMPLICIT_STEP + 4);
-            wmma::load_matrix_sync(fb[i], &t->step.b[slot][kk][col + 16 * i], MGPU__IMPLICIT_TILE + 4);
-        }
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        for (int j = 0; j < FN; j++)
+            wmma::load_matrix_sync(fb[j], &t->step.b[slot][kk][col + 16 * j], TN + 4);
+        for (int i = 0; i < FM; i++)
+            for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
 }
 
 /* The loop the three kernels share: acc = the block's tile of the product,
    summed over `total` values of the inner index, MGPU__IMPLICIT_STEP at a
-   time. Each kernel says how to load a step:
+   time; then the tile to t->out. Each kernel says how to load a step:
      decode(k0, slot)    run by threads tid < STEP: writes the kernel's
                          table (in shared memory, copy `slot`) of what the
                          step's inner index values k0 + tid mean;
@@ -135,15 +152,19 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[2][2],
    while the warps multiply step i from one copy of the tiles, the loads
    of step i + 1 are in flight into registers, and go to the other copy
    after the multiply; the table of step i + 2 is decoded meanwhile. One
-   barrier per step. */
-template <typename Decode, typename Gather>
-static __device__ void mgpu__implicit_product(mgpu__implicit_acc (&acc)[2][2], mgpu__implicit_tiles *t,
-                                              int total, Decode decode, Gather gather) {
+   barrier per step. At the end the tile goes through shared memory, so
+   that the kernel can write it out in whatever order memory wants. */
+template <int TM, int TN, typename Decode, typename Gather>
+static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, int total,
+                                              Decode decode, Gather gather) {
+    using namespace nvcuda;
+    typedef mgpu__implicit_layout<TM, TN> L;
     const int S = MGPU__IMPLICIT_STEP;
     int tid = threadIdx.x, warp = tid / 32;
-    float a[MGPU__IMPLICIT_PER_THREAD], b[MGPU__IMPLICIT_PER_THREAD];
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
+    float a[L::A_PER], b[L::B_PER];
+    mgpu__implicit_acc acc[L::FM][L::FN];
+    for (int i = 0; i < L::FM; i++)
+        for (int j = 0; j < L::FN; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     if (tid < S) decode(0, 0);
     __syncthreads();
     gather(0, 0, a, b);
@@ -152,23 +173,20 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_acc (&acc)[2][2], m
     __syncthreads();
     for (int k0 = 0, slot = 0; k0 < total; k0 += S, slot ^= 1) {
         bool more = k0 + S < total;
-        if (more) gather(k0 + S, slot ^ 1, a, b); /* loads in flight ... */
+        if (more) gather(k0 + S, slot ^ 1, a, b);    /* loads in flight ... */
         mgpu__implicit_multiply(acc, t, slot, warp); /* ... while the tensor cores work */
-        if (tid < S) decode(k0 + 2 * S, slot);  /* this copy's table was last read before the barrier */
+        if (tid < S) decode(k0 + 2 * S, slot); /* this copy's table was last read before the barrier */
         if (more) mgpu__implicit_stage(t, slot ^ 1, a, b); /* and so was this copy of the tiles */
         __syncthreads();
     }
-}
-/* The accumulators into t->out (the product is over: the caller has
-   passed the loop's last barrier; it synchronises before reading out). */
-static __device__ void mgpu__implicit_store(const mgpu__implicit_acc (&acc)[2][2],
-                                            mgpu__implicit_tiles *t, int warp) {
-    int row, col;
-    mgpu__implicit_corner(warp, &row, &col);
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++)
-            nvcuda::wmma::store_matrix_sync(&t->out[row + 16 * i][col + 16 * j], acc[i][j],
-                                            MGPU__IMPLICIT_TILE + 4, nvcuda::wmma::mem_row_major);
+    /* the product is over (every warp is past the last barrier): out can
+       take the bytes of the step tiles */
+    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    for (int i = 0; i < L::FM; i++)
+        for (int j = 0; j < L::FN; j++)
+            wmma::store_matrix_sync(&t->out[row + 16 * i][col + 16 * j], acc[i][j], TN + 4,
+                                    wmma::mem_row_major);
+    __syncthreads();
 }
 #endif
 
@@ -178,21 +196,24 @@ typedef struct {
     const float *w; /* [K, C*R*S] */
     const float *b; /* [K] or NULL */
     mgpu__conv_geom g;
+    mgpu__implicit_tile tile;
 } mgpu__conv_implicit_args;
 
-static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM)
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
-    const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP, PER = MGPU__IMPLICIT_PER_THREAD;
-    __shared__ __align__(32) mgpu__implicit_tiles t;
+    const int S = MGPU__IMPLICIT_STEP;
+    __shared__ __align__(32) mgpu__implicit_tiles<TM, TN> t;
     __shared__ int k_offset[2][S], k_r[2][S], k_s[2][S]; /* a step's (c, r, s), decoded */
 
     int tid = threadIdx.x;
     int rs = g.r * g.s, crs = g.c * rs, pq = g.p * g.q, hw = g.h * g.w;
-    int filter0 = blockIdx.y * T, pixel0 = blockIdx.x * T, npq = g.n * pq;
+    int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN, npq = g.n * pq;
     /* this thread's output pixel (column of the col tile), decoded once */
-    int column = tid % T, pixel = pixel0 + column;
+    int column = tid % TN, pixel = pixel0 + column;
     int img = pixel / pq, in_image = pixel % pq;
     int h0 = (in_image / g.q) * g.stride - g.pad, w0 = (in_image % g.q) * g.stride - g.pad;
     const float *x_pixel = a.x + (size_t)img * g.c * hw + (h0 * g.w + w0);
@@ -203,26 +224,23 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
         k_r[slot][tid] = k < crs ? r : -(1 << 20); /* past the end: outside every image */
         k_s[slot][tid] = s;
     };
-    auto gather = [&](int k0, int slot, float (&wv)[PER], float (&colv)[PER]) {
+    auto gather = [&](int k0, int slot, float (&wv)[L::A_PER], float (&colv)[L::B_PER]) {
         int k = k0 + tid % S; /* W's rows are contiguous in k */
-        for (int j = 0; j < PER; j++) {
-            int filter = filter0 + mgpu__implicit_a_row(tid, j);
+        for (int j = 0; j < L::A_PER; j++) {
+            int filter = filter0 + tid / S + j * L::A_APART;
             wv[j] = filter < g.k && k < crs ? a.w[(size_t)filter * crs + k] : 0.0f;
         }
-        for (int j = 0; j < PER; j++) { /* col: this thread's pixel, gathered from x */
-            int kk = mgpu__implicit_b_row(tid, j), h = h0 + k_r[slot][kk], w = w0 + k_s[slot][kk];
+        for (int j = 0; j < L::B_PER; j++) { /* col: this thread's pixel, gathered from x */
+            int kk = tid / TN + j * L::B_APART, h = h0 + k_r[slot][kk], w = w0 + k_s[slot][kk];
             colv[j] = pixel < npq && h >= 0 && h < g.h && w >= 0 && w < g.w ? x_pixel[k_offset[slot][kk]] : 0.0f;
         }
     };
-    mgpu__implicit_acc acc[2][2];
-    mgpu__implicit_product(acc, &t, crs, decode, gather);
-    /* the tile of Y to y [img, filter, p, q], through shared memory so
-       that the writes are consecutive pixels of one filter */
-    mgpu__implicit_store(acc, &t, tid / 32);
-    __syncthreads();
+    mgpu__implicit_product(&t, crs, decode, gather);
+    /* the tile of Y to y [img, filter, p, q]: consecutive threads write
+       consecutive pixels of one filter */
     if (pixel >= npq) return;
     float *y_pixel = a.y + (size_t)img * g.k * pq + in_image;
-    for (int m = tid / T; m < T; m += MGPU__IMPLICIT_THREADS / T) {
+    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
         int filter = filter0 + m;
         if (filter < g.k) y_pixel[(size_t)filter * pq] = t.out[m][column] + (a.b ? a.b[filter] : 0.0f);
     }
@@ -234,21 +252,24 @@ typedef struct {
     const float *dy; /* [n, K, P, Q] */
     const float *w;  /* [K, C, R, S] */
     mgpu__conv_geom g;
+    mgpu__implicit_tile tile;
 } mgpu__conv_implicit_dgrad_args;
 
-static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM)
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
-    const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP, PER = MGPU__IMPLICIT_PER_THREAD;
-    __shared__ __align__(32) mgpu__implicit_tiles t;
+    const int S = MGPU__IMPLICIT_STEP;
+    __shared__ __align__(32) mgpu__implicit_tiles<TM, TN> t;
     __shared__ int k_w[2][S], k_dy[2][S], k_r[2][S], k_s[2][S]; /* a step's (k, r, s), decoded */
 
     int tid = threadIdx.x;
     int rs = g.r * g.s, krs = g.k * rs, pq = g.p * g.q, hw = g.h * g.w;
-    int channel0 = blockIdx.y * T, pixel0 = blockIdx.x * T, nhw = g.n * hw;
+    int channel0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN, nhw = g.n * hw;
     /* this thread's input pixel, decoded once */
-    int column = tid % T, pixel = pixel0 + column;
+    int column = tid % TN, pixel = pixel0 + column;
     int img = pixel / hw, in_image = pixel % hw;
     int h = in_image / g.w + g.pad, w = in_image % g.w + g.pad; /* + d: p*t = h + d - r */
     const float *dy_img = a.dy + (size_t)img * g.k * pq;
@@ -260,27 +281,24 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
         k_r[slot][tid] = k < krs ? r : (1 << 20); /* past the end: no window */
         k_s[slot][tid] = s;
     };
-    auto gather = [&](int k0, int slot, float (&wv)[PER], float (&dcolv)[PER]) {
+    auto gather = [&](int k0, int slot, float (&wv)[L::A_PER], float (&dcolv)[L::B_PER]) {
         int kk = tid % S; /* W^T: rows are channels, w[k, c, r, s] */
-        for (int j = 0; j < PER; j++) {
-            int channel = channel0 + mgpu__implicit_a_row(tid, j);
+        for (int j = 0; j < L::A_PER; j++) {
+            int channel = channel0 + tid / S + j * L::A_APART;
             wv[j] = channel < g.c && k0 + kk < krs ? a.w[k_w[slot][kk] + channel * rs] : 0.0f;
         }
-        for (int j = 0; j < PER; j++) { /* dcol, gathered from dy: the windows that covered this pixel */
-            int row = mgpu__implicit_b_row(tid, j);
+        for (int j = 0; j < L::B_PER; j++) { /* dcol, gathered from dy: the windows that covered this pixel */
+            int row = tid / TN + j * L::B_APART;
             int hp = h - k_r[slot][row], wp = w - k_s[slot][row], p = hp / g.stride, q = wp / g.stride;
             bool inside = pixel < nhw && hp >= 0 && wp >= 0 && p * g.stride == hp &&
                           q * g.stride == wp && p < g.p && q < g.q;
             dcolv[j] = inside ? dy_img[k_dy[slot][row] + p * g.q + q] : 0.0f;
         }
     };
-    mgpu__implicit_acc acc[2][2];
-    mgpu__implicit_product(acc, &t, krs, decode, gather);
-    mgpu__implicit_store(acc, &t, tid / 32);
-    __syncthreads();
+    mgpu__implicit_product(&t, krs, decode, gather);
     if (pixel >= nhw) return;
     float *dx_pixel = a.dx + (size_t)img * g.c * hw + in_image;
-    for (int m = tid / T; m < T; m += MGPU__IMPLICIT_THREADS / T) {
+    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
         int channel = channel0 + m;
         if (channel < g.c) dx_pixel[(size_t)channel * hw] = t.out[m][column];
     }
@@ -295,35 +313,39 @@ typedef struct {
     float beta;
     int splits;        /* slices of the sum over the output pixels */
     mgpu__conv_geom g;
+    mgpu__implicit_tile tile;
 } mgpu__conv_implicit_wgrad_args;
 
 /* Slices of the sum: about 1024 blocks in all, each summing at least 256
    output pixels, the partial tiles at most 16M floats. */
-static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g) {
-    size_t crs = (size_t)g->c * g->r * g->s, tiles = ((size_t)g->k + MGPU__IMPLICIT_TILE - 1) /
-        MGPU__IMPLICIT_TILE * ((crs + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE);
+static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+    size_t crs = (size_t)g->c * g->r * g->s, rows = mgpu__implicit_tile_rows[tile],
+           columns = mgpu__implicit_tile_columns[tile];
+    size_t tiles = ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns);
     size_t pixels = (size_t)g->n * g->p * g->q, splits = (1024 + tiles - 1) / tiles;
     if (splits > pixels / 256) splits = pixels / 256;
     if (splits > ((size_t)16 << 20) / ((size_t)g->k * crs)) splits = ((size_t)16 << 20) / ((size_t)g->k * crs);
     return splits < 1 ? 1 : (int)splits;
 }
 
-static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM)
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
-    const int T = MGPU__IMPLICIT_TILE, S = MGPU__IMPLICIT_STEP, PER = MGPU__IMPLICIT_PER_THREAD;
-    __shared__ __align__(32) mgpu__implicit_tiles t;
+    const int S = MGPU__IMPLICIT_STEP;
+    __shared__ __align__(32) mgpu__implicit_tiles<TM, TN> t;
     __shared__ int l_dy[2][S], l_x[2][S], l_h[2][S], l_w[2][S]; /* a step's output pixels, decoded */
 
     int tid = threadIdx.x;
     int rs = g.r * g.s, crs = g.c * rs, pq = g.p * g.q, hw = g.h * g.w;
-    int filter0 = blockIdx.y * T, column0 = blockIdx.x * T;
+    int filter0 = blockIdx.y * TM, column0 = blockIdx.x * TN;
     /* this block's slice of the output pixels */
     int pixels = g.n * pq, per = (pixels + a.splits - 1) / a.splits;
     int first = blockIdx.z * per, count = (first + per < pixels ? first + per : pixels) - first;
     /* this thread's (c, r, s), decoded once */
-    int column = tid % T, k = column0 + column;
+    int column = tid % TN, k = column0 + column;
     int c = k / rs, r = k % rs / g.s, s = k % g.s;
     const float *x_c = a.x + (size_t)c * hw;
 
@@ -335,26 +357,23 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
         l_h[slot][tid] = inside ? in_image / g.q * g.stride - g.pad : -(1 << 20);
         l_w[slot][tid] = in_image % g.q * g.stride - g.pad;
     };
-    auto gather = [&](int l0, int slot, float (&gv)[PER], float (&colv)[PER]) {
+    auto gather = [&](int l0, int slot, float (&gv)[L::A_PER], float (&colv)[L::B_PER]) {
         int kk = tid % S; /* G (dy): rows are filters */
-        for (int j = 0; j < PER; j++) {
-            int filter = filter0 + mgpu__implicit_a_row(tid, j);
+        for (int j = 0; j < L::A_PER; j++) {
+            int filter = filter0 + tid / S + j * L::A_APART;
             gv[j] = filter < g.k && l0 + kk < count ? a.dy[l_dy[slot][kk] + filter * pq] : 0.0f;
         }
-        for (int j = 0; j < PER; j++) { /* col^T, gathered from x: this thread's (c, r, s) */
-            int row = mgpu__implicit_b_row(tid, j), h = l_h[slot][row] + r, w = l_w[slot][row] + s;
+        for (int j = 0; j < L::B_PER; j++) { /* col^T, gathered from x: this thread's (c, r, s) */
+            int row = tid / TN + j * L::B_APART, h = l_h[slot][row] + r, w = l_w[slot][row] + s;
             colv[j] = k < crs && h >= 0 && h < g.h && w >= 0 && w < g.w
                           ? x_c[l_x[slot][row] + h * g.w + w]
                           : 0.0f;
         }
     };
-    mgpu__implicit_acc acc[2][2];
-    mgpu__implicit_product(acc, &t, count, decode, gather);
-    mgpu__implicit_store(acc, &t, tid / 32);
-    __syncthreads();
+    mgpu__implicit_product(&t, count, decode, gather);
     if (k >= crs) return;
     float *partial = a.partials + (size_t)blockIdx.z * g.k * crs + k;
-    for (int m = tid / T; m < T; m += MGPU__IMPLICIT_THREADS / T) {
+    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
         int filter = filter0 + m;
         if (filter < g.k) partial[(size_t)filter * crs] = t.out[m][column];
     }
@@ -370,29 +389,52 @@ static __global__ void mgpu__conv_implicit_wgrad_finish_kernel(mgpu__conv_implic
     }
 }
 
-/* A block per 64 x 64 tile: the columns on x (up to 2^31 - 1 blocks), the
-   rows on y, the slices of a split sum on z. */
-static dim3 mgpu__implicit_grid(size_t columns, int rows, int slices) {
-    return dim3((unsigned)((columns + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE),
-                (unsigned)((rows + MGPU__IMPLICIT_TILE - 1) / MGPU__IMPLICIT_TILE), (unsigned)slices);
+/* The tile for a product of `rows` x `columns`: the largest that fits
+   the rows (no 128-row tile for 64 filters) and still gives every
+   multiprocessor of an H100 (132) two blocks, so that the tiles are not
+   the ones wasted at the edge; 64 x 64 when none does. With split_sum the
+   number of blocks does not matter (the sum is split over as many as it
+   takes). A first guess, to be replaced by what bench/conv measures. */
+static mgpu__implicit_tile mgpu__implicit_tile_for(size_t rows, size_t columns, int split_sum) {
+    const size_t enough = split_sum ? 1 : 2 * 132;
+    size_t tall = (rows + 127) / 128 * ((columns + 63) / 64), wide = (rows + 63) / 64 * ((columns + 127) / 128);
+    if (rows % 128 == 0 && tall >= enough) return MGPU__TILE_128x64;
+    if (columns % 128 == 0 && wide >= enough) return MGPU__TILE_64x128;
+    return MGPU__TILE_64x64;
 }
+
+/* A block per tile: the columns on x (up to 2^31 - 1 blocks), the rows on
+   y, the slices of a split sum on z. */
+static dim3 mgpu__implicit_grid(mgpu__implicit_tile tile, size_t columns, int rows, int slices) {
+    size_t tm = mgpu__implicit_tile_rows[tile], tn = mgpu__implicit_tile_columns[tile];
+    return dim3((unsigned)((columns + tn - 1) / tn), (unsigned)((rows + tm - 1) / tm), (unsigned)slices);
+}
+/* The instance of a kernel template for a tile kind. */
+#define MGPU__IMPLICIT_INSTANCE(kernel, tile)                                                 \
+    ((tile) == MGPU__TILE_128x64 ? kernel<128, 64> : (tile) == MGPU__TILE_64x128 ? kernel<64, 128> \
+                                                                                  : kernel<64, 64>)
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
-    dim3 grid = mgpu__implicit_grid((size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
-    mgpu__conv_implicit_kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    void (*kernel)(mgpu__conv_implicit_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_kernel, a->tile);
+    dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_dgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_dgrad_args *a = (const mgpu__conv_implicit_dgrad_args *)args;
-    dim3 grid = mgpu__implicit_grid((size_t)a->g.n * a->g.h * a->g.w, a->g.c, 1);
-    mgpu__conv_implicit_dgrad_kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    void (*kernel)(mgpu__conv_implicit_dgrad_args) =
+        MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_dgrad_kernel, a->tile);
+    dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.h * a->g.w, a->g.c, 1);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_wgrad_args *a = (const mgpu__conv_implicit_wgrad_args *)args;
+    void (*kernel)(mgpu__conv_implicit_wgrad_args) =
+        MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_wgrad_kernel, a->tile);
     size_t crs = (size_t)a->g.c * a->g.r * a->g.s, n = (size_t)a->g.k * crs;
-    dim3 grid = mgpu__implicit_grid(crs, a->g.k, a->splits);
-    mgpu__conv_implicit_wgrad_kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    dim3 grid = mgpu__implicit_grid(a->tile, crs, a->g.k, a->splits);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__conv_implicit_wgrad_finish_kernel<<<mgpu__grid_for(n, 256), 256, 0,
                                               (cudaStream_t)ex->stream>>>(*a);

@@ -88,7 +88,7 @@ TEST(im2col_col2im_and_layout_swap) {
 }
 
 /* The implicit-GEMM convolution (TF32 on the tensor cores) against the
-   CPU's im2col path: y, and dx. TF32 keeps 10 bits of mantissa: allowed
+   CPU's im2col path: y, dx and dw. TF32 keeps 10 bits of mantissa: allowed
    2e-3 of the largest value (tests/gpu_layers.c says why). */
 static void close_in_tf32(const char *name, const char *what, const std::vector<float> &gpu,
                           const std::vector<float> &cpu) {
@@ -108,42 +108,47 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     size_t pq = (size_t)g.p * g.q, crs = (size_t)c * r * r, ys = (size_t)n * k * pq;
     std::vector<float> x = random_values((size_t)n * c * h * w), wt = random_values(k * crs);
     std::vector<float> b = random_values(k), col = nans(crs * n * pq), prod = nans(k * n * pq);
-    std::vector<float> y_c = nans(ys), y_g = nans(ys);
+    std::vector<float> y_c = nans(ys);
     mgpu__im2col_args im = {x.data(), col.data(), g};
     mgpu__im2col_cpu(&im, &on_cpu);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, (int)(n * pq), (int)crs, 1.0f,
                 wt.data(), (int)crs, col.data(), (int)(n * pq), 0.0f, prod.data(), (int)(n * pq));
     mgpu__swap_outer_args swap = {y_c.data(), prod.data(), k, n, pq, bias ? b.data() : NULL};
     mgpu__swap_outer_cpu(&swap, &on_cpu);
-    mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g};
-    mgpu__conv_implicit_cuda(&a, &on_gpu);
-    char name[96];
-    snprintf(name, sizeof name, "implicit conv n%d c%d %dx%d k%d r%d stride %d pad %d", n, c, h, w,
-             k, r, stride, pad);
-    close_in_tf32(name, "y", y_g, y_c);
-    /* dx: the CPU's dcol = W^T G (G = dy as [K, n*P*Q]) and col2im; the GPU's implicit GEMM */
-    std::vector<float> dy = random_values(ys), gk = nans(ys), dx_c = nans(x.size()), dx_g = nans(x.size());
+    /* dx: the CPU's dcol = W^T G (G = dy as [K, n*P*Q]) and col2im */
+    std::vector<float> dy = random_values(ys), gk = nans(ys), dx_c = nans(x.size());
     mgpu__swap_outer_args there = {gk.data(), dy.data(), n, k, pq, NULL};
     mgpu__swap_outer_cpu(&there, &on_cpu);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)crs, (int)(n * pq), k, 1.0f,
                 wt.data(), (int)crs, gk.data(), (int)(n * pq), 0.0f, col.data(), (int)(n * pq));
     mgpu__col2im_args back = {col.data(), dx_c.data(), g};
     mgpu__col2im_cpu(&back, &on_cpu);
-    mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g};
-    mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
-    close_in_tf32(name, "dx", dx_g, dx_c);
-    /* dw = G col^T, on top of an existing gradient (beta 1), with the sum
-       in one slice, in the library's number of slices, and in 3 */
+    /* dw = G col^T, on top of an existing gradient (beta 1) */
     mgpu__im2col_cpu(&im, &on_cpu);
     std::vector<float> dw_start = random_values(k * crs), dw_c = dw_start;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, k, (int)crs, (int)(n * pq), 1.0f,
                 gk.data(), (int)(n * pq), col.data(), (int)(n * pq), 1.0f, dw_c.data(), (int)crs);
-    for (int splits : {1, mgpu__conv_implicit_wgrad_splits(&g), 3}) {
-        std::vector<float> dw_g = dw_start, partials = nans((size_t)splits * k * crs);
-        mgpu__conv_implicit_wgrad_args wg = {dw_g.data(), dy.data(), x.data(), partials.data(), 1.0f,
-                                             splits, g};
-        mgpu__conv_implicit_wgrad_cuda(&wg, &on_gpu);
-        close_in_tf32(name, "dw", dw_g, dw_c);
+    /* the GPU's implicit GEMMs, in every tile shape */
+    for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
+        mgpu__implicit_tile kind = (mgpu__implicit_tile)tile;
+        char name[128];
+        snprintf(name, sizeof name, "implicit conv %s n%d c%d %dx%d k%d r%d stride %d pad %d",
+                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
+        std::vector<float> y_g = nans(ys), dx_g = nans(x.size());
+        mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g, kind};
+        mgpu__conv_implicit_cuda(&a, &on_gpu);
+        close_in_tf32(name, "y", y_g, y_c);
+        mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g, kind};
+        mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
+        close_in_tf32(name, "dx", dx_g, dx_c);
+        /* the sum in one slice, in the library's number of slices, and in 3 */
+        for (int splits : {1, mgpu__conv_implicit_wgrad_splits(&g, kind), 3}) {
+            std::vector<float> dw_g = dw_start, partials = nans((size_t)splits * k * crs);
+            mgpu__conv_implicit_wgrad_args wg = {dw_g.data(), dy.data(), x.data(), partials.data(),
+                                                 1.0f, splits, g, kind};
+            mgpu__conv_implicit_wgrad_cuda(&wg, &on_gpu);
+            close_in_tf32(name, "dw", dw_g, dw_c);
+        }
     }
 }
 TEST(implicit_gemm_convolution) {
@@ -153,6 +158,31 @@ TEST(implicit_gemm_convolution) {
     implicit_case(1, 5, 9, 9, 4, 1, 2, 0, 1);
     implicit_case(3, 2, 8, 8, 5, 3, 1, 0, 1);
     implicit_case(1, 70, 5, 5, 6, 3, 2, 2, 0); /* more than one tile of input channels */
+    implicit_case(2, 3, 10, 9, 130, 3, 1, 1, 1); /* more than one tile of 128 filters and pixels */
+    implicit_case(1, 130, 4, 4, 5, 1, 1, 0, 0);  /* ... and of 128 input channels */
+}
+
+/* The tile picked for ResNet-18's products at batch 256: never 128 rows
+   for 64, and 64 x 64 where a larger tile would leave multiprocessors idle. */
+TEST(implicit_gemm_tile_choice) {
+    struct { size_t rows, columns; int split_sum; mgpu__implicit_tile want; } cases[] = {
+        {64, 256 * 28 * 28, 0, MGPU__TILE_64x128},  /* stage 1: y, dx */
+        {1, 256 * 28 * 28, 0, MGPU__TILE_64x128},   /* the first layer's dx (1 channel) */
+        {256, 256 * 7 * 7, 0, MGPU__TILE_128x64},   /* stage 3: 2 x 196 blocks */
+        {512, 256 * 4 * 4, 0, MGPU__TILE_64x64},    /* stage 4: 128 x 64 gives 256 blocks */
+        {64, 100, 0, MGPU__TILE_64x64},
+        {64, 64 * 9, 1, MGPU__TILE_64x64},          /* dW of stage 1: 576 columns */
+        {128, 64 * 9, 1, MGPU__TILE_128x64},        /* dW of stage 2's first conv */
+        {64, 128 * 9, 1, MGPU__TILE_64x128},
+    };
+    for (auto &t : cases) {
+        mgpu__implicit_tile got = mgpu__implicit_tile_for(t.rows, t.columns, t.split_sum);
+        if (got != t.want) {
+            fprintf(stderr, "  %zu x %zu (split %d): tile %s, want %s\n", t.rows, t.columns,
+                    t.split_sum, mgpu__implicit_tile_names[got], mgpu__implicit_tile_names[t.want]);
+            test__failures++;
+        }
+    }
 }
 
 /* cuBLAS's arguments for the four transpose combinations, an empty inner
