@@ -163,7 +163,7 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all bench/matmul bench/overlap bench/allreduce bench/profile
+bench: all bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
 	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
@@ -180,6 +180,10 @@ bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
 
 # Where the time of a ResNet-18 step goes (the tracer's summary).
 bench/profile: bench/profile.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# ResNet-18's convolutions one by one: im2col against each implicit-GEMM tile.
+bench/conv: bench/conv.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # ------------------------------------------------------------------ data

@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh build test          # make, make test-gpu
 #   bash bench/gpu_session.sh chapters            # ./chapter1 --full, ./chapter2, ./chapter3
 #   bash bench/gpu_session.sh bench               # make bench beside PyTorch
-#   bash bench/gpu_session.sh profile             # ./bench/profile, TF32 and float32
+#   bash bench/gpu_session.sh profile             # bench/conv beside cuDNN; ./bench/profile
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #
 # Every stage builds what it needs first (make is quick when nothing
@@ -73,7 +73,7 @@ stage() {
 build() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     nvcc --version | tail -n 2
-    make -j"$JOBS" all bench/matmul bench/overlap bench/allreduce bench/profile
+    make -j"$JOBS" all bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
 }
 
 chapters() {
@@ -103,13 +103,15 @@ sanitize() {
     return $status
 }
 
-# The step's profile at PyTorch's precision, with the implicit-GEMM
+# Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
+# then the step's profile at PyTorch's precision, with the implicit-GEMM
 # convolutions (MGPU_CONV=implicit) and in float32, then the step
 # time for other sizes of the convolutions' im2col scratch (64 MiB by
 # default on a GPU: 16 MiB would keep a chunk's col buffer in the 50 MB
 # L2 cache, at the price of more, smaller products).
 profile() {
-    ./bench/profile --data "$MGPU_DATA" &&
+    ./bench/conv && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
+        ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_CONV=implicit ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA" || return 1
     for mb in 8 16 32 128 256; do

@@ -33,6 +33,10 @@
 #   profile    ./bench/profile: chapter 3's step on one device (batch 256
 #              on a GPU), its time and TFLOP/s, and the tracer's table of
 #              where the time goes (copied below the results table).
+#   conv       ./bench/conv and bench/pytorch/conv.py: each of ResNet-18's
+#              convolutions (forward, dx, dW) with im2col, with each tile
+#              of the implicit GEMMs (GPU), and with cuDNN (NCHW and NHWC);
+#              the tables, and a step's convolutions summed.
 #   overlap    ./bench/overlap: a ResNet-18 step on 2 devices with the
 #              gradients not reduced, reduced after backward, and reduced
 #              in buckets overlapped with backward; overlapped / not
@@ -280,6 +284,20 @@ row "ResNet-18 step $(result profile on), batch $(or_dash "$p_batch")" "ms per s
     "$(calc %.2f "$p_ms"); $(calc %.3f "6 * $MACS * $p_batch / ($p_ms / 1e3) / 1e12")" \
     "an epoch is 235 such steps at batch 256"
 
+# ------------------------------------------------------- convolutions
+# A step's convolutions (forward, dx, dW of each, summed with how often
+# each occurs): mgpu's im2col, its implicit GEMMs, and cuDNN.
+step conv ./bench/conv
+row "ResNet-18's convolutions $(result conv on), batch $(or_dash "$(result conv batch)")" \
+    "ms per step: im2col / implicit, tiles picked / implicit, best tiles / best per pass" \
+    "$(calc %.2f "$(result conv im2col_ms)") / $(calc %.2f "$(result conv implicit_ms)") / $(calc %.2f "$(result conv best_implicit_ms)") / $(calc %.2f "$(result conv best_ms)")"
+if [ $TORCH = 1 ]; then
+    step conv.py "$PYTHON" -u bench/pytorch/conv.py --device $TORCH_DEVICE
+    row "ResNet-18's convolutions, PyTorch $TORCH_DEVICE (cuDNN, benchmark on), batch $(or_dash "$(result conv.py batch)")" \
+        "ms per step: NCHW / NHWC / the better per pass" \
+        "$(calc %.2f "$(result conv.py nchw_ms)") / $(calc %.2f "$(result conv.py nhwc_ms)") / $(calc %.2f "$(result conv.py best_ms)")"
+fi
+
 # ------------------------------------------------------------- overlap
 step overlap ./bench/overlap --data "$DATA"
 row "overlap, ResNet-18 step on $(value overlap 's/^ResNet-18 step on \(\[[^]]*\]\).*/\1/p'), batch $(result overlap batch)" \
@@ -331,6 +349,15 @@ done
         sed -n '/^ResNet-18 training step/,/^all /p' "$LOGS/profile.log"
         echo '```'
     fi
+    for log in conv conv.py; do
+        grep -q '^convolution' "$LOGS/$log.log" 2>/dev/null || continue
+        echo
+        echo "ResNet-18's convolutions one by one ($log):"
+        echo
+        echo '```'
+        grep -v '^RESULT' "$LOGS/$log.log"
+        echo '```'
+    done
 } | tee "$RESULTS"
 echo
 echo "written to $RESULTS"

@@ -1,0 +1,240 @@
+/* bench/conv.c: each convolution of ResNet-18, one algorithm at a time.
+
+   make bench/conv && ./bench/conv [--batch-size N] [--steps N] [--cpu]
+
+   The book's ResNet-18 on 1x28x28 images has 11 distinct convolutions
+   (below, with how often each occurs in the network). For each, at batch
+   256 on a GPU (32 on the CPU), this times, in microseconds per call:
+     fwd      the forward pass,
+     dx, dW   the input gradient and the weight gradient (dx is not needed
+              for the first layer, whose input is the image),
+   with conv.h's im2col + cuBLAS (the forward through mgpu_conv2d_forward,
+   the backward through mgpu_conv2d_backward, dx and dW together), and on
+   a GPU with each tile shape of kernels/conv_implicit.h's implicit GEMMs
+   (the kernels launched directly; the one mgpu__implicit_tile_for picks
+   is marked *). Each figure is the mean of `steps` calls between two
+   synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
+   P * Q * C * R * S FLOPs per pass. Both at PyTorch's default precision
+   (TF32 in convolutions); bench/pytorch/conv.py times cuDNN on the same
+   shapes.
+
+   Then a ResNet-18 step's convolutions, summed with their counts: all
+   im2col; all implicit with the tiles the library picks; implicit with the
+   best tile for each pass; and the best of all per pass (what a
+   cudnn.benchmark-style choice would reach). The last line is for
+   bench/run.sh:
+       RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_implicit_ms=... best_ms=... */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+
+typedef struct {
+    const char *name;
+    int count; /* occurrences in the network */
+    int c, k, r, stride, pad, h; /* h: the input's height and width */
+} conv_case;
+
+static const conv_case cases[] = {
+    {"first 1->64 3x3", 1, 1, 64, 3, 1, 1, 28},
+    {"stage1 64->64 3x3", 4, 64, 64, 3, 1, 1, 28},
+    {"stage2 64->128 3x3 /2", 1, 64, 128, 3, 2, 1, 28},
+    {"stage2 64->128 1x1 /2", 1, 64, 128, 1, 2, 0, 28},
+    {"stage2 128->128 3x3", 3, 128, 128, 3, 1, 1, 14},
+    {"stage3 128->256 3x3 /2", 1, 128, 256, 3, 2, 1, 14},
+    {"stage3 128->256 1x1 /2", 1, 128, 256, 1, 2, 0, 14},
+    {"stage3 256->256 3x3", 3, 256, 256, 3, 1, 1, 7},
+    {"stage4 256->512 3x3 /2", 1, 256, 512, 3, 2, 1, 7},
+    {"stage4 256->512 1x1 /2", 1, 256, 512, 1, 2, 0, 7},
+    {"stage4 512->512 3x3", 3, 512, 512, 3, 1, 1, 4},
+};
+enum { N_CASES = sizeof cases / sizeof cases[0] };
+enum { FWD, DX, DW, PASSES };
+
+/* Microseconds per call of `run`, the mean of `steps` calls after one warm-up. */
+typedef void (*conv_run)(void *ctx);
+static double time_us(mgpu_device *dev, conv_run run, void *ctx, int steps) {
+    run(ctx);
+    mgpu_synchronize(dev);
+    double t0 = mgpu_now();
+    for (int s = 0; s < steps; s++) run(ctx);
+    mgpu_synchronize(dev);
+    return (mgpu_now() - t0) * 1e6 / steps;
+}
+
+/* One convolution's tensors */
+typedef struct {
+    mgpu_device *dev;
+    mgpu_tensor *x, *w, *b, *y, *dy, *dx, *dw, *partials;
+    mgpu__conv_geom g;
+    int stride, pad, first, tile;
+} conv_ctx;
+
+static void im2col_forward(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu_conv2d_forward(c->y, c->x, c->w, c->b, c->stride, c->pad);
+}
+static void im2col_backward(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu_conv2d_backward(c->first ? NULL : c->dx, c->dw, NULL, c->dy, c->x, c->w, c->stride, c->pad, 0);
+}
+#if MGPU_CUDA
+static void implicit_forward(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_implicit_args a = {c->y->data, c->x->data, c->w->data, c->b->data, c->g,
+                                  (mgpu__implicit_tile)c->tile};
+    mgpu__launch_on(&c->dev->queue[0], "conv fwd", NULL, mgpu__conv_implicit_cuda, &a, sizeof a);
+}
+static void implicit_dx(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_implicit_dgrad_args a = {c->dx->data, c->dy->data, c->w->data, c->g,
+                                        (mgpu__implicit_tile)c->tile};
+    mgpu__launch_on(&c->dev->queue[0], "conv dx", NULL, mgpu__conv_implicit_dgrad_cuda, &a, sizeof a);
+}
+static void implicit_dw(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_implicit_wgrad_args a = {c->dw->data, c->dy->data, c->x->data, c->partials->data, 0.0f,
+                                        0, c->g, (mgpu__implicit_tile)c->tile};
+    a.splits = mgpu__conv_implicit_wgrad_splits(&c->g, a.tile);
+    mgpu__launch_on(&c->dev->queue[0], "conv dW", NULL, mgpu__conv_implicit_wgrad_cuda, &a, sizeof a);
+}
+#endif
+enum { TILE_COLUMNS = 3 }; /* room for the tile shapes */
+#if MGPU_CUDA
+static_assert(MGPU__TILE_KINDS <= TILE_COLUMNS, "a column for each tile shape");
+#endif
+
+static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
+
+/* One row of the table: a pass, its time with im2col (0: not timed that
+   way) and with each tile (when the implicit GEMM is timed). */
+static void print_row(const char *name, int count, const char *pass, double flop, double im2col,
+                      const double *tile_us, int tiles, int picked) {
+    printf("%-24s %5d %5s %7.2f", name, count, pass, flop * 1e-9);
+    if (im2col > 0) printf(" %9.1f", im2col);
+    else printf(" %9s", "-");
+    double best = im2col;
+    for (int t = 0; t < tiles; t++) {
+        if (tile_us[t] > 0) printf(" %8.1f%c", tile_us[t], t == picked ? '*' : ' ');
+        else printf(" %9s", "-");
+        if (tile_us[t] > 0 && (best <= 0 || tile_us[t] < best)) best = tile_us[t];
+    }
+    printf(" %9.1f\n", tflops(flop, best));
+}
+
+int main(int argc, char **argv) {
+    mgpu_options o;
+    memset(&o, 0, sizeof o);
+    int steps = 0;
+    const mgpu_flag extra[] = {
+        {"--steps", 'i', &steps, "calls timed per figure (default 20 on a GPU, 2 on the CPU)"},
+    };
+    mgpu_options_parse(&o, argc, argv,
+                       "bench/conv: ResNet-18's convolutions, im2col against implicit GEMM", extra, 1);
+    mgpu_device *dev[1];
+    mgpu_devices(1, !o.cpu, dev);
+    int on_gpu = mgpu_device_is_gpu(dev[0]);
+    int batch = o.batch_size ? o.batch_size : on_gpu ? 256 : 32;
+    if (!steps) steps = on_gpu ? 20 : 2;
+    int tiles = 0; /* tile shapes timed: none without the implicit GEMM */
+#if MGPU_CUDA
+    if (on_gpu && mgpu__tf32_allowed(MGPU__TF32_CONV) && mgpu__conv_implicit_available())
+        tiles = MGPU__TILE_KINDS;
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_implicit = 0; /* the public calls below take im2col */
+#endif
+    printf("ResNet-18's convolutions on [%s], batch %d: microseconds per call (mean of %d)\n",
+           mgpu_device_name(dev[0]), batch, steps);
+    if (on_gpu) printf("GPU arithmetic: %s\n", mgpu_tf32_str());
+    if (on_gpu && !tiles) printf("implicit GEMM not timed: it needs TF32 and code for sm_80 or newer\n");
+    printf("%-24s %5s %5s %7s %9s", "convolution", "count", "pass", "GFLOP", "im2col");
+#if MGPU_CUDA
+    for (int t = 0; t < tiles; t++) printf(" %9s", mgpu__implicit_tile_names[t]);
+#endif
+    printf(" %9s\n", "TFLOP/s");
+
+    /* a step's convolutions, in microseconds: [0] im2col, [1] implicit with
+       the tiles the library picks, [2] implicit with the best tiles, [3] the
+       best of everything per pass */
+    double step_us[4] = {0, 0, 0, 0}, step_flop = 0;
+    for (int i = 0; i < N_CASES; i++) {
+        const conv_case *cc = &cases[i];
+        conv_ctx c;
+        memset(&c, 0, sizeof c);
+        c.dev = dev[0];
+        c.stride = cc->stride;
+        c.pad = cc->pad;
+        c.first = i == 0;
+        mgpu_manual_seed(1);
+        c.x = mgpu_randn(dev[0], mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
+        c.w = mgpu_randn(dev[0], mgpu_shape4(cc->k, cc->c, cc->r, cc->r), 0, 0.1f);
+        c.b = mgpu_zeros(dev[0], mgpu_shape1(cc->k));
+        c.g = mgpu__conv_geometry("bench/conv", c.x->shape, c.w->shape, cc->stride, cc->pad);
+        c.y = mgpu_empty(dev[0], mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
+        c.dy = mgpu_randn(dev[0], c.y->shape, 0, 1);
+        c.dx = mgpu_empty(dev[0], c.x->shape);
+        c.dw = mgpu_empty(dev[0], c.w->shape);
+        double flop = 2.0 * batch * cc->k * c.g.p * c.g.q * cc->c * cc->r * cc->r;
+
+        /* im2col: the forward, and the backward (dx and dW together) */
+        double fwd = time_us(dev[0], im2col_forward, &c, steps);
+        double bwd = time_us(dev[0], im2col_backward, &c, steps);
+        double none[TILE_COLUMNS] = {0};
+        print_row(cc->name, cc->count, "fwd", flop, fwd, none, tiles, -1);
+        print_row("", cc->count, c.first ? "dW" : "dx+dW", flop * (c.first ? 1 : 2), bwd, none, 0, -1);
+        step_us[0] += cc->count * (fwd + bwd);
+        step_flop += cc->count * flop * (c.first ? 2 : 3);
+        double best_of_all = fwd + bwd;
+#if MGPU_CUDA
+        if (tiles) { /* each pass with each tile */
+            size_t pixels = (size_t)batch * c.g.p * c.g.q, crs = (size_t)cc->c * cc->r * cc->r;
+            int picked[PASSES] = {mgpu__implicit_tile_for(cc->k, pixels, 0),
+                                  mgpu__implicit_tile_for(cc->c, (size_t)batch * cc->h * cc->h, 0),
+                                  mgpu__implicit_tile_for(cc->k, crs, 1)};
+            int most = 1;
+            for (int t = 0; t < tiles; t++) {
+                int splits = mgpu__conv_implicit_wgrad_splits(&c.g, (mgpu__implicit_tile)t);
+                most = splits > most ? splits : most;
+            }
+            c.partials = mgpu_empty(dev[0], mgpu_shape1(most * cc->k * (int)crs));
+            double us[PASSES][TILE_COLUMNS] = {{0}}, best[PASSES] = {0, 0, 0};
+            conv_run runs[PASSES] = {implicit_forward, implicit_dx, implicit_dw};
+            for (int pass = 0; pass < PASSES; pass++) {
+                if (pass == DX && c.first) continue;
+                for (c.tile = 0; c.tile < tiles; c.tile++) {
+                    us[pass][c.tile] = time_us(dev[0], runs[pass], &c, steps);
+                    if (!best[pass] || us[pass][c.tile] < best[pass]) best[pass] = us[pass][c.tile];
+                }
+                print_row("", cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
+                          us[pass], tiles, picked[pass]);
+                step_us[1] += cc->count * us[pass][picked[pass]];
+                step_us[2] += cc->count * best[pass];
+            }
+            double fwd_best = best[FWD] < fwd ? best[FWD] : fwd;
+            double bwd_best = best[DX] + best[DW] < bwd ? best[DX] + best[DW] : bwd;
+            best_of_all = fwd_best + bwd_best;
+            mgpu_free(c.partials);
+        }
+#endif
+        step_us[3] += cc->count * best_of_all;
+        mgpu_free(c.x);
+        mgpu_free(c.w);
+        mgpu_free(c.b);
+        mgpu_free(c.y);
+        mgpu_free(c.dy);
+        mgpu_free(c.dx);
+        mgpu_free(c.dw);
+    }
+    printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
+           step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
+    if (tiles)
+        printf("  implicit, the tiles picked: %.3f ms (%.1f TFLOP/s); implicit, the best tiles: "
+               "%.3f ms; the best of all per pass: %.3f ms (%.1f TFLOP/s)\n",
+               step_us[1] * 1e-3, tflops(step_flop, step_us[1]), step_us[2] * 1e-3,
+               step_us[3] * 1e-3, tflops(step_flop, step_us[3]));
+    printf("RESULT conv on=[%s] batch=%d im2col_ms=%.4f", mgpu_device_name(dev[0]), batch,
+           step_us[0] * 1e-3);
+    if (tiles)
+        printf(" implicit_ms=%.4f best_implicit_ms=%.4f best_ms=%.4f", step_us[1] * 1e-3,
+               step_us[2] * 1e-3, step_us[3] * 1e-3);
+    printf("\n");
+    return 0;
+}
