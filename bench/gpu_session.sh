@@ -85,13 +85,14 @@ chapters() {
 
 # The kernels' tests at small sizes under compute-sanitizer: memcheck
 # (out-of-bounds and misaligned accesses, launch errors) and racecheck
-# (shared-memory races in the reductions).
+# (shared-memory races in the reductions and the implicit GEMMs' double
+# buffering).
 sanitize() {
     make -j"$JOBS" build/cuda/gpu_layers build/cuda/gpu_train_ops || return 1
     local cs status=0
     cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in memcheck racecheck; do
-        for t in "gpu_layers conv2d_small" "gpu_layers pooling" "gpu_layers relu" \
+        for t in "gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling" "gpu_layers relu" \
                  "gpu_layers linear" "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
                  "gpu_train_ops cross_entropy_10" "gpu_train_ops cross_entropy_one" \
                  "gpu_train_ops sum_of" "gpu_train_ops sgd"; do

@@ -277,6 +277,44 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
+/* Every tile shape of the implicit GEMMs, launched directly (the library
+   picks one per product, so some shapes may never run above). */
+static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
+                                   int pad) {
+    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    mgpu__conv_geom g = mgpu__conv_geometry(name, xs, ws, stride, pad);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws);
+    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, stride, pad);
+    mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
+    mgpu__queue *q = &gpu->queue[0];
+    for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s, tile %s", name, mgpu__implicit_tile_names[tile]);
+        mgpu_fill(y.g, NAN);
+        mgpu_fill(dx.g, NAN);
+        mgpu_fill(dw.g, NAN);
+        mgpu__conv_implicit_args fa = {y.g->data, x.g->data, wt.g->data, b.g->data, g,
+                                       (mgpu__implicit_tile)tile};
+        mgpu__launch_on(q, "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &fa, sizeof fa);
+        mgpu__conv_implicit_dgrad_args da = {dx.g->data, dy.g->data, wt.g->data, g,
+                                             (mgpu__implicit_tile)tile};
+        mgpu__launch_on(q, "conv2d implicit dx", NULL, mgpu__conv_implicit_dgrad_cuda, &da, sizeof da);
+        mgpu__conv_implicit_wgrad_args wa = {dw.g->data, dy.g->data, x.g->data, NULL, 0.0f, 0, g,
+                                             (mgpu__implicit_tile)tile};
+        wa.splits = mgpu__conv_implicit_wgrad_splits(&g, wa.tile);
+        mgpu_tensor *partials = mgpu_empty(gpu, mgpu_shape1(wa.splits * k * c * r * r));
+        wa.partials = partials->data;
+        mgpu__launch_on(q, "conv2d implicit dW", NULL, mgpu__conv_implicit_wgrad_cuda, &wa, sizeof wa);
+        check_same(what, "y", &y, 2e-3);
+        check_same(what, "dx", &dx, 2e-3);
+        check_same(what, "dw", &dw, 2e-3);
+        mgpu_free(partials);
+    }
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dx); pair_free(&dw);
+}
 TEST(implicit_gemm_convolution) {
     mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
     mgpu__conv_implicit = 1;
@@ -288,8 +326,17 @@ TEST(implicit_gemm_convolution) {
     implicit_compare("1x1 shortcut",        32, 64, 28, 128, 1, 2, 0, 1);
     implicit_compare("stage 4",             16, 512, 4, 512, 3, 1, 1, 1);
     implicit_compare("partial tiles",        3,  5, 11,  70, 3, 2, 2, 1);
+    /*                     name                N    C   H    K  R  t  d */
+    implicit_tiles_compare("stage 1",          32, 64, 28,  64, 3, 1, 1);
+    implicit_tiles_compare("stage 3",          32, 256, 7, 256, 3, 1, 1);
     mgpu_set_tf32(0, 0);
     mgpu__conv_implicit = 0;
+}
+/* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
+TEST(implicit_gemm_small_tiles) {
+    mgpu_set_tf32(1, 0);
+    implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
+    mgpu_set_tf32(0, 0);
 }
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))
