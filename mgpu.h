@@ -603,10 +603,13 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
-   another size for both (for measuring: bench/profile). MGPU_CONV=implicit
-   makes a GPU's convolutions, when they may use TF32, compute y, dx and dw
-   as implicit GEMMs on the tensor cores that never write a col buffer (an
-   experiment: kernels/conv_implicit.h).
+   another size for both (for measuring: bench/profile). A GPU's
+   convolutions that may use TF32 can instead compute y, dx and dw as
+   implicit GEMMs on the tensor cores that never write a col buffer
+   (kernels/conv_implicit.h). MGPU_CONV chooses: auto (the default) times
+   both at the first call with each shape and keeps the faster, as
+   PyTorch's cudnn.benchmark does (so the rounding of TF32 results can
+   differ from run to run); im2col or implicit forces one.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4083,21 +4086,26 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
 static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
-/* MGPU_CONV=implicit: a GPU's TF32 convolutions compute y, dx and dw with
-   the implicit GEMMs of kernels/conv_implicit.h instead of im2col (an
-   experiment). */
-static int mgpu__conv_implicit;
+/* MGPU_CONV: how a GPU's TF32 convolutions compute y, dx and dW.
+     auto      (the default) whichever of the two below is faster for the
+               convolution's shape, timed at the first call with that
+               shape (as PyTorch's cudnn.benchmark does);
+     im2col    conv.h's im2col and cuBLAS products;
+     implicit  the implicit GEMMs of kernels/conv_implicit.h.
+   Float32 convolutions (no TF32) and a CPU's always take im2col. */
+typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
+static mgpu__conv_mode_kind mgpu__conv_mode;
 /* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
-   scratch sizes, MGPU_CONV chooses the GPU's forward algorithm. */
+   scratch sizes, MGPU_CONV chooses the GPU's algorithm. */
 static int mgpu__conv_env_read;
 static void mgpu__conv_settings_from_environment(void) {
     if (mgpu__conv_env_read) return;
     mgpu__conv_env_read = 1;
     const char *algorithm = getenv("MGPU_CONV");
-    MGPU_REQUIRE(!algorithm || !*algorithm || strcmp(algorithm, "im2col") == 0 ||
-                     strcmp(algorithm, "implicit") == 0,
-                 "MGPU_CONV=%s: want im2col (the default) or implicit", algorithm);
-    mgpu__conv_implicit = algorithm && strcmp(algorithm, "implicit") == 0;
+    if (!algorithm || !*algorithm || strcmp(algorithm, "auto") == 0) mgpu__conv_mode = MGPU__CONV_AUTO;
+    else if (strcmp(algorithm, "im2col") == 0) mgpu__conv_mode = MGPU__CONV_IM2COL;
+    else if (strcmp(algorithm, "implicit") == 0) mgpu__conv_mode = MGPU__CONV_IMPLICIT;
+    else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col or implicit", algorithm);
     const char *env = getenv("MGPU_CONV_SCRATCH_MB");
     if (!env || !*env) return;
     char *end;
@@ -4177,6 +4185,64 @@ static void mgpu__conv_scratch_free(mgpu__conv_scratch *s) {
     mgpu_free(s->kout);
 }
 
+/* y = conv(x, w) + b with im2col and products, a chunk of images at a time. */
+static void mgpu__conv_forward_im2col(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                      const mgpu_tensor *b, const mgpu__conv_geom *g, int tf32) {
+    mgpu_device *dev = x->device;
+    size_t pq = (size_t)g->p * g->q, crs = (size_t)g->c * g->r * g->s;
+    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, g);
+    for (int n0 = 0; n0 < g->n; n0 += s.chunk) {
+        mgpu__conv_geom part = *g;
+        part.n = g->n - n0 < s.chunk ? g->n - n0 : s.chunk;
+        int cols = part.n * (int)pq;
+        mgpu__im2col_args im = {x->data + (size_t)n0 * g->c * g->h * g->w, s.col->data, part};
+        MGPU__ENQUEUE(dev, "conv2d im2col", mgpu__im2col, im);
+        /* Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q] */
+        mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, g->k, cols, (int)crs, w->data, s.col->data,
+                                                s.kout->data, 0.0f, tf32);
+        MGPU__ENQUEUE(dev, "conv2d product", mgpu__gemm, prod);
+        /* [K, n, P*Q] -> y's [n, K, P*Q] */
+        mgpu__swap_outer_args back = {y->data + (size_t)n0 * g->k * pq, s.kout->data, g->k, part.n,
+                                      pq, b ? b->data : NULL};
+        MGPU__ENQUEUE(dev, "conv2d layout and bias", mgpu__swap_outer, back);
+    }
+    mgpu__conv_scratch_free(&s);
+}
+
+/* dx (when asked for) and dW (+)= the gradients, with im2col and products. */
+static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const mgpu_tensor *dy,
+                                       const mgpu_tensor *x, const mgpu_tensor *w,
+                                       const mgpu__conv_geom *g, int tf32, int accumulate) {
+    mgpu_device *dev = x->device;
+    size_t pq = (size_t)g->p * g->q, crs = (size_t)g->c * g->r * g->s, chw = (size_t)g->c * g->h * g->w;
+    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, g);
+    for (int n0 = 0; n0 < g->n; n0 += s.chunk) {
+        mgpu__conv_geom part = *g;
+        part.n = g->n - n0 < s.chunk ? g->n - n0 : s.chunk;
+        int cols = part.n * (int)pq;
+        /* G [K, n*P*Q] from dy's [n, K, P*Q] */
+        mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g->k * pq, part.n,
+                                       g->k, pq, NULL};
+        MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
+        mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
+        MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
+        /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
+        float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
+        mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g->k, (int)crs, cols, s.kout->data,
+                                               s.col->data, dw->data, beta, tf32);
+        MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
+        if (dx) {
+            /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
+            mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g->k, w->data,
+                                                    s.kout->data, s.col->data, 0.0f, tf32);
+            MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
+            mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
+            MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
+        }
+    }
+    mgpu__conv_scratch_free(&s);
+}
+
 #if MGPU_CUDA
 /* The implicit GEMM needs TF32 tensor cores: code compiled for sm_80 or
    newer (a plain `nvcc` without -gencode compiles for an older GPU, and
@@ -4188,17 +4254,109 @@ static int mgpu__conv_implicit_available(void) {
         cudaFuncAttributes f;
         MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_implicit_kernel<64, 64>));
         available = f.ptxVersion >= 80 && f.binaryVersion >= 80;
-        if (!available)
+        if (!available && mgpu__conv_mode == MGPU__CONV_IMPLICIT)
             fprintf(stderr, "mgpu: MGPU_CONV=implicit needs code built for sm_80 or newer (this is "
                     "sm_%d): using im2col\n", f.ptxVersion);
     }
     return available;
 }
-/* Whether this convolution takes the implicit GEMMs (MGPU_CONV=implicit). */
-static int mgpu__conv_use_implicit(const mgpu_device *dev, int tf32) {
+
+/* The same with the implicit GEMMs (TF32), no col buffers. */
+static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                        const mgpu_tensor *b, const mgpu__conv_geom *g) {
+    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g,
+                                  mgpu__implicit_tile_for(g->k, (size_t)g->n * g->p * g->q, 0)};
+    mgpu__launch_on(&x->device->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a,
+                    sizeof a);
+}
+static void mgpu__conv_backward_implicit(mgpu_tensor *dx, mgpu_tensor *dw, const mgpu_tensor *dy,
+                                         const mgpu_tensor *x, const mgpu_tensor *w,
+                                         const mgpu__conv_geom *g, int accumulate) {
+    mgpu_device *dev = x->device;
+    if (dx) {
+        mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g,
+                                            mgpu__implicit_tile_for(g->c, (size_t)g->n * g->h * g->w, 0)};
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
+                        mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
+    }
+    size_t crs = (size_t)g->c * g->r * g->s;
+    mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
+                                         0, *g, mgpu__implicit_tile_for(g->k, crs, 1)};
+    wg.splits = mgpu__conv_implicit_wgrad_splits(g, wg.tile);
+    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g->k * (int)crs));
+    wg.partials = partials->data;
+    mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
+                    mgpu__conv_implicit_wgrad_cuda, &wg, sizeof wg);
+    mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
+}
+
+/* MGPU_CONV=auto: the algorithm measured for each shape and pass, so far. */
+typedef struct {
+    mgpu__conv_geom g;
+    int backward, with_dx;
+    int implicit; /* the faster one */
+} mgpu__conv_choice;
+static mgpu__conv_choice mgpu__conv_choices[256];
+static int mgpu__conv_choice_count;
+
+/* One timed call of a pass with one algorithm: synchronised before and
+   after, so that it measures this call alone (other queues of the same
+   GPU may still add noise: the best of three counts). The backward writes
+   to scratch, so that measuring never adds to a real gradient. */
+typedef struct {
+    mgpu_tensor *y, *dx, *dw;
+    const mgpu_tensor *x, *w, *b, *dy;
+    const mgpu__conv_geom *g;
+    int backward;
+} mgpu__conv_trial;
+static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, int implicit) {
+    mgpu_device *dev = t->x->device;
+    mgpu_synchronize(dev);
+    double t0 = mgpu_now();
+    if (t->backward && implicit) mgpu__conv_backward_implicit(t->dx, t->dw, t->dy, t->x, t->w, t->g, 0);
+    else if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
+    else if (implicit) mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g);
+    else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
+    mgpu_synchronize(dev);
+    return (mgpu_now() - t0) * 1e3;
+}
+
+/* Whether a convolution's pass (forward, or backward with or without dx)
+   takes the implicit GEMMs: by MGPU_CONV, and for auto by what was
+   measured for its shape, measuring it now the first time (the trial
+   tensors: the pass's own for the forward, scratch for the backward). */
+static int mgpu__conv_use_implicit(mgpu__conv_trial *t, int tf32) {
     mgpu__conv_settings_from_environment();
-    return mgpu__conv_implicit && tf32 && mgpu_device_is_gpu(dev) &&
-           mgpu__conv_implicit_available();
+    mgpu_device *dev = t->x->device;
+    if (!tf32 || !mgpu_device_is_gpu(dev) || mgpu__conv_mode == MGPU__CONV_IM2COL ||
+        !mgpu__conv_implicit_available())
+        return 0;
+    if (mgpu__conv_mode == MGPU__CONV_IMPLICIT) return 1;
+    int with_dx = t->dx != NULL;
+    for (int i = 0; i < mgpu__conv_choice_count; i++) {
+        const mgpu__conv_choice *c = &mgpu__conv_choices[i];
+        if (!memcmp(&c->g, t->g, sizeof c->g) && c->backward == t->backward && c->with_dx == with_dx)
+            return c->implicit;
+    }
+    mgpu_tensor *dx = NULL, *dw = NULL;
+    if (t->backward) { /* scratch gradients */
+        if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
+        t->dw = dw = mgpu_empty(dev, t->w->shape);
+    }
+    double best[2] = {HUGE_VAL, HUGE_VAL};
+    for (int round = 0; round < 3; round++)
+        for (int implicit = 0; implicit < 2; implicit++) {
+            double ms = mgpu__conv_trial_ms(t, implicit);
+            if (ms < best[implicit]) best[implicit] = ms;
+        }
+    if (dx) mgpu_free(dx);
+    if (dw) mgpu_free(dw);
+    int implicit = best[1] < best[0];
+    if (mgpu__conv_choice_count < (int)(sizeof mgpu__conv_choices / sizeof mgpu__conv_choices[0])) {
+        mgpu__conv_choice c = {*t->g, t->backward, with_dx, implicit};
+        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    }
+    return implicit;
 }
 #endif
 
@@ -4217,34 +4375,15 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
         mgpu__require_shape(b, mgpu_shape1(g.k), op, "bias b");
     }
     mgpu__before_write(y);
-    size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s;
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
-    if (mgpu__conv_use_implicit(dev, tf32)) {
-        mgpu__conv_implicit_args im = {y->data, x->data, w->data, b ? b->data : NULL, g,
-                                       mgpu__implicit_tile_for(g.k, (size_t)g.n * pq, 0)};
-        mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &im,
-                        sizeof im);
+    mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
+    if (mgpu__conv_use_implicit(&t, tf32)) {
+        mgpu__conv_forward_implicit(y, x, w, b, &g);
         return;
     }
 #endif
-    mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
-    for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
-        mgpu__conv_geom part = g;
-        part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
-        int cols = part.n * (int)pq;
-        mgpu__im2col_args im = {x->data + (size_t)n0 * g.c * g.h * g.w, s.col->data, part};
-        MGPU__ENQUEUE(dev, "conv2d im2col", mgpu__im2col, im);
-        /* Y [K, n*P*Q] = W [K, C*R*S] col [C*R*S, n*P*Q] */
-        mgpu__gemm_args prod = mgpu__gemm_dense(0, 0, g.k, cols, (int)crs, w->data, s.col->data,
-                                                s.kout->data, 0.0f, tf32);
-        MGPU__ENQUEUE(dev, "conv2d product", mgpu__gemm, prod);
-        /* [K, n, P*Q] -> y's [n, K, P*Q] */
-        mgpu__swap_outer_args back = {y->data + (size_t)n0 * g.k * pq, s.kout->data, g.k, part.n,
-                                      pq, b ? b->data : NULL};
-        MGPU__ENQUEUE(dev, "conv2d layout and bias", mgpu__swap_outer, back);
-    }
-    mgpu__conv_scratch_free(&s);
+    mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
 
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
@@ -4271,59 +4410,16 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     if (dx) mgpu__before_write(dx);
     if (db) mgpu__before_write(db);
     mgpu__before_write(dw);
-    size_t pq = (size_t)g.p * g.q, crs = (size_t)g.c * g.r * g.s, chw = (size_t)g.c * g.h * g.w;
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
 #if MGPU_CUDA
-    implicit = mgpu__conv_use_implicit(dev, tf32);
-    if (implicit) { /* dx and dw without col buffers (MGPU_CONV=implicit) */
-        if (dx) {
-            mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, g,
-                                                mgpu__implicit_tile_for(g.c, chw / g.c * g.n, 0)};
-            mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
-                            mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
-        }
-        mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL,
-                                             accumulate ? 1.0f : 0.0f, 0, g,
-                                             mgpu__implicit_tile_for(g.k, crs, 1)};
-        wg.splits = mgpu__conv_implicit_wgrad_splits(&g, wg.tile);
-        mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g.k * (int)crs));
-        wg.partials = partials->data;
-        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
-                        mgpu__conv_implicit_wgrad_cuda, &wg, sizeof wg);
-        mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
-    }
+    mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1};
+    implicit = mgpu__conv_use_implicit(&t, tf32);
+    if (implicit) mgpu__conv_backward_implicit(dx, dw, dy, x, w, &g, accumulate);
 #endif
-    if (!implicit) {
-        mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, &g);
-        for (int n0 = 0; n0 < g.n; n0 += s.chunk) {
-            mgpu__conv_geom part = g;
-            part.n = g.n - n0 < s.chunk ? g.n - n0 : s.chunk;
-            int cols = part.n * (int)pq;
-            /* G [K, n*P*Q] from dy's [n, K, P*Q] */
-            mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g.k * pq, part.n,
-                                           g.k, pq, NULL};
-            MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
-            mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
-            MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
-            /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
-            float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
-            mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g.k, (int)crs, cols, s.kout->data,
-                                                   s.col->data, dw->data, beta, tf32);
-            MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
-            if (dx) {
-                /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
-                mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g.k, w->data,
-                                                        s.kout->data, s.col->data, 0.0f, tf32);
-                MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
-                mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
-                MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
-            }
-        }
-        mgpu__conv_scratch_free(&s);
-    }
+    if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate);
     if (db) {
-        mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k, pq, 1.0f,
-                               accumulate ? 1.0f : 0.0f);
+        mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k,
+                               (size_t)g.p * g.q, 1.0f, accumulate ? 1.0f : 0.0f);
     }
 }
 

@@ -139,7 +139,7 @@ int main(int argc, char **argv) {
     if (on_gpu && mgpu__tf32_allowed(MGPU__TF32_CONV) && mgpu__conv_implicit_available())
         tiles = MGPU__TILE_KINDS;
     mgpu__conv_settings_from_environment();
-    mgpu__conv_implicit = 0; /* the public calls below take im2col */
+    mgpu__conv_mode = MGPU__CONV_IM2COL; /* the public calls below take im2col */
 #endif
     printf("ResNet-18's convolutions on [%s], batch %d: microseconds per call (mean of %d)\n",
            mgpu_device_name(dev[0]), batch, steps);

@@ -51,9 +51,11 @@
    second kernel adds the partial tiles in order (the same result from run
    to run) into dw.
 
-   Used when MGPU_CONV=implicit is set and the convolution may use TF32
-   (mgpu_set_tf32); otherwise conv.h's im2col path runs. Whether it is the
-   faster one is for bench/profile to say on a GPU. */
+   Used for a convolution that may use TF32 (mgpu_set_tf32) when
+   MGPU_CONV=implicit, or with MGPU_CONV=auto (the default) when it is
+   faster than conv.h's im2col for the convolution's shape, timed at the
+   first call (mgpu__conv_use_implicit in mgpu.h). bench/conv times each
+   tile against im2col and cuDNN. */
 
 #if MGPU_CUDA
 #define MGPU__IMPLICIT_STEP 16     /* values of the summed index per step */

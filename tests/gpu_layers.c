@@ -317,7 +317,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
 }
 TEST(implicit_gemm_convolution) {
     mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
-    mgpu__conv_implicit = 1;
+    mgpu__conv_mode = MGPU__CONV_IMPLICIT;
     mgpu_set_tf32(1, 0);
     /*               name                   N    C   H    K  R  t  d  bias */
     implicit_compare("stem",                64,  1, 28,  64, 3, 1, 1, 1);
@@ -330,8 +330,40 @@ TEST(implicit_gemm_convolution) {
     implicit_tiles_compare("stage 1",          32, 64, 28,  64, 3, 1, 1);
     implicit_tiles_compare("stage 3",          32, 256, 7, 256, 3, 1, 1);
     mgpu_set_tf32(0, 0);
-    mgpu__conv_implicit = 0;
+    mgpu__conv_mode = MGPU__CONV_AUTO;
 }
+/* MGPU_CONV=auto (the default): the first call with a shape times both
+   algorithms and remembers the faster; the trials must leave the results
+   as one algorithm alone would (the weight gradient accumulated once). */
+TEST(conv_algorithm_chosen_by_measuring) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(16, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(128)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(128));
+    int before = mgpu__conv_choice_count;
+    for (int round = 0; round < 2; round++) { /* measured, then remembered */
+        mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
+        mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
+        mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
+        mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
+        CHECK_EQ_INT(mgpu__conv_choice_count, before + 2);
+        check_same("auto", "y", &y, 2e-3);
+        check_same("auto", "dx", &dx, 2e-3);
+        check_same("auto", "dw, accumulated", &dw, 2e-3);
+        check_same("auto", "db, accumulated", &db, 1e-5);
+    }
+    for (int i = before; i < mgpu__conv_choice_count; i++)
+        printf("  auto: %s, %s\n", mgpu__conv_choices[i].backward ? "backward" : "forward",
+               mgpu__conv_choices[i].implicit ? "implicit GEMM" : "im2col");
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
+    mgpu_set_tf32(0, 0);
+}
+
 /* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
 TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);

@@ -537,19 +537,23 @@ TEST(conv_settings_from_the_environment) {
     unsetenv("MGPU_CONV_SCRATCH_MB");
     mgpu__conv_scratch_floats[0] = saved[0];
     mgpu__conv_scratch_floats[1] = saved[1];
-    /* MGPU_CONV chooses the GPU's forward algorithm; a CPU keeps im2col */
-    setenv("MGPU_CONV", "implicit", 1);
-    mgpu__conv_env_read = 0;
-    mgpu__conv_settings_from_environment();
-    CHECK_EQ_INT(mgpu__conv_implicit, 1);
+    /* MGPU_CONV chooses the GPU's algorithm (auto by default); a CPU keeps im2col */
+    const char *names[] = {"implicit", "im2col", "auto", ""};
+    int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_AUTO, MGPU__CONV_AUTO};
+    for (int i = 0; i < 4; i++) {
+        setenv("MGPU_CONV", names[i], 1);
+        mgpu__conv_env_read = 0;
+        mgpu__conv_settings_from_environment();
+        CHECK_EQ_INT(mgpu__conv_mode, modes[i]);
+    }
     setenv("MGPU_CONV", "winograd", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
-                "MGPU_CONV=winograd: want im2col (the default) or implicit");
+                "MGPU_CONV=winograd: want auto (the default), im2col or implicit");
     unsetenv("MGPU_CONV");
     mgpu__conv_env_read = 0;
     mgpu__conv_settings_from_environment();
-    CHECK_EQ_INT(mgpu__conv_implicit, 0);
+    CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
 }
 
 TEST(avg_pool2d_forward_and_gradients) {
