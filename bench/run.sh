@@ -293,7 +293,7 @@ row "ResNet-18's convolutions $(result conv on), batch $(or_dash "$(result conv 
     "$(calc %.2f "$(result conv im2col_ms)") / $(calc %.2f "$(result conv implicit_ms)") / $(calc %.2f "$(result conv best_implicit_ms)") / $(calc %.2f "$(result conv best_ms)")"
 if [ $TORCH = 1 ]; then
     step conv.py "$PYTHON" -u bench/pytorch/conv.py --device $TORCH_DEVICE
-    row "ResNet-18's convolutions, PyTorch $TORCH_DEVICE (cuDNN, benchmark on), batch $(or_dash "$(result conv.py batch)")" \
+    row "ResNet-18's convolutions, PyTorch $TORCH_DEVICE$([ $ON_GPU = 1 ] && echo ' (cuDNN, benchmark on)'), batch $(or_dash "$(result conv.py batch)")" \
         "ms per step: NCHW / NHWC / the better per pass" \
         "$(calc %.2f "$(result conv.py nchw_ms)") / $(calc %.2f "$(result conv.py nhwc_ms)") / $(calc %.2f "$(result conv.py best_ms)")"
 fi
