@@ -190,6 +190,20 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
                                     wmma::mem_row_major);
     __syncthreads();
 }
+
+/* This thread's column of the finished tile (in t->out) to memory: row
+   row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
+   when there is a bias, for the rows below `rows`. Consecutive threads
+   hold consecutive columns, so the writes of a row are coalesced. */
+template <int TM, int TN>
+static __device__ void mgpu__implicit_write(const mgpu__implicit_tiles<TM, TN> *t, float *column,
+                                            size_t row_stride, int row0, int rows, const float *bias) {
+    int tid = threadIdx.x;
+    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
+        int row = row0 + m;
+        if (row < rows) column[(size_t)row * row_stride] = t->out[m][tid % TN] + (bias ? bias[row] : 0.0f);
+    }
+}
 #endif
 
 typedef struct {
@@ -238,14 +252,8 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
         }
     };
     mgpu__implicit_product(&t, crs, decode, gather);
-    /* the tile of Y to y [img, filter, p, q]: consecutive threads write
-       consecutive pixels of one filter */
-    if (pixel >= npq) return;
-    float *y_pixel = a.y + (size_t)img * g.k * pq + in_image;
-    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
-        int filter = filter0 + m;
-        if (filter < g.k) y_pixel[(size_t)filter * pq] = t.out[m][column] + (a.b ? a.b[filter] : 0.0f);
-    }
+    /* the tile of Y to y [img, filter, p, q], with the bias */
+    if (pixel < npq) mgpu__implicit_write(&t, a.y + (size_t)img * g.k * pq + in_image, pq, filter0, g.k, a.b);
 #endif
 }
 
@@ -298,12 +306,7 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
         }
     };
     mgpu__implicit_product(&t, krs, decode, gather);
-    if (pixel >= nhw) return;
-    float *dx_pixel = a.dx + (size_t)img * g.c * hw + in_image;
-    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
-        int channel = channel0 + m;
-        if (channel < g.c) dx_pixel[(size_t)channel * hw] = t.out[m][column];
-    }
+    if (pixel < nhw) mgpu__implicit_write(&t, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0, g.c, NULL);
 #endif
 }
 
@@ -373,12 +376,7 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
         }
     };
     mgpu__implicit_product(&t, count, decode, gather);
-    if (k >= crs) return;
-    float *partial = a.partials + (size_t)blockIdx.z * g.k * crs + k;
-    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
-        int filter = filter0 + m;
-        if (filter < g.k) partial[(size_t)filter * crs] = t.out[m][column];
-    }
+    if (k < crs) mgpu__implicit_write(&t, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0, g.k, NULL);
 #endif
 }
 /* dw = beta dw + the partial tiles, added in order */
