@@ -606,10 +606,11 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    another size for both (for measuring: bench/profile). A GPU's
    convolutions that may use TF32 can instead compute y, dx and dw as
    implicit GEMMs on the tensor cores that never write a col buffer
-   (kernels/conv_implicit.h). MGPU_CONV chooses: auto (the default) times
-   both at the first call with each shape and keeps the faster, as
-   PyTorch's cudnn.benchmark does (so the rounding of TF32 results can
-   differ from run to run); im2col or implicit forces one.
+   (kernels/conv_implicit.h), in one of four tile shapes. MGPU_CONV
+   chooses: auto (the default) times im2col and every tile at the first
+   call with each shape and keeps the fastest, as PyTorch's
+   cudnn.benchmark does (so the rounding of TF32 results can differ from
+   run to run); im2col forces im2col, implicit the fastest tiles.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4091,7 +4092,8 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20}
                convolution's shape, timed at the first call with that
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
-     implicit  the implicit GEMMs of kernels/conv_implicit.h.
+     implicit  the implicit GEMMs of kernels/conv_implicit.h, each in the
+               tile shape that was fastest for it (timed the same way).
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
@@ -4261,28 +4263,28 @@ static int mgpu__conv_implicit_available(void) {
     return available;
 }
 
-/* The same with the implicit GEMMs (TF32), no col buffers. */
+/* The same with the implicit GEMMs (TF32), no col buffers, each product
+   in the given tile shape. */
 static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
-                                        const mgpu_tensor *b, const mgpu__conv_geom *g) {
-    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g,
-                                  mgpu__implicit_tile_for(g->k, (size_t)g->n * g->p * g->q, 0)};
+                                        const mgpu_tensor *b, const mgpu__conv_geom *g,
+                                        mgpu__implicit_tile tile) {
+    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, tile};
     mgpu__launch_on(&x->device->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a,
                     sizeof a);
 }
-static void mgpu__conv_backward_implicit(mgpu_tensor *dx, mgpu_tensor *dw, const mgpu_tensor *dy,
-                                         const mgpu_tensor *x, const mgpu_tensor *w,
-                                         const mgpu__conv_geom *g, int accumulate) {
+static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *w,
+                                   const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, tile};
+    mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
+                    mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
+}
+static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu__conv_geom *g, int accumulate, mgpu__implicit_tile tile) {
     mgpu_device *dev = x->device;
-    if (dx) {
-        mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g,
-                                            mgpu__implicit_tile_for(g->c, (size_t)g->n * g->h * g->w, 0)};
-        mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dx", NULL,
-                        mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
-    }
     size_t crs = (size_t)g->c * g->r * g->s;
     mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
-                                         0, *g, mgpu__implicit_tile_for(g->k, crs, 1)};
-    wg.splits = mgpu__conv_implicit_wgrad_splits(g, wg.tile);
+                                         0, *g, tile};
+    wg.splits = mgpu__conv_implicit_wgrad_splits(g, tile);
     mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g->k * (int)crs));
     wg.partials = partials->data;
     mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
@@ -4290,73 +4292,117 @@ static void mgpu__conv_backward_implicit(mgpu_tensor *dx, mgpu_tensor *dw, const
     mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
 }
 
-/* MGPU_CONV=auto: the algorithm measured for each shape and pass, so far. */
+/* How a convolution's pass runs: with im2col, or with the implicit GEMMs
+   in these tiles (y_tile for the forward pass, dx_tile and dw_tile for
+   the backward). */
+typedef struct {
+    int implicit;
+    mgpu__implicit_tile y_tile, dx_tile, dw_tile;
+} mgpu__conv_plan;
+
+/* The plans measured so far, one for each shape and pass. */
 typedef struct {
     mgpu__conv_geom g;
     int backward, with_dx;
-    int implicit; /* the faster one */
+    mgpu__conv_plan plan;
 } mgpu__conv_choice;
 static mgpu__conv_choice mgpu__conv_choices[256];
 static int mgpu__conv_choice_count;
 
-/* One timed call of a pass with one algorithm: synchronised before and
-   after, so that it measures this call alone (other queues of the same
-   GPU may still add noise: the best of three counts). The backward writes
-   to scratch, so that measuring never adds to a real gradient. */
+/* What a trial runs: a pass (on the pass's own tensors for the forward,
+   on scratch gradients for the backward, so that measuring never adds to
+   a real gradient), with im2col or with one of the implicit GEMMs. */
 typedef struct {
     mgpu_tensor *y, *dx, *dw;
     const mgpu_tensor *x, *w, *b, *dy;
     const mgpu__conv_geom *g;
     int backward;
 } mgpu__conv_trial;
-static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, int implicit) {
+typedef enum { MGPU__TRY_IM2COL, MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW } mgpu__conv_try;
+
+/* One timed call, synchronised before and after, so that it measures this
+   call alone (other queues of the same GPU may still add noise: the best
+   of three counts). */
+static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what,
+                                  mgpu__implicit_tile tile) {
     mgpu_device *dev = t->x->device;
     mgpu_synchronize(dev);
     double t0 = mgpu_now();
-    if (t->backward && implicit) mgpu__conv_backward_implicit(t->dx, t->dw, t->dy, t->x, t->w, t->g, 0);
-    else if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
-    else if (implicit) mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g);
-    else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
+    switch (what) {
+    case MGPU__TRY_IM2COL:
+        if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
+        else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
+        break;
+    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, tile); break;
+    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, t->w, t->g, tile); break;
+    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->x, t->g, 0, tile); break;
+    }
     mgpu_synchronize(dev);
     return (mgpu_now() - t0) * 1e3;
 }
 
-/* Whether a convolution's pass (forward, or backward with or without dx)
-   takes the implicit GEMMs: by MGPU_CONV, and for auto by what was
-   measured for its shape, measuring it now the first time (the trial
-   tensors: the pass's own for the forward, scratch for the backward). */
-static int mgpu__conv_use_implicit(mgpu__conv_trial *t, int tf32) {
+/* The fastest tile for one implicit GEMM (`what`), in *tile, and its
+   time: the best of three calls of each tile, the tiles taking turns, so
+   that a GPU clock still rising favours none. */
+static double mgpu__conv_fastest_tile(const mgpu__conv_trial *t, mgpu__conv_try what,
+                                      mgpu__implicit_tile *tile) {
+    double best[MGPU__TILE_KINDS];
+    for (int k = 0; k < MGPU__TILE_KINDS; k++) best[k] = HUGE_VAL;
+    for (int round = 0; round < 3; round++)
+        for (int k = 0; k < MGPU__TILE_KINDS; k++) {
+            double ms = mgpu__conv_trial_ms(t, what, (mgpu__implicit_tile)k);
+            if (ms < best[k]) best[k] = ms;
+        }
+    *tile = MGPU__TILE_64x64;
+    for (int k = 1; k < MGPU__TILE_KINDS; k++)
+        if (best[k] < best[*tile]) *tile = (mgpu__implicit_tile)k;
+    return best[*tile];
+}
+
+/* How a convolution's pass (forward, or backward with or without dx)
+   runs: im2col without TF32 or on a CPU; else as MGPU_CONV says, the
+   implicit GEMMs in the fastest tiles for the shape, and with auto only
+   where they beat im2col. Measured at the pass's first call with a shape,
+   then remembered (not thread-safe: the chapters enqueue their
+   convolutions from one thread). */
+static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
+    mgpu__conv_plan plan = {0, MGPU__TILE_64x64, MGPU__TILE_64x64, MGPU__TILE_64x64};
     mgpu__conv_settings_from_environment();
     mgpu_device *dev = t->x->device;
     if (!tf32 || !mgpu_device_is_gpu(dev) || mgpu__conv_mode == MGPU__CONV_IM2COL ||
         !mgpu__conv_implicit_available())
-        return 0;
-    if (mgpu__conv_mode == MGPU__CONV_IMPLICIT) return 1;
+        return plan;
     int with_dx = t->dx != NULL;
     for (int i = 0; i < mgpu__conv_choice_count; i++) {
         const mgpu__conv_choice *c = &mgpu__conv_choices[i];
         if (!memcmp(&c->g, t->g, sizeof c->g) && c->backward == t->backward && c->with_dx == with_dx)
-            return c->implicit;
+            return c->plan;
     }
     mgpu_tensor *dx = NULL, *dw = NULL;
     if (t->backward) { /* scratch gradients */
         if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
         t->dw = dw = mgpu_empty(dev, t->w->shape);
     }
-    double best[2] = {HUGE_VAL, HUGE_VAL};
-    for (int round = 0; round < 3; round++)
-        for (int implicit = 0; implicit < 2; implicit++) {
-            double ms = mgpu__conv_trial_ms(t, implicit);
-            if (ms < best[implicit]) best[implicit] = ms;
+    double implicit_ms = 0.0;
+    if (!t->backward) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_Y, &plan.y_tile);
+    if (with_dx) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_DX, &plan.dx_tile);
+    if (t->backward) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_DW, &plan.dw_tile);
+    plan.implicit = 1;
+    if (mgpu__conv_mode == MGPU__CONV_AUTO) {
+        double im2col_ms = HUGE_VAL;
+        for (int round = 0; round < 3; round++) {
+            double ms = mgpu__conv_trial_ms(t, MGPU__TRY_IM2COL, MGPU__TILE_64x64);
+            if (ms < im2col_ms) im2col_ms = ms;
         }
+        plan.implicit = implicit_ms < im2col_ms;
+    }
     if (dx) mgpu_free(dx);
     if (dw) mgpu_free(dw);
-    int implicit = best[1] < best[0];
     if (mgpu__conv_choice_count < (int)(sizeof mgpu__conv_choices / sizeof mgpu__conv_choices[0])) {
-        mgpu__conv_choice c = {*t->g, t->backward, with_dx, implicit};
+        mgpu__conv_choice c = {*t->g, t->backward, with_dx, plan};
         mgpu__conv_choices[mgpu__conv_choice_count++] = c;
     }
-    return implicit;
+    return plan;
 }
 #endif
 
@@ -4378,8 +4424,9 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
-    if (mgpu__conv_use_implicit(&t, tf32)) {
-        mgpu__conv_forward_implicit(y, x, w, b, &g);
+    mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
+    if (plan.implicit) {
+        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y_tile);
         return;
     }
 #endif
@@ -4413,8 +4460,12 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
 #if MGPU_CUDA
     mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1};
-    implicit = mgpu__conv_use_implicit(&t, tf32);
-    if (implicit) mgpu__conv_backward_implicit(dx, dw, dy, x, w, &g, accumulate);
+    mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
+    implicit = plan.implicit;
+    if (implicit) {
+        if (dx) mgpu__conv_dx_implicit(dx, dy, w, &g, plan.dx_tile);
+        mgpu__conv_dw_implicit(dw, dy, x, &g, accumulate, plan.dw_tile);
+    }
 #endif
     if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate);
     if (db) {

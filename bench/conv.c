@@ -11,19 +11,18 @@
    with conv.h's im2col + cuBLAS (the forward through mgpu_conv2d_forward,
    the backward through mgpu_conv2d_backward, dx and dW together), and on
    a GPU with each tile shape of kernels/conv_implicit.h's implicit GEMMs
-   (the kernels launched directly; the one mgpu__implicit_tile_for picks
-   is marked *). Each figure is the mean of `steps` calls between two
+   (launched directly; the fastest is marked *, the one the library's own
+   trial should keep). Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
    P * Q * C * R * S FLOPs per pass. Both at PyTorch's default precision
    (TF32 in convolutions); bench/pytorch/conv.py times cuDNN on the same
    shapes.
 
    Then a ResNet-18 step's convolutions, summed with their counts: all
-   im2col; all implicit with the tiles the library picks; implicit with the
-   best tile for each pass; and the best of all per pass (what a
-   cudnn.benchmark-style choice would reach). The last line is for
-   bench/run.sh:
-       RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_implicit_ms=... best_ms=... */
+   im2col (MGPU_CONV=im2col); all implicit, the fastest tile for each pass
+   (MGPU_CONV=implicit); and the faster of the two for each pass
+   (MGPU_CONV=auto, the default). The last line is for bench/run.sh:
+       RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
@@ -63,7 +62,7 @@ static double time_us(mgpu_device *dev, conv_run run, void *ctx, int steps) {
 /* One convolution's tensors */
 typedef struct {
     mgpu_device *dev;
-    mgpu_tensor *x, *w, *b, *y, *dy, *dx, *dw, *partials;
+    mgpu_tensor *x, *w, *b, *y, *dy, *dx, *dw;
     mgpu__conv_geom g;
     int stride, pad, first, tile;
 } conv_ctx;
@@ -79,25 +78,18 @@ static void im2col_backward(void *p) {
 #if MGPU_CUDA
 static void implicit_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_implicit_args a = {c->y->data, c->x->data, c->w->data, c->b->data, c->g,
-                                  (mgpu__implicit_tile)c->tile};
-    mgpu__launch_on(&c->dev->queue[0], "conv fwd", NULL, mgpu__conv_implicit_cuda, &a, sizeof a);
+    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, (mgpu__implicit_tile)c->tile);
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_implicit_dgrad_args a = {c->dx->data, c->dy->data, c->w->data, c->g,
-                                        (mgpu__implicit_tile)c->tile};
-    mgpu__launch_on(&c->dev->queue[0], "conv dx", NULL, mgpu__conv_implicit_dgrad_cuda, &a, sizeof a);
+    mgpu__conv_dx_implicit(c->dx, c->dy, c->w, &c->g, (mgpu__implicit_tile)c->tile);
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_implicit_wgrad_args a = {c->dw->data, c->dy->data, c->x->data, c->partials->data, 0.0f,
-                                        0, c->g, (mgpu__implicit_tile)c->tile};
-    a.splits = mgpu__conv_implicit_wgrad_splits(&c->g, a.tile);
-    mgpu__launch_on(&c->dev->queue[0], "conv dW", NULL, mgpu__conv_implicit_wgrad_cuda, &a, sizeof a);
+    mgpu__conv_dw_implicit(c->dw, c->dy, c->x, &c->g, 0, (mgpu__implicit_tile)c->tile);
 }
 #endif
-enum { TILE_COLUMNS = 3 }; /* room for the tile shapes */
+enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
 static_assert(MGPU__TILE_KINDS <= TILE_COLUMNS, "a column for each tile shape");
 #endif
@@ -105,18 +97,18 @@ static_assert(MGPU__TILE_KINDS <= TILE_COLUMNS, "a column for each tile shape");
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
 /* One row of the table: a pass, its time with im2col (0: not timed that
-   way) and with each tile (when the implicit GEMM is timed). */
+   way) and with each tile (when the implicit GEMM is timed), the fastest
+   tile marked. */
 static void print_row(const char *name, int count, const char *pass, double flop, double im2col,
-                      const double *tile_us, int tiles, int picked) {
+                      const double *tile_us, int tiles) {
     printf("%-24s %5d %5s %7.2f", name, count, pass, flop * 1e-9);
     if (im2col > 0) printf(" %9.1f", im2col);
     else printf(" %9s", "-");
-    double best = im2col;
-    for (int t = 0; t < tiles; t++) {
-        if (tile_us[t] > 0) printf(" %8.1f%c", tile_us[t], t == picked ? '*' : ' ');
-        else printf(" %9s", "-");
-        if (tile_us[t] > 0 && (best <= 0 || tile_us[t] < best)) best = tile_us[t];
-    }
+    int fastest = -1;
+    for (int t = 0; t < tiles; t++)
+        if (fastest < 0 || tile_us[t] < tile_us[fastest]) fastest = t;
+    for (int t = 0; t < tiles; t++) printf(" %8.1f%c", tile_us[t], t == fastest ? '*' : ' ');
+    double best = fastest >= 0 && (im2col <= 0 || tile_us[fastest] < im2col) ? tile_us[fastest] : im2col;
     printf(" %9.1f\n", tflops(flop, best));
 }
 
@@ -152,9 +144,8 @@ int main(int argc, char **argv) {
     printf(" %9s\n", "TFLOP/s");
 
     /* a step's convolutions, in microseconds: [0] im2col, [1] implicit with
-       the tiles the library picks, [2] implicit with the best tiles, [3] the
-       best of everything per pass */
-    double step_us[4] = {0, 0, 0, 0}, step_flop = 0;
+       the fastest tiles, [2] the faster of the two per pass */
+    double step_us[3] = {0, 0, 0}, step_flop = 0;
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
         conv_ctx c;
@@ -178,23 +169,13 @@ int main(int argc, char **argv) {
         double fwd = time_us(dev[0], im2col_forward, &c, steps);
         double bwd = time_us(dev[0], im2col_backward, &c, steps);
         double none[TILE_COLUMNS] = {0};
-        print_row(cc->name, cc->count, "fwd", flop, fwd, none, tiles, -1);
-        print_row("", cc->count, c.first ? "dW" : "dx+dW", flop * (c.first ? 1 : 2), bwd, none, 0, -1);
+        print_row(cc->name, cc->count, "fwd", flop, fwd, none, 0);
+        print_row("", cc->count, c.first ? "dW" : "dx+dW", flop * (c.first ? 1 : 2), bwd, none, 0);
         step_us[0] += cc->count * (fwd + bwd);
         step_flop += cc->count * flop * (c.first ? 2 : 3);
         double best_of_all = fwd + bwd;
 #if MGPU_CUDA
         if (tiles) { /* each pass with each tile */
-            size_t pixels = (size_t)batch * c.g.p * c.g.q, crs = (size_t)cc->c * cc->r * cc->r;
-            int picked[PASSES] = {mgpu__implicit_tile_for(cc->k, pixels, 0),
-                                  mgpu__implicit_tile_for(cc->c, (size_t)batch * cc->h * cc->h, 0),
-                                  mgpu__implicit_tile_for(cc->k, crs, 1)};
-            int most = 1;
-            for (int t = 0; t < tiles; t++) {
-                int splits = mgpu__conv_implicit_wgrad_splits(&c.g, (mgpu__implicit_tile)t);
-                most = splits > most ? splits : most;
-            }
-            c.partials = mgpu_empty(dev[0], mgpu_shape1(most * cc->k * (int)crs));
             double us[PASSES][TILE_COLUMNS] = {{0}}, best[PASSES] = {0, 0, 0};
             conv_run runs[PASSES] = {implicit_forward, implicit_dx, implicit_dw};
             for (int pass = 0; pass < PASSES; pass++) {
@@ -204,17 +185,15 @@ int main(int argc, char **argv) {
                     if (!best[pass] || us[pass][c.tile] < best[pass]) best[pass] = us[pass][c.tile];
                 }
                 print_row("", cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
-                          us[pass], tiles, picked[pass]);
-                step_us[1] += cc->count * us[pass][picked[pass]];
-                step_us[2] += cc->count * best[pass];
+                          us[pass], tiles);
+                step_us[1] += cc->count * best[pass];
             }
             double fwd_best = best[FWD] < fwd ? best[FWD] : fwd;
             double bwd_best = best[DX] + best[DW] < bwd ? best[DX] + best[DW] : bwd;
             best_of_all = fwd_best + bwd_best;
-            mgpu_free(c.partials);
         }
 #endif
-        step_us[3] += cc->count * best_of_all;
+        step_us[2] += cc->count * best_of_all;
         mgpu_free(c.x);
         mgpu_free(c.w);
         mgpu_free(c.b);
@@ -226,15 +205,13 @@ int main(int argc, char **argv) {
     printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
            step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
     if (tiles)
-        printf("  implicit, the tiles picked: %.3f ms (%.1f TFLOP/s); implicit, the best tiles: "
-               "%.3f ms; the best of all per pass: %.3f ms (%.1f TFLOP/s)\n",
+        printf("  implicit, the fastest tiles: %.3f ms (%.1f TFLOP/s); the faster of the two per "
+               "pass: %.3f ms (%.1f TFLOP/s)\n",
                step_us[1] * 1e-3, tflops(step_flop, step_us[1]), step_us[2] * 1e-3,
-               step_us[3] * 1e-3, tflops(step_flop, step_us[3]));
+               tflops(step_flop, step_us[2]));
     printf("RESULT conv on=[%s] batch=%d im2col_ms=%.4f", mgpu_device_name(dev[0]), batch,
            step_us[0] * 1e-3);
-    if (tiles)
-        printf(" implicit_ms=%.4f best_implicit_ms=%.4f best_ms=%.4f", step_us[1] * 1e-3,
-               step_us[2] * 1e-3, step_us[3] * 1e-3);
+    if (tiles) printf(" implicit_ms=%.4f best_ms=%.4f", step_us[1] * 1e-3, step_us[2] * 1e-3);
     printf("\n");
     return 0;
 }

@@ -15,9 +15,10 @@
    (0 in the padding), written straight to y[img, k, p, q] with the bias.
 
    The kernel. A block computes a tile of Y, 64 x 64 (64 filters, 64
-   output pixels), 128 x 64 or 64 x 128 (mgpu__implicit_tile_for picks),
-   with 4 warps, each a quarter of it as 16 x 16 WMMA tiles, stepping
-   through C*R*S 16 at a time. For each step:
+   output pixels), 128 x 64, 64 x 128 or 128 x 128 (the fastest for the
+   shape, measured: mgpu__conv_plan_for in mgpu.h), with 4 warps, each a
+   quarter of it as 16 x 16 WMMA tiles, stepping through C*R*S 16 at a
+   time. For each step:
      1. 16 threads decode the step's 16 values of (c, r, s) into a table
         in shared memory (the offset of c, r and s in x, and r and s);
      2. all threads load the W tile [rows x 16] (rows of W are contiguous)
@@ -29,11 +30,15 @@
         steps of k = 8, the sums in float32).
    The steps overlap (mgpu__implicit_product): the loads of step i + 1 are
    in flight while the tensor cores multiply step i, from a second copy of
-   the tiles. At the end the accumulators go through shared memory, so
-   that the writes to y are consecutive pixels of one filter (coalesced).
-   On sm_90, 64 x 64: 128 registers a thread (4 blocks a multiprocessor),
-   19 KB of shared memory a block; the larger tiles: 168 registers (3
-   blocks), 35 KB; no spills.
+   the tiles. At the end the accumulators go through shared memory, 64
+   rows at a time, so that the writes to y are consecutive pixels of one
+   filter (coalesced). Resources a block on sm_90 (ptxas -v; spills in
+   bytes, of forward / dx / dW):
+       tile       registers a thread  blocks a multiprocessor  shared memory  spills
+       64 x 64           128                   4                  19.5 KB      0 / 0 / 0
+       128 x 64          168                   3                  29.5 KB      8 / 0 / 0
+       64 x 128          168                   3                  33.5 KB      0 / 0 / 0
+       128 x 128         255                   2                  37.5 KB      8 / 4 / 0
 
    The input gradient is the same machine on another product: dx [C,
    n*H*W] = W^T dcol with dcol never written either,
@@ -53,39 +58,53 @@
 
    Used for a convolution that may use TF32 (mgpu_set_tf32) when
    MGPU_CONV=implicit, or with MGPU_CONV=auto (the default) when it is
-   faster than conv.h's im2col for the convolution's shape, timed at the
-   first call (mgpu__conv_use_implicit in mgpu.h). bench/conv times each
-   tile against im2col and cuDNN. */
+   faster than conv.h's im2col for the convolution's shape; either way in
+   the tile that was fastest, timed at the first call (mgpu__conv_plan_for
+   in mgpu.h). bench/conv times each tile against im2col and cuDNN. */
 
 #if MGPU_CUDA
 #define MGPU__IMPLICIT_STEP 16     /* values of the summed index per step */
 #define MGPU__IMPLICIT_THREADS 128 /* 4 warps, in 2 x 2 over the block's tile */
-/* Blocks a multiprocessor should hold (so at most 128 registers a thread
-   for 64 x 64, 168 for the larger tiles) */
-#define MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 3)
+#define MGPU__IMPLICIT_OUT_ROWS 64 /* rows of the finished tile written out at a time */
+/* Blocks a multiprocessor should hold: 65536 registers / (128 threads x
+   blocks) caps a thread's registers, 128 for 64 x 64, 168 for the middle
+   tiles, 255 for 128 x 128 (whose 16 accumulator tiles alone take 128). */
+#define MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 128 * 64 ? 3 : 2)
 
 /* The block tiles compiled, rows x columns of the product (rows: filters
-   or channels; columns: pixels, or (c, r, s) for dW). A larger tile loads
-   fewer values per multiply-add (64 x 64: 1 load per 32; 128 x 64: 1 per
-   43) but gives fewer blocks, and a 128-row tile wastes half its work on a
-   layer of 64 filters. mgpu__implicit_tile_for picks one per product;
-   bench/conv times each. */
-typedef enum { MGPU__TILE_64x64, MGPU__TILE_128x64, MGPU__TILE_64x128, MGPU__TILE_KINDS } mgpu__implicit_tile;
-static const int mgpu__implicit_tile_rows[MGPU__TILE_KINDS] = {64, 128, 64};
-static const int mgpu__implicit_tile_columns[MGPU__TILE_KINDS] = {64, 64, 128};
-static const char *const mgpu__implicit_tile_names[MGPU__TILE_KINDS] = {"64x64", "128x64", "64x128"};
+   or channels; columns: pixels, or (c, r, s) for dW). A larger tile reads
+   fewer values from shared memory per multiply-add (a warp's 16 x 16
+   fragments: 64 x 64, 1 per 16; 128 x 64 and 64 x 128, 1 per 21; 128 x
+   128, 1 per 32) but gives fewer blocks, and a 128-row tile wastes half
+   its work on a layer of 64 filters. mgpu.h times each tile on each
+   shape and keeps the fastest; bench/conv shows them all. */
+typedef enum {
+    MGPU__TILE_64x64, MGPU__TILE_128x64, MGPU__TILE_64x128, MGPU__TILE_128x128, MGPU__TILE_KINDS
+} mgpu__implicit_tile;
+static const int mgpu__implicit_tile_rows[MGPU__TILE_KINDS] = {64, 128, 64, 128};
+static const int mgpu__implicit_tile_columns[MGPU__TILE_KINDS] = {64, 64, 128, 128};
+static const char *const mgpu__implicit_tile_names[MGPU__TILE_KINDS] = {"64x64", "128x64", "64x128",
+                                                                        "128x128"};
 
 /* A block's tiles in shared memory, for a TM x TN tile of the product:
    two copies of the step's tiles (one being multiplied, the next being
-   filled), and at the end, in the same bytes, the finished tile on its way
-   to memory. Rows are padded by 4 floats, as WMMA wants leading dimensions
-   that are multiples of 4. */
+   filled), and at the end, in the same bytes, 64 rows of the finished
+   tile on their way to memory. Rows are padded, as WMMA wants leading
+   dimensions that are multiples of 4 floats, and by as much as keeps the
+   warps' fragment loads free of bank conflicts. A TF32 fragment of a
+   (row-major, as PTX's mma.m16n8k8 lays it out) has lane l read row l/4,
+   column l%4: with rows 20 floats apart, the 8 rows start on banks 0, 20,
+   8, 28, 16, 4, 24, 12, and the 32 lanes hit 32 banks. A fragment of b
+   has lane l read row l%4, column l/4: rows TN + 8 apart (8 banks) put the
+   4 rows on banks 0, 8, 16, 24 and the 32 lanes on 32 banks, where TN + 4
+   would have two lanes on each of 16 banks, reading b at half speed. */
 template <int TM, int TN> union mgpu__implicit_tiles {
+    static_assert(TM % MGPU__IMPLICIT_OUT_ROWS == 0, "the tile is written out 64 rows at a time");
     struct {
         float a[2][TM][MGPU__IMPLICIT_STEP + 4]; /* rows x step */
-        float b[2][MGPU__IMPLICIT_STEP][TN + 4]; /* step x columns */
+        float b[2][MGPU__IMPLICIT_STEP][TN + 8]; /* step x columns */
     } step;
-    float out[TM][TN + 4]; /* rows x columns */
+    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4]; /* rows x columns */
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800 /* TF32 WMMA: sm_80 and newer */
@@ -136,7 +155,7 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
         for (int i = 0; i < FM; i++)
             wmma::load_matrix_sync(fa[i], &t->step.a[slot][row + 16 * i][kk], MGPU__IMPLICIT_STEP + 4);
         for (int j = 0; j < FN; j++)
-            wmma::load_matrix_sync(fb[j], &t->step.b[slot][kk][col + 16 * j], TN + 4);
+            wmma::load_matrix_sync(fb[j], &t->step.b[slot][kk][col + 16 * j], TN + 8);
         for (int i = 0; i < FM; i++)
             for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
@@ -144,21 +163,24 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
 
 /* The loop the three kernels share: acc = the block's tile of the product,
    summed over `total` values of the inner index, MGPU__IMPLICIT_STEP at a
-   time; then the tile to t->out. Each kernel says how to load a step:
+   time; then the tile to memory, 64 rows at a time through t->out. Each
+   kernel says how to load a step and where the tile goes:
      decode(k0, slot)    run by threads tid < STEP: writes the kernel's
                          table (in shared memory, copy `slot`) of what the
                          step's inner index values k0 + tid mean;
      gather(k0, slot, a, b)  loads this thread's values of the step's two
-                         tiles from memory into a and b, using the table.
+                         tiles from memory into a and b, using the table;
+     write(m0)           run by every thread: rows m0 .. m0 + 63 of the
+                         tile, now in t->out, to memory (mgpu__implicit_write).
    Double buffered, so that memory and the tensor cores work at once:
    while the warps multiply step i from one copy of the tiles, the loads
    of step i + 1 are in flight into registers, and go to the other copy
    after the multiply; the table of step i + 2 is decoded meanwhile. One
    barrier per step. At the end the tile goes through shared memory, so
    that the kernel can write it out in whatever order memory wants. */
-template <int TM, int TN, typename Decode, typename Gather>
+template <int TM, int TN, typename Decode, typename Gather, typename Write>
 static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, int total,
-                                              Decode decode, Gather gather) {
+                                              Decode decode, Gather gather, Write write) {
     using namespace nvcuda;
     typedef mgpu__implicit_layout<TM, TN> L;
     const int S = MGPU__IMPLICIT_STEP;
@@ -182,16 +204,22 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
         __syncthreads();
     }
     /* the product is over (every warp is past the last barrier): out can
-       take the bytes of the step tiles */
+       take the bytes of the step tiles, for the warps whose rows are next */
+    const int OUT = MGPU__IMPLICIT_OUT_ROWS;
     int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
-    for (int i = 0; i < L::FM; i++)
-        for (int j = 0; j < L::FN; j++)
-            wmma::store_matrix_sync(&t->out[row + 16 * i][col + 16 * j], acc[i][j], TN + 4,
-                                    wmma::mem_row_major);
-    __syncthreads();
+    for (int m0 = 0; m0 < TM; m0 += OUT) {
+        if (row / OUT == m0 / OUT)
+            for (int i = 0; i < L::FM; i++)
+                for (int j = 0; j < L::FN; j++)
+                    wmma::store_matrix_sync(&t->out[row - m0 + 16 * i][col + 16 * j], acc[i][j], TN + 4,
+                                            wmma::mem_row_major);
+        __syncthreads();
+        write(m0);
+        __syncthreads(); /* out is read before the next rows take it */
+    }
 }
 
-/* This thread's column of the finished tile (in t->out) to memory: row
+/* This thread's column of the finished rows in t->out to memory: row
    row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
    when there is a bias, for the rows below `rows`. Consecutive threads
    hold consecutive columns, so the writes of a row are coalesced. */
@@ -199,7 +227,7 @@ template <int TM, int TN>
 static __device__ void mgpu__implicit_write(const mgpu__implicit_tiles<TM, TN> *t, float *column,
                                             size_t row_stride, int row0, int rows, const float *bias) {
     int tid = threadIdx.x;
-    for (int m = tid / TN; m < TM; m += MGPU__IMPLICIT_THREADS / TN) {
+    for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS; m += MGPU__IMPLICIT_THREADS / TN) {
         int row = row0 + m;
         if (row < rows) column[(size_t)row * row_stride] = t->out[m][tid % TN] + (bias ? bias[row] : 0.0f);
     }
@@ -251,9 +279,11 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
             colv[j] = pixel < npq && h >= 0 && h < g.h && w >= 0 && w < g.w ? x_pixel[k_offset[slot][kk]] : 0.0f;
         }
     };
-    mgpu__implicit_product(&t, crs, decode, gather);
-    /* the tile of Y to y [img, filter, p, q], with the bias */
-    if (pixel < npq) mgpu__implicit_write(&t, a.y + (size_t)img * g.k * pq + in_image, pq, filter0, g.k, a.b);
+    auto write = [&](int m0) { /* the tile of Y to y [img, filter, p, q], with the bias */
+        if (pixel < npq)
+            mgpu__implicit_write(&t, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
+    };
+    mgpu__implicit_product(&t, crs, decode, gather, write);
 #endif
 }
 
@@ -305,8 +335,11 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
             dcolv[j] = inside ? dy_img[k_dy[slot][row] + p * g.q + q] : 0.0f;
         }
     };
-    mgpu__implicit_product(&t, krs, decode, gather);
-    if (pixel < nhw) mgpu__implicit_write(&t, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0, g.c, NULL);
+    auto write = [&](int m0) {
+        if (pixel < nhw)
+            mgpu__implicit_write(&t, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0 + m0, g.c, NULL);
+    };
+    mgpu__implicit_product(&t, krs, decode, gather, write);
 #endif
 }
 
@@ -375,8 +408,11 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
                           : 0.0f;
         }
     };
-    mgpu__implicit_product(&t, count, decode, gather);
-    if (k < crs) mgpu__implicit_write(&t, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0, g.k, NULL);
+    auto write = [&](int m0) {
+        if (k < crs)
+            mgpu__implicit_write(&t, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0 + m0, g.k, NULL);
+    };
+    mgpu__implicit_product(&t, count, decode, gather, write);
 #endif
 }
 /* dw = beta dw + the partial tiles, added in order */
@@ -389,20 +425,6 @@ static __global__ void mgpu__conv_implicit_wgrad_finish_kernel(mgpu__conv_implic
     }
 }
 
-/* The tile for a product of `rows` x `columns`: the largest that fits
-   the rows (no 128-row tile for 64 filters) and still gives every
-   multiprocessor of an H100 (132) two blocks, so that the tiles are not
-   the ones wasted at the edge; 64 x 64 when none does. With split_sum the
-   number of blocks does not matter (the sum is split over as many as it
-   takes). A first guess, to be replaced by what bench/conv measures. */
-static mgpu__implicit_tile mgpu__implicit_tile_for(size_t rows, size_t columns, int split_sum) {
-    const size_t enough = split_sum ? 1 : 2 * 132;
-    size_t tall = (rows + 127) / 128 * ((columns + 63) / 64), wide = (rows + 63) / 64 * ((columns + 127) / 128);
-    if (rows % 128 == 0 && tall >= enough) return MGPU__TILE_128x64;
-    if (columns % 128 == 0 && wide >= enough) return MGPU__TILE_64x128;
-    return MGPU__TILE_64x64;
-}
-
 /* A block per tile: the columns on x (up to 2^31 - 1 blocks), the rows on
    y, the slices of a split sum on z. */
 static dim3 mgpu__implicit_grid(mgpu__implicit_tile tile, size_t columns, int rows, int slices) {
@@ -410,9 +432,11 @@ static dim3 mgpu__implicit_grid(mgpu__implicit_tile tile, size_t columns, int ro
     return dim3((unsigned)((columns + tn - 1) / tn), (unsigned)((rows + tm - 1) / tm), (unsigned)slices);
 }
 /* The instance of a kernel template for a tile kind. */
-#define MGPU__IMPLICIT_INSTANCE(kernel, tile)                                                 \
-    ((tile) == MGPU__TILE_128x64 ? kernel<128, 64> : (tile) == MGPU__TILE_64x128 ? kernel<64, 128> \
-                                                                                  : kernel<64, 64>)
+#define MGPU__IMPLICIT_INSTANCE(kernel, tile)                                              \
+    ((tile) == MGPU__TILE_128x64    ? kernel<128, 64>                                       \
+     : (tile) == MGPU__TILE_64x128  ? kernel<64, 128>                                       \
+     : (tile) == MGPU__TILE_128x128 ? kernel<128, 128>                                      \
+                                    : kernel<64, 64>)
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
     void (*kernel)(mgpu__conv_implicit_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_kernel, a->tile);

@@ -162,29 +162,6 @@ TEST(implicit_gemm_convolution) {
     implicit_case(1, 130, 4, 4, 5, 1, 1, 0, 0);  /* ... and of 128 input channels */
 }
 
-/* The tile picked for ResNet-18's products at batch 256: never 128 rows
-   for 64, and 64 x 64 where a larger tile would leave multiprocessors idle. */
-TEST(implicit_gemm_tile_choice) {
-    struct { size_t rows, columns; int split_sum; mgpu__implicit_tile want; } cases[] = {
-        {64, 256 * 28 * 28, 0, MGPU__TILE_64x128},  /* stage 1: y, dx */
-        {1, 256 * 28 * 28, 0, MGPU__TILE_64x128},   /* the first layer's dx (1 channel) */
-        {256, 256 * 7 * 7, 0, MGPU__TILE_128x64},   /* stage 3: 2 x 196 blocks */
-        {512, 256 * 4 * 4, 0, MGPU__TILE_64x64},    /* stage 4: 128 x 64 gives 256 blocks */
-        {64, 100, 0, MGPU__TILE_64x64},
-        {64, 64 * 9, 1, MGPU__TILE_64x64},          /* dW of stage 1: 576 columns */
-        {128, 64 * 9, 1, MGPU__TILE_128x64},        /* dW of stage 2's first conv */
-        {64, 128 * 9, 1, MGPU__TILE_64x128},
-    };
-    for (auto &t : cases) {
-        mgpu__implicit_tile got = mgpu__implicit_tile_for(t.rows, t.columns, t.split_sum);
-        if (got != t.want) {
-            fprintf(stderr, "  %zu x %zu (split %d): tile %s, want %s\n", t.rows, t.columns,
-                    t.split_sum, mgpu__implicit_tile_names[got], mgpu__implicit_tile_names[t.want]);
-            test__failures++;
-        }
-    }
-}
-
 /* cuBLAS's arguments for the four transpose combinations, an empty inner
    dimension and beta 0 over NaN (tests/cuda_emu.h refuses what cuBLAS would). */
 TEST(gemm_arguments_for_cublas) {

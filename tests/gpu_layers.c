@@ -277,8 +277,8 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
-/* Every tile shape of the implicit GEMMs, launched directly (the library
-   picks one per product, so some shapes may never run above). */
+/* Every tile shape of the implicit GEMMs, each launched directly (the
+   library keeps the fastest per product, so some may never run above). */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -288,29 +288,19 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
     pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws);
     mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, stride, pad);
     mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
-    mgpu__queue *q = &gpu->queue[0];
-    for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
+    for (int kind = 0; kind < MGPU__TILE_KINDS; kind++) {
+        mgpu__implicit_tile tile = (mgpu__implicit_tile)kind;
         char what[64];
         snprintf(what, sizeof what, "%s, tile %s", name, mgpu__implicit_tile_names[tile]);
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__conv_implicit_args fa = {y.g->data, x.g->data, wt.g->data, b.g->data, g,
-                                       (mgpu__implicit_tile)tile};
-        mgpu__launch_on(q, "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &fa, sizeof fa);
-        mgpu__conv_implicit_dgrad_args da = {dx.g->data, dy.g->data, wt.g->data, g,
-                                             (mgpu__implicit_tile)tile};
-        mgpu__launch_on(q, "conv2d implicit dx", NULL, mgpu__conv_implicit_dgrad_cuda, &da, sizeof da);
-        mgpu__conv_implicit_wgrad_args wa = {dw.g->data, dy.g->data, x.g->data, NULL, 0.0f, 0, g,
-                                             (mgpu__implicit_tile)tile};
-        wa.splits = mgpu__conv_implicit_wgrad_splits(&g, wa.tile);
-        mgpu_tensor *partials = mgpu_empty(gpu, mgpu_shape1(wa.splits * k * c * r * r));
-        wa.partials = partials->data;
-        mgpu__launch_on(q, "conv2d implicit dW", NULL, mgpu__conv_implicit_wgrad_cuda, &wa, sizeof wa);
+        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, tile);
+        mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, tile);
+        mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, tile);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
         check_same(what, "dw", &dw, 2e-3);
-        mgpu_free(partials);
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
@@ -332,9 +322,10 @@ TEST(implicit_gemm_convolution) {
     mgpu_set_tf32(0, 0);
     mgpu__conv_mode = MGPU__CONV_AUTO;
 }
-/* MGPU_CONV=auto (the default): the first call with a shape times both
-   algorithms and remembers the faster; the trials must leave the results
-   as one algorithm alone would (the weight gradient accumulated once). */
+/* MGPU_CONV=auto (the default): the first call with a shape times im2col
+   and every tile and remembers the fastest; the trials must leave the
+   results as one algorithm alone would (the weight gradient accumulated
+   once). */
 TEST(conv_algorithm_chosen_by_measuring) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
@@ -356,9 +347,16 @@ TEST(conv_algorithm_chosen_by_measuring) {
         check_same("auto", "dw, accumulated", &dw, 2e-3);
         check_same("auto", "db, accumulated", &db, 1e-5);
     }
-    for (int i = before; i < mgpu__conv_choice_count; i++)
-        printf("  auto: %s, %s\n", mgpu__conv_choices[i].backward ? "backward" : "forward",
-               mgpu__conv_choices[i].implicit ? "implicit GEMM" : "im2col");
+    for (int i = before; i < mgpu__conv_choice_count; i++) {
+        const mgpu__conv_plan *p = &mgpu__conv_choices[i].plan;
+        if (!mgpu__conv_choices[i].backward)
+            printf("  auto: forward, %s (tile %s)\n", p->implicit ? "implicit GEMM" : "im2col",
+                   mgpu__implicit_tile_names[p->y_tile]);
+        else
+            printf("  auto: backward, %s (tiles %s for dx, %s for dW)\n",
+                   p->implicit ? "implicit GEMM" : "im2col", mgpu__implicit_tile_names[p->dx_tile],
+                   mgpu__implicit_tile_names[p->dw_tile]);
+    }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
     mgpu_set_tf32(0, 0);
