@@ -687,8 +687,9 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
                                      save_mean, save_invstd, training, momentum, eps,
                                      fuse_relu)
    x and y are [N, C, H, W] (or [N, C], or [N, C, L]: every dimension after
-   the second is a spatial one); gamma, beta, running_mean, running_var,
-   save_mean and save_invstd hold C values each (shape [C]).
+   the second is a spatial one), on a GPU fewer than 2^31 values; gamma,
+   beta, running_mean, running_var, save_mean and save_invstd hold C values
+   each (shape [C]).
    training 1: normalises with the batch's mean and biased variance over
    N*H*W values per channel (N*H*W must be more than 1), writes the mean and
    1/sqrt(var + eps) to save_mean and save_invstd for the backward pass, and
@@ -4685,6 +4686,9 @@ static void mgpu__bn_dims(const mgpu_tensor *x, const char *op, int *n, int *c, 
     MGPU_REQUIRE(*c >= 1, "%s: x has shape %s, with no channels", op, mgpu_shape_str(x->shape, s, sizeof s));
     *hw = 1;
     for (int k = 2; k < x->shape.ndim; k++) *hw *= x->shape.d[k];
+    MGPU_REQUIRE(!mgpu_device_is_gpu(x->device) || x->numel < ((size_t)1 << 31),
+                 "%s: x has shape %s, 2^31 values or more: the GPU's batch norm indexes them "
+                 "with 32 bits (split the batch)", op, mgpu_shape_str(x->shape, s, sizeof s));
 }
 
 /* The CUDA reduction's scratch (see kernels/batchnorm.h); none on the CPU. */

@@ -91,7 +91,7 @@ static void implicit_dw(void *p) {
 #endif
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
-static_assert(MGPU__TILE_KINDS <= TILE_COLUMNS, "a column for each tile shape");
+static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
 #endif
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }

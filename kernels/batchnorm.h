@@ -59,16 +59,6 @@ typedef struct {
     float momentum, eps;
 } mgpu__bn_forward_args;
 
-/* Where the j-th of the N*H*W values of channel c lies in x. */
-static MGPU__HOSTDEVICE inline size_t mgpu__bn_offset(size_t j, int c, int channels, int hw) {
-    size_t image = j / (size_t)hw, pixel = j % (size_t)hw;
-    return (image * (size_t)channels + (size_t)c) * (size_t)hw + pixel;
-}
-/* The channel of the i-th value of x. */
-static MGPU__HOSTDEVICE inline int mgpu__bn_channel(size_t i, int channels, int hw) {
-    return (int)(i / (size_t)hw % (size_t)channels);
-}
-
 /* The statistics that normalise channel c: the batch's (saved by the
    reduction) in training mode, the running ones in evaluation mode. */
 static MGPU__HOSTDEVICE inline void mgpu__bn_stats(const mgpu__bn_forward_args *a, int c,
@@ -82,9 +72,8 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_stats(const mgpu__bn_forward_args *
     }
 }
 
-/* y at value i. */
-static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args *a, size_t i) {
-    int c = mgpu__bn_channel(i, a->c, a->hw);
+/* y at value i, of channel c. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args *a, size_t i, int c) {
     float mean, invstd;
     mgpu__bn_stats(a, c, &mean, &invstd);
     float y = a->gamma[c] * ((a->x[i] - mean) * invstd) + a->beta[c];
@@ -286,6 +275,27 @@ static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
 /* --------------------------------------------------- batch norm kernels */
 #define MGPU__BN_BLOCK 256
 
+/* Where a value of x is, from its index, without the GPU's slow integer
+   division (mgpu__div; indices below 2^31: mgpu_batchnorm2d_* refuse
+   larger tensors on a GPU). */
+typedef struct {
+    mgpu__divisor hw, c;
+} mgpu__bn_divisors;
+/* The channel of the i-th value of x. */
+static __device__ inline int mgpu__bn_channel(size_t i, mgpu__bn_divisors d) {
+    int plane = mgpu__div((int)i, d.hw); /* image * C + channel */
+    return plane - mgpu__div(plane, d.c) * d.c.d;
+}
+/* Where the j-th of the N*H*W values of channel c lies in x. */
+static __device__ inline size_t mgpu__bn_offset(size_t j, int c, mgpu__bn_divisors d) {
+    int image = mgpu__div((int)j, d.hw), pixel = (int)j - image * d.hw.d;
+    return ((size_t)image * d.c.d + c) * d.hw.d + pixel;
+}
+static mgpu__bn_divisors mgpu__bn_divisors_for(int c, int hw) {
+    mgpu__bn_divisors d = {mgpu__divisor_for(hw), mgpu__divisor_for(c)};
+    return d;
+}
+
 /* The values [begin, end) of its channel that block (c, blockIdx.y) of the
    C x S grid reduces. (Channels on x: the grid's y and z are limited to
    65535, its x to 2^31 - 1.) */
@@ -295,13 +305,13 @@ static __device__ inline void mgpu__bn_slice(size_t m, int splits, size_t *begin
     *end = *begin + chunk < m ? *begin + chunk : m;
 }
 
-static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a) {
+static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_divisors d) {
     int c = blockIdx.x;
     size_t begin, end;
     mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
     mgpu__welford w = {0, 0, 0};
     for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x)
-        mgpu__welford_add(&w, a.x[mgpu__bn_offset(j, c, a.c, a.hw)]);
+        mgpu__welford_add(&w, a.x[mgpu__bn_offset(j, c, d)]);
     mgpu__welford none = {0, 0, 0};
     w = mgpu__block_reduce(w, mgpu__welford_op(), none);
     if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
@@ -316,31 +326,32 @@ static __global__ void mgpu__bn_finish_stats_kernel(mgpu__bn_forward_args a) {
     }
 }
 
-static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a) {
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) a.y[i] = mgpu__bn_output(&a, i);
+static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a, mgpu__bn_divisors d) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) a.y[i] = mgpu__bn_output(&a, i, mgpu__bn_channel(i, d));
 }
 
 static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     cudaStream_t stream = (cudaStream_t)ex->stream;
+    mgpu__bn_divisors d = mgpu__bn_divisors_for(a->c, a->hw);
     if (a->training) {
-        mgpu__bn_stats_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a);
+        mgpu__bn_stats_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, d);
         MGPU_CUDA_CHECK_LAUNCH();
         mgpu__bn_finish_stats_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
         MGPU_CUDA_CHECK_LAUNCH();
     }
     size_t numel = (size_t)a->n * a->c * a->hw;
-    mgpu__bn_output_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a);
+    mgpu__bn_output_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a, d);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
-static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a) {
+static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu__bn_divisors d) {
     int c = blockIdx.x;
     size_t begin, end;
     mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
     mgpu__pair sums = {0, 0}; /* sum of g, sum of g xhat */
     for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-        size_t i = mgpu__bn_offset(j, c, a.c, a.hw);
+        size_t i = mgpu__bn_offset(j, c, d);
         float g = mgpu__bn_grad_out(&a, i);
         sums.a += g;
         sums.b += g * mgpu__bn_xhat(&a, i, c);
@@ -363,10 +374,10 @@ static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
     }
 }
 
-static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a) {
+static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a, mgpu__bn_divisors d) {
     const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
     MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) {
-        int c = mgpu__bn_channel(i, a.c, a.hw);
+        int c = mgpu__bn_channel(i, d);
         a.dx[i] = mgpu__bn_input_grad(&a, i, c, means[c].a, means[c].b);
     }
 }
@@ -374,12 +385,13 @@ static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a) {
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
     cudaStream_t stream = (cudaStream_t)ex->stream;
-    mgpu__bn_grad_sums_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a);
+    mgpu__bn_divisors d = mgpu__bn_divisors_for(a->c, a->hw);
+    mgpu__bn_grad_sums_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, d);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_finish_grads_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     size_t numel = (size_t)a->n * a->c * a->hw;
-    mgpu__bn_input_grad_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a);
+    mgpu__bn_input_grad_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a, d);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -36,9 +36,9 @@
    bytes, of forward / dx / dW):
        tile       registers a thread  blocks a multiprocessor  shared memory  spills
        64 x 64           128                   4                  19.5 KB      0 / 0 / 0
-       128 x 64          168                   3                  29.5 KB      8 / 0 / 0
+       128 x 64          168                   3                  29.5 KB      0 / 0 / 0
        64 x 128          168                   3                  33.5 KB      0 / 0 / 0
-       128 x 128         255                   2                  37.5 KB      8 / 4 / 0
+       128 x 128         255                   2                  37.5 KB      8 / 0 / 0
 
    The input gradient is the same machine on another product: dx [C,
    n*H*W] = W^T dcol with dcol never written either,
@@ -70,6 +70,21 @@
    blocks) caps a thread's registers, 128 for 64 x 64, 168 for the middle
    tiles, 255 for 128 x 128 (whose 16 accumulator tiles alone take 128). */
 #define MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 128 * 64 ? 3 : 2)
+
+/* The divisors the kernels use (mgpu__div, kernels/elementwise.h), made
+   once per launch from the geometry: the kernels divide in every step
+   (decoding the summed index, in the warp that the others then wait for
+   at the barrier) and, for dx, twice in every value they gather. */
+typedef struct {
+    mgpu__divisor rs, s, pq, q, hw, w, stride;
+} mgpu__conv_divisors;
+static mgpu__conv_divisors mgpu__conv_divisors_for(const mgpu__conv_geom *g) {
+    mgpu__conv_divisors v = {mgpu__divisor_for(g->r * g->s), mgpu__divisor_for(g->s),
+                             mgpu__divisor_for(g->p * g->q), mgpu__divisor_for(g->q),
+                             mgpu__divisor_for(g->h * g->w), mgpu__divisor_for(g->w),
+                             mgpu__divisor_for(g->stride)};
+    return v;
+}
 
 /* The block tiles compiled, rows x columns of the product (rows: filters
    or channels; columns: pixels, or (c, r, s) for dW). A larger tile reads
@@ -245,7 +260,7 @@ typedef struct {
 
 template <int TM, int TN>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
-mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
+mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a, mgpu__conv_divisors dv) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
@@ -258,12 +273,12 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a) {
     int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN, npq = g.n * pq;
     /* this thread's output pixel (column of the col tile), decoded once */
     int column = tid % TN, pixel = pixel0 + column;
-    int img = pixel / pq, in_image = pixel % pq;
-    int h0 = (in_image / g.q) * g.stride - g.pad, w0 = (in_image % g.q) * g.stride - g.pad;
+    int img = mgpu__div(pixel, dv.pq), in_image = pixel - img * pq, p = mgpu__div(in_image, dv.q);
+    int h0 = p * g.stride - g.pad, w0 = (in_image - p * g.q) * g.stride - g.pad;
     const float *x_pixel = a.x + (size_t)img * g.c * hw + (h0 * g.w + w0);
 
     auto decode = [&](int k0, int slot) { /* k = (c, r, s) */
-        int k = k0 + tid, c = k / rs, r = k % rs / g.s, s = k % g.s;
+        int k = k0 + tid, c = mgpu__div(k, dv.rs), r = mgpu__div(k - c * rs, dv.s), s = k - c * rs - r * g.s;
         k_offset[slot][tid] = k < crs ? c * hw + r * g.w + s : 0;
         k_r[slot][tid] = k < crs ? r : -(1 << 20); /* past the end: outside every image */
         k_s[slot][tid] = s;
@@ -297,7 +312,7 @@ typedef struct {
 
 template <int TM, int TN>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
-mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
+mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a, mgpu__conv_divisors dv) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
@@ -310,12 +325,13 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
     int channel0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN, nhw = g.n * hw;
     /* this thread's input pixel, decoded once */
     int column = tid % TN, pixel = pixel0 + column;
-    int img = pixel / hw, in_image = pixel % hw;
-    int h = in_image / g.w + g.pad, w = in_image % g.w + g.pad; /* + d: p*t = h + d - r */
+    int img = mgpu__div(pixel, dv.hw), in_image = pixel - img * hw, row_in_image = mgpu__div(in_image, dv.w);
+    int h = row_in_image + g.pad, w = in_image - row_in_image * g.w + g.pad; /* + d: p*t = h + d - r */
     const float *dy_img = a.dy + (size_t)img * g.k * pq;
 
     auto decode = [&](int k0, int slot) { /* k = (filter, r, s) */
-        int k = k0 + tid, filter = k / rs, r = k % rs / g.s, s = k % g.s;
+        int k = k0 + tid, filter = mgpu__div(k, dv.rs), r = mgpu__div(k - filter * rs, dv.s);
+        int s = k - filter * rs - r * g.s;
         k_w[slot][tid] = k < krs ? filter * g.c * rs + r * g.s + s : 0;
         k_dy[slot][tid] = k < krs ? filter * pq : 0;
         k_r[slot][tid] = k < krs ? r : (1 << 20); /* past the end: no window */
@@ -329,7 +345,8 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a) {
         }
         for (int j = 0; j < L::B_PER; j++) { /* dcol, gathered from dy: the windows that covered this pixel */
             int row = tid / TN + j * L::B_APART;
-            int hp = h - k_r[slot][row], wp = w - k_s[slot][row], p = hp / g.stride, q = wp / g.stride;
+            int hp = h - k_r[slot][row], wp = w - k_s[slot][row];
+            int p = mgpu__div(hp, dv.stride), q = mgpu__div(wp, dv.stride); /* used if hp, wp >= 0 */
             bool inside = pixel < nhw && hp >= 0 && wp >= 0 && p * g.stride == hp &&
                           q * g.stride == wp && p < g.p && q < g.q;
             dcolv[j] = inside ? dy_img[k_dy[slot][row] + p * g.q + q] : 0.0f;
@@ -368,7 +385,7 @@ static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g, mgpu__impl
 
 template <int TM, int TN>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN))
-mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
+mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_divisors dv) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__implicit_layout<TM, TN> L;
     const mgpu__conv_geom g = a.g;
@@ -384,16 +401,17 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a) {
     int first = blockIdx.z * per, count = (first + per < pixels ? first + per : pixels) - first;
     /* this thread's (c, r, s), decoded once */
     int column = tid % TN, k = column0 + column;
-    int c = k / rs, r = k % rs / g.s, s = k % g.s;
+    int c = mgpu__div(k, dv.rs), r = mgpu__div(k - c * rs, dv.s), s = k - c * rs - r * g.s;
     const float *x_c = a.x + (size_t)c * hw;
 
     auto decode = [&](int l0, int slot) { /* l = first + l0 + tid = (img, p, q) */
-        int l = first + l0 + tid, img = l / pq, in_image = l % pq;
+        int l = first + l0 + tid, img = mgpu__div(l, dv.pq), in_image = l - img * pq;
+        int p = mgpu__div(in_image, dv.q);
         bool inside = l0 + tid < count;
         l_dy[slot][tid] = inside ? img * g.k * pq + in_image : 0;
         l_x[slot][tid] = inside ? img * g.c * hw : 0;
-        l_h[slot][tid] = inside ? in_image / g.q * g.stride - g.pad : -(1 << 20);
-        l_w[slot][tid] = in_image % g.q * g.stride - g.pad;
+        l_h[slot][tid] = inside ? p * g.stride - g.pad : -(1 << 20);
+        l_w[slot][tid] = (in_image - p * g.q) * g.stride - g.pad;
     };
     auto gather = [&](int l0, int slot, float (&gv)[L::A_PER], float (&colv)[L::B_PER]) {
         int kk = tid % S; /* G (dy): rows are filters */
@@ -439,26 +457,27 @@ static dim3 mgpu__implicit_grid(mgpu__implicit_tile tile, size_t columns, int ro
                                     : kernel<64, 64>)
 static void mgpu__conv_implicit_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_args *a = (const mgpu__conv_implicit_args *)args;
-    void (*kernel)(mgpu__conv_implicit_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_kernel, a->tile);
+    void (*kernel)(mgpu__conv_implicit_args, mgpu__conv_divisors) =
+        MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_kernel, a->tile);
     dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_dgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_dgrad_args *a = (const mgpu__conv_implicit_dgrad_args *)args;
-    void (*kernel)(mgpu__conv_implicit_dgrad_args) =
+    void (*kernel)(mgpu__conv_implicit_dgrad_args, mgpu__conv_divisors) =
         MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_dgrad_kernel, a->tile);
     dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.h * a->g.w, a->g.c, 1);
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_implicit_wgrad_args *a = (const mgpu__conv_implicit_wgrad_args *)args;
-    void (*kernel)(mgpu__conv_implicit_wgrad_args) =
+    void (*kernel)(mgpu__conv_implicit_wgrad_args, mgpu__conv_divisors) =
         MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_wgrad_kernel, a->tile);
     size_t crs = (size_t)a->g.c * a->g.r * a->g.s, n = (size_t)a->g.k * crs;
     dim3 grid = mgpu__implicit_grid(a->tile, crs, a->g.k, a->splits);
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__conv_implicit_wgrad_finish_kernel<<<mgpu__grid_for(n, 256), 256, 0,
                                               (cudaStream_t)ex->stream>>>(*a);

@@ -46,6 +46,36 @@ static void mgpu__axpby_cpu(const void *args, const mgpu__exec *ex) {
 }
 
 #if MGPU_CUDA
+/* Division by a number fixed for a whole launch (a tensor's size), as a
+   multiply and a shift. A GPU has no integer divider: n / d with d known
+   only at run time costs some 20 instructions, more than the rest of an
+   elementwise kernel's work on a value, and kernels that find a value's
+   channel, pixel or image from its index divide for every value
+   (kernels/batchnorm.h, kernels/conv_implicit.h). With l = ceil(log2 d) and
+   m = ceil(2^(31 + l) / d), which fits in 32 bits,
+       n / d = floor(n m / 2^(31 + l))  for every 0 <= n < 2^31
+   (the error n (m d - 2^(31 + l)) / (d 2^(31 + l)) stays below 1/d;
+   Granlund and Montgomery, PLDI 1994; CUTLASS's FastDivmod is the same).
+   The product's high 32 bits take one multiply instruction. d = 1 keeps
+   n (m = 0). A negative n gives a wrong quotient: callers test n >= 0. */
+typedef struct {
+    int d;
+    uint32_t m, shift; /* shift = l - 1: the high word is already n m / 2^32 */
+} mgpu__divisor;
+static inline mgpu__divisor mgpu__divisor_for(int d) {
+    mgpu__divisor v = {d, 0, 0};
+    if (d > 1) {
+        int l = 0;
+        while (((uint64_t)1 << l) < (uint64_t)d) l++;
+        v.m = (uint32_t)((((uint64_t)1 << (31 + l)) + (uint64_t)d - 1) / (uint64_t)d);
+        v.shift = (uint32_t)(l - 1);
+    }
+    return v;
+}
+static MGPU__HOSTDEVICE inline int mgpu__div(int n, mgpu__divisor v) {
+    return v.m ? (int)((uint32_t)(((uint64_t)(uint32_t)n * v.m) >> 32) >> v.shift) : n;
+}
+
 /* Grid size for one thread per element, capped: the kernels loop. */
 static unsigned mgpu__grid_for(size_t n, unsigned block) {
     size_t blocks = (n + block - 1) / block;

@@ -162,6 +162,40 @@ TEST(implicit_gemm_convolution) {
     implicit_case(1, 130, 4, 4, 5, 1, 1, 0, 0);  /* ... and of 128 input channels */
 }
 
+/* The implicit GEMMs' division by multiplying (mgpu__div) against the
+   CPU's division: every divisor to 3000 and divisors near powers of two
+   up to 2^31 - 1, each with dividends near 0, near multiples of the
+   divisor, near 2^31 - 1 and random ones. */
+TEST(division_by_multiplying) {
+    std::vector<int> divisors;
+    for (int d = 1; d <= 3000; d++) divisors.push_back(d);
+    for (int b = 12; b <= 31; b++)
+        for (long long e = -1; e <= 1; e++) {
+            long long d = (1LL << b) + e;
+            if (d <= INT32_MAX) divisors.push_back((int)d);
+        }
+    uint64_t state = 12345;
+    auto next = [&] { state = state * 6364136223846793005ULL + 1442695040888963407ULL; return (int)(state >> 33); };
+    long long wrong = 0;
+    for (int d : divisors) {
+        mgpu__divisor v = mgpu__divisor_for(d);
+        std::vector<long long> ns;
+        for (long long n = 0; n < 64; n++) ns.push_back(n);
+        for (long long m = 1; m <= 5; m++)
+            for (long long e = -1; e <= 1; e++) ns.push_back(m * d + e);
+        for (long long e = 0; e < 4; e++) ns.push_back(INT32_MAX - e);
+        for (long long e = -1; e <= 0; e++) ns.push_back((long long)(INT32_MAX / d) * d + e);
+        for (int i = 0; i < 200; i++) ns.push_back(next());
+        for (long long n : ns) {
+            if (n < 0 || n > INT32_MAX) continue;
+            int got = mgpu__div((int)n, v), want = (int)(n / d);
+            if (got != want && wrong++ < 5)
+                fprintf(stderr, "  %lld / %d: %d, want %d\n", n, d, got, want);
+        }
+    }
+    CHECK_EQ_INT((int)wrong, 0);
+}
+
 /* cuBLAS's arguments for the four transpose combinations, an empty inner
    dimension and beta 0 over NaN (tests/cuda_emu.h refuses what cuBLAS would). */
 TEST(gemm_arguments_for_cublas) {
@@ -292,7 +326,10 @@ static void batchnorm_case(int n, int c, int hw) {
             }
         }
 }
-TEST(batchnorm_one_block_per_channel) { batchnorm_case(2, 3, 5); }
+TEST(batchnorm_one_block_per_channel) {
+    batchnorm_case(2, 3, 5);
+    batchnorm_case(5, 7, 49); /* a value's channel and image found by dividing by 7 and 49 */
+}
 TEST(batchnorm_split_channels) {
     CHECK(mgpu__bn_splits(2 * 4097) > 1); /* the sums really are split */
     batchnorm_case(2, 1, 4097);
