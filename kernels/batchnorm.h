@@ -37,6 +37,10 @@
         channel's results (statistics and running statistics forward,
         dgamma and dbeta backward);
      3. one thread per value writes y, or dx.
+   A value's channel, (i / (H*W)) mod C, and the place of a channel's j-th
+   value in x take divisions for every value: by multiplying (mgpu__div),
+   as the GPU's integer division would cost more than the rest of the
+   work on the value.
 
    Variance. The GPU uses Welford's algorithm: each thread keeps (count,
    mean, sum of squared deviations) of its values, and partial results are
