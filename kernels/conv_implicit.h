@@ -291,7 +291,9 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a, mgpu__conv_divisors dv) {
         }
         for (int j = 0; j < L::B_PER; j++) { /* col: this thread's pixel, gathered from x */
             int kk = tid / TN + j * L::B_APART, h = h0 + k_r[slot][kk], w = w0 + k_s[slot][kk];
-            colv[j] = pixel < npq && h >= 0 && h < g.h && w >= 0 && w < g.w ? x_pixel[k_offset[slot][kk]] : 0.0f;
+            colv[j] = pixel < npq && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w /* 0 <= h < H */
+                          ? x_pixel[k_offset[slot][kk]]
+                          : 0.0f;
         }
     };
     auto write = [&](int m0) { /* the tile of Y to y [img, filter, p, q], with the bias */
@@ -421,7 +423,7 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
         }
         for (int j = 0; j < L::B_PER; j++) { /* col^T, gathered from x: this thread's (c, r, s) */
             int row = tid / TN + j * L::B_APART, h = l_h[slot][row] + r, w = l_w[slot][row] + s;
-            colv[j] = k < crs && h >= 0 && h < g.h && w >= 0 && w < g.w
+            colv[j] = k < crs && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w /* 0 <= h < H */
                           ? x_c[l_x[slot][row] + h * g.w + w]
                           : 0.0f;
         }
