@@ -179,10 +179,12 @@ static void mgpu__swap_outer_cpu(const void *args, const mgpu__exec *ex) {
 #if MGPU_CUDA
 /* Index arithmetic on the GPU is 32-bit: the wrappers keep every tensor
    and every chunk's col buffer below 2^31 elements. A 64-bit division is
-   a long subroutine on a GPU and would cost more than the memory traffic.
-   im2col and col2im use a 2-D grid, blockIdx.y for a row of col (one
-   (c, r, s)) or an image plane, so that per element only the position
-   along the row is decomposed. */
+   a long subroutine on a GPU and would cost more than the memory traffic,
+   and even a 32-bit one costs some 20 instructions: the divisions below
+   by the convolution's sizes multiply instead (mgpu__div,
+   kernels/elementwise.h). im2col and col2im use a 2-D grid, blockIdx.y
+   for a row of col (one (c, r, s)) or an image plane, so that per element
+   only the position along the row is decomposed. */
 
 /* Threads per block for rows of n elements: 256, fewer for short rows (a
    4x4 map would leave most of a 256-thread block idle). */
@@ -194,7 +196,7 @@ static dim3 mgpu__row_grid(unsigned n, unsigned rows) {
 #define MGPU__ALONG_ROW_LOOP(j, n) \
     for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < (n); j += gridDim.x * blockDim.x)
 
-static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a) {
+static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a, mgpu__divisor by_q, mgpu__divisor by_p) {
     const mgpu__conv_geom g = a.g;
     unsigned cols = g.n * g.p * g.q, rows = g.c * g.r * g.s;
     MGPU__ROW_LOOP(row, rows) {
@@ -202,7 +204,8 @@ static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a) {
         const float *x_c = a.x + (size_t)c * g.h * g.w; /* channel c of the first image */
         float *out = a.col + (size_t)row * cols;
         MGPU__ALONG_ROW_LOOP(j, cols) { /* j = (img, p, q) */
-            unsigned q = j % g.q, img_p = j / g.q, p = img_p % g.p, img = img_p / g.p;
+            int img_p = mgpu__div((int)j, by_q), q = (int)j - img_p * g.q;
+            int img = mgpu__div(img_p, by_p), p = img_p - img * g.p;
             int h = mgpu__conv_in(p, r, g.stride, g.pad), w = mgpu__conv_in(q, s, g.stride, g.pad);
             out[j] = (h >= 0 && h < g.h && w >= 0 && w < g.w)
                          ? x_c[((size_t)img * g.c * g.h + h) * g.w + w]
@@ -214,21 +217,21 @@ static void mgpu__im2col_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__im2col_args *a = (const mgpu__im2col_args *)args;
     unsigned cols = a->g.n * a->g.p * a->g.q, rows = a->g.c * a->g.r * a->g.s;
     mgpu__im2col_kernel<<<mgpu__row_grid(cols, rows), mgpu__row_block(cols), 0,
-                          (cudaStream_t)ex->stream>>>(*a);
+                          (cudaStream_t)ex->stream>>>(*a, mgpu__divisor_for(a->g.q), mgpu__divisor_for(a->g.p));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
 /* The output positions o in [*lo, *hi) whose window covers input
    coordinate i: i = o*stride + t - pad for a tap 0 <= t < taps. */
-static __device__ inline void mgpu__conv_covering(int i, int taps, int stride, int pad, int out,
+static __device__ inline void mgpu__conv_covering(int i, int taps, mgpu__divisor stride, int pad, int out,
                                                   int *lo, int *hi) {
     int last = i + pad, first = last - taps + 1; /* first <= o*stride <= last */
-    *lo = first <= 0 ? 0 : (first + stride - 1) / stride;
-    *hi = last / stride + 1;
+    *lo = first <= 0 ? 0 : mgpu__div(first + stride.d - 1, stride);
+    *hi = mgpu__div(last, stride) + 1;
     if (*hi > out) *hi = out;
 }
 
-static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a) {
+static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a, mgpu__divisor by_w, mgpu__divisor by_stride) {
     const mgpu__conv_geom g = a.g;
     unsigned pq = g.p * g.q, cols = g.n * pq, hw = g.h * g.w, planes = g.n * g.c;
     MGPU__ROW_LOOP(plane, planes) { /* plane = (img, c) */
@@ -236,9 +239,9 @@ static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a) {
         const float *col_c = a.col + (size_t)c * g.r * g.s * cols + img * pq; /* row (c, 0, 0) */
         float *dx = a.dx + (size_t)plane * hw;
         MGPU__ALONG_ROW_LOOP(i, hw) {
-            int h = i / g.w, w = i % g.w, p_lo, p_hi, q_lo, q_hi;
-            mgpu__conv_covering(h, g.r, g.stride, g.pad, g.p, &p_lo, &p_hi);
-            mgpu__conv_covering(w, g.s, g.stride, g.pad, g.q, &q_lo, &q_hi);
+            int h = mgpu__div((int)i, by_w), w = (int)i - h * g.w, p_lo, p_hi, q_lo, q_hi;
+            mgpu__conv_covering(h, g.r, by_stride, g.pad, g.p, &p_lo, &p_hi);
+            mgpu__conv_covering(w, g.s, by_stride, g.pad, g.q, &q_lo, &q_hi);
             float sum = 0.0f;
             for (int p = p_lo; p < p_hi; p++) {
                 int r = h + g.pad - p * g.stride; /* the tap through which (p, q) sees (h, w) */
@@ -255,22 +258,24 @@ static void mgpu__col2im_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__col2im_args *a = (const mgpu__col2im_args *)args;
     unsigned hw = a->g.h * a->g.w, planes = a->g.n * a->g.c;
     mgpu__col2im_kernel<<<mgpu__row_grid(hw, planes), mgpu__row_block(hw), 0,
-                          (cudaStream_t)ex->stream>>>(*a);
+                          (cudaStream_t)ex->stream>>>(*a, mgpu__divisor_for(a->g.w), mgpu__divisor_for(a->g.stride));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
-static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a) {
+static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a, mgpu__divisor by_inner,
+                                               mgpu__divisor by_outer) {
     unsigned inner = (unsigned)a.inner, total = a.outer * a.middle * inner;
     MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner] */
-        unsigned i = (unsigned)e, k = i % inner, m_o = i / inner;
-        unsigned o = m_o % a.outer, m = m_o / a.outer;
+        int i = (int)e, m_o = mgpu__div(i, by_inner), k = i - m_o * (int)inner;
+        int m = mgpu__div(m_o, by_outer), o = m_o - m * a.outer;
         a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k] + (a.bias ? a.bias[o] : 0.0f);
     }
 }
 static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
     size_t total = (size_t)a->outer * a->middle * a->inner;
-    mgpu__swap_outer_kernel<<<mgpu__grid_for(total, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    mgpu__swap_outer_kernel<<<mgpu__grid_for(total, 256), 256, 0, (cudaStream_t)ex->stream>>>(
+        *a, mgpu__divisor_for((int)a->inner), mgpu__divisor_for(a->outer));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif
