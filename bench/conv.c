@@ -97,8 +97,8 @@ static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each til
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
 /* One row of the table: a pass, its time with im2col (0: not timed that
-   way) and with each tile (when the implicit GEMM is timed), the fastest
-   tile marked. */
+   way) and with each of `tiles` tiles (tile_us; NULL when none), the
+   fastest tile marked. */
 static void print_row(const char *name, int count, const char *pass, double flop, double im2col,
                       const double *tile_us, int tiles) {
     printf("%-24s %5d %5s %7.2f", name, count, pass, flop * 1e-9);
@@ -168,9 +168,8 @@ int main(int argc, char **argv) {
         /* im2col: the forward, and the backward (dx and dW together) */
         double fwd = time_us(dev[0], im2col_forward, &c, steps);
         double bwd = time_us(dev[0], im2col_backward, &c, steps);
-        double none[TILE_COLUMNS] = {0};
-        print_row(cc->name, cc->count, "fwd", flop, fwd, none, 0);
-        print_row("", cc->count, c.first ? "dW" : "dx+dW", flop * (c.first ? 1 : 2), bwd, none, 0);
+        print_row(cc->name, cc->count, "fwd", flop, fwd, NULL, 0);
+        print_row("", cc->count, c.first ? "dW" : "dx+dW", flop * (c.first ? 1 : 2), bwd, NULL, 0);
         step_us[0] += cc->count * (fwd + bwd);
         step_flop += cc->count * flop * (c.first ? 2 : 3);
         double best_of_all = fwd + bwd;
