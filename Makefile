@@ -137,11 +137,11 @@ CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 # The kernel files in the order mgpu.h includes them.
 EMU_TEST     := $(BUILD)/tests/emu_kernels
 KERNEL_FILES := $(shell sed -n 's/^\#include "\(kernels\/[a-z_]*\.h\)"/\1/p' mgpu.h)
-$(BUILD)/emu/kernels.h: $(KERNEL_FILES)
+$(BUILD)/emu/kernels.h: $(KERNEL_FILES) Makefile
 	@mkdir -p $(dir $@)
-	perl -0pe 's/(\w+)<<<(.*?)>>>\((.*?)\);/MGPU_EMU_LAUNCH(($$2), [&] { $$1($$3); });/gs' \
+	perl -0pe 's/(\w+)<<<(.*?)>>>\((.*?)\);/mgpu_emu_launcher($$2)($$1, $$3);/gs' \
 	  $(KERNEL_FILES) > $@
-$(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+$(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++20 -O1 -Wall -Wextra -Werror -Itests -I$(BUILD)/emu $< -o $@ -lopenblas -lpthread
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))

@@ -11,7 +11,8 @@
    the implementation includes them (each kernel file holds the CPU
    reference of its operations beside their CUDA versions).
    Link with: -lopenblas -lstb -lz -lpthread -lm, and with nvcc also
-   -lcublas -lnccl.
+   -lcublas -lnccl. (The tests also build the CUDA path with g++ on
+   emulated GPUs, MGPU_CUDA_EMU: see tests/cuda_emu.h.)
 
    ======================================================================
    THE MANUAL
@@ -160,7 +161,7 @@
 #define MGPU_DEF extern
 #endif
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(MGPU_CUDA_EMU) /* emulated: tests/cuda_emu.h */
 #define MGPU_CUDA 1
 #else
 #define MGPU_CUDA 0
@@ -1117,7 +1118,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #include <unistd.h>
 #include <sys/stat.h>
 #include <cblas.h>
-#if MGPU_CUDA
+#if MGPU_CUDA && !defined(MGPU_CUDA_EMU)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <mma.h> /* WMMA: the tensor cores from CUDA C++ (kernels/conv_implicit.h) */
@@ -3278,6 +3279,9 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 
 /* The kernel families: each file holds the CPU reference of its
    operations and, under nvcc, their CUDA kernels. */
+#ifdef MGPU_CUDA_EMU
+#include "kernels.h" /* the same files, their launches rewritten for the emulator (Makefile) */
+#else
 #include "kernels/elementwise.h"
 #include "kernels/matmul.h"
 #include "kernels/activation.h"
@@ -3288,6 +3292,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/batchnorm.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -4915,7 +4920,7 @@ MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
    queue (queue[1], the copy queue), so that a reduction can go on while
    the compute queue (queue[0]) works; they order themselves with explicit
    events, and the comments say why each wait is there. */
-#if MGPU_CUDA
+#if MGPU_CUDA && !defined(MGPU_CUDA_EMU)
 #include <nccl.h>
 #endif
 

@@ -13,6 +13,25 @@
    operations are exact (0); sums taken in another order 1e-5 (batch norm's
    input gradient 1e-4: a difference of two such sums). */
 #include "cuda_emu.h"
+
+/* What the kernels take from mgpu.h, which this program leaves out. */
+#define MGPU__HOSTDEVICE
+#define MGPU_CUDA_CHECK(call) do { if ((call) != cudaSuccess) mgpu_emu_fail(#call " failed"); } while (0)
+#define MGPU_CUDA_CHECK_LAUNCH() do { } while (0) /* a bad launch has aborted already */
+#define MGPU_CUBLAS_CHECK(call) do { if ((call) != CUBLAS_STATUS_SUCCESS) mgpu_emu_fail(#call " was refused"); } while (0)
+static void mgpu_fatal(const char *fmt, ...) { mgpu_emu_fail(fmt); }
+typedef struct mgpu__exec {
+    int on_gpu;
+    void *stream;
+    void *cublas;
+} mgpu__exec;
+/* The fill kernels draw random numbers through mgpu.h's generator: any
+   function of the same arguments will do, as the CPU reference calls the
+   same one. */
+static inline float mgpu__random_at(uint64_t key, uint64_t offset, uint64_t i, int normal) {
+    return (float)((key + offset + i) % 1000) / 1000.0f - (normal ? 0.5f : 0.0f);
+}
+
 #include "kernels.h" /* the files of kernels/, their launches rewritten (Makefile) */
 #include "test.h"
 

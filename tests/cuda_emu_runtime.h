@@ -1,0 +1,596 @@
+/* tests/cuda_emu_runtime.h: the CUDA runtime, cuBLAS and NCCL calls that
+   mgpu.h makes, on the CPU (included by tests/cuda_emu.h, which runs the
+   kernels themselves). With it the library's whole CUDA path, streams,
+   events, copies, the allocator, cuBLAS and NCCL included, runs in
+   `make test` on emulated GPUs (MGPU_EMU_GPUS of them, default 2), and
+   host code that would be wrong on a real GPU fails here too:
+
+   - Streams run asynchronously: each is a thread that takes its work in
+     order, so that host code reading a result before it synchronises, or
+     a stream using another's result without waiting for its event, reads
+     stale memory as it would on a GPU (the emulated kernels are slow, so
+     the host is usually far ahead). The legacy default stream (0) runs
+     its work at once, in the calling thread; like CUDA's, it does not
+     wait for the non-blocking streams mgpu uses.
+   - Kernels run one at a time in the whole process (the emulator keeps a
+     block's state in globals); a launch into a stream of a device other
+     than the current one fails, as on a GPU.
+   - Device memory is known by its allocations: a copy whose direction
+     says "device" for a pointer outside them, or that runs past the end of
+     one, fails with cudaErrorInvalidValue, as does cudaFree of a pointer
+     cudaMalloc did not give. cudaFree waits for the device's streams.
+   - Events belong to the device that was current when they were made:
+     recording one on another device's stream fails (cudaEventRecord),
+     and timing two of different devices too (cudaEventElapsedTime). An
+     event used after cudaEventDestroy aborts.
+   - A cuBLAS handle belongs to the device current at cublasCreate, and
+     its calls must find that device current.
+   - NCCL: ncclCommInitAll refuses a device twice; a collective's calls
+     from every rank are matched in order, and each rank's stream waits in
+     it until all ranks' streams have reached it.
+
+   What it cannot check: host code that reads or writes device memory
+   directly (both are host memory here), kernels that read memory of a
+   device without peer access, and anything about timing. */
+#ifndef MGPU_CUDA_EMU_RUNTIME_H
+#define MGPU_CUDA_EMU_RUNTIME_H
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+/* ------------------------------------------------------------- errors */
+typedef int cudaError_t;
+enum {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidConfiguration = 9,
+    cudaErrorInvalidDevice = 101,
+    cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
+    cudaErrorPeerAccessAlreadyEnabled = 704,
+};
+static thread_local cudaError_t mgpu_emu_last_error;
+static inline cudaError_t mgpu_emu_error(cudaError_t e) { return mgpu_emu_last_error = e; }
+static inline const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
+    default: return "cudaErrorUnknown";
+    }
+}
+static inline const char *cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
+static inline cudaError_t cudaGetLastError() {
+    cudaError_t e = mgpu_emu_last_error;
+    mgpu_emu_last_error = cudaSuccess;
+    return e;
+}
+
+/* ------------------------------------------------------------ devices */
+static thread_local int mgpu_emu_device; /* cudaSetDevice's, per host thread */
+static inline int mgpu_emu_device_count() {
+    const char *s = getenv("MGPU_EMU_GPUS");
+    return s ? atoi(s) : 2;
+}
+static inline cudaError_t cudaGetDeviceCount(int *count) {
+    *count = mgpu_emu_device_count();
+    return *count > 0 ? cudaSuccess : mgpu_emu_error(100 /* cudaErrorNoDevice */);
+}
+static inline cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= mgpu_emu_device_count()) return mgpu_emu_error(cudaErrorInvalidDevice);
+    mgpu_emu_device = d;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaDeviceCanAccessPeer(int *can, int d, int peer) {
+    *can = d != peer;
+    return cudaSuccess;
+}
+static std::mutex mgpu_emu_peer_mutex;
+static std::vector<std::pair<int, int>> mgpu_emu_peers;
+static inline cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
+    if (peer == mgpu_emu_device || peer < 0 || peer >= mgpu_emu_device_count())
+        return mgpu_emu_error(cudaErrorInvalidDevice);
+    std::lock_guard<std::mutex> hold(mgpu_emu_peer_mutex);
+    std::pair<int, int> link(mgpu_emu_device, peer);
+    if (std::find(mgpu_emu_peers.begin(), mgpu_emu_peers.end(), link) != mgpu_emu_peers.end())
+        return mgpu_emu_error(cudaErrorPeerAccessAlreadyEnabled);
+    mgpu_emu_peers.push_back(link);
+    return cudaSuccess;
+}
+struct cudaFuncAttributes {
+    int ptxVersion, binaryVersion;
+};
+template <typename F> static inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, F) {
+    a->ptxVersion = a->binaryVersion = 90; /* as if built for sm_90 */
+    return cudaSuccess;
+}
+
+/* ------------------------------------------------------------ streams */
+struct mgpu_emu_stream {
+    int device;
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::deque<std::function<void()>> work;
+    bool running = false, stop = false;
+    std::thread worker;
+};
+typedef mgpu_emu_stream *cudaStream_t;
+enum { cudaStreamNonBlocking = 1 };
+static std::mutex mgpu_emu_streams_mutex;
+static std::vector<mgpu_emu_stream *> mgpu_emu_streams;
+
+static inline void mgpu_emu_stream_main(mgpu_emu_stream *s) {
+    std::unique_lock<std::mutex> lock(s->mutex);
+    for (;;) {
+        s->changed.wait(lock, [s] { return s->stop || !s->work.empty(); });
+        if (s->work.empty()) return;
+        std::function<void()> next = std::move(s->work.front());
+        s->work.pop_front();
+        s->running = true;
+        lock.unlock();
+        next();
+        lock.lock();
+        s->running = false;
+        s->changed.notify_all();
+    }
+}
+/* Work in stream order; on the legacy default stream (0), at once. */
+static inline void mgpu_emu_submit(cudaStream_t s, std::function<void()> work) {
+    if (!s) {
+        work();
+        return;
+    }
+    std::lock_guard<std::mutex> hold(s->mutex);
+    s->work.push_back(std::move(work));
+    s->changed.notify_all();
+}
+static inline void mgpu_emu_stream_wait_idle(mgpu_emu_stream *s) {
+    std::unique_lock<std::mutex> lock(s->mutex);
+    s->changed.wait(lock, [s] { return s->work.empty() && !s->running; });
+}
+static inline void mgpu_emu_device_wait_idle(int device) {
+    std::vector<mgpu_emu_stream *> streams;
+    {
+        std::lock_guard<std::mutex> hold(mgpu_emu_streams_mutex);
+        streams = mgpu_emu_streams;
+    }
+    for (mgpu_emu_stream *s : streams)
+        if (s->device == device) mgpu_emu_stream_wait_idle(s);
+}
+static inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *out, unsigned) {
+    mgpu_emu_stream *s = new mgpu_emu_stream;
+    s->device = mgpu_emu_device;
+    s->worker = std::thread(mgpu_emu_stream_main, s);
+    std::lock_guard<std::mutex> hold(mgpu_emu_streams_mutex);
+    mgpu_emu_streams.push_back(s);
+    *out = s;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    if (s) mgpu_emu_stream_wait_idle(s);
+    return cudaSuccess;
+}
+static inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    {
+        std::lock_guard<std::mutex> hold(mgpu_emu_streams_mutex);
+        mgpu_emu_streams.erase(std::find(mgpu_emu_streams.begin(), mgpu_emu_streams.end(), s));
+    }
+    { /* as CUDA: the stream's work still runs to the end */
+        std::lock_guard<std::mutex> hold(s->mutex);
+        s->stop = true;
+        s->changed.notify_all();
+    }
+    s->worker.join();
+    delete s;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaDeviceSynchronize() {
+    mgpu_emu_device_wait_idle(mgpu_emu_device);
+    return cudaSuccess;
+}
+
+/* ------------------------------------------------------------- events */
+struct mgpu_emu_event {
+    int device;
+    bool destroyed = false;
+    std::mutex mutex;
+    std::condition_variable changed;
+    unsigned long recorded = 0, completed = 0; /* generations, as in mgpu.h */
+    std::chrono::steady_clock::time_point time;
+};
+typedef mgpu_emu_event *cudaEvent_t;
+static inline void mgpu_emu_check_event(cudaEvent_t e) {
+    if (!e || e->destroyed) mgpu_emu_fail("an event used after cudaEventDestroy (or never made)");
+}
+static inline cudaError_t cudaEventCreate(cudaEvent_t *out) {
+    *out = new mgpu_emu_event;
+    (*out)->device = mgpu_emu_device;
+    return cudaSuccess;
+}
+/* Kept (marked) rather than deleted, so that a later use is caught; the
+   work still queued with it finishes as CUDA's would. */
+static inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    mgpu_emu_check_event(e);
+    e->destroyed = true;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    mgpu_emu_check_event(e);
+    if (e->device != (s ? s->device : mgpu_emu_device))
+        return mgpu_emu_error(cudaErrorInvalidResourceHandle);
+    unsigned long generation;
+    {
+        std::lock_guard<std::mutex> hold(e->mutex);
+        generation = ++e->recorded;
+    }
+    mgpu_emu_submit(s, [e, generation] {
+        std::lock_guard<std::mutex> hold(e->mutex);
+        e->time = std::chrono::steady_clock::now();
+        e->completed = std::max(e->completed, generation);
+        e->changed.notify_all();
+    });
+    return cudaSuccess;
+}
+/* Waits for the last record made before the call (at once if none). */
+static inline void mgpu_emu_event_wait(cudaEvent_t e, unsigned long generation) {
+    std::unique_lock<std::mutex> lock(e->mutex);
+    e->changed.wait(lock, [e, generation] { return e->completed >= generation; });
+}
+static inline unsigned long mgpu_emu_event_recorded(cudaEvent_t e) {
+    mgpu_emu_check_event(e);
+    std::lock_guard<std::mutex> hold(e->mutex);
+    return e->recorded;
+}
+static inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    mgpu_emu_event_wait(e, mgpu_emu_event_recorded(e));
+    return cudaSuccess;
+}
+static inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+    unsigned long generation = mgpu_emu_event_recorded(e);
+    mgpu_emu_submit(s, [e, generation] { mgpu_emu_event_wait(e, generation); });
+    return cudaSuccess;
+}
+static inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    mgpu_emu_check_event(start);
+    mgpu_emu_check_event(end);
+    if (start->device != end->device) return mgpu_emu_error(cudaErrorInvalidResourceHandle);
+    std::scoped_lock hold(start->mutex, end->mutex);
+    if (!start->recorded || !end->recorded) return mgpu_emu_error(cudaErrorInvalidResourceHandle);
+    if (start->completed < start->recorded || end->completed < end->recorded)
+        return mgpu_emu_error(cudaErrorNotReady);
+    *ms = std::chrono::duration<float, std::milli>(end->time - start->time).count();
+    return cudaSuccess;
+}
+
+/* ------------------------------------------------------------- memory */
+enum cudaMemcpyKind {
+    cudaMemcpyHostToHost,
+    cudaMemcpyHostToDevice,
+    cudaMemcpyDeviceToHost,
+    cudaMemcpyDeviceToDevice,
+    cudaMemcpyDefault
+};
+struct mgpu_emu_allocation {
+    size_t bytes;
+    int device; /* -1: pinned host memory */
+};
+static std::mutex mgpu_emu_memory_mutex;
+static std::map<uintptr_t, mgpu_emu_allocation> mgpu_emu_allocations; /* by start */
+
+/* The device of the allocation that holds [p, p + bytes): -1 for pinned
+   host memory, -2 for memory the emulator did not give (pageable host
+   memory), -3 for a range that starts in an allocation and runs past it. */
+static inline int mgpu_emu_owner(const void *p, size_t bytes) {
+    std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
+    auto it = mgpu_emu_allocations.upper_bound((uintptr_t)p);
+    if (it == mgpu_emu_allocations.begin()) return -2;
+    --it;
+    uintptr_t start = it->first, end = start + it->second.bytes;
+    if ((uintptr_t)p >= end) return -2;
+    return (uintptr_t)p + bytes <= end ? it->second.device : -3;
+}
+static inline cudaError_t mgpu_emu_alloc(void **p, size_t bytes, int device) {
+    *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+    if (!*p) return mgpu_emu_error(cudaErrorMemoryAllocation);
+    std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
+    mgpu_emu_allocations[(uintptr_t)*p] = {bytes, device};
+    return cudaSuccess;
+}
+static inline cudaError_t mgpu_emu_free(void *p, bool pinned) {
+    int device;
+    {
+        std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
+        auto it = mgpu_emu_allocations.find((uintptr_t)p);
+        if (it == mgpu_emu_allocations.end() || (it->second.device < 0) != pinned)
+            return mgpu_emu_error(cudaErrorInvalidValue);
+        device = it->second.device;
+    }
+    if (!pinned) mgpu_emu_device_wait_idle(device); /* cudaFree synchronises */
+    std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
+    mgpu_emu_allocations.erase((uintptr_t)p);
+    free(p);
+    return cudaSuccess;
+}
+static inline cudaError_t cudaMalloc(void **p, size_t bytes) { return mgpu_emu_alloc(p, bytes, mgpu_emu_device); }
+static inline cudaError_t cudaMallocHost(void **p, size_t bytes) { return mgpu_emu_alloc(p, bytes, -1); }
+static inline cudaError_t cudaFree(void *p) { return p ? mgpu_emu_free(p, false) : cudaSuccess; }
+static inline cudaError_t cudaFreeHost(void *p) { return p ? mgpu_emu_free(p, true) : cudaSuccess; }
+
+/* Whether a copy's pointers are what its kind says: device memory where
+   it says device, and never past the end of an allocation. */
+static inline bool mgpu_emu_copy_is_valid(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    int to = mgpu_emu_owner(dst, bytes), from = mgpu_emu_owner(src, bytes);
+    if (to == -3 || from == -3) return false;
+    bool to_device = to >= 0, from_device = from >= 0;
+    switch (kind) {
+    case cudaMemcpyHostToDevice: return to_device && !from_device;
+    case cudaMemcpyDeviceToHost: return !to_device && from_device;
+    case cudaMemcpyDeviceToDevice: return to_device && from_device;
+    default: return true;
+    }
+}
+static inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                                   cudaStream_t s) {
+    if (!mgpu_emu_copy_is_valid(dst, src, bytes, kind)) return mgpu_emu_error(cudaErrorInvalidValue);
+    mgpu_emu_submit(s, [dst, src, bytes] { memcpy(dst, src, bytes); });
+    return cudaSuccess;
+}
+/* On the legacy default stream: at once, without waiting for other streams. */
+static inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    return cudaMemcpyAsync(dst, src, bytes, kind, 0);
+}
+static inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *src, int src_device,
+                                       size_t bytes, cudaStream_t s) {
+    if (mgpu_emu_owner(dst, bytes) != dst_device || mgpu_emu_owner(src, bytes) != src_device)
+        return mgpu_emu_error(cudaErrorInvalidValue);
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
+}
+/* Memory the emulator did not give is allowed: tests/emu_kernels.cpp runs
+   kernels on host vectors. */
+static inline cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
+    if (mgpu_emu_owner(p, bytes) == -3) return mgpu_emu_error(cudaErrorInvalidValue);
+    mgpu_emu_submit(s, [p, value, bytes] { memset(p, value, bytes); });
+    return cudaSuccess;
+}
+
+/* ------------------------------------------------------------ launches */
+/* The build rewrites every launch in kernels/,
+       name<<<config>>>(args);  ->  mgpu_emu_launcher(config)(name, args);
+   so that the arguments are evaluated and copied at the launch, as CUDA
+   does, and the kernel runs later on its stream. */
+static long mgpu_emu_launches;
+static std::mutex mgpu_emu_kernel_mutex; /* one kernel at a time */
+struct mgpu_emu_launcher {
+    dim3 grid, block;
+    cudaStream_t stream;
+    mgpu_emu_launcher(dim3 g, dim3 b, size_t = 0, cudaStream_t s = 0) : grid(g), block(b), stream(s) {}
+    template <typename... P, typename... A> void operator()(void (*kernel)(P...), A... args) {
+        if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
+            mgpu_emu_fail("a grid a GPU refuses (empty, or y or z above 65535)");
+        if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || block.x % 32)
+            mgpu_emu_fail("a block of other than 1 to 32 whole warps in x");
+        if (stream && stream->device != mgpu_emu_device)
+            mgpu_emu_fail("a launch into a stream of a device that is not the current one");
+        dim3 g = grid, b = block;
+        mgpu_emu_submit(stream, [g, b, kernel, args...] {
+            std::lock_guard<std::mutex> hold(mgpu_emu_kernel_mutex);
+            std::function<void()> body = [&] { kernel(args...); };
+            mgpu_emu_launches++;
+            gridDim = g;
+            blockDim = b;
+            mgpu_emu_kernel = &body;
+            for (unsigned bz = 0; bz < g.z; bz++)
+                for (unsigned by = 0; by < g.y; by++)
+                    for (unsigned bx = 0; bx < g.x; bx++) {
+                        blockIdx = dim3(bx, by, bz);
+                        mgpu_emu_run_block(b.x, (bx + by + bz) % 2);
+                    }
+        });
+    }
+};
+
+/* -------------------------------------------------------------- cuBLAS */
+typedef int cublasStatus_t;
+enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_INVALID_VALUE = 7, CUBLAS_STATUS_EXECUTION_FAILED = 13 };
+struct mgpu_emu_cublas {
+    int device;
+    cudaStream_t stream;
+};
+typedef mgpu_emu_cublas *cublasHandle_t;
+enum cublasOperation_t { CUBLAS_OP_N, CUBLAS_OP_T };
+enum { CUDA_R_32F };
+enum { CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 };
+enum { CUBLAS_GEMM_DEFAULT };
+static inline const char *cublasGetStatusString(cublasStatus_t s) {
+    return s == CUBLAS_STATUS_SUCCESS         ? "CUBLAS_STATUS_SUCCESS"
+           : s == CUBLAS_STATUS_INVALID_VALUE ? "CUBLAS_STATUS_INVALID_VALUE"
+                                              : "CUBLAS_STATUS_EXECUTION_FAILED";
+}
+static inline cublasStatus_t cublasCreate(cublasHandle_t *h) {
+    *h = new mgpu_emu_cublas{mgpu_emu_device, 0};
+    return CUBLAS_STATUS_SUCCESS;
+}
+static inline cublasStatus_t cublasDestroy(cublasHandle_t h) {
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+static inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+    if (s && s->device != h->device) return CUBLAS_STATUS_INVALID_VALUE;
+    h->stream = s;
+    return CUBLAS_STATUS_SUCCESS;
+}
+/* cuBLAS's product, column-major, on the handle's stream (no handle: at
+   once). It refuses leading dimensions below max(1, rows) as cuBLAS does,
+   and a handle used while another device is current. alpha and beta are
+   read at the call (host pointer mode). */
+static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                   int n, int k, const float *alpha, const float *a, int, int lda,
+                                   const float *b, int, int ldb, const float *beta, float *c, int,
+                                   int ldc, int, int) {
+    int a_rows = ta == CUBLAS_OP_N ? m : k, b_rows = tb == CUBLAS_OP_N ? k : n;
+    if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (h && h->device != mgpu_emu_device) return CUBLAS_STATUS_EXECUTION_FAILED;
+    float al = *alpha, be = *beta;
+    mgpu_emu_submit(h ? h->stream : 0, [=] {
+        cblas_sgemm(CblasColMajor, ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                    tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, al, a, lda, b, ldb, be,
+                    c, ldc);
+    });
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+/* ---------------------------------------------------------------- NCCL */
+typedef int ncclResult_t;
+enum { ncclSuccess = 0, ncclInvalidArgument = 4, ncclInvalidUsage = 5 };
+typedef enum { ncclFloat } ncclDataType_t;
+typedef enum { ncclSum, ncclAvg } ncclRedOp_t;
+static inline const char *ncclGetErrorString(ncclResult_t r) {
+    return r == ncclSuccess ? "no error" : r == ncclInvalidArgument ? "invalid argument" : "invalid usage";
+}
+enum mgpu_emu_collective_kind { MGPU_EMU_ALLREDUCE, MGPU_EMU_BROADCAST, MGPU_EMU_REDUCE_SCATTER, MGPU_EMU_ALL_GATHER };
+/* One collective: every rank's call fills its slot; the last rank's
+   stream to arrive computes it, and the others' streams wait until then. */
+struct mgpu_emu_collective {
+    mgpu_emu_collective_kind kind;
+    size_t count;
+    int arg; /* the root, or the reduction */
+    std::vector<const float *> send;
+    std::vector<float *> recv;
+    int arrived = 0;
+    bool done = false;
+    std::mutex mutex;
+    std::condition_variable changed;
+};
+struct mgpu_emu_clique { /* the communicators of one ncclCommInitAll */
+    int n;
+    std::mutex mutex;
+    std::vector<unsigned long> calls;                                  /* per rank */
+    std::map<unsigned long, std::shared_ptr<mgpu_emu_collective>> pending; /* by call number */
+};
+struct mgpu_emu_comm {
+    std::shared_ptr<mgpu_emu_clique> clique;
+    int rank, device;
+};
+typedef mgpu_emu_comm *ncclComm_t;
+static thread_local int mgpu_emu_group_depth;
+static inline ncclResult_t ncclGroupStart() {
+    mgpu_emu_group_depth++;
+    return ncclSuccess;
+}
+static inline ncclResult_t ncclGroupEnd() {
+    return mgpu_emu_group_depth-- > 0 ? ncclSuccess : (mgpu_emu_group_depth = 0, ncclInvalidUsage);
+}
+static inline ncclResult_t ncclCommInitAll(ncclComm_t *comms, int n, const int *devices) {
+    for (int i = 0; i < n; i++) {
+        if (devices[i] < 0 || devices[i] >= mgpu_emu_device_count()) return ncclInvalidArgument;
+        for (int j = 0; j < i; j++)
+            if (devices[j] == devices[i]) return ncclInvalidUsage; /* "Duplicate GPU detected" */
+    }
+    auto clique = std::make_shared<mgpu_emu_clique>();
+    clique->n = n;
+    clique->calls.assign(n, 0);
+    for (int i = 0; i < n; i++) comms[i] = new mgpu_emu_comm{clique, i, devices[i]};
+    return ncclSuccess;
+}
+static inline ncclResult_t ncclCommDestroy(ncclComm_t c) {
+    delete c;
+    return ncclSuccess;
+}
+static inline void mgpu_emu_compute(mgpu_emu_collective *k, int n) {
+    size_t m = k->count;
+    switch (k->kind) {
+    case MGPU_EMU_ALLREDUCE:
+    case MGPU_EMU_REDUCE_SCATTER: {
+        size_t total = k->kind == MGPU_EMU_ALLREDUCE ? m : m * n;
+        std::vector<float> sum(total, 0.0f); /* every input is read before any output is written */
+        for (int r = 0; r < n; r++)
+            for (size_t i = 0; i < total; i++) sum[i] += k->send[r][i];
+        if (k->arg == ncclAvg)
+            for (float &v : sum) v /= (float)n;
+        for (int r = 0; r < n; r++)
+            memcpy(k->recv[r], sum.data() + (k->kind == MGPU_EMU_ALLREDUCE ? 0 : r * m), m * sizeof(float));
+        break;
+    }
+    case MGPU_EMU_BROADCAST: {
+        std::vector<float> root(k->send[k->arg], k->send[k->arg] + m);
+        for (int r = 0; r < n; r++) memcpy(k->recv[r], root.data(), m * sizeof(float));
+        break;
+    }
+    case MGPU_EMU_ALL_GATHER: {
+        std::vector<float> all(m * n);
+        for (int r = 0; r < n; r++) memcpy(all.data() + r * m, k->send[r], m * sizeof(float));
+        for (int r = 0; r < n; r++) memcpy(k->recv[r], all.data(), m * n * sizeof(float));
+        break;
+    }
+    }
+}
+static inline ncclResult_t mgpu_emu_collective_call(mgpu_emu_collective_kind kind, const void *send, void *recv,
+                                             size_t count, int arg, ncclComm_t c, cudaStream_t s) {
+    if (!s || s->device != c->device) return ncclInvalidArgument;
+    size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * c->clique->n : count;
+    size_t out = kind == MGPU_EMU_ALL_GATHER ? count * c->clique->n : count;
+    if (mgpu_emu_owner(send, in * sizeof(float)) != c->device ||
+        mgpu_emu_owner(recv, out * sizeof(float)) != c->device)
+        return ncclInvalidArgument;
+    mgpu_emu_clique *q = c->clique.get();
+    std::shared_ptr<mgpu_emu_collective> k;
+    {
+        std::lock_guard<std::mutex> hold(q->mutex);
+        unsigned long call = q->calls[c->rank]++;
+        std::shared_ptr<mgpu_emu_collective> &slot = q->pending[call];
+        if (!slot) {
+            slot = std::make_shared<mgpu_emu_collective>();
+            slot->kind = kind;
+            slot->count = count;
+            slot->arg = arg;
+            slot->send.assign(q->n, nullptr);
+            slot->recv.assign(q->n, nullptr);
+        } else if (slot->kind != kind || slot->count != count || slot->arg != arg) {
+            mgpu_emu_fail("NCCL: the ranks' calls of one collective disagree (kind, count or root)");
+        }
+        slot->send[c->rank] = (const float *)send;
+        slot->recv[c->rank] = (float *)recv;
+        k = slot;
+        if (std::count(k->recv.begin(), k->recv.end(), nullptr) == 0) q->pending.erase(call);
+    }
+    int n = q->n;
+    mgpu_emu_submit(s, [k, n] {
+        std::unique_lock<std::mutex> lock(k->mutex);
+        if (++k->arrived == n) {
+            mgpu_emu_compute(k.get(), n);
+            k->done = true;
+            k->changed.notify_all();
+        }
+        k->changed.wait(lock, [&] { return k->done; });
+    });
+    return ncclSuccess;
+}
+static inline ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t,
+                                  ncclRedOp_t op, ncclComm_t c, cudaStream_t s) {
+    return mgpu_emu_collective_call(MGPU_EMU_ALLREDUCE, send, recv, count, op, c, s);
+}
+static inline ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t, int root,
+                                  ncclComm_t c, cudaStream_t s) {
+    return mgpu_emu_collective_call(MGPU_EMU_BROADCAST, send, recv, count, root, c, s);
+}
+static inline ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t,
+                                      ncclRedOp_t op, ncclComm_t c, cudaStream_t s) {
+    return mgpu_emu_collective_call(MGPU_EMU_REDUCE_SCATTER, send, recv, count, op, c, s);
+}
+static inline ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t,
+                                  ncclComm_t c, cudaStream_t s) {
+    return mgpu_emu_collective_call(MGPU_EMU_ALL_GATHER, send, recv, count, 0, c, s);
+}
+#endif
