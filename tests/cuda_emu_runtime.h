@@ -13,8 +13,10 @@
      its work at once, in the calling thread; like CUDA's, it does not
      wait for the non-blocking streams mgpu uses.
    - Kernels run one at a time in the whole process (the emulator keeps a
-     block's state in globals); a launch into a stream of a device other
-     than the current one fails, as on a GPU.
+     block's state in globals), taking turns in the order their streams
+     reached them, so that the streams of two devices progress together as
+     two GPUs would; a launch into a stream of a device other than the
+     current one fails, as on a GPU.
    - Device memory is known by its allocations: a copy whose direction
      says "device" for a pointer outside them, or that runs past the end of
      one, fails with cudaErrorInvalidValue, as does cudaFree of a pointer
@@ -370,7 +372,23 @@ static inline cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cuda
    so that the arguments are evaluated and copied at the launch, as CUDA
    does, and the kernel runs later on its stream. */
 static long mgpu_emu_launches;
-static std::mutex mgpu_emu_kernel_mutex; /* one kernel at a time */
+/* One kernel at a time, first come first served (a ticket lock: a plain
+   mutex would let one stream's worker take it again and again). */
+static std::mutex mgpu_emu_turn_mutex;
+static std::condition_variable mgpu_emu_turn_changed;
+static unsigned long mgpu_emu_next_ticket, mgpu_emu_serving;
+struct mgpu_emu_turn {
+    mgpu_emu_turn() {
+        std::unique_lock<std::mutex> lock(mgpu_emu_turn_mutex);
+        unsigned long ticket = mgpu_emu_next_ticket++;
+        mgpu_emu_turn_changed.wait(lock, [ticket] { return mgpu_emu_serving == ticket; });
+    }
+    ~mgpu_emu_turn() {
+        std::lock_guard<std::mutex> hold(mgpu_emu_turn_mutex);
+        mgpu_emu_serving++;
+        mgpu_emu_turn_changed.notify_all();
+    }
+};
 struct mgpu_emu_launcher {
     dim3 grid, block;
     cudaStream_t stream;
@@ -384,7 +402,7 @@ struct mgpu_emu_launcher {
             mgpu_emu_fail("a launch into a stream of a device that is not the current one");
         dim3 g = grid, b = block;
         mgpu_emu_submit(stream, [g, b, kernel, args...] {
-            std::lock_guard<std::mutex> hold(mgpu_emu_kernel_mutex);
+            mgpu_emu_turn turn;
             std::function<void()> body = [&] { kernel(args...); };
             mgpu_emu_launches++;
             gridDim = g;

@@ -5,7 +5,7 @@
    one GPU, which still goes through ncclCommInitAll and every collective,
    and a group of every GPU when there are several. Without a GPU it says
    "skipped: no GPU" and passes. */
-#define TEST_COMM_ON_GPU 1
+#define TEST_ON_GPU 1
 #include "test_comm.c"
 
 /* An NCCL communicator over the first g physical GPUs, made once. */

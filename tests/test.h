@@ -13,6 +13,11 @@
    "text": this is how the library's one-line fatal errors are tested. */
 #ifndef MGPU_TEST_H
 #define MGPU_TEST_H
+/* tests/gpu_X.c includes tests/test_X.c with TEST_ON_GPU 1 to run the same
+   tests on GPU devices (main() then skips them without a GPU). */
+#ifndef TEST_ON_GPU
+#define TEST_ON_GPU 0
+#endif
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,6 +107,11 @@ static int test__failures; /* failures inside the running test */
         }                                                                     \
     } while (0)
 
+#ifdef MGPU_H
+/* The device a test runs on: GPU 0 with TEST_ON_GPU, else the CPU. */
+static inline mgpu_device *test_device(void) { return TEST_ON_GPU ? mgpu_try_gpu(0) : mgpu_cpu(); }
+#endif
+
 /* Runs the registered tests (those whose name contains argv[1] when given). */
 /* The tests compare with float32 (or double) references at float32
    tolerances, so on a GPU they switch TF32 off (mgpu_set_tf32); the TF32
@@ -123,8 +133,12 @@ static int test__run_all(int argc, char **argv) {
     return failed ? 1 : 0;
 }
 
+#if TEST_ON_GPU
+#define TEST_MAIN() TEST_MAIN_GPU((void)0)
+#else
 #define TEST_MAIN() \
     int main(int argc, char **argv) { return test__run_all(argc, argv); }
+#endif
 
 /* For the CUDA-against-CPU tests: without a GPU there is nothing to
    compare, so say so and pass; `setup` runs first when there is one. */

@@ -13,15 +13,11 @@
    magnitudes; the tolerance is k * 2^-24 * sum_i |x_i| (divided by k for
    the average, whose scaling adds one more rounding).
 
-   tests/gpu_comm.c includes this file with TEST_COMM_ON_GPU 1: the same
+   tests/gpu_comm.c includes this file with TEST_ON_GPU 1: the same
    tests then run on GPU logical devices (virtual ones on one GPU). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
-
-#ifndef TEST_COMM_ON_GPU
-#define TEST_COMM_ON_GPU 0
-#endif
 
 #define MAX_K 8
 
@@ -97,7 +93,7 @@ static void check_result(mgpu_tensor **data, int k, size_t len, int average, dou
 static void check_allreduce(allreduce_fn run, const char *name, int k, size_t len, int average) {
     mgpu_device *dev[MAX_K];
     mgpu_tensor *data[MAX_K];
-    mgpu_devices(k, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(k, TEST_ON_GPU, dev);
     for (int i = 0; i < k; i++) data[i] = input_on(dev[i], i, len, 1.0f);
     run(data, k, average);
     char what[128];
@@ -129,7 +125,7 @@ TEST(float_rounding_is_visible) {
     mgpu_device *dev[K];
     mgpu_tensor *data[K];
     float got[LEN];
-    mgpu_devices(K, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(K, TEST_ON_GPU, dev);
     for (int i = 0; i < K; i++) data[i] = input_on(dev[i], i, LEN, 1.0f);
     mgpu_ring_allreduce(data, K, 0);
     mgpu_to_host(data[0], got);
@@ -149,9 +145,9 @@ TEST(auto_allreduce_names_its_algorithm) {
     for (int k = 1; k <= MAX_K; k++) {
         mgpu_device *dev[MAX_K];
         mgpu_tensor *data[MAX_K];
-        mgpu_devices(k, TEST_COMM_ON_GPU, dev);
+        mgpu_devices(k, TEST_ON_GPU, dev);
         for (int i = 0; i < k; i++) data[i] = mgpu_ones(dev[i], mgpu_shape1(5));
-        const char *want = k == 1 ? "none" : TEST_COMM_ON_GPU && k <= mgpu_num_gpus() ? "nccl" : "ring";
+        const char *want = k == 1 ? "none" : TEST_ON_GPU && k <= mgpu_num_gpus() ? "nccl" : "ring";
         const char *got = mgpu_allreduce_auto(data, k, 0);
         if (strcmp(got, want) != 0) fprintf(stderr, "  %d devices: got %s, want %s\n", k, got, want);
         CHECK(strcmp(got, want) == 0);
@@ -171,7 +167,7 @@ static void check_ordered_with_compute(allreduce_fn run, const char *name) {
     size_t len = (size_t)1 << 18;
     mgpu_device *dev[K];
     mgpu_tensor *data[K];
-    mgpu_devices(K, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(K, TEST_ON_GPU, dev);
     for (int trial = 0; trial < 3; trial++) {
         for (int i = 0; i < K; i++) {
             data[i] = input_on(dev[i], i, len, 0.5f);
@@ -201,13 +197,13 @@ TEST(allreduce_start_lets_compute_go_on) {
     size_t len = 100003;
     mgpu_device *dev[K];
     mgpu_tensor *data[K], *other[K], *scratch[K];
-    mgpu_devices(K, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(K, TEST_ON_GPU, dev);
     for (int i = 0; i < K; i++) scratch[i] = mgpu_empty(dev[i], mgpu_shape1((int)((len + K - 1) / K)));
     for (int own = 0; own <= 1; own++) {
         for (int round = 0; round < 1 + own; round++) {
             for (int i = 0; i < K; i++) data[i] = input_on(dev[i], i, len, 1.0f);
             const char *algorithm = mgpu_allreduce_start(data, K, 1, own ? scratch : NULL);
-            CHECK(strcmp(algorithm, TEST_COMM_ON_GPU && K <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
+            CHECK(strcmp(algorithm, TEST_ON_GPU && K <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
             for (int i = 0; i < K; i++) other[i] = mgpu_full(dev[i], mgpu_shape1(1000), (float)i);
             mgpu_comm_wait(dev, K);
             check_result(data, K, len, 1, 1.0, own ? "mgpu_allreduce_start, own scratch" : "mgpu_allreduce_start");
@@ -223,13 +219,13 @@ TEST(allreduce_start_lets_compute_go_on) {
 
 TEST(too_small_scratch_is_an_error) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *data[2] = {mgpu_zeros(dev[0], mgpu_shape1(9)), mgpu_zeros(dev[1], mgpu_shape1(9))};
     mgpu_tensor *scratch[2] = {mgpu_zeros(dev[0], mgpu_shape1(5)), mgpu_zeros(dev[1], mgpu_shape1(4))};
     char want[200];
     snprintf(want, sizeof want, "mgpu: error: mgpu_allreduce_start: scratch[1] must hold at least 5 elements on %s\n",
              mgpu_device_name(dev[1]));
-    if (!(TEST_COMM_ON_GPU && mgpu_num_gpus() >= 2)) /* NCCL needs no scratch */
+    if (!(TEST_ON_GPU && mgpu_num_gpus() >= 2)) /* NCCL needs no scratch */
         EXPECT_DIES(mgpu_allreduce_start(data, 2, 0, scratch), want);
     for (int i = 0; i < 2; i++) {
         mgpu_free(data[i]);
@@ -239,7 +235,7 @@ TEST(too_small_scratch_is_an_error) {
 
 TEST(get_params_copies_values_and_zero_grads) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *params[2] = {mgpu_arange(mgpu_cpu(), mgpu_shape2(2, 3)),
                               mgpu_full(mgpu_cpu(), mgpu_shape1(4), 0.5f)};
     mgpu_param p[2];
@@ -271,7 +267,7 @@ static void check_rows(mgpu_tensor *out, mgpu_device *dev, int first, int rows, 
 /* Scatters a rows x cols arange onto 2 devices; the first gets `first` rows. */
 static void check_scatter_onto_2(int rows, int cols, int first) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(rows, cols)), *out[2];
     mgpu_scatter(x, dev, 2, out);
     check_rows(out[0], dev[0], 0, first, cols);
@@ -286,7 +282,7 @@ TEST(scatter_5_rows_gives_3_and_2) { check_scatter_onto_2(5, 3, 3); }
 /* PyTorch's chunks of ceil(4/3) = 2 rows are 2, 2 and nothing. */
 TEST(scatter_leaving_a_device_empty_is_an_error) {
     mgpu_device *dev[3];
-    mgpu_devices(3, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(3, TEST_ON_GPU, dev);
     mgpu_tensor *x = mgpu_arange(mgpu_cpu(), mgpu_shape2(4, 5)), *out[3];
     char want[256];
     snprintf(want, sizeof want,
@@ -299,7 +295,7 @@ TEST(scatter_leaving_a_device_empty_is_an_error) {
 
 TEST(split_batch_splits_images_and_labels) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *X = mgpu_arange(mgpu_cpu(), mgpu_shape2(5, 4)), *y = mgpu_arange(mgpu_cpu(), mgpu_shape2(5, 1));
     mgpu_tensor *Xs[2], *ys[2];
     mgpu_split_batch(X, y, dev, 2, Xs, ys);
@@ -317,7 +313,7 @@ TEST(split_batch_splits_images_and_labels) {
 
 TEST(split_batch_row_mismatch_is_an_error) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *X = mgpu_zeros(mgpu_cpu(), mgpu_shape2(4, 5)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(3));
     mgpu_tensor *Xs[2], *ys[2];
     EXPECT_DIES(mgpu_split_batch(X, y, dev, 2, Xs, ys),
@@ -328,7 +324,7 @@ TEST(split_batch_row_mismatch_is_an_error) {
 
 TEST(allreduce_of_different_shapes_is_an_error) {
     mgpu_device *dev[2];
-    mgpu_devices(2, TEST_COMM_ON_GPU, dev);
+    mgpu_devices(2, TEST_ON_GPU, dev);
     mgpu_tensor *data[2] = {mgpu_zeros(dev[0], mgpu_shape1(3)), mgpu_zeros(dev[1], mgpu_shape1(4))};
     EXPECT_DIES(mgpu_ring_allreduce(data, 2, 0), "mgpu: error: mgpu_ring_allreduce: shapes [4] and [3] differ\n");
     EXPECT_DIES(mgpu_allreduce(data, 2), "mgpu: error: mgpu_allreduce: shapes [4] and [3] differ\n");
@@ -350,6 +346,6 @@ TEST(nccl_init_gives_null_without_distinct_gpus) {
     }
 }
 
-#if !TEST_COMM_ON_GPU
+#if !TEST_ON_GPU
 TEST_MAIN()
 #endif

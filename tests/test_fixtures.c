@@ -4,7 +4,8 @@
    for parameters and inputs both sides make from the same formula. The
    tolerances allow for float32 sums taken in a different order: relative
    1e-3 on values of order one, with an absolute floor set by the size of
-   each quantity. */
+   each quantity. tests/gpu_fixtures.c includes this file with TEST_ON_GPU
+   1: the same comparisons for the models on a GPU. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
@@ -21,7 +22,7 @@
 
 TEST(lenet_losses_and_gradients_match_pytorch) {
     fixture f = fixture_load(FIXTURES "lenet.bin");
-    mgpu_device *d = mgpu_cpu();
+    mgpu_device *d = test_device();
     static const int shapes[NUM_PARAMS][4] = {{20, 1, 3, 3}, {20}, {50, 20, 5, 5}, {50},
                                               {800, 128}, {128}, {128, 10}, {10}};
     static const int ndims[NUM_PARAMS] = {4, 1, 4, 1, 2, 1, 2, 1};
@@ -103,7 +104,7 @@ static const mgpu_layer *net_layer(const mgpu_net *net, const char *name) {
 
 TEST(resnet18_training_step_matches_pytorch) {
     fixture f = fixture_load(FIXTURES "resnet18_step.bin");
-    mgpu_device *d = mgpu_cpu();
+    mgpu_device *d = test_device();
     mgpu_net *net = mgpu_resnet18(10, 1, d);
     resnet_formula_params(net);
     mgpu_tensor *x = formula_tensor(d, mgpu_shape4(4, 1, 28, 28), 1000, 0.5, 0.5);
@@ -143,7 +144,7 @@ TEST(resnet18_training_step_matches_pytorch) {
    start; returns the parameters of device 0 in host memory. */
 static float *lenet_after_steps(mgpu_tensor **params, int n, int steps, size_t *count) {
     mgpu_device *devices[2];
-    mgpu_devices(n, 0, devices);
+    mgpu_devices(n, TEST_ON_GPU, devices);
     replica replicas[2];
     memset(replicas, 0, sizeof replicas);
     mgpu_tensor *loss_sum[2], *correct[2];

@@ -7,7 +7,9 @@
      the other and adds their gradients;
    - DataParallel's gather puts more memory on device 0 than allreduce;
    - save then load gives the same outputs; damaged checkpoints are clear
-     errors. */
+     errors.
+   tests/gpu_parallel.c includes this file with TEST_ON_GPU 1: the same
+   tests on GPU devices (physical, then virtual). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
@@ -44,10 +46,10 @@ static mgpu_net *plain_net(mgpu_device *d) {
 
 static void batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     mgpu_manual_seed(1000 + (uint64_t)step);
-    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    *x = mgpu_rand(test_device(), mgpu_shape4(n, 1, 8, 8));
     float labels[64];
     for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + step) % 10);
-    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+    *y = mgpu_from_host(test_device(), mgpu_shape1(n), labels);
 }
 
 /* Largest difference between two networks' parameters, relative to each
@@ -86,7 +88,7 @@ TEST(k_devices_train_like_one_without_batchnorm) {
     for (int mode = 0; mode < 2; mode++)
         for (int k = 2; k <= 3; k++) {
             mgpu_device *devs[3];
-            mgpu_devices(k, 0, devs);
+            mgpu_devices(k, TEST_ON_GPU, devs);
             mgpu_net *one = plain_net(devs[0]);
             mgpu_data_parallel *dp1 = mgpu_data_parallel_new(one, devs, 1, MGPU_DP_ALLREDUCE);
             /* 10 steps: the sums are taken in another order on k devices, so
@@ -119,7 +121,7 @@ TEST(k_devices_train_like_one_without_batchnorm) {
 
 TEST(batchnorm_uses_each_shards_statistics) {
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_tensor *x, *y;
     batch(0, 12, &x, &y);
     /* 2 devices: one step */
@@ -165,7 +167,7 @@ TEST(gather_puts_more_memory_on_device_0_than_allreduce) {
     size_t extra[2];
     for (int mode = 0; mode < 2; mode++) {
         mgpu_device *devs[2];
-        mgpu_devices(2, 0, devs);
+        mgpu_devices(2, TEST_ON_GPU, devs);
         mgpu_synchronize_all();
         mgpu_device_reset_peak(devs[0]);
         mgpu_device_reset_peak(devs[1]);
@@ -194,25 +196,8 @@ static void temp_path(char *path, size_t size, const char *name) {
     snprintf(path, size, "/tmp/mgpu_test_%d_%s", (int)getpid(), name);
 }
 
-/* Writes bytes to a file (for damaged checkpoints). */
-static void write_bytes(const char *path, const unsigned char *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(data, 1, n, f) != n) { perror(path); exit(2); }
-    fclose(f);
-}
-static unsigned char *read_bytes(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    fseek(f, 0, SEEK_END);
-    *n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *b = (unsigned char *)malloc(*n);
-    if (fread(b, 1, *n, f) != *n) { perror(path); exit(2); }
-    fclose(f);
-    return b;
-}
-
 TEST(save_then_load_gives_the_same_outputs) {
-    mgpu_device *d = mgpu_cpu();
+    mgpu_device *d = test_device();
     mgpu_net *a = small_net(d, 1);
     mgpu_tensor *x, *y;
     batch(3, 5, &x, &y);
@@ -234,6 +219,24 @@ TEST(save_then_load_gives_the_same_outputs) {
     mgpu_free(x); mgpu_free(y);
     mgpu_net_free(a);
     mgpu_net_free(b);
+}
+
+#if !TEST_ON_GPU /* about files, not devices */
+/* Writes bytes to a file (for damaged checkpoints). */
+static void write_bytes(const char *path, const unsigned char *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, n, f) != n) { perror(path); exit(2); }
+    fclose(f);
+}
+static unsigned char *read_bytes(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = (unsigned char *)malloc(*n);
+    if (fread(b, 1, *n, f) != *n) { perror(path); exit(2); }
+    fclose(f);
+    return b;
 }
 
 TEST(damaged_checkpoints_are_clear_errors) {
@@ -277,14 +280,15 @@ TEST(damaged_checkpoints_are_clear_errors) {
     mgpu_net_free(net);
     mgpu_net_free(other);
 }
+#endif
 
 TEST(resnet18_has_the_books_shape) {
-    mgpu_net *net = mgpu_resnet18(10, 1, mgpu_cpu());
+    mgpu_net *net = mgpu_resnet18(10, 1, test_device());
     /* conv and linear weights and biases, batch norm gammas and betas */
     CHECK_EQ_INT(mgpu_net_num_weights(net), 11175818);
     CHECK_EQ_INT(mgpu_net_num_params(net), 76);
     CHECK_EQ_INT(mgpu_net_num_buffers(net), 34);
-    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(2, 1, 28, 28));
+    mgpu_tensor *x = mgpu_rand(test_device(), mgpu_shape4(2, 1, 28, 28));
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     CHECK_EQ_INT(logits->shape.d[0], 2);
     CHECK_EQ_INT(logits->shape.d[1], 10);
@@ -299,7 +303,7 @@ TEST(resnet18_has_the_books_shape) {
 static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int steps,
                                 mgpu_data_parallel **out) {
     mgpu_device *devs[4];
-    mgpu_devices(k, 0, devs);
+    mgpu_devices(k, TEST_ON_GPU, devs);
     mgpu_net *net = small_net(devs[0], 1);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, k, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel_configure(dp, bucket_bytes, overlap, 1);
@@ -323,7 +327,8 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
         if (diff > 1e-6) fprintf(stderr, "  %d devices: bucketed and single-bucket differ by %g\n", k, diff);
         CHECK(diff <= 1e-6);
         for (int i = 1; i < k; i++) CHECK(max_param_diff(mgpu_data_parallel_replica(dp_small, i), small) == 0);
-        CHECK(strcmp(mgpu_data_parallel_algorithm(dp_small), "ring") == 0);
+        CHECK(strcmp(mgpu_data_parallel_algorithm(dp_small),
+                     TEST_ON_GPU && k <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
         mgpu_data_parallel_free(dp_ref);
         mgpu_data_parallel_free(dp_small);
         mgpu_data_parallel_free(dp_late);
@@ -341,7 +346,7 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
 
 TEST(switching_the_reduction_off_lets_replicas_drift) {
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_net *net = small_net(devs[0], 1);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel_configure(dp, 1024, 1, 0);
@@ -354,7 +359,7 @@ TEST(switching_the_reduction_off_lets_replicas_drift) {
 
 TEST(reduction_runs_under_the_backward_pass) {
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_manual_seed(3);
     mgpu_net *net = mgpu_resnet18(10, 1, devs[0]);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
@@ -371,9 +376,11 @@ TEST(reduction_runs_under_the_backward_pass) {
     double last_backward_end = 0, first_comm_start = 1e300;
     for (int i = 0; i < mgpu__g.trace_n; i++) {
         const mgpu__trace_record *r = &mgpu__g.trace[i];
+        double start, end; /* a GPU's records hold CUDA events, not host times */
+        mgpu__trace_times(r, &start, &end);
         if (r->queue_id == devs[0]->index * 2 && strstr(r->name, "backward"))
-            last_backward_end = fmax(last_backward_end, r->end);
-        if (r->queue_id % 2 == 1) first_comm_start = fmin(first_comm_start, r->start);
+            last_backward_end = fmax(last_backward_end, end);
+        if (r->queue_id % 2 == 1) first_comm_start = fmin(first_comm_start, start);
     }
     CHECK(first_comm_start < last_backward_end);
     char path[256];
@@ -389,7 +396,7 @@ TEST(reduction_runs_under_the_backward_pass) {
 
 TEST(a_training_step_allocates_nothing_after_the_first) {
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_net *net = small_net(devs[0], 1);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel_configure(dp, 256, 1, 1);
