@@ -1,7 +1,8 @@
 # mgpu: build the chapters, the tests and the benchmarks.
 #
 #   make chapter1 && ./chapter1     (chapter2, chapter3 likewise)
-#   make test                       everything that needs no GPU; ends "N passed, N failed"
+#   make test                       everything that needs no GPU (the GPU tests on
+#                                   emulated GPUs too); ends "N passed, N failed"
 #   make test-gpu                   the same, plus CUDA against CPU (on a GPU machine)
 #   make test-asan                  the CPU tests under Address/UndefinedBehaviorSanitizer
 #   make bench                      the chapters' workloads beside PyTorch (GPU machine)
@@ -125,7 +126,7 @@ $(BUILD)/asan/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_C) $(ASAN) -I. $< -o $@ $(LIBS)
 
-$(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
 
@@ -144,6 +145,16 @@ $(BUILD)/emu/kernels.h: $(KERNEL_FILES) Makefile
 $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++20 -O1 -Wall -Wextra -Werror -Itests -I$(BUILD)/emu $< -o $@ -lopenblas -lpthread
+
+# The GPU tests (tests/gpu_*.c) on emulated GPUs: the library's whole CUDA
+# path, built with g++ against tests/cuda_emu.h (MGPU_CUDA_EMU: kernels on
+# the CPU; the CUDA runtime, cuBLAS and NCCL emulated; 2 GPUs). Tests too
+# slow there are marked TEST_REAL_GPU and run on real GPUs only.
+EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS))
+$(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE -include tests/cuda_emu.h \
+	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
@@ -153,8 +164,8 @@ ifeq ($(HAVE_NVCC),1)
 TEST_CUDA_BUILD := $(CUDA_TEST_BINS)
 endif
 
-test: $(CPU_TEST_BINS) $(EMU_TEST) $(TEST_CUDA_BUILD) all
-	@bash tests/run.sh $(CPU_TEST_BINS) $(EMU_TEST) -- tests/smoke.sh
+test: $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) $(TEST_CUDA_BUILD) all
+	@bash tests/run.sh $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) -- tests/smoke.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

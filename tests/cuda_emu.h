@@ -34,6 +34,7 @@
 #define MGPU_CUDA_EMU_H
 #undef _FORTIFY_SOURCE /* its longjmp refuses to jump to another stack */
 #include <cblas.h>
+#include <algorithm>
 #include <functional>
 #include <math.h>
 #include <stdint.h>
@@ -96,7 +97,11 @@ static void mgpu_emu_open(mgpu_emu_barrier *b) {
     b->generation++;
     mgpu_emu_progress++;
 }
+static bool mgpu_emu_direct; /* the block runs its threads one by one, without fibers */
 static void mgpu_emu_arrive_and_wait(mgpu_emu_barrier *b) {
+    if (mgpu_emu_direct)
+        mgpu_emu_fail("a barrier in a kernel whose first block met none (every block must reach "
+                      "the same barriers)");
     unsigned long generation = b->generation;
     mgpu_emu_progress++;
     if (++b->arrived == b->expected) mgpu_emu_open(b);
@@ -135,12 +140,27 @@ static void mgpu_emu_make_fiber(unsigned t) {
     mgpu_emu_fibers[t].made = true;
 }
 
+/* Runs fiber t until it waits or its thread returns. (A function of its
+   own: locals of a function that calls _setjmp may be lost by _longjmp.) */
+static __attribute__((noinline)) void mgpu_emu_resume(unsigned t) {
+    mgpu_emu_current = t;
+    threadIdx = dim3(t, 0, 0);
+    if (!_setjmp(mgpu_emu_scheduler)) _longjmp(mgpu_emu_fibers[t].resume, 1);
+}
+
 /* Runs one block: every fiber in turn until all have returned. A round in
    which nobody arrives, opens or returns means the threads wait at
    barriers the others never reach (a GPU would hang). The turns go up the
    threads in even blocks and down in odd ones, so that a missing barrier
    shows whichever thread reads what another writes. */
 static void mgpu_emu_run_block(unsigned threads, int downwards) {
+    if (mgpu_emu_direct) {
+        for (unsigned turn = 0; turn < threads; turn++) {
+            threadIdx = dim3(downwards ? threads - 1 - turn : turn, 0, 0);
+            (*mgpu_emu_kernel)();
+        }
+        return;
+    }
     mgpu_emu_block_barrier = {threads, 0, 0};
     for (unsigned w = 0; w < threads / 32; w++) {
         mgpu_emu_warp_barrier[w] = {32, 0, 0};
@@ -155,14 +175,41 @@ static void mgpu_emu_run_block(unsigned threads, int downwards) {
         for (unsigned turn = 0; turn < threads; turn++) {
             unsigned t = downwards ? threads - 1 - turn : turn;
             if (mgpu_emu_fibers[t].done) continue;
-            mgpu_emu_current = t;
-            threadIdx = dim3(t, 0, 0);
-            if (!_setjmp(mgpu_emu_scheduler)) _longjmp(mgpu_emu_fibers[t].resume, 1);
+            mgpu_emu_resume(t);
             left -= mgpu_emu_fibers[t].done;
         }
         if (left && mgpu_emu_progress == before)
             mgpu_emu_fail("threads wait at a barrier the others of their block or warp never reach");
     }
+}
+
+/* Runs a whole grid, block after block. A kernel whose first block met no
+   barrier (no __syncthreads, no shuffle: most elementwise kernels) runs
+   its other blocks, at this and later launches, without fibers, each
+   thread to its end in turn, which is several times faster. `kernel`
+   names the kernel (its address) for that. */
+/* At namespace scope: made before main, so destroyed only after the
+   atexit handlers (mgpu.h's waits for the streams' last kernels there). */
+static std::vector<uintptr_t> mgpu_emu_barrier_free;
+static void mgpu_emu_run_grid(dim3 grid, dim3 block, uintptr_t kernel, const std::function<void()> &body) {
+    std::vector<uintptr_t> &barrier_free = mgpu_emu_barrier_free;
+    gridDim = grid;
+    blockDim = block;
+    mgpu_emu_kernel = &body;
+    mgpu_emu_direct = std::find(barrier_free.begin(), barrier_free.end(), kernel) != barrier_free.end();
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                unsigned long before = mgpu_emu_progress;
+                blockIdx = dim3(bx, by, bz);
+                mgpu_emu_run_block(block.x, (bx + by + bz) % 2);
+                /* only returns counted: nobody arrived at a barrier */
+                if (!mgpu_emu_direct && mgpu_emu_progress - before == block.x) {
+                    barrier_free.push_back(kernel);
+                    mgpu_emu_direct = true;
+                }
+            }
+    mgpu_emu_direct = false;
 }
 
 /* ------------------------------------------------------------- warps */
@@ -196,10 +243,10 @@ static float atomicAdd(float *address, float value) { /* fibers switch only at b
 /* -------------------------------------------------- WMMA (tensor cores) */
 /* The WMMA fragments the kernels use (TF32 inputs, row-major, float
    accumulators). On a GPU a fragment is spread over the 32 threads of a
-   warp; here every thread holds all of it and does the whole product, so
-   the results are the same (each thread's copy is identical). The rules a
-   GPU enforces are checked: 32-byte aligned pointers, leading dimensions
-   that are multiples of 4 floats. */
+   warp; here every thread holds all of it, and lane 0 does the products
+   and the stores for its warp. The rules a GPU enforces are checked:
+   32-byte aligned pointers, leading dimensions that are multiples of 4
+   floats. */
 namespace nvcuda {
 namespace wmma {
 struct matrix_a {};
@@ -253,6 +300,9 @@ static void mma_sync(fragment<accumulator, M, N, K, float, void> &d,
                      const fragment<matrix_a, M, N, K, precision::tf32, row_major> &a,
                      const fragment<matrix_b, M, N, K, precision::tf32, row_major> &b,
                      const fragment<accumulator, M, N, K, float, void> &c) {
+    /* Only lane 0's fragments reach memory (store_matrix_sync below): the
+       other lanes may skip the product, a 32-fold saving. */
+    if (threadIdx.x % 32 != 0) return;
     /* the CUDA guide: a TF32 fragment holds values already rounded with
        __float_to_tf32 (the tensor cores read only their top 19 bits) */
     for (float v : a.x) mgpu_emu_check_tf32(v);

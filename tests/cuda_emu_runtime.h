@@ -371,7 +371,6 @@ static inline cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cuda
        name<<<config>>>(args);  ->  mgpu_emu_launcher(config)(name, args);
    so that the arguments are evaluated and copied at the launch, as CUDA
    does, and the kernel runs later on its stream. */
-static long mgpu_emu_launches;
 /* One kernel at a time, first come first served (a ticket lock: a plain
    mutex would let one stream's worker take it again and again). */
 static std::mutex mgpu_emu_turn_mutex;
@@ -403,17 +402,7 @@ struct mgpu_emu_launcher {
         dim3 g = grid, b = block;
         mgpu_emu_submit(stream, [g, b, kernel, args...] {
             mgpu_emu_turn turn;
-            std::function<void()> body = [&] { kernel(args...); };
-            mgpu_emu_launches++;
-            gridDim = g;
-            blockDim = b;
-            mgpu_emu_kernel = &body;
-            for (unsigned bz = 0; bz < g.z; bz++)
-                for (unsigned by = 0; by < g.y; by++)
-                    for (unsigned bx = 0; bx < g.x; bx++) {
-                        blockIdx = dim3(bx, by, bz);
-                        mgpu_emu_run_block(b.x, (bx + by + bz) % 2);
-                    }
+            mgpu_emu_run_grid(g, b, reinterpret_cast<uintptr_t>(kernel), [&] { kernel(args...); });
         });
     }
 };
@@ -448,23 +437,39 @@ static inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
     h->stream = s;
     return CUBLAS_STATUS_SUCCESS;
 }
+/* A column-major matrix of `cols` columns ld apart, its values rounded to
+   TF32 as the tensor cores read them. */
+static inline std::vector<float> mgpu_emu_tf32_copy(const float *p, int rows, int cols, int ld) {
+    std::vector<float> v(cols ? (size_t)ld * (cols - 1) + rows : 0);
+    for (size_t i = 0; i < v.size(); i++) v[i] = nvcuda::wmma::__float_to_tf32(p[i]);
+    return v;
+}
 /* cuBLAS's product, column-major, on the handle's stream (no handle: at
    once). It refuses leading dimensions below max(1, rows) as cuBLAS does,
    and a handle used while another device is current. alpha and beta are
-   read at the call (host pointer mode). */
+   read at the call (host pointer mode). CUBLAS_COMPUTE_32F_FAST_TF32
+   rounds the inputs to TF32, with float sums. */
 static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
                                    int n, int k, const float *alpha, const float *a, int, int lda,
                                    const float *b, int, int ldb, const float *beta, float *c, int,
-                                   int ldc, int, int) {
+                                   int ldc, int compute, int) {
     int a_rows = ta == CUBLAS_OP_N ? m : k, b_rows = tb == CUBLAS_OP_N ? k : n;
     if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m))
         return CUBLAS_STATUS_INVALID_VALUE;
     if (h && h->device != mgpu_emu_device) return CUBLAS_STATUS_EXECUTION_FAILED;
     float al = *alpha, be = *beta;
     mgpu_emu_submit(h ? h->stream : 0, [=] {
+        std::vector<float> a32, b32;
+        const float *a_in = a, *b_in = b;
+        if (compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+            a32 = mgpu_emu_tf32_copy(a, a_rows, ta == CUBLAS_OP_N ? k : m, lda);
+            b32 = mgpu_emu_tf32_copy(b, b_rows, tb == CUBLAS_OP_N ? n : k, ldb);
+            a_in = a32.data();
+            b_in = b32.data();
+        }
         cblas_sgemm(CblasColMajor, ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
-                    tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, al, a, lda, b, ldb, be,
-                    c, ldc);
+                    tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, al, a_in, lda, b_in, ldb,
+                    be, c, ldc);
     });
     return CUBLAS_STATUS_SUCCESS;
 }

@@ -217,21 +217,24 @@ TEST(division_by_multiplying) {
 
 /* cuBLAS's arguments for the four transpose combinations, an empty inner
    dimension and beta 0 over NaN (tests/cuda_emu.h refuses what cuBLAS would). */
+/* In float32 and in TF32 (inputs rounded to 10 bits of mantissa: each
+   of the 5 products of values below 0.5 off by at most 2^-11 / 4). */
 TEST(gemm_arguments_for_cublas) {
-    for (int ta = 0; ta < 2; ta++)
-        for (int tb = 0; tb < 2; tb++)
-            for (int k = 0; k <= 5; k += 5)
-                for (int beta = 0; beta <= 1; beta++) {
-                    int m = 3, n = 4;
-                    std::vector<float> a = random_values(m * 5 + 1), b = random_values(5 * n + 1);
-                    std::vector<float> c_c = beta ? random_values(m * n) : nans(m * n), c_g = c_c;
-                    mgpu__gemm_args g = mgpu__gemm_dense(ta, tb, m, n, k, a.data(), b.data(),
-                                                         c_c.data(), (float)beta, 1);
-                    mgpu__gemm_cpu(&g, &on_cpu);
-                    g.c = c_g.data();
-                    mgpu__gemm_cuda(&g, &on_gpu);
-                    same("gemm", c_g, c_c, 1e-6);
-                }
+    for (int tf32 = 0; tf32 <= 1; tf32++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int k = 0; k <= 5; k += 5)
+                    for (int beta = 0; beta <= 1; beta++) {
+                        int m = 3, n = 4;
+                        std::vector<float> a = random_values(m * 5 + 1), b = random_values(5 * n + 1);
+                        std::vector<float> c_c = beta ? random_values(m * n) : nans(m * n), c_g = c_c;
+                        mgpu__gemm_args g = mgpu__gemm_dense(ta, tb, m, n, k, a.data(), b.data(),
+                                                             c_c.data(), (float)beta, tf32);
+                        mgpu__gemm_cpu(&g, &on_cpu);
+                        g.c = c_g.data();
+                        mgpu__gemm_cuda(&g, &on_gpu);
+                        same(tf32 ? "gemm, TF32" : "gemm", c_g, c_c, tf32 ? 2e-3 : 1e-6);
+                    }
 }
 
 /* ------------------------------------------- pooling, bias, channel sums */

@@ -305,7 +305,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
-TEST(implicit_gemm_convolution) {
+TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
     mgpu__conv_mode = MGPU__CONV_IMPLICIT;
     mgpu_set_tf32(1, 0);

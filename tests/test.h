@@ -41,6 +41,14 @@ static int test__failures; /* failures inside the running test */
     }                                                                      \
     static void test_##test_name(void)
 
+/* A test too slow for emulated GPUs (tests/cuda_emu.h runs every CUDA
+   thread of a kernel in turn on one CPU core): it is left out of the
+   emulated build and runs on real GPUs only (make test-gpu). */
+#ifdef MGPU_CUDA_EMU
+#define TEST_REAL_GPU(test_name) static __attribute__((unused)) void test_##test_name(void)
+#else
+#define TEST_REAL_GPU(test_name) TEST(test_name)
+#endif
 #define CHECK(cond)                                                          \
     do {                                                                     \
         if (!(cond)) {                                                       \
