@@ -14,16 +14,22 @@
    __shared__ variables are static, shared by the threads of the block
    (blocks run one at a time, so they do not share them with another).
    Fibers rather than OS threads: switching between them takes no system
-   call (OS threads made these tests 8 times slower). A fiber is made once
-   with makecontext and then reused for thread after thread; switches are
-   _setjmp/_longjmp, which unlike swapcontext leave the signal mask alone.
+   call. A fiber is made once with makecontext and then reused for thread
+   after thread; switches are _setjmp/_longjmp, which unlike swapcontext
+   leave the signal mask alone. Two shortcuts keep the big tests fast: a
+   kernel whose first block meets no barrier runs its threads one after
+   another without fibers, and lane 0 alone does a warp's WMMA products
+   (only its stores reach memory). tests/emu_kernels.cpp took 57 s with a
+   thread per CUDA thread, and takes under a second now.
 
    What it checks beyond the arithmetic: launch configurations a GPU
    refuses (an empty grid, gridDim.y or .z above 65535, more than 1024
    threads), warp shuffles with a partial mask or after some threads of
-   the warp have returned (undefined on a GPU), and the leading dimensions
-   cuBLAS would reject. What it cannot check: timing, memory coalescing,
-   races between blocks (blocks run in order here).
+   the warp have returned (undefined on a GPU), barriers that not all
+   threads of a block or warp reach, TF32 WMMA inputs not rounded, and
+   the leading dimensions cuBLAS would reject. What it cannot check:
+   timing, memory coalescing, races between blocks (blocks run in order
+   here).
 
    The build (see the Makefile) rewrites every launch in kernels/,
    name<<<config>>>(args);  ->  mgpu_emu_launcher(config)(name, args);
