@@ -309,7 +309,8 @@ static inline cudaError_t mgpu_emu_alloc(void **p, size_t bytes, int device) {
     mgpu_emu_allocations[(uintptr_t)*p] = {bytes, device};
     return cudaSuccess;
 }
-static inline cudaError_t mgpu_emu_free(void *p, bool pinned) {
+/* (not inlined: the compiler would see free() reached with a pointer the emulator refuses first) */
+static __attribute__((noinline)) cudaError_t mgpu_emu_free(void *p, bool pinned) {
     int device;
     {
         std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);

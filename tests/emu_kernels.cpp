@@ -448,4 +448,82 @@ TEST(elementwise_relu_add_and_sgd) {
     same("the book's SGD zeroes the gradient", grad_g, grad_c, 0);
 }
 
+/* ------------------------------------------- the emulated runtime itself */
+/* The emulator's own checks (tests/cuda_emu_runtime.h), which the GPU
+   tests rely on to fail where a GPU would: each refusal is tried here. */
+static __global__ void mgpu_emu_test_double(float *x) { x[threadIdx.x] *= 2.0f; }
+
+TEST(emulated_runtime_refuses_what_a_gpu_refuses) {
+    float host[64] = {0}, *dev0 = NULL, *dev1 = NULL;
+    CHECK_EQ_INT(cudaSetDevice(0), cudaSuccess);
+    CHECK_EQ_INT(cudaMalloc((void **)&dev0, sizeof host), cudaSuccess);
+    CHECK_EQ_INT(cudaSetDevice(1), cudaSuccess);
+    CHECK_EQ_INT(cudaMalloc((void **)&dev1, sizeof host), cudaSuccess);
+    /* copies: the kind must match the memory, and stay inside an allocation */
+    CHECK_EQ_INT(cudaMemcpy(dev1, host, sizeof host, cudaMemcpyHostToDevice), cudaSuccess);
+    CHECK_EQ_INT(cudaMemcpy(host, host + 32, 32 * sizeof(float), cudaMemcpyHostToDevice), cudaErrorInvalidValue);
+    CHECK_EQ_INT(cudaMemcpy(dev1 + 1, host, sizeof host, cudaMemcpyHostToDevice), cudaErrorInvalidValue);
+    CHECK_EQ_INT(cudaMemcpyPeerAsync(dev1, 0, dev0, 0, sizeof host, 0), cudaErrorInvalidValue);
+    std::vector<float> pageable(64);
+    CHECK_EQ_INT(cudaFree(pageable.data()), cudaErrorInvalidValue);
+    CHECK_EQ_INT(cudaGetLastError(), cudaErrorInvalidValue); /* the last error, then cleared */
+    CHECK_EQ_INT(cudaGetLastError(), cudaSuccess);
+    /* events and cuBLAS handles belong to the device current when made */
+    cudaStream_t s1;
+    cudaEvent_t e0, e1;
+    CHECK_EQ_INT(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+    CHECK_EQ_INT(cudaEventCreate(&e1), cudaSuccess);
+    CHECK_EQ_INT(cudaSetDevice(0), cudaSuccess);
+    CHECK_EQ_INT(cudaEventCreate(&e0), cudaSuccess);
+    CHECK_EQ_INT(cudaEventRecord(e0, s1), cudaErrorInvalidResourceHandle);
+    CHECK_EQ_INT(cudaEventRecord(e0, 0), cudaSuccess);
+    CHECK_EQ_INT(cudaEventRecord(e1, s1), cudaSuccess);
+    CHECK_EQ_INT(cudaEventSynchronize(e1), cudaSuccess);
+    float ms;
+    CHECK_EQ_INT(cudaEventElapsedTime(&ms, e0, e1), cudaErrorInvalidResourceHandle);
+    cublasHandle_t h;
+    CHECK_EQ_INT(cublasCreate(&h), CUBLAS_STATUS_SUCCESS); /* on device 0 */
+    CHECK_EQ_INT(cudaSetDevice(1), cudaSuccess);
+    float one = 1.0f;
+    CHECK_EQ_INT(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 8, 8, 8, &one, dev0, CUDA_R_32F, 8, dev0,
+                              CUDA_R_32F, 8, &one, dev0, CUDA_R_32F, 8, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT),
+                 CUBLAS_STATUS_EXECUTION_FAILED);
+    CHECK_EQ_INT(cublasDestroy(h), CUBLAS_STATUS_SUCCESS);
+    /* a stream runs later, in order, and a kernel launch goes to the current device's streams */
+    for (int i = 0; i < 64; i++) host[i] = (float)i;
+    CHECK_EQ_INT(cudaMemcpyAsync(dev1, host, sizeof host, cudaMemcpyHostToDevice, s1), cudaSuccess);
+    mgpu_emu_launcher(1, 64, 0, s1)(mgpu_emu_test_double, dev1);
+    CHECK_EQ_INT(cudaMemcpyAsync(host, dev1, sizeof host, cudaMemcpyDeviceToHost, s1), cudaSuccess);
+    CHECK_EQ_INT(cudaStreamSynchronize(s1), cudaSuccess);
+    CHECK_CLOSE(host[63], 126.0, 0, 0);
+    CHECK_EQ_INT(cudaSetDevice(0), cudaSuccess);
+    EXPECT_DIES(mgpu_emu_launcher(1, 64, 0, s1)(mgpu_emu_test_double, dev1),
+                "a launch into a stream of a device that is not the current one");
+    /* NCCL: one device per rank; each rank's result after every rank has called */
+    ncclComm_t comms[2];
+    int twice[2] = {0, 0}, both[2] = {0, 1};
+    CHECK_EQ_INT(ncclCommInitAll(comms, 2, twice), ncclInvalidUsage);
+    CHECK_EQ_INT(ncclCommInitAll(comms, 2, both), ncclSuccess);
+    cudaStream_t s0;
+    CHECK_EQ_INT(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking), cudaSuccess);
+    float ones[64];
+    for (float &v : ones) v = 1.0f;
+    CHECK_EQ_INT(cudaMemcpy(dev0, ones, sizeof ones, cudaMemcpyHostToDevice), cudaSuccess);
+    CHECK_EQ_INT(ncclGroupStart(), ncclSuccess);
+    CHECK_EQ_INT(ncclAllReduce(dev0, dev0, 64, ncclFloat, ncclSum, comms[0], s0), ncclSuccess);
+    CHECK_EQ_INT(ncclAllReduce(dev1, dev1, 64, ncclFloat, ncclSum, comms[1], s1), ncclSuccess);
+    CHECK_EQ_INT(ncclGroupEnd(), ncclSuccess);
+    CHECK_EQ_INT(cudaStreamSynchronize(s0), cudaSuccess);
+    CHECK_EQ_INT(cudaStreamSynchronize(s1), cudaSuccess);
+    CHECK_EQ_INT(cudaMemcpy(host, dev1, sizeof host, cudaMemcpyDeviceToHost), cudaSuccess);
+    CHECK_CLOSE(host[63], 1.0 + 126.0, 0, 0);
+    CHECK_EQ_INT(ncclCommDestroy(comms[0]), ncclSuccess);
+    CHECK_EQ_INT(ncclCommDestroy(comms[1]), ncclSuccess);
+    CHECK_EQ_INT(cudaStreamDestroy(s0), cudaSuccess);
+    CHECK_EQ_INT(cudaStreamDestroy(s1), cudaSuccess);
+    CHECK_EQ_INT(cudaFree(dev0), cudaSuccess);
+    CHECK_EQ_INT(cudaFree(dev1), cudaSuccess);
+}
+
 TEST_MAIN()
