@@ -475,6 +475,15 @@ static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta
     return CUBLAS_STATUS_SUCCESS;
 }
 
+/* cuBLAS's classic float product: float32 (the handle's default math mode). */
+static inline cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                                         int m, int n, int k, const float *alpha, const float *a,
+                                         int lda, const float *b, int ldb, const float *beta, float *c,
+                                         int ldc) {
+    return cublasGemmEx(h, ta, tb, m, n, k, alpha, a, CUDA_R_32F, lda, b, CUDA_R_32F, ldb, beta, c,
+                        CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
 /* ---------------------------------------------------------------- NCCL */
 typedef int ncclResult_t;
 enum { ncclSuccess = 0, ncclInvalidArgument = 4, ncclInvalidUsage = 5 };
