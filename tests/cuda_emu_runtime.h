@@ -267,7 +267,8 @@ static inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cud
     mgpu_emu_check_event(start);
     mgpu_emu_check_event(end);
     if (start->device != end->device) return mgpu_emu_error(cudaErrorInvalidResourceHandle);
-    std::scoped_lock hold(start->mutex, end->mutex);
+    std::unique_lock<std::mutex> hold_start(start->mutex), hold_end;
+    if (end != start) hold_end = std::unique_lock<std::mutex>(end->mutex);
     if (!start->recorded || !end->recorded) return mgpu_emu_error(cudaErrorInvalidResourceHandle);
     if (start->completed < start->recorded || end->completed < end->recorded)
         return mgpu_emu_error(cudaErrorNotReady);
@@ -571,6 +572,8 @@ static inline void mgpu_emu_compute(mgpu_emu_collective *k, int n) {
 }
 static inline ncclResult_t mgpu_emu_collective_call(mgpu_emu_collective_kind kind, const void *send, void *recv,
                                              size_t count, int arg, ncclComm_t c, cudaStream_t s) {
+    /* a created stream of the rank's device (the legacy stream, which runs
+       at once here, would wait in the collective for ranks not yet called) */
     if (!s || s->device != c->device) return ncclInvalidArgument;
     size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * c->clique->n : count;
     size_t out = kind == MGPU_EMU_ALL_GATHER ? count * c->clique->n : count;
