@@ -51,7 +51,6 @@ enum {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
-    cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
     cudaErrorNotReady = 600,
@@ -64,7 +63,6 @@ static inline const char *cudaGetErrorName(cudaError_t e) {
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
@@ -286,25 +284,28 @@ enum cudaMemcpyKind {
 };
 struct mgpu_emu_allocation {
     size_t bytes;
-    int device; /* -1: pinned host memory */
+    int device; /* or MGPU_EMU_PINNED */
 };
+/* What mgpu_emu_owner finds, besides a device number. */
+enum { MGPU_EMU_PINNED = -1, MGPU_EMU_PAGEABLE = -2, MGPU_EMU_OVERRUN = -3 };
 static std::mutex mgpu_emu_memory_mutex;
 static std::map<uintptr_t, mgpu_emu_allocation> mgpu_emu_allocations; /* by start */
 
-/* The device of the allocation that holds [p, p + bytes): -1 for pinned
-   host memory, -2 for memory the emulator did not give (pageable host
-   memory), -3 for a range that starts in an allocation and runs past it. */
+/* The device of the allocation that holds [p, p + bytes); MGPU_EMU_PINNED
+   for pinned host memory, MGPU_EMU_PAGEABLE for memory the emulator did
+   not give, MGPU_EMU_OVERRUN for a range that starts in an allocation and
+   runs past it. */
 static inline int mgpu_emu_owner(const void *p, size_t bytes) {
     std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
     auto it = mgpu_emu_allocations.upper_bound((uintptr_t)p);
-    if (it == mgpu_emu_allocations.begin()) return -2;
+    if (it == mgpu_emu_allocations.begin()) return MGPU_EMU_PAGEABLE;
     --it;
     uintptr_t start = it->first, end = start + it->second.bytes;
-    if ((uintptr_t)p >= end) return -2;
-    return (uintptr_t)p + bytes <= end ? it->second.device : -3;
+    if ((uintptr_t)p >= end) return MGPU_EMU_PAGEABLE;
+    return (uintptr_t)p + bytes <= end ? it->second.device : MGPU_EMU_OVERRUN;
 }
 static inline cudaError_t mgpu_emu_alloc(void **p, size_t bytes, int device) {
-    *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+    *p = aligned_alloc(256, (bytes / 256 + 1) * 256); /* a multiple of the alignment, never 0 */
     if (!*p) return mgpu_emu_error(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> hold(mgpu_emu_memory_mutex);
     mgpu_emu_allocations[(uintptr_t)*p] = {bytes, device};
@@ -327,7 +328,7 @@ static __attribute__((noinline)) cudaError_t mgpu_emu_free(void *p, bool pinned)
     return cudaSuccess;
 }
 static inline cudaError_t cudaMalloc(void **p, size_t bytes) { return mgpu_emu_alloc(p, bytes, mgpu_emu_device); }
-static inline cudaError_t cudaMallocHost(void **p, size_t bytes) { return mgpu_emu_alloc(p, bytes, -1); }
+static inline cudaError_t cudaMallocHost(void **p, size_t bytes) { return mgpu_emu_alloc(p, bytes, MGPU_EMU_PINNED); }
 static inline cudaError_t cudaFree(void *p) { return p ? mgpu_emu_free(p, false) : cudaSuccess; }
 static inline cudaError_t cudaFreeHost(void *p) { return p ? mgpu_emu_free(p, true) : cudaSuccess; }
 
@@ -335,7 +336,7 @@ static inline cudaError_t cudaFreeHost(void *p) { return p ? mgpu_emu_free(p, tr
    it says device, and never past the end of an allocation. */
 static inline bool mgpu_emu_copy_is_valid(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
     int to = mgpu_emu_owner(dst, bytes), from = mgpu_emu_owner(src, bytes);
-    if (to == -3 || from == -3) return false;
+    if (to == MGPU_EMU_OVERRUN || from == MGPU_EMU_OVERRUN) return false;
     bool to_device = to >= 0, from_device = from >= 0;
     switch (kind) {
     case cudaMemcpyHostToDevice: return to_device && !from_device;
@@ -363,7 +364,7 @@ static inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const v
 /* Memory the emulator did not give is allowed: tests/emu_kernels.cpp runs
    kernels on host vectors. */
 static inline cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
-    if (mgpu_emu_owner(p, bytes) == -3) return mgpu_emu_error(cudaErrorInvalidValue);
+    if (mgpu_emu_owner(p, bytes) == MGPU_EMU_OVERRUN) return mgpu_emu_error(cudaErrorInvalidValue);
     mgpu_emu_submit(s, [p, value, bytes] { memset(p, value, bytes); });
     return cudaSuccess;
 }
@@ -524,7 +525,9 @@ static inline ncclResult_t ncclGroupStart() {
     return ncclSuccess;
 }
 static inline ncclResult_t ncclGroupEnd() {
-    return mgpu_emu_group_depth-- > 0 ? ncclSuccess : (mgpu_emu_group_depth = 0, ncclInvalidUsage);
+    if (mgpu_emu_group_depth == 0) return ncclInvalidUsage; /* no group to end */
+    mgpu_emu_group_depth--;
+    return ncclSuccess;
 }
 static inline ncclResult_t ncclCommInitAll(ncclComm_t *comms, int n, const int *devices) {
     for (int i = 0; i < n; i++) {
