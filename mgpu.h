@@ -1463,7 +1463,9 @@ static void mgpu__event_release(mgpu_event *e) {
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
     if (!last) return;
 #if MGPU_CUDA
-    if (e->cuda_created) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
+    /* A forked child cannot call CUDA (the context is the parent's): there
+       the CUDA event is left alone, and goes with the child's exit. */
+    if (e->cuda_created && !mgpu__g.forked) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
 #endif
     pthread_mutex_destroy(&e->mutex);
     pthread_cond_destroy(&e->done_cond);
@@ -1738,6 +1740,8 @@ static void mgpu__at_exit(void) {
    new worker threads (and fresh locks), so a forked child, such as a test
    that expects an error, can still run work on its devices. */
 static void mgpu__after_fork_in_child(void) {
+    mgpu__g.pid = getpid();
+    mgpu__g.forked = 1; /* before the workers start: work they find may not call CUDA */
     pthread_mutex_init(&mgpu__g.mutex, NULL);
     for (int i = 0; i < mgpu__g.ndevices; i++) {
         mgpu_device *d = mgpu__g.devices[i];
@@ -1751,8 +1755,6 @@ static void mgpu__after_fork_in_child(void) {
             MGPU__PTHREAD_CHECK(pthread_create(&q->thread, NULL, mgpu__worker, q));
         }
     }
-    mgpu__g.pid = getpid();
-    mgpu__g.forked = 1;
 }
 
 static void mgpu__init(void) {

@@ -7,7 +7,8 @@
 #   chapter 1  ./chapter1: the book's Benchmark lines. Two devices alone and
 #              together: together / (dev1 + dev2) is 0.5 when they overlap
 #              fully, 1 when they take turns. Compute, copy, and both with
-#              non-blocking copies: both / max(compute, copy), target at
+#              non-blocking copies into pinned memory: both / max(compute,
+#              the same pinned copies alone), target at
 #              most 1.1 on a GPU (issue 2).
 #              ./bench/matmul: mgpu_matmul against cuBLAS (cblas on the
 #              CPU) called directly, 2 N^3 FLOPs per N x N product; the
@@ -180,16 +181,19 @@ t2=$(value chapter1 's/^dev2 (.*) time: \([0-9.]*\) sec$/\1/p')
 t12=$(value chapter1 's/^dev1 & dev2: \([0-9.]*\) sec$/\1/p')
 trun=$(value chapter1 's/^run on dev1 ([^)]*): \([0-9.]*\) sec$/\1/p')
 tcopy=$(value chapter1 's/^copy to host: \([0-9.]*\) sec$/\1/p')
+tpinned=$(value chapter1 's/^copy to pinned host memory: \([0-9.]*\) sec$/\1/p')
 tboth=$(value chapter1 's/^run on dev1 (.*) and copy to host: \([0-9.]*\) sec$/\1/p')
 gbps=$(value chapter1 's/.*copies moved \([0-9.]*\) GB\/s.*/\1/p')
+gbps_pinned=$(value chapter1 's/.* GB\/s to ordinary memory, \([0-9.]*\) GB\/s.*/\1/p')
 devs=$(value chapter1 's/^dev1 (\(.*\)) time: .*/\1/p'),$(value chapter1 's/^dev2 (\(.*\)) time: .*/\1/p')
 row "chapter 1 ($devs)" "dev1 alone / dev2 alone / together (s)" "$(or_dash "$t1") / $(or_dash "$t2") / $(or_dash "$t12")"
 row "chapter 1" "together / (dev1 + dev2)" "$(calc %.2f "$t12 / ($t1 + $t2)")" \
     "< 0.75 on 2 CPU cores (issue 2); on one GPU ~1 (virtual devices take turns)"
-row "chapter 1" "compute / copy to host / both (s)" "$(or_dash "$trun") / $(or_dash "$tcopy") / $(or_dash "$tboth")"
-row "chapter 1" "both / max(compute, copy)" \
-    "$(calc %.2f "$tboth / ($trun > $tcopy ? $trun : $tcopy)")" "<= 1.1 on a GPU (issue 2)"
-row "chapter 1" "copy to host (GB/s)" "$(or_dash "$gbps")"
+row "chapter 1" "compute / copy to host / copy to pinned memory / compute with pinned copies (s)" \
+    "$(or_dash "$trun") / $(or_dash "$tcopy") / $(or_dash "$tpinned") / $(or_dash "$tboth")"
+row "chapter 1" "both / max(compute, pinned copy)" \
+    "$(calc %.2f "$tboth / ($trun > $tpinned ? $trun : $tpinned)")" "<= 1.1 on a GPU (issue 2)"
+row "chapter 1" "copy to host / to pinned memory (GB/s)" "$(or_dash "$gbps") / $(or_dash "$gbps_pinned")"
 mm_unit=$([ $ON_GPU = 1 ] && echo "TFLOP/s" || echo "GFLOP/s")
 mm_div=$([ $ON_GPU = 1 ] && echo 1000 || echo 1)
 row "matmul $(result matmul size)x$(result matmul size) ($(result matmul device))" \

@@ -483,7 +483,7 @@ TEST(bad_images_files) {
     EXPECT_BAD_FILE(p, labels, p, "wrong magic number 0x0b30557a: not an IDX images file (0x00000803), and not gzip-compressed either");
     /* A header cut after 10 bytes, plain and compressed. */
     p = images_file("short-header", 0x803, 5, 4, 4, 0, 0);
-    truncate(p, 10);
+    CHECK(truncate(p, 10) == 0);
     EXPECT_BAD_FILE(p, labels, p, "truncated: the file ends in the middle of the header (10 of 16 bytes)");
     p = tmp_path("empty.gz");
     write_bytes(p, junk, 0, 1);
@@ -552,7 +552,7 @@ TEST(bad_labels_files) {
     EXPECT_BAD_FILE(images, p, p, "label 255 of sample 4 is not in 0..9");
     EXPECT_BAD_FILE(images, images, images, "wrong magic number 0x00000803: not an IDX labels file (0x00000801)");
     p = labels_file("labels-short", 5, -1, 0, 0);
-    truncate(p, 11);
+    CHECK(truncate(p, 11) == 0);
     EXPECT_BAD_FILE(images, p, p, "truncated: the header announces 5 labels (13 bytes in all), the file has 11");
     p = labels_file("labels-zero.gz", 0, -1, 0, 1);
     EXPECT_BAD_FILE(images, p, p, "holds no labels");
