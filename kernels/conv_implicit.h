@@ -21,31 +21,24 @@
    time. For each step:
      1. 16 threads decode the step's 16 values of (c, r, s) into a table
         in shared memory (the offset of c, r and s in x, and r and s);
-     2. all threads start asynchronous copies (cp.async) of the W tile
-        [rows x 16] (rows of W are contiguous) and of the col tile [16 x
-        pixels], gathered from x, straight into shared memory: each thread
+     2. all threads load the W tile [rows x 16] (rows of W are contiguous)
+        and gather the col tile [16 x pixels] into registers: each thread
         owns one output pixel (its column) for the whole kernel, decoded
-        once, so a gather is an add, two range tests and a copy, which
-        writes a 0 where the window hangs over the padding;
-     3. each warp multiplies its tiles with the tensor cores (two WMMA
-        steps of k = 8, the sums in float32), rounding its fragments to
-        TF32 as it loads them.
-   The steps overlap (mgpu__implicit_product): the copies of step i + 1
-   are in flight while the tensor cores multiply step i, from a second
-   copy of the tiles. At the end the accumulators go through shared
-   memory, 64 rows at a time, so that the writes to y are consecutive
-   pixels of one filter (coalesced). Resources a block on sm_90 (ptxas -v;
-   of forward / dx / dW; no kernel spills):
-       tile       registers a thread   blocks a multiprocessor  shared memory
-       64 x 64     128 / 118 / 118                4                 19.5 KB
-       128 x 64    168 / 160 / 158                3                 29.5 KB
-       64 x 128    168 / 158 / 158                3                 33.5 KB
-       128 x 128   254 / 236 / 242                2                 37.5 KB
-   Until 2026-11-22 the values went through registers (a load, a
-   conversion to TF32 and a store to shared memory for each): Nsight
-   Compute on an H100 found those kernels bound by that instruction
-   stream (issue slots half busy, the integer pipe the busiest, stalls on
-   dependent instructions 39% of a warp's time), at 33 to 46 TFLOP/s.
+        once, so a gather is an add, two range tests and a load;
+     3. the values go to shared memory, rounded to TF32;
+     4. each warp multiplies its tiles with the tensor cores (two WMMA
+        steps of k = 8, the sums in float32).
+   The steps overlap (mgpu__implicit_product): the loads of step i + 1 are
+   in flight while the tensor cores multiply step i, from a second copy of
+   the tiles. At the end the accumulators go through shared memory, 64
+   rows at a time, so that the writes to y are consecutive pixels of one
+   filter (coalesced). Resources a block on sm_90 (ptxas -v; spills in
+   bytes, of forward / dx / dW):
+       tile       registers a thread  blocks a multiprocessor  shared memory  spills
+       64 x 64           128                   4                  19.5 KB      0 / 0 / 0
+       128 x 64          168                   3                  29.5 KB      0 / 0 / 0
+       64 x 128          168                   3                  33.5 KB      0 / 0 / 0
+       128 x 128         255                   2                  37.5 KB      8 / 0 / 0
 
    The input gradient is the same machine on another product: dx [C,
    n*H*W] = W^T dcol with dcol never written either,
@@ -75,8 +68,7 @@
 #define MGPU__IMPLICIT_OUT_ROWS 64 /* rows of the finished tile written out at a time */
 /* Blocks a multiprocessor should hold: 65536 registers / (128 threads x
    blocks) caps a thread's registers, 128 for 64 x 64, 168 for the middle
-   tiles (at 128 they spill 8 to 160 bytes), 255 for 128 x 128 (whose 16
-   accumulator tiles alone take 128). */
+   tiles, 255 for 128 x 128 (whose 16 accumulator tiles alone take 128). */
 #define MGPU__IMPLICIT_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 128 * 64 ? 3 : 2)
 
 /* The divisors the kernels use (mgpu__div, kernels/elementwise.h), made
@@ -149,43 +141,19 @@ template <int TM, int TN> struct mgpu__implicit_layout {
                   "a column per thread");
 };
 
-/* One value copied from global to shared memory without passing through
-   registers (cp.async, sm_80 and newer), or 0 when !valid (the copy then
-   reads nothing: src only has to be some valid address). The copies a
-   thread started land by mgpu__copies_wait; a barrier after it makes
-   every thread's copies visible to all. The CUDA emulator copies at once. */
-static __device__ inline void mgpu__copy_async(float *dst, const float *src, bool valid) {
-#ifdef MGPU_CUDA_EMU
-    *dst = valid ? *src : 0.0f;
-#else
-    unsigned shared = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared), "l"(src), "r"(valid ? 4 : 0));
-#endif
-}
-static __device__ inline void mgpu__copies_wait(void) {
-#ifndef MGPU_CUDA_EMU
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-#endif
-}
-
-/* Where this thread's j-th value of a step goes, in copy `slot` of the
-   tiles (mgpu__implicit_layout): tile a, rows x step, and tile b, step x
-   columns. */
+/* The values loaded from memory into the tiles of copy `slot`, rounded to
+   TF32 here once rather than by every warp that reads them. */
 template <int TM, int TN>
-static __device__ inline float *mgpu__implicit_a_at(mgpu__implicit_tiles<TM, TN> *t, int slot, int j) {
+static __device__ void mgpu__implicit_stage(mgpu__implicit_tiles<TM, TN> *t, int slot,
+                                            const float (&a)[mgpu__implicit_layout<TM, TN>::A_PER],
+                                            const float (&b)[mgpu__implicit_layout<TM, TN>::B_PER]) {
+    typedef mgpu__implicit_layout<TM, TN> L;
     int tid = threadIdx.x;
-    return &t->step.a[slot][tid / MGPU__IMPLICIT_STEP + j * mgpu__implicit_layout<TM, TN>::A_APART]
-                     [tid % MGPU__IMPLICIT_STEP];
-}
-template <int TM, int TN>
-static __device__ inline float *mgpu__implicit_b_at(mgpu__implicit_tiles<TM, TN> *t, int slot, int j) {
-    int tid = threadIdx.x;
-    return &t->step.b[slot][tid / TN + j * mgpu__implicit_layout<TM, TN>::B_APART][tid % TN];
-}
-
-/* A fragment's values rounded to TF32, as the tensor cores want them. */
-template <typename Fragment> static __device__ inline void mgpu__round_to_tf32(Fragment &f) {
-    for (int e = 0; e < f.num_elements; e++) f.x[e] = nvcuda::wmma::__float_to_tf32(f.x[e]);
+    for (int j = 0; j < L::A_PER; j++)
+        t->step.a[slot][tid / MGPU__IMPLICIT_STEP + j * L::A_APART][tid % MGPU__IMPLICIT_STEP] =
+            nvcuda::wmma::__float_to_tf32(a[j]);
+    for (int j = 0; j < L::B_PER; j++)
+        t->step.b[slot][tid / TN + j * L::B_APART][tid % TN] = nvcuda::wmma::__float_to_tf32(b[j]);
 }
 
 /* acc += a b for warp `warp`'s FM x FN tiles of 16 x 16, from copy
@@ -199,14 +167,10 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
     for (int kk = 0; kk < MGPU__IMPLICIT_STEP; kk += 8) {
         wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[FM];
         wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb[FN];
-        for (int i = 0; i < FM; i++) {
+        for (int i = 0; i < FM; i++)
             wmma::load_matrix_sync(fa[i], &t->step.a[slot][row + 16 * i][kk], MGPU__IMPLICIT_STEP + 4);
-            mgpu__round_to_tf32(fa[i]);
-        }
-        for (int j = 0; j < FN; j++) {
+        for (int j = 0; j < FN; j++)
             wmma::load_matrix_sync(fb[j], &t->step.b[slot][kk][col + 16 * j], TN + 8);
-            mgpu__round_to_tf32(fb[j]);
-        }
         for (int i = 0; i < FM; i++)
             for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
@@ -219,15 +183,15 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
      decode(k0, slot)    run by threads tid < STEP: writes the kernel's
                          table (in shared memory, copy `slot`) of what the
                          step's inner index values k0 + tid mean;
-     gather(k0, slot)    starts the copies of this thread's values of the
-                         step's two tiles into copy `slot` of the tiles
-                         (mgpu__implicit_a_at, _b_at), using the table;
+     gather(k0, slot, a, b)  loads this thread's values of the step's two
+                         tiles from memory into a and b, using the table;
      write(m0)           run by every thread: rows m0 .. m0 + 63 of the
                          tile, now in t->out, to memory (mgpu__implicit_write).
    Double buffered, so that memory and the tensor cores work at once:
-   while the warps multiply step i from one copy of the tiles, the copies
-   of step i + 1 into the other are in flight; the table of step i + 2 is
-   decoded meanwhile. One barrier per step. At the end the tile goes through shared memory, so
+   while the warps multiply step i from one copy of the tiles, the loads
+   of step i + 1 are in flight into registers, and go to the other copy
+   after the multiply; the table of step i + 2 is decoded meanwhile. One
+   barrier per step. At the end the tile goes through shared memory, so
    that the kernel can write it out in whatever order memory wants. */
 template <int TM, int TN, typename Decode, typename Gather, typename Write>
 static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, int total,
@@ -236,21 +200,22 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
     typedef mgpu__implicit_layout<TM, TN> L;
     const int S = MGPU__IMPLICIT_STEP;
     int tid = threadIdx.x, warp = tid / 32;
+    float a[L::A_PER], b[L::B_PER];
     mgpu__implicit_acc acc[L::FM][L::FN];
     for (int i = 0; i < L::FM; i++)
         for (int j = 0; j < L::FN; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     if (tid < S) decode(0, 0);
     __syncthreads();
-    gather(0, 0);
+    gather(0, 0, a, b);
     if (tid < S) decode(S, 1);
-    mgpu__copies_wait();
+    mgpu__implicit_stage(t, 0, a, b);
     __syncthreads();
     for (int k0 = 0, slot = 0; k0 < total; k0 += S, slot ^= 1) {
-        /* the other copy of the tiles was last read before the barrier */
-        if (k0 + S < total) gather(k0 + S, slot ^ 1); /* copies in flight ... */
-        mgpu__implicit_multiply(acc, t, slot, warp);   /* ... while the tensor cores work */
+        bool more = k0 + S < total;
+        if (more) gather(k0 + S, slot ^ 1, a, b);    /* loads in flight ... */
+        mgpu__implicit_multiply(acc, t, slot, warp); /* ... while the tensor cores work */
         if (tid < S) decode(k0 + 2 * S, slot); /* this copy's table was last read before the barrier */
-        mgpu__copies_wait();
+        if (more) mgpu__implicit_stage(t, slot ^ 1, a, b); /* and so was this copy of the tiles */
         __syncthreads();
     }
     /* the product is over (every warp is past the last barrier): out can
@@ -318,17 +283,17 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a, mgpu__conv_divisors dv) {
         k_r[slot][tid] = k < crs ? r : -(1 << 20); /* past the end: outside every image */
         k_s[slot][tid] = s;
     };
-    auto gather = [&](int k0, int slot) {
+    auto gather = [&](int k0, int slot, float (&wv)[L::A_PER], float (&colv)[L::B_PER]) {
         int k = k0 + tid % S; /* W's rows are contiguous in k */
         for (int j = 0; j < L::A_PER; j++) {
             int filter = filter0 + tid / S + j * L::A_APART;
-            bool valid = filter < g.k && k < crs;
-            mgpu__copy_async(mgpu__implicit_a_at(&t, slot, j), valid ? a.w + (size_t)filter * crs + k : a.w, valid);
+            wv[j] = filter < g.k && k < crs ? a.w[(size_t)filter * crs + k] : 0.0f;
         }
         for (int j = 0; j < L::B_PER; j++) { /* col: this thread's pixel, gathered from x */
             int kk = tid / TN + j * L::B_APART, h = h0 + k_r[slot][kk], w = w0 + k_s[slot][kk];
-            bool valid = pixel < npq && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async(mgpu__implicit_b_at(&t, slot, j), valid ? x_pixel + k_offset[slot][kk] : a.x, valid);
+            colv[j] = pixel < npq && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w /* 0 <= h < H */
+                          ? x_pixel[k_offset[slot][kk]]
+                          : 0.0f;
         }
     };
     auto write = [&](int m0) { /* the tile of Y to y [img, filter, p, q], with the bias */
@@ -374,13 +339,11 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a, mgpu__conv_di
         k_r[slot][tid] = k < krs ? r : (1 << 20); /* past the end: no window */
         k_s[slot][tid] = s;
     };
-    auto gather = [&](int k0, int slot) {
+    auto gather = [&](int k0, int slot, float (&wv)[L::A_PER], float (&dcolv)[L::B_PER]) {
         int kk = tid % S; /* W^T: rows are channels, w[k, c, r, s] */
         for (int j = 0; j < L::A_PER; j++) {
             int channel = channel0 + tid / S + j * L::A_APART;
-            bool valid = channel < g.c && k0 + kk < krs;
-            mgpu__copy_async(mgpu__implicit_a_at(&t, slot, j), valid ? a.w + k_w[slot][kk] + channel * rs : a.w,
-                             valid);
+            wv[j] = channel < g.c && k0 + kk < krs ? a.w[k_w[slot][kk] + channel * rs] : 0.0f;
         }
         for (int j = 0; j < L::B_PER; j++) { /* dcol, gathered from dy: the windows that covered this pixel */
             int row = tid / TN + j * L::B_APART;
@@ -388,8 +351,7 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a, mgpu__conv_di
             int p = mgpu__div(hp, dv.stride), q = mgpu__div(wp, dv.stride); /* used if hp, wp >= 0 */
             bool inside = pixel < nhw && hp >= 0 && wp >= 0 && p * g.stride == hp &&
                           q * g.stride == wp && p < g.p && q < g.q;
-            mgpu__copy_async(mgpu__implicit_b_at(&t, slot, j), inside ? dy_img + k_dy[slot][row] + p * g.q + q : a.dy,
-                             inside);
+            dcolv[j] = inside ? dy_img[k_dy[slot][row] + p * g.q + q] : 0.0f;
         }
     };
     auto write = [&](int m0) {
@@ -453,19 +415,17 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
         l_h[slot][tid] = inside ? p * g.stride - g.pad : -(1 << 20);
         l_w[slot][tid] = (in_image - p * g.q) * g.stride - g.pad;
     };
-    auto gather = [&](int l0, int slot) {
+    auto gather = [&](int l0, int slot, float (&gv)[L::A_PER], float (&colv)[L::B_PER]) {
         int kk = tid % S; /* G (dy): rows are filters */
         for (int j = 0; j < L::A_PER; j++) {
             int filter = filter0 + tid / S + j * L::A_APART;
-            bool valid = filter < g.k && l0 + kk < count;
-            mgpu__copy_async(mgpu__implicit_a_at(&t, slot, j), valid ? a.dy + l_dy[slot][kk] + filter * pq : a.dy,
-                             valid);
+            gv[j] = filter < g.k && l0 + kk < count ? a.dy[l_dy[slot][kk] + filter * pq] : 0.0f;
         }
         for (int j = 0; j < L::B_PER; j++) { /* col^T, gathered from x: this thread's (c, r, s) */
             int row = tid / TN + j * L::B_APART, h = l_h[slot][row] + r, w = l_w[slot][row] + s;
-            bool valid = k < crs && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async(mgpu__implicit_b_at(&t, slot, j), valid ? x_c + l_x[slot][row] + h * g.w + w : a.x,
-                             valid);
+            colv[j] = k < crs && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w /* 0 <= h < H */
+                          ? x_c[l_x[slot][row] + h * g.w + w]
+                          : 0.0f;
         }
     };
     auto write = [&](int m0) {
