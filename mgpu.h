@@ -603,7 +603,7 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
-   and 64 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
+   and 256 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
    another size for both (for measuring: bench/profile). A GPU's
    convolutions that may use TF32 can instead compute y, dx and dw as
    implicit GEMMs on the tensor cores that never write a col buffer
@@ -4088,13 +4088,16 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
 /* ----------------------------------------------------------- convolution */
 
 /* Scratch a convolution may use at once, in floats: the col buffer and
-   the output in [K, n*P*Q] order, for a chunk of n images. On a GPU, 64
-   MiB: one product should cover as many images as it can. On the CPU,
+   the output in [K, n*P*Q] order, for a chunk of n images. On a GPU, 256
+   MiB: one product should cover as many images as it can (measured on an
+   H100, 2026-11-22, ResNet-18's step at batch 256 with MGPU_CONV=auto:
+   16 MiB 20.7 ms, 32 MiB 20.1, 64 MiB 19.6, 128 MiB 18.9, 256 MiB 18.7:
+   fewer, larger products win over keeping a chunk in the L2 cache). On the CPU,
    4 MiB: a chunk whose col buffer stays in the processor's cache between
    im2col and the product is faster than one product over the whole
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
-static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)16 << 20};
+static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20};
 /* MGPU_CONV: how a GPU's TF32 convolutions compute y, dx and dW.
      auto      (the default) whichever of the two below is faster for the
                convolution's shape, timed at the first call with that

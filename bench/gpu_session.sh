@@ -108,15 +108,16 @@ sanitize() {
 # then the step's profile at PyTorch's precision with the algorithm chosen
 # by measuring (MGPU_CONV=auto, the default), with each algorithm alone,
 # and in float32; then the step time for other sizes of the im2col scratch
-# (64 MiB by default on a GPU: 16 MiB would keep a chunk's col buffer in
-# the 50 MB L2 cache, at the price of more, smaller products).
+# (256 MiB by default on a GPU: the H100 sweep of 2026-11-22 found the
+# step faster the larger the scratch, from 16 MiB, which keeps a chunk's
+# col buffer in the 50 MB L2 cache, up to 256).
 profile() {
     ./bench/conv && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
         ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_CONV=im2col ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_CONV=implicit ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA" || return 1
-    for mb in 8 16 32 128 256; do
+    for mb in 16 64 128 512; do
         echo "MGPU_CONV=im2col MGPU_CONV_SCRATCH_MB=$mb: $(MGPU_CONV=im2col MGPU_CONV_SCRATCH_MB=$mb \
             ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
     done
