@@ -24,6 +24,12 @@
 # git.) The Debian packages are unpacked under .deps/root and found through
 # CPATH, LIBRARY_PATH and LD_LIBRARY_PATH, only if the machine lacks the
 # libraries: the Makefile looks for them by compiling a tiny program.
+# These variables live in this script's process only: a command of your
+# own in the same call (a test binary, ncu) needs them exported again
+# after a first stage has unpacked the packages:
+#   R=$PWD/.deps/root; L=$R/usr/lib/x86_64-linux-gnu
+#   export LD_LIBRARY_PATH=$L:$L/openblas-pthread:$R/lib/x86_64-linux-gnu
+# (and CPATH and LIBRARY_PATH as below, to build with make).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
