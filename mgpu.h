@@ -4092,8 +4092,8 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
    MiB: one product should cover as many images as it can (measured on an
    H100, 2026-11-22, ResNet-18's step at batch 256 with MGPU_CONV=auto:
    16 MiB 20.7 ms, 32 MiB 20.1, 64 MiB 19.6, 128 MiB 18.9, 256 MiB 18.7:
-   fewer, larger products win over keeping a chunk in the L2 cache). On the CPU,
-   4 MiB: a chunk whose col buffer stays in the processor's cache between
+   fewer, larger products win over keeping a chunk in the L2 cache). On
+   the CPU, 4 MiB: a chunk whose col buffer stays in the processor's cache between
    im2col and the product is faster than one product over the whole
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
    force many small chunks. */
