@@ -606,12 +606,15 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    and 256 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
    another size for both (for measuring: bench/profile). A GPU's
    convolutions that may use TF32 can instead compute y, dx and dw as
-   implicit GEMMs on the tensor cores that never write a col buffer
-   (kernels/conv_implicit.h), in one of four tile shapes. MGPU_CONV
-   chooses: auto (the default) times im2col and every tile at the first
-   call with each shape and keeps the fastest, as PyTorch's
-   cudnn.benchmark does (so the rounding of TF32 results can differ from
-   run to run); im2col forces im2col, implicit the fastest tiles.
+   implicit GEMMs on the tensor cores that never write a col buffer:
+   kernels/conv_implicit.h's, which gather from the NCHW tensors, and for
+   the forward pass and dx at stride 1, when C (for dx: K) is a multiple
+   of 32, kernels/conv_nhwc.h's, which work on channels-last copies; each
+   in one of four tile shapes. MGPU_CONV chooses: auto (the default) times
+   im2col and every kernel and tile at the first call with each shape and
+   keeps the fastest, as PyTorch's cudnn.benchmark does (so the rounding
+   of TF32 results can differ from run to run); im2col forces im2col,
+   implicit the fastest implicit GEMMs.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -3289,6 +3292,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/activation.h"
 #include "kernels/conv.h"
 #include "kernels/conv_implicit.h"
+#include "kernels/conv_nhwc.h"
 #include "kernels/pool.h"
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
@@ -4103,8 +4107,9 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                convolution's shape, timed at the first call with that
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
-     implicit  the implicit GEMMs of kernels/conv_implicit.h, each in the
-               tile shape that was fastest for it (timed the same way).
+     implicit  the implicit GEMMs of kernels/conv_implicit.h and
+               conv_nhwc.h, for each pass the kernel and tile shape that
+               was fastest for it (timed the same way).
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
@@ -4274,28 +4279,75 @@ static int mgpu__conv_implicit_available(void) {
     return available;
 }
 
+/* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
+   gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
+   copies of them (the forward pass, and dx at stride 1); each in one of
+   the four tiles. */
+typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
+static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
+typedef struct {
+    mgpu__implicit_family family;
+    mgpu__implicit_tile tile;
+} mgpu__implicit_kernel;
+
+/* out = conv(in, w) + b with conv_nhwc.h's kernel, in geometry g, after
+   copying `in` and the weights to channels-last TF32 copies; the weights
+   as w' (flipped, filters and channels swapped) when the convolution is
+   the input gradient's (for_dx: `in` is dy, g is mgpu__conv_dx_geometry). */
+static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in, const float *w,
+                                     const float *b, const mgpu__conv_geom *g, int for_dx,
+                                     mgpu__implicit_tile tile) {
+    int rs = g->r * g->s;
+    mgpu_tensor *in_t = mgpu_empty(dev, mgpu_shape4(g->n, g->h, g->w, g->c));
+    mgpu_tensor *w_t = mgpu_empty(dev, mgpu_shape4(g->k, g->r, g->s, g->c));
+    mgpu__channels_last_args to_in = {in_t->data, in, g->n, g->c, g->h * g->w, 0};
+    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, to_in);
+    mgpu__channels_last_args to_w = {w_t->data, w, g->k, g->c, rs, 0}; /* [K, C, RS] -> [K, RS, C] */
+    if (for_dx) { /* w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
+        mgpu__channels_last_args flipped = {w_t->data, w, 1, g->c, g->k * rs, rs};
+        to_w = flipped;
+    }
+    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, to_w);
+    mgpu__conv_nhwc_args a = {out, in_t->data, w_t->data, b, *g, tile};
+    mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
+                    NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
+    mgpu_free(in_t); /* reused only by work enqueued after this on the same queue */
+    mgpu_free(w_t);
+}
+
 /* The same with the implicit GEMMs (TF32), no col buffers, each product
-   in the given tile shape. */
+   with the given kernel. */
 static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                         const mgpu_tensor *b, const mgpu__conv_geom *g,
-                                        mgpu__implicit_tile tile) {
-    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, tile};
+                                        mgpu__implicit_kernel kernel) {
+    if (kernel.family == MGPU__CHANNELS_LAST) {
+        mgpu__conv_channels_last(x->device, y->data, x->data, w->data, b ? b->data : NULL, g, 0,
+                                 kernel.tile);
+        return;
+    }
+    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, kernel.tile};
     mgpu__launch_on(&x->device->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a,
                     sizeof a);
 }
 static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *w,
-                                   const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
-    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, tile};
+                                   const mgpu__conv_geom *g, mgpu__implicit_kernel kernel) {
+    if (kernel.family == MGPU__CHANNELS_LAST) {
+        mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+        mgpu__conv_channels_last(dx->device, dx->data, dy->data, w->data, NULL, &d, 1, kernel.tile);
+        return;
+    }
+    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, kernel.tile};
     mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
                     mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
 }
+/* (conv_implicit.h's kernel only, so far) */
 static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *x,
-                                   const mgpu__conv_geom *g, int accumulate, mgpu__implicit_tile tile) {
+                                   const mgpu__conv_geom *g, int accumulate, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
     mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
-                                         0, *g, tile};
-    wg.splits = mgpu__conv_implicit_wgrad_splits(g, tile);
+                                         0, *g, kernel.tile};
+    wg.splits = mgpu__conv_implicit_wgrad_splits(g, kernel.tile);
     mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g->k * (int)crs));
     wg.partials = partials->data;
     mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
@@ -4303,12 +4355,11 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
     mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
 }
 
-/* How a convolution's pass runs: with im2col, or with the implicit GEMMs
-   in these tiles (y_tile for the forward pass, dx_tile and dw_tile for
-   the backward). */
+/* How a convolution's pass runs: with im2col, or with these implicit
+   GEMMs (y for the forward pass, dx and dw for the backward). */
 typedef struct {
     int implicit;
-    mgpu__implicit_tile y_tile, dx_tile, dw_tile;
+    mgpu__implicit_kernel y, dx, dw;
 } mgpu__conv_plan;
 
 /* The plans measured so far, one for each shape and pass. */
@@ -4335,7 +4386,7 @@ typedef enum { MGPU__TRY_IM2COL, MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW } mgpu_
    call alone (other queues of the same GPU may still add noise: the best
    of three counts). */
 static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what,
-                                  mgpu__implicit_tile tile) {
+                                  mgpu__implicit_kernel kernel) {
     mgpu_device *dev = t->x->device;
     mgpu_synchronize(dev);
     double t0 = mgpu_now();
@@ -4344,30 +4395,44 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
         else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
         break;
-    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, tile); break;
-    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, t->w, t->g, tile); break;
-    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->x, t->g, 0, tile); break;
+    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel); break;
+    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, t->w, t->g, kernel); break;
+    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->x, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
     return (mgpu_now() - t0) * 1e3;
 }
 
-/* The fastest tile for one implicit GEMM (`what`), in *tile, and its
-   time: the best of three calls of each tile, the tiles taking turns, so
-   that a GPU clock still rising favours none. */
-static double mgpu__conv_fastest_tile(const mgpu__conv_trial *t, mgpu__conv_try what,
-                                      mgpu__implicit_tile *tile) {
-    double best[MGPU__TILE_KINDS];
-    for (int k = 0; k < MGPU__TILE_KINDS; k++) best[k] = HUGE_VAL;
+/* Whether a kernel family can compute a pass of this convolution: the
+   gathering kernels all of them, the channels-last ones the forward pass
+   and dx at stride 1, when the channels come in whole steps. */
+static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try what,
+                                  const mgpu__conv_geom *g) {
+    if (family == MGPU__GATHER) return 1;
+    return what == MGPU__TRY_Y ? mgpu__conv_nhwc_fits(g) : what == MGPU__TRY_DX && mgpu__conv_nhwc_dx_fits(g);
+}
+
+/* The fastest implicit GEMM for one pass (`what`), in *kernel, and its
+   time: the best of three calls of each kernel that fits, in each tile,
+   the kernels taking turns, so that a GPU clock still rising favours
+   none. */
+static double mgpu__conv_fastest_kernel(const mgpu__conv_trial *t, mgpu__conv_try what,
+                                        mgpu__implicit_kernel *kernel) {
+    double best[MGPU__FAMILIES][MGPU__TILE_KINDS], fastest = HUGE_VAL;
     for (int round = 0; round < 3; round++)
-        for (int k = 0; k < MGPU__TILE_KINDS; k++) {
-            double ms = mgpu__conv_trial_ms(t, what, (mgpu__implicit_tile)k);
-            if (ms < best[k]) best[k] = ms;
-        }
-    *tile = MGPU__TILE_64x64;
-    for (int k = 1; k < MGPU__TILE_KINDS; k++)
-        if (best[k] < best[*tile]) *tile = (mgpu__implicit_tile)k;
-    return best[*tile];
+        for (int f = 0; f < MGPU__FAMILIES; f++)
+            for (int k = 0; k < MGPU__TILE_KINDS; k++) {
+                mgpu__implicit_kernel candidate = {(mgpu__implicit_family)f, (mgpu__implicit_tile)k};
+                if (round == 0) best[f][k] = HUGE_VAL;
+                if (!mgpu__conv_family_fits(candidate.family, what, t->g)) continue;
+                double ms = mgpu__conv_trial_ms(t, what, candidate);
+                if (ms < best[f][k]) best[f][k] = ms;
+                if (round == 2 && best[f][k] < fastest) { /* the last round: all three are in */
+                    fastest = best[f][k];
+                    *kernel = candidate;
+                }
+            }
+    return fastest;
 }
 
 /* How a convolution's pass (forward, or backward with or without dx)
@@ -4377,7 +4442,8 @@ static double mgpu__conv_fastest_tile(const mgpu__conv_trial *t, mgpu__conv_try 
    then remembered (not thread-safe: the chapters enqueue their
    convolutions from one thread). */
 static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
-    mgpu__conv_plan plan = {0, MGPU__TILE_64x64, MGPU__TILE_64x64, MGPU__TILE_64x64};
+    mgpu__conv_plan plan;
+    memset(&plan, 0, sizeof plan);
     mgpu__conv_settings_from_environment();
     mgpu_device *dev = t->x->device;
     if (!tf32 || !mgpu_device_is_gpu(dev) || mgpu__conv_mode == MGPU__CONV_IM2COL ||
@@ -4395,14 +4461,14 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
         t->dw = dw = mgpu_empty(dev, t->w->shape);
     }
     double implicit_ms = 0.0;
-    if (!t->backward) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_Y, &plan.y_tile);
-    if (with_dx) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_DX, &plan.dx_tile);
-    if (t->backward) implicit_ms += mgpu__conv_fastest_tile(t, MGPU__TRY_DW, &plan.dw_tile);
+    if (!t->backward) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, &plan.y);
+    if (with_dx) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, &plan.dx);
+    if (t->backward) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, &plan.dw);
     plan.implicit = 1;
     if (mgpu__conv_mode == MGPU__CONV_AUTO) {
         double im2col_ms = HUGE_VAL;
         for (int round = 0; round < 3; round++) {
-            double ms = mgpu__conv_trial_ms(t, MGPU__TRY_IM2COL, MGPU__TILE_64x64);
+            double ms = mgpu__conv_trial_ms(t, MGPU__TRY_IM2COL, plan.y);
             if (ms < im2col_ms) im2col_ms = ms;
         }
         plan.implicit = implicit_ms < im2col_ms;
@@ -4437,7 +4503,7 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
     if (plan.implicit) {
-        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y_tile);
+        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y);
         return;
     }
 #endif
@@ -4474,8 +4540,8 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
     implicit = plan.implicit;
     if (implicit) {
-        if (dx) mgpu__conv_dx_implicit(dx, dy, w, &g, plan.dx_tile);
-        mgpu__conv_dw_implicit(dw, dy, x, &g, accumulate, plan.dw_tile);
+        if (dx) mgpu__conv_dx_implicit(dx, dy, w, &g, plan.dx);
+        mgpu__conv_dw_implicit(dw, dy, x, &g, accumulate, plan.dw);
     }
 #endif
     if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate);

@@ -10,18 +10,21 @@
               for the first layer, whose input is the image),
    with conv.h's im2col + cuBLAS (the forward through mgpu_conv2d_forward,
    the backward through mgpu_conv2d_backward, dx and dW together), and on
-   a GPU with each tile shape of kernels/conv_implicit.h's implicit GEMMs
-   (launched directly; the fastest is marked *, the one the library's own
-   trial should keep). Each figure is the mean of `steps` calls between two
+   a GPU with each tile shape of the implicit GEMMs, launched directly:
+   kernels/conv_implicit.h's (rows "gather"), and kernels/conv_nhwc.h's
+   (rows "channels-last", the forward pass and dx at stride 1; their times
+   include the copies to channels-last). The fastest tile of a row is
+   marked *; the fastest of a pass is the one the library's own trial
+   should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
    P * Q * C * R * S FLOPs per pass. Both at PyTorch's default precision
    (TF32 in convolutions); bench/pytorch/conv.py times cuDNN on the same
    shapes.
 
    Then a ResNet-18 step's convolutions, summed with their counts: all
-   im2col (MGPU_CONV=im2col); all implicit, the fastest tile for each pass
-   (MGPU_CONV=implicit); and the faster of the two for each pass
-   (MGPU_CONV=auto, the default). The last line is for bench/run.sh:
+   im2col (MGPU_CONV=im2col); all implicit, the fastest kernel and tile
+   for each pass (MGPU_CONV=implicit); and the faster of the two for each
+   pass (MGPU_CONV=auto, the default). The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -64,7 +67,10 @@ typedef struct {
     mgpu_device *dev;
     mgpu_tensor *x, *w, *b, *y, *dy, *dx, *dw;
     mgpu__conv_geom g;
-    int stride, pad, first, tile;
+    int stride, pad, first;
+#if MGPU_CUDA
+    mgpu__implicit_kernel kernel;
+#endif
 } conv_ctx;
 
 static void im2col_forward(void *p) {
@@ -78,15 +84,15 @@ static void im2col_backward(void *p) {
 #if MGPU_CUDA
 static void implicit_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, (mgpu__implicit_tile)c->tile);
+    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, c->kernel);
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dx_implicit(c->dx, c->dy, c->w, &c->g, (mgpu__implicit_tile)c->tile);
+    mgpu__conv_dx_implicit(c->dx, c->dy, c->w, &c->g, c->kernel);
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dw_implicit(c->dw, c->dy, c->x, &c->g, 0, (mgpu__implicit_tile)c->tile);
+    mgpu__conv_dw_implicit(c->dw, c->dy, c->x, &c->g, 0, c->kernel);
 }
 #endif
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
@@ -144,7 +150,7 @@ int main(int argc, char **argv) {
     printf(" %9s\n", "TFLOP/s");
 
     /* a step's convolutions, in microseconds: [0] im2col, [1] implicit with
-       the fastest tiles, [2] the faster of the two per pass */
+       the fastest kernels, [2] the faster of the two per pass */
     double step_us[3] = {0, 0, 0}, step_flop = 0;
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
@@ -174,19 +180,30 @@ int main(int argc, char **argv) {
         step_flop += cc->count * flop * (c.first ? 2 : 3);
         double best_of_all = fwd + bwd;
 #if MGPU_CUDA
-        if (tiles) { /* each pass with each tile */
-            double us[PASSES][TILE_COLUMNS] = {{0}}, best[PASSES] = {0, 0, 0};
+        if (tiles) { /* each pass with each kernel that fits, in each tile */
+            double best[PASSES] = {0, 0, 0};
             conv_run runs[PASSES] = {implicit_forward, implicit_dx, implicit_dw};
+            const mgpu__conv_try tries[PASSES] = {MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW};
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
-                for (c.tile = 0; c.tile < tiles; c.tile++) {
-                    us[pass][c.tile] = time_us(dev[0], runs[pass], &c, steps);
-                    if (!best[pass] || us[pass][c.tile] < best[pass]) best[pass] = us[pass][c.tile];
+                for (int f = 0; f < MGPU__FAMILIES; f++) {
+                    c.kernel.family = (mgpu__implicit_family)f;
+                    if (!mgpu__conv_family_fits(c.kernel.family, tries[pass], &c.g)) continue;
+                    double us[TILE_COLUMNS] = {0};
+                    for (int t = 0; t < tiles; t++) {
+                        c.kernel.tile = (mgpu__implicit_tile)t;
+                        us[t] = time_us(dev[0], runs[pass], &c, steps);
+                        if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
+                    }
+                    char family[32];
+                    snprintf(family, sizeof family, "  %s", mgpu__implicit_family_names[f]);
+                    print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
+                              us, tiles);
                 }
-                print_row("", cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
-                          us[pass], tiles);
                 step_us[1] += cc->count * best[pass];
             }
+            /* (as the library's auto plan: the fastest implicit GEMMs for
+               dx and dW together against im2col's backward) */
             double fwd_best = best[FWD] < fwd ? best[FWD] : fwd;
             double bwd_best = best[DX] + best[DW] < bwd ? best[DX] + best[DW] : bwd;
             best_of_all = fwd_best + bwd_best;
@@ -204,7 +221,7 @@ int main(int argc, char **argv) {
     printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
            step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
     if (tiles)
-        printf("  implicit, the fastest tiles: %.3f ms (%.1f TFLOP/s); the faster of the two per "
+        printf("  implicit, the fastest kernels: %.3f ms (%.1f TFLOP/s); the faster of the two per "
                "pass: %.3f ms (%.1f TFLOP/s)\n",
                step_us[1] * 1e-3, tflops(step_flop, step_us[1]), step_us[2] * 1e-3,
                tflops(step_flop, step_us[2]));

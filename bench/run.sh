@@ -293,7 +293,7 @@ row "ResNet-18 step $(result profile on), batch $(or_dash "$p_batch")" "ms per s
 # each occurs): mgpu's im2col, its implicit GEMMs, and cuDNN.
 step conv ./bench/conv
 row "ResNet-18's convolutions $(result conv on), batch $(or_dash "$(result conv batch)")" \
-    "ms per step: im2col / implicit, fastest tiles / the faster per pass" \
+    "ms per step: im2col / implicit, fastest kernels / the faster per pass" \
     "$(calc %.2f "$(result conv im2col_ms)") / $(calc %.2f "$(result conv implicit_ms)") / $(calc %.2f "$(result conv best_ms)")"
 if [ $TORCH = 1 ]; then
     step conv.py "$PYTHON" -u bench/pytorch/conv.py --device $TORCH_DEVICE

@@ -176,6 +176,42 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
     }
 }
 
+/* The block's finished TM x TN tile, in the warps' accumulators, to
+   memory: through `out` in shared memory, 64 rows at a time (those of the
+   warps whose rows are next), `write(m0)` taking rows m0 .. m0 + 63 from
+   there to memory. The caller has made sure no warp still reads the bytes
+   of `out`. */
+template <int TM, int TN, typename Write>
+static __device__ void mgpu__implicit_finish(mgpu__implicit_acc (&acc)[TM / 32][TN / 32],
+                                             float (*out)[TN + 4], Write write) {
+    const int OUT = MGPU__IMPLICIT_OUT_ROWS;
+    int warp = threadIdx.x / 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    for (int m0 = 0; m0 < TM; m0 += OUT) {
+        if (row / OUT == m0 / OUT)
+            for (int i = 0; i < TM / 32; i++)
+                for (int j = 0; j < TN / 32; j++)
+                    nvcuda::wmma::store_matrix_sync(&out[row - m0 + 16 * i][col + 16 * j], acc[i][j], TN + 4,
+                                                    nvcuda::wmma::mem_row_major);
+        __syncthreads();
+        write(m0);
+        __syncthreads(); /* out is read before the next rows take it */
+    }
+}
+
+/* This thread's column of the finished rows in `out` to memory: row
+   row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
+   when there is a bias, for the rows below `rows`. Consecutive threads
+   hold consecutive columns, so the writes of a row are coalesced. */
+template <int TN>
+static __device__ void mgpu__implicit_write(const float (*out)[TN + 4], float *column, size_t row_stride,
+                                            int row0, int rows, const float *bias) {
+    int tid = threadIdx.x;
+    for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS; m += MGPU__IMPLICIT_THREADS / TN) {
+        int row = row0 + m;
+        if (row < rows) column[(size_t)row * row_stride] = out[m][tid % TN] + (bias ? bias[row] : 0.0f);
+    }
+}
+
 /* The loop the three kernels share: acc = the block's tile of the product,
    summed over `total` values of the inner index, MGPU__IMPLICIT_STEP at a
    time; then the tile to memory, 64 rows at a time through t->out. Each
@@ -219,34 +255,10 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
         __syncthreads();
     }
     /* the product is over (every warp is past the last barrier): out can
-       take the bytes of the step tiles, for the warps whose rows are next */
-    const int OUT = MGPU__IMPLICIT_OUT_ROWS;
-    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
-    for (int m0 = 0; m0 < TM; m0 += OUT) {
-        if (row / OUT == m0 / OUT)
-            for (int i = 0; i < L::FM; i++)
-                for (int j = 0; j < L::FN; j++)
-                    wmma::store_matrix_sync(&t->out[row - m0 + 16 * i][col + 16 * j], acc[i][j], TN + 4,
-                                            wmma::mem_row_major);
-        __syncthreads();
-        write(m0);
-        __syncthreads(); /* out is read before the next rows take it */
-    }
+       take the bytes of the step tiles */
+    mgpu__implicit_finish<TM, TN>(acc, t->out, write);
 }
 
-/* This thread's column of the finished rows in t->out to memory: row
-   row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
-   when there is a bias, for the rows below `rows`. Consecutive threads
-   hold consecutive columns, so the writes of a row are coalesced. */
-template <int TM, int TN>
-static __device__ void mgpu__implicit_write(const mgpu__implicit_tiles<TM, TN> *t, float *column,
-                                            size_t row_stride, int row0, int rows, const float *bias) {
-    int tid = threadIdx.x;
-    for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS; m += MGPU__IMPLICIT_THREADS / TN) {
-        int row = row0 + m;
-        if (row < rows) column[(size_t)row * row_stride] = t->out[m][tid % TN] + (bias ? bias[row] : 0.0f);
-    }
-}
 #endif
 
 typedef struct {
@@ -298,7 +310,7 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a, mgpu__conv_divisors dv) {
     };
     auto write = [&](int m0) { /* the tile of Y to y [img, filter, p, q], with the bias */
         if (pixel < npq)
-            mgpu__implicit_write(&t, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
+            mgpu__implicit_write<TN>(t.out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
     };
     mgpu__implicit_product(&t, crs, decode, gather, write);
 #endif
@@ -356,7 +368,7 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a, mgpu__conv_di
     };
     auto write = [&](int m0) {
         if (pixel < nhw)
-            mgpu__implicit_write(&t, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0 + m0, g.c, NULL);
+            mgpu__implicit_write<TN>(t.out, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0 + m0, g.c, NULL);
     };
     mgpu__implicit_product(&t, krs, decode, gather, write);
 #endif
@@ -430,7 +442,7 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
     };
     auto write = [&](int m0) {
         if (k < crs)
-            mgpu__implicit_write(&t, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0 + m0, g.k, NULL);
+            mgpu__implicit_write<TN>(t.out, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0 + m0, g.k, NULL);
     };
     mgpu__implicit_product(&t, count, decode, gather, write);
 #endif

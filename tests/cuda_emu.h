@@ -29,7 +29,8 @@
    threads of a block or warp reach, TF32 WMMA inputs not rounded, and
    the leading dimensions cuBLAS would reject. What it cannot check:
    timing, memory coalescing, races between blocks (blocks run in order
-   here).
+   here). Asynchronous copies (cp.async) land as late as a GPU may let
+   them, when their thread waits, so that reading them early shows.
 
    The build (see the Makefile) rewrites every launch in kernels/,
    name<<<config>>>(args);  ->  mgpu_emu_launcher(config)(name, args);
@@ -108,6 +109,7 @@ static void mgpu_emu_open(mgpu_emu_barrier *b) {
     mgpu_emu_progress++;
 }
 static bool mgpu_emu_direct; /* the block runs its threads one by one, without fibers */
+static void mgpu_emu_thread_returned(unsigned t); /* (asynchronous copies, below) */
 static void mgpu_emu_arrive_and_wait(mgpu_emu_barrier *b) {
     if (mgpu_emu_direct)
         mgpu_emu_fail("a barrier in a kernel whose first block met none (every block must reach "
@@ -128,6 +130,7 @@ static void mgpu_emu_fiber_main() {
         mgpu_emu_yield();
         (*mgpu_emu_kernel)();
         unsigned tx = threadIdx.x;
+        mgpu_emu_thread_returned(tx);
         mgpu_emu_warp_exited[tx / 32] |= 1u << (tx % 32);
         mgpu_emu_leave(&mgpu_emu_block_barrier);
         mgpu_emu_leave(&mgpu_emu_warp_barrier[tx / 32]);
@@ -168,6 +171,7 @@ static void mgpu_emu_run_block(unsigned threads, int downwards) {
         for (unsigned turn = 0; turn < threads; turn++) {
             threadIdx = dim3(downwards ? threads - 1 - turn : turn, 0, 0);
             (*mgpu_emu_kernel)();
+            mgpu_emu_thread_returned(threadIdx.x);
         }
         return;
     }
@@ -250,9 +254,53 @@ static float atomicAdd(float *address, float value) { /* fibers switch only at b
     return old;
 }
 
+/* ------------------------------------------- shared memory, asynchronous copies */
+/* Dynamic shared memory (the launch's third argument): one buffer, as the
+   blocks run one at a time; the launch checks its size against what
+   cudaFuncSetAttribute allowed (cuda_emu_runtime.h). */
+alignas(128) static unsigned char mgpu_emu_dynamic_shared[228 << 10];
+static void *mgpu__dynamic_shared() { return mgpu_emu_dynamic_shared; }
+
+/* cp.async (kernels/conv_nhwc.h's mgpu__copy_async16 and its groups),
+   written so that a kernel that reads shared memory before waiting for
+   the copy sees the old bytes, as it may on a GPU: the source is read when
+   the copy starts, the destination written only when the thread waits
+   for the copy's group (mgpu__copies_wait<N>: all groups but the N most
+   recently committed). A thread may not return with copies in flight. */
+struct mgpu_emu_copy {
+    float *to;
+    float value[4];
+    unsigned long group;
+};
+static std::vector<mgpu_emu_copy> mgpu_emu_copies[1024]; /* each thread's, in flight */
+static unsigned long mgpu_emu_groups_committed[1024];
+static void mgpu__copy_async16(float *shared, const float *global, bool valid) {
+    if ((uintptr_t)shared % 16 || (uintptr_t)global % 16)
+        mgpu_emu_fail("a 16-byte asynchronous copy from or to an address not 16-byte aligned");
+    mgpu_emu_copy c = {shared, {0, 0, 0, 0}, mgpu_emu_groups_committed[threadIdx.x]};
+    if (valid) memcpy(c.value, global, sizeof c.value); /* else zero-filled, global left unread */
+    mgpu_emu_copies[threadIdx.x].push_back(c);
+}
+static void mgpu__copies_commit() { mgpu_emu_groups_committed[threadIdx.x]++; }
+template <int N> static void mgpu__copies_wait() {
+    std::vector<mgpu_emu_copy> &mine = mgpu_emu_copies[threadIdx.x];
+    unsigned long committed = mgpu_emu_groups_committed[threadIdx.x];
+    size_t kept = 0;
+    for (const mgpu_emu_copy &c : mine) {
+        if (c.group + N < committed) memcpy(c.to, c.value, sizeof c.value); /* lands now */
+        else mine[kept++] = c;
+    }
+    mine.resize(kept);
+}
+static void mgpu_emu_thread_returned(unsigned t) {
+    if (!mgpu_emu_copies[t].empty())
+        mgpu_emu_fail("a thread returned with asynchronous copies it never waited for");
+    mgpu_emu_groups_committed[t] = 0;
+}
+
 /* -------------------------------------------------- WMMA (tensor cores) */
-/* The WMMA fragments the kernels use (TF32 inputs, row-major, float
-   accumulators). On a GPU a fragment is spread over the 32 threads of a
+/* The WMMA fragments the kernels use (TF32 inputs, a row-major, b row-
+   or column-major, float accumulators). On a GPU a fragment is spread over the 32 threads of a
    warp; here every thread holds all of it, and lane 0 does the products
    and the stores for its warp. The rules a GPU enforces are checked:
    32-byte aligned pointers, leading dimensions that are multiples of 4
@@ -263,6 +311,7 @@ struct matrix_a {};
 struct matrix_b {};
 struct accumulator {};
 struct row_major {};
+struct col_major {};
 namespace precision { struct tf32 {}; }
 enum layout_t { mem_row_major, mem_col_major };
 template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment;
@@ -270,9 +319,9 @@ template <int M, int N, int K> struct fragment<matrix_a, M, N, K, precision::tf3
     static const int num_elements = M * K;
     float x[M * K];
 };
-template <int M, int N, int K> struct fragment<matrix_b, M, N, K, precision::tf32, row_major> {
+template <int M, int N, int K, typename Layout> struct fragment<matrix_b, M, N, K, precision::tf32, Layout> {
     static const int num_elements = K * N;
-    float x[K * N];
+    float x[K * N]; /* row-major here, whichever layout memory has */
 };
 template <int M, int N, int K> struct fragment<accumulator, M, N, K, float, void> {
     static const int num_elements = M * N;
@@ -296,6 +345,13 @@ static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, row_ma
     for (int k = 0; k < K; k++)
         for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)k * ldm + j];
 }
+template <int M, int N, int K> /* column j of b is at p + j * ldm */
+static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, col_major> &f,
+                             const float *p, unsigned ldm) {
+    mgpu_emu_check_tile(p, ldm);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)j * ldm + k];
+}
 static void mgpu_emu_check_tf32(float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof bits);
@@ -305,10 +361,10 @@ template <int M, int N, int K>
 static void fill_fragment(fragment<accumulator, M, N, K, float, void> &f, float v) {
     for (float &x : f.x) x = v;
 }
-template <int M, int N, int K>
+template <int M, int N, int K, typename LayoutB>
 static void mma_sync(fragment<accumulator, M, N, K, float, void> &d,
                      const fragment<matrix_a, M, N, K, precision::tf32, row_major> &a,
-                     const fragment<matrix_b, M, N, K, precision::tf32, row_major> &b,
+                     const fragment<matrix_b, M, N, K, precision::tf32, LayoutB> &b,
                      const fragment<accumulator, M, N, K, float, void> &c) {
     /* Only lane 0's fragments reach memory (store_matrix_sync below): the
        other lanes may skip the product, a 32-fold saving. */

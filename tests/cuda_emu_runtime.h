@@ -115,6 +115,26 @@ template <typename F> static inline cudaError_t cudaFuncGetAttributes(cudaFuncAt
     a->ptxVersion = a->binaryVersion = 90; /* as if built for sm_90 */
     return cudaSuccess;
 }
+/* A kernel may take more than 48 KiB of dynamic shared memory only if it
+   said so first, on the device it runs on, up to sm_90's 227 KiB. */
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+static std::mutex mgpu_emu_shared_limit_mutex;
+static std::map<std::pair<uintptr_t, int>, int> mgpu_emu_shared_limit; /* (kernel, device): bytes */
+template <typename... P>
+static inline cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute, int bytes) {
+    if (bytes < 0 || bytes > 227 << 10) return mgpu_emu_error(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> hold(mgpu_emu_shared_limit_mutex);
+    mgpu_emu_shared_limit[{reinterpret_cast<uintptr_t>(kernel), mgpu_emu_device}] = bytes;
+    return cudaSuccess;
+}
+static inline void mgpu_emu_check_shared(uintptr_t kernel, size_t bytes) {
+    if (bytes <= 48 << 10) return;
+    std::lock_guard<std::mutex> hold(mgpu_emu_shared_limit_mutex);
+    auto limit = mgpu_emu_shared_limit.find({kernel, mgpu_emu_device});
+    if (limit == mgpu_emu_shared_limit.end() || bytes > (size_t)limit->second)
+        mgpu_emu_fail("a launch with more than 48 KiB of dynamic shared memory that "
+                      "cudaFuncSetAttribute did not allow on this device");
+}
 
 /* ------------------------------------------------------------ streams */
 struct mgpu_emu_stream {
@@ -393,8 +413,10 @@ struct mgpu_emu_turn {
 };
 struct mgpu_emu_launcher {
     dim3 grid, block;
+    size_t shared_bytes;
     cudaStream_t stream;
-    mgpu_emu_launcher(dim3 g, dim3 b, size_t = 0, cudaStream_t s = 0) : grid(g), block(b), stream(s) {}
+    mgpu_emu_launcher(dim3 g, dim3 b, size_t shared = 0, cudaStream_t s = 0)
+        : grid(g), block(b), shared_bytes(shared), stream(s) {}
     template <typename... P, typename... A> void operator()(void (*kernel)(P...), A... args) {
         if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
             mgpu_emu_fail("a grid a GPU refuses (empty, or y or z above 65535)");
@@ -402,6 +424,7 @@ struct mgpu_emu_launcher {
             mgpu_emu_fail("a block of other than 1 to 32 whole warps in x");
         if (stream && stream->device != mgpu_emu_device)
             mgpu_emu_fail("a launch into a stream of a device that is not the current one");
+        mgpu_emu_check_shared(reinterpret_cast<uintptr_t>(kernel), shared_bytes);
         dim3 g = grid, b = block;
         mgpu_emu_submit(stream, [g, b, kernel, args...] {
             mgpu_emu_turn turn;

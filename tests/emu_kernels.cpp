@@ -120,6 +120,15 @@ static void close_in_tf32(const char *name, const char *what, const std::vector<
             return;
         }
 }
+/* in [outer, rows, cols] to [outer, cols, rows] in TF32 on the emulated GPU
+   (the test below checks it against the CPU) */
+static std::vector<float> channels_last(const std::vector<float> &in, int outer, int rows, int cols,
+                                        int flip) {
+    std::vector<float> out = nans(in.size());
+    mgpu__channels_last_args a = {out.data(), in.data(), outer, rows, cols, flip};
+    mgpu__channels_last_cuda(&a, &on_gpu);
+    return out;
+}
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -169,6 +178,30 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
             close_in_tf32(name, "dw", dw_g, dw_c);
         }
     }
+    /* conv_nhwc.h's kernel, where it fits: y from the channels-last copies
+       of x and w; dx from those of dy and w' (flipped), as mgpu.h calls it */
+    int rs = r * r;
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
+    std::vector<float> x_t = channels_last(x, n, c, h * w, 0), w_t = channels_last(wt, k, c, rs, 0);
+    std::vector<float> dy_t = channels_last(dy, n, k, (int)pq, 0), w_flipped = channels_last(wt, 1, k, c * rs, rs);
+    for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
+        mgpu__implicit_tile kind = (mgpu__implicit_tile)tile;
+        char name[128];
+        snprintf(name, sizeof name, "channels-last conv %s n%d c%d %dx%d k%d r%d stride %d pad %d",
+                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
+        if (mgpu__conv_nhwc_fits(&g)) {
+            std::vector<float> y_g = nans(ys);
+            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind};
+            mgpu__conv_nhwc_cuda(&a, &on_gpu);
+            close_in_tf32(name, "y", y_g, y_c);
+        }
+        if (mgpu__conv_nhwc_dx_fits(&g)) {
+            std::vector<float> dx_g = nans(x.size());
+            mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind};
+            mgpu__conv_nhwc_cuda(&a, &on_gpu);
+            close_in_tf32(name, "dx", dx_g, dx_c);
+        }
+    }
 }
 TEST(implicit_gemm_convolution) {
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
@@ -179,6 +212,36 @@ TEST(implicit_gemm_convolution) {
     implicit_case(1, 70, 5, 5, 6, 3, 2, 2, 0); /* more than one tile of input channels */
     implicit_case(2, 3, 10, 9, 130, 3, 1, 1, 1); /* more than one tile of 128 filters and pixels */
     implicit_case(1, 130, 4, 4, 5, 1, 1, 0, 0);  /* ... and of 128 input channels */
+}
+/* conv_nhwc.h's kernel (through implicit_case): C, and for dx K, multiples
+   of its 32-channel step; partial tiles of filters and pixels, windows
+   over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
+TEST(channels_last_convolution) {
+    /* N  C   H  W   K  R  t  d  bias */
+    implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y and dx */
+    implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* y only (K), 2 tiles of 64 filters */
+    implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* y only (stride 2) */
+    implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2 */
+    implicit_case(3, 32, 9, 10, 130, 3, 1, 0, 1); /* more than one tile of 128 filters and pixels */
+    implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
+}
+
+/* The channels-last copies: every element where it belongs, rounded to
+   TF32 as the CPU rounds (exact), with and without the flip, over
+   partial 32 x 32 tiles and several matrices. */
+TEST(channels_last_copy) {
+    int shapes[][4] = {{3, 5, 7, 0}, {2, 33, 65, 0}, {1, 40, 45, 9}, {70, 3, 9, 9}};
+    for (auto &sh : shapes) {
+        int outer = sh[0], rows = sh[1], cols = sh[2], flip = sh[3];
+        std::vector<float> in = random_values((size_t)outer * rows * cols), out_c = nans(in.size());
+        mgpu__channels_last_args a = {out_c.data(), in.data(), outer, rows, cols, flip};
+        mgpu__channels_last_cpu(&a, &on_cpu);
+        same("channels-last copy", channels_last(in, outer, rows, cols, flip), out_c, 0);
+        /* and the CPU's by hand, for one element: in[o][i][j] -> out[o][j'][i] */
+        int o = outer - 1, i = rows - 1, j = 1, jj = flip ? j - j % flip + flip - 1 - j % flip : j;
+        CHECK(out_c[((size_t)o * cols + jj) * rows + i] ==
+              nvcuda::wmma::__float_to_tf32(in[((size_t)o * rows + i) * cols + j]));
+    }
 }
 
 /* The implicit GEMMs' division by multiplying (mgpu__div) against the

@@ -277,8 +277,9 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
-/* Every tile shape of the implicit GEMMs, each launched directly (the
-   library keeps the fastest per product, so some may never run above). */
+/* Every kernel and tile shape of the implicit GEMMs, each launched
+   directly (the library keeps the fastest per product, so some may never
+   run above); the channels-last kernels where they fit. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -290,17 +291,29 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
     mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
     for (int kind = 0; kind < MGPU__TILE_KINDS; kind++) {
         mgpu__implicit_tile tile = (mgpu__implicit_tile)kind;
-        char what[64];
+        char what[96];
         snprintf(what, sizeof what, "%s, tile %s", name, mgpu__implicit_tile_names[tile]);
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, tile);
-        mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, tile);
-        mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, tile);
+        mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
+        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather);
+        mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, gather);
+        mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
         check_same(what, "dw", &dw, 2e-3);
+        snprintf(what, sizeof what, "%s, channels-last, tile %s", name, mgpu__implicit_tile_names[tile]);
+        if (mgpu__conv_nhwc_fits(&g)) {
+            mgpu_fill(y.g, NAN);
+            mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, channels_last);
+            check_same(what, "y", &y, 2e-3);
+        }
+        if (mgpu__conv_nhwc_dx_fits(&g)) {
+            mgpu_fill(dx.g, NAN);
+            mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, channels_last);
+            check_same(what, "dx", &dx, 2e-3);
+        }
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
@@ -318,7 +331,11 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     implicit_compare("partial tiles",        3,  5, 11,  70, 3, 2, 2, 1);
     /*                     name                N    C   H    K  R  t  d */
     implicit_tiles_compare("stage 1",          32, 64, 28,  64, 3, 1, 1);
+    implicit_tiles_compare("downsampling 3x3", 32, 64, 28, 128, 3, 2, 1);
+    implicit_tiles_compare("1x1 shortcut",     32, 64, 28, 128, 1, 2, 0);
     implicit_tiles_compare("stage 3",          32, 256, 7, 256, 3, 1, 1);
+    implicit_tiles_compare("stage 4",          16, 512, 4, 512, 3, 1, 1);
+    implicit_tiles_compare("partial tiles",     3, 96, 11,  96, 3, 1, 2);
     mgpu_set_tf32(0, 0);
     mgpu__conv_mode = MGPU__CONV_AUTO;
 }
@@ -350,12 +367,13 @@ TEST(conv_algorithm_chosen_by_measuring) {
     for (int i = before; i < mgpu__conv_choice_count; i++) {
         const mgpu__conv_plan *p = &mgpu__conv_choices[i].plan;
         if (!mgpu__conv_choices[i].backward)
-            printf("  auto: forward, %s (tile %s)\n", p->implicit ? "implicit GEMM" : "im2col",
-                   mgpu__implicit_tile_names[p->y_tile]);
+            printf("  auto: forward, %s (%s %s)\n", p->implicit ? "implicit GEMM" : "im2col",
+                   mgpu__implicit_family_names[p->y.family], mgpu__implicit_tile_names[p->y.tile]);
         else
-            printf("  auto: backward, %s (tiles %s for dx, %s for dW)\n",
-                   p->implicit ? "implicit GEMM" : "im2col", mgpu__implicit_tile_names[p->dx_tile],
-                   mgpu__implicit_tile_names[p->dw_tile]);
+            printf("  auto: backward, %s (%s %s for dx, %s %s for dW)\n",
+                   p->implicit ? "implicit GEMM" : "im2col", mgpu__implicit_family_names[p->dx.family],
+                   mgpu__implicit_tile_names[p->dx.tile], mgpu__implicit_family_names[p->dw.family],
+                   mgpu__implicit_tile_names[p->dw.tile]);
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);

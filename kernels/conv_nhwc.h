@@ -1,0 +1,322 @@
+/* kernels/conv_nhwc.h: the convolution's forward pass, and its input
+   gradient at stride 1, as implicit GEMMs over channels-last copies of
+   the tensors (GPU only, TF32), with asynchronous copies straight from
+   memory into shared memory.
+
+   Why another kernel. conv_implicit.h gathers its values from NCHW
+   tensors one at a time: there a pixel's neighbours lie side by side, not
+   its channels, so for every value a thread tests the window's edges,
+   loads 4 bytes, rounds to TF32 and stores to shared memory. Nsight
+   Compute found it bound by those instructions, at 35 to 45 TFLOP/s on an
+   H100 (bench/RESULTS.md). In a channels-last copy, x_t[img, h, w, c], a
+   pixel's channels are contiguous: 4 of them move as one 16-byte copy,
+   with one edge test for all 4, and never pass through registers. cuDNN's
+   fastest convolutions work on NHWC too.
+
+   The copies (mgpu__channels_last). Before the product, x [n, C, H, W]
+   goes to x_t [n, H, W, C] and the weights [K, C, R, S] to w_t [K, R, S,
+   C], both rounded to TF32 on the way. These kernels only move memory
+   (a 32 x 32 tile at a time through shared memory, so that reads and
+   writes are both coalesced), and the product's loop then has no
+   rounding to do.
+
+   The product. Y [K, n*P*Q] = W_t [K, R*S*C] col [R*S*C, n*P*Q], as in
+   conv_implicit.h, but with the summed index in (r, s, c) order, channels
+   fastest:
+       col[(r,s,c), (img,p,q)] = x_t[img, p*t + r - d, q*t + s - d, c]
+   (0 in the padding). A step is 32 consecutive channels at one (r, s), so
+   C must be a multiple of 32: a step's row of W_t is 128 contiguous
+   bytes, and so is a step's column of col, for each output pixel (or 128
+   bytes of zeros where the window hangs over the padding).
+
+   The input gradient at stride 1 is the same product on other tensors:
+       dx[img, c, h, w] = sum over (k, r, s) of w[k, c, r, s] dy[img, k, h + d - r, w + d - s]
+   is the convolution of dy with the weights turned half a circle and
+   filters and channels swapped, w'[c, k, r', s'] = w[k, c, R-1-r', S-1-s'],
+   padded by R - 1 - d. So the forward kernel computes it from dy_t and
+   w'_t (mgpu__channels_last with `flip`). At stride 2 the windows skip
+   pixels and this does not hold; those layers keep the other kernels.
+
+   The kernel. A block of 128 threads (4 warps, 2 x 2 over the tile)
+   computes a TM x TN tile of Y (TM filters, TN pixels; the four tiles of
+   conv_implicit.h), stepping through R*S*C 32 at a time. For each step
+   every thread starts eight or four 16-byte copies of W_t's tile [TM x
+   32] and as many of col's [32 x TN] (cp.async: memory to shared memory
+   without registers, zero-filled where the window is outside the image),
+   and the warps multiply with WMMA. Three steps are in flight: while the
+   tensor cores multiply step i, the copies of steps i + 1 and i + 2 are
+   on their way. One barrier a step. At the end the tile goes through
+   shared memory to y, with the bias, as in conv_implicit.h.
+
+   Shared memory, three copies of the step's tiles, rows padded from 32 to
+   36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
+   fragment load touches start on banks 0, 4, ..., 28, so that its 32
+   lanes hit 32 banks); for the 128 x 128 tile 108 KB, more than the 48 KB
+   a kernel gets unless it asks (cudaFuncSetAttribute at the launch):
+       tile       shared memory
+       64 x 64        54 KB
+       128 x 64       81 KB
+       64 x 128       81 KB
+       128 x 128     108 KB
+   Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
+   the first call with a shape finds it the fastest. */
+
+#if MGPU_CUDA
+/* ------------------------------------------------ the channels-last copy */
+/* x to TF32: 10 bits of mantissa, rounded to nearest, ties away from zero
+   (as cvt.rna.tf32.f32 and WMMA's __float_to_tf32 round). */
+static MGPU__HOSTDEVICE inline float mgpu__tf32_round(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & ~0x1fffu; /* not inf, NaN */
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* out[o, j, i] = tf32(in[o, i, j]) for o < outer, i < rows, j < cols; with
+   flip > 0 (it divides cols), each run of `flip` consecutive j is written
+   in reverse order. x to x_t: outer n, rows C, cols H*W. The weights to
+   w_t: outer K, rows C, cols R*S. The weights to w'_t for the input
+   gradient: outer 1, rows K, cols C*R*S, flip R*S. */
+typedef struct {
+    float *out;
+    const float *in;
+    int outer, rows, cols, flip;
+} mgpu__channels_last_args;
+
+static MGPU__HOSTDEVICE inline size_t mgpu__channels_last_at(const mgpu__channels_last_args *a, int o, int i,
+                                                             int j) {
+    if (a->flip) j += a->flip - 1 - 2 * (j % a->flip);
+    return ((size_t)o * a->cols + j) * a->rows + i;
+}
+static void mgpu__channels_last_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
+    for (int o = 0; o < a->outer; o++)
+        for (int i = 0; i < a->rows; i++)
+            for (int j = 0; j < a->cols; j++)
+                a->out[mgpu__channels_last_at(a, o, i, j)] =
+                    mgpu__tf32_round(a->in[((size_t)o * a->rows + i) * a->cols + j]);
+}
+
+/* A block moves a 32 x 32 tile (rows i0.., columns j0..) of each of its
+   `outer` matrices: 8 warps read 8 rows at a time along j, and write 8
+   columns at a time along i, through a tile padded to 33 columns so that
+   reading it by columns hits 32 banks. */
+static __global__ void mgpu__channels_last_kernel(mgpu__channels_last_args a) {
+    __shared__ float tile[32][33];
+    int lane = threadIdx.x % 32, row = threadIdx.x / 32;
+    int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32;
+    for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
+        const float *in = a.in + (size_t)o * a.rows * a.cols;
+        for (int di = row; di < 32; di += 8)
+            if (i0 + di < a.rows && j0 + lane < a.cols) tile[di][lane] = in[(size_t)(i0 + di) * a.cols + j0 + lane];
+        __syncthreads();
+        for (int dj = row; dj < 32; dj += 8)
+            if (j0 + dj < a.cols && i0 + lane < a.rows)
+                a.out[mgpu__channels_last_at(&a, o, i0 + lane, j0 + dj)] = mgpu__tf32_round(tile[lane][dj]);
+        __syncthreads(); /* the tile is read before the next matrix takes it */
+    }
+}
+static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
+    dim3 grid((a->cols + 31) / 32, (a->rows + 31) / 32, a->outer < 65535 ? a->outer : 65535);
+    mgpu__channels_last_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+
+/* ------------------------------------------------------------ the product */
+#define MGPU__NHWC_STEP 32   /* channels per step: 8 copies of 16 bytes a row */
+#define MGPU__NHWC_STAGES 3  /* steps in flight */
+
+/* Asynchronous copies (cp.async, sm_80 and newer; tests/cuda_emu.h has
+   the same three functions for the emulated GPU):
+     mgpu__copy_async16(to, from, valid)  starts a copy of 16 bytes from
+                          memory to shared memory, or of 16 zero bytes
+                          when !valid (from is then not read);
+     mgpu__copies_commit()  closes the group of copies started since the
+                          last commit;
+     mgpu__copies_wait<N>()  waits until all but the N most recent groups
+                          of this thread have landed (other threads' copies
+                          need a barrier after it).
+   And the dynamic shared memory the launch gave (its third argument). */
+#ifndef MGPU_CUDA_EMU
+static __device__ __forceinline__ void mgpu__copy_async16(float *to, const float *from, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned shared = (unsigned)__cvta_generic_to_shared(to);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(from),
+                 "r"(valid ? 16 : 0));
+#endif
+}
+static __device__ __forceinline__ void mgpu__copies_commit(void) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> static __device__ __forceinline__ void mgpu__copies_wait(void) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+static __device__ __forceinline__ void *mgpu__dynamic_shared(void) {
+    extern __shared__ __align__(128) unsigned char mgpu__shared_bytes[];
+    return mgpu__shared_bytes;
+}
+#endif
+
+/* A block's shared memory for a TM x TN tile: the steps' tiles of W_t
+   (a: TM rows of 32 channels) and of col (b: TN pixels, each a column of
+   32 channels, so b is column-major), and at the end, in the same bytes,
+   64 rows of the finished tile on their way to memory. */
+template <int TM, int TN> union mgpu__nhwc_tiles {
+    struct {
+        float a[MGPU__NHWC_STAGES][TM][MGPU__NHWC_STEP + 4];
+        float b[MGPU__NHWC_STAGES][TN][MGPU__NHWC_STEP + 4];
+    } step;
+    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
+};
+
+/* Whether the kernel computes conv(x, w) of geometry g: whole steps of
+   32 channels, and grids a GPU launches. */
+static int mgpu__conv_nhwc_fits(const mgpu__conv_geom *g) {
+    return g->c % MGPU__NHWC_STEP == 0 && g->c / 32 < 65535 && g->k / 64 < 65535;
+}
+/* The input gradient as a convolution of dy (stride 1, above): its input
+   is dy [n, K, P, Q], its filters the C of w', its output dx [n, C, H, W]. */
+static mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
+    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
+    return d;
+}
+static int mgpu__conv_nhwc_dx_fits(const mgpu__conv_geom *g) {
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    return g->stride == 1 && g->r == g->s && g->pad <= g->r - 1 && mgpu__conv_nhwc_fits(&d);
+}
+
+typedef struct {
+    float *y;          /* [n, K, P, Q] */
+    const float *x_t;  /* [n, H, W, C], TF32 */
+    const float *w_t;  /* [K, R, S, C], TF32 */
+    const float *b;    /* [K] or NULL */
+    mgpu__conv_geom g; /* of the convolution of x with w */
+    mgpu__implicit_tile tile;
+} mgpu__conv_nhwc_args;
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+/* acc += a b for warp `warp`'s quarter of the tile, from copy `stage`:
+   four tensor-core steps of k = 8. */
+template <int TM, int TN>
+static __device__ void mgpu__nhwc_multiply(mgpu__implicit_acc (&acc)[TM / 32][TN / 32],
+                                           const mgpu__nhwc_tiles<TM, TN> *t, int stage, int warp) {
+    using namespace nvcuda;
+    const int FM = TM / 32, FN = TN / 32, LD = MGPU__NHWC_STEP + 4;
+    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[FM];
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fb[FN];
+        for (int i = 0; i < FM; i++) wmma::load_matrix_sync(fa[i], &t->step.a[stage][row + 16 * i][kk], LD);
+        for (int j = 0; j < FN; j++) wmma::load_matrix_sync(fb[j], &t->step.b[stage][col + 16 * j][kk], LD);
+        for (int i = 0; i < FM; i++)
+            for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+}
+#endif
+
+/* Blocks a multiprocessor should hold: as many as their shared memory
+   allows (of 227 KB on sm_90, 163 KB on sm_80: the two middle tiles fit
+   only once there). */
+#define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
+
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
+mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    using namespace nvcuda;
+    const mgpu__conv_geom g = a.g;
+    const int STEP = MGPU__NHWC_STEP, STAGES = MGPU__NHWC_STAGES;
+    /* a thread's copies: always the same 16 bytes (chunk) of a row, in
+       every APART-th row from tid / 8: A_PER rows of a, B_PER of b */
+    const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
+    const int A_PER = TM / APART, B_PER = TN / APART;
+    mgpu__nhwc_tiles<TM, TN> *t = (mgpu__nhwc_tiles<TM, TN> *)mgpu__dynamic_shared();
+    int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
+    int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN;
+    int pq = g.p * g.q, npq = g.n * pq, rsc = g.r * g.s * g.c;
+
+    /* this thread's pixels of b, decoded once: where each one's window
+       starts in x_t (an offset that may point into the padding) */
+    int window[B_PER], top[B_PER], left[B_PER];
+    for (int j = 0; j < B_PER; j++) {
+        int pixel = pixel0 + first_row + j * APART, img = pixel / pq, in_image = pixel - img * pq;
+        int p = in_image / g.q;
+        top[j] = pixel < npq ? p * g.stride - g.pad : -(1 << 20); /* past the end: outside every image */
+        left[j] = (in_image - p * g.q) * g.stride - g.pad;
+        window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
+    }
+    /* Starts the copies of a step into copy `stage`. Steps are loaded in
+       order, so (r, s, c0) moves on by one step a call. */
+    int r = 0, s = 0, c0 = 0, loaded = 0;
+    auto load = [&](int stage) {
+        const float *w_step = a.w_t + (size_t)loaded * STEP + chunk * 4; /* (r, s, c0) is step `loaded` */
+        for (int j = 0; j < A_PER; j++) {
+            int row = first_row + j * APART, filter = filter0 + row;
+            bool valid = filter < g.k;
+            mgpu__copy_async16(&t->step.a[stage][row][chunk * 4], valid ? w_step + (size_t)filter * rsc : a.w_t,
+                               valid);
+        }
+        int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
+        for (int j = 0; j < B_PER; j++) {
+            int h = top[j] + r, w = left[j] + s;
+            bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
+            mgpu__copy_async16(&t->step.b[stage][first_row + j * APART][chunk * 4],
+                               inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
+        }
+        loaded++;
+        if ((c0 += STEP) == g.c) {
+            c0 = 0;
+            if (++s == g.s) s = 0, r++;
+        }
+    };
+
+    mgpu__implicit_acc acc[TM / 32][TN / 32];
+    for (int i = 0; i < TM / 32; i++)
+        for (int j = 0; j < TN / 32; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    int steps = rsc / STEP;
+    for (int stage = 0; stage < STAGES - 1; stage++) {
+        if (stage < steps) load(stage);
+        mgpu__copies_commit(); /* a group even when empty, so that each step is one group */
+    }
+    for (int step = 0; step < steps; step++) {
+        mgpu__copies_wait<STAGES - 2>(); /* this thread's copies of `step` have landed, */
+        __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
+        if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
+        mgpu__copies_commit();
+        mgpu__nhwc_multiply(acc, t, step % STAGES, tid / 32);
+    }
+    mgpu__copies_wait<0>(); /* (only empty groups are left) */
+    __syncthreads();        /* every warp has multiplied its last step: out may take the bytes */
+
+    /* the tile of Y to y [img, filter, p, q], with the bias */
+    int pixel = pixel0 + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
+    mgpu__implicit_finish<TM, TN>(acc, t->out, [&](int m0) {
+        if (pixel < npq)
+            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
+    });
+#endif
+}
+
+static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_nhwc_args *a = (const mgpu__conv_nhwc_args *)args;
+    void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, a->tile);
+    int bytes = a->tile == MGPU__TILE_128x64    ? (int)sizeof(mgpu__nhwc_tiles<128, 64>)
+                : a->tile == MGPU__TILE_64x128  ? (int)sizeof(mgpu__nhwc_tiles<64, 128>)
+                : a->tile == MGPU__TILE_128x128 ? (int)sizeof(mgpu__nhwc_tiles<128, 128>)
+                                                : (int)sizeof(mgpu__nhwc_tiles<64, 64>);
+    /* More than 48 KB of shared memory must be asked for, on each device
+       (a call without the GPU's involvement, cheap enough to make at every
+       launch, which saves remembering which devices have been asked). */
+    MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+#endif
