@@ -43,10 +43,19 @@
    every thread starts eight or four 16-byte copies of W_t's tile [TM x
    32] and as many of col's [32 x TN] (cp.async: memory to shared memory
    without registers, zero-filled where the window is outside the image),
-   and the warps multiply with WMMA. Three steps are in flight: while the
-   tensor cores multiply step i, the copies of steps i + 1 and i + 2 are
-   on their way. One barrier a step. At the end the tile goes through
-   shared memory to y, with the bias, as in conv_implicit.h.
+   and the warps multiply: ldmatrix loads the tensor cores' operands from
+   shared memory, four 32-bit values a lane in one instruction, and
+   mma.sync multiplies them (PTX, below: WMMA's TF32 loads compile to one
+   64-bit generic load per value here, more instructions than the
+   multiplies they feed). Three steps are in flight: while the tensor
+   cores multiply step i, the copies of steps i + 1 and i + 2 are on their
+   way. One barrier a step. At the end the tile goes through shared memory
+   to y, with the bias, as in conv_implicit.h.
+
+   Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
+   steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
+   of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
+   kernels issue 11 to 24 for the same work.
 
    Shared memory, three copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
@@ -129,23 +138,45 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
 #define MGPU__NHWC_STEP 32   /* channels per step: 8 copies of 16 bytes a row */
 #define MGPU__NHWC_STAGES 3  /* steps in flight */
 
-/* Asynchronous copies (cp.async, sm_80 and newer; tests/cuda_emu.h has
-   the same three functions for the emulated GPU):
-     mgpu__copy_async16(to, from, valid)  starts a copy of 16 bytes from
-                          memory to shared memory, or of 16 zero bytes
-                          when !valid (from is then not read);
+/* The GPU's pieces this kernel takes from PTX (sm_80 and newer), as
+   CUTLASS does; tests/cuda_emu.h has the same functions for the emulated
+   GPU. Shared memory is addressed by mgpu__shared_address, a 32-bit
+   offset into the block's shared memory (so that no 64-bit arithmetic is
+   spent on addresses), made by mgpu__shared_address_of(pointer).
+     mgpu__copy_async16(to, from, valid)  (cp.async) starts a copy of 16
+                          bytes from memory to shared memory without
+                          registers, or of 16 zero bytes when !valid
+                          (from is then not read);
      mgpu__copies_commit()  closes the group of copies started since the
                           last commit;
      mgpu__copies_wait<N>()  waits until all but the N most recent groups
-                          of this thread have landed (other threads' copies
-                          need a barrier after it).
-   And the dynamic shared memory the launch gave (its third argument). */
+                          of this thread's copies have landed (other
+                          threads' copies need a barrier after it);
+     mgpu__load_matrices(r, row)  (ldmatrix.x4) the warp loads four 8 x 4
+                          blocks of 32-bit values: lane l gives the address
+                          of row l % 8 of block l / 8, and gets in r[i] the
+                          value at row l / 4, column l % 4 of block i;
+     mgpu__mma_tf32(d, a, b)  (mma.sync.m16n8k8) D += A B for A 16 x 8 and
+                          B 8 x 8 in TF32, D 16 x 8 in float32, spread over
+                          the warp's lanes as PTX lays them out: lane l, with
+                          g = l / 4 and t = l % 4, holds
+                              a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]
+                              b = B[t][g], B[t+4][g]
+                              d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]
+   So a lane's a fragment is what mgpu__load_matrices gives it from a 16 x 8
+   tile of A stored by rows (its blocks: rows 0-7 and 8-15 of columns 0-3,
+   then of columns 4-7), and its b fragments for two 8-column tiles of B
+   what it gives from B stored by columns (blocks: columns 0-7 of rows 0-3
+   and of rows 4-7, then columns 8-15). */
 #ifndef MGPU_CUDA_EMU
-static __device__ __forceinline__ void mgpu__copy_async16(float *to, const float *from, bool valid) {
+typedef unsigned mgpu__shared_address;
+static __device__ __forceinline__ mgpu__shared_address mgpu__shared_address_of(const void *p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+static __device__ __forceinline__ void mgpu__copy_async16(mgpu__shared_address to, const float *from,
+                                                          bool valid) {
 #if __CUDA_ARCH__ >= 800
-    unsigned shared = (unsigned)__cvta_generic_to_shared(to);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(from),
-                 "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
 #endif
 }
 static __device__ __forceinline__ void mgpu__copies_commit(void) {
@@ -156,6 +187,22 @@ static __device__ __forceinline__ void mgpu__copies_commit(void) {
 template <int N> static __device__ __forceinline__ void mgpu__copies_wait(void) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+static __device__ __forceinline__ void mgpu__load_matrices(uint32_t (&r)[4], mgpu__shared_address row) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(row));
+#endif
+}
+static __device__ __forceinline__ void mgpu__mma_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                                      const uint32_t (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
 static __device__ __forceinline__ void *mgpu__dynamic_shared(void) {
@@ -201,22 +248,42 @@ typedef struct {
     mgpu__implicit_tile tile;
 } mgpu__conv_nhwc_args;
 
+/* The block's warps in 2 x 2 over a TM x TN tile: each computes a
+   (TM/2) x (TN/2) quarter as 16 x 8 tensor-core tiles, MT x NT of them,
+   in float32 accumulators laid out as mgpu__mma_tf32's d. */
+template <int TM, int TN> struct mgpu__nhwc_warp {
+    static const int MT = TM / 2 / 16, NT = TN / 2 / 8;
+    typedef float acc[MT][NT][4];
+};
+
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-/* acc += a b for warp `warp`'s quarter of the tile, from copy `stage`:
-   four tensor-core steps of k = 8. */
+/* acc += a b for this warp's quarter of the tile, from copy `stage` of
+   the step tiles at shared address `tiles`: four tensor-core steps of k =
+   8. Per step of k, a warp of the 128 x 128 tile loads its operands with 8
+   ldmatrix and multiplies them with 32 mma. */
 template <int TM, int TN>
-static __device__ void mgpu__nhwc_multiply(mgpu__implicit_acc (&acc)[TM / 32][TN / 32],
-                                           const mgpu__nhwc_tiles<TM, TN> *t, int stage, int warp) {
-    using namespace nvcuda;
-    const int FM = TM / 32, FN = TN / 32, LD = MGPU__NHWC_STEP + 4;
+static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
+                                           mgpu__shared_address tiles, int stage) {
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    const int LD = MGPU__NHWC_STEP + 4, B_OFFSET = MGPU__NHWC_STAGES * TM * LD; /* floats */
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    /* the row (of a, or of b's columns) and the column whose address this
+       lane gives to ldmatrix, as mgpu__load_matrices lists the blocks */
+    int a_row = lane % 16, a_col = (lane / 16) * 4;
+    int b_row = lane % 8 + (lane / 16) * 8, b_col = (lane / 8 % 2) * 4;
+    mgpu__shared_address a = tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
+    mgpu__shared_address b = tiles + 4 * (B_OFFSET + (stage * TN + col + b_row) * LD + b_col);
     for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa[FM];
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fb[FN];
-        for (int i = 0; i < FM; i++) wmma::load_matrix_sync(fa[i], &t->step.a[stage][row + 16 * i][kk], LD);
-        for (int j = 0; j < FN; j++) wmma::load_matrix_sync(fb[j], &t->step.b[stage][col + 16 * j][kk], LD);
-        for (int i = 0; i < FM; i++)
-            for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        uint32_t fa[W::MT][4], fb[W::NT][2];
+        for (int i = 0; i < W::MT; i++) mgpu__load_matrices(fa[i], a + 4 * (16 * i * LD + kk));
+        for (int j = 0; j < W::NT; j += 2) {
+            uint32_t pair[4];
+            mgpu__load_matrices(pair, b + 4 * (8 * j * LD + kk));
+            fb[j][0] = pair[0], fb[j][1] = pair[1], fb[j + 1][0] = pair[2], fb[j + 1][1] = pair[3];
+        }
+        for (int i = 0; i < W::MT; i++)
+            for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], fa[i], fb[j]);
     }
 }
 #endif
@@ -230,14 +297,16 @@ template <int TM, int TN>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    using namespace nvcuda;
+    typedef mgpu__nhwc_warp<TM, TN> W;
     const mgpu__conv_geom g = a.g;
-    const int STEP = MGPU__NHWC_STEP, STAGES = MGPU__NHWC_STAGES;
+    const int STEP = MGPU__NHWC_STEP, STAGES = MGPU__NHWC_STAGES, LD = STEP + 4;
     /* a thread's copies: always the same 16 bytes (chunk) of a row, in
        every APART-th row from tid / 8: A_PER rows of a, B_PER of b */
     const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
     const int A_PER = TM / APART, B_PER = TN / APART;
     mgpu__nhwc_tiles<TM, TN> *t = (mgpu__nhwc_tiles<TM, TN> *)mgpu__dynamic_shared();
+    mgpu__shared_address tiles = mgpu__shared_address_of(t), a_tiles = tiles,
+                         b_tiles = mgpu__shared_address_of(t->step.b);
     int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
     int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN;
     int pq = g.p * g.q, npq = g.n * pq, rsc = g.r * g.s * g.c;
@@ -257,18 +326,18 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     int r = 0, s = 0, c0 = 0, loaded = 0;
     auto load = [&](int stage) {
         const float *w_step = a.w_t + (size_t)loaded * STEP + chunk * 4; /* (r, s, c0) is step `loaded` */
+        mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
         for (int j = 0; j < A_PER; j++) {
-            int row = first_row + j * APART, filter = filter0 + row;
+            int filter = filter0 + first_row + j * APART;
             bool valid = filter < g.k;
-            mgpu__copy_async16(&t->step.a[stage][row][chunk * 4], valid ? w_step + (size_t)filter * rsc : a.w_t,
-                               valid);
+            mgpu__copy_async16(to_a + 4 * j * APART * LD, valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
         }
         int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
+        mgpu__shared_address to_b = b_tiles + 4 * ((stage * TN + first_row) * LD + chunk * 4);
         for (int j = 0; j < B_PER; j++) {
             int h = top[j] + r, w = left[j] + s;
             bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async16(&t->step.b[stage][first_row + j * APART][chunk * 4],
-                               inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
+            mgpu__copy_async16(to_b + 4 * j * APART * LD, inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
         }
         loaded++;
         if ((c0 += STEP) == g.c) {
@@ -277,9 +346,10 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         }
     };
 
-    mgpu__implicit_acc acc[TM / 32][TN / 32];
-    for (int i = 0; i < TM / 32; i++)
-        for (int j = 0; j < TN / 32; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    typename W::acc acc;
+    for (int i = 0; i < W::MT; i++)
+        for (int j = 0; j < W::NT; j++)
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
     int steps = rsc / STEP;
     for (int stage = 0; stage < STAGES - 1; stage++) {
         if (stage < steps) load(stage);
@@ -290,17 +360,28 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
         if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
         mgpu__copies_commit();
-        mgpu__nhwc_multiply(acc, t, step % STAGES, tid / 32);
+        mgpu__nhwc_multiply<TM, TN>(acc, tiles, step % STAGES);
     }
     mgpu__copies_wait<0>(); /* (only empty groups are left) */
     __syncthreads();        /* every warp has multiplied its last step: out may take the bytes */
 
-    /* the tile of Y to y [img, filter, p, q], with the bias */
+    /* The tile of Y to y [img, filter, p, q], with the bias: 64 rows at a
+       time through out, from the warps whose rows they are (each lane's
+       values where mgpu__mma_tf32 says they are), then along the rows. */
+    int warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
     int pixel = pixel0 + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
-    mgpu__implicit_finish<TM, TN>(acc, t->out, [&](int m0) {
+    for (int m0 = 0; m0 < TM; m0 += MGPU__IMPLICIT_OUT_ROWS) {
+        if (row / MGPU__IMPLICIT_OUT_ROWS == m0 / MGPU__IMPLICIT_OUT_ROWS)
+            for (int i = 0; i < W::MT; i++)
+                for (int j = 0; j < W::NT; j++)
+                    for (int e = 0; e < 4; e++)
+                        t->out[row - m0 + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
+                            acc[i][j][e];
+        __syncthreads();
         if (pixel < npq)
             mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
-    });
+        __syncthreads(); /* out is read before the next rows take it */
+    }
 #endif
 }
 

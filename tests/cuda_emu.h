@@ -261,20 +261,25 @@ static float atomicAdd(float *address, float value) { /* fibers switch only at b
 alignas(128) static unsigned char mgpu_emu_dynamic_shared[228 << 10];
 static void *mgpu__dynamic_shared() { return mgpu_emu_dynamic_shared; }
 
-/* cp.async (kernels/conv_nhwc.h's mgpu__copy_async16 and its groups),
-   written so that a kernel that reads shared memory before waiting for
-   the copy sees the old bytes, as it may on a GPU: the source is read when
-   the copy starts, the destination written only when the thread waits
-   for the copy's group (mgpu__copies_wait<N>: all groups but the N most
-   recently committed). A thread may not return with copies in flight. */
+/* kernels/conv_nhwc.h's PTX pieces. A shared-memory address is a
+   pointer here (a 32-bit offset on a GPU). */
+typedef unsigned char *mgpu__shared_address;
+static mgpu__shared_address mgpu__shared_address_of(const void *p) { return (unsigned char *)p; }
+
+/* cp.async (mgpu__copy_async16 and its groups), written so that a kernel
+   that reads shared memory before waiting for the copy sees the old
+   bytes, as it may on a GPU: the source is read when the copy starts, the
+   destination written only when the thread waits for the copy's group
+   (mgpu__copies_wait<N>: all groups but the N most recently committed).
+   A thread may not return with copies in flight. */
 struct mgpu_emu_copy {
-    float *to;
+    unsigned char *to;
     float value[4];
     unsigned long group;
 };
 static std::vector<mgpu_emu_copy> mgpu_emu_copies[1024]; /* each thread's, in flight */
 static unsigned long mgpu_emu_groups_committed[1024];
-static void mgpu__copy_async16(float *shared, const float *global, bool valid) {
+static void mgpu__copy_async16(mgpu__shared_address shared, const float *global, bool valid) {
     if ((uintptr_t)shared % 16 || (uintptr_t)global % 16)
         mgpu_emu_fail("a 16-byte asynchronous copy from or to an address not 16-byte aligned");
     mgpu_emu_copy c = {shared, {0, 0, 0, 0}, mgpu_emu_groups_committed[threadIdx.x]};
@@ -291,6 +296,48 @@ template <int N> static void mgpu__copies_wait() {
         else mine[kept++] = c;
     }
     mine.resize(kept);
+}
+static void mgpu_emu_check_tf32_bits(uint32_t bits) { /* (the tensor cores read only the top 19) */
+    if (bits & 0x1fffu) mgpu_emu_fail("a TF32 mma input not rounded to TF32");
+}
+/* ldmatrix.x4: every lane gives a row's address, and takes from each of
+   the four 8-row blocks the 4 bytes at row lane / 4, column lane % 4. */
+static int mgpu_emu_block_row_lane(int lane, int block) { return 8 * block + lane / 4; }
+static void mgpu__load_matrices(uint32_t (&r)[4], mgpu__shared_address row) {
+    if ((uintptr_t)row % 16) mgpu_emu_fail("an ldmatrix row address not 16-byte aligned");
+    for (int block = 0; block < 4; block++) {
+        mgpu__shared_address from = mgpu_emu_shuffle(0xffffffffu, row, mgpu_emu_block_row_lane, block);
+        memcpy(&r[block], from + 4 * (threadIdx.x % 32 % 4), sizeof r[block]);
+    }
+}
+/* mma.sync.m16n8k8 (TF32): the warp's fragments put together into A and
+   B as conv_nhwc.h lays them out, and each lane's 4 values of D. */
+static uint32_t mgpu_emu_mma_in[1024][6]; /* each thread's a[4], b[2] */
+static void mgpu__mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (mgpu_emu_warp_exited[warp]) mgpu_emu_fail("an mma after some threads of the warp returned");
+    for (uint32_t v : a) mgpu_emu_check_tf32_bits(v);
+    for (uint32_t v : b) mgpu_emu_check_tf32_bits(v);
+    memcpy(mgpu_emu_mma_in[threadIdx.x], a, sizeof a);
+    memcpy(mgpu_emu_mma_in[threadIdx.x] + 4, b, sizeof b);
+    mgpu_emu_arrive_and_wait(&mgpu_emu_warp_barrier[warp]);
+    float A[16][8], B[8][8];
+    for (int l = 0; l < 32; l++) {
+        const uint32_t *in = mgpu_emu_mma_in[warp * 32 + l];
+        int g = l / 4, t = l % 4;
+        memcpy(&A[g][t], &in[0], 4);
+        memcpy(&A[g + 8][t], &in[1], 4);
+        memcpy(&A[g][t + 4], &in[2], 4);
+        memcpy(&A[g + 8][t + 4], &in[3], 4);
+        memcpy(&B[t][g], &in[4], 4);
+        memcpy(&B[t + 4][g], &in[5], 4);
+    }
+    int g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; e++) {
+        int i = g + 8 * (e / 2), j = 2 * t + e % 2;
+        for (int k = 0; k < 8; k++) d[e] += A[i][k] * B[k][j];
+    }
+    mgpu_emu_arrive_and_wait(&mgpu_emu_warp_barrier[warp]); /* the inputs are read before the next mma */
 }
 static void mgpu_emu_thread_returned(unsigned t) {
     if (!mgpu_emu_copies[t].empty())
