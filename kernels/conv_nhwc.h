@@ -55,7 +55,7 @@
    Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
    of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
-   kernels issue 11 to 24 for the same work.
+   kernels issue 16 to 48 for the same work. Not yet timed on a GPU.
 
    Shared memory, three copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a

@@ -26,11 +26,13 @@
    refuses (an empty grid, gridDim.y or .z above 65535, more than 1024
    threads), warp shuffles with a partial mask or after some threads of
    the warp have returned (undefined on a GPU), barriers that not all
-   threads of a block or warp reach, TF32 WMMA inputs not rounded, and
-   the leading dimensions cuBLAS would reject. What it cannot check:
-   timing, memory coalescing, races between blocks (blocks run in order
-   here). Asynchronous copies (cp.async) land as late as a GPU may let
-   them, when their thread waits, so that reading them early shows.
+   threads of a block or warp reach, TF32 WMMA and mma inputs not
+   rounded, the leading dimensions cuBLAS would reject, more than 48 KiB
+   of dynamic shared memory without cudaFuncSetAttribute, unaligned
+   asynchronous copies and ldmatrix rows. Asynchronous copies (cp.async)
+   land as late as a GPU may let them, when their thread waits, so that
+   reading them early shows. What it cannot check: timing, memory
+   coalescing, races between blocks (blocks run in order here).
 
    The build (see the Makefile) rewrites every launch in kernels/,
    name<<<config>>>(args);  ->  mgpu_emu_launcher(config)(name, args);
