@@ -289,8 +289,8 @@ static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc
 #endif
 
 /* Blocks a multiprocessor should hold: as many as their shared memory
-   allows (of 227 KB on sm_90, 163 KB on sm_80: the two middle tiles fit
-   only once there). */
+   allows of sm_90's 227 KB (so that registers are not what limits them;
+   on sm_80's 163 KB the 128 x 128 tile fits only once). */
 #define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
 
 template <int TM, int TN>

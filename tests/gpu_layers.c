@@ -384,6 +384,7 @@ TEST(conv_algorithm_chosen_by_measuring) {
 TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
+    implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y and dx channels-last too */
     mgpu_set_tf32(0, 0);
 }
 

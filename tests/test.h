@@ -82,10 +82,20 @@ static int test__failures; /* failures inside the running test */
 
 /* Runs `code` in a child process; passes when the child exits non-zero
    (not by a signal: a crash is a failure) and its stderr contains `text`. */
+/* The child starts with no work in flight: fork() copies only the calling
+   thread, and work the library's queues still hold (waits for a GPU's
+   events, above all: CUDA does not work across fork) is the parent's to
+   finish, not a copy's. Without mgpu.h, nothing to wait for. */
+#ifdef MGPU_H
+#define TEST__NOTHING_IN_FLIGHT() mgpu_synchronize_all()
+#else
+#define TEST__NOTHING_IN_FLIGHT() ((void)0)
+#endif
 #define EXPECT_DIES(code, text)                                               \
     do {                                                                      \
         int test__pipe[2];                                                    \
         if (pipe(test__pipe) != 0) { perror("pipe"); exit(2); }               \
+        TEST__NOTHING_IN_FLIGHT();                                            \
         fflush(stdout); fflush(stderr);                                       \
         pid_t test__pid = fork();                                             \
         if (test__pid == 0) {                                                 \
