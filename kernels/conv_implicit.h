@@ -176,22 +176,18 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
     }
 }
 
-/* The block's finished TM x TN tile, in the warps' accumulators, to
-   memory: through `out` in shared memory, 64 rows at a time (those of the
-   warps whose rows are next), `write(m0)` taking rows m0 .. m0 + 63 from
-   there to memory. The caller has made sure no warp still reads the bytes
-   of `out`. */
-template <int TM, int TN, typename Write>
-static __device__ void mgpu__implicit_finish(mgpu__implicit_acc (&acc)[TM / 32][TN / 32],
-                                             float (*out)[TN + 4], Write write) {
+/* The block's finished tile of TM rows, in the warps' accumulators, to
+   memory through a buffer `out` of 64 rows in shared memory, 64 rows at a
+   time: store(first) puts this warp's rows (from row warp_row of the
+   tile) into out from its row `first`, for the warps whose rows are next;
+   write(m0) takes rows m0 .. m0 + 63 from out to memory. The caller has
+   made sure no warp still reads the bytes of out. (Used by conv_nhwc.h
+   too, whose accumulators are laid out otherwise.) */
+template <int TM, typename Store, typename Write>
+static __device__ void mgpu__implicit_finish(int warp_row, Store store, Write write) {
     const int OUT = MGPU__IMPLICIT_OUT_ROWS;
-    int warp = threadIdx.x / 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
     for (int m0 = 0; m0 < TM; m0 += OUT) {
-        if (row / OUT == m0 / OUT)
-            for (int i = 0; i < TM / 32; i++)
-                for (int j = 0; j < TN / 32; j++)
-                    nvcuda::wmma::store_matrix_sync(&out[row - m0 + 16 * i][col + 16 * j], acc[i][j], TN + 4,
-                                                    nvcuda::wmma::mem_row_major);
+        if (warp_row / OUT == m0 / OUT) store(warp_row - m0);
         __syncthreads();
         write(m0);
         __syncthreads(); /* out is read before the next rows take it */
@@ -256,7 +252,14 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
     }
     /* the product is over (every warp is past the last barrier): out can
        take the bytes of the step tiles */
-    mgpu__implicit_finish<TM, TN>(acc, t->out, write);
+    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    auto store = [&](int first) {
+        for (int i = 0; i < L::FM; i++)
+            for (int j = 0; j < L::FN; j++)
+                wmma::store_matrix_sync(&t->out[first + 16 * i][col + 16 * j], acc[i][j], TN + 4,
+                                        wmma::mem_row_major);
+    };
+    mgpu__implicit_finish<TM>(row, store, write);
 }
 
 #endif

@@ -258,22 +258,23 @@ template <int TM, int TN> struct mgpu__nhwc_warp {
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 /* acc += a b for this warp's quarter of the tile, from copy `stage` of
-   the step tiles at shared address `tiles`: four tensor-core steps of k =
-   8. Per step of k, a warp of the 128 x 128 tile loads its operands with 8
-   ldmatrix and multiplies them with 32 mma. */
+   the step tiles a and b (at shared addresses a_tiles, b_tiles): four
+   tensor-core steps of k = 8. Per step of k, a warp of the 128 x 128 tile
+   loads its operands with 8 ldmatrix and multiplies them with 32 mma. */
 template <int TM, int TN>
 static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
-                                           mgpu__shared_address tiles, int stage) {
+                                           mgpu__shared_address a_tiles, mgpu__shared_address b_tiles,
+                                           int stage) {
     typedef mgpu__nhwc_warp<TM, TN> W;
-    const int LD = MGPU__NHWC_STEP + 4, B_OFFSET = MGPU__NHWC_STAGES * TM * LD; /* floats */
+    const int LD = MGPU__NHWC_STEP + 4; /* floats */
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
     /* the row (of a, or of b's columns) and the column whose address this
        lane gives to ldmatrix, as mgpu__load_matrices lists the blocks */
     int a_row = lane % 16, a_col = (lane / 16) * 4;
     int b_row = lane % 8 + (lane / 16) * 8, b_col = (lane / 8 % 2) * 4;
-    mgpu__shared_address a = tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
-    mgpu__shared_address b = tiles + 4 * (B_OFFSET + (stage * TN + col + b_row) * LD + b_col);
+    mgpu__shared_address a = a_tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
+    mgpu__shared_address b = b_tiles + 4 * ((stage * TN + col + b_row) * LD + b_col);
     for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
         uint32_t fa[W::MT][4], fb[W::NT][2];
         for (int i = 0; i < W::MT; i++) mgpu__load_matrices(fa[i], a + 4 * (16 * i * LD + kk));
@@ -305,7 +306,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
     const int A_PER = TM / APART, B_PER = TN / APART;
     mgpu__nhwc_tiles<TM, TN> *t = (mgpu__nhwc_tiles<TM, TN> *)mgpu__dynamic_shared();
-    mgpu__shared_address tiles = mgpu__shared_address_of(t), a_tiles = tiles,
+    mgpu__shared_address a_tiles = mgpu__shared_address_of(t->step.a),
                          b_tiles = mgpu__shared_address_of(t->step.b);
     int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
     int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN;
@@ -360,28 +361,27 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
         if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
         mgpu__copies_commit();
-        mgpu__nhwc_multiply<TM, TN>(acc, tiles, step % STAGES);
+        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, step % STAGES);
     }
     mgpu__copies_wait<0>(); /* (only empty groups are left) */
     __syncthreads();        /* every warp has multiplied its last step: out may take the bytes */
 
-    /* The tile of Y to y [img, filter, p, q], with the bias: 64 rows at a
-       time through out, from the warps whose rows they are (each lane's
-       values where mgpu__mma_tf32 says they are), then along the rows. */
+    /* The tile of Y to y [img, filter, p, q], with the bias, as
+       conv_implicit.h writes it: each lane's values go to out where
+       mgpu__mma_tf32 says they are, then along the rows to y. */
     int warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
     int pixel = pixel0 + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
-    for (int m0 = 0; m0 < TM; m0 += MGPU__IMPLICIT_OUT_ROWS) {
-        if (row / MGPU__IMPLICIT_OUT_ROWS == m0 / MGPU__IMPLICIT_OUT_ROWS)
-            for (int i = 0; i < W::MT; i++)
-                for (int j = 0; j < W::NT; j++)
-                    for (int e = 0; e < 4; e++)
-                        t->out[row - m0 + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
-                            acc[i][j][e];
-        __syncthreads();
+    auto store = [&](int first) {
+        for (int i = 0; i < W::MT; i++)
+            for (int j = 0; j < W::NT; j++)
+                for (int e = 0; e < 4; e++)
+                    t->out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
+                        acc[i][j][e];
+    };
+    mgpu__implicit_finish<TM>(row, store, [&](int m0) {
         if (pixel < npq)
             mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
-        __syncthreads(); /* out is read before the next rows take it */
-    }
+    });
 #endif
 }
 
