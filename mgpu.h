@@ -4281,7 +4281,7 @@ static int mgpu__conv_implicit_available(void) {
 
 /* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
-   copies of them (the forward pass, and dx at stride 1); each in one of
+   copies of them (the forward pass, dx at stride 1, and dW); each in one of
    the four tiles. */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
@@ -4294,20 +4294,23 @@ typedef struct {
    copying `in` and the weights to channels-last TF32 copies; the weights
    as w' (flipped, filters and channels swapped) when the convolution is
    the input gradient's (for_dx: `in` is dy, g is mgpu__conv_dx_geometry). */
+/* A new tensor [outer, cols, rows], the TF32 copy of in [outer, rows, cols]
+   made by conv_nhwc.h's mgpu__channels_last (flip: as there). */
+static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, int outer, int rows,
+                                             int cols, int flip) {
+    mgpu_tensor *t = mgpu_empty(dev, mgpu_shape3(outer, cols, rows));
+    mgpu__channels_last_args a = {t->data, in, outer, rows, cols, flip};
+    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, a);
+    return t;
+}
+
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in, const float *w,
                                      const float *b, const mgpu__conv_geom *g, int for_dx,
                                      mgpu__implicit_tile tile) {
     int rs = g->r * g->s;
-    mgpu_tensor *in_t = mgpu_empty(dev, mgpu_shape4(g->n, g->h, g->w, g->c));
-    mgpu_tensor *w_t = mgpu_empty(dev, mgpu_shape4(g->k, g->r, g->s, g->c));
-    mgpu__channels_last_args to_in = {in_t->data, in, g->n, g->c, g->h * g->w, 0};
-    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, to_in);
-    mgpu__channels_last_args to_w = {w_t->data, w, g->k, g->c, rs, 0}; /* [K, C, RS] -> [K, RS, C] */
-    if (for_dx) { /* w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
-        mgpu__channels_last_args flipped = {w_t->data, w, 1, g->c, g->k * rs, rs};
-        to_w = flipped;
-    }
-    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, to_w);
+    mgpu_tensor *in_t = mgpu__channels_last_copy(dev, in, g->n, g->c, g->h * g->w, 0);
+    mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs) /* w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
+                              : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);  /* [K, C, RS] -> [K, RS, C] */
     mgpu__conv_nhwc_args a = {out, in_t->data, w_t->data, b, *g, tile};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
@@ -4340,11 +4343,25 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
     mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
                     mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
 }
-/* (conv_implicit.h's kernel only, so far) */
 static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu__conv_geom *g, int accumulate, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
+    if (kernel.family == MGPU__CHANNELS_LAST) { /* from channels-last copies of dy and x */
+        mgpu_tensor *dy_t = mgpu__channels_last_copy(dev, dy->data, g->n, g->k, g->p * g->q, 0);
+        mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_t->data, x_t->data, accumulate ? 1.0f : 0.0f,
+                                     0, 0, *g, kernel.tile};
+        mgpu__conv_nhwc_dw_slices(&a);
+        mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
+        a.partials = partials->data;
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda,
+                        &a, sizeof a);
+        mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
+        mgpu_free(x_t);
+        mgpu_free(dy_t);
+        return;
+    }
     mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
                                          0, *g, kernel.tile};
     wg.splits = mgpu__conv_implicit_wgrad_splits(g, kernel.tile);
@@ -4405,11 +4422,14 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
 
 /* Whether a kernel family can compute a pass of this convolution: the
    gathering kernels all of them, the channels-last ones the forward pass
-   and dx at stride 1, when the channels come in whole steps. */
+   and dx at stride 1 when the channels come in whole steps, and dW when
+   channels and filters come in fours. */
 static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try what,
                                   const mgpu__conv_geom *g) {
     if (family == MGPU__GATHER) return 1;
-    return what == MGPU__TRY_Y ? mgpu__conv_nhwc_fits(g) : what == MGPU__TRY_DX && mgpu__conv_nhwc_dx_fits(g);
+    return what == MGPU__TRY_Y    ? mgpu__conv_nhwc_fits(g)
+           : what == MGPU__TRY_DX ? mgpu__conv_nhwc_dx_fits(g)
+                                  : what == MGPU__TRY_DW && mgpu__conv_nhwc_dw_fits(g);
 }
 
 /* The fastest implicit GEMM for one pass (`what`), in *kernel, and its

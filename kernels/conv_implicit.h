@@ -388,16 +388,25 @@ typedef struct {
     mgpu__implicit_tile tile;
 } mgpu__conv_implicit_wgrad_args;
 
-/* Slices of the sum: about 1024 blocks in all, each summing at least 256
-   output pixels, the partial tiles at most 16M floats. */
-static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+/* Slices of the sum over output pixels for a weight gradient in `tile`:
+   about `blocks` blocks in all, each summing at least `least` pixels, the
+   partial tiles at most 16M floats. This kernel takes 1024 blocks of 256
+   pixels or more (mgpu__conv_implicit_wgrad_splits); conv_nhwc.h's
+   fewer and longer ones (it multiplies faster, in less time than
+   reading and writing more partial tiles would take). */
+static int mgpu__conv_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks,
+                                   size_t least) {
     size_t crs = (size_t)g->c * g->r * g->s, rows = mgpu__implicit_tile_rows[tile],
            columns = mgpu__implicit_tile_columns[tile];
     size_t tiles = ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns);
-    size_t pixels = (size_t)g->n * g->p * g->q, splits = (1024 + tiles - 1) / tiles;
-    if (splits > pixels / 256) splits = pixels / 256;
+    size_t pixels = (size_t)g->n * g->p * g->q, splits = (blocks + tiles - 1) / tiles;
+    if (splits > pixels / least) splits = pixels / least;
     if (splits > ((size_t)16 << 20) / ((size_t)g->k * crs)) splits = ((size_t)16 << 20) / ((size_t)g->k * crs);
+    if (splits > 65535) splits = 65535; /* grid.z */
     return splits < 1 ? 1 : (int)splits;
+}
+static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+    return mgpu__conv_wgrad_splits(g, tile, 1024, 256);
 }
 
 template <int TM, int TN>
@@ -450,14 +459,33 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
     mgpu__implicit_product(&t, count, decode, gather, write);
 #endif
 }
-/* dw = beta dw + the partial tiles, added in order */
-static __global__ void mgpu__conv_implicit_wgrad_finish_kernel(mgpu__conv_implicit_wgrad_args a) {
-    size_t n = (size_t)a.g.k * a.g.c * a.g.r * a.g.s;
+/* dw = beta dw + the partial tiles [splits, K, C*R*S], added in order
+   (the same result from run to run). With rsc_order the partial tiles'
+   columns are in (r, s, c) order, channels fastest (conv_nhwc.h's weight
+   gradient), and go to dw's (c, r, s): read in the partials' order (so
+   that the many reads are coalesced, the one write of each value not). */
+typedef struct {
+    float *dw;
+    const float *partials;
+    float beta;
+    int splits, k, c, rs, rsc_order;
+} mgpu__wgrad_sum_args;
+static __global__ void mgpu__wgrad_sum_kernel(mgpu__wgrad_sum_args a) {
+    size_t crs = (size_t)a.c * a.rs, n = (size_t)a.k * crs;
     MGPU__GRID_STRIDE_LOOP(i, n) {
         float sum = 0.0f;
         for (int z = 0; z < a.splits; z++) sum += a.partials[(size_t)z * n + i];
-        a.dw[i] = a.beta != 0.0f ? a.beta * a.dw[i] + sum : sum;
+        size_t o = i;
+        if (a.rsc_order) {
+            size_t filter = i / crs, rest = i - filter * crs, rs = rest / a.c, c = rest - rs * a.c;
+            o = filter * crs + c * a.rs + rs;
+        }
+        a.dw[o] = a.beta != 0.0f ? a.beta * a.dw[o] + sum : sum;
     }
+}
+static void mgpu__wgrad_sum(mgpu__wgrad_sum_args a, cudaStream_t stream) {
+    mgpu__wgrad_sum_kernel<<<mgpu__grid_for((size_t)a.k * a.c * a.rs, 256), 256, 0, stream>>>(a);
+    MGPU_CUDA_CHECK_LAUNCH();
 }
 
 /* A block per tile: the columns on x (up to 2^31 - 1 blocks), the rows on
@@ -492,12 +520,11 @@ static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *e
     const mgpu__conv_implicit_wgrad_args *a = (const mgpu__conv_implicit_wgrad_args *)args;
     void (*kernel)(mgpu__conv_implicit_wgrad_args, mgpu__conv_divisors) =
         MGPU__IMPLICIT_INSTANCE(mgpu__conv_implicit_wgrad_kernel, a->tile);
-    size_t crs = (size_t)a->g.c * a->g.r * a->g.s, n = (size_t)a->g.k * crs;
+    size_t crs = (size_t)a->g.c * a->g.r * a->g.s;
     dim3 grid = mgpu__implicit_grid(a->tile, crs, a->g.k, a->splits);
     kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
-    mgpu__conv_implicit_wgrad_finish_kernel<<<mgpu__grid_for(n, 256), 256, 0,
-                                              (cudaStream_t)ex->stream>>>(*a);
-    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 0};
+    mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
 #endif

@@ -289,6 +289,29 @@ static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc
 }
 #endif
 
+/* The loop over steps both kernels share, STAGES - 1 steps in flight
+   ahead of the one being multiplied: load(stage) starts the copies of
+   the next step into copy `stage` of the step tiles, multiply(stage)
+   multiplies copy `stage`. One barrier a step. At the end every warp has
+   multiplied its last step, so the tiles' bytes may take other data. */
+template <typename Load, typename Multiply>
+static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply) {
+    const int STAGES = MGPU__NHWC_STAGES;
+    for (int stage = 0; stage < STAGES - 1; stage++) {
+        if (stage < steps) load(stage);
+        mgpu__copies_commit(); /* a group even when empty, so that each step is one group */
+    }
+    for (int step = 0; step < steps; step++) {
+        mgpu__copies_wait<STAGES - 2>(); /* this thread's copies of `step` have landed, */
+        __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
+        if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
+        mgpu__copies_commit();
+        multiply(step % STAGES);
+    }
+    mgpu__copies_wait<0>(); /* (only empty groups are left) */
+    __syncthreads();
+}
+
 /* Blocks a multiprocessor should hold: as many as their shared memory
    allows of sm_90's 227 KB (so that registers are not what limits them;
    on sm_80's 163 KB the 128 x 128 tile fits only once). */
@@ -300,7 +323,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__nhwc_warp<TM, TN> W;
     const mgpu__conv_geom g = a.g;
-    const int STEP = MGPU__NHWC_STEP, STAGES = MGPU__NHWC_STAGES, LD = STEP + 4;
+    const int STEP = MGPU__NHWC_STEP, LD = STEP + 4;
     /* a thread's copies: always the same 16 bytes (chunk) of a row, in
        every APART-th row from tid / 8: A_PER rows of a, B_PER of b */
     const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
@@ -347,24 +370,9 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         }
     };
 
-    typename W::acc acc;
-    for (int i = 0; i < W::MT; i++)
-        for (int j = 0; j < W::NT; j++)
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
-    int steps = rsc / STEP;
-    for (int stage = 0; stage < STAGES - 1; stage++) {
-        if (stage < steps) load(stage);
-        mgpu__copies_commit(); /* a group even when empty, so that each step is one group */
-    }
-    for (int step = 0; step < steps; step++) {
-        mgpu__copies_wait<STAGES - 2>(); /* this thread's copies of `step` have landed, */
-        __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
-        if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
-        mgpu__copies_commit();
-        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, step % STAGES);
-    }
-    mgpu__copies_wait<0>(); /* (only empty groups are left) */
-    __syncthreads();        /* every warp has multiplied its last step: out may take the bytes */
+    typename W::acc acc = {};
+    mgpu__nhwc_steps(rsc / STEP, load,
+                     [&](int stage) { mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, stage); });
 
     /* The tile of Y to y [img, filter, p, q], with the bias, as
        conv_implicit.h writes it: each lane's values go to out where
@@ -385,13 +393,17 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 #endif
 }
 
+/* The bytes of a tile kind's shared memory, `tiles` one of the unions above. */
+#define MGPU__NHWC_BYTES(tiles, tile)                                                     \
+    ((tile) == MGPU__TILE_128x64    ? (int)sizeof(tiles<128, 64>)                         \
+     : (tile) == MGPU__TILE_64x128  ? (int)sizeof(tiles<64, 128>)                         \
+     : (tile) == MGPU__TILE_128x128 ? (int)sizeof(tiles<128, 128>)                        \
+                                    : (int)sizeof(tiles<64, 64>))
+
 static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_nhwc_args *a = (const mgpu__conv_nhwc_args *)args;
     void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, a->tile);
-    int bytes = a->tile == MGPU__TILE_128x64    ? (int)sizeof(mgpu__nhwc_tiles<128, 64>)
-                : a->tile == MGPU__TILE_64x128  ? (int)sizeof(mgpu__nhwc_tiles<64, 128>)
-                : a->tile == MGPU__TILE_128x128 ? (int)sizeof(mgpu__nhwc_tiles<128, 128>)
-                                                : (int)sizeof(mgpu__nhwc_tiles<64, 64>);
+    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, a->tile);
     /* More than 48 KB of shared memory must be asked for, on each device
        (a call without the GPU's involvement, cheap enough to make at every
        launch, which saves remembering which devices have been asked). */
@@ -399,5 +411,176 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
     dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
     kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
+}
+
+/* ------------------------------------------------- the weight gradient */
+/* dW_t [K, (r,s,c)] = G col^T, summed over the output pixels l = (img,p,q):
+       dw_t[k, (r,s,c)] = sum over l of dy_t[l, k] x_t[img, p*t + r - d, q*t + s - d, c]
+   from channels-last copies of dy [n, K, P, Q] and x. Rows are filters,
+   columns (r, s, c), channels fastest; a step is 32 output pixels. For
+   each, the tile of a holds TM contiguous filters of dy_t's row, the
+   tile of b TN columns of x_t: 4 channels at a time, one 16-byte copy,
+   from the pixel the window position (r, s) of the column puts under
+   it (so C and K must be multiples of 4; any stride, padding and window).
+
+   Both tiles are stored by the summed index (a[pixel][filter],
+   b[pixel][column]), as they lie in memory, which is the transpose of
+   what ldmatrix gives mma for 32-bit values: the lanes load their
+   fragments with one 32-bit load each instead. Lane l (g = l / 4, t =
+   l % 4) reads row t or t + 4 and column g (+ 8, + 16 ...): with rows
+   TM + 8 floats apart (8 banks), the 4 rows start on banks 0, 8, 16, 24
+   and the 32 lanes hit 32 banks. For the 128 x 128 tile a warp loads 32
+   values a lane for 32 multiplies per 8 pixels (4 ldmatrix would do it
+   in the forward kernel); the shared memory read is the same.
+
+   The sum is long and the output small (stage 1: 200704 pixels, 64 x 576
+   values), so it is split over blocks (grid.z) in slices of whole steps;
+   each slice's tile goes to its own partial [K, R*S*C], and
+   mgpu__wgrad_sum (conv_implicit.h) adds the slices in order into dw,
+   from (r, s, c) to dw's (c, r, s). */
+typedef struct {
+    float *dw;         /* [K, C, R, S]: beta * dw + the gradient */
+    float *partials;   /* [splits, K, R*S*C] scratch */
+    const float *dy_t; /* [n, P, Q, K], TF32 */
+    const float *x_t;  /* [n, H, W, C], TF32 */
+    float beta;
+    int splits, per;   /* slices of the sum, `per` output pixels each (whole steps) */
+    mgpu__conv_geom g;
+    mgpu__implicit_tile tile;
+} mgpu__conv_nhwc_dw_args;
+
+static int mgpu__conv_nhwc_dw_fits(const mgpu__conv_geom *g) {
+    return g->c % 4 == 0 && g->k % 4 == 0 && g->k / 64 < 65535;
+}
+/* The slices: about 512 blocks of at least 512 pixels (fewer, longer
+   ones than conv_implicit.h's, as this kernel multiplies faster than it
+   could read and write more partial tiles), `per` a whole number of
+   steps. */
+static void mgpu__conv_nhwc_dw_slices(mgpu__conv_nhwc_dw_args *a) {
+    int pixels = a->g.n * a->g.p * a->g.q, splits = mgpu__conv_wgrad_splits(&a->g, a->tile, 512, 512);
+    int steps = (pixels + MGPU__NHWC_STEP - 1) / MGPU__NHWC_STEP;
+    a->per = (steps + splits - 1) / splits * MGPU__NHWC_STEP;
+    a->splits = (pixels + a->per - 1) / a->per;
+}
+
+template <int TM, int TN> struct mgpu__nhwc_dw_tiles {
+    uint32_t a[MGPU__NHWC_STAGES][MGPU__NHWC_STEP][TM + 8];
+    uint32_t b[MGPU__NHWC_STAGES][MGPU__NHWC_STEP][TN + 8];
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+/* acc += a b for this warp's quarter of the tile from one copy of the
+   step tiles, a [32 pixels][TM + 8] and b [32 pixels][TN + 8]: four
+   tensor-core steps of k = 8, each lane loading its fragments as
+   mgpu__mma_tf32 lays them out (A[m][k] = a[k][m], B[k][n] = b[k][n]). */
+template <int TM, int TN>
+static __device__ void mgpu__nhwc_dw_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
+                                              const uint32_t (*a_step)[TM + 8],
+                                              const uint32_t (*b_step)[TN + 8]) {
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    const int LA = TM + 8, LB = TN + 8;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint32_t *a = &a_step[t][(warp / 2) * (TM / 2) + g], *b = &b_step[t][(warp % 2) * (TN / 2) + g];
+    for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
+        uint32_t fa[W::MT][4], fb[W::NT][2];
+        for (int i = 0; i < W::MT; i++) {
+            fa[i][0] = a[kk * LA + 16 * i], fa[i][1] = a[kk * LA + 16 * i + 8];
+            fa[i][2] = a[(kk + 4) * LA + 16 * i], fa[i][3] = a[(kk + 4) * LA + 16 * i + 8];
+        }
+        for (int j = 0; j < W::NT; j++) fb[j][0] = b[kk * LB + 8 * j], fb[j][1] = b[(kk + 4) * LB + 8 * j];
+        for (int i = 0; i < W::MT; i++)
+            for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], fa[i], fb[j]);
+    }
+}
+#endif
+
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
+mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    const mgpu__conv_geom g = a.g;
+    const int STEP = MGPU__NHWC_STEP, LA = TM + 8, LB = TN + 8;
+    /* a thread's copies: always the same 16 bytes (chunk) of a row, in
+       every APART-th row (pixel): A_PER rows of a, B_PER of b */
+    const int A_CHUNKS = TM / 4, A_APART = MGPU__IMPLICIT_THREADS / A_CHUNKS, A_PER = STEP / A_APART;
+    const int B_CHUNKS = TN / 4, B_APART = MGPU__IMPLICIT_THREADS / B_CHUNKS, B_PER = STEP / B_APART;
+    mgpu__nhwc_dw_tiles<TM, TN> *t = (mgpu__nhwc_dw_tiles<TM, TN> *)mgpu__dynamic_shared();
+    mgpu__shared_address a_tiles = mgpu__shared_address_of(t->a), b_tiles = mgpu__shared_address_of(t->b);
+    int tid = threadIdx.x, pq = g.p * g.q, rsc = g.r * g.s * g.c;
+    int first = blockIdx.z * a.per, count = first + a.per < g.n * pq ? a.per : g.n * pq - first; /* this slice */
+
+    /* a: this thread's 4 filters */
+    int a_chunk = tid % A_CHUNKS, a_row = tid / A_CHUNKS, filter = blockIdx.y * TM + a_chunk * 4;
+    const float *dy_row = a.dy_t + (size_t)(first + a_row) * g.k + filter;
+    /* b: this thread's 4 columns (r, s, c..c+3), and its pixels, decoded
+       once and moved on by a step (32 pixels: step_q, step_p, step_img)
+       at each load */
+    int b_chunk = tid % B_CHUNKS, b_row = tid / B_CHUNKS, column = blockIdx.x * TN + b_chunk * 4;
+    int rs = column / g.c, c = column - rs * g.c, r = rs / g.s, s = rs - r * g.s;
+    int img[B_PER], p[B_PER], q[B_PER];
+    for (int j = 0; j < B_PER; j++) {
+        int pixel = first + b_row + j * B_APART;
+        img[j] = pixel / pq, p[j] = (pixel - img[j] * pq) / g.q, q[j] = pixel - img[j] * pq - p[j] * g.q;
+    }
+    int step_q = STEP % g.q, step_p = STEP / g.q % g.p, step_img = STEP / pq;
+    int loaded = 0; /* steps loaded so far */
+    auto load = [&](int stage) {
+        mgpu__shared_address to_a = a_tiles + 4 * ((stage * STEP + a_row) * LA + a_chunk * 4);
+        for (int j = 0; j < A_PER; j++) {
+            int row = loaded * STEP + a_row + j * A_APART;
+            bool valid = filter < g.k && row < count;
+            mgpu__copy_async16(to_a + 4 * j * A_APART * LA,
+                               valid ? dy_row + (size_t)(row - a_row) * g.k : a.dy_t, valid);
+        }
+        mgpu__shared_address to_b = b_tiles + 4 * ((stage * STEP + b_row) * LB + b_chunk * 4);
+        for (int j = 0; j < B_PER; j++) {
+            int row = loaded * STEP + b_row + j * B_APART;
+            int h = p[j] * g.stride + r - g.pad, w = q[j] * g.stride + s - g.pad;
+            bool inside = column < rsc && row < count && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w;
+            mgpu__copy_async16(to_b + 4 * j * B_APART * LB,
+                               inside ? a.x_t + ((size_t)(img[j] * g.h + h) * g.w + w) * g.c + c : a.x_t, inside);
+            q[j] += step_q; /* the pixel a step on, carrying into p and img */
+            int carry = q[j] >= g.q;
+            q[j] -= carry ? g.q : 0;
+            p[j] += step_p + carry;
+            carry = p[j] >= g.p;
+            p[j] -= carry ? g.p : 0;
+            img[j] += step_img + carry;
+        }
+        loaded++;
+    };
+    typename W::acc acc = {};
+    mgpu__nhwc_steps((count + STEP - 1) / STEP, load, [&](int stage) {
+        mgpu__nhwc_dw_multiply<TM, TN>(acc, t->a[stage], t->b[stage]);
+    });
+
+    /* The slice's tile straight from the accumulators to its partial: a
+       lane's two neighbouring values of a row as one 8-byte store, 4
+       lanes a row of 32 bytes. */
+    int warp = tid / 32, lane = tid % 32;
+    int row0 = blockIdx.y * TM + (warp / 2) * (TM / 2) + lane / 4;
+    int col0 = blockIdx.x * TN + (warp % 2) * (TN / 2) + 2 * (lane % 4);
+    float *partial = a.partials + (size_t)blockIdx.z * g.k * rsc;
+    for (int i = 0; i < W::MT; i++)
+        for (int j = 0; j < W::NT; j++)
+            for (int half = 0; half < 2; half++) {
+                int f = row0 + 16 * i + 8 * half, n = col0 + 8 * j; /* n even, rsc a multiple of 4 */
+                if (f < g.k && n < rsc)
+                    *(float2 *)&partial[(size_t)f * rsc + n] = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+            }
+#endif
+}
+
+static void mgpu__conv_nhwc_dw_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_nhwc_dw_args *a = (const mgpu__conv_nhwc_dw_args *)args;
+    void (*kernel)(mgpu__conv_nhwc_dw_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_dw_kernel, a->tile);
+    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_dw_tiles, a->tile);
+    MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.r * a->g.s * a->g.c, a->g.k, a->splits);
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 1};
+    mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
 #endif

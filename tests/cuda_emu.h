@@ -61,6 +61,10 @@ struct dim3 {
     unsigned x, y, z;
     dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
+struct alignas(8) float2 {
+    float x, y;
+};
+static float2 make_float2(float x, float y) { return float2{x, y}; }
 static dim3 blockIdx, threadIdx; /* of the fiber running now */
 static dim3 blockDim, gridDim;
 #define __global__

@@ -201,6 +201,21 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
             mgpu__conv_nhwc_cuda(&a, &on_gpu);
             close_in_tf32(name, "dx", dx_g, dx_c);
         }
+        if (mgpu__conv_nhwc_dw_fits(&g)) {
+            /* in the library's slices, and in one, and in slices of one step
+               (the last one shorter unless the step divides n*P*Q) */
+            mgpu__conv_nhwc_dw_args a = {NULL, NULL, dy_t.data(), x_t.data(), 1.0f, 0, 0, g, kind};
+            mgpu__conv_nhwc_dw_slices(&a);
+            int pixels = n * (int)pq;
+            for (int per : {a.per, (pixels + 31) / 32 * 32, 32}) {
+                std::vector<float> dw_g = dw_start;
+                a.per = per, a.splits = (pixels + per - 1) / per;
+                std::vector<float> partials = nans((size_t)a.splits * k * crs);
+                a.dw = dw_g.data(), a.partials = partials.data();
+                mgpu__conv_nhwc_dw_cuda(&a, &on_gpu);
+                close_in_tf32(name, "dw", dw_g, dw_c);
+            }
+        }
     }
 }
 TEST(implicit_gemm_convolution) {
@@ -217,13 +232,16 @@ TEST(implicit_gemm_convolution) {
    of its 32-channel step; partial tiles of filters and pixels, windows
    over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
 TEST(channels_last_convolution) {
-    /* N  C   H  W   K  R  t  d  bias */
-    implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y and dx */
-    implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* y only (K), 2 tiles of 64 filters */
-    implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* y only (stride 2) */
+    /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
+    implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
+    implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
+    implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* no dx (stride 2) */
     implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2 */
     implicit_case(3, 32, 9, 10, 130, 3, 1, 0, 1); /* more than one tile of 128 filters and pixels */
+    implicit_case(2, 64, 6, 6, 36, 3, 1, 1, 0);  /* dW: several tiles of 128 (r, s, c), 2 positions a tile */
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
+    implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing inside a 16-byte copy's tile row */
+    implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
 }
 
 /* The channels-last copies: every element where it belongs, rounded to

@@ -314,6 +314,11 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, channels_last);
             check_same(what, "dx", &dx, 2e-3);
         }
+        if (mgpu__conv_nhwc_dw_fits(&g)) {
+            mgpu_fill(dw.g, NAN);
+            mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, channels_last);
+            check_same(what, "dw", &dw, 2e-3);
+        }
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
@@ -384,7 +389,7 @@ TEST(conv_algorithm_chosen_by_measuring) {
 TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
-    implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y and dx channels-last too */
+    implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
     mgpu_set_tf32(0, 0);
 }
 
