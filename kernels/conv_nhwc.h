@@ -510,45 +510,50 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
     int tid = threadIdx.x, pq = g.p * g.q, rsc = g.r * g.s * g.c;
     int first = blockIdx.z * a.per, count = first + a.per < g.n * pq ? a.per : g.n * pq - first; /* this slice */
 
-    /* a: this thread's 4 filters */
+    /* a: this thread's 4 filters, in rows of dy_t that move on by a step
+       (32 pixels) at each load; a_left: the slice's rows from this
+       thread's next one (none when the filters are past K) */
     int a_chunk = tid % A_CHUNKS, a_row = tid / A_CHUNKS, filter = blockIdx.y * TM + a_chunk * 4;
-    const float *dy_row = a.dy_t + (size_t)(first + a_row) * g.k + filter;
-    /* b: this thread's 4 columns (r, s, c..c+3), and its pixels, decoded
-       once and moved on by a step (32 pixels: step_q, step_p, step_img)
-       at each load */
+    const float *dy_rows = a.dy_t + (size_t)(first + a_row) * g.k + filter;
+    int a_left = filter < g.k ? count - a_row : 0;
+    /* b: this thread's 4 columns (r, s, c..c+3), and for each of its
+       pixels where the column's values lie in x_t: row h and column w
+       (outside 0..H-1, 0..W-1 in the padding) and the offset of x_t[img,
+       h, w, c]. Decoded once here; each load moves them on by a step. */
     int b_chunk = tid % B_CHUNKS, b_row = tid / B_CHUNKS, column = blockIdx.x * TN + b_chunk * 4;
     int rs = column / g.c, c = column - rs * g.c, r = rs / g.s, s = rs - r * g.s;
-    int img[B_PER], p[B_PER], q[B_PER];
+    int b_left = column < rsc ? count - b_row : 0;
+    const int row_floats = g.w * g.c, image_floats = g.h * row_floats;
+    int h[B_PER], w[B_PER], at[B_PER];
     for (int j = 0; j < B_PER; j++) {
-        int pixel = first + b_row + j * B_APART;
-        img[j] = pixel / pq, p[j] = (pixel - img[j] * pq) / g.q, q[j] = pixel - img[j] * pq - p[j] * g.q;
+        int pixel = first + b_row + j * B_APART, img = pixel / pq, p = (pixel - img * pq) / g.q;
+        h[j] = p * g.stride + r - g.pad, w[j] = (pixel - img * pq - p * g.q) * g.stride + s - g.pad;
+        at[j] = img * image_floats + h[j] * row_floats + w[j] * g.c + c;
     }
-    int step_q = STEP % g.q, step_p = STEP / g.q % g.p, step_img = STEP / pq;
-    int loaded = 0; /* steps loaded so far */
+    /* A step is 32 output pixels: step_img images, step_p rows and step_q
+       columns on, and one row more when q passes Q (w reaches w_end), one
+       image more when p passes P (h reaches h_end). */
+    const int step_q = STEP % g.q, step_p = STEP / g.q % g.p, step_img = STEP / pq;
+    const int w_step = step_q * g.stride, h_step = step_p * g.stride;
+    const int at_step = w_step * g.c + h_step * row_floats + step_img * image_floats;
+    const int w_back = g.q * g.stride, w_end = w_back + s - g.pad, at_next_row = g.stride * row_floats - w_back * g.c;
+    const int h_back = g.p * g.stride, h_end = h_back + r - g.pad, at_next_image = image_floats - h_back * row_floats;
     auto load = [&](int stage) {
         mgpu__shared_address to_a = a_tiles + 4 * ((stage * STEP + a_row) * LA + a_chunk * 4);
         for (int j = 0; j < A_PER; j++) {
-            int row = loaded * STEP + a_row + j * A_APART;
-            bool valid = filter < g.k && row < count;
-            mgpu__copy_async16(to_a + 4 * j * A_APART * LA,
-                               valid ? dy_row + (size_t)(row - a_row) * g.k : a.dy_t, valid);
+            bool valid = j * A_APART < a_left;
+            mgpu__copy_async16(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t, valid);
         }
+        dy_rows += STEP * g.k, a_left -= STEP;
         mgpu__shared_address to_b = b_tiles + 4 * ((stage * STEP + b_row) * LB + b_chunk * 4);
         for (int j = 0; j < B_PER; j++) {
-            int row = loaded * STEP + b_row + j * B_APART;
-            int h = p[j] * g.stride + r - g.pad, w = q[j] * g.stride + s - g.pad;
-            bool inside = column < rsc && row < count && (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w;
-            mgpu__copy_async16(to_b + 4 * j * B_APART * LB,
-                               inside ? a.x_t + ((size_t)(img[j] * g.h + h) * g.w + w) * g.c + c : a.x_t, inside);
-            q[j] += step_q; /* the pixel a step on, carrying into p and img */
-            int carry = q[j] >= g.q;
-            q[j] -= carry ? g.q : 0;
-            p[j] += step_p + carry;
-            carry = p[j] >= g.p;
-            p[j] -= carry ? g.p : 0;
-            img[j] += step_img + carry;
+            bool inside = j * B_APART < b_left && (unsigned)h[j] < (unsigned)g.h && (unsigned)w[j] < (unsigned)g.w;
+            mgpu__copy_async16(to_b + 4 * j * B_APART * LB, inside ? a.x_t + at[j] : a.x_t, inside);
+            w[j] += w_step, h[j] += h_step, at[j] += at_step;
+            if (w[j] >= w_end) w[j] -= w_back, h[j] += g.stride, at[j] += at_next_row;
+            if (h[j] >= h_end) h[j] -= h_back, at[j] += at_next_image;
         }
-        loaded++;
+        b_left -= STEP;
     };
     typename W::acc acc = {};
     mgpu__nhwc_steps((count + STEP - 1) / STEP, load, [&](int stage) {
