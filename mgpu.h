@@ -4290,10 +4290,6 @@ typedef struct {
     mgpu__implicit_tile tile;
 } mgpu__implicit_kernel;
 
-/* out = conv(in, w) + b with conv_nhwc.h's kernel, in geometry g, after
-   copying `in` and the weights to channels-last TF32 copies; the weights
-   as w' (flipped, filters and channels swapped) when the convolution is
-   the input gradient's (for_dx: `in` is dy, g is mgpu__conv_dx_geometry). */
 /* A new tensor [outer, cols, rows], the TF32 copy of in [outer, rows, cols]
    made by conv_nhwc.h's mgpu__channels_last (flip: as there). */
 static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, int outer, int rows,
@@ -4304,54 +4300,73 @@ static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, 
     return t;
 }
 
-static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in, const float *w,
+/* out = conv(in_t, w) + b with conv_nhwc.h's kernel, in geometry g, from
+   the channels-last copy in_t of the input, after copying the weights to
+   channels-last TF32; as w' (flipped, filters and channels swapped) when
+   the convolution is the input gradient's (for_dx: in_t is dy's copy, g
+   is mgpu__conv_dx_geometry). */
+static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      const float *b, const mgpu__conv_geom *g, int for_dx,
                                      mgpu__implicit_tile tile) {
     int rs = g->r * g->s;
-    mgpu_tensor *in_t = mgpu__channels_last_copy(dev, in, g->n, g->c, g->h * g->w, 0);
     mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs) /* w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
                               : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);  /* [K, C, RS] -> [K, RS, C] */
-    mgpu__conv_nhwc_args a = {out, in_t->data, w_t->data, b, *g, tile};
+    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
-    mgpu_free(in_t); /* reused only by work enqueued after this on the same queue */
-    mgpu_free(w_t);
+    mgpu_free(w_t); /* reused only by work enqueued after this on the same queue */
+}
+/* dy's channels-last copy for the backward kernels: the caller's dy_t
+   when it made one for both gradients, else a new one, in *own, to be
+   freed after use. */
+static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                           const mgpu__conv_geom *g, mgpu_tensor **own) {
+    *own = dy_t ? NULL : mgpu__channels_last_copy(dy->device, dy->data, g->n, g->k, g->p * g->q, 0);
+    return dy_t ? dy_t->data : (*own)->data;
 }
 
 /* The same with the implicit GEMMs (TF32), no col buffers, each product
-   with the given kernel. */
+   with the given kernel; the backward ones from dy_t, dy's channels-last
+   copy, if the caller has one (else NULL). */
 static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                         const mgpu_tensor *b, const mgpu__conv_geom *g,
                                         mgpu__implicit_kernel kernel) {
+    mgpu_device *dev = x->device;
     if (kernel.family == MGPU__CHANNELS_LAST) {
-        mgpu__conv_channels_last(x->device, y->data, x->data, w->data, b ? b->data : NULL, g, 0,
-                                 kernel.tile);
+        mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+        mgpu__conv_channels_last(dev, y->data, x_t->data, w->data, b ? b->data : NULL, g, 0, kernel.tile);
+        mgpu_free(x_t);
         return;
     }
     mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, kernel.tile};
-    mgpu__launch_on(&x->device->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a,
-                    sizeof a);
+    mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a, sizeof a);
 }
-static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *w,
-                                   const mgpu__conv_geom *g, mgpu__implicit_kernel kernel) {
+static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                   const mgpu_tensor *w, const mgpu__conv_geom *g,
+                                   mgpu__implicit_kernel kernel) {
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-        mgpu__conv_channels_last(dx->device, dx->data, dy->data, w->data, NULL, &d, 1, kernel.tile);
+        mgpu_tensor *own;
+        const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
+        mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile);
+        mgpu_free(own);
         return;
     }
     mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, kernel.tile};
     mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
                     mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
 }
-static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *x,
-                                   const mgpu__conv_geom *g, int accumulate, mgpu__implicit_kernel kernel) {
+static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                   const mgpu_tensor *x, const mgpu__conv_geom *g, int accumulate,
+                                   mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
     if (kernel.family == MGPU__CHANNELS_LAST) { /* from channels-last copies of dy and x */
-        mgpu_tensor *dy_t = mgpu__channels_last_copy(dev, dy->data, g->n, g->k, g->p * g->q, 0);
+        mgpu_tensor *own;
+        const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_t->data, x_t->data, accumulate ? 1.0f : 0.0f,
-                                     0, 0, *g, kernel.tile};
+        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, 0, 0, *g,
+                                     kernel.tile};
         mgpu__conv_nhwc_dw_slices(&a);
         mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
         a.partials = partials->data;
@@ -4359,7 +4374,7 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
                         &a, sizeof a);
         mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
         mgpu_free(x_t);
-        mgpu_free(dy_t);
+        mgpu_free(own);
         return;
     }
     mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
@@ -4413,8 +4428,8 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
         break;
     case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel); break;
-    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, t->w, t->g, kernel); break;
-    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->x, t->g, 0, kernel); break;
+    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel); break;
+    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
     return (mgpu_now() - t0) * 1e3;
@@ -4560,8 +4575,13 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
     implicit = plan.implicit;
     if (implicit) {
-        if (dx) mgpu__conv_dx_implicit(dx, dy, w, &g, plan.dx);
-        mgpu__conv_dw_implicit(dw, dy, x, &g, accumulate, plan.dw);
+        /* one channels-last copy of dy for both gradients, when both take one */
+        mgpu_tensor *dy_t = NULL;
+        if (dx && plan.dx.family == MGPU__CHANNELS_LAST && plan.dw.family == MGPU__CHANNELS_LAST)
+            dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
+        if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
+        mgpu__conv_dw_implicit(dw, dy, dy_t, x, &g, accumulate, plan.dw);
+        mgpu_free(dy_t);
     }
 #endif
     if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate);

@@ -88,11 +88,11 @@ static void implicit_forward(void *p) {
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dx_implicit(c->dx, c->dy, c->w, &c->g, c->kernel);
+    mgpu__conv_dx_implicit(c->dx, c->dy, NULL, c->w, &c->g, c->kernel);
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dw_implicit(c->dw, c->dy, c->x, &c->g, 0, c->kernel);
+    mgpu__conv_dw_implicit(c->dw, c->dy, NULL, c->x, &c->g, 0, c->kernel);
 }
 #endif
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */

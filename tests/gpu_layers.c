@@ -298,8 +298,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
         mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather);
-        mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, gather);
-        mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, gather);
+        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather);
+        mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
         check_same(what, "dw", &dw, 2e-3);
@@ -311,12 +311,12 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
             mgpu_fill(dx.g, NAN);
-            mgpu__conv_dx_implicit(dx.g, dy.g, wt.g, &g, channels_last);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, channels_last);
             check_same(what, "dx", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
-            mgpu__conv_dw_implicit(dw.g, dy.g, x.g, &g, 0, channels_last);
+            mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, &g, 0, channels_last);
             check_same(what, "dw", &dw, 2e-3);
         }
     }
