@@ -4227,7 +4227,8 @@ static void mgpu__conv_forward_im2col(mgpu_tensor *y, const mgpu_tensor *x, cons
     mgpu__conv_scratch_free(&s);
 }
 
-/* dx (when asked for) and dW (+)= the gradients, with im2col and products. */
+/* dx and dW (+)= the gradients, with im2col and products; either may be
+   NULL (not asked for), and then its half of the work is left out. */
 static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const mgpu_tensor *dy,
                                        const mgpu_tensor *x, const mgpu_tensor *w,
                                        const mgpu__conv_geom *g, int tf32, int accumulate) {
@@ -4242,13 +4243,15 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
         mgpu__swap_outer_args there = {s.kout->data, dy->data + (size_t)n0 * g->k * pq, part.n,
                                        g->k, pq, NULL};
         MGPU__ENQUEUE(dev, "conv2d_backward layout", mgpu__swap_outer, there);
-        mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
-        MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
-        /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
-        float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
-        mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g->k, (int)crs, cols, s.kout->data,
-                                               s.col->data, dw->data, beta, tf32);
-        MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
+        if (dw) {
+            mgpu__im2col_args im = {x->data + (size_t)n0 * chw, s.col->data, part};
+            MGPU__ENQUEUE(dev, "conv2d_backward im2col", mgpu__im2col, im);
+            /* dW [K, C*R*S] (+)= G col^T; the chunks after the first add to it. */
+            float beta = (accumulate || n0 > 0) ? 1.0f : 0.0f;
+            mgpu__gemm_args dwp = mgpu__gemm_dense(0, 1, g->k, (int)crs, cols, s.kout->data,
+                                                   s.col->data, dw->data, beta, tf32);
+            MGPU__ENQUEUE(dev, "conv2d_backward dW product", mgpu__gemm, dwp);
+        }
         if (dx) {
             /* dcol [C*R*S, n*P*Q] = W^T G, into col (no longer needed), then back to pixels. */
             mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g->k, w->data,
@@ -4387,10 +4390,15 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
     mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
 }
 
-/* How a convolution's pass runs: with im2col, or with these implicit
-   GEMMs (y for the forward pass, dx and dw for the backward). */
+/* How a convolution's pass runs. The forward pass: with im2col, or with
+   an implicit GEMM (implicit, kernel y). The backward pass: with conv.h's
+   im2col path for both gradients at once (they share its dy in [K,
+   n*P*Q] and its col buffer), or (implicit) each gradient on its own,
+   with an implicit GEMM (kernels dx and dw) or with its half of the
+   im2col path (dx_im2col, dw_im2col): stride-2 layers, for one, have no
+   fast channels-last dx but do have a fast channels-last dW. */
 typedef struct {
-    int implicit;
+    int implicit, dx_im2col, dw_im2col;
     mgpu__implicit_kernel y, dx, dw;
 } mgpu__conv_plan;
 
@@ -4412,7 +4420,9 @@ typedef struct {
     const mgpu__conv_geom *g;
     int backward;
 } mgpu__conv_trial;
-typedef enum { MGPU__TRY_IM2COL, MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW } mgpu__conv_try;
+typedef enum {
+    MGPU__TRY_IM2COL, MGPU__TRY_IM2COL_DX, MGPU__TRY_IM2COL_DW, MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW
+} mgpu__conv_try;
 
 /* One timed call, synchronised before and after, so that it measures this
    call alone (other queues of the same GPU may still add noise: the best
@@ -4427,6 +4437,8 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
         else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
         break;
+    case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0); break;
+    case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0); break;
     case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel); break;
     case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel); break;
     case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, t->g, 0, kernel); break;
@@ -4469,11 +4481,24 @@ static double mgpu__conv_fastest_kernel(const mgpu__conv_trial *t, mgpu__conv_tr
             }
     return fastest;
 }
+/* The best of three calls of an im2col pass (`what`: the forward pass,
+   the whole backward pass, or one gradient's half of it). */
+static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try what) {
+    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64}; /* (im2col takes no kernel) */
+    double best = HUGE_VAL;
+    for (int round = 0; round < 3; round++) {
+        double ms = mgpu__conv_trial_ms(t, what, none);
+        if (ms < best) best = ms;
+    }
+    return best;
+}
 
 /* How a convolution's pass (forward, or backward with or without dx)
    runs: im2col without TF32 or on a CPU; else as MGPU_CONV says, the
    implicit GEMMs in the fastest tiles for the shape, and with auto only
-   where they beat im2col. Measured at the pass's first call with a shape,
+   where they beat im2col: in the backward pass each gradient by the
+   faster of its implicit GEMM and its half of the im2col path, unless the
+   whole im2col path is faster than the two. Measured at the pass's first call with a shape,
    then remembered (not thread-safe: the chapters enqueue their
    convolutions from one thread). */
 static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
@@ -4495,18 +4520,22 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
         if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
         t->dw = dw = mgpu_empty(dev, t->w->shape);
     }
-    double implicit_ms = 0.0;
-    if (!t->backward) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, &plan.y);
-    if (with_dx) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, &plan.dx);
-    if (t->backward) implicit_ms += mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, &plan.dw);
+    int automatic = mgpu__conv_mode == MGPU__CONV_AUTO;
     plan.implicit = 1;
-    if (mgpu__conv_mode == MGPU__CONV_AUTO) {
-        double im2col_ms = HUGE_VAL;
-        for (int round = 0; round < 3; round++) {
-            double ms = mgpu__conv_trial_ms(t, MGPU__TRY_IM2COL, plan.y);
-            if (ms < im2col_ms) im2col_ms = ms;
+    if (!t->backward) {
+        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, &plan.y);
+        if (automatic) plan.implicit = y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
+    } else {
+        double dx_ms = with_dx ? mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, &plan.dx) : 0.0;
+        double dw_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, &plan.dw);
+        if (automatic) {
+            double half = with_dx ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX) : HUGE_VAL;
+            if ((plan.dx_im2col = half < dx_ms)) dx_ms = half;
+            half = mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW);
+            if ((plan.dw_im2col = half < dw_ms)) dw_ms = half;
+            /* (without dx, the dW half is the whole path) */
+            plan.implicit = !with_dx || dx_ms + dw_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
         }
-        plan.implicit = implicit_ms < im2col_ms;
     }
     if (dx) mgpu_free(dx);
     if (dw) mgpu_free(dw);
@@ -4576,11 +4605,13 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     implicit = plan.implicit;
     if (implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
-        mgpu_tensor *dy_t = NULL;
-        if (dx && plan.dx.family == MGPU__CHANNELS_LAST && plan.dw.family == MGPU__CHANNELS_LAST)
-            dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
-        if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
-        mgpu__conv_dw_implicit(dw, dy, dy_t, x, &g, accumulate, plan.dw);
+        int dx_cl = dx && !plan.dx_im2col && plan.dx.family == MGPU__CHANNELS_LAST;
+        int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
+        mgpu_tensor *dy_t = dx_cl && dw_cl ? mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0) : NULL;
+        if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0);
+        else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
+        if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate);
+        else mgpu__conv_dw_implicit(dw, dy, dy_t, x, &g, accumulate, plan.dw);
         mgpu_free(dy_t);
     }
 #endif

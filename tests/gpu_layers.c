@@ -353,7 +353,7 @@ TEST(conv_algorithm_chosen_by_measuring) {
     mgpu__conv_settings_from_environment();
     mgpu__conv_mode = MGPU__CONV_AUTO;
     mgpu_set_tf32(1, 0);
-    mgpu_shape xs = mgpu_shape4(16, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3);
+    mgpu_shape xs = mgpu_shape4(4, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3); /* small: emulated, every trial takes seconds */
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(128)), y = pair_nan(ys);
     pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(128));
@@ -374,15 +374,48 @@ TEST(conv_algorithm_chosen_by_measuring) {
         if (!mgpu__conv_choices[i].backward)
             printf("  auto: forward, %s (%s %s)\n", p->implicit ? "implicit GEMM" : "im2col",
                    mgpu__implicit_family_names[p->y.family], mgpu__implicit_tile_names[p->y.tile]);
+        else if (!p->implicit)
+            printf("  auto: backward, im2col for both gradients\n");
         else
-            printf("  auto: backward, %s (%s %s for dx, %s %s for dW)\n",
-                   p->implicit ? "implicit GEMM" : "im2col", mgpu__implicit_family_names[p->dx.family],
-                   mgpu__implicit_tile_names[p->dx.tile], mgpu__implicit_family_names[p->dw.family],
-                   mgpu__implicit_tile_names[p->dw.tile]);
+            printf("  auto: backward, dx by %s %s, dW by %s %s\n",
+                   p->dx_im2col ? "im2col" : mgpu__implicit_family_names[p->dx.family],
+                   p->dx_im2col ? "alone" : mgpu__implicit_tile_names[p->dx.tile],
+                   p->dw_im2col ? "im2col" : mgpu__implicit_family_names[p->dw.family],
+                   p->dw_im2col ? "alone" : mgpu__implicit_tile_names[p->dw.tile]);
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
     mgpu_set_tf32(0, 0);
+}
+
+/* Each gradient by its half of the im2col path alone (the plan's
+   dx_im2col and dw_im2col), in TF32: the same as the CPU's whole backward
+   pass, dW added to what was there, and neither half touching the
+   other's gradient. Stride 2, and 4 chunks of images (a small im2col
+   scratch), so that the chunks after the first add to dW. */
+TEST(conv_backward_im2col_halves) {
+    mgpu__conv_settings_from_environment();
+    size_t scratch = mgpu__conv_scratch_floats[1];
+    mgpu__conv_scratch_floats[1] = (size_t)1 << 16; /* 3 images' col buffers of 18432 floats */
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(12, 32, 15, 15), ws = mgpu_shape4(40, 32, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 2, 1);
+    mgpu__conv_geom g = mgpu__conv_geometry("halves", xs, ws, 2, 1);
+    pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws);
+    mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, 2, 1, 1);
+    pair dw_kept = {mgpu_to(dw.g, gpu, 0), dw.g};
+    mgpu__conv_backward_im2col(dx.g, NULL, dy.g, x.g, wt.g, &g, 1, 0);
+    check_same("im2col, dx alone", "dw untouched", &dw_kept, 0);
+    pair dx_kept = {mgpu_to(dx.g, gpu, 0), dx.g};
+    mgpu__conv_backward_im2col(NULL, dw.g, dy.g, x.g, wt.g, &g, 1, 1);
+    check_same("im2col, dW alone", "dx untouched", &dx_kept, 0);
+    check_same("im2col, dx alone", "dx", &dx, 2e-3);
+    check_same("im2col, dW alone", "dw, accumulated", &dw, 2e-3);
+    mgpu_free(dw_kept.c);
+    mgpu_free(dx_kept.c);
+    pair_free(&x); pair_free(&wt); pair_free(&dy); pair_free(&dx); pair_free(&dw);
+    mgpu_set_tf32(0, 0);
+    mgpu__conv_scratch_floats[1] = scratch;
 }
 
 /* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
