@@ -607,13 +607,14 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    another size for both (for measuring: bench/profile). A GPU's
    convolutions that may use TF32 can instead compute y, dx and dw as
    implicit GEMMs on the tensor cores that never write a col buffer:
-   kernels/conv_implicit.h's, which gather from the NCHW tensors, and for
-   the forward pass and dx at stride 1, when C (for dx: K) is a multiple
-   of 32, kernels/conv_nhwc.h's, which work on channels-last copies; each
-   in one of four tile shapes. MGPU_CONV chooses: auto (the default) times
-   im2col and every kernel and tile at the first call with each shape and
-   keeps the fastest, as PyTorch's cudnn.benchmark does (so the rounding
-   of TF32 results can differ from run to run); im2col forces im2col,
+   kernels/conv_implicit.h's, which gather from the NCHW tensors, and
+   kernels/conv_nhwc.h's, which work on channels-last copies (the forward
+   pass and dx at stride 1 when C, for dx K, is a multiple of 32; dW when
+   C and K are multiples of 4); each in one of four tile shapes. MGPU_CONV
+   chooses: auto (the default) times im2col and every kernel and tile at
+   the first call with each shape and keeps the fastest, as PyTorch's
+   cudnn.benchmark does, for each gradient on its own (so the rounding of
+   TF32 results can differ from run to run); im2col forces im2col,
    implicit the fastest implicit GEMMs.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->

@@ -1,7 +1,7 @@
-/* kernels/conv_nhwc.h: the convolution's forward pass, and its input
-   gradient at stride 1, as implicit GEMMs over channels-last copies of
-   the tensors (GPU only, TF32), with asynchronous copies straight from
-   memory into shared memory.
+/* kernels/conv_nhwc.h: the convolution's forward pass, its input
+   gradient at stride 1 and its weight gradient, as implicit GEMMs over
+   channels-last copies of the tensors (GPU only, TF32), with
+   asynchronous copies straight from memory into shared memory.
 
    Why another kernel. conv_implicit.h gathers its values from NCHW
    tensors one at a time: there a pixel's neighbours lie side by side, not
@@ -55,7 +55,10 @@
    Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
    of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
-   kernels issue 16 to 48 for the same work. Not yet timed on a GPU.
+   kernels issue 16 to 48 for the same work. On an H100 (bench/RESULTS.md,
+   2026-11-22) twice as fast as those, 63 to 100 TFLOP/s on ResNet-18's
+   3x3 layers, and still 2.2 to 2.7 times slower than cuDNN. The weight
+   gradient (at the end of this file) is not yet timed on a GPU.
 
    Shared memory, three copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
@@ -437,7 +440,12 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    values), so it is split over blocks (grid.z) in slices of whole steps;
    each slice's tile goes to its own partial [K, R*S*C], and
    mgpu__wgrad_sum (conv_implicit.h) adds the slices in order into dw,
-   from (r, s, c) to dw's (c, r, s). */
+   from (r, s, c) to dw's (c, r, s).
+
+   Instructions a step (SASS, nvcc 13.0, sm_90) per multiply: 4.3 for the
+   128 x 128 tile (555 for 128; the forward kernel: 3.2), 5.2 for 128 x
+   64, 6.2 for 64 x 128, 7.7 for 64 x 64, about half of it the copies'
+   address arithmetic (15 instructions a 16-byte copy). */
 typedef struct {
     float *dw;         /* [K, C, R, S]: beta * dw + the gradient */
     float *partials;   /* [splits, K, R*S*C] scratch */
