@@ -10,10 +10,11 @@
               for the first layer, whose input is the image),
    with conv.h's im2col + cuBLAS (the forward through mgpu_conv2d_forward,
    the backward through mgpu_conv2d_backward, dx and dW together), and on
-   a GPU with each tile shape of the implicit GEMMs, launched directly:
-   kernels/conv_implicit.h's (rows "gather"), and kernels/conv_nhwc.h's
-   (rows "channels-last", the forward pass and dx at stride 1; their times
-   include the copies to channels-last). The fastest tile of a row is
+   a GPU with each gradient's half of the im2col path alone (rows "im2col
+   alone"), and with each tile shape of the implicit GEMMs, launched
+   directly: kernels/conv_implicit.h's (rows "gather"), and
+   kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx at
+   stride 1, and dW; their times include the copies to channels-last). The fastest tile of a row is
    marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
@@ -23,8 +24,10 @@
 
    Then a ResNet-18 step's convolutions, summed with their counts: all
    im2col (MGPU_CONV=im2col); all implicit, the fastest kernel and tile
-   for each pass (MGPU_CONV=implicit); and the faster of the two for each
-   pass (MGPU_CONV=auto, the default). The last line is for bench/run.sh:
+   for each pass (MGPU_CONV=implicit); and the library's choice for each
+   pass (MGPU_CONV=auto, the default: the faster of the two for the
+   forward pass; each gradient by the faster of its implicit GEMM and its
+   half of im2col, unless im2col's whole backward beats the two). The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -94,6 +97,15 @@ static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
     mgpu__conv_dw_implicit(c->dw, c->dy, NULL, c->x, &c->g, 0, c->kernel);
 }
+/* each gradient alone with its half of the im2col path (TF32) */
+static void im2col_dx(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_backward_im2col(c->dx, NULL, c->dy, c->x, c->w, &c->g, 1, 0);
+}
+static void im2col_dw(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_backward_im2col(NULL, c->dw, c->dy, c->x, c->w, &c->g, 1, 0);
+}
 #endif
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
@@ -150,7 +162,7 @@ int main(int argc, char **argv) {
     printf(" %9s\n", "TFLOP/s");
 
     /* a step's convolutions, in microseconds: [0] im2col, [1] implicit with
-       the fastest kernels, [2] the faster of the two per pass */
+       the fastest kernels, [2] the library's choice per pass (auto) */
     double step_us[3] = {0, 0, 0}, step_flop = 0;
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
@@ -180,7 +192,11 @@ int main(int argc, char **argv) {
         step_flop += cc->count * flop * (c.first ? 2 : 3);
         double best_of_all = fwd + bwd;
 #if MGPU_CUDA
-        if (tiles) { /* each pass with each kernel that fits, in each tile */
+        if (tiles) { /* each gradient with its half of im2col alone; each pass with each kernel that fits, in each tile */
+            double half[PASSES] = {0, c.first ? 0 : time_us(dev[0], im2col_dx, &c, steps),
+                                   time_us(dev[0], im2col_dw, &c, steps)};
+            if (!c.first) print_row("  im2col alone", cc->count, "dx", flop, half[DX], NULL, 0);
+            print_row("  im2col alone", cc->count, "dW", flop, half[DW], NULL, 0);
             double best[PASSES] = {0, 0, 0};
             conv_run runs[PASSES] = {implicit_forward, implicit_dx, implicit_dw};
             const mgpu__conv_try tries[PASSES] = {MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW};
@@ -202,10 +218,13 @@ int main(int argc, char **argv) {
                 }
                 step_us[1] += cc->count * best[pass];
             }
-            /* (as the library's auto plan: the fastest implicit GEMMs for
-               dx and dW together against im2col's backward) */
+            /* (as the library's auto plan: each gradient by the faster of
+               its implicit GEMM and its half of im2col, the two against
+               im2col's whole backward) */
             double fwd_best = best[FWD] < fwd ? best[FWD] : fwd;
-            double bwd_best = best[DX] + best[DW] < bwd ? best[DX] + best[DW] : bwd;
+            double dx_best = c.first || half[DX] < best[DX] ? half[DX] : best[DX];
+            double dw_best = half[DW] < best[DW] ? half[DW] : best[DW];
+            double bwd_best = dx_best + dw_best < bwd ? dx_best + dw_best : bwd;
             best_of_all = fwd_best + bwd_best;
         }
 #endif
@@ -221,7 +240,7 @@ int main(int argc, char **argv) {
     printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
            step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
     if (tiles)
-        printf("  implicit, the fastest kernels: %.3f ms (%.1f TFLOP/s); the faster of the two per "
+        printf("  implicit, the fastest kernels: %.3f ms (%.1f TFLOP/s); the library's choice per "
                "pass: %.3f ms (%.1f TFLOP/s)\n",
                step_us[1] * 1e-3, tflops(step_flop, step_us[1]), step_us[2] * 1e-3,
                tflops(step_flop, step_us[2]));
