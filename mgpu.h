@@ -4313,8 +4313,9 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
                                      const float *b, const mgpu__conv_geom *g, int for_dx,
                                      mgpu__implicit_tile tile) {
     int rs = g->r * g->s;
-    mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs) /* w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
-                              : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);  /* [K, C, RS] -> [K, RS, C] */
+    /* w [K, C, RS] -> [K, RS, C]; for dx, w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
+    mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs)
+                              : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
@@ -4608,7 +4609,8 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         /* one channels-last copy of dy for both gradients, when both take one */
         int dx_cl = dx && !plan.dx_im2col && plan.dx.family == MGPU__CHANNELS_LAST;
         int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
-        mgpu_tensor *dy_t = dx_cl && dw_cl ? mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0) : NULL;
+        mgpu_tensor *dy_t = NULL;
+        if (dx_cl && dw_cl) dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0);
         else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
         if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate);

@@ -192,7 +192,8 @@ int main(int argc, char **argv) {
         step_flop += cc->count * flop * (c.first ? 2 : 3);
         double best_of_all = fwd + bwd;
 #if MGPU_CUDA
-        if (tiles) { /* each gradient with its half of im2col alone; each pass with each kernel that fits, in each tile */
+        if (tiles) { /* each gradient with its half of im2col alone; each pass with
+                        each kernel that fits, in each tile */
             double half[PASSES] = {0, c.first ? 0 : time_us(dev[0], im2col_dx, &c, steps),
                                    time_us(dev[0], im2col_dw, &c, steps)};
             if (!c.first) print_row("  im2col alone", cc->count, "dx", flop, half[DX], NULL, 0);

@@ -516,7 +516,8 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
     mgpu__nhwc_dw_tiles<TM, TN> *t = (mgpu__nhwc_dw_tiles<TM, TN> *)mgpu__dynamic_shared();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->a), b_tiles = mgpu__shared_address_of(t->b);
     int tid = threadIdx.x, pq = g.p * g.q, rsc = g.r * g.s * g.c;
-    int first = blockIdx.z * a.per, count = first + a.per < g.n * pq ? a.per : g.n * pq - first; /* this slice */
+    /* this block's slice of the pixels: count of them from first */
+    int first = blockIdx.z * a.per, count = first + a.per < g.n * pq ? a.per : g.n * pq - first;
 
     /* a: this thread's 4 filters, in rows of dy_t that move on by a step
        (32 pixels) at each load; a_left: the slice's rows from this
@@ -544,18 +545,21 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
     const int step_q = STEP % g.q, step_p = STEP / g.q % g.p, step_img = STEP / pq;
     const int w_step = step_q * g.stride, h_step = step_p * g.stride;
     const int at_step = w_step * g.c + h_step * row_floats + step_img * image_floats;
-    const int w_back = g.q * g.stride, w_end = w_back + s - g.pad, at_next_row = g.stride * row_floats - w_back * g.c;
-    const int h_back = g.p * g.stride, h_end = h_back + r - g.pad, at_next_image = image_floats - h_back * row_floats;
+    const int w_back = g.q * g.stride, w_end = w_back + s - g.pad;
+    const int h_back = g.p * g.stride, h_end = h_back + r - g.pad;
+    const int at_next_row = g.stride * row_floats - w_back * g.c, at_next_image = image_floats - h_back * row_floats;
     auto load = [&](int stage) {
         mgpu__shared_address to_a = a_tiles + 4 * ((stage * STEP + a_row) * LA + a_chunk * 4);
         for (int j = 0; j < A_PER; j++) {
             bool valid = j * A_APART < a_left;
-            mgpu__copy_async16(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t, valid);
+            mgpu__copy_async16(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t,
+                               valid);
         }
         dy_rows += STEP * g.k, a_left -= STEP;
         mgpu__shared_address to_b = b_tiles + 4 * ((stage * STEP + b_row) * LB + b_chunk * 4);
         for (int j = 0; j < B_PER; j++) {
-            bool inside = j * B_APART < b_left && (unsigned)h[j] < (unsigned)g.h && (unsigned)w[j] < (unsigned)g.w;
+            bool inside = j * B_APART < b_left && (unsigned)h[j] < (unsigned)g.h && /* 0 <= h < H */
+                          (unsigned)w[j] < (unsigned)g.w;
             mgpu__copy_async16(to_b + 4 * j * B_APART * LB, inside ? a.x_t + at[j] : a.x_t, inside);
             w[j] += w_step, h[j] += h_step, at[j] += at_step;
             if (w[j] >= w_end) w[j] -= w_back, h[j] += g.stride, at[j] += at_next_row;
@@ -580,7 +584,8 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
             for (int half = 0; half < 2; half++) {
                 int f = row0 + 16 * i + 8 * half, n = col0 + 8 * j; /* n even, rsc a multiple of 4 */
                 if (f < g.k && n < rsc)
-                    *(float2 *)&partial[(size_t)f * rsc + n] = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+                    *(float2 *)&partial[(size_t)f * rsc + n] =
+                        make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
             }
 #endif
 }

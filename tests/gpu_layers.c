@@ -353,7 +353,8 @@ TEST(conv_algorithm_chosen_by_measuring) {
     mgpu__conv_settings_from_environment();
     mgpu__conv_mode = MGPU__CONV_AUTO;
     mgpu_set_tf32(1, 0);
-    mgpu_shape xs = mgpu_shape4(4, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3); /* small: emulated, every trial takes seconds */
+    /* small: on the emulated GPU every trial takes seconds */
+    mgpu_shape xs = mgpu_shape4(4, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(128)), y = pair_nan(ys);
     pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(128));
