@@ -958,6 +958,7 @@ struct mgpu_layer {
     mgpu_tensor *output, *dinput, *dsum;
 };
 
+#define MGPU_NET_MAX_PARAMS 128
 typedef struct mgpu_net {
     mgpu_device *device;
     int training;
@@ -965,9 +966,9 @@ typedef struct mgpu_net {
     mgpu_layer *layers[16];
     int nparams, nbuffers;
     int first_param[17];        /* layer i's parameters are params[first_param[i] ..] */
-    mgpu_param *params[128];    /* pointers into the layers, in registration order */
-    mgpu_tensor **buffers[128];
-    mgpu_tensor *momentum[128]; /* SGD momentum buffers, made at the first step */
+    mgpu_param *params[MGPU_NET_MAX_PARAMS]; /* pointers into the layers, in registration order */
+    mgpu_tensor **buffers[MGPU_NET_MAX_PARAMS];
+    mgpu_tensor *momentum[MGPU_NET_MAX_PARAMS]; /* SGD momentum buffers, made at the first step */
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
@@ -1206,7 +1207,7 @@ MGPU_DEF double mgpu_now(void) {
    order. A task is a function and a small copy of its arguments, so the
    caller can return at once (the arguments are copied, not pointed to).
    ====================================================================== */
-#define MGPU__TASK_ARGS 256
+#define MGPU__TASK_ARGS 640 /* room for a list of tensors (kernels/sgd.h) */
 #define MGPU__QUEUE_RING 512
 
 /* Where a kernel runs: the CUDA stream and cuBLAS handle of a GPU queue,
@@ -5032,23 +5033,64 @@ MGPU_DEF void mgpu_sgd_book(mgpu_tensor *param, mgpu_tensor *grad, float lr, int
                     MGPU__CUDA_FN(mgpu__sgd_book_cuda), &a, sizeof a);
 }
 
+/* torch.optim.SGD's update of count tensors, MGPU__LIST_MAX to a launch
+   (kernels/sgd.h); bufs is NULL when momentum is 0. */
+static void mgpu__sgd_tensors(const char *op, mgpu_tensor *const *params,
+                              const mgpu_tensor *const *grads, mgpu_tensor *const *bufs,
+                              int count, float lr, float momentum, float weight_decay,
+                              int first_step) {
+    mgpu__sgd_args a;
+    memset(&a, 0, sizeof a);
+    a.lr = lr;
+    a.momentum = momentum;
+    a.weight_decay = weight_decay;
+    a.first_step = first_step != 0;
+    for (int i = 0; i < count; i++) {
+        mgpu_tensor *param = params[i];
+        mgpu__require_device(param, params[0]->device, op);
+        mgpu__require_device(grads[i], param->device, op);
+        mgpu__require_same_shape(param, grads[i], op);
+        int t = a.list.count;
+        if (momentum != 0.0f) {
+            mgpu__require_tensor(bufs ? bufs[i] : NULL, param->device, op,
+                                 "momentum_buf (needed with momentum)");
+            mgpu__require_same_shape(param, bufs[i], op);
+            mgpu__before_write(bufs[i]);
+            a.buf[t] = bufs[i]->data;
+        }
+        mgpu__before_write(param);
+        a.param[t] = param->data;
+        a.grad[t] = grads[i]->data;
+        int full = mgpu__list_add(&a.list, param->numel);
+        if (full || i == count - 1) {
+            mgpu__launch_on(&param->device->queue[0], "sgd", mgpu__sgd_cpu,
+                            MGPU__CUDA_FN(mgpu__sgd_cuda), &a, sizeof a);
+            a.list.count = 0;
+        }
+    }
+}
+
+/* Sets count tensors of one device to 0, MGPU__LIST_MAX to a launch. */
+static void mgpu__zero_tensors(mgpu_tensor *const *tensors, int count) {
+    mgpu__zero_args a;
+    memset(&a, 0, sizeof a);
+    for (int i = 0; i < count; i++) {
+        mgpu__before_write(tensors[i]);
+        a.data[a.list.count] = tensors[i]->data;
+        int full = mgpu__list_add(&a.list, tensors[i]->numel);
+        if (full || i == count - 1) {
+            mgpu__launch_on(&tensors[i]->device->queue[0], "zero_grad", mgpu__zero_cpu,
+                            MGPU__CUDA_FN(mgpu__zero_cuda), &a, sizeof a);
+            a.list.count = 0;
+        }
+    }
+}
+
 MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
                             mgpu_tensor *momentum_buf, float lr, float momentum,
                             float weight_decay, int first_step) {
-    const char *op = "mgpu_sgd_step";
-    mgpu__require_device(grad, param->device, op);
-    mgpu__require_same_shape(param, grad, op);
-    mgpu__sgd_args a = {param->data, grad->data, NULL, param->numel, lr, momentum, weight_decay,
-                        first_step != 0};
-    if (momentum != 0.0f) {
-        mgpu__require_tensor(momentum_buf, param->device, op, "momentum_buf (needed with momentum)");
-        mgpu__require_same_shape(param, momentum_buf, op);
-        mgpu__before_write(momentum_buf);
-        a.buf = momentum_buf->data;
-    }
-    mgpu__before_write(param);
-    mgpu__launch_on(&param->device->queue[0], "sgd", mgpu__sgd_cpu, MGPU__CUDA_FN(mgpu__sgd_cuda),
-                    &a, sizeof a);
+    mgpu__sgd_tensors("mgpu_sgd_step", &param, &grad, &momentum_buf, 1, lr, momentum,
+                      weight_decay, first_step);
 }
 
 #ifdef __cplusplus
@@ -5703,6 +5745,8 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
             if (order[i]) mgpu__net_register(net, order[i]);
         return;
     }
+    MGPU_REQUIRE(net->nparams + 2 <= MGPU_NET_MAX_PARAMS,
+                 "a network holds at most %d parameter tensors", MGPU_NET_MAX_PARAMS);
     if (l->weight.value) {
         net->params[net->nparams++] = &l->weight;
         net->params[net->nparams++] = &l->bias;
@@ -5848,18 +5892,25 @@ MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
 }
 
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
-    for (int i = 0; i < net->nparams; i++) mgpu_fill(net->params[i]->grad, 0.0f);
+    mgpu_tensor *grads[MGPU_NET_MAX_PARAMS];
+    for (int i = 0; i < net->nparams; i++) grads[i] = net->params[i]->grad;
+    mgpu__zero_tensors(grads, net->nparams);
 }
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
 
+/* One update of every parameter: a few launches, not one a tensor. */
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay) {
+    mgpu_tensor *values[MGPU_NET_MAX_PARAMS];
+    const mgpu_tensor *grads[MGPU_NET_MAX_PARAMS];
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
         if (momentum != 0.0f && !net->momentum[i])
             net->momentum[i] = mgpu_zeros(net->device, p->value->shape);
-        mgpu_sgd_step(p->value, p->grad, momentum != 0.0f ? net->momentum[i] : NULL, lr, momentum,
-                      weight_decay, net->steps == 0);
+        values[i] = p->value;
+        grads[i] = p->grad;
     }
+    mgpu__sgd_tensors("mgpu_net_sgd", values, grads, momentum != 0.0f ? net->momentum : NULL,
+                      net->nparams, lr, momentum, weight_decay, net->steps == 0);
     net->steps++;
 }
 

@@ -510,16 +510,7 @@ TEST(elementwise_relu_add_and_sgd) {
     r.dx = out_g.data();
     mgpu__relu_backward_cuda(&r, &on_gpu);
     same("ReLU backward", out_g, out_c, 0);
-    std::vector<float> param_c = random_values(n), param_g = param_c, buf_c = random_values(n),
-                       buf_g = buf_c;
-    mgpu__sgd_args sgd = {param_c.data(), g.data(), buf_c.data(), n, 0.1f, 0.9f, 5e-4f, 0};
-    mgpu__sgd_cpu(&sgd, &on_cpu);
-    sgd.param = param_g.data();
-    sgd.buf = buf_g.data();
-    mgpu__sgd_cuda(&sgd, &on_gpu);
-    same("SGD parameters", param_g, param_c, 0);
-    same("SGD momentum", buf_g, buf_c, 0);
-    std::vector<float> grad_c = g, grad_g = g;
+    std::vector<float> param_c = random_values(n), param_g = param_c, grad_c = g, grad_g = g;
     mgpu__sgd_book_args book = {param_c.data(), grad_c.data(), n, 0.2f, 256.0f};
     mgpu__sgd_book_cpu(&book, &on_cpu);
     book.param = param_g.data();
@@ -527,6 +518,82 @@ TEST(elementwise_relu_add_and_sgd) {
     mgpu__sgd_book_cuda(&book, &on_gpu);
     same("the book's SGD", param_g, param_c, 0);
     same("the book's SGD zeroes the gradient", grad_g, grad_c, 0);
+}
+
+/* SGD and zeroing take lists of tensors: every value of every tensor
+   updated once, whatever the sizes (empty, one block and a value more,
+   less than a block), and nothing past a tensor's end touched. 21 tensors
+   make a full list of 16 and one of 5. */
+TEST(sgd_and_zeroing_over_lists_of_tensors) {
+    const size_t sizes[21] = {1, 4095, 4096, 4097, 0, 9000, 64, 3, 12289, 512, 1,
+                              8192, 7, 100, 4096 * 3 + 5, 2, 0, 33, 4099, 10, 600};
+    const size_t guard = 8;
+    for (int first_step = 0; first_step < 2; first_step++) {
+        std::vector<std::vector<float>> param_c, param_g, buf_c, buf_g, grad, zero;
+        for (size_t n : sizes) {
+            param_c.push_back(random_values(n + guard));
+            param_g.push_back(param_c.back());
+            buf_c.push_back(random_values(n + guard));
+            buf_g.push_back(buf_c.back());
+            grad.push_back(random_values(n + guard));
+            zero.push_back(random_values(n + guard, 5.0f));
+        }
+        std::vector<std::vector<float>> zero_before = zero, zero_c = zero, start_param = param_c,
+                                        start_buf = buf_c;
+        mgpu__sgd_args cpu = {}, gpu = {};
+        mgpu__zero_args z = {}, z_c = {};
+        cpu.lr = gpu.lr = 0.1f;
+        cpu.momentum = gpu.momentum = 0.9f;
+        cpu.weight_decay = gpu.weight_decay = 5e-4f;
+        cpu.first_step = gpu.first_step = first_step;
+        for (int t = 0; t < 21; t++) {
+            int at = cpu.list.count;
+            cpu.param[at] = param_c[t].data();
+            gpu.param[at] = param_g[t].data();
+            cpu.buf[at] = buf_c[t].data();
+            gpu.buf[at] = buf_g[t].data();
+            cpu.grad[at] = gpu.grad[at] = grad[t].data();
+            z.data[at] = zero[t].data();
+            z_c.data[at] = zero_c[t].data();
+            mgpu__list_add(&gpu.list, sizes[t]);
+            mgpu__list_add(&z.list, sizes[t]);
+            mgpu__list_add(&z_c.list, sizes[t]);
+            if (mgpu__list_add(&cpu.list, sizes[t]) || t == 20) {
+                mgpu__sgd_cpu(&cpu, &on_cpu);
+                mgpu__sgd_cuda(&gpu, &on_gpu);
+                mgpu__zero_cuda(&z, &on_gpu);
+                mgpu__zero_cpu(&z_c, &on_cpu);
+                cpu.list.count = gpu.list.count = z.list.count = z_c.list.count = 0;
+            }
+        }
+        for (int t = 0; t < 21; t++) {
+            size_t n = sizes[t];
+            same("SGD parameters", param_g[t], param_c[t], 0);
+            same("SGD momentum", buf_g[t], buf_c[t], 0);
+            int zeroed = 1, kept = 1;
+            for (size_t i = 0; i < n; i++) zeroed &= zero[t][i] == 0.0f;
+            for (size_t i = n; i < n + guard; i++) kept &= zero[t][i] == zero_before[t][i];
+            CHECK(zeroed);
+            CHECK(kept);
+            same("zeroing", zero[t], zero_c[t], 0);
+        }
+        /* and the CPU's list walk is the formula, value by value: g =
+           grad + 5e-4 param, buf = g at the first step, else 0.9 buf + g,
+           param -= 0.1 buf; past a tensor's end nothing changes */
+        double worst = 0;
+        for (int t = 0; t < 21; t++)
+            for (size_t i = 0; i < sizes[t] + guard; i++) {
+                double p0 = start_param[t][i], b0 = start_buf[t][i], b = b0, p = p0;
+                if (i < sizes[t]) {
+                    double g = grad[t][i] + 5e-4 * p0;
+                    b = first_step ? g : 0.9 * b0 + g;
+                    p = p0 - 0.1 * b;
+                }
+                worst = std::max(worst, std::fabs(param_c[t][i] - p) / (1 + std::fabs(p)));
+                worst = std::max(worst, std::fabs(buf_c[t][i] - b) / (1 + std::fabs(b)));
+            }
+        CHECK(worst < 1e-6);
+    }
 }
 
 /* ------------------------------------------- the emulated runtime itself */

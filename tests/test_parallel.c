@@ -297,6 +297,56 @@ TEST(resnet18_has_the_books_shape) {
     mgpu_net_free(net);
 }
 
+/* mgpu_net_sgd and mgpu_net_zero_grad launch lists of up to 16 tensors
+   (kernels/sgd.h): on a net of 24 parameter tensors, one full list and
+   one of 8, every value of every tensor must follow torch.optim.SGD. Each
+   gradient is its own constant, so a tensor given another's gradient
+   shows. */
+TEST(net_sgd_and_zero_grad_reach_every_parameter) {
+    mgpu_device *d = test_device();
+    mgpu_net *net = small_net(d, 1);
+    mgpu__net_add(net, mgpu__residual_new("block2", 8, 8, 1, d));
+    CHECK_EQ_INT(net->nparams, 24);
+    size_t total = mgpu_net_num_weights(net);
+    float *before = (float *)malloc(total * sizeof(float));
+    float *buf = (float *)calloc(total, sizeof(float));
+    float *after = (float *)malloc(total * sizeof(float));
+    double worst = 0;
+    for (int step = 0; step < 2; step++) {
+        size_t at = 0;
+        for (int i = 0; i < net->nparams; i++) {
+            mgpu_fill(net->params[i]->grad, 0.01f * (float)(i + 1));
+            mgpu_to_host(net->params[i]->value, before + at);
+            at += net->params[i]->value->numel;
+        }
+        mgpu_net_sgd(net, 0.1f, 0.9f, 0.01f);
+        at = 0;
+        for (int i = 0; i < net->nparams; i++) {
+            size_t n = net->params[i]->value->numel;
+            mgpu_to_host(net->params[i]->value, after + at);
+            for (size_t j = at; j < at + n; j++) {
+                double g = 0.01f * (float)(i + 1) + 0.01 * before[j];
+                buf[j] = (float)(step == 0 ? g : 0.9 * buf[j] + g);
+                double want = before[j] - 0.1 * buf[j];
+                worst = fmax(worst, fabs(after[j] - want) / (1e-3 + fabs(want)));
+            }
+            at += n;
+        }
+    }
+    CHECK(worst < 1e-5);
+    mgpu_net_zero_grad(net);
+    double largest = 0;
+    for (int i = 0; i < net->nparams; i++) {
+        size_t n = net->params[i]->grad->numel;
+        mgpu_to_host(net->params[i]->grad, after);
+        for (size_t j = 0; j < n; j++) largest = fmax(largest, fabs(after[j]));
+    }
+    CHECK_CLOSE(largest, 0, 0, 0);
+    free(before);
+    free(buf);
+    free(after);
+    mgpu_net_free(net);
+}
 
 /* Trains `steps` steps of the ResNet-like small net with batch norm on k
    devices, with the given bucket size and overlap; returns replica 0. */
