@@ -348,6 +348,82 @@ TEST(net_sgd_and_zero_grad_reach_every_parameter) {
     mgpu_net_free(net);
 }
 
+/* The net's mean cross-entropy on (x, y), in its current mode. */
+static double net_loss(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *y) {
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    mgpu_tensor *losses = mgpu_empty(x->device, mgpu_shape1(x->shape.d[0]));
+    mgpu_tensor *mean = mgpu_empty(x->device, mgpu_shape1(1));
+    mgpu_cross_entropy_forward(losses, logits, y);
+    mgpu_mean(mean, losses);
+    double loss = mgpu_item(mean, 0);
+    mgpu_free(losses);
+    mgpu_free(mean);
+    return loss;
+}
+
+/* dL/d(value c of a parameter) by central differences, step h. */
+static double param_slope(mgpu_net *net, mgpu_tensor *value, int c, const mgpu_tensor *x,
+                          const mgpu_tensor *y, float h) {
+    float host[64];
+    double loss[2];
+    mgpu_to_host(value, host);
+    float start = host[c];
+    for (int side = 0; side < 2; side++) {
+        host[c] = start + (side ? h : -h);
+        mgpu_tensor *moved = mgpu_from_host(value->device, value->shape, host);
+        mgpu_copy(value, moved, 0);
+        mgpu_free(moved);
+        loss[side] = net_loss(net, x, y);
+    }
+    host[c] = start;
+    mgpu_tensor *back = mgpu_from_host(value->device, value->shape, host);
+    mgpu_copy(value, back, 0);
+    mgpu_free(back);
+    return (loss[1] - loss[0]) / (2.0 * h);
+}
+
+/* A convolution's bias before batch norm in training mode does not move
+   the loss (the batch mean takes it away), so the backward pass leaves its
+   gradient at exactly 0 and skips the sum over dy; the shortcut's bias,
+   with no batch norm after it, gets its sum. Checked against finite
+   differences. Batch norm's backward is the training-mode one: after a
+   forward in evaluation mode the network refuses it. */
+TEST(bias_before_batch_norm_has_no_gradient_in_training) {
+    mgpu_device *d = test_device();
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    mgpu_net *net = small_net(d, 1);
+    const mgpu_layer *block = net->layers[2];
+    /* weights large enough for slopes well above float's rounding */
+    for (int i = 0; i < net->nparams; i++)
+        if (net->params[i]->value->shape.ndim > 1) mgpu_scale_(net->params[i]->value, 30.0f);
+    mgpu_param *biases[4] = {&net->layers[0]->bias, &block->conv1->bias, &block->conv2->bias,
+                             &block->shortcut->bias};
+    mgpu_net_zero_grad(net);
+    mgpu_net_loss_backward(net, mgpu_net_forward(net, x), y, 1.0f / 12, NULL);
+    for (int b = 0; b < 4; b++)
+        for (int c = 0; c < 2; c++) {
+            /* a wider step where the slope is 0: float's rounding of the
+               loss (2.4e-7) over 2h stays below 3e-6 */
+            double slope = param_slope(net, biases[b]->value, c, x, y, b < 3 ? 0.05f : 0.01f);
+            double grad = mgpu_item(biases[b]->grad, (size_t)c);
+            if (b < 3) { /* before batch norm */
+                CHECK_CLOSE(grad, 0, 0, 0);
+                CHECK(fabs(slope) < 1e-5);
+            } else {
+                CHECK(fabs(slope) > 1e-3);
+                CHECK_CLOSE(grad, slope, 1e-5, 1e-2);
+            }
+        }
+    mgpu_net_set_training(net, 0);
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    EXPECT_DIES(mgpu_net_loss_backward(net, logits, y, 1.0f / 12, NULL),
+                "block.bn2: the last forward ran in evaluation mode");
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+}
+
 /* Trains `steps` steps of the ResNet-like small net with batch norm on k
    devices, with the given bucket size and overlap; returns replica 0. */
 static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int steps,
