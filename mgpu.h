@@ -4850,12 +4850,14 @@ static mgpu_tensor *mgpu__bn_scratch(mgpu_device *dev, size_t floats) {
     return mgpu_device_is_gpu(dev) ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
 }
 
-MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
-                                       const mgpu_tensor *gamma, const mgpu_tensor *beta,
-                                       mgpu_tensor *running_mean, mgpu_tensor *running_var,
-                                       mgpu_tensor *save_mean, mgpu_tensor *save_invstd,
-                                       int training, float momentum, float eps, int fuse_relu) {
-    const char *op = "mgpu_batchnorm2d_forward";
+/* mgpu_batchnorm2d_forward, and with skip (not NULL) the residual block's
+   y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h). */
+static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, const mgpu_tensor *x,
+                                      const mgpu_tensor *skip, const mgpu_tensor *gamma,
+                                      const mgpu_tensor *beta, mgpu_tensor *running_mean,
+                                      mgpu_tensor *running_var, mgpu_tensor *save_mean,
+                                      mgpu_tensor *save_invstd, int training, float momentum,
+                                      float eps, int fuse_relu) {
     char s[64];
     mgpu_device *dev = y->device;
     mgpu__bn_forward_args a;
@@ -4863,6 +4865,11 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
     mgpu__bn_dims(x, op, &a.n, &a.c, &a.hw);
     mgpu__require_device(x, dev, op);
     mgpu__require_same_shape(y, x, op);
+    if (skip) {
+        mgpu__require_device(skip, dev, op);
+        mgpu__require_same_shape(skip, x, op);
+        a.skip = skip->data;
+    }
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
     mgpu__require_per_channel(beta, a.c, dev, op, "beta");
     mgpu__require_per_channel(running_mean, a.c, dev, op, "running_mean");
@@ -4900,6 +4907,16 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
     mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
                     MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
     mgpu_free(scratch);
+}
+
+MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
+                                       const mgpu_tensor *gamma, const mgpu_tensor *beta,
+                                       mgpu_tensor *running_mean, mgpu_tensor *running_var,
+                                       mgpu_tensor *save_mean, mgpu_tensor *save_invstd,
+                                       int training, float momentum, float eps, int fuse_relu) {
+    mgpu__batchnorm2d_forward("mgpu_batchnorm2d_forward", y, x, NULL, gamma, beta, running_mean,
+                              running_var, save_mean, save_invstd, training, momentum, eps,
+                              fuse_relu);
 }
 
 MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
@@ -5800,6 +5817,17 @@ MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *
 }
 
 /* ------------------------------------------------------------ forward */
+/* Batch norm layer l on x into y, with the ReLU when l has it fused, or
+   with skip: y = max(bn(x) + skip, 0). */
+static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *skip,
+                                          mgpu_tensor *y, int training) {
+    l->input = x;
+    l->batch_statistics = training;
+    mgpu__batchnorm2d_forward(l->name, y, x, skip, l->weight.value, l->bias.value, l->running_mean,
+                              l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
+                              l->fuse_relu || skip);
+}
+
 static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int training) {
     mgpu_device *d = x->device;
     l->input = x;
@@ -5810,11 +5838,7 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int
         mgpu_conv2d_forward(l->output, x, l->weight.value, l->bias.value, l->stride, l->pad);
         break;
     case MGPU_LAYER_BATCHNORM:
-        mgpu_ensure(&l->output, d, x->shape);
-        l->batch_statistics = training;
-        mgpu_batchnorm2d_forward(l->output, x, l->weight.value, l->bias.value, l->running_mean,
-                                 l->running_var, l->save_mean, l->save_invstd, training, 0.1f,
-                                 1e-5f, l->fuse_relu);
+        mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), training);
         break;
     case MGPU_LAYER_RELU:
         mgpu_ensure(&l->output, d, x->shape);
@@ -5824,10 +5848,9 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int
         const mgpu_tensor *y = mgpu__layer_forward(l->conv1, x, training);
         y = mgpu__layer_forward(l->bn1, y, training); /* with its ReLU */
         y = mgpu__layer_forward(l->conv2, y, training);
-        y = mgpu__layer_forward(l->bn2, y, training);
         const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, training) : x;
-        mgpu_ensure(&l->output, d, y->shape);
-        mgpu_add_relu(l->output, y, skip);
+        /* bn2, the add and the ReLU in one pass, into the block's output */
+        mgpu__batchnorm_layer_forward(l->bn2, y, skip, mgpu_ensure(&l->output, d, y->shape), training);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:

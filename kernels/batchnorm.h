@@ -26,6 +26,15 @@
    activation once more, forward and backward; fused, y is written once and
    backward takes the ReLU's mask from y (y > 0).
 
+   The residual block's end, y = max(bn(x) + skip, 0), fuses one step
+   more: with `skip` given, the forward adds it before the ReLU, and the
+   normalised values are never stored on their own. That saves writing
+   them and reading them back for the add (two of the five passes the
+   separate add took over the block's output). The backward of this form
+   is the block's (mgpu.h): the ReLU's mask from the block's output gives
+   the gradient of the sum, which goes to skip as it is and through this
+   file's backward (without fuse_relu) to x.
+
    The CUDA version. A channel's values are not contiguous (one run of H*W
    values per image), and one block per channel would leave most of a GPU
    idle for ResNet's 64 channels. So each channel is cut into S slices
@@ -55,6 +64,7 @@
 typedef struct {
     float *y;
     const float *x, *gamma, *beta;
+    const float *skip;              /* added before the ReLU, or NULL (see above) */
     float *running_mean, *running_var;
     float *save_mean, *save_invstd; /* written in training mode */
     float *partials;                /* CUDA scratch: [C][S] Welford partials */
@@ -81,6 +91,7 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args
     float mean, invstd;
     mgpu__bn_stats(a, c, &mean, &invstd);
     float y = a->gamma[c] * ((a->x[i] - mean) * invstd) + a->beta[c];
+    if (a->skip) y += a->skip[i];
     return a->fuse_relu && y < 0.0f ? 0.0f : y;
 }
 
@@ -125,6 +136,7 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             for (int p = 0; p < a->hw; p++) {
                 float y = scale * a->x[at + p] + shift;
+                if (a->skip) y += a->skip[at + p];
                 a->y[at + p] = a->fuse_relu && y < 0.0f ? 0.0f : y;
             }
         }

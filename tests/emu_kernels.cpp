@@ -375,12 +375,15 @@ TEST(channel_broadcast_and_sums) {
 }
 
 /* ---------------------------------------------------------- batch norm */
+/* relu 0: batch norm alone; 1: with the fused ReLU; 2: the residual
+   block's max(bn(x) + skip, 0), whose backward is batch norm's alone. */
 static void batchnorm_case(int n, int c, int hw) {
     size_t total = (size_t)n * c * hw;
     int splits = mgpu__bn_splits((size_t)n * hw);
     for (int training = 0; training <= 1; training++)
-        for (int relu = 0; relu <= 1; relu++) {
+        for (int relu = 0; relu <= 2; relu++) {
             std::vector<float> x = random_values(total, 3.0f), gamma = random_values(c, 1.0f);
+            std::vector<float> skip = random_values(total);
             std::vector<float> beta = random_values(c), rm_c = random_values(c), rv_c = random_values(c, 1.0f);
             std::vector<float> rm_g = rm_c, rv_g = rv_c, y_c = nans(total), y_g = nans(total);
             std::vector<float> mean_c = nans(c), mean_g = nans(c), inv_c = nans(c), inv_g = nans(c);
@@ -392,7 +395,8 @@ static void batchnorm_case(int n, int c, int hw) {
             a.save_mean = training ? mean_c.data() : NULL;
             a.save_invstd = training ? inv_c.data() : NULL;
             a.n = n; a.c = c; a.hw = hw; a.splits = splits; a.training = training;
-            a.fuse_relu = relu; a.momentum = 0.1f; a.eps = 1e-5f;
+            a.fuse_relu = relu > 0; a.momentum = 0.1f; a.eps = 1e-5f;
+            a.skip = relu == 2 ? skip.data() : NULL;
             mgpu__bn_forward_args b = a;
             b.y = y_g.data(); b.running_mean = rm_g.data(); b.running_var = rv_g.data();
             b.save_mean = training ? mean_g.data() : NULL;
@@ -406,6 +410,7 @@ static void batchnorm_case(int n, int c, int hw) {
             if (!training) continue;
             same("saved mean", mean_g, mean_c, 1e-5);
             same("saved 1/std", inv_g, inv_c, 1e-5);
+            if (relu == 2) continue;
             for (int accumulate = 0; accumulate <= 1; accumulate++) {
                 std::vector<float> dy = random_values(total), dx_c = nans(total), dx_g = nans(total);
                 std::vector<float> dg_c = accumulate ? random_values(c) : nans(c), dg_g = dg_c;

@@ -276,6 +276,53 @@ TEST(batchnorm_eval_uses_running_statistics) { check_bn_eval(0, 0); }
 TEST(batchnorm_eval_fused_relu) { check_bn_eval(1, 0); }
 TEST(batchnorm_eval_in_place) { check_bn_eval(0, 1); }
 
+/* The residual block's end in one pass, max(bn(x) + skip, 0), is batch
+   norm, then mgpu_add_relu: the same float operations, so exactly equal,
+   and the running statistics move the same way. */
+TEST(batchnorm_with_skip_is_the_residual_blocks_end) {
+    mgpu_device *d = mgpu_cpu();
+    const int n = 3, c = 4, hw = 6;
+    mgpu_shape s = mgpu_shape4(n, c, 2, 3), cs = mgpu_shape1(c);
+    float *xv = uniform_array((size_t)n * c * hw, -3, 3), *sv = uniform_array((size_t)n * c * hw, -2, 2);
+    float *gv = uniform_array((size_t)c, 0.5f, 2), *bv = uniform_array((size_t)c, -1, 1);
+    mgpu_tensor *x = on_cpu(s, xv), *skip = on_cpu(s, sv), *gamma = on_cpu(cs, gv), *beta = on_cpu(cs, bv);
+    for (int training = 1; training >= 0; training--) {
+        mgpu_tensor *rm[2], *rv[2], *sm[2], *si[2], *y[2];
+        for (int k = 0; k < 2; k++) {
+            rm[k] = mgpu_zeros(d, cs), rv[k] = mgpu_ones(d, cs);
+            sm[k] = mgpu_empty(d, cs), si[k] = mgpu_empty(d, cs), y[k] = mgpu_empty(d, s);
+        }
+        mgpu__batchnorm2d_forward("test", y[0], x, skip, gamma, beta, rm[0], rv[0], sm[0], si[0],
+                                  training, 0.1f, 1e-5f, 1);
+        mgpu_tensor *normalised = mgpu_empty(d, s);
+        mgpu_batchnorm2d_forward(normalised, x, gamma, beta, rm[1], rv[1], sm[1], si[1], training,
+                                 0.1f, 1e-5f, 0);
+        mgpu_add_relu(y[1], normalised, skip);
+        float a[72], b[72];
+        mgpu_to_host(y[0], a);
+        mgpu_to_host(y[1], b);
+        int clipped = 0;
+        for (int i = 0; i < n * c * hw; i++) {
+            CHECK_CLOSE(a[i], b[i], 0, 0);
+            clipped += a[i] == 0.0f;
+        }
+        CHECK(clipped > 0 && clipped < n * c * hw); /* the ReLU had work on both sides */
+        for (int k = 0; k < c; k++) {
+            CHECK_CLOSE(mgpu_item(rm[0], (size_t)k), mgpu_item(rm[1], (size_t)k), 0, 0);
+            CHECK_CLOSE(mgpu_item(rv[0], (size_t)k), mgpu_item(rv[1], (size_t)k), 0, 0);
+        }
+        mgpu_free(normalised);
+        for (int k = 0; k < 2; k++) {
+            mgpu_free(rm[k]); mgpu_free(rv[k]); mgpu_free(sm[k]); mgpu_free(si[k]); mgpu_free(y[k]);
+        }
+    }
+    EXPECT_DIES(mgpu__batchnorm2d_forward("block.bn2", x, x, gamma, gamma, beta, gamma, beta, gamma,
+                                          beta, 1, 0.1f, 1e-5f, 1),
+                "block.bn2: shapes [4] and [3, 4, 2, 3] differ");
+    mgpu_free(x); mgpu_free(skip); mgpu_free(gamma); mgpu_free(beta);
+    free(xv); free(sv); free(gv); free(bv);
+}
+
 /* [N, C] is batch norm over the batch for each feature (H = W = 1). */
 TEST(batchnorm_on_a_matrix_is_over_the_batch) {
     mgpu_device *d = mgpu_cpu();
