@@ -956,9 +956,10 @@ struct mgpu_layer {
     mgpu_tensor *running_mean, *running_var, *save_mean, *save_invstd;
     /* a residual block's layers (shortcut is NULL for the identity) */
     mgpu_layer *conv1, *bn1, *conv2, *bn2, *shortcut;
-    /* activations of the last forward, kept for the backward */
+    /* activations of the last forward, kept for the backward; a GPU
+       convolution's channels-last copy of its input, when it made one */
     const mgpu_tensor *input;
-    mgpu_tensor *output, *dinput, *dsum;
+    mgpu_tensor *output, *dinput, *dsum, *input_t;
 };
 
 #define MGPU_NET_MAX_PARAMS 128
@@ -4336,15 +4337,18 @@ static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_ten
 
 /* The same with the implicit GEMMs (TF32), no col buffers, each product
    with the given kernel; the backward ones from dy_t, dy's channels-last
-   copy, if the caller has one (else NULL). */
+   copy, if the caller has one (else NULL). A channels-last forward leaves
+   its copy of x in *keep_x_t when the caller gives one (a network keeps it
+   for the weight gradient, which needs the same copy), else frees it. */
 static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                         const mgpu_tensor *b, const mgpu__conv_geom *g,
-                                        mgpu__implicit_kernel kernel) {
+                                        mgpu__implicit_kernel kernel, mgpu_tensor **keep_x_t) {
     mgpu_device *dev = x->device;
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
         mgpu__conv_channels_last(dev, y->data, x_t->data, w->data, b ? b->data : NULL, g, 0, kernel.tile);
-        mgpu_free(x_t);
+        if (keep_x_t) *keep_x_t = x_t;
+        else mgpu_free(x_t);
         return;
     }
     mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, kernel.tile};
@@ -4365,15 +4369,16 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
     mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
                     mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
 }
+/* x_t: x's channels-last copy, if the forward pass kept one (else NULL). */
 static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                   const mgpu_tensor *x, const mgpu__conv_geom *g, int accumulate,
-                                   mgpu__implicit_kernel kernel) {
+                                   const mgpu_tensor *x, const mgpu_tensor *x_t, const mgpu__conv_geom *g,
+                                   int accumulate, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
     if (kernel.family == MGPU__CHANNELS_LAST) { /* from channels-last copies of dy and x */
-        mgpu_tensor *own;
+        mgpu_tensor *own, *own_x_t = NULL;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
-        mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+        if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
         mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, 0, 0, *g,
                                      kernel.tile};
         mgpu__conv_nhwc_dw_slices(&a);
@@ -4382,7 +4387,7 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
         mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda,
                         &a, sizeof a);
         mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
-        mgpu_free(x_t);
+        mgpu_free(own_x_t);
         mgpu_free(own);
         return;
     }
@@ -4445,9 +4450,9 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         break;
     case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0); break;
     case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0); break;
-    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel); break;
+    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel, NULL); break;
     case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel); break;
-    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, t->g, 0, kernel); break;
+    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, NULL, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
     return (mgpu_now() - t0) * 1e3;
@@ -4553,9 +4558,16 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
 }
 #endif
 
-MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
-                                  const mgpu_tensor *b, int stride, int pad) {
+/* mgpu_conv2d_forward; with keep_x_t, a channels-last forward leaves its
+   copy of x there for the backward pass (*keep_x_t is freed first, and
+   stays NULL when the forward took another path). */
+static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                 const mgpu_tensor *b, int stride, int pad, mgpu_tensor **keep_x_t) {
     const char *op = "mgpu_conv2d_forward";
+    if (keep_x_t) {
+        mgpu_free(*keep_x_t); /* before the new copy, which may then take its memory */
+        *keep_x_t = NULL;
+    }
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
     mgpu__require_device(w, dev, op);
@@ -4573,16 +4585,22 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
     if (plan.implicit) {
-        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y);
+        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y, keep_x_t);
         return;
     }
 #endif
     mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
+MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
+                                  const mgpu_tensor *b, int stride, int pad) {
+    mgpu__conv2d_forward(y, x, w, b, stride, pad, NULL);
+}
 
-MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
-                                   const mgpu_tensor *dy, const mgpu_tensor *x,
-                                   const mgpu_tensor *w, int stride, int pad, int accumulate) {
+/* mgpu_conv2d_backward; x_t: x's channels-last copy, kept by
+   mgpu__conv2d_forward, or NULL. */
+static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                  const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                  const mgpu_tensor *w, int stride, int pad, int accumulate) {
     const char *op = "mgpu_conv2d_backward";
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
@@ -4618,7 +4636,7 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0);
         else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
         if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate);
-        else mgpu__conv_dw_implicit(dw, dy, dy_t, x, &g, accumulate, plan.dw);
+        else mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
         mgpu_free(dy_t);
     }
 #endif
@@ -4627,6 +4645,14 @@ MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k,
                                (size_t)g.p * g.q, 1.0f, accumulate ? 1.0f : 0.0f);
     }
+#if !MGPU_CUDA
+    (void)x_t;
+#endif
+}
+MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x,
+                                   const mgpu_tensor *w, int stride, int pad, int accumulate) {
+    mgpu__conv2d_backward(dx, dw, db, dy, x, NULL, w, stride, pad, accumulate);
 }
 
 /* --------------------------------------------------------------- pooling */
@@ -5835,7 +5861,8 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int
     case MGPU_LAYER_CONV:
         mgpu_ensure(&l->output, d,
                      mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
-        mgpu_conv2d_forward(l->output, x, l->weight.value, l->bias.value, l->stride, l->pad);
+        mgpu__conv2d_forward(l->output, x, l->weight.value, l->bias.value, l->stride, l->pad,
+                             &l->input_t);
         break;
     case MGPU_LAYER_BATCHNORM:
         mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), training);
@@ -5896,8 +5923,8 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu_conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad,
-                             dy, l->input, l->weight.value, l->stride, l->pad, 1);
+        mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad,
+                              dy, l->input, l->input_t, l->weight.value, l->stride, l->pad, 1);
         break;
     case MGPU_LAYER_BATCHNORM:
         MGPU_REQUIRE(l->batch_statistics,
@@ -6026,7 +6053,7 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
     *l = *src; /* the settings */
     l->input = NULL;
-    l->output = l->dinput = l->dsum = NULL;
+    l->output = l->dinput = l->dsum = l->input_t = NULL;
     if (src->weight.value) {
         l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
         l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
@@ -6072,6 +6099,7 @@ static void mgpu__layer_free(mgpu_layer *l) {
     mgpu_free(l->output);
     mgpu_free(l->dinput);
     mgpu_free(l->dsum);
+    mgpu_free(l->input_t);
     mgpu__layer_free(l->conv1);
     mgpu__layer_free(l->bn1);
     mgpu__layer_free(l->conv2);

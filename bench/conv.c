@@ -87,7 +87,7 @@ static void im2col_backward(void *p) {
 #if MGPU_CUDA
 static void implicit_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, c->kernel);
+    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, c->kernel, NULL);
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
@@ -95,7 +95,7 @@ static void implicit_dx(void *p) {
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dw_implicit(c->dw, c->dy, NULL, c->x, &c->g, 0, c->kernel);
+    mgpu__conv_dw_implicit(c->dw, c->dy, NULL, c->x, NULL, &c->g, 0, c->kernel);
 }
 /* each gradient alone with its half of the im2col path (TF32) */
 static void im2col_dx(void *p) {

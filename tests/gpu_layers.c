@@ -297,16 +297,17 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
-        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather);
+        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather);
-        mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, &g, 0, gather);
+        mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
         check_same(what, "dw", &dw, 2e-3);
         snprintf(what, sizeof what, "%s, channels-last, tile %s", name, mgpu__implicit_tile_names[tile]);
+        mgpu_tensor *x_t = NULL; /* the forward's copy of x, kept for dW */
         if (mgpu__conv_nhwc_fits(&g)) {
             mgpu_fill(y.g, NAN);
-            mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, channels_last);
+            mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, channels_last, &x_t);
             check_same(what, "y", &y, 2e-3);
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
@@ -316,9 +317,15 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
-            mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, &g, 0, channels_last);
+            mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, channels_last);
             check_same(what, "dw", &dw, 2e-3);
+            if (x_t) { /* from the forward's copy of x */
+                mgpu_fill(dw.g, NAN);
+                mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, x_t, &g, 0, channels_last);
+                check_same(what, "dw from the forward's x_t", &dw, 2e-3);
+            }
         }
+        mgpu_free(x_t);
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
@@ -424,6 +431,51 @@ TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
     implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
+    mgpu_set_tf32(0, 0);
+}
+
+/* A network's convolution keeps the channels-last copy of its input that
+   a channels-last forward made, and its weight gradient reads that copy
+   instead of making another. The plans are set by hand (the trials would
+   choose by time): channels-last for y, dx and dW, then im2col, after
+   which no copy may be kept. */
+TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
+    mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
+    int before = mgpu__conv_choice_count;
+    mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
+    mgpu__conv_choices[mgpu__conv_choice_count++] = forward;
+    mgpu__conv_choices[mgpu__conv_choice_count++] = backward;
+    mgpu_manual_seed(9);
+    mgpu_layer *on_c = mgpu__conv_new("conv", 32, 32, 3, 1, 1, mgpu_cpu());
+    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
+    pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, 6, 6));
+    mgpu__layer_forward(on_c, x.c, 1);
+    mgpu__layer_forward(on_g, x.g, 1);
+    CHECK(on_g->input_t != NULL);
+    CHECK(on_c->input_t == NULL); /* the CPU takes im2col */
+    pair y = {on_c->output, on_g->output};
+    check_same("kept x_t", "y", &y, 2e-3);
+    mgpu__layer_backward(on_c, dy.c, NULL);
+    mgpu__layer_backward(on_g, dy.g, NULL);
+    pair dx = {on_c->dinput, on_g->dinput}, dw = {on_c->weight.grad, on_g->weight.grad};
+    pair db = {on_c->bias.grad, on_g->bias.grad};
+    check_same("kept x_t", "dx", &dx, 2e-3);
+    check_same("kept x_t", "dw", &dw, 2e-3);
+    check_same("kept x_t", "db", &db, 1e-5);
+    mgpu__conv_choices[before].plan.implicit = 0; /* the forward by im2col: no copy */
+    mgpu__layer_forward(on_g, x.g, 1);
+    CHECK(on_g->input_t == NULL);
+    mgpu__conv_choice_count = before;
+    mgpu__layer_free(on_c);
+    mgpu__layer_free(on_g);
+    pair_free(&x);
+    pair_free(&dy);
     mgpu_set_tf32(0, 0);
 }
 
