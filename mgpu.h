@@ -609,8 +609,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    implicit GEMMs on the tensor cores that never write a col buffer:
    kernels/conv_implicit.h's, which gather from the NCHW tensors, and
    kernels/conv_nhwc.h's, which work on channels-last copies (the forward
-   pass and dx at stride 1 when C, for dx K, is a multiple of 32; dW when
-   C and K are multiples of 4); each in one of four tile shapes. MGPU_CONV
+   pass and dx when C, for dx K, is a multiple of 32, dx at strides above
+   1 by sub-pixel convolutions; dW when C and K are multiples of 4); each
+   in one of four tile shapes. MGPU_CONV
    chooses: auto (the default) times im2col and every kernel and tile at
    the first call with each shape and keeps the fastest, as PyTorch's
    cudnn.benchmark does, for each gradient on its own (so the rounding of
@@ -4290,7 +4291,7 @@ static int mgpu__conv_implicit_available(void) {
 
 /* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
-   copies of them (the forward pass, dx at stride 1, and dW); each in one of
+   copies of them (the forward pass, dx, and dW); each in one of
    the four tiles. */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
@@ -4321,7 +4322,8 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     /* w [K, C, RS] -> [K, RS, C]; for dx, w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
     mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs)
                               : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);
-    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile};
+    mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
+    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile, plain};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
     mgpu_free(w_t); /* reused only by work enqueued after this on the same queue */
@@ -4358,10 +4360,18 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
                                    const mgpu_tensor *w, const mgpu__conv_geom *g,
                                    mgpu__implicit_kernel kernel) {
     if (kernel.family == MGPU__CHANNELS_LAST) {
-        mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
         mgpu_tensor *own;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
-        mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile);
+        if (g->stride == 1) {
+            mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile);
+        } else { /* the sub-pixel classes, each with its taps of w */
+            mgpu_tensor *w_classes = mgpu_empty(dx->device, w->shape);
+            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile};
+            mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last dx", NULL,
+                            mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
+            mgpu_free(w_classes); /* reused only by work enqueued after this on the same queue */
+        }
         mgpu_free(own);
         return;
     }
@@ -4406,8 +4416,8 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
    im2col path for both gradients at once (they share its dy in [K,
    n*P*Q] and its col buffer), or (implicit) each gradient on its own,
    with an implicit GEMM (kernels dx and dw) or with its half of the
-   im2col path (dx_im2col, dw_im2col): stride-2 layers, for one, have no
-   fast channels-last dx but do have a fast channels-last dW. */
+   im2col path (dx_im2col, dw_im2col): the gathering dx is slow at
+   stride 2, for one, where the channels-last dW is fast. */
 typedef struct {
     int implicit, dx_im2col, dw_im2col;
     mgpu__implicit_kernel y, dx, dw;
@@ -4460,8 +4470,9 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
 
 /* Whether a kernel family can compute a pass of this convolution: the
    gathering kernels all of them, the channels-last ones the forward pass
-   and dx at stride 1 when the channels come in whole steps, and dW when
-   channels and filters come in fours. */
+   and dx when the channels come in whole steps (dx at stride t > 1 also
+   when its sub-pixel classes share a padding), and dW when channels and
+   filters come in fours. */
 static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try what,
                                   const mgpu__conv_geom *g) {
     if (family == MGPU__GATHER) return 1;

@@ -1,5 +1,6 @@
 /* kernels/conv_nhwc.h: the convolution's forward pass, its input
-   gradient at stride 1 and its weight gradient, as implicit GEMMs over
+   gradient (at strides above 1 by sub-pixel convolutions) and its weight
+   gradient, as implicit GEMMs over
    channels-last copies of the tensors (GPU only, TF32), with
    asynchronous copies straight from memory into shared memory.
 
@@ -34,8 +35,11 @@
    is the convolution of dy with the weights turned half a circle and
    filters and channels swapped, w'[c, k, r', s'] = w[k, c, R-1-r', S-1-s'],
    padded by R - 1 - d. So the forward kernel computes it from dy_t and
-   w'_t (mgpu__channels_last with `flip`). At stride 2 the windows skip
-   pixels and this does not hold; those layers keep the other kernels.
+   w'_t (mgpu__channels_last with `flip`). At stride t > 1 the windows
+   skip pixels and this does not hold as it stands: split dx by the
+   remainders of h and w mod t, and each of the t^2 classes is again a
+   stride-1 convolution of dy, with some of the taps (the sub-pixel
+   convolutions, below the forward kernel).
 
    The kernel. A block of 128 threads (4 warps, 2 x 2 over the tile)
    computes a TM x TN tile of Y (TM filters, TN pixels; the four tiles of
@@ -237,18 +241,30 @@ static mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
     mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
     return d;
 }
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g);
+/* Whether dx of geometry g has a channels-last kernel: the one above at
+   stride 1, the sub-pixel classes (below) at larger strides. */
 static int mgpu__conv_nhwc_dx_fits(const mgpu__conv_geom *g) {
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_fits(g);
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-    return g->stride == 1 && g->r == g->s && g->pad <= g->r - 1 && mgpu__conv_nhwc_fits(&d);
+    return g->r == g->s && g->pad <= g->r - 1 && mgpu__conv_nhwc_fits(&d);
 }
 
+/* Where the output pixels go: with step 0, output pixel (p, q) to (p, q)
+   of y [n, K, P, Q]; else to (p step + row, q step + col) of y [n, K, h,
+   w] (a sub-pixel class of an input gradient, below). */
 typedef struct {
-    float *y;          /* [n, K, P, Q] */
+    int step, row, col, h, w;
+} mgpu__nhwc_out;
+
+typedef struct {
+    float *y;          /* [n, K, P, Q], or as `out` says */
     const float *x_t;  /* [n, H, W, C], TF32 */
     const float *w_t;  /* [K, R, S, C], TF32 */
     const float *b;    /* [K] or NULL */
     mgpu__conv_geom g; /* of the convolution of x with w */
     mgpu__implicit_tile tile;
+    mgpu__nhwc_out out;
 } mgpu__conv_nhwc_args;
 
 /* The block's warps in 2 x 2 over a TM x TN tile: each computes a
@@ -389,9 +405,15 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
                     t->out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
                         acc[i][j][e];
     };
+    size_t plane = pq, at = in_image; /* y's plane, and this pixel's place in it */
+    if (a.out.step) {
+        int p = in_image / g.q, q = in_image - p * g.q;
+        plane = (size_t)a.out.h * a.out.w;
+        at = (size_t)(p * a.out.step + a.out.row) * a.out.w + q * a.out.step + a.out.col;
+    }
     mgpu__implicit_finish<TM>(row, store, [&](int m0) {
         if (pixel < npq)
-            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
+            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * plane + at, plane, filter0 + m0, g.k, a.b);
     });
 #endif
 }
@@ -414,6 +436,118 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
     dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
     kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
+}
+
+/* ------------------------------ the input gradient at stride t > 1 */
+/* Sub-pixel convolutions. In the forward pass y[p] = sum over r of
+   w[r] x[t p + r - d] (one dimension; the other is the same), so
+       dx[h] = sum over the (p, r) with t p + r - d = h of w[r] dy[p].
+   For the rows h = t u + e of one remainder e, only the taps r = first +
+   t i (first = (e + d) mod t) meet a row of dy, p = u + (e + d - first)
+   / t - i. Numbered backwards, j = taps - 1 - i, that is
+       dx[t u + e] = sum over j of w[first + t (taps - 1 - j)] dy[u + j - pad']
+   with pad' = taps - 1 - (e + d - first) / t: a stride-1 convolution of
+   dy with `taps` of the R taps, turned round. In two dimensions the t^2
+   classes (e_h, e_w) share the work out: a 3x3 window at stride 2 and
+   padding 1 gives classes of 1x1, 1x2, 2x1 and 2x2 taps, with pad' 0,
+   and their products add up to the one of the whole input gradient. A
+   class without taps (a 1x1 window at stride 2 reaches only even rows)
+   is a product of no steps: its pixels get zeros.
+
+   Each class is the forward kernel on dy_t, with the class's taps of w
+   copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights, TF32), and
+   its output pixels (u, v) written to (t u + e_h, t v + e_w) of dx
+   (mgpu__nhwc_out). The kernel takes one padding for both dimensions:
+   classes whose pad' differ between rows and columns do not fit (none
+   of ResNet's do). */
+
+/* One dimension of a class: its taps (the count), the first one, and pad'. */
+static int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, int *pad_out) {
+    *first = (e + pad) % t;
+    int taps = window > *first ? (window - *first + t - 1) / t : 0;
+    *pad_out = taps - 1 - (e + pad - *first) / t;
+    return taps;
+}
+
+typedef struct {
+    mgpu__conv_geom g;   /* the class's stride-1 convolution of dy [n, K, P, Q] */
+    mgpu__nhwc_out out;  /* where its pixels go in dx */
+    int first_r, first_s, pad_s;
+} mgpu__subpixel_class;
+
+static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, int e_h, int e_w) {
+    mgpu__subpixel_class k;
+    int t = g->stride, pad_r;
+    int taps_r = mgpu__subpixel_taps(g->r, g->pad, t, e_h, &k.first_r, &pad_r);
+    int taps_s = mgpu__subpixel_taps(g->s, g->pad, t, e_w, &k.first_s, &k.pad_s);
+    int rows = e_h < g->h ? (g->h - e_h + t - 1) / t : 0, cols = e_w < g->w ? (g->w - e_w + t - 1) / t : 0;
+    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, taps_r, taps_s, rows, cols, 1, pad_r};
+    mgpu__nhwc_out out = {t, e_h, e_w, g->h, g->w};
+    k.g = d;
+    k.out = out;
+    return k;
+}
+
+/* Whether the sub-pixel classes compute dx of geometry g (stride > 1). */
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g) {
+    if (g->stride < 2) return 0;
+    for (int e_h = 0; e_h < g->stride; e_h++)
+        for (int e_w = 0; e_w < g->stride; e_w++) {
+            mgpu__subpixel_class k = mgpu__subpixel_class_of(g, e_h, e_w);
+            if (!mgpu__conv_nhwc_fits(&k.g)) return 0;
+            if (k.g.r > 0 && k.g.s > 0 && k.g.pad != k.pad_s) return 0;
+        }
+    return 1;
+}
+
+/* out[c, j_r, j_s, k] = tf32(w[k, c, first_r + t (taps_r - 1 - j_r),
+   first_s + t (taps_s - 1 - j_s)]): a class's taps, turned round, filters
+   and channels swapped. One thread a value; the weights are small. */
+typedef struct {
+    float *out;
+    const float *w; /* [K, C, R, S] */
+    mgpu__conv_geom g;
+    mgpu__subpixel_class k;
+} mgpu__subpixel_weights_args;
+
+static __global__ void mgpu__subpixel_weights_kernel(mgpu__subpixel_weights_args a) {
+    const mgpu__conv_geom &g = a.g;
+    int taps_r = a.k.g.r, taps_s = a.k.g.s;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)g.c * taps_r * taps_s * g.k) {
+        int k = (int)(i % g.k), rest = (int)(i / g.k);
+        int j_s = rest % taps_s, j_r = rest / taps_s % taps_r, c = rest / taps_s / taps_r;
+        int r = a.k.first_r + g.stride * (taps_r - 1 - j_r), s = a.k.first_s + g.stride * (taps_s - 1 - j_s);
+        a.out[i] = mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]);
+    }
+}
+
+typedef struct {
+    float *dx;          /* [n, C, H, W] */
+    const float *dy_t;  /* [n, P, Q, K], TF32 */
+    const float *w;     /* [K, C, R, S] */
+    float *w_classes;   /* scratch of C K R S floats: the classes' taps, one after another */
+    mgpu__conv_geom g;  /* of the convolution (stride > 1) */
+    mgpu__implicit_tile tile;
+} mgpu__conv_nhwc_subpixel_args;
+
+/* dx, class by class: the class's taps, then its product. */
+static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_nhwc_subpixel_args *a = (const mgpu__conv_nhwc_subpixel_args *)args;
+    float *w_class = a->w_classes;
+    for (int e_h = 0; e_h < a->g.stride; e_h++)
+        for (int e_w = 0; e_w < a->g.stride; e_w++) {
+            mgpu__subpixel_class k = mgpu__subpixel_class_of(&a->g, e_h, e_w);
+            size_t taps = (size_t)a->g.c * k.g.r * k.g.s * a->g.k;
+            if (k.g.p == 0 || k.g.q == 0) continue; /* no rows or columns of dx in the class */
+            if (taps) {
+                mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
+                mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, (cudaStream_t)ex->stream>>>(wa);
+                MGPU_CUDA_CHECK_LAUNCH();
+            }
+            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out};
+            mgpu__conv_nhwc_cuda(&product, ex);
+            w_class += taps;
+        }
 }
 
 /* ------------------------------------------------- the weight gradient */

@@ -129,6 +129,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
     mgpu__channels_last_cuda(&a, &on_gpu);
     return out;
 }
+static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -191,14 +192,21 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                  mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
         if (mgpu__conv_nhwc_fits(&g)) {
             std::vector<float> y_g = nans(ys);
-            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind};
+            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}};
             mgpu__conv_nhwc_cuda(&a, &on_gpu);
             close_in_tf32(name, "y", y_g, y_c);
         }
-        if (mgpu__conv_nhwc_dx_fits(&g)) {
+        if (mgpu__conv_nhwc_dx_fits(&g)) { /* (every value of dx written: NaN otherwise) */
             std::vector<float> dx_g = nans(x.size());
-            mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind};
-            mgpu__conv_nhwc_cuda(&a, &on_gpu);
+            if (stride == 1) {
+                mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}};
+                mgpu__conv_nhwc_cuda(&a, &on_gpu);
+            } else { /* the sub-pixel classes */
+                std::vector<float> w_classes = nans(wt.size());
+                mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g, kind};
+                mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
+                subpixel_cases++;
+            }
             close_in_tf32(name, "dx", dx_g, dx_c);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
@@ -235,13 +243,18 @@ TEST(channels_last_convolution) {
     /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
     implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
-    implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* no dx (stride 2) */
-    implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2 */
+    implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* stride 2: dx in 4 classes of 5 or 4 rows and columns */
+    implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2: 3 classes without taps (zeros) */
+    implicit_case(2, 32, 8, 7, 96, 3, 2, 1, 0);  /* stride 2, H even and W odd, 3 steps a tap */
+    implicit_case(2, 32, 6, 6, 32, 2, 2, 0, 1);  /* 2x2 windows, stride 2: one tap a class */
     implicit_case(3, 32, 9, 10, 130, 3, 1, 0, 1); /* more than one tile of 128 filters and pixels */
     implicit_case(2, 64, 6, 6, 36, 3, 1, 1, 0);  /* dW: several tiles of 128 (r, s, c), 2 positions a tile */
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
+    CHECK(subpixel_cases == 4 * MGPU__TILE_KINDS);
+    mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
+    CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }
 
 /* The channels-last copies: every element where it belongs, rounded to

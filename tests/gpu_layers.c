@@ -431,6 +431,7 @@ TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
     implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
+    implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels */
     mgpu_set_tf32(0, 0);
 }
 
