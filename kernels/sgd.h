@@ -125,18 +125,19 @@ static void mgpu__sgd_book_cuda(const void *args, const mgpu__exec *ex) {
     mgpu__sgd_book_kernel<<<mgpu__grid_for(a->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
-static void mgpu__sgd_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__sgd_args *a = (const mgpu__sgd_args *)args;
+/* A list kernel on the list of its arguments `a`: the blocks the list
+   asks for (none when every tensor is empty). */
+template <typename Args>
+static void mgpu__list_launch(void (*kernel)(Args), const Args *a, const mgpu__exec *ex) {
     int blocks = a->list.first_block[a->list.count];
     if (blocks == 0) return;
-    mgpu__sgd_kernel<<<blocks, 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    kernel<<<blocks, 256, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+static void mgpu__sgd_cuda(const void *args, const mgpu__exec *ex) {
+    mgpu__list_launch(mgpu__sgd_kernel, (const mgpu__sgd_args *)args, ex);
+}
 static void mgpu__zero_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__zero_args *a = (const mgpu__zero_args *)args;
-    int blocks = a->list.first_block[a->list.count];
-    if (blocks == 0) return;
-    mgpu__zero_kernel<<<blocks, 256, 0, (cudaStream_t)ex->stream>>>(*a);
-    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__list_launch(mgpu__zero_kernel, (const mgpu__zero_args *)args, ex);
 }
 #endif
