@@ -133,14 +133,15 @@ $(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(DEPS_
 CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 
 # The CUDA kernels run on the CPU (tests/cuda_emu.h): their launches
-# kernel<<<config>>>(args); are rewritten into calls of the emulator, and
+# kernel<<<config>>>(args); (kernel may be a template's, name<V>) are
+# rewritten into calls of the emulator, and
 # the kernels are compared with their CPU references, GPU or not.
 # The kernel files in the order mgpu.h includes them.
 EMU_TEST     := $(BUILD)/tests/emu_kernels
 KERNEL_FILES := $(shell sed -n 's/^\#include "\(kernels\/[a-z_]*\.h\)"/\1/p' mgpu.h)
 $(BUILD)/emu/kernels.h: $(KERNEL_FILES) Makefile
 	@mkdir -p $(dir $@)
-	perl -0pe 's/(\w+)<<<(.*?)>>>\((.*?)\);/mgpu_emu_launcher($$2)($$1, $$3);/gs' \
+	perl -0pe 's/(\w+(?:<[\w, ]*>)?)<<<(.*?)>>>\((.*?)\);/mgpu_emu_launcher($$2)($$1, $$3);/gs' \
 	  $(KERNEL_FILES) > $@
 $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)

@@ -707,14 +707,15 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
    y = max(0, batch norm of x) in the same pass. y may be x itself when no
    backward pass will follow (backward needs x).
 
-       void mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, y, gamma,
+       void mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, beta,
                                       save_mean, save_invstd, fuse_relu, accumulate)
-   The backward pass of a training-mode forward: from dy = dL/dy, the x and
-   gamma that forward used and its save_mean and save_invstd, writes dx
-   (shape of x) and dgamma, dbeta ([C]). With fuse_relu, pass the forward's
-   y (the ReLU's mask is y > 0; y is not read otherwise and may be NULL).
-   accumulate 1 adds to dgamma and dbeta, as PyTorch's .grad does; 0
-   overwrites them. dx is always overwritten.
+   The backward pass of a training-mode forward: from dy = dL/dy, the x,
+   gamma and beta that forward used and its save_mean and save_invstd,
+   writes dx (shape of x) and dgamma, dbeta ([C]). With fuse_relu the
+   ReLU's mask, y > 0, is recomputed from x exactly as the forward computed
+   y, so y itself is not needed; beta is read only then (otherwise it may
+   be NULL). accumulate 1 adds to dgamma and dbeta, as PyTorch's .grad
+   does; 0 overwrites them. dx is always overwritten.
 
    Softmax cross-entropy (PyTorch's CrossEntropyLoss; kernels/loss.h):
    logits are [N, classes]; labels hold N class indices stored as floats
@@ -759,7 +760,7 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
                                        int training, float momentum, float eps, int fuse_relu);
 MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
                                         const mgpu_tensor *dy, const mgpu_tensor *x,
-                                        const mgpu_tensor *y, const mgpu_tensor *gamma,
+                                        const mgpu_tensor *gamma, const mgpu_tensor *beta,
                                         const mgpu_tensor *save_mean,
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate);
@@ -4958,7 +4959,7 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
 
 MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
                                         const mgpu_tensor *dy, const mgpu_tensor *x,
-                                        const mgpu_tensor *y, const mgpu_tensor *gamma,
+                                        const mgpu_tensor *gamma, const mgpu_tensor *beta,
                                         const mgpu_tensor *save_mean,
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate) {
@@ -4971,13 +4972,10 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
     mgpu__require_tensor(dy, dev, op, "dy");
     mgpu__require_same_shape(dx, x, op);
     mgpu__require_same_shape(dy, x, op);
-    if (fuse_relu) {
-        mgpu__require_tensor(y, dev, op, "y (needed with fuse_relu)");
-        mgpu__require_same_shape(y, x, op);
-    }
     mgpu__require_per_channel(dgamma, a.c, dev, op, "dgamma");
     mgpu__require_per_channel(dbeta, a.c, dev, op, "dbeta");
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
+    if (fuse_relu) mgpu__require_per_channel(beta, a.c, dev, op, "beta (needed with fuse_relu)");
     mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
     mgpu__require_per_channel(save_invstd, a.c, dev, op, "save_invstd");
     a.dx = dx->data;
@@ -4985,8 +4983,8 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
     a.dbeta = dbeta->data;
     a.dy = dy->data;
     a.x = x->data;
-    a.y = fuse_relu ? y->data : NULL;
     a.gamma = gamma->data;
+    a.beta = fuse_relu ? beta->data : NULL;
     a.save_mean = save_mean->data;
     a.save_invstd = save_invstd->data;
     a.fuse_relu = fuse_relu != 0;
@@ -5941,8 +5939,8 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         MGPU_REQUIRE(l->batch_statistics,
                      "%s: the last forward ran in evaluation mode; batch norm's backward pass "
                      "needs the batch statistics of a forward in training mode", l->name);
-        mgpu_batchnorm2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->output,
-                                  l->weight.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
+        mgpu_batchnorm2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value,
+                                  l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
         break;
     case MGPU_LAYER_RELU:
         mgpu_relu_backward(dx, dy, l->output);

@@ -15,7 +15,8 @@
    Training saves mean_c and invstd_c for the backward pass.
 
    Backward (training mode). Let g = dL/dy, set to 0 where the fused ReLU
-   clipped (y <= 0). Every x of a channel moves its mean and variance, so
+   clipped (where gamma xhat + beta <= 0, so y = 0). Every x of a channel
+   moves its mean and variance, so
    dx has two terms more than the per-value chain rule:
        dbeta_c  = sum g                 dgamma_c = sum g xhat
        dx = gamma_c invstd_c (g - dbeta_c / m - xhat dgamma_c / m)
@@ -23,8 +24,12 @@
 
    Why fuse the ReLU: both steps do a few flops per value and are limited
    by memory bandwidth. A separate ReLU would read and write the whole
-   activation once more, forward and backward; fused, y is written once and
-   backward takes the ReLU's mask from y (y > 0).
+   activation once more, forward and backward; fused, y is written once.
+   The backward pass does not even read y for the ReLU's mask: it reads x
+   anyway, and recomputes y's sign from it with the very operations the
+   forward used (mgpu__bn_scale_shift and mgpu__bn_affine: fused
+   multiply-adds, rounded alike on a CPU and a GPU), so the mask is the
+   forward's bit for bit, and a whole tensor is read twice less.
 
    The residual block's end, y = max(bn(x) + skip, 0), fuses one step
    more: with `skip` given, the forward adds it before the ReLU, and the
@@ -45,20 +50,32 @@
      2. one thread per channel merges its S partials and writes the
         channel's results (statistics and running statistics forward,
         dgamma and dbeta backward);
-     3. one thread per value writes y, or dx.
-   A value's channel, (i / (H*W)) mod C, and the place of a channel's j-th
-   value in x take divisions for every value: by multiplying (mgpu__div),
-   as the GPU's integer division would cost more than the rest of the
-   work on the value.
+     3. a grid over the whole tensor writes y, or dx.
+   Every kernel here moves a few bytes per flop, so what decides its speed
+   is how few instructions it spends per byte. Two things keep that low:
+     - Vectors of V = 4 values: when H*W is a multiple of 4 (28x28, 14x14
+       and 4x4 planes; not 7x7) and the tensors are 16-byte aligned, a
+       thread loads and stores 4 neighbouring values of one plane, so of
+       one channel, with one instruction (mgpu__load_floats), and finds
+       their channel once. Otherwise V = 1.
+     - A vector's channel, (i / (H*W/V)) mod C, and the place of a
+       channel's j-th vector, take divisions by numbers fixed for the
+       launch: done by multiplying (mgpu__div), as the GPU's integer
+       division would cost more than the rest of the work on the vector.
 
-   Variance. The GPU uses Welford's algorithm: each thread keeps (count,
-   mean, sum of squared deviations) of its values, and partial results are
-   merged with Chan et al.'s formula. This reads x once and never subtracts
-   two large, nearly equal numbers. The one-pass formula E[x^2] - E[x]^2
-   does: with a mean of 1000 and a standard deviation of 1, E[x^2] is about
-   1e6, which float stores only to within 0.06, so the variance 1 is lost.
-   The CPU reference takes the textbook two passes (the mean, then the
-   squared deviations) in double. */
+   Variance. The CPU reference takes the textbook two passes (the mean,
+   then the squared deviations) in double. The one-pass formula
+   E[x^2] - E[x]^2 would read x once, but it subtracts two large, nearly
+   equal numbers: with a mean of 1000 and a standard deviation of 1,
+   E[x^2] is about 1e6, which float stores only to within 0.06, so the
+   variance 1 is lost. The GPU keeps both advantages: each thread loads 16
+   values into registers at once and takes the two passes over those (no
+   memory traffic, and one division for all 16), giving their (count,
+   mean, sum of squared deviations); these triples are then merged, thread
+   with thread and slice with slice, by Chan et al.'s formula, which never
+   subtracts large numbers either. (Welford's update, the usual way to
+   merge one value at a time, costs a division per value, and divisions
+   made this kernel slower than the memory it reads.) */
 
 /* ---------------------------------------------------------------- forward */
 typedef struct {
@@ -86,12 +103,31 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_stats(const mgpu__bn_forward_args *
     }
 }
 
-/* y at value i, of channel c. */
-static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args *a, size_t i, int c) {
+/* Batch norm of a channel is an affine map, gamma (x - mean) invstd + beta
+   = scale x + shift. Both are computed with explicit fused multiply-adds
+   (fmaf: one rounding, the same on a CPU and a GPU, where a compiler may
+   otherwise fuse a * b + c on one and not the other), because the backward
+   pass recomputes the forward's values from x to find the ReLU's mask and
+   must get the very same bits. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_scale_shift(float gamma, float beta, float mean,
+                                                         float invstd, float *scale, float *shift) {
+    *scale = gamma * invstd;
+    *shift = fmaf(-mean, *scale, beta);
+}
+static MGPU__HOSTDEVICE inline float mgpu__bn_affine(float scale, float x, float shift) {
+    return fmaf(scale, x, shift);
+}
+/* The scale and shift of channel c in the forward pass. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_forward_affine(const mgpu__bn_forward_args *a, int c,
+                                                            float *scale, float *shift) {
     float mean, invstd;
     mgpu__bn_stats(a, c, &mean, &invstd);
-    float y = a->gamma[c] * ((a->x[i] - mean) * invstd) + a->beta[c];
-    if (a->skip) y += a->skip[i];
+    mgpu__bn_scale_shift(a->gamma[c], a->beta[c], mean, invstd, scale, shift);
+}
+/* y from x (and the skip value, 0 when there is none). */
+static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args *a, float x, float skip,
+                                                     float scale, float shift) {
+    float y = mgpu__bn_affine(scale, x, shift) + skip;
     return a->fuse_relu && y < 0.0f ? 0.0f : y;
 }
 
@@ -127,18 +163,13 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
             }
             mgpu__bn_finish_stats(a, c, mean, squares / (double)m);
         }
-        /* y = gamma (x - mean) invstd + beta = scale x + shift; after the
-           statistics, so y may be x itself */
-        float mean, invstd;
-        mgpu__bn_stats(a, c, &mean, &invstd);
-        float scale = a->gamma[c] * invstd, shift = a->beta[c] - mean * scale;
+        /* after the statistics, so y may be x itself */
+        float scale, shift;
+        mgpu__bn_forward_affine(a, c, &scale, &shift);
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
-            for (int p = 0; p < a->hw; p++) {
-                float y = scale * a->x[at + p] + shift;
-                if (a->skip) y += a->skip[at + p];
-                a->y[at + p] = a->fuse_relu && y < 0.0f ? 0.0f : y;
-            }
+            for (size_t i = at; i < at + (size_t)a->hw; i++)
+                a->y[i] = mgpu__bn_output(a, a->x[i], a->skip ? a->skip[i] : 0.0f, scale, shift);
         }
     }
 }
@@ -146,18 +177,29 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
 /* --------------------------------------------------------------- backward */
 typedef struct {
     float *dx, *dgamma, *dbeta;
-    const float *dy, *x, *y, *gamma, *save_mean, *save_invstd; /* y: only with fuse_relu */
-    float *partials; /* CUDA scratch: [C][S] partial sums, then [C] channel means */
+    const float *dy, *x, *gamma, *save_mean, *save_invstd;
+    const float *beta; /* only with fuse_relu, for the ReLU's mask */
+    float *partials;   /* CUDA scratch: [C][S] partial sums, then [C] channel means */
     int n, c, hw, splits;
     int fuse_relu, accumulate; /* accumulate: dgamma += ..., dbeta += ... */
 } mgpu__bn_backward_args;
 
-/* g at value i: dy, except where the fused ReLU clipped. */
-static MGPU__HOSTDEVICE inline float mgpu__bn_grad_out(const mgpu__bn_backward_args *a, size_t i) {
-    return a->fuse_relu && a->y[i] <= 0.0f ? 0.0f : a->dy[i];
+/* The forward's scale and shift of channel c (for the ReLU's mask). */
+static MGPU__HOSTDEVICE inline void mgpu__bn_backward_affine(const mgpu__bn_backward_args *a, int c,
+                                                             float *scale, float *shift) {
+    if (a->fuse_relu)
+        mgpu__bn_scale_shift(a->gamma[c], a->beta[c], a->save_mean[c], a->save_invstd[c], scale, shift);
+    else
+        *scale = *shift = 0.0f;
 }
-static MGPU__HOSTDEVICE inline float mgpu__bn_xhat(const mgpu__bn_backward_args *a, size_t i, int c) {
-    return (a->x[i] - a->save_mean[c]) * a->save_invstd[c];
+/* g: dy, except where the fused ReLU clipped, which is where the forward's
+   scale x + shift was not above 0. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_grad_out(const mgpu__bn_backward_args *a, float dy, float x,
+                                                       float scale, float shift) {
+    return a->fuse_relu && !(mgpu__bn_affine(scale, x, shift) > 0.0f) ? 0.0f : dy;
+}
+static MGPU__HOSTDEVICE inline float mgpu__bn_xhat(const mgpu__bn_backward_args *a, float x, int c) {
+    return (x - a->save_mean[c]) * a->save_invstd[c];
 }
 /* dbeta_c and dgamma_c from the channel's sums of g and of g xhat. */
 static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward_args *a, int c,
@@ -165,11 +207,11 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward
     a->dbeta[c] = (a->accumulate ? a->dbeta[c] : 0.0f) + sum_g;
     a->dgamma[c] = (a->accumulate ? a->dgamma[c] : 0.0f) + sum_g_xhat;
 }
-/* dx at value i of channel c, given the channel's means of g and g xhat. */
-static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward_args *a, size_t i,
+/* dx at a value of channel c with gradient g (after the mask), given the
+   channel's means of g and g xhat. */
+static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward_args *a, float g, float x,
                                                          int c, float mean_g, float mean_g_xhat) {
-    return a->gamma[c] * a->save_invstd[c] *
-           (mgpu__bn_grad_out(a, i) - mean_g - mgpu__bn_xhat(a, i, c) * mean_g_xhat);
+    return a->gamma[c] * a->save_invstd[c] * (g - mean_g - mgpu__bn_xhat(a, x, c) * mean_g_xhat);
 }
 
 static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
@@ -177,21 +219,25 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
     size_t m = (size_t)a->n * (size_t)a->hw;
     for (int c = 0; c < a->c; c++) {
+        float scale, shift;
+        mgpu__bn_backward_affine(a, c, &scale, &shift);
         double sum_g = 0, sum_g_xhat = 0;
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             for (size_t i = at; i < at + (size_t)a->hw; i++) {
-                double g = mgpu__bn_grad_out(a, i);
+                double g = mgpu__bn_grad_out(a, a->dy[i], a->x[i], scale, shift);
                 sum_g += g;
-                sum_g_xhat += g * mgpu__bn_xhat(a, i, c);
+                sum_g_xhat += g * mgpu__bn_xhat(a, a->x[i], c);
             }
         }
         mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
         float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
-            for (size_t i = at; i < at + (size_t)a->hw; i++)
-                a->dx[i] = mgpu__bn_input_grad(a, i, c, mean_g, mean_g_xhat);
+            for (size_t i = at; i < at + (size_t)a->hw; i++) {
+                float g = mgpu__bn_grad_out(a, a->dy[i], a->x[i], scale, shift);
+                a->dx[i] = mgpu__bn_input_grad(a, g, a->x[i], c, mean_g, mean_g_xhat);
+            }
         }
     }
 }
@@ -255,14 +301,6 @@ struct mgpu__welford_op {
         return r;
     }
 };
-/* Welford: one more value into a thread's running statistics. */
-static __device__ inline void mgpu__welford_add(mgpu__welford *w, float x) {
-    w->n += 1.0f;
-    float delta = x - w->mean;
-    w->mean += delta / w->n;
-    w->m2 += delta * (x - w->mean);
-}
-
 /* Butterfly reduction: every lane of the warp ends with the combination of
    all 32 lanes' values (combined in different orders, so the last bits
    may differ from lane to lane: callers use lane 0's). */
@@ -290,44 +328,76 @@ static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
 
 /* --------------------------------------------------- batch norm kernels */
 #define MGPU__BN_BLOCK 256
+#define MGPU__BN_HELD 16 /* values a thread of the statistics kernel holds at once */
 
-/* Where a value of x is, from its index, without the GPU's slow integer
-   division (mgpu__div; indices below 2^31: mgpu_batchnorm2d_* refuse
-   larger tensors on a GPU). */
+/* The vector width V for these tensors: 4 when a plane's H*W values are
+   whole vectors and every tensor starts 16-byte aligned, else 1. */
+static int mgpu__bn_vector_width(int hw, const void *const *tensors, int count) {
+    if (hw % 4) return 1;
+    for (int t = 0; t < count; t++)
+        if ((uintptr_t)tensors[t] % 16) return 1;
+    return 4;
+}
+
+/* Where the vectors of x are (indices below 2^31: mgpu_batchnorm2d_*
+   refuse larger tensors on a GPU). Vector i lies in plane i / per_plane,
+   and the plane's channel is that plane mod C. */
 typedef struct {
-    mgpu__divisor hw, c;
-} mgpu__bn_divisors;
-/* The channel of the i-th value of x. */
-static __device__ inline int mgpu__bn_channel(size_t i, mgpu__bn_divisors d) {
-    int plane = mgpu__div((int)i, d.hw); /* image * C + channel */
-    return plane - mgpu__div(plane, d.c) * d.c.d;
+    mgpu__divisor per_plane, c; /* vectors per plane (H*W / V), channels */
+} mgpu__bn_layout;
+static mgpu__bn_layout mgpu__bn_layout_for(int c, int hw, int v) {
+    mgpu__bn_layout l = {mgpu__divisor_for(hw / v), mgpu__divisor_for(c)};
+    return l;
 }
-/* Where the j-th of the N*H*W values of channel c lies in x. */
-static __device__ inline size_t mgpu__bn_offset(size_t j, int c, mgpu__bn_divisors d) {
-    int image = mgpu__div((int)j, d.hw), pixel = (int)j - image * d.hw.d;
-    return ((size_t)image * d.c.d + c) * d.hw.d + pixel;
+/* The channel of vector i. */
+static __device__ inline int mgpu__bn_channel(int i, mgpu__bn_layout l) {
+    int plane = mgpu__div(i, l.per_plane); /* image * C + channel */
+    return plane - mgpu__div(plane, l.c) * l.c.d;
 }
-static mgpu__bn_divisors mgpu__bn_divisors_for(int c, int hw) {
-    mgpu__bn_divisors d = {mgpu__divisor_for(hw), mgpu__divisor_for(c)};
-    return d;
+/* Where the j-th of channel c's N*H*W/V vectors is, counted in vectors. */
+static __device__ inline int mgpu__bn_offset(int j, int c, mgpu__bn_layout l) {
+    int image = mgpu__div(j, l.per_plane), in_plane = j - image * l.per_plane.d;
+    return (image * l.c.d + c) * l.per_plane.d + in_plane;
+}
+/* The vectors [begin, end) of its channel that block (c, blockIdx.y) of
+   the C x S grid reduces. (Channels on x: the grid's y and z are limited
+   to 65535, its x to 2^31 - 1.) */
+static __device__ inline void mgpu__bn_slice(int vectors, int splits, int *begin, int *end) {
+    int chunk = (vectors + splits - 1) / splits;
+    *begin = (int)blockIdx.y * chunk;
+    *end = *begin + chunk < vectors ? *begin + chunk : vectors;
 }
 
-/* The values [begin, end) of its channel that block (c, blockIdx.y) of the
-   C x S grid reduces. (Channels on x: the grid's y and z are limited to
-   65535, its x to 2^31 - 1.) */
-static __device__ inline void mgpu__bn_slice(size_t m, int splits, size_t *begin, size_t *end) {
-    size_t chunk = (m + (size_t)splits - 1) / (size_t)splits;
-    *begin = blockIdx.y * chunk;
-    *end = *begin + chunk < m ? *begin + chunk : m;
-}
-
-static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_divisors d) {
-    int c = blockIdx.x;
-    size_t begin, end;
-    mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
+/* Each thread loads MGPU__BN_HELD values of its slice into registers (all
+   the loads in flight together), takes their mean and squared deviations
+   there, and merges the triple into its running one (Chan et al.). */
+template <int V>
+static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_layout l) {
+    const int held = MGPU__BN_HELD / V; /* vectors */
+    int c = blockIdx.x, begin, end;
+    mgpu__bn_slice(a.n * (a.hw / V), a.splits, &begin, &end);
     mgpu__welford w = {0, 0, 0};
-    for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x)
-        mgpu__welford_add(&w, a.x[mgpu__bn_offset(j, c, d)]);
+    for (int first = begin + threadIdx.x; first < end; first += held * blockDim.x) {
+        float v[held][V], sum = 0.0f;
+        int count = 0;
+        for (int k = 0; k < held; k++) {
+            int j = first + k * blockDim.x;
+            for (int e = 0; e < V; e++) v[k][e] = 0.0f;
+            if (j < end) {
+                mgpu__load_floats(v[k], a.x + (size_t)mgpu__bn_offset(j, c, l) * V);
+                count += V;
+            }
+            for (int e = 0; e < V; e++) sum += v[k][e];
+        }
+        mgpu__welford held_values = {(float)count, sum / (float)count, 0.0f};
+        for (int k = 0; k < held; k++)
+            if (first + k * (int)blockDim.x < end)
+                for (int e = 0; e < V; e++) {
+                    float deviation = v[k][e] - held_values.mean;
+                    held_values.m2 += deviation * deviation;
+                }
+        w = mgpu__welford_op()(w, held_values);
+    }
     mgpu__welford none = {0, 0, 0};
     w = mgpu__block_reduce(w, mgpu__welford_op(), none);
     if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
@@ -342,35 +412,56 @@ static __global__ void mgpu__bn_finish_stats_kernel(mgpu__bn_forward_args a) {
     }
 }
 
-static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a, mgpu__bn_divisors d) {
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) a.y[i] = mgpu__bn_output(&a, i, mgpu__bn_channel(i, d));
+template <int V>
+static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a, mgpu__bn_layout l) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * (a.hw / V)) {
+        float scale, shift, x[V], skip[V] = {}, y[V];
+        mgpu__bn_forward_affine(&a, mgpu__bn_channel((int)i, l), &scale, &shift);
+        mgpu__load_floats(x, a.x + i * V);
+        if (a.skip) mgpu__load_floats(skip, a.skip + i * V);
+        for (int e = 0; e < V; e++) y[e] = mgpu__bn_output(&a, x[e], skip[e], scale, shift);
+        mgpu__store_floats(a.y + i * V, y);
+    }
 }
 
-static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
-    cudaStream_t stream = (cudaStream_t)ex->stream;
-    mgpu__bn_divisors d = mgpu__bn_divisors_for(a->c, a->hw);
+template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args *a, cudaStream_t stream) {
+    mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
     if (a->training) {
-        mgpu__bn_stats_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, d);
+        mgpu__bn_stats_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
         MGPU_CUDA_CHECK_LAUNCH();
         mgpu__bn_finish_stats_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
         MGPU_CUDA_CHECK_LAUNCH();
     }
-    size_t numel = (size_t)a->n * a->c * a->hw;
-    mgpu__bn_output_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a, d);
+    size_t vectors = (size_t)a->n * a->c * (a->hw / V);
+    mgpu__bn_output_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(*a, l);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
+    const void *tensors[] = {a->y, a->x, a->skip};
+    if (mgpu__bn_vector_width(a->hw, tensors, 3) == 4)
+        mgpu__bn_forward_launch<4>(a, (cudaStream_t)ex->stream);
+    else
+        mgpu__bn_forward_launch<1>(a, (cudaStream_t)ex->stream);
+}
 
-static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu__bn_divisors d) {
-    int c = blockIdx.x;
-    size_t begin, end;
-    mgpu__bn_slice((size_t)a.n * a.hw, a.splits, &begin, &end);
+template <int V>
+static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu__bn_layout l) {
+    int c = blockIdx.x, begin, end;
+    mgpu__bn_slice(a.n * (a.hw / V), a.splits, &begin, &end);
+    float scale, shift;
+    mgpu__bn_backward_affine(&a, c, &scale, &shift);
     mgpu__pair sums = {0, 0}; /* sum of g, sum of g xhat */
-    for (size_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-        size_t i = mgpu__bn_offset(j, c, d);
-        float g = mgpu__bn_grad_out(&a, i);
-        sums.a += g;
-        sums.b += g * mgpu__bn_xhat(&a, i, c);
+    for (int j = begin + threadIdx.x; j < end; j += blockDim.x) {
+        size_t at = (size_t)mgpu__bn_offset(j, c, l) * V;
+        float dy[V], x[V];
+        mgpu__load_floats(dy, a.dy + at);
+        mgpu__load_floats(x, a.x + at);
+        for (int e = 0; e < V; e++) {
+            float g = mgpu__bn_grad_out(&a, dy[e], x[e], scale, shift);
+            sums.a += g;
+            sums.b += g * mgpu__bn_xhat(&a, x[e], c);
+        }
     }
     mgpu__pair zero = {0, 0};
     sums = mgpu__block_reduce(sums, mgpu__sum_op(), zero);
@@ -390,24 +481,39 @@ static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
     }
 }
 
-static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a, mgpu__bn_divisors d) {
+template <int V>
+static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a, mgpu__bn_layout l) {
     const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * a.hw) {
-        int c = mgpu__bn_channel(i, d);
-        a.dx[i] = mgpu__bn_input_grad(&a, i, c, means[c].a, means[c].b);
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * (a.hw / V)) {
+        int c = mgpu__bn_channel((int)i, l);
+        float scale, shift, dy[V], x[V], dx[V];
+        mgpu__bn_backward_affine(&a, c, &scale, &shift);
+        mgpu__load_floats(dy, a.dy + i * V);
+        mgpu__load_floats(x, a.x + i * V);
+        for (int e = 0; e < V; e++) {
+            float g = mgpu__bn_grad_out(&a, dy[e], x[e], scale, shift);
+            dx[e] = mgpu__bn_input_grad(&a, g, x[e], c, means[c].a, means[c].b);
+        }
+        mgpu__store_floats(a.dx + i * V, dx);
     }
 }
 
-static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
-    cudaStream_t stream = (cudaStream_t)ex->stream;
-    mgpu__bn_divisors d = mgpu__bn_divisors_for(a->c, a->hw);
-    mgpu__bn_grad_sums_kernel<<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, d);
+template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_args *a, cudaStream_t stream) {
+    mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
+    mgpu__bn_grad_sums_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_finish_grads_kernel<<<mgpu__grid_for(a->c, 128), 128, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
-    size_t numel = (size_t)a->n * a->c * a->hw;
-    mgpu__bn_input_grad_kernel<<<mgpu__grid_for(numel, 256), 256, 0, stream>>>(*a, d);
+    size_t vectors = (size_t)a->n * a->c * (a->hw / V);
+    mgpu__bn_input_grad_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(*a, l);
     MGPU_CUDA_CHECK_LAUNCH();
+}
+static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
+    const void *tensors[] = {a->dx, a->dy, a->x};
+    if (mgpu__bn_vector_width(a->hw, tensors, 3) == 4)
+        mgpu__bn_backward_launch<4>(a, (cudaStream_t)ex->stream);
+    else
+        mgpu__bn_backward_launch<1>(a, (cudaStream_t)ex->stream);
 }
 #endif

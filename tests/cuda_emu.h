@@ -267,6 +267,20 @@ static float atomicAdd(float *address, float value) { /* fibers switch only at b
 alignas(128) static unsigned char mgpu_emu_dynamic_shared[228 << 10];
 static void *mgpu__dynamic_shared() { return mgpu_emu_dynamic_shared; }
 
+/* kernels/elementwise.h's 16-byte loads and stores, which a GPU refuses
+   at an address not 16-byte aligned. */
+static void mgpu_emu_check_vector(const float *p) {
+    if ((uintptr_t)p % 16) mgpu_emu_fail("a 16-byte load or store at an address not 16-byte aligned");
+}
+static void mgpu__load_floats(float (&v)[4], const float *p) {
+    mgpu_emu_check_vector(p);
+    memcpy(v, p, sizeof v);
+}
+static void mgpu__store_floats(float *p, const float (&v)[4]) {
+    mgpu_emu_check_vector(p);
+    memcpy(p, v, sizeof v);
+}
+
 /* kernels/conv_nhwc.h's PTX pieces. A shared-memory address is a
    pointer here (a 32-bit offset on a GPU). */
 typedef unsigned char *mgpu__shared_address;

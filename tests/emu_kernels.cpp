@@ -432,7 +432,7 @@ static void batchnorm_case(int n, int c, int hw) {
                 mgpu__bn_backward_args p;
                 memset(&p, 0, sizeof p);
                 p.dx = dx_c.data(); p.dgamma = dg_c.data(); p.dbeta = db_c.data(); p.dy = dy.data();
-                p.x = x.data(); p.y = relu ? y_c.data() : NULL; p.gamma = gamma.data();
+                p.x = x.data(); p.gamma = gamma.data(); p.beta = relu ? beta.data() : NULL;
                 p.save_mean = mean_c.data(); p.save_invstd = inv_c.data();
                 p.n = n; p.c = c; p.hw = hw; p.splits = splits; p.fuse_relu = relu;
                 p.accumulate = accumulate;
@@ -454,6 +454,27 @@ TEST(batchnorm_one_block_per_channel) {
 TEST(batchnorm_split_channels) {
     CHECK(mgpu__bn_splits(2 * 4097) > 1); /* the sums really are split */
     batchnorm_case(2, 1, 4097);
+}
+/* Planes of whole 4-value vectors (16-byte loads and stores; the
+   emulator fails on any that is not 16-byte aligned), and when the
+   kernels fall back to single values. */
+TEST(batchnorm_in_vectors_of_four) {
+    std::vector<float> buffer(64);
+    const void *aligned[] = {buffer.data(), buffer.data() + 4, NULL};
+    const void *one_off[] = {buffer.data(), buffer.data() + 1};
+    CHECK_EQ_INT(mgpu__bn_vector_width(16, aligned, 3), 4);
+    CHECK_EQ_INT(mgpu__bn_vector_width(49, aligned, 3), 1);
+    CHECK_EQ_INT(mgpu__bn_vector_width(16, one_off, 2), 1);
+    batchnorm_case(4, 3, 6);    /* planes of 6 values: not whole vectors */
+    batchnorm_case(3, 5, 16);   /* ResNet-18's 4x4 planes */
+    batchnorm_case(2, 3, 196);  /* 14x14: 49 vectors a plane */
+    CHECK(mgpu__bn_splits(2 * 4100) == 3);
+    batchnorm_case(2, 1, 4100); /* 3 slices of a channel of 2050 vectors */
+    batchnorm_case(17, 2, 4);   /* one vector a plane */
+    /* A channel of more than 64 slices of 4096 values: the statistics'
+       threads load their 16 values twice, merging the second batch. */
+    CHECK(270000 > 64 * 4096);
+    batchnorm_case(1, 1, 270000);
 }
 
 /* ---------------------------------------------------- loss and the rest */

@@ -142,10 +142,10 @@ static void check_bn_gradients(int n, int c, int h, int w, int fuse_relu) {
     mgpu_tensor *sm = mgpu_empty(d, cs), *si = mgpu_empty(d, cs);
     bn_forward(&p, sm, si);
     for (size_t i = 0; i < numel; i++) p.mask[i] = p.y[i] > 0;
-    mgpu_tensor *x = on_cpu(bn_shape(&p), p.x), *y = on_cpu(bn_shape(&p), p.y);
+    mgpu_tensor *x = on_cpu(bn_shape(&p), p.x), *beta = on_cpu(cs, p.beta);
     mgpu_tensor *dy = on_cpu(bn_shape(&p), p.w_loss), *gamma = on_cpu(cs, p.gamma);
     mgpu_tensor *dx = mgpu_empty(d, bn_shape(&p)), *dgamma = mgpu_empty(d, cs), *dbeta = mgpu_empty(d, cs);
-    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, y, gamma, sm, si, fuse_relu, 0);
+    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, beta, sm, si, fuse_relu, 0);
     float *dx_h = (float *)malloc(numel * sizeof(float));
     float *dgamma_h = (float *)malloc((size_t)c * sizeof(float)), *dbeta_h = (float *)malloc((size_t)c * sizeof(float));
     mgpu_to_host(dx, dx_h);
@@ -160,7 +160,7 @@ static void check_bn_gradients(int n, int c, int h, int w, int fuse_relu) {
     CHECK(skipped <= (int)(numel + 2 * c) / 10);
     if (!fuse_relu) CHECK_EQ_INT(skipped, 0);
 
-    mgpu_free(sm); mgpu_free(si); mgpu_free(x); mgpu_free(y); mgpu_free(dy); mgpu_free(gamma);
+    mgpu_free(sm); mgpu_free(si); mgpu_free(x); mgpu_free(beta); mgpu_free(dy); mgpu_free(gamma);
     mgpu_free(dx); mgpu_free(dgamma); mgpu_free(dbeta);
     free(dx_h); free(dgamma_h); free(dbeta_h);
     free(p.x); free(p.gamma); free(p.beta); free(p.w_loss); free(p.y); free(p.mask);
@@ -174,6 +174,53 @@ TEST(batchnorm_relu_gradients_2x3x4x5) { check_bn_gradients(2, 3, 4, 5, 1); }
 TEST(batchnorm_relu_gradients_one_image) { check_bn_gradients(1, 2, 3, 3, 1); }
 TEST(batchnorm_relu_gradients_one_channel) { check_bn_gradients(4, 1, 2, 2, 1); }
 
+/* With the fused ReLU, backward recomputes the mask y > 0 from x. It must
+   be the forward's exactly: backward with it equals, bit for bit, backward
+   without the ReLU from dy zeroed where the forward's y is not above 0.
+   Channel 0 has mean 0, gamma 1 and beta 0, and four x exactly 0: their
+   y is exactly 0, on the kink, and clipped (PyTorch's ReLU passes no
+   gradient at 0 either). */
+TEST(batchnorm_relu_mask_is_the_forwards) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_shape s = mgpu_shape4(2, 2, 2, 3), cs = mgpu_shape1(2);
+    float xv[24] = {-2, -1, 0, 0, 1, 2,    0.3f, -0.7f, 1.1f, 0.2f, -0.4f, 0.9f,  /* image 0 */
+                    -3, 0, 3, -0.5f, 0.5f, 0, -1.3f, 0.6f, 0.05f, -0.2f, 0.8f, -0.6f}; /* image 1 */
+    float gv[2] = {1, 0.8f}, bv[2] = {0, 0.1f}, dyv[24], masked[24], yv[24];
+    for (int i = 0; i < 24; i++) dyv[i] = (float)((i * 7) % 11) / 11.0f - 0.4f;
+    mgpu_tensor *x = on_cpu(s, xv), *gamma = on_cpu(cs, gv), *beta = on_cpu(cs, bv), *dy = on_cpu(s, dyv);
+    mgpu_tensor *y = mgpu_empty(d, s), *rm = mgpu_zeros(d, cs), *rv = mgpu_ones(d, cs);
+    mgpu_tensor *sm = mgpu_empty(d, cs), *si = mgpu_empty(d, cs);
+    mgpu_batchnorm2d_forward(y, x, gamma, beta, rm, rv, sm, si, 1, 0.1f, 1e-5f, 1);
+    mgpu_to_host(y, yv);
+    int on_kink = 0;
+    for (int i = 0; i < 24; i++) {
+        masked[i] = yv[i] > 0 ? dyv[i] : 0.0f;
+        on_kink += (i / 6) % 2 == 0 && xv[i] == 0 && yv[i] == 0; /* channel 0's zeros */
+    }
+    CHECK_EQ_INT(on_kink, 4);
+    mgpu_tensor *dy_masked = on_cpu(s, masked);
+    mgpu_tensor *dx[2], *dgamma[2], *dbeta[2];
+    for (int k = 0; k < 2; k++) {
+        dx[k] = mgpu_empty(d, s);
+        dgamma[k] = mgpu_empty(d, cs);
+        dbeta[k] = mgpu_empty(d, cs);
+    }
+    mgpu_batchnorm2d_backward(dx[0], dgamma[0], dbeta[0], dy, x, gamma, beta, sm, si, 1, 0);
+    mgpu_batchnorm2d_backward(dx[1], dgamma[1], dbeta[1], dy_masked, x, gamma, NULL, sm, si, 0, 0);
+    float a[24], b[24];
+    mgpu_to_host(dx[0], a);
+    mgpu_to_host(dx[1], b);
+    for (int i = 0; i < 24; i++) CHECK_CLOSE(a[i], b[i], 0, 0);
+    mgpu_to_host(dgamma[0], a);
+    mgpu_to_host(dgamma[1], b);
+    mgpu_to_host(dbeta[0], a + 2);
+    mgpu_to_host(dbeta[1], b + 2);
+    for (int i = 0; i < 4; i++) CHECK_CLOSE(a[i], b[i], 0, 0);
+    mgpu_tensor *all[] = {x, gamma, beta, dy, y, rm, rv, sm, si, dy_masked, dx[0], dx[1],
+                          dgamma[0], dgamma[1], dbeta[0], dbeta[1]};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mgpu_free(all[i]);
+}
+
 /* accumulate 1 adds to dgamma and dbeta; dx is overwritten either way. */
 TEST(batchnorm_backward_accumulates) {
     mgpu_device *d = mgpu_cpu();
@@ -184,12 +231,12 @@ TEST(batchnorm_backward_accumulates) {
     mgpu_tensor *rm = mgpu_zeros(d, cs), *rv = mgpu_ones(d, cs), *sm = mgpu_empty(d, cs), *si = mgpu_empty(d, cs);
     mgpu_tensor *dx = mgpu_empty(d, s), *dgamma = mgpu_empty(d, cs), *dbeta = mgpu_empty(d, cs);
     mgpu_batchnorm2d_forward(y, x, gamma, beta, rm, rv, sm, si, 1, 0.1f, 1e-5f, 0);
-    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, NULL, gamma, sm, si, 0, 0);
+    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, NULL, sm, si, 0, 0);
     float once_g[2], once_b[2], once_dx[16], twice_g[2], twice_b[2], twice_dx[16];
     mgpu_to_host(dgamma, once_g);
     mgpu_to_host(dbeta, once_b);
     mgpu_to_host(dx, once_dx);
-    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, NULL, gamma, sm, si, 0, 1);
+    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, NULL, sm, si, 0, 1);
     mgpu_to_host(dgamma, twice_g);
     mgpu_to_host(dbeta, twice_b);
     mgpu_to_host(dx, twice_dx);
@@ -358,9 +405,12 @@ TEST(batchnorm_errors) {
                 "training needs more than one value per channel; x has shape [1, 3, 1, 1]");
     EXPECT_DIES(mgpu_batchnorm2d_forward(vec, vec, gamma, beta, rm, rv, sm, si, 1, 0.1f, 1e-5f, 0),
                 "x has shape [3]; it must be [N, C, H, W] or [N, C]");
-    EXPECT_DIES(mgpu_batchnorm2d_backward(y, gamma, beta, x, x, NULL, gamma, sm, si, 1, 0),
-                "mgpu_batchnorm2d_backward: y (needed with fuse_relu) is NULL");
-    EXPECT_DIES(mgpu_batchnorm2d_backward(y, wrong, beta, x, x, NULL, gamma, sm, si, 0, 0),
+    EXPECT_DIES(mgpu_batchnorm2d_backward(y, gamma, beta, x, x, gamma, NULL, sm, si, 1, 0),
+                "mgpu_batchnorm2d_backward: beta (needed with fuse_relu) is NULL");
+    EXPECT_DIES(mgpu_batchnorm2d_backward(y, gamma, beta, x, x, gamma, x, sm, si, 1, 0),
+                "mgpu_batchnorm2d_backward: beta (needed with fuse_relu) has shape [2, 3, 2, 2]; "
+                "it needs one value per channel (3)");
+    EXPECT_DIES(mgpu_batchnorm2d_backward(y, wrong, beta, x, x, gamma, NULL, sm, si, 0, 0),
                 "mgpu_batchnorm2d_backward: dgamma has shape [4]; it needs one value per channel (3)");
     mgpu_tensor *all[] = {x, y, wrong, gamma, beta, rm, rv, sm, si, one_value, y1, vec};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mgpu_free(all[i]);
