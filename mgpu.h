@@ -4235,11 +4235,13 @@ static void mgpu__conv_forward_im2col(mgpu_tensor *y, const mgpu_tensor *x, cons
     mgpu__conv_scratch_free(&s);
 }
 
-/* dx and dW (+)= the gradients, with im2col and products; either may be
-   NULL (not asked for), and then its half of the work is left out. */
+/* dx and dW, with im2col and products; either may be NULL (not asked
+   for), and then its half of the work is left out. accumulate: dW += its
+   gradient (else dW = it); add_to_dx: the same for dx. */
 static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const mgpu_tensor *dy,
                                        const mgpu_tensor *x, const mgpu_tensor *w,
-                                       const mgpu__conv_geom *g, int tf32, int accumulate) {
+                                       const mgpu__conv_geom *g, int tf32, int accumulate,
+                                       int add_to_dx) {
     mgpu_device *dev = x->device;
     size_t pq = (size_t)g->p * g->q, crs = (size_t)g->c * g->r * g->s, chw = (size_t)g->c * g->h * g->w;
     mgpu__conv_scratch s = mgpu__conv_scratch_new(dev, g);
@@ -4265,7 +4267,7 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
             mgpu__gemm_args dcol = mgpu__gemm_dense(1, 0, (int)crs, cols, g->k, w->data,
                                                     s.kout->data, s.col->data, 0.0f, tf32);
             MGPU__ENQUEUE(dev, "conv2d_backward dcol product", mgpu__gemm, dcol);
-            mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part};
+            mgpu__col2im_args back = {s.col->data, dx->data + (size_t)n0 * chw, part, add_to_dx};
             MGPU__ENQUEUE(dev, "conv2d_backward col2im", mgpu__col2im, back);
         }
     }
@@ -4315,16 +4317,16 @@ static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, 
    the channels-last copy in_t of the input, after copying the weights to
    channels-last TF32; as w' (flipped, filters and channels swapped) when
    the convolution is the input gradient's (for_dx: in_t is dy's copy, g
-   is mgpu__conv_dx_geometry). */
+   is mgpu__conv_dx_geometry). accumulate: out += the product. */
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      const float *b, const mgpu__conv_geom *g, int for_dx,
-                                     mgpu__implicit_tile tile) {
+                                     mgpu__implicit_tile tile, int accumulate) {
     int rs = g->r * g->s;
     /* w [K, C, RS] -> [K, RS, C]; for dx, w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
     mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs)
                               : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
-    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile, plain};
+    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile, plain, accumulate};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
     mgpu_free(w_t); /* reused only by work enqueued after this on the same queue */
@@ -4349,7 +4351,7 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
     mgpu_device *dev = x->device;
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_channels_last(dev, y->data, x_t->data, w->data, b ? b->data : NULL, g, 0, kernel.tile);
+        mgpu__conv_channels_last(dev, y->data, x_t->data, w->data, b ? b->data : NULL, g, 0, kernel.tile, 0);
         if (keep_x_t) *keep_x_t = x_t;
         else mgpu_free(x_t);
         return;
@@ -4359,16 +4361,17 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
 }
 static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
                                    const mgpu_tensor *w, const mgpu__conv_geom *g,
-                                   mgpu__implicit_kernel kernel) {
+                                   mgpu__implicit_kernel kernel, int add_to_dx) {
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *own;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (g->stride == 1) {
             mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile);
+            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile, add_to_dx);
         } else { /* the sub-pixel classes, each with its taps of w */
             mgpu_tensor *w_classes = mgpu_empty(dx->device, w->shape);
-            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile};
+            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile,
+                                               add_to_dx};
             mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last dx", NULL,
                             mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
             mgpu_free(w_classes); /* reused only by work enqueued after this on the same queue */
@@ -4376,7 +4379,7 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
         mgpu_free(own);
         return;
     }
-    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, kernel.tile};
+    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, kernel.tile, add_to_dx};
     mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
                     mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
 }
@@ -4456,13 +4459,13 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
     double t0 = mgpu_now();
     switch (what) {
     case MGPU__TRY_IM2COL:
-        if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0);
+        if (t->backward) mgpu__conv_backward_im2col(t->dx, t->dw, t->dy, t->x, t->w, t->g, 1, 0, 0);
         else mgpu__conv_forward_im2col(t->y, t->x, t->w, t->b, t->g, 1);
         break;
-    case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0); break;
-    case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0); break;
+    case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
+    case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
     case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel, NULL); break;
-    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel); break;
+    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel, 0); break;
     case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, NULL, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
@@ -4609,10 +4612,12 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
 }
 
 /* mgpu_conv2d_backward; x_t: x's channels-last copy, kept by
-   mgpu__conv2d_forward, or NULL. */
+   mgpu__conv2d_forward, or NULL; add_to_dx: dx += the input gradient
+   (else dx = it; `accumulate` is the same for dw and db). */
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *x_t,
-                                  const mgpu_tensor *w, int stride, int pad, int accumulate) {
+                                  const mgpu_tensor *w, int stride, int pad, int accumulate,
+                                  int add_to_dx) {
     const char *op = "mgpu_conv2d_backward";
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
@@ -4645,14 +4650,14 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
         int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
         mgpu_tensor *dy_t = NULL;
         if (dx_cl && dw_cl) dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
-        if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0);
-        else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx);
-        if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate);
+        if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0, add_to_dx);
+        else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx, add_to_dx);
+        if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
         else mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
         mgpu_free(dy_t);
     }
 #endif
-    if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate);
+    if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate, add_to_dx);
     if (db) {
         mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k,
                                (size_t)g.p * g.q, 1.0f, accumulate ? 1.0f : 0.0f);
@@ -4664,7 +4669,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                    const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu_tensor *w, int stride, int pad, int accumulate) {
-    mgpu__conv2d_backward(dx, dw, db, dy, x, NULL, w, stride, pad, accumulate);
+    mgpu__conv2d_backward(dx, dw, db, dy, x, NULL, w, stride, pad, accumulate, 0);
 }
 
 /* --------------------------------------------------------------- pooling */
@@ -5924,6 +5929,15 @@ static int mgpu__bias_cancelled_by(const mgpu_layer *next) {
     return next && next->kind == MGPU_LAYER_BATCHNORM && next->batch_statistics;
 }
 
+/* Convolution layer l's backward pass: adds its parameter gradients, and
+   writes its input gradient to dx, or with add_to_dx adds it there (dx
+   NULL: not wanted). `next` is as below. */
+static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_layer *next,
+                                      mgpu_tensor *dx, int add_to_dx) {
+    mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy,
+                          l->input, l->input_t, l->weight.value, l->stride, l->pad, 1, add_to_dx);
+}
+
 /* Adds l's parameter gradients and returns dL/d(input), given dy =
    dL/d(output); `next` is the layer that took l's output (NULL if none). */
 static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
@@ -5932,8 +5946,7 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad,
-                              dy, l->input, l->input_t, l->weight.value, l->stride, l->pad, 1);
+        mgpu__conv_layer_backward(l, dy, next, dx, 0);
         break;
     case MGPU_LAYER_BATCHNORM:
         MGPU_REQUIRE(l->batch_statistics,
@@ -5946,15 +5959,18 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu_relu_backward(dx, dy, l->output);
         break;
     case MGPU_LAYER_RESIDUAL: {
-        /* out = relu(main + skip): the gradient of the sum goes to both. */
-        mgpu_tensor *dsum = mgpu_ensure(&l->dsum, d, l->output->shape);
+        /* out = relu(main + skip): the gradient of the sum, dsum, goes to
+           both paths, and dx is the sum of theirs. The skip path's goes to
+           dx first: dsum itself (written there at once) or the shortcut
+           convolution's input gradient. Then conv1 adds the main path's
+           to it as it writes it: no pass of its own for the sum. */
+        mgpu_tensor *dsum = dx && !l->shortcut ? dx : mgpu_ensure(&l->dsum, d, l->output->shape);
         mgpu_relu_backward(dsum, dy, l->output);
         const mgpu_tensor *g = mgpu__layer_backward(l->bn2, dsum, NULL);
         g = mgpu__layer_backward(l->conv2, g, l->bn2);
         g = mgpu__layer_backward(l->bn1, g, l->conv2);
-        g = mgpu__layer_backward(l->conv1, g, l->bn1);
-        const mgpu_tensor *dskip = l->shortcut ? mgpu__layer_backward(l->shortcut, dsum, NULL) : dsum;
-        mgpu_add(dx, g, dskip);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, dx, 0);
+        mgpu__conv_layer_backward(l->conv1, g, l->bn1, dx, 1);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:

@@ -91,7 +91,7 @@ static void implicit_forward(void *p) {
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dx_implicit(c->dx, c->dy, NULL, c->w, &c->g, c->kernel);
+    mgpu__conv_dx_implicit(c->dx, c->dy, NULL, c->w, &c->g, c->kernel, 0);
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
@@ -100,11 +100,11 @@ static void implicit_dw(void *p) {
 /* each gradient alone with its half of the im2col path (TF32) */
 static void im2col_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_backward_im2col(c->dx, NULL, c->dy, c->x, c->w, &c->g, 1, 0);
+    mgpu__conv_backward_im2col(c->dx, NULL, c->dy, c->x, c->w, &c->g, 1, 0, 0);
 }
 static void im2col_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_backward_im2col(NULL, c->dw, c->dy, c->x, c->w, &c->g, 1, 0);
+    mgpu__conv_backward_im2col(NULL, c->dw, c->dy, c->x, c->w, &c->g, 1, 0, 0);
 }
 #endif
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */

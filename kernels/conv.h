@@ -73,8 +73,9 @@ typedef struct {
 
 typedef struct {
     const float *col; /* [c*r*s, n*p*q] */
-    float *dx;        /* the chunk's first image; overwritten */
+    float *dx;        /* the chunk's first image */
     mgpu__conv_geom g;
+    int accumulate;   /* 1: dx += the sums; 0: dx = the sums */
 } mgpu__col2im_args;
 
 /* in [outer, middle, inner] -> out [middle, outer, inner], plus bias[o]
@@ -156,7 +157,7 @@ static void mgpu__im2col_cpu(const void *args, const mgpu__exec *ex) {
 static void mgpu__col2im_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__col2im_args *a = (const mgpu__col2im_args *)args;
-    memset(a->dx, 0, (size_t)a->g.n * a->g.c * a->g.h * a->g.w * sizeof(float));
+    if (!a->accumulate) memset(a->dx, 0, (size_t)a->g.n * a->g.c * a->g.h * a->g.w * sizeof(float));
     mgpu__im2col_walk(&a->g, a->dx, (float *)a->col, 0); /* col is only read */
 }
 
@@ -250,7 +251,7 @@ static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a, mgpu__divisor by
                     sum += col_c[(size_t)(r * g.s + s) * cols + p * g.q + q];
                 }
             }
-            dx[i] = sum;
+            dx[i] = a.accumulate ? dx[i] + sum : sum;
         }
     }
 }

@@ -196,15 +196,18 @@ static __device__ void mgpu__implicit_finish(int warp_row, Store store, Write wr
 
 /* This thread's column of the finished rows in `out` to memory: row
    row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
-   when there is a bias, for the rows below `rows`. Consecutive threads
-   hold consecutive columns, so the writes of a row are coalesced. */
+   when there is a bias, and added to what is there with accumulate, for
+   the rows below `rows`. Consecutive threads hold consecutive columns, so
+   the writes of a row are coalesced. */
 template <int TN>
 static __device__ void mgpu__implicit_write(const float (*out)[TN + 4], float *column, size_t row_stride,
-                                            int row0, int rows, const float *bias) {
+                                            int row0, int rows, const float *bias, int accumulate) {
     int tid = threadIdx.x;
     for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS; m += MGPU__IMPLICIT_THREADS / TN) {
         int row = row0 + m;
-        if (row < rows) column[(size_t)row * row_stride] = out[m][tid % TN] + (bias ? bias[row] : 0.0f);
+        if (row >= rows) continue;
+        float *to = column + (size_t)row * row_stride, value = out[m][tid % TN] + (bias ? bias[row] : 0.0f);
+        *to = accumulate ? *to + value : value;
     }
 }
 
@@ -313,18 +316,19 @@ mgpu__conv_implicit_kernel(mgpu__conv_implicit_args a, mgpu__conv_divisors dv) {
     };
     auto write = [&](int m0) { /* the tile of Y to y [img, filter, p, q], with the bias */
         if (pixel < npq)
-            mgpu__implicit_write<TN>(t.out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b);
+            mgpu__implicit_write<TN>(t.out, a.y + (size_t)img * g.k * pq + in_image, pq, filter0 + m0, g.k, a.b, 0);
     };
     mgpu__implicit_product(&t, crs, decode, gather, write);
 #endif
 }
 
 typedef struct {
-    float *dx;       /* [n, C, H, W], overwritten */
+    float *dx;       /* [n, C, H, W] */
     const float *dy; /* [n, K, P, Q] */
     const float *w;  /* [K, C, R, S] */
     mgpu__conv_geom g;
     mgpu__implicit_tile tile;
+    int accumulate;  /* 1: dx += the gradient; 0: dx = it */
 } mgpu__conv_implicit_dgrad_args;
 
 template <int TM, int TN>
@@ -371,7 +375,8 @@ mgpu__conv_implicit_dgrad_kernel(mgpu__conv_implicit_dgrad_args a, mgpu__conv_di
     };
     auto write = [&](int m0) {
         if (pixel < nhw)
-            mgpu__implicit_write<TN>(t.out, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0 + m0, g.c, NULL);
+            mgpu__implicit_write<TN>(t.out, a.dx + (size_t)img * g.c * hw + in_image, hw, channel0 + m0, g.c, NULL,
+                                     a.accumulate);
     };
     mgpu__implicit_product(&t, krs, decode, gather, write);
 #endif
@@ -454,7 +459,8 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
     };
     auto write = [&](int m0) {
         if (k < crs)
-            mgpu__implicit_write<TN>(t.out, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0 + m0, g.k, NULL);
+            mgpu__implicit_write<TN>(t.out, a.partials + (size_t)blockIdx.z * g.k * crs + k, crs, filter0 + m0, g.k, NULL,
+                                     0);
     };
     mgpu__implicit_product(&t, count, decode, gather, write);
 #endif

@@ -265,6 +265,7 @@ typedef struct {
     mgpu__conv_geom g; /* of the convolution of x with w */
     mgpu__implicit_tile tile;
     mgpu__nhwc_out out;
+    int accumulate;    /* 1: y += the product; 0: y = it */
 } mgpu__conv_nhwc_args;
 
 /* The block's warps in 2 x 2 over a TM x TN tile: each computes a
@@ -413,7 +414,8 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     }
     mgpu__implicit_finish<TM>(row, store, [&](int m0) {
         if (pixel < npq)
-            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * plane + at, plane, filter0 + m0, g.k, a.b);
+            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * plane + at, plane, filter0 + m0, g.k, a.b,
+                                     a.accumulate);
     });
 #endif
 }
@@ -452,7 +454,8 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    padding 1 gives classes of 1x1, 1x2, 2x1 and 2x2 taps, with pad' 0,
    and their products add up to the one of the whole input gradient. A
    class without taps (a 1x1 window at stride 2 reaches only even rows)
-   is a product of no steps: its pixels get zeros.
+   is a product of no steps: its pixels get zeros (or keep their values,
+   when the gradient is added to dx).
 
    Each class is the forward kernel on dy_t, with the class's taps of w
    copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights, TF32), and
@@ -528,6 +531,7 @@ typedef struct {
     float *w_classes;   /* scratch of C K R S floats: the classes' taps, one after another */
     mgpu__conv_geom g;  /* of the convolution (stride > 1) */
     mgpu__implicit_tile tile;
+    int accumulate;     /* 1: dx += the gradient; 0: dx = it */
 } mgpu__conv_nhwc_subpixel_args;
 
 /* dx, class by class: the class's taps, then its product. */
@@ -544,7 +548,7 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
                 mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, (cudaStream_t)ex->stream>>>(wa);
                 MGPU_CUDA_CHECK_LAUNCH();
             }
-            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out};
+            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out, a->accumulate};
             mgpu__conv_nhwc_cuda(&product, ex);
             w_class += taps;
         }

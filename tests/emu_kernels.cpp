@@ -84,11 +84,21 @@ TEST(im2col_col2im_and_layout_swap) {
                         mgpu__im2col_cuda(&a, &on_gpu);
                         same("im2col", col_g, col_c, 0);
                         std::vector<float> dcol = random_values(cs), dx_c = nans(xs), dx_g = nans(xs);
-                        mgpu__col2im_args b = {dcol.data(), dx_c.data(), g};
+                        mgpu__col2im_args b = {dcol.data(), dx_c.data(), g, 0};
                         mgpu__col2im_cpu(&b, &on_cpu);
                         b.dx = dx_g.data();
                         mgpu__col2im_cuda(&b, &on_gpu);
                         same("col2im", dx_g, dx_c, 1e-5);
+                        /* added to a gradient already there, on both */
+                        std::vector<float> start = random_values(xs), sum = start, added_c = start, added_g = start;
+                        for (size_t i = 0; i < xs; i++) sum[i] += dx_c[i];
+                        b.accumulate = 1;
+                        b.dx = added_c.data();
+                        mgpu__col2im_cpu(&b, &on_cpu);
+                        b.dx = added_g.data();
+                        mgpu__col2im_cuda(&b, &on_gpu);
+                        same("col2im added (CPU)", added_c, sum, 1e-5);
+                        same("col2im added", added_g, sum, 1e-5);
                         cases++;
                     }
     CHECK(cases > 80);
@@ -150,8 +160,11 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     mgpu__swap_outer_cpu(&there, &on_cpu);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)crs, (int)(n * pq), k, 1.0f,
                 wt.data(), (int)crs, gk.data(), (int)(n * pq), 0.0f, col.data(), (int)(n * pq));
-    mgpu__col2im_args back = {col.data(), dx_c.data(), g};
+    mgpu__col2im_args back = {col.data(), dx_c.data(), g, 0};
     mgpu__col2im_cpu(&back, &on_cpu);
+    /* and dx added to a gradient already there (a residual block's) */
+    std::vector<float> dx_start = random_values(x.size()), dx_sum_c = dx_start;
+    for (size_t i = 0; i < x.size(); i++) dx_sum_c[i] += dx_c[i];
     /* dw = G col^T, on top of an existing gradient (beta 1) */
     mgpu__im2col_cpu(&im, &on_cpu);
     std::vector<float> dw_start = random_values(k * crs), dw_c = dw_start;
@@ -167,9 +180,13 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g, kind};
         mgpu__conv_implicit_cuda(&a, &on_gpu);
         close_in_tf32(name, "y", y_g, y_c);
-        mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g, kind};
+        mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g, kind, 0};
         mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
         close_in_tf32(name, "dx", dx_g, dx_c);
+        dx_g = dx_start;
+        d.accumulate = 1;
+        mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
+        close_in_tf32(name, "dx added", dx_g, dx_sum_c);
         /* the sum in one slice, in the library's number of slices, and in 3 */
         for (int splits : {1, mgpu__conv_implicit_wgrad_splits(&g, kind), 3}) {
             std::vector<float> dw_g = dw_start, partials = nans((size_t)splits * k * crs);
@@ -192,22 +209,24 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                  mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
         if (mgpu__conv_nhwc_fits(&g)) {
             std::vector<float> y_g = nans(ys);
-            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}};
+            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0};
             mgpu__conv_nhwc_cuda(&a, &on_gpu);
             close_in_tf32(name, "y", y_g, y_c);
         }
-        if (mgpu__conv_nhwc_dx_fits(&g)) { /* (every value of dx written: NaN otherwise) */
-            std::vector<float> dx_g = nans(x.size());
+        /* (every value of dx written: NaN otherwise); then added to one there */
+        for (int accumulate = 0; accumulate <= 1 && mgpu__conv_nhwc_dx_fits(&g); accumulate++) {
+            std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
             if (stride == 1) {
-                mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}};
+                mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}, accumulate};
                 mgpu__conv_nhwc_cuda(&a, &on_gpu);
             } else { /* the sub-pixel classes */
                 std::vector<float> w_classes = nans(wt.size());
-                mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g, kind};
+                mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g, kind,
+                                                   accumulate};
                 mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
                 subpixel_cases++;
             }
-            close_in_tf32(name, "dx", dx_g, dx_c);
+            close_in_tf32(name, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             /* in the library's slices, and in one, and in slices of one step
@@ -252,7 +271,7 @@ TEST(channels_last_convolution) {
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
-    CHECK(subpixel_cases == 4 * MGPU__TILE_KINDS);
+    CHECK(subpixel_cases == 2 * 4 * MGPU__TILE_KINDS); /* overwriting dx, and adding to it */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

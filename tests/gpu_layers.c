@@ -298,7 +298,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
         mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather, NULL);
-        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather);
+        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
@@ -312,7 +312,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
             mgpu_fill(dx.g, NAN);
-            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, channels_last);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, channels_last, 0);
             check_same(what, "dx", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
@@ -412,10 +412,10 @@ TEST(conv_backward_im2col_halves) {
     pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws);
     mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, 2, 1, 1);
     pair dw_kept = {mgpu_to(dw.g, gpu, 0), dw.g};
-    mgpu__conv_backward_im2col(dx.g, NULL, dy.g, x.g, wt.g, &g, 1, 0);
+    mgpu__conv_backward_im2col(dx.g, NULL, dy.g, x.g, wt.g, &g, 1, 0, 0);
     check_same("im2col, dx alone", "dw untouched", &dw_kept, 0);
     pair dx_kept = {mgpu_to(dx.g, gpu, 0), dx.g};
-    mgpu__conv_backward_im2col(NULL, dw.g, dy.g, x.g, wt.g, &g, 1, 1);
+    mgpu__conv_backward_im2col(NULL, dw.g, dy.g, x.g, wt.g, &g, 1, 1, 0);
     check_same("im2col, dW alone", "dx untouched", &dx_kept, 0);
     check_same("im2col, dx alone", "dx", &dx, 2e-3);
     check_same("im2col, dW alone", "dw, accumulated", &dw, 2e-3);
@@ -477,6 +477,67 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu__layer_free(on_g);
     pair_free(&x);
     pair_free(&dy);
+    mgpu_set_tf32(0, 0);
+}
+
+/* A residual block's input gradient is the skip path's plus conv1's, which
+   conv1's backward pass adds to the skip path's as it writes it. Checked
+   against the CPU for each way dx can run (im2col, gathering, channels-
+   last), in a block with the identity shortcut and in one with the 1x1
+   stride-2 convolution (whose channels-last dx takes the sub-pixel
+   classes, three of them without taps). Plans set by hand, as above. */
+static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int dx_im2col) {
+    mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
+    int out_hw = stride == 1 ? 6 : 3;
+    mgpu__conv_geom g1 = mgpu__conv_geometry("block", xs, mgpu_shape4(32, 32, 3, 3), stride, 1);
+    mgpu__conv_geom g2 = mgpu__conv_geometry("block", mgpu_shape4(2, 32, out_hw, out_hw),
+                                             mgpu_shape4(32, 32, 3, 3), 1, 1);
+    mgpu__conv_geom g3 = mgpu__conv_geometry("block", xs, mgpu_shape4(32, 32, 1, 1), stride, 0);
+    mgpu__conv_plan plan = {1, dx_im2col, 0, kernel, kernel, kernel};
+    int before = mgpu__conv_choice_count;
+    const mgpu__conv_geom *geoms[] = {&g1, &g2, &g3};
+    for (int i = 0; i < 3; i++)
+        for (int backward = 0; backward <= 1; backward++) {
+            mgpu__conv_choice c = {*geoms[i], backward, backward, plan};
+            mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+        }
+    char name[96];
+    snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride,
+             dx_im2col ? "im2col" : mgpu__implicit_family_names[kernel.family]);
+    mgpu_manual_seed(11);
+    mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
+    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
+    CHECK((on_c->shortcut != NULL) == (stride == 2));
+    pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, out_hw, out_hw));
+    mgpu__layer_forward(on_c, x.c, 1);
+    mgpu__layer_forward(on_g, x.g, 1);
+    mgpu__layer_backward(on_c, dy.c, NULL);
+    mgpu__layer_backward(on_g, dy.g, NULL);
+    pair dx = {on_c->dinput, on_g->dinput};
+    pair dw1 = {on_c->conv1->weight.grad, on_g->conv1->weight.grad};
+    check_same(name, "dx", &dx, 2e-3);
+    check_same(name, "conv1 dw", &dw1, 2e-3);
+    if (stride == 2) {
+        pair dw3 = {on_c->shortcut->weight.grad, on_g->shortcut->weight.grad};
+        check_same(name, "shortcut dw", &dw3, 2e-3);
+    }
+    mgpu__conv_choice_count = before;
+    mgpu__layer_free(on_c);
+    mgpu__layer_free(on_g);
+    pair_free(&x);
+    pair_free(&dy);
+}
+TEST(residual_block_input_gradient_by_every_dx_path) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64};
+    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    for (int stride = 1; stride <= 2; stride++) {
+        residual_block_compare(stride, gather, 1);
+        residual_block_compare(stride, gather, 0);
+        residual_block_compare(stride, channels_last, 0);
+    }
     mgpu_set_tf32(0, 0);
 }
 
