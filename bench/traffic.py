@@ -14,19 +14,24 @@ The model follows mgpu's code, not an ideal implementation:
                         again (read x, write col), dW = G col^T (read G,
                         read col), dcol = W^T G (read G, write col; not
                         for the stem, which needs no dx), col2im (read
-                        dcol, write dx), the bias gradient (read dy);
+                        dcol, write dx), the bias gradient (read dy;
+                        only for the shortcut convolutions: before batch
+                        norm in training the bias's gradient is exactly 0
+                        and is not computed);
   batch norm            forward: statistics (read x), then y (read x,
                         write y), ReLU fused; backward: the two sums (read
                         dy, x), then dx (read dy, x, write dx);
-  residual end          add + ReLU (read 2, write 1); backward: ReLU's
-                        mask (read dy, y, write dx) and the skip's
-                        gradient added (read 2, write 1);
+  residual end          bn2's output pass adds the skip and applies the
+                        ReLU (one read more than batch norm alone);
+                        backward: ReLU's mask (read dy, y, write dsum),
+                        and conv1 adds its dx to the skip path's as it
+                        writes it (one read more);
   SGD                   read the parameter, its gradient (and the momentum
                         buffer when there is one), write the parameter;
 --implicit counts instead a convolution that never writes a col buffer
 (an implicit GEMM, as cuDNN's: the products gather x or dy as they go):
 forward read x, write y; backward read dy and x for dW, read dy and write
-dx for dx, read dy for the bias gradient.
+dx for dx, read dy for the bias gradient (where there is one).
 The products are counted once each (2 m n k FLOPs; cuBLAS keeps its tiles'
 re-reads in the caches) and weights are small beside activations. Every
 byte is counted at the device memory's rate, although a col buffer of a
@@ -46,37 +51,39 @@ def resnet18_layers(batch):
     """(name, kind, shape...) of every layer of the book's ResNet-18 on
     1x28x28 images, in forward order."""
     layers, hw, c = [], 28, 64
-    layers.append(("stem.conv", "conv", batch, 1, hw, hw, 64, 3, 1, 1, False))
+    # conv: (..., needs_dx, bias_grad); bias_grad False before batch norm
+    layers.append(("stem.conv", "conv", batch, 1, hw, hw, 64, 3, 1, 1, False, False))
     layers.append(("stem.bn", "bn", batch, 64, hw, hw))
     for stage in range(4):
         out = 64 * 2 ** stage
         for block in range(2):
             stride = 2 if stage > 0 and block == 0 else 1
             name = f"stage{stage + 1}.block{block + 1}"
-            layers.append((name + ".conv1", "conv", batch, c, hw, hw, out, 3, stride, 1, True))
+            layers.append((name + ".conv1", "conv", batch, c, hw, hw, out, 3, stride, 1, True, False))
             hw_out = (hw + 2 - 3) // stride + 1
             layers.append((name + ".bn1", "bn", batch, out, hw_out, hw_out))
-            layers.append((name + ".conv2", "conv", batch, out, hw_out, hw_out, out, 3, 1, 1, True))
+            layers.append((name + ".conv2", "conv", batch, out, hw_out, hw_out, out, 3, 1, 1, True, False))
             layers.append((name + ".bn2", "bn", batch, out, hw_out, hw_out))
             if stride != 1 or c != out:
-                layers.append((name + ".conv3", "conv", batch, c, hw, hw, out, 1, stride, 0, True))
+                layers.append((name + ".conv3", "conv", batch, c, hw, hw, out, 1, stride, 0, True, True))
             layers.append((name + ".add_relu", "add", batch, out, hw_out, hw_out))
             c, hw = out, hw_out
     return layers
 
 
-def conv_cost(n, c, h, w, k, r, stride, pad, needs_dx, scratch_floats, implicit):
+def conv_cost(n, c, h, w, k, r, stride, pad, needs_dx, bias_grad, scratch_floats, implicit):
     """(FLOPs, bytes, chunks) of one convolution's forward and backward."""
     p = (h + 2 * pad - r) // stride + 1
     npq, crs = n * p * p, c * r * r
     per_image = (crs + k) * p * p
     chunks = -(-n // max(1, min(n, scratch_floats // per_image)))
     x, y, col, kout = n * c * h * w, n * k * p * p, crs * npq, k * npq
+    db = y if bias_grad else 0
     if implicit:
-        fwd, bwd, chunks = x + y, (y + x) + y + ((y + x) if needs_dx else 0), 1
+        fwd, bwd, chunks = x + y, (y + x) + db + ((y + x) if needs_dx else 0), 1
     else:
         fwd = (x + col) + (col + kout) + (kout + y)
-        bwd = 2 * y + (x + col) + (kout + col) + y
+        bwd = 2 * y + (x + col) + (kout + col) + db
         if needs_dx:
             bwd += (kout + col) + (col + x)
     products = 3 if needs_dx else 2
@@ -103,7 +110,7 @@ def main():
         else:
             n, c, h, w = layer[2:]
             size = n * c * h * w
-            flop, moved = 0, 4 * size * (3 + 5 if kind == "bn" else 3 + 6)
+            flop, moved = 0, 4 * size * (3 + 5 if kind == "bn" else 1 + 4)
         total_flop += flop
         total_bytes += moved
         print(f"{name:28} {flop / 1e9:8.1f} {moved / 1e6:10.1f} {chunks!s:>6}")
