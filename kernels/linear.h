@@ -37,7 +37,12 @@
    `splits` blocks per channel each sum a slab of the outer axis into
    `partials`, and a second kernel adds each channel's partials in order
    (still the same result from run to run). mgpu__chan_sum_splits decides,
-   and the wrapper provides the scratch. */
+   and the wrapper provides the scratch. Many channels with a few values
+   each (global average pooling of ResNet-18's last 4x4 maps: 131072
+   channels of 16 values) are the other way round: a block per channel
+   would be mostly idle threads and the launch mostly the scheduling of
+   blocks (84 us on an H100 for 8 MB), so there each thread sums whole
+   channels (MGPU__CHAN_SUM_FEW values or fewer), one after another. */
 
 static inline int mgpu__max1(int x) { return x > 1 ? x : 1; }
 
@@ -188,6 +193,21 @@ static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
         }
     }
 }
+/* Channels of at most MGPU__CHAN_SUM_FEW values: a thread per channel,
+   which sums them in order. */
+#define MGPU__CHAN_SUM_FEW 64
+static __global__ void mgpu__chan_sum_few_kernel(mgpu__chan_sum_args p) {
+    unsigned inner = (unsigned)p.inner;
+    MGPU__GRID_STRIDE_LOOP(k, (size_t)p.channels) {
+        float sum = 0.0f;
+        for (int o = 0; o < p.outer; o++) {
+            const float *run = p.x + ((size_t)o * p.channels + k) * inner;
+            for (unsigned i = 0; i < inner; i++) sum += run[i];
+        }
+        float v = p.alpha * sum;
+        p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + v : v;
+    }
+}
 /* When the sum is split: each channel's partials, added in order. */
 static __global__ void mgpu__chan_sum_finish_kernel(mgpu__chan_sum_args p) {
     MGPU__GRID_STRIDE_LOOP(k, (size_t)p.channels) {
@@ -201,7 +221,12 @@ static void mgpu__chan_sum_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
     if (p->channels == 0) return;
     cudaStream_t stream = (cudaStream_t)ex->stream;
-    /* A block no wider than the work: global pooling of a 4x4 map has 16 values per channel. */
+    if ((size_t)p->outer * p->inner <= MGPU__CHAN_SUM_FEW) {
+        mgpu__chan_sum_few_kernel<<<mgpu__grid_for((size_t)p->channels, 256), 256, 0, stream>>>(*p);
+        MGPU_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    /* A block no wider than the work */
     size_t count = (size_t)p->outer * p->inner / (size_t)p->splits;
     unsigned block = count >= 256 ? 256 : count > 32 ? 128 : 32;
     mgpu__chan_sum_kernel<<<dim3((unsigned)p->channels, (unsigned)p->splits), block, 0, stream>>>(*p);

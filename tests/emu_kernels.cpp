@@ -372,10 +372,12 @@ TEST(pooling) {
 }
 
 TEST(channel_broadcast_and_sums) {
-    /* outer, channels, inner: one block per channel, and sums split over
-       several blocks per channel (mgpu__chan_sum_splits > 1) */
+    /* outer, channels, inner: a thread per channel (at most 64 values: the
+       first four and the last two), one block per channel, and sums split
+       over several blocks per channel (mgpu__chan_sum_splits > 1) */
     static const int shapes[][3] = {{1, 3, 16}, {4, 2, 1}, {3, 2, 37}, {40, 3, 1},
-                                    {9, 3, 1000}, {10, 1, 2900}, {12, 1, 4096}};
+                                    {9, 3, 1000}, {10, 1, 2900}, {12, 1, 4096},
+                                    {2, 5, 32}, {1, 2, 65}, {1, 600, 16}};
     int split_cases = 0;
     for (const auto &d : shapes)
         for (int beta = 0; beta <= 1; beta++) {
