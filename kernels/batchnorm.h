@@ -16,8 +16,8 @@
 
    Backward (training mode). Let g = dL/dy, set to 0 where the fused ReLU
    clipped (where gamma xhat + beta <= 0, so y = 0). Every x of a channel
-   moves its mean and variance, so
-   dx has two terms more than the per-value chain rule:
+   moves its mean and variance, so dx has two terms more than the
+   per-value chain rule:
        dbeta_c  = sum g                 dgamma_c = sum g xhat
        dx = gamma_c invstd_c (g - dbeta_c / m - xhat dgamma_c / m)
    The two sums are the only reductions; the rest is elementwise.
@@ -29,7 +29,8 @@
    anyway, and recomputes y's sign from it with the very operations the
    forward used (mgpu__bn_scale_shift and mgpu__bn_affine: fused
    multiply-adds, rounded alike on a CPU and a GPU), so the mask is the
-   forward's bit for bit, and a whole tensor is read twice less.
+   forward's bit for bit, and y is not read at all (two reads of a whole
+   tensor saved).
 
    The residual block's end, y = max(bn(x) + skip, 0), fuses one step
    more: with `skip` given, the forward adds it before the ReLU, and the
@@ -51,8 +52,10 @@
         channel's results (statistics and running statistics forward,
         dgamma and dbeta backward);
      3. a grid over the whole tensor writes y, or dx.
-   Every kernel here moves a few bytes per flop, so what decides its speed
-   is how few instructions it spends per byte. Two things keep that low:
+   Every kernel here does a few flops per byte it moves, so what decides
+   its speed is how few instructions it spends per byte: too many, and the
+   GPU cannot issue them as fast as memory delivers the bytes. Two things
+   keep them few:
      - Vectors of V = 4 values: when H*W is a multiple of 4 (28x28, 14x14
        and 4x4 planes; not 7x7) and the tensors are 16-byte aligned, a
        thread loads and stores 4 neighbouring values of one plane, so of
@@ -74,8 +77,9 @@
    mean, sum of squared deviations); these triples are then merged, thread
    with thread and slice with slice, by Chan et al.'s formula, which never
    subtracts large numbers either. (Welford's update, the usual way to
-   merge one value at a time, costs a division per value, and divisions
-   made this kernel slower than the memory it reads.) */
+   merge one value at a time, costs a division per value: with it this
+   kernel spent 44 instructions a value, more than the GPU can issue while
+   memory delivers 4 bytes; bench/RESULTS.md has the counts.) */
 
 /* ---------------------------------------------------------------- forward */
 typedef struct {
