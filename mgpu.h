@@ -5949,9 +5949,6 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu__conv_layer_backward(l, dy, next, dx, 0);
         break;
     case MGPU_LAYER_BATCHNORM:
-        MGPU_REQUIRE(l->batch_statistics,
-                     "%s: the last forward ran in evaluation mode; batch norm's backward pass "
-                     "needs the batch statistics of a forward in training mode", l->name);
         mgpu_batchnorm2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value,
                                   l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
         break;
@@ -5983,14 +5980,34 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
     return dx;
 }
 
+/* Refuses a backward pass that cannot run, before any of its work is
+   queued (a process that forks to test such a failure cannot use the GPU
+   in the child), naming the layer the backward pass would stop at: batch
+   norm's backward needs the batch statistics of a forward in training
+   mode. */
+static void mgpu__require_batch_statistics(const mgpu_layer *l) {
+    if (!l) return;
+    MGPU_REQUIRE(l->kind != MGPU_LAYER_BATCHNORM || l->batch_statistics,
+                 "%s: the last forward ran in evaluation mode; batch norm's backward pass "
+                 "needs the batch statistics of a forward in training mode", l->name);
+    if (l->kind == MGPU_LAYER_RESIDUAL) {
+        mgpu__require_batch_statistics(l->bn2);
+        mgpu__require_batch_statistics(l->bn1);
+    }
+}
+static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
+    MGPU_REQUIRE(net->nlayers > 0 && net->layers[net->nlayers - 1]->output,
+                 "%s: run mgpu_net_forward first", who);
+    for (int i = net->nlayers - 1; i >= 0; i--) mgpu__require_batch_statistics(net->layers[i]);
+}
+
 /* The backward pass of the net's layer i. */
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy) {
     return mgpu__layer_backward(net->layers[i], dy, i + 1 < net->nlayers ? net->layers[i + 1] : NULL);
 }
 
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
-    MGPU_REQUIRE(net->nlayers > 0 && net->layers[net->nlayers - 1]->output,
-                 "mgpu_net_backward: run mgpu_net_forward first");
+    mgpu__net_require_backward(net, "mgpu_net_backward");
     const mgpu_tensor *g = dlogits;
     for (int i = net->nlayers - 1; i >= 0; i--) g = mgpu__net_layer_backward(net, i, g);
 }
@@ -6039,6 +6056,7 @@ static const mgpu_tensor *mgpu__net_loss_grad(mgpu_net *net, const mgpu_tensor *
 MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      const mgpu_tensor *labels, float scale,
                                      mgpu_tensor *loss_sum) {
+    mgpu__net_require_backward(net, "mgpu_net_loss_backward");
     mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum));
 }
 
@@ -6425,6 +6443,7 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
         else
             mgpu_net_zero_grad(r);
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
+        mgpu__net_require_backward(r, "mgpu_data_parallel_step");
         mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
         mgpu_add_(dp->correct[i], dp->count[i]);
         grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
