@@ -118,19 +118,35 @@ static void mgpu__channels_last_cpu(const void *args, const mgpu__exec *ex) {
 /* A block moves a 32 x 32 tile (rows i0.., columns j0..) of each of its
    `outer` matrices: 8 warps read 8 rows at a time along j, and write 8
    columns at a time along i, through a tile padded to 33 columns so that
-   reading it by columns hits 32 banks. */
-static __global__ void mgpu__channels_last_kernel(mgpu__channels_last_args a) {
+   reading it by columns hits 32 banks. The copy only moves memory, so
+   what bounds it is how many loads are in flight: every thread's four
+   loads are issued before the barrier, and at most 32 registers a thread
+   let 8 blocks (all 64 warps a multiprocessor holds) share one. (With 50
+   registers and the index arithmetic in 64 bits, Nsight Compute found 4
+   blocks resident and 1.4 TB/s, 41% of an H100's memory rate.) */
+static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(mgpu__channels_last_args a) {
     __shared__ float tile[32][33];
     int lane = threadIdx.x % 32, row = threadIdx.x / 32;
     int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32;
+    bool reads = j0 + lane < a.cols, writes = i0 + lane < a.rows; /* this lane's column, then row */
+    size_t matrix = (size_t)a.rows * a.cols;
     for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
-        const float *in = a.in + (size_t)o * a.rows * a.cols;
-        for (int di = row; di < 32; di += 8)
-            if (i0 + di < a.rows && j0 + lane < a.cols) tile[di][lane] = in[(size_t)(i0 + di) * a.cols + j0 + lane];
+        const float *in = a.in + o * matrix + (size_t)i0 * a.cols + j0 + lane; /* in[o, i0, j0 + lane] */
+        float *out = a.out + o * matrix + i0 + lane;                             /* out[o, 0, i0 + lane] */
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int di = row + 8 * k;
+            if (reads && i0 + di < a.rows) tile[di][lane] = in[(size_t)di * a.cols];
+        }
         __syncthreads();
-        for (int dj = row; dj < 32; dj += 8)
-            if (j0 + dj < a.cols && i0 + lane < a.rows)
-                a.out[mgpu__channels_last_at(&a, o, i0 + lane, j0 + dj)] = mgpu__tf32_round(tile[lane][dj]);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int dj = row + 8 * k, j = j0 + dj;
+            if (writes && j < a.cols) {
+                if (a.flip) j += a.flip - 1 - 2 * (j % a.flip);
+                out[(size_t)j * a.rows] = mgpu__tf32_round(tile[lane][dj]);
+            }
+        }
         __syncthreads(); /* the tile is read before the next matrix takes it */
     }
 }
