@@ -59,10 +59,14 @@
    Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
    of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
-   kernels issue 16 to 48 for the same work. On an H100 (bench/RESULTS.md,
-   2026-11-22) twice as fast as those, 63 to 100 TFLOP/s on ResNet-18's
-   3x3 layers, and still 2.2 to 2.7 times slower than cuDNN. The weight
-   gradient (at the end of this file) is not yet timed on a GPU.
+   kernels issue 16 to 48 for the same work. So instructions no longer
+   bound it; on an H100, with 8 warps a multiprocessor, the operands' trip
+   from L2 does (Nsight Compute: L2 at 60% of its peak, and a warp
+   eligible to issue a third of the cycles). On ResNet-18's 3x3 layers at
+   stride 1 (bench/RESULTS.md, 2026-11-22), with the copies through L1:
+   75 to 120 TFLOP/s, twice as fast as the gathering kernels and still
+   1.4 to 2.4 times slower than cuDNN. The weight gradient (at the end of
+   this file): 65 to 97 TFLOP/s, 1.3 to 1.7 times slower than cuDNN.
 
    Shared memory, three copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
@@ -166,10 +170,13 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
    GPU. Shared memory is addressed by mgpu__shared_address, a 32-bit
    offset into the block's shared memory (so that no 64-bit arithmetic is
    spent on addresses), made by mgpu__shared_address_of(pointer).
-     mgpu__copy_async16(to, from, valid)  (cp.async) starts a copy of 16
-                          bytes from memory to shared memory without
+     mgpu__copy_async16<cache>(to, from, valid)  (cp.async) starts a copy
+                          of 16 bytes from memory to shared memory without
                           registers, or of 16 zero bytes when !valid
-                          (from is then not read);
+                          (from is then not read); through the L1 cache
+                          too with cache MGPU__KEEP_IN_L1 (.ca), else
+                          from L2 alone (MGPU__SKIP_L1, .cg; below, which
+                          kernel takes which);
      mgpu__copies_commit()  closes the group of copies started since the
                           last commit;
      mgpu__copies_wait<N>()  waits until all but the N most recent groups
@@ -191,15 +198,20 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
    then of columns 4-7), and its b fragments for two 8-column tiles of B
    what it gives from B stored by columns (blocks: columns 0-7 of rows 0-3
    and of rows 4-7, then columns 8-15). */
+enum { MGPU__SKIP_L1, MGPU__KEEP_IN_L1 };
 #ifndef MGPU_CUDA_EMU
 typedef unsigned mgpu__shared_address;
 static __device__ __forceinline__ mgpu__shared_address mgpu__shared_address_of(const void *p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
+template <int cache>
 static __device__ __forceinline__ void mgpu__copy_async16(mgpu__shared_address to, const float *from,
                                                           bool valid) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
+    if (cache == MGPU__KEEP_IN_L1)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
 #endif
 }
 static __device__ __forceinline__ void mgpu__copies_commit(void) {
@@ -382,7 +394,13 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
     }
     /* Starts the copies of a step into copy `stage`. Steps are loaded in
-       order, so (r, s, c0) moves on by one step a call. */
+       order, so (r, s, c0) moves on by one step a call. The copies go
+       through L1: the windows of taps (r, s) and (r, s + 1) are the same
+       pixels but one, loaded C/32 steps apart, so most of b's bytes are
+       still there, and L2's bandwidth is what bounds this kernel (Nsight
+       Compute on the H100: 8 warps a multiprocessor, L2 at 60% of its
+       peak, IPC 1.3). Through L1, ResNet-18's forward and dx ran 10 to 25%
+       faster; the weight gradient's copies (below) ran slower, and skip it. */
     int r = 0, s = 0, c0 = 0, loaded = 0;
     auto load = [&](int stage) {
         const float *w_step = a.w_t + (size_t)loaded * STEP + chunk * 4; /* (r, s, c0) is step `loaded` */
@@ -390,14 +408,16 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         for (int j = 0; j < A_PER; j++) {
             int filter = filter0 + first_row + j * APART;
             bool valid = filter < g.k;
-            mgpu__copy_async16(to_a + 4 * j * APART * LD, valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
+            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + 4 * j * APART * LD,
+                                                 valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
         }
         int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
         mgpu__shared_address to_b = b_tiles + 4 * ((stage * TN + first_row) * LD + chunk * 4);
         for (int j = 0; j < B_PER; j++) {
             int h = top[j] + r, w = left[j] + s;
             bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async16(to_b + 4 * j * APART * LD, inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
+            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + 4 * j * APART * LD,
+                                                 inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
         }
         loaded++;
         if ((c0 += STEP) == g.c) {
@@ -706,7 +726,7 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
         mgpu__shared_address to_a = a_tiles + 4 * ((stage * STEP + a_row) * LA + a_chunk * 4);
         for (int j = 0; j < A_PER; j++) {
             bool valid = j * A_APART < a_left;
-            mgpu__copy_async16(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t,
+            mgpu__copy_async16<MGPU__SKIP_L1>(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t,
                                valid);
         }
         dy_rows += STEP * g.k, a_left -= STEP;
@@ -714,7 +734,7 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
         for (int j = 0; j < B_PER; j++) {
             bool inside = j * B_APART < b_left && (unsigned)h[j] < (unsigned)g.h && /* 0 <= h < H */
                           (unsigned)w[j] < (unsigned)g.w;
-            mgpu__copy_async16(to_b + 4 * j * B_APART * LB, inside ? a.x_t + at[j] : a.x_t, inside);
+            mgpu__copy_async16<MGPU__SKIP_L1>(to_b + 4 * j * B_APART * LB, inside ? a.x_t + at[j] : a.x_t, inside);
             w[j] += w_step, h[j] += h_step, at[j] += at_step;
             if (w[j] >= w_end) w[j] -= w_back, h[j] += g.stride, at[j] += at_next_row;
             if (h[j] >= h_end) h[j] -= h_back, at[j] += at_next_image;

@@ -299,6 +299,7 @@ struct mgpu_emu_copy {
 };
 static std::vector<mgpu_emu_copy> mgpu_emu_copies[1024]; /* each thread's, in flight */
 static unsigned long mgpu_emu_groups_committed[1024];
+template <int cache> /* where a GPU caches the bytes on the way; one copy here */
 static void mgpu__copy_async16(mgpu__shared_address shared, const float *global, bool valid) {
     if ((uintptr_t)shared % 16 || (uintptr_t)global % 16)
         mgpu_emu_fail("a 16-byte asynchronous copy from or to an address not 16-byte aligned");
