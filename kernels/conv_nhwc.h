@@ -137,13 +137,11 @@ static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(mgpu
     for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
         const float *in = a.in + o * matrix + (size_t)i0 * a.cols + j0 + lane; /* in[o, i0, j0 + lane] */
         float *out = a.out + o * matrix + i0 + lane;                             /* out[o, 0, i0 + lane] */
-#pragma unroll
         for (int k = 0; k < 4; k++) {
             int di = row + 8 * k;
             if (reads && i0 + di < a.rows) tile[di][lane] = in[(size_t)di * a.cols];
         }
         __syncthreads();
-#pragma unroll
         for (int k = 0; k < 4; k++) {
             int dj = row + 8 * k, j = j0 + dj;
             if (writes && j < a.cols) {
@@ -393,17 +391,19 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
         left[j] = (in_image - p * g.q) * g.stride - g.pad;
         window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
     }
-    /* Starts the copies of a step into copy `stage`. Steps are loaded in
-       order, so (r, s, c0) moves on by one step a call. The copies go
-       through L1: the windows of taps (r, s) and (r, s + 1) are the same
-       pixels but one, loaded C/32 steps apart, so most of b's bytes are
-       still there, and L2's bandwidth is what bounds this kernel (Nsight
-       Compute on the H100: 8 warps a multiprocessor, L2 at 60% of its
-       peak, IPC 1.3). Through L1, ResNet-18's forward and dx ran 10 to 25%
-       faster; the weight gradient's copies (below) ran slower, and skip it. */
-    int r = 0, s = 0, c0 = 0, loaded = 0;
+    /* Starts the copies of a step into copy `stage`: channels c0.. of tap
+       (r, s). The copies go through L1, and the steps take the taps of
+       one run of 32 channels one after the other, so that the next tap's
+       window is still there: the windows of taps (r, s) and (r, s + 1)
+       are the same pixels but one, and those of (r, s) and (r + 1, s)
+       share all but an image row of them. L2's bandwidth is what bounds
+       this kernel (Nsight Compute on the H100: 8 warps a multiprocessor,
+       L2 at 60% of its peak, IPC 1.3). Through L1, ResNet-18's forward
+       and dx ran 10 to 25% faster; the weight gradient's copies (below)
+       ran slower, and skip it. */
+    int r = 0, s = 0, c0 = 0;
     auto load = [&](int stage) {
-        const float *w_step = a.w_t + (size_t)loaded * STEP + chunk * 4; /* (r, s, c0) is step `loaded` */
+        const float *w_step = a.w_t + (r * g.s + s) * g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
         mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
         for (int j = 0; j < A_PER; j++) {
             int filter = filter0 + first_row + j * APART;
@@ -419,10 +419,9 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
             mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + 4 * j * APART * LD,
                                                  inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
         }
-        loaded++;
-        if ((c0 += STEP) == g.c) {
-            c0 = 0;
-            if (++s == g.s) s = 0, r++;
+        if (++s == g.s) {
+            s = 0;
+            if (++r == g.r) r = 0, c0 += STEP;
         }
     };
 
