@@ -51,10 +51,15 @@
    shared memory, four 32-bit values a lane in one instruction, and
    mma.sync multiplies them (PTX, below: WMMA's TF32 loads compile to one
    64-bit generic load per value here, more instructions than the
-   multiplies they feed). Three steps are in flight: while the tensor
-   cores multiply step i, the copies of steps i + 1 and i + 2 are on their
-   way. One barrier a step. At the end the tile goes through shared memory
-   to y, with the bias, as in conv_implicit.h.
+   multiplies they feed). Two steps are in flight: while the tensor cores
+   multiply step i, the copies of step i + 1 are on their way. One barrier
+   a step. At the end the tile goes through shared memory to y, with the
+   bias, as in conv_implicit.h. (Three steps in flight hide more of a
+   copy's trip, but take half as much shared memory again, so that two
+   blocks of 64 x 128 fit on a multiprocessor instead of three: on the
+   H100, 8 warps a multiprocessor instead of 12, and a ResNet-18 step
+   0.5 ms slower. The weight gradient's kernel, below, is faster with
+   three.)
 
    Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
@@ -68,16 +73,16 @@
    1.4 to 2.4 times slower than cuDNN. The weight gradient (at the end of
    this file): 65 to 97 TFLOP/s, 1.3 to 1.7 times slower than cuDNN.
 
-   Shared memory, three copies of the step's tiles, rows padded from 32 to
+   Shared memory, two copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
    fragment load touches start on banks 0, 4, ..., 28, so that its 32
-   lanes hit 32 banks); for the 128 x 128 tile 108 KB, more than the 48 KB
-   a kernel gets unless it asks (cudaFuncSetAttribute at the launch):
+   lanes hit 32 banks); above 48 KB, more than a kernel gets unless it
+   asks (cudaFuncSetAttribute at the launch):
        tile       shared memory
-       64 x 64        54 KB
-       128 x 64       81 KB
-       64 x 128       81 KB
-       128 x 128     108 KB
+       64 x 64        36 KB
+       128 x 64       54 KB
+       64 x 128       54 KB
+       128 x 128      72 KB
    Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
    the first call with a shape finds it the fastest. */
 
@@ -161,7 +166,8 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
 
 /* ------------------------------------------------------------ the product */
 #define MGPU__NHWC_STEP 32   /* channels per step: 8 copies of 16 bytes a row */
-#define MGPU__NHWC_STAGES 3  /* steps in flight */
+#define MGPU__NHWC_STAGES 2     /* steps in flight: the forward kernel's, */
+#define MGPU__NHWC_DW_STAGES 3  /* and the weight gradient's */
 
 /* The GPU's pieces this kernel takes from PTX (sm_80 and newer), as
    CUTLASS does; tests/cuda_emu.h has the same functions for the emulated
@@ -340,9 +346,8 @@ static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc
    the next step into copy `stage` of the step tiles, multiply(stage)
    multiplies copy `stage`. One barrier a step. At the end every warp has
    multiplied its last step, so the tiles' bytes may take other data. */
-template <typename Load, typename Multiply>
+template <int STAGES, typename Load, typename Multiply>
 static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply) {
-    const int STAGES = MGPU__NHWC_STAGES;
     for (int stage = 0; stage < STAGES - 1; stage++) {
         if (stage < steps) load(stage);
         mgpu__copies_commit(); /* a group even when empty, so that each step is one group */
@@ -358,10 +363,12 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
     __syncthreads();
 }
 
-/* Blocks a multiprocessor should hold: as many as their shared memory
-   allows of sm_90's 227 KB (so that registers are not what limits them;
-   on sm_80's 163 KB the 128 x 128 tile fits only once). */
-#define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
+/* Blocks a multiprocessor should hold, so that registers are not what
+   limits them: as many as their shared memory allows of sm_90's 227 KB,
+   at most 4 (128 registers a thread) and at most 2 for 128 x 128 (whose
+   accumulators alone take 128 registers). On sm_80's 163 KB fewer fit. */
+#define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 64 * 128 ? 3 : 2)
+#define MGPU__NHWC_DW_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
 
 template <int TM, int TN>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
@@ -426,7 +433,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     };
 
     typename W::acc acc = {};
-    mgpu__nhwc_steps(rsc / STEP, load,
+    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(rsc / STEP, load,
                      [&](int stage) { mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, stage); });
 
     /* The tile of Y to y [img, filter, p, q], with the bias, as
@@ -645,8 +652,8 @@ static void mgpu__conv_nhwc_dw_slices(mgpu__conv_nhwc_dw_args *a) {
 }
 
 template <int TM, int TN> struct mgpu__nhwc_dw_tiles {
-    uint32_t a[MGPU__NHWC_STAGES][MGPU__NHWC_STEP][TM + 8];
-    uint32_t b[MGPU__NHWC_STAGES][MGPU__NHWC_STEP][TN + 8];
+    uint32_t a[MGPU__NHWC_DW_STAGES][MGPU__NHWC_STEP][TM + 8];
+    uint32_t b[MGPU__NHWC_DW_STAGES][MGPU__NHWC_STEP][TN + 8];
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -676,7 +683,7 @@ static __device__ void mgpu__nhwc_dw_multiply(typename mgpu__nhwc_warp<TM, TN>::
 #endif
 
 template <int TM, int TN>
-static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_DW_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__nhwc_warp<TM, TN> W;
@@ -741,7 +748,7 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
         b_left -= STEP;
     };
     typename W::acc acc = {};
-    mgpu__nhwc_steps((count + STEP - 1) / STEP, load, [&](int stage) {
+    mgpu__nhwc_steps<MGPU__NHWC_DW_STAGES>((count + STEP - 1) / STEP, load, [&](int stage) {
         mgpu__nhwc_dw_multiply<TM, TN>(acc, t->a[stage], t->b[stage]);
     });
 
