@@ -47,9 +47,10 @@ typedef struct {
 static MGPU__HOSTDEVICE inline float mgpu__relu_value(const mgpu__relu_args *p, size_t i) {
     return p->x[i] > 0.0f ? p->x[i] : 0.0f;
 }
+static MGPU__HOSTDEVICE inline float mgpu__relu_grad(float dy, float mask) { return mask > 0.0f ? dy : 0.0f; }
 static MGPU__HOSTDEVICE inline float mgpu__relu_backward_value(const mgpu__relu_backward_args *p,
                                                                size_t i) {
-    return p->mask[i] > 0.0f ? p->dy[i] : 0.0f;
+    return mgpu__relu_grad(p->dy[i], p->mask[i]);
 }
 static MGPU__HOSTDEVICE inline float mgpu__add_value(const mgpu__add_args *p, size_t i) {
     float sum = p->a[i] + p->b[i];
@@ -82,12 +83,26 @@ static void mgpu__relu_cuda(const void *args, const mgpu__exec *ex) {
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
-static __global__ void mgpu__relu_backward_kernel(mgpu__relu_backward_args p) {
-    MGPU__GRID_STRIDE_LOOP(i, p.n) p.dx[i] = mgpu__relu_backward_value(&p, i);
+/* In vectors of V values (16-byte accesses for V = 4): the residual
+   blocks' backward runs this over whole activations, and one value a
+   thread moved 2.0 TB/s on the H100 (Nsight Compute), 60% of its rate. */
+template <int V> static __global__ void mgpu__relu_backward_kernel(mgpu__relu_backward_args p) {
+    MGPU__GRID_STRIDE_LOOP(i, p.n / V) {
+        float dy[V], mask[V], dx[V];
+        mgpu__load_floats(dy, p.dy + i * V);
+        mgpu__load_floats(mask, p.mask + i * V);
+        for (int e = 0; e < V; e++) dx[e] = mgpu__relu_grad(dy[e], mask[e]);
+        mgpu__store_floats(p.dx + i * V, dx);
+    }
 }
 static void mgpu__relu_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__relu_backward_args *p = (const mgpu__relu_backward_args *)args;
-    mgpu__relu_backward_kernel<<<mgpu__grid_for(p->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
+    const void *tensors[] = {p->dx, p->dy, p->mask};
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    if (mgpu__vector_width(p->n, tensors, 3) == 4)
+        mgpu__relu_backward_kernel<4><<<mgpu__grid_for(p->n / 4, 256), 256, 0, stream>>>(*p);
+    else
+        mgpu__relu_backward_kernel<1><<<mgpu__grid_for(p->n, 256), 256, 0, stream>>>(*p);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 

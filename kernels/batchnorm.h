@@ -334,15 +334,6 @@ static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
 #define MGPU__BN_BLOCK 256
 #define MGPU__BN_HELD 16 /* values a thread of the statistics kernel holds at once */
 
-/* The vector width V for these tensors: 4 when a plane's H*W values are
-   whole vectors and every tensor starts 16-byte aligned, else 1. */
-static int mgpu__bn_vector_width(int hw, const void *const *tensors, int count) {
-    if (hw % 4) return 1;
-    for (int t = 0; t < count; t++)
-        if ((uintptr_t)tensors[t] % 16) return 1;
-    return 4;
-}
-
 /* Where the vectors of x are (indices below 2^31: mgpu_batchnorm2d_*
    refuse larger tensors on a GPU). Vector i lies in plane i / per_plane,
    and the plane's channel is that plane mod C. */
@@ -459,7 +450,7 @@ template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args
 static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     const void *tensors[] = {a->y, a->x, a->skip};
-    if (mgpu__bn_vector_width(a->hw, tensors, 3) == 4)
+    if (mgpu__vector_width((size_t)a->hw, tensors, 3) == 4) /* planes of whole vectors */
         mgpu__bn_forward_launch<4>(a, (cudaStream_t)ex->stream);
     else
         mgpu__bn_forward_launch<1>(a, (cudaStream_t)ex->stream);
@@ -535,7 +526,7 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
     const void *tensors[] = {a->dx, a->dy, a->x};
-    if (mgpu__bn_vector_width(a->hw, tensors, 3) == 4)
+    if (mgpu__vector_width((size_t)a->hw, tensors, 3) == 4)
         mgpu__bn_backward_launch<4>(a, (cudaStream_t)ex->stream);
     else
         mgpu__bn_backward_launch<1>(a, (cudaStream_t)ex->stream);

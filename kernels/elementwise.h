@@ -102,6 +102,15 @@ static __device__ inline void mgpu__store_floats(float *p, const float (&v)[4]) 
     *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 #endif
+/* The vector width V for tensors whose runs of `run` values the kernel
+   takes in vectors (a whole tensor, or a plane): 4 when the runs are whole
+   vectors and every tensor starts 16-byte aligned, else 1. */
+static int mgpu__vector_width(size_t run, const void *const *tensors, int count) {
+    if (run % 4) return 1;
+    for (int t = 0; t < count; t++)
+        if ((uintptr_t)tensors[t] % 16) return 1;
+    return 4;
+}
 
 static __global__ void mgpu__fill_kernel(mgpu__fill_args f) {
     MGPU__GRID_STRIDE_LOOP(i, f.n) f.y[i] = mgpu__fill_value(&f, i);

@@ -492,9 +492,9 @@ TEST(batchnorm_in_vectors_of_four) {
     std::vector<float> buffer(64);
     const void *aligned[] = {buffer.data(), buffer.data() + 4, NULL};
     const void *one_off[] = {buffer.data(), buffer.data() + 1};
-    CHECK_EQ_INT(mgpu__bn_vector_width(16, aligned, 3), 4);
-    CHECK_EQ_INT(mgpu__bn_vector_width(49, aligned, 3), 1);
-    CHECK_EQ_INT(mgpu__bn_vector_width(16, one_off, 2), 1);
+    CHECK_EQ_INT(mgpu__vector_width(16, aligned, 3), 4);
+    CHECK_EQ_INT(mgpu__vector_width(49, aligned, 3), 1);
+    CHECK_EQ_INT(mgpu__vector_width(16, one_off, 2), 1);
     batchnorm_case(4, 3, 6);    /* planes of 6 values: not whole vectors */
     batchnorm_case(3, 5, 16);   /* ResNet-18's 4x4 planes */
     batchnorm_case(2, 3, 196);  /* 14x14: 49 vectors a plane */
@@ -574,11 +574,17 @@ TEST(elementwise_relu_add_and_sgd) {
     s.y = out_g.data();
     mgpu__add_cuda(&s, &on_gpu);
     same("add and ReLU", out_g, out_c, 0);
-    mgpu__relu_backward_args r = {out_c.data(), y.data(), x.data(), n};
-    mgpu__relu_backward_cpu(&r, &on_cpu);
-    r.dx = out_g.data();
-    mgpu__relu_backward_cuda(&r, &on_gpu);
-    same("ReLU backward", out_g, out_c, 0);
+    /* ReLU's backward in vectors of 4 (n a multiple of 4, all aligned),
+       and one value at a time (an input one float off alignment) */
+    for (size_t off = 0; off <= 1; off++) {
+        mgpu__relu_backward_args r = {out_c.data(), y.data(), x.data() + off, n - 4 * off};
+        const void *tensors[] = {out_g.data(), r.dy, r.mask};
+        CHECK_EQ_INT(mgpu__vector_width(r.n, tensors, 3), off ? 1 : 4);
+        mgpu__relu_backward_cpu(&r, &on_cpu);
+        r.dx = out_g.data();
+        mgpu__relu_backward_cuda(&r, &on_gpu);
+        same("ReLU backward", out_g, out_c, 0);
+    }
     std::vector<float> param_c = random_values(n), param_g = param_c, grad_c = g, grad_g = g;
     mgpu__sgd_book_args book = {param_c.data(), grad_c.data(), n, 0.2f, 256.0f};
     mgpu__sgd_book_cpu(&book, &on_cpu);
