@@ -212,10 +212,11 @@ template <int cache>
 static __device__ __forceinline__ void mgpu__copy_async16(mgpu__shared_address to, const float *from,
                                                           bool valid) {
 #if __CUDA_ARCH__ >= 800
+    int bytes = valid ? 16 : 0;
     if (cache == MGPU__KEEP_IN_L1)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(bytes));
     else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(bytes));
 #endif
 }
 static __device__ __forceinline__ void mgpu__copies_commit(void) {
@@ -496,8 +497,8 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    padding 1 gives classes of 1x1, 1x2, 2x1 and 2x2 taps, with pad' 0,
    and their products add up to the one of the whole input gradient. A
    class without taps (a 1x1 window at stride 2 reaches only even rows)
-   is a product of no steps: its pixels get zeros (or keep their values,
-   when the gradient is added to dx).
+   has zeros for its pixels (or leaves them as they were, when the
+   gradient is added to dx).
 
    Each class is the forward kernel on dy_t, with the class's taps of w
    copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights, TF32), and
@@ -576,21 +577,35 @@ typedef struct {
     int accumulate;     /* 1: dx += the gradient; 0: dx = it */
 } mgpu__conv_nhwc_subpixel_args;
 
-/* dx, class by class: the class's taps, then its product. */
+/* dx, class by class: the class's taps, then its product. Where classes
+   have no taps and dx is not added to, all of dx is zeroed first (one
+   memset), and those classes are skipped: run as products of no steps,
+   the 3 empty classes of a 1x1 window at stride 2 took longer than the
+   memset by far (their zeros go out through the product's epilogue, to
+   every other pixel). */
 static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_nhwc_subpixel_args *a = (const mgpu__conv_nhwc_subpixel_args *)args;
+    int empty_classes = 0;
+    for (int e_h = 0; e_h < a->g.stride; e_h++)
+        for (int e_w = 0; e_w < a->g.stride; e_w++) {
+            mgpu__subpixel_class k = mgpu__subpixel_class_of(&a->g, e_h, e_w);
+            empty_classes += k.g.r * k.g.s == 0;
+        }
+    if (empty_classes && !a->accumulate)
+        MGPU_CUDA_CHECK(cudaMemsetAsync(a->dx, 0, sizeof(float) * a->g.n * a->g.c * a->g.h * a->g.w,
+                                        (cudaStream_t)ex->stream));
     float *w_class = a->w_classes;
     for (int e_h = 0; e_h < a->g.stride; e_h++)
         for (int e_w = 0; e_w < a->g.stride; e_w++) {
             mgpu__subpixel_class k = mgpu__subpixel_class_of(&a->g, e_h, e_w);
             size_t taps = (size_t)a->g.c * k.g.r * k.g.s * a->g.k;
-            if (k.g.p == 0 || k.g.q == 0) continue; /* no rows or columns of dx in the class */
-            if (taps) {
-                mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
-                mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, (cudaStream_t)ex->stream>>>(wa);
-                MGPU_CUDA_CHECK_LAUNCH();
-            }
-            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out, a->accumulate};
+            if (k.g.p == 0 || k.g.q == 0 || !taps) continue; /* no pixels of dx, or zeros (or dx as it was) */
+            mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
+            cudaStream_t stream = (cudaStream_t)ex->stream;
+            mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
+            MGPU_CUDA_CHECK_LAUNCH();
+            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
+                                            a->accumulate};
             mgpu__conv_nhwc_cuda(&product, ex);
             w_class += taps;
         }
