@@ -157,10 +157,49 @@ static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(mgpu
         __syncthreads(); /* the tile is read before the next matrix takes it */
     }
 }
+/* The same in 16-byte accesses, where rows and columns are whole vectors
+   and nothing is flipped (the activations but those of 7x7 images): a
+   block moves a 64 x 64 tile, every thread four vectors of 4 in and four
+   out, all four loads issued before the first is stored. (The kernel
+   above moved stage 1's activations at 1.8 TB/s on the H100, 55% of the
+   memory rate.) A line of the tile is 16 vectors: 16 lanes take one, so
+   a warp's stores to the tile, and its loads from it, hit each bank at
+   most twice. */
+static __global__ void __launch_bounds__(256) mgpu__channels_last_vectors_kernel(mgpu__channels_last_args a) {
+    __shared__ float tile[64][65];
+    int part = threadIdx.x % 16, line = threadIdx.x / 16; /* a vector of a line; 16 lines at a time */
+    int i0 = blockIdx.y * 64, j0 = blockIdx.x * 64;
+    size_t matrix = (size_t)a.rows * a.cols;
+    for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
+        const float *in = a.in + o * matrix;
+        float *out = a.out + o * matrix;
+        float v[4][4] = {};
+        for (int k = 0; k < 4; k++) { /* row i0 + line + 16 k, columns j0 + 4 part .. + 3 */
+            int i = i0 + line + 16 * k, j = j0 + 4 * part;
+            if (i < a.rows && j < a.cols) mgpu__load_floats(v[k], in + (size_t)i * a.cols + j);
+        }
+        for (int k = 0; k < 4; k++)
+            for (int e = 0; e < 4; e++) tile[line + 16 * k][4 * part + e] = v[k][e];
+        __syncthreads();
+        for (int k = 0; k < 4; k++) { /* column j0 + line + 16 k, rows i0 + 4 part .. + 3 */
+            int j = j0 + line + 16 * k, i = i0 + 4 * part;
+            for (int e = 0; e < 4; e++) v[k][e] = mgpu__tf32_round(tile[4 * part + e][line + 16 * k]);
+            if (j < a.cols && i < a.rows) mgpu__store_floats(out + (size_t)j * a.rows + i, v[k]);
+        }
+        __syncthreads(); /* the tile is read before the next matrix takes it */
+    }
+}
 static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
-    dim3 grid((a->cols + 31) / 32, (a->rows + 31) / 32, a->outer < 65535 ? a->outer : 65535);
-    mgpu__channels_last_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    const void *tensors[] = {a->out, a->in};
+    unsigned outer = a->outer < 65535 ? a->outer : 65535;
+    if (!a->flip && a->rows % 4 == 0 && mgpu__vector_width((size_t)a->cols, tensors, 2) == 4) {
+        dim3 grid((a->cols + 63) / 64, (a->rows + 63) / 64, outer);
+        mgpu__channels_last_vectors_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    } else {
+        dim3 grid((a->cols + 31) / 32, (a->rows + 31) / 32, outer);
+        mgpu__channels_last_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
+    }
     MGPU_CUDA_CHECK_LAUNCH();
 }
 

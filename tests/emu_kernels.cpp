@@ -278,9 +278,11 @@ TEST(channels_last_convolution) {
 
 /* The channels-last copies: every element where it belongs, rounded to
    TF32 as the CPU rounds (exact), with and without the flip, over
-   partial 32 x 32 tiles and several matrices. */
+   partial 32 x 32 tiles and several matrices; and in vectors of 4 (rows
+   and columns multiples of 4, no flip) over partial 64 x 64 tiles. */
 TEST(channels_last_copy) {
-    int shapes[][4] = {{3, 5, 7, 0}, {2, 33, 65, 0}, {1, 40, 45, 9}, {70, 3, 9, 9}};
+    int shapes[][4] = {{3, 5, 7, 0}, {2, 33, 65, 0}, {1, 40, 45, 9}, {70, 3, 9, 9},
+                       {3, 68, 132, 0}, {2, 64, 16, 0}, {1, 8, 4, 4}};
     for (auto &sh : shapes) {
         int outer = sh[0], rows = sh[1], cols = sh[2], flip = sh[3];
         std::vector<float> in = random_values((size_t)outer * rows * cols), out_c = nans(in.size());
