@@ -65,13 +65,14 @@
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
    of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
    kernels issue 16 to 48 for the same work. So instructions no longer
-   bound it; on an H100, with 8 warps a multiprocessor, the operands' trip
-   from L2 does (Nsight Compute: L2 at 60% of its peak, and a warp
-   eligible to issue a third of the cycles). On ResNet-18's 3x3 layers at
-   stride 1 (bench/RESULTS.md, 2026-11-22), with the copies through L1:
-   75 to 120 TFLOP/s, twice as fast as the gathering kernels and still
-   1.4 to 2.4 times slower than cuDNN. The weight gradient (at the end of
-   this file): 65 to 97 TFLOP/s, 1.3 to 1.7 times slower than cuDNN.
+   bound it; on an H100 the operands' trip from L2 does (Nsight Compute,
+   with three steps in flight and 8 warps a multiprocessor: L2 at 60% of
+   its peak, a warp eligible to issue a third of the cycles; hence the
+   copies through L1, and two steps in flight for 12 warps). On
+   ResNet-18's 3x3 layers at stride 1 (bench/RESULTS.md, 2026-11-22): 88
+   to 132 TFLOP/s, twice as fast as the gathering kernels and still 1.2
+   to 2.2 times slower than cuDNN. The weight gradient (at the end of
+   this file): 75 to 105 TFLOP/s, 1.2 to 1.6 times slower than cuDNN.
 
    Shared memory, two copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
