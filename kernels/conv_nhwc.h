@@ -404,10 +404,14 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
     __syncthreads();
 }
 
-/* Blocks a multiprocessor should hold, so that registers are not what
-   limits them: as many as their shared memory allows of sm_90's 227 KB,
-   at most 4 (128 registers a thread) and at most 2 for 128 x 128 (whose
-   accumulators alone take 128 registers). On sm_80's 163 KB fewer fit. */
+/* Blocks a multiprocessor should hold; the registers a thread follow
+   (65536 / (128 threads x blocks)). The forward kernel: 4 of 64 x 64 (128
+   registers), 3 of 128 x 64 and 64 x 128 (170: they use about 150 to
+   160, and 4 blocks' 128 would spill), 2 of 128 x 128 (its accumulators
+   alone take 128). With two steps in flight that many fit in sm_90's
+   227 KB of shared memory. The weight gradient's kernel, three steps in
+   flight: as many as its shared memory allows, 4 of 64 x 64, else 2. On
+   sm_80's 163 KB fewer fit. */
 #define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 64 * 128 ? 3 : 2)
 #define MGPU__NHWC_DW_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
 
