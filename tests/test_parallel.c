@@ -424,6 +424,27 @@ TEST(bias_before_batch_norm_has_no_gradient_in_training) {
     mgpu_net_free(net);
 }
 
+/* The data-parallel step refuses replicas whose forward ran in evaluation
+   mode (their batch norm has no batch statistics for the backward pass)
+   with the layer's name. Only on the CPU: the refusal comes after the
+   forward pass, whose GPU work a forked child (EXPECT_DIES) cannot run. */
+TEST(data_parallel_step_refuses_evaluation_mode) {
+    if (TEST_ON_GPU) return;
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_net_set_training(mgpu_data_parallel_module(dp), 0);
+    EXPECT_DIES(mgpu_data_parallel_step(dp, x, y, 0.5f, 0.0f, 0.0f),
+                "block.bn2: the last forward ran in evaluation mode");
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 /* Trains `steps` steps of the ResNet-like small net with batch norm on k
    devices, with the given bucket size and overlap; returns replica 0. */
 static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int steps,
