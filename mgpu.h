@@ -3298,6 +3298,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/elementwise.h"
 #include "kernels/matmul.h"
 #include "kernels/activation.h"
+#include "kernels/channels_last.h"
 #include "kernels/conv.h"
 #include "kernels/conv_implicit.h"
 #include "kernels/conv_nhwc.h"
@@ -4304,11 +4305,11 @@ typedef struct {
 } mgpu__implicit_kernel;
 
 /* A new tensor [outer, cols, rows], the TF32 copy of in [outer, rows, cols]
-   made by conv_nhwc.h's mgpu__channels_last (flip: as there). */
+   made by kernels/channels_last.h (flip: as there). */
 static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, int outer, int rows,
                                              int cols, int flip) {
     mgpu_tensor *t = mgpu_empty(dev, mgpu_shape3(outer, cols, rows));
-    mgpu__channels_last_args a = {t->data, in, outer, rows, cols, flip};
+    mgpu__channels_last_args a = {{t->data, outer, rows, cols, flip}, in};
     MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, a);
     return t;
 }

@@ -51,7 +51,10 @@
      2. one thread per channel merges its S partials and writes the
         channel's results (statistics and running statistics forward,
         dgamma and dbeta backward);
-     3. a grid over the whole tensor writes y, or dx.
+     3. a grid over the whole tensor writes y, or dx; or, when a network
+        asks for it (y_t, dx_t), a tile kernel of kernels/channels_last.h
+        writes them channels-last as well (y) or instead (dx), for the
+        convolution next to this batch norm (mgpu.h says when).
    Every kernel here does a few flops per byte it moves, so what decides
    its speed is how few instructions it spends per byte: too many, and the
    GPU cannot issue them as fast as memory delivers the bytes. Two things
@@ -84,6 +87,7 @@
 /* ---------------------------------------------------------------- forward */
 typedef struct {
     float *y;
+    float *y_t;                     /* y channels-last too (kernels/channels_last.h), or NULL */
     const float *x, *gamma, *beta;
     const float *skip;              /* added before the ReLU, or NULL (see above) */
     float *running_mean, *running_var;
@@ -172,8 +176,11 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
         mgpu__bn_forward_affine(a, c, &scale, &shift);
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
-            for (size_t i = at; i < at + (size_t)a->hw; i++)
-                a->y[i] = mgpu__bn_output(a, a->x[i], a->skip ? a->skip[i] : 0.0f, scale, shift);
+            for (int p = 0; p < a->hw; p++) {
+                float y = mgpu__bn_output(a, a->x[at + p], a->skip ? a->skip[at + p] : 0.0f, scale, shift);
+                a->y[at + p] = y;
+                if (a->y_t) a->y_t[mgpu__channels_last_index(n, c, p, a->c, a->hw)] = mgpu__tf32_round(y);
+            }
         }
     }
 }
@@ -181,6 +188,7 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
 /* --------------------------------------------------------------- backward */
 typedef struct {
     float *dx, *dgamma, *dbeta;
+    float *dx_t;       /* dx channels-last (kernels/channels_last.h) instead, or NULL */
     const float *dy, *x, *gamma, *save_mean, *save_invstd;
     const float *beta; /* only with fuse_relu, for the ReLU's mask */
     float *partials;   /* CUDA scratch: [C][S] partial sums, then [C] channel means */
@@ -238,9 +246,11 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
         float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
-            for (size_t i = at; i < at + (size_t)a->hw; i++) {
-                float g = mgpu__bn_grad_out(a, a->dy[i], a->x[i], scale, shift);
-                a->dx[i] = mgpu__bn_input_grad(a, g, a->x[i], c, mean_g, mean_g_xhat);
+            for (int p = 0; p < a->hw; p++) {
+                float g = mgpu__bn_grad_out(a, a->dy[at + p], a->x[at + p], scale, shift);
+                float dx = mgpu__bn_input_grad(a, g, a->x[at + p], c, mean_g, mean_g_xhat);
+                if (a->dx_t) a->dx_t[mgpu__channels_last_index(n, c, p, a->c, a->hw)] = mgpu__tf32_round(dx);
+                else a->dx[at + p] = dx;
             }
         }
     }
@@ -423,15 +433,25 @@ static unsigned mgpu__bn_finish_blocks(int channels) {
     return mgpu__grid_for((size_t)channels, MGPU__BN_FINISH_WARPS);
 }
 
-template <int V>
-static __global__ void mgpu__bn_output_kernel(mgpu__bn_forward_args a, mgpu__bn_layout l) {
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * (a.hw / V)) {
-        float scale, shift, x[V], skip[V] = {}, y[V];
-        mgpu__bn_forward_affine(&a, mgpu__bn_channel((int)i, l), &scale, &shift);
-        mgpu__load_floats(x, a.x + i * V);
-        if (a.skip) mgpu__load_floats(skip, a.skip + i * V);
+/* y at offset `at` of x, of channel c, written to a.y there too; as a
+   source of kernels/channels_last.h, which then writes y_t. */
+struct mgpu__bn_output_source {
+    mgpu__bn_forward_args a;
+    template <int V> __device__ void operator()(size_t at, int c, float (&y)[V]) const {
+        float scale, shift, x[V], skip[V] = {};
+        mgpu__bn_forward_affine(&a, c, &scale, &shift);
+        mgpu__load_floats(x, a.x + at);
+        if (a.skip) mgpu__load_floats(skip, a.skip + at);
         for (int e = 0; e < V; e++) y[e] = mgpu__bn_output(&a, x[e], skip[e], scale, shift);
-        mgpu__store_floats(a.y + i * V, y);
+        mgpu__store_floats(a.y + at, y);
+    }
+};
+/* y alone: a thread a vector. */
+template <int V>
+static __global__ void mgpu__bn_output_kernel(mgpu__bn_output_source src, mgpu__bn_layout l) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)src.a.n * src.a.c * (src.a.hw / V)) {
+        float y[V];
+        src(i * V, mgpu__bn_channel((int)i, l), y);
     }
 }
 
@@ -443,14 +463,20 @@ template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args
         mgpu__bn_finish_stats_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
         MGPU_CUDA_CHECK_LAUNCH();
     }
+    mgpu__bn_output_source src = {*a};
+    if (a->y_t) { /* [n, c, hw] -> [n, hw, c] */
+        mgpu__channels_last_to to = {a->y_t, a->n, a->c, a->hw, 0};
+        mgpu__channels_last_launch(src, to, V == 4 && a->c % 4 == 0, stream);
+        return;
+    }
     size_t vectors = (size_t)a->n * a->c * (a->hw / V);
-    mgpu__bn_output_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(*a, l);
+    mgpu__bn_output_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(src, l);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
-    const void *tensors[] = {a->y, a->x, a->skip};
-    if (mgpu__vector_width((size_t)a->hw, tensors, 3) == 4) /* planes of whole vectors */
+    const void *tensors[] = {a->y, a->x, a->skip, a->y_t};
+    if (mgpu__vector_width((size_t)a->hw, tensors, 4) == 4) /* planes of whole vectors */
         mgpu__bn_forward_launch<4>(a, (cudaStream_t)ex->stream);
     else
         mgpu__bn_forward_launch<1>(a, (cudaStream_t)ex->stream);
@@ -496,20 +522,28 @@ static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
     }
 }
 
-template <int V>
-static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_backward_args a, mgpu__bn_layout l) {
-    const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)a.n * a.c * (a.hw / V)) {
-        int c = mgpu__bn_channel((int)i, l);
-        float scale, shift, dy[V], x[V], dx[V];
+/* dx at offset `at` of x, of channel c, written to a.dx there too unless
+   kernels/channels_last.h writes it channels-last (a.dx_t) instead. */
+struct mgpu__bn_input_grad_source {
+    mgpu__bn_backward_args a;
+    template <int V> __device__ void operator()(size_t at, int c, float (&dx)[V]) const {
+        const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
+        float scale, shift, dy[V], x[V];
         mgpu__bn_backward_affine(&a, c, &scale, &shift);
-        mgpu__load_floats(dy, a.dy + i * V);
-        mgpu__load_floats(x, a.x + i * V);
+        mgpu__load_floats(dy, a.dy + at);
+        mgpu__load_floats(x, a.x + at);
         for (int e = 0; e < V; e++) {
             float g = mgpu__bn_grad_out(&a, dy[e], x[e], scale, shift);
             dx[e] = mgpu__bn_input_grad(&a, g, x[e], c, means[c].a, means[c].b);
         }
-        mgpu__store_floats(a.dx + i * V, dx);
+        if (!a.dx_t) mgpu__store_floats(a.dx + at, dx);
+    }
+};
+template <int V>
+static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_input_grad_source src, mgpu__bn_layout l) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)src.a.n * src.a.c * (src.a.hw / V)) {
+        float dx[V];
+        src(i * V, mgpu__bn_channel((int)i, l), dx);
     }
 }
 
@@ -519,14 +553,20 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__bn_input_grad_source src = {*a};
+    if (a->dx_t) { /* [n, c, hw] -> [n, hw, c] */
+        mgpu__channels_last_to to = {a->dx_t, a->n, a->c, a->hw, 0};
+        mgpu__channels_last_launch(src, to, V == 4 && a->c % 4 == 0, stream);
+        return;
+    }
     size_t vectors = (size_t)a->n * a->c * (a->hw / V);
-    mgpu__bn_input_grad_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(*a, l);
+    mgpu__bn_input_grad_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(src, l);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
-    const void *tensors[] = {a->dx, a->dy, a->x};
-    if (mgpu__vector_width((size_t)a->hw, tensors, 3) == 4)
+    const void *tensors[] = {a->dx, a->dy, a->x, a->dx_t};
+    if (mgpu__vector_width((size_t)a->hw, tensors, 4) == 4)
         mgpu__bn_backward_launch<4>(a, (cudaStream_t)ex->stream);
     else
         mgpu__bn_backward_launch<1>(a, (cudaStream_t)ex->stream);

@@ -14,12 +14,11 @@
    with one edge test for all 4, and never pass through registers. cuDNN's
    fastest convolutions work on NHWC too.
 
-   The copies (mgpu__channels_last). Before the product, x [n, C, H, W]
-   goes to x_t [n, H, W, C] and the weights [K, C, R, S] to w_t [K, R, S,
-   C], both rounded to TF32 on the way. These kernels only move memory
-   (a 32 x 32 tile at a time through shared memory, so that reads and
-   writes are both coalesced), and the product's loop then has no
-   rounding to do.
+   The copies (kernels/channels_last.h). Before the product, x [n, C, H,
+   W] goes to x_t [n, H, W, C] and the weights [K, C, R, S] to w_t [K, R,
+   S, C], both rounded to TF32 on the way, so that the product's loop has
+   no rounding to do. (In a network, batch norm writes x_t itself when a
+   convolution follows it: mgpu.h.)
 
    The product. Y [K, n*P*Q] = W_t [K, R*S*C] col [R*S*C, n*P*Q], as in
    conv_implicit.h, but with the summed index in (r, s, c) order, channels
@@ -88,122 +87,6 @@
    the first call with a shape finds it the fastest. */
 
 #if MGPU_CUDA
-/* ------------------------------------------------ the channels-last copy */
-/* x to TF32: 10 bits of mantissa, rounded to nearest, ties away from zero
-   (as cvt.rna.tf32.f32 and WMMA's __float_to_tf32 round). */
-static MGPU__HOSTDEVICE inline float mgpu__tf32_round(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & ~0x1fffu; /* not inf, NaN */
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-/* out[o, j, i] = tf32(in[o, i, j]) for o < outer, i < rows, j < cols; with
-   flip > 0 (it divides cols), each run of `flip` consecutive j is written
-   in reverse order. x to x_t: outer n, rows C, cols H*W. The weights to
-   w_t: outer K, rows C, cols R*S. The weights to w'_t for the input
-   gradient: outer 1, rows K, cols C*R*S, flip R*S. */
-typedef struct {
-    float *out;
-    const float *in;
-    int outer, rows, cols, flip;
-} mgpu__channels_last_args;
-
-static MGPU__HOSTDEVICE inline size_t mgpu__channels_last_at(const mgpu__channels_last_args *a, int o, int i,
-                                                             int j) {
-    if (a->flip) j += a->flip - 1 - 2 * (j % a->flip);
-    return ((size_t)o * a->cols + j) * a->rows + i;
-}
-static void mgpu__channels_last_cpu(const void *args, const mgpu__exec *ex) {
-    (void)ex;
-    const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
-    for (int o = 0; o < a->outer; o++)
-        for (int i = 0; i < a->rows; i++)
-            for (int j = 0; j < a->cols; j++)
-                a->out[mgpu__channels_last_at(a, o, i, j)] =
-                    mgpu__tf32_round(a->in[((size_t)o * a->rows + i) * a->cols + j]);
-}
-
-/* A block moves a 32 x 32 tile (rows i0.., columns j0..) of each of its
-   `outer` matrices: 8 warps read 8 rows at a time along j, and write 8
-   columns at a time along i, through a tile padded to 33 columns so that
-   reading it by columns hits 32 banks. The copy only moves memory, so
-   what bounds it is how many loads are in flight: every thread's four
-   loads are issued before the barrier, and at most 32 registers a thread
-   let 8 blocks (all 64 warps a multiprocessor holds) share one. (With 50
-   registers and the index arithmetic in 64 bits, Nsight Compute found 4
-   blocks resident and 1.4 TB/s, 41% of an H100's memory rate.) */
-static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(mgpu__channels_last_args a) {
-    __shared__ float tile[32][33];
-    int lane = threadIdx.x % 32, row = threadIdx.x / 32;
-    int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32;
-    bool reads = j0 + lane < a.cols, writes = i0 + lane < a.rows; /* this lane's column, then row */
-    size_t matrix = (size_t)a.rows * a.cols;
-    for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
-        const float *in = a.in + o * matrix + (size_t)i0 * a.cols + j0 + lane; /* in[o, i0, j0 + lane] */
-        float *out = a.out + o * matrix + i0 + lane;                             /* out[o, 0, i0 + lane] */
-        for (int k = 0; k < 4; k++) {
-            int di = row + 8 * k;
-            if (reads && i0 + di < a.rows) tile[di][lane] = in[(size_t)di * a.cols];
-        }
-        __syncthreads();
-        for (int k = 0; k < 4; k++) {
-            int dj = row + 8 * k, j = j0 + dj;
-            if (writes && j < a.cols) {
-                if (a.flip) j += a.flip - 1 - 2 * (j % a.flip);
-                out[(size_t)j * a.rows] = mgpu__tf32_round(tile[lane][dj]);
-            }
-        }
-        __syncthreads(); /* the tile is read before the next matrix takes it */
-    }
-}
-/* The same in 16-byte accesses, where rows and columns are whole vectors
-   and nothing is flipped (the activations but those of 7x7 images): a
-   block moves a 64 x 64 tile, every thread four vectors of 4 in and four
-   out, all four loads issued before the first is stored. (The kernel
-   above moved stage 1's activations at 1.8 TB/s on the H100, 55% of the
-   memory rate.) A line of the tile is 16 vectors: 16 lanes take one, so
-   a warp's stores to the tile, and its loads from it, hit each bank at
-   most twice. */
-static __global__ void __launch_bounds__(256) mgpu__channels_last_vectors_kernel(mgpu__channels_last_args a) {
-    __shared__ float tile[64][65];
-    int part = threadIdx.x % 16, line = threadIdx.x / 16; /* a vector of a line; 16 lines at a time */
-    int i0 = blockIdx.y * 64, j0 = blockIdx.x * 64;
-    size_t matrix = (size_t)a.rows * a.cols;
-    for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
-        const float *in = a.in + o * matrix;
-        float *out = a.out + o * matrix;
-        float v[4][4] = {};
-        for (int k = 0; k < 4; k++) { /* row i0 + line + 16 k, columns j0 + 4 part .. + 3 */
-            int i = i0 + line + 16 * k, j = j0 + 4 * part;
-            if (i < a.rows && j < a.cols) mgpu__load_floats(v[k], in + (size_t)i * a.cols + j);
-        }
-        for (int k = 0; k < 4; k++)
-            for (int e = 0; e < 4; e++) tile[line + 16 * k][4 * part + e] = v[k][e];
-        __syncthreads();
-        for (int k = 0; k < 4; k++) { /* column j0 + line + 16 k, rows i0 + 4 part .. + 3 */
-            int j = j0 + line + 16 * k, i = i0 + 4 * part;
-            for (int e = 0; e < 4; e++) v[k][e] = mgpu__tf32_round(tile[4 * part + e][line + 16 * k]);
-            if (j < a.cols && i < a.rows) mgpu__store_floats(out + (size_t)j * a.rows + i, v[k]);
-        }
-        __syncthreads(); /* the tile is read before the next matrix takes it */
-    }
-}
-static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
-    const void *tensors[] = {a->out, a->in};
-    unsigned outer = a->outer < 65535 ? a->outer : 65535;
-    if (!a->flip && a->rows % 4 == 0 && mgpu__vector_width((size_t)a->cols, tensors, 2) == 4) {
-        dim3 grid((a->cols + 63) / 64, (a->rows + 63) / 64, outer);
-        mgpu__channels_last_vectors_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
-    } else {
-        dim3 grid((a->cols + 31) / 32, (a->rows + 31) / 32, outer);
-        mgpu__channels_last_kernel<<<grid, 256, 0, (cudaStream_t)ex->stream>>>(*a);
-    }
-    MGPU_CUDA_CHECK_LAUNCH();
-}
-
 /* ------------------------------------------------------------ the product */
 #define MGPU__NHWC_STEP 32   /* channels per step: 8 copies of 16 bytes a row */
 #define MGPU__NHWC_STAGES 2     /* steps in flight: the forward kernel's, */

@@ -135,7 +135,7 @@ static void close_in_tf32(const char *name, const char *what, const std::vector<
 static std::vector<float> channels_last(const std::vector<float> &in, int outer, int rows, int cols,
                                         int flip) {
     std::vector<float> out = nans(in.size());
-    mgpu__channels_last_args a = {out.data(), in.data(), outer, rows, cols, flip};
+    mgpu__channels_last_args a = {{out.data(), outer, rows, cols, flip}, in.data()};
     mgpu__channels_last_cuda(&a, &on_gpu);
     return out;
 }
@@ -286,7 +286,7 @@ TEST(channels_last_copy) {
     for (auto &sh : shapes) {
         int outer = sh[0], rows = sh[1], cols = sh[2], flip = sh[3];
         std::vector<float> in = random_values((size_t)outer * rows * cols), out_c = nans(in.size());
-        mgpu__channels_last_args a = {out_c.data(), in.data(), outer, rows, cols, flip};
+        mgpu__channels_last_args a = {{out_c.data(), outer, rows, cols, flip}, in.data()};
         mgpu__channels_last_cpu(&a, &on_cpu);
         same("channels-last copy", channels_last(in, outer, rows, cols, flip), out_c, 0);
         /* and the CPU's by hand, for one element: in[o][i][j] -> out[o][j'][i] */
@@ -411,8 +411,18 @@ TEST(channel_broadcast_and_sums) {
 }
 
 /* ---------------------------------------------------------- batch norm */
+/* v [n, c, hw] channels-last and in TF32, by the CPU's plain copy */
+static std::vector<float> channels_last_cpu(const std::vector<float> &v, int n, int c, int hw) {
+    std::vector<float> out = nans(v.size());
+    mgpu__channels_last_args a = {{out.data(), n, c, hw, 0}, v.data()};
+    mgpu__channels_last_cpu(&a, &on_cpu);
+    return out;
+}
 /* relu 0: batch norm alone; 1: with the fused ReLU; 2: the residual
-   block's max(bn(x) + skip, 0), whose backward is batch norm's alone. */
+   block's max(bn(x) + skip, 0), whose backward is batch norm's alone.
+   Each also with y written channels-last beside y (y_t), and dx
+   channels-last instead of dx (dx_t): exactly the TF32 copies of the y
+   and dx that each device computes without them, and dx left alone. */
 static void batchnorm_case(int n, int c, int hw) {
     size_t total = (size_t)n * c * hw;
     int splits = mgpu__bn_splits((size_t)n * hw);
@@ -448,6 +458,14 @@ static void batchnorm_case(int n, int c, int hw) {
             same("batch norm y", y_g, y_c, 1e-5);
             same("running mean", rm_g, rm_c, 1e-5);
             same("running variance", rv_g, rv_c, 1e-5);
+            std::vector<float> y_t_c = nans(total), y_t_g = nans(total);
+            a.y_t = y_t_c.data();
+            b.y_t = y_t_g.data();
+            mgpu__bn_forward_cpu(&a, &on_cpu);
+            mgpu__bn_forward_cuda(&b, &on_gpu);
+            same("batch norm y beside y_t", y_g, y_c, 1e-5);
+            same("batch norm y_t (CPU)", y_t_c, channels_last_cpu(y_c, n, c, hw), 0);
+            same("batch norm y_t", y_t_g, channels_last_cpu(y_g, n, c, hw), 0);
             if (!training) continue;
             same("saved mean", mean_g, mean_c, 1e-5);
             same("saved 1/std", inv_g, inv_c, 1e-5);
@@ -472,6 +490,16 @@ static void batchnorm_case(int n, int c, int hw) {
                 same("batch norm dx", dx_g, dx_c, 1e-4);
                 same("dgamma", dg_g, dg_c, sum_tol);
                 same("dbeta", db_g, db_c, sum_tol);
+                std::vector<float> dx_t_c = nans(total), dx_t_g = nans(total), untouched = nans(total);
+                p.dx = q.dx = untouched.data();
+                p.dx_t = dx_t_c.data();
+                q.dx_t = dx_t_g.data();
+                p.accumulate = q.accumulate = 1; /* dgamma and dbeta as they were */
+                mgpu__bn_backward_cpu(&p, &on_cpu);
+                mgpu__bn_backward_cuda(&q, &on_gpu);
+                same("batch norm dx_t (CPU)", dx_t_c, channels_last_cpu(dx_c, n, c, hw), 0);
+                same("batch norm dx_t", dx_t_g, channels_last_cpu(dx_g, n, c, hw), 0);
+                same("dx left alone beside dx_t", untouched, nans(total), 0);
             }
         }
 }
@@ -503,6 +531,7 @@ TEST(batchnorm_in_vectors_of_four) {
     CHECK(mgpu__bn_splits(2 * 4100) == 3);
     batchnorm_case(2, 1, 4100); /* 3 slices of a channel of 2050 vectors */
     batchnorm_case(17, 2, 4);   /* one vector a plane */
+    batchnorm_case(3, 68, 16);  /* channels-last in vectors: partial 64 x 64 tiles */
     /* A channel of more than 64 slices of 4096 values: the statistics'
        threads load their 16 values twice, merging the second batch. */
     CHECK(270000 > 64 * 4096);
