@@ -958,10 +958,16 @@ struct mgpu_layer {
     mgpu_tensor *running_mean, *running_var, *save_mean, *save_invstd;
     /* a residual block's layers (shortcut is NULL for the identity) */
     mgpu_layer *conv1, *bn1, *conv2, *bn2, *shortcut;
-    /* activations of the last forward, kept for the backward; a GPU
-       convolution's channels-last copy of its input, when it made one */
+    /* activations of the last forward, kept for the backward */
     const mgpu_tensor *input;
-    mgpu_tensor *output, *dinput, *dsum, *input_t;
+    mgpu_tensor *output, *dinput, *dsum;
+    /* channels-last copies on a GPU (kernels/channels_last.h), where a
+       convolution reads them: a convolution's of its input (input_t: the
+       one the layer before wrote, or own_input_t, its own); a batch norm's
+       (or a residual block's) of its output, written beside it, and of
+       its input gradient, written instead of it (output_t, dinput_t) */
+    const mgpu_tensor *input_t;
+    mgpu_tensor *own_input_t, *output_t, *dinput_t;
 };
 
 #define MGPU_NET_MAX_PARAMS 128
@@ -4087,6 +4093,14 @@ static void mgpu__require_shape(const mgpu_tensor *t, mgpu_shape want, const cha
     MGPU_REQUIRE(mgpu_shape_equal(t->shape, want), "%s: %s has shape %s, expected %s", op, what,
                  mgpu_shape_str(t->shape, a, sizeof a), mgpu_shape_str(want, b, sizeof b));
 }
+/* A channels-last copy of x [N, C, H, W]: [N, H*W, C] on x's device
+   (kernels/channels_last.h). */
+static void mgpu__require_channels_last_of(const mgpu_tensor *t, const mgpu_tensor *x, const char *op,
+                                           const char *what) {
+    mgpu__require_device(t, x->device, op);
+    mgpu__require_shape(t, mgpu_shape3(x->shape.d[0], x->shape.d[2] * x->shape.d[3], x->shape.d[1]), op,
+                        what);
+}
 
 /* The GPU kernels index in 32 bits (a 64-bit division is slow on a GPU),
    so the layers take tensors of up to 2^31 - 1 elements (8 GiB). */
@@ -4342,19 +4356,21 @@ static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_ten
 }
 
 /* The same with the implicit GEMMs (TF32), no col buffers, each product
-   with the given kernel; the backward ones from dy_t, dy's channels-last
-   copy, if the caller has one (else NULL). A channels-last forward leaves
-   its copy of x in *keep_x_t when the caller gives one (a network keeps it
-   for the weight gradient, which needs the same copy), else frees it. */
-static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
-                                        const mgpu_tensor *b, const mgpu__conv_geom *g,
+   with the given kernel; from x_t and dy_t, the channels-last copies of x
+   and dy, where the caller has them (else NULL). A channels-last forward
+   without x_t makes the copy, and leaves it in *keep_x_t when the caller
+   gives one (a network keeps it for the weight gradient, which needs the
+   same copy), else frees it. */
+static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                        const mgpu_tensor *w, const mgpu_tensor *b, const mgpu__conv_geom *g,
                                         mgpu__implicit_kernel kernel, mgpu_tensor **keep_x_t) {
     mgpu_device *dev = x->device;
     if (kernel.family == MGPU__CHANNELS_LAST) {
-        mgpu_tensor *x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_channels_last(dev, y->data, x_t->data, w->data, b ? b->data : NULL, g, 0, kernel.tile, 0);
-        if (keep_x_t) *keep_x_t = x_t;
-        else mgpu_free(x_t);
+        mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+        mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, b ? b->data : NULL, g, 0,
+                                 kernel.tile, 0);
+        if (keep_x_t) *keep_x_t = own;
+        else mgpu_free(own);
         return;
     }
     mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, kernel.tile};
@@ -4465,7 +4481,7 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         break;
     case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
     case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
-    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, t->w, t->b, t->g, kernel, NULL); break;
+    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, NULL, t->w, t->b, t->g, kernel, NULL); break;
     case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel, 0); break;
     case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, NULL, t->g, 0, kernel); break;
     }
@@ -4528,20 +4544,43 @@ static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try wha
    whole im2col path is faster than the two. Measured at the pass's first call with a shape,
    then remembered (not thread-safe: the chapters enqueue their
    convolutions from one thread). */
+/* Whether a convolution on dev may take an implicit GEMM. */
+static int mgpu__conv_implicit_allowed(const mgpu_device *dev) {
+    mgpu__conv_settings_from_environment();
+    return mgpu__tf32_allowed(MGPU__TF32_CONV) && mgpu_device_is_gpu(dev) &&
+           mgpu__conv_mode != MGPU__CONV_IM2COL && mgpu__conv_implicit_available();
+}
+/* The plan measured for this pass and shape, or NULL if none was yet. */
+static const mgpu__conv_plan *mgpu__conv_plan_known(const mgpu__conv_geom *g, int backward, int with_dx) {
+    for (int i = 0; i < mgpu__conv_choice_count; i++) {
+        const mgpu__conv_choice *c = &mgpu__conv_choices[i];
+        if (!memcmp(&c->g, g, sizeof c->g) && c->backward == backward && c->with_dx == with_dx)
+            return &c->plan;
+    }
+    return NULL;
+}
+/* Whether a pass by plan p reads the input x (forward), or the output
+   gradient dy (backward), only through its channels-last copy: then a
+   network's batch norm writes that copy itself (kernels/batchnorm.h) and
+   the convolution makes none. The forward reads x_t for y; the backward
+   dy_t for dW and for dx when wanted, and plain dy for the bias gradient
+   when wanted (with_db). */
+static int mgpu__conv_plan_reads_x_t(const mgpu__conv_plan *p) {
+    return p && p->implicit && p->y.family == MGPU__CHANNELS_LAST;
+}
+static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx, int with_db) {
+    return p && p->implicit && !with_db && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST &&
+           (!with_dx || (!p->dx_im2col && p->dx.family == MGPU__CHANNELS_LAST));
+}
+
 static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
     mgpu__conv_plan plan;
     memset(&plan, 0, sizeof plan);
-    mgpu__conv_settings_from_environment();
     mgpu_device *dev = t->x->device;
-    if (!tf32 || !mgpu_device_is_gpu(dev) || mgpu__conv_mode == MGPU__CONV_IM2COL ||
-        !mgpu__conv_implicit_available())
-        return plan;
+    if (!tf32 || !mgpu__conv_implicit_allowed(dev)) return plan;
     int with_dx = t->dx != NULL;
-    for (int i = 0; i < mgpu__conv_choice_count; i++) {
-        const mgpu__conv_choice *c = &mgpu__conv_choices[i];
-        if (!memcmp(&c->g, t->g, sizeof c->g) && c->backward == t->backward && c->with_dx == with_dx)
-            return c->plan;
-    }
+    const mgpu__conv_plan *known = mgpu__conv_plan_known(t->g, t->backward, with_dx);
+    if (known) return *known;
     mgpu_tensor *dx = NULL, *dw = NULL;
     if (t->backward) { /* scratch gradients */
         if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
@@ -4574,11 +4613,13 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
 }
 #endif
 
-/* mgpu_conv2d_forward; with keep_x_t, a channels-last forward leaves its
-   copy of x there for the backward pass (*keep_x_t is freed first, and
-   stays NULL when the forward took another path). */
-static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
-                                 const mgpu_tensor *b, int stride, int pad, mgpu_tensor **keep_x_t) {
+/* mgpu_conv2d_forward; x_t: x's channels-last copy, if the caller has
+   one (else NULL); with keep_x_t, a channels-last forward that made its
+   own copy of x leaves it there for the backward pass (*keep_x_t is freed
+   first, and stays NULL when the forward took another path). */
+static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                 const mgpu_tensor *w, const mgpu_tensor *b, int stride, int pad,
+                                 mgpu_tensor **keep_x_t) {
     const char *op = "mgpu_conv2d_forward";
     if (keep_x_t) {
         mgpu_free(*keep_x_t); /* before the new copy, which may then take its memory */
@@ -4595,13 +4636,14 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
         mgpu__require_device(b, dev, op);
         mgpu__require_shape(b, mgpu_shape1(g.k), op, "bias b");
     }
+    if (x_t) mgpu__require_channels_last_of(x_t, x, op, "channels-last x_t");
     mgpu__before_write(y);
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
     if (plan.implicit) {
-        mgpu__conv_forward_implicit(y, x, w, b, &g, plan.y, keep_x_t);
+        mgpu__conv_forward_implicit(y, x, x_t, w, b, &g, plan.y, keep_x_t);
         return;
     }
 #endif
@@ -4609,16 +4651,18 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
 }
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                   const mgpu_tensor *b, int stride, int pad) {
-    mgpu__conv2d_forward(y, x, w, b, stride, pad, NULL);
+    mgpu__conv2d_forward(y, x, NULL, w, b, stride, pad, NULL);
 }
 
-/* mgpu_conv2d_backward; x_t: x's channels-last copy, kept by
-   mgpu__conv2d_forward, or NULL; add_to_dx: dx += the input gradient
-   (else dx = it; `accumulate` is the same for dw and db). */
+/* mgpu_conv2d_backward; x_t: x's channels-last copy, or NULL; dy_t:
+   dy's, or NULL: given only where the plan reads dy through it alone
+   (mgpu__conv_plan_reads_dy_t_only), and then dy's values are not read
+   (a network's batch norm wrote dy_t instead of dy); add_to_dx: dx += the
+   input gradient (else dx = it; `accumulate` is the same for dw and db). */
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
-                                  const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *x_t,
-                                  const mgpu_tensor *w, int stride, int pad, int accumulate,
-                                  int add_to_dx) {
+                                  const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,
+                                  const mgpu_tensor *x_t, const mgpu_tensor *w, int stride, int pad,
+                                  int accumulate, int add_to_dx) {
     const char *op = "mgpu_conv2d_backward";
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
@@ -4644,19 +4688,24 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #if MGPU_CUDA
     mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
+    MGPU_REQUIRE(!dy_t || mgpu__conv_plan_reads_dy_t_only(&plan, dx != NULL, db != NULL),
+                 "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
+    if (dy_t) mgpu__require_channels_last_of(dy_t, dy, op, "channels-last dy_t");
     implicit = plan.implicit;
     if (implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
         int dx_cl = dx && !plan.dx_im2col && plan.dx.family == MGPU__CHANNELS_LAST;
         int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
-        mgpu_tensor *dy_t = NULL;
-        if (dx_cl && dw_cl) dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
+        mgpu_tensor *own_dy_t = NULL;
+        if (!dy_t && dx_cl && dw_cl) dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0, add_to_dx);
         else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx, add_to_dx);
         if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
         else mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
-        mgpu_free(dy_t);
+        mgpu_free(own_dy_t);
     }
+#else
+    MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
     if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate, add_to_dx);
     if (db) {
@@ -4670,7 +4719,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                    const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu_tensor *w, int stride, int pad, int accumulate) {
-    mgpu__conv2d_backward(dx, dw, db, dy, x, NULL, w, stride, pad, accumulate, 0);
+    mgpu__conv2d_backward(dx, dw, db, dy, NULL, x, NULL, w, stride, pad, accumulate, 0);
 }
 
 /* --------------------------------------------------------------- pooling */
@@ -4895,8 +4944,9 @@ static mgpu_tensor *mgpu__bn_scratch(mgpu_device *dev, size_t floats) {
 }
 
 /* mgpu_batchnorm2d_forward, and with skip (not NULL) the residual block's
-   y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h). */
-static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, const mgpu_tensor *x,
+   y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h); with y_t,
+   y channels-last in TF32 there too. */
+static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tensor *y_t, const mgpu_tensor *x,
                                       const mgpu_tensor *skip, const mgpu_tensor *gamma,
                                       const mgpu_tensor *beta, mgpu_tensor *running_mean,
                                       mgpu_tensor *running_var, mgpu_tensor *save_mean,
@@ -4926,6 +4976,11 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, const mgpu
                      op, mgpu_shape_str(x->shape, s, sizeof s));
     }
     a.y = y->data;
+    if (y_t) {
+        mgpu__require_channels_last_of(y_t, x, op, "channels-last y_t");
+        mgpu__before_write(y_t);
+        a.y_t = y_t->data;
+    }
     a.x = x->data;
     a.gamma = gamma->data;
     a.beta = beta->data;
@@ -4958,33 +5013,40 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
                                        mgpu_tensor *running_mean, mgpu_tensor *running_var,
                                        mgpu_tensor *save_mean, mgpu_tensor *save_invstd,
                                        int training, float momentum, float eps, int fuse_relu) {
-    mgpu__batchnorm2d_forward("mgpu_batchnorm2d_forward", y, x, NULL, gamma, beta, running_mean,
+    mgpu__batchnorm2d_forward("mgpu_batchnorm2d_forward", y, NULL, x, NULL, gamma, beta, running_mean,
                               running_var, save_mean, save_invstd, training, momentum, eps,
                               fuse_relu);
 }
 
-MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
-                                        const mgpu_tensor *dy, const mgpu_tensor *x,
-                                        const mgpu_tensor *gamma, const mgpu_tensor *beta,
-                                        const mgpu_tensor *save_mean,
-                                        const mgpu_tensor *save_invstd, int fuse_relu,
-                                        int accumulate) {
-    const char *op = "mgpu_batchnorm2d_backward";
-    mgpu_device *dev = dx->device;
+/* mgpu_batchnorm2d_backward; with dx_t, dx channels-last in TF32 there
+   instead of in dx (which may then be NULL). */
+static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_tensor *dx_t,
+                                       mgpu_tensor *dgamma, mgpu_tensor *dbeta, const mgpu_tensor *dy,
+                                       const mgpu_tensor *x, const mgpu_tensor *gamma,
+                                       const mgpu_tensor *beta, const mgpu_tensor *save_mean,
+                                       const mgpu_tensor *save_invstd, int fuse_relu, int accumulate) {
+    mgpu_device *dev = x->device;
     mgpu__bn_backward_args a;
     memset(&a, 0, sizeof a);
     mgpu__bn_dims(x, op, &a.n, &a.c, &a.hw);
-    mgpu__require_device(x, dev, op);
     mgpu__require_tensor(dy, dev, op, "dy");
-    mgpu__require_same_shape(dx, x, op);
     mgpu__require_same_shape(dy, x, op);
+    if (dx_t) {
+        mgpu__require_channels_last_of(dx_t, x, op, "channels-last dx_t");
+        mgpu__before_write(dx_t);
+        a.dx_t = dx_t->data;
+    } else {
+        mgpu__require_tensor(dx, dev, op, "dx");
+        mgpu__require_same_shape(dx, x, op);
+        mgpu__before_write(dx);
+        a.dx = dx->data;
+    }
     mgpu__require_per_channel(dgamma, a.c, dev, op, "dgamma");
     mgpu__require_per_channel(dbeta, a.c, dev, op, "dbeta");
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
     if (fuse_relu) mgpu__require_per_channel(beta, a.c, dev, op, "beta (needed with fuse_relu)");
     mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
     mgpu__require_per_channel(save_invstd, a.c, dev, op, "save_invstd");
-    a.dx = dx->data;
     a.dgamma = dgamma->data;
     a.dbeta = dbeta->data;
     a.dy = dy->data;
@@ -4999,12 +5061,20 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
     /* Partial sums of g and g xhat per slice, then the two means per channel. */
     mgpu_tensor *scratch = mgpu__bn_scratch(dev, (size_t)a.c * a.splits * 2 + (size_t)a.c * 2);
     a.partials = scratch ? scratch->data : NULL;
-    mgpu__before_write(dx);
     mgpu__before_write(dgamma);
     mgpu__before_write(dbeta);
     mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
                     MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
     mgpu_free(scratch);
+}
+MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
+                                        const mgpu_tensor *dy, const mgpu_tensor *x,
+                                        const mgpu_tensor *gamma, const mgpu_tensor *beta,
+                                        const mgpu_tensor *save_mean,
+                                        const mgpu_tensor *save_invstd, int fuse_relu,
+                                        int accumulate) {
+    mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, dy, x, gamma, beta,
+                               save_mean, save_invstd, fuse_relu, accumulate);
 }
 
 /* Checks logits [N, classes] and labels [N] against out's device. */
@@ -5857,42 +5927,118 @@ MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *
     return net;
 }
 
-/* ------------------------------------------------------------ forward */
-/* Batch norm layer l on x into y, with the ReLU when l has it fused, or
-   with skip: y = max(bn(x) + skip, 0). */
-static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *skip,
-                                          mgpu_tensor *y, int training) {
-    l->input = x;
-    l->batch_statistics = training;
-    mgpu__batchnorm2d_forward(l->name, y, x, skip, l->weight.value, l->bias.value, l->running_mean,
-                              l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
-                              l->fuse_relu || skip);
+/* ------------------------------------------------------ channels-last */
+/* On a GPU, the convolutions read channels-last copies of their input and
+   of their output's gradient (kernels/conv_nhwc.h). Made by a copy of
+   their own, each costs a read and a write of the whole tensor; in
+   ResNet-18 every such tensor but the first comes from a batch norm, and
+   batch norm can write the copy in the pass that computes the tensor
+   (kernels/batchnorm.h): beside its output, for the convolution after it,
+   and instead of its input gradient, for the convolution before it when
+   that one reads the gradient through its copy alone. Whether a
+   convolution reads them is its plan's, measured at its first call (so
+   the first step still copies). The tests turn this off to compare. */
+static int mgpu__batch_norm_writes_channels_last = 1;
+
+/* Whether convolution layer l, on input shape x, reads x's channels-last
+   copy: for y, or for dW (at either pass's first call, not yet). */
+static int mgpu__conv_layer_reads_x_t(const mgpu_layer *l, mgpu_shape x) {
+#if MGPU_CUDA
+    if (!mgpu__conv_implicit_allowed(l->weight.value->device)) return 0;
+    mgpu__conv_geom g = mgpu__conv_geometry(l->name, x, l->weight.value->shape, l->stride, l->pad);
+    if (mgpu__conv_plan_reads_x_t(mgpu__conv_plan_known(&g, 0, 0))) return 1;
+    for (int with_dx = 0; with_dx <= 1; with_dx++) {
+        const mgpu__conv_plan *p = mgpu__conv_plan_known(&g, 1, with_dx);
+        if (p && p->implicit && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST) return 1;
+    }
+#else
+    (void)l;
+    (void)x;
+#endif
+    return 0;
+}
+/* Whether the layer after a batch norm (next: a convolution, or a
+   residual block, whose first convolution and shortcut take the block's
+   input) reads the batch norm's output, of shape y, channels-last. */
+static int mgpu__next_reads_output_t(const mgpu_layer *next, mgpu_shape y) {
+    if (!next || !mgpu__batch_norm_writes_channels_last) return 0;
+    if (next->kind == MGPU_LAYER_CONV) return mgpu__conv_layer_reads_x_t(next, y);
+    return next->kind == MGPU_LAYER_RESIDUAL &&
+           (mgpu__conv_layer_reads_x_t(next->conv1, y) ||
+            (next->shortcut && mgpu__conv_layer_reads_x_t(next->shortcut, y)));
+}
+/* Whether convolution layer l, followed by batch norm `bn`, reads its
+   output's gradient through the channels-last copy alone, when its input
+   gradient is wanted or not (with_dx). */
+static int mgpu__bias_cancelled_by(const mgpu_layer *next);
+static int mgpu__conv_layer_reads_dy_t_only(const mgpu_layer *l, int with_dx, const mgpu_layer *bn) {
+#if MGPU_CUDA
+    if (!l || l->kind != MGPU_LAYER_CONV || !l->input || !mgpu__conv_implicit_allowed(l->input->device))
+        return 0;
+    mgpu__conv_geom g = mgpu__conv_geometry(l->name, l->input->shape, l->weight.value->shape, l->stride, l->pad);
+    int with_db = l->bias.grad && !mgpu__bias_cancelled_by(bn);
+    return mgpu__conv_plan_reads_dy_t_only(mgpu__conv_plan_known(&g, 1, with_dx), with_dx, with_db);
+#else
+    (void)l;
+    (void)with_dx;
+    (void)bn;
+    return 0;
+#endif
 }
 
-static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int training) {
+/* ------------------------------------------------------------ forward */
+/* Batch norm layer l on x into y, with the ReLU when l has it fused, or
+   with skip: y = max(bn(x) + skip, 0); and into y_t, y's channels-last
+   copy, when `next` reads that (else *y_t is NULL). */
+static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *skip,
+                                          mgpu_tensor *y, mgpu_tensor **y_t, const mgpu_layer *next,
+                                          int training) {
+    l->input = x;
+    l->batch_statistics = training;
+    int n = x->shape.d[0], c = x->shape.d[1], hw = x->shape.d[2] * x->shape.d[3];
+    mgpu_tensor *twin = NULL;
+    if (mgpu__next_reads_output_t(next, x->shape)) twin = mgpu_ensure(y_t, x->device, mgpu_shape3(n, hw, c));
+    mgpu__batchnorm2d_forward(l->name, y, twin, x, skip, l->weight.value, l->bias.value, l->running_mean,
+                              l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
+                              l->fuse_relu || skip);
+    if (!twin) { /* not written: no stale copy left to read */
+        mgpu_free(*y_t);
+        *y_t = NULL;
+    }
+}
+
+/* Layer l's forward pass from x, and from x_t, x's channels-last copy,
+   when the layer before wrote one (else NULL); next: the layer that takes
+   l's output (NULL if none). Returns the output; its channels-last copy,
+   if l wrote one, is then in l->output_t (else that is NULL). */
+static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                        const mgpu_layer *next, int training) {
     mgpu_device *d = x->device;
     l->input = x;
     switch (l->kind) {
     case MGPU_LAYER_CONV:
         mgpu_ensure(&l->output, d,
                      mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
-        mgpu__conv2d_forward(l->output, x, l->weight.value, l->bias.value, l->stride, l->pad,
-                             &l->input_t);
+        mgpu__conv2d_forward(l->output, x, x_t, l->weight.value, l->bias.value, l->stride, l->pad,
+                             &l->own_input_t);
+        l->input_t = x_t ? x_t : l->own_input_t;
         break;
     case MGPU_LAYER_BATCHNORM:
-        mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), training);
+        mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), &l->output_t, next,
+                                      training);
         break;
     case MGPU_LAYER_RELU:
         mgpu_ensure(&l->output, d, x->shape);
         mgpu_relu_forward(l->output, x);
         break;
     case MGPU_LAYER_RESIDUAL: {
-        const mgpu_tensor *y = mgpu__layer_forward(l->conv1, x, training);
-        y = mgpu__layer_forward(l->bn1, y, training); /* with its ReLU */
-        y = mgpu__layer_forward(l->conv2, y, training);
-        const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, training) : x;
+        const mgpu_tensor *y = mgpu__layer_forward(l->conv1, x, x_t, l->bn1, training);
+        y = mgpu__layer_forward(l->bn1, y, NULL, l->conv2, training); /* with its ReLU */
+        y = mgpu__layer_forward(l->conv2, y, l->bn1->output_t, l->bn2, training);
+        const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, x_t, NULL, training) : x;
         /* bn2, the add and the ReLU in one pass, into the block's output */
-        mgpu__batchnorm_layer_forward(l->bn2, y, skip, mgpu_ensure(&l->output, d, y->shape), training);
+        mgpu__batchnorm_layer_forward(l->bn2, y, skip, mgpu_ensure(&l->output, d, y->shape), &l->output_t,
+                                      next, training);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
@@ -5910,8 +6056,12 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, int
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
                  x->device->name, net->device->name);
-    const mgpu_tensor *h = x;
-    for (int i = 0; i < net->nlayers; i++) h = mgpu__layer_forward(net->layers[i], h, net->training);
+    const mgpu_tensor *h = x, *h_t = NULL;
+    for (int i = 0; i < net->nlayers; i++) {
+        mgpu_layer *l = net->layers[i];
+        h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, net->training);
+        h_t = l->output_t;
+    }
     return (mgpu_tensor *)h;
 }
 
@@ -5932,26 +6082,51 @@ static int mgpu__bias_cancelled_by(const mgpu_layer *next) {
 
 /* Convolution layer l's backward pass: adds its parameter gradients, and
    writes its input gradient to dx, or with add_to_dx adds it there (dx
-   NULL: not wanted). `next` is as below. */
-static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_layer *next,
-                                      mgpu_tensor *dx, int add_to_dx) {
-    mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy,
+   NULL: not wanted). dy_t: dy's channels-last copy, when the batch norm
+   after l wrote it in place of dy, else NULL. `next` is as below. */
+static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx) {
+    mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy, dy_t,
                           l->input, l->input_t, l->weight.value, l->stride, l->pad, 1, add_to_dx);
+}
+/* Batch norm layer l's backward pass; prev: the convolution before it
+   whose backward takes its input gradient (with_dx: as there), or NULL.
+   When prev reads that gradient through its channels-last copy alone,
+   l->dinput_t gets the copy and dx is not written (l->dinput_t is NULL
+   otherwise). */
+static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx,
+                                           const mgpu_layer *prev, int prev_with_dx) {
+    mgpu_tensor *dx_t = NULL;
+    if (dx && mgpu__batch_norm_writes_channels_last && mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
+        mgpu_shape x = l->input->shape;
+        dx_t = mgpu_ensure(&l->dinput_t, dx->device, mgpu_shape3(x.d[0], x.d[2] * x.d[3], x.d[1]));
+    } else {
+        mgpu_free(l->dinput_t);
+        l->dinput_t = NULL;
+    }
+    mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
+                               l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
 }
 
 /* Adds l's parameter gradients and returns dL/d(input), given dy =
-   dL/d(output); `next` is the layer that took l's output (NULL if none). */
-static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
-                                               const mgpu_layer *next) {
+   dL/d(output) and dy_t, its channels-last copy if the layer after l
+   wrote one (else NULL; then dy's values were not written, and only a
+   convolution takes it); `next` is the layer that took l's output (NULL
+   if none), `prev` the one whose output l took (NULL if none). The input
+   gradient's channels-last copy, if l wrote one, is then in l->dinput_t
+   (else that is NULL). */
+static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                               const mgpu_layer *next, const mgpu_layer *prev) {
     mgpu_device *d = dy->device;
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
+    MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
+                 "%s: given its output gradient channels-last alone, which only a convolution reads", l->name);
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu__conv_layer_backward(l, dy, next, dx, 0);
+        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0);
         break;
     case MGPU_LAYER_BATCHNORM:
-        mgpu_batchnorm2d_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value,
-                                  l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
+        mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput);
         break;
     case MGPU_LAYER_RELU:
         mgpu_relu_backward(dx, dy, l->output);
@@ -5964,11 +6139,13 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
            to it as it writes it: no pass of its own for the sum. */
         mgpu_tensor *dsum = dx && !l->shortcut ? dx : mgpu_ensure(&l->dsum, d, l->output->shape);
         mgpu_relu_backward(dsum, dy, l->output);
-        const mgpu_tensor *g = mgpu__layer_backward(l->bn2, dsum, NULL);
-        g = mgpu__layer_backward(l->conv2, g, l->bn2);
-        g = mgpu__layer_backward(l->bn1, g, l->conv2);
-        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, dx, 0);
-        mgpu__conv_layer_backward(l->conv1, g, l->bn1, dx, 1);
+        const mgpu_tensor *g = mgpu__layer_backward(l->bn2, dsum, NULL, NULL, l->conv2);
+        g = mgpu__layer_backward(l->conv2, g, l->bn2->dinput_t, l->bn2, l->bn1);
+        /* (conv1's input gradient is the block's: wanted when the block's is) */
+        mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
+        mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 0);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, 1);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
@@ -6002,9 +6179,12 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
     for (int i = net->nlayers - 1; i >= 0; i--) mgpu__require_batch_statistics(net->layers[i]);
 }
 
-/* The backward pass of the net's layer i. */
+/* The backward pass of the net's layer i (dy's channels-last copy, if the
+   layer after it wrote one, in that layer's dinput_t). */
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy) {
-    return mgpu__layer_backward(net->layers[i], dy, i + 1 < net->nlayers ? net->layers[i + 1] : NULL);
+    const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
+    return mgpu__layer_backward(net->layers[i], dy, next ? next->dinput_t : NULL, next,
+                                i > 0 ? net->layers[i - 1] : NULL);
 }
 
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
@@ -6096,8 +6276,8 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     if (!src) return NULL;
     mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
     *l = *src; /* the settings */
-    l->input = NULL;
-    l->output = l->dinput = l->dsum = l->input_t = NULL;
+    l->input = l->input_t = NULL;
+    l->output = l->dinput = l->dsum = l->own_input_t = l->output_t = l->dinput_t = NULL;
     if (src->weight.value) {
         l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
         l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
@@ -6143,7 +6323,9 @@ static void mgpu__layer_free(mgpu_layer *l) {
     mgpu_free(l->output);
     mgpu_free(l->dinput);
     mgpu_free(l->dsum);
-    mgpu_free(l->input_t);
+    mgpu_free(l->own_input_t);
+    mgpu_free(l->output_t);
+    mgpu_free(l->dinput_t);
     mgpu__layer_free(l->conv1);
     mgpu__layer_free(l->bn1);
     mgpu__layer_free(l->conv2);

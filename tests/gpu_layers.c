@@ -297,7 +297,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
-        mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, gather, NULL);
+        mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
@@ -307,7 +307,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_tensor *x_t = NULL; /* the forward's copy of x, kept for dW */
         if (mgpu__conv_nhwc_fits(&g)) {
             mgpu_fill(y.g, NAN);
-            mgpu__conv_forward_implicit(y.g, x.g, wt.g, b.g, &g, channels_last, &x_t);
+            mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, channels_last, &x_t);
             check_same(what, "y", &y, 2e-3);
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
@@ -456,21 +456,21 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_layer *on_c = mgpu__conv_new("conv", 32, 32, 3, 1, 1, mgpu_cpu());
     mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, 6, 6));
-    mgpu__layer_forward(on_c, x.c, 1);
-    mgpu__layer_forward(on_g, x.g, 1);
+    mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
+    mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
     CHECK(on_g->input_t != NULL);
     CHECK(on_c->input_t == NULL); /* the CPU takes im2col */
     pair y = {on_c->output, on_g->output};
     check_same("kept x_t", "y", &y, 2e-3);
-    mgpu__layer_backward(on_c, dy.c, NULL);
-    mgpu__layer_backward(on_g, dy.g, NULL);
+    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL);
+    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL);
     pair dx = {on_c->dinput, on_g->dinput}, dw = {on_c->weight.grad, on_g->weight.grad};
     pair db = {on_c->bias.grad, on_g->bias.grad};
     check_same("kept x_t", "dx", &dx, 2e-3);
     check_same("kept x_t", "dw", &dw, 2e-3);
     check_same("kept x_t", "db", &db, 1e-5);
     mgpu__conv_choices[before].plan.implicit = 0; /* the forward by im2col: no copy */
-    mgpu__layer_forward(on_g, x.g, 1);
+    mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
     CHECK(on_g->input_t == NULL);
     mgpu__conv_choice_count = before;
     mgpu__layer_free(on_c);
@@ -509,14 +509,25 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
     CHECK((on_c->shortcut != NULL) == (stride == 2));
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, out_hw, out_hw));
-    mgpu__layer_forward(on_c, x.c, 1);
-    mgpu__layer_forward(on_g, x.g, 1);
-    mgpu__layer_backward(on_c, dy.c, NULL);
-    mgpu__layer_backward(on_g, dy.g, NULL);
+    mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
+    mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
+    /* channels-last: bn1 writes conv2's input channels-last, and conv2
+       makes no copy of its own */
+    int cl = kernel.family == MGPU__CHANNELS_LAST && !dx_im2col;
+    CHECK((on_g->bn1->output_t != NULL) == cl);
+    CHECK(on_g->conv2->input_t == on_g->bn1->output_t && on_g->conv2->own_input_t == NULL);
+    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL);
+    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL);
+    /* and both batch norms write their input gradients channels-last alone */
+    CHECK((on_g->bn2->dinput_t != NULL) == cl && (on_g->bn1->dinput_t != NULL) == cl);
     pair dx = {on_c->dinput, on_g->dinput};
     pair dw1 = {on_c->conv1->weight.grad, on_g->conv1->weight.grad};
+    pair dw2 = {on_c->conv2->weight.grad, on_g->conv2->weight.grad};
+    pair dgamma1 = {on_c->bn1->weight.grad, on_g->bn1->weight.grad};
     check_same(name, "dx", &dx, 2e-3);
     check_same(name, "conv1 dw", &dw1, 2e-3);
+    check_same(name, "conv2 dw", &dw2, 2e-3);
+    check_same(name, "bn1 dgamma", &dgamma1, 2e-3);
     if (stride == 2) {
         pair dw3 = {on_c->shortcut->weight.grad, on_g->shortcut->weight.grad};
         check_same(name, "shortcut dw", &dw3, 2e-3);
@@ -538,6 +549,83 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
         residual_block_compare(stride, gather, 0);
         residual_block_compare(stride, channels_last, 0);
     }
+    mgpu_set_tf32(0, 0);
+}
+
+/* A network whose convolutions all take the channels-last kernels (plans
+   set by hand, as above): each batch norm writes the next convolution's
+   input channels-last beside its output (the stem's for the first block,
+   the first block's for the second block's convolution and shortcut),
+   and its input gradient channels-last alone for the convolution before
+   it. The copies are the ones the convolutions would make, so the step
+   gives exactly what it gives with the convolutions copying. (Against
+   the CPU, the residual blocks above; over a whole network with batch
+   norm, TF32's rounding grows too much for a tolerance that means
+   something: the gradients left after batch norm removes each channel's
+   mean and slope are small differences of larger numbers.) */
+TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(2, 32, 6, 6), half = mgpu_shape4(2, 64, 3, 3);
+    mgpu__conv_geom geoms[] = {
+        mgpu__conv_geometry("net", xs, mgpu_shape4(32, 32, 3, 3), 1, 1),   /* stem, block 1 */
+        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 3, 3), 2, 1),   /* block 2's conv1 */
+        mgpu__conv_geometry("net", half, mgpu_shape4(64, 64, 3, 3), 1, 1), /* its conv2 */
+        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 1, 1), 2, 0),   /* its shortcut */
+    };
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
+    int before = mgpu__conv_choice_count;
+    for (int i = 0; i < 4; i++)
+        for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
+            mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
+            mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+        }
+    mgpu_manual_seed(13);
+    mgpu_net *model = mgpu__net_new(mgpu_cpu());
+    mgpu__net_add(model, mgpu__conv_new("stem", 32, 32, 3, 1, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__batchnorm_new("stem.bn", 32, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__residual_new("block1", 32, 32, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__residual_new("block2", 32, 64, 2, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
+    mgpu__net_add(model, mgpu__linear_new("fc", 64, 10, mgpu_cpu()));
+    float labels[2] = {3, 7};
+    mgpu_tensor *x = mgpu_randn(gpu, xs, 0.0f, 1.0f), *y = mgpu_from_host(gpu, mgpu_shape1(2), labels);
+    mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
+    mgpu_tensor *logits[2];
+    for (int k = 0; k < 2; k++) {
+        mgpu__batch_norm_writes_channels_last = k;
+        nets[k] = mgpu_net_replicate(model, gpu);
+        mgpu_net_zero_grad(nets[k]);
+        logits[k] = mgpu_net_forward(nets[k], x);
+        mgpu_net_loss_backward(nets[k], logits[k], y, 0.5f, NULL);
+    }
+    mgpu__batch_norm_writes_channels_last = 1;
+    for (int k = 0; k < 2; k++) {
+        mgpu_layer **l = nets[k]->layers;
+        int wrote = k == 1;
+        CHECK((l[1]->output_t != NULL) == wrote && (l[2]->output_t != NULL) == wrote);
+        CHECK(l[3]->output_t == NULL); /* pooling comes next */
+        CHECK((l[2]->conv1->own_input_t == NULL) == wrote);
+        CHECK(l[2]->conv1->input_t == (wrote ? l[1]->output_t : l[2]->conv1->own_input_t));
+        CHECK(!wrote || (l[3]->conv1->input_t == l[2]->output_t && l[3]->shortcut->input_t == l[2]->output_t));
+        CHECK((l[1]->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
+    }
+    pair out = {logits[0], logits[1]};
+    check_same("batch norm writing the copies", "logits", &out, 0);
+    for (int i = 0; i < model->nparams; i++) {
+        pair grad = {nets[0]->params[i]->grad, nets[1]->params[i]->grad};
+        char what[32];
+        snprintf(what, sizeof what, "gradient %d", i);
+        check_same("batch norm writing the copies", what, &grad, 0);
+    }
+    mgpu__conv_choice_count = before;
+    mgpu_net_free(model);
+    mgpu_net_free(nets[0]);
+    mgpu_net_free(nets[1]);
+    mgpu_free(x);
+    mgpu_free(y);
     mgpu_set_tf32(0, 0);
 }
 

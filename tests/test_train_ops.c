@@ -339,7 +339,7 @@ TEST(batchnorm_with_skip_is_the_residual_blocks_end) {
             rm[k] = mgpu_zeros(d, cs), rv[k] = mgpu_ones(d, cs);
             sm[k] = mgpu_empty(d, cs), si[k] = mgpu_empty(d, cs), y[k] = mgpu_empty(d, s);
         }
-        mgpu__batchnorm2d_forward("test", y[0], x, skip, gamma, beta, rm[0], rv[0], sm[0], si[0],
+        mgpu__batchnorm2d_forward("test", y[0], NULL, x, skip, gamma, beta, rm[0], rv[0], sm[0], si[0],
                                   training, 0.1f, 1e-5f, 1);
         mgpu_tensor *normalised = mgpu_empty(d, s);
         mgpu_batchnorm2d_forward(normalised, x, gamma, beta, rm[1], rv[1], sm[1], si[1], training,
@@ -363,7 +363,7 @@ TEST(batchnorm_with_skip_is_the_residual_blocks_end) {
             mgpu_free(rm[k]); mgpu_free(rv[k]); mgpu_free(sm[k]); mgpu_free(si[k]); mgpu_free(y[k]);
         }
     }
-    EXPECT_DIES(mgpu__batchnorm2d_forward("block.bn2", x, x, gamma, gamma, beta, gamma, beta, gamma,
+    EXPECT_DIES(mgpu__batchnorm2d_forward("block.bn2", x, NULL, x, gamma, gamma, beta, gamma, beta, gamma,
                                           beta, 1, 0.1f, 1e-5f, 1),
                 "block.bn2: shapes [4] and [3, 4, 2, 3] differ");
     mgpu_free(x); mgpu_free(skip); mgpu_free(gamma); mgpu_free(beta);
