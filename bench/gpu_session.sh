@@ -112,14 +112,16 @@ sanitize() {
 
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
-# by measuring (MGPU_CONV=auto, the default), with each algorithm alone,
-# and in float32; then the step time for other sizes of the im2col scratch
+# by measuring (MGPU_CONV=auto, the default), with the convolutions
+# making their own channels-last copies (not batch norm), with each
+# algorithm alone, and in float32; then the step time for other sizes of the im2col scratch
 # (256 MiB by default on a GPU: the H100 sweep of 2026-11-22 found the
 # step faster the larger the scratch, from 16 MiB, which keeps a chunk's
 # col buffer in the 50 MB L2 cache, up to 256).
 profile() {
     ./bench/conv && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
         ./bench/profile --data "$MGPU_DATA" &&
+        echo && ./bench/profile --data "$MGPU_DATA" --convolutions-copy &&
         echo && MGPU_CONV=im2col ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_CONV=implicit ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA" || return 1

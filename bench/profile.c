@@ -1,6 +1,7 @@
 /* bench/profile.c: where does the time of a ResNet-18 training step go?
 
    make bench/profile && ./bench/profile [--batch-size N] [--steps N] [--cpu]
+                                         [--convolutions-copy]
 
    One device, chapter 3's network and step (mgpu_data_parallel on one
    device: forward, backward, SGD), on one Fashion-MNIST batch of 256 (32
@@ -15,6 +16,10 @@
    (conv2d product, the dW and dcol products) against data movement
    (im2col, col2im, layout) against batch norm and the rest.
 
+   --convolutions-copy: the convolutions make their channels-last copies
+   themselves, as before batch norm wrote them (mgpu.h, "channels-last"),
+   to measure what that saves.
+
    The last line is for bench/run.sh, which turns the step time into
    TFLOP/s with the network's FLOP count:
        RESULT profile on=[cuda:0] batch=256 step_ms=... traced_step_ms=... */
@@ -24,13 +29,16 @@
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
-    int steps = 0;
+    int steps = 0, convolutions_copy = 0;
     const mgpu_flag extra[] = {
         {"--steps", 'i', &steps, "steps timed, then traced (default 20 on a GPU, 3 on the CPU)"},
+        {"--convolutions-copy", 'b', &convolutions_copy,
+         "the convolutions copy to channels-last, not batch norm"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "bench/profile: the time of a ResNet-18 training step, and where it goes",
-                       extra, 1);
+                       extra, 2);
+    mgpu__batch_norm_writes_channels_last = !convolutions_copy;
     mgpu_device *dev[1];
     mgpu_devices(1, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);
