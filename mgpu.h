@@ -4697,7 +4697,8 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
         int dx_cl = dx && !plan.dx_im2col && plan.dx.family == MGPU__CHANNELS_LAST;
         int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
         mgpu_tensor *own_dy_t = NULL;
-        if (!dy_t && dx_cl && dw_cl) dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
+        if (!dy_t && dx_cl && dw_cl)
+            dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0, add_to_dx);
         else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx, add_to_dx);
         if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
@@ -5975,7 +5976,8 @@ static int mgpu__conv_layer_reads_dy_t_only(const mgpu_layer *l, int with_dx, co
 #if MGPU_CUDA
     if (!l || l->kind != MGPU_LAYER_CONV || !l->input || !mgpu__conv_implicit_allowed(l->input->device))
         return 0;
-    mgpu__conv_geom g = mgpu__conv_geometry(l->name, l->input->shape, l->weight.value->shape, l->stride, l->pad);
+    mgpu__conv_geom g =
+        mgpu__conv_geometry(l->name, l->input->shape, l->weight.value->shape, l->stride, l->pad);
     int with_db = l->bias.grad && !mgpu__bias_cancelled_by(bn);
     return mgpu__conv_plan_reads_dy_t_only(mgpu__conv_plan_known(&g, 1, with_dx), with_dx, with_db);
 #else
@@ -6097,7 +6099,8 @@ static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, cons
 static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx,
                                            const mgpu_layer *prev, int prev_with_dx) {
     mgpu_tensor *dx_t = NULL;
-    if (dx && mgpu__batch_norm_writes_channels_last && mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
+    if (dx && mgpu__batch_norm_writes_channels_last &&
+        mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
         mgpu_shape x = l->input->shape;
         dx_t = mgpu_ensure(&l->dinput_t, dx->device, mgpu_shape3(x.d[0], x.d[2] * x.d[3], x.d[1]));
     } else {
@@ -6120,7 +6123,8 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
     mgpu_device *d = dy->device;
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
-                 "%s: given its output gradient channels-last alone, which only a convolution reads", l->name);
+                 "%s: given its output gradient channels-last alone, which only a convolution reads",
+                 l->name);
     switch (l->kind) {
     case MGPU_LAYER_CONV:
         mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0);

@@ -82,7 +82,8 @@ struct mgpu__copy_source {
    arithmetic in 64 bits, Nsight Compute found 4 blocks resident and 1.4
    TB/s, 41% of an H100's memory rate.) */
 template <class Source>
-static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
+static __global__ void __launch_bounds__(256, 8)
+mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
     __shared__ float tile[32][33];
     int lane = threadIdx.x % 32, row = threadIdx.x / 32;
     int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32;
@@ -119,7 +120,8 @@ static __global__ void __launch_bounds__(256, 8) mgpu__channels_last_kernel(Sour
    16 lanes take one, so a warp's stores to the tile, and its loads from
    it, hit each bank at most twice. */
 template <class Source>
-static __global__ void __launch_bounds__(256) mgpu__channels_last_vectors_kernel(Source src, mgpu__channels_last_to a) {
+static __global__ void __launch_bounds__(256)
+mgpu__channels_last_vectors_kernel(Source src, mgpu__channels_last_to a) {
     __shared__ float tile[64][65];
     int part = threadIdx.x % 16, line = threadIdx.x / 16; /* a vector of a line; 16 lines at a time */
     int i0 = blockIdx.y * 64, j0 = blockIdx.x * 64;
@@ -145,7 +147,8 @@ static __global__ void __launch_bounds__(256) mgpu__channels_last_vectors_kernel
 /* Writes src's values to `to`, in vectors if the caller says they fit
    (rows and columns whole vectors, every tensor 16-byte aligned, no flip). */
 template <class Source>
-static void mgpu__channels_last_launch(Source src, mgpu__channels_last_to to, bool vectors, cudaStream_t stream) {
+static void mgpu__channels_last_launch(Source src, mgpu__channels_last_to to, bool vectors,
+                                       cudaStream_t stream) {
     unsigned outer = to.outer < 65535 ? to.outer : 65535;
     if (vectors) {
         dim3 grid((to.cols + 63) / 64, (to.rows + 63) / 64, outer);
@@ -159,7 +162,8 @@ static void mgpu__channels_last_launch(Source src, mgpu__channels_last_to to, bo
 static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
     const void *tensors[] = {a->to.out, a->in};
-    bool vectors = !a->to.flip && a->to.rows % 4 == 0 && mgpu__vector_width((size_t)a->to.cols, tensors, 2) == 4;
+    bool vectors =
+        !a->to.flip && a->to.rows % 4 == 0 && mgpu__vector_width((size_t)a->to.cols, tensors, 2) == 4;
     mgpu__copy_source src = {a->in};
     mgpu__channels_last_launch(src, a->to, vectors, (cudaStream_t)ex->stream);
 }

@@ -609,7 +609,8 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
         CHECK(l[3]->output_t == NULL); /* pooling comes next */
         CHECK((l[2]->conv1->own_input_t == NULL) == wrote);
         CHECK(l[2]->conv1->input_t == (wrote ? l[1]->output_t : l[2]->conv1->own_input_t));
-        CHECK(!wrote || (l[3]->conv1->input_t == l[2]->output_t && l[3]->shortcut->input_t == l[2]->output_t));
+        CHECK(!wrote ||
+              (l[3]->conv1->input_t == l[2]->output_t && l[3]->shortcut->input_t == l[2]->output_t));
         CHECK((l[1]->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
     }
     pair out = {logits[0], logits[1]};
