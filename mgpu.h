@@ -4568,6 +4568,9 @@ static const mgpu__conv_plan *mgpu__conv_plan_known(const mgpu__conv_geom *g, in
 static int mgpu__conv_plan_reads_x_t(const mgpu__conv_plan *p) {
     return p && p->implicit && p->y.family == MGPU__CHANNELS_LAST;
 }
+static int mgpu__conv_plan_dw_reads_x_t(const mgpu__conv_plan *p) {
+    return p && p->implicit && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST;
+}
 static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx, int with_db) {
     return p && p->implicit && !with_db && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST &&
            (!with_dx || (!p->dx_im2col && p->dx.family == MGPU__CHANNELS_LAST));
@@ -4946,7 +4949,7 @@ static mgpu_tensor *mgpu__bn_scratch(mgpu_device *dev, size_t floats) {
 
 /* mgpu_batchnorm2d_forward, and with skip (not NULL) the residual block's
    y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h); with y_t,
-   y channels-last in TF32 there too. */
+   y channels-last in TF32 there too, or there alone if y is NULL. */
 static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tensor *y_t, const mgpu_tensor *x,
                                       const mgpu_tensor *skip, const mgpu_tensor *gamma,
                                       const mgpu_tensor *beta, mgpu_tensor *running_mean,
@@ -4954,12 +4957,16 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
                                       mgpu_tensor *save_invstd, int training, float momentum,
                                       float eps, int fuse_relu) {
     char s[64];
-    mgpu_device *dev = y->device;
+    mgpu_device *dev = x->device;
     mgpu__bn_forward_args a;
     memset(&a, 0, sizeof a);
     mgpu__bn_dims(x, op, &a.n, &a.c, &a.hw);
-    mgpu__require_device(x, dev, op);
-    mgpu__require_same_shape(y, x, op);
+    if (y || !y_t) {
+        mgpu__require_tensor(y, dev, op, "y");
+        mgpu__require_same_shape(y, x, op);
+        mgpu__before_write(y);
+        a.y = y->data;
+    }
     if (skip) {
         mgpu__require_device(skip, dev, op);
         mgpu__require_same_shape(skip, x, op);
@@ -4976,7 +4983,6 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
         MGPU_REQUIRE(m > 1, "%s: training needs more than one value per channel; x has shape %s",
                      op, mgpu_shape_str(x->shape, s, sizeof s));
     }
-    a.y = y->data;
     if (y_t) {
         mgpu__require_channels_last_of(y_t, x, op, "channels-last y_t");
         mgpu__before_write(y_t);
@@ -4993,7 +4999,6 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
     a.eps = eps;
     a.splits = mgpu__bn_splits(m);
     mgpu_tensor *scratch = NULL;
-    mgpu__before_write(y);
     if (training) {
         a.save_mean = save_mean->data;
         a.save_invstd = save_invstd->data;
@@ -5942,31 +5947,32 @@ MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *
 static int mgpu__batch_norm_writes_channels_last = 1;
 
 /* Whether convolution layer l, on input shape x, reads x's channels-last
-   copy: for y, or for dW (at either pass's first call, not yet). */
-static int mgpu__conv_layer_reads_x_t(const mgpu_layer *l, mgpu_shape x) {
+   copy: for y, or for dW (at either pass's first call, not yet); with
+   `only`, whether it reads x through that copy alone: for y and for dW. */
+static int mgpu__conv_layer_reads_x_t(const mgpu_layer *l, mgpu_shape x, int only) {
 #if MGPU_CUDA
     if (!mgpu__conv_implicit_allowed(l->weight.value->device)) return 0;
     mgpu__conv_geom g = mgpu__conv_geometry(l->name, x, l->weight.value->shape, l->stride, l->pad);
-    if (mgpu__conv_plan_reads_x_t(mgpu__conv_plan_known(&g, 0, 0))) return 1;
-    for (int with_dx = 0; with_dx <= 1; with_dx++) {
-        const mgpu__conv_plan *p = mgpu__conv_plan_known(&g, 1, with_dx);
-        if (p && p->implicit && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST) return 1;
-    }
+    int for_y = mgpu__conv_plan_reads_x_t(mgpu__conv_plan_known(&g, 0, 0));
+    if (only) return for_y && mgpu__conv_plan_dw_reads_x_t(mgpu__conv_plan_known(&g, 1, l->need_dinput));
+    return for_y || mgpu__conv_plan_dw_reads_x_t(mgpu__conv_plan_known(&g, 1, 0)) ||
+           mgpu__conv_plan_dw_reads_x_t(mgpu__conv_plan_known(&g, 1, 1));
 #else
     (void)l;
     (void)x;
-#endif
+    (void)only;
     return 0;
+#endif
 }
 /* Whether the layer after a batch norm (next: a convolution, or a
    residual block, whose first convolution and shortcut take the block's
    input) reads the batch norm's output, of shape y, channels-last. */
 static int mgpu__next_reads_output_t(const mgpu_layer *next, mgpu_shape y) {
     if (!next || !mgpu__batch_norm_writes_channels_last) return 0;
-    if (next->kind == MGPU_LAYER_CONV) return mgpu__conv_layer_reads_x_t(next, y);
+    if (next->kind == MGPU_LAYER_CONV) return mgpu__conv_layer_reads_x_t(next, y, 0);
     return next->kind == MGPU_LAYER_RESIDUAL &&
-           (mgpu__conv_layer_reads_x_t(next->conv1, y) ||
-            (next->shortcut && mgpu__conv_layer_reads_x_t(next->shortcut, y)));
+           (mgpu__conv_layer_reads_x_t(next->conv1, y, 0) ||
+            (next->shortcut && mgpu__conv_layer_reads_x_t(next->shortcut, y, 0)));
 }
 /* Whether convolution layer l, followed by batch norm `bn`, reads its
    output's gradient through the channels-last copy alone, when its input
@@ -5991,7 +5997,11 @@ static int mgpu__conv_layer_reads_dy_t_only(const mgpu_layer *l, int with_dx, co
 /* ------------------------------------------------------------ forward */
 /* Batch norm layer l on x into y, with the ReLU when l has it fused, or
    with skip: y = max(bn(x) + skip, 0); and into y_t, y's channels-last
-   copy, when `next` reads that (else *y_t is NULL). */
+   copy, when `next` reads that (else *y_t is NULL). When next is a
+   convolution that reads its input through that copy alone, y itself is
+   not written: nothing else reads it (l's backward pass recomputes the
+   ReLU's mask from x; the residual block's, whose bn2 has the skip, reads
+   its output, and keeps it). */
 static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *skip,
                                           mgpu_tensor *y, mgpu_tensor **y_t, const mgpu_layer *next,
                                           int training) {
@@ -6000,6 +6010,8 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
     int n = x->shape.d[0], c = x->shape.d[1], hw = x->shape.d[2] * x->shape.d[3];
     mgpu_tensor *twin = NULL;
     if (mgpu__next_reads_output_t(next, x->shape)) twin = mgpu_ensure(y_t, x->device, mgpu_shape3(n, hw, c));
+    if (twin && !skip && next->kind == MGPU_LAYER_CONV && mgpu__conv_layer_reads_x_t(next, x->shape, 1))
+        y = NULL;
     mgpu__batchnorm2d_forward(l->name, y, twin, x, skip, l->weight.value, l->bias.value, l->running_mean,
                               l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
                               l->fuse_relu || skip);
@@ -6012,7 +6024,8 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
 /* Layer l's forward pass from x, and from x_t, x's channels-last copy,
    when the layer before wrote one (else NULL); next: the layer that takes
    l's output (NULL if none). Returns the output; its channels-last copy,
-   if l wrote one, is then in l->output_t (else that is NULL). */
+   if l wrote one, is then in l->output_t (else that is NULL), and a batch
+   norm may then have left the output's values unwritten (above). */
 static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
                                         const mgpu_layer *next, int training) {
     mgpu_device *d = x->device;

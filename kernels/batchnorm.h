@@ -53,8 +53,9 @@
         dgamma and dbeta backward);
      3. a grid over the whole tensor writes y, or dx; or, when a network
         asks for it (y_t, dx_t), a tile kernel of kernels/channels_last.h
-        writes them channels-last as well (y) or instead (dx), for the
-        convolution next to this batch norm (mgpu.h says when).
+        writes them channels-last, y beside y or alone and dx instead of
+        dx, for the convolution next to this batch norm (mgpu.h says
+        when).
    Every kernel here does a few flops per byte it moves, so what decides
    its speed is how few instructions it spends per byte: too many, and the
    GPU cannot issue them as fast as memory delivers the bytes. Two things
@@ -86,7 +87,7 @@
 
 /* ---------------------------------------------------------------- forward */
 typedef struct {
-    float *y;
+    float *y;                       /* NULL where y_t alone is wanted */
     float *y_t;                     /* y channels-last too (kernels/channels_last.h), or NULL */
     const float *x, *gamma, *beta;
     const float *skip;              /* added before the ReLU, or NULL (see above) */
@@ -178,7 +179,7 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             for (int p = 0; p < a->hw; p++) {
                 float y = mgpu__bn_output(a, a->x[at + p], a->skip ? a->skip[at + p] : 0.0f, scale, shift);
-                a->y[at + p] = y;
+                if (a->y) a->y[at + p] = y;
                 if (a->y_t) a->y_t[mgpu__channels_last_index(n, c, p, a->c, a->hw)] = mgpu__tf32_round(y);
             }
         }
@@ -433,8 +434,9 @@ static unsigned mgpu__bn_finish_blocks(int channels) {
     return mgpu__grid_for((size_t)channels, MGPU__BN_FINISH_WARPS);
 }
 
-/* y at offset `at` of x, of channel c, written to a.y there too; as a
-   source of kernels/channels_last.h, which then writes y_t. */
+/* y at offset `at` of x, of channel c, written to a.y there too (unless
+   y_t alone is wanted); as a source of kernels/channels_last.h, which
+   then writes y_t. */
 struct mgpu__bn_output_source {
     mgpu__bn_forward_args a;
     template <int V> __device__ void operator()(size_t at, int c, float (&y)[V]) const {
@@ -443,7 +445,7 @@ struct mgpu__bn_output_source {
         mgpu__load_floats(x, a.x + at);
         if (a.skip) mgpu__load_floats(skip, a.skip + at);
         for (int e = 0; e < V; e++) y[e] = mgpu__bn_output(&a, x[e], skip[e], scale, shift);
-        mgpu__store_floats(a.y + at, y);
+        if (a.y) mgpu__store_floats(a.y + at, y);
     }
 };
 /* y alone: a thread a vector. */

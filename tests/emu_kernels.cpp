@@ -420,9 +420,9 @@ static std::vector<float> channels_last_cpu(const std::vector<float> &v, int n, 
 }
 /* relu 0: batch norm alone; 1: with the fused ReLU; 2: the residual
    block's max(bn(x) + skip, 0), whose backward is batch norm's alone.
-   Each also with y written channels-last beside y (y_t), and dx
-   channels-last instead of dx (dx_t): exactly the TF32 copies of the y
-   and dx that each device computes without them, and dx left alone. */
+   Each also with y written channels-last beside y or alone (y_t), and
+   dx channels-last instead of dx (dx_t): exactly the TF32 copies of the
+   y and dx that each device computes without them, and dx left alone. */
 static void batchnorm_case(int n, int c, int hw) {
     size_t total = (size_t)n * c * hw;
     int splits = mgpu__bn_splits((size_t)n * hw);
@@ -466,6 +466,14 @@ static void batchnorm_case(int n, int c, int hw) {
             same("batch norm y beside y_t", y_g, y_c, 1e-5);
             same("batch norm y_t (CPU)", y_t_c, channels_last_cpu(y_c, n, c, hw), 0);
             same("batch norm y_t", y_t_g, channels_last_cpu(y_g, n, c, hw), 0);
+            std::vector<float> alone_c = nans(total), alone_g = nans(total); /* y_t without y */
+            a.y = b.y = NULL;
+            a.y_t = alone_c.data();
+            b.y_t = alone_g.data();
+            mgpu__bn_forward_cpu(&a, &on_cpu);
+            mgpu__bn_forward_cuda(&b, &on_gpu);
+            same("batch norm y_t alone (CPU)", alone_c, y_t_c, 0);
+            same("batch norm y_t alone", alone_g, y_t_g, 0);
             if (!training) continue;
             same("saved mean", mean_g, mean_c, 1e-5);
             same("saved 1/std", inv_g, inv_c, 1e-5);
