@@ -908,7 +908,13 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    runs the layers in order and returns the logits [N, classes] (owned by
    the net: valid until the next forward). In training mode batch norm
    uses the batch's statistics and updates its running ones; in evaluation
-   mode it uses the running ones (mgpu_net_set_training).
+   mode it uses the running ones (mgpu_net_set_training). On a GPU, once
+   the convolutions' plans are measured (the first step), a batch norm
+   also writes the channels-last copy that the next convolution reads,
+   and leaves its plain output unwritten where only that convolution
+   would read it (the "channels-last" section below): a program that
+   looks into a residual block's bn1->output after a step may find it
+   stale.
 
        void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
    back-propagates through the layers of the last forward and ADDS every
