@@ -448,7 +448,7 @@ struct mgpu__bn_output_source {
         if (a.y) mgpu__store_floats(a.y + at, y);
     }
 };
-/* y alone: a thread a vector. */
+/* y without a channels-last copy: a thread a vector. */
 template <int V>
 static __global__ void mgpu__bn_output_kernel(mgpu__bn_output_source src, mgpu__bn_layout l) {
     MGPU__GRID_STRIDE_LOOP(i, (size_t)src.a.n * src.a.c * (src.a.hw / V)) {
