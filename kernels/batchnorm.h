@@ -448,13 +448,28 @@ struct mgpu__bn_output_source {
         if (a.y) mgpu__store_floats(a.y + at, y);
     }
 };
-/* y without a channels-last copy: a thread a vector. */
-template <int V>
-static __global__ void mgpu__bn_output_kernel(mgpu__bn_output_source src, mgpu__bn_layout l) {
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)src.a.n * src.a.c * (src.a.hw / V)) {
-        float y[V];
-        src(i * V, mgpu__bn_channel((int)i, l), y);
+/* The last kernel of either pass: a source's values (y, or dx) over the
+   whole tensor [n, c, hw], written by the source itself in place, a
+   thread a vector; or, given `twin`, written channels-last there too by
+   kernels/channels_last.h's tile kernel. */
+template <int V, class Source>
+static __global__ void mgpu__bn_values_kernel(Source src, int n, int c, int hw, mgpu__bn_layout l) {
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)n * c * (hw / V)) {
+        float v[V];
+        src(i * V, mgpu__bn_channel((int)i, l), v);
     }
+}
+template <int V, class Source>
+static void mgpu__bn_values(Source src, float *twin, int n, int c, int hw, mgpu__bn_layout l,
+                            cudaStream_t stream) {
+    if (twin) { /* [n, c, hw] -> [n, hw, c] */
+        mgpu__channels_last_to to = {twin, n, c, hw, 0};
+        mgpu__channels_last_launch(src, to, V == 4 && c % 4 == 0, stream);
+        return;
+    }
+    size_t vectors = (size_t)n * c * (hw / V);
+    mgpu__bn_values_kernel<V, Source><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(src, n, c, hw, l);
+    MGPU_CUDA_CHECK_LAUNCH();
 }
 
 template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args *a, cudaStream_t stream) {
@@ -466,14 +481,7 @@ template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args
         MGPU_CUDA_CHECK_LAUNCH();
     }
     mgpu__bn_output_source src = {*a};
-    if (a->y_t) { /* [n, c, hw] -> [n, hw, c] */
-        mgpu__channels_last_to to = {a->y_t, a->n, a->c, a->hw, 0};
-        mgpu__channels_last_launch(src, to, V == 4 && a->c % 4 == 0, stream);
-        return;
-    }
-    size_t vectors = (size_t)a->n * a->c * (a->hw / V);
-    mgpu__bn_output_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(src, l);
-    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__bn_values<V>(src, a->y_t, a->n, a->c, a->hw, l, stream);
 }
 static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
@@ -541,13 +549,6 @@ struct mgpu__bn_input_grad_source {
         if (!a.dx_t) mgpu__store_floats(a.dx + at, dx);
     }
 };
-template <int V>
-static __global__ void mgpu__bn_input_grad_kernel(mgpu__bn_input_grad_source src, mgpu__bn_layout l) {
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)src.a.n * src.a.c * (src.a.hw / V)) {
-        float dx[V];
-        src(i * V, mgpu__bn_channel((int)i, l), dx);
-    }
-}
 
 template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_args *a, cudaStream_t stream) {
     mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
@@ -556,14 +557,7 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
     mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_input_grad_source src = {*a};
-    if (a->dx_t) { /* [n, c, hw] -> [n, hw, c] */
-        mgpu__channels_last_to to = {a->dx_t, a->n, a->c, a->hw, 0};
-        mgpu__channels_last_launch(src, to, V == 4 && a->c % 4 == 0, stream);
-        return;
-    }
-    size_t vectors = (size_t)a->n * a->c * (a->hw / V);
-    mgpu__bn_input_grad_kernel<V><<<mgpu__grid_for(vectors, 256), 256, 0, stream>>>(src, l);
-    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__bn_values<V>(src, a->dx_t, a->n, a->c, a->hw, l, stream);
 }
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
