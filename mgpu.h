@@ -4582,11 +4582,11 @@ static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx
            (!with_dx || (!p->dx_im2col && p->dx.family == MGPU__CHANNELS_LAST));
 }
 
-static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t, int tf32) {
+static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     mgpu__conv_plan plan;
     memset(&plan, 0, sizeof plan);
     mgpu_device *dev = t->x->device;
-    if (!tf32 || !mgpu__conv_implicit_allowed(dev)) return plan;
+    if (!mgpu__conv_implicit_allowed(dev)) return plan;
     int with_dx = t->dx != NULL;
     const mgpu__conv_plan *known = mgpu__conv_plan_known(t->g, t->backward, with_dx);
     if (known) return *known;
@@ -4650,7 +4650,7 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
-    mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
+    mgpu__conv_plan plan = mgpu__conv_plan_for(&t);
     if (plan.implicit) {
         mgpu__conv_forward_implicit(y, x, x_t, w, b, &g, plan.y, keep_x_t);
         return;
@@ -4696,7 +4696,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
 #if MGPU_CUDA
     mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1};
-    mgpu__conv_plan plan = mgpu__conv_plan_for(&t, tf32);
+    mgpu__conv_plan plan = mgpu__conv_plan_for(&t);
     MGPU_REQUIRE(!dy_t || mgpu__conv_plan_reads_dy_t_only(&plan, dx != NULL, db != NULL),
                  "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
     if (dy_t) mgpu__require_channels_last_of(dy_t, dy, op, "channels-last dy_t");

@@ -30,6 +30,10 @@ static MGPU__HOSTDEVICE inline float mgpu__tf32_round(float v) {
     memcpy(&v, &bits, sizeof v);
     return v;
 }
+/* Column j of a matrix whose runs of `flip` columns are reversed (flip 0: j). */
+static MGPU__HOSTDEVICE inline int mgpu__flipped(int j, int flip) {
+    return flip ? j + flip - 1 - 2 * (j % flip) : j;
+}
 /* Where element (o, i, j) of [outer, rows, cols] goes in [outer, cols, rows]. */
 static MGPU__HOSTDEVICE inline size_t mgpu__channels_last_index(int o, int i, int j, int rows, int cols) {
     return ((size_t)o * cols + j) * rows + i;
@@ -56,11 +60,9 @@ static void mgpu__channels_last_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__channels_last_to *to = &a->to;
     for (int o = 0; o < to->outer; o++)
         for (int i = 0; i < to->rows; i++)
-            for (int j = 0; j < to->cols; j++) {
-                int jj = to->flip ? j + to->flip - 1 - 2 * (j % to->flip) : j;
-                to->out[mgpu__channels_last_index(o, i, jj, to->rows, to->cols)] =
+            for (int j = 0; j < to->cols; j++)
+                to->out[mgpu__channels_last_index(o, i, mgpu__flipped(j, to->flip), to->rows, to->cols)] =
                     mgpu__tf32_round(a->in[((size_t)o * to->rows + i) * to->cols + j]);
-            }
 }
 
 /* The plain copy's source. */
@@ -103,10 +105,8 @@ mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
         __syncthreads();
         for (int k = 0; k < 4; k++) {
             int dj = row + 8 * k, j = j0 + dj;
-            if (writes && j < a.cols) {
-                if (a.flip) j += a.flip - 1 - 2 * (j % a.flip);
-                out[(size_t)j * a.rows] = mgpu__tf32_round(tile[lane][dj]);
-            }
+            if (writes && j < a.cols)
+                out[(size_t)mgpu__flipped(j, a.flip) * a.rows] = mgpu__tf32_round(tile[lane][dj]);
         }
         __syncthreads(); /* the tile is read before the next matrix takes it */
     }
