@@ -165,7 +165,10 @@ ifeq ($(HAVE_NVCC),1)
 TEST_CUDA_BUILD := $(CUDA_TEST_BINS)
 endif
 
-test: $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) $(TEST_CUDA_BUILD) all
+BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
+# The benchmarks are built too (they run on the GPU machine only, and a
+# change of an internal signature must not break them unseen there).
+test: $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) $(TEST_CUDA_BUILD) all $(BENCH_BINS)
 	@bash tests/run.sh $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) -- tests/smoke.sh
 
 test-asan: $(ASAN_TEST_BINS)
@@ -175,7 +178,7 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
+bench: all $(BENCH_BINS)
 	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.

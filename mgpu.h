@@ -4315,14 +4315,21 @@ static int mgpu__conv_implicit_available(void) {
 
 /* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
-   copies of them (the forward pass, dx, and dW); each in one of
-   the four tiles. */
+   copies of them (the forward pass, dx, and dW); each in one of the four
+   tiles, and conv_nhwc.h's forward and dx with their sum split into
+   slices or not. */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
+    int splits; /* channels-last forward and dx: slices of the sum (0 or 1: none) */
 } mgpu__implicit_kernel;
+
+/* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
+static mgpu_tensor *mgpu__partials(mgpu_device *dev, size_t floats) {
+    return floats ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
+}
 
 /* A new tensor [outer, cols, rows], the TF32 copy of in [outer, rows, cols]
    made by kernels/channels_last.h (flip: as there). */
@@ -4341,16 +4348,19 @@ static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, 
    is mgpu__conv_dx_geometry). accumulate: out += the product. */
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      const float *b, const mgpu__conv_geom *g, int for_dx,
-                                     mgpu__implicit_tile tile, int accumulate) {
+                                     mgpu__implicit_kernel kernel, int accumulate) {
     int rs = g->r * g->s;
     /* w [K, C, RS] -> [K, RS, C]; for dx, w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
     mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs)
                               : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);
+    mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
-    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, tile, plain, accumulate};
+    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
+                              partials ? partials->data : NULL};
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
-    mgpu_free(w_t); /* reused only by work enqueued after this on the same queue */
+    mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
+    mgpu_free(w_t);
 }
 /* dy's channels-last copy for the backward kernels: the caller's dy_t
    when it made one for both gradients, else a new one, in *own, to be
@@ -4374,7 +4384,7 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
         mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, b ? b->data : NULL, g, 0,
-                                 kernel.tile, 0);
+                                 kernel, 0);
         if (keep_x_t) *keep_x_t = own;
         else mgpu_free(own);
         return;
@@ -4390,14 +4400,17 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (g->stride == 1) {
             mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel.tile, add_to_dx);
+            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel, add_to_dx);
         } else { /* the sub-pixel classes, each with its taps of w */
             mgpu_tensor *w_classes = mgpu_empty(dx->device, w->shape);
+            mgpu_tensor *partials =
+                mgpu__partials(dx->device, mgpu__conv_nhwc_subpixel_partial_floats(g, kernel.splits));
             mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile,
-                                               add_to_dx};
+                                               add_to_dx, kernel.splits, partials ? partials->data : NULL};
             mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last dx", NULL,
                             mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
-            mgpu_free(w_classes); /* reused only by work enqueued after this on the same queue */
+            mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
+            mgpu_free(w_classes);
         }
         mgpu_free(own);
         return;
@@ -4508,32 +4521,58 @@ static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try w
                                   : what == MGPU__TRY_DW && mgpu__conv_nhwc_dw_fits(g);
 }
 
+/* The slices the channels-last forward and dx are tried in (conv_nhwc.h). */
+static const int mgpu__conv_slice_choices[] = {1, 2, 4};
+#define MGPU__SLICE_CHOICES 3
+/* Whether a trial times kernel k for a pass (`what`) of geometry g: its
+   family fits, and it takes the whole sum, or is the channels-last
+   forward or dx in slices of at least 8 steps of 32 (dx at stride t in
+   t^2 classes, each with about 1 / t^2 of the taps). */
+static int mgpu__conv_kernel_fits(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel k) {
+    if (!mgpu__conv_family_fits(k.family, what, g)) return 0;
+    if (k.splits <= 1) return 1;
+    int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
+    return k.family == MGPU__CHANNELS_LAST && (what == MGPU__TRY_Y || what == MGPU__TRY_DX) &&
+           terms / MGPU__NHWC_STEP / k.splits >= 8;
+}
+/* The kernels a trial times for a pass, into list; returns how many. */
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__SLICE_CHOICES)
+static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
+    int count = 0;
+    for (int f = 0; f < MGPU__FAMILIES; f++)
+        for (int k = 0; k < MGPU__TILE_KINDS; k++)
+            for (int i = 0; i < MGPU__SLICE_CHOICES; i++) {
+                mgpu__implicit_kernel kernel = {(mgpu__implicit_family)f, (mgpu__implicit_tile)k,
+                                                mgpu__conv_slice_choices[i]};
+                if (mgpu__conv_kernel_fits(what, g, kernel)) list[count++] = kernel;
+            }
+    return count;
+}
+
 /* The fastest implicit GEMM for one pass (`what`), in *kernel, and its
-   time: the best of three calls of each kernel that fits, in each tile,
-   the kernels taking turns, so that a GPU clock still rising favours
-   none. */
+   time: the best of three calls of each candidate, the candidates taking
+   turns, so that a GPU clock still rising favours none. */
 static double mgpu__conv_fastest_kernel(const mgpu__conv_trial *t, mgpu__conv_try what,
                                         mgpu__implicit_kernel *kernel) {
-    double best[MGPU__FAMILIES][MGPU__TILE_KINDS], fastest = HUGE_VAL;
+    mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
+    double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
+    int count = mgpu__conv_candidates(what, t->g, candidates);
+    for (int i = 0; i < count; i++) best[i] = HUGE_VAL;
     for (int round = 0; round < 3; round++)
-        for (int f = 0; f < MGPU__FAMILIES; f++)
-            for (int k = 0; k < MGPU__TILE_KINDS; k++) {
-                mgpu__implicit_kernel candidate = {(mgpu__implicit_family)f, (mgpu__implicit_tile)k};
-                if (round == 0) best[f][k] = HUGE_VAL;
-                if (!mgpu__conv_family_fits(candidate.family, what, t->g)) continue;
-                double ms = mgpu__conv_trial_ms(t, what, candidate);
-                if (ms < best[f][k]) best[f][k] = ms;
-                if (round == 2 && best[f][k] < fastest) { /* the last round: all three are in */
-                    fastest = best[f][k];
-                    *kernel = candidate;
-                }
+        for (int i = 0; i < count; i++) {
+            double ms = mgpu__conv_trial_ms(t, what, candidates[i]);
+            if (ms < best[i]) best[i] = ms;
+            if (round == 2 && best[i] < fastest) { /* the last round: all three are in */
+                fastest = best[i];
+                *kernel = candidates[i];
             }
+        }
     return fastest;
 }
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);

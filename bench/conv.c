@@ -87,7 +87,7 @@ static void im2col_backward(void *p) {
 #if MGPU_CUDA
 static void implicit_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_forward_implicit(c->y, c->x, c->w, c->b, &c->g, c->kernel, NULL);
+    mgpu__conv_forward_implicit(c->y, c->x, NULL, c->w, c->b, &c->g, c->kernel, NULL);
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
@@ -203,20 +203,27 @@ int main(int argc, char **argv) {
             const mgpu__conv_try tries[PASSES] = {MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW};
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
-                for (int f = 0; f < MGPU__FAMILIES; f++) {
-                    c.kernel.family = (mgpu__implicit_family)f;
-                    if (!mgpu__conv_family_fits(c.kernel.family, tries[pass], &c.g)) continue;
-                    double us[TILE_COLUMNS] = {0};
-                    for (int t = 0; t < tiles; t++) {
-                        c.kernel.tile = (mgpu__implicit_tile)t;
-                        us[t] = time_us(dev[0], runs[pass], &c, steps);
-                        if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
+                for (int f = 0; f < MGPU__FAMILIES; f++)
+                    for (int i = 0; i < MGPU__SLICE_CHOICES; i++) { /* the trial's candidates */
+                        c.kernel.family = (mgpu__implicit_family)f;
+                        c.kernel.splits = mgpu__conv_slice_choices[i];
+                        c.kernel.tile = MGPU__TILE_64x64;
+                        if (!mgpu__conv_kernel_fits(tries[pass], &c.g, c.kernel)) continue;
+                        double us[TILE_COLUMNS] = {0};
+                        for (int t = 0; t < tiles; t++) {
+                            c.kernel.tile = (mgpu__implicit_tile)t;
+                            us[t] = time_us(dev[0], runs[pass], &c, steps);
+                            if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
+                        }
+                        char family[48];
+                        if (c.kernel.splits > 1)
+                            snprintf(family, sizeof family, "  %s /%d", mgpu__implicit_family_names[f],
+                                     c.kernel.splits);
+                        else
+                            snprintf(family, sizeof family, "  %s", mgpu__implicit_family_names[f]);
+                        print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
+                                  us, tiles);
                     }
-                    char family[32];
-                    snprintf(family, sizeof family, "  %s", mgpu__implicit_family_names[f]);
-                    print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
-                              us, tiles);
-                }
                 step_us[1] += cc->count * best[pass];
             }
             /* (as the library's auto plan: each gradient by the faster of

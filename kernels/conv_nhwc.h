@@ -222,7 +222,48 @@ typedef struct {
     mgpu__implicit_tile tile;
     mgpu__nhwc_out out;
     int accumulate;    /* 1: y += the product; 0: y = it */
+    int splits;        /* slices of the sum over (r, s, c), one a block (grid.z; 0 or 1: one), */
+    int per;           /* `per` steps each (set at the launch: mgpu__conv_nhwc_slices), */
+    float *partials;   /* each slice's tile: [splits, K, mgpu__nhwc_partial_ld(n*P*Q)] scratch */
 } mgpu__conv_nhwc_args;
+
+/* Slices of the sum. A block computes its tile over all of R*S*C, so a
+   layer with few output tiles and a long sum (ResNet-18's last stage:
+   4096 pixels, 512 filters, 4608 terms; 256 tiles of 64 x 128 for 132
+   multiprocessors that hold 3 each) leaves the GPU mostly idle. Split
+   into slices, the sum runs in more blocks at once; each slice's tile
+   goes to its own partial, and mgpu__conv_nhwc_slices_sum_kernel adds
+   them up in order (so the result does not depend on which block ends
+   first) with the bias, into y. The cost: a write and a read of the
+   partials. The trial in mgpu.h times each tile with 1, 2 and 4 slices.
+
+   A partial's rows are n*P*Q long, rounded up to even so that a lane's
+   two neighbouring values go out as one 8-byte store. */
+static __host__ __device__ size_t mgpu__nhwc_partial_ld(size_t pixels) { return (pixels + 1) / 2 * 2; }
+/* Sets a->per for a->splits slices of whole steps, and a->splits to the
+   slices that takes (fewer when the steps run out; 1 for no split). */
+static void mgpu__conv_nhwc_slices(mgpu__conv_nhwc_args *a) {
+    int steps = a->g.r * a->g.s * a->g.c / MGPU__NHWC_STEP;
+    int splits = a->splits > 1 && steps > 1 ? a->splits : 1;
+    a->per = (steps + splits - 1) / splits;
+    a->splits = a->per ? (steps + a->per - 1) / a->per : 1;
+}
+/* The floats of the partials for a product of geometry g in `splits` slices. */
+static size_t mgpu__conv_nhwc_partial_floats(const mgpu__conv_geom *g, int splits) {
+    return splits > 1 ? (size_t)splits * g->k * mgpu__nhwc_partial_ld((size_t)g->n * g->p * g->q) : 0;
+}
+/* Where output pixel in_image (= p Q + q) of an image goes in its plane of
+   y, and that plane's size (mgpu__nhwc_out). */
+static __host__ __device__ size_t mgpu__nhwc_out_at(const mgpu__conv_nhwc_args &a, int in_image,
+                                                    size_t *plane) {
+    if (!a.out.step) {
+        *plane = (size_t)a.g.p * a.g.q;
+        return in_image;
+    }
+    int p = in_image / a.g.q, q = in_image - p * a.g.q;
+    *plane = (size_t)a.out.h * a.out.w;
+    return (size_t)(p * a.out.step + a.out.row) * a.out.w + q * a.out.step + a.out.col;
+}
 
 /* The block's warps in 2 x 2 over a TM x TN tile: each computes a
    (TM/2) x (TN/2) quarter as 16 x 8 tensor-core tiles, MT x NT of them,
@@ -287,6 +328,28 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
     __syncthreads();
 }
 
+/* A block's tile (the accumulators of its 4 warps, as mgpu__mma_tf32
+   lays them out) to its slice's partial [rows, ld] (rows and columns of
+   the grid's tiles: blockIdx.y and blockIdx.x), those of it inside rows
+   x cols: a lane's two neighbouring values of a row as one 8-byte store,
+   4 lanes a row of 32 bytes (ld and the partial's start even). */
+template <int TM, int TN>
+static __device__ void mgpu__nhwc_store_partial(const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float *partial,
+                                                size_t ld, int rows, int cols) {
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int row0 = blockIdx.y * TM + (warp / 2) * (TM / 2) + lane / 4;
+    int col0 = blockIdx.x * TN + (warp % 2) * (TN / 2) + 2 * (lane % 4);
+    for (int i = 0; i < W::MT; i++)
+        for (int j = 0; j < W::NT; j++)
+            for (int half = 0; half < 2; half++) {
+                int row = row0 + 16 * i + 8 * half, col = col0 + 8 * j; /* col even */
+                if (row < rows && col < cols)
+                    *(float2 *)&partial[(size_t)row * ld + col] =
+                        make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+            }
+}
+
 /* Blocks a multiprocessor should hold; the registers a thread follow
    (65536 / (128 threads x blocks)). The forward kernel: 4 of 64 x 64 (128
    registers), 3 of 128 x 64 and 64 x 128 (170: they use about 150 to
@@ -336,7 +399,11 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
        L2 at 60% of its peak, IPC 1.3). Through L1, ResNet-18's forward
        and dx ran 10 to 25% faster; the weight gradient's copies (below)
        ran slower, and skip it. */
-    int r = 0, s = 0, c0 = 0;
+    /* this block's slice of the steps: `steps` from first_step, step i
+       being channels 32 (i / RS).. of tap i % RS */
+    int first_step = blockIdx.z * a.per, after = rsc / STEP - first_step;
+    int steps = a.per < after ? a.per : after;
+    int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
         const float *w_step = a.w_t + (r * g.s + s) * g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
         mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
@@ -361,8 +428,13 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     };
 
     typename W::acc acc = {};
-    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(rsc / STEP, load,
+    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(steps, load,
                      [&](int stage) { mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, stage); });
+    if (a.splits > 1) { /* the slice's tile to its partial; the sum comes after */
+        size_t ld = mgpu__nhwc_partial_ld(npq);
+        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)blockIdx.z * g.k * ld, ld, g.k, npq);
+        return;
+    }
 
     /* The tile of Y to y [img, filter, p, q], with the bias, as
        conv_implicit.h writes it: each lane's values go to out where
@@ -376,12 +448,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
                     t->out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
                         acc[i][j][e];
     };
-    size_t plane = pq, at = in_image; /* y's plane, and this pixel's place in it */
-    if (a.out.step) {
-        int p = in_image / g.q, q = in_image - p * g.q;
-        plane = (size_t)a.out.h * a.out.w;
-        at = (size_t)(p * a.out.step + a.out.row) * a.out.w + q * a.out.step + a.out.col;
-    }
+    size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
     mgpu__implicit_finish<TM>(row, store, [&](int m0) {
         if (pixel < npq)
             mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * plane + at, plane, filter0 + m0, g.k, a.b,
@@ -397,17 +464,42 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
      : (tile) == MGPU__TILE_128x128 ? (int)sizeof(tiles<128, 128>)                        \
                                     : (int)sizeof(tiles<64, 64>))
 
+/* y = (y if accumulate, else 0) + the bias + the slices' partial tiles,
+   summed in slice order, each value to where `out` puts it. */
+static __global__ void mgpu__conv_nhwc_slices_sum_kernel(mgpu__conv_nhwc_args a) {
+    const mgpu__conv_geom &g = a.g;
+    int pq = g.p * g.q, npq = g.n * pq;
+    size_t ld = mgpu__nhwc_partial_ld(npq), slice = (size_t)g.k * ld;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)g.k * npq) { /* consecutive threads, consecutive pixels */
+        int filter = (int)(i / npq), pixel = (int)(i - (size_t)filter * npq), img = pixel / pq;
+        const float *partial = a.partials + (size_t)filter * ld + pixel;
+        float value = 0.0f;
+        for (int z = 0; z < a.splits; z++) value += partial[z * slice];
+        if (a.b) value += a.b[filter];
+        size_t plane, at = mgpu__nhwc_out_at(a, pixel - img * pq, &plane);
+        float *to = a.y + ((size_t)img * g.k + filter) * plane + at;
+        *to = a.accumulate ? *to + value : value;
+    }
+}
+
 static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__conv_nhwc_args *a = (const mgpu__conv_nhwc_args *)args;
-    void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, a->tile);
-    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, a->tile);
+    mgpu__conv_nhwc_args a = *(const mgpu__conv_nhwc_args *)args;
+    mgpu__conv_nhwc_slices(&a);
+    void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, a.tile);
+    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, a.tile);
     /* More than 48 KB of shared memory must be asked for, on each device
        (a call without the GPU's involvement, cheap enough to make at every
        launch, which saves remembering which devices have been asked). */
     MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.n * a->g.p * a->g.q, a->g.k, 1);
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
+    size_t pixels = (size_t)a.g.n * a.g.p * a.g.q;
+    dim3 grid = mgpu__implicit_grid(a.tile, pixels, a.g.k, a.splits);
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(a);
     MGPU_CUDA_CHECK_LAUNCH();
+    if (a.splits > 1) {
+        mgpu__conv_nhwc_slices_sum_kernel<<<mgpu__grid_for(a.g.k * pixels, 256), 256, 0, stream>>>(a);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
 }
 
 /* ------------------------------ the input gradient at stride t > 1 */
@@ -502,7 +594,23 @@ typedef struct {
     mgpu__conv_geom g;  /* of the convolution (stride > 1) */
     mgpu__implicit_tile tile;
     int accumulate;     /* 1: dx += the gradient; 0: dx = it */
+    int splits;         /* each class's product in slices (0 or 1: none) */
+    float *partials;    /* their scratch: mgpu__conv_nhwc_subpixel_partial_floats */
 } mgpu__conv_nhwc_subpixel_args;
+
+/* The floats of the partials for the largest class of dx of geometry g
+   (the classes' products run one after another on one queue, so one
+   scratch serves them all). */
+static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int splits) {
+    size_t most = 0;
+    for (int e_h = 0; e_h < g->stride; e_h++)
+        for (int e_w = 0; e_w < g->stride; e_w++) {
+            mgpu__subpixel_class k = mgpu__subpixel_class_of(g, e_h, e_w);
+            size_t floats = mgpu__conv_nhwc_partial_floats(&k.g, splits);
+            if (floats > most) most = floats;
+        }
+    return most;
+}
 
 /* dx, class by class: the class's taps, then its product. Where classes
    have no taps and dx is not added to, all of dx is zeroed first (one
@@ -532,7 +640,7 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
             mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
             MGPU_CUDA_CHECK_LAUNCH();
             mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
-                                            a->accumulate};
+                                            a->accumulate, a->splits, 0, a->partials};
             mgpu__conv_nhwc_cuda(&product, ex);
             w_class += taps;
         }
@@ -694,21 +802,8 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
         mgpu__nhwc_dw_multiply<TM, TN>(acc, t->a[stage], t->b[stage]);
     });
 
-    /* The slice's tile straight from the accumulators to its partial: a
-       lane's two neighbouring values of a row as one 8-byte store, 4
-       lanes a row of 32 bytes. */
-    int warp = tid / 32, lane = tid % 32;
-    int row0 = blockIdx.y * TM + (warp / 2) * (TM / 2) + lane / 4;
-    int col0 = blockIdx.x * TN + (warp % 2) * (TN / 2) + 2 * (lane % 4);
-    float *partial = a.partials + (size_t)blockIdx.z * g.k * rsc;
-    for (int i = 0; i < W::MT; i++)
-        for (int j = 0; j < W::NT; j++)
-            for (int half = 0; half < 2; half++) {
-                int f = row0 + 16 * i + 8 * half, n = col0 + 8 * j; /* n even, rsc a multiple of 4 */
-                if (f < g.k && n < rsc)
-                    *(float2 *)&partial[(size_t)f * rsc + n] =
-                        make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
-            }
+    /* the slice's tile straight from the accumulators to its partial (rsc a multiple of 4) */
+    mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)blockIdx.z * g.k * rsc, rsc, g.k, rsc);
 #endif
 }
 

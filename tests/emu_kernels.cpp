@@ -207,26 +207,36 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         char name[128];
         snprintf(name, sizeof name, "channels-last conv %s n%d c%d %dx%d k%d r%d stride %d pad %d",
                  mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
-        if (mgpu__conv_nhwc_fits(&g)) {
-            std::vector<float> y_g = nans(ys);
-            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0};
-            mgpu__conv_nhwc_cuda(&a, &on_gpu);
-            close_in_tf32(name, "y", y_g, y_c);
-        }
-        /* (every value of dx written: NaN otherwise); then added to one there */
-        for (int accumulate = 0; accumulate <= 1 && mgpu__conv_nhwc_dx_fits(&g); accumulate++) {
-            std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
-            if (stride == 1) {
-                mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}, accumulate};
+        /* y and dx with the sum whole, and in 2 and in 3 slices (the last
+           one shorter, or with fewer slices than asked when the steps run out) */
+        for (int splits : {0, 2, 3}) {
+            char sliced[160];
+            snprintf(sliced, sizeof sliced, "%s, %d slices", name, splits);
+            if (mgpu__conv_nhwc_fits(&g)) {
+                std::vector<float> y_g = nans(ys), partials = nans(mgpu__conv_nhwc_partial_floats(&g, splits));
+                mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
+                                          splits, 0, partials.data()};
                 mgpu__conv_nhwc_cuda(&a, &on_gpu);
-            } else { /* the sub-pixel classes */
-                std::vector<float> w_classes = nans(wt.size());
-                mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g, kind,
-                                                   accumulate};
-                mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
-                subpixel_cases++;
+                close_in_tf32(sliced, "y", y_g, y_c);
             }
-            close_in_tf32(name, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+            /* (every value of dx written: NaN otherwise); then added to one there */
+            for (int accumulate = 0; accumulate <= 1 && mgpu__conv_nhwc_dx_fits(&g); accumulate++) {
+                std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
+                if (stride == 1) {
+                    std::vector<float> partials = nans(mgpu__conv_nhwc_partial_floats(&d, splits));
+                    mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {},
+                                              accumulate, splits, 0, partials.data()};
+                    mgpu__conv_nhwc_cuda(&a, &on_gpu);
+                } else { /* the sub-pixel classes */
+                    std::vector<float> w_classes = nans(wt.size());
+                    std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, splits));
+                    mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
+                                                       kind, accumulate, splits, partials.data()};
+                    mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
+                    subpixel_cases++;
+                }
+                close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+            }
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             /* in the library's slices, and in one, and in slices of one step
@@ -271,7 +281,7 @@ TEST(channels_last_convolution) {
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
-    CHECK(subpixel_cases == 2 * 4 * MGPU__TILE_KINDS); /* overwriting dx, and adding to it */
+    CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

@@ -296,7 +296,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel gather = {MGPU__GATHER, tile}, channels_last = {MGPU__CHANNELS_LAST, tile};
+        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1}, channels_last = {MGPU__CHANNELS_LAST, tile, 1};
+        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2}; /* y and dx: the sum in 2 slices */
         mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
@@ -309,11 +310,17 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             mgpu_fill(y.g, NAN);
             mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, channels_last, &x_t);
             check_same(what, "y", &y, 2e-3);
+            mgpu_fill(y.g, NAN);
+            mgpu__conv_forward_implicit(y.g, x.g, x_t, wt.g, b.g, &g, sliced, NULL);
+            check_same(what, "y in 2 slices", &y, 2e-3);
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
             mgpu_fill(dx.g, NAN);
             mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, channels_last, 0);
             check_same(what, "dx", &dx, 2e-3);
+            mgpu_fill(dx.g, NAN);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, sliced, 0);
+            check_same(what, "dx in 2 slices", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
@@ -380,14 +387,14 @@ TEST(conv_algorithm_chosen_by_measuring) {
     for (int i = before; i < mgpu__conv_choice_count; i++) {
         const mgpu__conv_plan *p = &mgpu__conv_choices[i].plan;
         if (!mgpu__conv_choices[i].backward)
-            printf("  auto: forward, %s (%s %s)\n", p->implicit ? "implicit GEMM" : "im2col",
-                   mgpu__implicit_family_names[p->y.family], mgpu__implicit_tile_names[p->y.tile]);
+            printf("  auto: forward, %s (%s %s, %d slices)\n", p->implicit ? "implicit GEMM" : "im2col",
+                   mgpu__implicit_family_names[p->y.family], mgpu__implicit_tile_names[p->y.tile], p->y.splits);
         else if (!p->implicit)
             printf("  auto: backward, im2col for both gradients\n");
         else
-            printf("  auto: backward, dx by %s %s, dW by %s %s\n",
+            printf("  auto: backward, dx by %s %s (%d slices), dW by %s %s\n",
                    p->dx_im2col ? "im2col" : mgpu__implicit_family_names[p->dx.family],
-                   p->dx_im2col ? "alone" : mgpu__implicit_tile_names[p->dx.tile],
+                   p->dx_im2col ? "alone" : mgpu__implicit_tile_names[p->dx.tile], p->dx.splits,
                    p->dw_im2col ? "im2col" : mgpu__implicit_family_names[p->dw.family],
                    p->dw_im2col ? "alone" : mgpu__implicit_tile_names[p->dw.tile]);
     }
@@ -446,7 +453,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -502,8 +509,8 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
     char name[96];
-    snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride,
-             dx_im2col ? "im2col" : mgpu__implicit_family_names[kernel.family]);
+    snprintf(name, sizeof name, "residual block, stride %d, dx by %s, %d slices", stride,
+             dx_im2col ? "im2col" : mgpu__implicit_family_names[kernel.family], kernel.splits);
     mgpu_manual_seed(11);
     mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
     mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
@@ -542,12 +549,14 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64};
-    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1};
+    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
+    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2};
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
         residual_block_compare(stride, channels_last, 0);
+        residual_block_compare(stride, sliced, 0);
     }
     mgpu_set_tf32(0, 0);
 }
@@ -581,7 +590,7 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
         mgpu__conv_geometry("net", half, mgpu_shape4(64, 64, 3, 3), 1, 1), /* its conv2 */
         mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 1, 1), 2, 0),   /* its shortcut */
     };
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64};
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     for (int i = 0; i < 4; i++)
