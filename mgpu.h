@@ -974,6 +974,11 @@ struct mgpu_layer {
        its input gradient, written instead of it (output_t, dinput_t) */
     const mgpu_tensor *input_t;
     mgpu_tensor *own_input_t, *output_t, *dinput_t;
+    /* and a convolution's of its weights, for its forward kernel (w_t) and
+       turned round for its input gradient's (w'_t), where those read them:
+       made at the first pass that does, then remade by each forward pass
+       of the network, all in a few launches (mgpu__net_weight_copies) */
+    mgpu_tensor *weight_t, *weight_turned_t;
 };
 
 #define MGPU_NET_MAX_PARAMS 128
@@ -4341,18 +4346,40 @@ static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, 
     return t;
 }
 
+/* The copy of weights w [K, C, R*S] (k, c, rs given) to w_t [K, RS, C],
+   or turned, to w'_t [C, RS flipped, K] (the weights of the input
+   gradient's convolution: conv_nhwc.h), into out. */
+static mgpu__channels_last_args mgpu__weights_copy(float *out, const float *w, int k, int c, int rs,
+                                                   int turned) {
+    mgpu__channels_last_args a = {{out, k, c, rs, 0}, w};
+    mgpu__channels_last_to turned_to = {out, 1, k, c * rs, rs};
+    if (turned) a.to = turned_to;
+    return a;
+}
+static mgpu_shape mgpu__weights_copy_shape(const mgpu__channels_last_to *to) {
+    return mgpu_shape3(to->outer, to->cols, to->rows);
+}
+
 /* out = conv(in_t, w) + b with conv_nhwc.h's kernel, in geometry g, from
-   the channels-last copy in_t of the input, after copying the weights to
-   channels-last TF32; as w' (flipped, filters and channels swapped) when
+   the channels-last copy in_t of the input and the weights' channels-last
+   TF32 copy; as w' (turned: flipped, filters and channels swapped) when
    the convolution is the input gradient's (for_dx: in_t is dy's copy, g
-   is mgpu__conv_dx_geometry). accumulate: out += the product. */
+   is mgpu__conv_dx_geometry). keep_w_t: where the caller keeps the
+   weights' copy; used if there (the caller made it from the weights as
+   they are), else made and left there (NULL: made and freed).
+   accumulate: out += the product. */
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
-                                     const float *b, const mgpu__conv_geom *g, int for_dx,
-                                     mgpu__implicit_kernel kernel, int accumulate) {
-    int rs = g->r * g->s;
-    /* w [K, C, RS] -> [K, RS, C]; for dx, w [C', K', RS] (C' = g->k) -> w' [K', RS flipped, C'] */
-    mgpu_tensor *w_t = for_dx ? mgpu__channels_last_copy(dev, w, 1, g->c, g->k * rs, rs)
-                              : mgpu__channels_last_copy(dev, w, g->k, g->c, rs, 0);
+                                     mgpu_tensor **keep_w_t, const float *b, const mgpu__conv_geom *g,
+                                     int for_dx, mgpu__implicit_kernel kernel, int accumulate) {
+    mgpu_tensor *w_t = keep_w_t ? *keep_w_t : NULL, *own_w_t = NULL;
+    if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
+        mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, g->r * g->s, 1)
+                                               : mgpu__weights_copy(NULL, w, g->k, g->c, g->r * g->s, 0);
+        w_t = own_w_t = mgpu_empty(dev, mgpu__weights_copy_shape(&copy.to));
+        copy.to.out = w_t->data;
+        MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, copy);
+        if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
+    }
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
@@ -4360,7 +4387,7 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
                     NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
     mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
-    mgpu_free(w_t);
+    mgpu_free(own_w_t);
 }
 /* dy's channels-last copy for the backward kernels: the caller's dy_t
    when it made one for both gradients, else a new one, in *own, to be
@@ -4378,13 +4405,14 @@ static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_ten
    gives one (a network keeps it for the weight gradient, which needs the
    same copy), else frees it. */
 static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *x_t,
-                                        const mgpu_tensor *w, const mgpu_tensor *b, const mgpu__conv_geom *g,
-                                        mgpu__implicit_kernel kernel, mgpu_tensor **keep_x_t) {
+                                        const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu_tensor *b,
+                                        const mgpu__conv_geom *g, mgpu__implicit_kernel kernel,
+                                        mgpu_tensor **keep_x_t) {
     mgpu_device *dev = x->device;
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, b ? b->data : NULL, g, 0,
-                                 kernel, 0);
+        mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, keep_w_t, b ? b->data : NULL,
+                                 g, 0, kernel, 0);
         if (keep_x_t) *keep_x_t = own;
         else mgpu_free(own);
         return;
@@ -4393,14 +4421,15 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
     mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a, sizeof a);
 }
 static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                   const mgpu_tensor *w, const mgpu__conv_geom *g,
+                                   const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu__conv_geom *g,
                                    mgpu__implicit_kernel kernel, int add_to_dx) {
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *own;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (g->stride == 1) {
             mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, NULL, &d, 1, kernel, add_to_dx);
+            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, keep_w_t, NULL, &d, 1, kernel,
+                                     add_to_dx);
         } else { /* the sub-pixel classes, each with its taps of w */
             mgpu_tensor *w_classes = mgpu_empty(dx->device, w->shape);
             mgpu_tensor *partials =
@@ -4500,8 +4529,10 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
         break;
     case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
     case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
-    case MGPU__TRY_Y: mgpu__conv_forward_implicit(t->y, t->x, NULL, t->w, t->b, t->g, kernel, NULL); break;
-    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, t->g, kernel, 0); break;
+    case MGPU__TRY_Y:
+        mgpu__conv_forward_implicit(t->y, t->x, NULL, t->w, NULL, t->b, t->g, kernel, NULL);
+        break;
+    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, NULL, t->g, kernel, 0); break;
     case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, NULL, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
@@ -4664,10 +4695,12 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
 /* mgpu_conv2d_forward; x_t: x's channels-last copy, if the caller has
    one (else NULL); with keep_x_t, a channels-last forward that made its
    own copy of x leaves it there for the backward pass (*keep_x_t is freed
-   first, and stays NULL when the forward took another path). */
+   first, and stays NULL when the forward took another path); keep_w_t:
+   where the caller keeps the weights' channels-last copy, or NULL (as
+   mgpu__conv_channels_last says). */
 static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *x_t,
-                                 const mgpu_tensor *w, const mgpu_tensor *b, int stride, int pad,
-                                 mgpu_tensor **keep_x_t) {
+                                 const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu_tensor *b, int stride,
+                                 int pad, mgpu_tensor **keep_x_t) {
     const char *op = "mgpu_conv2d_forward";
     if (keep_x_t) {
         mgpu_free(*keep_x_t); /* before the new copy, which may then take its memory */
@@ -4691,26 +4724,29 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
     mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t);
     if (plan.implicit) {
-        mgpu__conv_forward_implicit(y, x, x_t, w, b, &g, plan.y, keep_x_t);
+        mgpu__conv_forward_implicit(y, x, x_t, w, keep_w_t, b, &g, plan.y, keep_x_t);
         return;
     }
 #endif
+    (void)keep_w_t;
     mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                   const mgpu_tensor *b, int stride, int pad) {
-    mgpu__conv2d_forward(y, x, NULL, w, b, stride, pad, NULL);
+    mgpu__conv2d_forward(y, x, NULL, w, NULL, b, stride, pad, NULL);
 }
 
 /* mgpu_conv2d_backward; x_t: x's channels-last copy, or NULL; dy_t:
    dy's, or NULL: given only where the plan reads dy through it alone
    (mgpu__conv_plan_reads_dy_t_only), and then dy's values are not read
-   (a network's batch norm wrote dy_t instead of dy); add_to_dx: dx += the
-   input gradient (else dx = it; `accumulate` is the same for dw and db). */
+   (a network's batch norm wrote dy_t instead of dy); keep_w_t: as in the
+   forward pass, for the turned weights of dx's kernel; add_to_dx: dx +=
+   the input gradient (else dx = it; `accumulate` is the same for dw and
+   db). */
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,
-                                  const mgpu_tensor *x_t, const mgpu_tensor *w, int stride, int pad,
-                                  int accumulate, int add_to_dx) {
+                                  const mgpu_tensor *x_t, const mgpu_tensor *w, mgpu_tensor **keep_w_t,
+                                  int stride, int pad, int accumulate, int add_to_dx) {
     const char *op = "mgpu_conv2d_backward";
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
@@ -4748,7 +4784,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
         if (!dy_t && dx_cl && dw_cl)
             dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0, add_to_dx);
-        else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, &g, plan.dx, add_to_dx);
+        else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, keep_w_t, &g, plan.dx, add_to_dx);
         if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
         else mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
         mgpu_free(own_dy_t);
@@ -4763,12 +4799,13 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     }
 #if !MGPU_CUDA
     (void)x_t;
+    (void)keep_w_t;
 #endif
 }
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                    const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu_tensor *w, int stride, int pad, int accumulate) {
-    mgpu__conv2d_backward(dx, dw, db, dy, NULL, x, NULL, w, stride, pad, accumulate, 0);
+    mgpu__conv2d_backward(dx, dw, db, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, 0);
 }
 
 /* --------------------------------------------------------------- pooling */
@@ -5990,6 +6027,10 @@ MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *
    convolution reads them is its plan's, measured at its first call (so
    the first step still copies). The tests turn this off to compare. */
 static int mgpu__batch_norm_writes_channels_last = 1;
+/* And the convolutions keep their weights' copies, which the network
+   remakes before each forward pass, all in a few launches
+   (mgpu__net_weight_copies); the tests turn this off to compare too. */
+static int mgpu__network_keeps_weight_copies = 1;
 
 /* Whether convolution layer l, on input shape x, reads x's channels-last
    copy: for y, or for dW (at either pass's first call, not yet); with
@@ -6079,8 +6120,9 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
     case MGPU_LAYER_CONV:
         mgpu_ensure(&l->output, d,
                      mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
-        mgpu__conv2d_forward(l->output, x, x_t, l->weight.value, l->bias.value, l->stride, l->pad,
-                             &l->own_input_t);
+        mgpu__conv2d_forward(l->output, x, x_t, l->weight.value,
+                             mgpu__network_keeps_weight_copies ? &l->weight_t : NULL, l->bias.value, l->stride,
+                             l->pad, &l->own_input_t);
         l->input_t = x_t ? x_t : l->own_input_t;
         break;
     case MGPU_LAYER_BATCHNORM:
@@ -6113,9 +6155,45 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
     return l->output;
 }
 
+/* The weights' channels-last copies the network's convolutions keep
+   (weight_t; in training also weight_turned_t, for the backward pass that
+   follows), remade from the weights as they are now: 16 copies a launch
+   (kernels/channels_last.h), where each convolution made its own twice a
+   step before (and the first step still does, as its plans are measured
+   there). The weights do not change between a forward pass and its
+   backward pass, whose activations are the forward's too. */
+static void mgpu__net_weight_copies(mgpu_net *net) {
+#if MGPU_CUDA
+    mgpu__channels_last_list_args list;
+    memset(&list, 0, sizeof list);
+    for (int i = 0; i < net->nlayers; i++) {
+        mgpu_layer *l = net->layers[i], *convs[3] = {l, NULL, NULL};
+        if (l->kind == MGPU_LAYER_RESIDUAL) convs[0] = l->conv1, convs[1] = l->conv2, convs[2] = l->shortcut;
+        for (int c = 0; c < 3; c++) {
+            mgpu_layer *conv = convs[c];
+            if (!conv || conv->kind != MGPU_LAYER_CONV) continue;
+            const mgpu_tensor *w = conv->weight.value;
+            int filters = w->shape.d[0], channels = w->shape.d[1], taps = w->shape.d[2] * w->shape.d[3];
+            for (int turned = 0; turned <= net->training; turned++) {
+                mgpu_tensor *copy = turned ? conv->weight_turned_t : conv->weight_t;
+                if (copy && mgpu__channels_last_list_add(&list, mgpu__weights_copy(copy->data, w->data, filters,
+                                                                                   channels, taps, turned))) {
+                    MGPU__ENQUEUE(net->device, "conv2d channels-last weights", mgpu__channels_last_list, list);
+                    memset(&list, 0, sizeof list);
+                }
+            }
+        }
+    }
+    if (list.count) MGPU__ENQUEUE(net->device, "conv2d channels-last weights", mgpu__channels_last_list, list);
+#else
+    (void)net;
+#endif
+}
+
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
                  x->device->name, net->device->name);
+    mgpu__net_weight_copies(net);
     const mgpu_tensor *h = x, *h_t = NULL;
     for (int i = 0; i < net->nlayers; i++) {
         mgpu_layer *l = net->layers[i];
@@ -6147,7 +6225,9 @@ static int mgpu__bias_cancelled_by(const mgpu_layer *next) {
 static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
                                       const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx) {
     mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy, dy_t,
-                          l->input, l->input_t, l->weight.value, l->stride, l->pad, 1, add_to_dx);
+                          l->input, l->input_t, l->weight.value,
+                          mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad, 1,
+                          add_to_dx);
 }
 /* Batch norm layer l's backward pass; prev: the convolution before it
    whose backward takes its input gradient (with_dx: as there), or NULL.
@@ -6340,6 +6420,7 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     *l = *src; /* the settings */
     l->input = l->input_t = NULL;
     l->output = l->dinput = l->dsum = l->own_input_t = l->output_t = l->dinput_t = NULL;
+    l->weight_t = l->weight_turned_t = NULL;
     if (src->weight.value) {
         l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
         l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
@@ -6388,6 +6469,8 @@ static void mgpu__layer_free(mgpu_layer *l) {
     mgpu_free(l->own_input_t);
     mgpu_free(l->output_t);
     mgpu_free(l->dinput_t);
+    mgpu_free(l->weight_t);
+    mgpu_free(l->weight_turned_t);
     mgpu__layer_free(l->conv1);
     mgpu__layer_free(l->bn1);
     mgpu__layer_free(l->conv2);

@@ -87,11 +87,11 @@ static void im2col_backward(void *p) {
 #if MGPU_CUDA
 static void implicit_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_forward_implicit(c->y, c->x, NULL, c->w, c->b, &c->g, c->kernel, NULL);
+    mgpu__conv_forward_implicit(c->y, c->x, NULL, c->w, NULL, c->b, &c->g, c->kernel, NULL);
 }
 static void implicit_dx(void *p) {
     conv_ctx *c = (conv_ctx *)p;
-    mgpu__conv_dx_implicit(c->dx, c->dy, NULL, c->w, &c->g, c->kernel, 0);
+    mgpu__conv_dx_implicit(c->dx, c->dy, NULL, c->w, NULL, &c->g, c->kernel, 0);
 }
 static void implicit_dw(void *p) {
     conv_ctx *c = (conv_ctx *)p;

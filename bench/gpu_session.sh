@@ -113,7 +113,8 @@ sanitize() {
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
 # by measuring (MGPU_CONV=auto, the default), with the convolutions
-# making their own channels-last copies (not batch norm), with each
+# making their own channels-last copies of x and dy (not batch norm), and
+# of their weights (not the network, in a few launches), with each
 # algorithm alone, and in float32; then the step time for other sizes of the im2col scratch
 # (256 MiB by default on a GPU: the H100 sweep of 2026-11-22 found the
 # step faster the larger the scratch, from 16 MiB, which keeps a chunk's
@@ -122,6 +123,7 @@ profile() {
     ./bench/conv && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
         ./bench/profile --data "$MGPU_DATA" &&
         echo && ./bench/profile --data "$MGPU_DATA" --convolutions-copy &&
+        echo && ./bench/profile --data "$MGPU_DATA" --weights-copy &&
         echo && MGPU_CONV=im2col ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_CONV=implicit ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA" || return 1

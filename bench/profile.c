@@ -1,7 +1,7 @@
 /* bench/profile.c: where does the time of a ResNet-18 training step go?
 
    make bench/profile && ./bench/profile [--batch-size N] [--steps N] [--cpu]
-                                         [--convolutions-copy]
+                                         [--convolutions-copy] [--weights-copy]
 
    One device, chapter 3's network and step (mgpu_data_parallel on one
    device: forward, backward, SGD), on one Fashion-MNIST batch of 256 (32
@@ -17,8 +17,10 @@
    (im2col, col2im, layout) against batch norm and the rest.
 
    --convolutions-copy: the convolutions make their channels-last copies
-   themselves, as before batch norm wrote them (mgpu.h, "channels-last"),
-   to measure what that saves.
+   of x and dy themselves, as before batch norm wrote them (mgpu.h,
+   "channels-last"), to measure what that saves; --weights-copy: each
+   convolution copies its weights at each pass, as before the network
+   kept the copies and remade them all in a few launches.
 
    The last line is for bench/run.sh, which turns the step time into
    TFLOP/s with the network's FLOP count:
@@ -29,16 +31,18 @@
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
-    int steps = 0, convolutions_copy = 0;
+    int steps = 0, convolutions_copy = 0, weights_copy = 0;
     const mgpu_flag extra[] = {
         {"--steps", 'i', &steps, "steps timed, then traced (default 20 on a GPU, 3 on the CPU)"},
         {"--convolutions-copy", 'b', &convolutions_copy,
-         "the convolutions copy to channels-last, not batch norm"},
+         "the convolutions copy x and dy to channels-last, not batch norm"},
+        {"--weights-copy", 'b', &weights_copy, "each convolution copies its weights at each pass"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "bench/profile: the time of a ResNet-18 training step, and where it goes",
-                       extra, 2);
+                       extra, 3);
     mgpu__batch_norm_writes_channels_last = !convolutions_copy;
+    mgpu__network_keeps_weight_copies = !weights_copy;
     mgpu_device *dev[1];
     mgpu_devices(1, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);

@@ -82,16 +82,16 @@ struct mgpu__copy_source {
    and at most 32 registers a thread let 8 blocks (all 64 warps a
    multiprocessor holds) share one. (With 50 registers and the index
    arithmetic in 64 bits, Nsight Compute found 4 blocks resident and 1.4
-   TB/s, 41% of an H100's memory rate.) */
+   TB/s, 41% of an H100's memory rate.) The tile of matrices o0, o0 +
+   o_step, ...: */
 template <class Source>
-static __global__ void __launch_bounds__(256, 8)
-mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
-    __shared__ float tile[32][33];
+static __device__ __forceinline__ void mgpu__channels_last_tile(const Source &src,
+                                                                const mgpu__channels_last_to &a, int i0, int j0,
+                                                                int o0, int o_step, float (*tile)[33]) {
     int lane = threadIdx.x % 32, row = threadIdx.x / 32;
-    int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32;
     bool reads = j0 + lane < a.cols, writes = i0 + lane < a.rows; /* this lane's column, then row */
     size_t matrix = (size_t)a.rows * a.cols;
-    for (int o = blockIdx.z; o < a.outer; o += gridDim.z) {
+    for (int o = o0; o < a.outer; o += o_step) {
         size_t at = o * matrix + (size_t)i0 * a.cols + j0 + lane; /* [o, i0, j0 + lane] */
         float *out = a.out + o * matrix + i0 + lane;             /* out[o, 0, i0 + lane] */
         for (int k = 0; k < 4; k++) {
@@ -110,6 +110,12 @@ mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
         }
         __syncthreads(); /* the tile is read before the next matrix takes it */
     }
+}
+template <class Source>
+static __global__ void __launch_bounds__(256, 8)
+mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
+    __shared__ float tile[32][33];
+    mgpu__channels_last_tile(src, a, blockIdx.y * 32, blockIdx.x * 32, blockIdx.z, gridDim.z, tile);
 }
 /* The same in 16-byte accesses, where rows and columns are whole vectors
    and nothing is flipped (the activations but those of 7x7 images): a
@@ -166,5 +172,55 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
         !a->to.flip && a->to.rows % 4 == 0 && mgpu__vector_width((size_t)a->to.cols, tensors, 2) == 4;
     mgpu__copy_source src = {a->in};
     mgpu__channels_last_launch(src, a->to, vectors, (cudaStream_t)ex->stream);
+}
+
+/* Many plain copies in one launch: a network's weights, to w_t before its
+   forward pass and to w'_t before its backward pass (mgpu.h). ResNet-18
+   has 20 convolutions, most of whose weights are a few hundred KB: one
+   launch each, each too small to fill the GPU, took about as long as a
+   copy of a whole batch of activations. As in kernels/sgd.h's lists, copy
+   c takes blocks first_block[c] .. first_block[c + 1] - 1, one 32 x 32
+   tile each, and a block finds its copy by walking the short list. */
+#define MGPU__COPIES_MAX 16
+typedef struct {
+    int count;
+    mgpu__channels_last_args copy[MGPU__COPIES_MAX];
+    int first_block[MGPU__COPIES_MAX + 1]; /* first_block[0] = 0 */
+} mgpu__channels_last_list_args;
+
+/* The tiles of a copy: 32 x 32 of each of its `outer` matrices. */
+static MGPU__HOSTDEVICE int mgpu__channels_last_tiles(const mgpu__channels_last_to *to, int *across) {
+    *across = (to->cols + 31) / 32;
+    return *across * ((to->rows + 31) / 32) * to->outer;
+}
+/* Appends a copy to the list; returns 1 once the list is full. */
+static int mgpu__channels_last_list_add(mgpu__channels_last_list_args *l, mgpu__channels_last_args copy) {
+    int c = l->count++, across;
+    l->copy[c] = copy;
+    l->first_block[c + 1] = l->first_block[c] + mgpu__channels_last_tiles(&copy.to, &across);
+    return l->count == MGPU__COPIES_MAX;
+}
+
+static void mgpu__channels_last_list_cpu(const void *args, const mgpu__exec *ex) {
+    const mgpu__channels_last_list_args *l = (const mgpu__channels_last_list_args *)args;
+    for (int c = 0; c < l->count; c++) mgpu__channels_last_cpu(&l->copy[c], ex);
+}
+
+static __global__ void __launch_bounds__(256, 8)
+mgpu__channels_last_list_kernel(mgpu__channels_last_list_args l) {
+    __shared__ float tile[32][33];
+    int c = 0, block = blockIdx.x;
+    while (block >= l.first_block[c + 1]) c++;
+    const mgpu__channels_last_to &to = l.copy[c].to;
+    int across, rest = block - l.first_block[c];
+    mgpu__channels_last_tiles(&to, &across);
+    int tiles = across * ((to.rows + 31) / 32), o = rest / tiles, t = rest - o * tiles;
+    mgpu__copy_source src = {l.copy[c].in};
+    mgpu__channels_last_tile(src, to, t / across * 32, t % across * 32, o, to.outer, tile); /* (one matrix) */
+}
+static void mgpu__channels_last_list_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__channels_last_list_args *l = (const mgpu__channels_last_list_args *)args;
+    mgpu__channels_last_list_kernel<<<l->first_block[l->count], 256, 0, (cudaStream_t)ex->stream>>>(*l);
+    MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif

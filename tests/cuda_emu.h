@@ -71,6 +71,7 @@ static dim3 blockDim, gridDim;
 #define __device__
 #define __launch_bounds__(...)
 #define __host__
+#define __forceinline__ inline
 #define __shared__ static
 #define MGPU_CUDA 1
 #define MGPU_CUDA_EMU 1

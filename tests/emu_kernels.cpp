@@ -306,6 +306,39 @@ TEST(channels_last_copy) {
     }
 }
 
+/* Many copies in one launch (a network's weights): each exactly as when
+   copied alone, over lists of 1 and of MGPU__COPIES_MAX copies of
+   matrices with partial tiles, flipped or not, one or several of them. */
+TEST(channels_last_copies_in_one_launch) {
+    int shapes[][4] = {{64, 32, 9, 0}, {1, 64, 288, 9}, {3, 33, 65, 0}, {2, 40, 45, 9}, {5, 7, 1, 0}};
+    for (int count : {1, MGPU__COPIES_MAX}) {
+        std::vector<std::vector<float>> ins, outs;
+        mgpu__channels_last_list_args list = {};
+        for (int c = 0; c < count; c++) {
+            int *sh = shapes[c % 5];
+            ins.push_back(random_values((size_t)sh[0] * sh[1] * sh[2]));
+            outs.push_back(nans(ins.back().size()));
+        }
+        for (int c = 0; c < count; c++) {
+            int *sh = shapes[c % 5];
+            mgpu__channels_last_args a = {{outs[c].data(), sh[0], sh[1], sh[2], sh[3]}, ins[c].data()};
+            CHECK(mgpu__channels_last_list_add(&list, a) == (c == MGPU__COPIES_MAX - 1));
+        }
+        mgpu__channels_last_list_cuda(&list, &on_gpu);
+        for (int c = 0; c < count; c++) {
+            int *sh = shapes[c % 5];
+            same("a list's channels-last copy", outs[c], channels_last(ins[c], sh[0], sh[1], sh[2], sh[3]), 0);
+            std::fill(outs[c].begin(), outs[c].end(), NAN); /* (in place: the list points there) */
+        }
+        mgpu__channels_last_list_cpu(&list, &on_cpu); /* the CPU's, into the same outputs */
+        for (int c = 0; c < count; c++) {
+            int *sh = shapes[c % 5];
+            std::vector<float> alone = channels_last(ins[c], sh[0], sh[1], sh[2], sh[3]);
+            same("a list's channels-last copy (CPU)", outs[c], alone, 0);
+        }
+    }
+}
+
 /* The implicit GEMMs' division by multiplying (mgpu__div) against the
    CPU's division: every divisor to 3000 and divisors near powers of two
    up to 2^31 - 1, each with dividends near 0, near multiples of the

@@ -298,29 +298,31 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1}, channels_last = {MGPU__CHANNELS_LAST, tile, 1};
         mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2}; /* y and dx: the sum in 2 slices */
-        mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, gather, NULL);
-        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, gather, 0);
+        mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
+        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
         check_same(what, "y", &y, 2e-3);
         check_same(what, "dx", &dx, 2e-3);
         check_same(what, "dw", &dw, 2e-3);
         snprintf(what, sizeof what, "%s, channels-last, tile %s", name, mgpu__implicit_tile_names[tile]);
         mgpu_tensor *x_t = NULL; /* the forward's copy of x, kept for dW */
+        mgpu_tensor *w_t = NULL, *w_turned_t = NULL; /* the weights' copies, kept for the next call */
         if (mgpu__conv_nhwc_fits(&g)) {
             mgpu_fill(y.g, NAN);
-            mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, b.g, &g, channels_last, &x_t);
+            mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, &w_t, b.g, &g, channels_last, &x_t);
             check_same(what, "y", &y, 2e-3);
             mgpu_fill(y.g, NAN);
-            mgpu__conv_forward_implicit(y.g, x.g, x_t, wt.g, b.g, &g, sliced, NULL);
-            check_same(what, "y in 2 slices", &y, 2e-3);
+            mgpu__conv_forward_implicit(y.g, x.g, x_t, wt.g, &w_t, b.g, &g, sliced, NULL);
+            check_same(what, "y in 2 slices, from the kept copies of x and w", &y, 2e-3);
         }
         if (mgpu__conv_nhwc_dx_fits(&g)) {
             mgpu_fill(dx.g, NAN);
-            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, channels_last, 0);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &w_turned_t, &g, channels_last, 0);
             check_same(what, "dx", &dx, 2e-3);
+            CHECK((w_turned_t != NULL) == (stride == 1)); /* (the sub-pixel classes take their own) */
             mgpu_fill(dx.g, NAN);
-            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &g, sliced, 0);
-            check_same(what, "dx in 2 slices", &dx, 2e-3);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &w_turned_t, &g, sliced, 0);
+            check_same(what, "dx in 2 slices, from the kept copy of w", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
@@ -333,6 +335,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             }
         }
         mgpu_free(x_t);
+        mgpu_free(w_t);
+        mgpu_free(w_turned_t);
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
@@ -561,6 +565,73 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     mgpu_set_tf32(0, 0);
 }
 
+/* The networks below: a stem convolution and batch norm, a stride-1
+   block, a stride-2 block with the 1x1 shortcut, pooling and a linear
+   layer, on the CPU (to be replicated to the GPU), for a batch of 2
+   images of 32 x 6 x 6, with every convolution's plans set by hand to
+   `kernel` in every pass; *before: the plans' count before these. */
+static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
+static mgpu_net *small_network(mgpu__implicit_kernel kernel, int *before) {
+    mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
+    mgpu__conv_geom geoms[] = {
+        mgpu__conv_geometry("net", xs, mgpu_shape4(32, 32, 3, 3), 1, 1),   /* stem, block 1 */
+        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 3, 3), 2, 1),   /* block 2's conv1 */
+        mgpu__conv_geometry("net", half, mgpu_shape4(64, 64, 3, 3), 1, 1), /* its conv2 */
+        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 1, 1), 2, 0),   /* its shortcut */
+    };
+    mgpu__conv_plan plan = {1, 0, 0, kernel, kernel, kernel};
+    *before = mgpu__conv_choice_count;
+    for (int i = 0; i < 4; i++)
+        for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
+            mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
+            mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+        }
+    mgpu_net *model = mgpu__net_new(mgpu_cpu());
+    mgpu__net_add(model, mgpu__conv_new("stem", 32, 32, 3, 1, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__batchnorm_new("stem.bn", 32, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__residual_new("block1", 32, 32, 1, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__residual_new("block2", 32, 64, 2, mgpu_cpu()));
+    mgpu__net_add(model, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
+    mgpu__net_add(model, mgpu__linear_new("fc", 64, 10, mgpu_cpu()));
+    return model;
+}
+/* What the two tests below share: the model, a batch and its labels. */
+typedef struct {
+    mgpu_net *model;
+    mgpu_tensor *x, *y;
+    int before;
+} small_test;
+static small_test small_test_new(mgpu__implicit_kernel kernel) {
+    small_test t;
+    float labels[2] = {3, 7};
+    t.model = small_network(kernel, &t.before);
+    t.x = mgpu_randn(gpu, small_batch(), 0.0f, 1.0f);
+    t.y = mgpu_from_host(gpu, mgpu_shape1(2), labels);
+    return t;
+}
+/* Checks that two networks give the same logits and, bit for bit, the
+   same parameter gradients (grads) or values; then frees them and the
+   test's tensors, and forgets the plans set by hand. */
+static void same_networks(small_test *t, const char *name, mgpu_net *nets[2], mgpu_tensor *logits[2],
+                          int grads) {
+    pair out = {logits[0], logits[1]};
+    check_same(name, "logits", &out, 0);
+    for (int i = 0; i < t->model->nparams; i++) {
+        pair p = {grads ? nets[0]->params[i]->grad : nets[0]->params[i]->value,
+                  grads ? nets[1]->params[i]->grad : nets[1]->params[i]->value};
+        char what[32];
+        snprintf(what, sizeof what, "%s %d", grads ? "gradient" : "parameter", i);
+        check_same(name, what, &p, 0);
+    }
+    mgpu__conv_choice_count = t->before;
+    mgpu_net_free(t->model);
+    mgpu_net_free(nets[0]);
+    mgpu_net_free(nets[1]);
+    mgpu_free(t->x);
+    mgpu_free(t->y);
+    mgpu_set_tf32(0, 0);
+}
+
 /* A network whose convolutions all take the channels-last kernels (plans
    set by hand, as above): each batch norm writes the next convolution's
    input channels-last beside its output (the stem's for the first block,
@@ -583,40 +654,18 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu_shape xs = mgpu_shape4(2, 32, 6, 6), half = mgpu_shape4(2, 64, 3, 3);
-    mgpu__conv_geom geoms[] = {
-        mgpu__conv_geometry("net", xs, mgpu_shape4(32, 32, 3, 3), 1, 1),   /* stem, block 1 */
-        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 3, 3), 2, 1),   /* block 2's conv1 */
-        mgpu__conv_geometry("net", half, mgpu_shape4(64, 64, 3, 3), 1, 1), /* its conv2 */
-        mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 1, 1), 2, 0),   /* its shortcut */
-    };
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
-    mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
-    int before = mgpu__conv_choice_count;
-    for (int i = 0; i < 4; i++)
-        for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
-            mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
-            mgpu__conv_choices[mgpu__conv_choice_count++] = c;
-        }
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
     mgpu_manual_seed(13);
-    mgpu_net *model = mgpu__net_new(mgpu_cpu());
-    mgpu__net_add(model, mgpu__conv_new("stem", 32, 32, 3, 1, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__batchnorm_new("stem.bn", 32, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__residual_new("block1", 32, 32, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__residual_new("block2", 32, 64, 2, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
-    mgpu__net_add(model, mgpu__linear_new("fc", 64, 10, mgpu_cpu()));
-    float labels[2] = {3, 7};
-    mgpu_tensor *x = mgpu_randn(gpu, xs, 0.0f, 1.0f), *y = mgpu_from_host(gpu, mgpu_shape1(2), labels);
+    small_test test = small_test_new(kernel);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
         mgpu__batch_norm_writes_channels_last = k;
-        nets[k] = mgpu_net_replicate(model, gpu);
+        nets[k] = mgpu_net_replicate(test.model, gpu);
         for (int step = 0; step < 2; step++) { /* the same step again, bn1's outputs NaN */
             mgpu_net_zero_grad(nets[k]);
-            logits[k] = mgpu_net_forward(nets[k], x);
-            mgpu_net_loss_backward(nets[k], logits[k], y, 0.5f, NULL);
+            logits[k] = mgpu_net_forward(nets[k], test.x);
+            mgpu_net_loss_backward(nets[k], logits[k], test.y, 0.5f, NULL);
             if (step > 0) break;
             mgpu_fill(nets[k]->layers[2]->bn1->output, NAN);
             mgpu_fill(nets[k]->layers[3]->bn1->output, NAN);
@@ -635,21 +684,48 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
         CHECK((l[1]->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
         CHECK(all_nan(l[2]->bn1->output) == wrote && all_nan(l[3]->bn1->output) == wrote);
     }
-    pair out = {logits[0], logits[1]};
-    check_same("batch norm writing the copies", "logits", &out, 0);
-    for (int i = 0; i < model->nparams; i++) {
-        pair grad = {nets[0]->params[i]->grad, nets[1]->params[i]->grad};
-        char what[32];
-        snprintf(what, sizeof what, "gradient %d", i);
-        check_same("batch norm writing the copies", what, &grad, 0);
+    same_networks(&test, "batch norm writing the copies", nets, logits, 1);
+}
+
+/* The same network, every convolution channels-last (forward and dx in 2
+   slices), trained 3 steps with SGD: its convolutions keep their weights'
+   copies, which each forward pass remakes from the updated weights (in a
+   few launches), and the logits and weights after the last step equal,
+   bit for bit, those of the network whose convolutions copy their weights
+   at every pass. The stride-1 convolutions that take dx keep the turned
+   copy too; the others (the stem, which wants no dx, and the stride-2
+   ones, whose sub-pixel classes take their own taps) do not. */
+TEST(network_keeps_its_weights_channels_last_copies_current) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2}; /* in 2 slices */
+    mgpu_manual_seed(17);
+    small_test test = small_test_new(kernel);
+    mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
+    mgpu_tensor *logits[2];
+    for (int k = 0; k < 2; k++) {
+        mgpu__network_keeps_weight_copies = k;
+        nets[k] = mgpu_net_replicate(test.model, gpu);
+        for (int step = 0; step < 3; step++) {
+            mgpu_net_zero_grad(nets[k]);
+            logits[k] = mgpu_net_forward(nets[k], test.x);
+            mgpu_net_loss_backward(nets[k], logits[k], test.y, 0.5f, NULL);
+            mgpu_net_sgd(nets[k], 0.5f, 0.9f, 0.0f);
+        }
     }
-    mgpu__conv_choice_count = before;
-    mgpu_net_free(model);
-    mgpu_net_free(nets[0]);
-    mgpu_net_free(nets[1]);
-    mgpu_free(x);
-    mgpu_free(y);
-    mgpu_set_tf32(0, 0);
+    mgpu__network_keeps_weight_copies = 1;
+    for (int k = 0; k < 2; k++) {
+        mgpu_layer **l = nets[k]->layers;
+        int kept = k == 1;
+        CHECK((l[0]->weight_t != NULL) == kept && l[0]->weight_turned_t == NULL);
+        CHECK((l[2]->conv1->weight_t != NULL) == kept && (l[2]->conv1->weight_turned_t != NULL) == kept);
+        CHECK((l[2]->conv2->weight_t != NULL) == kept && (l[2]->conv2->weight_turned_t != NULL) == kept);
+        CHECK((l[3]->conv1->weight_t != NULL) == kept && l[3]->conv1->weight_turned_t == NULL);
+        CHECK((l[3]->conv2->weight_turned_t != NULL) == kept);
+        CHECK((l[3]->shortcut->weight_t != NULL) == kept && l[3]->shortcut->weight_turned_t == NULL);
+    }
+    same_networks(&test, "kept weight copies", nets, logits, 0);
 }
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))
