@@ -4612,6 +4612,29 @@ static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try wha
     return best;
 }
 
+/* A measured plan in words, for the benchmarks and tests: the shape, and
+   each product's kernel (family, tile, slices of the sum) or im2col. */
+static void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
+    snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
+    if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
+}
+static const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
+    const mgpu__conv_geom *g = &c->g;
+    const mgpu__conv_plan *p = &c->plan;
+    char y[48], dx[48], dw[48];
+    mgpu__conv_kernel_str(y, sizeof y, p->y);
+    mgpu__conv_kernel_str(dx, sizeof dx, p->dx);
+    mgpu__conv_kernel_str(dw, sizeof dw, p->dw);
+    int at = snprintf(out, size, "%dx%d, %d -> %d, stride %d, %d x %dx%d: ", g->r, g->s, g->c, g->k, g->stride,
+                      g->n, g->h, g->w);
+    if (!c->backward) snprintf(out + at, size - at, "forward by %s", p->implicit ? y : "im2col");
+    else if (!p->implicit) snprintf(out + at, size - at, "backward by im2col");
+    else
+        snprintf(out + at, size - at, "dx by %s, dW by %s", !c->with_dx ? "-" : p->dx_im2col ? "im2col" : dx,
+                 p->dw_im2col ? "im2col" : dw);
+    return out;
+}
+
 /* How a convolution's pass (forward, or backward with or without dx)
    runs: im2col without TF32 or on a CPU; else as MGPU_CONV says, the
    implicit GEMMs in the fastest tiles for the shape, and with auto only

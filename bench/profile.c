@@ -76,6 +76,13 @@ int main(int argc, char **argv) {
     if (on_gpu) printf("GPU arithmetic: %s\n", mgpu_tf32_str());
     printf("profile of the %d traced steps:\n", steps);
     mgpu_trace_summary(stdout);
+#if MGPU_CUDA
+    printf("the convolutions' plans, measured at the first step:\n");
+    for (int i = 0; i < mgpu__conv_choice_count; i++) {
+        char plan[160];
+        printf("  %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], plan, sizeof plan));
+    }
+#endif
     printf("RESULT profile on=[%s] batch=%d step_ms=%.4f traced_step_ms=%.4f\n",
            mgpu_device_name(dev[0]), batch, ms[0], ms[1]);
 

@@ -389,18 +389,8 @@ TEST(conv_algorithm_chosen_by_measuring) {
         check_same("auto", "db, accumulated", &db, 1e-5);
     }
     for (int i = before; i < mgpu__conv_choice_count; i++) {
-        const mgpu__conv_plan *p = &mgpu__conv_choices[i].plan;
-        if (!mgpu__conv_choices[i].backward)
-            printf("  auto: forward, %s (%s %s, %d slices)\n", p->implicit ? "implicit GEMM" : "im2col",
-                   mgpu__implicit_family_names[p->y.family], mgpu__implicit_tile_names[p->y.tile], p->y.splits);
-        else if (!p->implicit)
-            printf("  auto: backward, im2col for both gradients\n");
-        else
-            printf("  auto: backward, dx by %s %s (%d slices), dW by %s %s\n",
-                   p->dx_im2col ? "im2col" : mgpu__implicit_family_names[p->dx.family],
-                   p->dx_im2col ? "alone" : mgpu__implicit_tile_names[p->dx.tile], p->dx.splits,
-                   p->dw_im2col ? "im2col" : mgpu__implicit_family_names[p->dw.family],
-                   p->dw_im2col ? "alone" : mgpu__implicit_tile_names[p->dw.tile]);
+        char plan[160];
+        printf("  auto: %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], plan, sizeof plan));
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
