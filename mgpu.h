@@ -611,9 +611,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    kernels/conv_nhwc.h's, which work on channels-last copies (the forward
    pass and dx when C, for dx K, is a multiple of 32, dx at strides above
    1 by sub-pixel convolutions; dW when C and K are multiples of 4); each
-   in one of four tile shapes. MGPU_CONV
-   chooses: auto (the default) times im2col and every kernel and tile at
-   the first call with each shape and keeps the fastest, as PyTorch's
+   in one of four tile shapes, the forward pass and dx also with the sum
+   split into 2 or 4 slices that run at once. MGPU_CONV chooses: auto
+   (the default) times im2col and every kernel, tile and slicing at the
+   first call with each shape and keeps the fastest, as PyTorch's
    cudnn.benchmark does, for each gradient on its own (so the rounding of
    TF32 results can differ from run to run); im2col forces im2col,
    implicit the fastest implicit GEMMs.
@@ -914,7 +915,10 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    and leaves its plain output unwritten where only that convolution
    would read it (the "channels-last" section below): a program that
    looks into a residual block's bn1->output after a step may find it
-   stale.
+   stale. The convolutions keep their weights' channels-last copies, and
+   each forward pass remakes them from the weights: change the weights
+   between a forward pass and its backward pass and the backward uses
+   the old ones (as it uses the forward's activations).
 
        void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
    back-propagates through the layers of the last forward and ADDS every
