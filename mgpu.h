@@ -962,6 +962,7 @@ struct mgpu_layer {
     int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
     int batch_statistics;     /* batch norm: its last forward used the batch's statistics */
     int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
+    int input_from_batch_norm; /* a convolution whose input is a batch norm's output (a block's) */
     /* parameters: conv/linear weight and bias; batch norm gamma and beta */
     mgpu_param weight, bias;
     /* batch norm buffers, and what its backward pass needs */
@@ -4304,6 +4305,37 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
     mgpu__conv_scratch_free(&s);
 }
 
+/* What a convolution's caller prepares for it, so that a trial does not
+   count it against the channels-last kernels: x's channels-last copy (a
+   network's batch norm writes it, or the forward pass kept its own for
+   the backward), dy's (batch norm writes it, where both gradients read
+   dy only through it), the weights' (a network remakes them all in a
+   few launches). The public mgpu_conv2d_* prepare nothing. */
+enum { MGPU__PREPARED_X = 1, MGPU__PREPARED_DY = 2, MGPU__PREPARED_W = 4 };
+
+/* The ways a gradient of the backward pass may take (the plan below):
+   the gathering kernel, the channels-last one, or its half of the im2col
+   path. Given each way's time for dx (dx_ms; ignored without dx) and for
+   dW (dw_ms), the fastest pair, in *by_dx and *by_dw, and its time. The
+   channels-last kernels share one copy of dy, which costs dy_ms, or
+   nothing where the caller prepares it (dy_prepared) and they read dy
+   only through it: dW by channels-last, and dx too when wanted. */
+enum { MGPU__BY_GATHERING, MGPU__BY_CHANNELS_LAST, MGPU__BY_IM2COL_HALF, MGPU__WAYS };
+static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
+                                              int dy_prepared, int with_dx, int *by_dx, int *by_dw) {
+    double best = HUGE_VAL;
+    *by_dx = *by_dw = MGPU__BY_GATHERING;
+    for (int i = 0; i < (with_dx ? MGPU__WAYS : 1); i++)
+        for (int j = 0; j < MGPU__WAYS; j++) {
+            int reads_dy_t = (with_dx && i == MGPU__BY_CHANNELS_LAST) || j == MGPU__BY_CHANNELS_LAST;
+            int dy_t_only = j == MGPU__BY_CHANNELS_LAST && (!with_dx || i == MGPU__BY_CHANNELS_LAST);
+            double copy_ms = reads_dy_t && !(dy_t_only && dy_prepared) ? dy_ms : 0.0;
+            double ms = (with_dx ? dx_ms[i] : 0.0) + dw_ms[j] + copy_ms;
+            if (ms < best) best = ms, *by_dx = i, *by_dw = j;
+        }
+    return best;
+}
+
 #if MGPU_CUDA
 /* The implicit GEMM needs TF32 tensor cores: code compiled for sm_80 or
    newer (a plain `nvcc` without -gencode compiles for an older GPU, and
@@ -4360,7 +4392,7 @@ static mgpu__channels_last_args mgpu__weights_copy(float *out, const float *w, i
     if (turned) a.to = turned_to;
     return a;
 }
-static mgpu_shape mgpu__weights_copy_shape(const mgpu__channels_last_to *to) {
+static mgpu_shape mgpu__channels_last_shape(const mgpu__channels_last_to *to) {
     return mgpu_shape3(to->outer, to->cols, to->rows);
 }
 
@@ -4379,7 +4411,7 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
         mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, g->r * g->s, 1)
                                                : mgpu__weights_copy(NULL, w, g->k, g->c, g->r * g->s, 0);
-        w_t = own_w_t = mgpu_empty(dev, mgpu__weights_copy_shape(&copy.to));
+        w_t = own_w_t = mgpu_empty(dev, mgpu__channels_last_shape(&copy.to));
         copy.to.out = w_t->data;
         MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, copy);
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
@@ -4507,12 +4539,15 @@ static int mgpu__conv_choice_count;
 
 /* What a trial runs: a pass (on the pass's own tensors for the forward,
    on scratch gradients for the backward, so that measuring never adds to
-   a real gradient), with im2col or with one of the implicit GEMMs. */
+   a real gradient), with im2col or with one of the implicit GEMMs; the
+   channels-last kernels from copies made before (x_t .. w_turned_t),
+   whose cost is counted apart, where the caller does not prepare them. */
 typedef struct {
     mgpu_tensor *y, *dx, *dw;
     const mgpu_tensor *x, *w, *b, *dy;
     const mgpu__conv_geom *g;
-    int backward;
+    int backward, prepared; /* prepared: MGPU__PREPARED_* */
+    mgpu_tensor *x_t, *dy_t, *w_t, *w_turned_t;
 } mgpu__conv_trial;
 typedef enum {
     MGPU__TRY_IM2COL, MGPU__TRY_IM2COL_DX, MGPU__TRY_IM2COL_DW, MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW
@@ -4521,8 +4556,7 @@ typedef enum {
 /* One timed call, synchronised before and after, so that it measures this
    call alone (other queues of the same GPU may still add noise: the best
    of three counts). */
-static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what,
-                                  mgpu__implicit_kernel kernel) {
+static double mgpu__conv_trial_ms(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = t->x->device;
     mgpu_synchronize(dev);
     double t0 = mgpu_now();
@@ -4534,10 +4568,12 @@ static double mgpu__conv_trial_ms(const mgpu__conv_trial *t, mgpu__conv_try what
     case MGPU__TRY_IM2COL_DX: mgpu__conv_backward_im2col(t->dx, NULL, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
     case MGPU__TRY_IM2COL_DW: mgpu__conv_backward_im2col(NULL, t->dw, t->dy, t->x, t->w, t->g, 1, 0, 0); break;
     case MGPU__TRY_Y:
-        mgpu__conv_forward_implicit(t->y, t->x, NULL, t->w, NULL, t->b, t->g, kernel, NULL);
+        mgpu__conv_forward_implicit(t->y, t->x, t->x_t, t->w, &t->w_t, t->b, t->g, kernel, NULL);
         break;
-    case MGPU__TRY_DX: mgpu__conv_dx_implicit(t->dx, t->dy, NULL, t->w, NULL, t->g, kernel, 0); break;
-    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, NULL, t->x, NULL, t->g, 0, kernel); break;
+    case MGPU__TRY_DX:
+        mgpu__conv_dx_implicit(t->dx, t->dy, t->dy_t, t->w, &t->w_turned_t, t->g, kernel, 0);
+        break;
+    case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->dy_t, t->x, t->x_t, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
     return (mgpu_now() - t0) * 1e3;
@@ -4584,14 +4620,17 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
     return count;
 }
 
-/* The fastest implicit GEMM for one pass (`what`), in *kernel, and its
-   time: the best of three calls of each candidate, the candidates taking
-   turns, so that a GPU clock still rising favours none. */
-static double mgpu__conv_fastest_kernel(const mgpu__conv_trial *t, mgpu__conv_try what,
+/* The fastest implicit GEMM of a family for one pass (`what`), in
+   *kernel, and its time (HUGE_VAL, *kernel untouched, if none fits): the
+   best of three calls of each candidate, the candidates taking turns, so
+   that a GPU clock still rising favours none. */
+static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_family family,
                                         mgpu__implicit_kernel *kernel) {
     mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
     double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
-    int count = mgpu__conv_candidates(what, t->g, candidates);
+    int count = 0, fits = mgpu__conv_candidates(what, t->g, candidates);
+    for (int i = 0; i < fits; i++)
+        if (candidates[i].family == family) candidates[count++] = candidates[i];
     for (int i = 0; i < count; i++) best[i] = HUGE_VAL;
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
@@ -4606,7 +4645,7 @@ static double mgpu__conv_fastest_kernel(const mgpu__conv_trial *t, mgpu__conv_tr
 }
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
-static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try what) {
+static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
     mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
@@ -4618,11 +4657,11 @@ static double mgpu__conv_im2col_ms(const mgpu__conv_trial *t, mgpu__conv_try wha
 
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
-static void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
+static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
     if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }
-static const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
+static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
     const mgpu__conv_plan *p = &c->plan;
     char y[48], dx[48], dw[48];
@@ -4679,6 +4718,55 @@ static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx
            (!with_dx || (!p->dx_im2col && p->dx.family == MGPU__CHANNELS_LAST));
 }
 
+/* A trial's copies for the channels-last kernels: made before the
+   kernels are timed, each timed apart (the best of three makes), and
+   counted 0 where the caller prepares it (dy: where the channels-last
+   kernels read dy only through it; dy_prepared says whether it is). */
+typedef struct {
+    double x, dy, w, w_turned;
+    int dy_prepared;
+} mgpu__conv_copies_ms;
+static mgpu_tensor *mgpu__conv_timed_copy(mgpu_device *dev, mgpu__channels_last_args a, double *ms) {
+    mgpu_tensor *copy = mgpu_empty(dev, mgpu__channels_last_shape(&a.to));
+    a.to.out = copy->data;
+    *ms = HUGE_VAL;
+    for (int round = 0; round < 3; round++) {
+        mgpu_synchronize(dev);
+        double t0 = mgpu_now();
+        MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, a);
+        mgpu_synchronize(dev);
+        double elapsed = (mgpu_now() - t0) * 1e3;
+        if (elapsed < *ms) *ms = elapsed;
+    }
+    return copy;
+}
+static void mgpu__conv_trial_copies(mgpu__conv_trial *t, mgpu__conv_copies_ms *ms) {
+    const mgpu__conv_geom *g = t->g;
+    mgpu_device *dev = t->x->device;
+    int y = !t->backward && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_Y, g);
+    int dx = t->backward && t->dx && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_DX, g);
+    int dw = t->backward && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_DW, g);
+    double unused;
+    memset(ms, 0, sizeof *ms);
+    t->x_t = t->dy_t = t->w_t = t->w_turned_t = NULL;
+    if (y || dw) {
+        mgpu__channels_last_args x = {{NULL, g->n, g->c, g->h * g->w, 0}, t->x->data};
+        t->x_t = mgpu__conv_timed_copy(dev, x, t->prepared & MGPU__PREPARED_X ? &unused : &ms->x);
+    }
+    if (dx || dw) {
+        mgpu__channels_last_args dy = {{NULL, g->n, g->k, g->p * g->q, 0}, t->dy->data};
+        t->dy_t = mgpu__conv_timed_copy(dev, dy, &ms->dy);
+        ms->dy_prepared = (t->prepared & MGPU__PREPARED_DY) != 0;
+    }
+    double *w_ms = t->prepared & MGPU__PREPARED_W ? &unused : &ms->w;
+    double *w_turned_ms = t->prepared & MGPU__PREPARED_W ? &unused : &ms->w_turned;
+    int rs = g->r * g->s;
+    if (y) t->w_t = mgpu__conv_timed_copy(dev, mgpu__weights_copy(NULL, t->w->data, g->k, g->c, rs, 0), w_ms);
+    if (dx && g->stride == 1) /* (the sub-pixel classes take their own taps) */
+        t->w_turned_t = mgpu__conv_timed_copy(dev, mgpu__weights_copy(NULL, t->w->data, g->k, g->c, rs, 1),
+                                              w_turned_ms);
+}
+
 static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     mgpu__conv_plan plan;
     memset(&plan, 0, sizeof plan);
@@ -4692,25 +4780,47 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
         if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
         t->dw = dw = mgpu_empty(dev, t->w->shape);
     }
+    mgpu__conv_copies_ms copy;
+    mgpu__conv_trial_copies(t, &copy);
     int automatic = mgpu__conv_mode == MGPU__CONV_AUTO;
     plan.implicit = 1;
     if (!t->backward) {
-        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, &plan.y);
+        mgpu__implicit_kernel channels_last = plan.y;
+        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__GATHER, &plan.y);
+        double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__CHANNELS_LAST, &channels_last) + copy.x +
+                       copy.w;
+        if (cl_ms < y_ms) y_ms = cl_ms, plan.y = channels_last;
         if (automatic) plan.implicit = y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
     } else {
-        double dx_ms = with_dx ? mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, &plan.dx) : 0.0;
-        double dw_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, &plan.dw);
-        if (automatic) {
-            double half = with_dx ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX) : HUGE_VAL;
-            if ((plan.dx_im2col = half < dx_ms)) dx_ms = half;
-            half = mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW);
-            if ((plan.dw_im2col = half < dw_ms)) dw_ms = half;
-            /* (without dx, the dW half is the whole path) */
-            plan.implicit = !with_dx || dx_ms + dw_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
+        /* each gradient's ways (the im2col half with MGPU_CONV=auto only) */
+        double dx_ms[MGPU__WAYS] = {0.0, 0.0, 0.0}, dw_ms[MGPU__WAYS];
+        mgpu__implicit_kernel dx_kernel[2] = {plan.dx, plan.dx}, dw_kernel[2] = {plan.dw, plan.dw};
+        if (with_dx) {
+            dx_ms[MGPU__BY_GATHERING] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__GATHER, &dx_kernel[0]);
+            dx_ms[MGPU__BY_CHANNELS_LAST] =
+                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__CHANNELS_LAST, &dx_kernel[1]) + copy.w_turned;
+            dx_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX) : HUGE_VAL;
         }
+        dw_ms[MGPU__BY_GATHERING] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__GATHER, &dw_kernel[0]);
+        dw_ms[MGPU__BY_CHANNELS_LAST] =
+            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__CHANNELS_LAST, &dw_kernel[1]) + copy.x;
+        dw_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW) : HUGE_VAL;
+        int by_dx, by_dw;
+        double best =
+            mgpu__conv_backward_ways(dx_ms, dw_ms, copy.dy, copy.dy_prepared, with_dx, &by_dx, &by_dw);
+        plan.dx = dx_kernel[by_dx == MGPU__BY_CHANNELS_LAST];
+        plan.dx_im2col = by_dx == MGPU__BY_IM2COL_HALF;
+        plan.dw = dw_kernel[by_dw == MGPU__BY_CHANNELS_LAST];
+        plan.dw_im2col = by_dw == MGPU__BY_IM2COL_HALF;
+        /* (without dx, the dW half is the whole path) */
+        if (automatic) plan.implicit = !with_dx || best < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
     }
-    if (dx) mgpu_free(dx);
-    if (dw) mgpu_free(dw);
+    mgpu_free(dx);
+    mgpu_free(dw);
+    mgpu_free(t->x_t);
+    mgpu_free(t->dy_t);
+    mgpu_free(t->w_t);
+    mgpu_free(t->w_turned_t);
     if (mgpu__conv_choice_count < (int)(sizeof mgpu__conv_choices / sizeof mgpu__conv_choices[0])) {
         mgpu__conv_choice c = {*t->g, t->backward, with_dx, plan};
         mgpu__conv_choices[mgpu__conv_choice_count++] = c;
@@ -4724,10 +4834,11 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
    own copy of x leaves it there for the backward pass (*keep_x_t is freed
    first, and stays NULL when the forward took another path); keep_w_t:
    where the caller keeps the weights' channels-last copy, or NULL (as
-   mgpu__conv_channels_last says). */
+   mgpu__conv_channels_last says); prepared: what the caller prepares for
+   it, if measuring the plan (MGPU__PREPARED_*). */
 static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *x_t,
                                  const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu_tensor *b, int stride,
-                                 int pad, mgpu_tensor **keep_x_t) {
+                                 int pad, mgpu_tensor **keep_x_t, int prepared) {
     const char *op = "mgpu_conv2d_forward";
     if (keep_x_t) {
         mgpu_free(*keep_x_t); /* before the new copy, which may then take its memory */
@@ -4748,7 +4859,7 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
     mgpu__before_write(y);
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV);
 #if MGPU_CUDA
-    mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0};
+    mgpu__conv_trial t = {y, NULL, NULL, x, w, b, NULL, &g, 0, prepared, NULL, NULL, NULL, NULL};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t);
     if (plan.implicit) {
         mgpu__conv_forward_implicit(y, x, x_t, w, keep_w_t, b, &g, plan.y, keep_x_t);
@@ -4756,11 +4867,12 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
     }
 #endif
     (void)keep_w_t;
+    (void)prepared;
     mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
                                   const mgpu_tensor *b, int stride, int pad) {
-    mgpu__conv2d_forward(y, x, NULL, w, NULL, b, stride, pad, NULL);
+    mgpu__conv2d_forward(y, x, NULL, w, NULL, b, stride, pad, NULL, 0);
 }
 
 /* mgpu_conv2d_backward; x_t: x's channels-last copy, or NULL; dy_t:
@@ -4769,11 +4881,11 @@ MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mg
    (a network's batch norm wrote dy_t instead of dy); keep_w_t: as in the
    forward pass, for the turned weights of dx's kernel; add_to_dx: dx +=
    the input gradient (else dx = it; `accumulate` is the same for dw and
-   db). */
+   db); prepared: as in the forward pass. */
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,
                                   const mgpu_tensor *x_t, const mgpu_tensor *w, mgpu_tensor **keep_w_t,
-                                  int stride, int pad, int accumulate, int add_to_dx) {
+                                  int stride, int pad, int accumulate, int add_to_dx, int prepared) {
     const char *op = "mgpu_conv2d_backward";
     mgpu__conv_geom g = mgpu__conv_geometry(op, x->shape, w->shape, stride, pad);
     mgpu_device *dev = x->device;
@@ -4797,7 +4909,8 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     mgpu__before_write(dw);
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
 #if MGPU_CUDA
-    mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1};
+    mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1, db ? prepared & ~MGPU__PREPARED_DY : prepared,
+                          NULL, NULL, NULL, NULL};
     mgpu__conv_plan plan = mgpu__conv_plan_for(&t);
     MGPU_REQUIRE(!dy_t || mgpu__conv_plan_reads_dy_t_only(&plan, dx != NULL, db != NULL),
                  "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
@@ -4827,12 +4940,13 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #if !MGPU_CUDA
     (void)x_t;
     (void)keep_w_t;
+    (void)prepared;
 #endif
 }
 MGPU_DEF void mgpu_conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                    const mgpu_tensor *dy, const mgpu_tensor *x,
                                    const mgpu_tensor *w, int stride, int pad, int accumulate) {
-    mgpu__conv2d_backward(dx, dw, db, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, 0);
+    mgpu__conv2d_backward(dx, dw, db, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, 0, 0);
 }
 
 /* --------------------------------------------------------------- pooling */
@@ -5961,6 +6075,7 @@ static mgpu_layer *mgpu__residual_new(const char *name, int in, int out, int str
     l->conv1 = mgpu__conv_new(sub, in, out, 3, stride, 1, d);
     snprintf(sub, sizeof sub, "%s.conv2", name);
     l->conv2 = mgpu__conv_new(sub, out, out, 3, 1, 1, d);
+    l->conv2->input_from_batch_norm = 1; /* bn1's */
     if (in != out || stride != 1) {
         snprintf(sub, sizeof sub, "%s.conv3", name);
         l->shortcut = mgpu__conv_new(sub, in, out, 1, stride, 0, d);
@@ -6014,6 +6129,14 @@ static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     MGPU_REQUIRE(net->nlayers < (int)(sizeof net->layers / sizeof net->layers[0]),
                  "a network holds at most %d layers", (int)(sizeof net->layers / sizeof net->layers[0]));
     if (net->nlayers == 0) l->need_dinput = 0;
+    mgpu_layer_kind before = net->nlayers ? net->layers[net->nlayers - 1]->kind : MGPU_LAYER_LINEAR;
+    if (before == MGPU_LAYER_BATCHNORM || before == MGPU_LAYER_RESIDUAL) { /* (a block's output is bn2's) */
+        if (l->kind == MGPU_LAYER_CONV) l->input_from_batch_norm = 1;
+        if (l->kind == MGPU_LAYER_RESIDUAL) {
+            l->conv1->input_from_batch_norm = 1;
+            if (l->shortcut) l->shortcut->input_from_batch_norm = 1;
+        }
+    }
     net->first_param[net->nlayers] = net->nparams;
     net->layers[net->nlayers++] = l;
     mgpu__net_register(net, l);
@@ -6107,6 +6230,21 @@ static int mgpu__conv_layer_reads_dy_t_only(const mgpu_layer *l, int with_dx, co
 #endif
 }
 
+/* What the network prepares for convolution layer l (MGPU__PREPARED_*),
+   for its trial to count: in the forward pass, or in the backward pass
+   (followed by layer `next`). x's copy where batch norm writes it, or in
+   the backward where the forward made one (l->input_t); dy's where the
+   layer after is a batch norm in training (mgpu__bias_cancelled_by),
+   which writes it when the plan reads it alone; the weights' where the
+   network keeps them. */
+static int mgpu__conv_layer_prepared(const mgpu_layer *l, int backward, const mgpu_layer *next) {
+    int bn = mgpu__batch_norm_writes_channels_last, prepared = 0;
+    if ((bn && l->input_from_batch_norm) || (backward && l->input_t)) prepared |= MGPU__PREPARED_X;
+    if (bn && backward && mgpu__bias_cancelled_by(next)) prepared |= MGPU__PREPARED_DY;
+    if (mgpu__network_keeps_weight_copies) prepared |= MGPU__PREPARED_W;
+    return prepared;
+}
+
 /* ------------------------------------------------------------ forward */
 /* Batch norm layer l on x into y, with the ReLU when l has it fused, or
    with skip: y = max(bn(x) + skip, 0); and into y_t, y's channels-last
@@ -6149,7 +6287,7 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
                      mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
         mgpu__conv2d_forward(l->output, x, x_t, l->weight.value,
                              mgpu__network_keeps_weight_copies ? &l->weight_t : NULL, l->bias.value, l->stride,
-                             l->pad, &l->own_input_t);
+                             l->pad, &l->own_input_t, mgpu__conv_layer_prepared(l, 0, NULL));
         l->input_t = x_t ? x_t : l->own_input_t;
         break;
     case MGPU_LAYER_BATCHNORM:
@@ -6254,7 +6392,7 @@ static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, cons
     mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy, dy_t,
                           l->input, l->input_t, l->weight.value,
                           mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad, 1,
-                          add_to_dx);
+                          add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
 }
 /* Batch norm layer l's backward pass; prev: the convolution before it
    whose backward takes its input gradient (with_dx: as there), or NULL.
