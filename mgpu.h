@@ -616,8 +616,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
    cudnn.benchmark does, for each gradient on its own (so the rounding of
-   TF32 results can differ from run to run); im2col forces im2col,
-   implicit the fastest implicit GEMMs.
+   TF32 results can differ from run to run), counting the channels-last
+   copies the kernels read (none that a network prepares for them);
+   im2col forces im2col, implicit the fastest implicit GEMMs.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
