@@ -53,7 +53,9 @@
    multiplies they feed). Two steps are in flight: while the tensor cores
    multiply step i, the copies of step i + 1 are on their way. One barrier
    a step. At the end the tile goes through shared memory to y, with the
-   bias, as in conv_implicit.h. (Three steps in flight hide more of a
+   bias, as in conv_implicit.h (or, where a layer has few tiles, each
+   block takes a slice of the steps and another kernel sums the slices:
+   "Slices of the sum", below). (Three steps in flight hide more of a
    copy's trip, but take half as much shared memory again, so that two
    blocks of 64 x 128 fit on a multiprocessor instead of three: on the
    H100, 8 warps a multiprocessor instead of 12, and a ResNet-18 step
