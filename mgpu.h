@@ -4529,7 +4529,9 @@ typedef struct {
     mgpu__implicit_kernel y, dx, dw;
 } mgpu__conv_plan;
 
-/* The plans measured so far, one for each shape and pass. */
+/* The plans measured so far, one for each shape and pass (measured for
+   what the first caller with the shape prepares, MGPU__PREPARED_*: in
+   ResNet-18 the convolutions of one shape are prepared alike). */
 typedef struct {
     mgpu__conv_geom g;
     int backward, with_dx;
