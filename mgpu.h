@@ -4373,14 +4373,23 @@ static mgpu_tensor *mgpu__partials(mgpu_device *dev, size_t floats) {
     return floats ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
 }
 
+/* The shape of a copy's output, [outer, cols, rows]. */
+static mgpu_shape mgpu__channels_last_shape(const mgpu__channels_last_to *to) {
+    return mgpu_shape3(to->outer, to->cols, to->rows);
+}
+/* A new tensor, the copy `a` describes (its a.to.out is the new tensor's). */
+static mgpu_tensor *mgpu__channels_last_copy_of(mgpu_device *dev, mgpu__channels_last_args a) {
+    mgpu_tensor *t = mgpu_empty(dev, mgpu__channels_last_shape(&a.to));
+    a.to.out = t->data;
+    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, a);
+    return t;
+}
 /* A new tensor [outer, cols, rows], the TF32 copy of in [outer, rows, cols]
    made by kernels/channels_last.h (flip: as there). */
 static mgpu_tensor *mgpu__channels_last_copy(mgpu_device *dev, const float *in, int outer, int rows,
                                              int cols, int flip) {
-    mgpu_tensor *t = mgpu_empty(dev, mgpu_shape3(outer, cols, rows));
-    mgpu__channels_last_args a = {{t->data, outer, rows, cols, flip}, in};
-    MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, a);
-    return t;
+    mgpu__channels_last_args a = {{NULL, outer, rows, cols, flip}, in};
+    return mgpu__channels_last_copy_of(dev, a);
 }
 
 /* The copy of weights w [K, C, R*S] (k, c, rs given) to w_t [K, RS, C],
@@ -4392,9 +4401,6 @@ static mgpu__channels_last_args mgpu__weights_copy(float *out, const float *w, i
     mgpu__channels_last_to turned_to = {out, 1, k, c * rs, rs};
     if (turned) a.to = turned_to;
     return a;
-}
-static mgpu_shape mgpu__channels_last_shape(const mgpu__channels_last_to *to) {
-    return mgpu_shape3(to->outer, to->cols, to->rows);
 }
 
 /* out = conv(in_t, w) + b with conv_nhwc.h's kernel, in geometry g, from
@@ -4410,11 +4416,9 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
                                      int for_dx, mgpu__implicit_kernel kernel, int accumulate) {
     mgpu_tensor *w_t = keep_w_t ? *keep_w_t : NULL, *own_w_t = NULL;
     if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
-        mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, g->r * g->s, 1)
-                                               : mgpu__weights_copy(NULL, w, g->k, g->c, g->r * g->s, 0);
-        w_t = own_w_t = mgpu_empty(dev, mgpu__channels_last_shape(&copy.to));
-        copy.to.out = w_t->data;
-        MGPU__ENQUEUE(dev, "conv2d channels-last copy", mgpu__channels_last, copy);
+        int rs = g->r * g->s;
+        w_t = own_w_t = mgpu__channels_last_copy_of(dev, for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, rs, 1)
+                                                                : mgpu__weights_copy(NULL, w, g->k, g->c, rs, 0));
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
     }
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
