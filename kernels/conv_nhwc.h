@@ -237,7 +237,8 @@ typedef struct {
    goes to its own partial, and mgpu__conv_nhwc_slices_sum_kernel adds
    them up in order (so the result does not depend on which block ends
    first) with the bias, into y. The cost: a write and a read of the
-   partials. The trial in mgpu.h times each tile with 1, 2 and 4 slices.
+   partials. The trial in mgpu.h times each tile in 1 to 8 slices
+   (mgpu__conv_slice_choices), where a slice keeps at least 8 steps.
 
    A partial's rows are n*P*Q long, rounded up to even so that a lane's
    two neighbouring values go out as one 8-byte store. */

@@ -397,6 +397,49 @@ TEST(conv_algorithm_chosen_by_measuring) {
     mgpu_set_tf32(0, 0);
 }
 
+/* The kernels the trial times for a pass, counted by slices of the sum:
+   `slices[i]` of them in mgpu__conv_slice_choices[i] slices. */
+static void count_candidates_by_slices(mgpu__conv_try what, mgpu_shape xs, mgpu_shape ws, int stride,
+                                       int pad, int *slices) {
+    mgpu__conv_geom g = mgpu__conv_geometry("candidates", xs, ws, stride, pad);
+    mgpu__implicit_kernel list[MGPU__CANDIDATES];
+    int count = mgpu__conv_candidates(what, &g, list);
+    for (int i = 0; i < MGPU__SLICE_CHOICES; i++) slices[i] = 0;
+    for (int j = 0; j < count; j++)
+        for (int i = 0; i < MGPU__SLICE_CHOICES; i++)
+            if (list[j].splits == mgpu__conv_slice_choices[i]) slices[i]++;
+}
+/* The trial's candidates on ResNet-18's shapes (batch 256): the sum is
+   sliced only in the channels-last forward and dx, and only where every
+   slice keeps at least 8 steps of 32 channels; whole, every tile of both
+   families. */
+TEST(trial_slices_keep_at_least_8_steps) {
+    int slices[MGPU__SLICE_CHOICES];
+    const int tiles = MGPU__TILE_KINDS;
+    /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
+    count_candidates_by_slices(MGPU__TRY_Y, mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1,
+                               slices);
+    CHECK_EQ_INT(slices[0], 2 * tiles);
+    for (int i = 1; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], tiles);
+    /* stage 1's 3x3: 64 * 9 / 32 = 18 steps; 2 slices of 9, no more */
+    count_candidates_by_slices(MGPU__TRY_DX, mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1,
+                               slices);
+    CHECK_EQ_INT(slices[0], 2 * tiles);
+    CHECK_EQ_INT(slices[1], tiles);
+    for (int i = 2; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], 0);
+    /* stage 3's stride-2 3x3 dx (256 filters): 4 sub-pixel classes of
+       about 256 * 9 / 4 terms, 18 steps: as stage 1 */
+    count_candidates_by_slices(MGPU__TRY_DX, mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1,
+                               slices);
+    CHECK_EQ_INT(slices[1], tiles);
+    CHECK_EQ_INT(slices[2], 0);
+    /* the weight gradient: whole sums only (its kernel slices the pixels) */
+    count_candidates_by_slices(MGPU__TRY_DW, mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1,
+                               slices);
+    CHECK_EQ_INT(slices[0], 2 * tiles);
+    for (int i = 1; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], 0);
+}
+
 /* Each gradient by its half of the im2col path alone (the plan's
    dx_im2col and dw_im2col), in TF32: the same as the CPU's whole backward
    pass, dW added to what was there, and neither half touching the
