@@ -611,8 +611,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    kernels/conv_nhwc.h's, which work on channels-last copies (the forward
    pass and dx when C, for dx K, is a multiple of 32, dx at strides above
    1 by sub-pixel convolutions; dW when C and K are multiples of 4); each
-   in one of four tile shapes, the forward pass and dx also with the sum
-   split into 2 or 4 slices that run at once. MGPU_CONV chooses: auto
+   in one of four tile shapes, the channels-last ones also with their sum
+   split into slices that run at once (2 to 8 for the forward pass and
+   dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks).
+   MGPU_CONV chooses: auto
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
    cudnn.benchmark does, for each gradient on its own (so the rounding of
@@ -4358,14 +4360,15 @@ static int mgpu__conv_implicit_available(void) {
 /* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
    copies of them (the forward pass, dx, and dW); each in one of the four
-   tiles, and conv_nhwc.h's forward and dx with their sum split into
-   slices or not. */
+   tiles, and conv_nhwc.h's with their sum split into slices or not. */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
-    int splits; /* channels-last forward and dx: slices of the sum (0 or 1: none) */
+    int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
+                   (0 or 1: none), over the output pixels in dW (0: conv_nhwc.h's default);
+                   the gathering dW takes its own (conv_implicit.h) */
 } mgpu__implicit_kernel;
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
@@ -4499,8 +4502,8 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
         mgpu_tensor *own, *own_x_t = NULL;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, 0, 0, *g,
-                                     kernel.tile};
+        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f,
+                                     kernel.splits, 0, *g, kernel.tile};
         mgpu__conv_nhwc_dw_slices(&a);
         mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
         a.partials = partials->data;
@@ -4604,29 +4607,43 @@ static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try w
    is. ResNet-18's stage 4 (256 tiles of 64 x 128, 396 places for them on
    an H100) fills 0.65 of a wave whole, 1.3 waves in 2 slices, 1.94 in 3. */
 static const int mgpu__conv_slice_choices[] = {1, 2, 3, 4, 6, 8};
-#define MGPU__SLICE_CHOICES 6
-/* Whether a trial times kernel k for a pass (`what`) of geometry g: its
-   family fits, and it takes the whole sum, or is the channels-last
-   forward or dx in slices of at least 8 steps of 32 (dx at stride t in
-   t^2 classes, each with about 1 / t^2 of the taps). */
-static int mgpu__conv_kernel_fits(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel k) {
-    if (!mgpu__conv_family_fits(k.family, what, g)) return 0;
-    if (k.splits <= 1) return 1;
+/* The channels-last dW is tried in the slices of its pixels that make
+   about this many blocks (its default: 512). Stage 4 again: 288 tiles of
+   64 x 128 for 264 places (2 a multiprocessor: three steps in flight
+   take more shared memory), 2.18 waves in its default 2 slices. */
+static const int mgpu__conv_dw_block_choices[] = {256, 384, 512, 768, 1024, 1536};
+#define MGPU__KERNEL_CHOICES 6 /* the length of both lists */
+/* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of a family and tile for a
+   pass (`what`) of geometry g, in *k; returns whether the trial times it:
+   the channels-last forward and dx in mgpu__conv_slice_choices[i] slices
+   of their sum, where every slice keeps at least 8 steps of 32 (dx at
+   stride t in t^2 classes, each with about 1 / t^2 of the taps); the
+   channels-last dW in the slices for mgpu__conv_dw_block_choices[i]
+   blocks, where they differ from choice i - 1's; the gathering kernels
+   as they are (choice 0). */
+static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
+                                    mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
+    mgpu__implicit_kernel kernel = {family, tile, 1};
+    *k = kernel;
+    if (!mgpu__conv_family_fits(family, what, g)) return 0;
+    if (family == MGPU__GATHER) return i == 0;
+    if (what == MGPU__TRY_DW) {
+        k->splits = mgpu__conv_nhwc_dw_splits(g, tile, mgpu__conv_dw_block_choices[i]);
+        return i == 0 || k->splits != mgpu__conv_nhwc_dw_splits(g, tile, mgpu__conv_dw_block_choices[i - 1]);
+    }
+    k->splits = mgpu__conv_slice_choices[i];
     int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
-    return k.family == MGPU__CHANNELS_LAST && (what == MGPU__TRY_Y || what == MGPU__TRY_DX) &&
-           terms / MGPU__NHWC_STEP / k.splits >= 8;
+    return i == 0 || terms / MGPU__NHWC_STEP / k->splits >= 8;
 }
 /* The kernels a trial times for a pass, into list; returns how many. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__SLICE_CHOICES)
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
-        for (int k = 0; k < MGPU__TILE_KINDS; k++)
-            for (int i = 0; i < MGPU__SLICE_CHOICES; i++) {
-                mgpu__implicit_kernel kernel = {(mgpu__implicit_family)f, (mgpu__implicit_tile)k,
-                                                mgpu__conv_slice_choices[i]};
-                if (mgpu__conv_kernel_fits(what, g, kernel)) list[count++] = kernel;
-            }
+        for (int t = 0; t < MGPU__TILE_KINDS; t++)
+            for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
+                count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
+                                                  &list[count]);
     return count;
 }
 

@@ -13,9 +13,11 @@
    a GPU with each gradient's half of the im2col path alone (rows "im2col
    alone"), and with each tile shape of the implicit GEMMs, launched
    directly: kernels/conv_implicit.h's (rows "gather"), and
-   kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx at
-   stride 1, and dW; their times include the copies to channels-last). The fastest tile of a row is
-   marked *; the fastest of a pass is the one the library's own trial
+   kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx, and
+   dW; their times include the copies to channels-last; "/N": the forward
+   pass or dx with its sum in N slices, "~B": dW in the slices for about
+   B blocks, where a tile's differ from the row above's). The fastest tile
+   of a row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
    P * Q * C * R * S FLOPs per pass. Both at PyTorch's default precision
@@ -115,8 +117,8 @@ static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each til
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
 /* One row of the table: a pass, its time with im2col (0: not timed that
-   way) and with each of `tiles` tiles (tile_us; NULL when none), the
-   fastest tile marked. */
+   way) and with each of `tiles` tiles (tile_us; NULL when none; 0: not
+   timed in that tile), the fastest tile marked. */
 static void print_row(const char *name, int count, const char *pass, double flop, double im2col,
                       const double *tile_us, int tiles) {
     printf("%-24s %5d %5s %7.2f", name, count, pass, flop * 1e-9);
@@ -124,8 +126,11 @@ static void print_row(const char *name, int count, const char *pass, double flop
     else printf(" %9s", "-");
     int fastest = -1;
     for (int t = 0; t < tiles; t++)
-        if (fastest < 0 || tile_us[t] < tile_us[fastest]) fastest = t;
-    for (int t = 0; t < tiles; t++) printf(" %8.1f%c", tile_us[t], t == fastest ? '*' : ' ');
+        if (tile_us[t] > 0 && (fastest < 0 || tile_us[t] < tile_us[fastest])) fastest = t;
+    for (int t = 0; t < tiles; t++) {
+        if (tile_us[t] > 0) printf(" %8.1f%c", tile_us[t], t == fastest ? '*' : ' ');
+        else printf(" %8s ", "-");
+    }
     double best = fastest >= 0 && (im2col <= 0 || tile_us[fastest] < im2col) ? tile_us[fastest] : im2col;
     printf(" %9.1f\n", tflops(flop, best));
 }
@@ -204,21 +209,25 @@ int main(int argc, char **argv) {
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
                 for (int f = 0; f < MGPU__FAMILIES; f++)
-                    for (int i = 0; i < MGPU__SLICE_CHOICES; i++) { /* the trial's candidates */
-                        c.kernel.family = (mgpu__implicit_family)f;
-                        c.kernel.splits = mgpu__conv_slice_choices[i];
-                        c.kernel.tile = MGPU__TILE_64x64;
-                        if (!mgpu__conv_kernel_fits(tries[pass], &c.g, c.kernel)) continue;
-                        double us[TILE_COLUMNS] = {0};
+                    for (int i = 0; i < MGPU__KERNEL_CHOICES; i++) { /* the trial's candidates */
+                        double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
+                        int timed = 0;
                         for (int t = 0; t < tiles; t++) {
-                            c.kernel.tile = (mgpu__implicit_tile)t;
+                            if (!mgpu__conv_kernel_choice(tries[pass], &c.g, (mgpu__implicit_family)f,
+                                                          (mgpu__implicit_tile)t, i, &c.kernel))
+                                continue;
                             us[t] = time_us(dev[0], runs[pass], &c, steps);
                             if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
+                            timed++;
                         }
+                        if (!timed) continue;
                         char family[48];
-                        if (c.kernel.splits > 1)
+                        if (f == MGPU__CHANNELS_LAST && pass == DW && i > 0)
+                            snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
+                                     mgpu__conv_dw_block_choices[i]);
+                        else if (f == MGPU__CHANNELS_LAST && i > 0)
                             snprintf(family, sizeof family, "  %s /%d", mgpu__implicit_family_names[f],
-                                     c.kernel.splits);
+                                     mgpu__conv_slice_choices[i]);
                         else
                             snprintf(family, sizeof family, "  %s", mgpu__implicit_family_names[f]);
                         print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,

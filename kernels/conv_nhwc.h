@@ -670,7 +670,8 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
    in the forward kernel); the shared memory read is the same.
 
    The sum is long and the output small (stage 1: 200704 pixels, 64 x 576
-   values), so it is split over blocks (grid.z) in slices of whole steps;
+   values), so it is split over blocks (grid.z) in slices of whole steps
+   (how many: the trial in mgpu.h times several, for 256 to 1536 blocks);
    each slice's tile goes to its own partial [K, R*S*C], and
    mgpu__wgrad_sum (conv_implicit.h) adds the slices in order into dw,
    from (r, s, c) to dw's (c, r, s).
@@ -693,12 +694,17 @@ typedef struct {
 static int mgpu__conv_nhwc_dw_fits(const mgpu__conv_geom *g) {
     return g->c % 4 == 0 && g->k % 4 == 0 && g->k / 64 < 65535;
 }
-/* The slices: about 512 blocks of at least 512 pixels (fewer, longer
-   ones than conv_implicit.h's, as this kernel multiplies faster than it
-   could read and write more partial tiles), `per` a whole number of
-   steps. */
+/* The slices for about `blocks` blocks, each of at least 512 pixels:
+   fewer, longer ones than conv_implicit.h's, as this kernel multiplies
+   faster than it could read and write more partial tiles. */
+static int mgpu__conv_nhwc_dw_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks) {
+    return mgpu__conv_wgrad_splits(g, tile, blocks, 512);
+}
+/* Sets a->per, a whole number of steps, for about a->splits slices (0:
+   for about 512 blocks), and a->splits to the slices that takes. */
 static void mgpu__conv_nhwc_dw_slices(mgpu__conv_nhwc_dw_args *a) {
-    int pixels = a->g.n * a->g.p * a->g.q, splits = mgpu__conv_wgrad_splits(&a->g, a->tile, 512, 512);
+    int pixels = a->g.n * a->g.p * a->g.q;
+    int splits = a->splits > 0 ? a->splits : mgpu__conv_nhwc_dw_splits(&a->g, a->tile, 512);
     int steps = (pixels + MGPU__NHWC_STEP - 1) / MGPU__NHWC_STEP;
     a->per = (steps + splits - 1) / splits * MGPU__NHWC_STEP;
     a->splits = (pixels + a->per - 1) / a->per;

@@ -297,7 +297,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
         mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1}, channels_last = {MGPU__CHANNELS_LAST, tile, 1};
-        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2}; /* y and dx: the sum in 2 slices */
+        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2}; /* the sum in 2 slices */
         mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
@@ -330,8 +330,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             check_same(what, "dw", &dw, 2e-3);
             if (x_t) { /* from the forward's copy of x */
                 mgpu_fill(dw.g, NAN);
-                mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, x_t, &g, 0, channels_last);
-                check_same(what, "dw from the forward's x_t", &dw, 2e-3);
+                mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, x_t, &g, 0, sliced);
+                check_same(what, "dw in 2 slices, from the forward's x_t", &dw, 2e-3);
             }
         }
         mgpu_free(x_t);
@@ -397,47 +397,67 @@ TEST(conv_algorithm_chosen_by_measuring) {
     mgpu_set_tf32(0, 0);
 }
 
-/* The kernels the trial times for a pass, counted by slices of the sum:
-   `slices[i]` of them in mgpu__conv_slice_choices[i] slices. */
-static void count_candidates_by_slices(mgpu__conv_try what, mgpu_shape xs, mgpu_shape ws, int stride,
-                                       int pad, int *slices) {
+/* The slices of the sum the trial times a pass of a ResNet-18 convolution
+   (batch 256) in, with one family and tile, into splits; returns how
+   many. */
+static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
+                            mgpu_shape xs, mgpu_shape ws, int stride, int pad, int *splits) {
     mgpu__conv_geom g = mgpu__conv_geometry("candidates", xs, ws, stride, pad);
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(what, &g, list);
-    for (int i = 0; i < MGPU__SLICE_CHOICES; i++) slices[i] = 0;
+    int count = mgpu__conv_candidates(what, &g, list), found = 0;
     for (int j = 0; j < count; j++)
-        for (int i = 0; i < MGPU__SLICE_CHOICES; i++)
-            if (list[j].splits == mgpu__conv_slice_choices[i]) slices[i]++;
+        if (list[j].family == family && list[j].tile == tile) splits[found++] = list[j].splits;
+    return found;
 }
-/* The trial's candidates on ResNet-18's shapes (batch 256): the sum is
-   sliced only in the channels-last forward and dx, and only where every
-   slice keeps at least 8 steps of 32 channels; whole, every tile of both
-   families. */
-TEST(trial_slices_keep_at_least_8_steps) {
-    int slices[MGPU__SLICE_CHOICES];
-    const int tiles = MGPU__TILE_KINDS;
+static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
+    int same = count == wanted;
+    for (int i = 0; same && i < count; i++) same = got[i] == want[i];
+    if (!same) {
+        fprintf(stderr, "  %s: slices", what);
+        for (int i = 0; i < count; i++) fprintf(stderr, " %d", got[i]);
+        fprintf(stderr, "; want");
+        for (int i = 0; i < wanted; i++) fprintf(stderr, " %d", want[i]);
+        fprintf(stderr, "\n");
+    }
+    CHECK(same);
+}
+/* The trial's candidates: the channels-last forward and dx sliced where
+   every slice keeps at least 8 steps of 32 terms; the channels-last dW in
+   distinct slices of its pixels, for 256 to 1536 blocks of at least 512
+   pixels; the gathering kernels whole (their dW slices its own). */
+TEST(trial_candidates_slice_the_sums) {
+    int got[MGPU__CANDIDATES];
+    const mgpu_shape stage4_x = mgpu_shape4(256, 512, 4, 4), stage4_w = mgpu_shape4(512, 512, 3, 3);
+    const mgpu_shape stage1_x = mgpu_shape4(256, 64, 28, 28), stage1_w = mgpu_shape4(64, 64, 3, 3);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
-    count_candidates_by_slices(MGPU__TRY_Y, mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1,
-                               slices);
-    CHECK_EQ_INT(slices[0], 2 * tiles);
-    for (int i = 1; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], tiles);
-    /* stage 1's 3x3: 64 * 9 / 32 = 18 steps; 2 slices of 9, no more */
-    count_candidates_by_slices(MGPU__TRY_DX, mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1,
-                               slices);
-    CHECK_EQ_INT(slices[0], 2 * tiles);
-    CHECK_EQ_INT(slices[1], tiles);
-    for (int i = 2; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], 0);
-    /* stage 3's stride-2 3x3 dx (256 filters): 4 sub-pixel classes of
-       about 256 * 9 / 4 terms, 18 steps: as stage 1 */
-    count_candidates_by_slices(MGPU__TRY_DX, mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1,
-                               slices);
-    CHECK_EQ_INT(slices[1], tiles);
-    CHECK_EQ_INT(slices[2], 0);
-    /* the weight gradient: whole sums only (its kernel slices the pixels) */
-    count_candidates_by_slices(MGPU__TRY_DW, mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1,
-                               slices);
-    CHECK_EQ_INT(slices[0], 2 * tiles);
-    for (int i = 1; i < MGPU__SLICE_CHOICES; i++) CHECK_EQ_INT(slices[i], 0);
+    const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
+    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    check_slices("stage 4, y", got, n, all, 6);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    check_slices("stage 4, y, gathering", got, n, whole, 1);
+    /* stage 1's 3x3: 64 * 9 / 32 = 18 steps, 2 slices of 9 and no more */
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, stage1_x, stage1_w, 1, 1, got);
+    check_slices("stage 1, dx", got, n, two, 2);
+    /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
+       terms, 18 steps, as stage 1 */
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, mgpu_shape4(256, 128, 14, 14),
+                         mgpu_shape4(256, 128, 3, 3), 2, 1, got);
+    check_slices("stage 3, stride 2, dx", got, n, two, 2);
+    /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
+       and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
+    const int stage4_dw[] = {1, 2, 3, 4, 6};
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, stage4_x, stage4_w, 1, 1, got);
+    check_slices("stage 4, dW", got, n, stage4_dw, 5);
+    /* in 128 x 128 tiles (144): 11 slices for 1536 blocks, but the
+       partials are kept under 16M floats: 7 slices of 512 x 4608 */
+    const int stage4_dw_128[] = {2, 3, 4, 6, 7};
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    check_slices("stage 4, dW, 128 x 128", got, n, stage4_dw_128, 5);
+    /* stage 1's dW: 5 tiles of 64 x 128 (576 columns); 52 slices of
+       3872 pixels for 256 blocks ... 308 for 1536 */
+    const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, stage1_x, stage1_w, 1, 1, got);
+    check_slices("stage 1, dW", got, n, stage1_dw, 6);
 }
 
 /* Each gradient by its half of the im2col path alone (the plan's
