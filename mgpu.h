@@ -613,7 +613,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    1 by sub-pixel convolutions; dW when C and K are multiples of 4); each
    in one of four tile shapes, the channels-last ones also with their sum
    split into slices that run at once (2 to 8 for the forward pass and
-   dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks).
+   dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
+   for 3x3 layers at stride 1, the forward pass and dx from the same
+   channels-last copies by Winograd's F(2x2, 3x3), 16 multiplies for 36
+   (kernels/winograd.h: transforms, and 16 products by cuBLAS).
    MGPU_CONV chooses: auto
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
@@ -3327,6 +3330,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/conv.h"
 #include "kernels/conv_implicit.h"
 #include "kernels/conv_nhwc.h"
+#include "kernels/winograd.h"
 #include "kernels/pool.h"
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
@@ -4150,8 +4154,9 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_implicit.h and
-               conv_nhwc.h, for each pass the kernel and tile shape that
-               was fastest for it (timed the same way).
+               conv_nhwc.h (or winograd.h, from the same copies), for
+               each pass the kernel and tile shape that was fastest for
+               it (timed the same way).
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
@@ -4360,7 +4365,9 @@ static int mgpu__conv_implicit_available(void) {
 /* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
    copies of them (the forward pass, dx, and dW); each in one of the four
-   tiles, and conv_nhwc.h's with their sum split into slices or not. */
+   tiles, and conv_nhwc.h's with their sum split into slices or not. In
+   the channels-last family, Winograd (winograd.h) too, as it reads the
+   same copies (a network prepares them alike). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
 typedef struct {
@@ -4369,6 +4376,7 @@ typedef struct {
     int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
                    (0 or 1: none), over the output pixels in dW (0: conv_nhwc.h's default);
                    the gathering dW takes its own (conv_implicit.h) */
+    int winograd; /* channels-last forward or dx at stride 1: by Winograd instead (winograd.h) */
 } mgpu__implicit_kernel;
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
@@ -4406,6 +4414,22 @@ static mgpu__channels_last_args mgpu__weights_copy(float *out, const float *w, i
     return a;
 }
 
+/* out = conv(in_t, w) + b by Winograd's F(2x2, 3x3) (kernels/winograd.h),
+   in geometry g, from the channels-last copy in_t of the input; turned
+   and accumulate as below. */
+static void mgpu__conv_winograd(mgpu_device *dev, float *out, const float *in_t, const float *w, const float *b,
+                                const mgpu__conv_geom *g, int turned, int accumulate) {
+    size_t tiles = mgpu__winograd_tiles(g);
+    mgpu_tensor *v = mgpu_empty(dev, mgpu_shape1((int)(16 * tiles * g->c)));
+    mgpu_tensor *u = mgpu_empty(dev, mgpu_shape1(16 * g->c * g->k));
+    mgpu_tensor *m = mgpu_empty(dev, mgpu_shape1((int)(16 * tiles * g->k)));
+    mgpu__winograd_args a = {out, in_t, w, b, v->data, u->data, m->data, *g, turned, accumulate};
+    mgpu__launch_on(&dev->queue[0], turned ? "conv2d_backward winograd dx" : "conv2d winograd", NULL,
+                    mgpu__winograd_cuda, &a, sizeof a);
+    mgpu_free(v); /* (all three reused only by work enqueued after this on the same queue) */
+    mgpu_free(u);
+    mgpu_free(m);
+}
 /* out = conv(in_t, w) + b with conv_nhwc.h's kernel, in geometry g, from
    the channels-last copy in_t of the input and the weights' channels-last
    TF32 copy; as w' (turned: flipped, filters and channels swapped) when
@@ -4417,6 +4441,10 @@ static mgpu__channels_last_args mgpu__weights_copy(float *out, const float *w, i
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      mgpu_tensor **keep_w_t, const float *b, const mgpu__conv_geom *g,
                                      int for_dx, mgpu__implicit_kernel kernel, int accumulate) {
+    if (kernel.winograd) { /* (which takes the weights as they are) */
+        mgpu__conv_winograd(dev, out, in_t, w, b, g, for_dx, accumulate);
+        return;
+    }
     mgpu_tensor *w_t = keep_w_t ? *keep_w_t : NULL, *own_w_t = NULL;
     if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
         int rs = g->r * g->s;
@@ -4623,7 +4651,7 @@ static const int mgpu__conv_dw_block_choices[] = {256, 384, 512, 768, 1024, 1536
    as they are (choice 0). */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
                                     mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {family, tile, 1};
+    mgpu__implicit_kernel kernel = {family, tile, 1, 0};
     *k = kernel;
     if (!mgpu__conv_family_fits(family, what, g)) return 0;
     if (family == MGPU__GATHER) return i == 0;
@@ -4635,8 +4663,17 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
     int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
     return i == 0 || terms / MGPU__NHWC_STEP / k->splits >= 8;
 }
-/* The kernels a trial times for a pass, into list; returns how many. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES)
+/* Whether Winograd computes a pass of geometry g from the channels-last
+   copies: the forward pass or dx of a 3x3 convolution at stride 1. */
+static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    if (what == MGPU__TRY_DW || g->stride != 1) return 0;
+    if (!mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g)) return 0; /* (it reads their copies) */
+    mgpu__conv_geom d = what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
+    return mgpu__winograd_fits(&d);
+}
+/* The kernels a trial times for a pass, into list; returns how many:
+   every family's, tile's and choice's that fits, and Winograd. */
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 1)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
@@ -4644,6 +4681,10 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
                                                   &list[count]);
+    if (mgpu__conv_winograd_fits(what, g)) {
+        mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+        list[count++] = winograd;
+    }
     return count;
 }
 
@@ -4673,7 +4714,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, 0}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);
@@ -4685,6 +4726,10 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
+    if (k.winograd) {
+        snprintf(out, size, "%s Winograd", mgpu__implicit_family_names[k.family]);
+        return;
+    }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
     if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }

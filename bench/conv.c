@@ -16,8 +16,10 @@
    kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx, and
    dW; their times include the copies to channels-last; "/N": the forward
    pass or dx with its sum in N slices, "~B": dW in the slices for about
-   B blocks, where a tile's differ from the row above's). The fastest tile
-   of a row is marked *; the fastest of a pass is the one the library's own trial
+   B blocks, where a tile's differ from the row above's), and for 3x3
+   layers at stride 1 kernels/winograd.h's (rows "Winograd": the forward
+   pass and dx, one figure, under the first tile). The fastest tile of a
+   row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
    P * Q * C * R * S FLOPs per pass. Both at PyTorch's default precision
@@ -233,6 +235,14 @@ int main(int argc, char **argv) {
                         print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
                                   us, tiles);
                     }
+                if (mgpu__conv_winograd_fits(tries[pass], &c.g)) { /* (no tiles: one figure) */
+                    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+                    double us[TILE_COLUMNS] = {0};
+                    c.kernel = winograd;
+                    us[0] = time_us(dev[0], runs[pass], &c, steps);
+                    if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
+                    print_row("  Winograd", cc->count, pass == FWD ? "fwd" : "dx", flop, 0, us, tiles);
+                }
                 step_us[1] += cc->count * best[pass];
             }
             /* (as the library's auto plan: each gradient by the faster of

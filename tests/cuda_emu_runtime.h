@@ -500,6 +500,22 @@ static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta
     return CUBLAS_STATUS_SUCCESS;
 }
 
+/* `batch` products, each operand's matrices `stride` floats apart. */
+static inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+                                                        cublasOperation_t tb, int m, int n, int k,
+                                                        const float *alpha, const float *a, int a_type, int lda,
+                                                        long long stride_a, const float *b, int b_type, int ldb,
+                                                        long long stride_b, const float *beta, float *c,
+                                                        int c_type, int ldc, long long stride_c, int batch,
+                                                        int compute, int algo) {
+    for (int i = 0; i < batch; i++) {
+        cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha, a + i * stride_a, a_type, lda, b + i * stride_b,
+                                        b_type, ldb, beta, c + i * stride_c, c_type, ldc, compute, algo);
+        if (s != CUBLAS_STATUS_SUCCESS) return s;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 /* cuBLAS's classic float product: float32 (the handle's default math mode). */
 static inline cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
                                          int m, int n, int k, const float *alpha, const float *a,

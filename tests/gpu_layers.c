@@ -280,6 +280,33 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
 /* Every kernel and tile shape of the implicit GEMMs, each launched
    directly (the library keeps the fastest per product, so some may never
    run above); the channels-last kernels where they fit. */
+/* y and dx by Winograd (kernels/winograd.h) where it fits, against the
+   CPU's in y and dx (dx also added to what is there: twice the CPU's). */
+static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
+                             pair *dy, pair *dx) {
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+    char what[96];
+    snprintf(what, sizeof what, "%s, Winograd", name);
+    if (mgpu__conv_winograd_fits(MGPU__TRY_Y, g)) {
+        mgpu_fill(y->g, NAN);
+        mgpu__conv_forward_implicit(y->g, x->g, NULL, wt->g, NULL, b->g, g, winograd, NULL);
+        check_same(what, "y", y, 2e-3);
+    }
+    if (mgpu__conv_winograd_fits(MGPU__TRY_DX, g)) {
+        mgpu_fill(dx->g, NAN);
+        mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, NULL, g, winograd, 0);
+        check_same(what, "dx", dx, 2e-3);
+        size_t count = dx->c->numel;
+        float *twice = (float *)malloc(count * sizeof(float));
+        mgpu_to_host(dx->c, twice);
+        for (size_t i = 0; i < count; i++) twice[i] *= 2;
+        pair added = {mgpu_from_host(dx->c->device, dx->c->shape, twice), dx->g};
+        mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, NULL, g, winograd, 1);
+        check_same(what, "dx added to dx", &added, 2e-3);
+        mgpu_free(added.c);
+        free(twice);
+    }
+}
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -296,8 +323,9 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1}, channels_last = {MGPU__CHANNELS_LAST, tile, 1};
-        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2}; /* the sum in 2 slices */
+        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, 0};
+        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, 0};
+        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, 0}; /* the sum in 2 slices */
         mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
@@ -338,6 +366,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_free(w_t);
         mgpu_free(w_turned_t);
     }
+    winograd_compare(name, &g, &x, &wt, &b, &y, &dy, &dx);
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
@@ -399,14 +428,15 @@ TEST(conv_algorithm_chosen_by_measuring) {
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
    (batch 256) in, with one family and tile, into splits; returns how
-   many. */
+   many (and in *winograd, whether it times Winograd too). */
 static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
-                            mgpu_shape xs, mgpu_shape ws, int stride, int pad, int *splits) {
-    mgpu__conv_geom g = mgpu__conv_geometry("candidates", xs, ws, stride, pad);
+                            const mgpu__conv_geom *g, int *splits, int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(what, &g, list), found = 0;
+    int count = mgpu__conv_candidates(what, g, list), found = 0;
+    *winograd = 0;
     for (int j = 0; j < count; j++)
-        if (list[j].family == family && list[j].tile == tile) splits[found++] = list[j].splits;
+        if (list[j].winograd) *winograd += 1;
+        else if (list[j].family == family && list[j].tile == tile) splits[found++] = list[j].splits;
     return found;
 }
 static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
@@ -424,39 +454,47 @@ static void check_slices(const char *what, const int *got, int count, const int 
 /* The trial's candidates: the channels-last forward and dx sliced where
    every slice keeps at least 8 steps of 32 terms; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
-   pixels; the gathering kernels whole (their dW slices its own). */
+   pixels; the gathering kernels whole (their dW slices its own); Winograd
+   for the forward pass and dx of 3x3 convolutions at stride 1. */
 TEST(trial_candidates_slice_the_sums) {
-    int got[MGPU__CANDIDATES];
-    const mgpu_shape stage4_x = mgpu_shape4(256, 512, 4, 4), stage4_w = mgpu_shape4(512, 512, 3, 3);
-    const mgpu_shape stage1_x = mgpu_shape4(256, 64, 28, 28), stage1_w = mgpu_shape4(64, 64, 3, 3);
+    int got[MGPU__CANDIDATES], winograd;
+    const mgpu__conv_geom stage4 =
+        mgpu__conv_geometry("stage 4", mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1);
+    const mgpu__conv_geom stage1 =
+        mgpu__conv_geometry("stage 1", mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1);
+    const mgpu__conv_geom stage3_down =
+        mgpu__conv_geometry("stage 3 /2", mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
     const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
-    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y", got, n, all, 6);
-    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1: Winograd too */
+    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y, gathering", got, n, whole, 1);
     /* stage 1's 3x3: 64 * 9 / 32 = 18 steps, 2 slices of 9 and no more */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, stage1_x, stage1_w, 1, 1, got);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
     check_slices("stage 1, dx", got, n, two, 2);
+    CHECK_EQ_INT(winograd, 1);
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
        terms, 18 steps, as stage 1 */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, mgpu_shape4(256, 128, 14, 14),
-                         mgpu_shape4(256, 128, 3, 3), 2, 1, got);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
+    CHECK_EQ_INT(winograd, 0);
     /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
        and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
     const int stage4_dw[] = {1, 2, 3, 4, 6};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, stage4_x, stage4_w, 1, 1, got);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &winograd);
     check_slices("stage 4, dW", got, n, stage4_dw, 5);
+    CHECK_EQ_INT(winograd, 0);
     /* in 128 x 128 tiles (144): 11 slices for 1536 blocks, but the
        partials are kept under 16M floats: 7 slices of 512 x 4608 */
     const int stage4_dw_128[] = {2, 3, 4, 6, 7};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, stage4_x, stage4_w, 1, 1, got);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dW, 128 x 128", got, n, stage4_dw_128, 5);
     /* stage 1's dW: 5 tiles of 64 x 128 (576 columns); 52 slices of
        3872 pixels for 256 blocks ... 308 for 1536 */
     const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, stage1_x, stage1_w, 1, 1, got);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &winograd);
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
 }
 
@@ -496,6 +534,8 @@ TEST(implicit_gemm_small_tiles) {
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
     implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
     implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels */
+    implicit_tiles_compare("Winograd, padding 0", 2, 32, 8, 64, 3, 1, 0); /* (y 6x6; dx padded by 2) */
+    implicit_tiles_compare("Winograd, padding 2", 1, 64, 5, 32, 3, 1, 2); /* (y 7x7, dx 5x5: half tiles) */
     mgpu_set_tf32(0, 0);
 }
 
@@ -510,7 +550,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -606,9 +646,9 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1};
-    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
-    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2};
+    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, 0};
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
@@ -707,7 +747,7 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1};
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
     mgpu_manual_seed(13);
     small_test test = small_test_new(kernel);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
@@ -752,7 +792,7 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2}; /* in 2 slices */
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, 0}; /* in 2 slices */
     mgpu_manual_seed(17);
     small_test test = small_test_new(kernel);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
