@@ -662,9 +662,10 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
    block, a stride-2 block with the 1x1 shortcut, pooling and a linear
    layer, on the CPU (to be replicated to the GPU), for a batch of 2
    images of 32 x 6 x 6, with every convolution's plans set by hand to
-   `kernel` in every pass; *before: the plans' count before these. */
+   `kernel` in every pass (with `winograd`, Winograd for the forward pass
+   and dx where it fits); *before: the plans' count before these. */
 static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
-static mgpu_net *small_network(mgpu__implicit_kernel kernel, int *before) {
+static mgpu_net *small_network(mgpu__implicit_kernel kernel, int winograd, int *before) {
     mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
     mgpu__conv_geom geoms[] = {
         mgpu__conv_geometry("net", xs, mgpu_shape4(32, 32, 3, 3), 1, 1),   /* stem, block 1 */
@@ -672,10 +673,12 @@ static mgpu_net *small_network(mgpu__implicit_kernel kernel, int *before) {
         mgpu__conv_geometry("net", half, mgpu_shape4(64, 64, 3, 3), 1, 1), /* its conv2 */
         mgpu__conv_geometry("net", xs, mgpu_shape4(64, 32, 1, 1), 2, 0),   /* its shortcut */
     };
-    mgpu__conv_plan plan = {1, 0, 0, kernel, kernel, kernel};
     *before = mgpu__conv_choice_count;
     for (int i = 0; i < 4; i++)
         for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
+            mgpu__conv_plan plan = {1, 0, 0, kernel, kernel, kernel};
+            plan.y.winograd = winograd && mgpu__conv_winograd_fits(MGPU__TRY_Y, &geoms[i]);
+            plan.dx.winograd = winograd && mgpu__conv_winograd_fits(MGPU__TRY_DX, &geoms[i]);
             mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
@@ -694,10 +697,10 @@ typedef struct {
     mgpu_tensor *x, *y;
     int before;
 } small_test;
-static small_test small_test_new(mgpu__implicit_kernel kernel) {
+static small_test small_test_new(mgpu__implicit_kernel kernel, int winograd) {
     small_test t;
     float labels[2] = {3, 7};
-    t.model = small_network(kernel, &t.before);
+    t.model = small_network(kernel, winograd, &t.before);
     t.x = mgpu_randn(gpu, small_batch(), 0.0f, 1.0f);
     t.y = mgpu_from_host(gpu, mgpu_shape1(2), labels);
     return t;
@@ -743,13 +746,11 @@ static int all_nan(const mgpu_tensor *t) {
     for (size_t i = 0; i < t->numel; i++) all &= isnan(mgpu_item(t, i));
     return all;
 }
-TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
-    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
-    mgpu__conv_settings_from_environment();
+static void batch_norms_write_copies_compare(const char *name, int winograd) {
     mgpu_set_tf32(1, 0);
     mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
     mgpu_manual_seed(13);
-    small_test test = small_test_new(kernel);
+    small_test test = small_test_new(kernel, winograd);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
@@ -777,7 +778,14 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
         CHECK((l[1]->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
         CHECK(all_nan(l[2]->bn1->output) == wrote && all_nan(l[3]->bn1->output) == wrote);
     }
-    same_networks(&test, "batch norm writing the copies", nets, logits, 1);
+    same_networks(&test, name, nets, logits, 1);
+}
+TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    batch_norms_write_copies_compare("batch norm writing the copies", 0);
+    /* Winograd reads the same copies (stem, block 1, block 2's conv2) */
+    batch_norms_write_copies_compare("batch norm writing the copies, Winograd", 1);
 }
 
 /* The same network, every convolution channels-last (forward and dx in 2
@@ -794,7 +802,7 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     mgpu_set_tf32(1, 0);
     mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, 0}; /* in 2 slices */
     mgpu_manual_seed(17);
-    small_test test = small_test_new(kernel);
+    small_test test = small_test_new(kernel, 0);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
