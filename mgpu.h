@@ -4641,6 +4641,9 @@ static const int mgpu__conv_slice_choices[] = {1, 2, 3, 4, 6, 8};
    take more shared memory), 2.18 waves in its default 2 slices. */
 static const int mgpu__conv_dw_block_choices[] = {256, 384, 512, 768, 1024, 1536};
 #define MGPU__KERNEL_CHOICES 6 /* the length of both lists */
+static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(int) &&
+                  sizeof mgpu__conv_dw_block_choices == MGPU__KERNEL_CHOICES * sizeof(int),
+              "a choice of each kind for each i");
 /* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of a family and tile for a
    pass (`what`) of geometry g, in *k; returns whether the trial times it:
    the channels-last forward and dx in mgpu__conv_slice_choices[i] slices
