@@ -140,6 +140,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
     return out;
 }
 static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
+static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -254,6 +255,33 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
             }
         }
     }
+    /* winograd.h's, where it fits: y from x_t, dx from dy_t with the
+       weights turned, overwriting dx and adding to it */
+    char name[128];
+    snprintf(name, sizeof name, "Winograd n%d c%d %dx%d k%d stride %d pad %d", n, c, h, w, k, stride, pad);
+    auto winograd = [&](const mgpu__conv_geom &wg, const std::vector<float> &in_t, int turned,
+                        std::vector<float> &out, int accumulate) {
+        size_t tiles = mgpu__winograd_tiles(&wg);
+        std::vector<float> v = nans(16 * tiles * wg.c), u = nans(16 * (size_t)wg.c * wg.k);
+        std::vector<float> m = nans(16 * tiles * wg.k);
+        mgpu__winograd_args a = {out.data(), in_t.data(), wt.data(), turned || !bias ? NULL : b.data(),
+                                 v.data(), u.data(), m.data(), wg, turned, accumulate};
+        mgpu__winograd_cuda(&a, &on_gpu);
+        winograd_cases++;
+    };
+    if (mgpu__winograd_fits(&g)) {
+        std::vector<float> y_g = nans(ys);
+        winograd(g, x_t, 0, y_g, 0);
+        close_in_tf32(name, "y", y_g, y_c);
+    }
+    if (stride == 1 && mgpu__winograd_fits(&d)) {
+        std::vector<float> dx_g = nans(x.size());
+        winograd(d, dy_t, 1, dx_g, 0);
+        close_in_tf32(name, "dx", dx_g, dx_c);
+        dx_g = dx_start;
+        winograd(d, dy_t, 1, dx_g, 1);
+        close_in_tf32(name, "dx added", dx_g, dx_sum_c);
+    }
 }
 TEST(implicit_gemm_convolution) {
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
@@ -282,6 +310,7 @@ TEST(channels_last_convolution) {
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
     CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
+    CHECK(winograd_cases == 5 + 3 * 2); /* y of the 3x3 stride-1 cases, and dx where K is in fours */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }
