@@ -614,9 +614,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    in one of four tile shapes, the channels-last ones also with their sum
    split into slices that run at once (2 to 8 for the forward pass and
    dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
-   for 3x3 layers at stride 1, the forward pass and dx from the same
-   channels-last copies by Winograd's F(2x2, 3x3), 16 multiplies for 36
-   (kernels/winograd.h: transforms, and 16 products by cuBLAS).
+   for 3x3 layers at stride 1 with 256 channels and filters or more, the
+   forward pass and dx from the same channels-last copies by Winograd's
+   F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h: transforms, and
+   16 products by cuBLAS).
    MGPU_CONV chooses: auto
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
@@ -4674,8 +4675,19 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
     mgpu__conv_geom d = what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
     return mgpu__winograd_fits(&d);
 }
+/* Whether the trial tries Winograd where it fits: where the channels and
+   filters are many. Per output pixel it saves 20/36 of 18 C K multiplies
+   and adds, 10 C K FLOPs, and writes and reads V and M, 16/4 (C + K)
+   floats each way, 32 (C + K) bytes more. With C = K that is 0.16 C
+   FLOPs saved a byte moved, against the 40 or so that the direct
+   kernel's pace (about 120 TFLOP/s on an H100) over memory's (3 TB/s)
+   asks: C of 256 or more, ResNet-18's stages 3 and 4. (Elsewhere the
+   trial would only lose time, and stage 1's V and M, 200 MB each, would
+   count in the first device's peak memory.) */
+static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
 /* The kernels a trial times for a pass, into list; returns how many:
-   every family's, tile's and choice's that fits, and Winograd. */
+   every family's, tile's and choice's that fits, and Winograd where it
+   is worth trying. */
 #define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 1)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
@@ -4684,7 +4696,7 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
                                                   &list[count]);
-    if (mgpu__conv_winograd_fits(what, g)) {
+    if (mgpu__conv_winograd_fits(what, g) && mgpu__conv_winograd_worth_trying(g)) {
         mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
         list[count++] = winograd;
     }

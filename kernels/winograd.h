@@ -32,8 +32,10 @@
    channels of 4x4 pixels, one 2x2 grid of tiles an image, 4096 output
    pixels for 512 filters) the direct kernel has too few output tiles to
    fill the GPU, and cuBLAS's products are large. The trial in mgpu.h
-   times it beside the channels-last kernels wherever it fits (3x3, stride
-   1) and keeps it where it is faster.
+   times it beside the channels-last kernels where it fits (3x3, stride
+   1) and the channels and filters are 256 or more
+   (mgpu__conv_winograd_worth_trying says why), and keeps it where it is
+   faster.
 
    Precision. The transforms add and halve in float32; cuBLAS rounds V
    and U to TF32 (CUBLAS_COMPUTE_32F_FAST_TF32), as the direct kernels

@@ -455,7 +455,8 @@ static void check_slices(const char *what, const int *got, int count, const int 
    every slice keeps at least 8 steps of 32 terms; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
    pixels; the gathering kernels whole (their dW slices its own); Winograd
-   for the forward pass and dx of 3x3 convolutions at stride 1. */
+   for the forward pass and dx of 3x3 convolutions at stride 1 with 256
+   channels and filters or more. */
 TEST(trial_candidates_slice_the_sums) {
     int got[MGPU__CANDIDATES], winograd;
     const mgpu__conv_geom stage4 =
@@ -468,13 +469,16 @@ TEST(trial_candidates_slice_the_sums) {
     const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
     int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y", got, n, all, 6);
-    CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1: Winograd too */
+    CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1, 512 channels: Winograd too */
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    check_slices("stage 4, dx", got, n, all, 6);
+    CHECK_EQ_INT(winograd, 1);
     n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y, gathering", got, n, whole, 1);
     /* stage 1's 3x3: 64 * 9 / 32 = 18 steps, 2 slices of 9 and no more */
     n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
     check_slices("stage 1, dx", got, n, two, 2);
-    CHECK_EQ_INT(winograd, 1);
+    CHECK_EQ_INT(winograd, 0); /* (it fits, but 64 channels are too few to pay) */
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
        terms, 18 steps, as stage 1 */
     n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
