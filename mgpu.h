@@ -4649,7 +4649,8 @@ static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(i
    pass (`what`) of geometry g, in *k; returns whether the trial times it:
    the channels-last forward and dx in mgpu__conv_slice_choices[i] slices
    of their sum, where every slice keeps at least 8 steps of 32 (dx at
-   stride t in t^2 classes, each with about 1 / t^2 of the taps); the
+   stride t in t^2 classes, each with about 1 / t^2 of the taps) and the
+   partials fit in MGPU__PARTIAL_FLOATS_MAX (as dW's); the
    channels-last dW in the slices for mgpu__conv_dw_block_choices[i]
    blocks, where they differ from choice i - 1's; the gathering kernels
    as they are (choice 0). */
@@ -4665,7 +4666,11 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
     }
     k->splits = mgpu__conv_slice_choices[i];
     int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
-    return i == 0 || terms / MGPU__NHWC_STEP / k->splits >= 8;
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g); /* (dx's product at stride 1) */
+    size_t partials = what == MGPU__TRY_Y  ? mgpu__conv_nhwc_partial_floats(g, k->splits)
+                      : g->stride == 1     ? mgpu__conv_nhwc_partial_floats(&d, k->splits)
+                                           : mgpu__conv_nhwc_subpixel_partial_floats(g, k->splits);
+    return i == 0 || (terms / MGPU__NHWC_STEP / k->splits >= 8 && partials <= MGPU__PARTIAL_FLOATS_MAX);
 }
 /* Whether Winograd computes a pass of geometry g from the channels-last
    copies: the forward pass or dx of a 3x3 convolution at stride 1. */

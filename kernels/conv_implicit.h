@@ -393,9 +393,11 @@ typedef struct {
     mgpu__implicit_tile tile;
 } mgpu__conv_implicit_wgrad_args;
 
+/* The most floats a product's slices' partial tiles take (64 MB). */
+#define MGPU__PARTIAL_FLOATS_MAX ((size_t)16 << 20)
 /* Slices of the sum over output pixels for a weight gradient in `tile`:
    about `blocks` blocks in all, each summing at least `least` pixels, the
-   partial tiles at most 16M floats. This kernel takes 1024 blocks of 256
+   partial tiles at most MGPU__PARTIAL_FLOATS_MAX. This kernel takes 1024 blocks of 256
    pixels or more (mgpu__conv_implicit_wgrad_splits); conv_nhwc.h's
    fewer and longer ones (it multiplies faster, in less time than
    reading and writing more partial tiles would take). */
@@ -406,7 +408,8 @@ static int mgpu__conv_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile
     size_t tiles = ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns);
     size_t pixels = (size_t)g->n * g->p * g->q, splits = (blocks + tiles - 1) / tiles;
     if (splits > pixels / least) splits = pixels / least;
-    if (splits > ((size_t)16 << 20) / ((size_t)g->k * crs)) splits = ((size_t)16 << 20) / ((size_t)g->k * crs);
+    size_t most = MGPU__PARTIAL_FLOATS_MAX / ((size_t)g->k * crs);
+    if (splits > most) splits = most;
     if (splits > 65535) splits = 65535; /* grid.z */
     return splits < 1 ? 1 : (int)splits;
 }

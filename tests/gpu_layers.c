@@ -452,7 +452,8 @@ static void check_slices(const char *what, const int *got, int count, const int 
     CHECK(same);
 }
 /* The trial's candidates: the channels-last forward and dx sliced where
-   every slice keeps at least 8 steps of 32 terms; the channels-last dW in
+   every slice keeps at least 8 steps of 32 terms and the partials fit in
+   16M floats; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
    pixels; the gathering kernels whole (their dW slices its own); Winograd
    for the forward pass and dx of 3x3 convolutions at stride 1 with 256
@@ -463,6 +464,8 @@ TEST(trial_candidates_slice_the_sums) {
         mgpu__conv_geometry("stage 4", mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1);
     const mgpu__conv_geom stage1 =
         mgpu__conv_geometry("stage 1", mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1);
+    const mgpu__conv_geom stage3 =
+        mgpu__conv_geometry("stage 3", mgpu_shape4(256, 256, 7, 7), mgpu_shape4(256, 256, 3, 3), 1, 1);
     const mgpu__conv_geom stage3_down =
         mgpu__conv_geometry("stage 3 /2", mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
@@ -473,14 +476,21 @@ TEST(trial_candidates_slice_the_sums) {
     n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dx", got, n, all, 6);
     CHECK_EQ_INT(winograd, 1);
+    /* stage 3's 3x3: 72 steps, but 6 slices' partials of 256 x 12544
+       would pass 16M floats */
+    const int four[] = {1, 2, 3, 4};
+    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &winograd);
+    check_slices("stage 3, y", got, n, four, 4);
+    CHECK_EQ_INT(winograd, 1);
     n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y, gathering", got, n, whole, 1);
-    /* stage 1's 3x3: 64 * 9 / 32 = 18 steps, 2 slices of 9 and no more */
+    /* stage 1's 3x3: 64 * 9 / 32 = 18 steps would make 2 slices of 9, but
+       their partials, 2 x 64 x 200704 floats, pass 16M: whole only */
     n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
-    check_slices("stage 1, dx", got, n, two, 2);
+    check_slices("stage 1, dx", got, n, whole, 1);
     CHECK_EQ_INT(winograd, 0); /* (it fits, but 64 channels are too few to pay) */
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
-       terms, 18 steps, as stage 1 */
+       terms, 18 steps: 2 slices of 9 and no more */
     n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
     CHECK_EQ_INT(winograd, 0);
