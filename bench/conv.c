@@ -224,7 +224,7 @@ int main(int argc, char **argv) {
                         }
                         if (!timed) continue;
                         char family[48];
-                        if (f == MGPU__CHANNELS_LAST && pass == DW && i > 0)
+                        if (f == MGPU__CHANNELS_LAST && pass == DW)
                             snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
                                      mgpu__conv_dw_block_choices[i]);
                         else if (f == MGPU__CHANNELS_LAST && i > 0)

@@ -238,7 +238,8 @@ typedef struct {
    them up in order (so the result does not depend on which block ends
    first) with the bias, into y. The cost: a write and a read of the
    partials. The trial in mgpu.h times each tile in 1 to 8 slices
-   (mgpu__conv_slice_choices), where a slice keeps at least 8 steps.
+   (mgpu__conv_slice_choices), where a slice keeps at least 8 steps and
+   the partials fit in MGPU__PARTIAL_FLOATS_MAX.
 
    A partial's rows are n*P*Q long, rounded up to even so that a lane's
    two neighbouring values go out as one 8-byte store. */
