@@ -509,8 +509,9 @@ static inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublas
                                                         int c_type, int ldc, long long stride_c, int batch,
                                                         int compute, int algo) {
     for (int i = 0; i < batch; i++) {
-        cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha, a + i * stride_a, a_type, lda, b + i * stride_b,
-                                        b_type, ldb, beta, c + i * stride_c, c_type, ldc, compute, algo);
+        cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha, a + i * stride_a, a_type, lda,
+                                        b + i * stride_b, b_type, ldb, beta, c + i * stride_c, c_type, ldc,
+                                        compute, algo);
         if (s != CUBLAS_STATUS_SUCCESS) return s;
     }
     return CUBLAS_STATUS_SUCCESS;
