@@ -277,9 +277,6 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
-/* Every kernel and tile shape of the implicit GEMMs, each launched
-   directly (the library keeps the fastest per product, so some may never
-   run above); the channels-last kernels where they fit. */
 /* y and dx by Winograd (kernels/winograd.h) where it fits, against the
    CPU's in y and dx (dx also added to what is there: twice the CPU's). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
@@ -307,6 +304,9 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
         free(twice);
     }
 }
+/* Every kernel and tile shape of the implicit GEMMs, each launched
+   directly (the library keeps the fastest per product, so some may never
+   run above); the channels-last kernels and Winograd where they fit. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
