@@ -4449,8 +4449,9 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     mgpu_tensor *w_t = keep_w_t ? *keep_w_t : NULL, *own_w_t = NULL;
     if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
         int rs = g->r * g->s;
-        w_t = own_w_t = mgpu__channels_last_copy_of(dev, for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, rs, 1)
-                                                                : mgpu__weights_copy(NULL, w, g->k, g->c, rs, 0));
+        mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, rs, 1)
+                                               : mgpu__weights_copy(NULL, w, g->k, g->c, rs, 0);
+        w_t = own_w_t = mgpu__channels_last_copy_of(dev, copy);
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
     }
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
@@ -4711,9 +4712,11 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
 /* The fastest implicit GEMM of a family for one pass (`what`), in
    *kernel, and its time (HUGE_VAL, *kernel untouched, if none fits): the
    best of three calls of each candidate, the candidates taking turns, so
-   that a GPU clock still rising favours none. */
+   that a GPU clock still rising favours none; each one that reads the
+   weights' channels-last copy charged w_copy_ms for it (Winograd takes
+   the weights as they are). */
 static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_family family,
-                                        mgpu__implicit_kernel *kernel) {
+                                        double w_copy_ms, mgpu__implicit_kernel *kernel) {
     mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
     double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
     int count = 0, fits = mgpu__conv_candidates(what, t->g, candidates);
@@ -4723,6 +4726,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
             double ms = mgpu__conv_trial_ms(t, what, candidates[i]);
+            if (!candidates[i].winograd) ms += w_copy_ms;
             if (ms < best[i]) best[i] = ms;
             if (round == 2 && best[i] < fastest) { /* the last round: all three are in */
                 fastest = best[i];
@@ -4878,9 +4882,9 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     plan.implicit = 1;
     if (!t->backward) {
         mgpu__implicit_kernel channels_last = plan.y;
-        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__GATHER, &plan.y);
-        double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__CHANNELS_LAST, &channels_last) + copy.x +
-                       copy.w;
+        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__GATHER, 0.0, &plan.y);
+        double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__CHANNELS_LAST, copy.w, &channels_last) +
+                       copy.x;
         if (cl_ms < y_ms) y_ms = cl_ms, plan.y = channels_last;
         if (automatic) plan.implicit = y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
     } else {
@@ -4888,14 +4892,16 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
         double dx_ms[MGPU__WAYS] = {0.0, 0.0, 0.0}, dw_ms[MGPU__WAYS];
         mgpu__implicit_kernel dx_kernel[2] = {plan.dx, plan.dx}, dw_kernel[2] = {plan.dw, plan.dw};
         if (with_dx) {
-            dx_ms[MGPU__BY_GATHERING] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__GATHER, &dx_kernel[0]);
+            dx_ms[MGPU__BY_GATHERING] =
+                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__GATHER, 0.0, &dx_kernel[0]);
             dx_ms[MGPU__BY_CHANNELS_LAST] =
-                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__CHANNELS_LAST, &dx_kernel[1]) + copy.w_turned;
+                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__CHANNELS_LAST, copy.w_turned, &dx_kernel[1]);
             dx_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX) : HUGE_VAL;
         }
-        dw_ms[MGPU__BY_GATHERING] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__GATHER, &dw_kernel[0]);
+        dw_ms[MGPU__BY_GATHERING] =
+            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__GATHER, 0.0, &dw_kernel[0]);
         dw_ms[MGPU__BY_CHANNELS_LAST] =
-            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__CHANNELS_LAST, &dw_kernel[1]) + copy.x;
+            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__CHANNELS_LAST, 0.0, &dw_kernel[1]) + copy.x;
         dw_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW) : HUGE_VAL;
         int by_dx, by_dw;
         double best =
