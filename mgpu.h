@@ -4667,10 +4667,8 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
     }
     k->splits = mgpu__conv_slice_choices[i];
     int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
-    mgpu__conv_geom d = mgpu__conv_dx_geometry(g); /* (dx's product at stride 1) */
-    size_t partials = what == MGPU__TRY_Y  ? mgpu__conv_nhwc_partial_floats(g, k->splits)
-                      : g->stride == 1     ? mgpu__conv_nhwc_partial_floats(&d, k->splits)
-                                           : mgpu__conv_nhwc_subpixel_partial_floats(g, k->splits);
+    size_t partials = what == MGPU__TRY_Y ? mgpu__conv_nhwc_partial_floats(g, k->splits)
+                                          : mgpu__conv_nhwc_dx_partial_floats(g, k->splits);
     return i == 0 || (terms / MGPU__NHWC_STEP / k->splits >= 8 && partials <= MGPU__PARTIAL_FLOATS_MAX);
 }
 /* Whether Winograd computes a pass of geometry g from the channels-last

@@ -616,6 +616,15 @@ static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, 
     return most;
 }
 
+/* The floats of the partials for dx of geometry g in `splits` slices: of
+   the stride-1 product (mgpu__conv_dx_geometry), or of the largest
+   sub-pixel class. */
+static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g, int splits) {
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_partial_floats(g, splits);
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    return mgpu__conv_nhwc_partial_floats(&d, splits);
+}
+
 /* dx, class by class: the class's taps, then its product. Where classes
    have no taps and dx is not added to, all of dx is zeroed first (one
    memset), and those classes are skipped: run as products of no steps,
