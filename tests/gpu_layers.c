@@ -232,7 +232,12 @@ static void tf32_compare(const char *name, double tf32_err, double float32_err) 
 }
 
 TEST(tf32_products_are_rounded_but_close) {
-    /* a ResNet stage-2 convolution: sums of 64 * 3 * 3 = 576 products */
+    /* a ResNet stage-2 convolution: sums of 64 * 3 * 3 = 576 products, by
+       im2col, whose product is cuBLAS's (the implicit GEMMs are TF32 always
+       and compared with the CPU below; and on the emulated GPU the trial of
+       every kernel took two minutes here) */
+    mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
+    mgpu__conv_mode = MGPU__CONV_IM2COL;
     mgpu_shape xs = mgpu_shape4(32, 64, 14, 14), ws = mgpu_shape4(64, 64, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     pair x = pair_randn(xs), wt = pair_randn(ws), y = pair_nan(ys);
@@ -244,6 +249,7 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_conv2d_forward(y.g, x.g, wt.g, NULL, 1, 1);
     tf32_compare("conv", check_same("conv, TF32", "y", &y, 2e-3), conv32);
     pair_free(&x); pair_free(&wt); pair_free(&y);
+    mgpu__conv_mode = MGPU__CONV_AUTO;
 
     /* the ResNet head's product: sums of 512 */
     mgpu_shape as = mgpu_shape2(1024, 512), bs = mgpu_shape2(512, 10);
@@ -401,10 +407,10 @@ TEST(conv_algorithm_chosen_by_measuring) {
     mgpu__conv_mode = MGPU__CONV_AUTO;
     mgpu_set_tf32(1, 0);
     /* small: on the emulated GPU every trial takes seconds */
-    mgpu_shape xs = mgpu_shape4(4, 64, 14, 14), ws = mgpu_shape4(128, 64, 3, 3);
+    mgpu_shape xs = mgpu_shape4(2, 64, 8, 8), ws = mgpu_shape4(64, 64, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
-    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(128)), y = pair_nan(ys);
-    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(128));
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(64)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(64));
     int before = mgpu__conv_choice_count;
     for (int round = 0; round < 2; round++) { /* measured, then remembered */
         mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
