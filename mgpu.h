@@ -614,10 +614,13 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    in one of four tile shapes, the channels-last ones also with their sum
    split into slices that run at once (2 to 8 for the forward pass and
    dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
-   for 3x3 layers at stride 1 with 256 channels and filters or more, the
-   forward pass and dx from the same channels-last copies by Winograd's
-   F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h: transforms, and
-   16 products by cuBLAS).
+   for 3x3 layers at stride 1, the forward pass and dx from the same
+   channels-last copies by two more methods: at padding 1,
+   kernels/conv_halo.h's kernel, which copies each 32 channels of a
+   tile's pixels and the ring around them into shared memory once for
+   all nine taps (in each tile shape); with 256 channels and filters or
+   more, Winograd's F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h:
+   transforms, and 16 products by cuBLAS).
    MGPU_CONV chooses: auto
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
@@ -3331,6 +3334,7 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/conv.h"
 #include "kernels/conv_implicit.h"
 #include "kernels/conv_nhwc.h"
+#include "kernels/conv_halo.h"
 #include "kernels/winograd.h"
 #include "kernels/pool.h"
 #include "kernels/linear.h"
@@ -4155,7 +4159,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_implicit.h and
-               conv_nhwc.h (or winograd.h, from the same copies), for
+               conv_nhwc.h (or conv_halo.h or winograd.h, from the same copies), for
                each pass the kernel and tile shape that was fastest for
                it (timed the same way).
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
@@ -4367,17 +4371,21 @@ static int mgpu__conv_implicit_available(void) {
    gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
    copies of them (the forward pass, dx, and dW); each in one of the four
    tiles, and conv_nhwc.h's with their sum split into slices or not. In
-   the channels-last family, Winograd (winograd.h) too, as it reads the
-   same copies (a network prepares them alike). */
+   the channels-last family, for the forward pass and dx of 3x3
+   convolutions at stride 1, two other methods too, as they read the same
+   copies (a network prepares them alike): conv_halo.h's kernel, and
+   Winograd (winograd.h). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
+typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD } mgpu__conv_method;
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
     int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
                    (0 or 1: none), over the output pixels in dW (0: conv_nhwc.h's default);
                    the gathering dW takes its own (conv_implicit.h) */
-    int winograd; /* channels-last forward or dx at stride 1: by Winograd instead (winograd.h) */
+    mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
+                                 conv_halo.h's (in the tile, whole), or Winograd (no tile) */
 } mgpu__implicit_kernel;
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
@@ -4442,7 +4450,7 @@ static void mgpu__conv_winograd(mgpu_device *dev, float *out, const float *in_t,
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      mgpu_tensor **keep_w_t, const float *b, const mgpu__conv_geom *g,
                                      int for_dx, mgpu__implicit_kernel kernel, int accumulate) {
-    if (kernel.winograd) { /* (which takes the weights as they are) */
+    if (kernel.method == MGPU__WINOGRAD) { /* (which takes the weights as they are) */
         mgpu__conv_winograd(dev, out, in_t, w, b, g, for_dx, accumulate);
         return;
     }
@@ -4454,12 +4462,14 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
         w_t = own_w_t = mgpu__channels_last_copy_of(dev, copy);
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
     }
-    mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
+    int halo = kernel.method == MGPU__HALO;
+    mgpu_tensor *partials = mgpu__partials(dev, halo ? 0 : mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL};
-    mgpu__launch_on(&dev->queue[0], for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last",
-                    NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
+    const char *name = for_dx ? (halo ? "conv2d_backward channels-last halo dx" : "conv2d_backward channels-last dx")
+                              : (halo ? "conv2d channels-last halo" : "conv2d channels-last");
+    mgpu__launch_on(&dev->queue[0], name, NULL, halo ? mgpu__conv_halo_cuda : mgpu__conv_nhwc_cuda, &a, sizeof a);
     mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
     mgpu_free(own_w_t);
 }
@@ -4657,7 +4667,7 @@ static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(i
    as they are (choice 0). */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
                                     mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {family, tile, 1, 0};
+    mgpu__implicit_kernel kernel = {family, tile, 1, MGPU__DIRECT};
     *k = kernel;
     if (!mgpu__conv_family_fits(family, what, g)) return 0;
     if (family == MGPU__GATHER) return i == 0;
@@ -4671,12 +4681,24 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
                                           : mgpu__conv_nhwc_dx_partial_floats(g, k->splits);
     return i == 0 || (terms / MGPU__NHWC_STEP / k->splits >= 8 && partials <= MGPU__PARTIAL_FLOATS_MAX);
 }
+/* The geometry of the convolution a channels-last forward pass or dx
+   computes: g's, or at stride 1 dx's (conv_nhwc.h). */
+static mgpu__conv_geom mgpu__conv_pass_geometry(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    return what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
+}
+/* Whether conv_halo.h's kernel computes a pass of geometry g in a tile:
+   the forward pass or dx of a 3x3 convolution at stride 1, padding 1. */
+static int mgpu__conv_halo_fits_pass(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+    if (what == MGPU__TRY_DW || g->stride != 1) return 0;
+    mgpu__conv_geom d = mgpu__conv_pass_geometry(what, g);
+    return mgpu__conv_halo_fits(&d, tile);
+}
 /* Whether Winograd computes a pass of geometry g from the channels-last
    copies: the forward pass or dx of a 3x3 convolution at stride 1. */
 static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
     if (what == MGPU__TRY_DW || g->stride != 1) return 0;
     if (!mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g)) return 0; /* (it reads their copies) */
-    mgpu__conv_geom d = what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
+    mgpu__conv_geom d = mgpu__conv_pass_geometry(what, g);
     return mgpu__winograd_fits(&d);
 }
 /* Whether the trial tries Winograd where it fits: where the channels and
@@ -4690,9 +4712,9 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
 /* The kernels a trial times for a pass, into list; returns how many:
-   every family's, tile's and choice's that fits, and Winograd where it
-   is worth trying. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 1)
+   every family's, tile's and choice's that fits, conv_halo.h's in every
+   tile it fits, and Winograd where it is worth trying. */
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + 1)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
@@ -4700,8 +4722,13 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
                                                   &list[count]);
+    for (int t = 0; t < MGPU__TILE_KINDS; t++)
+        if (mgpu__conv_halo_fits_pass(what, g, (mgpu__implicit_tile)t)) {
+            mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
+            list[count++] = halo;
+        }
     if (mgpu__conv_winograd_fits(what, g) && mgpu__conv_winograd_worth_trying(g)) {
-        mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+        mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
         list[count++] = winograd;
     }
     return count;
@@ -4724,7 +4751,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
             double ms = mgpu__conv_trial_ms(t, what, candidates[i]);
-            if (!candidates[i].winograd) ms += w_copy_ms;
+            if (candidates[i].method != MGPU__WINOGRAD) ms += w_copy_ms;
             if (ms < best[i]) best[i] = ms;
             if (round == 2 && best[i] < fastest) { /* the last round: all three are in */
                 fastest = best[i];
@@ -4736,7 +4763,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, 0}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);
@@ -4748,12 +4775,13 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
-    if (k.winograd) {
+    if (k.method == MGPU__WINOGRAD) {
         snprintf(out, size, "%s Winograd", mgpu__implicit_family_names[k.family]);
         return;
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
-    if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
+    if (k.method == MGPU__HALO) snprintf(out + strlen(out), size - strlen(out), " with halo");
+    else if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;

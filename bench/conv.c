@@ -17,8 +17,9 @@
    dW; their times include the copies to channels-last; "/N": the forward
    pass or dx with its sum in N slices, "~B": dW in the slices for about
    B blocks, where a tile's differ from the row above's), and for 3x3
-   layers at stride 1 kernels/winograd.h's (rows "Winograd": the forward
-   pass and dx, one figure, under the first tile). The fastest tile of a
+   layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
+   at padding 1) and kernels/winograd.h's (rows "Winograd", one figure,
+   under the first tile): the forward pass and dx. The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
@@ -114,6 +115,16 @@ static void im2col_dw(void *p) {
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
 static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
+/* The trial's candidate i of a family and tile for a pass, in *k (as
+   mgpu__conv_kernel_choice), and after the last choice, i ==
+   MGPU__KERNEL_CHOICES, conv_halo.h's kernel; returns whether it is one. */
+static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
+                     mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
+    if (i < MGPU__KERNEL_CHOICES) return mgpu__conv_kernel_choice(what, g, family, tile, i, k);
+    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
+    *k = halo;
+    return family == MGPU__CHANNELS_LAST && mgpu__conv_halo_fits_pass(what, g, tile);
+}
 #endif
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
@@ -211,12 +222,12 @@ int main(int argc, char **argv) {
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
                 for (int f = 0; f < MGPU__FAMILIES; f++)
-                    for (int i = 0; i < MGPU__KERNEL_CHOICES; i++) { /* the trial's candidates */
+                    for (int i = 0; i <= MGPU__KERNEL_CHOICES; i++) { /* the trial's candidates */
                         double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
                         int timed = 0;
                         for (int t = 0; t < tiles; t++) {
-                            if (!mgpu__conv_kernel_choice(tries[pass], &c.g, (mgpu__implicit_family)f,
-                                                          (mgpu__implicit_tile)t, i, &c.kernel))
+                            if (!candidate(tries[pass], &c.g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
+                                           &c.kernel))
                                 continue;
                             us[t] = time_us(dev[0], runs[pass], &c, steps);
                             if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
@@ -224,7 +235,9 @@ int main(int argc, char **argv) {
                         }
                         if (!timed) continue;
                         char family[48];
-                        if (f == MGPU__CHANNELS_LAST && pass == DW)
+                        if (i == MGPU__KERNEL_CHOICES)
+                            snprintf(family, sizeof family, "  %s halo", mgpu__implicit_family_names[f]);
+                        else if (f == MGPU__CHANNELS_LAST && pass == DW)
                             snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
                                      mgpu__conv_dw_block_choices[i]);
                         else if (f == MGPU__CHANNELS_LAST && i > 0)
@@ -236,7 +249,7 @@ int main(int argc, char **argv) {
                                   us, tiles);
                     }
                 if (mgpu__conv_winograd_fits(tries[pass], &c.g)) { /* (no tiles: one figure) */
-                    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+                    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
                     double us[TILE_COLUMNS] = {0};
                     c.kernel = winograd;
                     us[0] = time_us(dev[0], runs[pass], &c, steps);

@@ -86,7 +86,10 @@
        64 x 128       54 KB
        128 x 128      72 KB
    Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
-   the first call with a shape finds it the fastest. */
+   the first call with a shape finds it the fastest. (kernels/conv_halo.h
+   is the forward kernel again for 3x3 layers at stride 1 and padding 1,
+   with its pieces below, but each pixel's values copied once for all
+   nine taps.) */
 
 #if MGPU_CUDA
 /* ------------------------------------------------------------ the product */
@@ -278,30 +281,39 @@ template <int TM, int TN> struct mgpu__nhwc_warp {
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+/* The lanes' addresses for ldmatrix (mgpu__load_matrices lists the
+   blocks): for a, row lane % 16 of the warp's rows, at column (lane / 16)
+   4; for b, whose pixels are its rows here, the pixel (of the tile) and
+   the channel (of the step) below, then every 16 pixels on for the next
+   two 8-column tiles of the product. */
+template <int TN> static __device__ int mgpu__nhwc_lane_pixel(void) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    return (warp % 2) * (TN / 2) + lane % 8 + (lane / 16) * 8;
+}
+static __device__ int mgpu__nhwc_lane_channel(void) { return (threadIdx.x % 32 / 8 % 2) * 4; }
+
 /* acc += a b for this warp's quarter of the tile, from copy `stage` of
-   the step tiles a and b (at shared addresses a_tiles, b_tiles): four
-   tensor-core steps of k = 8. Per step of k, a warp of the 128 x 128 tile
-   loads its operands with 8 ldmatrix and multiplies them with 32 mma. */
-template <int TM, int TN>
+   the step tiles a (at shared address a_tiles) and b: four tensor-core
+   steps of k = 8. b_rows(j) is the shared address of this lane's row of b
+   for the 8-column tiles j and j + 1 (j even) at the step's first
+   channel: in this file's kernel, rows one after the other; in
+   conv_halo.h's, pixels' windows in a tile of the image. Per step of k, a
+   warp of the 128 x 128 tile loads its operands with 8 ldmatrix and
+   multiplies them with 32 mma. */
+template <int TM, int TN, typename Rows>
 static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
-                                           mgpu__shared_address a_tiles, mgpu__shared_address b_tiles,
-                                           int stage) {
+                                           mgpu__shared_address a_tiles, int stage, Rows b_rows) {
     typedef mgpu__nhwc_warp<TM, TN> W;
     const int LD = MGPU__NHWC_STEP + 4; /* floats */
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
-    /* the row (of a, or of b's columns) and the column whose address this
-       lane gives to ldmatrix, as mgpu__load_matrices lists the blocks */
-    int a_row = lane % 16, a_col = (lane / 16) * 4;
-    int b_row = lane % 8 + (lane / 16) * 8, b_col = (lane / 8 % 2) * 4;
+    int row = (warp / 2) * (TM / 2), a_row = lane % 16, a_col = (lane / 16) * 4;
     mgpu__shared_address a = a_tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
-    mgpu__shared_address b = b_tiles + 4 * ((stage * TN + col + b_row) * LD + b_col);
     for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
         uint32_t fa[W::MT][4], fb[W::NT][2];
         for (int i = 0; i < W::MT; i++) mgpu__load_matrices(fa[i], a + 4 * (16 * i * LD + kk));
         for (int j = 0; j < W::NT; j += 2) {
             uint32_t pair[4];
-            mgpu__load_matrices(pair, b + 4 * (8 * j * LD + kk));
+            mgpu__load_matrices(pair, b_rows(j) + 4 * kk);
             fb[j][0] = pair[0], fb[j][1] = pair[1], fb[j + 1][0] = pair[2], fb[j + 1][1] = pair[3];
         }
         for (int i = 0; i < W::MT; i++)
@@ -354,6 +366,58 @@ static __device__ void mgpu__nhwc_store_partial(const typename mgpu__nhwc_warp<T
             }
 }
 
+/* The block's finished tile (its warps' accumulators) to y, or with
+   slices, to its slice's partial (the sum comes after). To y [img,
+   filter, p, q] with the bias, as conv_implicit.h writes it: each lane's
+   values go to out (shared memory that no warp reads any more) where
+   mgpu__mma_tf32 says they are, then along the rows to y, coalesced. */
+template <int TM, int TN>
+static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
+                                         const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float (*out)[TN + 4]) {
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    const mgpu__conv_geom &g = a.g;
+    int pq = g.p * g.q, npq = g.n * pq;
+    if (a.splits > 1) {
+        size_t ld = mgpu__nhwc_partial_ld(npq);
+        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)blockIdx.z * g.k * ld, ld, g.k, npq);
+        return;
+    }
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    int pixel = blockIdx.x * TN + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
+    auto store = [&](int first) {
+        for (int i = 0; i < W::MT; i++)
+            for (int j = 0; j < W::NT; j++)
+                for (int e = 0; e < 4; e++)
+                    out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] = acc[i][j][e];
+    };
+    size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
+    mgpu__implicit_finish<TM>(row, store, [&](int m0) {
+        if (pixel < npq)
+            mgpu__implicit_write<TN>(out, a.y + (size_t)img * g.k * plane + at, plane, blockIdx.y * TM + m0, g.k, a.b,
+                                     a.accumulate);
+    });
+}
+
+/* Starts the copies of a step's tile of W_t into copy `stage` of a (at
+   shared address a_tiles): channels c0 .. c0 + 31 of tap `tap` (r S + s)
+   of the block's TM filters, a thread the same 16 bytes of every 16th
+   row from tid / 8. Through L1: every block of the grid's row reads them. */
+template <int TM>
+static __device__ void mgpu__nhwc_load_weights(const mgpu__conv_nhwc_args &a, mgpu__shared_address a_tiles,
+                                               int stage, int tap, int c0) {
+    const int LD = MGPU__NHWC_STEP + 4, CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
+    int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS, filter0 = blockIdx.y * TM;
+    int rsc = a.g.r * a.g.s * a.g.c;
+    const float *w_step = a.w_t + tap * a.g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
+    mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
+    for (int j = 0; j < TM / APART; j++) {
+        int filter = filter0 + first_row + j * APART;
+        bool valid = filter < a.g.k;
+        mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + 4 * j * APART * LD, valid ? w_step + (size_t)filter * rsc : a.w_t,
+                                             valid);
+    }
+}
+
 /* Blocks a multiprocessor should hold; the registers a thread follow
    (65536 / (128 threads x blocks)). The forward kernel: 4 of 64 x 64 (128
    registers), 3 of 128 x 64 and 64 x 128 (170: they use about 150 to
@@ -373,15 +437,13 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     const mgpu__conv_geom g = a.g;
     const int STEP = MGPU__NHWC_STEP, LD = STEP + 4;
     /* a thread's copies: always the same 16 bytes (chunk) of a row, in
-       every APART-th row from tid / 8: A_PER rows of a, B_PER of b */
-    const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
-    const int A_PER = TM / APART, B_PER = TN / APART;
+       every APART-th row from tid / 8: TM / APART rows of a, B_PER of b */
+    const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS, B_PER = TN / APART;
     mgpu__nhwc_tiles<TM, TN> *t = (mgpu__nhwc_tiles<TM, TN> *)mgpu__dynamic_shared();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->step.a),
                          b_tiles = mgpu__shared_address_of(t->step.b);
     int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
-    int filter0 = blockIdx.y * TM, pixel0 = blockIdx.x * TN;
-    int pq = g.p * g.q, npq = g.n * pq, rsc = g.r * g.s * g.c;
+    int pixel0 = blockIdx.x * TN, pq = g.p * g.q, npq = g.n * pq, rsc = g.r * g.s * g.c;
 
     /* this thread's pixels of b, decoded once: where each one's window
        starts in x_t (an offset that may point into the padding) */
@@ -409,14 +471,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     int steps = a.per < after ? a.per : after;
     int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
-        const float *w_step = a.w_t + (r * g.s + s) * g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
-        mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
-        for (int j = 0; j < A_PER; j++) {
-            int filter = filter0 + first_row + j * APART;
-            bool valid = filter < g.k;
-            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + 4 * j * APART * LD,
-                                                 valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
-        }
+        mgpu__nhwc_load_weights<TM>(a, a_tiles, stage, r * g.s + s, c0);
         int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
         mgpu__shared_address to_b = b_tiles + 4 * ((stage * TN + first_row) * LD + chunk * 4);
         for (int j = 0; j < B_PER; j++) {
@@ -432,32 +487,11 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
     };
 
     typename W::acc acc = {};
-    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(steps, load,
-                     [&](int stage) { mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, b_tiles, stage); });
-    if (a.splits > 1) { /* the slice's tile to its partial; the sum comes after */
-        size_t ld = mgpu__nhwc_partial_ld(npq);
-        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)blockIdx.z * g.k * ld, ld, g.k, npq);
-        return;
-    }
-
-    /* The tile of Y to y [img, filter, p, q], with the bias, as
-       conv_implicit.h writes it: each lane's values go to out where
-       mgpu__mma_tf32 says they are, then along the rows to y. */
-    int warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
-    int pixel = pixel0 + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
-    auto store = [&](int first) {
-        for (int i = 0; i < W::MT; i++)
-            for (int j = 0; j < W::NT; j++)
-                for (int e = 0; e < 4; e++)
-                    t->out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] =
-                        acc[i][j][e];
-    };
-    size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
-    mgpu__implicit_finish<TM>(row, store, [&](int m0) {
-        if (pixel < npq)
-            mgpu__implicit_write<TN>(t->out, a.y + (size_t)img * g.k * plane + at, plane, filter0 + m0, g.k, a.b,
-                                     a.accumulate);
+    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(steps, load, [&](int stage) {
+        mgpu__shared_address b = b_tiles + 4 * ((stage * TN + mgpu__nhwc_lane_pixel<TN>()) * LD + mgpu__nhwc_lane_channel());
+        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 4 * 8 * j * LD; });
     });
+    mgpu__nhwc_finish<TM, TN>(a, acc, t->out);
 #endif
 }
 

@@ -141,6 +141,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
 }
 static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
+static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -239,6 +240,25 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                 close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
             }
         }
+        /* conv_halo.h's kernel, where it fits: as conv_nhwc.h's, the sum whole */
+        char halo[128];
+        snprintf(halo, sizeof halo, "halo conv %s n%d c%d %dx%d k%d", mgpu__implicit_tile_names[tile], n, c, h, w, k);
+        if (mgpu__conv_halo_fits(&g, kind)) {
+            std::vector<float> y_g = nans(ys);
+            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
+                                      1, 0, NULL};
+            mgpu__conv_halo_cuda(&a, &on_gpu);
+            close_in_tf32(halo, "y", y_g, y_c);
+            halo_cases++;
+        }
+        for (int accumulate = 0; accumulate <= 1 && stride == 1 && mgpu__conv_halo_fits(&d, kind); accumulate++) {
+            std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
+            mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}, accumulate,
+                                      1, 0, NULL};
+            mgpu__conv_halo_cuda(&a, &on_gpu);
+            close_in_tf32(halo, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+            halo_cases++;
+        }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             /* in the library's slices, and in one, and in slices of one step
                (the last one shorter unless the step divides n*P*Q) */
@@ -309,8 +329,16 @@ TEST(channels_last_convolution) {
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
+    /* for conv_halo.h's kernel (and the others): 3 runs of 32 channels,
+       taking turns in its two halo buffers; tiles that start and end
+       within rows and images */
+    implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
+    implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
-    CHECK(winograd_cases == 5 + 3 * 2); /* y of the 3x3 stride-1 cases, and dx where K is in fours */
+    CHECK(winograd_cases == 7 + 5 * 2); /* y of the 3x3 stride-1 cases, and dx where K is in fours */
+    /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
+       where K is too (4), in every tile */
+    CHECK(halo_cases == (5 + 4 * 2) * MGPU__TILE_KINDS);
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

@@ -287,7 +287,7 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
    CPU's in y and dx (dx also added to what is there: twice the CPU's). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
                              pair *dy, pair *dx) {
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 1};
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
     char what[96];
     snprintf(what, sizeof what, "%s, Winograd", name);
     if (mgpu__conv_winograd_fits(MGPU__TRY_Y, g)) {
@@ -312,7 +312,8 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
 }
 /* Every kernel and tile shape of the implicit GEMMs, each launched
    directly (the library keeps the fastest per product, so some may never
-   run above); the channels-last kernels and Winograd where they fit. */
+   run above); the channels-last kernels, the halo kernel and Winograd
+   where they fit. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -329,9 +330,9 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, 0};
-        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, 0};
-        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, 0}; /* the sum in 2 slices */
+        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, MGPU__DIRECT};
+        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, MGPU__DIRECT};
+        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, MGPU__DIRECT}; /* the sum in 2 slices */
         mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
@@ -357,6 +358,17 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             mgpu_fill(dx.g, NAN);
             mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &w_turned_t, &g, sliced, 0);
             check_same(what, "dx in 2 slices, from the kept copy of w", &dx, 2e-3);
+        }
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
+        if (mgpu__conv_halo_fits_pass(MGPU__TRY_Y, &g, tile)) {
+            mgpu_fill(y.g, NAN);
+            mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, halo, NULL);
+            check_same(what, "y with halo", &y, 2e-3);
+        }
+        if (mgpu__conv_halo_fits_pass(MGPU__TRY_DX, &g, tile)) {
+            mgpu_fill(dx.g, NAN);
+            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, halo, 0);
+            check_same(what, "dx with halo", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
@@ -434,15 +446,19 @@ TEST(conv_algorithm_chosen_by_measuring) {
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
    (batch 256) in, with one family and tile, into splits; returns how
-   many (and in *winograd, whether it times Winograd too). */
+   many (and in *halo, whether it times conv_halo.h's kernel in the tile
+   too, in *winograd, Winograd). */
 static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
-                            const mgpu__conv_geom *g, int *splits, int *winograd) {
+                            const mgpu__conv_geom *g, int *splits, int *halo, int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int count = mgpu__conv_candidates(what, g, list), found = 0;
-    *winograd = 0;
+    *halo = *winograd = 0;
     for (int j = 0; j < count; j++)
-        if (list[j].winograd) *winograd += 1;
-        else if (list[j].family == family && list[j].tile == tile) splits[found++] = list[j].splits;
+        if (list[j].method == MGPU__WINOGRAD) *winograd += 1;
+        else if (list[j].family == family && list[j].tile == tile) {
+            if (list[j].method == MGPU__HALO) *halo += 1;
+            else splits[found++] = list[j].splits;
+        }
     return found;
 }
 static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
@@ -461,11 +477,12 @@ static void check_slices(const char *what, const int *got, int count, const int 
    every slice keeps at least 8 steps of 32 terms and the partials fit in
    16M floats; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
-   pixels; the gathering kernels whole (their dW slices its own); Winograd
-   for the forward pass and dx of 3x3 convolutions at stride 1 with 256
-   channels and filters or more. */
+   pixels; the gathering kernels whole (their dW slices its own); for the
+   forward pass and dx of 3x3 convolutions at stride 1, conv_halo.h's
+   kernel in every tile, and Winograd with 256 channels and filters or
+   more. */
 TEST(trial_candidates_slice_the_sums) {
-    int got[MGPU__CANDIDATES], winograd;
+    int got[MGPU__CANDIDATES], halo, winograd;
     const mgpu__conv_geom stage4 =
         mgpu__conv_geometry("stage 4", mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1);
     const mgpu__conv_geom stage1 =
@@ -476,45 +493,51 @@ TEST(trial_candidates_slice_the_sums) {
         mgpu__conv_geometry("stage 3 /2", mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
     const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
-    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
     check_slices("stage 4, y", got, n, all, 6);
+    CHECK_EQ_INT(halo, 1); /* (its halo of 302 positions fits) */
     CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1, 512 channels: Winograd too */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
     check_slices("stage 4, dx", got, n, all, 6);
+    CHECK_EQ_INT(halo, 1);
     CHECK_EQ_INT(winograd, 1);
     /* stage 3's 3x3: 72 steps, but 6 slices' partials of 256 x 12544
        would pass 16M floats */
     const int four[] = {1, 2, 3, 4};
-    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &winograd);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &halo, &winograd);
     check_slices("stage 3, y", got, n, four, 4);
     CHECK_EQ_INT(winograd, 1);
-    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
     check_slices("stage 4, y, gathering", got, n, whole, 1);
+    CHECK_EQ_INT(halo, 0);
     /* stage 1's 3x3: 64 * 9 / 32 = 18 steps would make 2 slices of 9, but
        their partials, 2 x 64 x 200704 floats, pass 16M: whole only */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &halo, &winograd);
     check_slices("stage 1, dx", got, n, whole, 1);
+    CHECK_EQ_INT(halo, 1);
     CHECK_EQ_INT(winograd, 0); /* (it fits, but 64 channels are too few to pay) */
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
        terms, 18 steps: 2 slices of 9 and no more */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &halo, &winograd);
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
+    CHECK_EQ_INT(halo, 0);
     CHECK_EQ_INT(winograd, 0);
     /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
        and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
     const int stage4_dw[] = {1, 2, 3, 4, 6};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &halo, &winograd);
     check_slices("stage 4, dW", got, n, stage4_dw, 5);
+    CHECK_EQ_INT(halo, 0);
     CHECK_EQ_INT(winograd, 0);
     /* in 128 x 128 tiles (144): 11 slices for 1536 blocks, but the
        partials are kept under 16M floats: 7 slices of 512 x 4608 */
     const int stage4_dw_128[] = {2, 3, 4, 6, 7};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
     check_slices("stage 4, dW, 128 x 128", got, n, stage4_dw_128, 5);
     /* stage 1's dW: 5 tiles of 64 x 128 (576 columns); 52 slices of
        3872 pixels for 256 blocks ... 308 for 1536 */
     const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &halo, &winograd);
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
 }
 
@@ -570,7 +593,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -666,9 +689,9 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, 0};
-    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
-    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, 0};
+    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT};
+    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
+    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT};
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
@@ -682,10 +705,17 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
    block, a stride-2 block with the 1x1 shortcut, pooling and a linear
    layer, on the CPU (to be replicated to the GPU), for a batch of 2
    images of 32 x 6 x 6, with every convolution's plans set by hand to
-   `kernel` in every pass (with `winograd`, Winograd for the forward pass
-   and dx where it fits); *before: the plans' count before these. */
+   `kernel` in every pass (in the forward pass and dx by `method` where
+   it fits); *before: the plans' count before these. */
 static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
-static mgpu_net *small_network(mgpu__implicit_kernel kernel, int winograd, int *before) {
+static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
+                                              const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
+    int fits = method == MGPU__WINOGRAD ? mgpu__conv_winograd_fits(what, g)
+               : method == MGPU__HALO   ? mgpu__conv_halo_fits_pass(what, g, tile)
+                                        : 1;
+    return fits ? method : MGPU__DIRECT;
+}
+static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method method, int *before) {
     mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
     mgpu__conv_geom geoms[] = {
         mgpu__conv_geometry("net", xs, mgpu_shape4(32, 32, 3, 3), 1, 1),   /* stem, block 1 */
@@ -697,8 +727,8 @@ static mgpu_net *small_network(mgpu__implicit_kernel kernel, int winograd, int *
     for (int i = 0; i < 4; i++)
         for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
             mgpu__conv_plan plan = {1, 0, 0, kernel, kernel, kernel};
-            plan.y.winograd = winograd && mgpu__conv_winograd_fits(MGPU__TRY_Y, &geoms[i]);
-            plan.dx.winograd = winograd && mgpu__conv_winograd_fits(MGPU__TRY_DX, &geoms[i]);
+            plan.y.method = method_where_it_fits(method, MGPU__TRY_Y, &geoms[i], kernel.tile);
+            plan.dx.method = method_where_it_fits(method, MGPU__TRY_DX, &geoms[i], kernel.tile);
             mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
@@ -717,10 +747,10 @@ typedef struct {
     mgpu_tensor *x, *y;
     int before;
 } small_test;
-static small_test small_test_new(mgpu__implicit_kernel kernel, int winograd) {
+static small_test small_test_new(mgpu__implicit_kernel kernel, mgpu__conv_method method) {
     small_test t;
     float labels[2] = {3, 7};
-    t.model = small_network(kernel, winograd, &t.before);
+    t.model = small_network(kernel, method, &t.before);
     t.x = mgpu_randn(gpu, small_batch(), 0.0f, 1.0f);
     t.y = mgpu_from_host(gpu, mgpu_shape1(2), labels);
     return t;
@@ -766,11 +796,11 @@ static int all_nan(const mgpu_tensor *t) {
     for (size_t i = 0; i < t->numel; i++) all &= isnan(mgpu_item(t, i));
     return all;
 }
-static void batch_norms_write_copies_compare(const char *name, int winograd) {
+static void batch_norms_write_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
     mgpu_manual_seed(13);
-    small_test test = small_test_new(kernel, winograd);
+    small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
@@ -803,9 +833,10 @@ static void batch_norms_write_copies_compare(const char *name, int winograd) {
 TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
-    batch_norms_write_copies_compare("batch norm writing the copies", 0);
-    /* Winograd reads the same copies (stem, block 1, block 2's conv2) */
-    batch_norms_write_copies_compare("batch norm writing the copies, Winograd", 1);
+    batch_norms_write_copies_compare("batch norm writing the copies", MGPU__DIRECT);
+    /* the halo kernel and Winograd read the same copies (stem, block 1, block 2's conv2) */
+    batch_norms_write_copies_compare("batch norm writing the copies, halo", MGPU__HALO);
+    batch_norms_write_copies_compare("batch norm writing the copies, Winograd", MGPU__WINOGRAD);
 }
 
 /* The same network, every convolution channels-last (forward and dx in 2
@@ -820,9 +851,9 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, 0}; /* in 2 slices */
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT}; /* in 2 slices */
     mgpu_manual_seed(17);
-    small_test test = small_test_new(kernel, 0);
+    small_test test = small_test_new(kernel, MGPU__DIRECT);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
