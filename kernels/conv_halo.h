@@ -140,9 +140,11 @@ static void mgpu__conv_halo_cuda(const void *args, const mgpu__exec *ex) {
     int bytes = (int)mgpu__conv_halo_bytes(&a.g, a.tile);
     MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     int halo_rows = mgpu__conv_halo_positions(&a.g, mgpu__implicit_tile_columns[a.tile]);
-    mgpu__divisor padded_image = mgpu__divisor_for((a.g.h + 2) * (a.g.w + 2)), padded_row = mgpu__divisor_for(a.g.w + 2);
+    mgpu__divisor padded_image = mgpu__divisor_for((a.g.h + 2) * (a.g.w + 2));
+    mgpu__divisor padded_row = mgpu__divisor_for(a.g.w + 2);
     dim3 grid = mgpu__implicit_grid(a.tile, (size_t)a.g.n * a.g.p * a.g.q, a.g.k, 1);
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(a, halo_rows, padded_image, padded_row);
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(a, halo_rows, padded_image, padded_row);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -488,7 +488,8 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 
     typename W::acc acc = {};
     mgpu__nhwc_steps<MGPU__NHWC_STAGES>(steps, load, [&](int stage) {
-        mgpu__shared_address b = b_tiles + 4 * ((stage * TN + mgpu__nhwc_lane_pixel<TN>()) * LD + mgpu__nhwc_lane_channel());
+        mgpu__shared_address b =
+            b_tiles + 4 * ((stage * TN + mgpu__nhwc_lane_pixel<TN>()) * LD + mgpu__nhwc_lane_channel());
         mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 4 * 8 * j * LD; });
     });
     mgpu__nhwc_finish<TM, TN>(a, acc, t->out);
