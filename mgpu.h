@@ -4463,7 +4463,8 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
     }
     int halo = kernel.method == MGPU__HALO;
-    mgpu_tensor *partials = mgpu__partials(dev, halo ? 0 : mgpu__conv_nhwc_partial_floats(g, kernel.splits));
+    /* (the halo kernel's sum is whole: kernel.splits 1) */
+    mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL};
@@ -4711,6 +4712,14 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    trial would only lose time, and stage 1's V and M, 200 MB each, would
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
+/* Whether a channels-last method computes a pass of geometry g (in a
+   tile: the direct and halo kernels'). */
+static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g,
+                                  mgpu__implicit_tile tile) {
+    return method == MGPU__WINOGRAD ? mgpu__conv_winograd_fits(what, g)
+           : method == MGPU__HALO   ? mgpu__conv_halo_fits_pass(what, g, tile)
+                                    : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
+}
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, conv_halo.h's in every
    tile it fits, and Winograd where it is worth trying. */
@@ -4722,15 +4731,13 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
                                                   &list[count]);
-    for (int t = 0; t < MGPU__TILE_KINDS; t++)
-        if (mgpu__conv_halo_fits_pass(what, g, (mgpu__implicit_tile)t)) {
-            mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
-            list[count++] = halo;
-        }
-    if (mgpu__conv_winograd_fits(what, g) && mgpu__conv_winograd_worth_trying(g)) {
-        mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
-        list[count++] = winograd;
+    for (int t = 0; t < MGPU__TILE_KINDS; t++) {
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
+        if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
     }
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
+    if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g, winograd.tile) && mgpu__conv_winograd_worth_trying(g))
+        list[count++] = winograd;
     return count;
 }
 

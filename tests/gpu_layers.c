@@ -710,10 +710,7 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
 static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
 static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
                                               const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
-    int fits = method == MGPU__WINOGRAD ? mgpu__conv_winograd_fits(what, g)
-               : method == MGPU__HALO   ? mgpu__conv_halo_fits_pass(what, g, tile)
-                                        : 1;
-    return fits ? method : MGPU__DIRECT;
+    return mgpu__conv_method_fits(method, what, g, tile) ? method : MGPU__DIRECT;
 }
 static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method method, int *before) {
     mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
