@@ -5379,10 +5379,11 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
 }
 
 /* mgpu_batchnorm2d_backward; with dx_t, dx channels-last in TF32 there
-   instead of in dx (which may then be NULL). */
+   instead of in dx (which may then be NULL); with dshortcut_bias, dbeta's
+   sum goes there too (kernels/batchnorm.h says why). */
 static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_tensor *dx_t,
-                                       mgpu_tensor *dgamma, mgpu_tensor *dbeta, const mgpu_tensor *dy,
-                                       const mgpu_tensor *x, const mgpu_tensor *gamma,
+                                       mgpu_tensor *dgamma, mgpu_tensor *dbeta, mgpu_tensor *dshortcut_bias,
+                                       const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *gamma,
                                        const mgpu_tensor *beta, const mgpu_tensor *save_mean,
                                        const mgpu_tensor *save_invstd, int fuse_relu, int accumulate) {
     mgpu_device *dev = x->device;
@@ -5403,6 +5404,12 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     }
     mgpu__require_per_channel(dgamma, a.c, dev, op, "dgamma");
     mgpu__require_per_channel(dbeta, a.c, dev, op, "dbeta");
+    if (dshortcut_bias) {
+        mgpu__require_per_channel(dshortcut_bias, a.c, dev, op, "dshortcut_bias");
+        MGPU_REQUIRE(!fuse_relu, "%s: the shortcut's bias gradient is dbeta's only without the fused ReLU", op);
+        mgpu__before_write(dshortcut_bias);
+        a.dshortcut_bias = dshortcut_bias->data;
+    }
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
     if (fuse_relu) mgpu__require_per_channel(beta, a.c, dev, op, "beta (needed with fuse_relu)");
     mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
@@ -5433,7 +5440,7 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                         const mgpu_tensor *save_mean,
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate) {
-    mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, dy, x, gamma, beta,
+    mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, NULL, dy, x, gamma, beta,
                                save_mean, save_invstd, fuse_relu, accumulate);
 }
 
@@ -6514,14 +6521,15 @@ static int mgpu__bias_cancelled_by(const mgpu_layer *next) {
     return next && next->kind == MGPU_LAYER_BATCHNORM && next->batch_statistics;
 }
 
-/* Convolution layer l's backward pass: adds its parameter gradients, and
-   writes its input gradient to dx, or with add_to_dx adds it there (dx
-   NULL: not wanted). dy_t: dy's channels-last copy, when the batch norm
-   after l wrote it in place of dy, else NULL. `next` is as below. */
+/* Convolution layer l's backward pass: adds its weight gradient and, with
+   with_db, its bias gradient, and writes its input gradient to dx, or
+   with add_to_dx adds it there (dx NULL: not wanted). dy_t: dy's
+   channels-last copy, when the batch norm after l wrote it in place of
+   dy, else NULL. `next` is as below. */
 static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx) {
-    mgpu__conv2d_backward(dx, l->weight.grad, mgpu__bias_cancelled_by(next) ? NULL : l->bias.grad, dy, dy_t,
-                          l->input, l->input_t, l->weight.value,
+                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_db) {
+    mgpu__conv2d_backward(dx, l->weight.grad, with_db && !mgpu__bias_cancelled_by(next) ? l->bias.grad : NULL,
+                          dy, dy_t, l->input, l->input_t, l->weight.value,
                           mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad, 1,
                           add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
 }
@@ -6529,9 +6537,11 @@ static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, cons
    whose backward takes its input gradient (with_dx: as there), or NULL.
    When prev reads that gradient through its channels-last copy alone,
    l->dinput_t gets the copy and dx is not written (l->dinput_t is NULL
-   otherwise). */
+   otherwise). shortcut: the convolution whose output gradient is dy too
+   (a residual block's bn2's), whose bias gradient l's backward adds, or
+   NULL. */
 static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx,
-                                           const mgpu_layer *prev, int prev_with_dx) {
+                                           const mgpu_layer *prev, int prev_with_dx, mgpu_layer *shortcut) {
     mgpu_tensor *dx_t = NULL;
     if (dx && mgpu__batch_norm_writes_channels_last &&
         mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
@@ -6541,8 +6551,9 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
         mgpu_free(l->dinput_t);
         l->dinput_t = NULL;
     }
-    mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
-                               l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
+    mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad,
+                               shortcut ? shortcut->bias.grad : NULL, dy, l->input, l->weight.value,
+                               l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
 }
 
 /* Adds l's parameter gradients and returns dL/d(input), given dy =
@@ -6561,10 +6572,10 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
                  l->name);
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0);
+        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0, 1);
         break;
     case MGPU_LAYER_BATCHNORM:
-        mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput);
+        mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput, NULL);
         break;
     case MGPU_LAYER_RELU:
         mgpu_relu_backward(dx, dy, l->output);
@@ -6574,16 +6585,19 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
            both paths, and dx is the sum of theirs. The skip path's goes to
            dx first: dsum itself (written there at once) or the shortcut
            convolution's input gradient. Then conv1 adds the main path's
-           to it as it writes it: no pass of its own for the sum. */
+           to it as it writes it: no pass of its own for the sum. bn2
+           adds the shortcut's bias gradient, the sum of dsum that its
+           own dbeta is. */
         mgpu_tensor *dsum = dx && !l->shortcut ? dx : mgpu_ensure(&l->dsum, d, l->output->shape);
         mgpu_relu_backward(dsum, dy, l->output);
-        const mgpu_tensor *g = mgpu__layer_backward(l->bn2, dsum, NULL, NULL, l->conv2);
-        g = mgpu__layer_backward(l->conv2, g, l->bn2->dinput_t, l->bn2, l->bn1);
+        mgpu_tensor *g2 = mgpu_ensure(&l->bn2->dinput, d, dsum->shape);
+        mgpu__batchnorm_layer_backward(l->bn2, dsum, g2, l->conv2, 1, l->shortcut);
+        const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->dinput_t, l->bn2, l->bn1);
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
-        mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL);
-        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 0);
-        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, 1);
+        mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 0, 0);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, 1, 1);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:

@@ -21,6 +21,11 @@
        dbeta_c  = sum g                 dgamma_c = sum g xhat
        dx = gamma_c invstd_c (g - dbeta_c / m - xhat dgamma_c / m)
    The two sums are the only reductions; the rest is elementwise.
+   In a residual block with a 1x1 shortcut, the block's bn2 and the
+   shortcut convolution take the same output gradient (that of the sum
+   they feed; bn2 without fused ReLU, so g = dy there), and the shortcut's
+   bias gradient is then dbeta_c's very sum: given dshortcut_bias, the
+   backward adds it there too, and the convolution reads dy once less.
 
    Why fuse the ReLU: both steps do a few flops per value and are limited
    by memory bandwidth. A separate ReLU would read and write the whole
@@ -189,6 +194,7 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
 /* --------------------------------------------------------------- backward */
 typedef struct {
     float *dx, *dgamma, *dbeta;
+    float *dshortcut_bias; /* also gets sum g (above), or NULL */
     float *dx_t;       /* dx channels-last (kernels/channels_last.h) instead, or NULL */
     const float *dy, *x, *gamma, *save_mean, *save_invstd;
     const float *beta; /* only with fuse_relu, for the ReLU's mask */
@@ -214,11 +220,13 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_grad_out(const mgpu__bn_backward_a
 static MGPU__HOSTDEVICE inline float mgpu__bn_xhat(const mgpu__bn_backward_args *a, float x, int c) {
     return (x - a->save_mean[c]) * a->save_invstd[c];
 }
-/* dbeta_c and dgamma_c from the channel's sums of g and of g xhat. */
+/* dbeta_c and dgamma_c from the channel's sums of g and of g xhat (and
+   the shortcut's bias gradient, when given, from the first). */
 static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward_args *a, int c,
                                                          float sum_g, float sum_g_xhat) {
     a->dbeta[c] = (a->accumulate ? a->dbeta[c] : 0.0f) + sum_g;
     a->dgamma[c] = (a->accumulate ? a->dgamma[c] : 0.0f) + sum_g_xhat;
+    if (a->dshortcut_bias) a->dshortcut_bias[c] = (a->accumulate ? a->dshortcut_bias[c] : 0.0f) + sum_g;
 }
 /* dx at a value of channel c with gradient g (after the mask), given the
    channel's means of g and g xhat. */

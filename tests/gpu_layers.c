@@ -677,7 +677,9 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     check_same(name, "bn1 dgamma", &dgamma1, 2e-3);
     if (stride == 2) {
         pair dw3 = {on_c->shortcut->weight.grad, on_g->shortcut->weight.grad};
+        pair db3 = {on_c->shortcut->bias.grad, on_g->shortcut->bias.grad}; /* (added by bn2's backward) */
         check_same(name, "shortcut dw", &dw3, 2e-3);
+        check_same(name, "shortcut db", &db3, 2e-3);
     }
     mgpu__conv_choice_count = before;
     mgpu__layer_free(on_c);
