@@ -105,11 +105,13 @@ static __device__ inline void mgpu__store_floats(float *p, const float (&v)[4]) 
 /* The vector width V for tensors whose runs of `run` values the kernel
    takes in vectors (a whole tensor, or a plane): 4 when the runs are whole
    vectors and every tensor starts 16-byte aligned, else 1. */
-static int mgpu__vector_width(size_t run, const void *const *tensors, int count) {
-    if (run % 4) return 1;
+static MGPU__HOSTDEVICE inline int mgpu__aligned16(const void *const *tensors, int count) {
     for (int t = 0; t < count; t++)
-        if ((uintptr_t)tensors[t] % 16) return 1;
-    return 4;
+        if ((uintptr_t)tensors[t] % 16) return 0;
+    return 1; /* (NULL too: a tensor a kernel does without) */
+}
+static int mgpu__vector_width(size_t run, const void *const *tensors, int count) {
+    return run % 4 == 0 && mgpu__aligned16(tensors, count) ? 4 : 1;
 }
 
 static __global__ void mgpu__fill_kernel(mgpu__fill_args f) {
