@@ -620,7 +620,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    tile's pixels and the ring around them into shared memory once for
    all nine taps (in each tile shape); with 256 channels and filters or
    more, Winograd's F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h:
-   transforms, and 16 products by cuBLAS).
+   transforms, and 16 products by cuBLAS). A layer whose output pixel
+   sees at most 9 inputs (C*R*S <= 9: a first layer on grayscale images)
+   may also take kernels/conv_few_inputs.h's float32 kernels for y and dw,
+   bound by memory, not by the products.
    MGPU_CONV chooses: auto
    (the default) times im2col and every kernel, tile and slicing at the
    first call with each shape and keeps the fastest, as PyTorch's
@@ -3339,6 +3342,8 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/pool.h"
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
+/* (after batchnorm.h, whose warp reductions it takes) */
+#include "kernels/conv_few_inputs.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
 #endif
@@ -4159,9 +4164,10 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_implicit.h and
-               conv_nhwc.h (or conv_halo.h or winograd.h, from the same copies), for
-               each pass the kernel and tile shape that was fastest for
-               it (timed the same way).
+               conv_nhwc.h (or conv_halo.h or winograd.h, from the same copies, and
+               conv_few_inputs.h for a first layer), for each pass the
+               kernel and tile shape that was fastest for it (timed the
+               same way).
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
@@ -4374,10 +4380,12 @@ static int mgpu__conv_implicit_available(void) {
    the channels-last family, for the forward pass and dx of 3x3
    convolutions at stride 1, two other methods too, as they read the same
    copies (a network prepares them alike): conv_halo.h's kernel, and
-   Winograd (winograd.h). */
+   Winograd (winograd.h). In the gathering family, which reads the NCHW
+   tensors as they are, for the forward pass and dW of convolutions with
+   C*R*S <= 9, conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
-typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD } mgpu__conv_method;
+typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD, MGPU__FEW_INPUTS } mgpu__conv_method;
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
@@ -4385,7 +4393,9 @@ typedef struct {
                    (0 or 1: none), over the output pixels in dW (0: conv_nhwc.h's default);
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
-                                 conv_halo.h's (in the tile, whole), or Winograd (no tile) */
+                                 conv_halo.h's (in the tile, whole), or Winograd (no tile);
+                                 gathering forward or dW: conv_implicit.h's kernel (direct), or
+                                 conv_few_inputs.h's (no tile) */
 } mgpu__implicit_kernel;
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
@@ -4494,6 +4504,11 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
                                         const mgpu__conv_geom *g, mgpu__implicit_kernel kernel,
                                         mgpu_tensor **keep_x_t) {
     mgpu_device *dev = x->device;
+    if (kernel.method == MGPU__FEW_INPUTS) {
+        mgpu__conv_few_inputs_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g};
+        mgpu__launch_on(&dev->queue[0], "conv2d few inputs", NULL, mgpu__conv_few_inputs_cuda, &a, sizeof a);
+        return;
+    }
     if (kernel.family == MGPU__CHANNELS_LAST) {
         mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
         mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, keep_w_t, b ? b->data : NULL,
@@ -4539,6 +4554,16 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
                                    int accumulate, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
+    if (kernel.method == MGPU__FEW_INPUTS) {
+        mgpu__conv_few_inputs_wgrad_args a = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
+                                              mgpu__conv_few_inputs_slices(g), *g};
+        mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.slices * g->k * (int)crs));
+        a.partials = partials->data;
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward few inputs dW", NULL, mgpu__conv_few_inputs_wgrad_cuda,
+                        &a, sizeof a);
+        mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
+        return;
+    }
     if (kernel.family == MGPU__CHANNELS_LAST) { /* from channels-last copies of dy and x */
         mgpu_tensor *own, *own_x_t = NULL;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
@@ -4712,18 +4737,20 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    trial would only lose time, and stage 1's V and M, 200 MB each, would
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
-/* Whether a channels-last method computes a pass of geometry g (in a
-   tile: the direct and halo kernels'). */
+/* Whether a method other than the gathering kernels' computes a pass of
+   geometry g (in a tile: the channels-last direct and halo kernels'). */
 static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g,
                                   mgpu__implicit_tile tile) {
-    return method == MGPU__WINOGRAD ? mgpu__conv_winograd_fits(what, g)
-           : method == MGPU__HALO   ? mgpu__conv_halo_fits_pass(what, g, tile)
-                                    : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
+    return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
+           : method == MGPU__HALO       ? mgpu__conv_halo_fits_pass(what, g, tile)
+           : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
+                                        : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, conv_halo.h's in every
-   tile it fits, and Winograd where it is worth trying. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + 1)
+   tile it fits, Winograd where it is worth trying, and conv_few_inputs.h's
+   where it fits. */
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
@@ -4738,6 +4765,8 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
     mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
     if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g, winograd.tile) && mgpu__conv_winograd_worth_trying(g))
         list[count++] = winograd;
+    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS};
+    if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g, few.tile)) list[count++] = few;
     return count;
 }
 
@@ -4782,8 +4811,9 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
-    if (k.method == MGPU__WINOGRAD) {
-        snprintf(out, size, "%s Winograd", mgpu__implicit_family_names[k.family]);
+    if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS) {
+        snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family],
+                 k.method == MGPU__WINOGRAD ? "Winograd" : "few inputs");
         return;
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);

@@ -19,7 +19,9 @@
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
    at padding 1) and kernels/winograd.h's (rows "Winograd", one figure,
-   under the first tile): the forward pass and dx. The fastest tile of a
+   under the first tile): the forward pass and dx; for the first layer
+   (C*R*S = 9) kernels/conv_few_inputs.h's (rows "gather few inputs", one
+   figure): the forward pass and dW. The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
@@ -248,13 +250,17 @@ int main(int argc, char **argv) {
                         print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
                                   us, tiles);
                     }
-                if (mgpu__conv_winograd_fits(tries[pass], &c.g)) { /* (no tiles: one figure) */
-                    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
+                const mgpu__implicit_kernel untiled[2] = { /* (one figure each) */
+                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD},
+                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS}};
+                for (int m = 0; m < 2; m++) {
+                    if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g, untiled[m].tile)) continue;
                     double us[TILE_COLUMNS] = {0};
-                    c.kernel = winograd;
+                    c.kernel = untiled[m];
                     us[0] = time_us(dev[0], runs[pass], &c, steps);
                     if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
-                    print_row("  Winograd", cc->count, pass == FWD ? "fwd" : "dx", flop, 0, us, tiles);
+                    print_row(m == 0 ? "  Winograd" : "  gather few inputs", cc->count,
+                              pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
                 }
                 step_us[1] += cc->count * best[pass];
             }

@@ -142,6 +142,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
 static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
+static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
@@ -302,6 +303,30 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         winograd(d, dy_t, 1, dx_g, 1);
         close_in_tf32(name, "dx added", dx_g, dx_sum_c);
     }
+    /* conv_few_inputs.h's, where it fits, in float32: y; dW in the
+       library's slices of the pixels, in one and in 3, written and added
+       to a gradient there */
+    if (mgpu__conv_few_inputs_fits(&g)) {
+        snprintf(name, sizeof name, "few inputs n%d c%d %dx%d k%d r%d stride %d pad %d: y", n, c, h, w, k, r,
+                 stride, pad);
+        std::vector<float> y_g = nans(ys), dw_alone_c = dw_c;
+        mgpu__conv_few_inputs_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g};
+        mgpu__conv_few_inputs_cuda(&a, &on_gpu);
+        same(name, y_g, y_c, 1e-5);
+        for (size_t i = 0; i < dw_c.size(); i++) dw_alone_c[i] -= dw_start[i];
+        for (int slices : {mgpu__conv_few_inputs_slices(&g), 1, 3})
+            for (int accumulate = 0; accumulate <= 1; accumulate++) {
+                std::vector<float> dw_g = accumulate ? dw_start : nans(dw_c.size());
+                std::vector<float> partials = nans((size_t)slices * k * crs);
+                mgpu__conv_few_inputs_wgrad_args wg = {dw_g.data(), dy.data(), x.data(), partials.data(),
+                                                       accumulate ? 1.0f : 0.0f, slices, g};
+                mgpu__conv_few_inputs_wgrad_cuda(&wg, &on_gpu);
+                snprintf(name, sizeof name, "few inputs n%d c%d %dx%d k%d r%d stride %d pad %d: dW%s, %d slices", n,
+                         c, h, w, k, r, stride, pad, accumulate ? " added" : "", slices);
+                same(name, dw_g, accumulate ? dw_c : dw_alone_c, 1e-5);
+            }
+        few_inputs_cases++;
+    }
 }
 TEST(implicit_gemm_convolution) {
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
@@ -312,6 +337,11 @@ TEST(implicit_gemm_convolution) {
     implicit_case(1, 70, 5, 5, 6, 3, 2, 2, 0); /* more than one tile of input channels */
     implicit_case(2, 3, 10, 9, 130, 3, 1, 1, 1); /* more than one tile of 128 filters and pixels */
     implicit_case(1, 130, 4, 4, 5, 1, 1, 0, 0);  /* ... and of 128 input channels */
+    /* conv_few_inputs.h's (C*R*S <= 9): above, the first and third; and
+       more pixels than a block's threads, more filters than a group's */
+    implicit_case(3, 1, 20, 19, 20, 3, 1, 1, 1);
+    implicit_case(2, 1, 11, 13, 9, 3, 2, 0, 0);
+    CHECK_EQ_INT(few_inputs_cases, 4);
 }
 /* conv_nhwc.h's kernel (through implicit_case): C, and for dx K, multiples
    of its 32-channel step; partial tiles of filters and pixels, windows
@@ -335,7 +365,7 @@ TEST(channels_last_convolution) {
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
-    CHECK(winograd_cases == 7 + 5 * 2); /* y of the 3x3 stride-1 cases, and dx where K is in fours */
+    CHECK(winograd_cases == 7 + 6 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
        where K is too (4), in every tile */
     CHECK(halo_cases == (5 + 4 * 2) * MGPU__TILE_KINDS);

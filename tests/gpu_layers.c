@@ -541,6 +541,70 @@ TEST(trial_candidates_slice_the_sums) {
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
 }
 
+/* conv_few_inputs.h's kernels are candidates where C*R*S <= 9, for the
+   forward pass and dW (not dx): ResNet-18's stem, not stage 1. */
+static int lists_few_inputs(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    mgpu__implicit_kernel list[MGPU__CANDIDATES];
+    int count = mgpu__conv_candidates(what, g, list), found = 0;
+    for (int j = 0; j < count; j++) found += list[j].method == MGPU__FEW_INPUTS && list[j].family == MGPU__GATHER;
+    return found;
+}
+TEST(trial_candidates_few_inputs) {
+    const mgpu__conv_geom stem =
+        mgpu__conv_geometry("stem", mgpu_shape4(256, 1, 28, 28), mgpu_shape4(64, 1, 3, 3), 1, 1);
+    const mgpu__conv_geom stage1 =
+        mgpu__conv_geometry("stage 1", mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1);
+    CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_Y, &stem), 1);
+    CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DW, &stem), 1);
+    CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DX, &stem), 0);
+    CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_Y, &stage1), 0);
+    CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DW, &stage1), 0);
+}
+/* A first layer (1 channel, 3x3, 20 filters: two groups of the forward's
+   16, five of dW's 4) whose plan takes conv_few_inputs.h's kernels (set by
+   hand), through the public calls: y, and dW written and added to, in
+   float32 (1e-5: TF32 would miss it by some 1e-3), by those kernels (as
+   the trace names them). */
+static int traced_calls(const char *name) {
+    int calls = 0;
+    for (int i = 0; i < mgpu__g.trace_n; i++) calls += strcmp(mgpu__g.trace[i].name, name) == 0;
+    return calls;
+}
+TEST(first_layer_by_few_inputs) {
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(3, 1, 17, 15), ws = mgpu_shape4(20, 1, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
+    mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
+    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS};
+    mgpu__conv_plan plan = {1, 0, 0, few, few, few};
+    int before = mgpu__conv_choice_count;
+    for (int backward = 0; backward <= 1; backward++) {
+        mgpu__conv_choice c = {g, backward, 0, plan};
+        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    }
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dw = pair_nan(ws);
+    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
+    mgpu_trace_begin();
+    mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
+    mgpu_trace_end();
+    check_same("first layer, few inputs", "y", &y, 1e-5);
+    CHECK_EQ_INT(traced_calls("conv2d few inputs"), 1);
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        mgpu_conv2d_backward(NULL, dw.c, NULL, dy.c, x.c, wt.c, 1, 1, accumulate);
+        mgpu_trace_begin();
+        mgpu_conv2d_backward(NULL, dw.g, NULL, dy.g, x.g, wt.g, 1, 1, accumulate);
+        mgpu_trace_end();
+        check_same("first layer, few inputs", accumulate ? "dw added" : "dw", &dw, 1e-5);
+        CHECK_EQ_INT(traced_calls("conv2d_backward few inputs dW"), 1);
+    }
+    mgpu__conv_choice_count = before;
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dw);
+    mgpu_set_tf32(0, 0);
+}
+
 /* Each gradient by its half of the im2col path alone (the plan's
    dx_im2col and dw_im2col), in TF32: the same as the CPU's whole backward
    pass, dW added to what was there, and neither half touching the
