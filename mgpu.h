@@ -5408,14 +5408,23 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
                               fuse_relu);
 }
 
+/* A residual block's end, for its bn2's backward pass (kernels/batchnorm.h
+   says why): the block's output, whose ReLU mask goes on dy; where the
+   masked gradient goes (the block's dsum); and the shortcut convolution's
+   bias gradient, or NULL. */
+typedef struct {
+    const mgpu_tensor *output;
+    mgpu_tensor *dsum, *dshortcut_bias;
+} mgpu__bn_block_end;
 /* mgpu_batchnorm2d_backward; with dx_t, dx channels-last in TF32 there
-   instead of in dx (which may then be NULL); with dshortcut_bias, dbeta's
-   sum goes there too (kernels/batchnorm.h says why). */
+   instead of in dx (which may then be NULL); with end, as a residual
+   block's bn2 (dy is then the block's output gradient). */
 static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_tensor *dx_t,
-                                       mgpu_tensor *dgamma, mgpu_tensor *dbeta, mgpu_tensor *dshortcut_bias,
-                                       const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *gamma,
+                                       mgpu_tensor *dgamma, mgpu_tensor *dbeta, const mgpu_tensor *dy,
+                                       const mgpu_tensor *x, const mgpu_tensor *gamma,
                                        const mgpu_tensor *beta, const mgpu_tensor *save_mean,
-                                       const mgpu_tensor *save_invstd, int fuse_relu, int accumulate) {
+                                       const mgpu_tensor *save_invstd, int fuse_relu, int accumulate,
+                                       const mgpu__bn_block_end *end) {
     mgpu_device *dev = x->device;
     mgpu__bn_backward_args a;
     memset(&a, 0, sizeof a);
@@ -5434,11 +5443,20 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     }
     mgpu__require_per_channel(dgamma, a.c, dev, op, "dgamma");
     mgpu__require_per_channel(dbeta, a.c, dev, op, "dbeta");
-    if (dshortcut_bias) {
-        mgpu__require_per_channel(dshortcut_bias, a.c, dev, op, "dshortcut_bias");
-        MGPU_REQUIRE(!fuse_relu, "%s: the shortcut's bias gradient is dbeta's only without the fused ReLU", op);
-        mgpu__before_write(dshortcut_bias);
-        a.dshortcut_bias = dshortcut_bias->data;
+    if (end) {
+        MGPU_REQUIRE(!fuse_relu, "%s: a residual block's bn2 has no ReLU of its own", op);
+        mgpu__require_tensor(end->output, dev, op, "the block's output");
+        mgpu__require_same_shape(end->output, x, op);
+        mgpu__require_tensor(end->dsum, dev, op, "the block's dsum");
+        mgpu__require_same_shape(end->dsum, x, op);
+        mgpu__before_write(end->dsum);
+        a.mask = end->output->data;
+        a.dsum = end->dsum->data;
+        if (end->dshortcut_bias) {
+            mgpu__require_per_channel(end->dshortcut_bias, a.c, dev, op, "the shortcut's bias gradient");
+            mgpu__before_write(end->dshortcut_bias);
+            a.dshortcut_bias = end->dshortcut_bias->data;
+        }
     }
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
     if (fuse_relu) mgpu__require_per_channel(beta, a.c, dev, op, "beta (needed with fuse_relu)");
@@ -5470,8 +5488,8 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                         const mgpu_tensor *save_mean,
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate) {
-    mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, NULL, dy, x, gamma, beta,
-                               save_mean, save_invstd, fuse_relu, accumulate);
+    mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, dy, x, gamma, beta,
+                               save_mean, save_invstd, fuse_relu, accumulate, NULL);
 }
 
 /* Checks logits [N, classes] and labels [N] against out's device. */
@@ -6567,11 +6585,10 @@ static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, cons
    whose backward takes its input gradient (with_dx: as there), or NULL.
    When prev reads that gradient through its channels-last copy alone,
    l->dinput_t gets the copy and dx is not written (l->dinput_t is NULL
-   otherwise). shortcut: the convolution whose output gradient is dy too
-   (a residual block's bn2's), whose bias gradient l's backward adds, or
-   NULL. */
+   otherwise). end: as a residual block's bn2, or NULL. */
 static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx,
-                                           const mgpu_layer *prev, int prev_with_dx, mgpu_layer *shortcut) {
+                                           const mgpu_layer *prev, int prev_with_dx,
+                                           const mgpu__bn_block_end *end) {
     mgpu_tensor *dx_t = NULL;
     if (dx && mgpu__batch_norm_writes_channels_last &&
         mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
@@ -6581,9 +6598,9 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
         mgpu_free(l->dinput_t);
         l->dinput_t = NULL;
     }
-    mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad,
-                               shortcut ? shortcut->bias.grad : NULL, dy, l->input, l->weight.value,
-                               l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1);
+    mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
+                               l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1,
+                               end);
 }
 
 /* Adds l's parameter gradients and returns dL/d(input), given dy =
@@ -6615,13 +6632,14 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
            both paths, and dx is the sum of theirs. The skip path's goes to
            dx first: dsum itself (written there at once) or the shortcut
            convolution's input gradient. Then conv1 adds the main path's
-           to it as it writes it: no pass of its own for the sum. bn2
-           adds the shortcut's bias gradient, the sum of dsum that its
-           own dbeta is. */
+           to it as it writes it: no pass of its own for the sum. bn2's
+           backward computes dsum (the ReLU's mask on dy) as it reads it,
+           and adds the shortcut's bias gradient, the sum of dsum that its
+           own dbeta is (kernels/batchnorm.h). */
         mgpu_tensor *dsum = dx && !l->shortcut ? dx : mgpu_ensure(&l->dsum, d, l->output->shape);
-        mgpu_relu_backward(dsum, dy, l->output);
         mgpu_tensor *g2 = mgpu_ensure(&l->bn2->dinput, d, dsum->shape);
-        mgpu__batchnorm_layer_backward(l->bn2, dsum, g2, l->conv2, 1, l->shortcut);
+        mgpu__bn_block_end end = {l->output, dsum, l->shortcut ? l->shortcut->bias.grad : NULL};
+        mgpu__batchnorm_layer_backward(l->bn2, dy, g2, l->conv2, 1, &end);
         const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->dinput_t, l->bn2, l->bn1);
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);

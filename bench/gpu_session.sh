@@ -99,7 +99,8 @@ sanitize() {
     cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in memcheck racecheck; do
         for t in "gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling" "gpu_layers relu" \
-                 "gpu_layers linear" "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
+                 "gpu_layers linear" "gpu_layers first_layer" "gpu_layers residual_block" \
+                 "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
                  "gpu_train_ops cross_entropy_10" "gpu_train_ops cross_entropy_one" \
                  "gpu_train_ops sum_of" "gpu_train_ops sgd"; do
             set -- $t

@@ -21,11 +21,16 @@
        dbeta_c  = sum g                 dgamma_c = sum g xhat
        dx = gamma_c invstd_c (g - dbeta_c / m - xhat dgamma_c / m)
    The two sums are the only reductions; the rest is elementwise.
-   In a residual block with a 1x1 shortcut, the block's bn2 and the
-   shortcut convolution take the same output gradient (that of the sum
-   they feed; bn2 without fused ReLU, so g = dy there), and the shortcut's
-   bias gradient is then dbeta_c's very sum: given dshortcut_bias, the
-   backward adds it there too, and the convolution reads dy once less.
+   The residual block's end (below) fuses two steps of the block's
+   backward pass into its bn2's: the ReLU's mask, given the block's output
+   (mask): g = dy where mask > 0, else 0, the gradient of the sum that bn2
+   and the skip path feed; the pass that sums g also writes it (dsum), for
+   the skip path, and the pass that writes dx reads it back. And the
+   shortcut convolution takes that same g as its output gradient, so its
+   bias gradient is dbeta_c's very sum: given dshortcut_bias, the backward
+   adds it there too. The block's backward pass so saves the ReLU's own
+   pass (g read once less) and the shortcut's bias gradient's (dsum read
+   once less).
 
    Why fuse the ReLU: both steps do a few flops per value and are limited
    by memory bandwidth. A separate ReLU would read and write the whole
@@ -194,6 +199,8 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
 /* --------------------------------------------------------------- backward */
 typedef struct {
     float *dx, *dgamma, *dbeta;
+    const float *mask;     /* the residual block's output (above), or NULL */
+    float *dsum;           /* with mask: g written there */
     float *dshortcut_bias; /* also gets sum g (above), or NULL */
     float *dx_t;       /* dx channels-last (kernels/channels_last.h) instead, or NULL */
     const float *dy, *x, *gamma, *save_mean, *save_invstd;
@@ -246,17 +253,20 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             for (size_t i = at; i < at + (size_t)a->hw; i++) {
-                double g = mgpu__bn_grad_out(a, a->dy[i], a->x[i], scale, shift);
+                float dy = a->dy[i];
+                if (a->mask) a->dsum[i] = dy = mgpu__relu_grad(dy, a->mask[i]);
+                double g = mgpu__bn_grad_out(a, dy, a->x[i], scale, shift);
                 sum_g += g;
                 sum_g_xhat += g * mgpu__bn_xhat(a, a->x[i], c);
             }
         }
         mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
         float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
+        const float *dy = a->mask ? a->dsum : a->dy; /* (masked above) */
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             for (int p = 0; p < a->hw; p++) {
-                float g = mgpu__bn_grad_out(a, a->dy[at + p], a->x[at + p], scale, shift);
+                float g = mgpu__bn_grad_out(a, dy[at + p], a->x[at + p], scale, shift);
                 float dx = mgpu__bn_input_grad(a, g, a->x[at + p], c, mean_g, mean_g_xhat);
                 if (a->dx_t) a->dx_t[mgpu__channels_last_index(n, c, p, a->c, a->hw)] = mgpu__tf32_round(dx);
                 else a->dx[at + p] = dx;
@@ -512,6 +522,12 @@ static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu_
         float dy[V], x[V];
         mgpu__load_floats(dy, a.dy + at);
         mgpu__load_floats(x, a.x + at);
+        if (a.mask) {
+            float mask[V];
+            mgpu__load_floats(mask, a.mask + at);
+            for (int e = 0; e < V; e++) dy[e] = mgpu__relu_grad(dy[e], mask[e]);
+            mgpu__store_floats(a.dsum + at, dy);
+        }
         for (int e = 0; e < V; e++) {
             float g = mgpu__bn_grad_out(&a, dy[e], x[e], scale, shift);
             sums.a += g;
@@ -565,12 +581,13 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
     mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__bn_input_grad_source src = {*a};
+    if (a->mask) src.a.dy = a->dsum; /* g, masked by the sums' pass */
     mgpu__bn_values<V>(src, a->dx_t, a->n, a->c, a->hw, l, stream);
 }
 static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
-    const void *tensors[] = {a->dx, a->dy, a->x, a->dx_t};
-    if (mgpu__vector_width((size_t)a->hw, tensors, 4) == 4)
+    const void *tensors[] = {a->dx, a->dy, a->x, a->dx_t, a->mask, a->dsum};
+    if (mgpu__vector_width((size_t)a->hw, tensors, 6) == 4)
         mgpu__bn_backward_launch<4>(a, (cudaStream_t)ex->stream);
     else
         mgpu__bn_backward_launch<1>(a, (cudaStream_t)ex->stream);

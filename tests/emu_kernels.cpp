@@ -549,10 +549,13 @@ static std::vector<float> channels_last_cpu(const std::vector<float> &v, int n, 
     return out;
 }
 /* relu 0: batch norm alone; 1: with the fused ReLU; 2: the residual
-   block's max(bn(x) + skip, 0), whose backward is batch norm's alone.
-   Each also with y written channels-last beside y or alone (y_t), and
-   dx channels-last instead of dx (dx_t): exactly the TF32 copies of the
-   y and dx that each device computes without them, and dx left alone. */
+   block's max(bn(x) + skip, 0), whose backward is batch norm's with the
+   block's end (block_end_backward). Each also with y written
+   channels-last beside y or alone (y_t), and dx channels-last instead of
+   dx (dx_t): exactly the TF32 copies of the y and dx that each device
+   computes without them, and dx left alone. */
+static void block_end_backward(const mgpu__bn_backward_args &plain, const std::vector<float> &out,
+                               double sum_tol);
 static void batchnorm_case(int n, int c, int hw) {
     size_t total = (size_t)n * c * hw;
     int splits = mgpu__bn_splits((size_t)n * hw);
@@ -607,7 +610,6 @@ static void batchnorm_case(int n, int c, int hw) {
             if (!training) continue;
             same("saved mean", mean_g, mean_c, 1e-5);
             same("saved 1/std", inv_g, inv_c, 1e-5);
-            if (relu == 2) continue;
             for (int accumulate = 0; accumulate <= 1; accumulate++) {
                 std::vector<float> dy = random_values(total), dx_c = nans(total), dx_g = nans(total);
                 std::vector<float> dg_c = accumulate ? random_values(c) : nans(c), dg_g = dg_c;
@@ -620,6 +622,11 @@ static void batchnorm_case(int n, int c, int hw) {
                 p.save_mean = mean_c.data(); p.save_invstd = inv_c.data();
                 p.n = n; p.c = c; p.hw = hw; p.splits = splits; p.fuse_relu = relu;
                 p.accumulate = accumulate;
+                if (relu == 2) {
+                    p.fuse_relu = 0; /* (the block's ReLU is its own) */
+                    block_end_backward(p, y_c, sum_tol);
+                    continue;
+                }
                 mgpu__bn_backward_args q = p;
                 q.dx = dx_g.data(); q.dgamma = dg_g.data(); q.dbeta = db_g.data();
                 q.partials = scratch.data();
@@ -640,6 +647,39 @@ static void batchnorm_case(int n, int c, int hw) {
                 same("dx left alone beside dx_t", untouched, nans(total), 0);
             }
         }
+}
+/* The residual block's end (mask: its output): the ReLU's mask on dy
+   written to dsum, and batch norm's backward from it, the shortcut's bias
+   gradient dbeta's sum; the CPU's exactly as a separate ReLU backward
+   pass and `plain` (whose dy it replaces) give, the GPU's within the
+   tolerances of batchnorm_case. */
+static void block_end_backward(const mgpu__bn_backward_args &plain, const std::vector<float> &out,
+                               double sum_tol) {
+    size_t total = out.size();
+    int c = plain.c;
+    std::vector<float> dy(plain.dy, plain.dy + total), dsum_want(total);
+    for (size_t i = 0; i < total; i++) dsum_want[i] = out[i] > 0.0f ? dy[i] : 0.0f;
+    /* the separate passes, on the CPU */
+    std::vector<float> dx_want = nans(total), dg_want(plain.dgamma, plain.dgamma + c),
+                       db_want(plain.dbeta, plain.dbeta + c);
+    mgpu__bn_backward_args r = plain;
+    r.dy = dsum_want.data(), r.dx = dx_want.data(), r.dgamma = dg_want.data(), r.dbeta = db_want.data();
+    mgpu__bn_backward_cpu(&r, &on_cpu);
+    for (int on = 0; on < 2; on++) {
+        std::vector<float> dsum = nans(total), dx = nans(total), dg(plain.dgamma, plain.dgamma + c),
+                           db(plain.dbeta, plain.dbeta + c), bias(plain.dbeta, plain.dbeta + c);
+        std::vector<float> scratch = nans((size_t)c * plain.splits * 2 + (size_t)c * 2);
+        mgpu__bn_backward_args a = plain;
+        a.dx = dx.data(), a.dgamma = dg.data(), a.dbeta = db.data(), a.partials = scratch.data();
+        a.mask = out.data(), a.dsum = dsum.data(), a.dshortcut_bias = bias.data();
+        if (on) mgpu__bn_backward_cuda(&a, &on_gpu);
+        else mgpu__bn_backward_cpu(&a, &on_cpu);
+        same(on ? "block end: dsum" : "block end: dsum (CPU)", dsum, dsum_want, 0);
+        same(on ? "block end: dx" : "block end: dx (CPU)", dx, dx_want, on ? 1e-4 : 0);
+        same(on ? "block end: dgamma" : "block end: dgamma (CPU)", dg, dg_want, on ? sum_tol : 0);
+        same(on ? "block end: dbeta" : "block end: dbeta (CPU)", db, db_want, on ? sum_tol : 0);
+        same(on ? "block end: shortcut bias" : "block end: shortcut bias (CPU)", bias, db, 0);
+    }
 }
 TEST(batchnorm_one_block_per_channel) {
     batchnorm_case(2, 3, 5);
