@@ -23,8 +23,9 @@
        dw[k, (c,r,s)] = sum over (img,p,q) of dy[img, k, p, q] * x[img, c, p*t + r - d, q*t + s - d]:
    a block sums a slice of the output pixels for a group of
    MGPU__FEW_WGRAD_FILTERS filters: each thread takes every 256th pixel
-   of the slice, loads its inputs and the group's dy there (coalesced),
-   and adds their products to its C*R*S x MGPU__FEW_WGRAD_FILTERS sums.
+   of the slice (two at a time), loads its inputs and the group's dy
+   there (coalesced), and adds their products to its C*R*S x
+   MGPU__FEW_WGRAD_FILTERS sums.
    Then the block adds its threads' sums (each warp by shuffles, then the
    warps' in order through shared memory) into the slice's partial
    [K, C*R*S], and mgpu__wgrad_sum (conv_implicit.h) adds the slices'
@@ -137,12 +138,21 @@ mgpu__conv_few_inputs_wgrad_kernel(mgpu__conv_few_inputs_wgrad_args a, mgpu__con
     int pixels = g.n * pq, per = (pixels + a.slices - 1) / a.slices;
     int first = blockIdx.x * per, end = first + per < pixels ? first + per : pixels;
     float sum[F][I] = {};
-    for (int l = first + threadIdx.x; l < end; l += blockDim.x) {
-        float in[I], dy[F];
-        const float *at = a.dy + mgpu__few_inputs_of(g, dv, &table, a.x, l, in) + (size_t)filter0 * pq;
-        for (int f = 0; f < F; f++) dy[f] = filter0 + f < g.k ? at[(size_t)f * pq] : 0.0f;
-        for (int f = 0; f < F; f++)
-            for (int i = 0; i < I; i++) sum[f][i] += dy[f] * in[i];
+    /* Two pixels a trip, their loads all issued before the products: with
+       only dy's 4 values a pixel from memory, one pixel's loads would keep
+       too few bytes in flight for memory's latency. */
+    auto load = [&](int l, float (&in)[I], float (&dy)[F]) {
+        const float *at = a.dy + mgpu__few_inputs_of(g, dv, &table, a.x, l < end ? l : first, in) +
+                          (size_t)filter0 * pq;
+        for (int f = 0; f < F; f++) dy[f] = l < end && filter0 + f < g.k ? at[(size_t)f * pq] : 0.0f;
+    };
+    for (int l = first + threadIdx.x; l < end; l += 2 * blockDim.x) {
+        float in[2][I], dy[2][F];
+        load(l, in[0], dy[0]);
+        load(l + blockDim.x, in[1], dy[1]); /* (past the slice: dy 0) */
+        for (int p = 0; p < 2; p++)
+            for (int f = 0; f < F; f++)
+                for (int i = 0; i < I; i++) sum[f][i] += dy[p][f] * in[p][i];
     }
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int f = 0; f < F; f++)
