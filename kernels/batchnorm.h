@@ -424,7 +424,9 @@ static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_l
     }
     mgpu__welford none = {0, 0, 0};
     w = mgpu__block_reduce(w, mgpu__welford_op(), none);
-    if (threadIdx.x == 0) ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
+    if (threadIdx.x != 0) return;
+    if (a.splits == 1) mgpu__bn_finish_stats(&a, c, w.mean, w.m2 / w.n); /* (the whole channel: finished) */
+    else ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
 }
 
 /* The C x S partials to each channel's statistics, a warp a channel: lane
@@ -432,7 +434,10 @@ static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_l
    lanes' (in the same order every time), and lane 0 finishes. (With a
    thread a channel, merging S partials one after the other, the 64
    channels of stage 1, S = 49, took 46 us on the H100 under Nsight
-   Compute: each merge waited for its load. Both finishing kernels.) */
+   Compute: each merge waited for its load. Both finishing kernels.)
+   With S = 1 (N*H*W of 4096 or fewer, as ResNet-18's stage 4 at batch
+   256) the reducing block finishes its channel itself, with the same
+   bits, and neither finishing kernel runs: a launch less a pass. */
 #define MGPU__BN_FINISH_WARPS 4 /* channels a block */
 #define MGPU__BN_FOR_EACH_CHANNEL_WARP(c, channels)                                                   \
     for (int c = (int)(blockIdx.x * MGPU__BN_FINISH_WARPS + threadIdx.x / 32); c < (channels); \
@@ -495,8 +500,11 @@ template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args
     if (a->training) {
         mgpu__bn_stats_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
         MGPU_CUDA_CHECK_LAUNCH();
-        mgpu__bn_finish_stats_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
-        MGPU_CUDA_CHECK_LAUNCH();
+        if (a->splits > 1) {
+            mgpu__bn_finish_stats_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(
+                *a);
+            MGPU_CUDA_CHECK_LAUNCH();
+        }
     }
     mgpu__bn_output_source src = {*a};
     mgpu__bn_values<V>(src, a->y_t, a->n, a->c, a->hw, l, stream);
@@ -510,6 +518,15 @@ static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
         mgpu__bn_forward_launch<1>(a, (cudaStream_t)ex->stream);
 }
 
+/* Channel c's dbeta and dgamma, and the means of g and g xhat for dx
+   (after the partials), from its sums of g and g xhat. */
+static __device__ inline void mgpu__bn_finish_grads(const mgpu__bn_backward_args &a, int c, mgpu__pair total) {
+    float m = (float)((size_t)a.n * a.hw);
+    mgpu__pair *means = (mgpu__pair *)a.partials + (size_t)a.c * a.splits;
+    mgpu__bn_param_grads(&a, c, total.a, total.b);
+    means[c].a = total.a / m;
+    means[c].b = total.b / m;
+}
 template <int V>
 static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu__bn_layout l) {
     int c = blockIdx.x, begin, end;
@@ -536,23 +553,19 @@ static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu_
     }
     mgpu__pair zero = {0, 0};
     sums = mgpu__block_reduce(sums, mgpu__sum_op(), zero);
-    if (threadIdx.x == 0) ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.y] = sums;
+    if (threadIdx.x != 0) return;
+    if (a.splits == 1) mgpu__bn_finish_grads(a, c, sums); /* (the whole channel: finished) */
+    else ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.y] = sums;
 }
 
 static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
-    float m = (float)((size_t)a.n * a.hw);
-    mgpu__pair *means = (mgpu__pair *)a.partials + (size_t)a.c * a.splits;
     int lane = threadIdx.x % 32;
     MGPU__BN_FOR_EACH_CHANNEL_WARP(c, a.c) {
         const mgpu__pair *p = (const mgpu__pair *)a.partials + (size_t)c * a.splits;
         mgpu__pair total = {0, 0};
         for (int s = lane; s < a.splits; s += 32) total = mgpu__sum_op()(total, p[s]);
         total = mgpu__warp_allreduce(total, mgpu__sum_op());
-        if (lane == 0) {
-            mgpu__bn_param_grads(&a, c, total.a, total.b);
-            means[c].a = total.a / m;
-            means[c].b = total.b / m;
-        }
+        if (lane == 0) mgpu__bn_finish_grads(a, c, total);
     }
 }
 
@@ -578,8 +591,10 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
     mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
     mgpu__bn_grad_sums_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
     MGPU_CUDA_CHECK_LAUNCH();
-    mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
-    MGPU_CUDA_CHECK_LAUNCH();
+    if (a->splits > 1) {
+        mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
     mgpu__bn_input_grad_source src = {*a};
     if (a->mask) src.a.dy = a->dsum; /* g, masked by the sums' pass */
     mgpu__bn_values<V>(src, a->dx_t, a->n, a->c, a->hw, l, stream);
