@@ -102,14 +102,16 @@ static __device__ inline void mgpu__store_floats(float *p, const float (&v)[4]) 
     *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 #endif
-/* The vector width V for tensors whose runs of `run` values the kernel
-   takes in vectors (a whole tensor, or a plane): 4 when the runs are whole
-   vectors and every tensor starts 16-byte aligned, else 1. */
+/* Whether every one of count tensors starts 16-byte aligned (NULL too: a
+   tensor a kernel does without). */
 static MGPU__HOSTDEVICE inline int mgpu__aligned16(const void *const *tensors, int count) {
     for (int t = 0; t < count; t++)
         if ((uintptr_t)tensors[t] % 16) return 0;
-    return 1; /* (NULL too: a tensor a kernel does without) */
+    return 1;
 }
+/* The vector width V for tensors whose runs of `run` values the kernel
+   takes in vectors (a whole tensor, or a plane): 4 when the runs are whole
+   vectors and every tensor starts 16-byte aligned, else 1. */
 static int mgpu__vector_width(size_t run, const void *const *tensors, int count) {
     return run % 4 == 0 && mgpu__aligned16(tensors, count) ? 4 : 1;
 }
