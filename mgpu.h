@@ -1306,6 +1306,7 @@ struct mgpu_device {
     size_t in_use, peak, cached;
     size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
+    mgpu_tensor *bn_done; /* a GPU's batch norm counters (mgpu__bn_done), or NULL */
 };
 
 /* --------------------------------------------------------------- events */
@@ -1743,6 +1744,7 @@ MGPU_DEF void mgpu_shutdown(void) {
     for (int i = 0; i < mgpu__g.ndevices; i++) mgpu_synchronize(mgpu__g.devices[i]);
     for (int i = 0; i < mgpu__g.ndevices; i++) {
         mgpu_device *d = mgpu__g.devices[i];
+        mgpu_free(d->bn_done);
         mgpu__queue_destroy(&d->queue[0]);
         mgpu__queue_destroy(&d->queue[1]);
         mgpu__allocator_release(d);
@@ -5330,6 +5332,21 @@ static void mgpu__bn_dims(const mgpu_tensor *x, const char *op, int *n, int *c, 
 static mgpu_tensor *mgpu__bn_scratch(mgpu_device *dev, size_t floats) {
     return mgpu_device_is_gpu(dev) ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
 }
+/* The counters with which the last block of a channel's reduction knows
+   it is the last (kernels/batchnorm.h, "Finishing a channel"), at least
+   one a channel: kept by the device for all its batch norms, all 0
+   between kernels, as each channel's last block sets its counter back.
+   Made (zeroed, in multiples of 512) when a batch norm has more channels
+   than any before it on the device; NULL on the CPU. Every batch norm
+   runs on the device's compute queue, so no two kernels count at once. */
+static unsigned *mgpu__bn_done(mgpu_device *dev, int channels) {
+    if (!mgpu_device_is_gpu(dev)) return NULL;
+    if (!dev->bn_done || dev->bn_done->numel < (size_t)channels) {
+        mgpu_free(dev->bn_done); /* (its last kernels are queued before any that reuses it) */
+        dev->bn_done = mgpu_zeros(dev, mgpu_shape1((channels + 511) / 512 * 512));
+    }
+    return (unsigned *)dev->bn_done->data;
+}
 
 /* mgpu_batchnorm2d_forward, and with skip (not NULL) the residual block's
    y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h); with y_t,
@@ -5392,6 +5409,7 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
         mgpu__before_write(save_invstd);
         scratch = mgpu__bn_scratch(dev, (size_t)a.c * a.splits * 3); /* Welford triples */
         a.partials = scratch ? scratch->data : NULL;
+        a.done = mgpu__bn_done(dev, a.c);
     }
     mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
                     MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
@@ -5476,6 +5494,7 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     /* Partial sums of g and g xhat per slice, then the two means per channel. */
     mgpu_tensor *scratch = mgpu__bn_scratch(dev, (size_t)a.c * a.splits * 2 + (size_t)a.c * 2);
     a.partials = scratch ? scratch->data : NULL;
+    a.done = mgpu__bn_done(dev, a.c);
     mgpu__before_write(dgamma);
     mgpu__before_write(dbeta);
     mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,

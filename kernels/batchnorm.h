@@ -55,13 +55,14 @@
    values per image), and one block per channel would leave most of a GPU
    idle for ResNet's 64 channels. So each channel is cut into S slices
    (mgpu__bn_splits: about 4096 values each, at most 64) and the work is
-   three kernels:
+   two kernels:
      1. a grid of C x S blocks: each reduces its slice to one partial
-        result (warp shuffles, then one value per warp in shared memory);
-     2. one thread per channel merges its S partials and writes the
-        channel's results (statistics and running statistics forward,
-        dgamma and dbeta backward);
-     3. a grid over the whole tensor writes y, or dx; or, when a network
+        result (warp shuffles, then one value per warp in shared memory),
+        and the last of a channel's S blocks to finish merges the S
+        partials and writes the channel's results (statistics and running
+        statistics forward, dgamma and dbeta backward; "Finishing a
+        channel", below);
+     2. a grid over the whole tensor writes y, or dx; or, when a network
         asks for it (y_t, dx_t), a tile kernel of kernels/channels_last.h
         writes them channels-last, y beside y or alone and dx instead of
         dx, for the convolution next to this batch norm (mgpu.h says
@@ -104,6 +105,7 @@ typedef struct {
     float *running_mean, *running_var;
     float *save_mean, *save_invstd; /* written in training mode */
     float *partials;                /* CUDA scratch: [C][S] Welford partials */
+    unsigned *done;                 /* CUDA: the device's counters of finished slices, [C] (below) */
     int n, c, hw, splits;           /* x is [n, c, hw]; splits = S */
     int training, fuse_relu;
     float momentum, eps;
@@ -206,6 +208,7 @@ typedef struct {
     const float *dy, *x, *gamma, *save_mean, *save_invstd;
     const float *beta; /* only with fuse_relu, for the ReLU's mask */
     float *partials;   /* CUDA scratch: [C][S] partial sums, then [C] channel means */
+    unsigned *done;    /* CUDA: as the forward's */
     int n, c, hw, splits;
     int fuse_relu, accumulate; /* accumulate: dgamma += ..., dbeta += ... */
 } mgpu__bn_backward_args;
@@ -392,6 +395,66 @@ static __device__ inline void mgpu__bn_slice(int vectors, int splits, int *begin
     *end = *begin + chunk < vectors ? *begin + chunk : vectors;
 }
 
+/* Finishing a channel. Each of a channel's S blocks writes its slice's
+   partial result, and the last of them to do so merges the S partials
+   and finishes the channel (the "last block" of the memory fences'
+   section of the CUDA C++ Programming Guide). The block's thread 0 writes
+   its partial, makes it visible to every other block (__threadfence: the
+   write has reached L2, where they read, before anything this thread does
+   next), then counts it on the channel's counter, done[c]. The block that
+   counts the S-th knows that every partial is written. It sets the
+   counter back to 0 (so that a device's counters are all 0 between
+   kernels, ready for the next) and merges the partials in warp 0: lane l
+   those of slices l and l + 32 (S <= 64), then the lanes' in the same
+   order every time, so the result does not depend on which block came
+   last. (Until the seventeenth session a kernel of its own did this after
+   the reduction, a warp a channel: one launch more a pass, 30 a
+   ResNet-18 step, each a few microseconds for a microsecond's work.)
+   With S = 1 (N*H*W of 4096 or fewer, as ResNet-18's stage 4 at batch
+   256) the block is its channel's only one and finishes it at once. */
+
+/* Called by warp 0 once thread 0 has written this block's partial of
+   channel c: whether this block is the channel's last to finish. */
+static __device__ inline bool mgpu__bn_last_slice(unsigned *done, int c, int splits) {
+    unsigned finished = 0;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        finished = atomicAdd(&done[c], 1u) + 1;
+        if (finished == (unsigned)splits) done[c] = 0; /* every block of c has counted */
+    }
+    bool last = __shfl_sync(0xffffffffu, finished, 0) == (unsigned)splits;
+    if (last) __threadfence(); /* the others' partials are read after the count */
+    return last;
+}
+/* Partials that other blocks wrote in this kernel, read through volatile,
+   so from L2, never from a stale line of this multiprocessor's L1. */
+static __device__ inline mgpu__welford mgpu__bn_partial(const mgpu__welford *p) {
+    const volatile float *v = (const volatile float *)p;
+    mgpu__welford w = {v[0], v[1], v[2]};
+    return w;
+}
+static __device__ inline mgpu__pair mgpu__bn_partial(const mgpu__pair *p) {
+    const volatile float *v = (const volatile float *)p;
+    mgpu__pair sums = {v[0], v[1]};
+    return sums;
+}
+/* The end of a reducing block of channel c, in warp 0, thread 0 holding
+   the block's result *v: whether this block finishes the channel, and if
+   so, the channel's result in *v (lane 0's is the one to use). partials:
+   [C][S]. */
+template <typename T, typename Op>
+static __device__ bool mgpu__bn_slice_done(T *v, T *partials, unsigned *done, int c, int splits, Op op,
+                                           T none) {
+    if (splits == 1) return true;
+    T *channel = partials + (size_t)c * splits;
+    if (threadIdx.x == 0) channel[blockIdx.y] = *v;
+    if (!mgpu__bn_last_slice(done, c, splits)) return false;
+    T merged = none;
+    for (int s = threadIdx.x; s < splits; s += 32) merged = op(merged, mgpu__bn_partial(channel + s));
+    *v = mgpu__warp_allreduce(merged, op);
+    return true;
+}
+
 /* Each thread loads MGPU__BN_HELD values of its slice into registers (all
    the loads in flight together), takes their mean and squared deviations
    there, and merges the triple into its running one (Chan et al.). */
@@ -424,37 +487,10 @@ static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_l
     }
     mgpu__welford none = {0, 0, 0};
     w = mgpu__block_reduce(w, mgpu__welford_op(), none);
-    if (threadIdx.x != 0) return;
-    if (a.splits == 1) mgpu__bn_finish_stats(&a, c, w.mean, w.m2 / w.n); /* (the whole channel: finished) */
-    else ((mgpu__welford *)a.partials)[c * a.splits + blockIdx.y] = w;
-}
-
-/* The C x S partials to each channel's statistics, a warp a channel: lane
-   l merges partials l and l + 32 (S <= 64), then the warp merges its
-   lanes' (in the same order every time), and lane 0 finishes. (With a
-   thread a channel, merging S partials one after the other, the 64
-   channels of stage 1, S = 49, took 46 us on the H100 under Nsight
-   Compute: each merge waited for its load. Both finishing kernels.)
-   With S = 1 (N*H*W of 4096 or fewer, as ResNet-18's stage 4 at batch
-   256) the reducing block finishes its channel itself, with the same
-   bits, and neither finishing kernel runs: a launch less a pass. */
-#define MGPU__BN_FINISH_WARPS 4 /* channels a block */
-#define MGPU__BN_FOR_EACH_CHANNEL_WARP(c, channels)                                                   \
-    for (int c = (int)(blockIdx.x * MGPU__BN_FINISH_WARPS + threadIdx.x / 32); c < (channels); \
-         c += (int)gridDim.x * MGPU__BN_FINISH_WARPS)
-static __global__ void mgpu__bn_finish_stats_kernel(mgpu__bn_forward_args a) {
-    int lane = threadIdx.x % 32;
-    MGPU__BN_FOR_EACH_CHANNEL_WARP(c, a.c) {
-        const mgpu__welford *p = (const mgpu__welford *)a.partials + (size_t)c * a.splits;
-        mgpu__welford w = {0, 0, 0};
-        for (int s = lane; s < a.splits; s += 32) w = mgpu__welford_op()(w, p[s]);
-        w = mgpu__warp_allreduce(w, mgpu__welford_op());
-        if (lane == 0) mgpu__bn_finish_stats(&a, c, w.mean, w.m2 / w.n);
-    }
-}
-/* Blocks for the finishing kernels: a warp a channel. */
-static unsigned mgpu__bn_finish_blocks(int channels) {
-    return mgpu__grid_for((size_t)channels, MGPU__BN_FINISH_WARPS);
+    if (threadIdx.x >= 32) return; /* warp 0 finishes */
+    if (mgpu__bn_slice_done(&w, (mgpu__welford *)a.partials, a.done, c, a.splits, mgpu__welford_op(), none) &&
+        threadIdx.x == 0)
+        mgpu__bn_finish_stats(&a, c, w.mean, w.m2 / w.n);
 }
 
 /* y at offset `at` of x, of channel c, written to a.y there too (unless
@@ -500,11 +536,6 @@ template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args
     if (a->training) {
         mgpu__bn_stats_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
         MGPU_CUDA_CHECK_LAUNCH();
-        if (a->splits > 1) {
-            mgpu__bn_finish_stats_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(
-                *a);
-            MGPU_CUDA_CHECK_LAUNCH();
-        }
     }
     mgpu__bn_output_source src = {*a};
     mgpu__bn_values<V>(src, a->y_t, a->n, a->c, a->hw, l, stream);
@@ -553,20 +584,10 @@ static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu_
     }
     mgpu__pair zero = {0, 0};
     sums = mgpu__block_reduce(sums, mgpu__sum_op(), zero);
-    if (threadIdx.x != 0) return;
-    if (a.splits == 1) mgpu__bn_finish_grads(a, c, sums); /* (the whole channel: finished) */
-    else ((mgpu__pair *)a.partials)[c * a.splits + blockIdx.y] = sums;
-}
-
-static __global__ void mgpu__bn_finish_grads_kernel(mgpu__bn_backward_args a) {
-    int lane = threadIdx.x % 32;
-    MGPU__BN_FOR_EACH_CHANNEL_WARP(c, a.c) {
-        const mgpu__pair *p = (const mgpu__pair *)a.partials + (size_t)c * a.splits;
-        mgpu__pair total = {0, 0};
-        for (int s = lane; s < a.splits; s += 32) total = mgpu__sum_op()(total, p[s]);
-        total = mgpu__warp_allreduce(total, mgpu__sum_op());
-        if (lane == 0) mgpu__bn_finish_grads(a, c, total);
-    }
+    if (threadIdx.x >= 32) return; /* warp 0 finishes */
+    if (mgpu__bn_slice_done(&sums, (mgpu__pair *)a.partials, a.done, c, a.splits, mgpu__sum_op(), zero) &&
+        threadIdx.x == 0)
+        mgpu__bn_finish_grads(a, c, sums);
 }
 
 /* dx at offset `at` of x, of channel c, written to a.dx there too unless
@@ -591,10 +612,6 @@ template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_ar
     mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
     mgpu__bn_grad_sums_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
     MGPU_CUDA_CHECK_LAUNCH();
-    if (a->splits > 1) {
-        mgpu__bn_finish_grads_kernel<<<mgpu__bn_finish_blocks(a->c), 32 * MGPU__BN_FINISH_WARPS, 0, stream>>>(*a);
-        MGPU_CUDA_CHECK_LAUNCH();
-    }
     mgpu__bn_input_grad_source src = {*a};
     if (a->mask) src.a.dy = a->dsum; /* g, masked by the sums' pass */
     mgpu__bn_values<V>(src, a->dx_t, a->n, a->c, a->hw, l, stream);

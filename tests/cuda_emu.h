@@ -254,12 +254,19 @@ template <typename T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask
 template <typename T> static T __shfl_down_sync(unsigned mask, T v, int delta) {
     return mgpu_emu_shuffle(mask, v, mgpu_emu_down_lane, delta);
 }
+static int mgpu_emu_given_lane(int lane, int source) { return (void)lane, source; }
+template <typename T> static T __shfl_sync(unsigned mask, T v, int source) {
+    return mgpu_emu_shuffle(mask, v, mgpu_emu_given_lane, source);
+}
 static void __syncthreads() { mgpu_emu_arrive_and_wait(&mgpu_emu_block_barrier); }
-static float atomicAdd(float *address, float value) { /* fibers switch only at barriers */
-    float old = *address;
+/* fibers switch only at barriers, and blocks run one after another: an
+   atomic operation is a plain one here, and a fence has nothing to order */
+template <typename T> static T atomicAdd(T *address, T value) {
+    T old = *address;
     *address = old + value;
     return old;
 }
+static void __threadfence() {}
 
 /* ------------------------------------------- shared memory, asynchronous copies */
 /* Dynamic shared memory (the launch's third argument): one buffer, as the
