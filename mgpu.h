@@ -4382,7 +4382,8 @@ static int mgpu__conv_implicit_available(void) {
    the channels-last family, for the forward pass and dx of 3x3
    convolutions at stride 1, two other methods too, as they read the same
    copies (a network prepares them alike): conv_halo.h's kernel, and
-   Winograd (winograd.h). In the gathering family, which reads the NCHW
+   Winograd (winograd.h); and for their dW at padding 1, conv_halo.h's
+   weight gradient. In the gathering family, which reads the NCHW
    tensors as they are, for the forward pass and dW of convolutions with
    C*R*S <= 9, conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
@@ -4392,10 +4393,12 @@ typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
     int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
-                   (0 or 1: none), over the output pixels in dW (0: conv_nhwc.h's default);
+                   (0 or 1: none), over the output pixels in dW (0: the kernel's default);
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
                                  conv_halo.h's (in the tile, whole), or Winograd (no tile);
+                                 channels-last dW: conv_nhwc.h's kernel (direct) or
+                                 conv_halo.h's (no tile);
                                  gathering forward or dW: conv_implicit.h's kernel (direct), or
                                  conv_few_inputs.h's (no tile) */
 } mgpu__implicit_kernel;
@@ -4570,13 +4573,16 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
         mgpu_tensor *own, *own_x_t = NULL;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+        int halo = kernel.method == MGPU__HALO;
         mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f,
-                                     kernel.splits, 0, *g, kernel.tile};
+                                     halo && !kernel.splits ? mgpu__conv_halo_dw_splits(g, 512) : kernel.splits,
+                                     0, *g, kernel.tile};
         mgpu__conv_nhwc_dw_slices(&a);
         mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
         a.partials = partials->data;
-        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda,
-                        &a, sizeof a);
+        const char *name = halo ? "conv2d_backward channels-last halo dW" : "conv2d_backward channels-last dW";
+        mgpu__launch_on(&dev->queue[0], name, NULL, halo ? mgpu__conv_halo_dw_cuda : mgpu__conv_nhwc_dw_cuda, &a,
+                        sizeof a);
         mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
         mgpu_free(own_x_t);
         mgpu_free(own);
@@ -4714,10 +4720,13 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
 static mgpu__conv_geom mgpu__conv_pass_geometry(mgpu__conv_try what, const mgpu__conv_geom *g) {
     return what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
 }
-/* Whether conv_halo.h's kernel computes a pass of geometry g in a tile:
-   the forward pass or dx of a 3x3 convolution at stride 1, padding 1. */
+/* Whether conv_halo.h's kernels compute a pass of geometry g: the forward
+   pass or dx of a 3x3 convolution at stride 1, padding 1, in a tile; its
+   dW (no tile). */
 static int mgpu__conv_halo_fits_pass(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
-    if (what == MGPU__TRY_DW || g->stride != 1) return 0;
+    if (what == MGPU__TRY_DW)
+        return mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g) && mgpu__conv_halo_dw_fits(g);
+    if (g->stride != 1) return 0;
     mgpu__conv_geom d = mgpu__conv_pass_geometry(what, g);
     return mgpu__conv_halo_fits(&d, tile);
 }
@@ -4750,9 +4759,11 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
 }
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, conv_halo.h's in every
-   tile it fits, Winograd where it is worth trying, and conv_few_inputs.h's
-   where it fits. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + 2)
+   tile it fits (dW: in the slices for each of mgpu__conv_dw_block_choices
+   that gives a count of its own), Winograd where it is worth trying, and
+   conv_few_inputs.h's where it fits. */
+#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + \
+                          MGPU__KERNEL_CHOICES + 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
@@ -4760,9 +4771,15 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
                                                   &list[count]);
-    for (int t = 0; t < MGPU__TILE_KINDS; t++) {
+    for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
         mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
         if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
+    }
+    for (int i = 0; what == MGPU__TRY_DW && i < MGPU__KERNEL_CHOICES; i++) {
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 0, MGPU__HALO}; /* (tile unused) */
+        if (!mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) break;
+        halo.splits = mgpu__conv_halo_dw_splits(g, mgpu__conv_dw_block_choices[i]);
+        if (i == 0 || halo.splits != list[count - 1].splits) list[count++] = halo;
     }
     mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
     if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g, winograd.tile) && mgpu__conv_winograd_worth_trying(g))
@@ -4812,10 +4829,14 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
-static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
+static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k, mgpu__conv_try what) {
     if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS) {
         snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family],
                  k.method == MGPU__WINOGRAD ? "Winograd" : "few inputs");
+        return;
+    }
+    if (k.method == MGPU__HALO && what == MGPU__TRY_DW) { /* (conv_halo.h's 64 filters x 9 taps x 16 channels) */
+        snprintf(out, size, "%s halo 64x144 in %d slices", mgpu__implicit_family_names[k.family], k.splits);
         return;
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
@@ -4826,9 +4847,9 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
     const mgpu__conv_geom *g = &c->g;
     const mgpu__conv_plan *p = &c->plan;
     char y[48], dx[48], dw[48];
-    mgpu__conv_kernel_str(y, sizeof y, p->y);
-    mgpu__conv_kernel_str(dx, sizeof dx, p->dx);
-    mgpu__conv_kernel_str(dw, sizeof dw, p->dw);
+    mgpu__conv_kernel_str(y, sizeof y, p->y, MGPU__TRY_Y);
+    mgpu__conv_kernel_str(dx, sizeof dx, p->dx, MGPU__TRY_DX);
+    mgpu__conv_kernel_str(dw, sizeof dw, p->dw, MGPU__TRY_DW);
     int at = snprintf(out, size, "%dx%d, %d -> %d, stride %d, %d x %dx%d: ", g->r, g->s, g->c, g->k, g->stride,
                       g->n, g->h, g->w);
     if (!c->backward) snprintf(out + at, size - at, "forward by %s", p->implicit ? y : "im2col");

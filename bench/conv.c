@@ -19,7 +19,9 @@
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
    at padding 1) and kernels/winograd.h's (rows "Winograd", one figure,
-   under the first tile): the forward pass and dx; for the first layer
+   under the first tile): the forward pass and dx; conv_halo.h's weight
+   gradient at padding 1 (rows "halo dW, N slices", one figure each, in
+   the slicings the trial tries); for the first layer
    (C*R*S = 9) kernels/conv_few_inputs.h's (rows "gather few inputs", one
    figure): the forward pass and dW. The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
@@ -119,13 +121,14 @@ enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
 /* The trial's candidate i of a family and tile for a pass, in *k (as
    mgpu__conv_kernel_choice), and after the last choice, i ==
-   MGPU__KERNEL_CHOICES, conv_halo.h's kernel; returns whether it is one. */
+   MGPU__KERNEL_CHOICES, conv_halo.h's forward kernel (for the forward
+   pass and dx); returns whether it is one. */
 static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
                      mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
     if (i < MGPU__KERNEL_CHOICES) return mgpu__conv_kernel_choice(what, g, family, tile, i, k);
     mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
     *k = halo;
-    return family == MGPU__CHANNELS_LAST && mgpu__conv_halo_fits_pass(what, g, tile);
+    return family == MGPU__CHANNELS_LAST && what != MGPU__TRY_DW && mgpu__conv_halo_fits_pass(what, g, tile);
 }
 #endif
 
@@ -261,6 +264,18 @@ int main(int argc, char **argv) {
                     if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
                     print_row(m == 0 ? "  Winograd" : "  gather few inputs", cc->count,
                               pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
+                }
+                mgpu__implicit_kernel listed[MGPU__CANDIDATES]; /* conv_halo.h's dW, in each slicing tried */
+                int candidates = pass == DW ? mgpu__conv_candidates(MGPU__TRY_DW, &c.g, listed) : 0;
+                for (int j = 0; j < candidates; j++) {
+                    if (listed[j].method != MGPU__HALO) continue;
+                    double us[TILE_COLUMNS] = {0};
+                    c.kernel = listed[j];
+                    us[0] = time_us(dev[0], runs[pass], &c, steps);
+                    if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
+                    char row[48];
+                    snprintf(row, sizeof row, "  halo dW, %d slices", listed[j].splits);
+                    print_row(row, cc->count, "dW", flop, 0, us, tiles);
                 }
                 step_us[1] += cc->count * best[pass];
             }

@@ -184,7 +184,7 @@ static void mgpu__conv_few_inputs_wgrad_cuda(const void *args, const mgpu__exec 
     mgpu__conv_few_inputs_wgrad_kernel<<<grid, MGPU__FEW_THREADS, 0, (cudaStream_t)ex->stream>>>(
         *a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
-    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->slices, a->g.k, a->g.c, a->g.r * a->g.s, 0};
+    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->slices, a->g.k, a->g.c, a->g.r * a->g.s, 1};
     mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
 #endif

@@ -395,23 +395,28 @@ typedef struct {
 
 /* The most floats a product's slices' partial tiles take (64 MB). */
 #define MGPU__PARTIAL_FLOATS_MAX ((size_t)16 << 20)
-/* Slices of the sum over output pixels for a weight gradient in `tile`:
-   about `blocks` blocks in all, each summing at least `least` pixels, the
-   partial tiles at most MGPU__PARTIAL_FLOATS_MAX. This kernel takes 1024 blocks of 256
-   pixels or more (mgpu__conv_implicit_wgrad_splits); conv_nhwc.h's
-   fewer and longer ones (it multiplies faster, in less time than
-   reading and writing more partial tiles would take). */
-static int mgpu__conv_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks,
-                                   size_t least) {
-    size_t crs = (size_t)g->c * g->r * g->s, rows = mgpu__implicit_tile_rows[tile],
-           columns = mgpu__implicit_tile_columns[tile];
-    size_t tiles = ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns);
-    size_t pixels = (size_t)g->n * g->p * g->q, splits = (blocks + tiles - 1) / tiles;
+/* Slices of the sum over output pixels for a weight gradient of `tiles`
+   tiles: about `blocks` blocks in all, each summing at least `least`
+   pixels, the partial tiles at most MGPU__PARTIAL_FLOATS_MAX. */
+static int mgpu__conv_wgrad_splits_of(const mgpu__conv_geom *g, size_t tiles, size_t blocks, size_t least) {
+    size_t crs = (size_t)g->c * g->r * g->s, pixels = (size_t)g->n * g->p * g->q;
+    size_t splits = (blocks + tiles - 1) / tiles;
     if (splits > pixels / least) splits = pixels / least;
     size_t most = MGPU__PARTIAL_FLOATS_MAX / ((size_t)g->k * crs);
     if (splits > most) splits = most;
     if (splits > 65535) splits = 65535; /* grid.z */
     return splits < 1 ? 1 : (int)splits;
+}
+/* The same in a tile kind. This kernel takes 1024 blocks of 256 pixels or
+   more (mgpu__conv_implicit_wgrad_splits); conv_nhwc.h's fewer and longer
+   ones (it multiplies faster, in less time than reading and writing more
+   partial tiles would take). */
+static int mgpu__conv_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks,
+                                   size_t least) {
+    size_t crs = (size_t)g->c * g->r * g->s, rows = mgpu__implicit_tile_rows[tile],
+           columns = mgpu__implicit_tile_columns[tile];
+    return mgpu__conv_wgrad_splits_of(g, ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns), blocks,
+                                      least);
 }
 static int mgpu__conv_implicit_wgrad_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
     return mgpu__conv_wgrad_splits(g, tile, 1024, 256);
@@ -469,24 +474,27 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
 #endif
 }
 /* dw = beta dw + the partial tiles [splits, K, C*R*S], added in order
-   (the same result from run to run). With rsc_order the partial tiles'
-   columns are in (r, s, c) order, channels fastest (conv_nhwc.h's weight
-   gradient), and go to dw's (c, r, s): read in the partials' order (so
-   that the many reads are coalesced, the one write of each value not). */
+   (the same result from run to run). The partial tiles' columns are in
+   runs of `run` channels: in (c / run, r, s, c % run) order. With run 1
+   that is dw's own (c, r, s) order; with run C, (r, s, c), channels
+   fastest (conv_nhwc.h's weight gradient); conv_halo.h's takes 16. They
+   go to dw's (c, r, s), read in the partials' order (so that the many
+   reads are coalesced, the one write of each value not). */
 typedef struct {
     float *dw;
     const float *partials;
     float beta;
-    int splits, k, c, rs, rsc_order;
+    int splits, k, c, rs, run;
 } mgpu__wgrad_sum_args;
 static __global__ void mgpu__wgrad_sum_kernel(mgpu__wgrad_sum_args a) {
-    size_t crs = (size_t)a.c * a.rs, n = (size_t)a.k * crs;
+    size_t crs = (size_t)a.c * a.rs, n = (size_t)a.k * crs, run_len = (size_t)a.rs * a.run;
     MGPU__GRID_STRIDE_LOOP(i, n) {
         float sum = 0.0f;
         for (int z = 0; z < a.splits; z++) sum += a.partials[(size_t)z * n + i];
         size_t o = i;
-        if (a.rsc_order) {
-            size_t filter = i / crs, rest = i - filter * crs, rs = rest / a.c, c = rest - rs * a.c;
+        if (a.run > 1) {
+            size_t filter = i / crs, rest = i - filter * crs, runs = rest / run_len, in_run = rest - runs * run_len;
+            size_t rs = in_run / a.run, c = runs * a.run + in_run - rs * a.run;
             o = filter * crs + c * a.rs + rs;
         }
         a.dw[o] = a.beta != 0.0f ? a.beta * a.dw[o] + sum : sum;
@@ -533,7 +541,7 @@ static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *e
     dim3 grid = mgpu__implicit_grid(a->tile, crs, a->g.k, a->splits);
     kernel<<<grid, MGPU__IMPLICIT_THREADS, 0, (cudaStream_t)ex->stream>>>(*a, mgpu__conv_divisors_for(&a->g));
     MGPU_CUDA_CHECK_LAUNCH();
-    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 0};
+    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 1};
     mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
 #endif

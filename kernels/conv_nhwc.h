@@ -762,28 +762,55 @@ template <int TM, int TN> struct mgpu__nhwc_dw_tiles {
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 /* acc += a b for this warp's quarter of the tile from one copy of the
-   step tiles, a [32 pixels][TM + 8] and b [32 pixels][TN + 8]: four
-   tensor-core steps of k = 8, each lane loading its fragments as
-   mgpu__mma_tf32 lays them out (A[m][k] = a[k][m], B[k][n] = b[k][n]). */
-template <int TM, int TN>
+   step tiles, a [32 pixels][TM + 8] and b: four tensor-core steps of k =
+   8, each lane loading its fragments as mgpu__mma_tf32 lays them out
+   (A[m][k] = a[k][m], B[k][n] = b[k][n]). load_b(kk, fb) loads this
+   lane's fragments of b for the 8 pixels from kk: B[t][g] and B[t + 4][g]
+   of each of the warp's 8-column tiles j, in fb[j][0] and fb[j][1]. */
+template <int TM, int TN, typename LoadB>
 static __device__ void mgpu__nhwc_dw_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
-                                              const uint32_t (*a_step)[TM + 8],
-                                              const uint32_t (*b_step)[TN + 8]) {
+                                              const uint32_t (*a_step)[TM + 8], LoadB load_b) {
     typedef mgpu__nhwc_warp<TM, TN> W;
-    const int LA = TM + 8, LB = TN + 8;
+    const int LA = TM + 8;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const uint32_t *a = &a_step[t][(warp / 2) * (TM / 2) + g], *b = &b_step[t][(warp % 2) * (TN / 2) + g];
+    const uint32_t *a = &a_step[t][(warp / 2) * (TM / 2) + g];
     for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
         uint32_t fa[W::MT][4], fb[W::NT][2];
         for (int i = 0; i < W::MT; i++) {
             fa[i][0] = a[kk * LA + 16 * i], fa[i][1] = a[kk * LA + 16 * i + 8];
             fa[i][2] = a[(kk + 4) * LA + 16 * i], fa[i][3] = a[(kk + 4) * LA + 16 * i + 8];
         }
-        for (int j = 0; j < W::NT; j++) fb[j][0] = b[kk * LB + 8 * j], fb[j][1] = b[(kk + 4) * LB + 8 * j];
+        load_b(kk, fb);
         for (int i = 0; i < W::MT; i++)
             for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], fa[i], fb[j]);
     }
 }
+
+/* The copies of a weight gradient's a tiles: TM filters (4 a copy) of
+   dy_t's rows, a step of 32 output pixels at a time, from a slice of
+   `count` pixels from `first`; a thread always the same 16 bytes (chunk)
+   of every A_APART-th row, zeros past the slice or past K. */
+template <int TM> struct mgpu__nhwc_dy_rows {
+    static const int CHUNKS = TM / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS, PER = MGPU__NHWC_STEP / APART;
+    const float *rows; /* this thread's next row's 4 filters */
+    int chunk, row, left, k;
+    __device__ mgpu__nhwc_dy_rows(const float *dy_t, int k_, int first, int count) {
+        int tid = threadIdx.x, filter = blockIdx.y * TM + (tid % CHUNKS) * 4;
+        chunk = tid % CHUNKS, row = tid / CHUNKS, k = k_;
+        rows = dy_t + (size_t)(first + row) * k + filter;
+        left = filter < k ? count - row : 0; /* the slice's rows from this thread's next one */
+    }
+    /* Starts the next step's copies into copy `stage` of the tiles a [stages][32][TM + 8]. */
+    __device__ void copy(mgpu__shared_address a_tiles, int stage, const float *any) {
+        const int LA = TM + 8;
+        mgpu__shared_address to = a_tiles + 4 * ((stage * MGPU__NHWC_STEP + row) * LA + chunk * 4);
+        for (int j = 0; j < PER; j++) {
+            bool valid = j * APART < left;
+            mgpu__copy_async16<MGPU__SKIP_L1>(to + 4 * j * APART * LA, valid ? rows + j * APART * k : any, valid);
+        }
+        rows += MGPU__NHWC_STEP * k, left -= MGPU__NHWC_STEP;
+    }
+};
 #endif
 
 template <int TM, int TN>
@@ -792,10 +819,9 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     typedef mgpu__nhwc_warp<TM, TN> W;
     const mgpu__conv_geom g = a.g;
-    const int STEP = MGPU__NHWC_STEP, LA = TM + 8, LB = TN + 8;
-    /* a thread's copies: always the same 16 bytes (chunk) of a row, in
-       every APART-th row (pixel): A_PER rows of a, B_PER of b */
-    const int A_CHUNKS = TM / 4, A_APART = MGPU__IMPLICIT_THREADS / A_CHUNKS, A_PER = STEP / A_APART;
+    const int STEP = MGPU__NHWC_STEP, LB = TN + 8;
+    /* a thread's copies of b: always the same 16 bytes (chunk) of a row,
+       in every B_APART-th row (pixel), B_PER rows */
     const int B_CHUNKS = TN / 4, B_APART = MGPU__IMPLICIT_THREADS / B_CHUNKS, B_PER = STEP / B_APART;
     mgpu__nhwc_dw_tiles<TM, TN> *t = (mgpu__nhwc_dw_tiles<TM, TN> *)mgpu__dynamic_shared();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->a), b_tiles = mgpu__shared_address_of(t->b);
@@ -803,12 +829,7 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
     /* this block's slice of the pixels: count of them from first */
     int first = blockIdx.z * a.per, count = first + a.per < g.n * pq ? a.per : g.n * pq - first;
 
-    /* a: this thread's 4 filters, in rows of dy_t that move on by a step
-       (32 pixels) at each load; a_left: the slice's rows from this
-       thread's next one (none when the filters are past K) */
-    int a_chunk = tid % A_CHUNKS, a_row = tid / A_CHUNKS, filter = blockIdx.y * TM + a_chunk * 4;
-    const float *dy_rows = a.dy_t + (size_t)(first + a_row) * g.k + filter;
-    int a_left = filter < g.k ? count - a_row : 0;
+    mgpu__nhwc_dy_rows<TM> dy_rows(a.dy_t, g.k, first, count);
     /* b: this thread's 4 columns (r, s, c..c+3), and for each of its
        pixels where the column's values lie in x_t: row h and column w
        (outside 0..H-1, 0..W-1 in the padding) and the offset of x_t[img,
@@ -833,13 +854,7 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
     const int h_back = g.p * g.stride, h_end = h_back + r - g.pad;
     const int at_next_row = g.stride * row_floats - w_back * g.c, at_next_image = image_floats - h_back * row_floats;
     auto load = [&](int stage) {
-        mgpu__shared_address to_a = a_tiles + 4 * ((stage * STEP + a_row) * LA + a_chunk * 4);
-        for (int j = 0; j < A_PER; j++) {
-            bool valid = j * A_APART < a_left;
-            mgpu__copy_async16<MGPU__SKIP_L1>(to_a + 4 * j * A_APART * LA, valid ? dy_rows + j * A_APART * g.k : a.dy_t,
-                               valid);
-        }
-        dy_rows += STEP * g.k, a_left -= STEP;
+        dy_rows.copy(a_tiles, stage, a.dy_t);
         mgpu__shared_address to_b = b_tiles + 4 * ((stage * STEP + b_row) * LB + b_chunk * 4);
         for (int j = 0; j < B_PER; j++) {
             bool inside = j * B_APART < b_left && (unsigned)h[j] < (unsigned)g.h && /* 0 <= h < H */
@@ -852,8 +867,12 @@ mgpu__conv_nhwc_dw_kernel(mgpu__conv_nhwc_dw_args a) {
         b_left -= STEP;
     };
     typename W::acc acc = {};
+    int lane = tid % 32, warp = tid / 32;
     mgpu__nhwc_steps<MGPU__NHWC_DW_STAGES>((count + STEP - 1) / STEP, load, [&](int stage) {
-        mgpu__nhwc_dw_multiply<TM, TN>(acc, t->a[stage], t->b[stage]);
+        const uint32_t *b = &t->b[stage][lane % 4][(warp % 2) * (TN / 2) + lane / 4];
+        mgpu__nhwc_dw_multiply<TM, TN>(acc, t->a[stage], [&](int kk, uint32_t(&fb)[W::NT][2]) {
+            for (int j = 0; j < W::NT; j++) fb[j][0] = b[kk * LB + 8 * j], fb[j][1] = b[(kk + 4) * LB + 8 * j];
+        });
     });
 
     /* the slice's tile straight from the accumulators to its partial (rsc a multiple of 4) */
@@ -869,7 +888,7 @@ static void mgpu__conv_nhwc_dw_cuda(const void *args, const mgpu__exec *ex) {
     dim3 grid = mgpu__implicit_grid(a->tile, (size_t)a->g.r * a->g.s * a->g.c, a->g.k, a->splits);
     kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
-    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 1};
+    mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, a->g.c};
     mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
 #endif

@@ -142,6 +142,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
 static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
+static int halo_dw_cases;  /* conv_halo.h's dW checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
     mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
@@ -276,6 +277,29 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
             }
         }
     }
+    /* conv_halo.h's weight gradient, where it fits (no tile): in its
+       default slices, in one, and in slices of one step (the last one
+       shorter unless the step divides n*P*Q), over dw and added to it */
+    if (mgpu__conv_halo_dw_fits(&g)) {
+        char name[128];
+        snprintf(name, sizeof name, "halo dW n%d c%d %dx%d k%d", n, c, h, w, k);
+        std::vector<float> dw_alone_c = dw_c;
+        for (size_t i = 0; i < dw_c.size(); i++) dw_alone_c[i] -= dw_start[i];
+        mgpu__conv_nhwc_dw_args a = {NULL, NULL, dy_t.data(), x_t.data(), 0.0f, mgpu__conv_halo_dw_splits(&g, 512),
+                                     0, g, MGPU__TILE_64x64};
+        mgpu__conv_nhwc_dw_slices(&a);
+        int pixels = n * (int)pq;
+        for (int per : {a.per, (pixels + 31) / 32 * 32, 32})
+            for (int accumulate = 0; accumulate <= 1; accumulate++) {
+                std::vector<float> dw_g = accumulate ? dw_start : nans(dw_c.size());
+                a.per = per, a.splits = (pixels + per - 1) / per, a.beta = (float)accumulate;
+                std::vector<float> partials = nans((size_t)a.splits * k * crs);
+                a.dw = dw_g.data(), a.partials = partials.data();
+                mgpu__conv_halo_dw_cuda(&a, &on_gpu);
+                close_in_tf32(name, accumulate ? "dw added" : "dw", dw_g, accumulate ? dw_c : dw_alone_c);
+                halo_dw_cases++;
+            }
+    }
     /* winograd.h's, where it fits: y from x_t, dx from dy_t with the
        weights turned, overwriting dx and adding to it */
     char name[128];
@@ -364,11 +388,15 @@ TEST(channels_last_convolution) {
        within rows and images */
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
+    implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: conv_halo.h's with stage 1's 28-wide halos */
     CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
-    CHECK(winograd_cases == 7 + 6 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
+    CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
        where K is too (4), in every tile */
     CHECK(halo_cases == (5 + 4 * 2) * MGPU__TILE_KINDS);
+    /* dW of the 3x3 cases at stride 1 and padding 1 with C in 16s and K in
+       4s (6), in 3 slicings, over dw and added */
+    CHECK(halo_dw_cases == 6 * 3 * 2);
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

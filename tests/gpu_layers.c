@@ -461,6 +461,15 @@ static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, m
         }
     return found;
 }
+/* The slices the trial times conv_halo.h's weight gradient in, for a
+   pass of geometry g, into splits; returns how many. */
+static int halo_dw_slices(const mgpu__conv_geom *g, int *splits) {
+    mgpu__implicit_kernel list[MGPU__CANDIDATES];
+    int count = mgpu__conv_candidates(MGPU__TRY_DW, g, list), found = 0;
+    for (int j = 0; j < count; j++)
+        if (list[j].method == MGPU__HALO) splits[found++] = list[j].splits;
+    return found;
+}
 static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
     int same = count == wanted;
     for (int i = 0; same && i < count; i++) same = got[i] == want[i];
@@ -480,7 +489,8 @@ static void check_slices(const char *what, const int *got, int count, const int 
    pixels; the gathering kernels whole (their dW slices its own); for the
    forward pass and dx of 3x3 convolutions at stride 1, conv_halo.h's
    kernel in every tile, and Winograd with 256 channels and filters or
-   more. */
+   more; for their dW at padding 1, conv_halo.h's in slices as the
+   channels-last dW's. */
 TEST(trial_candidates_slice_the_sums) {
     int got[MGPU__CANDIDATES], halo, winograd;
     const mgpu__conv_geom stage4 =
@@ -539,6 +549,15 @@ TEST(trial_candidates_slice_the_sums) {
     const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
     n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &halo, &winograd);
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
+    /* conv_halo.h's dW: stage 1's in 4 blocks of 64 filters x 16 channels
+       (64 slices for 256 blocks ... 384 for 1536), stage 4's in 8 x 32
+       (1 slice for 256, 2 for 384 and 512, ...); not at stride 2 */
+    const int stage1_halo_dw[] = {64, 96, 128, 192, 256, 384}, stage4_halo_dw[] = {1, 2, 3, 4, 6};
+    n = halo_dw_slices(&stage1, got);
+    check_slices("stage 1, halo dW", got, n, stage1_halo_dw, 6);
+    n = halo_dw_slices(&stage4, got);
+    check_slices("stage 4, halo dW", got, n, stage4_halo_dw, 5);
+    CHECK_EQ_INT(halo_dw_slices(&stage3_down, got), 0);
 }
 
 /* conv_few_inputs.h's kernels are candidates where C*R*S <= 9, for the
@@ -602,6 +621,37 @@ TEST(first_layer_by_few_inputs) {
     mgpu__conv_choice_count = before;
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dw);
+    mgpu_set_tf32(0, 0);
+}
+
+/* A layer whose plan takes conv_halo.h's weight gradient (set by hand),
+   through the public call: dW written and added to, within TF32's 2e-3
+   of the CPU, by that kernel (as the trace names it). 20 filters (a
+   partial block of 64), 48 channels (3 runs of 16), and steps of 32
+   pixels that cross rows and images of 9 x 11. */
+TEST(weight_gradient_by_halo) {
+    mgpu__conv_settings_from_environment();
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(3, 48, 9, 11), ws = mgpu_shape4(20, 48, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
+    mgpu__conv_geom g = mgpu__conv_geometry("halo dW", xs, ws, 1, 1);
+    mgpu__implicit_kernel direct = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
+    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 3, MGPU__HALO};
+    mgpu__conv_plan plan = {1, 0, 0, direct, direct, halo};
+    int before = mgpu__conv_choice_count;
+    mgpu__conv_choice c = {g, 1, 0, plan}; /* (backward, without dx) */
+    mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dw = pair_nan(ws);
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        mgpu_conv2d_backward(NULL, dw.c, NULL, dy.c, x.c, wt.c, 1, 1, accumulate);
+        mgpu_trace_begin();
+        mgpu_conv2d_backward(NULL, dw.g, NULL, dy.g, x.g, wt.g, 1, 1, accumulate);
+        mgpu_trace_end();
+        check_same("halo dW", accumulate ? "dw added" : "dw", &dw, 2e-3);
+        CHECK_EQ_INT(traced_calls("conv2d_backward channels-last halo dW"), 1);
+    }
+    mgpu__conv_choice_count = before;
+    pair_free(&x); pair_free(&wt); pair_free(&dy); pair_free(&dw);
     mgpu_set_tf32(0, 0);
 }
 
