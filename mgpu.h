@@ -620,7 +620,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    tile's pixels and the ring around them into shared memory once for
    all nine taps (in each tile shape); with 256 channels and filters or
    more, Winograd's F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h:
-   transforms, and 16 products by cuBLAS). A layer whose output pixel
+   transforms, and 16 products by cuBLAS); and their dW at padding 1 by
+   conv_halo.h's weight gradient, which copies each step's 32 pixels and
+   the ring around them once for all nine taps. A layer whose output pixel
    sees at most 9 inputs (C*R*S <= 9: a first layer on grayscale images)
    may also take kernels/conv_few_inputs.h's float32 kernels for y and dw,
    bound by memory, not by the products.

@@ -100,6 +100,7 @@ sanitize() {
     for tool in memcheck racecheck; do
         for t in "gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling" "gpu_layers relu" \
                  "gpu_layers linear" "gpu_layers first_layer" "gpu_layers residual_block" \
+                 "gpu_layers weight_gradient_by_halo" \
                  "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
                  "gpu_train_ops cross_entropy_10" "gpu_train_ops cross_entropy_one" \
                  "gpu_train_ops sum_of" "gpu_train_ops sgd"; do
