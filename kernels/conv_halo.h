@@ -174,6 +174,7 @@ static void mgpu__conv_halo_cuda(const void *args, const mgpu__exec *ex) {
     kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(a, halo_rows, mgpu__halo_divisors_for(&a.g));
     MGPU_CUDA_CHECK_LAUNCH();
 }
+
 /* ------------------------------------------------- the weight gradient */
 /* dW of a 3x3 convolution at stride 1 and padding 1 from each step's
    halo (GPU only, TF32).
@@ -207,13 +208,16 @@ static void mgpu__conv_halo_cuda(const void *args, const mgpu__exec *ex) {
    image row, so their rows start on banks 0, 24, 16 and 8, and the 32
    lanes hit 32 banks (two ways where a row ends among them). The partial
    tiles' columns are in (c / 16, r, s, c % 16) order, a block's 144 one
-   after the other; mgpu__wgrad_sum puts them in dw's (c, r, s) order. Slices of the sum over the pixels as conv_nhwc.h's
-   (a.per pixels, whole steps). */
+   after the other; mgpu__wgrad_sum puts them in dw's (c, r, s) order.
+   Slices of the sum over the pixels as conv_nhwc.h's (a.per pixels,
+   whole steps). */
 #define MGPU__HALO_DW_FILTERS 64 /* a block's rows */
 #define MGPU__HALO_DW_RUN 16     /* a block's channels, at all nine taps: 144 columns */
 #define MGPU__HALO_DW_LD (MGPU__HALO_DW_RUN + 8)
 /* A step's rows of the halo: those of mgpu__conv_halo_positions for 32 pixels. */
-static int mgpu__conv_halo_dw_rows(const mgpu__conv_geom *g) { return mgpu__conv_halo_positions(g, MGPU__NHWC_STEP); }
+static int mgpu__conv_halo_dw_rows(const mgpu__conv_geom *g) {
+    return mgpu__conv_halo_positions(g, MGPU__NHWC_STEP);
+}
 /* The shared memory of a block: dy_t's tiles (as conv_nhwc.h's), the
    halos, and their tables of the pixels' rows, for each step in flight. */
 static size_t mgpu__conv_halo_dw_bytes(const mgpu__conv_geom *g) {
