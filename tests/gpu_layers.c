@@ -589,6 +589,29 @@ static int traced_calls(const char *name) {
     for (int i = 0; i < mgpu__g.trace_n; i++) calls += strcmp(mgpu__g.trace[i].name, name) == 0;
     return calls;
 }
+/* Sets g's plan by hand, for its backward pass without dx and, with
+   forward, its forward pass; returns the count of choices to go back to. */
+static int plan_by_hand(const mgpu__conv_geom *g, mgpu__conv_plan plan, int forward) {
+    int before = mgpu__conv_choice_count;
+    for (int backward = !forward; backward <= 1; backward++) {
+        mgpu__conv_choice c = {*g, backward, 0, plan};
+        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    }
+    return before;
+}
+/* dW of a backward pass without dx whose plan is set by hand, written and
+   then added to, against the CPU within tol, and by the kernel the trace
+   names `traced`. */
+static void check_dw_by(const char *what, pair *dw, pair *dy, pair *x, pair *wt, double tol, const char *traced) {
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        mgpu_conv2d_backward(NULL, dw->c, NULL, dy->c, x->c, wt->c, 1, 1, accumulate);
+        mgpu_trace_begin();
+        mgpu_conv2d_backward(NULL, dw->g, NULL, dy->g, x->g, wt->g, 1, 1, accumulate);
+        mgpu_trace_end();
+        check_same(what, accumulate ? "dw added" : "dw", dw, tol);
+        CHECK_EQ_INT(traced_calls(traced), 1);
+    }
+}
 TEST(first_layer_by_few_inputs) {
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
@@ -597,11 +620,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
     mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS};
     mgpu__conv_plan plan = {1, 0, 0, few, few, few};
-    int before = mgpu__conv_choice_count;
-    for (int backward = 0; backward <= 1; backward++) {
-        mgpu__conv_choice c = {g, backward, 0, plan};
-        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
-    }
+    int before = plan_by_hand(&g, plan, 1);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
     pair dy = pair_randn(ys), dw = pair_nan(ws);
     mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
@@ -610,14 +629,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu_trace_end();
     check_same("first layer, few inputs", "y", &y, 1e-5);
     CHECK_EQ_INT(traced_calls("conv2d few inputs"), 1);
-    for (int accumulate = 0; accumulate <= 1; accumulate++) {
-        mgpu_conv2d_backward(NULL, dw.c, NULL, dy.c, x.c, wt.c, 1, 1, accumulate);
-        mgpu_trace_begin();
-        mgpu_conv2d_backward(NULL, dw.g, NULL, dy.g, x.g, wt.g, 1, 1, accumulate);
-        mgpu_trace_end();
-        check_same("first layer, few inputs", accumulate ? "dw added" : "dw", &dw, 1e-5);
-        CHECK_EQ_INT(traced_calls("conv2d_backward few inputs dW"), 1);
-    }
+    check_dw_by("first layer, few inputs", &dw, &dy, &x, &wt, 1e-5, "conv2d_backward few inputs dW");
     mgpu__conv_choice_count = before;
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dw);
@@ -638,18 +650,9 @@ TEST(weight_gradient_by_halo) {
     mgpu__implicit_kernel direct = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
     mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 3, MGPU__HALO};
     mgpu__conv_plan plan = {1, 0, 0, direct, direct, halo};
-    int before = mgpu__conv_choice_count;
-    mgpu__conv_choice c = {g, 1, 0, plan}; /* (backward, without dx) */
-    mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    int before = plan_by_hand(&g, plan, 0);
     pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dw = pair_nan(ws);
-    for (int accumulate = 0; accumulate <= 1; accumulate++) {
-        mgpu_conv2d_backward(NULL, dw.c, NULL, dy.c, x.c, wt.c, 1, 1, accumulate);
-        mgpu_trace_begin();
-        mgpu_conv2d_backward(NULL, dw.g, NULL, dy.g, x.g, wt.g, 1, 1, accumulate);
-        mgpu_trace_end();
-        check_same("halo dW", accumulate ? "dw added" : "dw", &dw, 2e-3);
-        CHECK_EQ_INT(traced_calls("conv2d_backward channels-last halo dW"), 1);
-    }
+    check_dw_by("halo dW", &dw, &dy, &x, &wt, 2e-3, "conv2d_backward channels-last halo dW");
     mgpu__conv_choice_count = before;
     pair_free(&x); pair_free(&wt); pair_free(&dy); pair_free(&dw);
     mgpu_set_tf32(0, 0);
