@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh bench               # make bench beside PyTorch
 #   bash bench/gpu_session.sh profile             # bench/conv beside cuDNN; ./bench/profile
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
+#   bash bench/gpu_session.sh ncu                 # Nsight Compute on the convolution kernels
 #
 # Every stage builds what it needs first (make is quick when nothing
 # changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT
@@ -112,6 +113,22 @@ sanitize() {
     return $status
 }
 
+# Nsight Compute on bench/conv's first launches of the kernels whose names
+# match NCU_KERNELS (default: conv_halo.h's two kernels and conv_nhwc.h's;
+# NCU_COUNT launches, 24 by default, after NCU_SKIP): how near each runs
+# to its compute and memory ceilings, its occupancy, and what its warps
+# wait for. The clocks are left alone (--clock-control none: the device
+# tool's METHOD.md), so durations are those of the step.
+ncu_stage() {
+    make -j"$JOBS" bench/conv || return 1
+    local ncu
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    "$ncu" --clock-control none --kernel-name "regex:${NCU_KERNELS:-conv_halo|conv_nhwc}" \
+        --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-24}" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats ./bench/conv --steps 1
+}
+
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
 # by measuring (MGPU_CONV=auto, the default), with the convolutions
@@ -155,7 +172,8 @@ for s in "$@"; do
         stage build build >/dev/null || { status=1; continue; }
         stage profile profile || status=1 ;;
     sanitize) stage sanitize sanitize || status=1 ;;
-    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile, sanitize)"
+    ncu) stage ncu ncu_stage || status=1 ;;
+    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile, sanitize, ncu)"
        exit 2 ;;
     esac
 done
