@@ -404,7 +404,9 @@ static __device__ inline void mgpu__bn_slice(int vectors, int splits, int *begin
    next), then counts it on the channel's counter, done[c]. The block that
    counts the S-th knows that every partial is written. It sets the
    counter back to 0 (so that a device's counters are all 0 between
-   kernels, ready for the next) and merges the partials in warp 0: lane l
+   kernels, ready for the next) and merges the partials in warp 0 (whose
+   lanes __syncwarp orders after thread 0's write, as __syncthreads orders
+   a block's threads in the Guide's example): lane l
    those of slices l and l + 32 (S <= 64), then the lanes' in the same
    order every time, so the result does not depend on which block came
    last. (Until the seventeenth session a kernel of its own did this after
@@ -423,6 +425,7 @@ static __device__ inline bool mgpu__bn_last_slice(unsigned *done, int c, int spl
         if (finished == (unsigned)splits) done[c] = 0; /* every block of c has counted */
     }
     bool last = __shfl_sync(0xffffffffu, finished, 0) == (unsigned)splits;
+    __syncwarp(); /* (thread 0's own partial, for the warp's other lanes to read) */
     if (last) __threadfence(); /* the others' partials are read after the count */
     return last;
 }

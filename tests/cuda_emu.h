@@ -259,6 +259,12 @@ template <typename T> static T __shfl_sync(unsigned mask, T v, int source) {
     return mgpu_emu_shuffle(mask, v, mgpu_emu_given_lane, source);
 }
 static void __syncthreads() { mgpu_emu_arrive_and_wait(&mgpu_emu_block_barrier); }
+static void __syncwarp(unsigned mask = 0xffffffffu) {
+    if (mask != 0xffffffffu) mgpu_emu_fail("a warp barrier with a partial mask");
+    unsigned warp = threadIdx.x / 32;
+    if (mgpu_emu_warp_exited[warp]) mgpu_emu_fail("a warp barrier after some threads of the warp returned");
+    mgpu_emu_arrive_and_wait(&mgpu_emu_warp_barrier[warp]);
+}
 /* fibers switch only at barriers, and blocks run one after another: an
    atomic operation is a plain one here, and a fence has nothing to order */
 template <typename T> static T atomicAdd(T *address, T value) {
