@@ -789,7 +789,7 @@ static __device__ void mgpu__nhwc_dw_multiply(typename mgpu__nhwc_warp<TM, TN>::
 /* The copies of a weight gradient's a tiles: TM filters (4 a copy) of
    dy_t's rows, a step of 32 output pixels at a time, from a slice of
    `count` pixels from `first`; a thread always the same 16 bytes (chunk)
-   of every A_APART-th row, zeros past the slice or past K. */
+   of every APART-th row, zeros past the slice or past K. */
 template <int TM> struct mgpu__nhwc_dy_rows {
     static const int CHUNKS = TM / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS, PER = MGPU__NHWC_STEP / APART;
     const float *rows; /* this thread's next row's 4 filters */
@@ -800,7 +800,9 @@ template <int TM> struct mgpu__nhwc_dy_rows {
         rows = dy_t + (size_t)(first + row) * k + filter;
         left = filter < k ? count - row : 0; /* the slice's rows from this thread's next one */
     }
-    /* Starts the next step's copies into copy `stage` of the tiles a [stages][32][TM + 8]. */
+    /* Starts the next step's copies into copy `stage` of the tiles a
+       [stages][32][TM + 8]; `any`: an address the zero-filling copies
+       name but do not read. */
     __device__ void copy(mgpu__shared_address a_tiles, int stage, const float *any) {
         const int LA = TM + 8;
         mgpu__shared_address to = a_tiles + 4 * ((stage * MGPU__NHWC_STEP + row) * LA + chunk * 4);
