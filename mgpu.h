@@ -4385,12 +4385,13 @@ static int mgpu__conv_implicit_available(void) {
    convolutions at stride 1, two other methods too, as they read the same
    copies (a network prepares them alike): conv_halo.h's kernel, and
    Winograd (winograd.h); and for their dW at padding 1, conv_halo.h's
-   weight gradient. In the gathering family, which reads the NCHW
+   weight gradient; for dx at larger strides, conv_nhwc.h's sub-pixel
+   classes one at a time (direct) or a row of them at a time (joined). In the gathering family, which reads the NCHW
    tensors as they are, for the forward pass and dW of convolutions with
    C*R*S <= 9, conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
-typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD, MGPU__FEW_INPUTS } mgpu__conv_method;
+typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED } mgpu__conv_method;
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
@@ -4399,6 +4400,8 @@ typedef struct {
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
                                  conv_halo.h's (in the tile, whole), or Winograd (no tile);
+                                 at stride > 1, dx's sub-pixel classes alone (direct) or
+                                 joined by rows (conv_nhwc.h);
                                  channels-last dW: conv_nhwc.h's kernel (direct) or
                                  conv_halo.h's (no tile);
                                  gathering forward or dW: conv_implicit.h's kernel (direct), or
@@ -4482,7 +4485,7 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     int halo = kernel.method == MGPU__HALO;
     /* (the halo kernel's sum is whole: kernel.splits 1) */
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
-    mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
+    mgpu__nhwc_out plain = {0, 0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL};
     const char *name = for_dx ? (halo ? "conv2d_backward channels-last halo dx" : "conv2d_backward channels-last dx")
@@ -4537,14 +4540,17 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
             mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
             mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, keep_w_t, NULL, &d, 1, kernel,
                                      add_to_dx);
-        } else { /* the sub-pixel classes, each with its taps of w */
-            mgpu_tensor *w_classes = mgpu_empty(dx->device, w->shape);
+        } else { /* the sub-pixel classes, each with its taps of w, alone or a row of them joined */
+            int joined = kernel.method == MGPU__JOINED;
+            mgpu_tensor *w_classes =
+                mgpu_empty(dx->device, mgpu_shape1((int)mgpu__conv_nhwc_subpixel_weight_floats(g, joined)));
             mgpu_tensor *partials =
-                mgpu__partials(dx->device, mgpu__conv_nhwc_subpixel_partial_floats(g, kernel.splits));
+                mgpu__partials(dx->device, mgpu__conv_nhwc_subpixel_partial_floats(g, joined, kernel.splits));
             mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile,
-                                               add_to_dx, kernel.splits, partials ? partials->data : NULL};
-            mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last dx", NULL,
-                            mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
+                                               add_to_dx, kernel.splits, partials ? partials->data : NULL, joined};
+            mgpu__launch_on(&dx->device->queue[0],
+                            joined ? "conv2d_backward channels-last joined dx" : "conv2d_backward channels-last dx",
+                            NULL, mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
             mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
             mgpu_free(w_classes);
         }
@@ -4693,18 +4699,23 @@ static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(i
                   sizeof mgpu__conv_dw_block_choices == MGPU__KERNEL_CHOICES * sizeof(int),
               "a choice of each kind for each i");
 /* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of a family and tile for a
-   pass (`what`) of geometry g, in *k; returns whether the trial times it:
-   the channels-last forward and dx in mgpu__conv_slice_choices[i] slices
-   of their sum, where every slice keeps at least 8 steps of 32 (dx at
-   stride t in t^2 classes, each with about 1 / t^2 of the taps) and the
-   partials fit in MGPU__PARTIAL_FLOATS_MAX (as dW's); the
-   channels-last dW in the slices for mgpu__conv_dw_block_choices[i]
-   blocks, where they differ from choice i - 1's; the gathering kernels
-   as they are (choice 0). */
+   pass (`what`) of geometry g, by the direct kernels or (dx at stride >
+   1) by joined sub-pixel classes, in *k; returns whether the trial times
+   it: the channels-last forward and dx in mgpu__conv_slice_choices[i]
+   slices of their sum, where every slice keeps at least 8 steps of 32
+   (dx at stride t in t^2 classes, each with about 1 / t^2 of the taps;
+   joined, t products with about 1 / t each) and the partials fit in
+   MGPU__PARTIAL_FLOATS_MAX (as dW's); the channels-last dW in the slices
+   for mgpu__conv_dw_block_choices[i] blocks, where they differ from
+   choice i - 1's; the gathering kernels as they are (choice 0). */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
-                                    mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {family, tile, 1, MGPU__DIRECT};
+                                    mgpu__implicit_tile tile, mgpu__conv_method method, int i,
+                                    mgpu__implicit_kernel *k) {
+    mgpu__implicit_kernel kernel = {family, tile, 1, method};
     *k = kernel;
+    int joined = method == MGPU__JOINED;
+    if (joined && (family != MGPU__CHANNELS_LAST || what != MGPU__TRY_DX || !mgpu__conv_nhwc_subpixel_fits(g, 1)))
+        return 0;
     if (!mgpu__conv_family_fits(family, what, g)) return 0;
     if (family == MGPU__GATHER) return i == 0;
     if (what == MGPU__TRY_DW) {
@@ -4712,9 +4723,10 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
         return i == 0 || k->splits != mgpu__conv_nhwc_dw_splits(g, tile, mgpu__conv_dw_block_choices[i - 1]);
     }
     k->splits = mgpu__conv_slice_choices[i];
-    int terms = what == MGPU__TRY_Y ? g->c * g->r * g->s : g->k * g->r * g->s / (g->stride * g->stride);
+    int products = what == MGPU__TRY_DX ? (joined ? g->stride : g->stride * g->stride) : 1;
+    int terms = (what == MGPU__TRY_Y ? g->c : g->k) * g->r * g->s / products;
     size_t partials = what == MGPU__TRY_Y ? mgpu__conv_nhwc_partial_floats(g, k->splits)
-                                          : mgpu__conv_nhwc_dx_partial_floats(g, k->splits);
+                                          : mgpu__conv_nhwc_dx_partial_floats(g, joined, k->splits);
     return i == 0 || (terms / MGPU__NHWC_STEP / k->splits >= 8 && partials <= MGPU__PARTIAL_FLOATS_MAX);
 }
 /* The geometry of the convolution a channels-last forward pass or dx
@@ -4757,22 +4769,28 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__HALO       ? mgpu__conv_halo_fits_pass(what, g, tile)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
+           : method == MGPU__JOINED     ? what == MGPU__TRY_DX && mgpu__conv_nhwc_subpixel_fits(g, 1)
                                         : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:
-   every family's, tile's and choice's that fits, conv_halo.h's in every
-   tile it fits (dW: in the slices for each of mgpu__conv_dw_block_choices
-   that gives a count of its own), Winograd where it is worth trying, and
-   conv_few_inputs.h's where it fits. */
+   every family's, tile's and choice's that fits, the joined sub-pixel
+   classes' likewise, conv_halo.h's in every tile it fits (dW: in the
+   slices for each of mgpu__conv_dw_block_choices that gives a count of
+   its own), Winograd where it is worth trying, and conv_few_inputs.h's
+   where it fits. */
 #define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + \
-                          MGPU__KERNEL_CHOICES + 2)
+                          (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + MGPU__KERNEL_CHOICES + 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
         for (int t = 0; t < MGPU__TILE_KINDS; t++)
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-                count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
-                                                  &list[count]);
+                count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
+                                                  MGPU__DIRECT, i, &list[count]);
+    for (int t = 0; t < MGPU__TILE_KINDS; t++)
+        for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
+            count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, MGPU__JOINED, i,
+                                              &list[count]);
     for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
         mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
         if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
@@ -4843,7 +4861,9 @@ static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
     if (k.method == MGPU__HALO) snprintf(out + strlen(out), size - strlen(out), " with halo");
-    else if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
+    if (k.method == MGPU__JOINED) snprintf(out + strlen(out), size - strlen(out), " joined");
+    if (k.method != MGPU__HALO && k.splits > 1)
+        snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;

@@ -18,7 +18,8 @@
    pass or dx with its sum in N slices, "~B": dW in the slices for about
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
-   at padding 1) and kernels/winograd.h's (rows "Winograd", one figure,
+   at padding 1), for dx at stride 2 the sub-pixel classes joined a row
+   at a time (rows "channels-last joined", "/N" as above) and kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; conv_halo.h's weight
    gradient at padding 1 (rows "halo dW, N slices", one figure each, in
    the slicings the trial tries); for the first layer
@@ -120,12 +121,16 @@ enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
 static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
 /* The trial's candidate i of a family and tile for a pass, in *k (as
-   mgpu__conv_kernel_choice), and after the last choice, i ==
+   mgpu__conv_kernel_choice), after the last choice, i ==
    MGPU__KERNEL_CHOICES, conv_halo.h's forward kernel (for the forward
-   pass and dx); returns whether it is one. */
+   pass and dx), and after it, the joined sub-pixel classes' choices (for
+   dx at stride > 1); returns whether it is one. */
+enum { CANDIDATE_ROWS = 2 * MGPU__KERNEL_CHOICES + 1 };
 static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
                      mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
-    if (i < MGPU__KERNEL_CHOICES) return mgpu__conv_kernel_choice(what, g, family, tile, i, k);
+    if (i < MGPU__KERNEL_CHOICES) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__DIRECT, i, k);
+    if (i > MGPU__KERNEL_CHOICES)
+        return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__JOINED, i - MGPU__KERNEL_CHOICES - 1, k);
     mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
     *k = halo;
     return family == MGPU__CHANNELS_LAST && what != MGPU__TRY_DW && mgpu__conv_halo_fits_pass(what, g, tile);
@@ -227,7 +232,7 @@ int main(int argc, char **argv) {
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
                 for (int f = 0; f < MGPU__FAMILIES; f++)
-                    for (int i = 0; i <= MGPU__KERNEL_CHOICES; i++) { /* the trial's candidates */
+                    for (int i = 0; i < CANDIDATE_ROWS; i++) { /* the trial's candidates */
                         double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
                         int timed = 0;
                         for (int t = 0; t < tiles; t++) {
@@ -240,16 +245,18 @@ int main(int argc, char **argv) {
                         }
                         if (!timed) continue;
                         char family[48];
+                        int choice = i % (MGPU__KERNEL_CHOICES + 1); /* (joined: as the direct kernel's) */
+                        const char *joined = i > MGPU__KERNEL_CHOICES ? " joined" : "";
                         if (i == MGPU__KERNEL_CHOICES)
                             snprintf(family, sizeof family, "  %s halo", mgpu__implicit_family_names[f]);
                         else if (f == MGPU__CHANNELS_LAST && pass == DW)
                             snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
                                      mgpu__conv_dw_block_choices[i]);
-                        else if (f == MGPU__CHANNELS_LAST && i > 0)
-                            snprintf(family, sizeof family, "  %s /%d", mgpu__implicit_family_names[f],
-                                     mgpu__conv_slice_choices[i]);
+                        else if (f == MGPU__CHANNELS_LAST && choice > 0)
+                            snprintf(family, sizeof family, "  %s%s /%d", mgpu__implicit_family_names[f], joined,
+                                     mgpu__conv_slice_choices[choice]);
                         else
-                            snprintf(family, sizeof family, "  %s", mgpu__implicit_family_names[f]);
+                            snprintf(family, sizeof family, "  %s%s", mgpu__implicit_family_names[f], joined);
                         print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
                                   us, tiles);
                     }

@@ -202,20 +202,23 @@ static mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
     mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
     return d;
 }
-static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g);
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined);
 /* Whether dx of geometry g has a channels-last kernel: the one above at
    stride 1, the sub-pixel classes (below) at larger strides. */
 static int mgpu__conv_nhwc_dx_fits(const mgpu__conv_geom *g) {
-    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_fits(g);
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_fits(g, 0);
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     return g->r == g->s && g->pad <= g->r - 1 && mgpu__conv_nhwc_fits(&d);
 }
 
 /* Where the output pixels go: with step 0, output pixel (p, q) to (p, q)
    of y [n, K, P, Q]; else to (p step + row, q step + col) of y [n, K, h,
-   w] (a sub-pixel class of an input gradient, below). */
+   w] (a sub-pixel class of an input gradient, below); with joined set,
+   output row m (of K = step C) is channel m / step of y [n, C, h, w], at
+   column class m % step: (p step + row, q step + m % step), where that
+   is inside w (a row of classes in one product, below). */
 typedef struct {
-    int step, row, col, h, w;
+    int step, row, col, h, w, joined;
 } mgpu__nhwc_out;
 
 typedef struct {
@@ -260,7 +263,7 @@ static size_t mgpu__conv_nhwc_partial_floats(const mgpu__conv_geom *g, int split
     return splits > 1 ? (size_t)splits * g->k * mgpu__nhwc_partial_ld((size_t)g->n * g->p * g->q) : 0;
 }
 /* Where output pixel in_image (= p Q + q) of an image goes in its plane of
-   y, and that plane's size (mgpu__nhwc_out). */
+   y, and that plane's size (mgpu__nhwc_out, not joined). */
 static __host__ __device__ size_t mgpu__nhwc_out_at(const mgpu__conv_nhwc_args &a, int in_image,
                                                     size_t *plane) {
     if (!a.out.step) {
@@ -270,6 +273,21 @@ static __host__ __device__ size_t mgpu__nhwc_out_at(const mgpu__conv_nhwc_args &
     int p = in_image / a.g.q, q = in_image - p * a.g.q;
     *plane = (size_t)a.out.h * a.out.w;
     return (size_t)(p * a.out.step + a.out.row) * a.out.w + q * a.out.step + a.out.col;
+}
+/* Where the product's value of output row `filter` at pixel in_image of
+   image img goes in y, for every kind of mgpu__nhwc_out; *inside: whether
+   it goes anywhere (a joined row's last column classes may fall outside
+   an odd width). */
+static __host__ __device__ size_t mgpu__nhwc_out_index(const mgpu__conv_nhwc_args &a, int img, int filter,
+                                                       int in_image, bool *inside) {
+    if (!a.out.joined) {
+        size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane);
+        *inside = true;
+        return ((size_t)img * a.g.k + filter) * plane + at;
+    }
+    int t = a.out.step, p = in_image / a.g.q, col = (in_image - p * a.g.q) * t + filter % t;
+    *inside = col < a.out.w;
+    return (((size_t)img * (a.g.k / t) + filter / t) * a.out.h + p * t + a.out.row) * a.out.w + col;
 }
 
 /* The block's warps in 2 x 2 over a TM x TN tile: each computes a
@@ -390,6 +408,18 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
                 for (int e = 0; e < 4; e++)
                     out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] = acc[i][j][e];
     };
+    if (a.out.joined) { /* each row to its own channel and column class (no bias: only dx is joined) */
+        mgpu__implicit_finish<TM>(row, store, [&](int m0) {
+            for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS && pixel < npq; m += MGPU__IMPLICIT_THREADS / TN) {
+                int filter = blockIdx.y * TM + m0 + m;
+                if (filter >= g.k) break;
+                bool inside;
+                size_t at = mgpu__nhwc_out_index(a, img, filter, in_image, &inside);
+                if (inside) a.y[at] = a.accumulate ? a.y[at] + out[m][tid % TN] : out[m][tid % TN];
+            }
+        });
+        return;
+    }
     size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
     mgpu__implicit_finish<TM>(row, store, [&](int m0) {
         if (pixel < npq)
@@ -515,9 +545,9 @@ static __global__ void mgpu__conv_nhwc_slices_sum_kernel(mgpu__conv_nhwc_args a)
         float value = 0.0f;
         for (int z = 0; z < a.splits; z++) value += partial[z * slice];
         if (a.b) value += a.b[filter];
-        size_t plane, at = mgpu__nhwc_out_at(a, pixel - img * pq, &plane);
-        float *to = a.y + ((size_t)img * g.k + filter) * plane + at;
-        *to = a.accumulate ? *to + value : value;
+        bool inside;
+        float *to = a.y + mgpu__nhwc_out_index(a, img, filter, pixel - img * pq, &inside);
+        if (inside) *to = a.accumulate ? *to + value : value;
     }
 }
 
@@ -559,14 +589,28 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    gradient is added to dx).
 
    Each class is the forward kernel on dy_t, with the class's taps of w
-   copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights, TF32), and
-   its output pixels (u, v) written to (t u + e_h, t v + e_w) of dx
-   (mgpu__nhwc_out). The kernel takes one padding for both dimensions:
-   classes whose pad' differ between rows and columns do not fit (none
+   copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights_kernel,
+   TF32), and its output pixels (u, v) written to (t u + e_h, t v + e_w)
+   of dx (mgpu__nhwc_out).
+
+   Or joined: the t classes of a row class e_h in one product. Column
+   class e_w reads dy at columns v + j - pad'_e (j < its taps); over the t
+   classes these offsets lie in one window of S' columns from -pad'' on,
+   and the product's rows are the pairs (c, e_w), C t of them, each with
+   its class's taps at their places in that window and zeros elsewhere.
+   A 3x3 window at stride 2 and padding 1 gives row classes of 1 and 2
+   taps, each a 1x2 or 2x2 window over 2C rows: 12 C K multiplies a pixel
+   of dy where the classes alone do 9, but in 2 products instead of 4,
+   each writing whole rows of dx. A class alone writes every other value
+   of every other row: the other half of each 32-byte sector comes from
+   another launch, after the sector may have left L2.
+
+   The kernel takes one padding for both dimensions: classes (or row
+   classes) whose pads differ between rows and columns do not fit (none
    of ResNet's do). */
 
 /* One dimension of a class: its taps (the count), the first one, and pad'. */
-static int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, int *pad_out) {
+static __host__ __device__ int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, int *pad_out) {
     *first = (e + pad) % t;
     int taps = window > *first ? (window - *first + t - 1) / t : 0;
     *pad_out = taps - 1 - (e + pad - *first) / t;
@@ -574,39 +618,64 @@ static int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, in
 }
 
 typedef struct {
-    mgpu__conv_geom g;   /* the class's stride-1 convolution of dy [n, K, P, Q] */
-    mgpu__nhwc_out out;  /* where its pixels go in dx */
-    int first_r, first_s, pad_s;
+    mgpu__conv_geom g;  /* the product: a stride-1 convolution of dy [n, K, P, Q] */
+    mgpu__nhwc_out out; /* where its pixels go in dx */
+    int first_r, pad_s; /* the first of w's rows it takes; its columns' pad (joined: pad'') */
 } mgpu__subpixel_class;
 
-static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, int e_h, int e_w) {
+/* Class (e_h, e_w), or joined, row class e_h's t classes (e_w unused). */
+static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, int e_h, int e_w, int joined) {
     mgpu__subpixel_class k;
-    int t = g->stride, pad_r;
+    int t = g->stride, pad_r, first_s;
     int taps_r = mgpu__subpixel_taps(g->r, g->pad, t, e_h, &k.first_r, &pad_r);
-    int taps_s = mgpu__subpixel_taps(g->s, g->pad, t, e_w, &k.first_s, &k.pad_s);
+    int taps_s = mgpu__subpixel_taps(g->s, g->pad, t, e_w, &first_s, &k.pad_s);
     int rows = e_h < g->h ? (g->h - e_h + t - 1) / t : 0, cols = e_w < g->w ? (g->w - e_w + t - 1) / t : 0;
-    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, taps_r, taps_s, rows, cols, 1, pad_r};
-    mgpu__nhwc_out out = {t, e_h, e_w, g->h, g->w};
+    if (joined) { /* the window of offsets -pad'.. taps - 1 - pad' of every column class with taps */
+        int first = 0, last = 0, any = 0;
+        for (int e = 0; e < t; e++) {
+            int pad_e, taps = mgpu__subpixel_taps(g->s, g->pad, t, e, &first_s, &pad_e);
+            if (!taps) continue;
+            if (!any || -pad_e < first) first = -pad_e;
+            if (!any || taps - 1 - pad_e > last) last = taps - 1 - pad_e;
+            any = 1;
+        }
+        taps_s = any ? last - first + 1 : 0;
+        k.pad_s = -first;
+        cols = (g->w + t - 1) / t; /* (class 0's, the most) */
+    }
+    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, joined ? t * g->c : g->c, taps_r, taps_s, rows, cols, 1, pad_r};
+    mgpu__nhwc_out out = {t, e_h, joined ? 0 : e_w, g->h, g->w, joined};
     k.g = d;
     k.out = out;
     return k;
 }
+/* The products of dx at stride t: the t^2 classes, or joined, the t row
+   classes; and product i of them. */
+static int mgpu__subpixel_products(const mgpu__conv_geom *g, int joined) {
+    return joined ? g->stride : g->stride * g->stride;
+}
+static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int joined, int i) {
+    return joined ? mgpu__subpixel_class_of(g, i, 0, 1)
+                  : mgpu__subpixel_class_of(g, i / g->stride, i % g->stride, 0);
+}
 
-/* Whether the sub-pixel classes compute dx of geometry g (stride > 1). */
-static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g) {
+/* Whether the sub-pixel classes (joined or not) compute dx of geometry g
+   (stride > 1). */
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
     if (g->stride < 2) return 0;
-    for (int e_h = 0; e_h < g->stride; e_h++)
-        for (int e_w = 0; e_w < g->stride; e_w++) {
-            mgpu__subpixel_class k = mgpu__subpixel_class_of(g, e_h, e_w);
-            if (!mgpu__conv_nhwc_fits(&k.g)) return 0;
-            if (k.g.r > 0 && k.g.s > 0 && k.g.pad != k.pad_s) return 0;
-        }
+    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+        if (!mgpu__conv_nhwc_fits(&k.g)) return 0;
+        if (k.g.r > 0 && k.g.s > 0 && k.g.pad != k.pad_s) return 0;
+    }
     return 1;
 }
 
-/* out[c, j_r, j_s, k] = tf32(w[k, c, first_r + t (taps_r - 1 - j_r),
-   first_s + t (taps_s - 1 - j_s)]): a class's taps, turned round, filters
-   and channels swapped. One thread a value; the weights are small. */
+/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): product k's weights, row m
+   being channel c = m (joined: c = m / t, of column class m % t), (j_r,
+   j_s) its place in the product's window, turned round, filters and
+   channels swapped; zero where the row's class has no tap there. One
+   thread a value; the weights are small. */
 typedef struct {
     float *out;
     const float *w; /* [K, C, R, S] */
@@ -615,13 +684,16 @@ typedef struct {
 } mgpu__subpixel_weights_args;
 
 static __global__ void mgpu__subpixel_weights_kernel(mgpu__subpixel_weights_args a) {
-    const mgpu__conv_geom &g = a.g;
-    int taps_r = a.k.g.r, taps_s = a.k.g.s;
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)g.c * taps_r * taps_s * g.k) {
+    const mgpu__conv_geom &g = a.g, &d = a.k.g;
+    int t = g.stride;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)d.k * d.r * d.s * g.k) {
         int k = (int)(i % g.k), rest = (int)(i / g.k);
-        int j_s = rest % taps_s, j_r = rest / taps_s % taps_r, c = rest / taps_s / taps_r;
-        int r = a.k.first_r + g.stride * (taps_r - 1 - j_r), s = a.k.first_s + g.stride * (taps_s - 1 - j_s);
-        a.out[i] = mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]);
+        int j_s = rest % d.s, j_r = rest / d.s % d.r, m = rest / d.s / d.r;
+        int c = a.k.out.joined ? m / t : m, e_w = a.k.out.joined ? m % t : a.k.out.col;
+        int first_s, pad_s, taps_s = mgpu__subpixel_taps(g.s, g.pad, t, e_w, &first_s, &pad_s);
+        int j = j_s - a.k.pad_s + pad_s; /* the class's own column tap */
+        int r = a.k.first_r + t * (d.r - 1 - j_r), s = first_s + t * (taps_s - 1 - j);
+        a.out[i] = 0 <= j && j < taps_s ? mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]) : 0.0f;
     }
 }
 
@@ -629,69 +701,75 @@ typedef struct {
     float *dx;          /* [n, C, H, W] */
     const float *dy_t;  /* [n, P, Q, K], TF32 */
     const float *w;     /* [K, C, R, S] */
-    float *w_classes;   /* scratch of C K R S floats: the classes' taps, one after another */
+    float *w_classes;   /* scratch of mgpu__conv_nhwc_subpixel_weight_floats: the products' taps */
     mgpu__conv_geom g;  /* of the convolution (stride > 1) */
     mgpu__implicit_tile tile;
     int accumulate;     /* 1: dx += the gradient; 0: dx = it */
-    int splits;         /* each class's product in slices (0 or 1: none) */
+    int splits;         /* each product's sum in slices (0 or 1: none) */
     float *partials;    /* their scratch: mgpu__conv_nhwc_subpixel_partial_floats */
+    int joined;         /* 1: each row class's classes in one product */
 } mgpu__conv_nhwc_subpixel_args;
 
-/* The floats of the partials for the largest class of dx of geometry g
-   (the classes' products run one after another on one queue, so one
-   scratch serves them all). */
-static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int splits) {
+/* The floats of the products' weights, one after another. */
+static size_t mgpu__conv_nhwc_subpixel_weight_floats(const mgpu__conv_geom *g, int joined) {
+    size_t floats = 0;
+    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+        floats += (size_t)k.g.k * k.g.r * k.g.s * g->k;
+    }
+    return floats;
+}
+/* The floats of the partials for the largest product of dx of geometry g
+   (the products run one after another on one queue, so one scratch
+   serves them all). */
+static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int joined, int splits) {
     size_t most = 0;
-    for (int e_h = 0; e_h < g->stride; e_h++)
-        for (int e_w = 0; e_w < g->stride; e_w++) {
-            mgpu__subpixel_class k = mgpu__subpixel_class_of(g, e_h, e_w);
-            size_t floats = mgpu__conv_nhwc_partial_floats(&k.g, splits);
-            if (floats > most) most = floats;
-        }
+    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+        size_t floats = mgpu__conv_nhwc_partial_floats(&k.g, splits);
+        if (floats > most) most = floats;
+    }
     return most;
 }
 
 /* The floats of the partials for dx of geometry g in `splits` slices: of
    the stride-1 product (mgpu__conv_dx_geometry), or of the largest
-   sub-pixel class. */
-static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g, int splits) {
-    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_partial_floats(g, splits);
+   sub-pixel product. */
+static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g, int joined, int splits) {
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_partial_floats(g, joined, splits);
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     return mgpu__conv_nhwc_partial_floats(&d, splits);
 }
 
-/* dx, class by class: the class's taps, then its product. Where classes
+/* dx, product by product: its taps, then the product. Where products
    have no taps and dx is not added to, all of dx is zeroed first (one
-   memset), and those classes are skipped: run as products of no steps,
+   memset), and those products are skipped: run as products of no steps,
    the 3 empty classes of a 1x1 window at stride 2 took longer than the
    memset by far (their zeros go out through the product's epilogue, to
    every other pixel). */
 static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_nhwc_subpixel_args *a = (const mgpu__conv_nhwc_subpixel_args *)args;
-    int empty_classes = 0;
-    for (int e_h = 0; e_h < a->g.stride; e_h++)
-        for (int e_w = 0; e_w < a->g.stride; e_w++) {
-            mgpu__subpixel_class k = mgpu__subpixel_class_of(&a->g, e_h, e_w);
-            empty_classes += k.g.r * k.g.s == 0;
-        }
-    if (empty_classes && !a->accumulate)
-        MGPU_CUDA_CHECK(cudaMemsetAsync(a->dx, 0, sizeof(float) * a->g.n * a->g.c * a->g.h * a->g.w,
-                                        (cudaStream_t)ex->stream));
+    int products = mgpu__subpixel_products(&a->g, a->joined), empty = 0;
+    for (int i = 0; i < products; i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
+        empty += k.g.r * k.g.s == 0;
+    }
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    if (empty && !a->accumulate)
+        MGPU_CUDA_CHECK(cudaMemsetAsync(a->dx, 0, sizeof(float) * a->g.n * a->g.c * a->g.h * a->g.w, stream));
     float *w_class = a->w_classes;
-    for (int e_h = 0; e_h < a->g.stride; e_h++)
-        for (int e_w = 0; e_w < a->g.stride; e_w++) {
-            mgpu__subpixel_class k = mgpu__subpixel_class_of(&a->g, e_h, e_w);
-            size_t taps = (size_t)a->g.c * k.g.r * k.g.s * a->g.k;
-            if (k.g.p == 0 || k.g.q == 0 || !taps) continue; /* no pixels of dx, or zeros (or dx as it was) */
-            mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
-            cudaStream_t stream = (cudaStream_t)ex->stream;
-            mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
-            MGPU_CUDA_CHECK_LAUNCH();
-            mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
-                                            a->accumulate, a->splits, 0, a->partials};
-            mgpu__conv_nhwc_cuda(&product, ex);
-            w_class += taps;
-        }
+    for (int i = 0; i < products; i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
+        size_t taps = (size_t)k.g.k * k.g.r * k.g.s * a->g.k;
+        if (k.g.p == 0 || k.g.q == 0 || !taps) continue; /* no pixels of dx, or zeros (or dx as it was) */
+        mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
+        mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
+        MGPU_CUDA_CHECK_LAUNCH();
+        mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
+                                        a->accumulate, a->splits, 0, a->partials};
+        mgpu__conv_nhwc_cuda(&product, ex);
+        w_class += taps;
+    }
 }
 
 /* ------------------------------------------------- the weight gradient */

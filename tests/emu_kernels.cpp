@@ -139,16 +139,19 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
     mgpu__channels_last_cuda(&a, &on_gpu);
     return out;
 }
-static int subpixel_cases; /* channels-last dx products at stride > 1 checked */
+static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes alone */
+static int joined_cases;   /* and joined by rows */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
 static int halo_dw_cases;  /* conv_halo.h's dW checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
-static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias) {
-    mgpu__conv_geom g = {n, c, h, w, k, r, r, 0, 0, stride, pad};
+/* An r x s window (s = 0: r x r) */
+static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias, int s = 0) {
+    if (!s) s = r;
+    mgpu__conv_geom g = {n, c, h, w, k, r, s, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1;
-    g.q = (w + 2 * pad - r) / stride + 1;
-    size_t pq = (size_t)g.p * g.q, crs = (size_t)c * r * r, ys = (size_t)n * k * pq;
+    g.q = (w + 2 * pad - s) / stride + 1;
+    size_t pq = (size_t)g.p * g.q, crs = (size_t)c * r * s, ys = (size_t)n * k * pq;
     std::vector<float> x = random_values((size_t)n * c * h * w), wt = random_values(k * crs);
     std::vector<float> b = random_values(k), col = nans(crs * n * pq), prod = nans(k * n * pq);
     std::vector<float> y_c = nans(ys);
@@ -178,8 +181,8 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
         mgpu__implicit_tile kind = (mgpu__implicit_tile)tile;
         char name[128];
-        snprintf(name, sizeof name, "implicit conv %s n%d c%d %dx%d k%d r%d stride %d pad %d",
-                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
+        snprintf(name, sizeof name, "implicit conv %s n%d c%d %dx%d k%d %dx%d stride %d pad %d",
+                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, s, stride, pad);
         std::vector<float> y_g = nans(ys), dx_g = nans(x.size());
         mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g, kind};
         mgpu__conv_implicit_cuda(&a, &on_gpu);
@@ -202,15 +205,15 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     }
     /* conv_nhwc.h's kernel, where it fits: y from the channels-last copies
        of x and w; dx from those of dy and w' (flipped), as mgpu.h calls it */
-    int rs = r * r;
+    int rs = r * s;
     mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
     std::vector<float> x_t = channels_last(x, n, c, h * w, 0), w_t = channels_last(wt, k, c, rs, 0);
     std::vector<float> dy_t = channels_last(dy, n, k, (int)pq, 0), w_flipped = channels_last(wt, 1, k, c * rs, rs);
     for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
         mgpu__implicit_tile kind = (mgpu__implicit_tile)tile;
         char name[128];
-        snprintf(name, sizeof name, "channels-last conv %s n%d c%d %dx%d k%d r%d stride %d pad %d",
-                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, stride, pad);
+        snprintf(name, sizeof name, "channels-last conv %s n%d c%d %dx%d k%d %dx%d stride %d pad %d",
+                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, s, stride, pad);
         /* y and dx with the sum whole, and in 2 and in 3 slices (the last
            one shorter, or with fewer slices than asked when the steps run out) */
         for (int splits : {0, 2, 3}) {
@@ -224,22 +227,28 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                 close_in_tf32(sliced, "y", y_g, y_c);
             }
             /* (every value of dx written: NaN otherwise); then added to one there */
-            for (int accumulate = 0; accumulate <= 1 && mgpu__conv_nhwc_dx_fits(&g); accumulate++) {
+            for (int accumulate = 0; accumulate <= 1; accumulate++) {
                 std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
-                if (stride == 1) {
+                if (stride == 1 && mgpu__conv_nhwc_dx_fits(&g)) {
                     std::vector<float> partials = nans(mgpu__conv_nhwc_partial_floats(&d, splits));
                     mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {},
                                               accumulate, splits, 0, partials.data()};
                     mgpu__conv_nhwc_cuda(&a, &on_gpu);
-                } else { /* the sub-pixel classes */
-                    std::vector<float> w_classes = nans(wt.size());
-                    std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, splits));
-                    mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
-                                                       kind, accumulate, splits, partials.data()};
-                    mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
-                    subpixel_cases++;
+                    close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
                 }
-                close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+                for (int joined = 0; joined <= 1 && stride > 1; joined++) { /* the sub-pixel classes */
+                    if (!mgpu__conv_nhwc_subpixel_fits(&g, joined)) continue;
+                    dx_g = accumulate ? dx_start : nans(x.size());
+                    std::vector<float> w_classes = nans(mgpu__conv_nhwc_subpixel_weight_floats(&g, joined));
+                    std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, joined, splits));
+                    mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
+                                                       kind, accumulate, splits, partials.data(), joined};
+                    mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
+                    (joined ? joined_cases : subpixel_cases)++;
+                    close_in_tf32(sliced, joined ? (accumulate ? "joined dx added" : "joined dx")
+                                                 : (accumulate ? "dx added" : "dx"),
+                                  dx_g, accumulate ? dx_sum_c : dx_c);
+                }
             }
         }
         /* conv_halo.h's kernel, where it fits: as conv_nhwc.h's, the sum whole */
@@ -378,6 +387,10 @@ TEST(channels_last_convolution) {
     implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2: 3 classes without taps (zeros) */
     implicit_case(2, 32, 8, 7, 96, 3, 2, 1, 0);  /* stride 2, H even and W odd, 3 steps a tap */
     implicit_case(2, 32, 6, 6, 32, 2, 2, 0, 1);  /* 2x2 windows, stride 2: one tap a class */
+    /* 5x4, stride 2: joined rows only (the column classes' pads, 1 and 0,
+       differ from each other, not from the rows': the joined window is
+       3 wide, each class's 2) */
+    implicit_case(2, 32, 9, 8, 32, 5, 2, 1, 0, 4);
     implicit_case(3, 32, 9, 10, 130, 3, 1, 0, 1); /* more than one tile of 128 filters and pixels */
     implicit_case(2, 64, 6, 6, 36, 3, 1, 1, 0);  /* dW: several tiles of 128 (r, s, c), 2 positions a tile */
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
@@ -390,6 +403,7 @@ TEST(channels_last_convolution) {
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: conv_halo.h's with stage 1's 28-wide halos */
     CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
+    CHECK(joined_cases == 3 * 2 * 5 * MGPU__TILE_KINDS);
     CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
        where K is too (4), in every tile */

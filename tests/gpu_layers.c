@@ -749,7 +749,8 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
    against the CPU for each way dx can run (im2col, gathering, channels-
    last), in a block with the identity shortcut and in one with the 1x1
    stride-2 convolution (whose channels-last dx takes the sub-pixel
-   classes, three of them without taps). Plans set by hand, as above. */
+   classes, three of them without taps; alone, or joined in rows, as the
+   trace shows). Plans set by hand, as above. */
 static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int dx_im2col) {
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     int out_hw = stride == 1 ? 6 : 3;
@@ -765,9 +766,9 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
             mgpu__conv_choice c = {*geoms[i], backward, backward, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
-    char name[96];
-    snprintf(name, sizeof name, "residual block, stride %d, dx by %s, %d slices", stride,
-             dx_im2col ? "im2col" : mgpu__implicit_family_names[kernel.family], kernel.splits);
+    char name[96], how[48];
+    mgpu__conv_kernel_str(how, sizeof how, kernel, MGPU__TRY_DX);
+    snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride, dx_im2col ? "im2col" : how);
     mgpu_manual_seed(11);
     mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
     mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
@@ -781,7 +782,11 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     CHECK((on_g->bn1->output_t != NULL) == cl);
     CHECK(on_g->conv2->input_t == on_g->bn1->output_t && on_g->conv2->own_input_t == NULL);
     mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL);
+    mgpu_trace_begin();
     mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL);
+    mgpu_trace_end();
+    int joined = kernel.method == MGPU__JOINED && stride == 2; /* conv1 and the shortcut */
+    CHECK_EQ_INT(traced_calls("conv2d_backward channels-last joined dx"), joined ? 2 : 0);
     /* and both batch norms write their input gradients channels-last alone */
     CHECK((on_g->bn2->dinput_t != NULL) == cl && (on_g->bn1->dinput_t != NULL) == cl);
     pair dx = {on_c->dinput, on_g->dinput};
@@ -811,11 +816,15 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT};
     mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
     mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT};
+    mgpu__implicit_kernel joined = {MGPU__CHANNELS_LAST, MGPU__TILE_128x64, 1, MGPU__JOINED};
+    mgpu__implicit_kernel joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED};
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
         residual_block_compare(stride, channels_last, 0);
         residual_block_compare(stride, sliced, 0);
+        residual_block_compare(stride, joined, 0);
+        residual_block_compare(stride, joined_sliced, 0);
     }
     mgpu_set_tf32(0, 0);
 }
