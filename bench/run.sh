@@ -239,7 +239,7 @@ if [ $TORCH = 1 ]; then
 fi
 MACS=$(resnet18_macs)
 FLOP=$(calc %.6e "2 * 3 * $MACS * $CH3_SAMPLES")
-# per-epoch lines on stderr: "  epoch 2/2: loss 0.41, train acc 0.85, test acc 0.86, 5.3 sec"
+# per-epoch lines on stderr: "  epoch 2/2: loss 0.41, train acc 0.85, test acc 0.86, 5.312 sec"
 c_first=$(value chapter3 's/^  epoch 1\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p')
 c_last=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p' "$LOGS/chapter3.log" 2>/dev/null | tail -n 1)
 c_acc=$(value chapter3 's/^test acc: \([0-9.]*\), .*/\1/p')

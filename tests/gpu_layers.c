@@ -445,9 +445,9 @@ TEST(conv_algorithm_chosen_by_measuring) {
 }
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
-   (batch 256) in, with one family and tile, into splits; returns how
-   many (and in *halo, whether it times conv_halo.h's kernel in the tile
-   too, in *winograd, Winograd). */
+   (batch 256) in, with one family and tile, by the direct kernels, into
+   splits; returns how many (and in *halo, whether it times conv_halo.h's
+   kernel in the tile too, in *winograd, Winograd). */
 static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
                             const mgpu__conv_geom *g, int *splits, int *halo, int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
@@ -457,8 +457,17 @@ static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, m
         if (list[j].method == MGPU__WINOGRAD) *winograd += 1;
         else if (list[j].family == family && list[j].tile == tile) {
             if (list[j].method == MGPU__HALO) *halo += 1;
-            else splits[found++] = list[j].splits;
+            else if (list[j].method == MGPU__DIRECT) splits[found++] = list[j].splits;
         }
+    return found;
+}
+/* The slices the trial times dx of geometry g in, by the joined sub-pixel
+   classes in a tile, into splits; returns how many. */
+static int joined_slices(const mgpu__conv_geom *g, mgpu__implicit_tile tile, int *splits) {
+    mgpu__implicit_kernel list[MGPU__CANDIDATES];
+    int count = mgpu__conv_candidates(MGPU__TRY_DX, g, list), found = 0;
+    for (int j = 0; j < count; j++)
+        if (list[j].method == MGPU__JOINED && list[j].tile == tile) splits[found++] = list[j].splits;
     return found;
 }
 /* The slices the trial times conv_halo.h's weight gradient in, for a
@@ -490,7 +499,8 @@ static void check_slices(const char *what, const int *got, int count, const int 
    forward pass and dx of 3x3 convolutions at stride 1, conv_halo.h's
    kernel in every tile, and Winograd with 256 channels and filters or
    more; for their dW at padding 1, conv_halo.h's in slices as the
-   channels-last dW's. */
+   channels-last dW's; for dx at stride 2, the joined sub-pixel classes
+   sliced as the direct kernel. */
 TEST(trial_candidates_slice_the_sums) {
     int got[MGPU__CANDIDATES], halo, winograd;
     const mgpu__conv_geom stage4 =
@@ -532,6 +542,11 @@ TEST(trial_candidates_slice_the_sums) {
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
     CHECK_EQ_INT(halo, 0);
     CHECK_EQ_INT(winograd, 0);
+    /* joined, 2 products of about 256 * 9 / 2 terms, 36 steps: up to 4
+       slices (their partials: 4 x 256 x 12544 floats) */
+    n = joined_slices(&stage3_down, MGPU__TILE_64x128, got);
+    check_slices("stage 3, stride 2, joined dx", got, n, four, 4);
+    CHECK_EQ_INT(joined_slices(&stage1, MGPU__TILE_64x128, got), 0); /* (stride 1) */
     /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
        and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
     const int stage4_dw[] = {1, 2, 3, 4, 6};
