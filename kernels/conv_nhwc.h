@@ -671,10 +671,10 @@ static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
     return 1;
 }
 
-/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): product k's weights, row m
-   being channel c = m (joined: c = m / t, of column class m % t), (j_r,
-   j_s) its place in the product's window, turned round, filters and
-   channels swapped; zero where the row's class has no tap there. One
+/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): the weights of product a.k,
+   row m being channel c = m (joined: c = m / t, of column class m % t),
+   (j_r, j_s) its place in the product's window, turned round, filters
+   and channels swapped; zero where the row's class has no tap there. One
    thread a value; the weights are small. */
 typedef struct {
     float *out;
