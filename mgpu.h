@@ -4387,9 +4387,10 @@ static int mgpu__conv_implicit_available(void) {
    copies (a network prepares them alike): conv_halo.h's kernel, and
    Winograd (winograd.h); and for their dW at padding 1, conv_halo.h's
    weight gradient; for dx at larger strides, conv_nhwc.h's sub-pixel
-   classes one at a time (direct) or a row of them at a time (joined). In the gathering family, which reads the NCHW
-   tensors as they are, for the forward pass and dW of convolutions with
-   C*R*S <= 9, conv_few_inputs.h's kernels (float32, no tiles). */
+   classes one at a time (direct) or a row of them at a time (joined).
+   In the gathering family, which reads the NCHW tensors as they are, for
+   the forward pass and dW of convolutions with C*R*S <= 9,
+   conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
 typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED } mgpu__conv_method;
@@ -4699,6 +4700,11 @@ static const int mgpu__conv_dw_block_choices[] = {256, 384, 512, 768, 1024, 1536
 static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(int) &&
                   sizeof mgpu__conv_dw_block_choices == MGPU__KERNEL_CHOICES * sizeof(int),
               "a choice of each kind for each i");
+/* Whether the joined sub-pixel classes compute a pass of geometry g: dx
+   at stride > 1, where they fit (conv_nhwc.h). */
+static int mgpu__conv_joined_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    return what == MGPU__TRY_DX && mgpu__conv_nhwc_subpixel_fits(g, 1);
+}
 /* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of a family and tile for a
    pass (`what`) of geometry g, by the direct kernels or (dx at stride >
    1) by joined sub-pixel classes, in *k; returns whether the trial times
@@ -4715,8 +4721,7 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
     mgpu__implicit_kernel kernel = {family, tile, 1, method};
     *k = kernel;
     int joined = method == MGPU__JOINED;
-    if (joined && (family != MGPU__CHANNELS_LAST || what != MGPU__TRY_DX || !mgpu__conv_nhwc_subpixel_fits(g, 1)))
-        return 0;
+    if (joined && (family != MGPU__CHANNELS_LAST || !mgpu__conv_joined_fits(what, g))) return 0;
     if (!mgpu__conv_family_fits(family, what, g)) return 0;
     if (family == MGPU__GATHER) return i == 0;
     if (what == MGPU__TRY_DW) {
@@ -4770,7 +4775,7 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__HALO       ? mgpu__conv_halo_fits_pass(what, g, tile)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
-           : method == MGPU__JOINED     ? what == MGPU__TRY_DX && mgpu__conv_nhwc_subpixel_fits(g, 1)
+           : method == MGPU__JOINED     ? mgpu__conv_joined_fits(what, g)
                                         : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:

@@ -19,7 +19,8 @@
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
    at padding 1), for dx at stride 2 the sub-pixel classes joined a row
-   at a time (rows "channels-last joined", "/N" as above) and kernels/winograd.h's (rows "Winograd", one figure,
+   at a time (rows "channels-last joined", "/N" as above), and
+   kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; conv_halo.h's weight
    gradient at padding 1 (rows "halo dW, N slices", one figure each, in
    the slicings the trial tries); for the first layer
