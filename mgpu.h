@@ -6697,10 +6697,13 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         break;
     case MGPU_LAYER_RESIDUAL: {
         /* out = relu(main + skip): the gradient of the sum, dsum, goes to
-           both paths, and dx is the sum of theirs. The skip path's goes to
-           dx first: dsum itself (written there at once) or the shortcut
-           convolution's input gradient. Then conv1 adds the main path's
-           to it as it writes it: no pass of its own for the sum. bn2's
+           both paths, and dx is the sum of theirs. Without a shortcut
+           the skip path's is dsum itself, written to dx at once, and
+           conv1 adds the main path's to it as it writes it: no pass of
+           its own for the sum. With one, conv1 writes dx and the shortcut
+           adds its own after: its 1x1 window at stride 2 reaches a
+           quarter of dx's pixels, so the rest is written once, by conv1,
+           not zeroed by the shortcut and read back by conv1. bn2's
            backward computes dsum (the ReLU's mask on dy) as it reads it,
            and adds the shortcut's bias gradient, the sum of dsum that its
            own dbeta is (kernels/batchnorm.h). */
@@ -6712,8 +6715,8 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
         mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL);
-        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 0, 0);
-        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, 1, 1);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, !l->shortcut, 1);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 0);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
