@@ -157,7 +157,7 @@ mgpu__conv_halo_kernel(mgpu__conv_nhwc_args a, int halo_rows, mgpu__halo_divisor
         mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return halo + 4 * window[j / 2] * LD; });
         multiplied++;
     });
-    mgpu__nhwc_finish<TM, TN>(a, acc, (float(*)[TN + 4])shared);
+    mgpu__nhwc_finish<TM, TN>(a, acc, (float(*)[TN + 4])shared, 0); /* (the sum whole) */
 #endif
 }
 

@@ -385,19 +385,20 @@ static __device__ void mgpu__nhwc_store_partial(const typename mgpu__nhwc_warp<T
 }
 
 /* The block's finished tile (its warps' accumulators) to y, or with
-   slices, to its slice's partial (the sum comes after). To y [img,
+   slices, to the partial of its slice (`slice`; the sum comes after). To y [img,
    filter, p, q] with the bias, as conv_implicit.h writes it: each lane's
    values go to out (shared memory that no warp reads any more) where
    mgpu__mma_tf32 says they are, then along the rows to y, coalesced. */
 template <int TM, int TN>
 static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
-                                         const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float (*out)[TN + 4]) {
+                                         const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float (*out)[TN + 4],
+                                         int slice) {
     typedef mgpu__nhwc_warp<TM, TN> W;
     const mgpu__conv_geom &g = a.g;
     int pq = g.p * g.q, npq = g.n * pq;
     if (a.splits > 1) {
         size_t ld = mgpu__nhwc_partial_ld(npq);
-        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)blockIdx.z * g.k * ld, ld, g.k, npq);
+        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)slice * g.k * ld, ld, g.k, npq);
         return;
     }
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
@@ -459,10 +460,11 @@ static __device__ void mgpu__nhwc_load_weights(const mgpu__conv_nhwc_args &a, mg
 #define MGPU__NHWC_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : (TM) * (TN) <= 64 * 128 ? 3 : 2)
 #define MGPU__NHWC_DW_BLOCKS_PER_SM(TM, TN) ((TM) * (TN) <= 64 * 64 ? 4 : 2)
 
-template <int TM, int TN>
-static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
-mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+/* The block's tile (blockIdx.x: its pixels, .y: its filters) of the
+   product `a`, over slice `slice` of the sum (the kernels below). */
+template <int TM, int TN>
+static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhwc_args &a, int slice) {
     typedef mgpu__nhwc_warp<TM, TN> W;
     const mgpu__conv_geom g = a.g;
     const int STEP = MGPU__NHWC_STEP, LD = STEP + 4;
@@ -497,7 +499,7 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
        ran slower, and skip it. */
     /* this block's slice of the steps: `steps` from first_step, step i
        being channels 32 (i / RS).. of tap i % RS */
-    int first_step = blockIdx.z * a.per, after = rsc / STEP - first_step;
+    int first_step = slice * a.per, after = rsc / STEP - first_step;
     int steps = a.per < after ? a.per : after;
     int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
@@ -522,7 +524,44 @@ mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
             b_tiles + 4 * ((stage * TN + mgpu__nhwc_lane_pixel<TN>()) * LD + mgpu__nhwc_lane_channel());
         mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 4 * 8 * j * LD; });
     });
-    mgpu__nhwc_finish<TM, TN>(a, acc, t->out);
+    mgpu__nhwc_finish<TM, TN>(a, acc, t->out, slice);
+}
+#endif
+
+/* One product, each block a tile over a slice of the sum (blockIdx.z). */
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
+mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    mgpu__conv_nhwc_tile<TM, TN>(a, blockIdx.z);
+#endif
+}
+
+/* Several products of the same filters (dx's sub-pixel classes, below)
+   in one launch, side by side in the grid: blockIdx.z is slice z %
+   splits of product z / splits. One product a launch, the classes of a
+   small layer each filled a fraction of the GPU in turn (ResNet-18's
+   stage 4 at stride 2: 128 tiles of 64 x 128 a class, for 396 places on
+   an H100); together they fill it at once. The parameter is one copy for
+   the whole grid (__grid_constant__), so that a block picking its product
+   by blockIdx reads it there rather than from a copy of its own. */
+#define MGPU__NHWC_PRODUCTS_MAX 4
+typedef struct {
+    mgpu__conv_nhwc_args product[MGPU__NHWC_PRODUCTS_MAX];
+    int count, splits; /* the products, and the most slices of one */
+} mgpu__conv_nhwc_products;
+
+template <int TM, int TN>
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
+mgpu__conv_nhwc_products_kernel(const __grid_constant__ mgpu__conv_nhwc_products p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    int z = blockIdx.z, slice = z % p.splits;
+    const mgpu__conv_nhwc_args &a = p.product[z / p.splits];
+    /* The grid covers the largest product in the most slices: a block
+       past its own product's tiles or slices leaves, all its threads
+       before any barrier. */
+    if (slice >= a.splits || (int)blockIdx.x * TN >= a.g.n * a.g.p * a.g.q) return;
+    mgpu__conv_nhwc_tile<TM, TN>(a, slice);
 #endif
 }
 
@@ -551,24 +590,48 @@ static __global__ void mgpu__conv_nhwc_slices_sum_kernel(mgpu__conv_nhwc_args a)
     }
 }
 
-static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
-    mgpu__conv_nhwc_args a = *(const mgpu__conv_nhwc_args *)args;
-    mgpu__conv_nhwc_slices(&a);
-    void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, a.tile);
-    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, a.tile);
+/* Launches the products p->product[0 .. count - 1], each already sliced
+   (mgpu__conv_nhwc_slices), all in one kernel (one alone in the plain
+   kernel, which reads its parameter straight from the constant bank),
+   then the sums of those in slices. */
+static void mgpu__conv_nhwc_launch(mgpu__conv_nhwc_products *p, cudaStream_t stream) {
+    mgpu__implicit_tile tile = p->product[0].tile;
+    size_t pixels = 0;
+    p->splits = 1;
+    for (int i = 0; i < p->count; i++) {
+        const mgpu__conv_geom &g = p->product[i].g;
+        if ((size_t)g.n * g.p * g.q > pixels) pixels = (size_t)g.n * g.p * g.q;
+        if (p->product[i].splits > p->splits) p->splits = p->product[i].splits;
+    }
+    dim3 grid = mgpu__implicit_grid(tile, pixels, p->product[0].g.k, p->count * p->splits);
     /* More than 48 KB of shared memory must be asked for, on each device
        (a call without the GPU's involvement, cheap enough to make at every
        launch, which saves remembering which devices have been asked). */
-    MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    size_t pixels = (size_t)a.g.n * a.g.p * a.g.q;
-    dim3 grid = mgpu__implicit_grid(a.tile, pixels, a.g.k, a.splits);
-    cudaStream_t stream = (cudaStream_t)ex->stream;
-    kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(a);
+    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, tile);
+    if (p->count == 1) {
+        void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, tile);
+        MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(p->product[0]);
+    } else {
+        void (*kernel)(mgpu__conv_nhwc_products) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_products_kernel, tile);
+        MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(*p);
+    }
     MGPU_CUDA_CHECK_LAUNCH();
-    if (a.splits > 1) {
-        mgpu__conv_nhwc_slices_sum_kernel<<<mgpu__grid_for(a.g.k * pixels, 256), 256, 0, stream>>>(a);
+    for (int i = 0; i < p->count; i++) {
+        const mgpu__conv_nhwc_args &a = p->product[i];
+        if (a.splits < 2) continue;
+        size_t values = (size_t)a.g.k * a.g.n * a.g.p * a.g.q;
+        mgpu__conv_nhwc_slices_sum_kernel<<<mgpu__grid_for(values, 256), 256, 0, stream>>>(a);
         MGPU_CUDA_CHECK_LAUNCH();
     }
+}
+static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
+    mgpu__conv_nhwc_products one;
+    one.product[0] = *(const mgpu__conv_nhwc_args *)args;
+    one.count = 1;
+    mgpu__conv_nhwc_slices(&one.product[0]);
+    mgpu__conv_nhwc_launch(&one, (cudaStream_t)ex->stream);
 }
 
 /* ------------------------------ the input gradient at stride t > 1 */
@@ -659,6 +722,10 @@ static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int
                   : mgpu__subpixel_class_of(g, i / g->stride, i % g->stride, 0);
 }
 
+/* Whether product k has anything to compute: pixels of dx, and taps
+   (else its pixels are zeros, or dx as it was). */
+static int mgpu__subpixel_runs(const mgpu__subpixel_class *k) { return k->g.p && k->g.q && k->g.r && k->g.s; }
+
 /* Whether the sub-pixel classes (joined or not) compute dx of geometry g
    (stride > 1). */
 static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
@@ -719,17 +786,15 @@ static size_t mgpu__conv_nhwc_subpixel_weight_floats(const mgpu__conv_geom *g, i
     }
     return floats;
 }
-/* The floats of the partials for the largest product of dx of geometry g
-   (the products run one after another on one queue, so one scratch
-   serves them all). */
+/* The floats of the partials for the products of dx of geometry g that
+   run, one after another (they run at once). */
 static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int joined, int splits) {
-    size_t most = 0;
+    size_t floats = 0;
     for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
         mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
-        size_t floats = mgpu__conv_nhwc_partial_floats(&k.g, splits);
-        if (floats > most) most = floats;
+        if (mgpu__subpixel_runs(&k)) floats += mgpu__conv_nhwc_partial_floats(&k.g, splits);
     }
-    return most;
+    return floats;
 }
 
 /* The floats of the partials for dx of geometry g in `splits` slices: of
@@ -741,9 +806,10 @@ static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g,
     return mgpu__conv_nhwc_partial_floats(&d, splits);
 }
 
-/* dx, product by product: its taps, then the product. Where products
-   have no taps and dx is not added to, all of dx is zeroed first (one
-   memset), and those products are skipped: run as products of no steps,
+/* dx: each product's taps, then the products, in one launch
+   (MGPU__NHWC_PRODUCTS_MAX at a time). Where products have no taps and
+   dx is not added to, all of dx is zeroed first (one memset), and those
+   products are skipped: run as products of no steps,
    the 3 empty classes of a 1x1 window at stride 2 took longer than the
    memset by far (their zeros go out through the product's epilogue, to
    every other pixel). */
@@ -758,18 +824,28 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
     if (empty && !a->accumulate)
         MGPU_CUDA_CHECK(cudaMemsetAsync(a->dx, 0, sizeof(float) * a->g.n * a->g.c * a->g.h * a->g.w, stream));
     float *w_class = a->w_classes;
+    size_t partials = 0; /* (floats into a->partials) */
+    mgpu__conv_nhwc_products batch;
+    batch.count = 0;
     for (int i = 0; i < products; i++) {
         mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
+        if (!mgpu__subpixel_runs(&k)) continue; /* no pixels of dx, or zeros (or dx as it was) */
         size_t taps = (size_t)k.g.k * k.g.r * k.g.s * a->g.k;
-        if (k.g.p == 0 || k.g.q == 0 || !taps) continue; /* no pixels of dx, or zeros (or dx as it was) */
         mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
         mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
         MGPU_CUDA_CHECK_LAUNCH();
         mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
-                                        a->accumulate, a->splits, 0, a->partials};
-        mgpu__conv_nhwc_cuda(&product, ex);
+                                        a->accumulate, a->splits, 0, a->partials ? a->partials + partials : NULL};
+        mgpu__conv_nhwc_slices(&product);
+        batch.product[batch.count++] = product;
         w_class += taps;
+        partials += mgpu__conv_nhwc_partial_floats(&k.g, a->splits);
+        if (batch.count == MGPU__NHWC_PRODUCTS_MAX) {
+            mgpu__conv_nhwc_launch(&batch, stream);
+            batch.count = 0;
+        }
     }
+    if (batch.count) mgpu__conv_nhwc_launch(&batch, stream);
 }
 
 /* ------------------------------------------------- the weight gradient */

@@ -70,6 +70,7 @@ static dim3 blockDim, gridDim;
 #define __global__
 #define __device__
 #define __launch_bounds__(...)
+#define __grid_constant__ /* (blocks run one at a time: every parameter is one copy) */
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
@@ -224,8 +225,10 @@ static void mgpu_emu_run_grid(dim3 grid, dim3 block, uintptr_t kernel, const std
                 unsigned long before = mgpu_emu_progress;
                 blockIdx = dim3(bx, by, bz);
                 mgpu_emu_run_block(block.x, (bx + by + bz) % 2);
-                /* only returns counted: nobody arrived at a barrier */
-                if (!mgpu_emu_direct && mgpu_emu_progress - before == block.x) {
+                /* only returns counted: nobody arrived at a barrier (in
+                   the first block: a later one may leave at once, as a
+                   block past its product's tiles does in conv_nhwc.h) */
+                if (!mgpu_emu_direct && bx + by + bz == 0 && mgpu_emu_progress - before == block.x) {
                     barrier_free.push_back(kernel);
                     mgpu_emu_direct = true;
                 }

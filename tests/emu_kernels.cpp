@@ -384,9 +384,13 @@ TEST(channels_last_convolution) {
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
     implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
     implicit_case(2, 32, 9, 9, 64, 3, 2, 1, 1);  /* stride 2: dx in 4 classes of 5 or 4 rows and columns */
+    implicit_case(2, 32, 9, 9, 32, 3, 2, 1, 0);  /* K = 32: a class of one step, whole beside sliced ones */
     implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2: 3 classes without taps (zeros) */
     implicit_case(2, 32, 8, 7, 96, 3, 2, 1, 0);  /* stride 2, H even and W odd, 3 steps a tap */
     implicit_case(2, 32, 6, 6, 32, 2, 2, 0, 1);  /* 2x2 windows, stride 2: one tap a class */
+    /* stride 3: 9 classes, more than one launch takes (4, 4 and 1), of 80,
+       60 and 45 pixels: 2 tiles of 64 for some, 1 for others */
+    implicit_case(5, 32, 11, 11, 32, 3, 3, 0, 0);
     /* 5x4, stride 2: joined rows only (the column classes' pads, 1 and 0,
        differ from each other, not from the rows': the joined window is
        3 wide, each class's 2) */
@@ -402,8 +406,8 @@ TEST(channels_last_convolution) {
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: conv_halo.h's with stage 1's 28-wide halos */
-    CHECK(subpixel_cases == 3 * 2 * 4 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
-    CHECK(joined_cases == 3 * 2 * 5 * MGPU__TILE_KINDS);
+    CHECK(subpixel_cases == 3 * 2 * 6 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
+    CHECK(joined_cases == 3 * 2 * 7 * MGPU__TILE_KINDS);
     CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
        where K is too (4), in every tile */
