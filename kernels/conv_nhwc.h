@@ -654,7 +654,8 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    Each class is the forward kernel on dy_t, with the class's taps of w
    copied to [C, taps_r, taps_s, K] (mgpu__subpixel_weights_kernel,
    TF32), and its output pixels (u, v) written to (t u + e_h, t v + e_w)
-   of dx (mgpu__nhwc_out).
+   of dx (mgpu__nhwc_out). The classes run side by side in one launch
+   (mgpu__conv_nhwc_products_kernel), each block a tile of one of them.
 
    Or joined: the t classes of a row class e_h in one product. Column
    class e_w reads dy at columns v + j - pad'_e (j < its taps); over the t
