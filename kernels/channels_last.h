@@ -150,6 +150,28 @@ mgpu__channels_last_vectors_kernel(Source src, mgpu__channels_last_to a) {
         __syncthreads(); /* the tile is read before the next matrix takes it */
     }
 }
+/* Matrices of short rows, fewer than 16 values: the weights [K, C, R, S]
+   to w_t [K, R, S, C] (rows of R*S = 9 values, or 1; the activations'
+   rows are 16 or longer, 4x4 images). There a 32 x 32 tile would be
+   mostly empty, and every block would move one filter's 32 x 9 values
+   with two barriers. Instead a thread moves a whole row, row r of all
+   the matrices' rows (matrix r / rows): it reads the row's values, which
+   the next thread's follow, and writes each `rows` apart, beside the next
+   thread's; so both are coalesced, with no shared memory and no barrier. */
+static MGPU__HOSTDEVICE inline int mgpu__channels_last_by_rows(const mgpu__channels_last_to *to) {
+    return to->cols < 16;
+}
+static __device__ __forceinline__ void mgpu__channels_last_row(const float *in, const mgpu__channels_last_to &a,
+                                                               size_t r) {
+    size_t o = r / a.rows, i = r - o * a.rows;
+    const float *from = in + r * a.cols;
+    float *out = a.out + o * a.rows * a.cols + i;
+    for (int j = 0; j < a.cols; j++) out[(size_t)mgpu__flipped(j, a.flip) * a.rows] = mgpu__tf32_round(from[j]);
+}
+static __global__ void mgpu__channels_last_rows_kernel(mgpu__channels_last_args a) {
+    MGPU__GRID_STRIDE_LOOP(r, (size_t)a.to.outer * a.to.rows) mgpu__channels_last_row(a.in, a.to, r);
+}
+
 /* Writes src's values to `to`, in vectors if the caller says they fit
    (rows and columns whole vectors, every tensor 16-byte aligned, no flip). */
 template <class Source>
@@ -167,6 +189,12 @@ static void mgpu__channels_last_launch(Source src, mgpu__channels_last_to to, bo
 }
 static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__channels_last_args *a = (const mgpu__channels_last_args *)args;
+    if (mgpu__channels_last_by_rows(&a->to)) {
+        size_t rows = (size_t)a->to.outer * a->to.rows;
+        mgpu__channels_last_rows_kernel<<<mgpu__grid_for(rows, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
+        MGPU_CUDA_CHECK_LAUNCH();
+        return;
+    }
     const void *tensors[] = {a->to.out, a->in};
     bool vectors =
         !a->to.flip && a->to.rows % 4 == 0 && mgpu__vector_width((size_t)a->to.cols, tensors, 2) == 4;
@@ -179,13 +207,17 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
    has 20 convolutions, most of whose weights are a few hundred KB: one
    launch each, each too small to fill the GPU, took about as long as a
    copy of a whole batch of activations. As in kernels/sgd.h's lists, copy
-   c takes blocks first_block[c] .. first_block[c + 1] - 1, one 32 x 32
-   tile each, and a block finds its copy by walking the short list. */
+   c takes blocks first_block[c] .. end_block[c] - 1 of the launch for its
+   kind, by tiles (a 32 x 32 tile a block) or by rows (256 rows a block),
+   and a block finds its copy by walking the short list. The two kinds
+   are two launches: a kernel's blocks all meet the same barriers, which
+   the tiles take and the rows do not. */
 #define MGPU__COPIES_MAX 16
 typedef struct {
     int count;
     mgpu__channels_last_args copy[MGPU__COPIES_MAX];
-    int first_block[MGPU__COPIES_MAX + 1]; /* first_block[0] = 0 */
+    int first_block[MGPU__COPIES_MAX], end_block[MGPU__COPIES_MAX];
+    int blocks[2]; /* of each kind's launch, by tiles and by rows */
 } mgpu__channels_last_list_args;
 
 /* The tiles of a copy: 32 x 32 of each of its `outer` matrices. */
@@ -195,9 +227,12 @@ static MGPU__HOSTDEVICE int mgpu__channels_last_tiles(const mgpu__channels_last_
 }
 /* Appends a copy to the list; returns 1 once the list is full. */
 static int mgpu__channels_last_list_add(mgpu__channels_last_list_args *l, mgpu__channels_last_args copy) {
-    int c = l->count++, across;
+    int c = l->count++, across, by_rows = mgpu__channels_last_by_rows(&copy.to);
     l->copy[c] = copy;
-    l->first_block[c + 1] = l->first_block[c] + mgpu__channels_last_tiles(&copy.to, &across);
+    l->first_block[c] = l->blocks[by_rows];
+    l->blocks[by_rows] += by_rows ? (copy.to.outer * copy.to.rows + 255) / 256
+                                  : mgpu__channels_last_tiles(&copy.to, &across);
+    l->end_block[c] = l->blocks[by_rows];
     return l->count == MGPU__COPIES_MAX;
 }
 
@@ -206,13 +241,20 @@ static void mgpu__channels_last_list_cpu(const void *args, const mgpu__exec *ex)
     for (int c = 0; c < l->count; c++) mgpu__channels_last_cpu(&l->copy[c], ex);
 }
 
+template <int BY_ROWS>
 static __global__ void __launch_bounds__(256, 8)
 mgpu__channels_last_list_kernel(mgpu__channels_last_list_args l) {
-    __shared__ float tile[32][33];
     int c = 0, block = blockIdx.x;
-    while (block >= l.first_block[c + 1]) c++;
+    while (mgpu__channels_last_by_rows(&l.copy[c].to) != BY_ROWS || block >= l.end_block[c]) c++;
     const mgpu__channels_last_to &to = l.copy[c].to;
-    int across, rest = block - l.first_block[c];
+    int rest = block - l.first_block[c];
+    if (BY_ROWS) {
+        size_t r = (size_t)rest * 256 + threadIdx.x;
+        if (r < (size_t)to.outer * to.rows) mgpu__channels_last_row(l.copy[c].in, to, r);
+        return;
+    }
+    __shared__ float tile[32][33];
+    int across;
     mgpu__channels_last_tiles(&to, &across);
     int tiles = across * ((to.rows + 31) / 32), o = rest / tiles, t = rest - o * tiles;
     mgpu__copy_source src = {l.copy[c].in};
@@ -220,7 +262,14 @@ mgpu__channels_last_list_kernel(mgpu__channels_last_list_args l) {
 }
 static void mgpu__channels_last_list_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__channels_last_list_args *l = (const mgpu__channels_last_list_args *)args;
-    mgpu__channels_last_list_kernel<<<l->first_block[l->count], 256, 0, (cudaStream_t)ex->stream>>>(*l);
-    MGPU_CUDA_CHECK_LAUNCH();
+    cudaStream_t stream = (cudaStream_t)ex->stream;
+    if (l->blocks[0]) {
+        mgpu__channels_last_list_kernel<0><<<l->blocks[0], 256, 0, stream>>>(*l);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
+    if (l->blocks[1]) {
+        mgpu__channels_last_list_kernel<1><<<l->blocks[1], 256, 0, stream>>>(*l);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
 }
 #endif

@@ -421,8 +421,9 @@ TEST(channels_last_convolution) {
 
 /* The channels-last copies: every element where it belongs, rounded to
    TF32 as the CPU rounds (exact), with and without the flip, over
-   partial 32 x 32 tiles and several matrices; and in vectors of 4 (rows
-   and columns multiples of 4, no flip) over partial 64 x 64 tiles. */
+   partial 32 x 32 tiles and several matrices; in vectors of 4 (rows and
+   columns multiples of 4, no flip) over partial 64 x 64 tiles; and a
+   thread a row, where rows are shorter than 16 (7, 9 and 4 here). */
 TEST(channels_last_copy) {
     int shapes[][4] = {{3, 5, 7, 0}, {2, 33, 65, 0}, {1, 40, 45, 9}, {70, 3, 9, 9},
                        {3, 68, 132, 0}, {2, 64, 16, 0}, {1, 8, 4, 4}};
@@ -441,7 +442,8 @@ TEST(channels_last_copy) {
 
 /* Many copies in one launch (a network's weights): each exactly as when
    copied alone, over lists of 1 and of MGPU__COPIES_MAX copies of
-   matrices with partial tiles, flipped or not, one or several of them. */
+   matrices with partial tiles, flipped or not, one or several of them;
+   the list of 1 by rows alone, the long one by both kinds, interleaved. */
 TEST(channels_last_copies_in_one_launch) {
     int shapes[][4] = {{64, 32, 9, 0}, {1, 64, 288, 9}, {3, 33, 65, 0}, {2, 40, 45, 9}, {5, 7, 1, 0}};
     for (int count : {1, MGPU__COPIES_MAX}) {
