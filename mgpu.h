@@ -4711,8 +4711,9 @@ static int mgpu__conv_joined_fits(mgpu__conv_try what, const mgpu__conv_geom *g)
    it: the channels-last forward and dx in mgpu__conv_slice_choices[i]
    slices of their sum, where every slice keeps at least 8 steps of 32
    (dx at stride t in t^2 classes, each with about 1 / t^2 of the taps;
-   joined, t products with about 1 / t each) and the partials fit in
-   MGPU__PARTIAL_FLOATS_MAX (as dW's); the channels-last dW in the slices
+   joined, t products with about 1 / t each) and the partials (all the
+   products', which run at once) fit in MGPU__PARTIAL_FLOATS_MAX (as
+   dW's); the channels-last dW in the slices
    for mgpu__conv_dw_block_choices[i] blocks, where they differ from
    choice i - 1's; the gathering kernels as they are (choice 0). */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
