@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh profile             # bench/conv beside cuDNN; ./bench/profile
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #   bash bench/gpu_session.sh ncu                 # Nsight Compute on the convolution kernels
+#   AB_BASE=REV bash bench/gpu_session.sh ab      # ./bench/profile and ./bench/conv, REV against this tree
 #
 # Every stage builds what it needs first (make is quick when nothing
 # changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT
@@ -129,6 +130,34 @@ ncu_stage() {
         --section LaunchStats --section WarpStateStats ./bench/conv --steps 1
 }
 
+# The step and its convolutions by an older revision (AB_BASE, which the
+# machine's .git must hold) beside this tree's, in one call, so that the
+# two are timed on the same machine a minute apart: the older one built
+# in a worktree under build/gpu-session/ab/base, then ./bench/profile by
+# each in turn, twice (base, this, base, this: a drift of the machine
+# shows as a difference between the two runs of one side), then
+# ./bench/conv by each. AB_ARGS: more arguments for ./bench/profile
+# (--cpu --steps 1 to try the stage without a GPU).
+ab() {
+    [ -n "${AB_BASE:-}" ] || { echo "ab: set AB_BASE to the revision to compare with"; return 2; }
+    local base=$SESSION/ab/base
+    rm -rf "$base" && git worktree prune &&
+        git worktree add --detach "$base" "$AB_BASE" >/dev/null || return 1
+    (cd "$base" && make -j"$JOBS" bench/profile bench/conv >/dev/null) || return 1
+    local round side name
+    for round in 1 2; do
+        for side in "$base" .; do
+            name=$([ "$side" = . ] && echo "this tree" || echo "$AB_BASE")
+            echo "$name, run $round: $( (cd "$side" && ./bench/profile --data "$MGPU_DATA" ${AB_ARGS:-}) |
+                grep '^RESULT')"
+        done
+    done
+    [ -n "${AB_ARGS:-}" ] && return 0 # (bench/conv takes no such arguments, and times the GPU alone)
+    for side in "$base" .; do
+        echo "### ./bench/conv, $side" && (cd "$side" && ./bench/conv) || return 1
+    done
+}
+
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
 # by measuring (MGPU_CONV=auto, the default), with the convolutions
@@ -173,7 +202,10 @@ for s in "$@"; do
         stage profile profile || status=1 ;;
     sanitize) stage sanitize sanitize || status=1 ;;
     ncu) stage ncu ncu_stage || status=1 ;;
-    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile, sanitize, ncu)"
+    ab)
+        stage build build >/dev/null || { status=1; continue; }
+        stage ab ab || status=1 ;;
+    *) echo "bench/gpu_session.sh: unknown stage '$s' (build, test, chapters, bench, profile, sanitize, ncu, ab)"
        exit 2 ;;
     esac
 done
