@@ -739,29 +739,39 @@ static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
     return 1;
 }
 
-/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): the weights of product a.k,
+/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): the weights of product k,
    row m being channel c = m (joined: c = m / t, of column class m % t),
    (j_r, j_s) its place in the product's window, turned round, filters
    and channels swapped; zero where the row's class has no tap there. One
-   thread a value; the weights are small. */
+   thread a value (the weights are small), a row of the grid (blockIdx.y)
+   for each of `count` products, one launch for the products that run
+   together. */
 typedef struct {
-    float *out;
     const float *w; /* [K, C, R, S] */
     mgpu__conv_geom g;
-    mgpu__subpixel_class k;
+    int count;
+    mgpu__subpixel_class k[MGPU__NHWC_PRODUCTS_MAX];
+    float *out[MGPU__NHWC_PRODUCTS_MAX];
 } mgpu__subpixel_weights_args;
 
-static __global__ void mgpu__subpixel_weights_kernel(mgpu__subpixel_weights_args a) {
-    const mgpu__conv_geom &g = a.g, &d = a.k.g;
+static __host__ __device__ size_t mgpu__subpixel_weight_floats(const mgpu__conv_geom *g,
+                                                                const mgpu__subpixel_class *k) {
+    return (size_t)k->g.k * k->g.r * k->g.s * g->k;
+}
+static __global__ void mgpu__subpixel_weights_kernel(const __grid_constant__ mgpu__subpixel_weights_args a) {
+    const mgpu__conv_geom &g = a.g;
+    const mgpu__subpixel_class &product = a.k[blockIdx.y];
+    const mgpu__conv_geom &d = product.g;
+    float *out = a.out[blockIdx.y];
     int t = g.stride;
-    MGPU__GRID_STRIDE_LOOP(i, (size_t)d.k * d.r * d.s * g.k) {
+    MGPU__GRID_STRIDE_LOOP(i, mgpu__subpixel_weight_floats(&g, &product)) {
         int k = (int)(i % g.k), rest = (int)(i / g.k);
         int j_s = rest % d.s, j_r = rest / d.s % d.r, m = rest / d.s / d.r;
-        int c = a.k.out.joined ? m / t : m, e_w = a.k.out.joined ? m % t : a.k.out.col;
+        int c = product.out.joined ? m / t : m, e_w = product.out.joined ? m % t : product.out.col;
         int first_s, pad_s, taps_s = mgpu__subpixel_taps(g.s, g.pad, t, e_w, &first_s, &pad_s);
-        int j = j_s - a.k.pad_s + pad_s; /* the class's own column tap */
-        int r = a.k.first_r + t * (d.r - 1 - j_r), s = first_s + t * (taps_s - 1 - j);
-        a.out[i] = 0 <= j && j < taps_s ? mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]) : 0.0f;
+        int j = j_s - product.pad_s + pad_s; /* the class's own column tap */
+        int r = product.first_r + t * (d.r - 1 - j_r), s = first_s + t * (taps_s - 1 - j);
+        out[i] = 0 <= j && j < taps_s ? mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]) : 0.0f;
     }
 }
 
@@ -783,7 +793,7 @@ static size_t mgpu__conv_nhwc_subpixel_weight_floats(const mgpu__conv_geom *g, i
     size_t floats = 0;
     for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
         mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
-        floats += (size_t)k.g.k * k.g.r * k.g.s * g->k;
+        floats += mgpu__subpixel_weight_floats(g, &k);
     }
     return floats;
 }
@@ -807,8 +817,24 @@ static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g,
     return mgpu__conv_nhwc_partial_floats(&d, splits);
 }
 
-/* dx: each product's taps, then the products, in one launch
-   (MGPU__NHWC_PRODUCTS_MAX at a time). Where products have no taps and
+/* A batch of products: their weights in one launch, then the products in
+   another; both emptied after. */
+static void mgpu__subpixel_launch(mgpu__subpixel_weights_args *weights, mgpu__conv_nhwc_products *batch,
+                                  cudaStream_t stream) {
+    size_t most = 0;
+    for (int i = 0; i < weights->count; i++) {
+        size_t floats = mgpu__subpixel_weight_floats(&weights->g, &weights->k[i]);
+        if (floats > most) most = floats;
+    }
+    dim3 grid(mgpu__grid_for(most, 256), weights->count);
+    mgpu__subpixel_weights_kernel<<<grid, 256, 0, stream>>>(*weights);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu__conv_nhwc_launch(batch, stream);
+    weights->count = batch->count = 0;
+}
+
+/* dx: the products' taps, then the products, each in one launch
+   (MGPU__NHWC_PRODUCTS_MAX products at a time). Where products have no taps and
    dx is not added to, all of dx is zeroed first (one memset), and those
    products are skipped: run as products of no steps,
    the 3 empty classes of a 1x1 window at stride 2 took longer than the
@@ -826,27 +852,23 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
         MGPU_CUDA_CHECK(cudaMemsetAsync(a->dx, 0, sizeof(float) * a->g.n * a->g.c * a->g.h * a->g.w, stream));
     float *w_class = a->w_classes;
     size_t partials = 0; /* (floats into a->partials) */
+    mgpu__subpixel_weights_args weights;
+    weights.w = a->w, weights.g = a->g, weights.count = 0;
     mgpu__conv_nhwc_products batch;
     batch.count = 0;
     for (int i = 0; i < products; i++) {
         mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
         if (!mgpu__subpixel_runs(&k)) continue; /* no pixels of dx, or zeros (or dx as it was) */
-        size_t taps = (size_t)k.g.k * k.g.r * k.g.s * a->g.k;
-        mgpu__subpixel_weights_args wa = {w_class, a->w, a->g, k};
-        mgpu__subpixel_weights_kernel<<<mgpu__grid_for(taps, 256), 256, 0, stream>>>(wa);
-        MGPU_CUDA_CHECK_LAUNCH();
+        weights.k[weights.count] = k, weights.out[weights.count++] = w_class;
         mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
                                         a->accumulate, a->splits, 0, a->partials ? a->partials + partials : NULL};
         mgpu__conv_nhwc_slices(&product);
         batch.product[batch.count++] = product;
-        w_class += taps;
+        w_class += mgpu__subpixel_weight_floats(&a->g, &k);
         partials += mgpu__conv_nhwc_partial_floats(&k.g, a->splits);
-        if (batch.count == MGPU__NHWC_PRODUCTS_MAX) {
-            mgpu__conv_nhwc_launch(&batch, stream);
-            batch.count = 0;
-        }
+        if (batch.count == MGPU__NHWC_PRODUCTS_MAX) mgpu__subpixel_launch(&weights, &batch, stream);
     }
-    if (batch.count) mgpu__conv_nhwc_launch(&batch, stream);
+    if (batch.count) mgpu__subpixel_launch(&weights, &batch, stream);
 }
 
 /* ------------------------------------------------- the weight gradient */
