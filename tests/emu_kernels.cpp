@@ -388,8 +388,8 @@ TEST(channels_last_convolution) {
     implicit_case(1, 96, 4, 4, 32, 1, 2, 0, 0);  /* 1x1, stride 2: 3 classes without taps (zeros) */
     implicit_case(2, 32, 8, 7, 96, 3, 2, 1, 0);  /* stride 2, H even and W odd, 3 steps a tap */
     implicit_case(2, 32, 6, 6, 32, 2, 2, 0, 1);  /* 2x2 windows, stride 2: one tap a class */
-    /* stride 3: 9 classes, more than one launch takes (4, 4 and 1), of 80,
-       60 and 45 pixels: 2 tiles of 64 for some, 1 for others */
+    /* stride 3: 9 classes, in launches of 4, 4 and 1, of 80, 60 and 45
+       pixels: 2 tiles of 64 for some, 1 for others */
     implicit_case(5, 32, 11, 11, 32, 3, 3, 0, 0);
     /* 5x4, stride 2: joined rows only (the column classes' pads, 1 and 0,
        differ from each other, not from the rows': the joined window is
