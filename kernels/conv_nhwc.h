@@ -744,12 +744,11 @@ static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
    (j_r, j_s) its place in the product's window, turned round, filters
    and channels swapped; zero where the row's class has no tap there. One
    thread a value (the weights are small), a row of the grid (blockIdx.y)
-   for each of `count` products, one launch for the products that run
-   together. */
+   for each product, one launch for the products that run together (as
+   many as their batch, mgpu__conv_nhwc_products, holds). */
 typedef struct {
     const float *w; /* [K, C, R, S] */
     mgpu__conv_geom g;
-    int count;
     mgpu__subpixel_class k[MGPU__NHWC_PRODUCTS_MAX];
     float *out[MGPU__NHWC_PRODUCTS_MAX];
 } mgpu__subpixel_weights_args;
@@ -817,20 +816,21 @@ static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g,
     return mgpu__conv_nhwc_partial_floats(&d, splits);
 }
 
-/* A batch of products: their weights in one launch, then the products in
-   another; both emptied after. */
+/* A batch of products: their weights (weights->k[i] and out[i] for
+   product i of the batch) in one launch, then the products in another;
+   the batch emptied after. */
 static void mgpu__subpixel_launch(mgpu__subpixel_weights_args *weights, mgpu__conv_nhwc_products *batch,
                                   cudaStream_t stream) {
     size_t most = 0;
-    for (int i = 0; i < weights->count; i++) {
+    for (int i = 0; i < batch->count; i++) {
         size_t floats = mgpu__subpixel_weight_floats(&weights->g, &weights->k[i]);
         if (floats > most) most = floats;
     }
-    dim3 grid(mgpu__grid_for(most, 256), weights->count);
+    dim3 grid(mgpu__grid_for(most, 256), batch->count);
     mgpu__subpixel_weights_kernel<<<grid, 256, 0, stream>>>(*weights);
     MGPU_CUDA_CHECK_LAUNCH();
     mgpu__conv_nhwc_launch(batch, stream);
-    weights->count = batch->count = 0;
+    batch->count = 0;
 }
 
 /* dx: the products' taps, then the products, each in one launch
@@ -853,13 +853,13 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
     float *w_class = a->w_classes;
     size_t partials = 0; /* (floats into a->partials) */
     mgpu__subpixel_weights_args weights;
-    weights.w = a->w, weights.g = a->g, weights.count = 0;
+    weights.w = a->w, weights.g = a->g;
     mgpu__conv_nhwc_products batch;
     batch.count = 0;
     for (int i = 0; i < products; i++) {
         mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
         if (!mgpu__subpixel_runs(&k)) continue; /* no pixels of dx, or zeros (or dx as it was) */
-        weights.k[weights.count] = k, weights.out[weights.count++] = w_class;
+        weights.k[batch.count] = k, weights.out[batch.count] = w_class;
         mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
                                         a->accumulate, a->splits, 0, a->partials ? a->partials + partials : NULL};
         mgpu__conv_nhwc_slices(&product);
