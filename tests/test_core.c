@@ -122,20 +122,28 @@ TEST(events_order_and_time_work_across_devices) {
     mgpu_event_free(handoff);
 }
 
+/* Intervals of 20, 40 and 60 ms of sleep: each measured at least its
+   sleep (usleep never wakes early) and, in seconds, less than 0.1 s more
+   (a busy machine wakes a sleeper late, by milliseconds: a 5 ms bound
+   failed in CI while other tests ran); then the sum, mean and running
+   sums of exactly those intervals. */
 TEST(timer_sums_averages_and_cumulates) {
     mgpu_timer t;
     mgpu_timer_init(&t);
-    for (int i = 1; i <= 3; i++) {
+    double interval[3];
+    for (int i = 0; i < 3; i++) {
         mgpu_timer_start(&t);
-        usleep((useconds_t)(i * 20000));
-        mgpu_timer_stop(&t);
+        usleep((useconds_t)((i + 1) * 20000));
+        interval[i] = mgpu_timer_stop(&t);
+        CHECK(interval[i] >= 0.020 * (i + 1) && interval[i] < 0.020 * (i + 1) + 0.1);
     }
     CHECK_EQ_INT(t.n, 3);
-    CHECK_CLOSE(mgpu_timer_sum(&t), 0.120, 0.015, 0);
-    CHECK_CLOSE(mgpu_timer_avg(&t), 0.040, 0.005, 0);
-    CHECK_CLOSE(mgpu_timer_cumsum(&t, 0), 0.020, 0.005, 0);
-    CHECK_CLOSE(mgpu_timer_cumsum(&t, 1), 0.060, 0.010, 0);
-    CHECK_CLOSE(mgpu_timer_cumsum(&t, 2), mgpu_timer_sum(&t), 1e-12, 0);
+    double sum = interval[0] + interval[1] + interval[2];
+    CHECK_CLOSE(mgpu_timer_sum(&t), sum, 1e-12, 0);
+    CHECK_CLOSE(mgpu_timer_avg(&t), sum / 3, 1e-12, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 0), interval[0], 1e-12, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 1), interval[0] + interval[1], 1e-12, 0);
+    CHECK_CLOSE(mgpu_timer_cumsum(&t, 2), sum, 1e-12, 0);
 }
 
 /* --------------------------------------------------------------- tensors */
