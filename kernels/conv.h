@@ -44,12 +44,18 @@
    q, computed once (mgpu__conv_valid_range), so the innermost loop copies
    a run along one image row without any test. col2im walks the same
    runs backwards, adding instead of copying.
-   CUDA: one thread per element, consecutive threads on consecutive
-   elements of what they write. im2col: a thread per entry of col (a
-   warp writes a run of col, reading a run of an image row). col2im: a
+   CUDA: consecutive threads on consecutive elements of what they write.
+   im2col: a thread per 4 neighbouring entries of a row of col (a warp
+   writes a run of col, reading a run of an image row), their 4 loads
+   issued together and their store one 16-byte instruction. col2im: a
    thread per input pixel, which gathers the (at most R*S) entries of
    dcol that came from it: each pixel is written once, by one thread, so
-   no atomics are needed and the result does not depend on timing. */
+   no atomics are needed and the result does not depend on timing. Both
+   move a few bytes a thread, so what bounds them is how many loads each
+   thread has on their way at once: one at a time, every thread waits a
+   whole trip to memory per value (the H100 profile of ResNet-18's stage
+   4 in bench/RESULTS.md: im2col and col2im each at about a third of the
+   memory's bandwidth). */
 
 /* The geometry of a convolution over a chunk of n images. */
 typedef struct {
@@ -183,9 +189,9 @@ static void mgpu__swap_outer_cpu(const void *args, const mgpu__exec *ex) {
    a long subroutine on a GPU and would cost more than the memory traffic,
    and even a 32-bit one costs some 20 instructions: the divisions below
    by the convolution's sizes multiply instead (mgpu__div,
-   kernels/elementwise.h). im2col and col2im use a 2-D grid, blockIdx.y
-   for a row of col (one (c, r, s)) or an image plane, so that per element
-   only the position along the row is decomposed. */
+   kernels/elementwise.h). im2col uses a 2-D grid, blockIdx.y for a row
+   of col (one (c, r, s)), so that per entry only the position along the
+   row is decomposed. */
 
 /* Threads per block for rows of n elements: 256, fewer for short rows (a
    4x4 map would leave most of a 256-thread block idle). */
@@ -197,6 +203,12 @@ static dim3 mgpu__row_grid(unsigned n, unsigned rows) {
 #define MGPU__ALONG_ROW_LOOP(j, n) \
     for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < (n); j += gridDim.x * blockDim.x)
 
+/* A thread writes V neighbouring entries of a row of col (V = 4 where
+   the rows are whole vectors: mgpu__vector_width). Every entry's load is
+   made, a padding entry's from the channel's first value (then replaced
+   by 0): a load under a test is a branch the compiler may keep, and then
+   each load waits for the one before it. */
+template <int V>
 static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a, mgpu__divisor by_q, mgpu__divisor by_p) {
     const mgpu__conv_geom g = a.g;
     unsigned cols = g.n * g.p * g.q, rows = g.c * g.r * g.s;
@@ -204,21 +216,33 @@ static __global__ void mgpu__im2col_kernel(mgpu__im2col_args a, mgpu__divisor by
         int s = row % g.s, r = row / g.s % g.r, c = row / (g.s * g.r);
         const float *x_c = a.x + (size_t)c * g.h * g.w; /* channel c of the first image */
         float *out = a.col + (size_t)row * cols;
-        MGPU__ALONG_ROW_LOOP(j, cols) { /* j = (img, p, q) */
-            int img_p = mgpu__div((int)j, by_q), q = (int)j - img_p * g.q;
+        MGPU__ALONG_ROW_LOOP(vector, cols / V) { /* its first entry j = (img, p, q) */
+            int j = (int)vector * V, img_p = mgpu__div(j, by_q), q = j - img_p * g.q;
             int img = mgpu__div(img_p, by_p), p = img_p - img * g.p;
-            int h = mgpu__conv_in(p, r, g.stride, g.pad), w = mgpu__conv_in(q, s, g.stride, g.pad);
-            out[j] = (h >= 0 && h < g.h && w >= 0 && w < g.w)
-                         ? x_c[((size_t)img * g.c * g.h + h) * g.w + w]
-                         : 0.0f;
+            float v[V];
+            for (int e = 0; e < V; e++) { /* (unrolled: the loads do not wait for each other) */
+                int h = mgpu__conv_in(p, r, g.stride, g.pad), w = mgpu__conv_in(q, s, g.stride, g.pad);
+                bool inside = h >= 0 && h < g.h && w >= 0 && w < g.w;
+                v[e] = x_c[inside ? ((size_t)img * g.c * g.h + h) * g.w + w : 0];
+                if (!inside) v[e] = 0.0f;
+                if (++q == g.q) { /* the next entry's pixel */
+                    q = 0;
+                    if (++p == g.p) p = 0, img++;
+                }
+            }
+            mgpu__store_floats(out + j, v);
         }
     }
 }
 static void mgpu__im2col_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__im2col_args *a = (const mgpu__im2col_args *)args;
     unsigned cols = a->g.n * a->g.p * a->g.q, rows = a->g.c * a->g.r * a->g.s;
-    mgpu__im2col_kernel<<<mgpu__row_grid(cols, rows), mgpu__row_block(cols), 0,
-                          (cudaStream_t)ex->stream>>>(*a, mgpu__divisor_for(a->g.q), mgpu__divisor_for(a->g.p));
+    const void *out[1] = {a->col};
+    int vector = mgpu__vector_width(cols, out, 1);
+    void (*kernel)(mgpu__im2col_args, mgpu__divisor, mgpu__divisor) =
+        vector == 4 ? mgpu__im2col_kernel<4> : mgpu__im2col_kernel<1>;
+    kernel<<<mgpu__row_grid(cols / vector, rows), mgpu__row_block(cols / vector), 0, (cudaStream_t)ex->stream>>>(
+        *a, mgpu__divisor_for(a->g.q), mgpu__divisor_for(a->g.p));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
@@ -232,51 +256,73 @@ static __device__ inline void mgpu__conv_covering(int i, int taps, mgpu__divisor
     if (*hi > out) *hi = out;
 }
 
-static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a, mgpu__divisor by_w, mgpu__divisor by_stride) {
+/* A thread per input pixel, over the whole chunk (a 7x7 plane a block
+   left a quarter of its threads idle). COVER: the most output positions
+   along a dimension whose windows cover one input coordinate,
+   ceil(taps / stride), known when compiling (the loops unroll and the
+   loads go out together), or 0: the loops run as far as they need. */
+template <int COVER>
+static __global__ void mgpu__col2im_kernel(mgpu__col2im_args a, mgpu__divisor by_w, mgpu__divisor by_hw,
+                                           mgpu__divisor by_c, mgpu__divisor by_stride) {
     const mgpu__conv_geom g = a.g;
-    unsigned pq = g.p * g.q, cols = g.n * pq, hw = g.h * g.w, planes = g.n * g.c;
-    MGPU__ROW_LOOP(plane, planes) { /* plane = (img, c) */
-        unsigned img = plane / g.c, c = plane % g.c;
+    unsigned pq = g.p * g.q, cols = g.n * pq, hw = g.h * g.w;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)g.n * g.c * hw) { /* i = (img, c, h, w) */
+        int plane = mgpu__div((int)i, by_hw), in_plane = (int)i - plane * (int)hw;
+        int img = mgpu__div(plane, by_c), c = plane - img * g.c;
+        int h = mgpu__div(in_plane, by_w), w = in_plane - h * g.w, p_lo, p_hi, q_lo, q_hi;
+        mgpu__conv_covering(h, g.r, by_stride, g.pad, g.p, &p_lo, &p_hi);
+        mgpu__conv_covering(w, g.s, by_stride, g.pad, g.q, &q_lo, &q_hi);
         const float *col_c = a.col + (size_t)c * g.r * g.s * cols + img * pq; /* row (c, 0, 0) */
-        float *dx = a.dx + (size_t)plane * hw;
-        MGPU__ALONG_ROW_LOOP(i, hw) {
-            int h = mgpu__div((int)i, by_w), w = (int)i - h * g.w, p_lo, p_hi, q_lo, q_hi;
-            mgpu__conv_covering(h, g.r, by_stride, g.pad, g.p, &p_lo, &p_hi);
-            mgpu__conv_covering(w, g.s, by_stride, g.pad, g.q, &q_lo, &q_hi);
-            float sum = 0.0f;
-            for (int p = p_lo; p < p_hi; p++) {
-                int r = h + g.pad - p * g.stride; /* the tap through which (p, q) sees (h, w) */
-                for (int q = q_lo; q < q_hi; q++) {
-                    int s = w + g.pad - q * g.stride;
-                    sum += col_c[(size_t)(r * g.s + s) * cols + p * g.q + q];
-                }
+        float sum = 0.0f;
+        for (int dp = 0; dp < (COVER ? COVER : p_hi - p_lo); dp++)
+            for (int dq = 0; dq < (COVER ? COVER : q_hi - q_lo); dq++) {
+                int p = p_lo + dp, q = q_lo + dq;
+                /* the tap through which (p, q) sees (h, w) */
+                int r = h + g.pad - p * g.stride, s = w + g.pad - q * g.stride;
+                bool covers = p < p_hi && q < q_hi;
+                float value = col_c[covers ? (size_t)(r * g.s + s) * cols + p * g.q + q : 0]; /* (as in im2col) */
+                sum += covers ? value : 0.0f;
             }
-            dx[i] = a.accumulate ? dx[i] + sum : sum;
-        }
+        a.dx[i] = a.accumulate ? a.dx[i] + sum : sum;
     }
 }
 static void mgpu__col2im_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__col2im_args *a = (const mgpu__col2im_args *)args;
-    unsigned hw = a->g.h * a->g.w, planes = a->g.n * a->g.c;
-    mgpu__col2im_kernel<<<mgpu__row_grid(hw, planes), mgpu__row_block(hw), 0,
-                          (cudaStream_t)ex->stream>>>(*a, mgpu__divisor_for(a->g.w), mgpu__divisor_for(a->g.stride));
+    const mgpu__conv_geom *g = &a->g;
+    int taps = g->r > g->s ? g->r : g->s, cover = (taps + g->stride - 1) / g->stride;
+    void (*kernel)(mgpu__col2im_args, mgpu__divisor, mgpu__divisor, mgpu__divisor, mgpu__divisor) =
+        cover == 1 ? mgpu__col2im_kernel<1> : cover == 2 ? mgpu__col2im_kernel<2>
+        : cover == 3 ? mgpu__col2im_kernel<3> : mgpu__col2im_kernel<0>;
+    kernel<<<mgpu__grid_for((size_t)g->n * g->c * g->h * g->w, 256), 256, 0, (cudaStream_t)ex->stream>>>(
+        *a, mgpu__divisor_for(g->w), mgpu__divisor_for(g->h * g->w), mgpu__divisor_for(g->c),
+        mgpu__divisor_for(g->stride));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
+/* A thread moves V neighbouring values of a run (V = 4 where the runs
+   are whole vectors). */
+template <int V>
 static __global__ void mgpu__swap_outer_kernel(mgpu__swap_outer_args a, mgpu__divisor by_inner,
                                                mgpu__divisor by_outer) {
-    unsigned inner = (unsigned)a.inner, total = a.outer * a.middle * inner;
-    MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner] */
+    unsigned inner = (unsigned)a.inner / V, total = a.outer * a.middle * inner;
+    MGPU__GRID_STRIDE_LOOP(e, total) { /* e indexes out [middle, outer, inner / V] */
         int i = (int)e, m_o = mgpu__div(i, by_inner), k = i - m_o * (int)inner;
         int m = mgpu__div(m_o, by_outer), o = m_o - m * a.outer;
-        a.out[i] = a.in[((size_t)o * a.middle + m) * inner + k] + (a.bias ? a.bias[o] : 0.0f);
+        float v[V], bias = a.bias ? a.bias[o] : 0.0f;
+        mgpu__load_floats(v, a.in + (((size_t)o * a.middle + m) * inner + k) * V);
+        for (int j = 0; j < V; j++) v[j] += bias;
+        mgpu__store_floats(a.out + (size_t)i * V, v);
     }
 }
 static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
-    size_t total = (size_t)a->outer * a->middle * a->inner;
-    mgpu__swap_outer_kernel<<<mgpu__grid_for(total, 256), 256, 0, (cudaStream_t)ex->stream>>>(
-        *a, mgpu__divisor_for((int)a->inner), mgpu__divisor_for(a->outer));
+    const void *tensors[2] = {a->in, a->out};
+    int vector = mgpu__vector_width(a->inner, tensors, 2);
+    size_t vectors = (size_t)a->outer * a->middle * a->inner / vector;
+    void (*kernel)(mgpu__swap_outer_args, mgpu__divisor, mgpu__divisor) =
+        vector == 4 ? mgpu__swap_outer_kernel<4> : mgpu__swap_outer_kernel<1>;
+    kernel<<<mgpu__grid_for(vectors, 256), 256, 0, (cudaStream_t)ex->stream>>>(
+        *a, mgpu__divisor_for((int)a->inner / vector), mgpu__divisor_for(a->outer));
     MGPU_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -68,10 +68,10 @@ TEST(im2col_col2im_and_layout_swap) {
     int cases = 0;
     for (int n = 1; n <= 2; n++)
         for (int h = 1; h <= 6; h += 5)
-            for (int r = 1; r <= 3; r++)
+            for (int r = 1; r <= 4; r++) /* windows covered by up to 4 positions (col2im) */
                 for (int stride = 1; stride <= 3; stride++)
                     for (int pad = 0; pad <= 2; pad++) {
-                        int c = 2, w = h + 1, s = 4 - r; /* non-square images and kernels */
+                        int c = 2, w = h + 1, s = 5 - r; /* non-square images and kernels */
                         if (h + 2 * pad < r || w + 2 * pad < s) continue;
                         mgpu__conv_geom g = {n, c, h, w, 2, r, s, 0, 0, stride, pad};
                         g.p = (h + 2 * pad - r) / stride + 1;
@@ -102,17 +102,18 @@ TEST(im2col_col2im_and_layout_swap) {
                         cases++;
                     }
     CHECK(cases > 80);
-    for (int with_bias = 0; with_bias <= 1; with_bias++) {
+    /* runs of 37 values a thread at a time, and of 36 in vectors of 4 */
+    for (int with_bias = 0; with_bias <= 3; with_bias++) {
         int outer = 3, middle = 5;
-        size_t inner = 37, total = outer * middle * inner;
+        size_t inner = with_bias < 2 ? 37 : 36, total = outer * middle * inner;
         std::vector<float> in = random_values(total), bias = random_values(outer);
         std::vector<float> out_c = nans(total), out_g = nans(total);
         mgpu__swap_outer_args a = {out_c.data(), in.data(), outer, middle, inner,
-                                   with_bias ? bias.data() : NULL};
+                                   with_bias % 2 ? bias.data() : NULL};
         mgpu__swap_outer_cpu(&a, &on_cpu);
         a.out = out_g.data();
         mgpu__swap_outer_cuda(&a, &on_gpu);
-        same(with_bias ? "swap with bias" : "swap", out_g, out_c, 0);
+        same(with_bias % 2 ? "swap with bias" : "swap", out_g, out_c, 0);
     }
 }
 
