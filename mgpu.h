@@ -946,7 +946,10 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        void mgpu_net_train_step(net, x, labels, lr, momentum, weight_decay, loss_sum_or_NULL)
    one SGD step on the mean cross-entropy; adds the batch's summed loss to
    a one-element tensor on the net's device when given one (read it once an
-   epoch: reading it every step would make the host wait every step).
+   epoch: reading it every step would make the host wait every step). The
+   step's backward pass WRITES every gradient, so there is no zero_grad
+   to run first (PyTorch's zero_grad(set_to_none=True) saves the same
+   pass): param.grad is then this batch's gradient, whatever it held.
 
        int mgpu_net_num_params(net);   mgpu_param *mgpu_net_param(net, i);
        int mgpu_net_num_buffers(net);  mgpu_tensor *mgpu_net_buffer(net, i);
@@ -5486,13 +5489,15 @@ typedef struct {
 } mgpu__bn_block_end;
 /* mgpu_batchnorm2d_backward; with dx_t, dx channels-last in TF32 there
    instead of in dx (which may then be NULL); with end, as a residual
-   block's bn2 (dy is then the block's output gradient). */
+   block's bn2 (dy is then the block's output gradient); with dconv_bias
+   (and accumulate 0), the bias gradient of the convolution before, which
+   gets its exact value 0 (kernels/batchnorm.h). */
 static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_tensor *dx_t,
                                        mgpu_tensor *dgamma, mgpu_tensor *dbeta, const mgpu_tensor *dy,
                                        const mgpu_tensor *x, const mgpu_tensor *gamma,
                                        const mgpu_tensor *beta, const mgpu_tensor *save_mean,
                                        const mgpu_tensor *save_invstd, int fuse_relu, int accumulate,
-                                       const mgpu__bn_block_end *end) {
+                                       const mgpu__bn_block_end *end, mgpu_tensor *dconv_bias) {
     mgpu_device *dev = x->device;
     mgpu__bn_backward_args a;
     memset(&a, 0, sizeof a);
@@ -5526,6 +5531,11 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
             a.dshortcut_bias = end->dshortcut_bias->data;
         }
     }
+    if (dconv_bias) {
+        mgpu__require_per_channel(dconv_bias, a.c, dev, op, "the convolution's bias gradient");
+        mgpu__before_write(dconv_bias);
+        a.dconv_bias = dconv_bias->data;
+    }
     mgpu__require_per_channel(gamma, a.c, dev, op, "gamma");
     if (fuse_relu) mgpu__require_per_channel(beta, a.c, dev, op, "beta (needed with fuse_relu)");
     mgpu__require_per_channel(save_mean, a.c, dev, op, "save_mean");
@@ -5558,7 +5568,7 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate) {
     mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, dy, x, gamma, beta,
-                               save_mean, save_invstd, fuse_relu, accumulate, NULL);
+                               save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL);
 }
 
 /* Checks logits [N, classes] and labels [N] against out's device. */
@@ -6639,25 +6649,28 @@ static int mgpu__bias_cancelled_by(const mgpu_layer *next) {
 }
 
 /* Convolution layer l's backward pass: adds its weight gradient and, with
-   with_db, its bias gradient, and writes its input gradient to dx, or
-   with add_to_dx adds it there (dx NULL: not wanted). dy_t: dy's
-   channels-last copy, when the batch norm after l wrote it in place of
-   dy, else NULL. `next` is as below. */
+   with_db, its bias gradient (with accumulate 0: writes them), and writes
+   its input gradient to dx, or with add_to_dx adds it there (dx NULL: not
+   wanted). dy_t: dy's channels-last copy, when the batch norm after l
+   wrote it in place of dy, else NULL. `next` is as below. */
 static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_db) {
+                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_db,
+                                      int accumulate) {
     mgpu__conv2d_backward(dx, l->weight.grad, with_db && !mgpu__bias_cancelled_by(next) ? l->bias.grad : NULL,
                           dy, dy_t, l->input, l->input_t, l->weight.value,
-                          mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad, 1,
-                          add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
+                          mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad,
+                          accumulate, add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
 }
 /* Batch norm layer l's backward pass; prev: the convolution before it
    whose backward takes its input gradient (with_dx: as there), or NULL.
    When prev reads that gradient through its channels-last copy alone,
    l->dinput_t gets the copy and dx is not written (l->dinput_t is NULL
-   otherwise). end: as a residual block's bn2, or NULL. */
+   otherwise). end: as a residual block's bn2, or NULL. With accumulate 0
+   it writes its parameters' gradients, and prev's bias gradient too: the
+   0 that l's batch mean makes it (prev's own backward leaves it). */
 static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx,
                                            const mgpu_layer *prev, int prev_with_dx,
-                                           const mgpu__bn_block_end *end) {
+                                           const mgpu__bn_block_end *end, int accumulate) {
     mgpu_tensor *dx_t = NULL;
     if (dx && mgpu__batch_norm_writes_channels_last &&
         mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
@@ -6667,20 +6680,21 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
         mgpu_free(l->dinput_t);
         l->dinput_t = NULL;
     }
+    int prev_bias = prev && prev->kind == MGPU_LAYER_CONV && prev->bias.grad && !accumulate;
     mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
-                               l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu, 1,
-                               end);
+                               l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu,
+                               accumulate, end, prev_bias ? prev->bias.grad : NULL);
 }
 
-/* Adds l's parameter gradients and returns dL/d(input), given dy =
-   dL/d(output) and dy_t, its channels-last copy if the layer after l
-   wrote one (else NULL; then dy's values were not written, and only a
-   convolution takes it); `next` is the layer that took l's output (NULL
-   if none), `prev` the one whose output l took (NULL if none). The input
-   gradient's channels-last copy, if l wrote one, is then in l->dinput_t
-   (else that is NULL). */
+/* Adds l's parameter gradients (with accumulate 0: writes them) and
+   returns dL/d(input), given dy = dL/d(output) and dy_t, its channels-last
+   copy if the layer after l wrote one (else NULL; then dy's values were
+   not written, and only a convolution takes it); `next` is the layer that
+   took l's output (NULL if none), `prev` the one whose output l took
+   (NULL if none). The input gradient's channels-last copy, if l wrote
+   one, is then in l->dinput_t (else that is NULL). */
 static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                               const mgpu_layer *next, const mgpu_layer *prev) {
+                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
     mgpu_device *d = dy->device;
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
@@ -6688,10 +6702,10 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
                  l->name);
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0, 1);
+        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0, 1, accumulate);
         break;
     case MGPU_LAYER_BATCHNORM:
-        mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput, NULL);
+        mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput, NULL, accumulate);
         break;
     case MGPU_LAYER_RELU:
         mgpu_relu_backward(dx, dy, l->output);
@@ -6711,20 +6725,20 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu_tensor *dsum = dx && !l->shortcut ? dx : mgpu_ensure(&l->dsum, d, l->output->shape);
         mgpu_tensor *g2 = mgpu_ensure(&l->bn2->dinput, d, dsum->shape);
         mgpu__bn_block_end end = {l->output, dsum, l->shortcut ? l->shortcut->bias.grad : NULL};
-        mgpu__batchnorm_layer_backward(l->bn2, dy, g2, l->conv2, 1, &end);
-        const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->dinput_t, l->bn2, l->bn1);
+        mgpu__batchnorm_layer_backward(l->bn2, dy, g2, l->conv2, 1, &end, accumulate);
+        const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->dinput_t, l->bn2, l->bn1, accumulate);
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
-        mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL);
-        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, !l->shortcut, 1);
-        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 0);
+        mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL, accumulate);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, !l->shortcut, 1, accumulate);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 0, accumulate);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
         mgpu_global_avg_pool_backward(dx, dy);
         break;
     case MGPU_LAYER_LINEAR:
-        mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, 1);
+        mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, accumulate);
         break;
     }
     return dx;
@@ -6752,17 +6766,24 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
 }
 
 /* The backward pass of the net's layer i (dy's channels-last copy, if the
-   layer after it wrote one, in that layer's dinput_t). */
-static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy) {
+   layer after it wrote one, in that layer's dinput_t); accumulate as in
+   mgpu__layer_backward. */
+static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {
     const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
     return mgpu__layer_backward(net->layers[i], dy, next ? next->dinput_t : NULL, next,
-                                i > 0 ? net->layers[i - 1] : NULL);
+                                i > 0 ? net->layers[i - 1] : NULL, accumulate);
 }
 
+/* The whole backward pass: adds every parameter's gradient, or with
+   accumulate 0 writes it (a training step, which would zero them first:
+   that saves writing zeros to every gradient and reading them back). */
+static void mgpu__net_backward(mgpu_net *net, const mgpu_tensor *dlogits, int accumulate) {
+    const mgpu_tensor *g = dlogits;
+    for (int i = net->nlayers - 1; i >= 0; i--) g = mgpu__net_layer_backward(net, i, g, accumulate);
+}
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
     mgpu__net_require_backward(net, "mgpu_net_backward");
-    const mgpu_tensor *g = dlogits;
-    for (int i = net->nlayers - 1; i >= 0; i--) g = mgpu__net_layer_backward(net, i, g);
+    mgpu__net_backward(net, dlogits, 1);
 }
 
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
@@ -6816,9 +6837,9 @@ MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
 MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
                                   float lr, float momentum, float weight_decay,
                                   mgpu_tensor *loss_sum) {
-    mgpu_net_zero_grad(net);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
-    mgpu_net_loss_backward(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum);
+    mgpu__net_require_backward(net, "mgpu_net_train_step");
+    mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum), 0);
     mgpu_net_sgd(net, lr, momentum, weight_decay);
 }
 
@@ -7194,12 +7215,8 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
                                     float weight_decay) {
     if (dp->n > 1 && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
-    for (int i = 0; i < dp->n; i++) {
+    for (int i = 0; i < dp->n; i++) { /* (no zero_grad: the backward writes the gradients) */
         mgpu_net *r = dp->replicas[i];
-        if (dp->nbuckets)
-            for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
-        else
-            mgpu_net_zero_grad(r);
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
         mgpu__net_require_backward(r, "mgpu_data_parallel_step");
         mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
@@ -7209,7 +7226,7 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     int next_bucket = 0;
     for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
         for (int i = 0; i < dp->n; i++)
-            grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i]);
+            grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], 0);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
         if (complete && dp->reduce && dp->overlap) {
             dp->algorithm = mgpu_allreduce_start(dp->bucket[next_bucket], dp->n, 0,
@@ -7233,10 +7250,10 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
     for (int i = 1; i < dp->n; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
     /* 2. forward on every device, 3. gather the logits on device 0 */
     int classes = 0, row = 0;
-    for (int i = 0; i < dp->n; i++) {
+    for (int i = 0; i < dp->n; i++) { /* (no zero_grad: the backward writes the gradients) */
         mgpu_net *r = dp->replicas[i];
-        mgpu_net_zero_grad(r);
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
+        mgpu__net_require_backward(r, "mgpu_data_parallel_step");
         classes = logits->shape.d[1];
         mgpu_ensure(&dp->logits, d0, mgpu_shape2(batch, classes));
         mgpu_ensure(&dp->labels, d0, mgpu_shape1(batch));
@@ -7265,7 +7282,7 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
         int rows_here = dp->x_shards[i]->shape.d[0];
         mgpu_tensor *slice = mgpu_narrow(dp->dlogits, row, rows_here);
         mgpu_tensor *dlogits = i == 0 ? slice : mgpu_to(slice, dp->devices[i], 1);
-        mgpu_net_backward(r, dlogits);
+        mgpu__net_backward(r, dlogits, 0);
         if (dlogits != slice) mgpu_free(dlogits);
         mgpu_free(slice);
         row += rows_here;

@@ -30,7 +30,11 @@
    bias gradient is dbeta_c's very sum: given dshortcut_bias, the backward
    adds it there too. The block's backward pass so saves the ReLU's own
    pass (g read once less) and the shortcut's bias gradient's (dsum read
-   once less).
+   once less). Likewise the bias of a convolution right before batch norm
+   has a gradient of exactly 0 (the batch mean cancels it: mgpu.h,
+   mgpu__bias_cancelled_by); when the gradients are written rather than
+   added (a network's training step, mgpu.h), given dconv_bias, the
+   backward writes that 0 there with its own.
 
    Why fuse the ReLU: both steps do a few flops per value and are limited
    by memory bandwidth. A separate ReLU would read and write the whole
@@ -204,6 +208,7 @@ typedef struct {
     const float *mask;     /* the residual block's output (above), or NULL */
     float *dsum;           /* with mask: g written there */
     float *dshortcut_bias; /* also gets sum g (above), or NULL */
+    float *dconv_bias;     /* gets 0 (above) unless accumulating, or NULL */
     float *dx_t;       /* dx channels-last (kernels/channels_last.h) instead, or NULL */
     const float *dy, *x, *gamma, *save_mean, *save_invstd;
     const float *beta; /* only with fuse_relu, for the ReLU's mask */
@@ -237,6 +242,7 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward
     a->dbeta[c] = (a->accumulate ? a->dbeta[c] : 0.0f) + sum_g;
     a->dgamma[c] = (a->accumulate ? a->dgamma[c] : 0.0f) + sum_g_xhat;
     if (a->dshortcut_bias) a->dshortcut_bias[c] = (a->accumulate ? a->dshortcut_bias[c] : 0.0f) + sum_g;
+    if (a->dconv_bias && !a->accumulate) a->dconv_bias[c] = 0.0f;
 }
 /* dx at a value of channel c with gradient g (after the mask), given the
    channel's means of g and g xhat. */

@@ -6,6 +6,7 @@
      statistics: 2 devices equal 1 device that runs the two shards one after
      the other and adds their gradients;
    - DataParallel's gather puts more memory on device 0 than allreduce;
+   - a training step writes every gradient, so needs no zero_grad;
    - save then load gives the same outputs; damaged checkpoints are clear
      errors.
    tests/gpu_parallel.c includes this file with TEST_ON_GPU 1: the same
@@ -542,6 +543,62 @@ TEST(reduction_runs_under_the_backward_pass) {
     mgpu_net_free(net);
 }
 
+
+/* Sets every gradient of the wrapper's replicas to v. */
+static void fill_gradients(mgpu_data_parallel *dp, int k, float v) {
+    for (int i = 0; i < k; i++) {
+        mgpu_net *r = mgpu_data_parallel_replica(dp, i);
+        for (int p = 0; p < mgpu_net_num_params(r); p++) mgpu_fill(mgpu_net_param(r, p)->grad, v);
+    }
+}
+
+/* A training step writes every gradient (there is no zero_grad before
+   it): whatever the gradients held, the step that follows is the same to
+   the bit, on 1 device (mgpu_net_train_step, and the wrapper without
+   buckets) and on 2 (the buckets of allreduce, and gather). The net has
+   convolution biases before batch norm, whose gradient (0) batch norm
+   writes, and a residual block's shortcut bias, which bn2 writes. */
+TEST(a_training_step_writes_every_gradient) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    for (int way = 0; way < 4; way++) { /* train_step, 1 device, 2 by allreduce, 2 by gather */
+        int k = way < 2 ? 1 : 2;
+        mgpu_net *nets[2];
+        mgpu_data_parallel *dps[2] = {NULL, NULL};
+        for (int garbage = 0; garbage <= 1; garbage++) {
+            mgpu_net *net = nets[garbage] = small_net(devs[0], 1);
+            if (way == 0) {
+                mgpu_net_train_step(net, x, y, 0.1f, 0.5f, 1e-4f, NULL);
+                if (garbage)
+                    for (int p = 0; p < net->nparams; p++) mgpu_fill(net->params[p]->grad, 1e3f);
+                mgpu_net_train_step(net, x, y, 0.1f, 0.5f, 1e-4f, NULL);
+                continue;
+            }
+            mgpu_data_parallel *dp = dps[garbage] =
+                mgpu_data_parallel_new(net, devs, k, way == 3 ? MGPU_DP_GATHER : MGPU_DP_ALLREDUCE);
+            if (way == 2) mgpu_data_parallel_configure(dp, 256, 1, 1);
+            /* the first step makes the buckets, views into zeros */
+            mgpu_data_parallel_step(dp, x, y, 0.1f, 0.5f, 1e-4f);
+            if (garbage) fill_gradients(dp, k, 1e3f);
+            mgpu_data_parallel_step(dp, x, y, 0.1f, 0.5f, 1e-4f);
+        }
+        mgpu_synchronize_all();
+        if (way == 2) CHECK(dps[1]->nbuckets >= 3);
+        double diff = max_param_diff(nets[1], nets[0]);
+        if (diff != 0) fprintf(stderr, "  way %d: the steps after garbage gradients differ by %g\n", way, diff);
+        CHECK(diff == 0);
+        for (int i = 1; i < k && way == 2; i++)
+            CHECK(max_param_diff(mgpu_data_parallel_replica(dps[1], i), nets[1]) == 0);
+        for (int garbage = 0; garbage <= 1; garbage++) {
+            mgpu_data_parallel_free(dps[garbage]);
+            mgpu_net_free(nets[garbage]);
+        }
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+}
 
 TEST(a_training_step_allocates_nothing_after_the_first) {
     mgpu_device *devs[2];
