@@ -743,8 +743,8 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     CHECK(on_c->input_t == NULL); /* the CPU takes im2col */
     pair y = {on_c->output, on_g->output};
     check_same("kept x_t", "y", &y, 2e-3);
-    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL);
-    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL);
+    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL, 1);
+    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL, 1);
     pair dx = {on_c->dinput, on_g->dinput}, dw = {on_c->weight.grad, on_g->weight.grad};
     pair db = {on_c->bias.grad, on_g->bias.grad};
     check_same("kept x_t", "dx", &dx, 2e-3);
@@ -798,9 +798,9 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     int cl = kernel.family == MGPU__CHANNELS_LAST && !dx_im2col;
     CHECK((on_g->bn1->output_t != NULL) == cl);
     CHECK(on_g->conv2->input_t == on_g->bn1->output_t && on_g->conv2->own_input_t == NULL);
-    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL);
+    mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL, 1);
     mgpu_trace_begin();
-    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL);
+    mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL, 1);
     mgpu_trace_end();
     int joined = kernel.method == MGPU__JOINED && stride == 2; /* conv1 and the shortcut */
     CHECK_EQ_INT(traced_calls("conv2d_backward channels-last joined dx"), joined ? 2 : 0);

@@ -7,6 +7,7 @@
      the other and adds their gradients;
    - DataParallel's gather puts more memory on device 0 than allreduce;
    - a training step writes every gradient, so needs no zero_grad;
+   - on GPUs, a step's batch is copied while the step before computes;
    - save then load gives the same outputs; damaged checkpoints are clear
      errors.
    tests/gpu_parallel.c includes this file with TEST_ON_GPU 1: the same
@@ -599,6 +600,55 @@ TEST(a_training_step_writes_every_gradient) {
     mgpu_free(x);
     mgpu_free(y);
 }
+
+#if TEST_ON_GPU
+/* A step's copies of its batch (from host memory, as the loader's) wait
+   for the end of the step before last, whose buffers they reuse, not for
+   the step before (mgpu__dp_scatter): they run while it computes. Here
+   a long product stands for the step before; the copies start before it
+   ends (they would start after it, had they waited for the compute
+   queue). */
+TEST(a_steps_batch_is_copied_while_the_step_before_computes) {
+    mgpu_device *dev[1];
+    mgpu_devices(1, 1, dev);
+    mgpu_net *net = small_net(dev[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, dev, 1, MGPU_DP_ALLREDUCE);
+    mgpu_manual_seed(4);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(12, 1, 8, 8));
+    float labels[12] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1};
+    mgpu_tensor *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(12), labels);
+    for (int s = 0; s < 2; s++) mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0); /* both sets of buffers made */
+#ifdef MGPU_CUDA_EMU
+    int n = 1024; /* (emulated: some 50 ms of the CPU's BLAS) */
+#else
+    int n = 8192; /* 1.1 TFLOP, milliseconds on any GPU */
+#endif
+    mgpu_tensor *a = mgpu_rand(dev[0], mgpu_shape2(n, n)), *c = mgpu_empty(dev[0], mgpu_shape2(n, n));
+    mgpu_synchronize_all();
+    mgpu_trace_begin();
+    mgpu_matmul(c, a, a);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0);
+    mgpu_trace_end();
+    double product_end = 0, first_copy = 1e300;
+    int copies = 0;
+    for (int i = 0; i < mgpu__g.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__g.trace[i];
+        double start, end;
+        mgpu__trace_times(r, &start, &end);
+        if (strcmp(r->name, "matmul") == 0) product_end = end;
+        if (strcmp(r->name, "copy") == 0 && r->queue_id == dev[0]->index * 2 + 1)
+            first_copy = fmin(first_copy, start), copies++;
+    }
+    CHECK_EQ_INT(copies, 2); /* x and y */
+    CHECK(first_copy < product_end);
+    mgpu_free(a);
+    mgpu_free(c);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+#endif
 
 TEST(a_training_step_allocates_nothing_after_the_first) {
     mgpu_device *devs[2];
