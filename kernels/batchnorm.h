@@ -236,7 +236,8 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_xhat(const mgpu__bn_backward_args 
     return (x - a->save_mean[c]) * a->save_invstd[c];
 }
 /* dbeta_c and dgamma_c from the channel's sums of g and of g xhat (and
-   the shortcut's bias gradient, when given, from the first). */
+   the shortcut's bias gradient, when given, from the first; and the
+   cancelled convolution bias's 0, when given and not accumulating). */
 static MGPU__HOSTDEVICE inline void mgpu__bn_param_grads(const mgpu__bn_backward_args *a, int c,
                                                          float sum_g, float sum_g_xhat) {
     a->dbeta[c] = (a->accumulate ? a->dbeta[c] : 0.0f) + sum_g;
