@@ -634,6 +634,11 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    TF32 results can differ from run to run), counting the channels-last
    copies the kernels read (none that a network prepares for them);
    im2col forces im2col, implicit the fastest implicit GEMMs.
+   MGPU_WGMMA=1 adds to the candidates, on a GPU of compute capability 9.0
+   (H100, H200) whose code was built for sm_90a (the Makefile's is),
+   conv_nhwc.h's kernel with Hopper's warpgroup products (wgmma) in place
+   of mma.sync, in the 64 x 128 and 128 x 128 tiles. Off by default until
+   it has been checked on such a GPU (bench/RESULTS.md).
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4191,8 +4196,10 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
+static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA=1 */
 /* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
-   scratch sizes, MGPU_CONV chooses the GPU's algorithm. */
+   scratch sizes, MGPU_CONV chooses the GPU's algorithm, MGPU_WGMMA whether
+   the wgmma kernels are among the candidates. */
 static int mgpu__conv_env_read;
 static void mgpu__conv_settings_from_environment(void) {
     if (mgpu__conv_env_read) return;
@@ -4202,6 +4209,10 @@ static void mgpu__conv_settings_from_environment(void) {
     else if (strcmp(algorithm, "im2col") == 0) mgpu__conv_mode = MGPU__CONV_IM2COL;
     else if (strcmp(algorithm, "implicit") == 0) mgpu__conv_mode = MGPU__CONV_IMPLICIT;
     else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col or implicit", algorithm);
+    const char *wgmma = getenv("MGPU_WGMMA");
+    MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
+                 "MGPU_WGMMA=%s: want 0 (the default: mma.sync alone) or 1 (wgmma too, on sm_90)", wgmma);
+    mgpu__conv_wgmma_asked = wgmma && strcmp(wgmma, "1") == 0;
     const char *env = getenv("MGPU_CONV_SCRATCH_MB");
     if (!env || !*env) return;
     char *end;
@@ -4423,6 +4434,7 @@ typedef struct {
                                  conv_halo.h's (no tile);
                                  gathering forward or dW: conv_implicit.h's kernel (direct), or
                                  conv_few_inputs.h's (no tile) */
+    int wgmma; /* conv_nhwc.h's direct or joined kernel by wgmma (64 x 128 and 128 x 128 tiles) */
 } mgpu__implicit_kernel;
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
@@ -4504,7 +4516,7 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
-                              partials ? partials->data : NULL};
+                              partials ? partials->data : NULL, kernel.wgmma};
     const char *name = for_dx ? (halo ? "conv2d_backward channels-last halo dx" : "conv2d_backward channels-last dx")
                               : (halo ? "conv2d channels-last halo" : "conv2d channels-last");
     mgpu__launch_on(&dev->queue[0], name, NULL, halo ? mgpu__conv_halo_cuda : mgpu__conv_nhwc_cuda, &a, sizeof a);
@@ -4563,8 +4575,9 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
                 mgpu_empty(dx->device, mgpu_shape1((int)mgpu__conv_nhwc_subpixel_weight_floats(g, joined)));
             mgpu_tensor *partials =
                 mgpu__partials(dx->device, mgpu__conv_nhwc_subpixel_partial_floats(g, joined, kernel.splits));
-            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data, w_classes->data, *g, kernel.tile,
-                                               add_to_dx, kernel.splits, partials ? partials->data : NULL, joined};
+            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data,  w_classes->data,
+                                               *g,       kernel.tile, add_to_dx, kernel.splits,
+                                               partials ? partials->data : NULL, joined, kernel.wgmma};
             mgpu__launch_on(&dx->device->queue[0],
                             joined ? "conv2d_backward channels-last joined dx" : "conv2d_backward channels-last dx",
                             NULL, mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
@@ -4701,6 +4714,28 @@ static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try w
                                   : what == MGPU__TRY_DW && mgpu__conv_nhwc_dw_fits(g);
 }
 
+/* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): when
+   MGPU_WGMMA=1 asks, on a GPU of compute capability 9.0 whose code has
+   them (nvcc built it for sm_90a; asked once a GPU). */
+static int mgpu__wgmma_usable(mgpu_device *dev) {
+#if MGPU_CUDA
+    static int known[MGPU_MAX_DEVICES]; /* per GPU: 0 not asked yet, 1 no, 2 yes */
+    mgpu__conv_settings_from_environment();
+    if (!mgpu__conv_wgmma_asked || dev->gpu < 0 || dev->gpu >= MGPU_MAX_DEVICES) return 0;
+    if (!known[dev->gpu]) {
+        int major, minor;
+        MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
+        MGPU_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev->gpu));
+        MGPU_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev->gpu));
+        known[dev->gpu] = major == 9 && minor == 0 && mgpu__wgmma_built(dev->queue[0].stream) ? 2 : 1;
+    }
+    return known[dev->gpu] == 2;
+#else
+    (void)dev;
+    return 0;
+#endif
+}
+
 /* The slices the channels-last forward and dx are tried in (conv_nhwc.h).
    Not only powers of 2: what counts is how full the last wave of blocks
    is. ResNet-18's stage 4 (256 tiles of 64 x 128, 396 places for them on
@@ -4730,14 +4765,17 @@ static int mgpu__conv_joined_fits(mgpu__conv_try what, const mgpu__conv_geom *g)
    products', which run at once) fit in MGPU__PARTIAL_FLOATS_MAX (as
    dW's); the channels-last dW in the slices
    for mgpu__conv_dw_block_choices[i] blocks, where they differ from
-   choice i - 1's; the gathering kernels as they are (choice 0). */
+   choice i - 1's; the gathering kernels as they are (choice 0). With
+   wgmma, the channels-last forward pass and dx by the wgmma kernels, in
+   their tiles, as those by mma.sync. */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
-                                    mgpu__implicit_tile tile, mgpu__conv_method method, int i,
+                                    mgpu__implicit_tile tile, mgpu__conv_method method, int wgmma, int i,
                                     mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {family, tile, 1, method};
+    mgpu__implicit_kernel kernel = {family, tile, 1, method, wgmma};
     *k = kernel;
     int joined = method == MGPU__JOINED;
     if (joined && (family != MGPU__CHANNELS_LAST || !mgpu__conv_joined_fits(what, g))) return 0;
+    if (wgmma && (family != MGPU__CHANNELS_LAST || what == MGPU__TRY_DW || !mgpu__wgmma_tile_fits(tile))) return 0;
     if (!mgpu__conv_family_fits(family, what, g)) return 0;
     if (family == MGPU__GATHER) return i == 0;
     if (what == MGPU__TRY_DW) {
@@ -4796,23 +4834,30 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
 }
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, the joined sub-pixel
-   classes' likewise, conv_halo.h's in every tile it fits (dW: in the
+   classes' likewise, and with wgmma (mgpu__wgmma_usable) both again by
+   the wgmma kernels; conv_halo.h's in every tile it fits (dW: in the
    slices for each of mgpu__conv_dw_block_choices that gives a count of
    its own), Winograd where it is worth trying, and conv_few_inputs.h's
    where it fits. */
 #define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + \
-                          (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + MGPU__KERNEL_CHOICES + 2)
-static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel *list) {
+                          3 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + MGPU__KERNEL_CHOICES + 2)
+static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
+                                 mgpu__implicit_kernel *list) {
     int count = 0;
     for (int f = 0; f < MGPU__FAMILIES; f++)
         for (int t = 0; t < MGPU__TILE_KINDS; t++)
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
-                                                  MGPU__DIRECT, i, &list[count]);
+                                                  MGPU__DIRECT, 0, i, &list[count]);
     for (int t = 0; t < MGPU__TILE_KINDS; t++)
         for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-            count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, MGPU__JOINED, i,
+            count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, MGPU__JOINED, 0, i,
                                               &list[count]);
+    for (int m = 0; m < 2 && wgmma; m++) /* (direct, then joined) */
+        for (int t = 0; t < MGPU__TILE_KINDS; t++)
+            for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
+                count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t,
+                                                  m ? MGPU__JOINED : MGPU__DIRECT, 1, i, &list[count]);
     for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
         mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
         if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
@@ -4841,7 +4886,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
                                         double w_copy_ms, mgpu__implicit_kernel *kernel) {
     mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
     double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
-    int count = 0, fits = mgpu__conv_candidates(what, t->g, candidates);
+    int count = 0, fits = mgpu__conv_candidates(what, t->g, mgpu__wgmma_usable(t->x->device), candidates);
     for (int i = 0; i < fits; i++)
         if (candidates[i].family == family) candidates[count++] = candidates[i];
     for (int i = 0; i < count; i++) best[i] = HUGE_VAL;
@@ -4882,6 +4927,7 @@ static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_
         return;
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
+    if (k.wgmma) snprintf(out + strlen(out), size - strlen(out), " wgmma");
     if (k.method == MGPU__HALO) snprintf(out + strlen(out), size - strlen(out), " with halo");
     if (k.method == MGPU__JOINED) snprintf(out + strlen(out), size - strlen(out), " joined");
     if (k.method != MGPU__HALO && k.splits > 1)

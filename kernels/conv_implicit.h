@@ -178,16 +178,16 @@ static __device__ void mgpu__implicit_multiply(mgpu__implicit_acc (&acc)[TM / 32
 
 /* The block's finished tile of TM rows, in the warps' accumulators, to
    memory through a buffer `out` of 64 rows in shared memory, 64 rows at a
-   time: store(first) puts this warp's rows (from row warp_row of the
-   tile) into out from its row `first`, for the warps whose rows are next;
-   write(m0) takes rows m0 .. m0 + 63 from out to memory. The caller has
-   made sure no warp still reads the bytes of out. (Used by conv_nhwc.h
-   too, whose accumulators are laid out otherwise.) */
+   time: store(m0) puts the thread's accumulators of rows m0 .. m0 + 63
+   of the tile (if it has any) into out; write(m0) takes those rows from
+   out to memory. The caller has made sure no warp still reads the bytes
+   of out. (Used by conv_nhwc.h too, whose accumulators are laid out
+   otherwise.) */
 template <int TM, typename Store, typename Write>
-static __device__ void mgpu__implicit_finish(int warp_row, Store store, Write write) {
-    const int OUT = MGPU__IMPLICIT_OUT_ROWS;
-    for (int m0 = 0; m0 < TM; m0 += OUT) {
-        if (warp_row / OUT == m0 / OUT) store(warp_row - m0);
+static __device__ void mgpu__implicit_finish(Store store, Write write) {
+    MGPU__UNROLL
+    for (int m0 = 0; m0 < TM; m0 += MGPU__IMPLICIT_OUT_ROWS) {
+        store(m0);
         __syncthreads();
         write(m0);
         __syncthreads(); /* out is read before the next rows take it */
@@ -256,13 +256,14 @@ static __device__ void mgpu__implicit_product(mgpu__implicit_tiles<TM, TN> *t, i
     /* the product is over (every warp is past the last barrier): out can
        take the bytes of the step tiles */
     int row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
-    auto store = [&](int first) {
+    auto store = [&](int m0) { /* (a warp's rows lie in one block of 64) */
+        if (row / MGPU__IMPLICIT_OUT_ROWS != m0 / MGPU__IMPLICIT_OUT_ROWS) return;
         for (int i = 0; i < L::FM; i++)
             for (int j = 0; j < L::FN; j++)
-                wmma::store_matrix_sync(&t->out[first + 16 * i][col + 16 * j], acc[i][j], TN + 4,
+                wmma::store_matrix_sync(&t->out[row - m0 + 16 * i][col + 16 * j], acc[i][j], TN + 4,
                                         wmma::mem_row_major);
     };
-    mgpu__implicit_finish<TM>(row, store, write);
+    mgpu__implicit_finish<TM>(store, write);
 }
 
 #endif

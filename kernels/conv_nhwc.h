@@ -129,7 +129,36 @@
    tile of A stored by rows (its blocks: rows 0-7 and 8-15 of columns 0-3,
    then of columns 4-7), and its b fragments for two 8-column tiles of B
    what it gives from B stored by columns (blocks: columns 0-7 of rows 0-3
-   and of rows 4-7, then columns 8-15). */
+   and of rows 4-7, then columns 8-15).
+
+   And Hopper's warpgroup products (wgmma, PTX for the sm_90a target
+   only, where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL; the Makefile builds
+   its compute capability 9.0 code for it), which the four warps of a
+   block issue together and the tensor cores run while the warps go on:
+     mgpu__wgmma_tf32_n128(d, a, b)  D += A B for A 64 x 8 and B 8 x 128
+                          (TF32), both read by the tensor cores straight
+                          from shared memory, where the descriptors a and
+                          b say (mgpu__wgmma_descriptor, below; B by its
+                          columns, as the other kernels store b); D 64 x
+                          128 in float32, a thread's 64 values d[j][e]
+                          being D[16 w + l / 4 + 8 (e / 2)][8 j + 2 (l % 4)
+                          + e % 2] for lane l of warp w: warp w's 16 rows,
+                          as 16 tiles of 16 x 8, each laid out as
+                          mgpu__mma_tf32's d;
+     mgpu__wgmma_fence()  before the first product that reads
+                          accumulators the threads wrote themselves;
+     mgpu__wgmma_commit(), mgpu__wgmma_wait<N>()  close the group of
+                          products issued since the last commit, and wait
+                          until all but the N most recent groups are done
+                          (until then the accumulators are not to be
+                          read, nor their shared memory overwritten);
+     mgpu__wgmma_keep(d)  tells the compiler d is in use here, so that it
+                          moves no access to d across a wait;
+     mgpu__fence_async_reads()  orders this thread's writes to shared
+                          memory (cp.async's too) before later reads by
+                          the tensor cores, which read through another
+                          path (the "async proxy"); then a barrier
+                          extends that to the block's other threads. */
 enum { MGPU__SKIP_L1, MGPU__KEEP_IN_L1 };
 #ifndef MGPU_CUDA_EMU
 typedef unsigned mgpu__shared_address;
@@ -177,6 +206,45 @@ static __device__ __forceinline__ void *mgpu__dynamic_shared(void) {
     extern __shared__ __align__(128) unsigned char mgpu__shared_bytes[];
     return mgpu__shared_bytes;
 }
+/* The offset of a shared-memory address in the block's window (what a
+   wgmma descriptor holds): the address itself on a GPU. */
+static __device__ __forceinline__ unsigned mgpu__shared_window_offset(mgpu__shared_address a) { return a; }
+static __device__ __forceinline__ void mgpu__fence_async_reads(void) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MGPU__WGMMA_BUILT 1 /* this pass of nvcc builds the wgmma kernels */
+static __device__ __forceinline__ void mgpu__wgmma_fence(void) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void mgpu__wgmma_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void mgpu__wgmma_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* (d[j][e] is register 4 j + e of the product's 64) */
+#define MGPU__F4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define MGPU__F16(d, j) MGPU__F4(d, j), MGPU__F4(d, j + 1), MGPU__F4(d, j + 2), MGPU__F4(d, j + 3)
+static __device__ __forceinline__ void mgpu__wgmma_keep(float (&d)[16][4]) {
+    asm volatile("" : MGPU__F16(d, 0), MGPU__F16(d, 4), MGPU__F16(d, 8), MGPU__F16(d, 12)::"memory");
+}
+static __device__ __forceinline__ void mgpu__wgmma_tf32_n128(float (&d)[16][4], uint64_t a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n" /* p: D += A B, not D = A B */
+                 "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1;\n}\n"
+                 : MGPU__F16(d, 0), MGPU__F16(d, 4), MGPU__F16(d, 8), MGPU__F16(d, 12)
+                 : "l"(a), "l"(b));
+}
+#undef MGPU__F16
+#undef MGPU__F4
+#endif
 #endif
 
 /* A block's shared memory for a TM x TN tile: the steps' tiles of W_t
@@ -189,6 +257,34 @@ template <int TM, int TN> union mgpu__nhwc_tiles {
         float b[MGPU__NHWC_STAGES][TN][MGPU__NHWC_STEP + 4];
     } step;
     float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
+};
+/* The same for the wgmma kernels (below): rows of 32 floats, unpadded,
+   in the 128-byte swizzle. */
+template <int TM, int TN> union mgpu__wgmma_tiles {
+    struct {
+        float a[MGPU__NHWC_STAGES][TM][MGPU__NHWC_STEP];
+        float b[MGPU__NHWC_STAGES][TN][MGPU__NHWC_STEP];
+    } step;
+    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
+};
+
+/* Where a step tile's row `row`, 16-byte chunk `chunk`, lies, in bytes
+   from the start of the tile, and the bytes from one row to the next:
+   - for mma.sync (ldmatrix reads the rows), rows padded to 36 floats, as
+     above;
+   - for wgmma, rows of 32 floats, in the layout wgmma calls the 128-byte
+     swizzle: chunk c of row r at chunk c ^ (r % 8) of its row. The
+     tensor cores read 8 rows' same chunk at once, and so those 8 reads
+     land on 8 different 16-byte groups of banks. The pattern repeats
+     every 8 rows (1024 bytes), and the tensor cores take it from the
+     address itself, so a tile must start 1024 bytes aligned. */
+struct mgpu__padded_rows {
+    static const int BYTES = 4 * (MGPU__NHWC_STEP + 4), ALIGN = 16;
+    static __host__ __device__ int at(int row, int chunk) { return row * BYTES + 16 * chunk; }
+};
+struct mgpu__swizzled_rows {
+    static const int BYTES = 4 * MGPU__NHWC_STEP, ALIGN = 1024;
+    static __host__ __device__ int at(int row, int chunk) { return row * BYTES + 16 * ((chunk ^ row) & 7); }
 };
 
 /* Whether the kernel computes conv(x, w) of geometry g: whole steps of
@@ -233,6 +329,7 @@ typedef struct {
     int splits;        /* slices of the sum over (r, s, c), one a block (grid.z; 0 or 1: one), */
     int per;           /* `per` steps each (set at the launch: mgpu__conv_nhwc_slices), */
     float *partials;   /* each slice's tile: [splits, K, mgpu__nhwc_partial_ld(n*P*Q)] scratch */
+    int wgmma;         /* 1: by wgmma (tiles 64 x 128 and 128 x 128, sm_90a); 0: by mma.sync */
 } mgpu__conv_nhwc_args;
 
 /* Slices of the sum. A block computes its tile over all of R*S*C, so a
@@ -290,12 +387,24 @@ static __host__ __device__ size_t mgpu__nhwc_out_index(const mgpu__conv_nhwc_arg
     return (((size_t)img * (a.g.k / t) + filter / t) * a.out.h + p * t + a.out.row) * a.out.w + col;
 }
 
-/* The block's warps in 2 x 2 over a TM x TN tile: each computes a
-   (TM/2) x (TN/2) quarter as 16 x 8 tensor-core tiles, MT x NT of them,
-   in float32 accumulators laid out as mgpu__mma_tf32's d. */
+/* Which accumulators a thread holds, as 16 x 8 tensor-core tiles, MT x
+   NT of them, each laid out as mgpu__mma_tf32's d: tile (i, j) of warp w
+   starts at row row(w) + ROWS_APART i, column col(w) + 8 j of the block's
+   TM x TN tile. For mma.sync the warps are 2 x 2 over the tile, each
+   computing a (TM/2) x (TN/2) quarter; for wgmma (mgpu__wgmma_tf32_n128),
+   each 64 rows of the tile are one product, and warp w holds rows 16 w ..
+   16 w + 15 of each, every column. */
 template <int TM, int TN> struct mgpu__nhwc_warp {
-    static const int MT = TM / 2 / 16, NT = TN / 2 / 8;
+    static const int MT = TM / 2 / 16, NT = TN / 2 / 8, ROWS_APART = 16;
     typedef float acc[MT][NT][4];
+    static __device__ int row(int warp) { return (warp / 2) * (TM / 2); }
+    static __device__ int col(int warp) { return (warp % 2) * (TN / 2); }
+};
+template <int TM, int TN> struct mgpu__wgmma_warp {
+    static const int MT = TM / 64, NT = TN / 8, ROWS_APART = 64;
+    typedef float acc[MT][NT][4];
+    static __device__ int row(int warp) { return 16 * warp; }
+    static __device__ int col(int) { return 0; }
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -338,14 +447,116 @@ static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc
             for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], fa[i], fb[j]);
     }
 }
+
+/* The descriptor wgmma reads a tile of a step by: rows of 32 floats in
+   the 128-byte swizzle (mgpu__swizzled_rows) from shared address `rows`
+   on. Bits 0-13: the address, in 16-byte units; bits 32-45: the bytes
+   from one block of 8 rows to the next (1024), in 16-byte units; bits
+   62-63: the swizzle (1: 128 bytes). (Bits 16-29, the bytes between
+   blocks along the summed index, are not read for this swizzle, as a
+   product's 8 values of a row, 32 bytes, lie in one 128-byte row; 1, as
+   CUTLASS sets them.) The address 32 bytes on is the next 8 values of
+   every row. */
+static __device__ uint64_t mgpu__wgmma_descriptor(mgpu__shared_address rows) {
+    uint64_t start = (mgpu__shared_window_offset(rows) & 0x3FFFF) >> 4;
+    uint64_t eight_rows = 8 * mgpu__swizzled_rows::BYTES >> 4;
+    return start | (uint64_t)1 << 16 | eight_rows << 32 | (uint64_t)1 << 62;
+}
+
+/* The two ways the product kernels below multiply a step's tiles (their
+   template argument): each says how the step tiles' rows lie in shared
+   memory, which accumulators a thread holds, the kernel's shared memory,
+   and multiply(acc, a_tiles, b_tiles, stage): acc += copy `stage` of the
+   step tiles, a times b's transpose.
+   - mma.sync (sm_80 and newer): each warp its quarter of the tile, its
+     operands loaded by ldmatrix (mgpu__nhwc_multiply).
+   - wgmma (sm_90a): for each 8 channels of the step, one 64 x 128 x 8
+     product for each 64 rows of the tile, issued by the block's four
+     warps together, its operands read by the tensor cores from shared
+     memory; then the block waits for them, as the next step's copies go
+     into the tiles they read. No fragments in registers, no ldmatrix:
+     the 128 x 128 tile's 128 accumulators a thread fit beside little
+     else, where mma.sync's 4 warps of 64 x 64 take 230 registers. */
+template <int TM, int TN> struct mgpu__mma_sync_engine {
+    typedef mgpu__padded_rows rows;
+    typedef mgpu__nhwc_warp<TM, TN> warp;
+    typedef mgpu__nhwc_tiles<TM, TN> tiles;
+    static const bool ASYNC_READS = false;
+    static __device__ void multiply(typename warp::acc &acc, mgpu__shared_address a_tiles,
+                                    mgpu__shared_address b_tiles, int stage) {
+        mgpu__shared_address b = b_tiles + rows::at(stage * TN + mgpu__nhwc_lane_pixel<TN>(), 0) +
+                                 4 * mgpu__nhwc_lane_channel();
+        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 8 * j * rows::BYTES; });
+    }
+};
+template <int TM, int TN> struct mgpu__wgmma_engine {
+    static_assert(TN == 128 && TM % 64 == 0, "wgmma tiles: 64 or 128 rows, 128 columns");
+    typedef mgpu__swizzled_rows rows;
+    typedef mgpu__wgmma_warp<TM, TN> warp;
+    typedef mgpu__wgmma_tiles<TM, TN> tiles;
+    static const bool ASYNC_READS = true;
+    static __device__ void multiply(typename warp::acc &acc, mgpu__shared_address a_tiles,
+                                    mgpu__shared_address b_tiles, int stage) {
+#if defined(MGPU__WGMMA_BUILT) || defined(MGPU_CUDA_EMU)
+        MGPU__UNROLL
+        for (int i = 0; i < warp::MT; i++) mgpu__wgmma_keep(acc[i]);
+        mgpu__wgmma_fence();
+        MGPU__UNROLL
+        for (int kk = 0; kk < MGPU__NHWC_STEP / 8; kk++) {
+            uint64_t b = mgpu__wgmma_descriptor(b_tiles + rows::at(stage * TN, 0) + 32 * kk);
+            MGPU__UNROLL
+            for (int i = 0; i < warp::MT; i++)
+                mgpu__wgmma_tf32_n128(acc[i], mgpu__wgmma_descriptor(a_tiles + rows::at(stage * TM + 64 * i, 0) + 32 * kk),
+                                      b);
+        }
+        mgpu__wgmma_commit();
+        mgpu__wgmma_wait<0>();
+        MGPU__UNROLL
+        for (int i = 0; i < warp::MT; i++) mgpu__wgmma_keep(acc[i]);
 #endif
+    }
+};
+/* The block's dynamic shared memory from its first address aligned to
+   ALIGN bytes (the launch asks for ALIGN - 16 bytes more; it is 128
+   bytes aligned as declared). */
+template <int ALIGN> static __device__ void *mgpu__aligned_shared(void) {
+    unsigned char *p = (unsigned char *)mgpu__dynamic_shared();
+    if (ALIGN <= 128) return p;
+    unsigned offset = mgpu__shared_window_offset(mgpu__shared_address_of(p));
+    return p + (ALIGN - offset % ALIGN) % ALIGN;
+}
+#endif
+
+/* Whether this device's code has the wgmma kernels (nvcc built it for
+   sm_90a): *built = 1, else 0. */
+static __global__ void mgpu__wgmma_built_kernel(int *built) {
+    if (threadIdx.x) return;
+#if defined(MGPU__WGMMA_BUILT) || defined(MGPU_CUDA_EMU)
+    *built = 1;
+#else
+    *built = 0;
+#endif
+}
+/* The same on the host, for the GPU of `stream` (one launch, waited for). */
+static int mgpu__wgmma_built(cudaStream_t stream) {
+    int *built, on_host = 0;
+    MGPU_CUDA_CHECK(cudaMalloc((void **)&built, sizeof *built));
+    mgpu__wgmma_built_kernel<<<1, 32, 0, stream>>>(built); /* (a warp: the emulator's least block) */
+    MGPU_CUDA_CHECK_LAUNCH();
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(&on_host, built, sizeof on_host, cudaMemcpyDeviceToHost, stream));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MGPU_CUDA_CHECK(cudaFree(built));
+    return on_host;
+}
 
 /* The loop over steps both kernels share, STAGES - 1 steps in flight
    ahead of the one being multiplied: load(stage) starts the copies of
    the next step into copy `stage` of the step tiles, multiply(stage)
-   multiplies copy `stage`. One barrier a step. At the end every warp has
-   multiplied its last step, so the tiles' bytes may take other data. */
-template <int STAGES, typename Load, typename Multiply>
+   multiplies copy `stage` (ASYNC_READS: by wgmma, which must see the
+   copies through mgpu__fence_async_reads). One barrier a step. At the
+   end every warp has multiplied its last step, so the tiles' bytes may
+   take other data. */
+template <int STAGES, bool ASYNC_READS = false, typename Load, typename Multiply>
 static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply) {
     for (int stage = 0; stage < STAGES - 1; stage++) {
         if (stage < steps) load(stage);
@@ -353,6 +564,7 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
     }
     for (int step = 0; step < steps; step++) {
         mgpu__copies_wait<STAGES - 2>(); /* this thread's copies of `step` have landed, */
+        if (ASYNC_READS) mgpu__fence_async_reads();
         __syncthreads(); /* and everyone's; and every warp is done with step - 1 */
         if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES); /* step - 1's copy */
         mgpu__copies_commit();
@@ -367,17 +579,19 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
    the grid's tiles: blockIdx.y and blockIdx.x), those of it inside rows
    x cols: a lane's two neighbouring values of a row as one 8-byte store,
    4 lanes a row of 32 bytes (ld and the partial's start even). */
-template <int TM, int TN>
-static __device__ void mgpu__nhwc_store_partial(const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float *partial,
-                                                size_t ld, int rows, int cols) {
-    typedef mgpu__nhwc_warp<TM, TN> W;
+template <int TM, int TN, typename W = mgpu__nhwc_warp<TM, TN>>
+static __device__ void mgpu__nhwc_store_partial(const typename W::acc &acc, float *partial, size_t ld, int rows,
+                                                int cols) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int row0 = blockIdx.y * TM + (warp / 2) * (TM / 2) + lane / 4;
-    int col0 = blockIdx.x * TN + (warp % 2) * (TN / 2) + 2 * (lane % 4);
+    int row0 = blockIdx.y * TM + W::row(warp) + lane / 4;
+    int col0 = blockIdx.x * TN + W::col(warp) + 2 * (lane % 4);
+    MGPU__UNROLL
     for (int i = 0; i < W::MT; i++)
+        MGPU__UNROLL
         for (int j = 0; j < W::NT; j++)
+            MGPU__UNROLL
             for (int half = 0; half < 2; half++) {
-                int row = row0 + 16 * i + 8 * half, col = col0 + 8 * j; /* col even */
+                int row = row0 + W::ROWS_APART * i + 8 * half, col = col0 + 8 * j; /* col even */
                 if (row < rows && col < cols)
                     *(float2 *)&partial[(size_t)row * ld + col] =
                         make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
@@ -389,28 +603,32 @@ static __device__ void mgpu__nhwc_store_partial(const typename mgpu__nhwc_warp<T
    filter, p, q] with the bias, as conv_implicit.h writes it: each lane's
    values go to out (shared memory that no warp reads any more) where
    mgpu__mma_tf32 says they are, then along the rows to y, coalesced. */
-template <int TM, int TN>
-static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
-                                         const typename mgpu__nhwc_warp<TM, TN>::acc &acc, float (*out)[TN + 4],
-                                         int slice) {
-    typedef mgpu__nhwc_warp<TM, TN> W;
+template <int TM, int TN, typename W = mgpu__nhwc_warp<TM, TN>>
+static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a, const typename W::acc &acc,
+                                         float (*out)[TN + 4], int slice) {
     const mgpu__conv_geom &g = a.g;
     int pq = g.p * g.q, npq = g.n * pq;
     if (a.splits > 1) {
         size_t ld = mgpu__nhwc_partial_ld(npq);
-        mgpu__nhwc_store_partial<TM, TN>(acc, a.partials + (size_t)slice * g.k * ld, ld, g.k, npq);
+        mgpu__nhwc_store_partial<TM, TN, W>(acc, a.partials + (size_t)slice * g.k * ld, ld, g.k, npq);
         return;
     }
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = (warp / 2) * (TM / 2), col = (warp % 2) * (TN / 2);
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int pixel = blockIdx.x * TN + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
-    auto store = [&](int first) {
-        for (int i = 0; i < W::MT; i++)
+    auto store = [&](int m0) { /* (a 16-row tile lies in one block of 64 rows) */
+        MGPU__UNROLL
+        for (int i = 0; i < W::MT; i++) {
+            int first = W::row(warp) + W::ROWS_APART * i - m0;
+            if (first < 0 || first >= MGPU__IMPLICIT_OUT_ROWS) continue;
+            MGPU__UNROLL
             for (int j = 0; j < W::NT; j++)
+                MGPU__UNROLL
                 for (int e = 0; e < 4; e++)
-                    out[first + 16 * i + lane / 4 + 8 * (e / 2)][col + 8 * j + 2 * (lane % 4) + e % 2] = acc[i][j][e];
+                    out[first + lane / 4 + 8 * (e / 2)][W::col(warp) + 8 * j + 2 * (lane % 4) + e % 2] = acc[i][j][e];
+        }
     };
     if (a.out.joined) { /* each row to its own channel and column class (no bias: only dx is joined) */
-        mgpu__implicit_finish<TM>(row, store, [&](int m0) {
+        mgpu__implicit_finish<TM>(store, [&](int m0) {
             for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS && pixel < npq; m += MGPU__IMPLICIT_THREADS / TN) {
                 int filter = blockIdx.y * TM + m0 + m;
                 if (filter >= g.k) break;
@@ -422,7 +640,7 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
         return;
     }
     size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
-    mgpu__implicit_finish<TM>(row, store, [&](int m0) {
+    mgpu__implicit_finish<TM>(store, [&](int m0) {
         if (pixel < npq)
             mgpu__implicit_write<TN>(out, a.y + (size_t)img * g.k * plane + at, plane, blockIdx.y * TM + m0, g.k, a.b,
                                      a.accumulate);
@@ -430,22 +648,25 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a,
 }
 
 /* Starts the copies of a step's tile of W_t into copy `stage` of a (at
-   shared address a_tiles): channels c0 .. c0 + 31 of tap `tap` (r S + s)
-   of the block's TM filters, a thread the same 16 bytes of every 16th
-   row from tid / 8. Through L1: every block of the grid's row reads them. */
-template <int TM>
+   shared address a_tiles, its rows laid out as Rows says): channels c0 ..
+   c0 + 31 of tap `tap` (r S + s) of the block's TM filters, a thread the
+   same 16 bytes of every 16th row from tid / 8. Through L1: every block
+   of the grid's row reads them. */
+#define MGPU__NHWC_ROWS_APART (MGPU__IMPLICIT_THREADS / (MGPU__NHWC_STEP / 4)) /* (a multiple of 8: */
+static_assert(MGPU__NHWC_ROWS_APART % 8 == 0, "a thread's rows all take the same place in the swizzle)");
+template <int TM, typename Rows = mgpu__padded_rows>
 static __device__ void mgpu__nhwc_load_weights(const mgpu__conv_nhwc_args &a, mgpu__shared_address a_tiles,
                                                int stage, int tap, int c0) {
-    const int LD = MGPU__NHWC_STEP + 4, CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS;
+    const int CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__NHWC_ROWS_APART;
     int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS, filter0 = blockIdx.y * TM;
     int rsc = a.g.r * a.g.s * a.g.c;
     const float *w_step = a.w_t + tap * a.g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
-    mgpu__shared_address to_a = a_tiles + 4 * ((stage * TM + first_row) * LD + chunk * 4);
+    mgpu__shared_address to_a = a_tiles + Rows::at(stage * TM + first_row, chunk);
     for (int j = 0; j < TM / APART; j++) {
         int filter = filter0 + first_row + j * APART;
         bool valid = filter < a.g.k;
-        mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + 4 * j * APART * LD, valid ? w_step + (size_t)filter * rsc : a.w_t,
-                                             valid);
+        mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + j * APART * Rows::BYTES,
+                                             valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
     }
 }
 
@@ -462,16 +683,18 @@ static __device__ void mgpu__nhwc_load_weights(const mgpu__conv_nhwc_args &a, mg
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 /* The block's tile (blockIdx.x: its pixels, .y: its filters) of the
-   product `a`, over slice `slice` of the sum (the kernels below). */
-template <int TM, int TN>
+   product `a`, over slice `slice` of the sum (the kernels below), its
+   steps multiplied by Engine (mma.sync or wgmma, above). */
+template <int TM, int TN, template <int, int> class Engine>
 static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhwc_args &a, int slice) {
-    typedef mgpu__nhwc_warp<TM, TN> W;
+    typedef Engine<TM, TN> E;
+    typedef typename E::rows Rows;
     const mgpu__conv_geom g = a.g;
-    const int STEP = MGPU__NHWC_STEP, LD = STEP + 4;
+    const int STEP = MGPU__NHWC_STEP;
     /* a thread's copies: always the same 16 bytes (chunk) of a row, in
        every APART-th row from tid / 8: TM / APART rows of a, B_PER of b */
-    const int CHUNKS = STEP / 4, APART = MGPU__IMPLICIT_THREADS / CHUNKS, B_PER = TN / APART;
-    mgpu__nhwc_tiles<TM, TN> *t = (mgpu__nhwc_tiles<TM, TN> *)mgpu__dynamic_shared();
+    const int CHUNKS = STEP / 4, APART = MGPU__NHWC_ROWS_APART, B_PER = TN / APART;
+    typename E::tiles *t = (typename E::tiles *)mgpu__aligned_shared<Rows::ALIGN>();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->step.a),
                          b_tiles = mgpu__shared_address_of(t->step.b);
     int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
@@ -503,13 +726,13 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
     int steps = a.per < after ? a.per : after;
     int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
-        mgpu__nhwc_load_weights<TM>(a, a_tiles, stage, r * g.s + s, c0);
+        mgpu__nhwc_load_weights<TM, Rows>(a, a_tiles, stage, r * g.s + s, c0);
         int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
-        mgpu__shared_address to_b = b_tiles + 4 * ((stage * TN + first_row) * LD + chunk * 4);
+        mgpu__shared_address to_b = b_tiles + Rows::at(stage * TN + first_row, chunk);
         for (int j = 0; j < B_PER; j++) {
             int h = top[j] + r, w = left[j] + s;
             bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + 4 * j * APART * LD,
+            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + j * APART * Rows::BYTES,
                                                  inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
         }
         if (++s == g.s) {
@@ -518,22 +741,20 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
         }
     };
 
-    typename W::acc acc = {};
-    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(steps, load, [&](int stage) {
-        mgpu__shared_address b =
-            b_tiles + 4 * ((stage * TN + mgpu__nhwc_lane_pixel<TN>()) * LD + mgpu__nhwc_lane_channel());
-        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 4 * 8 * j * LD; });
+    typename E::warp::acc acc = {};
+    mgpu__nhwc_steps<MGPU__NHWC_STAGES, E::ASYNC_READS>(steps, load, [&](int stage) {
+        E::multiply(acc, a_tiles, b_tiles, stage);
     });
-    mgpu__nhwc_finish<TM, TN>(a, acc, t->out, slice);
+    mgpu__nhwc_finish<TM, TN, typename E::warp>(a, acc, t->out, slice);
 }
 #endif
 
 /* One product, each block a tile over a slice of the sum (blockIdx.z). */
-template <int TM, int TN>
+template <int TM, int TN, template <int, int> class Engine = mgpu__mma_sync_engine>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_nhwc_kernel(mgpu__conv_nhwc_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    mgpu__conv_nhwc_tile<TM, TN>(a, blockIdx.z);
+    mgpu__conv_nhwc_tile<TM, TN, Engine>(a, blockIdx.z);
 #endif
 }
 
@@ -551,7 +772,7 @@ typedef struct {
     int count, splits; /* the products, and the most slices of one */
 } mgpu__conv_nhwc_products;
 
-template <int TM, int TN>
+template <int TM, int TN, template <int, int> class Engine = mgpu__mma_sync_engine>
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, MGPU__NHWC_BLOCKS_PER_SM(TM, TN))
 mgpu__conv_nhwc_products_kernel(const __grid_constant__ mgpu__conv_nhwc_products p) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -561,7 +782,7 @@ mgpu__conv_nhwc_products_kernel(const __grid_constant__ mgpu__conv_nhwc_products
        past its own product's tiles or slices leaves, all its threads
        before any barrier. */
     if (slice >= a.splits || (int)blockIdx.x * TN >= a.g.n * a.g.p * a.g.q) return;
-    mgpu__conv_nhwc_tile<TM, TN>(a, slice);
+    mgpu__conv_nhwc_tile<TM, TN, Engine>(a, slice);
 #endif
 }
 
@@ -571,6 +792,12 @@ mgpu__conv_nhwc_products_kernel(const __grid_constant__ mgpu__conv_nhwc_products
      : (tile) == MGPU__TILE_64x128  ? (int)sizeof(tiles<64, 128>)                         \
      : (tile) == MGPU__TILE_128x128 ? (int)sizeof(tiles<128, 128>)                        \
                                     : (int)sizeof(tiles<64, 64>))
+/* The wgmma kernels' tiles: 64 x 128 and 128 x 128. */
+static int mgpu__wgmma_tile_fits(mgpu__implicit_tile tile) {
+    return tile == MGPU__TILE_64x128 || tile == MGPU__TILE_128x128;
+}
+#define MGPU__WGMMA_INSTANCE(kernel, tile) \
+    ((tile) == MGPU__TILE_128x128 ? kernel<128, 128, mgpu__wgmma_engine> : kernel<64, 128, mgpu__wgmma_engine>)
 
 /* y = (y if accumulate, else 0) + the bias + the slices' partial tiles,
    summed in slice order, each value to where `out` puts it. */
@@ -606,14 +833,23 @@ static void mgpu__conv_nhwc_launch(mgpu__conv_nhwc_products *p, cudaStream_t str
     dim3 grid = mgpu__implicit_grid(tile, pixels, p->product[0].g.k, p->count * p->splits);
     /* More than 48 KB of shared memory must be asked for, on each device
        (a call without the GPU's involvement, cheap enough to make at every
-       launch, which saves remembering which devices have been asked). */
-    int bytes = MGPU__NHWC_BYTES(mgpu__nhwc_tiles, tile);
+       launch, which saves remembering which devices have been asked). The
+       wgmma kernels' tiles start 1024 bytes aligned, which may take up to
+       1008 bytes more (the window's own alignment is 16). */
+    int wgmma = p->product[0].wgmma;
+    if (wgmma && !mgpu__wgmma_tile_fits(tile))
+        mgpu_fatal("internal: a wgmma product in a %s tile", mgpu__implicit_tile_names[tile]);
+    int bytes = wgmma ? MGPU__NHWC_BYTES(mgpu__wgmma_tiles, tile) + mgpu__swizzled_rows::ALIGN - 16
+                      : MGPU__NHWC_BYTES(mgpu__nhwc_tiles, tile);
     if (p->count == 1) {
-        void (*kernel)(mgpu__conv_nhwc_args) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, tile);
+        void (*kernel)(mgpu__conv_nhwc_args) = wgmma ? MGPU__WGMMA_INSTANCE(mgpu__conv_nhwc_kernel, tile)
+                                                     : MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_kernel, tile);
         MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
         kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(p->product[0]);
     } else {
-        void (*kernel)(mgpu__conv_nhwc_products) = MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_products_kernel, tile);
+        void (*kernel)(mgpu__conv_nhwc_products) =
+            wgmma ? MGPU__WGMMA_INSTANCE(mgpu__conv_nhwc_products_kernel, tile)
+                  : MGPU__IMPLICIT_INSTANCE(mgpu__conv_nhwc_products_kernel, tile);
         MGPU_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
         kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, stream>>>(*p);
     }
@@ -785,6 +1021,7 @@ typedef struct {
     int splits;         /* each product's sum in slices (0 or 1: none) */
     float *partials;    /* their scratch: mgpu__conv_nhwc_subpixel_partial_floats */
     int joined;         /* 1: each row class's classes in one product */
+    int wgmma;          /* 1: the products by wgmma (mgpu__conv_nhwc_args) */
 } mgpu__conv_nhwc_subpixel_args;
 
 /* The floats of the products' weights, one after another. */
@@ -861,7 +1098,8 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
         if (!mgpu__subpixel_runs(&k)) continue; /* no pixels of dx, or zeros (or dx as it was) */
         weights.k[batch.count] = k, weights.out[batch.count] = w_class;
         mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
-                                        a->accumulate, a->splits, 0, a->partials ? a->partials + partials : NULL};
+                                        a->accumulate, a->splits, 0, a->partials ? a->partials + partials : NULL,
+                                        a->wgmma};
         mgpu__conv_nhwc_slices(&product);
         batch.product[batch.count++] = product;
         w_class += mgpu__subpixel_weight_floats(&a->g, &k);

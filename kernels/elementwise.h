@@ -83,6 +83,14 @@ static unsigned mgpu__grid_for(size_t n, unsigned block) {
 }
 #define MGPU__GRID_STRIDE_LOOP(i, n) \
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+/* Unrolls the loop that follows, on a GPU: where a loop indexes a
+   register array, each index must be a constant, or the array goes to
+   (slow) local memory. */
+#ifdef __CUDA_ARCH__
+#define MGPU__UNROLL _Pragma("unroll")
+#else
+#define MGPU__UNROLL
+#endif
 
 /* V neighbouring floats at p into v, or from v to p, in one memory
    instruction: V = 4 is a 16-byte access, and p must then be 16-byte

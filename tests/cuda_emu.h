@@ -281,7 +281,7 @@ static void __threadfence() {}
 /* Dynamic shared memory (the launch's third argument): one buffer, as the
    blocks run one at a time; the launch checks its size against what
    cudaFuncSetAttribute allowed (cuda_emu_runtime.h). */
-alignas(128) static unsigned char mgpu_emu_dynamic_shared[228 << 10];
+alignas(1024) static unsigned char mgpu_emu_dynamic_shared[228 << 10]; /* (aligned as a GPU's window) */
 static void *mgpu__dynamic_shared() { return mgpu_emu_dynamic_shared; }
 
 /* kernels/elementwise.h's 16-byte loads and stores, which a GPU refuses
@@ -302,6 +302,11 @@ static void mgpu__store_floats(float *p, const float (&v)[4]) {
    pointer here (a 32-bit offset on a GPU). */
 typedef unsigned char *mgpu__shared_address;
 static mgpu__shared_address mgpu__shared_address_of(const void *p) { return (unsigned char *)p; }
+static unsigned mgpu__shared_window_offset(mgpu__shared_address a) {
+    if (a < mgpu_emu_dynamic_shared || a >= mgpu_emu_dynamic_shared + sizeof mgpu_emu_dynamic_shared)
+        mgpu_emu_fail("a shared-memory offset of an address outside the dynamic shared memory");
+    return (unsigned)(a - mgpu_emu_dynamic_shared);
+}
 
 /* cp.async (mgpu__copy_async16 and its groups), written so that a kernel
    that reads shared memory before waiting for the copy sees the old
@@ -377,10 +382,78 @@ static void mgpu__mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t
     }
     mgpu_emu_arrive_and_wait(&mgpu_emu_warp_barrier[warp]); /* the inputs are read before the next mma */
 }
+
+/* wgmma (mgpu__wgmma_tf32_n128 and its groups), as late as a GPU may run
+   it: a product reads shared memory and adds to the accumulators only
+   when its thread waits for its group (mgpu__wgmma_wait<N>), so that a
+   kernel that overwrites the tiles, or reads the accumulators, before
+   waiting sees what it would on a GPU at worst. Each thread computes its
+   own 64 values of D from the operands in shared memory, where the
+   descriptors say they are and as the 128-byte swizzle places them; the
+   descriptor's fields are decoded here from their bits, so that a wrong
+   descriptor reads the wrong values. */
+struct mgpu_emu_wgmma {
+    float (*d)[4];
+    uint64_t a, b;
+    unsigned long group;
+};
+static std::vector<mgpu_emu_wgmma> mgpu_emu_wgmmas[1024]; /* each thread's, in flight */
+static unsigned long mgpu_emu_wgmma_groups[1024];
+static bool mgpu_emu_wgmma_fenced[1024]; /* the thread's accumulators handed to wgmma (wgmma.fence) */
+static void mgpu__fence_async_reads() {}
+static void mgpu__wgmma_fence() { mgpu_emu_wgmma_fenced[threadIdx.x] = true; }
+static void mgpu__wgmma_keep(float (&)[16][4]) {}
+/* Value k (0..7) of row `row` of the operand that descriptor `desc` gives. */
+static float mgpu_emu_wgmma_operand(uint64_t desc, int row, int k) {
+    unsigned start = (unsigned)(desc & 0x3fff) << 4, eight_rows = (unsigned)(desc >> 32 & 0x3fff) << 4;
+    if (desc >> 62 != 1) mgpu_emu_fail("a wgmma descriptor without the 128-byte swizzle (the only one emulated)");
+    if (desc >> 49 & 7) mgpu_emu_fail("a wgmma descriptor with a base offset (tiles here start 1024-aligned)");
+    if (eight_rows % 1024) mgpu_emu_fail("a 128-byte-swizzled wgmma operand whose 8-row blocks are not 1024 bytes apart");
+    if (start % 1024 + 4 * 8 > 128) mgpu_emu_fail("a wgmma operand's 8 values crossing its 128-byte row");
+    unsigned at = start + (unsigned)(row / 8) * eight_rows + (unsigned)(row % 8) * 128 + 4 * k;
+    at ^= (at >> 7 & 7) << 4; /* the swizzle: chunk c of the 8 rows' pattern to c ^ (row % 8) */
+    if (at + 4 > sizeof mgpu_emu_dynamic_shared) mgpu_emu_fail("a wgmma operand past the shared memory");
+    uint32_t bits;
+    memcpy(&bits, mgpu_emu_dynamic_shared + at, 4);
+    mgpu_emu_check_tf32_bits(bits);
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+static void mgpu_emu_wgmma_run(const mgpu_emu_wgmma &w) {
+    unsigned warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    for (int j = 0; j < 16; j++)
+        for (int e = 0; e < 4; e++) {
+            int row = 16 * warp + lane / 4 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2;
+            for (int k = 0; k < 8; k++)
+                w.d[j][e] += mgpu_emu_wgmma_operand(w.a, row, k) * mgpu_emu_wgmma_operand(w.b, col, k);
+        }
+}
+static void mgpu__wgmma_tf32_n128(float (&d)[16][4], uint64_t a, uint64_t b) {
+    if (blockDim.x % 128) mgpu_emu_fail("a wgmma in a block that is not whole warpgroups of 128 threads");
+    if (!mgpu_emu_wgmma_fenced[threadIdx.x]) mgpu_emu_fail("a wgmma with no wgmma fence before it");
+    mgpu_emu_wgmmas[threadIdx.x].push_back({d, a, b, mgpu_emu_wgmma_groups[threadIdx.x]});
+}
+static void mgpu__wgmma_commit() { mgpu_emu_wgmma_groups[threadIdx.x]++; }
+template <int N> static void mgpu__wgmma_wait() {
+    std::vector<mgpu_emu_wgmma> &mine = mgpu_emu_wgmmas[threadIdx.x];
+    unsigned long committed = mgpu_emu_wgmma_groups[threadIdx.x];
+    size_t kept = 0;
+    for (const mgpu_emu_wgmma &w : mine) {
+        if (w.group + N < committed) mgpu_emu_wgmma_run(w); /* done now, in the order issued */
+        else mine[kept++] = w;
+    }
+    mine.resize(kept);
+    mgpu_emu_wgmma_fenced[threadIdx.x] = false; /* (the accumulators are the thread's again) */
+}
+
 static void mgpu_emu_thread_returned(unsigned t) {
     if (!mgpu_emu_copies[t].empty())
         mgpu_emu_fail("a thread returned with asynchronous copies it never waited for");
+    if (!mgpu_emu_wgmmas[t].empty()) mgpu_emu_fail("a thread returned with wgmma products it never waited for");
     mgpu_emu_groups_committed[t] = 0;
+    mgpu_emu_wgmma_groups[t] = 0;
+    mgpu_emu_wgmma_fenced[t] = false;
 }
 
 /* -------------------------------------------------- WMMA (tensor cores) */

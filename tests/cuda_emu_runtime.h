@@ -108,6 +108,13 @@ static inline cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
     mgpu_emu_peers.push_back(link);
     return cudaSuccess;
 }
+/* Emulated GPUs are of compute capability 9.0 (an H100's). */
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor };
+static inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int d) {
+    if (d < 0 || d >= mgpu_emu_device_count()) return mgpu_emu_error(cudaErrorInvalidDevice);
+    *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+    return cudaSuccess;
+}
 struct cudaFuncAttributes {
     int ptxVersion, binaryVersion;
 };

@@ -142,6 +142,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
 }
 static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes alone */
 static int joined_cases;   /* and joined by rows */
+static int wgmma_cases;    /* conv_nhwc.h's products by wgmma: y, dx at stride 1, dx's classes */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
 static int halo_dw_cases;  /* conv_halo.h's dW checked */
@@ -215,40 +216,46 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         char name[128];
         snprintf(name, sizeof name, "channels-last conv %s n%d c%d %dx%d k%d %dx%d stride %d pad %d",
                  mgpu__implicit_tile_names[tile], n, c, h, w, k, r, s, stride, pad);
-        /* y and dx with the sum whole, and in 2 and in 3 slices (the last
-           one shorter, or with fewer slices than asked when the steps run out) */
-        for (int splits : {0, 2, 3}) {
-            char sliced[160];
-            snprintf(sliced, sizeof sliced, "%s, %d slices", name, splits);
-            if (mgpu__conv_nhwc_fits(&g)) {
-                std::vector<float> y_g = nans(ys), partials = nans(mgpu__conv_nhwc_partial_floats(&g, splits));
-                mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
-                                          splits, 0, partials.data()};
-                mgpu__conv_nhwc_cuda(&a, &on_gpu);
-                close_in_tf32(sliced, "y", y_g, y_c);
-            }
-            /* (every value of dx written: NaN otherwise); then added to one there */
-            for (int accumulate = 0; accumulate <= 1; accumulate++) {
-                std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
-                if (stride == 1 && mgpu__conv_nhwc_dx_fits(&g)) {
-                    std::vector<float> partials = nans(mgpu__conv_nhwc_partial_floats(&d, splits));
-                    mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {},
-                                              accumulate, splits, 0, partials.data()};
+        /* by mma.sync, and in wgmma's tiles by wgmma too */
+        for (int wgmma = 0; wgmma <= mgpu__wgmma_tile_fits(kind); wgmma++) {
+            /* y and dx with the sum whole, and in 2 and in 3 slices (the last
+               one shorter, or with fewer slices than asked when the steps run out) */
+            for (int splits : {0, 2, 3}) {
+                char sliced[160];
+                snprintf(sliced, sizeof sliced, "%s%s, %d slices", name, wgmma ? " by wgmma" : "", splits);
+                if (mgpu__conv_nhwc_fits(&g)) {
+                    std::vector<float> y_g = nans(ys), partials = nans(mgpu__conv_nhwc_partial_floats(&g, splits));
+                    mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
+                                              splits, 0, partials.data(), wgmma};
                     mgpu__conv_nhwc_cuda(&a, &on_gpu);
-                    close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+                    close_in_tf32(sliced, "y", y_g, y_c);
+                    wgmma_cases += wgmma;
                 }
-                for (int joined = 0; joined <= 1 && stride > 1; joined++) { /* the sub-pixel classes */
-                    if (!mgpu__conv_nhwc_subpixel_fits(&g, joined)) continue;
-                    dx_g = accumulate ? dx_start : nans(x.size());
-                    std::vector<float> w_classes = nans(mgpu__conv_nhwc_subpixel_weight_floats(&g, joined));
-                    std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, joined, splits));
-                    mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
-                                                       kind, accumulate, splits, partials.data(), joined};
-                    mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
-                    (joined ? joined_cases : subpixel_cases)++;
-                    close_in_tf32(sliced, joined ? (accumulate ? "joined dx added" : "joined dx")
-                                                 : (accumulate ? "dx added" : "dx"),
-                                  dx_g, accumulate ? dx_sum_c : dx_c);
+                /* (every value of dx written: NaN otherwise); then added to one there */
+                for (int accumulate = 0; accumulate <= 1; accumulate++) {
+                    std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
+                    if (stride == 1 && mgpu__conv_nhwc_dx_fits(&g)) {
+                        std::vector<float> partials = nans(mgpu__conv_nhwc_partial_floats(&d, splits));
+                        mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {},
+                                                  accumulate, splits, 0, partials.data(), wgmma};
+                        mgpu__conv_nhwc_cuda(&a, &on_gpu);
+                        close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+                        wgmma_cases += wgmma;
+                    }
+                    for (int joined = 0; joined <= 1 && stride > 1; joined++) { /* the sub-pixel classes */
+                        if (!mgpu__conv_nhwc_subpixel_fits(&g, joined)) continue;
+                        dx_g = accumulate ? dx_start : nans(x.size());
+                        std::vector<float> w_classes = nans(mgpu__conv_nhwc_subpixel_weight_floats(&g, joined));
+                        std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, joined, splits));
+                        mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
+                                                           kind, accumulate, splits, partials.data(), joined, wgmma};
+                        mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
+                        (joined ? joined_cases : subpixel_cases)++;
+                        wgmma_cases += wgmma;
+                        close_in_tf32(sliced, joined ? (accumulate ? "joined dx added" : "joined dx")
+                                                     : (accumulate ? "dx added" : "dx"),
+                                      dx_g, accumulate ? dx_sum_c : dx_c);
+                    }
                 }
             }
         }
@@ -258,7 +265,7 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         if (mgpu__conv_halo_fits(&g, kind)) {
             std::vector<float> y_g = nans(ys);
             mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
-                                      1, 0, NULL};
+                                      1, 0, NULL, 0};
             mgpu__conv_halo_cuda(&a, &on_gpu);
             close_in_tf32(halo, "y", y_g, y_c);
             halo_cases++;
@@ -266,7 +273,7 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         for (int accumulate = 0; accumulate <= 1 && stride == 1 && mgpu__conv_halo_fits(&d, kind); accumulate++) {
             std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
             mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}, accumulate,
-                                      1, 0, NULL};
+                                      1, 0, NULL, 0};
             mgpu__conv_halo_cuda(&a, &on_gpu);
             close_in_tf32(halo, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
             halo_cases++;
@@ -407,8 +414,12 @@ TEST(channels_last_convolution) {
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: conv_halo.h's with stage 1's 28-wide halos */
-    CHECK(subpixel_cases == 3 * 2 * 6 * MGPU__TILE_KINDS); /* in 3 slicings, overwriting dx and adding to it */
-    CHECK(joined_cases == 3 * 2 * 7 * MGPU__TILE_KINDS);
+    /* in 3 slicings, overwriting dx and adding to it; in every tile by
+       mma.sync, and in 2 by wgmma too */
+    CHECK(subpixel_cases == 3 * 2 * 6 * (MGPU__TILE_KINDS + 2));
+    CHECK(joined_cases == 3 * 2 * 7 * (MGPU__TILE_KINDS + 2));
+    printf("wgmma cases %d\n", wgmma_cases);
+    CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
        where K is too (4), in every tile */
