@@ -44,12 +44,17 @@ HAVE_NVCC := 0
 else
 HAVE_NVCC := $(shell mkdir -p $(BUILD) && printf '__global__ void k(){}\nint main(){k<<<1,1>>>();return 0;}\n' > $(BUILD)/probe.cu && $(NVCC) -o $(BUILD)/probe $(BUILD)/probe.cu >/dev/null 2>&1 && echo 1 || echo 0)
 endif
-GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)) \
+# Machine code for each of CUDA_ARCHS, compute capability 9.0's for
+# sm_90a (Hopper's own instructions: kernels/conv_nhwc.h's wgmma), and
+# PTX of the last for newer GPUs to compile at start.
+SASS_ARCH   = $(if $(filter 90,$(1)),90a,$(1))
+GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(call SASS_ARCH,$(a)),code=sm_$(call SASS_ARCH,$(a))) \
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 NVFLAGS    := -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra -D_GNU_SOURCE \
               -I$(NCCL_HOME)/include
 LAST_ARCH  := $(lastword $(CUDA_ARCHS))
-NVFLAGS_CHECK := -x cu -std=c++17 -O0 -gencode=arch=compute_$(LAST_ARCH),code=sm_$(LAST_ARCH) \
+NVFLAGS_CHECK := -x cu -std=c++17 -O0 \
+              -gencode=arch=compute_$(call SASS_ARCH,$(LAST_ARCH)),code=sm_$(call SASS_ARCH,$(LAST_ARCH)) \
               -Xcompiler -Wall,-Wextra -D_GNU_SOURCE -I$(NCCL_HOME)/include
 # pip's NCCL ships libnccl.so.2 without the libnccl.so link -lnccl looks for
 NCCL_LIB   := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib64/libnccl.so),-lnccl,-l:libnccl.so.2)

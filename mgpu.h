@@ -4717,11 +4717,16 @@ static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try w
 /* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): when
    MGPU_WGMMA=1 asks, on a GPU of compute capability 9.0 whose code has
    them (nvcc built it for sm_90a; asked once a GPU). */
+static int mgpu__wgmma_runs(mgpu_device *dev);
 static int mgpu__wgmma_usable(mgpu_device *dev) {
+    mgpu__conv_settings_from_environment();
+    return mgpu__conv_wgmma_asked && mgpu__wgmma_runs(dev);
+}
+/* Whether dev runs the wgmma kernels, asked or not (the tests). */
+static int mgpu__wgmma_runs(mgpu_device *dev) {
 #if MGPU_CUDA
     static int known[MGPU_MAX_DEVICES]; /* per GPU: 0 not asked yet, 1 no, 2 yes */
-    mgpu__conv_settings_from_environment();
-    if (!mgpu__conv_wgmma_asked || dev->gpu < 0 || dev->gpu >= MGPU_MAX_DEVICES) return 0;
+    if (dev->gpu < 0 || dev->gpu >= MGPU_MAX_DEVICES) return 0;
     if (!known[dev->gpu]) {
         int major, minor;
         MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
@@ -4859,19 +4864,19 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
                 count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t,
                                                   m ? MGPU__JOINED : MGPU__DIRECT, 1, i, &list[count]);
     for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO};
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO, 0};
         if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
     }
     for (int i = 0; what == MGPU__TRY_DW && i < MGPU__KERNEL_CHOICES; i++) {
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 0, MGPU__HALO}; /* (tile unused) */
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 0, MGPU__HALO, 0}; /* (tile unused) */
         if (!mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) break;
         halo.splits = mgpu__conv_halo_dw_splits(g, mgpu__conv_dw_block_choices[i]);
         if (i == 0 || halo.splits != list[count - 1].splits) list[count++] = halo;
     }
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
     if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g, winograd.tile) && mgpu__conv_winograd_worth_trying(g))
         list[count++] = winograd;
-    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS};
+    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
     if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g, few.tile)) list[count++] = few;
     return count;
 }
@@ -4905,7 +4910,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);

@@ -19,7 +19,10 @@
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
    at padding 1), for dx at stride 2 the sub-pixel classes joined a row
-   at a time (rows "channels-last joined", "/N" as above), and
+   at a time (rows "channels-last joined", "/N" as above), on a GPU that
+   runs them (sm_90a code on compute capability 9.0) conv_nhwc.h's
+   direct and joined kernels by wgmma (rows "... wgmma", in the 64 x 128
+   and 128 x 128 tiles, whether MGPU_WGMMA asks for them or not), and
    kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; conv_halo.h's weight
    gradient at padding 1 (rows "halo dW, N slices", one figure each, in
@@ -125,14 +128,18 @@ static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each til
    mgpu__conv_kernel_choice), after the last choice, i ==
    MGPU__KERNEL_CHOICES, conv_halo.h's forward kernel (for the forward
    pass and dx), and after it, the joined sub-pixel classes' choices (for
-   dx at stride > 1); returns whether it is one. */
-enum { CANDIDATE_ROWS = 2 * MGPU__KERNEL_CHOICES + 1 };
+   dx at stride > 1); then the direct and joined kernels' by wgmma, where
+   `wgmma` (the GPU runs them); returns whether it is one. */
+enum { CANDIDATE_ROWS = 4 * MGPU__KERNEL_CHOICES + 1 };
 static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
-                     mgpu__implicit_tile tile, int i, mgpu__implicit_kernel *k) {
-    if (i < MGPU__KERNEL_CHOICES) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__DIRECT, i, k);
-    if (i > MGPU__KERNEL_CHOICES)
-        return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__JOINED, i - MGPU__KERNEL_CHOICES - 1, k);
-    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
+                     mgpu__implicit_tile tile, int wgmma, int i, mgpu__implicit_kernel *k) {
+    const int N = MGPU__KERNEL_CHOICES;
+    if (i < N) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__DIRECT, 0, i, k);
+    if (i > N && i <= 2 * N) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__JOINED, 0, i - N - 1, k);
+    if (i > 2 * N)
+        return wgmma && mgpu__conv_kernel_choice(what, g, family, tile, i > 3 * N ? MGPU__JOINED : MGPU__DIRECT, 1,
+                                                 (i - 2 * N - 1) % N, k);
+    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO, 0};
     *k = halo;
     return family == MGPU__CHANNELS_LAST && what != MGPU__TRY_DW && mgpu__conv_halo_fits_pass(what, g, tile);
 }
@@ -171,6 +178,9 @@ int main(int argc, char **argv) {
     mgpu_device *dev[1];
     mgpu_devices(1, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);
+#if MGPU_CUDA
+    int wgmma = on_gpu && mgpu__wgmma_runs(dev[0]);
+#endif
     int batch = o.batch_size ? o.batch_size : on_gpu ? 256 : 32;
     if (!steps) steps = on_gpu ? 20 : 2;
     int tiles = 0; /* tile shapes timed: none without the implicit GEMM */
@@ -237,8 +247,8 @@ int main(int argc, char **argv) {
                         double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
                         int timed = 0;
                         for (int t = 0; t < tiles; t++) {
-                            if (!candidate(tries[pass], &c.g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, i,
-                                           &c.kernel))
+                            if (!candidate(tries[pass], &c.g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, wgmma,
+                                           i, &c.kernel))
                                 continue;
                             us[t] = time_us(dev[0], runs[pass], &c, steps);
                             if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
@@ -246,8 +256,12 @@ int main(int argc, char **argv) {
                         }
                         if (!timed) continue;
                         char family[48];
-                        int choice = i % (MGPU__KERNEL_CHOICES + 1); /* (joined: as the direct kernel's) */
-                        const char *joined = i > MGPU__KERNEL_CHOICES ? " joined" : "";
+                        const int N = MGPU__KERNEL_CHOICES;
+                        int choice = i > 2 * N ? (i - 2 * N - 1) % N : i % (N + 1); /* (joined: as direct) */
+                        const char *joined = i > 3 * N        ? " joined wgmma"
+                                             : i > 2 * N      ? " wgmma"
+                                             : i > N          ? " joined"
+                                                              : "";
                         if (i == MGPU__KERNEL_CHOICES)
                             snprintf(family, sizeof family, "  %s halo", mgpu__implicit_family_names[f]);
                         else if (f == MGPU__CHANNELS_LAST && pass == DW)
@@ -262,8 +276,8 @@ int main(int argc, char **argv) {
                                   us, tiles);
                     }
                 const mgpu__implicit_kernel untiled[2] = { /* (one figure each) */
-                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD},
-                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS}};
+                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0},
+                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0}};
                 for (int m = 0; m < 2; m++) {
                     if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g, untiled[m].tile)) continue;
                     double us[TILE_COLUMNS] = {0};
@@ -274,7 +288,7 @@ int main(int argc, char **argv) {
                               pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
                 }
                 mgpu__implicit_kernel listed[MGPU__CANDIDATES]; /* conv_halo.h's dW, in each slicing tried */
-                int candidates = pass == DW ? mgpu__conv_candidates(MGPU__TRY_DW, &c.g, listed) : 0;
+                int candidates = pass == DW ? mgpu__conv_candidates(MGPU__TRY_DW, &c.g, 0, listed) : 0;
                 for (int j = 0; j < candidates; j++) {
                     if (listed[j].method != MGPU__HALO) continue;
                     double us[TILE_COLUMNS] = {0};

@@ -287,7 +287,7 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
    CPU's in y and dx (dx also added to what is there: twice the CPU's). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
                              pair *dy, pair *dx) {
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD};
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
     char what[96];
     snprintf(what, sizeof what, "%s, Winograd", name);
     if (mgpu__conv_winograd_fits(MGPU__TRY_Y, g)) {
@@ -310,6 +310,7 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
         free(twice);
     }
 }
+static int wgmma_checks; /* the input gradients checked by wgmma below */
 /* Every kernel and tile shape of the implicit GEMMs, each launched
    directly (the library keeps the fastest per product, so some may never
    run above); the channels-last kernels, the halo kernel and Winograd
@@ -330,9 +331,9 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, MGPU__DIRECT};
-        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, MGPU__DIRECT};
-        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, MGPU__DIRECT}; /* the sum in 2 slices */
+        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, MGPU__DIRECT, 0};
+        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, MGPU__DIRECT, 0};
+        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, MGPU__DIRECT, 0}; /* the sum in 2 slices */
         mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
         mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
         mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
@@ -359,7 +360,28 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, &w_turned_t, &g, sliced, 0);
             check_same(what, "dx in 2 slices, from the kept copy of w", &dx, 2e-3);
         }
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO};
+        /* by wgmma, where the GPU has it (sm_90a code on an H100 or H200,
+           and the emulator): whole and in 2 slices, and at stride 2 the
+           joined classes too */
+        for (int i = 0; i < 4 && mgpu__wgmma_tile_fits(tile) && mgpu__wgmma_runs(x.g->device); i++) {
+            mgpu__implicit_kernel by_wgmma = {MGPU__CHANNELS_LAST, tile, 1 + i % 2,
+                                              i < 2 ? MGPU__DIRECT : MGPU__JOINED, 1};
+            char how[160];
+            snprintf(how, sizeof how, "%s by wgmma, %s, %d slices", what, i < 2 ? "direct" : "joined",
+                     by_wgmma.splits);
+            if (i < 2 && mgpu__conv_nhwc_fits(&g)) {
+                mgpu_fill(y.g, NAN);
+                mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, by_wgmma, NULL);
+                check_same(how, "y", &y, 2e-3);
+            }
+            if (i < 2 ? mgpu__conv_nhwc_dx_fits(&g) : mgpu__conv_nhwc_subpixel_fits(&g, 1)) {
+                mgpu_fill(dx.g, NAN);
+                mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, by_wgmma, 0);
+                check_same(how, "dx", &dx, 2e-3);
+                wgmma_checks += i < 2;
+            }
+        }
+        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO, 0};
         if (mgpu__conv_halo_fits_pass(MGPU__TRY_Y, &g, tile)) {
             mgpu_fill(y.g, NAN);
             mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, halo, NULL);
@@ -406,6 +428,11 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     implicit_tiles_compare("stage 3",          32, 256, 7, 256, 3, 1, 1);
     implicit_tiles_compare("stage 4",          16, 512, 4, 512, 3, 1, 1);
     implicit_tiles_compare("partial tiles",     3, 96, 11,  96, 3, 1, 2);
+    if (mgpu__wgmma_runs(gpu)) {
+        printf("  wgmma: %d input gradients checked by the direct kernels\n", wgmma_checks);
+        CHECK(wgmma_checks > 0);
+    }
+    else printf("  (no wgmma kernels on this GPU: they need sm_90a code and compute capability 9.0)\n");
     mgpu_set_tf32(0, 0);
     mgpu__conv_mode = MGPU__CONV_AUTO;
 }
@@ -451,7 +478,7 @@ TEST(conv_algorithm_chosen_by_measuring) {
 static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
                             const mgpu__conv_geom *g, int *splits, int *halo, int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(what, g, list), found = 0;
+    int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
     *halo = *winograd = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__WINOGRAD) *winograd += 1;
@@ -465,7 +492,7 @@ static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, m
    classes in a tile, into splits; returns how many. */
 static int joined_slices(const mgpu__conv_geom *g, mgpu__implicit_tile tile, int *splits) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(MGPU__TRY_DX, g, list), found = 0;
+    int count = mgpu__conv_candidates(MGPU__TRY_DX, g, 0, list), found = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__JOINED && list[j].tile == tile) splits[found++] = list[j].splits;
     return found;
@@ -474,7 +501,7 @@ static int joined_slices(const mgpu__conv_geom *g, mgpu__implicit_tile tile, int
    pass of geometry g, into splits; returns how many. */
 static int halo_dw_slices(const mgpu__conv_geom *g, int *splits) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(MGPU__TRY_DW, g, list), found = 0;
+    int count = mgpu__conv_candidates(MGPU__TRY_DW, g, 0, list), found = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__HALO) splits[found++] = list[j].splits;
     return found;
@@ -581,7 +608,7 @@ TEST(trial_candidates_slice_the_sums) {
    forward pass and dW (not dx): ResNet-18's stem, not stage 1. */
 static int lists_few_inputs(mgpu__conv_try what, const mgpu__conv_geom *g) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(what, g, list), found = 0;
+    int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
     for (int j = 0; j < count; j++) found += list[j].method == MGPU__FEW_INPUTS && list[j].family == MGPU__GATHER;
     return found;
 }
@@ -635,7 +662,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu_shape xs = mgpu_shape4(3, 1, 17, 15), ws = mgpu_shape4(20, 1, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
-    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS};
+    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
     mgpu__conv_plan plan = {1, 0, 0, few, few, few};
     int before = plan_by_hand(&g, plan, 1);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
@@ -664,8 +691,8 @@ TEST(weight_gradient_by_halo) {
     mgpu_shape xs = mgpu_shape4(3, 48, 9, 11), ws = mgpu_shape4(20, 48, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     mgpu__conv_geom g = mgpu__conv_geometry("halo dW", xs, ws, 1, 1);
-    mgpu__implicit_kernel direct = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
-    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 3, MGPU__HALO};
+    mgpu__implicit_kernel direct = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 3, MGPU__HALO, 0};
     mgpu__conv_plan plan = {1, 0, 0, direct, direct, halo};
     int before = plan_by_hand(&g, plan, 0);
     pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dw = pair_nan(ws);
@@ -713,6 +740,7 @@ TEST(implicit_gemm_small_tiles) {
     implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels */
     implicit_tiles_compare("Winograd, padding 0", 2, 32, 8, 64, 3, 1, 0); /* (y 6x6; dx padded by 2) */
     implicit_tiles_compare("Winograd, padding 2", 1, 64, 5, 32, 3, 1, 2); /* (y 7x7, dx 5x5: half tiles) */
+    if (mgpu__wgmma_runs(gpu)) CHECK(wgmma_checks > 0); /* (the emulator's GPUs run them) */
     mgpu_set_tf32(0, 0);
 }
 
@@ -727,7 +755,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
+    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -830,11 +858,13 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT};
-    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
-    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT};
-    mgpu__implicit_kernel joined = {MGPU__CHANNELS_LAST, MGPU__TILE_128x64, 1, MGPU__JOINED};
-    mgpu__implicit_kernel joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED};
+    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel joined = {MGPU__CHANNELS_LAST, MGPU__TILE_128x64, 1, MGPU__JOINED, 0};
+    mgpu__implicit_kernel joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 0};
+    mgpu__implicit_kernel wgmma = {MGPU__CHANNELS_LAST, MGPU__TILE_128x128, 1, MGPU__DIRECT, 1};
+    mgpu__implicit_kernel wgmma_joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 1};
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
@@ -842,6 +872,9 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
         residual_block_compare(stride, sliced, 0);
         residual_block_compare(stride, joined, 0);
         residual_block_compare(stride, joined_sliced, 0);
+        if (!mgpu__wgmma_runs(gpu)) continue;
+        residual_block_compare(stride, wgmma, 0);
+        residual_block_compare(stride, wgmma_joined_sliced, 0);
     }
     mgpu_set_tf32(0, 0);
 }
@@ -940,7 +973,7 @@ static int all_nan(const mgpu_tensor *t) {
 }
 static void batch_norms_write_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT};
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
     mgpu_manual_seed(13);
     small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
@@ -993,7 +1026,7 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT}; /* in 2 slices */
+    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT, 0}; /* in 2 slices */
     mgpu_manual_seed(17);
     small_test test = small_test_new(kernel, MGPU__DIRECT);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
