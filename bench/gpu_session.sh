@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #   bash bench/gpu_session.sh ncu                 # Nsight Compute on the convolution kernels
 #   AB_BASE=REV bash bench/gpu_session.sh ab      # ./bench/profile and ./bench/conv, REV against this tree
+#   bash bench/gpu_session.sh wgmma               # ./bench/profile without and with MGPU_WGMMA=1
 #
 # Every stage builds what it needs first (make is quick when nothing
 # changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT
@@ -158,6 +159,22 @@ ab() {
     done
 }
 
+# The step without and with the wgmma kernels among the trial's
+# candidates (MGPU_WGMMA=1; kernels/conv_nhwc.h), twice each in turn, then
+# the profile with them, which names the kernel each convolution keeps.
+# (make test-gpu checks them against the CPU where the GPU runs them;
+# ./bench/conv times them beside the others, rows "... wgmma".)
+wgmma_stage() {
+    make -j"$JOBS" bench/profile || return 1
+    local round w
+    for round in 1 2; do
+        for w in 0 1; do
+            echo "MGPU_WGMMA=$w, run $round: $(MGPU_WGMMA=$w ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
+        done
+    done
+    MGPU_WGMMA=1 ./bench/profile --data "$MGPU_DATA"
+}
+
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
 # by measuring (MGPU_CONV=auto, the default), with the convolutions
@@ -186,6 +203,7 @@ for s in "$@"; do
     case $s in
     build) stage build build || status=1 ;;
     test) stage test make -j"$JOBS" test-gpu || status=1 ;;
+    wgmma) stage wgmma wgmma_stage || status=1 ;;
     chapters)
         stage build build >/dev/null || { status=1; continue; }
         stage chapters chapters || status=1
