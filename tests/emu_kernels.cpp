@@ -418,7 +418,10 @@ TEST(channels_last_convolution) {
        mma.sync, and in 2 by wgmma too */
     CHECK(subpixel_cases == 3 * 2 * 6 * (MGPU__TILE_KINDS + 2));
     CHECK(joined_cases == 3 * 2 * 7 * (MGPU__TILE_KINDS + 2));
-    printf("wgmma cases %d\n", wgmma_cases);
+    /* by wgmma, in its 2 tiles and 3 slicings: y of the 14 cases with C in
+       32s, dx of the 4 at stride 1 with K in 32s (over dx and added),
+       and the sub-pixel classes (6 cases) and joined rows (7), both ways */
+    CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 6 * 2 + 7 * 2));
     CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
