@@ -4724,7 +4724,6 @@ static int mgpu__wgmma_usable(mgpu_device *dev) {
 }
 /* Whether dev runs the wgmma kernels, asked or not (the tests). */
 static int mgpu__wgmma_runs(mgpu_device *dev) {
-#if MGPU_CUDA
     static int known[MGPU_MAX_DEVICES]; /* per GPU: 0 not asked yet, 1 no, 2 yes */
     if (dev->gpu < 0 || dev->gpu >= MGPU_MAX_DEVICES) return 0;
     if (!known[dev->gpu]) {
@@ -4735,10 +4734,6 @@ static int mgpu__wgmma_runs(mgpu_device *dev) {
         known[dev->gpu] = major == 9 && minor == 0 && mgpu__wgmma_built(dev->queue[0].stream) ? 2 : 1;
     }
     return known[dev->gpu] == 2;
-#else
-    (void)dev;
-    return 0;
-#endif
 }
 
 /* The slices the channels-last forward and dx are tried in (conv_nhwc.h).

@@ -554,6 +554,22 @@ TEST(conv_settings_from_the_environment) {
     mgpu__conv_env_read = 0;
     mgpu__conv_settings_from_environment();
     CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
+    /* MGPU_WGMMA: 1 asks for the wgmma kernels, 0 or nothing not */
+    const char *wgmma[] = {"1", "0", ""};
+    for (int i = 0; i < 3; i++) {
+        setenv("MGPU_WGMMA", wgmma[i], 1);
+        mgpu__conv_env_read = 0;
+        mgpu__conv_settings_from_environment();
+        CHECK_EQ_INT(mgpu__conv_wgmma_asked, i == 0);
+    }
+    setenv("MGPU_WGMMA", "yes", 1);
+    mgpu__conv_env_read = 0;
+    EXPECT_DIES(mgpu__conv_settings_from_environment(),
+                "MGPU_WGMMA=yes: want 0 (the default: mma.sync alone) or 1 (wgmma too, on sm_90)");
+    unsetenv("MGPU_WGMMA");
+    mgpu__conv_env_read = 0;
+    mgpu__conv_settings_from_environment();
+    CHECK_EQ_INT(mgpu__conv_wgmma_asked, 0);
 }
 
 /* The backward plan's choice of ways (mgpu__conv_backward_ways), on times
