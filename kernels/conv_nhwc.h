@@ -85,6 +85,12 @@
        128 x 64       54 KB
        64 x 128       54 KB
        128 x 128      72 KB
+   On Hopper (sm_90a code), the same kernel may multiply its steps with
+   the warpgroup products instead (wgmma: mgpu__wgmma_engine, below), in
+   the 64 x 128 and 128 x 128 tiles: the tensor cores read both tiles from
+   shared memory themselves, so the warps load no fragments, and the 128
+   x 128 tile, which brings a third fewer bytes per multiply than 64 x
+   128, fits in 210 registers. (Tried when MGPU_WGMMA=1.)
    Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
    the first call with a shape finds it the fastest. (kernels/conv_halo.h
    is the forward kernel again for 3x3 layers at stride 1 and padding 1,
