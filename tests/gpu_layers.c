@@ -602,6 +602,24 @@ TEST(trial_candidates_slice_the_sums) {
     n = halo_dw_slices(&stage4, got);
     check_slices("stage 4, halo dW", got, n, stage4_halo_dw, 5);
     CHECK_EQ_INT(halo_dw_slices(&stage3_down, got), 0);
+    /* with wgmma asked for: the channels-last kernels again by wgmma, in
+       its two tiles, sliced as by mma.sync: stage 4's y in 6 slicings
+       each; stage 3's stride-2 dx in 2, alone and joined; never dW */
+    mgpu__implicit_kernel list[MGPU__CANDIDATES];
+    int plain = mgpu__conv_candidates(MGPU__TRY_Y, &stage4, 0, list);
+    int count = mgpu__conv_candidates(MGPU__TRY_Y, &stage4, 1, list), by_wgmma = 0;
+    CHECK_EQ_INT(count - plain, 2 * 6);
+    for (int j = 0; j < count; j++) {
+        if (!list[j].wgmma) continue;
+        CHECK(mgpu__wgmma_tile_fits(list[j].tile) && list[j].method == MGPU__DIRECT &&
+              list[j].splits == all[by_wgmma % 6]);
+        by_wgmma++;
+    }
+    CHECK_EQ_INT(by_wgmma, 2 * 6);
+    plain = mgpu__conv_candidates(MGPU__TRY_DX, &stage3_down, 0, list);
+    CHECK_EQ_INT(mgpu__conv_candidates(MGPU__TRY_DX, &stage3_down, 1, list) - plain, 2 * 2 + 2 * 2);
+    plain = mgpu__conv_candidates(MGPU__TRY_DW, &stage4, 0, list);
+    CHECK_EQ_INT(mgpu__conv_candidates(MGPU__TRY_DW, &stage4, 1, list), plain);
 }
 
 /* conv_few_inputs.h's kernels are candidates where C*R*S <= 9, for the
