@@ -19,10 +19,10 @@
    B blocks, where a tile's differ from the row above's), and for 3x3
    layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
    at padding 1), for dx at stride 2 the sub-pixel classes joined a row
-   at a time (rows "channels-last joined", "/N" as above), on a GPU that
-   runs them (sm_90a code on compute capability 9.0) conv_nhwc.h's
-   direct and joined kernels by wgmma (rows "... wgmma", in the 64 x 128
-   and 128 x 128 tiles, whether MGPU_WGMMA asks for them or not), and
+   at a time (rows "channels-last joined", "/N" as above), with
+   MGPU_WGMMA=1 on a GPU that runs them (sm_90a code on compute capability
+   9.0) conv_nhwc.h's direct and joined kernels by wgmma (rows "...
+   wgmma", in the 64 x 128 and 128 x 128 tiles), and
    kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; conv_halo.h's weight
    gradient at padding 1 (rows "halo dW, N slices", one figure each, in
@@ -179,7 +179,7 @@ int main(int argc, char **argv) {
     mgpu_devices(1, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);
 #if MGPU_CUDA
-    int wgmma = on_gpu && mgpu__wgmma_runs(dev[0]);
+    int wgmma = on_gpu && mgpu__wgmma_usable(dev[0]);
 #endif
     int batch = o.batch_size ? o.batch_size : on_gpu ? 256 : 32;
     if (!steps) steps = on_gpu ? 20 : 2;

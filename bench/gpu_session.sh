@@ -161,18 +161,18 @@ ab() {
 
 # The step without and with the wgmma kernels among the trial's
 # candidates (MGPU_WGMMA=1; kernels/conv_nhwc.h), twice each in turn, then
-# the profile with them, which names the kernel each convolution keeps.
-# (make test-gpu checks them against the CPU where the GPU runs them;
-# ./bench/conv times them beside the others, rows "... wgmma".)
+# the profile with them, which names the kernel each convolution keeps,
+# and ./bench/conv with them (rows "... wgmma"). (make test-gpu checks
+# them against the CPU wherever the GPU runs them.)
 wgmma_stage() {
-    make -j"$JOBS" bench/profile || return 1
+    make -j"$JOBS" bench/profile bench/conv || return 1
     local round w
     for round in 1 2; do
         for w in 0 1; do
             echo "MGPU_WGMMA=$w, run $round: $(MGPU_WGMMA=$w ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
         done
     done
-    MGPU_WGMMA=1 ./bench/profile --data "$MGPU_DATA"
+    MGPU_WGMMA=1 ./bench/profile --data "$MGPU_DATA" && echo && MGPU_WGMMA=1 ./bench/conv
 }
 
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
