@@ -412,6 +412,11 @@ template <int TM, int TN> struct mgpu__wgmma_warp {
     static __device__ int row(int warp) { return 16 * warp; }
     static __device__ int col(int) { return 0; }
 };
+/* The two ways of multiplying a step (below; declared here for the
+   kernels' template arguments, which a build for GPUs before sm_80 also
+   names, with empty kernels). */
+template <int TM, int TN> struct mgpu__mma_sync_engine;
+template <int TM, int TN> struct mgpu__wgmma_engine;
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 /* The lanes' addresses for ldmatrix (mgpu__load_matrices lists the
