@@ -518,6 +518,14 @@ TEST(conv2d_in_chunks) {
     inputs_free(&c, &ci);
 }
 
+/* The convolutions' settings read again with variable `name` set to
+   `value` (NULL: unset). */
+static void reread_conv_settings(const char *name, const char *value) {
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+    mgpu__conv_env_read = 0;
+    mgpu__conv_settings_from_environment();
+}
 /* MGPU_CONV_SCRATCH_MB sets the scratch of both kinds of device: 3 MiB is
    3 << 18 = 786432 floats, so 77 images of (9 + 4) * 28 * 28 floats fit in a chunk,
    where the default 4 MiB holds 102. A bad value is a clear error. */
@@ -541,34 +549,26 @@ TEST(conv_settings_from_the_environment) {
     const char *names[] = {"implicit", "im2col", "auto", ""};
     int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_AUTO, MGPU__CONV_AUTO};
     for (int i = 0; i < 4; i++) {
-        setenv("MGPU_CONV", names[i], 1);
-        mgpu__conv_env_read = 0;
-        mgpu__conv_settings_from_environment();
+        reread_conv_settings("MGPU_CONV", names[i]);
         CHECK_EQ_INT(mgpu__conv_mode, modes[i]);
     }
     setenv("MGPU_CONV", "winograd", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
                 "MGPU_CONV=winograd: want auto (the default), im2col or implicit");
-    unsetenv("MGPU_CONV");
-    mgpu__conv_env_read = 0;
-    mgpu__conv_settings_from_environment();
+    reread_conv_settings("MGPU_CONV", NULL);
     CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
     /* MGPU_WGMMA: 1 asks for the wgmma kernels, 0 or nothing not */
     const char *wgmma[] = {"1", "0", ""};
     for (int i = 0; i < 3; i++) {
-        setenv("MGPU_WGMMA", wgmma[i], 1);
-        mgpu__conv_env_read = 0;
-        mgpu__conv_settings_from_environment();
+        reread_conv_settings("MGPU_WGMMA", wgmma[i]);
         CHECK_EQ_INT(mgpu__conv_wgmma_asked, i == 0);
     }
     setenv("MGPU_WGMMA", "yes", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
                 "MGPU_WGMMA=yes: want 0 (the default: mma.sync alone) or 1 (wgmma too, on sm_90)");
-    unsetenv("MGPU_WGMMA");
-    mgpu__conv_env_read = 0;
-    mgpu__conv_settings_from_environment();
+    reread_conv_settings("MGPU_WGMMA", NULL);
     CHECK_EQ_INT(mgpu__conv_wgmma_asked, 0);
 }
 
