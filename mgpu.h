@@ -4714,14 +4714,6 @@ static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try w
                                   : what == MGPU__TRY_DW && mgpu__conv_nhwc_dw_fits(g);
 }
 
-/* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): when
-   MGPU_WGMMA=1 asks, on a GPU of compute capability 9.0 whose code has
-   them (nvcc built it for sm_90a; asked once a GPU). */
-static int mgpu__wgmma_runs(mgpu_device *dev);
-static int mgpu__wgmma_usable(mgpu_device *dev) {
-    mgpu__conv_settings_from_environment();
-    return mgpu__conv_wgmma_asked && mgpu__wgmma_runs(dev);
-}
 /* Whether dev runs the wgmma kernels, asked or not (the tests). */
 static int mgpu__wgmma_runs(mgpu_device *dev) {
     static int known[MGPU_MAX_DEVICES]; /* per GPU: 0 not asked yet, 1 no, 2 yes */
@@ -4734,6 +4726,13 @@ static int mgpu__wgmma_runs(mgpu_device *dev) {
         known[dev->gpu] = major == 9 && minor == 0 && mgpu__wgmma_built(dev->queue[0].stream) ? 2 : 1;
     }
     return known[dev->gpu] == 2;
+}
+/* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): when
+   MGPU_WGMMA=1 asks, on a GPU of compute capability 9.0 whose code has
+   them (nvcc built it for sm_90a; asked once a GPU). */
+static int mgpu__wgmma_usable(mgpu_device *dev) {
+    mgpu__conv_settings_from_environment();
+    return mgpu__conv_wgmma_asked && mgpu__wgmma_runs(dev);
 }
 
 /* The slices the channels-last forward and dx are tried in (conv_nhwc.h).

@@ -253,31 +253,11 @@ static __device__ __forceinline__ void mgpu__wgmma_tf32_n128(float (&d)[16][4], 
 #endif
 #endif
 
-/* A block's shared memory for a TM x TN tile: the steps' tiles of W_t
-   (a: TM rows of 32 channels) and of col (b: TN pixels, each a column of
-   32 channels, so b is column-major), and at the end, in the same bytes,
-   64 rows of the finished tile on their way to memory. */
-template <int TM, int TN> union mgpu__nhwc_tiles {
-    struct {
-        float a[MGPU__NHWC_STAGES][TM][MGPU__NHWC_STEP + 4];
-        float b[MGPU__NHWC_STAGES][TN][MGPU__NHWC_STEP + 4];
-    } step;
-    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
-};
-/* The same for the wgmma kernels (below): rows of 32 floats, unpadded,
-   in the 128-byte swizzle. */
-template <int TM, int TN> union mgpu__wgmma_tiles {
-    struct {
-        float a[MGPU__NHWC_STAGES][TM][MGPU__NHWC_STEP];
-        float b[MGPU__NHWC_STAGES][TN][MGPU__NHWC_STEP];
-    } step;
-    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
-};
-
 /* Where a step tile's row `row`, 16-byte chunk `chunk`, lies, in bytes
    from the start of the tile, and the bytes from one row to the next:
-   - for mma.sync (ldmatrix reads the rows), rows padded to 36 floats, as
-     above;
+   - for mma.sync (ldmatrix reads the rows), rows padded to 36 floats, so
+     that the 8 rows one ldmatrix reads start on 8 different 16-byte
+     groups of banks;
    - for wgmma, rows of 32 floats, in the layout wgmma calls the 128-byte
      swizzle: chunk c of row r at chunk c ^ (r % 8) of its row. The
      tensor cores read 8 rows' same chunk at once, and so those 8 reads
@@ -292,6 +272,20 @@ struct mgpu__swizzled_rows {
     static const int BYTES = 4 * MGPU__NHWC_STEP, ALIGN = 1024;
     static __host__ __device__ int at(int row, int chunk) { return row * BYTES + 16 * ((chunk ^ row) & 7); }
 };
+
+/* A block's shared memory for a TM x TN tile: the steps' tiles of W_t
+   (a: TM rows of 32 channels) and of col (b: TN pixels, each a column of
+   32 channels, so b is column-major), their rows laid out as Rows says,
+   and at the end, in the same bytes, 64 rows of the finished tile on
+   their way to memory. The wgmma kernels' (below) in the swizzle. */
+template <int TM, int TN, typename Rows = mgpu__padded_rows> union mgpu__nhwc_tiles {
+    struct {
+        float a[MGPU__NHWC_STAGES][TM][Rows::BYTES / 4];
+        float b[MGPU__NHWC_STAGES][TN][Rows::BYTES / 4];
+    } step;
+    float out[MGPU__IMPLICIT_OUT_ROWS][TN + 4];
+};
+template <int TM, int TN> using mgpu__wgmma_tiles = mgpu__nhwc_tiles<TM, TN, mgpu__swizzled_rows>;
 
 /* Whether the kernel computes conv(x, w) of geometry g: whole steps of
    32 channels, and grids a GPU launches. */
@@ -476,9 +470,9 @@ static __device__ uint64_t mgpu__wgmma_descriptor(mgpu__shared_address rows) {
 
 /* The two ways the product kernels below multiply a step's tiles (their
    template argument): each says how the step tiles' rows lie in shared
-   memory, which accumulators a thread holds, the kernel's shared memory,
-   and multiply(acc, a_tiles, b_tiles, stage): acc += copy `stage` of the
-   step tiles, a times b's transpose.
+   memory (and so the kernel's shared memory, mgpu__nhwc_tiles), which
+   accumulators a thread holds, and multiply(acc, a_tiles, b_tiles,
+   stage): acc += copy `stage` of the step tiles, a times b's transpose.
    - mma.sync (sm_80 and newer): each warp its quarter of the tile, its
      operands loaded by ldmatrix (mgpu__nhwc_multiply).
    - wgmma (sm_90a): for each 8 channels of the step, one 64 x 128 x 8
@@ -491,7 +485,6 @@ static __device__ uint64_t mgpu__wgmma_descriptor(mgpu__shared_address rows) {
 template <int TM, int TN> struct mgpu__mma_sync_engine {
     typedef mgpu__padded_rows rows;
     typedef mgpu__nhwc_warp<TM, TN> warp;
-    typedef mgpu__nhwc_tiles<TM, TN> tiles;
     static const bool ASYNC_READS = false;
     static __device__ void multiply(typename warp::acc &acc, mgpu__shared_address a_tiles,
                                     mgpu__shared_address b_tiles, int stage) {
@@ -504,7 +497,6 @@ template <int TM, int TN> struct mgpu__wgmma_engine {
     static_assert(TN == 128 && TM % 64 == 0, "wgmma tiles: 64 or 128 rows, 128 columns");
     typedef mgpu__swizzled_rows rows;
     typedef mgpu__wgmma_warp<TM, TN> warp;
-    typedef mgpu__wgmma_tiles<TM, TN> tiles;
     static const bool ASYNC_READS = true;
     static __device__ void multiply(typename warp::acc &acc, mgpu__shared_address a_tiles,
                                     mgpu__shared_address b_tiles, int stage) {
@@ -705,7 +697,7 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
     /* a thread's copies: always the same 16 bytes (chunk) of a row, in
        every APART-th row from tid / 8: TM / APART rows of a, B_PER of b */
     const int CHUNKS = STEP / 4, APART = MGPU__NHWC_ROWS_APART, B_PER = TN / APART;
-    typename E::tiles *t = (typename E::tiles *)mgpu__aligned_shared<Rows::ALIGN>();
+    mgpu__nhwc_tiles<TM, TN, Rows> *t = (mgpu__nhwc_tiles<TM, TN, Rows> *)mgpu__aligned_shared<Rows::ALIGN>();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->step.a),
                          b_tiles = mgpu__shared_address_of(t->step.b);
     int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
