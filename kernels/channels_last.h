@@ -21,6 +21,16 @@
    of written plainly and then copied: a read and a write of the whole
    tensor saved. */
 
+/* The blocks of 256 threads a multiprocessor holds at once, the tile
+   kernels' launch bound (which caps their registers so that all fit):
+   8 (2048 threads) from sm_80 on, 4 on Turing (sm_75, nvcc's default
+   target), where 8 would be out of range. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MGPU__BLOCKS_OF_256_PER_SM 4
+#else
+#define MGPU__BLOCKS_OF_256_PER_SM 8
+#endif
+
 /* x to TF32: 10 bits of mantissa, rounded to nearest, ties away from zero
    (as cvt.rna.tf32.f32 and WMMA's __float_to_tf32 round). */
 static MGPU__HOSTDEVICE inline float mgpu__tf32_round(float v) {
@@ -112,7 +122,7 @@ static __device__ __forceinline__ void mgpu__channels_last_tile(const Source &sr
     }
 }
 template <class Source>
-static __global__ void __launch_bounds__(256, 8)
+static __global__ void __launch_bounds__(256, MGPU__BLOCKS_OF_256_PER_SM)
 mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
     __shared__ float tile[32][33];
     mgpu__channels_last_tile(src, a, blockIdx.y * 32, blockIdx.x * 32, blockIdx.z, gridDim.z, tile);
@@ -242,7 +252,7 @@ static void mgpu__channels_last_list_cpu(const void *args, const mgpu__exec *ex)
 }
 
 template <int BY_ROWS>
-static __global__ void __launch_bounds__(256, 8)
+static __global__ void __launch_bounds__(256, MGPU__BLOCKS_OF_256_PER_SM)
 mgpu__channels_last_list_kernel(mgpu__channels_last_list_args l) {
     int c = 0, block = blockIdx.x;
     while (mgpu__channels_last_by_rows(&l.copy[c].to) != BY_ROWS || block >= l.end_block[c]) c++;
