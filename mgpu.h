@@ -174,14 +174,16 @@ extern "C" {
 /* ---------------------------------------------------------------- errors */
 #if defined(__GNUC__)
 #define MGPU__PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define MGPU__NORETURN __attribute__((noreturn))
 #else
 #define MGPU__PRINTF(a, b)
+#define MGPU__NORETURN
 #endif
 /* Prints "mgpu: error: <message>" as one line and exits with status 1. */
-MGPU_DEF void mgpu_fatal(const char *fmt, ...) MGPU__PRINTF(1, 2);
+MGPU_DEF void mgpu_fatal(const char *fmt, ...) MGPU__PRINTF(1, 2) MGPU__NORETURN;
 /* The same, with the source location first. */
 MGPU_DEF void mgpu_fatal_at(const char *file, int line, const char *fmt, ...)
-    MGPU__PRINTF(3, 4);
+    MGPU__PRINTF(3, 4) MGPU__NORETURN;
 /* Checks a condition that depends on the caller's arguments. */
 #define MGPU_REQUIRE(cond, ...) \
     do { if (!(cond)) mgpu_fatal(__VA_ARGS__); } while (0)
@@ -1189,7 +1191,7 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------- errors */
-static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
+MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
     fflush(stdout);
     fprintf(stderr, "mgpu: error: ");
     if (file) fprintf(stderr, "%s:%d: ", file, line);

@@ -953,13 +953,35 @@ static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, in
     return k;
 }
 /* The products of dx at stride t: the t^2 classes, or joined, the t row
-   classes; and product i of them. */
+   classes; and product i of them, in the order of their taps, most first
+   (of equal taps, in the order of their classes). A launch's products lie
+   one after another in its grid, and the GPU starts blocks in the grid's
+   order, so the longest blocks start first and the short ones fill in
+   the places they leave, as in longest-first scheduling. In the order of
+   the classes, a 3x3 window at stride 2 put the 2x2 class last, and the
+   launch ended on a wave of its blocks alone (ResNet-18's stage 3 in
+   128 x 128 tiles: 392 blocks of 8 to 32 steps for 264 places; counted,
+   blocks first to last, 54 step-times against 38 the other way round). */
 static int mgpu__subpixel_products(const mgpu__conv_geom *g, int joined) {
     return joined ? g->stride : g->stride * g->stride;
 }
-static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int joined, int i) {
+static mgpu__subpixel_class mgpu__subpixel_in_class_order(const mgpu__conv_geom *g, int joined, int i) {
     return joined ? mgpu__subpixel_class_of(g, i, 0, 1)
                   : mgpu__subpixel_class_of(g, i / g->stride, i % g->stride, 0);
+}
+static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int joined, int i) {
+    int n = mgpu__subpixel_products(g, joined);
+    for (int j = 0; j < n; j++) { /* the class with i products before it */
+        mgpu__subpixel_class k = mgpu__subpixel_in_class_order(g, joined, j);
+        int before = 0;
+        for (int o = 0; o < n; o++) {
+            mgpu__subpixel_class other = mgpu__subpixel_in_class_order(g, joined, o);
+            int taps = other.g.r * other.g.s, own = k.g.r * k.g.s;
+            before += taps > own || (taps == own && o < j);
+        }
+        if (before == i) return k;
+    }
+    mgpu_fatal("internal: sub-pixel product %d of %d", i, n);
 }
 
 /* Whether product k has anything to compute: pixels of dx, and taps

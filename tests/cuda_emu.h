@@ -79,7 +79,7 @@ static dim3 blockDim, gridDim;
 
 /* What a GPU would refuse: one line and exit status 1, at once (from a
    stream's thread too, where waiting for the others could hang). */
-static void mgpu_emu_fail(const char *what) {
+__attribute__((noreturn)) static void mgpu_emu_fail(const char *what) {
     fprintf(stderr, "cuda_emu: %s\n", what);
     fflush(stdout);
     _exit(1);

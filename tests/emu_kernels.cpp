@@ -19,7 +19,7 @@
 #define MGPU_CUDA_CHECK(call) do { if ((call) != cudaSuccess) mgpu_emu_fail(#call " failed"); } while (0)
 #define MGPU_CUDA_CHECK_LAUNCH() do { } while (0) /* a bad launch has aborted already */
 #define MGPU_CUBLAS_CHECK(call) do { if ((call) != CUBLAS_STATUS_SUCCESS) mgpu_emu_fail(#call " was refused"); } while (0)
-static void mgpu_fatal(const char *fmt, ...) { mgpu_emu_fail(fmt); }
+__attribute__((noreturn)) static void mgpu_fatal(const char *fmt, ...) { mgpu_emu_fail(fmt); }
 typedef struct mgpu__exec {
     int on_gpu;
     void *stream;
@@ -432,6 +432,36 @@ TEST(channels_last_convolution) {
     CHECK(halo_dw_cases == 6 * 3 * 2);
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
+}
+
+/* The sub-pixel products' order (most taps first, so that a launch
+   starts its longest blocks first): each class once, the taps never
+   rising, classes of equal taps in their own order. */
+static std::vector<int> subpixel_taps(int h, int r, int stride, int pad, int joined, std::vector<int> *classes) {
+    mgpu__conv_geom g = {2, 32, h, h, 32, r, r, 0, 0, stride, pad};
+    g.p = (h + 2 * pad - r) / stride + 1, g.q = g.p;
+    std::vector<int> taps;
+    for (int i = 0; i < mgpu__subpixel_products(&g, joined); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(&g, joined, i);
+        taps.push_back(k.g.r * k.g.s);
+        classes->push_back(k.out.row * stride + k.out.col);
+    }
+    return taps;
+}
+TEST(subpixel_products_longest_first) {
+    std::vector<int> classes;
+    CHECK(subpixel_taps(9, 3, 2, 1, 0, &classes) == std::vector<int>({4, 2, 2, 1})); /* ResNet's 3x3 at stride 2 */
+    CHECK(classes == std::vector<int>({3, 1, 2, 0}));
+    classes.clear();
+    CHECK(subpixel_taps(9, 3, 2, 1, 1, &classes) == std::vector<int>({2 * 2, 1 * 2})); /* joined rows, 2 wide */
+    CHECK(classes == std::vector<int>({2, 0}));
+    classes.clear();
+    CHECK(subpixel_taps(8, 1, 2, 0, 0, &classes) == std::vector<int>({1, 0, 0, 0})); /* 1x1: 3 without taps */
+    CHECK(classes == std::vector<int>({0, 1, 2, 3}));
+    classes.clear();
+    /* 5x5 at stride 3 and padding 1: 2, 1 and 2 taps in each dimension */
+    CHECK(subpixel_taps(11, 5, 3, 1, 0, &classes) == std::vector<int>({4, 4, 4, 4, 2, 2, 2, 2, 1}));
+    CHECK(classes == std::vector<int>({0, 2, 6, 8, 1, 3, 5, 7, 4}));
 }
 
 /* The channels-last copies: every element where it belongs, rounded to
