@@ -955,13 +955,15 @@ static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, in
 /* The products of dx at stride t: the t^2 classes, or joined, the t row
    classes; and product i of them, in the order of their taps, most first
    (of equal taps, in the order of their classes). A launch's products lie
-   one after another in its grid, and the GPU starts blocks in the grid's
-   order, so the longest blocks start first and the short ones fill in
-   the places they leave, as in longest-first scheduling. In the order of
-   the classes, a 3x3 window at stride 2 put the 2x2 class last, and the
-   launch ended on a wave of its blocks alone (ResNet-18's stage 3 in
-   128 x 128 tiles: 392 blocks of 8 to 32 steps for 264 places; counted,
-   blocks first to last, 54 step-times against 38 the other way round). */
+   one after another in its grid, and a GPU starts blocks in the grid's
+   order (in practice: CUDA promises no order), so the longest blocks
+   start first and the short ones fill in the places they leave, as in
+   longest-first scheduling. In the order of the classes, a 3x3 window at
+   stride 2 put the 2x2 class last, and the launch ended on a wave of its
+   blocks alone. ResNet-18's stage 3 in 128 x 128 tiles: 392 blocks of 8,
+   16, 16 and 32 steps for 264 places; a block counted as its steps and 3
+   more (its start and its end), the launch takes 54 step-times in the
+   order of the classes, 38 the other way round, 31 if it were even. */
 static int mgpu__subpixel_products(const mgpu__conv_geom *g, int joined) {
     return joined ? g->stride : g->stride * g->stride;
 }
