@@ -189,8 +189,13 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS_CHECK) -I. $< -o $@ $(CUDA_LIBS)
 
+# The tests run as many at a time as there are cores (TEST_JOBS), the
+# emulator's long ones first, so that none of them ends the run alone;
+# each one's output is shown whole, in this order. test-gpu runs them one
+# at a time, so that each has the GPU to itself.
+TEST_JOBS ?= $(shell nproc)
 test: $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) $(TEST_BUILDS) all
-	@bash tests/run.sh $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) -- tests/smoke.sh
+	@TEST_JOBS=$(TEST_JOBS) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) -- tests/smoke.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

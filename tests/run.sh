@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
 # tests/run.sh BIN... [-- SCRIPT...]: runs each test program (and each
-# script after --), shows its output, and adds up the "test-summary: P
-# passed, F failed" lines they print. A program that dies before printing
-# its summary counts as one failure. The last line is the total:
+# script after --), TEST_JOBS of them at a time (default 1), shows each
+# one's output whole and in the order given, and adds up the
+# "test-summary: P passed, F failed" lines they print. A program that
+# dies before printing its summary counts as one failure. The last line
+# is the total:
 #     N passed, N failed
 # and the exit status is non-zero when anything failed.
+jobs_max=${TEST_JOBS:-1}
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+names=()
 passed=0
 failed=0
-run_one() {
-    local name=$1; shift
+
+# Adds up test i's result, once it has finished (its .status written
+# after its .log is complete).
+report() {
+    local i=$1 name=${names[$1]}
     echo "== $name"
-    local log
-    log=$(mktemp)
-    "$@" 2>&1 | tee "$log"
-    local status=${PIPESTATUS[0]}
-    local summary
-    summary=$(grep -E '^test-summary: [0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
-    rm -f "$log"
+    cat "$logs/$i.log"
+    local status summary p f
+    status=$(cat "$logs/$i.status")
+    summary=$(grep -E '^test-summary: [0-9]+ passed, [0-9]+ failed' "$logs/$i.log" | tail -n 1)
     if [ -z "$summary" ]; then
         echo "FAIL $name (exit status $status, no summary)"
         failed=$((failed + 1))
         return
     fi
-    local p f
     p=$(echo "$summary" | sed -E 's/^test-summary: ([0-9]+) passed.*/\1/')
     f=$(echo "$summary" | sed -E 's/.* ([0-9]+) failed.*/\1/')
     passed=$((passed + p))
@@ -32,10 +37,29 @@ run_one() {
         failed=$((failed + 1))
     fi
 }
+# Reports the finished tests that every test before them has been reported.
+next=0
+report_finished() {
+    while [ "$next" -lt "${#names[@]}" ] && [ -f "$logs/$next.status" ]; do
+        report "$next"
+        next=$((next + 1))
+    done
+}
+
 scripts=0
 for arg in "$@"; do
     if [ "$arg" = "--" ]; then scripts=1; continue; fi
-    if [ $scripts = 1 ]; then run_one "$arg" bash "$arg"; else run_one "$arg" "$arg"; fi
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do
+        wait -n
+        report_finished
+    done
+    i=${#names[@]}
+    names+=("$arg")
+    if [ $scripts = 1 ]; then command=(bash "$arg"); else command=("$arg"); fi
+    # (the status by a rename, so that it is never seen half written)
+    ("${command[@]}" > "$logs/$i.log" 2>&1; echo $? > "$logs/$i.part"; mv "$logs/$i.part" "$logs/$i.status") &
 done
+wait
+report_finished
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
