@@ -179,8 +179,11 @@ BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/con
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
+# (A CPU test that a GPU test includes whole, test_comm.c in gpu_comm.c,
+# is compiled by nvcc there already.)
+INCLUDED_TESTS := $(addprefix tests/,$(shell sed -n 's/^\#include "\(test_[a-z_]*\.c\)"/\1/p' $(GPU_TESTS)))
 ifeq ($(HAVE_NVCC),1)
-TEST_BUILDS := $(patsubst tests/%.c,$(BUILD)/cuda-check/%,$(CPU_TESTS) $(GPU_TESTS)) \
+TEST_BUILDS := $(patsubst tests/%.c,$(BUILD)/cuda-check/%,$(filter-out $(INCLUDED_TESTS),$(CPU_TESTS)) $(GPU_TESTS)) \
                $(patsubst bench/%,$(BUILD)/cuda-check/bench_%,$(BENCH_BINS))
 else
 TEST_BUILDS := $(BENCH_BINS)
@@ -189,12 +192,13 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS_CHECK) -I. $< -o $@ $(CUDA_LIBS)
 
-# The tests run as many at a time as there are cores (TEST_JOBS), the
-# emulator's long ones first, so that none of them ends the run alone;
-# each one's output is shown whole, in this order. test-gpu runs them one
-# at a time, so that each has the GPU to itself.
+# The chapters are built first (nvcc's longest builds), and the tests run
+# as many at a time as there are cores (TEST_JOBS), the emulator's long
+# ones first: so that neither ends on one long job alone. Each test's
+# output is shown whole, in this order. test-gpu runs them one at a time,
+# so that each has the GPU to itself.
 TEST_JOBS ?= $(shell nproc)
-test: $(CPU_TEST_BINS) $(EMU_TEST) $(EMU_GPU_BINS) $(TEST_BUILDS) all
+test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS)
 	@TEST_JOBS=$(TEST_JOBS) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) -- tests/smoke.sh
 
 test-asan: $(ASAN_TEST_BINS)
