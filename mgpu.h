@@ -4844,21 +4844,17 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
                           3 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + MGPU__KERNEL_CHOICES + 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
+    /* by mma.sync direct, then joined; by wgmma likewise (mgpu__conv_kernel_choice
+       takes the joined and wgmma kernels from the channels-last family alone) */
+    static const struct { mgpu__conv_method method; int wgmma; } ways[] = {
+        {MGPU__DIRECT, 0}, {MGPU__JOINED, 0}, {MGPU__DIRECT, 1}, {MGPU__JOINED, 1}};
     int count = 0;
-    for (int f = 0; f < MGPU__FAMILIES; f++)
-        for (int t = 0; t < MGPU__TILE_KINDS; t++)
-            for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-                count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
-                                                  MGPU__DIRECT, 0, i, &list[count]);
-    for (int t = 0; t < MGPU__TILE_KINDS; t++)
-        for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-            count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, MGPU__JOINED, 0, i,
-                                              &list[count]);
-    for (int m = 0; m < 2 && wgmma; m++) /* (direct, then joined) */
-        for (int t = 0; t < MGPU__TILE_KINDS; t++)
-            for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-                count += mgpu__conv_kernel_choice(what, g, MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t,
-                                                  m ? MGPU__JOINED : MGPU__DIRECT, 1, i, &list[count]);
+    for (int w = 0; w < (wgmma ? 4 : 2); w++)
+        for (int f = 0; f < MGPU__FAMILIES; f++)
+            for (int t = 0; t < MGPU__TILE_KINDS; t++)
+                for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
+                    count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
+                                                      ways[w].method, ways[w].wgmma, i, &list[count]);
     for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
         mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO, 0};
         if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
