@@ -617,15 +617,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    in one of four tile shapes, the channels-last ones also with their sum
    split into slices that run at once (2 to 8 for the forward pass and
    dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
-   for 3x3 layers at stride 1, the forward pass and dx from the same
-   channels-last copies by two more methods: at padding 1,
-   kernels/conv_halo.h's kernel, which copies each 32 channels of a
-   tile's pixels and the ring around them into shared memory once for
-   all nine taps (in each tile shape); with 256 channels and filters or
-   more, Winograd's F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h:
-   transforms, and 16 products by cuBLAS); and their dW at padding 1 by
-   conv_halo.h's weight gradient, which copies each step's 32 pixels and
-   the ring around them once for all nine taps. A layer whose output pixel
+   for 3x3 layers at stride 1 with 256 channels and filters or more, the
+   forward pass and dx from the same channels-last copies by Winograd's
+   F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h: transforms, and
+   16 products by cuBLAS). A layer whose output pixel
    sees at most 9 inputs (C*R*S <= 9: a first layer on grayscale images)
    may also take kernels/conv_few_inputs.h's float32 kernels for y and dw,
    bound by memory, not by the products.
@@ -3355,7 +3350,6 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
 #include "kernels/conv.h"
 #include "kernels/conv_implicit.h"
 #include "kernels/conv_nhwc.h"
-#include "kernels/conv_halo.h"
 #include "kernels/winograd.h"
 #include "kernels/pool.h"
 #include "kernels/linear.h"
@@ -4191,7 +4185,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_implicit.h and
-               conv_nhwc.h (or conv_halo.h or winograd.h, from the same copies, and
+               conv_nhwc.h (or winograd.h, from the same copies, and
                conv_few_inputs.h for a first layer), for each pass the
                kernel and tile shape that was fastest for it (timed the
                same way).
@@ -4411,29 +4405,26 @@ static int mgpu__conv_implicit_available(void) {
    copies of them (the forward pass, dx, and dW); each in one of the four
    tiles, and conv_nhwc.h's with their sum split into slices or not. In
    the channels-last family, for the forward pass and dx of 3x3
-   convolutions at stride 1, two other methods too, as they read the same
-   copies (a network prepares them alike): conv_halo.h's kernel, and
-   Winograd (winograd.h); and for their dW at padding 1, conv_halo.h's
-   weight gradient; for dx at larger strides, conv_nhwc.h's sub-pixel
+   convolutions at stride 1, Winograd (winograd.h) too, as it reads the
+   same copies (a network prepares them alike); for dx at larger strides,
+   conv_nhwc.h's sub-pixel
    classes one at a time (direct) or a row of them at a time (joined).
    In the gathering family, which reads the NCHW tensors as they are, for
    the forward pass and dW of convolutions with C*R*S <= 9,
    conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
-typedef enum { MGPU__DIRECT, MGPU__HALO, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED } mgpu__conv_method;
+typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED } mgpu__conv_method;
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
     int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
-                   (0 or 1: none), over the output pixels in dW (0: the kernel's default);
+                   (0 or 1: none), over the output pixels in dW;
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
-                                 conv_halo.h's (in the tile, whole), or Winograd (no tile);
-                                 at stride > 1, dx's sub-pixel classes alone (direct) or
-                                 joined by rows (conv_nhwc.h);
-                                 channels-last dW: conv_nhwc.h's kernel (direct) or
-                                 conv_halo.h's (no tile);
+                                 or Winograd (no tile); at stride > 1, dx's sub-pixel
+                                 classes alone (direct) or joined by rows (conv_nhwc.h);
+                                 channels-last dW: conv_nhwc.h's kernel (direct);
                                  gathering forward or dW: conv_implicit.h's kernel (direct), or
                                  conv_few_inputs.h's (no tile) */
     int wgmma; /* conv_nhwc.h's direct or joined kernel by wgmma (64 x 128 and 128 x 128 tiles) */
@@ -4513,15 +4504,12 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
         w_t = own_w_t = mgpu__channels_last_copy_of(dev, copy);
         if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
     }
-    int halo = kernel.method == MGPU__HALO;
-    /* (the halo kernel's sum is whole: kernel.splits 1) */
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL, kernel.wgmma};
-    const char *name = for_dx ? (halo ? "conv2d_backward channels-last halo dx" : "conv2d_backward channels-last dx")
-                              : (halo ? "conv2d channels-last halo" : "conv2d channels-last");
-    mgpu__launch_on(&dev->queue[0], name, NULL, halo ? mgpu__conv_halo_cuda : mgpu__conv_nhwc_cuda, &a, sizeof a);
+    const char *name = for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last";
+    mgpu__launch_on(&dev->queue[0], name, NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
     mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
     mgpu_free(own_w_t);
 }
@@ -4613,15 +4601,12 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
         mgpu_tensor *own, *own_x_t = NULL;
         const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
         if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        int halo = kernel.method == MGPU__HALO;
-        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f,
-                                     halo && !kernel.splits ? mgpu__conv_halo_dw_splits(g, 512) : kernel.splits,
+        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, kernel.splits,
                                      0, *g, kernel.tile};
         mgpu__conv_nhwc_dw_slices(&a);
         mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
         a.partials = partials->data;
-        const char *name = halo ? "conv2d_backward channels-last halo dW" : "conv2d_backward channels-last dW";
-        mgpu__launch_on(&dev->queue[0], name, NULL, halo ? mgpu__conv_halo_dw_cuda : mgpu__conv_nhwc_dw_cuda, &a,
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda, &a,
                         sizeof a);
         mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
         mgpu_free(own_x_t);
@@ -4795,16 +4780,6 @@ static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *
 static mgpu__conv_geom mgpu__conv_pass_geometry(mgpu__conv_try what, const mgpu__conv_geom *g) {
     return what == MGPU__TRY_DX ? mgpu__conv_dx_geometry(g) : *g;
 }
-/* Whether conv_halo.h's kernels compute a pass of geometry g: the forward
-   pass or dx of a 3x3 convolution at stride 1, padding 1, in a tile; its
-   dW (no tile). */
-static int mgpu__conv_halo_fits_pass(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
-    if (what == MGPU__TRY_DW)
-        return mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g) && mgpu__conv_halo_dw_fits(g);
-    if (g->stride != 1) return 0;
-    mgpu__conv_geom d = mgpu__conv_pass_geometry(what, g);
-    return mgpu__conv_halo_fits(&d, tile);
-}
 /* Whether Winograd computes a pass of geometry g from the channels-last
    copies: the forward pass or dx of a 3x3 convolution at stride 1. */
 static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
@@ -4824,11 +4799,9 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
 /* Whether a method other than the gathering kernels' computes a pass of
-   geometry g (in a tile: the channels-last direct and halo kernels'). */
-static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g,
-                                  mgpu__implicit_tile tile) {
+   geometry g (in some tile: the channels-last direct kernel's). */
+static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
-           : method == MGPU__HALO       ? mgpu__conv_halo_fits_pass(what, g, tile)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
            : method == MGPU__JOINED     ? mgpu__conv_joined_fits(what, g)
                                         : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
@@ -4836,12 +4809,9 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, the joined sub-pixel
    classes' likewise, and with wgmma (mgpu__wgmma_usable) both again by
-   the wgmma kernels; conv_halo.h's in every tile it fits (dW: in the
-   slices for each of mgpu__conv_dw_block_choices that gives a count of
-   its own), Winograd where it is worth trying, and conv_few_inputs.h's
-   where it fits. */
-#define MGPU__CANDIDATES ((int)MGPU__FAMILIES * (int)MGPU__TILE_KINDS * (MGPU__KERNEL_CHOICES + 1) + \
-                          3 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + MGPU__KERNEL_CHOICES + 2)
+   the wgmma kernels; Winograd where it is worth trying, and
+   conv_few_inputs.h's where it fits. */
+#define MGPU__CANDIDATES (((int)MGPU__FAMILIES + 3) * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
     /* by mma.sync direct, then joined; by wgmma likewise (mgpu__conv_kernel_choice
@@ -4855,21 +4825,11 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
                 for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                     count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
                                                       ways[w].method, ways[w].wgmma, i, &list[count]);
-    for (int t = 0; t < MGPU__TILE_KINDS && what != MGPU__TRY_DW; t++) {
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, (mgpu__implicit_tile)t, 1, MGPU__HALO, 0};
-        if (mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) list[count++] = halo;
-    }
-    for (int i = 0; what == MGPU__TRY_DW && i < MGPU__KERNEL_CHOICES; i++) {
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 0, MGPU__HALO, 0}; /* (tile unused) */
-        if (!mgpu__conv_method_fits(MGPU__HALO, what, g, halo.tile)) break;
-        halo.splits = mgpu__conv_halo_dw_splits(g, mgpu__conv_dw_block_choices[i]);
-        if (i == 0 || halo.splits != list[count - 1].splits) list[count++] = halo;
-    }
     mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
-    if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g, winograd.tile) && mgpu__conv_winograd_worth_trying(g))
+    if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g) && mgpu__conv_winograd_worth_trying(g))
         list[count++] = winograd;
     mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
-    if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g, few.tile)) list[count++] = few;
+    if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g)) list[count++] = few;
     return count;
 }
 
@@ -4913,30 +4873,25 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
-static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k, mgpu__conv_try what) {
+static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
     if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS) {
         snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family],
                  k.method == MGPU__WINOGRAD ? "Winograd" : "few inputs");
         return;
     }
-    if (k.method == MGPU__HALO && what == MGPU__TRY_DW) { /* (conv_halo.h's 64 filters x 9 taps x 16 channels) */
-        snprintf(out, size, "%s halo 64x144 in %d slices", mgpu__implicit_family_names[k.family], k.splits);
-        return;
-    }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
     if (k.wgmma) snprintf(out + strlen(out), size - strlen(out), " wgmma");
-    if (k.method == MGPU__HALO) snprintf(out + strlen(out), size - strlen(out), " with halo");
     if (k.method == MGPU__JOINED) snprintf(out + strlen(out), size - strlen(out), " joined");
-    if (k.method != MGPU__HALO && k.splits > 1)
+    if (k.splits > 1)
         snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
     const mgpu__conv_plan *p = &c->plan;
     char y[48], dx[48], dw[48];
-    mgpu__conv_kernel_str(y, sizeof y, p->y, MGPU__TRY_Y);
-    mgpu__conv_kernel_str(dx, sizeof dx, p->dx, MGPU__TRY_DX);
-    mgpu__conv_kernel_str(dw, sizeof dw, p->dw, MGPU__TRY_DW);
+    mgpu__conv_kernel_str(y, sizeof y, p->y);
+    mgpu__conv_kernel_str(dx, sizeof dx, p->dx);
+    mgpu__conv_kernel_str(dw, sizeof dw, p->dw);
     int at = snprintf(out, size, "%dx%d, %d -> %d, stride %d, %d x %dx%d: ", g->r, g->s, g->c, g->k, g->stride,
                       g->n, g->h, g->w);
     if (!c->backward) snprintf(out + at, size - at, "forward by %s", p->implicit ? y : "im2col");

@@ -16,17 +16,14 @@
    kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx, and
    dW; their times include the copies to channels-last; "/N": the forward
    pass or dx with its sum in N slices, "~B": dW in the slices for about
-   B blocks, where a tile's differ from the row above's), and for 3x3
-   layers at stride 1 kernels/conv_halo.h's (rows "channels-last halo",
-   at padding 1), for dx at stride 2 the sub-pixel classes joined a row
+   B blocks, where a tile's differ from the row above's), for dx at
+   stride 2 the sub-pixel classes joined a row
    at a time (rows "channels-last joined", "/N" as above), with
    MGPU_WGMMA=1 on a GPU that runs them (sm_90a code on compute capability
    9.0) conv_nhwc.h's direct and joined kernels by wgmma (rows "...
    wgmma", in the 64 x 128 and 128 x 128 tiles), and
    kernels/winograd.h's (rows "Winograd", one figure,
-   under the first tile): the forward pass and dx; conv_halo.h's weight
-   gradient at padding 1 (rows "halo dW, N slices", one figure each, in
-   the slicings the trial tries); for the first layer
+   under the first tile): the forward pass and dx; for the first layer
    (C*R*S = 9) kernels/conv_few_inputs.h's (rows "gather few inputs", one
    figure): the forward pass and dW. The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
@@ -125,23 +122,17 @@ enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
 static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
 /* The trial's candidate i of a family and tile for a pass, in *k (as
-   mgpu__conv_kernel_choice), after the last choice, i ==
-   MGPU__KERNEL_CHOICES, conv_halo.h's forward kernel (for the forward
-   pass and dx), and after it, the joined sub-pixel classes' choices (for
-   dx at stride > 1); then the direct and joined kernels' by wgmma, where
-   `wgmma` (the GPU runs them); returns whether it is one. */
-enum { CANDIDATE_ROWS = 4 * MGPU__KERNEL_CHOICES + 1 };
+   mgpu__conv_kernel_choice): the direct kernels' choices, then the
+   joined sub-pixel classes' (for dx at stride > 1), each by mma.sync,
+   then again by wgmma where `wgmma` (the GPU runs them); returns whether
+   it is one. */
+enum { CANDIDATE_ROWS = 4 * MGPU__KERNEL_CHOICES };
 static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
                      mgpu__implicit_tile tile, int wgmma, int i, mgpu__implicit_kernel *k) {
     const int N = MGPU__KERNEL_CHOICES;
-    if (i < N) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__DIRECT, 0, i, k);
-    if (i > N && i <= 2 * N) return mgpu__conv_kernel_choice(what, g, family, tile, MGPU__JOINED, 0, i - N - 1, k);
-    if (i > 2 * N)
-        return wgmma && mgpu__conv_kernel_choice(what, g, family, tile, i > 3 * N ? MGPU__JOINED : MGPU__DIRECT, 1,
-                                                 (i - 2 * N - 1) % N, k);
-    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO, 0};
-    *k = halo;
-    return family == MGPU__CHANNELS_LAST && what != MGPU__TRY_DW && mgpu__conv_halo_fits_pass(what, g, tile);
+    int by_wgmma = i >= 2 * N, joined = i % (2 * N) >= N;
+    return (wgmma || !by_wgmma) &&
+           mgpu__conv_kernel_choice(what, g, family, tile, joined ? MGPU__JOINED : MGPU__DIRECT, by_wgmma, i % N, k);
 }
 #endif
 
@@ -257,16 +248,14 @@ int main(int argc, char **argv) {
                         if (!timed) continue;
                         char family[48];
                         const int N = MGPU__KERNEL_CHOICES;
-                        int choice = i > 2 * N ? (i - 2 * N - 1) % N : i % (N + 1); /* (joined: as direct) */
-                        const char *joined = i > 3 * N        ? " joined wgmma"
-                                             : i > 2 * N      ? " wgmma"
-                                             : i > N          ? " joined"
-                                                              : "";
-                        if (i == MGPU__KERNEL_CHOICES)
-                            snprintf(family, sizeof family, "  %s halo", mgpu__implicit_family_names[f]);
-                        else if (f == MGPU__CHANNELS_LAST && pass == DW)
+                        int choice = i % N; /* (joined and wgmma: as direct) */
+                        const char *joined = i >= 3 * N   ? " joined wgmma"
+                                             : i >= 2 * N ? " wgmma"
+                                             : i >= N     ? " joined"
+                                                          : "";
+                        if (f == MGPU__CHANNELS_LAST && pass == DW)
                             snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
-                                     mgpu__conv_dw_block_choices[i]);
+                                     mgpu__conv_dw_block_choices[choice]);
                         else if (f == MGPU__CHANNELS_LAST && choice > 0)
                             snprintf(family, sizeof family, "  %s%s /%d", mgpu__implicit_family_names[f], joined,
                                      mgpu__conv_slice_choices[choice]);
@@ -279,25 +268,13 @@ int main(int argc, char **argv) {
                     {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0},
                     {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0}};
                 for (int m = 0; m < 2; m++) {
-                    if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g, untiled[m].tile)) continue;
+                    if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g)) continue;
                     double us[TILE_COLUMNS] = {0};
                     c.kernel = untiled[m];
                     us[0] = time_us(dev[0], runs[pass], &c, steps);
                     if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
                     print_row(m == 0 ? "  Winograd" : "  gather few inputs", cc->count,
                               pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
-                }
-                mgpu__implicit_kernel listed[MGPU__CANDIDATES]; /* conv_halo.h's dW, in each slicing tried */
-                int candidates = pass == DW ? mgpu__conv_candidates(MGPU__TRY_DW, &c.g, 0, listed) : 0;
-                for (int j = 0; j < candidates; j++) {
-                    if (listed[j].method != MGPU__HALO) continue;
-                    double us[TILE_COLUMNS] = {0};
-                    c.kernel = listed[j];
-                    us[0] = time_us(dev[0], runs[pass], &c, steps);
-                    if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
-                    char row[48];
-                    snprintf(row, sizeof row, "  halo dW, %d slices", listed[j].splits);
-                    print_row(row, cc->count, "dW", flop, 0, us, tiles);
                 }
                 step_us[1] += cc->count * best[pass];
             }

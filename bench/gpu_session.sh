@@ -103,7 +103,6 @@ sanitize() {
     for tool in memcheck racecheck; do
         for t in "gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling" "gpu_layers relu" \
                  "gpu_layers linear" "gpu_layers first_layer" "gpu_layers residual_block" \
-                 "gpu_layers weight_gradient_by_halo" \
                  "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" \
                  "gpu_train_ops cross_entropy_10" "gpu_train_ops cross_entropy_one" \
                  "gpu_train_ops sum_of" "gpu_train_ops sgd"; do
@@ -116,7 +115,7 @@ sanitize() {
 }
 
 # Nsight Compute on bench/conv's first launches of the kernels whose names
-# match NCU_KERNELS (default: conv_halo.h's two kernels and conv_nhwc.h's;
+# match NCU_KERNELS (default: conv_nhwc.h's;
 # NCU_COUNT launches, 24 by default, after NCU_SKIP): how near each runs
 # to its compute and memory ceilings, its occupancy, and what its warps
 # wait for. The clocks are left alone (--clock-control none: the device
@@ -125,7 +124,7 @@ ncu_stage() {
     make -j"$JOBS" bench/conv || return 1
     local ncu
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    "$ncu" --clock-control none --kernel-name "regex:${NCU_KERNELS:-conv_halo|conv_nhwc}" \
+    "$ncu" --clock-control none --kernel-name "regex:${NCU_KERNELS:-conv_nhwc}" \
         --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-24}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section WarpStateStats ./bench/conv --steps 1

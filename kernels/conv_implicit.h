@@ -478,7 +478,7 @@ mgpu__conv_implicit_wgrad_kernel(mgpu__conv_implicit_wgrad_args a, mgpu__conv_di
    (the same result from run to run). The partial tiles' columns are in
    runs of `run` channels: in (c / run, r, s, c % run) order. With run 1
    that is dw's own (c, r, s) order; with run C, (r, s, c), channels
-   fastest (conv_nhwc.h's weight gradient); conv_halo.h's takes 16. They
+   fastest (conv_nhwc.h's weight gradient). They
    go to dw's (c, r, s), read in the partials' order (so that the many
    reads are coalesced, the one write of each value not), each place
    found by three divisions by multiplying (mgpu__div: dw has fewer than

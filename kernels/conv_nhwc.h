@@ -92,10 +92,7 @@
    x 128 tile, which brings a third fewer bytes per multiply than 64 x
    128, fits in 210 registers. (Tried when MGPU_WGMMA=1.)
    Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
-   the first call with a shape finds it the fastest. (kernels/conv_halo.h
-   is the forward kernel again for 3x3 layers at stride 1 and padding 1,
-   with its pieces below, but each pixel's values copied once for all
-   nine taps.) */
+   the first call with a shape finds it the fastest. */
 
 #if MGPU_CUDA
 /* ------------------------------------------------------------ the product */
@@ -428,8 +425,7 @@ static __device__ int mgpu__nhwc_lane_channel(void) { return (threadIdx.x % 32 /
    the step tiles a (at shared address a_tiles) and b: four tensor-core
    steps of k = 8. b_rows(j) is the shared address of this lane's row of b
    for the 8-column tiles j and j + 1 (j even) at the step's first
-   channel: in this file's kernel, rows one after the other; in
-   conv_halo.h's, pixels' windows in a tile of the image. Per step of k, a
+   channel. Per step of k, a
    warp of the 128 x 128 tile loads its operands with 8 ldmatrix and
    multiplies them with 32 mma. */
 template <int TM, int TN, typename Rows>

@@ -144,8 +144,6 @@ static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes
 static int joined_cases;   /* and joined by rows */
 static int wgmma_cases;    /* conv_nhwc.h's products by wgmma: y, dx at stride 1, dx's classes */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
-static int halo_cases;     /* conv_halo.h's y, dx and dx added checked */
-static int halo_dw_cases;  /* conv_halo.h's dW checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
 /* An r x s window (s = 0: r x r) */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias, int s = 0) {
@@ -259,25 +257,6 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                 }
             }
         }
-        /* conv_halo.h's kernel, where it fits: as conv_nhwc.h's, the sum whole */
-        char halo[128];
-        snprintf(halo, sizeof halo, "halo conv %s n%d c%d %dx%d k%d", mgpu__implicit_tile_names[tile], n, c, h, w, k);
-        if (mgpu__conv_halo_fits(&g, kind)) {
-            std::vector<float> y_g = nans(ys);
-            mgpu__conv_nhwc_args a = {y_g.data(), x_t.data(), w_t.data(), bias ? b.data() : NULL, g, kind, {}, 0,
-                                      1, 0, NULL, 0};
-            mgpu__conv_halo_cuda(&a, &on_gpu);
-            close_in_tf32(halo, "y", y_g, y_c);
-            halo_cases++;
-        }
-        for (int accumulate = 0; accumulate <= 1 && stride == 1 && mgpu__conv_halo_fits(&d, kind); accumulate++) {
-            std::vector<float> dx_g = accumulate ? dx_start : nans(x.size());
-            mgpu__conv_nhwc_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), NULL, d, kind, {}, accumulate,
-                                      1, 0, NULL, 0};
-            mgpu__conv_halo_cuda(&a, &on_gpu);
-            close_in_tf32(halo, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
-            halo_cases++;
-        }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             /* in the library's slices, and in one, and in slices of one step
                (the last one shorter unless the step divides n*P*Q) */
@@ -293,29 +272,6 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                 close_in_tf32(name, "dw", dw_g, dw_c);
             }
         }
-    }
-    /* conv_halo.h's weight gradient, where it fits (no tile): in its
-       default slices, in one, and in slices of one step (the last one
-       shorter unless the step divides n*P*Q), over dw and added to it */
-    if (mgpu__conv_halo_dw_fits(&g)) {
-        char name[128];
-        snprintf(name, sizeof name, "halo dW n%d c%d %dx%d k%d", n, c, h, w, k);
-        std::vector<float> dw_alone_c = dw_c;
-        for (size_t i = 0; i < dw_c.size(); i++) dw_alone_c[i] -= dw_start[i];
-        mgpu__conv_nhwc_dw_args a = {NULL, NULL, dy_t.data(), x_t.data(), 0.0f, mgpu__conv_halo_dw_splits(&g, 512),
-                                     0, g, MGPU__TILE_64x64};
-        mgpu__conv_nhwc_dw_slices(&a);
-        int pixels = n * (int)pq;
-        for (int per : {a.per, (pixels + 31) / 32 * 32, 32})
-            for (int accumulate = 0; accumulate <= 1; accumulate++) {
-                std::vector<float> dw_g = accumulate ? dw_start : nans(dw_c.size());
-                a.per = per, a.splits = (pixels + per - 1) / per, a.beta = (float)accumulate;
-                std::vector<float> partials = nans((size_t)a.splits * k * crs);
-                a.dw = dw_g.data(), a.partials = partials.data();
-                mgpu__conv_halo_dw_cuda(&a, &on_gpu);
-                close_in_tf32(name, accumulate ? "dw added" : "dw", dw_g, accumulate ? dw_c : dw_alone_c);
-                halo_dw_cases++;
-            }
     }
     /* winograd.h's, where it fits: y from x_t, dx from dy_t with the
        weights turned, overwriting dx and adding to it */
@@ -408,12 +364,11 @@ TEST(channels_last_convolution) {
     implicit_case(1, 32, 3, 3, 64, 3, 1, 1, 0);  /* dx with K = 64: two steps a window position */
     implicit_case(2, 12, 6, 5, 8, 3, 2, 1, 0);   /* dW only: (r, s) changing within a row of b */
     implicit_case(3, 4, 5, 5, 132, 1, 1, 0, 1);  /* dW only: more than one tile of 128 filters, 1x1 */
-    /* for conv_halo.h's kernel (and the others): 3 runs of 32 channels,
-       taking turns in its two halo buffers; tiles that start and end
-       within rows and images */
+    /* 3 runs of 32 channels; tiles that start and end within rows and
+       images */
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
-    implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: conv_halo.h's with stage 1's 28-wide halos */
+    implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: stage 1's 28-wide rows */
     /* in 3 slicings, overwriting dx and adding to it; in every tile by
        mma.sync, and in 2 by wgmma too */
     CHECK(subpixel_cases == 3 * 2 * 6 * (MGPU__TILE_KINDS + 2));
@@ -424,12 +379,6 @@ TEST(channels_last_convolution) {
     CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 6 * 2 + 7 * 2));
     CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 7 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
-    /* y of the 3x3 cases at stride 1 and padding 1 with C in 32s (5), dx
-       where K is too (4), in every tile */
-    CHECK(halo_cases == (5 + 4 * 2) * MGPU__TILE_KINDS);
-    /* dW of the 3x3 cases at stride 1 and padding 1 with C in 16s and K in
-       4s (6), in 3 slicings, over dw and added */
-    CHECK(halo_dw_cases == 6 * 3 * 2);
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

@@ -313,8 +313,7 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
 static int wgmma_checks; /* the input gradients checked by wgmma below */
 /* Every kernel and tile shape of the implicit GEMMs, each launched
    directly (the library keeps the fastest per product, so some may never
-   run above); the channels-last kernels, the halo kernel and Winograd
-   where they fit. */
+   run above); the channels-last kernels where they fit. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -380,17 +379,6 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
                 check_same(how, "dx", &dx, 2e-3);
                 wgmma_checks += i < 2;
             }
-        }
-        mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, tile, 1, MGPU__HALO, 0};
-        if (mgpu__conv_halo_fits_pass(MGPU__TRY_Y, &g, tile)) {
-            mgpu_fill(y.g, NAN);
-            mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, halo, NULL);
-            check_same(what, "y with halo", &y, 2e-3);
-        }
-        if (mgpu__conv_halo_fits_pass(MGPU__TRY_DX, &g, tile)) {
-            mgpu_fill(dx.g, NAN);
-            mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, halo, 0);
-            check_same(what, "dx with halo", &dx, 2e-3);
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
             mgpu_fill(dw.g, NAN);
@@ -473,19 +461,17 @@ TEST(conv_algorithm_chosen_by_measuring) {
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
    (batch 256) in, with one family and tile, by the direct kernels, into
-   splits; returns how many (and in *halo, whether it times conv_halo.h's
-   kernel in the tile too, in *winograd, Winograd). */
+   splits; returns how many (and in *winograd, whether it times Winograd
+   too). */
 static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
-                            const mgpu__conv_geom *g, int *splits, int *halo, int *winograd) {
+                            const mgpu__conv_geom *g, int *splits, int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
-    *halo = *winograd = 0;
+    *winograd = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__WINOGRAD) *winograd += 1;
-        else if (list[j].family == family && list[j].tile == tile) {
-            if (list[j].method == MGPU__HALO) *halo += 1;
-            else if (list[j].method == MGPU__DIRECT) splits[found++] = list[j].splits;
-        }
+        else if (list[j].family == family && list[j].tile == tile && list[j].method == MGPU__DIRECT)
+            splits[found++] = list[j].splits;
     return found;
 }
 /* The slices the trial times dx of geometry g in, by the joined sub-pixel
@@ -495,15 +481,6 @@ static int joined_slices(const mgpu__conv_geom *g, mgpu__implicit_tile tile, int
     int count = mgpu__conv_candidates(MGPU__TRY_DX, g, 0, list), found = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__JOINED && list[j].tile == tile) splits[found++] = list[j].splits;
-    return found;
-}
-/* The slices the trial times conv_halo.h's weight gradient in, for a
-   pass of geometry g, into splits; returns how many. */
-static int halo_dw_slices(const mgpu__conv_geom *g, int *splits) {
-    mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(MGPU__TRY_DW, g, 0, list), found = 0;
-    for (int j = 0; j < count; j++)
-        if (list[j].method == MGPU__HALO) splits[found++] = list[j].splits;
     return found;
 }
 static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
@@ -523,13 +500,11 @@ static void check_slices(const char *what, const int *got, int count, const int 
    16M floats; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
    pixels; the gathering kernels whole (their dW slices its own); for the
-   forward pass and dx of 3x3 convolutions at stride 1, conv_halo.h's
-   kernel in every tile, and Winograd with 256 channels and filters or
-   more; for their dW at padding 1, conv_halo.h's in slices as the
-   channels-last dW's; for dx at stride 2, the joined sub-pixel classes
-   sliced as the direct kernel. */
+   forward pass and dx of 3x3 convolutions at stride 1, Winograd with
+   256 channels and filters or more; for dx at stride 2, the joined
+   sub-pixel classes sliced as the direct kernel. */
 TEST(trial_candidates_slice_the_sums) {
-    int got[MGPU__CANDIDATES], halo, winograd;
+    int got[MGPU__CANDIDATES], winograd;
     const mgpu__conv_geom stage4 =
         mgpu__conv_geometry("stage 4", mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1);
     const mgpu__conv_geom stage1 =
@@ -540,34 +515,29 @@ TEST(trial_candidates_slice_the_sums) {
         mgpu__conv_geometry("stage 3 /2", mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
     const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
-    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
+    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y", got, n, all, 6);
-    CHECK_EQ_INT(halo, 1); /* (its halo of 302 positions fits) */
     CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1, 512 channels: Winograd too */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dx", got, n, all, 6);
-    CHECK_EQ_INT(halo, 1);
     CHECK_EQ_INT(winograd, 1);
     /* stage 3's 3x3: 72 steps, but 6 slices' partials of 256 x 12544
        would pass 16M floats */
     const int four[] = {1, 2, 3, 4};
-    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &winograd);
     check_slices("stage 3, y", got, n, four, 4);
     CHECK_EQ_INT(winograd, 1);
-    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y, gathering", got, n, whole, 1);
-    CHECK_EQ_INT(halo, 0);
     /* stage 1's 3x3: 64 * 9 / 32 = 18 steps would make 2 slices of 9, but
        their partials, 2 x 64 x 200704 floats, pass 16M: whole only */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
     check_slices("stage 1, dx", got, n, whole, 1);
-    CHECK_EQ_INT(halo, 1);
     CHECK_EQ_INT(winograd, 0); /* (it fits, but 64 channels are too few to pay) */
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
        terms, 18 steps: 2 slices of 9 and no more */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
-    CHECK_EQ_INT(halo, 0);
     CHECK_EQ_INT(winograd, 0);
     /* joined, 2 products of about 256 * 9 / 2 terms, 36 steps: 4 slices
        would keep 9 steps each, but the two products run at once, each
@@ -579,29 +549,19 @@ TEST(trial_candidates_slice_the_sums) {
     /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
        and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
     const int stage4_dw[] = {1, 2, 3, 4, 6};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &winograd);
     check_slices("stage 4, dW", got, n, stage4_dw, 5);
-    CHECK_EQ_INT(halo, 0);
     CHECK_EQ_INT(winograd, 0);
     /* in 128 x 128 tiles (144): 11 slices for 1536 blocks, but the
        partials are kept under 16M floats: 7 slices of 512 x 4608 */
     const int stage4_dw_128[] = {2, 3, 4, 6, 7};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dW, 128 x 128", got, n, stage4_dw_128, 5);
     /* stage 1's dW: 5 tiles of 64 x 128 (576 columns); 52 slices of
        3872 pixels for 256 blocks ... 308 for 1536 */
     const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &halo, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &winograd);
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
-    /* conv_halo.h's dW: stage 1's in 4 blocks of 64 filters x 16 channels
-       (64 slices for 256 blocks ... 384 for 1536), stage 4's in 8 x 32
-       (1 slice for 256, 2 for 384 and 512, ...); not at stride 2 */
-    const int stage1_halo_dw[] = {64, 96, 128, 192, 256, 384}, stage4_halo_dw[] = {1, 2, 3, 4, 6};
-    n = halo_dw_slices(&stage1, got);
-    check_slices("stage 1, halo dW", got, n, stage1_halo_dw, 6);
-    n = halo_dw_slices(&stage4, got);
-    check_slices("stage 4, halo dW", got, n, stage4_halo_dw, 5);
-    CHECK_EQ_INT(halo_dw_slices(&stage3_down, got), 0);
     /* with wgmma asked for: the channels-last kernels again by wgmma, in
        its two tiles, sliced as by mma.sync: stage 4's y in 6 slicings
        each; stage 3's stride-2 dx in 2, alone and joined; never dW */
@@ -698,27 +658,6 @@ TEST(first_layer_by_few_inputs) {
     mgpu_set_tf32(0, 0);
 }
 
-/* A layer whose plan takes conv_halo.h's weight gradient (set by hand),
-   through the public call: dW written and added to, within TF32's 2e-3
-   of the CPU, by that kernel (as the trace names it). 20 filters (a
-   partial block of 64), 48 channels (3 runs of 16), and steps of 32
-   pixels that cross rows and images of 9 x 11. */
-TEST(weight_gradient_by_halo) {
-    mgpu__conv_settings_from_environment();
-    mgpu_set_tf32(1, 0);
-    mgpu_shape xs = mgpu_shape4(3, 48, 9, 11), ws = mgpu_shape4(20, 48, 3, 3);
-    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
-    mgpu__conv_geom g = mgpu__conv_geometry("halo dW", xs, ws, 1, 1);
-    mgpu__implicit_kernel direct = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
-    mgpu__implicit_kernel halo = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 3, MGPU__HALO, 0};
-    mgpu__conv_plan plan = {1, 0, 0, direct, direct, halo};
-    int before = plan_by_hand(&g, plan, 0);
-    pair x = pair_randn(xs), wt = pair_randn(ws), dy = pair_randn(ys), dw = pair_nan(ws);
-    check_dw_by("halo dW", &dw, &dy, &x, &wt, 2e-3, "conv2d_backward channels-last halo dW");
-    mgpu__conv_choice_count = before;
-    pair_free(&x); pair_free(&wt); pair_free(&dy); pair_free(&dw);
-    mgpu_set_tf32(0, 0);
-}
 
 /* Each gradient by its half of the im2col path alone (the plan's
    dx_im2col and dw_im2col), in TF32: the same as the CPU's whole backward
@@ -830,7 +769,7 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
     char name[96], how[48];
-    mgpu__conv_kernel_str(how, sizeof how, kernel, MGPU__TRY_DX);
+    mgpu__conv_kernel_str(how, sizeof how, kernel);
     snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride, dx_im2col ? "im2col" : how);
     mgpu_manual_seed(11);
     mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
@@ -905,8 +844,8 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
    it fits); *before: the plans' count before these. */
 static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
 static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
-                                              const mgpu__conv_geom *g, mgpu__implicit_tile tile) {
-    return mgpu__conv_method_fits(method, what, g, tile) ? method : MGPU__DIRECT;
+                                              const mgpu__conv_geom *g) {
+    return mgpu__conv_method_fits(method, what, g) ? method : MGPU__DIRECT;
 }
 static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method method, int *before) {
     mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
@@ -920,8 +859,8 @@ static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method m
     for (int i = 0; i < 4; i++)
         for (int pass = 0; pass < 3; pass++) { /* forward; backward without dx, with dx */
             mgpu__conv_plan plan = {1, 0, 0, kernel, kernel, kernel};
-            plan.y.method = method_where_it_fits(method, MGPU__TRY_Y, &geoms[i], kernel.tile);
-            plan.dx.method = method_where_it_fits(method, MGPU__TRY_DX, &geoms[i], kernel.tile);
+            plan.y.method = method_where_it_fits(method, MGPU__TRY_Y, &geoms[i]);
+            plan.dx.method = method_where_it_fits(method, MGPU__TRY_DX, &geoms[i]);
             mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
@@ -1027,8 +966,7 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     batch_norms_write_copies_compare("batch norm writing the copies", MGPU__DIRECT);
-    /* the halo kernel and Winograd read the same copies (stem, block 1, block 2's conv2) */
-    batch_norms_write_copies_compare("batch norm writing the copies, halo", MGPU__HALO);
+    /* Winograd reads the same copies (stem, block 1, block 2's conv2) */
     batch_norms_write_copies_compare("batch norm writing the copies, Winograd", MGPU__WINOGRAD);
 }
 
