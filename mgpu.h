@@ -4419,7 +4419,7 @@ typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
     int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
-                   (0 or 1: none), over the output pixels in dW;
+                   (0 or 1: none), over the output pixels in dW (0: the kernel's default);
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
                                  or Winograd (no tile); at stride > 1, dx's sub-pixel
