@@ -423,16 +423,16 @@ static __device__ int mgpu__nhwc_lane_channel(void) { return (threadIdx.x % 32 /
 
 /* acc += a b for this warp's quarter of the tile, from copy `stage` of
    the step tiles a (at shared address a_tiles) and b: four tensor-core
-   steps of k = 8. b_rows(j) is the shared address of this lane's row of b
-   for the 8-column tiles j and j + 1 (j even) at the step's first
-   channel. Per step of k, a
-   warp of the 128 x 128 tile loads its operands with 8 ldmatrix and
-   multiplies them with 32 mma. */
-template <int TM, int TN, typename Rows>
+   steps of k = 8. b_row is the shared address of this lane's row of b
+   for the first two 8-column tiles at the step's first channel; the next
+   two tiles' rows are 16 rows on. Per step of k, a warp of the 128 x 128
+   tile loads its operands with 8 ldmatrix and multiplies them with 32
+   mma. */
+template <int TM, int TN>
 static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
-                                           mgpu__shared_address a_tiles, int stage, Rows b_rows) {
+                                           mgpu__shared_address a_tiles, int stage, mgpu__shared_address b_row) {
     typedef mgpu__nhwc_warp<TM, TN> W;
-    const int LD = MGPU__NHWC_STEP + 4; /* floats */
+    const int LD = MGPU__NHWC_STEP + 4; /* floats: a row of mgpu__padded_rows */
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int row = (warp / 2) * (TM / 2), a_row = lane % 16, a_col = (lane / 16) * 4;
     mgpu__shared_address a = a_tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
@@ -441,7 +441,7 @@ static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc
         for (int i = 0; i < W::MT; i++) mgpu__load_matrices(fa[i], a + 4 * (16 * i * LD + kk));
         for (int j = 0; j < W::NT; j += 2) {
             uint32_t pair[4];
-            mgpu__load_matrices(pair, b_rows(j) + 4 * kk);
+            mgpu__load_matrices(pair, b_row + 4 * (8 * j * LD + kk));
             fb[j][0] = pair[0], fb[j][1] = pair[1], fb[j + 1][0] = pair[2], fb[j + 1][1] = pair[3];
         }
         for (int i = 0; i < W::MT; i++)
@@ -486,7 +486,7 @@ template <int TM, int TN> struct mgpu__mma_sync_engine {
                                     mgpu__shared_address b_tiles, int stage) {
         mgpu__shared_address b = b_tiles + rows::at(stage * TN + mgpu__nhwc_lane_pixel<TN>(), 0) +
                                  4 * mgpu__nhwc_lane_channel();
-        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, [&](int j) { return b + 8 * j * rows::BYTES; });
+        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, b);
     }
 };
 template <int TM, int TN> struct mgpu__wgmma_engine {

@@ -611,11 +611,11 @@ static int traced_calls(const char *name) {
     for (int i = 0; i < mgpu__g.trace_n; i++) calls += strcmp(mgpu__g.trace[i].name, name) == 0;
     return calls;
 }
-/* Sets g's plan by hand, for its backward pass without dx and, with
-   forward, its forward pass; returns the count of choices to go back to. */
-static int plan_by_hand(const mgpu__conv_geom *g, mgpu__conv_plan plan, int forward) {
+/* Sets g's plan by hand, for its forward pass and its backward pass
+   without dx; returns the count of choices to go back to. */
+static int plan_by_hand(const mgpu__conv_geom *g, mgpu__conv_plan plan) {
     int before = mgpu__conv_choice_count;
-    for (int backward = !forward; backward <= 1; backward++) {
+    for (int backward = 0; backward <= 1; backward++) {
         mgpu__conv_choice c = {*g, backward, 0, plan};
         mgpu__conv_choices[mgpu__conv_choice_count++] = c;
     }
@@ -642,7 +642,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
     mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
     mgpu__conv_plan plan = {1, 0, 0, few, few, few};
-    int before = plan_by_hand(&g, plan, 1);
+    int before = plan_by_hand(&g, plan);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
     pair dy = pair_randn(ys), dw = pair_nan(ws);
     mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
