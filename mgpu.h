@@ -5,8 +5,11 @@
        #define MGPU_IMPLEMENTATION
        #include "mgpu.h"
 
-   and plain `#include "mgpu.h"` everywhere else. Build with gcc as C11 for
-   the CPU backend, or with nvcc (as CUDA C++) for the CPU and CUDA backends.
+   and plain `#include "mgpu.h"` everywhere else (in that one file before
+   any system header: it asks for the POSIX functions it needs by defining
+   _GNU_SOURCE, unless -D_GNU_SOURCE already did). Build with gcc as C11
+   for the CPU backend, or with nvcc (as CUDA C++) for the CPU and CUDA
+   backends.
    The CUDA kernels live in kernels/, one file per family of operations;
    the implementation includes them (each kernel file holds the CPU
    reference of its operations beside their CUDA versions).
@@ -33,14 +36,17 @@
        mgpu_device *mgpu_cpu(void);          the CPU device "cpu" (also the host)
        mgpu_device *mgpu_try_gpu(int i);     GPU i if there is one, else the CPU
        int mgpu_try_all_gpus(mgpu_device **out, int max);  all GPUs, or [cpu]
-       int mgpu_devices(int n, int use_gpu, mgpu_device **out);
+       int mgpu_devices(int n, int use_gpu, mgpu_device **out);  (returns n)
 
    mgpu_devices asks for n *logical* devices: the physical GPUs first, then
    virtual devices past them. A virtual device has its own queues and its
    own memory but shares a GPU ("cuda:0#1" is the second device on GPU 0)
    or the CPU ("cpu#1"). Everything works the same on virtual devices, so
    a program written for 4 GPUs runs on one GPU, or on none. With use_gpu 0
-   (the --cpu flag) all devices are CPU devices.
+   (the --cpu flag) all devices are CPU devices. CPU devices share the
+   machine's cores: mgpu_devices gives each of n CPU devices 1/n of them
+   for OpenBLAS's products, so two devices work side by side rather than
+   in turn (OPENBLAS_NUM_THREADS is overridden).
 
        const char *mgpu_device_name(const mgpu_device *d);   "cuda:0", "cpu#1"
        int mgpu_device_is_gpu(const mgpu_device *d);
@@ -52,7 +58,8 @@
    --------------------
        mgpu_event *mgpu_event_new(void);      void mgpu_event_free(mgpu_event*);
        void mgpu_event_record(mgpu_event *e, mgpu_device *d);  marks "now" in d's compute queue
-       void mgpu_event_wait(mgpu_device *d, mgpu_event *e);    d's queue waits for e
+       void mgpu_event_wait(mgpu_device *d, mgpu_event *e);    d's compute queue waits for e
+   (Copies need no events: each orders itself, section 3.)
        void mgpu_event_synchronize(mgpu_event *e);            the host waits for e
        double mgpu_event_elapsed_ms(mgpu_event *a, mgpu_event *b);
 
@@ -83,13 +90,21 @@
        mgpu_tensor *mgpu_ensure(&slot, dev, shape)  reuse *slot if it has that shape
        mgpu_tensor *mgpu_narrow(t, start, length)  rows start.. of dimension 0 (a view)
        void mgpu_print(const char *label, const mgpu_tensor *t)
+                   label as given (bring your own ": "), then PyTorch's
+                   tensor([...], device='cpu')
        void mgpu_free(mgpu_tensor *t)
 
-   A copy runs on a copy queue: it starts when the source's device has
-   finished what was enqueued before it, and the destination's device will
-   not use the result before the copy is done. A blocking copy also makes
-   the host wait for it; a non-blocking one returns at once (copy into
-   pinned host memory for it to overlap compute on a GPU).
+   A view (mgpu_view, mgpu_narrow) shares its tensor's memory and does not
+   keep it alive: free the views before the tensor. Views can be copied
+   to and from, and operated on, like any tensor.
+
+   A copy runs on a copy queue: it starts when the source's device and the
+   destination's device have both finished what was enqueued before it
+   (so it neither reads a value still being computed nor overwrites one
+   still being read), and the destination's device will not use the
+   result before the copy is done. A blocking copy also makes the host
+   wait for it; a non-blocking one returns at once (copy into pinned host
+   memory for it to overlap compute on a GPU).
 
    4. Operations
    -------------
@@ -145,11 +160,21 @@
 
    7. Errors
    ---------
-   Every CUDA, cuBLAS, NCCL, MPI and file call is checked; a failure prints
-   one line "mgpu: error: <file>:<line>: <what> (<hint>)" and exits with
-   status 1. Bad arguments (shapes, device indices) are reported the same way.
+   Every error prints one line on stderr and exits with status 1:
+     - bad arguments name the function and what is wrong with them:
+       "mgpu: error: mgpu_add_: a tensor on cpu#1 is used with one on cpu;
+       copy it first with mgpu_to";
+     - bad files name the file: "mgpu: error: <path>: <what is wrong>";
+     - a failing CUDA, cuBLAS, NCCL or system call names the call and
+       where in mgpu.h it was made: "mgpu: error: <file>:<line>: <call>:
+       <what> (<hint>)".
 
    ====================================================================== */
+/* The implementation calls POSIX functions (clock_gettime, posix_memalign,
+   fileno) that C11's headers declare only when asked to: */
+#if defined(MGPU_IMPLEMENTATION) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE
+#endif
 #ifndef MGPU_H
 #define MGPU_H
 
@@ -913,6 +938,33 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    running statistics). It is what chapter 3's ResNet-18 is made of, and
    what a course extends with its own layer kinds.
 
+       mgpu_net *mgpu_net_new(mgpu_device *dev);      an empty network
+       mgpu_net_add_conv(net, in_channels, out_channels, kernel, stride, pad)
+       mgpu_net_add_batchnorm(net, channels)          2-D, as PyTorch's BatchNorm2d
+       mgpu_net_add_relu(net)
+       mgpu_net_add_avg_pool(net, kernel)             kernel x kernel, stride kernel
+       mgpu_net_add_global_avg_pool(net)              [N, C, H, W] -> [N, C]
+       mgpu_net_add_residual(net, in_channels, out_channels, stride)
+       mgpu_net_add_linear(net, in_features, out_features)
+   append a layer (each returns it: mgpu_layer, below) with its parameters
+   made on the net's device. Conv and linear weights ~ Normal(0, 0.01),
+   their biases ~ Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (as below);
+   batch norm gamma 1, beta 0. A convolution has a bias; a linear layer
+   flattens an image batch it is given. A residual block is the book's
+   Residual (ResNet-18's, below), with the 1x1 shortcut where the shape
+   changes. A ReLU straight after a batch norm joins it: one pass over
+   the data instead of two, and one layer in the list. A layer whose
+   channels do not follow from the one before it is a one-line error;
+   a linear layer's in_features is checked at the first forward pass. At
+   most MGPU_NET_MAX_LAYERS layers. The LeNet of chapter 2, for instance:
+       mgpu_net *net = mgpu_net_new(dev);
+       mgpu_net_add_conv(net, 1, 20, 3, 1, 0);  mgpu_net_add_relu(net);
+       mgpu_net_add_avg_pool(net, 2);
+       mgpu_net_add_conv(net, 20, 50, 5, 1, 0); mgpu_net_add_relu(net);
+       mgpu_net_add_avg_pool(net, 2);
+       mgpu_net_add_linear(net, 800, 128);      mgpu_net_add_relu(net);
+       mgpu_net_add_linear(net, 128, 10);
+
        mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
    The book's ResNet-18 for small images: a 3x3 stem convolution (stride 1,
    padding 1), batch norm, ReLU, no max-pool; four stages of two residual
@@ -970,6 +1022,7 @@ typedef enum {
     MGPU_LAYER_BATCHNORM,
     MGPU_LAYER_RELU,
     MGPU_LAYER_RESIDUAL,
+    MGPU_LAYER_AVG_POOL,
     MGPU_LAYER_GLOBAL_AVG_POOL,
     MGPU_LAYER_LINEAR
 } mgpu_layer_kind;
@@ -1008,13 +1061,14 @@ struct mgpu_layer {
 };
 
 #define MGPU_NET_MAX_PARAMS 128
+#define MGPU_NET_MAX_LAYERS 32
 typedef struct mgpu_net {
     mgpu_device *device;
     int training;
     int nlayers;
-    mgpu_layer *layers[16];
+    mgpu_layer *layers[MGPU_NET_MAX_LAYERS];
     int nparams, nbuffers;
-    int first_param[17];        /* layer i's parameters are params[first_param[i] ..] */
+    int first_param[MGPU_NET_MAX_LAYERS + 1]; /* layer i's parameters are params[first_param[i] ..] */
     mgpu_param *params[MGPU_NET_MAX_PARAMS]; /* pointers into the layers, in registration order */
     mgpu_tensor **buffers[MGPU_NET_MAX_PARAMS];
     mgpu_tensor *momentum[MGPU_NET_MAX_PARAMS]; /* SGD momentum buffers, made at the first step */
@@ -1023,6 +1077,15 @@ typedef struct mgpu_net {
     mgpu_tensor *losses, *dlogits, *loss_sum;
 } mgpu_net;
 
+MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev);
+MGPU_DEF mgpu_layer *mgpu_net_add_conv(mgpu_net *net, int in_channels, int out_channels, int kernel, int stride,
+                                       int pad);
+MGPU_DEF mgpu_layer *mgpu_net_add_batchnorm(mgpu_net *net, int channels);
+MGPU_DEF mgpu_layer *mgpu_net_add_relu(mgpu_net *net);
+MGPU_DEF mgpu_layer *mgpu_net_add_avg_pool(mgpu_net *net, int kernel);
+MGPU_DEF mgpu_layer *mgpu_net_add_global_avg_pool(mgpu_net *net);
+MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int out_channels, int stride);
+MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out_features);
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
@@ -1091,6 +1154,7 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    the summed loss and the number of right predictions of the steps since
    the last call (this waits for them), as the book's training loops count.
        const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none"
+                                              ("(not run yet)" before the first step)
 
    In MGPU_DP_ALLREDUCE mode the gradients travel in buckets, as in
    PyTorch's DDP: each replica's gradients become views into a few flat
@@ -1175,6 +1239,9 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #include <unistd.h>
 #include <sys/stat.h>
 #include <cblas.h>
+#ifndef CLOCK_MONOTONIC /* a system header came first, without POSIX */
+#error "mgpu.h: in the file that defines MGPU_IMPLEMENTATION, include mgpu.h before any system header, or compile with -D_GNU_SOURCE"
+#endif
 #if MGPU_CUDA && !defined(MGPU_CUDA_EMU)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -3294,7 +3361,7 @@ MGPU_DEF mgpu_tensor *mgpu_ensure(mgpu_tensor **slot, mgpu_device *dev, mgpu_sha
 MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
     char a[64];
     MGPU_REQUIRE(start >= 0 && length >= 0 && start + length <= t->shape.d[0],
-                 "cannot take rows %d..%d of a tensor of shape %s", start, start + length,
+                 "mgpu_narrow: cannot take rows %d..%d of a tensor of shape %s", start, start + length,
                  mgpu_shape_str(t->shape, a, sizeof a));
     mgpu_shape s = t->shape;
     size_t row = t->numel / (size_t)(s.d[0] ? s.d[0] : 1);
@@ -6413,17 +6480,19 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
     }
 }
 
-static mgpu_net *mgpu__net_new(mgpu_device *d) {
+MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
     mgpu_net *net = (mgpu_net *)mgpu__xcalloc(1, sizeof *net);
-    net->device = d;
+    net->device = dev;
     net->training = 1;
     return net;
 }
 
+/* Appends layer l. Nothing before the first layer wants its input
+   gradient, so it computes none (batch norm's pass makes one anyway). */
 static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
-    MGPU_REQUIRE(net->nlayers < (int)(sizeof net->layers / sizeof net->layers[0]),
-                 "a network holds at most %d layers", (int)(sizeof net->layers / sizeof net->layers[0]));
-    if (net->nlayers == 0) l->need_dinput = 0;
+    MGPU_REQUIRE(net->nlayers < MGPU_NET_MAX_LAYERS, "%s: a network holds at most %d layers", l->name,
+                 MGPU_NET_MAX_LAYERS);
+    if (net->nlayers == 0 && l->kind != MGPU_LAYER_BATCHNORM) l->need_dinput = 0;
     mgpu_layer_kind before = net->nlayers ? net->layers[net->nlayers - 1]->kind : MGPU_LAYER_LINEAR;
     if (before == MGPU_LAYER_BATCHNORM || before == MGPU_LAYER_RESIDUAL) { /* (a block's output is bn2's) */
         if (l->kind == MGPU_LAYER_CONV) l->input_from_batch_norm = 1;
@@ -6438,11 +6507,107 @@ static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     net->first_param[net->nlayers] = net->nparams;
 }
 
+/* ---- the network builder (mgpu_net_add_*) ---- */
+/* What the net's output is so far: its channels, for a layer that takes
+   images; 0 when not known (no layers yet, or only ReLUs and pooling),
+   -1 when it is no longer images (after a linear layer or global pooling). */
+static int mgpu__net_out_channels(const mgpu_net *net) {
+    for (int i = net->nlayers - 1; i >= 0; i--) {
+        const mgpu_layer *l = net->layers[i];
+        if (l->kind == MGPU_LAYER_LINEAR || l->kind == MGPU_LAYER_GLOBAL_AVG_POOL) return -1;
+        if (l->kind == MGPU_LAYER_CONV || l->kind == MGPU_LAYER_BATCHNORM || l->kind == MGPU_LAYER_RESIDUAL)
+            return l->out_channels;
+    }
+    return 0;
+}
+/* A new layer's name, "conv3" for the net's fourth layer, a convolution. */
+static const char *mgpu__net_layer_name(const mgpu_net *net, const char *kind, char *buf, size_t size) {
+    snprintf(buf, size, "%s%d", kind, net->nlayers);
+    return buf;
+}
+/* Checks that the net's output so far suits layer `op`, which takes
+   images of in_channels channels (0: any number). */
+static void mgpu__net_require_images(const mgpu_net *net, const char *op, int in_channels) {
+    int have = mgpu__net_out_channels(net);
+    MGPU_REQUIRE(have >= 0, "%s: the layer before (%s) gives [N, features], not images [N, C, H, W]", op,
+                 net->layers[net->nlayers - 1]->name);
+    MGPU_REQUIRE(!in_channels || !have || have == in_channels,
+                 "%s: takes %d channels, but the layer before gives %d", op, in_channels, have);
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_conv(mgpu_net *net, int in_channels, int out_channels, int kernel, int stride,
+                                       int pad) {
+    MGPU_REQUIRE(in_channels > 0 && out_channels > 0 && kernel > 0 && stride > 0 && pad >= 0,
+                 "mgpu_net_add_conv: %d -> %d channels, kernel %d, stride %d, pad %d: channels, kernel and "
+                 "stride must be positive, pad not negative", in_channels, out_channels, kernel, stride, pad);
+    mgpu__net_require_images(net, "mgpu_net_add_conv", in_channels);
+    char name[32];
+    mgpu_layer *l = mgpu__conv_new(mgpu__net_layer_name(net, "conv", name, sizeof name), in_channels,
+                                   out_channels, kernel, stride, pad, net->device);
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_batchnorm(mgpu_net *net, int channels) {
+    MGPU_REQUIRE(channels > 0, "mgpu_net_add_batchnorm: %d channels must be positive", channels);
+    mgpu__net_require_images(net, "mgpu_net_add_batchnorm", channels);
+    char name[32];
+    mgpu_layer *l = mgpu__batchnorm_new(mgpu__net_layer_name(net, "batchnorm", name, sizeof name), channels, 0,
+                                        net->device);
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_relu(mgpu_net *net) {
+    mgpu_layer *last = net->nlayers ? net->layers[net->nlayers - 1] : NULL;
+    if (last && last->kind == MGPU_LAYER_BATCHNORM && !last->fuse_relu) {
+        last->fuse_relu = 1; /* batch norm's pass applies the ReLU as it writes */
+        return last;
+    }
+    char name[32];
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_RELU, mgpu__net_layer_name(net, "relu", name, sizeof name));
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_avg_pool(mgpu_net *net, int kernel) {
+    MGPU_REQUIRE(kernel > 0, "mgpu_net_add_avg_pool: kernel %d must be positive", kernel);
+    mgpu__net_require_images(net, "mgpu_net_add_avg_pool", 0);
+    char name[32];
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_AVG_POOL, mgpu__net_layer_name(net, "avgpool", name, sizeof name));
+    l->kernel = l->stride = kernel;
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_global_avg_pool(mgpu_net *net) {
+    mgpu__net_require_images(net, "mgpu_net_add_global_avg_pool", 0);
+    char name[32];
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, mgpu__net_layer_name(net, "pool", name, sizeof name));
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int out_channels, int stride) {
+    MGPU_REQUIRE(in_channels > 0 && out_channels > 0 && stride > 0,
+                 "mgpu_net_add_residual: %d -> %d channels, stride %d must be positive", in_channels, out_channels,
+                 stride);
+    mgpu__net_require_images(net, "mgpu_net_add_residual", in_channels);
+    char name[32];
+    mgpu_layer *l = mgpu__residual_new(mgpu__net_layer_name(net, "block", name, sizeof name), in_channels,
+                                       out_channels, stride, net->device);
+    mgpu__net_add(net, l);
+    return l;
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out_features) {
+    MGPU_REQUIRE(in_features > 0 && out_features > 0,
+                 "mgpu_net_add_linear: %d -> %d features must be positive", in_features, out_features);
+    char name[32];
+    mgpu_layer *l = mgpu__linear_new(mgpu__net_layer_name(net, "linear", name, sizeof name), in_features,
+                                     out_features, net->device);
+    mgpu__net_add(net, l);
+    return l;
+}
+
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {
     MGPU_REQUIRE(num_classes > 0 && in_channels > 0,
                  "mgpu_resnet18: %d classes and %d input channels must both be positive",
                  num_classes, in_channels);
-    mgpu_net *net = mgpu__net_new(dev);
+    mgpu_net *net = mgpu_net_new(dev);
     mgpu__net_add(net, mgpu__conv_new("stem.conv", in_channels, 64, 3, 1, 1, dev));
     mgpu__net_add(net, mgpu__batchnorm_new("stem.bn", 64, 1, dev));
     static const int channels[4] = {64, 128, 256, 512};
@@ -6603,6 +6768,10 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
                                       next, training);
         break;
     }
+    case MGPU_LAYER_AVG_POOL:
+        mgpu_ensure(&l->output, d, mgpu_avg_pool2d_output_shape(x->shape, l->kernel));
+        mgpu_avg_pool2d_forward(l->output, x, l->kernel);
+        break;
     case MGPU_LAYER_GLOBAL_AVG_POOL:
         mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], x->shape.d[1]));
         mgpu_global_avg_pool_forward(l->output, x);
@@ -6737,8 +6906,11 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
     case MGPU_LAYER_BATCHNORM:
         mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput, NULL, accumulate);
         break;
-    case MGPU_LAYER_RELU:
-        mgpu_relu_backward(dx, dy, l->output);
+    case MGPU_LAYER_RELU: /* (these three have no parameters: without dx, nothing to do) */
+        if (dx) mgpu_relu_backward(dx, dy, l->output);
+        break;
+    case MGPU_LAYER_AVG_POOL:
+        if (dx) mgpu_avg_pool2d_backward(dx, dy, l->kernel);
         break;
     case MGPU_LAYER_RESIDUAL: {
         /* out = relu(main + skip): the gradient of the sum, dsum, goes to
@@ -6765,7 +6937,7 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
-        mgpu_global_avg_pool_backward(dx, dy);
+        if (dx) mgpu_global_avg_pool_backward(dx, dy);
         break;
     case MGPU_LAYER_LINEAR:
         mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, accumulate);
@@ -6919,7 +7091,7 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
 }
 
 MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
-    mgpu_net *copy = mgpu__net_new(dev);
+    mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
     for (int i = 0; i < net->nlayers; i++) mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
     return copy;
@@ -7086,9 +7258,11 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
         int same = shape[0] == (uint32_t)t->shape.ndim;
         for (int k = 0; k < MGPU_MAX_DIMS; k++) same &= shape[1 + k] == (uint32_t)t->shape.d[k];
         if (!same) {
-            char want[64];
-            mgpu_fatal("%s: tensor %d has shape (%u dims: %u, %u, %u, %u), the network's is %s", path,
-                       i, shape[0], shape[1], shape[2], shape[3], shape[4],
+            char want[64], got[64] = "[";
+            for (uint32_t k = 0; k < shape[0] && k < MGPU_MAX_DIMS; k++)
+                snprintf(got + strlen(got), sizeof got - strlen(got), "%s%u", k ? ", " : "", shape[1 + k]);
+            strcat(got, shape[0] > MGPU_MAX_DIMS ? ", ...]" : "]");
+            mgpu_fatal("%s: tensor %d has shape %s, the network's is %s", path, i, got,
                        mgpu_shape_str(t->shape, want, sizeof want));
         }
         offsets[i] = at;

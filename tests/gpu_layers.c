@@ -864,13 +864,14 @@ static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method m
             mgpu__conv_choice c = {geoms[i], pass > 0, pass == 2, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
-    mgpu_net *model = mgpu__net_new(mgpu_cpu());
-    mgpu__net_add(model, mgpu__conv_new("stem", 32, 32, 3, 1, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__batchnorm_new("stem.bn", 32, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__residual_new("block1", 32, 32, 1, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__residual_new("block2", 32, 64, 2, mgpu_cpu()));
-    mgpu__net_add(model, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
-    mgpu__net_add(model, mgpu__linear_new("fc", 64, 10, mgpu_cpu()));
+    mgpu_net *model = mgpu_net_new(mgpu_cpu());
+    mgpu_net_add_conv(model, 32, 32, 3, 1, 1);
+    mgpu_net_add_batchnorm(model, 32);
+    mgpu_net_add_relu(model);
+    mgpu_net_add_residual(model, 32, 32, 1);
+    mgpu_net_add_residual(model, 32, 64, 2);
+    mgpu_net_add_global_avg_pool(model);
+    mgpu_net_add_linear(model, 64, 10);
     return model;
 }
 /* What the two tests below share: the model, a batch and its labels. */

@@ -254,7 +254,7 @@ TEST(views_and_narrow_share_memory) {
     char a[64];
     CHECK(strcmp(mgpu_shape_str(x->shape, a, sizeof a), "[4, 5]") == 0);
     EXPECT_DIES(mgpu_view(x, mgpu_shape2(3, 5)), "cannot view a tensor of shape [4, 5] as [3, 5]");
-    EXPECT_DIES(mgpu_narrow(x, 3, 2), "cannot take rows 3..5 of a tensor of shape [4, 5]");
+    EXPECT_DIES(mgpu_narrow(x, 3, 2), "mgpu_narrow: cannot take rows 3..5 of a tensor of shape [4, 5]");
     EXPECT_DIES(mgpu_empty(mgpu_cpu(), mgpu_shape2(-1, 5)), "negative size");
     mgpu_free(rows);
     mgpu_free(flat);

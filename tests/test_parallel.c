@@ -16,32 +16,32 @@
 #include "../mgpu.h"
 #include "test.h"
 
-/* A small network without batch norm: conv, ReLU, global pool, linear. */
+/* A small network: conv, batch norm and ReLU (or ReLU alone), a residual
+   block (which has batch norm inside), global pool, linear. */
 static mgpu_net *small_net(mgpu_device *d, int with_batchnorm) {
     mgpu_manual_seed(5);
-    mgpu_net *net = mgpu__net_new(d);
-    mgpu__net_add(net, mgpu__conv_new("conv", 1, 6, 3, 1, 1, d));
+    mgpu_net *net = mgpu_net_new(d);
     /* a larger init than the book's 0.01, so 20 steps move the weights */
-    mgpu_scale_(net->layers[0]->weight.value, 30.0f);
-    if (with_batchnorm) mgpu__net_add(net, mgpu__batchnorm_new("bn", 6, 1, d));
-    else mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu"));
-    mgpu__net_add(net, mgpu__residual_new("block", 6, 8, 2, d));
-    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
-    mgpu__net_add(net, mgpu__linear_new("fc", 8, 10, d));
+    mgpu_scale_(mgpu_net_add_conv(net, 1, 6, 3, 1, 1)->weight.value, 30.0f);
+    if (with_batchnorm) mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_residual(net, 6, 8, 2);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
     return net;
 }
 
-/* The residual block has batch norm inside; for a network without any,
-   replace it by conv + ReLU only. */
+/* A network without any batch norm: convolutions, ReLUs, pooling. */
 static mgpu_net *plain_net(mgpu_device *d) {
     mgpu_manual_seed(5);
-    mgpu_net *net = mgpu__net_new(d);
-    mgpu__net_add(net, mgpu__conv_new("conv1", 1, 6, 3, 1, 1, d));
-    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu1"));
-    mgpu__net_add(net, mgpu__conv_new("conv2", 6, 8, 3, 2, 1, d));
-    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_RELU, "relu2"));
-    mgpu__net_add(net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, "pool"));
-    mgpu__net_add(net, mgpu__linear_new("fc", 8, 10, d));
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
     for (int i = 0; i < net->nparams; i++) mgpu_scale_(net->params[i]->value, 30.0f);
     return net;
 }
@@ -274,6 +274,15 @@ TEST(damaged_checkpoints_are_clear_errors) {
 
     mgpu_net *other = plain_net(d); /* another network's checkpoint */
     EXPECT_DIES(mgpu_net_load(other, path), "the network has");
+    mgpu_net *five = mgpu_net_new(d); /* small_net with 5 classes, not 10 */
+    mgpu_net_add_conv(five, 1, 6, 3, 1, 1);
+    mgpu_net_add_batchnorm(five, 6);
+    mgpu_net_add_relu(five);
+    mgpu_net_add_residual(five, 6, 8, 2);
+    mgpu_net_add_global_avg_pool(five);
+    mgpu_net_add_linear(five, 8, 5);
+    EXPECT_DIES(mgpu_net_load(five, path), "has shape [8, 10], the network's is [8, 5]");
+    mgpu_net_free(five);
     EXPECT_DIES(mgpu_net_load(net, "/nonexistent/x.ckpt"), "cannot open the checkpoint");
     EXPECT_DIES(mgpu_net_load(net, "/tmp"), "cannot read the checkpoint");
 
@@ -367,7 +376,7 @@ static double net_loss(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *y
 /* dL/d(value c of a parameter) by central differences, step h. */
 static double param_slope(mgpu_net *net, mgpu_tensor *value, int c, const mgpu_tensor *x,
                           const mgpu_tensor *y, float h) {
-    float host[64];
+    float *host = (float *)malloc(value->numel * sizeof(float));
     double loss[2];
     mgpu_to_host(value, host);
     float start = host[c];
@@ -382,8 +391,81 @@ static double param_slope(mgpu_net *net, mgpu_tensor *value, int c, const mgpu_t
     mgpu_tensor *back = mgpu_from_host(value->device, value->shape, host);
     mgpu_copy(value, back, 0);
     mgpu_free(back);
+    free(host);
     return (loss[1] - loss[0]) / (2.0 * h);
 }
+
+/* A network built by mgpu_net_add_* from every kind of layer (a ReLU
+   joining the batch norm before it, another on its own, a linear layer
+   on images) computes its outputs by the layers' operations and the
+   gradient of its loss: each parameter's first and last values against
+   central differences. */
+TEST(a_built_network_has_the_gradient_of_its_loss) {
+    mgpu_device *d = test_device();
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y); /* [12, 1, 8, 8] */
+    mgpu_manual_seed(9);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    CHECK(mgpu_net_add_batchnorm(net, 4) == mgpu_net_add_relu(net)); /* joined */
+    mgpu_net_add_avg_pool(net, 2);   /* [12, 4, 4, 4] */
+    mgpu_net_add_conv(net, 4, 6, 3, 1, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_residual(net, 6, 8, 2); /* [12, 8, 2, 2] */
+    mgpu_net_add_linear(net, 32, 10);
+    CHECK_EQ_INT(net->nlayers, 7);
+    CHECK(net->layers[1]->fuse_relu && net->layers[4]->kind == MGPU_LAYER_RELU);
+    CHECK_EQ_INT(net->nparams, 2 * 9);
+    /* weights large enough for slopes well above float's rounding */
+    for (int i = 0; i < net->nparams; i++)
+        if (net->params[i]->value->shape.ndim > 1) mgpu_scale_(net->params[i]->value, 30.0f);
+    mgpu_net_zero_grad(net);
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    CHECK(logits->shape.ndim == 2 && logits->shape.d[0] == 12 && logits->shape.d[1] == 10);
+    /* the pooling layer's output is mgpu_avg_pool2d_forward's, to the bit */
+    const mgpu_tensor *pool_in = net->layers[1]->output, *pool_out = net->layers[2]->output;
+    CHECK(pool_out->shape.ndim == 4 && pool_out->shape.d[1] == 4 && pool_out->shape.d[3] == 4);
+    mgpu_tensor *pooled = mgpu_empty(d, pool_out->shape);
+    mgpu_avg_pool2d_forward(pooled, pool_in, 2);
+    for (size_t i = 0; i < pooled->numel; i++) CHECK_CLOSE(mgpu_item(pool_out, i), mgpu_item(pooled, i), 0, 0);
+    mgpu_net_loss_backward(net, logits, y, 1.0f / 12, NULL);
+    for (int i = 0; i < net->nparams; i++) {
+        mgpu_param *p = net->params[i];
+        int last = (int)p->value->numel - 1;
+        for (int c = 0; c <= last; c += last) {
+            /* a small step, for the ReLUs' kinks; float's rounding of the
+               loss (2.4e-7) over 2h is then 1.2e-4 */
+            double slope = param_slope(net, p->value, c, x, y, 1e-3f);
+            CHECK_CLOSE(mgpu_item(p->grad, (size_t)c), slope, 2e-4, 3e-2);
+        }
+    }
+    mgpu_free(pooled);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+}
+
+/* A layer that cannot take what the one before gives is refused when it
+   is added, with one line naming both. */
+#if !TEST_ON_GPU
+TEST(a_network_refuses_layers_that_do_not_fit) {
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    EXPECT_DIES(mgpu_net_add_batchnorm(net, 5), "mgpu_net_add_batchnorm: takes 5 channels, but the layer before gives 4");
+    EXPECT_DIES(mgpu_net_add_conv(net, 4, 8, 3, 0, 1), "stride must be positive");
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    EXPECT_DIES(mgpu_net_add_residual(net, 6, 8, 1), "mgpu_net_add_residual: takes 6 channels, but the layer before gives 4");
+    mgpu_net_add_global_avg_pool(net);
+    EXPECT_DIES(mgpu_net_add_conv(net, 4, 8, 3, 1, 1),
+                "mgpu_net_add_conv: the layer before (pool3) gives [N, features], not images");
+    mgpu_net_add_linear(net, 4, 10);
+    EXPECT_DIES(mgpu_net_add_avg_pool(net, 2), "the layer before (linear4) gives [N, features]");
+    EXPECT_DIES(for (int i = 0; i < MGPU_NET_MAX_LAYERS; i++) mgpu_net_add_relu(net),
+                "relu32: a network holds at most 32 layers");
+    mgpu_net_free(net);
+}
+#endif
 
 /* A convolution's bias before batch norm in training mode does not move
    the loss (the batch mean takes it away), so the backward pass leaves its
@@ -421,7 +503,7 @@ TEST(bias_before_batch_norm_has_no_gradient_in_training) {
     mgpu_net_set_training(net, 0);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     EXPECT_DIES(mgpu_net_loss_backward(net, logits, y, 1.0f / 12, NULL),
-                "block.bn2: the last forward ran in evaluation mode");
+                "block2.bn2: the last forward ran in evaluation mode");
     mgpu_free(x);
     mgpu_free(y);
     mgpu_net_free(net);
@@ -441,7 +523,7 @@ TEST(data_parallel_step_refuses_evaluation_mode) {
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
     mgpu_net_set_training(mgpu_data_parallel_module(dp), 0);
     EXPECT_DIES(mgpu_data_parallel_step(dp, x, y, 0.5f, 0.0f, 0.0f),
-                "block.bn2: the last forward ran in evaluation mode");
+                "block2.bn2: the last forward ran in evaluation mode");
     mgpu_free(x);
     mgpu_free(y);
     mgpu_data_parallel_free(dp);
