@@ -65,6 +65,9 @@
 
        mgpu_timer t; mgpu_timer_init(&t); mgpu_timer_start(&t); ... mgpu_timer_stop(&t);
        mgpu_timer_avg(&t), mgpu_timer_sum(&t), mgpu_timer_cumsum(&t, i)  (seconds)
+   The book's Timer: wall-clock seconds. mgpu_timer_stop returns the
+   interval it ends; t.times[0 .. t.n-1] keeps every one. It times the
+   host: synchronise first to time the devices' work.
 
        MGPU_BENCHMARK("GPU1 time") { run(x); }
    runs the block, synchronises every device and prints "GPU1 time: 0.5620 sec".
