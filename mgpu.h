@@ -1192,8 +1192,13 @@ MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]);
 
 /* ------------------------------------------------------ command-line flags */
 /* Every chapter takes the same flags; a chapter sets its defaults, then
-   parses. Extra flags of its own go in an mgpu_flag array. A bad flag or
-   value is a one-line error and exit status 1; --help prints the flags. */
+   parses. Extra flags of its own go in an mgpu_flag array (one named like
+   a common flag replaces it, help text and all). A bad flag or value is
+   a one-line error and exit status 1, before any work: an unknown flag,
+   a missing value, a number out of range (--devices up to
+   MGPU_MAX_DEVICES, --epochs up to MGPU_TIMER_MAX, floats within float's
+   range), an empty folder name, an --out that cannot be made or written
+   to (parsing makes it). --help prints the flags. */
 typedef struct mgpu_options {
     int devices, epochs, batch_size;
     double lr;
@@ -1233,6 +1238,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #define MGPU__IMPLEMENTED
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -2074,12 +2080,37 @@ static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
         *(int *)f->value = (int)v;
     } else if (f->type == 'd') {
         double v = strtod(text, &end);
-        if (errno || *end || end == text || !(v > 0) || !isfinite(v))
+        if (*end || end == text || !(v > 0))
             mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
+        if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
+            mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
         *(double *)f->value = v;
     } else {
+        if (!*text) mgpu_fatal("%s: expected a folder, got ''", f->name);
         *(const char **)f->value = text;
     }
+}
+
+/* Makes folder dir and the folders above it where missing (mkdir -p),
+   and checks that the program can write there. */
+static void mgpu__make_out_folder(const char *dir) {
+    char path[1024];
+    if (strlen(dir) >= sizeof path - 64) /* (room for the file names after it) */
+        mgpu_fatal("--out: a folder name of at most %d characters, got %zu", (int)sizeof path - 65, strlen(dir));
+    snprintf(path, sizeof path, "%s", dir);
+    for (char *p = path + 1; ; p++) { /* one component at a time */
+        char c = *p;
+        if (c == '/' || c == 0) {
+            *p = 0;
+            if (mkdir(path, 0777) != 0 && errno != EEXIST)
+                mgpu_fatal("--out %s: cannot create folder %s (%s)", dir, path, strerror(errno));
+            *p = c;
+        }
+        if (!c) break;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) mgpu_fatal("--out %s: not a folder", dir);
+    if (access(dir, W_OK) != 0) mgpu_fatal("--out %s: cannot write there (%s)", dir, strerror(errno));
 }
 
 static void mgpu__flag_print(const mgpu_flag *f) {
@@ -2115,11 +2146,12 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
         {"--help", 'b', &help, "print this help"},
     };
     int ncommon = (int)(sizeof common / sizeof common[0]);
+    /* A chapter's own flags first: one may give a common flag its own meaning. */
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         const mgpu_flag *f = NULL;
-        for (int k = 0; k < ncommon + nextra && !f; k++) {
-            const mgpu_flag *c = k < ncommon ? &common[k] : &extra[k - ncommon];
+        for (int k = 0; k < nextra + ncommon && !f; k++) {
+            const mgpu_flag *c = k < nextra ? &extra[k] : &common[k - nextra];
             if (strcmp(arg, c->name) == 0) f = c;
         }
         if (!f) mgpu_fatal("unknown flag '%s' (try --help)", arg);
@@ -2127,34 +2159,33 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
             *(int *)f->value = 1;
             continue;
         }
-        if (i + 1 >= argc) mgpu_fatal("%s needs a value (try --help)", arg);
+        if (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)
+            mgpu_fatal("%s needs a value (try --help)", arg);
         mgpu__flag_set(f, argv[++i]);
     }
     o->seed = (uint64_t)seed;
     if (help) {
         printf("%s\n\nflags:\n", about);
-        for (int k = 0; k < ncommon; k++) mgpu__flag_print(&common[k]);
+        for (int k = 0; k < ncommon; k++) {
+            int overridden = 0;
+            for (int e = 0; e < nextra; e++) overridden |= strcmp(extra[e].name, common[k].name) == 0;
+            if (!overridden) mgpu__flag_print(&common[k]);
+        }
         for (int k = 0; k < nextra; k++) mgpu__flag_print(&extra[k]);
         exit(0);
     }
+    /* Checked now, not when a run has ended: */
+    if (o->devices > MGPU_MAX_DEVICES)
+        mgpu_fatal("--devices %d: at most %d devices", o->devices, MGPU_MAX_DEVICES);
+    if (o->epochs > MGPU_TIMER_MAX)
+        mgpu_fatal("--epochs %d: at most %d (a timer keeps that many epochs' times)", o->epochs, MGPU_TIMER_MAX);
     if (!o->out) o->out = ".";
+    mgpu__make_out_folder(o->out);
 }
 
 MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size) {
     const char *dir = o->out ? o->out : ".";
-    /* mkdir -p, one component at a time */
-    char path[1024];
-    snprintf(path, sizeof path, "%s", dir);
-    for (char *p = path + 1; ; p++) {
-        char c = *p;
-        if (c == '/' || c == 0) {
-            *p = 0;
-            if (mkdir(path, 0777) != 0 && errno != EEXIST)
-                mgpu_fatal("--out %s: cannot create folder %s (%s)", dir, path, strerror(errno));
-            *p = c;
-        }
-        if (!c) break;
-    }
+    mgpu__make_out_folder(dir);
     snprintf(buf, size, "%s/%s", dir, name);
     return buf;
 }
@@ -3746,6 +3777,7 @@ static void mgpu__idx_fail(const mgpu__idx_file *f, const char *fmt, ...) {
     mgpu_fatal("%s: %s", f->path, problem);
 }
 
+enum { MGPU__GZ_BUFFER = 1 << 17 };
 /* Opens path for reading: a regular file, gzip-compressed or not. */
 static mgpu__idx_file mgpu__idx_open(const char *path) {
     mgpu__idx_file f;
@@ -3759,7 +3791,7 @@ static mgpu__idx_file mgpu__idx_open(const char *path) {
     f.gz = gzopen(path, "rb");
     if (!f.gz) mgpu__idx_fail(&f, "cannot open (%s)", errno ? strerror(errno) : "out of memory");
     /* Large reads go faster through a larger buffer (zlib's default is 8 KiB). */
-    if (gzbuffer(f.gz, 1 << 17) != 0) mgpu__idx_fail(&f, "cannot set up zlib's buffer");
+    if (gzbuffer(f.gz, MGPU__GZ_BUFFER) != 0) mgpu__idx_fail(&f, "cannot set up zlib's buffer");
     return f;
 }
 
@@ -3768,8 +3800,10 @@ static mgpu__idx_file mgpu__idx_open(const char *path) {
 static size_t mgpu__idx_read_some(mgpu__idx_file *f, unsigned char *buf, size_t n) {
     size_t got = 0;
     while (got < n) {
-        /* gzread takes and returns int-sized counts: read in chunks of 1 GiB. */
-        size_t chunk = n - got < ((size_t)1 << 30) ? n - got : ((size_t)1 << 30);
+        /* In chunks no larger than zlib's buffer (gzbuffer, below): a larger
+           read inflates straight into buf, and that way zlib lets a stream
+           cut just before its trailer (CRC and length) pass unnoticed. */
+        size_t chunk = n - got < MGPU__GZ_BUFFER / 2 ? n - got : MGPU__GZ_BUFFER / 2;
         int r = gzread(f->gz, buf + got, (unsigned)chunk);
         int err = Z_OK;
         const char *msg = gzerror(f->gz, &err);
@@ -7226,11 +7260,12 @@ MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
 }
 
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
+    /* What it is before opening it: opening a FIFO would wait for a writer. */
+    struct stat st;
+    if (stat(path, &st) != 0) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
     FILE *f = fopen(path, "rb");
     if (!f) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
-    struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode))
-        mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
     long size = (long)st.st_size;
     unsigned char *bytes = (unsigned char *)mgpu__xmalloc((size_t)size);
     if (fread(bytes, 1, (size_t)size, f) != (size_t)size)

@@ -181,7 +181,7 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
             train_batch(b.x, b.y, replicas, num_devices, lr, loss_sum, correct);
             mgpu_synchronize_all(); /* as the book does after every batch */
         }
-        mgpu_timer_stop(&timer);
+        double seconds = mgpu_timer_stop(&timer);
         double loss = 0, right = 0;
         for (int i = 0; i < num_devices; i++) {
             loss += mgpu_item(loss_sum[i], 0);
@@ -195,7 +195,7 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
         double ys[3] = {loss / train_set->n, right / train_set->n, test_acc};
         mgpu_animator_add(animator, epoch + 1, ys);
         fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.*f sec\n",
-                epoch + 1, epochs, ys[0], ys[1], ys[2], MGPU_SECONDS(timer.times[epoch]));
+                epoch + 1, epochs, ys[0], ys[1], ys[2], MGPU_SECONDS(seconds));
     }
     printf("test acc: %.2f, %.*f sec/epoch, on %s\n", mgpu_animator_last(animator, 2),
            MGPU_SECONDS(mgpu_timer_avg(&timer)), list);

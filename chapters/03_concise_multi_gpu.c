@@ -59,14 +59,14 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
             mgpu_data_parallel_step(dp, b.x, b.y, c->lr, 0.0f, 0.0f);
         double loss, correct;
         mgpu_data_parallel_take_stats(dp, &loss, &correct); /* waits for the epoch */
-        mgpu_timer_stop(&timer);
+        double seconds = mgpu_timer_stop(&timer);
         /* evaluation on device 0 with the plain network (the seed's .module) */
         double test_acc = mgpu_net_evaluate_accuracy(net, test_set, 256);
         double ys[3] = {loss / train_set->n, correct / train_set->n, test_acc};
         mgpu_animator_add(animator, epoch + 1, ys);
         /* (to the millisecond: bench/run.sh reads these lines) */
         fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.3f sec\n",
-                epoch + 1, c->epochs, ys[0], ys[1], test_acc, timer.times[epoch]);
+                epoch + 1, c->epochs, ys[0], ys[1], test_acc, seconds);
     }
     printf("test acc: %.2f, %.*f sec/epoch, on %s (gradients: %s)\n",
            mgpu_animator_last(animator, 2), MGPU_SECONDS(mgpu_timer_avg(&timer)), list,
@@ -147,10 +147,12 @@ int main(int argc, char **argv) {
     const mgpu_flag extra[] = {
         {"--train-samples", 'i', &train_samples, "use the first N training images"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
+        {"--batch-size", 'i', &o.batch_size, "batch per device (the book's 256): k devices take k times it"},
+        {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... devices, up to N"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter3: ResNet-18 on 1, 2 and 4 devices with a DataParallel-style wrapper",
-                       extra, 2);
+                       extra, 4);
     int max_devices = o.devices ? o.devices : 4; /* runs on 1, 2, 4, ... up to this many */
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;

@@ -374,7 +374,7 @@ TEST(loader_free_mid_epoch) {
 
 /* ------------------------------------------------------------ bad input */
 static char tmp_dir[64];
-static char tmp_paths[64][128];
+static char tmp_paths[128][128];
 static int tmp_count;
 
 /* A path in the temporary folder, removed at the end. */
@@ -382,6 +382,10 @@ static const char *tmp_path(const char *name) {
     if (!tmp_dir[0]) {
         strcpy(tmp_dir, "/tmp/mgpu_test_data_XXXXXX");
         if (!mkdtemp(tmp_dir)) { perror("mkdtemp"); exit(2); }
+    }
+    if (tmp_count == (int)(sizeof tmp_paths / sizeof tmp_paths[0])) {
+        fprintf(stderr, "tmp_path: more than %d files; make tmp_paths larger\n", tmp_count);
+        exit(2);
     }
     char *p = tmp_paths[tmp_count++];
     snprintf(p, sizeof tmp_paths[0], "%s/%s", tmp_dir, name);
@@ -536,6 +540,27 @@ TEST(bad_gzip_streams) {
     p = tmp_path("bad-crc.gz");
     write_bytes(p, bytes, n, 0);
     EXPECT_BAD_FILE(p, labels, p, "corrupt gzip data (incorrect data check)");
+    free(bytes);
+    /* Cut just before its trailer too, in a file of 800 images of random
+       pixels, several times zlib's buffer even compressed (the real images
+       files are so): zlib notices the missing end only when the data is
+       read through its buffer. */
+    size_t raw = 16 + 800 * 784;
+    bytes = (unsigned char *)malloc(raw);
+    put_be32(bytes, 0x803);
+    put_be32(bytes + 4, 800);
+    put_be32(bytes + 8, 28);
+    put_be32(bytes + 12, 28);
+    uint32_t state = 1;
+    for (size_t i = 16; i < raw; i++) bytes[i] = (unsigned char)((state = state * 1664525u + 1013904223u) >> 24);
+    const char *big = tmp_path("big.gz");
+    write_bytes(big, bytes, raw, 1);
+    free(bytes);
+    bytes = read_bytes(big, &n);
+    p = tmp_path("big-no-trailer.gz");
+    write_bytes(p, bytes, n - 8, 0);
+    const char *labels_800 = labels_file("labels-800", 800, -1, 0, 0);
+    EXPECT_BAD_FILE(p, labels_800, p, "truncated gzip stream (unexpected end of file)");
     free(bytes);
 }
 

@@ -285,6 +285,12 @@ TEST(damaged_checkpoints_are_clear_errors) {
     mgpu_net_free(five);
     EXPECT_DIES(mgpu_net_load(net, "/nonexistent/x.ckpt"), "cannot open the checkpoint");
     EXPECT_DIES(mgpu_net_load(net, "/tmp"), "cannot read the checkpoint");
+    /* A FIFO is refused before it is opened (opening one waits for a
+       writer: the alarm ends the child if it does) */
+    temp_path(bad, sizeof bad, "fifo.ckpt");
+    unlink(bad);
+    CHECK(mkfifo(bad, 0600) == 0);
+    EXPECT_DIES(alarm(20); mgpu_net_load(net, bad), "cannot read the checkpoint (not a regular file)");
 
     free(bytes);
     unlink(path);
