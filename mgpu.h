@@ -3800,9 +3800,10 @@ static mgpu__idx_file mgpu__idx_open(const char *path) {
 static size_t mgpu__idx_read_some(mgpu__idx_file *f, unsigned char *buf, size_t n) {
     size_t got = 0;
     while (got < n) {
-        /* In chunks no larger than zlib's buffer (gzbuffer, below): a larger
-           read inflates straight into buf, and that way zlib lets a stream
-           cut just before its trailer (CRC and length) pass unnoticed. */
+        /* In chunks of half zlib's buffer (set in mgpu__idx_open): a read
+           larger than the buffer inflates straight into buf, and that way
+           zlib lets a stream cut just before its trailer (CRC and length)
+           pass unnoticed. */
         size_t chunk = n - got < MGPU__GZ_BUFFER / 2 ? n - got : MGPU__GZ_BUFFER / 2;
         int r = gzread(f->gz, buf + got, (unsigned)chunk);
         int err = Z_OK;
