@@ -74,6 +74,9 @@ int main(int argc, char **argv) {
 
     MGPU_REQUIRE(o.devices == 0 || o.devices == 2,
                  "--devices %d: chapter 1 compares exactly two devices", o.devices);
+    MGPU_REQUIRE(!o.epochs && !o.batch_size && !o.lr && !o.data,
+                 "chapter 1 trains nothing and reads no data: --epochs, --batch-size, --lr and --data do "
+                 "not apply (its work is --size and --reps)");
     mgpu_device *dev[2];
     mgpu_devices(2, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);

@@ -44,6 +44,7 @@ check chapter1_help 0 '--devices' '--size' -- ./chapter1 --help
 check chapter1_unknown_flag 1 "^mgpu: error: unknown flag '--bogus' \(try --help\)$" -- ./chapter1 --bogus
 check chapter1_bad_number 1 "^mgpu: error: --size: expected a positive whole number, got 'ten'$" -- ./chapter1 --size ten
 check chapter1_missing_value 1 "^mgpu: error: --reps needs a value" -- ./chapter1 --reps
+check chapter1_trains_nothing 1 "^mgpu: error: chapter 1 trains nothing and reads no data" -- ./chapter1 --epochs 7
 check chapter1_two_devices_only 1 "^mgpu: error: --devices 3: chapter 1 compares exactly two devices$" -- ./chapter1 --devices 3
 
 
