@@ -958,7 +958,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    changes. A ReLU straight after a batch norm joins it: one pass over
    the data instead of two, and one layer in the list. A layer whose
    channels do not follow from the one before it is a one-line error;
-   a linear layer's in_features is checked at the first forward pass. At
+   so is a linear layer's in_features where the layer before says it (a
+   linear layer, or global pooling), else at the first forward pass. At
    most MGPU_NET_MAX_LAYERS layers. The LeNet of chapter 2, for instance:
        mgpu_net *net = mgpu_net_new(dev);
        mgpu_net_add_conv(net, 1, 20, 3, 1, 0);  mgpu_net_add_relu(net);
@@ -967,6 +968,12 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        mgpu_net_add_avg_pool(net, 2);
        mgpu_net_add_linear(net, 800, 128);      mgpu_net_add_relu(net);
        mgpu_net_add_linear(net, 128, 10);
+   Without batch norm, the book's Normal(0, 0.01) starts such a stack with
+   nearly zero signal: chapter 2's LeNet stays near loss 2.30 for its first
+   epoch of 60000 images, and a few thousand images do not move it. To
+   start from other weights, draw them into mgpu_net_param(net, i)->value,
+   e.g. He's: mgpu_randn(dev, shape, 0, sqrt(2 / fan_in)) copied in with
+   mgpu_copy.
 
        mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
    The book's ResNet-18 for small images: a 3x3 stem convolution (stride 1,
@@ -1000,9 +1007,16 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    training mode. A convolution's bias followed by batch norm gets exactly
    0 added: the batch mean cancels it (mgpu__bias_cancelled_by says why).
 
+       void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
+   the mean cross-entropy's backward pass from logits (the last forward's),
+   its gradient scaled by `scale` (1/N for the mean over N rows), then
+   mgpu_net_backward; adds the summed loss to loss_sum as below.
+       void mgpu_net_sgd(net, lr, momentum, weight_decay)
+   one SGD step of every parameter from its gradient (PyTorch's
+   torch.optim.SGD: weight decay added to the gradient, then momentum).
        void mgpu_net_train_step(net, x, labels, lr, momentum, weight_decay, loss_sum_or_NULL)
    one SGD step on the mean cross-entropy; adds the batch's summed loss to
-   a one-element tensor on the net's device when given one (read it once an
+   a one-element tensor ([1]) on the net's device when given one (read it once an
    epoch: reading it every step would make the host wait every step). The
    step's backward pass WRITES every gradient, so there is no zero_grad
    to run first (PyTorch's zero_grad(set_to_none=True) saves the same
@@ -1019,7 +1033,12 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    One file holds every parameter and buffer: a header (magic "MGPUNET1",
    version, tensor count), each tensor's shape and values, and a 64-bit
    FNV-1a checksum of everything before it. Loading a damaged file, another
-   network's file or a file from another version is a one-line error. */
+   network's file or a file from another version is a one-line error.
+       void mgpu_net_free(net)   the layers, parameters, buffers and scratch
+
+       double mgpu_net_evaluate_accuracy(net, data, batch_size)
+   (below) runs in evaluation mode and puts the net back in the mode it
+   was in. */
 typedef enum {
     MGPU_LAYER_CONV,
     MGPU_LAYER_BATCHNORM,
@@ -1124,12 +1143,15 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    DATA PARALLELISM. mgpu_data_parallel is the library's nn.DataParallel: one replica of a
    network per device; each step scatters the batch (ceil(N/k) rows each),
    runs forward and backward on every device's queue at the same time,
-   combines the gradients and updates, so the replicas stay identical.
+   combines the gradients and updates, so the replicas stay identical
+   (with MGPU_DP_GATHER, below, the others get device 0's parameters at
+   the start of each step: between steps they hold the step before's).
 
        mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
                                                   int n, mgpu_dp_mode mode);
    net must live on devices[0]; it becomes replica 0 (the seed's `.module`,
    mgpu_data_parallel_module) and the wrapper copies it to the others.
+   mgpu_data_parallel_free frees the copies, not net: free net yourself.
    Two ways to combine the gradients:
      MGPU_DP_GATHER     what torch.nn.DataParallel does: every step the
                         parameters are broadcast from device 0, the logits
@@ -1924,6 +1946,28 @@ static size_t mgpu__round_bytes(size_t bytes) {
     return (bytes + 511) / 512 * 512;
 }
 
+/* Refuses host memory past the machine's: the CPU devices' blocks (in
+   use and cached) and this request against its physical memory. Past it,
+   the kernel would sooner or later kill the process without a word. */
+static void mgpu__require_host_memory(const mgpu_device *d, size_t bytes) {
+    mgpu_device *devices[MGPU_MAX_DEVICES * 4];
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
+    int n = mgpu__g.ndevices;
+    memcpy(devices, mgpu__g.devices, (size_t)n * sizeof devices[0]);
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    size_t held = 0;
+    for (int i = 0; i < n; i++) {
+        if (devices[i]->gpu >= 0) continue;
+        MGPU__PTHREAD_CHECK(pthread_mutex_lock(&devices[i]->alloc_mutex));
+        held += devices[i]->in_use + devices[i]->cached;
+        MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&devices[i]->alloc_mutex));
+    }
+    double machine = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    if ((double)held + (double)bytes > machine)
+        mgpu_fatal("out of host memory on %s: asked for %.1f MiB with %.1f MiB held by the CPU devices; "
+                   "the machine has %.1f MiB", d->name, bytes / 1048576.0, held / 1048576.0, machine / 1048576.0);
+}
+
 static void *mgpu__raw_alloc(mgpu_device *d, size_t bytes, int pinned) {
     void *p = NULL;
 #if MGPU_CUDA
@@ -1943,6 +1987,7 @@ static void *mgpu__raw_alloc(mgpu_device *d, size_t bytes, int pinned) {
 #else
     (void)pinned;
 #endif
+    mgpu__require_host_memory(d, bytes);
     if (posix_memalign(&p, 64, bytes))
         mgpu_fatal("out of host memory on %s: asked for %.1f MiB", d->name, bytes / 1048576.0);
     return p;
@@ -6546,16 +6591,28 @@ static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
 }
 
 /* ---- the network builder (mgpu_net_add_*) ---- */
-/* What the net's output is so far: its channels, for a layer that takes
-   images; 0 when not known (no layers yet, or only ReLUs and pooling),
-   -1 when it is no longer images (after a linear layer or global pooling). */
-static int mgpu__net_out_channels(const mgpu_net *net) {
-    for (int i = net->nlayers - 1; i >= 0; i--) {
+/* What the output of the net's first `end` layers is: its channels, for
+   a layer that takes images; 0 when not known (no layers yet, or only
+   ReLUs and pooling), -1 when it is no longer images (after a linear
+   layer or global pooling). */
+static int mgpu__net_channels_after(const mgpu_net *net, int end) {
+    for (int i = end - 1; i >= 0; i--) {
         const mgpu_layer *l = net->layers[i];
         if (l->kind == MGPU_LAYER_LINEAR || l->kind == MGPU_LAYER_GLOBAL_AVG_POOL) return -1;
         if (l->kind == MGPU_LAYER_CONV || l->kind == MGPU_LAYER_BATCHNORM || l->kind == MGPU_LAYER_RESIDUAL)
             return l->out_channels;
     }
+    return 0;
+}
+/* The features the net's output has so far, where its layers say: a
+   linear layer's, or the channels that global pooling averages; 0 where
+   only a forward pass tells (images, flattened by a linear layer). */
+static int mgpu__net_out_features(const mgpu_net *net) {
+    int last = net->nlayers - 1;
+    while (last >= 0 && net->layers[last]->kind == MGPU_LAYER_RELU) last--;
+    if (last < 0) return 0;
+    if (net->layers[last]->kind == MGPU_LAYER_LINEAR) return net->layers[last]->out_channels;
+    if (net->layers[last]->kind == MGPU_LAYER_GLOBAL_AVG_POOL) return mgpu__net_channels_after(net, last);
     return 0;
 }
 /* A new layer's name, "conv3" for the net's fourth layer, a convolution. */
@@ -6566,7 +6623,7 @@ static const char *mgpu__net_layer_name(const mgpu_net *net, const char *kind, c
 /* Checks that the net's output so far suits layer `op`, which takes
    images of in_channels channels (0: any number). */
 static void mgpu__net_require_images(const mgpu_net *net, const char *op, int in_channels) {
-    int have = mgpu__net_out_channels(net);
+    int have = mgpu__net_channels_after(net, net->nlayers);
     MGPU_REQUIRE(have >= 0, "%s: the layer before (%s) gives [N, features], not images [N, C, H, W]", op,
                  net->layers[net->nlayers - 1]->name);
     MGPU_REQUIRE(!in_channels || !have || have == in_channels,
@@ -6634,6 +6691,9 @@ MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int o
 MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out_features) {
     MGPU_REQUIRE(in_features > 0 && out_features > 0,
                  "mgpu_net_add_linear: %d -> %d features must be positive", in_features, out_features);
+    int have = mgpu__net_out_features(net);
+    MGPU_REQUIRE(!have || have == in_features, "mgpu_net_add_linear: takes %d features, but the layer before gives %d",
+                 in_features, have);
     char name[32];
     mgpu_layer *l = mgpu__linear_new(mgpu__net_layer_name(net, "linear", name, sizeof name), in_features,
                                      out_features, net->device);
@@ -6858,6 +6918,7 @@ static void mgpu__net_weight_copies(mgpu_net *net) {
 }
 
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
+    MGPU_REQUIRE(net->nlayers > 0, "mgpu_net_forward: the network has no layers (mgpu_net_add_* adds them)");
     MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
                  x->device->name, net->device->name);
     mgpu__net_weight_copies(net);
@@ -7049,6 +7110,12 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     net->steps++;
 }
 
+/* A caller's loss_sum holds one value (or is NULL). */
+static void mgpu__require_loss_sum(const char *who, const mgpu_tensor *loss_sum) {
+    char s[64];
+    MGPU_REQUIRE(!loss_sum || loss_sum->numel == 1, "%s: loss_sum has shape %s; it must hold one value, [1]", who,
+                 loss_sum ? mgpu_shape_str(loss_sum->shape, s, sizeof s) : "");
+}
 /* The loss's gradient with respect to the logits (and the loss, added to
    loss_sum when given): where every backward pass starts. */
 static const mgpu_tensor *mgpu__net_loss_grad(mgpu_net *net, const mgpu_tensor *logits,
@@ -7071,12 +7138,14 @@ MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      const mgpu_tensor *labels, float scale,
                                      mgpu_tensor *loss_sum) {
     mgpu__net_require_backward(net, "mgpu_net_loss_backward");
+    mgpu__require_loss_sum("mgpu_net_loss_backward", loss_sum);
     mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum));
 }
 
 MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
                                   float lr, float momentum, float weight_decay,
                                   mgpu_tensor *loss_sum) {
+    mgpu__require_loss_sum("mgpu_net_train_step", loss_sum);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     mgpu__net_require_backward(net, "mgpu_net_train_step");
     mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum), 0);

@@ -291,6 +291,13 @@ TEST(allocator_reuses_freed_blocks) {
     mgpu_free(c);
 }
 
+/* More host memory than the machine has (1 TiB here) is a one-line error,
+   not a process the kernel kills later. */
+TEST(host_memory_past_the_machines_is_a_clear_error) {
+    EXPECT_DIES(mgpu_empty(mgpu_cpu(), mgpu_shape4(1 << 16, 1 << 16, 64, 1)),
+                "out of host memory on cpu: asked for 1048576.0 MiB with");
+}
+
 /* ---------------------------------------------------------------- random */
 TEST(philox_matches_the_published_test_vector) {
     /* Random123's known answer for Philox4x32-10, counter 0, key 0. */

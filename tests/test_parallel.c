@@ -465,10 +465,23 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
     mgpu_net_add_global_avg_pool(net);
     EXPECT_DIES(mgpu_net_add_conv(net, 4, 8, 3, 1, 1),
                 "mgpu_net_add_conv: the layer before (pool3) gives [N, features], not images");
+    EXPECT_DIES(mgpu_net_add_linear(net, 5, 10), "mgpu_net_add_linear: takes 5 features, but the layer before gives 4");
     mgpu_net_add_linear(net, 4, 10);
-    EXPECT_DIES(mgpu_net_add_avg_pool(net, 2), "the layer before (linear4) gives [N, features]");
+    mgpu_net_add_relu(net);
+    EXPECT_DIES(mgpu_net_add_linear(net, 12, 3), "mgpu_net_add_linear: takes 12 features, but the layer before gives 10");
+    EXPECT_DIES(mgpu_net_add_avg_pool(net, 2), "the layer before (relu5) gives [N, features]");
+    mgpu_tensor *x = mgpu_zeros(mgpu_cpu(), mgpu_shape4(2, 1, 4, 4)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(2));
+    mgpu_tensor *sum = mgpu_zeros(mgpu_cpu(), mgpu_shape1(2));
+    EXPECT_DIES(mgpu_net_train_step(net, x, y, 0.1f, 0, 0, sum),
+                "mgpu_net_train_step: loss_sum has shape [2]; it must hold one value, [1]");
+    mgpu_net *empty = mgpu_net_new(mgpu_cpu());
+    EXPECT_DIES(mgpu_net_train_step(empty, x, y, 0.1f, 0, 0, NULL), "mgpu_net_forward: the network has no layers");
+    mgpu_net_free(empty);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_free(sum);
     EXPECT_DIES(for (int i = 0; i < MGPU_NET_MAX_LAYERS; i++) mgpu_net_add_relu(net),
-                "relu32: a network holds at most 32 layers");
+                ": a network holds at most 32 layers");
     mgpu_net_free(net);
 }
 #endif
