@@ -6571,9 +6571,10 @@ MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
     return net;
 }
 
-/* Appends layer l. Nothing before the first layer wants its input
-   gradient, so it computes none (batch norm's pass makes one anyway). */
-static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
+/* Appends layer l and returns it. Nothing before the first layer wants
+   its input gradient, so it computes none (batch norm's pass makes one
+   anyway). */
+static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     MGPU_REQUIRE(net->nlayers < MGPU_NET_MAX_LAYERS, "%s: a network holds at most %d layers", l->name,
                  MGPU_NET_MAX_LAYERS);
     if (net->nlayers == 0 && l->kind != MGPU_LAYER_BATCHNORM) l->need_dinput = 0;
@@ -6589,6 +6590,7 @@ static void mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     net->layers[net->nlayers++] = l;
     mgpu__net_register(net, l);
     net->first_param[net->nlayers] = net->nparams;
+    return l;
 }
 
 /* ---- the network builder (mgpu_net_add_*) ---- */
@@ -6637,19 +6639,15 @@ MGPU_DEF mgpu_layer *mgpu_net_add_conv(mgpu_net *net, int in_channels, int out_c
                  "stride must be positive, pad not negative", in_channels, out_channels, kernel, stride, pad);
     mgpu__net_require_images(net, "mgpu_net_add_conv", in_channels);
     char name[32];
-    mgpu_layer *l = mgpu__conv_new(mgpu__net_layer_name(net, "conv", name, sizeof name), in_channels,
-                                   out_channels, kernel, stride, pad, net->device);
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(net, mgpu__conv_new(mgpu__net_layer_name(net, "conv", name, sizeof name), in_channels,
+                                             out_channels, kernel, stride, pad, net->device));
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_batchnorm(mgpu_net *net, int channels) {
     MGPU_REQUIRE(channels > 0, "mgpu_net_add_batchnorm: %d channels must be positive", channels);
     mgpu__net_require_images(net, "mgpu_net_add_batchnorm", channels);
     char name[32];
-    mgpu_layer *l = mgpu__batchnorm_new(mgpu__net_layer_name(net, "batchnorm", name, sizeof name), channels, 0,
-                                        net->device);
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(net, mgpu__batchnorm_new(mgpu__net_layer_name(net, "batchnorm", name, sizeof name),
+                                                  channels, 0, net->device));
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_relu(mgpu_net *net) {
     mgpu_layer *last = net->nlayers ? net->layers[net->nlayers - 1] : NULL;
@@ -6658,25 +6656,23 @@ MGPU_DEF mgpu_layer *mgpu_net_add_relu(mgpu_net *net) {
         return last;
     }
     char name[32];
-    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_RELU, mgpu__net_layer_name(net, "relu", name, sizeof name));
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(net,
+                         mgpu__layer_new(MGPU_LAYER_RELU, mgpu__net_layer_name(net, "relu", name, sizeof name)));
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_avg_pool(mgpu_net *net, int kernel) {
     MGPU_REQUIRE(kernel > 0, "mgpu_net_add_avg_pool: kernel %d must be positive", kernel);
     mgpu__net_require_images(net, "mgpu_net_add_avg_pool", 0);
     char name[32];
-    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_AVG_POOL, mgpu__net_layer_name(net, "avgpool", name, sizeof name));
+    mgpu_layer *l = mgpu__net_add(
+        net, mgpu__layer_new(MGPU_LAYER_AVG_POOL, mgpu__net_layer_name(net, "avgpool", name, sizeof name)));
     l->kernel = l->stride = kernel;
-    mgpu__net_add(net, l);
     return l;
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_global_avg_pool(mgpu_net *net) {
     mgpu__net_require_images(net, "mgpu_net_add_global_avg_pool", 0);
     char name[32];
-    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, mgpu__net_layer_name(net, "pool", name, sizeof name));
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(
+        net, mgpu__layer_new(MGPU_LAYER_GLOBAL_AVG_POOL, mgpu__net_layer_name(net, "pool", name, sizeof name)));
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int out_channels, int stride) {
     MGPU_REQUIRE(in_channels > 0 && out_channels > 0 && stride > 0,
@@ -6684,22 +6680,18 @@ MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int o
                  stride);
     mgpu__net_require_images(net, "mgpu_net_add_residual", in_channels);
     char name[32];
-    mgpu_layer *l = mgpu__residual_new(mgpu__net_layer_name(net, "block", name, sizeof name), in_channels,
-                                       out_channels, stride, net->device);
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(net, mgpu__residual_new(mgpu__net_layer_name(net, "block", name, sizeof name), in_channels,
+                                                 out_channels, stride, net->device));
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out_features) {
     MGPU_REQUIRE(in_features > 0 && out_features > 0,
                  "mgpu_net_add_linear: %d -> %d features must be positive", in_features, out_features);
     int have = mgpu__net_out_features(net);
-    MGPU_REQUIRE(!have || have == in_features, "mgpu_net_add_linear: takes %d features, but the layer before gives %d",
-                 in_features, have);
+    MGPU_REQUIRE(!have || have == in_features,
+                 "mgpu_net_add_linear: takes %d features, but the layer before gives %d", in_features, have);
     char name[32];
-    mgpu_layer *l = mgpu__linear_new(mgpu__net_layer_name(net, "linear", name, sizeof name), in_features,
-                                     out_features, net->device);
-    mgpu__net_add(net, l);
-    return l;
+    return mgpu__net_add(net, mgpu__linear_new(mgpu__net_layer_name(net, "linear", name, sizeof name), in_features,
+                                               out_features, net->device));
 }
 
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {
