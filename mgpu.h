@@ -840,10 +840,13 @@ MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
        mgpu_scatter(x, devices, n, out);
    splits x along dimension 0 as PyTorch's nn.parallel.scatter does: chunks
    of ceil(N/n) rows, the last one shorter, out[i] a new tensor on
-   devices[i]. A device that would get no rows (4 rows on 3 devices: 2, 2
-   and nothing) is an error. mgpu_split_batch does it for the images X and
-   the labels y, which must have the same number of rows. The copies are
-   non-blocking (the batch usually sits in pinned host memory).
+   devices[i]. It returns how many devices got rows: fewer than n when the
+   rows run out first (4 rows on 3 devices: 2, 2 and nothing; a short last
+   batch of an epoch), and out[i] is NULL for the devices left without.
+   An x with no rows is an error. mgpu_split_batch does it for the images X
+   and the labels y, which must have the same number of rows, and returns
+   the same count. The copies are non-blocking (the batch usually sits in
+   pinned host memory).
 
    The ring allreduce. The book's version moves everything through device
    0: with n devices of N bytes each, device 0 receives and sends (n-1)N
@@ -915,9 +918,9 @@ MGPU_DEF void mgpu_get_params(mgpu_param *out, mgpu_tensor *const *params, int n
 MGPU_DEF void mgpu_params_free(mgpu_param *p, int n);
 
 MGPU_DEF void mgpu_allreduce(mgpu_tensor **data, int n);
-MGPU_DEF void mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out);
-MGPU_DEF void mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
-                               int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards);
+MGPU_DEF int mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out);
+MGPU_DEF int mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
+                              int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards);
 
 MGPU_DEF void mgpu_ring_allreduce(mgpu_tensor **data, int n, int average);
 MGPU_DEF void mgpu_enable_peer_access(mgpu_device *const *devices, int n);
@@ -1168,7 +1171,11 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
                         device carries more than the others.
    Batch norm uses each device's own shard statistics (as PyTorch's
    DataParallel does); the running statistics used for evaluation are
-   device 0's, updated from device 0's shard only.
+   device 0's, updated from device 0's shard only. A batch with fewer
+   rows than there are devices (an epoch's short last batch: 1 row on 2
+   devices) runs on the devices that get rows, as PyTorch's does; in
+   MGPU_DP_ALLREDUCE mode the others join the reduction with zero
+   gradients and take the same update, so the replicas stay the same.
 
        void mgpu_data_parallel_step(dp, X, y, lr, momentum, weight_decay);
    one SGD step on the mean cross-entropy of the whole batch X [N,...],
@@ -5987,20 +5994,19 @@ static void mgpu__free_view_of(mgpu_tensor *base, mgpu_tensor *view) {
    from an earlier call: kept if it still has its part's shape, and the
    copy into it then waits for kept_free[i] (the end of the last work that
    read it) instead of the device's compute queue (else freed and made
-   anew, and the copy waits for that queue, as mgpu_copy's). */
-static void mgpu__scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out,
-                          mgpu_event *const *kept_free) {
+   anew, and the copy waits for that queue, as mgpu_copy's). The devices
+   left without rows keep their out[i] then (NULL without kept_free). */
+static int mgpu__scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out,
+                         mgpu_event *const *kept_free) {
     char s[64];
     MGPU_REQUIRE(n >= 1, "mgpu_scatter: %d devices; there must be at least one", n);
     int rows = x->shape.d[0];
+    MGPU_REQUIRE(rows > 0, "mgpu_scatter: x (shape %s) has no rows to split",
+                 mgpu_shape_str(x->shape, s, sizeof s));
     int chunk = (rows + n - 1) / n;                       /* ceil(rows / n), as PyTorch */
-    int used = chunk ? (rows + chunk - 1) / chunk : 0;    /* devices that get rows */
-    MGPU_REQUIRE(used == n,
-                 "mgpu_scatter: %d rows (shape %s) cannot be split over %d devices: chunks of "
-                 "ceil(%d/%d) = %d rows leave nothing for device %d (%s)",
-                 rows, mgpu_shape_str(x->shape, s, sizeof s), n, rows, n, chunk, used,
-                 devices[used]->name);
-    for (int i = 0; i < n; i++) {
+    int used = (rows + chunk - 1) / chunk;                /* devices that get rows */
+    for (int i = used; i < n && !kept_free; i++) out[i] = NULL;
+    for (int i = 0; i < used; i++) {
         int start = i * chunk;
         mgpu_tensor *part = mgpu_narrow(x, start, rows - start < chunk ? rows - start : chunk);
         int kept = kept_free && out[i] && out[i]->device == devices[i] && kept_free[i] &&
@@ -6012,25 +6018,26 @@ static void mgpu__scatter(const mgpu_tensor *x, mgpu_device *const *devices, int
         mgpu__copy(out[i], part, 1, kept ? kept_free[i] : NULL);
         mgpu__free_view_of((mgpu_tensor *)x, part);
     }
+    return used;
 }
-MGPU_DEF void mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out) {
-    mgpu__scatter(x, devices, n, out, NULL);
+MGPU_DEF int mgpu_scatter(const mgpu_tensor *x, mgpu_device *const *devices, int n, mgpu_tensor **out) {
+    return mgpu__scatter(x, devices, n, out, NULL);
 }
 
 /* mgpu_split_batch, with kept_free as in mgpu__scatter. */
-static void mgpu__split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices, int n,
-                              mgpu_tensor **X_shards, mgpu_tensor **y_shards, mgpu_event *const *kept_free) {
+static int mgpu__split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices, int n,
+                             mgpu_tensor **X_shards, mgpu_tensor **y_shards, mgpu_event *const *kept_free) {
     char sx[64], sy[64];
     MGPU_REQUIRE(X->shape.d[0] == y->shape.d[0],
                  "mgpu_split_batch: X has %d rows (shape %s) but y has %d (shape %s)", X->shape.d[0],
                  mgpu_shape_str(X->shape, sx, sizeof sx), y->shape.d[0],
                  mgpu_shape_str(y->shape, sy, sizeof sy));
     mgpu__scatter(X, devices, n, X_shards, kept_free);
-    mgpu__scatter(y, devices, n, y_shards, kept_free);
+    return mgpu__scatter(y, devices, n, y_shards, kept_free);
 }
-MGPU_DEF void mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
-                               int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards) {
-    mgpu__split_batch(X, y, devices, n, X_shards, y_shards, NULL);
+MGPU_DEF int mgpu_split_batch(const mgpu_tensor *X, const mgpu_tensor *y, mgpu_device *const *devices,
+                              int n, mgpu_tensor **X_shards, mgpu_tensor **y_shards) {
+    return mgpu__split_batch(X, y, devices, n, X_shards, y_shards, NULL);
 }
 
 /* ------------------------------------------------- communication queues */
@@ -7403,6 +7410,7 @@ struct mgpu_data_parallel {
     mgpu_tensor *x_set[2][MGPU_MAX_DEVICES], *y_set[2][MGPU_MAX_DEVICES];
     mgpu_event *set_free[2][MGPU_MAX_DEVICES];
     int set;
+    int used;   /* the devices that got rows this step: all but for a short batch */
     mgpu_tensor *loss_sum[MGPU_MAX_DEVICES], *correct[MGPU_MAX_DEVICES], *count[MGPU_MAX_DEVICES];
     /* gather mode, on device 0: the whole batch's logits, labels and
        logit gradients, and a staging copy of each other replica's gradients */
@@ -7525,8 +7533,9 @@ MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp) 
    each device's compute queue reaches the end of the step. */
 static void mgpu__dp_scatter(mgpu_data_parallel *dp, const mgpu_tensor *X, const mgpu_tensor *y) {
     int set = dp->set;
-    mgpu__split_batch(X, y, dp->devices, dp->n, dp->x_set[set], dp->y_set[set], dp->set_free[set]);
-    for (int i = 0; i < dp->n; i++) {
+    dp->used = mgpu__split_batch(X, y, dp->devices, dp->n, dp->x_set[set], dp->y_set[set],
+                                 dp->set_free[set]);
+    for (int i = 0; i < dp->used; i++) {
         dp->x_shards[i] = dp->x_set[set][i];
         dp->y_shards[i] = dp->y_set[set][i];
     }
@@ -7547,12 +7556,17 @@ static void mgpu__dp_shards_used(mgpu_data_parallel *dp) {
    backward pass runs layer by layer on all devices together, and each
    bucket's reduction starts on the communication queues as soon as the
    backward of its layers has been enqueued everywhere, while the backward
-   of the earlier layers goes on. The optimiser waits for the last bucket. */
+   of the earlier layers goes on. The optimiser waits for the last bucket.
+   A device that got no rows (a batch shorter than the devices) still takes
+   part in every reduction, with zero gradients, and in the update, so the
+   replicas stay the same. */
 static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr, float momentum,
                                     float weight_decay) {
     if (dp->n > 1 && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
+    for (int i = dp->used; i < dp->n; i++)
+        for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
-    for (int i = 0; i < dp->n; i++) { /* (no zero_grad: the backward writes the gradients) */
+    for (int i = 0; i < dp->used; i++) { /* (no zero_grad: the backward writes the gradients) */
         mgpu_net *r = dp->replicas[i];
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
         mgpu__net_require_backward(r, "mgpu_data_parallel_step");
@@ -7562,7 +7576,7 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     }
     int next_bucket = 0;
     for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
-        for (int i = 0; i < dp->n; i++)
+        for (int i = 0; i < dp->used; i++)
             grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], 0);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
         if (complete && dp->reduce && dp->overlap) {
@@ -7578,16 +7592,17 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
 }
 
-/* torch.nn.DataParallel's way, step by step. */
+/* torch.nn.DataParallel's way, step by step. Like it, a batch shorter
+   than the devices runs on the first dp->used of them only. */
 static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, float momentum,
                                  float weight_decay) {
     mgpu_net *module = dp->replicas[0];
     mgpu_device *d0 = dp->devices[0];
     /* 1. replicate: broadcast device 0's parameters and buffers */
-    for (int i = 1; i < dp->n; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
+    for (int i = 1; i < dp->used; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
     /* 2. forward on every device, 3. gather the logits on device 0 */
     int classes = 0, row = 0;
-    for (int i = 0; i < dp->n; i++) { /* (no zero_grad: the backward writes the gradients) */
+    for (int i = 0; i < dp->used; i++) { /* (no zero_grad: the backward writes the gradients) */
         mgpu_net *r = dp->replicas[i];
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
         mgpu__net_require_backward(r, "mgpu_data_parallel_step");
@@ -7614,7 +7629,7 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
     mgpu_cross_entropy_backward(dp->dlogits, dp->logits, dp->labels, 1.0f / (float)batch);
     /* 5. scatter the logits' gradient back, backward on every device */
     row = 0;
-    for (int i = 0; i < dp->n; i++) {
+    for (int i = 0; i < dp->used; i++) {
         mgpu_net *r = dp->replicas[i];
         int rows_here = dp->x_shards[i]->shape.d[0];
         mgpu_tensor *slice = mgpu_narrow(dp->dlogits, row, rows_here);
@@ -7625,7 +7640,7 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
         row += rows_here;
     }
     /* 6. sum every replica's gradients into device 0, 7. SGD there only */
-    for (int i = 1; i < dp->n; i++)
+    for (int i = 1; i < dp->used; i++)
         for (int p = 0; p < module->nparams; p++) {
             mgpu_tensor *grad = dp->replicas[i]->params[p]->grad;
             mgpu_tensor *staged = mgpu_ensure(&dp->staged[i][p], d0, grad->shape);

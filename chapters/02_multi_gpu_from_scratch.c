@@ -112,9 +112,9 @@ static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *rep
     mgpu_device *devices[MGPU_MAX_DEVICES] = {0};
     mgpu_tensor *X_shards[MGPU_MAX_DEVICES], *y_shards[MGPU_MAX_DEVICES];
     for (int i = 0; i < n; i++) devices[i] = replicas[i].device;
-    mgpu_split_batch(X, y, devices, n, X_shards, y_shards);
+    int used = mgpu_split_batch(X, y, devices, n, X_shards, y_shards);
     /* forward and backward on each device: they run at the same time */
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < used; i++) {
         replica *r = &replicas[i];
         mgpu_tensor *logits = lenet_forward(r, X_shards[i]);
         mgpu_cross_entropy_forward(mgpu_ensure(&r->losses, r->device, mgpu_shape1(X_shards[i]->shape.d[0])),
@@ -126,6 +126,9 @@ static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *rep
         mgpu_add_(correct[i], count);
         lenet_backward(r, X_shards[i], y_shards[i]);
     }
+    /* a short last batch can leave devices without rows: they add nothing */
+    for (int i = used; i < n; i++)
+        for (int k = 0; k < NUM_PARAMS; k++) mgpu_fill(replicas[i].params[k].grad, 0.0f);
     /* sum every gradient across the devices, and send the sum back to each */
     for (int k = 0; k < NUM_PARAMS; k++) {
         mgpu_tensor *grads[MGPU_MAX_DEVICES];
@@ -136,7 +139,7 @@ static void train_batch(const mgpu_tensor *X, const mgpu_tensor *y, replica *rep
     for (int i = 0; i < n; i++)
         for (int k = 0; k < NUM_PARAMS; k++)
             mgpu_sgd_book(replicas[i].params[k].value, replicas[i].params[k].grad, lr, X->shape.d[0]);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < used; i++) {
         mgpu_free(X_shards[i]);
         mgpu_free(y_shards[i]);
     }

@@ -49,13 +49,15 @@ check chapter1_two_devices_only 1 "^mgpu: error: --devices 3: chapter 1 compares
 
 
 # Chapter 2 on a few hundred images: the demos print as in the book, both
-# runs print their seed-style line, and the plots are written.
+# runs print their seed-style line, and the plots are written. 513 images
+# in batches of 256 end in a batch of 1 row, which leaves device 1 of the
+# 2-device run without rows: that run still trains.
 check chapter2_runs 0 \
     '^b1 grad: tensor\(\[0\., 0\.' '^ tensor\(\[\[3\., 3\.\]\], device=.cpu#1.\)$' \
     '^load into \[cpu, cpu#1\]$' \
     '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu\]$' \
     '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu, cpu#1\]$' \
-    -- ./chapter2 --cpu --train-samples 600 --epochs 2 --out "$out/ch2"
+    -- ./chapter2 --cpu --train-samples 513 --epochs 2 --out "$out/ch2"
 for f in chapter2_test_acc.png chapter2_1_device.png chapter2_2_devices.png chapter2_1_device.csv; do
     if [ -s "$out/ch2/$f" ]; then echo "ok   chapter2_writes_$f"; passed=$((passed + 1));
     else echo "FAIL chapter2_writes_$f"; failed=$((failed + 1)); fi

@@ -5,6 +5,7 @@
    - with batch norm, each device normalises with its own shard's
      statistics: 2 devices equal 1 device that runs the two shards one after
      the other and adds their gradients;
+   - a batch with fewer rows than devices runs on those that get rows;
    - DataParallel's gather puts more memory on device 0 than allreduce;
    - a training step writes every gradient, so needs no zero_grad;
    - on GPUs, a step's batch is copied while the step before computes;
@@ -119,6 +120,47 @@ TEST(k_devices_train_like_one_without_batchnorm) {
             mgpu_net_free(many);
             mgpu_net_free(start);
         }
+}
+
+/* An epoch's last batch can have fewer rows than there are devices: 2 rows
+   on 3 devices leave one without, 1 row leaves two. The devices with rows
+   run the step (as PyTorch's DataParallel), so training still goes like
+   1 device's, and in allreduce mode the replicas stay identical. */
+TEST(a_batch_shorter_than_the_devices_trains_like_one_device) {
+    const int rows[] = {12, 2, 12, 1, 12};
+    for (int mode = 0; mode < 2; mode++) {
+        mgpu_device *devs[3];
+        mgpu_devices(3, TEST_ON_GPU, devs);
+        mgpu_net *one = plain_net(devs[0]), *many = plain_net(devs[0]), *start = plain_net(devs[0]);
+        mgpu_data_parallel *dp1 = mgpu_data_parallel_new(one, devs, 1, MGPU_DP_ALLREDUCE);
+        mgpu_data_parallel *dp3 = mgpu_data_parallel_new(many, devs, 3, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
+        for (int s = 0; s < 5; s++) {
+            mgpu_tensor *x, *y;
+            batch(s, rows[s], &x, &y);
+            mgpu_data_parallel_step(dp1, x, y, 0.1f, 0.5f, 1e-4f);
+            mgpu_data_parallel_step(dp3, x, y, 0.1f, 0.5f, 1e-4f);
+            mgpu_synchronize_all();
+            mgpu_free(x);
+            mgpu_free(y);
+        }
+        double diff = max_param_diff(one, many);
+        if (diff > 1e-5) fprintf(stderr, "  %s: parameters differ by %g (relative)\n",
+                                 mode ? "allreduce" : "gather", diff);
+        CHECK(diff <= 1e-5);
+        CHECK(max_param_diff(one, start) > 1e-2); /* training did change them */
+        for (int i = 1; i < 3 && mode; i++)
+            CHECK(max_param_diff(mgpu_data_parallel_replica(dp3, i), many) == 0);
+        double loss, right, loss3, right3;
+        mgpu_data_parallel_take_stats(dp1, &loss, &right);
+        mgpu_data_parallel_take_stats(dp3, &loss3, &right3);
+        CHECK_CLOSE(loss3, loss, 1e-5, 1e-5);
+        CHECK_EQ_INT((int)right3, (int)right);
+        mgpu_data_parallel_free(dp1);
+        mgpu_data_parallel_free(dp3);
+        mgpu_net_free(one);
+        mgpu_net_free(many);
+        mgpu_net_free(start);
+    }
 }
 
 TEST(batchnorm_uses_each_shards_statistics) {
