@@ -942,7 +942,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    NETWORKS. A network (mgpu_net) is a list of layers on one device, each with its
    parameters (value and gradient, mgpu_param) and buffers (batch norm's
    running statistics). It is what chapter 3's ResNet-18 is made of, and
-   what a course extends with its own layer kinds.
+   what a course extends with layers of its own (mgpu_net_add_layer, below).
 
        mgpu_net *mgpu_net_new(mgpu_device *dev);      an empty network
        mgpu_net_add_conv(net, in_channels, out_channels, kernel, stride, pad)
@@ -978,6 +978,50 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    start from other weights, draw them into mgpu_net_param(net, i)->value,
    e.g. He's: mgpu_randn(dev, shape, 0, sqrt(2 / fan_in)) copied in with
    mgpu_copy.
+
+       mgpu_net_add_layer(net, &fns, weight, bias, settings)
+   appends a layer of your own (the "add a layer" assignment): fns, an
+   mgpu_layer_fns that outlives the net, gives its passes as functions;
+       kind           names the layer: "leaky_relu" gives "leaky_relu3"
+       output_shape   the output's shape for an input of shape x
+                      (NULL: the input's)
+       forward(l, y, x, training)   writes y = f(x); y has output_shape's
+                      shape, on x's device; training is the net's mode
+       backward(l, dx, dweight, dbias, dy)   from dy = dL/dy, WRITES dx =
+                      dL/dx and the parameters' gradients (never adds:
+                      the network adds them up where it must); x and y
+                      are the forward's, l->input and l->output. dx is
+                      NULL for the first layer (nothing wants it), and
+                      dweight, dbias where the layer has no such parameter.
+   weight and bias (either may be NULL) become the layer's parameters,
+   l->weight.value and l->bias.value: tensors on the net's device that
+   the net then owns. settings is yours (l->settings), for what the
+   functions read, such as a slope; the replicas of a data-parallel
+   wrapper share it, so it should not change as they run. The library's
+   operations (mgpu_relu_forward, mgpu_linear_forward, ...) run on their
+   tensors' device, CPU or GPU, so a layer made of them runs on both; one
+   that loops over x->data itself runs on CPU devices only, and calls
+   mgpu_synchronize(x->device) first: the operations before it run on
+   the device's queue. The builder cannot know the channels a layer of
+   yours gives, so it does not check the layer after it. A leaky ReLU on
+   CPU devices, its slope in the settings:
+       static void leaky_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+           float slope = *(const float *)l->settings;
+           mgpu_synchronize(x->device);
+           for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i] > 0 ? x->data[i] : slope * x->data[i];
+       }
+       static void leaky_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight,
+                                  mgpu_tensor *dbias, const mgpu_tensor *dy) {
+           float slope = *(const float *)l->settings;
+           if (!dx) return;
+           mgpu_synchronize(dy->device);
+           for (size_t i = 0; i < dy->numel; i++)
+               dx->data[i] = l->input->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
+       }
+       static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_forward, leaky_backward};
+       static float slope = 0.1f;
+       mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
+   (tests/test_parallel.c checks it against central differences.)
 
        mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
    The book's ResNet-18 for small images: a 3x3 stem convolution (stride 1,
@@ -1050,10 +1094,18 @@ typedef enum {
     MGPU_LAYER_RESIDUAL,
     MGPU_LAYER_AVG_POOL,
     MGPU_LAYER_GLOBAL_AVG_POOL,
-    MGPU_LAYER_LINEAR
+    MGPU_LAYER_LINEAR,
+    MGPU_LAYER_OWN       /* a layer of yours: mgpu_net_add_layer */
 } mgpu_layer_kind;
 
 typedef struct mgpu_layer mgpu_layer;
+typedef struct mgpu_layer_fns {
+    const char *kind;
+    mgpu_shape (*output_shape)(const mgpu_layer *l, mgpu_shape x);
+    void (*forward)(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training);
+    void (*backward)(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                     const mgpu_tensor *dy);
+} mgpu_layer_fns;
 struct mgpu_layer {
     mgpu_layer_kind kind;
     char name[40];
@@ -1084,6 +1136,11 @@ struct mgpu_layer {
        made at the first pass that does, then remade by each forward pass
        of the network, all in a few launches (mgpu__net_weight_copies) */
     mgpu_tensor *weight_t, *weight_turned_t;
+    /* a layer of yours: its functions, your settings, and where its
+       backward writes the gradients that the network then adds up */
+    const mgpu_layer_fns *fns;
+    void *settings;
+    mgpu_tensor *dweight, *dbias;
 };
 
 #define MGPU_NET_MAX_PARAMS 128
@@ -1112,6 +1169,8 @@ MGPU_DEF mgpu_layer *mgpu_net_add_avg_pool(mgpu_net *net, int kernel);
 MGPU_DEF mgpu_layer *mgpu_net_add_global_avg_pool(mgpu_net *net);
 MGPU_DEF mgpu_layer *mgpu_net_add_residual(mgpu_net *net, int in_channels, int out_channels, int stride);
 MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out_features);
+MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns, mgpu_tensor *weight,
+                                        mgpu_tensor *bias, void *settings);
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
@@ -6561,10 +6620,8 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
     }
     MGPU_REQUIRE(net->nparams + 2 <= MGPU_NET_MAX_PARAMS,
                  "a network holds at most %d parameter tensors", MGPU_NET_MAX_PARAMS);
-    if (l->weight.value) {
-        net->params[net->nparams++] = &l->weight;
-        net->params[net->nparams++] = &l->bias;
-    }
+    if (l->weight.value) net->params[net->nparams++] = &l->weight;
+    if (l->bias.value) net->params[net->nparams++] = &l->bias;
     if (l->running_mean) {
         net->buffers[net->nbuffers++] = &l->running_mean;
         net->buffers[net->nbuffers++] = &l->running_var;
@@ -6603,11 +6660,12 @@ static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
 /* ---- the network builder (mgpu_net_add_*) ---- */
 /* What the output of the net's first `end` layers is: its channels, for
    a layer that takes images; 0 when not known (no layers yet, or only
-   ReLUs and pooling), -1 when it is no longer images (after a linear
-   layer or global pooling). */
+   ReLUs and pooling, or a layer of yours), -1 when it is no longer images
+   (after a linear layer or global pooling). */
 static int mgpu__net_channels_after(const mgpu_net *net, int end) {
     for (int i = end - 1; i >= 0; i--) {
         const mgpu_layer *l = net->layers[i];
+        if (l->kind == MGPU_LAYER_OWN) return 0;
         if (l->kind == MGPU_LAYER_LINEAR || l->kind == MGPU_LAYER_GLOBAL_AVG_POOL) return -1;
         if (l->kind == MGPU_LAYER_CONV || l->kind == MGPU_LAYER_BATCHNORM || l->kind == MGPU_LAYER_RESIDUAL)
             return l->out_channels;
@@ -6699,6 +6757,29 @@ MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out
     char name[32];
     return mgpu__net_add(net, mgpu__linear_new(mgpu__net_layer_name(net, "linear", name, sizeof name), in_features,
                                                out_features, net->device));
+}
+
+/* A parameter of a layer of yours: on the net's device, and the net's. */
+static mgpu_param mgpu__own_param(const mgpu_net *net, mgpu_tensor *value, const char *which, const char *name) {
+    mgpu_param p = {NULL, NULL};
+    if (!value) return p;
+    MGPU_REQUIRE(value->device == net->device, "mgpu_net_add_layer: %s's %s is on %s, the network on %s", name,
+                 which, value->device->name, net->device->name);
+    return mgpu__param_new(value);
+}
+MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns, mgpu_tensor *weight,
+                                        mgpu_tensor *bias, void *settings) {
+    MGPU_REQUIRE(fns && fns->forward && fns->backward,
+                 "mgpu_net_add_layer: the layer needs its functions (fns, with forward and backward)");
+    MGPU_REQUIRE(!weight || weight != bias, "mgpu_net_add_layer: weight and bias are the same tensor");
+    char name[40];
+    mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_OWN, mgpu__net_layer_name(net, fns->kind ? fns->kind : "layer",
+                                                                         name, sizeof name));
+    l->fns = fns;
+    l->settings = settings;
+    l->weight = mgpu__own_param(net, weight, "weight", l->name);
+    l->bias = mgpu__own_param(net, bias, "bias", l->name);
+    return mgpu__net_add(net, l);
 }
 
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {
@@ -6878,6 +6959,10 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], l->out_channels));
         mgpu_linear_forward(l->output, x, l->weight.value, l->bias.value);
         break;
+    case MGPU_LAYER_OWN:
+        mgpu_ensure(&l->output, d, l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
+        l->fns->forward(l, l->output, x, training);
+        break;
     }
     return l->output;
 }
@@ -6984,6 +7069,19 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
                                accumulate, end, prev_bias ? prev->bias.grad : NULL);
 }
 
+/* A layer of yours: its backward writes the gradients, into the
+   parameters' own where they are to be written, else into scratch that is
+   then added to them. */
+static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int accumulate) {
+    mgpu_tensor *dweight = l->weight.grad, *dbias = l->bias.grad;
+    if (!dx && !dweight && !dbias) return; /* nothing wanted */
+    if (accumulate && dweight) dweight = mgpu_ensure(&l->dweight, dweight->device, dweight->shape);
+    if (accumulate && dbias) dbias = mgpu_ensure(&l->dbias, dbias->device, dbias->shape);
+    l->fns->backward(l, dx, dweight, dbias, dy);
+    if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
+    if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
+}
+
 /* Adds l's parameter gradients (with accumulate 0: writes them) and
    returns dL/d(input), given dy = dL/d(output) and dy_t, its channels-last
    copy if the layer after l wrote one (else NULL; then dy's values were
@@ -7040,6 +7138,9 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         break;
     case MGPU_LAYER_LINEAR:
         mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, accumulate);
+        break;
+    case MGPU_LAYER_OWN:
+        mgpu__own_layer_backward(l, dy, dx, accumulate);
         break;
     }
     return dx;
@@ -7181,10 +7282,9 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     l->input = l->input_t = NULL;
     l->output = l->dinput = l->dsum = l->own_input_t = l->output_t = l->dinput_t = NULL;
     l->weight_t = l->weight_turned_t = NULL;
-    if (src->weight.value) {
-        l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
-        l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
-    }
+    l->dweight = l->dbias = NULL;
+    if (src->weight.value) l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
+    if (src->bias.value) l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
     l->running_mean = mgpu__clone(src->running_mean, d);
     l->running_var = mgpu__clone(src->running_var, d);
     l->save_mean = mgpu__clone(src->save_mean, d);
@@ -7231,6 +7331,8 @@ static void mgpu__layer_free(mgpu_layer *l) {
     mgpu_free(l->dinput_t);
     mgpu_free(l->weight_t);
     mgpu_free(l->weight_turned_t);
+    mgpu_free(l->dweight);
+    mgpu_free(l->dbias);
     mgpu__layer_free(l->conv1);
     mgpu__layer_free(l->bn1);
     mgpu__layer_free(l->conv2);

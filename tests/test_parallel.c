@@ -6,6 +6,8 @@
      statistics: 2 devices equal 1 device that runs the two shards one after
      the other and adds their gradients;
    - a batch with fewer rows than devices runs on those that get rows;
+   - layers of one's own (mgpu_net_add_layer) train like the library's,
+     and have the gradient of the loss;
    - DataParallel's gather puts more memory on device 0 than allreduce;
    - a training step writes every gradient, so needs no zero_grad;
    - on GPUs, a step's batch is copied while the step before computes;
@@ -443,6 +445,28 @@ static double param_slope(mgpu_net *net, mgpu_tensor *value, int c, const mgpu_t
     return (loss[1] - loss[0]) / (2.0 * h);
 }
 
+/* Multiplies the net's weights (not its biases) by 30: slopes then stand
+   well above float's rounding. */
+static void scale_weights(mgpu_net *net) {
+    for (int i = 0; i < net->nparams; i++)
+        if (net->params[i]->value->shape.ndim > 1) mgpu_scale_(net->params[i]->value, 30.0f);
+}
+
+/* Each parameter's first and last gradient values, which the net holds
+   from a backward pass on (x, y), against central differences. */
+static void check_gradients_by_differences(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *y) {
+    for (int i = 0; i < net->nparams; i++) {
+        mgpu_param *p = net->params[i];
+        int last = (int)p->value->numel - 1;
+        for (int c = 0; c <= last; c += last ? last : 1) {
+            /* a small step, for the ReLUs' kinks; float's rounding of the
+               loss (2.4e-7) over 2h is then 1.2e-4 */
+            double slope = param_slope(net, p->value, c, x, y, 1e-3f);
+            CHECK_CLOSE(mgpu_item(p->grad, (size_t)c), slope, 2e-4, 3e-2);
+        }
+    }
+}
+
 /* A network built by mgpu_net_add_* from every kind of layer (a ReLU
    joining the batch norm before it, another on its own, a linear layer
    on images) computes its outputs by the layers' operations and the
@@ -464,9 +488,7 @@ TEST(a_built_network_has_the_gradient_of_its_loss) {
     CHECK_EQ_INT(net->nlayers, 7);
     CHECK(net->layers[1]->fuse_relu && net->layers[4]->kind == MGPU_LAYER_RELU);
     CHECK_EQ_INT(net->nparams, 2 * 9);
-    /* weights large enough for slopes well above float's rounding */
-    for (int i = 0; i < net->nparams; i++)
-        if (net->params[i]->value->shape.ndim > 1) mgpu_scale_(net->params[i]->value, 30.0f);
+    scale_weights(net);
     mgpu_net_zero_grad(net);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     CHECK(logits->shape.ndim == 2 && logits->shape.d[0] == 12 && logits->shape.d[1] == 10);
@@ -477,16 +499,7 @@ TEST(a_built_network_has_the_gradient_of_its_loss) {
     mgpu_avg_pool2d_forward(pooled, pool_in, 2);
     for (size_t i = 0; i < pooled->numel; i++) CHECK_CLOSE(mgpu_item(pool_out, i), mgpu_item(pooled, i), 0, 0);
     mgpu_net_loss_backward(net, logits, y, 1.0f / 12, NULL);
-    for (int i = 0; i < net->nparams; i++) {
-        mgpu_param *p = net->params[i];
-        int last = (int)p->value->numel - 1;
-        for (int c = 0; c <= last; c += last) {
-            /* a small step, for the ReLUs' kinks; float's rounding of the
-               loss (2.4e-7) over 2h is then 1.2e-4 */
-            double slope = param_slope(net, p->value, c, x, y, 1e-3f);
-            CHECK_CLOSE(mgpu_item(p->grad, (size_t)c), slope, 2e-4, 3e-2);
-        }
-    }
+    check_gradients_by_differences(net, x, y);
     mgpu_free(pooled);
     mgpu_free(x);
     mgpu_free(y);
@@ -528,6 +541,168 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
 }
 #endif
 
+/* Layers of one's own (mgpu_net_add_layer): a ReLU and a linear layer
+   made of the library's operations, which then run on any device. */
+static void own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)training;
+    mgpu_relu_forward(y, x);
+}
+static void own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                              const mgpu_tensor *dy) {
+    (void)dweight;
+    (void)dbias;
+    if (dx) mgpu_relu_backward(dx, dy, l->output);
+}
+static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward};
+
+static mgpu_shape own_linear_shape(const mgpu_layer *l, mgpu_shape x) {
+    return mgpu_shape2(x.d[0], l->weight.value->shape.d[1]);
+}
+static void own_linear_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    mgpu_linear_forward(y, x, l->weight.value, l->bias.value);
+}
+static void own_linear_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                const mgpu_tensor *dy) {
+    mgpu_linear_backward(dx, dweight, dbias, dy, l->input, l->weight.value, 0);
+}
+static const mgpu_layer_fns own_linear = {"own_linear", own_linear_shape, own_linear_forward,
+                                          own_linear_backward};
+
+/* plain_net, with its ReLUs and its linear layer its own: the same
+   parameters, the same operations. */
+static mgpu_net *plain_net_of_own_layers(mgpu_device *d) {
+    mgpu_net *plain = plain_net(d), *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_layer(net, &own_linear, mgpu_zeros(d, mgpu_shape2(8, 10)), mgpu_zeros(d, mgpu_shape1(10)), NULL);
+    mgpu_net_copy_params(net, plain, 0);
+    mgpu_net_free(plain);
+    return net;
+}
+
+/* A network with layers of one's own trains exactly as the same network
+   of the library's layers: on 2 devices, where the step writes the
+   gradients, and alone, where mgpu_net_backward adds them. */
+TEST(layers_of_ones_own_train_like_the_librarys) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *library = plain_net(devs[0]), *own = plain_net_of_own_layers(devs[0]);
+    CHECK(strcmp(own->layers[1]->name, "own_relu1") == 0 && strcmp(own->layers[6]->name, "own_linear6") == 0);
+    CHECK_EQ_INT(own->nparams, library->nparams);
+    /* two backward passes add up: each parameter's gradient is twice one
+       pass's, and none is zero */
+    mgpu_tensor *x, *y;
+    batch(7, 12, &x, &y);
+    mgpu_net *nets[2] = {library, own};
+    for (int k = 0; k < 2; k++) {
+        mgpu_net_zero_grad(nets[k]);
+        for (int pass = 0; pass < 2; pass++)
+            mgpu_net_loss_backward(nets[k], mgpu_net_forward(nets[k], x), y, 1.0f / 12, NULL);
+    }
+    for (int p = 0; p < own->nparams; p++) {
+        const mgpu_tensor *want = library->params[p]->grad, *got = own->params[p]->grad;
+        double largest = 0;
+        for (size_t i = 0; i < want->numel; i++) {
+            CHECK_CLOSE(mgpu_item(got, i), mgpu_item(want, i), 1e-9, 1e-6);
+            largest = fmax(largest, fabs(mgpu_item(want, i)));
+        }
+        CHECK(largest > 1e-4);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+    /* data-parallel steps, which write the gradients */
+    mgpu_data_parallel *dp_library = mgpu_data_parallel_new(library, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel *dp_own = mgpu_data_parallel_new(own, devs, 2, MGPU_DP_ALLREDUCE);
+    train_steps(dp_library, 5);
+    train_steps(dp_own, 5);
+    CHECK(max_param_diff(own, library) == 0);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp_own, 1), own) == 0);
+    mgpu_data_parallel_free(dp_library);
+    mgpu_data_parallel_free(dp_own);
+    mgpu_net_free(library);
+    mgpu_net_free(own);
+}
+
+#if !TEST_ON_GPU
+/* A layer of one's own that loops over the values itself (CPU devices
+   only): a leaky ReLU, its slope in the settings. */
+static void leaky_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    float slope = *(const float *)l->settings;
+    mgpu_synchronize(x->device); /* x is written on the device's queue */
+    for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i] > 0 ? x->data[i] : slope * x->data[i];
+}
+static void leaky_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                const mgpu_tensor *dy) {
+    (void)dweight;
+    (void)dbias;
+    float slope = *(const float *)l->settings;
+    if (!dx) return;
+    mgpu_synchronize(dy->device);
+    for (size_t i = 0; i < dy->numel; i++) dx->data[i] = l->input->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
+}
+static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_relu_forward, leaky_relu_backward};
+
+/* It computes its values, and the network's gradients through it agree
+   with central differences. */
+TEST(a_layer_of_ones_own_has_the_gradient_of_its_loss) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    mgpu_manual_seed(9);
+    float slope = 0.1f;
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 4, 10);
+    scale_weights(net);
+    mgpu_net_zero_grad(net);
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    const mgpu_tensor *in = net->layers[1]->input, *out = net->layers[1]->output;
+    int negative = 0;
+    for (size_t i = 0; i < in->numel; i++) {
+        float v = mgpu_item(in, i);
+        negative += v < 0;
+        CHECK_CLOSE(mgpu_item(out, i), v > 0 ? v : 0.1f * v, 0, 0);
+    }
+    CHECK(negative > 0 && negative < (int)in->numel); /* both sides of the kink are used */
+    mgpu_net_loss_backward(net, logits, y, 1.0f / 12, NULL);
+    check_gradients_by_differences(net, x, y);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+}
+
+/* What a layer of one's own must have is checked when it is added. */
+TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = mgpu_net_new(devs[0]);
+    static const mgpu_layer_fns no_backward = {"half", NULL, own_relu_forward, NULL};
+    EXPECT_DIES(mgpu_net_add_layer(net, NULL, NULL, NULL, NULL),
+                "mgpu_net_add_layer: the layer needs its functions (fns, with forward and backward)");
+    EXPECT_DIES(mgpu_net_add_layer(net, &no_backward, NULL, NULL, NULL), "needs its functions");
+    mgpu_tensor *w = mgpu_zeros(devs[1], mgpu_shape2(8, 10));
+    EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, w, NULL, NULL),
+                "mgpu_net_add_layer: own_linear0's weight is on cpu#1, the network on cpu");
+    EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, w, w, NULL), "weight and bias are the same tensor");
+    mgpu_free(w);
+    /* the channels it gives are its own: the layer after it is not checked */
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_conv(net, 7, 2, 1, 1, 0);
+    CHECK_EQ_INT(net->nlayers, 3);
+    mgpu_net_free(net);
+}
+#endif
+
 /* A convolution's bias before batch norm in training mode does not move
    the loss (the batch mean takes it away), so the backward pass leaves its
    gradient at exactly 0 and skips the sum over dy; the shortcut's bias,
@@ -540,9 +715,7 @@ TEST(bias_before_batch_norm_has_no_gradient_in_training) {
     batch(0, 12, &x, &y);
     mgpu_net *net = small_net(d, 1);
     const mgpu_layer *block = net->layers[2];
-    /* weights large enough for slopes well above float's rounding */
-    for (int i = 0; i < net->nparams; i++)
-        if (net->params[i]->value->shape.ndim > 1) mgpu_scale_(net->params[i]->value, 30.0f);
+    scale_weights(net);
     mgpu_param *biases[4] = {&net->layers[0]->bias, &block->conv1->bias, &block->conv2->bias,
                              &block->shortcut->bias};
     mgpu_net_zero_grad(net);
