@@ -6959,8 +6959,9 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], l->out_channels));
         mgpu_linear_forward(l->output, x, l->weight.value, l->bias.value);
         break;
-    case MGPU_LAYER_OWN:
+    case MGPU_LAYER_OWN: /* (its output's copies done first, for functions that write it themselves) */
         mgpu_ensure(&l->output, d, l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
+        mgpu__before_write(l->output);
         l->fns->forward(l, l->output, x, training);
         break;
     }
@@ -7071,12 +7072,16 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
 
 /* A layer of yours: its backward writes the gradients, into the
    parameters' own where they are to be written, else into scratch that is
-   then added to them. */
+   then added to them. Copies still reading what it writes (the gradients,
+   in a data-parallel reduction) end first, as for the library's operations. */
 static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int accumulate) {
     mgpu_tensor *dweight = l->weight.grad, *dbias = l->bias.grad;
     if (!dx && !dweight && !dbias) return; /* nothing wanted */
     if (accumulate && dweight) dweight = mgpu_ensure(&l->dweight, dweight->device, dweight->shape);
     if (accumulate && dbias) dbias = mgpu_ensure(&l->dbias, dbias->device, dbias->shape);
+    mgpu_tensor *written[3] = {dx, dweight, dbias};
+    for (int i = 0; i < 3; i++)
+        if (written[i]) mgpu__before_write(written[i]); /* as in the forward pass */
     l->fns->backward(l, dx, dweight, dbias, dy);
     if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
     if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
