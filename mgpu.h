@@ -987,38 +987,46 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                       (NULL: the input's)
        forward(l, y, x, training)   writes y = f(x); y has output_shape's
                       shape, on x's device; training is the net's mode
-       backward(l, dx, dweight, dbias, dy)   from dy = dL/dy, WRITES dx =
-                      dL/dx and the parameters' gradients (never adds:
-                      the network adds them up where it must); x and y
-                      are the forward's, l->input and l->output. dx is
-                      NULL for the first layer (nothing wants it), and
-                      dweight, dbias where the layer has no such parameter.
+       backward(l, dx, dweight, dbias, dy, x, y)   from dy = dL/dy, and
+                      the forward's x and y, puts dL/dx into dx and the
+                      parameters' gradients into dweight and dbias. All
+                      three come filled with zeros (write or add, as you
+                      like: the network adds them up where it must), with
+                      the shapes of x and of the parameters. dx is NULL
+                      where nothing wants it (the first layer), dweight
+                      and dbias where the layer has no such parameter;
+                      with none of the three, backward is not called.
+       host_loops     0: the functions run on the calling thread and are
+                      made of the library's operations (mgpu_relu_forward,
+                      mgpu_linear_forward, ...), which run on their
+                      tensors' device, CPU or GPU, so the layer does too.
+                      1: they loop over the values (x->data, ...)
+                      themselves, CPU devices only: each pass runs on the
+                      device's queue, in order with the work before and
+                      after it (no mgpu_synchronize needed, and several
+                      devices run their passes at the same time), and
+                      calls nothing of the library (a one-line error).
    weight and bias (either may be NULL) become the layer's parameters,
-   l->weight.value and l->bias.value: tensors on the net's device that
-   the net then owns. settings is yours (l->settings), for what the
-   functions read, such as a slope; the replicas of a data-parallel
-   wrapper share it, so it should not change as they run. The library's
-   operations (mgpu_relu_forward, mgpu_linear_forward, ...) run on their
-   tensors' device, CPU or GPU, so a layer made of them runs on both; one
-   that loops over x->data itself runs on CPU devices only, and calls
-   mgpu_synchronize(x->device) first: the operations before it run on
-   the device's queue. The builder cannot know the channels a layer of
-   yours gives, so it does not check the layer after it. A leaky ReLU on
-   CPU devices, its slope in the settings:
+   l->weight.value and l->bias.value: tensors of their own (not views, not
+   another layer's) on the net's device, which the net then owns and
+   frees. settings is yours (l->settings), for what the functions read,
+   such as a slope; the replicas of a data-parallel wrapper share it, so
+   it should not change as they run. The builder cannot know the channels
+   a layer of yours gives, so it does not check the layer after it; a
+   checkpoint holds the parameters' shapes, not the layers' kinds. A leaky
+   ReLU, its slope in the settings:
        static void leaky_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
            float slope = *(const float *)l->settings;
-           mgpu_synchronize(x->device);
-           for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i] > 0 ? x->data[i] : slope * x->data[i];
+           for (size_t i = 0; i < x->numel; i++)
+               y->data[i] = x->data[i] > 0 ? x->data[i] : slope * x->data[i];
        }
-       static void leaky_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight,
-                                  mgpu_tensor *dbias, const mgpu_tensor *dy) {
+       static void leaky_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                  const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
            float slope = *(const float *)l->settings;
-           if (!dx) return;
-           mgpu_synchronize(dy->device);
            for (size_t i = 0; i < dy->numel; i++)
-               dx->data[i] = l->input->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
+               dx->data[i] = x->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
        }
-       static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_forward, leaky_backward};
+       static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_forward, leaky_backward, 1};
        static float slope = 0.1f;
        mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
    (tests/test_parallel.c checks it against central differences.)
@@ -1056,9 +1064,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    0 added: the batch mean cancels it (mgpu__bias_cancelled_by says why).
 
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
-   the mean cross-entropy's backward pass from logits (the last forward's),
-   its gradient scaled by `scale` (1/N for the mean over N rows), then
-   mgpu_net_backward; adds the summed loss to loss_sum as below.
+   the backward pass of scale times the cross-entropy summed over the rows
+   of logits (the last forward's): scale 1/N gives the mean over N rows;
+   then mgpu_net_backward. Adds the summed loss to loss_sum as below.
        void mgpu_net_sgd(net, lr, momentum, weight_decay)
    one SGD step of every parameter from its gradient (PyTorch's
    torch.optim.SGD: weight decay added to the gradient, then momentum).
@@ -1104,7 +1112,8 @@ typedef struct mgpu_layer_fns {
     mgpu_shape (*output_shape)(const mgpu_layer *l, mgpu_shape x);
     void (*forward)(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training);
     void (*backward)(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                     const mgpu_tensor *dy);
+                     const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y);
+    int host_loops;
 } mgpu_layer_fns;
 struct mgpu_layer {
     mgpu_layer_kind kind;
@@ -1601,8 +1610,18 @@ static void mgpu__queue_destroy(mgpu__queue *q) {
 static inline int mgpu__queue_on_gpu(const mgpu__queue *q) { return q->device->gpu >= 0; }
 
 /* Appends a task to a CPU queue; waits while the ring is full. */
+/* A function that a CPU queue runs (a host-loop layer's pass) cannot
+   call the library for that queue: the work would wait behind, or for,
+   the function itself. */
+static void mgpu__require_not_in_worker(const mgpu__queue *q, const char *what) {
+    MGPU_REQUIRE(!q->started || !pthread_equal(pthread_self(), q->thread),
+                 "%s on %s, from a function that %s runs (a host-loop layer's pass): such a function "
+                 "works on its tensors' values alone and calls nothing of the library",
+                 what, q->device->name, q->name);
+}
 static void mgpu__queue_push(mgpu__queue *q, const char *name, mgpu__kernel_fn fn,
                              const void *args, size_t args_size) {
+    mgpu__require_not_in_worker(q, name);
     if (args_size > MGPU__TASK_ARGS)
         mgpu_fatal("internal: arguments of '%s' are %zu bytes, more than %d", name,
                    args_size, MGPU__TASK_ARGS);
@@ -1625,6 +1644,7 @@ static void mgpu__queue_synchronize(mgpu__queue *q) {
         return;
     }
 #endif
+    mgpu__require_not_in_worker(q, "waiting for the queue");
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
     while (q->tail != q->head)
         MGPU__PTHREAD_CHECK(pthread_cond_wait(&q->changed, &q->mutex));
@@ -6759,12 +6779,25 @@ MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out
                                                out_features, net->device));
 }
 
-/* A parameter of a layer of yours: on the net's device, and the net's. */
+/* A host-loop layer (mgpu_layer_fns.host_loops) runs on CPU devices only. */
+static void mgpu__require_host_loops_on_cpu(const mgpu_layer *l, const mgpu_device *dev, const char *op) {
+    MGPU_REQUIRE(l->kind != MGPU_LAYER_OWN || !l->fns->host_loops || !mgpu_device_is_gpu(dev),
+                 "%s: %s loops over its values on the host (host_loops 1), and %s is a GPU", op, l->name,
+                 dev->name);
+}
+/* A parameter of a layer of yours: a tensor of its own on the net's
+   device, which becomes the net's (to free, once). */
 static mgpu_param mgpu__own_param(const mgpu_net *net, mgpu_tensor *value, const char *which, const char *name) {
     mgpu_param p = {NULL, NULL};
     if (!value) return p;
     MGPU_REQUIRE(value->device == net->device, "mgpu_net_add_layer: %s's %s is on %s, the network on %s", name,
                  which, value->device->name, net->device->name);
+    MGPU_REQUIRE(!value->base, "mgpu_net_add_layer: %s's %s is a view of another tensor; give it a tensor of its own",
+                 name, which);
+    for (int i = 0; i < net->nparams; i++)
+        MGPU_REQUIRE(net->params[i]->value != value,
+                     "mgpu_net_add_layer: %s's %s is already a parameter of the network (parameter %d)", name,
+                     which, i);
     return mgpu__param_new(value);
 }
 MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns, mgpu_tensor *weight,
@@ -6776,6 +6809,7 @@ MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns
     mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_OWN, mgpu__net_layer_name(net, fns->kind ? fns->kind : "layer",
                                                                          name, sizeof name));
     l->fns = fns;
+    mgpu__require_host_loops_on_cpu(l, net->device, "mgpu_net_add_layer");
     l->settings = settings;
     l->weight = mgpu__own_param(net, weight, "weight", l->name);
     l->bias = mgpu__own_param(net, bias, "bias", l->name);
@@ -6911,6 +6945,49 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
     }
 }
 
+/* A pass of a layer of yours: forward (dy NULL: y = f(x)) or backward
+   (dx, dweight, dbias from dy, x and y). On the calling thread; or, with
+   host_loops, on the device's queue, after the copies still reading what
+   it writes (as the library's operations do), with copies of the tensors
+   as they are now: by the time the queue runs it, the next forward pass
+   may have replaced l->input or l->output (their values are safe: the
+   queue runs in order). */
+typedef struct mgpu__own_pass_args {
+    mgpu_layer *l;
+    mgpu_tensor t[6];  /* out (y or dx), dweight, dbias, x, y, dy */
+    int given[6];      /* which of them there are */
+    int training;
+} mgpu__own_pass_args;
+static void mgpu__own_pass_call(mgpu_layer *l, mgpu_tensor *const *t, int training) {
+    if (t[5])
+        l->fns->backward(l, t[0], t[1], t[2], t[5], t[3], t[4]);
+    else
+        l->fns->forward(l, t[0], t[3], training);
+}
+static void mgpu__own_pass_run(const void *args, const mgpu__exec *ex) {
+    mgpu__own_pass_args a = *(const mgpu__own_pass_args *)args;
+    mgpu_tensor *t[6];
+    (void)ex;
+    for (int i = 0; i < 6; i++) t[i] = a.given[i] ? &a.t[i] : NULL;
+    mgpu__own_pass_call(a.l, t, a.training);
+}
+static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_tensor *x, const mgpu_tensor *dy,
+                                 mgpu_tensor *dweight, mgpu_tensor *dbias, int training) {
+    mgpu_tensor *t[6] = {out, dweight, dbias, (mgpu_tensor *)x, l->output, (mgpu_tensor *)dy};
+    if (!l->fns->host_loops) {
+        mgpu__own_pass_call(l, t, training);
+        return;
+    }
+    mgpu__own_pass_args a;
+    memset(&a, 0, sizeof a);
+    a.l = l;
+    a.training = training;
+    for (int i = 0; i < 6; i++)
+        if ((a.given[i] = t[i] != NULL)) a.t[i] = *t[i];
+    if (out) mgpu__before_write(out);
+    mgpu__launch_on(&x->device->queue[0], "layer of yours", mgpu__own_pass_run, NULL, &a, sizeof a);
+}
+
 /* Layer l's forward pass from x, and from x_t, x's channels-last copy,
    when the layer before wrote one (else NULL); next: the layer that takes
    l's output (NULL if none). Returns the output; its channels-last copy,
@@ -6959,10 +7036,9 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], l->out_channels));
         mgpu_linear_forward(l->output, x, l->weight.value, l->bias.value);
         break;
-    case MGPU_LAYER_OWN: /* (its output's copies done first, for functions that write it themselves) */
+    case MGPU_LAYER_OWN:
         mgpu_ensure(&l->output, d, l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
-        mgpu__before_write(l->output);
-        l->fns->forward(l, l->output, x, training);
+        mgpu__own_layer_pass(l, l->output, x, NULL, NULL, NULL, training);
         break;
     }
     return l->output;
@@ -7070,10 +7146,9 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
                                accumulate, end, prev_bias ? prev->bias.grad : NULL);
 }
 
-/* A layer of yours: its backward writes the gradients, into the
-   parameters' own where they are to be written, else into scratch that is
-   then added to them. Copies still reading what it writes (the gradients,
-   in a data-parallel reduction) end first, as for the library's operations. */
+/* A layer of yours: its backward pass gets its gradients zeroed, the
+   parameters' own where they are to be written, else scratch that is then
+   added to them. */
 static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int accumulate) {
     mgpu_tensor *dweight = l->weight.grad, *dbias = l->bias.grad;
     if (!dx && !dweight && !dbias) return; /* nothing wanted */
@@ -7081,8 +7156,8 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
     if (accumulate && dbias) dbias = mgpu_ensure(&l->dbias, dbias->device, dbias->shape);
     mgpu_tensor *written[3] = {dx, dweight, dbias};
     for (int i = 0; i < 3; i++)
-        if (written[i]) mgpu__before_write(written[i]); /* as in the forward pass */
-    l->fns->backward(l, dx, dweight, dbias, dy);
+        if (written[i]) mgpu_fill(written[i], 0.0f);
+    mgpu__own_layer_pass(l, dx, l->input, dy, dweight, dbias, 0);
     if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
     if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
 }
@@ -7305,7 +7380,10 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
 MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
     mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
-    for (int i = 0; i < net->nlayers; i++) mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
+    for (int i = 0; i < net->nlayers; i++) {
+        mgpu__require_host_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
+        mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
+    }
     return copy;
 }
 

@@ -549,12 +549,14 @@ static void own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x
     mgpu_relu_forward(y, x);
 }
 static void own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                              const mgpu_tensor *dy) {
+                              const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l;
     (void)dweight;
     (void)dbias;
-    if (dx) mgpu_relu_backward(dx, dy, l->output);
+    (void)x;
+    mgpu_relu_backward(dx, dy, y); /* (a parameter-free layer is called only when dx is wanted) */
 }
-static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward};
+static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward, 0};
 
 static mgpu_shape own_linear_shape(const mgpu_layer *l, mgpu_shape x) {
     return mgpu_shape2(x.d[0], l->weight.value->shape.d[1]);
@@ -564,11 +566,12 @@ static void own_linear_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor 
     mgpu_linear_forward(y, x, l->weight.value, l->bias.value);
 }
 static void own_linear_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                                const mgpu_tensor *dy) {
-    mgpu_linear_backward(dx, dweight, dbias, dy, l->input, l->weight.value, 0);
+                                const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)y;
+    mgpu_linear_backward(dx, dweight, dbias, dy, x, l->weight.value, 0);
 }
 static const mgpu_layer_fns own_linear = {"own_linear", own_linear_shape, own_linear_forward,
-                                          own_linear_backward};
+                                          own_linear_backward, 0};
 
 /* plain_net, with its ReLUs and its linear layer its own: the same
    parameters, the same operations. */
@@ -587,8 +590,8 @@ static mgpu_net *plain_net_of_own_layers(mgpu_device *d) {
 }
 
 /* A network with layers of one's own trains exactly as the same network
-   of the library's layers: on 2 devices, where the step writes the
-   gradients, and alone, where mgpu_net_backward adds them. */
+   of the library's layers: alone, where mgpu_net_backward adds the
+   gradients up, and on 2 devices, where the step writes them. */
 TEST(layers_of_ones_own_train_like_the_librarys) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
@@ -630,39 +633,68 @@ TEST(layers_of_ones_own_train_like_the_librarys) {
 }
 
 #if !TEST_ON_GPU
-/* A layer of one's own that loops over the values itself (CPU devices
-   only): a leaky ReLU, its slope in the settings. */
+/* Layers of one's own that loop over the values themselves (host_loops,
+   CPU devices only): a leaky ReLU, its slope in the settings, and a
+   learnable scale per channel, y = x s[c]. */
 static void leaky_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
     (void)training;
     float slope = *(const float *)l->settings;
-    mgpu_synchronize(x->device); /* x is written on the device's queue */
     for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i] > 0 ? x->data[i] : slope * x->data[i];
 }
 static void leaky_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                                const mgpu_tensor *dy) {
+                                const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
     (void)dweight;
     (void)dbias;
+    (void)y;
     float slope = *(const float *)l->settings;
-    if (!dx) return;
-    mgpu_synchronize(dy->device);
-    for (size_t i = 0; i < dy->numel; i++) dx->data[i] = l->input->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
+    for (size_t i = 0; i < dy->numel; i++) dx->data[i] = x->data[i] > 0 ? dy->data[i] : slope * dy->data[i];
 }
-static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_relu_forward, leaky_relu_backward};
+static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_relu_forward, leaky_relu_backward, 1};
 
-/* It computes its values, and the network's gradients through it agree
-   with central differences. */
-TEST(a_layer_of_ones_own_has_the_gradient_of_its_loss) {
-    mgpu_device *d = mgpu_cpu();
-    mgpu_tensor *x, *y;
-    batch(0, 12, &x, &y);
+static void scale_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    const float *s = l->weight.value->data;
+    int c = x->shape.d[1];
+    size_t hw = x->numel / ((size_t)x->shape.d[0] * (size_t)c);
+    for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i] * s[i / hw % (size_t)c];
+}
+static void scale_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dbias;
+    (void)y;
+    const float *s = l->weight.value->data;
+    int c = x->shape.d[1];
+    size_t hw = x->numel / ((size_t)x->shape.d[0] * (size_t)c);
+    for (size_t i = 0; i < x->numel; i++) {
+        size_t k = i / hw % (size_t)c;
+        dweight->data[k] += dy->data[i] * x->data[i]; /* it comes zeroed */
+        if (dx) dx->data[i] = dy->data[i] * s[k];
+    }
+}
+static const mgpu_layer_fns channel_scale = {"scale", NULL, scale_forward, scale_backward, 1};
+
+/* conv, leaky ReLU, scale, pooling, linear: no batch norm, so that 2
+   devices train it as 1 does. */
+static mgpu_net *net_of_host_loop_layers(mgpu_device *d, float *slope) {
     mgpu_manual_seed(9);
-    float slope = 0.1f;
     mgpu_net *net = mgpu_net_new(d);
     mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
-    mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
+    mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, slope);
+    mgpu_net_add_layer(net, &channel_scale, mgpu_rand_uniform(d, mgpu_shape1(4), 0.5f, 1.5f), NULL, NULL);
     mgpu_net_add_global_avg_pool(net);
     mgpu_net_add_linear(net, 4, 10);
     scale_weights(net);
+    return net;
+}
+
+/* They compute their values, and the network's gradients through them
+   (and the scale's own) agree with central differences. */
+TEST(layers_of_ones_own_have_the_gradient_of_the_loss) {
+    mgpu_tensor *x, *y;
+    batch(0, 12, &x, &y);
+    float slope = 0.1f;
+    mgpu_net *net = net_of_host_loop_layers(mgpu_cpu(), &slope);
+    CHECK_EQ_INT(net->nparams, 5); /* conv's 2, the scale's weight, linear's 2 */
     mgpu_net_zero_grad(net);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     const mgpu_tensor *in = net->layers[1]->input, *out = net->layers[1]->output;
@@ -680,12 +712,45 @@ TEST(a_layer_of_ones_own_has_the_gradient_of_its_loss) {
     mgpu_net_free(net);
 }
 
-/* What a layer of one's own must have is checked when it is added. */
+/* Their passes run on each device's queue: 2 devices train the network as
+   1 does, and its replicas stay identical. */
+TEST(layers_of_ones_own_run_on_each_devices_queue) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    float slope = 0.1f;
+    mgpu_net *one = net_of_host_loop_layers(devs[0], &slope), *two = net_of_host_loop_layers(devs[0], &slope);
+    mgpu_net *start = net_of_host_loop_layers(devs[0], &slope);
+    mgpu_data_parallel *dp1 = mgpu_data_parallel_new(one, devs, 1, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel *dp2 = mgpu_data_parallel_new(two, devs, 2, MGPU_DP_ALLREDUCE);
+    train_steps(dp1, 10);
+    train_steps(dp2, 10);
+    double diff = max_param_diff(one, two);
+    if (diff > 1e-5) fprintf(stderr, "  parameters differ by %g (relative)\n", diff);
+    CHECK(diff <= 1e-5);
+    CHECK(max_param_diff(one, start) > 1e-2);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp2, 1), two) == 0);
+    mgpu_data_parallel_free(dp1);
+    mgpu_data_parallel_free(dp2);
+    mgpu_net_free(one);
+    mgpu_net_free(two);
+    mgpu_net_free(start);
+}
+
+/* A host loop that calls the library would wait for itself. */
+static void calls_the_library_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)x;
+    (void)training;
+    mgpu_fill(y, 0.0f);
+}
+
+/* What a layer of one's own must have is checked when it is added, and a
+   host loop that calls the library is a one-line error, not a hang. */
 TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
     mgpu_device *devs[2];
     mgpu_devices(2, 0, devs);
     mgpu_net *net = mgpu_net_new(devs[0]);
-    static const mgpu_layer_fns no_backward = {"half", NULL, own_relu_forward, NULL};
+    static const mgpu_layer_fns no_backward = {"half", NULL, own_relu_forward, NULL, 0};
     EXPECT_DIES(mgpu_net_add_layer(net, NULL, NULL, NULL, NULL),
                 "mgpu_net_add_layer: the layer needs its functions (fns, with forward and backward)");
     EXPECT_DIES(mgpu_net_add_layer(net, &no_backward, NULL, NULL, NULL), "needs its functions");
@@ -694,11 +759,44 @@ TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
                 "mgpu_net_add_layer: own_linear0's weight is on cpu#1, the network on cpu");
     EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, w, w, NULL), "weight and bias are the same tensor");
     mgpu_free(w);
+    mgpu_tensor *whole = mgpu_zeros(devs[0], mgpu_shape2(16, 10)), *rows = mgpu_narrow(whole, 0, 8);
+    EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, rows, NULL, NULL),
+                "mgpu_net_add_layer: own_linear0's weight is a view of another tensor");
+    mgpu_free(rows);
+    mgpu_free(whole);
     /* the channels it gives are its own: the layer after it is not checked */
-    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    mgpu_layer *conv = mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    EXPECT_DIES(mgpu_net_add_layer(net, &channel_scale, conv->weight.value, NULL, NULL),
+                "mgpu_net_add_layer: scale1's weight is already a parameter of the network (parameter 0)");
     mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
     mgpu_net_add_conv(net, 7, 2, 1, 1, 0);
     CHECK_EQ_INT(net->nlayers, 3);
+    mgpu_net_free(net);
+    static const mgpu_layer_fns calls_the_library = {"bad", NULL, calls_the_library_forward, own_relu_backward,
+                                                     1};
+    mgpu_net *bad = mgpu_net_new(devs[0]);
+    mgpu_net_add_layer(bad, &calls_the_library, NULL, NULL, NULL);
+    mgpu_tensor *x = mgpu_zeros(devs[0], mgpu_shape4(2, 1, 4, 4));
+    EXPECT_DIES((mgpu_net_forward(bad, x), mgpu_synchronize(devs[0])),
+                "fill on cpu, from a function that cpu compute runs (a host-loop layer's pass): such a "
+                "function works on its tensors' values alone");
+    mgpu_free(x);
+    mgpu_net_free(bad);
+}
+#else
+/* A host loop cannot run on a GPU: refused when the layer is added, or
+   when a network that has one is copied to a GPU. */
+TEST(a_host_loop_layer_is_refused_on_a_gpu) {
+    static const mgpu_layer_fns host = {"host", NULL, own_relu_forward, own_relu_backward, 1};
+    mgpu_net *net = mgpu_net_new(test_device());
+    char want[160];
+    snprintf(want, sizeof want, "mgpu_net_add_layer: host0 loops over its values on the host (host_loops 1), "
+             "and %s is a GPU", mgpu_device_name(test_device()));
+    EXPECT_DIES(mgpu_net_add_layer(net, &host, NULL, NULL, NULL), want);
+    mgpu_net *on_cpu = mgpu_net_new(mgpu_cpu());
+    mgpu_net_add_layer(on_cpu, &host, NULL, NULL, NULL);
+    EXPECT_DIES(mgpu_net_replicate(on_cpu, test_device()), "mgpu_net_replicate: host0 loops over its values");
+    mgpu_net_free(on_cpu);
     mgpu_net_free(net);
 }
 #endif
