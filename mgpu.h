@@ -944,7 +944,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    running statistics). It is what chapter 3's ResNet-18 is made of, and
    what a course extends with layers of its own (mgpu_net_add_layer, below).
 
-       mgpu_net *mgpu_net_new(mgpu_device *dev);      an empty network
+       mgpu_net *mgpu_net_new(mgpu_device *dev);      an empty network, in training mode
        mgpu_net_add_conv(net, in_channels, out_channels, kernel, stride, pad)
        mgpu_net_add_batchnorm(net, channels)          2-D, as PyTorch's BatchNorm2d
        mgpu_net_add_relu(net)
@@ -983,6 +983,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    appends a layer of your own (the "add a layer" assignment): fns, an
    mgpu_layer_fns that outlives the net, gives its passes as functions;
        kind           names the layer: "leaky_relu" gives "leaky_relu3"
+                      (at most MGPU_LAYER_KIND_MAX = 32 characters)
        output_shape   the output's shape for an input of shape x
                       (NULL: the input's)
        forward(l, y, x, training)   writes y = f(x); y has output_shape's
@@ -995,7 +996,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                       the shapes of x and of the parameters. dx is NULL
                       where nothing wants it (the first layer), dweight
                       and dbias where the layer has no such parameter;
-                      with none of the three, backward is not called.
+                      with none of the three, backward is not called
+                      (so a first layer without parameters needs no
+                      NULL check, though it must have a backward).
        host_loops     0: the functions run on the calling thread and are
                       made of the library's operations (mgpu_relu_forward,
                       mgpu_linear_forward, ...), which run on their
@@ -1005,14 +1008,16 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                       device's queue, in order with the work before and
                       after it (no mgpu_synchronize needed, and several
                       devices run their passes at the same time), and
-                      calls nothing of the library (a one-line error).
+                      works on the values alone: an operation or a wait
+                      of the library called from it is a one-line error.
    weight and bias (either may be NULL) become the layer's parameters,
    l->weight.value and l->bias.value: tensors of their own (not views, not
    another layer's) on the net's device, which the net then owns and
    frees. settings is yours (l->settings), for what the functions read,
    such as a slope; the replicas of a data-parallel wrapper share it, so
    it should not change as they run. The builder cannot know the channels
-   a layer of yours gives, so it does not check the layer after it; a
+   a layer of yours gives, so it does not check the layer after it, and
+   nothing checks that forward keeps within y's shape (output_shape's); a
    checkpoint holds the parameters' shapes, not the layers' kinds. A leaky
    ReLU, its slope in the settings:
        static void leaky_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
@@ -1059,8 +1064,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
    back-propagates through the layers of the last forward and ADDS every
    parameter's gradient into param.grad, as PyTorch's .backward() does;
-   mgpu_net_zero_grad clears them. The last forward must have run in
-   training mode. A convolution's bias followed by batch norm gets exactly
+   mgpu_net_zero_grad clears them. With batch norm, the last forward must
+   have run in training mode (its backward needs the batch statistics; a
+   one-line error otherwise). A convolution's bias followed by batch norm gets exactly
    0 added: the batch mean cancels it (mgpu__bias_cancelled_by says why).
 
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
@@ -1115,6 +1121,7 @@ typedef struct mgpu_layer_fns {
                      const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y);
     int host_loops;
 } mgpu_layer_fns;
+#define MGPU_LAYER_KIND_MAX 32 /* characters of mgpu_layer_fns.kind */
 struct mgpu_layer {
     mgpu_layer_kind kind;
     char name[40];
@@ -1462,6 +1469,7 @@ typedef struct mgpu__queue {
     mgpu__task *ring;
     uint64_t head, tail;  /* tasks [tail, head) are waiting; tail is running */
     int busy, stop, started;
+    const char *running_layer; /* the host-loop layer whose pass the worker runs, or NULL */
 #if MGPU_CUDA
     cudaStream_t stream;
     cublasHandle_t cublas;
@@ -1615,9 +1623,9 @@ static inline int mgpu__queue_on_gpu(const mgpu__queue *q) { return q->device->g
    the function itself. */
 static void mgpu__require_not_in_worker(const mgpu__queue *q, const char *what) {
     MGPU_REQUIRE(!q->started || !pthread_equal(pthread_self(), q->thread),
-                 "%s on %s, from a function that %s runs (a host-loop layer's pass): such a function "
-                 "works on its tensors' values alone and calls nothing of the library",
-                 what, q->device->name, q->name);
+                 "%s's host loop called the library (%s, on %s): a host-loop pass works on its "
+                 "tensors' values alone, with none of the library's operations or waits",
+                 q->running_layer ? q->running_layer : "a layer", what, q->name);
 }
 static void mgpu__queue_push(mgpu__queue *q, const char *name, mgpu__kernel_fn fn,
                              const void *args, size_t args_size) {
@@ -6804,6 +6812,11 @@ MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns
                                         mgpu_tensor *bias, void *settings) {
     MGPU_REQUIRE(fns && fns->forward && fns->backward,
                  "mgpu_net_add_layer: the layer needs its functions (fns, with forward and backward)");
+    MGPU_REQUIRE(!fns->kind || strlen(fns->kind) <= MGPU_LAYER_KIND_MAX,
+                 "mgpu_net_add_layer: kind \"%s\" is longer than %d characters", fns->kind,
+                 MGPU_LAYER_KIND_MAX);
+    MGPU_REQUIRE(fns->host_loops == 0 || fns->host_loops == 1,
+                 "mgpu_net_add_layer: host_loops is %d; it is 0 or 1", fns->host_loops);
     MGPU_REQUIRE(!weight || weight != bias, "mgpu_net_add_layer: weight and bias are the same tensor");
     char name[40];
     mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_OWN, mgpu__net_layer_name(net, fns->kind ? fns->kind : "layer",
@@ -6969,7 +6982,10 @@ static void mgpu__own_pass_run(const void *args, const mgpu__exec *ex) {
     mgpu_tensor *t[6];
     (void)ex;
     for (int i = 0; i < 6; i++) t[i] = a.given[i] ? &a.t[i] : NULL;
+    mgpu__queue *q = &a.t[3].device->queue[0]; /* the queue running this: x's device's */
+    q->running_layer = a.l->name;              /* for mgpu__require_not_in_worker's line */
     mgpu__own_pass_call(a.l, t, a.training);
+    q->running_layer = NULL;
 }
 static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_tensor *x, const mgpu_tensor *dy,
                                  mgpu_tensor *dweight, mgpu_tensor *dbias, int training) {

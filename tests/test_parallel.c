@@ -754,6 +754,11 @@ TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
     EXPECT_DIES(mgpu_net_add_layer(net, NULL, NULL, NULL, NULL),
                 "mgpu_net_add_layer: the layer needs its functions (fns, with forward and backward)");
     EXPECT_DIES(mgpu_net_add_layer(net, &no_backward, NULL, NULL, NULL), "needs its functions");
+    static const mgpu_layer_fns long_kind = {"a_kind_name_of_more_than_32_chars", NULL, own_relu_forward,
+                                             own_relu_backward, 0};
+    EXPECT_DIES(mgpu_net_add_layer(net, &long_kind, NULL, NULL, NULL), "is longer than 32 characters");
+    static const mgpu_layer_fns loops_2 = {"two", NULL, own_relu_forward, own_relu_backward, 2};
+    EXPECT_DIES(mgpu_net_add_layer(net, &loops_2, NULL, NULL, NULL), "host_loops is 2; it is 0 or 1");
     mgpu_tensor *w = mgpu_zeros(devs[1], mgpu_shape2(8, 10));
     EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, w, NULL, NULL),
                 "mgpu_net_add_layer: own_linear0's weight is on cpu#1, the network on cpu");
@@ -778,8 +783,8 @@ TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
     mgpu_net_add_layer(bad, &calls_the_library, NULL, NULL, NULL);
     mgpu_tensor *x = mgpu_zeros(devs[0], mgpu_shape4(2, 1, 4, 4));
     EXPECT_DIES((mgpu_net_forward(bad, x), mgpu_synchronize(devs[0])),
-                "fill on cpu, from a function that cpu compute runs (a host-loop layer's pass): such a "
-                "function works on its tensors' values alone");
+                "mgpu: error: bad0's host loop called the library (fill, on cpu compute): a host-loop pass "
+                "works on its tensors' values alone");
     mgpu_free(x);
     mgpu_net_free(bad);
 }
