@@ -230,6 +230,12 @@ MGPU_DEF int mgpu_devices(int n, int use_gpu, mgpu_device **out);
 MGPU_DEF const char *mgpu_device_name(const mgpu_device *d);
 MGPU_DEF int mgpu_device_is_gpu(const mgpu_device *d);
 MGPU_DEF int mgpu_device_gpu_index(const mgpu_device *d); /* -1 on the CPU */
+/* The CUDA stream (a cudaStream_t) that runs a GPU device's operations;
+   NULL for a CPU device. A kernel of yours launched on it runs in order
+   with them (a layer of yours on a GPU: mgpu_net_add_layer, which makes
+   the layer's GPU the current one before each pass; elsewhere call
+   cudaSetDevice(mgpu_device_gpu_index(d)) first). */
+MGPU_DEF void *mgpu_device_stream(const mgpu_device *d);
 MGPU_DEF void mgpu_synchronize(mgpu_device *d);
 MGPU_DEF void mgpu_synchronize_all(void);
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d);
@@ -1002,7 +1008,10 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        host_loops     0: the functions run on the calling thread and are
                       made of the library's operations (mgpu_relu_forward,
                       mgpu_linear_forward, ...), which run on their
-                      tensors' device, CPU or GPU, so the layer does too.
+                      tensors' device, CPU or GPU, so the layer does too;
+                      on a GPU they may also launch kernels of yours on
+                      the device's stream (mgpu_device_stream; the
+                      layer's GPU is then the current device).
                       1: they loop over the values (x->data, ...)
                       themselves, CPU devices only: each pass runs on the
                       device's queue, in order with the work before and
@@ -1922,6 +1931,13 @@ MGPU_DEF int mgpu_devices(int n, int use_gpu, mgpu_device **out) {
 MGPU_DEF const char *mgpu_device_name(const mgpu_device *d) { return d->name; }
 MGPU_DEF int mgpu_device_is_gpu(const mgpu_device *d) { return d->gpu >= 0; }
 MGPU_DEF int mgpu_device_gpu_index(const mgpu_device *d) { return d->gpu; }
+MGPU_DEF void *mgpu_device_stream(const mgpu_device *d) {
+#if MGPU_CUDA
+    if (mgpu_device_is_gpu(d)) return (void *)d->queue[0].stream;
+#endif
+    (void)d;
+    return NULL;
+}
 MGPU_DEF void mgpu_synchronize(mgpu_device *d) {
     mgpu__queue_synchronize(&d->queue[0]);
     mgpu__queue_synchronize(&d->queue[1]);
@@ -6959,9 +6975,10 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
 }
 
 /* A pass of a layer of yours: forward (dy NULL: y = f(x)) or backward
-   (dx, dweight, dbias from dy, x and y). On the calling thread; or, with
-   host_loops, on the device's queue, after the copies still reading what
-   it writes (as the library's operations do), with copies of the tensors
+   (dx, dweight, dbias from dy, x and y), after the copies still reading
+   what it writes (as the library's operations are, for kernels of yours
+   and host loops). On the calling thread; or, with host_loops, on the
+   device's queue, with copies of the tensors
    as they are now: by the time the queue runs it, the next forward pass
    may have replaced l->input or l->output (their values are safe: the
    queue runs in order). */
@@ -6990,7 +7007,11 @@ static void mgpu__own_pass_run(const void *args, const mgpu__exec *ex) {
 static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_tensor *x, const mgpu_tensor *dy,
                                  mgpu_tensor *dweight, mgpu_tensor *dbias, int training) {
     mgpu_tensor *t[6] = {out, dweight, dbias, (mgpu_tensor *)x, l->output, (mgpu_tensor *)dy};
+    if (out) mgpu__before_write(out);
     if (!l->fns->host_loops) {
+#if MGPU_CUDA
+        if (mgpu_device_is_gpu(x->device)) MGPU_CUDA_CHECK(cudaSetDevice(x->device->gpu)); /* for kernels of yours */
+#endif
         mgpu__own_pass_call(l, t, training);
         return;
     }
@@ -7000,7 +7021,6 @@ static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_ten
     a.training = training;
     for (int i = 0; i < 6; i++)
         if ((a.given[i] = t[i] != NULL)) a.t[i] = *t[i];
-    if (out) mgpu__before_write(out);
     mgpu__launch_on(&x->device->queue[0], "layer of yours", mgpu__own_pass_run, NULL, &a, sizeof a);
 }
 

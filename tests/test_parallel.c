@@ -635,7 +635,8 @@ TEST(layers_of_ones_own_train_like_the_librarys) {
 #if !TEST_ON_GPU
 /* Layers of one's own that loop over the values themselves (host_loops,
    CPU devices only): a leaky ReLU, its slope in the settings, and a
-   learnable scale per channel, y = x s[c]. */
+   learnable scale per channel, y = x s[c]. On GPUs (below) the same
+   layers are CUDA kernels of one's own. */
 static void leaky_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
     (void)training;
     float slope = *(const float *)l->settings;
@@ -672,10 +673,86 @@ static void scale_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight,
     }
 }
 static const mgpu_layer_fns channel_scale = {"scale", NULL, scale_forward, scale_backward, 1};
+#else
+/* A kernel launch on the stream of t's device (the current one in a
+   layer's pass), after the library's work there, 128 threads a block (tests/cuda_emu.h runs kernels through its
+   launcher, where nvcc has <<<...>>>). */
+#ifdef MGPU_CUDA_EMU
+#define LAUNCH_ON(t, blocks, kernel, ...)                                                    \
+    mgpu_emu_launcher(dim3(blocks), dim3(128), 0, (cudaStream_t)mgpu_device_stream((t)->device))(kernel, \
+                                                                                                  __VA_ARGS__)
+#else
+#define LAUNCH_ON(t, blocks, kernel, ...) \
+    kernel<<<(blocks), 128, 0, (cudaStream_t)mgpu_device_stream((t)->device)>>>(__VA_ARGS__)
+#endif
+static unsigned blocks_for(size_t n) { return (unsigned)((n + 127) / 128); }
+
+/* out = in where x > 0, else slope * in: the forward pass (in = x) and
+   the backward pass (in = dy, out = dx) */
+static __global__ void leaky_relu_kernel(float *out, const float *in, const float *x, size_t n, float slope) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] > 0 ? in[i] : slope * in[i];
+}
+static void leaky_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    LAUNCH_ON(x, blocks_for(x->numel), leaky_relu_kernel, y->data, x->data, x->data, x->numel,
+              *(const float *)l->settings);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+static void leaky_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dweight;
+    (void)dbias;
+    (void)y;
+    LAUNCH_ON(x, blocks_for(x->numel), leaky_relu_kernel, dx->data, dy->data, x->data, x->numel,
+              *(const float *)l->settings);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_relu_forward, leaky_relu_backward, 0};
+
+/* out = in s[c] over [N, C, HW]: y from x, and dx from dy */
+static __global__ void scale_kernel(float *out, const float *in, const float *s, size_t n, size_t hw, int c) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = in[i] * s[i / hw % (size_t)c];
+}
+/* ds[c] += the sum of dy x over channel c: a thread a channel */
+static __global__ void scale_grad_kernel(float *ds, const float *dy, const float *x, int batch, size_t hw, int c) {
+    int k = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (k >= c) return;
+    float sum = 0;
+    for (int b = 0; b < batch; b++)
+        for (size_t j = 0; j < hw; j++) {
+            size_t i = ((size_t)b * (size_t)c + (size_t)k) * hw + j;
+            sum += dy[i] * x[i];
+        }
+    ds[k] += sum; /* it comes zeroed */
+}
+static void scale_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    int c = x->shape.d[1];
+    LAUNCH_ON(x, blocks_for(x->numel), scale_kernel, y->data, x->data, l->weight.value->data, x->numel,
+              x->numel / ((size_t)x->shape.d[0] * (size_t)c), c);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
+static void scale_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dbias;
+    (void)y;
+    int c = x->shape.d[1];
+    size_t hw = x->numel / ((size_t)x->shape.d[0] * (size_t)c);
+    LAUNCH_ON(x, blocks_for((size_t)c), scale_grad_kernel, dweight->data, dy->data, x->data, x->shape.d[0], hw, c);
+    MGPU_CUDA_CHECK_LAUNCH();
+    if (dx) {
+        LAUNCH_ON(x, blocks_for(x->numel), scale_kernel, dx->data, dy->data, l->weight.value->data, x->numel, hw, c);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
+}
+static const mgpu_layer_fns channel_scale = {"scale", NULL, scale_forward, scale_backward, 0};
+#endif
 
 /* conv, leaky ReLU, scale, pooling, linear: no batch norm, so that 2
    devices train it as 1 does. */
-static mgpu_net *net_of_host_loop_layers(mgpu_device *d, float *slope) {
+static mgpu_net *net_of_leaky_and_scale(mgpu_device *d, float *slope) {
     mgpu_manual_seed(9);
     mgpu_net *net = mgpu_net_new(d);
     mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
@@ -693,7 +770,7 @@ TEST(layers_of_ones_own_have_the_gradient_of_the_loss) {
     mgpu_tensor *x, *y;
     batch(0, 12, &x, &y);
     float slope = 0.1f;
-    mgpu_net *net = net_of_host_loop_layers(mgpu_cpu(), &slope);
+    mgpu_net *net = net_of_leaky_and_scale(test_device(), &slope);
     CHECK_EQ_INT(net->nparams, 5); /* conv's 2, the scale's weight, linear's 2 */
     mgpu_net_zero_grad(net);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
@@ -712,14 +789,14 @@ TEST(layers_of_ones_own_have_the_gradient_of_the_loss) {
     mgpu_net_free(net);
 }
 
-/* Their passes run on each device's queue: 2 devices train the network as
-   1 does, and its replicas stay identical. */
+/* Their passes run on each device's queue (or stream): 2 devices train
+   the network as 1 does, and its replicas stay identical. */
 TEST(layers_of_ones_own_run_on_each_devices_queue) {
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     float slope = 0.1f;
-    mgpu_net *one = net_of_host_loop_layers(devs[0], &slope), *two = net_of_host_loop_layers(devs[0], &slope);
-    mgpu_net *start = net_of_host_loop_layers(devs[0], &slope);
+    mgpu_net *one = net_of_leaky_and_scale(devs[0], &slope), *two = net_of_leaky_and_scale(devs[0], &slope);
+    mgpu_net *start = net_of_leaky_and_scale(devs[0], &slope);
     mgpu_data_parallel *dp1 = mgpu_data_parallel_new(one, devs, 1, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel *dp2 = mgpu_data_parallel_new(two, devs, 2, MGPU_DP_ALLREDUCE);
     train_steps(dp1, 10);
@@ -736,6 +813,7 @@ TEST(layers_of_ones_own_run_on_each_devices_queue) {
     mgpu_net_free(start);
 }
 
+#if !TEST_ON_GPU
 /* A host loop that calls the library would wait for itself. */
 static void calls_the_library_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
     (void)l;
