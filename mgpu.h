@@ -1043,7 +1043,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        static const mgpu_layer_fns leaky_relu = {"leaky_relu", NULL, leaky_forward, leaky_backward, 1};
        static float slope = 0.1f;
        mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
-   (tests/test_parallel.c checks it against central differences.)
+   (tests/smoke.sh builds it as it stands here and trains it on 2 CPU
+   devices; tests/test_parallel.c checks it against central differences.)
 
        mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
    The book's ResNet-18 for small images: a 3x3 stem convolution (stride 1,

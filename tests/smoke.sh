@@ -105,5 +105,39 @@ if command -v "${NVCC:-/usr/local/cuda/bin/nvcc}" >/dev/null 2>&1; then
         -- bash -c "'${NVCC:-/usr/local/cuda/bin/nvcc}' -x cu -std=c++17 -I. '$out/readme_example.c' -o '$out/readme_nvcc' -lcublas -lnccl -lopenblas -lstb -lz -lpthread -lm && '$out/readme_nvcc'"
 fi
 
+# The manual's layer of your own (a leaky ReLU of host loops), as it
+# stands there, in a program that trains it on 2 CPU devices.
+{
+    printf '#define MGPU_IMPLEMENTATION\n#include "mgpu.h"\n'
+    awk '/static void leaky_forward\(/{on=1} on{print substr($0, 8)} /static const mgpu_layer_fns leaky_relu/{on=0}' mgpu.h
+    cat <<'PROGRAM'
+int main(void) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = mgpu_net_new(devs[0]);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    static float slope = 0.1f;
+    mgpu_net_add_layer(net, &leaky_relu, NULL, NULL, &slope);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 4, 10);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_tensor *x = mgpu_randn(mgpu_cpu(), mgpu_shape4(8, 1, 8, 8), 0, 1);
+    float labels[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    mgpu_tensor *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(8), labels);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0);
+    double loss, right;
+    mgpu_data_parallel_take_stats(dp, &loss, &right);
+    printf("%s trained on 2 devices: loss %.3f\n", net->layers[1]->name, loss / 8);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+    mgpu_free(x);
+    mgpu_free(y);
+    return 0;
+}
+PROGRAM
+} > "$out/manual_layer.c"
+check manual_layer_example 0 '^leaky_relu1 trained on 2 devices: loss [0-9]+\.[0-9]{3}$' \
+    -- bash -c "gcc -std=c11 -Wall -Wextra -Werror -Wno-unused-parameter -I. '$out/manual_layer.c' -o '$out/manual_layer' -lopenblas -lstb -lz -lpthread -lm && '$out/manual_layer'"
+
 echo "test-summary: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
