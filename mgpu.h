@@ -1271,8 +1271,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
        void mgpu_data_parallel_take_stats(dp, &loss_sum, &correct);
    the summed loss and the number of right predictions of the steps since
    the last call (this waits for them), as the book's training loops count.
-       const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none"
-                                              ("(not run yet)" before the first step)
+       const char *mgpu_data_parallel_algorithm(dp);  "gather", "ring", "nccl", "none",
+                                              or yours (below); "(not run yet)" before
+                                              the first step
 
    In MGPU_DP_ALLREDUCE mode the gradients travel in buckets, as in
    PyTorch's DDP: each replica's gradients become views into a few flat
@@ -1283,7 +1284,17 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
        void mgpu_data_parallel_configure(dp, bucket_bytes, overlap, reduce);
    sets the bucket size, overlap 0 to reduce only after the whole backward
    pass, and reduce 0 to skip the reduction (to time what it costs: the
-   replicas then drift apart). */
+   replicas then drift apart).
+       void mgpu_data_parallel_use_allreduce(dp, fn, name);
+   makes the reduction yours (the "implement ring allreduce" assignment,
+   then train with it): fn(buckets, n) must leave in every one of the n
+   tensors (one a device, the same shape) the sum of all n, as
+   mgpu_allreduce (the book's) does, which you can pass to compare. It is
+   called on the calling thread as each bucket completes, and is made of
+   the library's operations (mgpu_narrow, mgpu_to, mgpu_copy, mgpu_add_,
+   ...), which order themselves after the backward pass that produced the
+   bucket. mgpu_data_parallel_algorithm then says name. MGPU_DP_ALLREDUCE
+   mode only, before the first step. */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -1298,6 +1309,9 @@ MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss
 MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp);
 MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket_bytes,
                                            int overlap, int reduce);
+typedef void (*mgpu_allreduce_fn)(mgpu_tensor **data, int n);
+MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allreduce_fn fn,
+                                               const char *name);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------- random */
@@ -7642,6 +7656,8 @@ struct mgpu_data_parallel {
        device that the parameters' gradients are views into */
     size_t bucket_bytes;
     int overlap, reduce;
+    mgpu_allreduce_fn yours; /* a reduction of the caller's, or NULL */
+    const char *yours_name;
     int nbuckets;
     int bucket_last_layer[128];          /* the bucket is complete once backward reaches it */
     mgpu_tensor *bucket[128][MGPU_MAX_DEVICES];
@@ -7679,6 +7695,25 @@ MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket
     dp->bucket_bytes = bucket_bytes;
     dp->overlap = overlap;
     dp->reduce = reduce;
+}
+
+MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allreduce_fn fn,
+                                               const char *name) {
+    MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
+                 "mgpu_data_parallel_use_allreduce: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
+                 "a reduction of yours needs MGPU_DP_ALLREDUCE");
+    MGPU_REQUIRE(dp->nbuckets == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
+    MGPU_REQUIRE(fn && name, "mgpu_data_parallel_use_allreduce: give the function and its name");
+    dp->yours = fn;
+    dp->yours_name = name;
+}
+
+/* Starts the reduction of bucket b on every device: the caller's, or the
+   library's (NCCL or the ring, on the communication queues). */
+static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
+    if (!dp->yours) return mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
+    dp->yours(dp->bucket[b], dp->n);
+    return dp->yours_name;
 }
 
 /* Groups the gradients into buckets of about bucket_bytes, from the last
@@ -7801,15 +7836,11 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
         for (int i = 0; i < dp->used; i++)
             grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], 0);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
-        if (complete && dp->reduce && dp->overlap) {
-            dp->algorithm = mgpu_allreduce_start(dp->bucket[next_bucket], dp->n, 0,
-                                                 dp->scratch[next_bucket]);
-        }
+        if (complete && dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, next_bucket);
         next_bucket += complete;
     }
     if (dp->reduce && !dp->overlap)
-        for (int b = 0; b < dp->nbuckets; b++)
-            dp->algorithm = mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
+        for (int b = 0; b < dp->nbuckets; b++) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
     if (dp->n > 1) mgpu_comm_wait(dp->devices, dp->n);
     for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
 }

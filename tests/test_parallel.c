@@ -8,6 +8,8 @@
    - a batch with fewer rows than devices runs on those that get rows;
    - layers of one's own (mgpu_net_add_layer) train like the library's,
      and have the gradient of the loss;
+   - the wrapper trains with an allreduce of one's own (a student's ring,
+     the book's) as with its own;
    - DataParallel's gather puts more memory on device 0 than allreduce;
    - a training step writes every gradient, so needs no zero_grad;
    - on GPUs, a step's batch is copied while the step before computes;
@@ -947,14 +949,16 @@ TEST(data_parallel_step_refuses_evaluation_mode) {
 #endif
 
 /* Trains `steps` steps of the ResNet-like small net with batch norm on k
-   devices, with the given bucket size and overlap; returns replica 0. */
-static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int steps,
-                                mgpu_data_parallel **out) {
+   devices, with the given bucket size and overlap, and the library's
+   reduction or the allreduce `yours` (named so); returns replica 0. */
+static mgpu_net *train_reduced(int k, size_t bucket_bytes, int overlap, int steps, mgpu_allreduce_fn yours,
+                               const char *name, mgpu_data_parallel **out) {
     mgpu_device *devs[4];
     mgpu_devices(k, TEST_ON_GPU, devs);
     mgpu_net *net = small_net(devs[0], 1);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, k, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel_configure(dp, bucket_bytes, overlap, 1);
+    if (yours) mgpu_data_parallel_use_allreduce(dp, yours, name);
     train_steps(dp, steps);
     *out = dp;
     return net;
@@ -963,9 +967,9 @@ static mgpu_net *train_bucketed(int k, size_t bucket_bytes, int overlap, int ste
 TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
     for (int k = 2; k <= 3; k++) {
         mgpu_data_parallel *dp_ref, *dp_small, *dp_late;
-        mgpu_net *ref = train_bucketed(k, 1u << 30, 0, 5, &dp_ref);      /* one bucket, after backward */
-        mgpu_net *small = train_bucketed(k, 256, 1, 5, &dp_small);       /* many buckets, overlapped */
-        mgpu_net *late = train_bucketed(k, 256, 0, 5, &dp_late);         /* many buckets, after */
+        mgpu_net *ref = train_reduced(k, 1u << 30, 0, 5, NULL, NULL, &dp_ref); /* one bucket, after backward */
+        mgpu_net *small = train_reduced(k, 256, 1, 5, NULL, NULL, &dp_small); /* many buckets, overlapped */
+        mgpu_net *late = train_reduced(k, 256, 0, 5, NULL, NULL, &dp_late);   /* many buckets, after */
         CHECK(dp_small->nbuckets >= 3);
         CHECK_EQ_INT(dp_ref->nbuckets, 1);
         /* the same sums in the same order: bitwise equal whatever the timing */
@@ -990,6 +994,68 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
         mgpu_net_free(small);
         mgpu_net_free(late);
     }
+}
+
+/* A student's ring allreduce (the "implement ring allreduce" assignment),
+   of the library's public operations: each vector cut into n chunks; in
+   n-1 steps device i adds its chunk i-s into device i+1's, after which
+   device i holds chunk i+1's sum; then n-1 steps pass the sums round. */
+static void students_ring(mgpu_tensor **data, int n) {
+    int numel = (int)data[0]->numel, chunk = (numel + n - 1) / n;
+    for (int phase = 0; phase < 2; phase++) /* reduce-scatter, then all-gather */
+        for (int s = 0; s < n - 1; s++)
+            for (int i = 0; i < n; i++) {
+                int to = (i + 1) % n, c = ((i - s + phase) % n + n) % n, start = c * chunk;
+                if (start >= numel) continue;
+                int length = numel - start < chunk ? numel - start : chunk;
+                mgpu_tensor *mine = mgpu_narrow(data[i], start, length);
+                mgpu_tensor *theirs = mgpu_narrow(data[to], start, length);
+                mgpu_tensor *sent = mgpu_to(mine, theirs->device, 1);
+                if (phase == 0)
+                    mgpu_add_(theirs, sent);
+                else
+                    mgpu_copy(theirs, sent, 1);
+                mgpu_free(sent);
+                mgpu_free(mine);
+                mgpu_free(theirs);
+            }
+}
+
+/* The wrapper trains with an allreduce of one's own as with its own: the
+   student's ring and the book's allreduce, in buckets as they complete. */
+TEST(an_allreduce_of_ones_own_trains_like_the_librarys) {
+    for (int k = 2; k <= 3; k++) {
+        mgpu_data_parallel *dp_ref, *dp_ring, *dp_book;
+        mgpu_net *ref = train_reduced(k, 256, 1, 5, NULL, NULL, &dp_ref);
+        mgpu_net *ring = train_reduced(k, 256, 1, 5, students_ring, "a student's ring", &dp_ring);
+        mgpu_net *book = train_reduced(k, 256, 1, 5, mgpu_allreduce, "the book's", &dp_book);
+        CHECK(dp_ring->nbuckets >= 3);
+        CHECK(strcmp(mgpu_data_parallel_algorithm(dp_ring), "a student's ring") == 0);
+        mgpu_net *nets[2] = {ring, book};
+        mgpu_data_parallel *dps[2] = {dp_ring, dp_book};
+        for (int m = 0; m < 2; m++) {
+            double diff = max_param_diff(nets[m], ref);
+            if (diff > 1e-6) fprintf(stderr, "  %d devices: %s differs by %g\n", k,
+                                     mgpu_data_parallel_algorithm(dps[m]), diff);
+            CHECK(diff <= 1e-6);
+            for (int i = 1; i < k; i++)
+                CHECK(max_param_diff(mgpu_data_parallel_replica(dps[m], i), nets[m]) == 0);
+            mgpu_data_parallel_free(dps[m]);
+            mgpu_net_free(nets[m]);
+        }
+        mgpu_data_parallel_free(dp_ref);
+        mgpu_net_free(ref);
+    }
+#if !TEST_ON_GPU
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = plain_net(devs[0]);
+    mgpu_data_parallel *gather = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_GATHER);
+    EXPECT_DIES(mgpu_data_parallel_use_allreduce(gather, students_ring, "ring"),
+                "mgpu_data_parallel_use_allreduce: the wrapper gathers on device 0 (MGPU_DP_GATHER)");
+    mgpu_data_parallel_free(gather);
+    mgpu_net_free(net);
+#endif
 }
 
 TEST(switching_the_reduction_off_lets_replicas_drift) {
