@@ -1076,8 +1076,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    parameter's gradient into param.grad, as PyTorch's .backward() does;
    mgpu_net_zero_grad clears them. With batch norm, the last forward must
    have run in training mode (its backward needs the batch statistics; a
-   one-line error otherwise). A convolution's bias followed by batch norm gets exactly
-   0 added: the batch mean cancels it (mgpu__bias_cancelled_by says why).
+   one-line error otherwise). A convolution's bias followed by batch norm
+   gets exactly 0 added: the batch mean cancels it (mgpu__bias_cancelled_by
+   says why).
 
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
    the backward pass of scale times the cross-entropy summed over the rows
