@@ -677,15 +677,15 @@ static void scale_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight,
 static const mgpu_layer_fns channel_scale = {"scale", NULL, scale_forward, scale_backward, 1};
 #else
 /* A kernel launch on the stream of t's device (the current one in a
-   layer's pass), after the library's work there, 128 threads a block (tests/cuda_emu.h runs kernels through its
-   launcher, where nvcc has <<<...>>>). */
+   layer's pass), after the library's work there, 128 threads a block
+   (tests/cuda_emu.h runs kernels through its launcher, where nvcc has
+   <<<...>>>). */
+#define STREAM_OF(t) ((cudaStream_t)mgpu_device_stream((t)->device))
 #ifdef MGPU_CUDA_EMU
-#define LAUNCH_ON(t, blocks, kernel, ...)                                                    \
-    mgpu_emu_launcher(dim3(blocks), dim3(128), 0, (cudaStream_t)mgpu_device_stream((t)->device))(kernel, \
-                                                                                                  __VA_ARGS__)
-#else
 #define LAUNCH_ON(t, blocks, kernel, ...) \
-    kernel<<<(blocks), 128, 0, (cudaStream_t)mgpu_device_stream((t)->device)>>>(__VA_ARGS__)
+    mgpu_emu_launcher(dim3(blocks), dim3(128), 0, STREAM_OF(t))(kernel, __VA_ARGS__)
+#else
+#define LAUNCH_ON(t, blocks, kernel, ...) kernel<<<(blocks), 128, 0, STREAM_OF(t)>>>(__VA_ARGS__)
 #endif
 static unsigned blocks_for(size_t n) { return (unsigned)((n + 127) / 128); }
 
