@@ -414,38 +414,61 @@ template <int TM, int TN> struct mgpu__wgmma_engine;
    blocks): for a, row lane % 16 of the warp's rows, at column (lane / 16)
    4; for b, whose pixels are its rows here, the pixel (of the tile) and
    the channel (of the step) below, then every 16 pixels on for the next
-   two 8-column tiles of the product. */
+   two 8-column tiles of the product (mgpu__nhwc_lane_a_row: a's row of
+   a tile, at the step's first channel, as a shared address). */
 template <int TN> static __device__ int mgpu__nhwc_lane_pixel(void) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     return (warp % 2) * (TN / 2) + lane % 8 + (lane / 16) * 8;
 }
 static __device__ int mgpu__nhwc_lane_channel(void) { return (threadIdx.x % 32 / 8 % 2) * 4; }
 
-/* acc += a b for this warp's quarter of the tile, from copy `stage` of
-   the step tiles a (at shared address a_tiles) and b: four tensor-core
-   steps of k = 8. b_row is the shared address of this lane's row of b
-   for the first two 8-column tiles at the step's first channel; the next
-   two tiles' rows are 16 rows on. Per step of k, a warp of the 128 x 128
-   tile loads its operands with 8 ldmatrix and multiplies them with 32
-   mma. */
-template <int TM, int TN>
-static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
-                                           mgpu__shared_address a_tiles, int stage, mgpu__shared_address b_row) {
-    typedef mgpu__nhwc_warp<TM, TN> W;
-    const int LD = MGPU__NHWC_STEP + 4; /* floats: a row of mgpu__padded_rows */
+template <int TM> static __device__ mgpu__shared_address mgpu__nhwc_lane_a_row(mgpu__shared_address a_tile) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int row = (warp / 2) * (TM / 2), a_row = lane % 16, a_col = (lane / 16) * 4;
-    mgpu__shared_address a = a_tiles + 4 * ((stage * TM + row + a_row) * LD + a_col);
-    for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
-        uint32_t fa[W::MT][4], fb[W::NT][2];
-        for (int i = 0; i < W::MT; i++) mgpu__load_matrices(fa[i], a + 4 * (16 * i * LD + kk));
+    return a_tile + mgpu__padded_rows::at((warp / 2) * (TM / 2) + lane % 16, lane / 16);
+}
+
+/* A warp's operands for one tensor-core step of k = 8, by ldmatrix from
+   step tiles of padded rows, and their products: load_a(a_row, kk) loads
+   a's for the warp's rows, channels kk.. of the step, a_row being the
+   shared address of this lane's row of a tile at the step's first channel
+   (mgpu__nhwc_lane_a_row); load_b(b_row, kk) likewise b's for the warp's
+   columns, b_row the address of this lane's row of b for the first two
+   8-column tiles (the next two tiles' rows are 16 rows on); multiply(acc):
+   acc += a b, as mgpu__mma_tf32 lays the accumulators out. */
+template <int TM, int TN> struct mgpu__nhwc_fragments {
+    typedef mgpu__nhwc_warp<TM, TN> W;
+    static const int LD = MGPU__NHWC_STEP + 4; /* floats: a row of mgpu__padded_rows */
+    uint32_t a[W::MT][4], b[W::NT][2];
+    __device__ void load_a(mgpu__shared_address a_row, int kk) {
+        for (int i = 0; i < W::MT; i++) mgpu__load_matrices(a[i], a_row + 4 * (16 * i * LD + kk));
+    }
+    __device__ void load_b(mgpu__shared_address b_row, int kk) {
         for (int j = 0; j < W::NT; j += 2) {
             uint32_t pair[4];
             mgpu__load_matrices(pair, b_row + 4 * (8 * j * LD + kk));
-            fb[j][0] = pair[0], fb[j][1] = pair[1], fb[j + 1][0] = pair[2], fb[j + 1][1] = pair[3];
+            b[j][0] = pair[0], b[j][1] = pair[1], b[j + 1][0] = pair[2], b[j + 1][1] = pair[3];
         }
+    }
+    __device__ void multiply(typename W::acc &acc) const {
         for (int i = 0; i < W::MT; i++)
-            for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], fa[i], fb[j]);
+            for (int j = 0; j < W::NT; j++) mgpu__mma_tf32(acc[i][j], a[i], b[j]);
+    }
+};
+
+/* acc += a b for this warp's quarter of the tile, from copy `stage` of
+   the step tiles a (at shared address a_tiles) and b (this lane's row of
+   it: b_row, as above): four tensor-core steps of k = 8. Per step of k, a
+   warp of the 128 x 128 tile loads its operands with 8 ldmatrix and
+   multiplies them with 32 mma. */
+template <int TM, int TN>
+static __device__ void mgpu__nhwc_multiply(typename mgpu__nhwc_warp<TM, TN>::acc &acc,
+                                           mgpu__shared_address a_tiles, int stage, mgpu__shared_address b_row) {
+    mgpu__shared_address a_row = mgpu__nhwc_lane_a_row<TM>(a_tiles + mgpu__padded_rows::at(stage * TM, 0));
+    mgpu__nhwc_fragments<TM, TN> f;
+    for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
+        f.load_a(a_row, kk);
+        f.load_b(b_row, kk);
+        f.multiply(acc);
     }
 }
 
@@ -654,20 +677,57 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a, const ty
 #define MGPU__NHWC_ROWS_APART (MGPU__IMPLICIT_THREADS / (MGPU__NHWC_STEP / 4)) /* (a multiple of 8: */
 static_assert(MGPU__NHWC_ROWS_APART % 8 == 0, "a thread's rows all take the same place in the swizzle)");
 template <int TM, typename Rows = mgpu__padded_rows>
-static __device__ void mgpu__nhwc_load_weights(const mgpu__conv_nhwc_args &a, mgpu__shared_address a_tiles,
-                                               int stage, int tap, int c0) {
+static __device__ void mgpu__nhwc_load_weights(const float *w_t, const mgpu__conv_geom &g,
+                                               mgpu__shared_address a_tiles, int stage, int tap, int c0) {
     const int CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__NHWC_ROWS_APART;
     int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS, filter0 = blockIdx.y * TM;
-    int rsc = a.g.r * a.g.s * a.g.c;
-    const float *w_step = a.w_t + tap * a.g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
+    int rsc = g.r * g.s * g.c;
+    const float *w_step = w_t + tap * g.c + c0 + chunk * 4; /* w_t[0, r, s, c0 + 4 chunk] */
     mgpu__shared_address to_a = a_tiles + Rows::at(stage * TM + first_row, chunk);
     for (int j = 0; j < TM / APART; j++) {
         int filter = filter0 + first_row + j * APART;
-        bool valid = filter < a.g.k;
+        bool valid = filter < g.k;
         mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_a + j * APART * Rows::BYTES,
-                                             valid ? w_step + (size_t)filter * rsc : a.w_t, valid);
+                                             valid ? w_step + (size_t)filter * rsc : w_t, valid);
     }
 }
+
+/* The copies of a step's tile of b: TN output pixels of geometry g (the
+   block's from pixel0 on), for each one 32 channels of x_t at one tap of
+   its window; a thread always the same 16 bytes (chunk) of every APART-th
+   pixel from tid / 8, PER pixels. Decoded once: where each of a thread's
+   pixels has its window in x_t (top, left: its first row and column,
+   which may lie in the padding; window: the offset of x_t[img, top,
+   left, 0]). copy(b_tiles, stage, x_t, r, s, c0) starts the copies of tap
+   (r, s), channels c0.., into copy `stage` of the b tiles (rows laid out
+   as Rows says): zeros where the tap falls outside the image, or the
+   pixel past the last. */
+template <int TN, typename Rows> struct mgpu__nhwc_pixels {
+    static const int CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__NHWC_ROWS_APART, PER = TN / APART;
+    mgpu__conv_geom g;
+    int window[PER], top[PER], left[PER];
+    __device__ mgpu__nhwc_pixels(const mgpu__conv_geom &g_, int pixel0) : g(g_) {
+        int first_row = threadIdx.x / CHUNKS, pq = g.p * g.q, npq = g.n * pq;
+        for (int j = 0; j < PER; j++) {
+            int pixel = pixel0 + first_row + j * APART, img = pixel / pq, in_image = pixel - img * pq;
+            int p = in_image / g.q;
+            top[j] = pixel < npq ? p * g.stride - g.pad : -(1 << 20); /* past the end: outside every image */
+            left[j] = (in_image - p * g.q) * g.stride - g.pad;
+            window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
+        }
+    }
+    __device__ void copy(mgpu__shared_address b_tiles, int stage, const float *x_t, int r, int s, int c0) const {
+        int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS;
+        int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
+        mgpu__shared_address to_b = b_tiles + Rows::at(stage * TN + first_row, chunk);
+        for (int j = 0; j < PER; j++) {
+            int h = top[j] + r, w = left[j] + s;
+            bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
+            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + j * APART * Rows::BYTES,
+                                                 inside ? x_t + (window[j] + shift) : x_t, inside);
+        }
+    }
+};
 
 /* Blocks a multiprocessor should hold; the registers a thread follow
    (65536 / (128 threads x blocks)). The forward kernel: 4 of 64 x 64 (128
@@ -690,25 +750,11 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
     typedef typename E::rows Rows;
     const mgpu__conv_geom g = a.g;
     const int STEP = MGPU__NHWC_STEP;
-    /* a thread's copies: always the same 16 bytes (chunk) of a row, in
-       every APART-th row from tid / 8: TM / APART rows of a, B_PER of b */
-    const int CHUNKS = STEP / 4, APART = MGPU__NHWC_ROWS_APART, B_PER = TN / APART;
     mgpu__nhwc_tiles<TM, TN, Rows> *t = (mgpu__nhwc_tiles<TM, TN, Rows> *)mgpu__aligned_shared<Rows::ALIGN>();
     mgpu__shared_address a_tiles = mgpu__shared_address_of(t->step.a),
                          b_tiles = mgpu__shared_address_of(t->step.b);
-    int tid = threadIdx.x, chunk = tid % CHUNKS, first_row = tid / CHUNKS;
-    int pixel0 = blockIdx.x * TN, pq = g.p * g.q, npq = g.n * pq, rsc = g.r * g.s * g.c;
-
-    /* this thread's pixels of b, decoded once: where each one's window
-       starts in x_t (an offset that may point into the padding) */
-    int window[B_PER], top[B_PER], left[B_PER];
-    for (int j = 0; j < B_PER; j++) {
-        int pixel = pixel0 + first_row + j * APART, img = pixel / pq, in_image = pixel - img * pq;
-        int p = in_image / g.q;
-        top[j] = pixel < npq ? p * g.stride - g.pad : -(1 << 20); /* past the end: outside every image */
-        left[j] = (in_image - p * g.q) * g.stride - g.pad;
-        window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
-    }
+    int rsc = g.r * g.s * g.c;
+    const mgpu__nhwc_pixels<TN, Rows> pixels(g, blockIdx.x * TN); /* this thread's pixels of b */
     /* Starts the copies of a step into copy `stage`: channels c0.. of tap
        (r, s). The copies go through L1, and the steps take the taps of
        one run of 32 channels one after the other, so that the next tap's
@@ -725,15 +771,8 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
     int steps = a.per < after ? a.per : after;
     int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
-        mgpu__nhwc_load_weights<TM, Rows>(a, a_tiles, stage, r * g.s + s, c0);
-        int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
-        mgpu__shared_address to_b = b_tiles + Rows::at(stage * TN + first_row, chunk);
-        for (int j = 0; j < B_PER; j++) {
-            int h = top[j] + r, w = left[j] + s;
-            bool inside = (unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w; /* 0 <= h < H */
-            mgpu__copy_async16<MGPU__KEEP_IN_L1>(to_b + j * APART * Rows::BYTES,
-                                                 inside ? a.x_t + (window[j] + shift) : a.x_t, inside);
-        }
+        mgpu__nhwc_load_weights<TM, Rows>(a.w_t, g, a_tiles, stage, r * g.s + s, c0);
+        pixels.copy(b_tiles, stage, a.x_t, r, s, c0);
         if (++s == g.s) {
             s = 0;
             if (++r == g.r) r = 0, c0 += STEP;
