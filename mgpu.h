@@ -4685,13 +4685,15 @@ static int mgpu__conv_implicit_available(void) {
    convolutions at stride 1, Winograd (winograd.h) too, as it reads the
    same copies (a network prepares them alike); for dx at larger strides,
    conv_nhwc.h's sub-pixel
-   classes one at a time (direct) or a row of them at a time (joined).
+   classes one at a time (direct) or a row of them at a time (joined),
+   and for 3x3 windows at stride 2 and padding 1, its kernel that takes a
+   quad of dx's pixels, one of each class, at a time (quads; no tile).
    In the gathering family, which reads the NCHW tensors as they are, for
    the forward pass and dW of convolutions with C*R*S <= 9,
    conv_few_inputs.h's kernels (float32, no tiles). */
 typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
 static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
-typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED } mgpu__conv_method;
+typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED, MGPU__QUADS } mgpu__conv_method;
 typedef struct {
     mgpu__implicit_family family;
     mgpu__implicit_tile tile;
@@ -4700,7 +4702,8 @@ typedef struct {
                    the gathering dW takes its own (conv_implicit.h) */
     mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
                                  or Winograd (no tile); at stride > 1, dx's sub-pixel
-                                 classes alone (direct) or joined by rows (conv_nhwc.h);
+                                 classes alone (direct) or joined by rows, or at stride 2
+                                 by quads (conv_nhwc.h);
                                  channels-last dW: conv_nhwc.h's kernel (direct);
                                  gathering forward or dW: conv_implicit.h's kernel (direct), or
                                  conv_few_inputs.h's (no tile) */
@@ -4758,14 +4761,30 @@ static void mgpu__conv_winograd(mgpu_device *dev, float *out, const float *in_t,
     mgpu_free(u);
     mgpu_free(m);
 }
+/* The weights' channels-last TF32 copy for a product of geometry g: w_t
+   [K, RS, C], or turned, w'_t [C, RS flipped, K] (for_dx: the input
+   gradient's; g is then mgpu__conv_dx_geometry's, g->c the weights' K and
+   g->k their C). keep_w_t: where the caller keeps it; used if there (the
+   caller made it from the weights as they are), else made and left there;
+   NULL: made, and in *own, to be freed after use. */
+static const float *mgpu__weights_channels_last(mgpu_device *dev, const float *w, mgpu_tensor **keep_w_t,
+                                                const mgpu__conv_geom *g, int for_dx, mgpu_tensor **own) {
+    *own = NULL;
+    if (keep_w_t && *keep_w_t) return (*keep_w_t)->data;
+    int rs = g->r * g->s;
+    mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, rs, 1)
+                                           : mgpu__weights_copy(NULL, w, g->k, g->c, rs, 0);
+    mgpu_tensor *w_t = mgpu__channels_last_copy_of(dev, copy);
+    if (keep_w_t) *keep_w_t = w_t;
+    else *own = w_t;
+    return w_t->data;
+}
 /* out = conv(in_t, w) + b with conv_nhwc.h's kernel, in geometry g, from
    the channels-last copy in_t of the input and the weights' channels-last
    TF32 copy; as w' (turned: flipped, filters and channels swapped) when
    the convolution is the input gradient's (for_dx: in_t is dy's copy, g
-   is mgpu__conv_dx_geometry). keep_w_t: where the caller keeps the
-   weights' copy; used if there (the caller made it from the weights as
-   they are), else made and left there (NULL: made and freed).
-   accumulate: out += the product. */
+   is mgpu__conv_dx_geometry). keep_w_t: as mgpu__weights_channels_last
+   says. accumulate: out += the product. */
 static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *in_t, const float *w,
                                      mgpu_tensor **keep_w_t, const float *b, const mgpu__conv_geom *g,
                                      int for_dx, mgpu__implicit_kernel kernel, int accumulate) {
@@ -4773,17 +4792,11 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
         mgpu__conv_winograd(dev, out, in_t, w, b, g, for_dx, accumulate);
         return;
     }
-    mgpu_tensor *w_t = keep_w_t ? *keep_w_t : NULL, *own_w_t = NULL;
-    if (!w_t) { /* (for dx, g->c is the weights' K and g->k their C) */
-        int rs = g->r * g->s;
-        mgpu__channels_last_args copy = for_dx ? mgpu__weights_copy(NULL, w, g->c, g->k, rs, 1)
-                                               : mgpu__weights_copy(NULL, w, g->k, g->c, rs, 0);
-        w_t = own_w_t = mgpu__channels_last_copy_of(dev, copy);
-        if (keep_w_t) *keep_w_t = w_t, own_w_t = NULL;
-    }
+    mgpu_tensor *own_w_t;
+    const float *w_t = mgpu__weights_channels_last(dev, w, keep_w_t, g, for_dx, &own_w_t);
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
     mgpu__nhwc_out plain = {0, 0, 0, 0, 0, 0};
-    mgpu__conv_nhwc_args a = {out, in_t, w_t->data, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
+    mgpu__conv_nhwc_args a = {out, in_t, w_t, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL, kernel.wgmma};
     const char *name = for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last";
     mgpu__launch_on(&dev->queue[0], name, NULL, mgpu__conv_nhwc_cuda, &a, sizeof a);
@@ -4836,6 +4849,14 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
             mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
             mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, keep_w_t, NULL, &d, 1, kernel,
                                      add_to_dx);
+        } else if (kernel.method == MGPU__QUADS) { /* from the turned weights, as at stride 1 */
+            mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+            mgpu_tensor *own_w_t;
+            const float *w_t = mgpu__weights_channels_last(dx->device, w->data, keep_w_t, &d, 1, &own_w_t);
+            mgpu__conv_nhwc_quads_args a = {dx->data, dy_cl, w_t, *g, add_to_dx};
+            mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last quads dx", NULL,
+                            mgpu__conv_nhwc_quads_cuda, &a, sizeof a);
+            mgpu_free(own_w_t); /* (reused only by work enqueued after this on the same queue) */
         } else { /* the sub-pixel classes, each with its taps of w, alone or a row of them joined */
             int joined = kernel.method == MGPU__JOINED;
             mgpu_tensor *w_classes =
@@ -5075,20 +5096,26 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    trial would only lose time, and stage 1's V and M, 200 MB each, would
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
+/* Whether conv_nhwc.h's quads compute a pass of geometry g: dx at
+   stride 2 of a 3x3 window with padding 1, where they fit. */
+static int mgpu__conv_quads_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    return what == MGPU__TRY_DX && mgpu__conv_nhwc_quads_fits(g);
+}
 /* Whether a method other than the gathering kernels' computes a pass of
    geometry g (in some tile: the channels-last direct kernel's). */
 static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
            : method == MGPU__JOINED     ? mgpu__conv_joined_fits(what, g)
+           : method == MGPU__QUADS      ? mgpu__conv_quads_fits(what, g)
                                         : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:
    every family's, tile's and choice's that fits, the joined sub-pixel
    classes' likewise, and with wgmma (mgpu__wgmma_usable) both again by
    the wgmma kernels; Winograd where it is worth trying, and
-   conv_few_inputs.h's where it fits. */
-#define MGPU__CANDIDATES (((int)MGPU__FAMILIES + 3) * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 2)
+   conv_few_inputs.h's and the quads where they fit. */
+#define MGPU__CANDIDATES (((int)MGPU__FAMILIES + 3) * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 3)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
     /* by mma.sync direct, then joined; by wgmma likewise (mgpu__conv_kernel_choice
@@ -5107,7 +5134,22 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
         list[count++] = winograd;
     mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
     if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g)) list[count++] = few;
+    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
+    if (mgpu__conv_method_fits(MGPU__QUADS, what, g)) list[count++] = quads;
     return count;
+}
+
+/* Whether dx of geometry g may read the weights' turned channels-last
+   copy (w'_t): at stride 1 (the direct kernel), and where the quads fit;
+   the sub-pixel classes take their own taps. And whether kernel k, for
+   pass `what`, reads the weights' copy (Winograd and the gathering
+   kernels take the weights as they are). */
+static int mgpu__conv_dx_reads_turned_weights(const mgpu__conv_geom *g) {
+    return g->stride == 1 || mgpu__conv_nhwc_quads_fits(g);
+}
+static int mgpu__conv_reads_weights_copy(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel k) {
+    if (k.family != MGPU__CHANNELS_LAST || k.method == MGPU__WINOGRAD) return 0;
+    return what != MGPU__TRY_DX || g->stride == 1 || k.method == MGPU__QUADS;
 }
 
 /* The fastest implicit GEMM of a family for one pass (`what`), in
@@ -5115,7 +5157,7 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
    best of three calls of each candidate, the candidates taking turns, so
    that a GPU clock still rising favours none; each one that reads the
    weights' channels-last copy charged w_copy_ms for it (Winograd takes
-   the weights as they are). */
+   the weights as they are, the sub-pixel classes their own taps). */
 static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_family family,
                                         double w_copy_ms, mgpu__implicit_kernel *kernel) {
     mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
@@ -5127,7 +5169,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
             double ms = mgpu__conv_trial_ms(t, what, candidates[i]);
-            if (candidates[i].method != MGPU__WINOGRAD) ms += w_copy_ms;
+            if (mgpu__conv_reads_weights_copy(what, t->g, candidates[i])) ms += w_copy_ms;
             if (ms < best[i]) best[i] = ms;
             if (round == 2 && best[i] < fastest) { /* the last round: all three are in */
                 fastest = best[i];
@@ -5151,9 +5193,9 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each product's kernel (family, tile, slices of the sum) or im2col. */
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
-    if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS) {
+    if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS || k.method == MGPU__QUADS) {
         snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family],
-                 k.method == MGPU__WINOGRAD ? "Winograd" : "few inputs");
+                 k.method == MGPU__WINOGRAD ? "Winograd" : k.method == MGPU__QUADS ? "quads" : "few inputs");
         return;
     }
     snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
@@ -5263,7 +5305,7 @@ static void mgpu__conv_trial_copies(mgpu__conv_trial *t, mgpu__conv_copies_ms *m
     double *w_turned_ms = t->prepared & MGPU__PREPARED_W ? &unused : &ms->w_turned;
     int rs = g->r * g->s;
     if (y) t->w_t = mgpu__conv_timed_copy(dev, mgpu__weights_copy(NULL, t->w->data, g->k, g->c, rs, 0), w_ms);
-    if (dx && g->stride == 1) /* (the sub-pixel classes take their own taps) */
+    if (dx && mgpu__conv_dx_reads_turned_weights(g)) /* (the sub-pixel classes take their own taps) */
         t->w_turned_t = mgpu__conv_timed_copy(dev, mgpu__weights_copy(NULL, t->w->data, g->k, g->c, rs, 1),
                                               w_turned_ms);
 }

@@ -25,7 +25,9 @@
    kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; for the first layer
    (C*R*S = 9) kernels/conv_few_inputs.h's (rows "gather few inputs", one
-   figure): the forward pass and dW. The fastest tile of a
+   figure): the forward pass and dW; for dx of the 3x3 convolutions at
+   stride 2, conv_nhwc.h's quads (rows "channels-last quads", one figure,
+   the turned weights' copy included). The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
    synchronisations, after one call to warm up. TFLOP/s counts 2 * n * K *
@@ -264,17 +266,19 @@ int main(int argc, char **argv) {
                         print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
                                   us, tiles);
                     }
-                const mgpu__implicit_kernel untiled[2] = { /* (one figure each) */
+                const mgpu__implicit_kernel untiled[] = { /* (one figure each) */
                     {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0},
-                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0}};
-                for (int m = 0; m < 2; m++) {
+                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0},
+                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0}};
+                const char *untiled_names[] = {"  Winograd", "  gather few inputs", "  channels-last quads"};
+                for (int m = 0; m < 3; m++) {
                     if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g)) continue;
                     double us[TILE_COLUMNS] = {0};
                     c.kernel = untiled[m];
                     us[0] = time_us(dev[0], runs[pass], &c, steps);
                     if (!best[pass] || us[0] < best[pass]) best[pass] = us[0];
-                    print_row(m == 0 ? "  Winograd" : "  gather few inputs", cc->count,
-                              pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
+                    print_row(untiled_names[m], cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
+                              us, tiles);
                 }
                 step_us[1] += cc->count * best[pass];
             }

@@ -1,5 +1,6 @@
 /* kernels/conv_nhwc.h: the convolution's forward pass, its input
-   gradient (at strides above 1 by sub-pixel convolutions) and its weight
+   gradient (at strides above 1 by sub-pixel convolutions, or for 3x3
+   windows at stride 2 a quad of pixels at a time) and its weight
    gradient, as implicit GEMMs over
    channels-last copies of the tensors (GPU only, TF32), with
    asynchronous copies straight from memory into shared memory.
@@ -1169,6 +1170,194 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
         if (batch.count == MGPU__NHWC_PRODUCTS_MAX) mgpu__subpixel_launch(&weights, &batch, stream);
     }
     if (batch.count) mgpu__subpixel_launch(&weights, &batch, stream);
+}
+
+/* ------------------- the input gradient at stride 2, a quad at a time */
+/* The sub-pixel classes above are products of their own, each block one
+   class: ResNet-18's stage 2 (3x3, stride 2, padding 1, 64 channels of
+   dx, 128 filters) sums 4, 8, 8 and 16 steps a class, and a class writes
+   every other value of every other row of dx. On the H100 they ran at a
+   third of cuDNN's pace (bench/RESULTS.md, eighteenth session): too few
+   steps a block to hide its start and its end.
+
+   Here a block computes all four classes. For a 3x3 window at stride 2
+   and padding 1, in one dimension (the sub-pixel section above, t = 2,
+   d = 1): dx's even row 2u takes tap 1 at dy's row u; its odd row 2u + 1
+   takes tap 2 at row u and tap 0 at row u + 1. So the quad of dx's pixels
+   (2u + e_h, 2v + e_w), e_h and e_w 0 or 1, one of each class, reads dy
+   at four pixels only, (u, v) shifted by (i, j) = (0, 0), (0, 1), (1, 0)
+   or (1, 1), and each of the 9 taps (r, s) takes one shift to one class:
+       shift (0, 0): taps (1,1) (1,2) (2,1) (2,2) to classes (0,0) (0,1) (1,0) (1,1)
+       shift (0, 1): taps (1,0) (2,0)             to classes (0,1) (1,1)
+       shift (1, 0): taps (0,1) (0,2)             to classes (1,0) (1,1)
+       shift (1, 1): tap  (0,0)                   to class (1,1)
+   A block takes 64 pixels (u, v) of dy and 64 channels of dx, and keeps
+   four 64 x 64 tiles of sums, one a class (each warp its quarter of
+   each, 128 accumulators a thread, as many as the 128 x 128 tile's). A
+   step is 32 filters at one shift: the tile of dy_t at the shifted
+   pixels (as the forward kernel's b, zeros past dy's edge) and the tiles
+   of w'_t of the shift's taps (the turned weights the stride-1 dx reads:
+   tap (r, s) at (2 - r, 2 - s)), 1 to 4 of them; each warp loads its
+   fragments of dy once a step for all of them. K / 32 runs of 4 steps
+   sum 9 K terms a value, each tap once: 36 steps of stage 2's 64 x 64
+   x 4 tiles, where its classes took 4 to 16. Per step the multiplies
+   read 0.09 bytes a multiply-add, as the forward kernel's 64 x 128 tile
+   does. At the end the four tiles go through shared memory, and each
+   quad's four values to dx: consecutive threads, consecutive columns of
+   a row of dx, so that whole rows go out together. */
+#define MGPU__QUAD_TILE 64 /* channels of dx, and pixels of dy, a block */
+#define MGPU__QUAD_PLANE (MGPU__QUAD_TILE * (MGPU__QUAD_TILE + 4) + 16) /* floats of a class's finished tile */
+typedef struct {
+    float *dx;         /* [n, C, H, W] */
+    const float *dy_t; /* [n, P, Q, K], TF32 */
+    const float *w_t;  /* w'_t [C, 3, 3, K]: the weights turned (mgpu__weights_copy), TF32 */
+    mgpu__conv_geom g; /* of the convolution: 3x3, stride 2, padding 1 */
+    int accumulate;    /* 1: dx += the gradient; 0: dx = it */
+} mgpu__conv_nhwc_quads_args;
+
+static int mgpu__conv_nhwc_quads_fits(const mgpu__conv_geom *g) {
+    return g->r == 3 && g->s == 3 && g->stride == 2 && g->pad == 1 && g->k % MGPU__NHWC_STEP == 0 &&
+           g->c / MGPU__QUAD_TILE < 65535;
+}
+
+/* A block's shared memory: two copies of a step's tiles, the taps' (up to
+   4) and dy's, and at the end, in the same bytes, the classes' finished
+   tiles [4][64 channels][64 pixels + 4], 16 floats between them so that
+   a warp's reads of two classes' values (below) hit 32 banks. */
+union mgpu__nhwc_quad_tiles {
+    struct {
+        float w[MGPU__NHWC_STAGES][4][MGPU__QUAD_TILE][MGPU__NHWC_STEP + 4];
+        float dy[MGPU__NHWC_STAGES][MGPU__QUAD_TILE][MGPU__NHWC_STEP + 4];
+    } step;
+    float out[4][MGPU__QUAD_PLANE];
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+/* The taps of shift (I, J): rows r of the window 1 and 2 (I = 0; classes
+   e_h = 0 and 1) or 0 (I = 1; class 1), columns likewise; the shift's
+   tap (i, j) is its (i COLS + j)-th, of class (e_h, e_w). */
+template <int I, int J> struct mgpu__quad_shift {
+    static const int ROWS = I ? 1 : 2, COLS = J ? 1 : 2;
+    static __host__ __device__ int r(int i) { return I ? 0 : 1 + i; }
+    static __host__ __device__ int s(int j) { return J ? 0 : 1 + j; }
+    static __host__ __device__ int quad_class(int i, int j) { return 2 * (I ? 1 : i) + (J ? 1 : j); }
+};
+typedef mgpu__nhwc_warp<MGPU__QUAD_TILE, MGPU__QUAD_TILE> mgpu__quad_warp;
+
+/* Starts the copies of step `step` into copy `stage`: filters c0.. (c0 =
+   32 (step / 4)) at shift step % 4, dy's tile and the shift's taps'. */
+template <int I, int J>
+static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_quads_args &a, const mgpu__conv_geom &turned,
+                                       const mgpu__nhwc_pixels<MGPU__QUAD_TILE, mgpu__padded_rows> &pixels,
+                                       mgpu__shared_address w_tiles, mgpu__shared_address dy_tiles, int stage,
+                                       int c0) {
+    typedef mgpu__quad_shift<I, J> S;
+    pixels.copy(dy_tiles, stage, a.dy_t, I, J, c0);
+    for (int i = 0; i < S::ROWS; i++)
+        for (int j = 0; j < S::COLS; j++)
+            mgpu__nhwc_load_weights<MGPU__QUAD_TILE>(a.w_t, turned, w_tiles, 4 * stage + i * S::COLS + j,
+                                                    (2 - S::r(i)) * 3 + 2 - S::s(j), c0);
+}
+/* acc[class] += the shift's taps times dy, from copy `stage` of the step
+   tiles: each step of k = 8, dy's fragments once, then each tap's. */
+template <int I, int J>
+static __device__ void mgpu__quad_multiply(mgpu__quad_warp::acc (&acc)[4], mgpu__shared_address w_tiles,
+                                           mgpu__shared_address dy_tiles, int stage) {
+    typedef mgpu__quad_shift<I, J> S;
+    const int T = MGPU__QUAD_TILE;
+    mgpu__shared_address b_row = dy_tiles + mgpu__padded_rows::at(stage * T + mgpu__nhwc_lane_pixel<T>(), 0) +
+                                 4 * mgpu__nhwc_lane_channel();
+    mgpu__shared_address a_row = mgpu__nhwc_lane_a_row<T>(w_tiles + mgpu__padded_rows::at(4 * stage * T, 0));
+    mgpu__nhwc_fragments<T, T> f;
+    for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
+        f.load_b(b_row, kk);
+        MGPU__UNROLL
+        for (int i = 0; i < S::ROWS; i++)
+            MGPU__UNROLL
+            for (int j = 0; j < S::COLS; j++) {
+                f.load_a(a_row + mgpu__padded_rows::at((i * S::COLS + j) * T, 0), kk);
+                f.multiply(acc[S::quad_class(i, j)]);
+            }
+    }
+}
+#endif
+
+static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, 2)
+mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    const mgpu__conv_geom g = a.g;
+    const int T = MGPU__QUAD_TILE;
+    /* the turned weights' geometry (w'_t: C rows of 3 x 3 x K), and dy's
+       pixels as the output grid of a window that moves one pixel at a
+       time from (0, 0) (the shifts are its taps) */
+    mgpu__conv_geom turned = {g.n, g.k, g.p, g.q, g.c, 3, 3, g.p, g.q, 1, 0};
+    mgpu__nhwc_quad_tiles *t = (mgpu__nhwc_quad_tiles *)mgpu__dynamic_shared();
+    mgpu__shared_address w_tiles = mgpu__shared_address_of(t->step.w), dy_tiles = mgpu__shared_address_of(t->step.dy);
+    const mgpu__nhwc_pixels<T, mgpu__padded_rows> pixels(turned, blockIdx.x * T);
+    int loaded = 0, multiplied = 0;
+    auto load = [&](int stage) {
+        int c0 = loaded / 4 * MGPU__NHWC_STEP;
+        switch (loaded++ % 4) {
+        case 0: mgpu__quad_load<0, 0>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
+        case 1: mgpu__quad_load<0, 1>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
+        case 2: mgpu__quad_load<1, 0>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
+        default: mgpu__quad_load<1, 1>(a, turned, pixels, w_tiles, dy_tiles, stage, c0);
+        }
+    };
+    mgpu__quad_warp::acc acc[4] = {};
+    mgpu__nhwc_steps<MGPU__NHWC_STAGES>(g.k / MGPU__NHWC_STEP * 4, load, [&](int stage) {
+        switch (multiplied++ % 4) {
+        case 0: mgpu__quad_multiply<0, 0>(acc, w_tiles, dy_tiles, stage); break;
+        case 1: mgpu__quad_multiply<0, 1>(acc, w_tiles, dy_tiles, stage); break;
+        case 2: mgpu__quad_multiply<1, 0>(acc, w_tiles, dy_tiles, stage); break;
+        default: mgpu__quad_multiply<1, 1>(acc, w_tiles, dy_tiles, stage);
+        }
+    });
+
+    /* the four tiles to shared memory (the steps' bytes: every warp is
+       done with them), each value where mgpu__mma_tf32 put it */
+    typedef mgpu__quad_warp W;
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    MGPU__UNROLL
+    for (int k = 0; k < 4; k++)
+        MGPU__UNROLL
+        for (int i = 0; i < W::MT; i++)
+            MGPU__UNROLL
+            for (int j = 0; j < W::NT; j++)
+                MGPU__UNROLL
+                for (int e = 0; e < 4; e++) {
+                    int row = W::row(warp) + 16 * i + lane / 4 + 8 * (e / 2), col = W::col(warp) + 8 * j + 2 * (lane % 4) + e % 2;
+                    t->out[k][row * (T + 4) + col] = acc[k][i][j][e];
+                }
+    __syncthreads();
+    /* then to dx: thread 2 p + e_w takes column class e_w of pixel p, for
+       each channel and row class */
+    int e_w = tid % 2, pixel = blockIdx.x * T + tid / 2, pq = g.p * g.q, img = pixel / pq;
+    int u = (pixel - img * pq) / g.q, v = pixel - img * pq - u * g.q, w = 2 * v + e_w;
+    if (pixel >= g.n * pq || w >= g.w) return; /* (no barrier follows) */
+    size_t plane = (size_t)g.h * g.w;
+    float *to = a.dx + ((size_t)img * g.c + blockIdx.y * T) * plane + (size_t)2 * u * g.w + w;
+    const float *from = t->out[e_w] + tid / 2;
+    int channels = g.c - (int)blockIdx.y * T; /* (of this block and those after it) */
+    for (int c = 0; c < T && c < channels; c++)
+        for (int e_h = 0; e_h < 2 && 2 * u + e_h < g.h; e_h++) {
+            float value = from[2 * e_h * MGPU__QUAD_PLANE + c * (T + 4)];
+            float *at = to + c * plane + e_h * g.w;
+            *at = a.accumulate ? *at + value : value;
+        }
+#endif
+}
+
+static void mgpu__conv_nhwc_quads_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_nhwc_quads_args *a = (const mgpu__conv_nhwc_quads_args *)args;
+    int bytes = (int)sizeof(mgpu__nhwc_quad_tiles);
+    MGPU_CUDA_CHECK(cudaFuncSetAttribute(mgpu__conv_nhwc_quads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         bytes));
+    size_t pixels = (size_t)a->g.n * a->g.p * a->g.q;
+    dim3 grid((unsigned)((pixels + MGPU__QUAD_TILE - 1) / MGPU__QUAD_TILE),
+              (unsigned)((a->g.c + MGPU__QUAD_TILE - 1) / MGPU__QUAD_TILE));
+    mgpu__conv_nhwc_quads_kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
+    MGPU_CUDA_CHECK_LAUNCH();
 }
 
 /* ------------------------------------------------- the weight gradient */

@@ -142,6 +142,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
 }
 static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes alone */
 static int joined_cases;   /* and joined by rows */
+static int quads_cases;    /* and by quads (3x3, stride 2, padding 1) */
 static int wgmma_cases;    /* conv_nhwc.h's products by wgmma: y, dx at stride 1, dx's classes */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
@@ -254,6 +255,15 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                                                      : (accumulate ? "dx added" : "dx"),
                                       dx_g, accumulate ? dx_sum_c : dx_c);
                     }
+                    if (tile == 0 && !wgmma && splits == 0 && mgpu__conv_nhwc_quads_fits(&g)) { /* (no tile or slices) */
+                        dx_g = accumulate ? dx_start : nans(x.size());
+                        mgpu__conv_nhwc_quads_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), g, accumulate};
+                        mgpu__conv_nhwc_quads_cuda(&a, &on_gpu);
+                        quads_cases++;
+                        char quads[96];
+                        snprintf(quads, sizeof quads, "quads n%d c%d %dx%d k%d", n, c, h, w, k);
+                        close_in_tf32(quads, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+                    }
                 }
             }
         }
@@ -345,7 +355,7 @@ TEST(implicit_gemm_convolution) {
    of its 32-channel step; partial tiles of filters and pixels, windows
    over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
 TEST(channels_last_convolution) {
-    subpixel_cases = joined_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
+    subpixel_cases = joined_cases = quads_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
     /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
     implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
@@ -371,14 +381,19 @@ TEST(channels_last_convolution) {
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: stage 1's 28-wide rows */
+    /* dx at stride 2 only (C = 70): for the quads, 2 tiles of 64 channels
+       of dx (the second partial) and of 64 pixels of dy (6 x 6 in each of
+       3 images), H and W odd */
+    implicit_case(3, 70, 11, 11, 32, 3, 2, 1, 0);
     /* in 3 slicings, overwriting dx and adding to it; in every tile by
        mma.sync, and in 2 by wgmma too */
-    CHECK(subpixel_cases == 3 * 2 * 6 * (MGPU__TILE_KINDS + 2));
-    CHECK(joined_cases == 3 * 2 * 7 * (MGPU__TILE_KINDS + 2));
+    CHECK(subpixel_cases == 3 * 2 * 7 * (MGPU__TILE_KINDS + 2));
+    CHECK(joined_cases == 3 * 2 * 8 * (MGPU__TILE_KINDS + 2));
+    CHECK(quads_cases == 4 * 2); /* the 4 cases of 3x3 windows at stride 2 and padding 1, K in 32s; both ways */
     /* by wgmma, in its 2 tiles and 3 slicings: y of the 14 cases with C in
        32s, dx of the 4 at stride 1 with K in 32s (over dx and added),
-       and the sub-pixel classes (6 cases) and joined rows (7), both ways */
-    CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 6 * 2 + 7 * 2));
+       and the sub-pixel classes (7 cases) and joined rows (8), both ways */
+    CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 7 * 2 + 8 * 2));
     CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 6 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};

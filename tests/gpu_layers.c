@@ -283,8 +283,26 @@ static void implicit_compare(const char *name, int n, int c, int h, int k, int r
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
 }
+/* dx of geometry g by `kernel`, against the CPU's (in dx->c): written
+   over NaNs, then added to what is there (twice the CPU's); keep_w_t as
+   mgpu__conv_dx_implicit takes it. */
+static void dx_compare(const char *what, const mgpu__conv_geom *g, mgpu__implicit_kernel kernel, pair *wt,
+                       pair *dy, pair *dx, mgpu_tensor **keep_w_t) {
+    mgpu_fill(dx->g, NAN);
+    mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, keep_w_t, g, kernel, 0);
+    check_same(what, "dx", dx, 2e-3);
+    size_t count = dx->c->numel;
+    float *twice = (float *)malloc(count * sizeof(float));
+    mgpu_to_host(dx->c, twice);
+    for (size_t i = 0; i < count; i++) twice[i] *= 2;
+    pair added = {mgpu_from_host(dx->c->device, dx->c->shape, twice), dx->g};
+    mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, keep_w_t, g, kernel, 1);
+    check_same(what, "dx added to dx", &added, 2e-3);
+    mgpu_free(added.c);
+    free(twice);
+}
 /* y and dx by Winograd (kernels/winograd.h) where it fits, against the
-   CPU's in y and dx (dx also added to what is there: twice the CPU's). */
+   CPU's in y and dx (dx also added to what is there). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
                              pair *dy, pair *dx) {
     mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
@@ -295,20 +313,22 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
         mgpu__conv_forward_implicit(y->g, x->g, NULL, wt->g, NULL, b->g, g, winograd, NULL);
         check_same(what, "y", y, 2e-3);
     }
-    if (mgpu__conv_winograd_fits(MGPU__TRY_DX, g)) {
-        mgpu_fill(dx->g, NAN);
-        mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, NULL, g, winograd, 0);
-        check_same(what, "dx", dx, 2e-3);
-        size_t count = dx->c->numel;
-        float *twice = (float *)malloc(count * sizeof(float));
-        mgpu_to_host(dx->c, twice);
-        for (size_t i = 0; i < count; i++) twice[i] *= 2;
-        pair added = {mgpu_from_host(dx->c->device, dx->c->shape, twice), dx->g};
-        mgpu__conv_dx_implicit(dx->g, dy->g, NULL, wt->g, NULL, g, winograd, 1);
-        check_same(what, "dx added to dx", &added, 2e-3);
-        mgpu_free(added.c);
-        free(twice);
-    }
+    if (mgpu__conv_winograd_fits(MGPU__TRY_DX, g)) dx_compare(what, g, winograd, wt, dy, dx, NULL);
+}
+static int quads_checks; /* the input gradients checked by quads below */
+/* dx by conv_nhwc.h's quads where they fit (3x3, stride 2, padding 1),
+   against the CPU's, the turned weights' copy made at the first call and
+   kept for the second. */
+static void quads_compare(const char *name, const mgpu__conv_geom *g, pair *wt, pair *dy, pair *dx) {
+    if (!mgpu__conv_method_fits(MGPU__QUADS, MGPU__TRY_DX, g)) return;
+    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
+    char what[96];
+    snprintf(what, sizeof what, "%s, quads", name);
+    mgpu_tensor *w_turned_t = NULL;
+    dx_compare(what, g, quads, wt, dy, dx, &w_turned_t);
+    CHECK(w_turned_t != NULL);
+    mgpu_free(w_turned_t);
+    quads_checks++;
 }
 static int wgmma_checks; /* the input gradients checked by wgmma below */
 /* Every kernel and tile shape of the implicit GEMMs, each launched
@@ -395,6 +415,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_free(w_turned_t);
     }
     winograd_compare(name, &g, &x, &wt, &b, &y, &dy, &dx);
+    quads_compare(name, &g, &wt, &dy, &dx);
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
@@ -416,6 +437,8 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     implicit_tiles_compare("stage 3",          32, 256, 7, 256, 3, 1, 1);
     implicit_tiles_compare("stage 4",          16, 512, 4, 512, 3, 1, 1);
     implicit_tiles_compare("partial tiles",     3, 96, 11,  96, 3, 1, 2);
+    implicit_tiles_compare("stage 4 /2",       16, 256, 7, 512, 3, 2, 1); /* dx 7 x 7: odd */
+    CHECK_EQ_INT(quads_checks, 2); /* the two 3x3 convolutions at stride 2 */
     if (mgpu__wgmma_runs(gpu)) {
         printf("  wgmma: %d input gradients checked by the direct kernels\n", wgmma_checks);
         CHECK(wgmma_checks > 0);
@@ -584,11 +607,15 @@ TEST(trial_candidates_slice_the_sums) {
 
 /* conv_few_inputs.h's kernels are candidates where C*R*S <= 9, for the
    forward pass and dW (not dx): ResNet-18's stem, not stage 1. */
-static int lists_few_inputs(mgpu__conv_try what, const mgpu__conv_geom *g) {
+static int lists_method(mgpu__conv_method method, mgpu__implicit_family family, mgpu__conv_try what,
+                        const mgpu__conv_geom *g) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
-    for (int j = 0; j < count; j++) found += list[j].method == MGPU__FEW_INPUTS && list[j].family == MGPU__GATHER;
+    for (int j = 0; j < count; j++) found += list[j].method == method && list[j].family == family;
     return found;
+}
+static int lists_few_inputs(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    return lists_method(MGPU__FEW_INPUTS, MGPU__GATHER, what, g);
 }
 TEST(trial_candidates_few_inputs) {
     const mgpu__conv_geom stem =
@@ -600,6 +627,39 @@ TEST(trial_candidates_few_inputs) {
     CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DX, &stem), 0);
     CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_Y, &stage1), 0);
     CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DW, &stage1), 0);
+}
+
+/* The quads are one candidate for dx of ResNet's 3x3 convolutions at
+   stride 2 (padding 1), and of nothing else: not their forward pass or
+   dW, not the 1x1 shortcuts at stride 2, not stride 1, not padding 0.
+   They read the weights' turned copy, which the trial then makes and
+   charges them for; the sub-pixel classes at stride 2 (their own taps)
+   and Winograd are not charged for it. */
+TEST(trial_candidates_quads) {
+    mgpu_shape stage2_in = mgpu_shape4(256, 64, 28, 28);
+    mgpu__conv_geom down = mgpu__conv_geometry("stage 2 /2", stage2_in, mgpu_shape4(128, 64, 3, 3), 2, 1);
+    mgpu__conv_geom stage4_down =
+        mgpu__conv_geometry("stage 4 /2", mgpu_shape4(256, 256, 7, 7), mgpu_shape4(512, 256, 3, 3), 2, 1);
+    mgpu__conv_geom shortcut = mgpu__conv_geometry("1x1 /2", stage2_in, mgpu_shape4(128, 64, 1, 1), 2, 0);
+    mgpu__conv_geom unpadded = mgpu__conv_geometry("pad 0", stage2_in, mgpu_shape4(128, 64, 3, 3), 2, 0);
+    mgpu__conv_geom stage1 = mgpu__conv_geometry("stage 1", stage2_in, mgpu_shape4(64, 64, 3, 3), 1, 1);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &down), 1);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &stage4_down), 1);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_Y, &down), 0);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DW, &down), 0);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &shortcut), 0);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &unpadded), 0);
+    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &stage1), 0);
+    CHECK(mgpu__conv_dx_reads_turned_weights(&down) && mgpu__conv_dx_reads_turned_weights(&stage1));
+    CHECK(!mgpu__conv_dx_reads_turned_weights(&shortcut));
+    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
+    mgpu__implicit_kernel classes = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
+    CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, quads));
+    CHECK(!mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, classes));
+    CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_Y, &down, classes));
+    CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &stage1, classes));
+    CHECK(!mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &stage1, winograd));
 }
 /* A first layer (1 channel, 3x3, 20 filters: two groups of the forward's
    16, five of dW's 4) whose plan takes conv_few_inputs.h's kernels (set by
@@ -752,7 +812,12 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
    last), in a block with the identity shortcut and in one with the 1x1
    stride-2 convolution (whose channels-last dx takes the sub-pixel
    classes, three of them without taps; alone, or joined in rows, as the
-   trace shows). Plans set by hand, as above. */
+   trace shows; conv1's takes the quads when asked). Plans set by hand,
+   as above. */
+static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
+                                              const mgpu__conv_geom *g) {
+    return mgpu__conv_method_fits(method, what, g) ? method : MGPU__DIRECT;
+}
 static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int dx_im2col) {
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     int out_hw = stride == 1 ? 6 : 3;
@@ -760,11 +825,14 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     mgpu__conv_geom g2 = mgpu__conv_geometry("block", mgpu_shape4(2, 32, out_hw, out_hw),
                                              mgpu_shape4(32, 32, 3, 3), 1, 1);
     mgpu__conv_geom g3 = mgpu__conv_geometry("block", xs, mgpu_shape4(32, 32, 1, 1), stride, 0);
-    mgpu__conv_plan plan = {1, dx_im2col, 0, kernel, kernel, kernel};
     int before = mgpu__conv_choice_count;
     const mgpu__conv_geom *geoms[] = {&g1, &g2, &g3};
     for (int i = 0; i < 3; i++)
         for (int backward = 0; backward <= 1; backward++) {
+            mgpu__conv_plan plan = {1, dx_im2col, 0, kernel, kernel, kernel}; /* (dx by quads: conv1 alone) */
+            plan.dx.method = kernel.method == MGPU__QUADS ? method_where_it_fits(MGPU__QUADS, MGPU__TRY_DX, geoms[i])
+                                                         : kernel.method;
+            plan.y.method = plan.dw.method = kernel.method == MGPU__QUADS ? MGPU__DIRECT : kernel.method;
             mgpu__conv_choice c = {*geoms[i], backward, backward, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
@@ -789,6 +857,8 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     mgpu_trace_end();
     int joined = kernel.method == MGPU__JOINED && stride == 2; /* conv1 and the shortcut */
     CHECK_EQ_INT(traced_calls("conv2d_backward channels-last joined dx"), joined ? 2 : 0);
+    int quads = kernel.method == MGPU__QUADS && stride == 2; /* conv1 */
+    CHECK_EQ_INT(traced_calls("conv2d_backward channels-last quads dx"), quads);
     /* and both batch norms write their input gradients channels-last alone */
     CHECK((on_g->bn2->dinput_t != NULL) == cl && (on_g->bn1->dinput_t != NULL) == cl);
     pair dx = {on_c->dinput, on_g->dinput};
@@ -822,6 +892,8 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     mgpu__implicit_kernel joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 0};
     mgpu__implicit_kernel wgmma = {MGPU__CHANNELS_LAST, MGPU__TILE_128x128, 1, MGPU__DIRECT, 1};
     mgpu__implicit_kernel wgmma_joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 1};
+    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
+    residual_block_compare(2, quads, 0);
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, gather, 1);
         residual_block_compare(stride, gather, 0);
@@ -843,10 +915,6 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
    `kernel` in every pass (in the forward pass and dx by `method` where
    it fits); *before: the plans' count before these. */
 static mgpu_shape small_batch(void) { return mgpu_shape4(2, 32, 6, 6); }
-static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
-                                              const mgpu__conv_geom *g) {
-    return mgpu__conv_method_fits(method, what, g) ? method : MGPU__DIRECT;
-}
 static mgpu_net *small_network(mgpu__implicit_kernel kernel, mgpu__conv_method method, int *before) {
     mgpu_shape xs = small_batch(), half = mgpu_shape4(2, 64, 3, 3);
     mgpu__conv_geom geoms[] = {
@@ -978,14 +1046,13 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
    bit for bit, those of the network whose convolutions copy their weights
    at every pass. The stride-1 convolutions that take dx keep the turned
    copy too; the others (the stem, which wants no dx, and the stride-2
-   ones, whose sub-pixel classes take their own taps) do not. */
-TEST(network_keeps_its_weights_channels_last_copies_current) {
-    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
-    mgpu__conv_settings_from_environment();
+   ones, whose sub-pixel classes take their own taps) do not, but for
+   block 2's conv1 when its dx is by quads. */
+static void kept_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
     mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT, 0}; /* in 2 slices */
     mgpu_manual_seed(17);
-    small_test test = small_test_new(kernel, MGPU__DIRECT);
+    small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
     mgpu_tensor *logits[2];
     for (int k = 0; k < 2; k++) {
@@ -1005,11 +1072,18 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
         CHECK((l[0]->weight_t != NULL) == kept && l[0]->weight_turned_t == NULL);
         CHECK((l[2]->conv1->weight_t != NULL) == kept && (l[2]->conv1->weight_turned_t != NULL) == kept);
         CHECK((l[2]->conv2->weight_t != NULL) == kept && (l[2]->conv2->weight_turned_t != NULL) == kept);
-        CHECK((l[3]->conv1->weight_t != NULL) == kept && l[3]->conv1->weight_turned_t == NULL);
+        CHECK((l[3]->conv1->weight_t != NULL) == kept);
+        CHECK((l[3]->conv1->weight_turned_t != NULL) == (kept && method == MGPU__QUADS));
         CHECK((l[3]->conv2->weight_turned_t != NULL) == kept);
         CHECK((l[3]->shortcut->weight_t != NULL) == kept && l[3]->shortcut->weight_turned_t == NULL);
     }
-    same_networks(&test, "kept weight copies", nets, logits, 0);
+    same_networks(&test, name, nets, logits, 0);
+}
+TEST(network_keeps_its_weights_channels_last_copies_current) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    kept_copies_compare("kept weight copies", MGPU__DIRECT);
+    kept_copies_compare("kept weight copies, dx by quads", MGPU__QUADS);
 }
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))
