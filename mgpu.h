@@ -646,9 +646,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    kernels/conv_implicit.h's, which gather from the NCHW tensors, and
    kernels/conv_nhwc.h's, which work on channels-last copies (the forward
    pass and dx when C, for dx K, is a multiple of 32, dx at strides above
-   1 by sub-pixel convolutions, alone or a row of them in one product; dW
-   when C and K are multiples of 4); each
-   in one of four tile shapes, the channels-last ones also with their sum
+   1 by sub-pixel convolutions, alone or a row of them in one product,
+   and for 3x3 windows at stride 2 and padding 1 by quads, all four
+   sub-pixel classes in one kernel; dW when C and K are multiples of 4);
+   each in one of four tile shapes, the channels-last ones also with their sum
    split into slices that run at once (2 to 8 for the forward pass and
    dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
    for 3x3 layers at stride 1 with 256 channels and filters or more, the
