@@ -420,6 +420,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
 TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
+    quads_checks = 0; /* this test's own */
     mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
     mgpu__conv_mode = MGPU__CONV_IMPLICIT;
     mgpu_set_tf32(1, 0);
@@ -752,12 +753,14 @@ TEST(conv_backward_im2col_halves) {
 /* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
 TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
+    quads_checks = 0;
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
     implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
-    implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels */
+    implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels, and quads */
     implicit_tiles_compare("Winograd, padding 0", 2, 32, 8, 64, 3, 1, 0); /* (y 6x6; dx padded by 2) */
     implicit_tiles_compare("Winograd, padding 2", 1, 64, 5, 32, 3, 1, 2); /* (y 7x7, dx 5x5: half tiles) */
     if (mgpu__wgmma_runs(gpu)) CHECK(wgmma_checks > 0); /* (the emulator's GPUs run them) */
+    CHECK_EQ_INT(quads_checks, 1);
     mgpu_set_tf32(0, 0);
 }
 
