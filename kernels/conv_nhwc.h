@@ -597,6 +597,22 @@ static __device__ void mgpu__nhwc_steps(int steps, Load load, Multiply multiply)
     __syncthreads();
 }
 
+/* Calls f(row, col, value) for each of this thread's accumulators, with
+   the row and column of the block's tile where mgpu__mma_tf32 (or wgmma)
+   put it. */
+template <typename W, typename F>
+static __device__ __forceinline__ void mgpu__nhwc_each_value(const typename W::acc &acc, F f) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    MGPU__UNROLL
+    for (int i = 0; i < W::MT; i++)
+        MGPU__UNROLL
+        for (int j = 0; j < W::NT; j++)
+            MGPU__UNROLL
+            for (int e = 0; e < 4; e++)
+                f(W::row(warp) + W::ROWS_APART * i + lane / 4 + 8 * (e / 2),
+                  W::col(warp) + 8 * j + 2 * (lane % 4) + e % 2, acc[i][j][e]);
+}
+
 /* A block's tile (the accumulators of its 4 warps, as mgpu__mma_tf32
    lays them out) to its slice's partial [rows, ld] (rows and columns of
    the grid's tiles: blockIdx.y and blockIdx.x), those of it inside rows
@@ -636,19 +652,11 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a, const ty
         mgpu__nhwc_store_partial<TM, TN, W>(acc, a.partials + (size_t)slice * g.k * ld, ld, g.k, npq);
         return;
     }
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    int pixel = blockIdx.x * TN + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
-    auto store = [&](int m0) { /* (a 16-row tile lies in one block of 64 rows) */
-        MGPU__UNROLL
-        for (int i = 0; i < W::MT; i++) {
-            int first = W::row(warp) + W::ROWS_APART * i - m0;
-            if (first < 0 || first >= MGPU__IMPLICIT_OUT_ROWS) continue;
-            MGPU__UNROLL
-            for (int j = 0; j < W::NT; j++)
-                MGPU__UNROLL
-                for (int e = 0; e < 4; e++)
-                    out[first + lane / 4 + 8 * (e / 2)][W::col(warp) + 8 * j + 2 * (lane % 4) + e % 2] = acc[i][j][e];
-        }
+    int tid = threadIdx.x, pixel = blockIdx.x * TN + tid % TN, img = pixel / pq, in_image = pixel - img * pq;
+    auto store = [&](int m0) { /* rows m0 .. m0 + 63 */
+        mgpu__nhwc_each_value<W>(acc, [&](int row, int col, float value) {
+            if (row >= m0 && row < m0 + MGPU__IMPLICIT_OUT_ROWS) out[row - m0][col] = value;
+        });
     };
     if (a.out.joined) { /* each row to its own channel and column class (no bias: only dx is joined) */
         mgpu__implicit_finish<TM>(store, [&](int m0) {
@@ -699,15 +707,14 @@ static __device__ void mgpu__nhwc_load_weights(const float *w_t, const mgpu__con
    pixel from tid / 8, PER pixels. Decoded once: where each of a thread's
    pixels has its window in x_t (top, left: its first row and column,
    which may lie in the padding; window: the offset of x_t[img, top,
-   left, 0]). copy(b_tiles, stage, x_t, r, s, c0) starts the copies of tap
-   (r, s), channels c0.., into copy `stage` of the b tiles (rows laid out
-   as Rows says): zeros where the tap falls outside the image, or the
+   left, 0]). copy(b_tiles, stage, x_t, g, r, s, c0) starts the copies of
+   tap (r, s), channels c0.., into copy `stage` of the b tiles (rows laid
+   out as Rows says): zeros where the tap falls outside the image, or the
    pixel past the last. */
 template <int TN, typename Rows> struct mgpu__nhwc_pixels {
     static const int CHUNKS = MGPU__NHWC_STEP / 4, APART = MGPU__NHWC_ROWS_APART, PER = TN / APART;
-    mgpu__conv_geom g;
     int window[PER], top[PER], left[PER];
-    __device__ mgpu__nhwc_pixels(const mgpu__conv_geom &g_, int pixel0) : g(g_) {
+    __device__ mgpu__nhwc_pixels(const mgpu__conv_geom &g, int pixel0) {
         int first_row = threadIdx.x / CHUNKS, pq = g.p * g.q, npq = g.n * pq;
         for (int j = 0; j < PER; j++) {
             int pixel = pixel0 + first_row + j * APART, img = pixel / pq, in_image = pixel - img * pq;
@@ -717,7 +724,8 @@ template <int TN, typename Rows> struct mgpu__nhwc_pixels {
             window[j] = pixel < npq ? ((img * g.h + top[j]) * g.w + left[j]) * g.c : 0;
         }
     }
-    __device__ void copy(mgpu__shared_address b_tiles, int stage, const float *x_t, int r, int s, int c0) const {
+    __device__ void copy(mgpu__shared_address b_tiles, int stage, const float *x_t, const mgpu__conv_geom &g, int r,
+                         int s, int c0) const {
         int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS;
         int shift = (r * g.w + s) * g.c + c0 + chunk * 4;
         mgpu__shared_address to_b = b_tiles + Rows::at(stage * TN + first_row, chunk);
@@ -773,7 +781,7 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
     int r = first_step % (g.r * g.s) / g.s, s = first_step % g.s, c0 = first_step / (g.r * g.s) * STEP;
     auto load = [&](int stage) {
         mgpu__nhwc_load_weights<TM, Rows>(a.w_t, g, a_tiles, stage, r * g.s + s, c0);
-        pixels.copy(b_tiles, stage, a.x_t, r, s, c0);
+        pixels.copy(b_tiles, stage, a.x_t, g, r, s, c0);
         if (++s == g.s) {
             s = 0;
             if (++r == g.r) r = 0, c0 += STEP;
@@ -1252,7 +1260,7 @@ static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_quads_args &a, cons
                                        mgpu__shared_address w_tiles, mgpu__shared_address dy_tiles, int stage,
                                        int c0) {
     typedef mgpu__quad_shift<I, J> S;
-    pixels.copy(dy_tiles, stage, a.dy_t, I, J, c0);
+    pixels.copy(dy_tiles, stage, a.dy_t, turned, I, J, c0);
     for (int i = 0; i < S::ROWS; i++)
         for (int j = 0; j < S::COLS; j++)
             mgpu__nhwc_load_weights<MGPU__QUAD_TILE>(a.w_t, turned, w_tiles, 4 * stage + i * S::COLS + j,
@@ -1316,23 +1324,15 @@ mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
 
     /* the four tiles to shared memory (the steps' bytes: every warp is
        done with them), each value where mgpu__mma_tf32 put it */
-    typedef mgpu__quad_warp W;
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     MGPU__UNROLL
     for (int k = 0; k < 4; k++)
-        MGPU__UNROLL
-        for (int i = 0; i < W::MT; i++)
-            MGPU__UNROLL
-            for (int j = 0; j < W::NT; j++)
-                MGPU__UNROLL
-                for (int e = 0; e < 4; e++) {
-                    int row = W::row(warp) + 16 * i + lane / 4 + 8 * (e / 2), col = W::col(warp) + 8 * j + 2 * (lane % 4) + e % 2;
-                    t->out[k][row * (T + 4) + col] = acc[k][i][j][e];
-                }
+        mgpu__nhwc_each_value<mgpu__quad_warp>(acc[k], [&](int row, int col, float value) {
+            t->out[k][row * (T + 4) + col] = value;
+        });
     __syncthreads();
     /* then to dx: thread 2 p + e_w takes column class e_w of pixel p, for
        each channel and row class */
-    int e_w = tid % 2, pixel = blockIdx.x * T + tid / 2, pq = g.p * g.q, img = pixel / pq;
+    int tid = threadIdx.x, e_w = tid % 2, pixel = blockIdx.x * T + tid / 2, pq = g.p * g.q, img = pixel / pq;
     int u = (pixel - img * pq) / g.q, v = pixel - img * pq - u * g.q, w = 2 * v + e_w;
     if (pixel >= g.n * pq || w >= g.w) return; /* (no barrier follows) */
     size_t plane = (size_t)g.h * g.w;
