@@ -1,6 +1,7 @@
 /* kernels/conv_nhwc.h: the convolution's forward pass, its input
    gradient (at strides above 1 by sub-pixel convolutions, or for 3x3
-   windows at stride 2 a quad of pixels at a time) and its weight
+   windows at stride 2 and padding 1 a quad of pixels at a time) and its
+   weight
    gradient, as implicit GEMMs over
    channels-last copies of the tensors (GPU only, TF32), with
    asynchronous copies straight from memory into shared memory.
@@ -1189,9 +1190,10 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
    steps a block to hide its start and its end.
 
    Here a block computes all four classes. For a 3x3 window at stride 2
-   and padding 1, in one dimension (the sub-pixel section above, t = 2,
-   d = 1): dx's even row 2u takes tap 1 at dy's row u; its odd row 2u + 1
-   takes tap 2 at row u and tap 0 at row u + 1. So the quad of dx's pixels
+   and padding 1, in one dimension: the forward pass puts x's row 2p + r -
+   1 under tap r of dy's row p, so dx's row h takes the (p, r) with 2p +
+   r - 1 = h. The even row 2u takes tap 1 at dy's row u; the odd row 2u +
+   1 takes tap 2 at row u and tap 0 at row u + 1. So the quad of dx's pixels
    (2u + e_h, 2v + e_w), e_h and e_w 0 or 1, one of each class, reads dy
    at four pixels only, (u, v) shifted by (i, j) = (0, 0), (0, 1), (1, 0)
    or (1, 1), and each of the 9 taps (r, s) takes one shift to one class:
@@ -1202,15 +1204,17 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
    A block takes 64 pixels (u, v) of dy and 64 channels of dx, and keeps
    four 64 x 64 tiles of sums, one a class (each warp its quarter of
    each, 128 accumulators a thread, as many as the 128 x 128 tile's). A
-   step is 32 filters at one shift: the tile of dy_t at the shifted
-   pixels (as the forward kernel's b, zeros past dy's edge) and the tiles
-   of w'_t of the shift's taps (the turned weights the stride-1 dx reads:
-   tap (r, s) at (2 - r, 2 - s)), 1 to 4 of them; each warp loads its
-   fragments of dy once a step for all of them. K / 32 runs of 4 steps
-   sum 9 K terms a value, each tap once: 36 steps of stage 2's 64 x 64
-   x 4 tiles, where its classes took 4 to 16. Per step the multiplies
-   read 0.09 bytes a multiply-add, as the forward kernel's 64 x 128 tile
-   does. At the end the four tiles go through shared memory, and each
+   step is 32 of dy's K channels at one shift: the tile of dy_t at the
+   shifted pixels (as the forward kernel's b, zeros past dy's edge) and
+   the tiles of w'_t of the shift's taps (the turned weights the stride-1
+   dx reads: tap (r, s) at (2 - r, 2 - s)), 1 to 4 of them; each warp
+   loads its fragments of dy once a step for all of them. K / 32 runs of
+   4 steps take each tap once, so that the quad's four values sum K, 2K,
+   2K and 4K terms: at stage 2 (K = 128) 16 steps a block, 36 products of
+   64 x 64 x 32 tiles, where a class's block took 4 to 16 steps. A run of
+   4 steps copies 0.09 bytes into shared memory a multiply-add (13 tiles
+   of 64 x 32 for 9 products), as the forward kernel's 64 x 128 tile does
+   a step. At the end the four tiles go through shared memory, and each
    quad's four values to dx: consecutive threads, consecutive columns of
    a row of dx, so that whole rows go out together. */
 #define MGPU__QUAD_TILE 64 /* channels of dx, and pixels of dy, a block */
@@ -1241,9 +1245,12 @@ union mgpu__nhwc_quad_tiles {
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-/* The taps of shift (I, J): rows r of the window 1 and 2 (I = 0; classes
-   e_h = 0 and 1) or 0 (I = 1; class 1), columns likewise; the shift's
-   tap (i, j) is its (i COLS + j)-th, of class (e_h, e_w). */
+/* The taps of shift (I, J), as in the table above. In one dimension,
+   shift 0 serves tap 1 (of class e = 0) and tap 2 (e = 1), shift 1 only
+   tap 0 (e = 1). The shift's tap (i, j), i < ROWS and j < COLS, is the
+   window's tap (r(i), s(j)); its weights lie in the step's tile i COLS +
+   j, and it adds to the tile of sums of class (e_h, e_w), quad_class(i,
+   j) = 2 e_h + e_w. */
 template <int I, int J> struct mgpu__quad_shift {
     static const int ROWS = I ? 1 : 2, COLS = J ? 1 : 2;
     static __host__ __device__ int r(int i) { return I ? 0 : 1 + i; }
@@ -1252,18 +1259,19 @@ template <int I, int J> struct mgpu__quad_shift {
 };
 typedef mgpu__nhwc_warp<MGPU__QUAD_TILE, MGPU__QUAD_TILE> mgpu__quad_warp;
 
-/* Starts the copies of step `step` into copy `stage`: filters c0.. (c0 =
-   32 (step / 4)) at shift step % 4, dy's tile and the shift's taps'. */
+/* Starts the copies of a step into copy `stage`: dy's channels c0 .. c0
+   + 31 at shift (I, J), and the same channels of w'_t for each of the
+   shift's taps (`reads`: the kernel's, below). */
 template <int I, int J>
-static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_quads_args &a, const mgpu__conv_geom &turned,
+static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_quads_args &a, const mgpu__conv_geom &reads,
                                        const mgpu__nhwc_pixels<MGPU__QUAD_TILE, mgpu__padded_rows> &pixels,
                                        mgpu__shared_address w_tiles, mgpu__shared_address dy_tiles, int stage,
                                        int c0) {
     typedef mgpu__quad_shift<I, J> S;
-    pixels.copy(dy_tiles, stage, a.dy_t, turned, I, J, c0);
+    pixels.copy(dy_tiles, stage, a.dy_t, reads, I, J, c0);
     for (int i = 0; i < S::ROWS; i++)
         for (int j = 0; j < S::COLS; j++)
-            mgpu__nhwc_load_weights<MGPU__QUAD_TILE>(a.w_t, turned, w_tiles, 4 * stage + i * S::COLS + j,
+            mgpu__nhwc_load_weights<MGPU__QUAD_TILE>(a.w_t, reads, w_tiles, 4 * stage + i * S::COLS + j,
                                                     (2 - S::r(i)) * 3 + 2 - S::s(j), c0);
 }
 /* acc[class] += the shift's taps times dy, from copy `stage` of the step
@@ -1295,21 +1303,28 @@ mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     const mgpu__conv_geom g = a.g;
     const int T = MGPU__QUAD_TILE;
-    /* the turned weights' geometry (w'_t: C rows of 3 x 3 x K), and dy's
-       pixels as the output grid of a window that moves one pixel at a
-       time from (0, 0) (the shifts are its taps) */
-    mgpu__conv_geom turned = {g.n, g.k, g.p, g.q, g.c, 3, 3, g.p, g.q, 1, 0};
+    /* What the copies read, in the terms of the forward kernel's pieces
+       (mgpu__nhwc_pixels, mgpu__nhwc_load_weights): dy [n, P, Q, K] as
+       their input, its P x Q pixels as their output grid, a window that
+       moves one pixel at a time from (0, 0), of which only the taps (0,
+       0) .. (1, 1) are read, the shifts (each checked against dy's edge);
+       and w'_t as C filters of 3 x 3 x K (only that R and S make a row of
+       w'_t 9 K long). Not a convolution the kernel computes. */
+    mgpu__conv_geom reads = {g.n, g.k, g.p, g.q, g.c, 3, 3, g.p, g.q, 1, 0};
     mgpu__nhwc_quad_tiles *t = (mgpu__nhwc_quad_tiles *)mgpu__dynamic_shared();
     mgpu__shared_address w_tiles = mgpu__shared_address_of(t->step.w), dy_tiles = mgpu__shared_address_of(t->step.dy);
-    const mgpu__nhwc_pixels<T, mgpu__padded_rows> pixels(turned, blockIdx.x * T);
+    const mgpu__nhwc_pixels<T, mgpu__padded_rows> pixels(reads, blockIdx.x * T);
+    /* mgpu__nhwc_steps names only the copy of the tiles (the stage) a
+       load or multiply takes; the steps go in order, so these count them:
+       step i is dy's channels 32 (i / 4).. at shift i % 4 */
     int loaded = 0, multiplied = 0;
     auto load = [&](int stage) {
         int c0 = loaded / 4 * MGPU__NHWC_STEP;
         switch (loaded++ % 4) {
-        case 0: mgpu__quad_load<0, 0>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
-        case 1: mgpu__quad_load<0, 1>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
-        case 2: mgpu__quad_load<1, 0>(a, turned, pixels, w_tiles, dy_tiles, stage, c0); break;
-        default: mgpu__quad_load<1, 1>(a, turned, pixels, w_tiles, dy_tiles, stage, c0);
+        case 0: mgpu__quad_load<0, 0>(a, reads, pixels, w_tiles, dy_tiles, stage, c0); break;
+        case 1: mgpu__quad_load<0, 1>(a, reads, pixels, w_tiles, dy_tiles, stage, c0); break;
+        case 2: mgpu__quad_load<1, 0>(a, reads, pixels, w_tiles, dy_tiles, stage, c0); break;
+        default: mgpu__quad_load<1, 1>(a, reads, pixels, w_tiles, dy_tiles, stage, c0);
         }
     };
     mgpu__quad_warp::acc acc[4] = {};
@@ -1330,13 +1345,14 @@ mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
             t->out[k][row * (T + 4) + col] = value;
         });
     __syncthreads();
-    /* then to dx: thread 2 p + e_w takes column class e_w of pixel p, for
-       each channel and row class */
+    /* then to dx: thread 2 i + e_w takes column class e_w of the block's
+       pixel i of dy, (u, v), for each channel and row class: dx's column
+       2 v + e_w of rows 2 u and 2 u + 1 */
     int tid = threadIdx.x, e_w = tid % 2, pixel = blockIdx.x * T + tid / 2, pq = g.p * g.q, img = pixel / pq;
-    int u = (pixel - img * pq) / g.q, v = pixel - img * pq - u * g.q, w = 2 * v + e_w;
-    if (pixel >= g.n * pq || w >= g.w) return; /* (no barrier follows) */
+    int u = (pixel - img * pq) / g.q, v = pixel - img * pq - u * g.q, col = 2 * v + e_w;
+    if (pixel >= g.n * pq || col >= g.w) return; /* (no barrier follows) */
     size_t plane = (size_t)g.h * g.w;
-    float *to = a.dx + ((size_t)img * g.c + blockIdx.y * T) * plane + (size_t)2 * u * g.w + w;
+    float *to = a.dx + ((size_t)img * g.c + blockIdx.y * T) * plane + (size_t)2 * u * g.w + col;
     const float *from = t->out[e_w] + tid / 2;
     int channels = g.c - (int)blockIdx.y * T; /* (of this block and those after it) */
     for (int c = 0; c < T && c < channels; c++)

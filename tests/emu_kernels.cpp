@@ -400,6 +400,62 @@ TEST(channels_last_convolution) {
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }
 
+/* The quads alone, against dx straight from its definition (in double:
+   dx[h, w] sums w[k, c, r, s] dy[k, p, q] over the (p, r) with 2p + r - 1
+   = h and the (q, s) with 2q + s - 1 = w), written over NaNs and added
+   to a gradient there, with guard floats on both sides of dx that must
+   stay as they were (the emulator has no bounds checks of its own).
+   Shapes the convolution tests above do not cover: H odd and W even, two
+   whole tiles of 64 channels, fewer channels than a tile, a 1 x 1 image,
+   a row of dy longer than a block's 64 pixels. */
+static void quads_case(int n, int c, int h, int w, int k) {
+    mgpu__conv_geom g = {n, c, h, w, k, 3, 3, (h - 1) / 2 + 1, (w - 1) / 2 + 1, 2, 1};
+    size_t pq = (size_t)g.p * g.q, xs = (size_t)n * c * h * w;
+    std::vector<float> wt = random_values((size_t)k * c * 9), dy = random_values(n * k * pq);
+    std::vector<float> want(xs), start = random_values(xs);
+    for (int img = 0; img < n; img++)
+        for (int ch = 0; ch < c; ch++)
+            for (int y = 0; y < h; y++)
+                for (int x = 0; x < w; x++) {
+                    double sum = 0;
+                    for (int r = 0; r < 3; r++)
+                        for (int s = 0; s < 3; s++) {
+                            int p = (y + 1 - r) / 2, q = (x + 1 - s) / 2; /* (where 2 divides them) */
+                            if ((y + 1 - r) % 2 || (x + 1 - s) % 2 || p < 0 || p >= g.p || q < 0 || q >= g.q) continue;
+                            for (int f = 0; f < k; f++)
+                                sum += (double)wt[((size_t)f * c + ch) * 9 + r * 3 + s] *
+                                       dy[(((size_t)img * k + f) * g.p + p) * g.q + q];
+                        }
+                    want[(((size_t)img * c + ch) * h + y) * w + x] = (float)sum;
+                }
+    std::vector<float> dy_t = channels_last(dy, n, k, (int)pq, 0), w_turned = channels_last(wt, 1, k, c * 9, 9);
+    const size_t GUARD = 4096;
+    const float UNTOUCHED = 12345.0f;
+    for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        std::vector<float> memory(GUARD + xs + GUARD, UNTOUCHED);
+        for (size_t i = 0; i < xs; i++) memory[GUARD + i] = accumulate ? start[i] : NAN;
+        mgpu__conv_nhwc_quads_args a = {memory.data() + GUARD, dy_t.data(), w_turned.data(), g, accumulate};
+        mgpu__conv_nhwc_quads_cuda(&a, &on_gpu);
+        std::vector<float> got(memory.begin() + GUARD, memory.begin() + GUARD + xs), expected = want;
+        for (size_t i = 0; accumulate && i < xs; i++) expected[i] += start[i];
+        char name[96];
+        snprintf(name, sizeof name, "quads n%d c%d %dx%d k%d%s", n, c, h, w, k, accumulate ? ", added" : "");
+        close_in_tf32(name, "dx", got, expected);
+        size_t overwritten = 0;
+        for (size_t i = 0; i < GUARD; i++) overwritten += (memory[i] != UNTOUCHED) + (memory[GUARD + xs + i] != UNTOUCHED);
+        if (overwritten) fprintf(stderr, "  %s: %zu floats outside dx written\n", name, overwritten);
+        CHECK(overwritten == 0);
+    }
+}
+TEST(quads_against_the_definition) {
+    quads_case(2, 32, 7, 8, 32);    /* H odd, W even */
+    quads_case(3, 128, 14, 14, 64); /* 2 whole tiles of channels; 147 pixels of dy */
+    quads_case(1, 5, 1, 1, 32);     /* a 1 x 1 image: dy 1 x 1, only class (0, 0) inside dx */
+    quads_case(2, 3, 2, 3, 32);     /* 3 channels of a tile's 64 */
+    quads_case(1, 64, 2, 129, 32);  /* a row of dy 65 pixels long */
+    quads_case(3, 70, 11, 11, 32);  /* (as in channels_last_convolution: a partial tile of each) */
+}
+
 /* The sub-pixel products' order (most taps first, so that a launch
    starts its longest blocks first): each class once, the taps never
    rising, classes of equal taps in their own order. */
