@@ -1026,9 +1026,13 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    frees. settings is yours (l->settings), for what the functions read,
    such as a slope; the replicas of a data-parallel wrapper share it, so
    it should not change as they run. The builder cannot know the channels
-   a layer of yours gives, so it does not check the layer after it, and
-   nothing checks that forward keeps within y's shape (output_shape's); a
-   checkpoint holds the parameters' shapes, not the layers' kinds. A leaky
+   a layer of yours gives, so it does not check the layer after it. A
+   forward that writes past the end of y (output_shape's shape), or a
+   backward past the end of dx, is a one-line error naming the layer: both
+   have guard floats after their values, read after every pass of host
+   loops, else after the first pass with each shape (a write that jumps
+   past them is not seen). A checkpoint holds the parameters' shapes, not
+   the layers' kinds. A leaky
    ReLU, its slope in the settings:
        static void leaky_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
            float slope = *(const float *)l->settings;
@@ -3515,7 +3519,9 @@ MGPU_DEF const char *mgpu_shape_str(mgpu_shape s, char *buf, size_t size) {
     return buf;
 }
 
-static mgpu_tensor *mgpu__tensor_alloc(mgpu_device *dev, mgpu_shape shape, int pinned) {
+/* A tensor of this shape on dev, its memory extra_floats longer than its
+   values (a layer of yours' guard floats: mgpu__ensure_guarded). */
+static mgpu_tensor *mgpu__tensor_alloc(mgpu_device *dev, mgpu_shape shape, int pinned, size_t extra_floats) {
     MGPU_REQUIRE(dev != NULL, "tensor on a NULL device");
     MGPU_REQUIRE(shape.ndim >= 1 && shape.ndim <= MGPU_MAX_DIMS,
                  "a tensor has 1 to %d dimensions, not %d", MGPU_MAX_DIMS, shape.ndim);
@@ -3524,16 +3530,16 @@ static mgpu_tensor *mgpu__tensor_alloc(mgpu_device *dev, mgpu_shape shape, int p
     t->numel = mgpu_shape_numel(shape);
     t->device = dev;
     t->pinned = pinned;
-    t->block = mgpu__block_alloc(dev, t->numel * sizeof(float), pinned);
+    t->block = mgpu__block_alloc(dev, (t->numel + extra_floats) * sizeof(float), pinned);
     t->data = (float *)t->block->ptr;
     return t;
 }
 
 MGPU_DEF mgpu_tensor *mgpu_empty(mgpu_device *dev, mgpu_shape shape) {
-    return mgpu__tensor_alloc(dev, shape, 0);
+    return mgpu__tensor_alloc(dev, shape, 0, 0);
 }
 MGPU_DEF mgpu_tensor *mgpu_empty_pinned(mgpu_shape shape) {
-    return mgpu__tensor_alloc(mgpu_cpu(), shape, 1);
+    return mgpu__tensor_alloc(mgpu_cpu(), shape, 1, 0);
 }
 
 MGPU_DEF void mgpu_free(mgpu_tensor *t) {
@@ -7033,6 +7039,66 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
     }
 }
 
+/* Guard floats. A layer of yours writes its output y and its input
+   gradient dx itself, and a loop that runs past their shape (an
+   output_shape that does not say what forward writes, a batch size
+   written into the loop) would write over whatever lies after them in
+   memory. So both get MGPU__GUARD_FLOATS more floats after their values,
+   holding a NaN that no arithmetic makes (its bits are the pattern), and
+   the library reads them after the pass: after every pass of host loops
+   (on the device's queue, where the values are at hand), and otherwise
+   when the tensor is made anew (the first pass, or a batch of another
+   size), waiting for the device that once. A write that jumps past the
+   guard floats is not seen. */
+#define MGPU__GUARD_FLOATS 16
+#define MGPU__GUARD_BITS 0x7fc0deadu
+static int mgpu__guard_holds(const float *guard) {
+    for (int i = 0; i < MGPU__GUARD_FLOATS; i++) {
+        uint32_t bits;
+        memcpy(&bits, &guard[i], sizeof bits);
+        if (bits != MGPU__GUARD_BITS) return 0;
+    }
+    return 1;
+}
+/* A view of t's guard floats. */
+static mgpu_tensor *mgpu__guard_view(const mgpu_tensor *t) {
+    mgpu_tensor *v = mgpu_view(t, t->shape);
+    v->shape = mgpu_shape1(MGPU__GUARD_FLOATS);
+    v->numel = MGPU__GUARD_FLOATS;
+    v->data = t->data + t->numel;
+    return v;
+}
+/* *slot as mgpu_ensure makes it, with guard floats after its values (set
+   on its device's queue); returns whether it was made anew. */
+static int mgpu__ensure_guarded(mgpu_tensor **slot, mgpu_device *dev, mgpu_shape shape) {
+    if (*slot && (*slot)->device == dev && mgpu_shape_equal((*slot)->shape, shape)) return 0;
+    mgpu_free(*slot);
+    *slot = mgpu__tensor_alloc(dev, shape, 0, MGPU__GUARD_FLOATS);
+    uint32_t bits = MGPU__GUARD_BITS;
+    float pattern;
+    memcpy(&pattern, &bits, sizeof pattern);
+    mgpu_tensor *guard = mgpu__guard_view(*slot);
+    mgpu_fill(guard, pattern);
+    mgpu_free(guard);
+    return 1;
+}
+/* The one-line error when the guard floats after t (a copy of them in
+   host memory, `guard`) were written by pass `pass` of layer l. */
+static void mgpu__require_guard(const mgpu_layer *l, const float *guard, const mgpu_tensor *t, int backward) {
+    char shape[64];
+    MGPU_REQUIRE(mgpu__guard_holds(guard),
+                 "%s (a layer of yours): its %s wrote past the end of %s, whose shape is %s", l->name,
+                 backward ? "backward" : "forward", backward ? "dx" : "y", mgpu_shape_str(t->shape, shape, sizeof shape));
+}
+/* The same from the calling thread, for t made anew (waits for its device). */
+static void mgpu__require_guard_now(const mgpu_layer *l, const mgpu_tensor *t, int backward) {
+    float guard[MGPU__GUARD_FLOATS];
+    mgpu_tensor *v = mgpu__guard_view(t);
+    mgpu_to_host(v, guard);
+    mgpu_free(v);
+    mgpu__require_guard(l, guard, t, backward);
+}
+
 /* A pass of a layer of yours: forward (dy NULL: y = f(x)) or backward
    (dx, dweight, dbias from dy, x and y), after the copies still reading
    what it writes (as the library's operations are, for kernels of yours
@@ -7062,6 +7128,7 @@ static void mgpu__own_pass_run(const void *args, const mgpu__exec *ex) {
     q->running_layer = a.l->name;              /* for mgpu__require_not_in_worker's line */
     mgpu__own_pass_call(a.l, t, a.training);
     q->running_layer = NULL;
+    if (t[0]) mgpu__require_guard(a.l, t[0]->data + t[0]->numel, t[0], t[5] != NULL); /* (y, or dx) */
 }
 static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_tensor *x, const mgpu_tensor *dy,
                                  mgpu_tensor *dweight, mgpu_tensor *dbias, int training) {
@@ -7131,10 +7198,13 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         mgpu_ensure(&l->output, d, mgpu_shape2(x->shape.d[0], l->out_channels));
         mgpu_linear_forward(l->output, x, l->weight.value, l->bias.value);
         break;
-    case MGPU_LAYER_OWN:
-        mgpu_ensure(&l->output, d, l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
+    case MGPU_LAYER_OWN: {
+        int made = mgpu__ensure_guarded(&l->output, d,
+                                        l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
         mgpu__own_layer_pass(l, l->output, x, NULL, NULL, NULL, training);
+        if (made && !l->fns->host_loops) mgpu__require_guard_now(l, l->output, 0); /* (host loops: each pass) */
         break;
+    }
     }
     return l->output;
 }
@@ -7243,8 +7313,10 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
 
 /* A layer of yours: its backward pass gets its gradients zeroed, the
    parameters' own where they are to be written, else scratch that is then
-   added to them. */
-static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int accumulate) {
+   added to them; dx_made: dx was made anew (its guard floats are read
+   after the pass). */
+static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int dx_made,
+                                     int accumulate) {
     mgpu_tensor *dweight = l->weight.grad, *dbias = l->bias.grad;
     if (!dx && !dweight && !dbias) return; /* nothing wanted */
     if (accumulate && dweight) dweight = mgpu_ensure(&l->dweight, dweight->device, dweight->shape);
@@ -7253,6 +7325,7 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
     for (int i = 0; i < 3; i++)
         if (written[i]) mgpu_fill(written[i], 0.0f);
     mgpu__own_layer_pass(l, dx, l->input, dy, dweight, dbias, 0);
+    if (dx_made && !l->fns->host_loops) mgpu__require_guard_now(l, dx, 1); /* (host loops: each pass) */
     if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
     if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
 }
@@ -7267,6 +7340,8 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
 static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
                                                const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
     mgpu_device *d = dy->device;
+    int dx_made = 0; /* (a layer of yours writes dx itself: with guard floats after it) */
+    if (l->need_dinput && l->kind == MGPU_LAYER_OWN) dx_made = mgpu__ensure_guarded(&l->dinput, d, l->input->shape);
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
                  "%s: given its output gradient channels-last alone, which only a convolution reads",
@@ -7315,7 +7390,7 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, accumulate);
         break;
     case MGPU_LAYER_OWN:
-        mgpu__own_layer_backward(l, dy, dx, accumulate);
+        mgpu__own_layer_backward(l, dy, dx, dx_made, accumulate);
         break;
     }
     return dx;

@@ -868,6 +868,83 @@ TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
     mgpu_free(x);
     mgpu_net_free(bad);
 }
+
+/* A layer of one's own that writes past the end of y or dx is stopped
+   after its pass, with a line that names the layer (guard floats after
+   both: mgpu.h): an output_shape that halves the channels under a forward
+   that copies them all; a forward with a batch of 2 written into its loop,
+   given a batch of 1 (after a batch of 2 it ran through); a backward
+   that writes twice dx's values; and a layer without host loops whose
+   forward writes past y from the calling thread (after waiting for the
+   device), caught after its first pass. (Each writes within the 16 guard
+   floats, and reads only what is there.) */
+static mgpu_shape half_the_channels(const mgpu_layer *l, mgpu_shape x) {
+    (void)l;
+    x.d[1] /= 2;
+    return x;
+}
+static void copy_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)training;
+    for (size_t i = 0; i < x->numel; i++) y->data[i] = x->data[i];
+}
+static void batch_of_2_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)training;
+    size_t image = x->numel / (size_t)x->shape.d[0];
+    for (size_t i = 0; i < 2 * image; i++) y->data[i] = 0.0f;
+}
+static void past_y_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)x;
+    (void)training;
+    mgpu_synchronize(y->device);
+    for (size_t i = 0; i < y->numel + 1; i++) y->data[i] = 0.0f;
+}
+static void twice_dx_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                              const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l;
+    (void)dweight;
+    (void)dbias;
+    (void)x;
+    (void)y;
+    for (size_t i = 0; i < 2 * dy->numel; i++) dx->data[i] = 0.0f;
+}
+TEST(a_layer_of_ones_own_that_writes_past_its_tensors_is_stopped) {
+    mgpu_device *d = mgpu_cpu();
+    mgpu_tensor *two = mgpu_ones(d, mgpu_shape4(2, 2, 2, 2)), *one = mgpu_ones(d, mgpu_shape4(1, 2, 2, 2));
+    static const mgpu_layer_fns halves = {"halves", half_the_channels, copy_forward, twice_dx_backward, 1};
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_layer(net, &halves, NULL, NULL, NULL);
+    EXPECT_DIES((mgpu_net_forward(net, two), mgpu_synchronize(d)),
+                "mgpu: error: halves0 (a layer of yours): its forward wrote past the end of y, whose shape is "
+                "[2, 1, 2, 2]");
+    mgpu_net_free(net);
+    static const mgpu_layer_fns fixed = {"fixed_batch", NULL, batch_of_2_forward, twice_dx_backward, 1};
+    net = mgpu_net_new(d);
+    mgpu_net_add_layer(net, &fixed, NULL, NULL, NULL);
+    mgpu_net_forward(net, two);
+    mgpu_synchronize(d);
+    EXPECT_DIES((mgpu_net_forward(net, one), mgpu_synchronize(d)),
+                "fixed_batch0 (a layer of yours): its forward wrote past the end of y, whose shape is [1, 2, 2, 2]");
+    mgpu_net_free(net);
+    static const mgpu_layer_fns twice = {"twice", NULL, copy_forward, twice_dx_backward, 1};
+    net = mgpu_net_new(d);
+    mgpu_net_add_relu(net); /* (so that the layer's dx is wanted) */
+    mgpu_net_add_layer(net, &twice, NULL, NULL, NULL);
+    mgpu_tensor *logits = mgpu_net_forward(net, two);
+    EXPECT_DIES((mgpu_net_backward(net, logits), mgpu_synchronize(d)),
+                "twice1 (a layer of yours): its backward wrote past the end of dx, whose shape is [2, 2, 2, 2]");
+    mgpu_net_free(net);
+    static const mgpu_layer_fns past = {"past", NULL, past_y_forward, twice_dx_backward, 0};
+    net = mgpu_net_new(d);
+    mgpu_net_add_layer(net, &past, NULL, NULL, NULL);
+    EXPECT_DIES(mgpu_net_forward(net, one),
+                "past0 (a layer of yours): its forward wrote past the end of y, whose shape is [1, 2, 2, 2]");
+    mgpu_net_free(net);
+    mgpu_free(two);
+    mgpu_free(one);
+}
 #else
 /* A host loop cannot run on a GPU: refused when the layer is added, or
    when a network that has one is copied to a GPU. */
@@ -883,6 +960,36 @@ TEST(a_host_loop_layer_is_refused_on_a_gpu) {
     EXPECT_DIES(mgpu_net_replicate(on_cpu, test_device()), "mgpu_net_replicate: host0 loops over its values");
     mgpu_net_free(on_cpu);
     mgpu_net_free(net);
+}
+
+/* On a GPU, where a forked child cannot run CUDA (so no EXPECT_DIES: the
+   CPU's test above checks the error itself): the guard floats after a
+   layer's y hold their pattern when y is made, and a kernel of one's own
+   that writes 8 values past y breaks it, as the check after the layer's
+   first pass reads them (mgpu__require_guard_now). */
+static __global__ void zeros_kernel(float *out, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 0.0f;
+}
+TEST(guard_floats_see_a_kernel_write_past_y) {
+    mgpu_tensor *y = NULL;
+    CHECK(mgpu__ensure_guarded(&y, test_device(), mgpu_shape2(4, 8)) == 1);
+    CHECK(mgpu__ensure_guarded(&y, test_device(), mgpu_shape2(4, 8)) == 0); /* (kept: not checked again) */
+    float guard[MGPU__GUARD_FLOATS];
+    mgpu_tensor *after_y = mgpu__guard_view(y);
+    mgpu_to_host(after_y, guard);
+    CHECK(mgpu__guard_holds(guard));
+    MGPU_CUDA_CHECK(cudaSetDevice(test_device()->gpu));
+    LAUNCH_ON(y, blocks_for(y->numel), zeros_kernel, y->data, y->numel);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu_to_host(after_y, guard);
+    CHECK(mgpu__guard_holds(guard)); /* (within y) */
+    LAUNCH_ON(y, blocks_for(y->numel + 8), zeros_kernel, y->data, y->numel + 8);
+    MGPU_CUDA_CHECK_LAUNCH();
+    mgpu_to_host(after_y, guard);
+    CHECK(!mgpu__guard_holds(guard));
+    mgpu_free(after_y);
+    mgpu_free(y);
 }
 #endif
 
