@@ -1028,11 +1028,14 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    it should not change as they run. The builder cannot know the channels
    a layer of yours gives, so it does not check the layer after it. A
    forward that writes past the end of y (output_shape's shape), or a
-   backward past the end of dx, is a one-line error naming the layer: both
-   have guard floats after their values, read after every pass of host
-   loops, else after the first pass with each shape (a write that jumps
-   past them is not seen). A checkpoint holds the parameters' shapes, not
-   the layers' kinds. A leaky
+   backward past the end of dx, is a one-line error naming the layer and
+   the tensor's shape (a device's own: in a data-parallel wrapper, its
+   slice of the batch): both have 16 guard floats after their values,
+   read after every pass of host loops, else after each pass that follows
+   a change of shape (the first, a shorter last batch). A write before
+   the start, or one that jumps past the guard floats, is not seen: it
+   lands in other memory, and may crash or mislead far from the bug. A
+   checkpoint holds the parameters' shapes, not the layers' kinds. A leaky
    ReLU, its slope in the settings:
        static void leaky_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
            float slope = *(const float *)l->settings;
@@ -1398,11 +1401,19 @@ extern "C" {
 
 /* ---------------------------------------------------------------- errors */
 MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
+    /* One line, written whole, by the first thread that fails: two devices'
+       workers failing at once (the same bug in each replica) would
+       otherwise interleave their lines. A later one waits for the first's
+       _exit. */
+    static int failing;
+    if (__atomic_exchange_n(&failing, 1, __ATOMIC_SEQ_CST))
+        for (;;) pause();
+    char text[2048];
+    int at = snprintf(text, sizeof text, "mgpu: error: ");
+    if (file) at += snprintf(text + at, sizeof text - at, "%s:%d: ", file, line);
+    vsnprintf(text + at, sizeof text - at, fmt, ap);
     fflush(stdout);
-    fprintf(stderr, "mgpu: error: ");
-    if (file) fprintf(stderr, "%s:%d: ", file, line);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
+    fprintf(stderr, "%s\n", text);
     fflush(stderr);
     /* _exit, not exit: a fatal error may come from a worker thread, and the
        exit handlers would wait for that very thread. */

@@ -945,6 +945,55 @@ TEST(a_layer_of_ones_own_that_writes_past_its_tensors_is_stopped) {
     mgpu_free(two);
     mgpu_free(one);
 }
+
+/* The same bug in a layer of each of two devices' networks: both queues
+   fail at once, and the library's line comes out once and whole (two
+   workers used to interleave theirs, "mgpu: error: mgpu: error: ..."),
+   in each of 20 runs. */
+static void both_devices_write_past_y(void) {
+    static const mgpu_layer_fns halves = {"halves", half_the_channels, copy_forward, twice_dx_backward, 1};
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *nets[2];
+    mgpu_tensor *x[2];
+    for (int i = 0; i < 2; i++) {
+        nets[i] = mgpu_net_new(devs[i]);
+        mgpu_net_add_layer(nets[i], &halves, NULL, NULL, NULL);
+        x[i] = mgpu_ones(devs[i], mgpu_shape4(2, 2, 2, 2));
+    }
+    for (int i = 0; i < 2; i++) mgpu_net_forward(nets[i], x[i]);
+    mgpu_synchronize_all();
+}
+/* The lines "mgpu: error:" that run() writes to standard error in a
+   forked child, or -1 if the child does not exit with status 1. */
+static int error_lines_in_a_child(void (*run)(void)) {
+    int fds[2];
+    if (pipe(fds) != 0) return -1;
+    mgpu_synchronize_all();
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 2);
+        run();
+        _exit(0);
+    }
+    close(fds[1]);
+    char err[4096];
+    size_t len = 0;
+    ssize_t got;
+    while ((got = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)got;
+    err[len] = 0;
+    close(fds[0]);
+    int status = 0, lines = 0;
+    waitpid(pid, &status, 0);
+    for (const char *p = err; (p = strstr(p, "mgpu: error:")) != NULL; p++) lines++;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 1 ? lines : -1;
+}
+TEST(two_devices_failing_at_once_print_one_line) {
+    for (int run = 0; run < 20; run++) CHECK_EQ_INT(error_lines_in_a_child(both_devices_write_past_y), 1);
+}
 #else
 /* A host loop cannot run on a GPU: refused when the layer is added, or
    when a network that has one is copied to a GPU. */
