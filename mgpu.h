@@ -7059,8 +7059,8 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
    the library reads them after the pass: after every pass of host loops
    (on the device's queue, where the values are at hand), and otherwise
    when the tensor is made anew (the first pass, or a batch of another
-   size), waiting for the device that once. A write that jumps past the
-   guard floats is not seen. */
+   size), waiting for the device that once. A write before the start, or
+   one that jumps past the guard floats, is not seen. */
 #define MGPU__GUARD_FLOATS 16
 #define MGPU__GUARD_BITS 0x7fc0deadu
 static int mgpu__guard_holds(const float *guard) {
@@ -7094,12 +7094,13 @@ static int mgpu__ensure_guarded(mgpu_tensor **slot, mgpu_device *dev, mgpu_shape
     return 1;
 }
 /* The one-line error when the guard floats after t (a copy of them in
-   host memory, `guard`) were written by pass `pass` of layer l. */
+   host memory, `guard`) were written by layer l's forward (t is y) or
+   backward (t is dx). */
 static void mgpu__require_guard(const mgpu_layer *l, const float *guard, const mgpu_tensor *t, int backward) {
     char shape[64];
-    MGPU_REQUIRE(mgpu__guard_holds(guard),
-                 "%s (a layer of yours): its %s wrote past the end of %s, whose shape is %s", l->name,
-                 backward ? "backward" : "forward", backward ? "dx" : "y", mgpu_shape_str(t->shape, shape, sizeof shape));
+    MGPU_REQUIRE(mgpu__guard_holds(guard), "%s (a layer of yours): its %s wrote past the end of %s, whose shape is %s",
+                 l->name, backward ? "backward" : "forward", backward ? "dx" : "y",
+                 mgpu_shape_str(t->shape, shape, sizeof shape));
 }
 /* The same from the calling thread, for t made anew (waits for its device). */
 static void mgpu__require_guard_now(const mgpu_layer *l, const mgpu_tensor *t, int backward) {
@@ -7352,7 +7353,8 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
                                                const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
     mgpu_device *d = dy->device;
     int dx_made = 0; /* (a layer of yours writes dx itself: with guard floats after it) */
-    if (l->need_dinput && l->kind == MGPU_LAYER_OWN) dx_made = mgpu__ensure_guarded(&l->dinput, d, l->input->shape);
+    if (l->need_dinput && l->kind == MGPU_LAYER_OWN)
+        dx_made = mgpu__ensure_guarded(&l->dinput, d, l->input->shape);
     mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
                  "%s: given its output gradient channels-last alone, which only a convolution reads",

@@ -255,7 +255,8 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                                                      : (accumulate ? "dx added" : "dx"),
                                       dx_g, accumulate ? dx_sum_c : dx_c);
                     }
-                    if (tile == 0 && !wgmma && splits == 0 && mgpu__conv_nhwc_quads_fits(&g)) { /* (no tile or slices) */
+                    /* the quads (no tile, no slices: once) */
+                    if (tile == 0 && !wgmma && splits == 0 && mgpu__conv_nhwc_quads_fits(&g)) {
                         dx_g = accumulate ? dx_start : nans(x.size());
                         mgpu__conv_nhwc_quads_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), g, accumulate};
                         mgpu__conv_nhwc_quads_cuda(&a, &on_gpu);
@@ -442,7 +443,8 @@ static void quads_case(int n, int c, int h, int w, int k) {
         snprintf(name, sizeof name, "quads n%d c%d %dx%d k%d%s", n, c, h, w, k, accumulate ? ", added" : "");
         close_in_tf32(name, "dx", got, expected);
         size_t overwritten = 0;
-        for (size_t i = 0; i < GUARD; i++) overwritten += (memory[i] != UNTOUCHED) + (memory[GUARD + xs + i] != UNTOUCHED);
+        for (size_t i = 0; i < GUARD; i++)
+            overwritten += (memory[i] != UNTOUCHED) + (memory[GUARD + xs + i] != UNTOUCHED);
         if (overwritten) fprintf(stderr, "  %s: %zu floats outside dx written\n", name, overwritten);
         CHECK(overwritten == 0);
     }
