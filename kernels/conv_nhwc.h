@@ -428,6 +428,11 @@ template <int TM> static __device__ mgpu__shared_address mgpu__nhwc_lane_a_row(m
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     return a_tile + mgpu__padded_rows::at((warp / 2) * (TM / 2) + lane % 16, lane / 16);
 }
+/* b's likewise, in copy `stage` of the b tiles from b_tiles (TN rows each). */
+template <int TN>
+static __device__ mgpu__shared_address mgpu__nhwc_lane_b_row(mgpu__shared_address b_tiles, int stage) {
+    return b_tiles + mgpu__padded_rows::at(stage * TN + mgpu__nhwc_lane_pixel<TN>(), 0) + 4 * mgpu__nhwc_lane_channel();
+}
 
 /* A warp's operands for one tensor-core step of k = 8, by ldmatrix from
    step tiles of padded rows, and their products: load_a(a_row, kk) loads
@@ -509,9 +514,7 @@ template <int TM, int TN> struct mgpu__mma_sync_engine {
     static const bool ASYNC_READS = false;
     static __device__ void multiply(typename warp::acc &acc, mgpu__shared_address a_tiles,
                                     mgpu__shared_address b_tiles, int stage) {
-        mgpu__shared_address b = b_tiles + rows::at(stage * TN + mgpu__nhwc_lane_pixel<TN>(), 0) +
-                                 4 * mgpu__nhwc_lane_channel();
-        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, b);
+        mgpu__nhwc_multiply<TM, TN>(acc, a_tiles, stage, mgpu__nhwc_lane_b_row<TN>(b_tiles, stage));
     }
 };
 template <int TM, int TN> struct mgpu__wgmma_engine {
@@ -1281,8 +1284,7 @@ static __device__ void mgpu__quad_multiply(mgpu__quad_warp::acc (&acc)[4], mgpu_
                                            mgpu__shared_address dy_tiles, int stage) {
     typedef mgpu__quad_shift<I, J> S;
     const int T = MGPU__QUAD_TILE;
-    mgpu__shared_address b_row = dy_tiles + mgpu__padded_rows::at(stage * T + mgpu__nhwc_lane_pixel<T>(), 0) +
-                                 4 * mgpu__nhwc_lane_channel();
+    mgpu__shared_address b_row = mgpu__nhwc_lane_b_row<T>(dy_tiles, stage);
     mgpu__shared_address a_row = mgpu__nhwc_lane_a_row<T>(w_tiles + mgpu__padded_rows::at(4 * stage * T, 0));
     mgpu__nhwc_fragments<T, T> f;
     for (int kk = 0; kk < MGPU__NHWC_STEP; kk += 8) {
