@@ -421,8 +421,12 @@ MGPU_DEF const char *mgpu_tf32_str(void);
    Errors: a picture or CSV that cannot be written prints one line
        mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
    to stderr and the function returns non-zero; the program goes on (an
-   Animator says it once and then only keeps its points). PNGs are written
-   to "<path>.tmp" and renamed, so a viewer never sees half a file. Out of
+   Animator says it once and then only keeps its points), and
+       int mgpu_output_errors(void);
+   counts such failures, for the program's exit status (the chapters exit
+   with 1 when it is not 0). PNGs and CSVs are written to "<path>.tmp" and
+   renamed, so a viewer never sees half a file, and a failed write leaves
+   the old file as it was. Out of
    memory, a canvas of no pixels or a series an animator does not have are
    bugs, and fatal (mgpu_fatal). */
 
@@ -445,6 +449,7 @@ MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, u
 MGPU_DEF int mgpu_text_width(const char *text, int scale);
 /* 0 on success; non-zero (after a one-line error) when it cannot be written. */
 MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path);
+MGPU_DEF int mgpu_output_errors(void);
 /* Colour i (any i >= 0, it wraps) of the 10-colour palette charts use. */
 MGPU_DEF uint32_t mgpu_palette(int i);
 
@@ -1193,6 +1198,14 @@ typedef struct mgpu_net {
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
+    /* while a data-parallel wrapper holds the network: its layers are
+       fixed, and it is freed after the wrapper */
+    int wrapped;
+    /* counts the ways its values may have changed outside a training step
+       (mgpu_net_load, mgpu_net_copy_params into it, mgpu_net_param and
+       mgpu_net_buffer, which hand out what can be written): a wrapper's
+       other replicas copy replica 0 again when it moves */
+    unsigned changes;
 } mgpu_net;
 
 MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev);
@@ -1249,7 +1262,13 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
                                                   int n, mgpu_dp_mode mode);
    net must live on devices[0]; it becomes replica 0 (the seed's `.module`,
    mgpu_data_parallel_module) and the wrapper copies it to the others.
-   mgpu_data_parallel_free frees the copies, not net: free net yourself.
+   What you do to net between steps reaches them at the start of the next
+   step: its training mode, and its values when you load a checkpoint
+   into it or write them through mgpu_net_param or mgpu_net_buffer. Its
+   layers are fixed while the wrapper holds it (adding one is an error).
+   mgpu_data_parallel_free frees the copies, not net: free net yourself,
+   after the wrapper. Each device holds one replica: a device given twice
+   is an error (mgpu_devices makes virtual devices where you want more).
    Two ways to combine the gradients:
      MGPU_DP_GATHER     what torch.nn.DataParallel does: every step the
                         parameters are broadcast from device 0, the logits
@@ -2900,11 +2919,47 @@ MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, u
     mgpu__plot_text(c, x, y, text, rgb, scale, 0);
 }
 
+static int mgpu__output_errors;
+MGPU_DEF int mgpu_output_errors(void) { return mgpu__output_errors; }
+
 /* One line on stderr about a file that could not be written; returns -1 so
    that callers can `return mgpu__plot_write_failed(...)`. */
 static int mgpu__plot_write_failed(const char *path, const char *what, const char *reason) {
     fprintf(stderr, "mgpu: error: %s: cannot write %s (%s)\n", path, what, reason);
+    mgpu__output_errors++;
     return -1;
+}
+
+/* A file that appears whole or not at all: written to "<path>.tmp", which
+   is then renamed over path. A viewer that reloads it (the Animator
+   rewrites its files after every point) sees the old file or the new one,
+   and a full disk leaves the old one as it was. Open gives the FILE (NULL
+   with errno set); close returns 0, or the errno of what failed (EIO where
+   none was set), and removes the temporary file on failure. */
+static FILE *mgpu__whole_file_open(const char *path, char **tmp) {
+    size_t length = strlen(path);
+    *tmp = (char *)mgpu__xmalloc(length + 5);
+    memcpy(*tmp, path, length);
+    memcpy(*tmp + length, ".tmp", 5);
+    errno = 0;
+    FILE *f = fopen(*tmp, "wb");
+    if (!f) {
+        int error = errno;
+        free(*tmp);
+        *tmp = NULL;
+        errno = error;
+    }
+    return f;
+}
+static int mgpu__whole_file_close(FILE *f, char *tmp, const char *path, int failed) {
+    errno = 0;
+    failed |= ferror(f) != 0;
+    failed |= fclose(f) != 0; /* closed in any case; a full disk may only show here */
+    if (!failed) failed = rename(tmp, path) != 0;
+    int error = failed ? (errno ? errno : EIO) : 0;
+    if (failed) remove(tmp);
+    free(tmp);
+    return error;
 }
 
 /* stb_image_write hands the encoded PNG over piece by piece. A failed fwrite
@@ -2914,33 +2969,13 @@ static void mgpu__plot_png_piece(void *file, void *data, int size) {
 }
 
 MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
-    /* The picture goes to "<path>.tmp", which is then renamed over `path`:
-       a viewer that reloads the file (the Animator rewrites it after every
-       point) sees the old picture or the new one, never half of one. */
-    size_t length = strlen(path);
-    char *tmp = (char *)mgpu__xmalloc(length + 5);
-    FILE *f;
-    int failed, error;
-    memcpy(tmp, path, length);
-    memcpy(tmp + length, ".tmp", 5);
-    errno = 0;
-    f = fopen(tmp, "wb");
-    if (!f) {
-        error = errno;
-        free(tmp);
-        return mgpu__plot_write_failed(path, "PNG", strerror(error));
-    }
-    failed = !stbi_write_png_to_func(mgpu__plot_png_piece, f, c->width, c->height, 3, c->rgb,
-                                     c->width * 3);
-    failed |= ferror(f) != 0;
-    failed |= fclose(f) != 0; /* closed in any case; a full disk may only show here */
-    if (!failed) failed = rename(tmp, path) != 0;
-    error = errno;
-    if (failed) remove(tmp);
-    free(tmp);
-    if (failed)
-        return mgpu__plot_write_failed(path, "PNG", error ? strerror(error) : "encoder failed");
-    return 0;
+    char *tmp;
+    FILE *f = mgpu__whole_file_open(path, &tmp);
+    if (!f) return mgpu__plot_write_failed(path, "PNG", strerror(errno));
+    int encoded = stbi_write_png_to_func(mgpu__plot_png_piece, f, c->width, c->height, 3, c->rgb,
+                                         c->width * 3);
+    int error = mgpu__whole_file_close(f, tmp, path, !encoded);
+    return error ? mgpu__plot_write_failed(path, "PNG", encoded ? strerror(error) : "encoder failed") : 0;
 }
 
 /* ---- 2. the frame: axes, ticks and the data-to-pixel mapping ------------ */
@@ -3268,8 +3303,8 @@ MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series) {
 /* "x,name1,name2,..." and then one line per point; NaN is an empty field,
    which spreadsheets and pandas read as a missing value. */
 static int mgpu__animator_write_csv(const mgpu_animator *a) {
-    FILE *f = fopen(a->csv_path, "w");
-    int failed;
+    char *tmp;
+    FILE *f = mgpu__whole_file_open(a->csv_path, &tmp);
     if (!f) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
     fputs("x", f);
     for (int k = 0; k < a->nseries; k++) fprintf(f, ",%s", a->names[k] ? a->names[k] : "");
@@ -3283,9 +3318,8 @@ static int mgpu__animator_write_csv(const mgpu_animator *a) {
         }
     }
     fputs("\n", f);
-    failed = ferror(f) != 0;
-    failed |= fclose(f) != 0;
-    return failed ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno)) : 0;
+    int error = mgpu__whole_file_close(f, tmp, a->csv_path, 0);
+    return error ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(error)) : 0;
 }
 
 /* The curve of series k, labelled `name`. */
@@ -6759,6 +6793,8 @@ MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
    its input gradient, so it computes none (batch norm's pass makes one
    anyway). */
 static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
+    MGPU_REQUIRE(!net->wrapped, "%s: the network is held by a data-parallel wrapper, which copied its "
+                                "layers; add layers before mgpu_data_parallel_new", l->name);
     MGPU_REQUIRE(net->nlayers < MGPU_NET_MAX_LAYERS, "%s: a network holds at most %d layers", l->name,
                  MGPU_NET_MAX_LAYERS);
     if (net->nlayers == 0 && l->kind != MGPU_LAYER_BATCHNORM) l->need_dinput = 0;
@@ -7520,11 +7556,13 @@ MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgp
 MGPU_DEF int mgpu_net_num_params(const mgpu_net *net) { return net->nparams; }
 MGPU_DEF mgpu_param *mgpu_net_param(mgpu_net *net, int i) {
     MGPU_REQUIRE(i >= 0 && i < net->nparams, "mgpu_net_param: index %d of %d", i, net->nparams);
+    net->changes++;
     return net->params[i];
 }
 MGPU_DEF int mgpu_net_num_buffers(const mgpu_net *net) { return net->nbuffers; }
 MGPU_DEF mgpu_tensor *mgpu_net_buffer(mgpu_net *net, int i) {
     MGPU_REQUIRE(i >= 0 && i < net->nbuffers, "mgpu_net_buffer: index %d of %d", i, net->nbuffers);
+    net->changes++;
     return *net->buffers[i];
 }
 MGPU_DEF size_t mgpu_net_num_weights(const mgpu_net *net) {
@@ -7574,6 +7612,7 @@ MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_
     MGPU_REQUIRE(dst->nparams == src->nparams && dst->nbuffers == src->nbuffers,
                  "mgpu_net_copy_params: the networks differ (%d and %d parameters)", dst->nparams,
                  src->nparams);
+    dst->changes++;
     for (int i = 0; i < src->nparams; i++) mgpu_copy(dst->params[i]->value, src->params[i]->value, 1);
     if (with_buffers)
         for (int i = 0; i < src->nbuffers; i++) mgpu_copy(*dst->buffers[i], *src->buffers[i], 1);
@@ -7609,6 +7648,8 @@ static void mgpu__layer_free(mgpu_layer *l) {
 
 MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     if (!net) return;
+    MGPU_REQUIRE(!net->wrapped, "mgpu_net_free: a data-parallel wrapper still holds this network; "
+                                "free the wrapper first (mgpu_data_parallel_free)");
     for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i]);
     for (int i = 0; i < net->nparams; i++) mgpu_free(net->momentum[i]);
     mgpu_free(net->losses);
@@ -7670,31 +7711,69 @@ static mgpu_tensor *mgpu__net_saved(const mgpu_net *net, int i) {
     return i < net->nparams ? net->params[i]->value : *net->buffers[i - net->nparams];
 }
 
-static void mgpu__write_all(FILE *f, const char *path, const void *data, size_t n, uint64_t *hash) {
-    if (fwrite(data, 1, n, f) != n)
-        mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(errno));
+/* What tensor i of the checkpoint is, for messages: "block2.conv1's
+   weight", "bn1's running_var". */
+static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, size_t size) {
+    const void *slot = i < net->nparams ? (const void *)net->params[i] : (const void *)net->buffers[i - net->nparams];
+    snprintf(buf, size, "tensor %d", i);
+    const mgpu_layer *stack[MGPU_NET_MAX_LAYERS * 5];
+    int n = 0;
+    for (int k = net->nlayers - 1; k >= 0; k--) stack[n++] = net->layers[k];
+    while (n > 0) {
+        const mgpu_layer *l = stack[--n];
+        const char *what = slot == &l->weight ? "weight" : slot == &l->bias ? "bias"
+                         : slot == &l->running_mean ? "running_mean" : slot == &l->running_var ? "running_var" : NULL;
+        if (what) {
+            snprintf(buf, size, "tensor %d (%s's %s)", i, l->name, what);
+            break;
+        }
+        const mgpu_layer *parts[5] = {l->shortcut, l->bn2, l->bn1, l->conv2, l->conv1};
+        for (int k = 0; k < 5; k++)
+            if (parts[k]) stack[n++] = parts[k];
+    }
+    return buf;
+}
+
+/* The bytes of the network's checkpoint: magic, version and count, then a
+   shape and the values of each tensor, then the checksum. */
+static size_t mgpu__net_checkpoint_bytes(const mgpu_net *net) {
+    size_t bytes = 8 + 2 * sizeof(uint32_t) + sizeof(uint64_t);
+    for (int i = 0; i < mgpu__net_num_saved(net); i++)
+        bytes += (1 + MGPU_MAX_DIMS) * sizeof(uint32_t) + mgpu__net_saved(net, i)->numel * sizeof(float);
+    return bytes;
+}
+
+static int mgpu__write_all(FILE *f, const void *data, size_t n, uint64_t *hash) {
     *hash = mgpu__fnv1a(*hash, data, n);
+    return fwrite(data, 1, n, f) == n;
 }
 
 MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
-    FILE *f = fopen(path, "wb");
+    /* Not over what is not a file: a FIFO, say, would be replaced. */
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        mgpu_fatal("%s: cannot write the checkpoint (not a regular file)", path);
+    /* Whole or not at all: a full disk leaves the checkpoint before it. */
+    char *tmp;
+    FILE *f = mgpu__whole_file_open(path, &tmp);
     if (!f) mgpu_fatal("%s: cannot open for writing (%s)", path, strerror(errno));
     uint64_t hash = MGPU__FNV_OFFSET;
     uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)mgpu__net_num_saved(net)};
-    mgpu__write_all(f, path, MGPU__NET_MAGIC, 8, &hash);
-    mgpu__write_all(f, path, header, sizeof header, &hash);
-    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
+    int written = mgpu__write_all(f, MGPU__NET_MAGIC, 8, &hash);
+    written &= mgpu__write_all(f, header, sizeof header, &hash);
+    for (int i = 0; i < mgpu__net_num_saved(net) && written; i++) {
         const mgpu_tensor *t = mgpu__net_saved(net, i);
         uint32_t shape[1 + MGPU_MAX_DIMS] = {(uint32_t)t->shape.ndim};
         for (int k = 0; k < MGPU_MAX_DIMS; k++) shape[1 + k] = (uint32_t)t->shape.d[k];
-        mgpu__write_all(f, path, shape, sizeof shape, &hash);
+        written &= mgpu__write_all(f, shape, sizeof shape, &hash);
         float *values = (float *)mgpu__xmalloc(t->numel * sizeof(float));
         mgpu_to_host(t, values);
-        mgpu__write_all(f, path, values, t->numel * sizeof(float), &hash);
+        written &= mgpu__write_all(f, values, t->numel * sizeof(float), &hash);
         free(values);
     }
-    if (fwrite(&hash, sizeof hash, 1, f) != 1 || fclose(f) != 0)
-        mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(errno));
+    written &= fwrite(&hash, sizeof hash, 1, f) == 1;
+    int error = mgpu__whole_file_close(f, tmp, path, !written);
+    if (error) mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(error));
 }
 
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
@@ -7704,16 +7783,20 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
     if (!S_ISREG(st.st_mode)) mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
     FILE *f = fopen(path, "rb");
     if (!f) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
-    long size = (long)st.st_size;
-    unsigned char *bytes = (unsigned char *)mgpu__xmalloc((size_t)size);
-    if (fread(bytes, 1, (size_t)size, f) != (size_t)size)
+    /* Only as many bytes as the network's checkpoint has: a longer file is
+       an error below, and need not fit in memory to be one. */
+    size_t total = (size_t)st.st_size, want = mgpu__net_checkpoint_bytes(net);
+    size_t readable = total < want ? total : want;
+    unsigned char *bytes = (unsigned char *)mgpu__xmalloc(readable ? readable : 1);
+    if (fread(bytes, 1, readable, f) != readable)
         mgpu_fatal("%s: cannot read the checkpoint (%s)", path, strerror(errno));
     fclose(f);
     /* Check everything before touching the network. */
-    size_t at = 0, total = (size_t)size;
+    size_t at = 0;
     const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
-    if (total < header_bytes + trailer || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
+    if (total < 8 || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
         mgpu_fatal("%s: not an mgpu checkpoint (no \"" MGPU__NET_MAGIC "\" header)", path);
+    if (total < header_bytes) mgpu_fatal("%s: truncated in the header", path);
     uint32_t header[2];
     memcpy(header, bytes + 8, sizeof header);
     at = header_bytes;
@@ -7727,32 +7810,39 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
     for (int i = 0; i < (int)header[1]; i++) {
         const mgpu_tensor *t = mgpu__net_saved(net, i);
         uint32_t shape[1 + MGPU_MAX_DIMS];
-        if (at + sizeof shape > total - trailer)
-            mgpu_fatal("%s: truncated in tensor %d of %u", path, i, header[1]);
+        char name[160];
+        if (sizeof shape > total - at)
+            mgpu_fatal("%s: truncated in %s, of %u", path, mgpu__net_saved_name(net, i, name, sizeof name),
+                       header[1]);
         memcpy(shape, bytes + at, sizeof shape);
         at += sizeof shape;
+        /* (the dimensions past ndim, always 1, are the checksum's to check) */
         int same = shape[0] == (uint32_t)t->shape.ndim;
-        for (int k = 0; k < MGPU_MAX_DIMS; k++) same &= shape[1 + k] == (uint32_t)t->shape.d[k];
+        for (int k = 0; k < t->shape.ndim && same; k++) same = shape[1 + k] == (uint32_t)t->shape.d[k];
         if (!same) {
             char want[64], got[64] = "[";
             for (uint32_t k = 0; k < shape[0] && k < MGPU_MAX_DIMS; k++)
                 snprintf(got + strlen(got), sizeof got - strlen(got), "%s%u", k ? ", " : "", shape[1 + k]);
             strcat(got, shape[0] > MGPU_MAX_DIMS ? ", ...]" : "]");
-            mgpu_fatal("%s: tensor %d has shape %s, the network's is %s", path, i, got,
+            mgpu_fatal("%s: %s has shape %s, the network's is %s", path,
+                       mgpu__net_saved_name(net, i, name, sizeof name), got,
                        mgpu_shape_str(t->shape, want, sizeof want));
         }
         offsets[i] = at;
-        if (t->numel * sizeof(float) > total - trailer - at)
-            mgpu_fatal("%s: truncated in tensor %d of %u", path, i, header[1]);
+        if (t->numel * sizeof(float) > total - at)
+            mgpu_fatal("%s: truncated in %s, of %u", path, mgpu__net_saved_name(net, i, name, sizeof name),
+                       header[1]);
         at += t->numel * sizeof(float);
     }
-    if (at != total - trailer)
+    if (total - at < trailer) mgpu_fatal("%s: truncated in the checksum at its end", path);
+    if (total - at > trailer)
         mgpu_fatal("%s: %zu bytes after the last tensor, expected %zu (damaged file)", path,
                    total - at, trailer);
     uint64_t stored;
     memcpy(&stored, bytes + at, sizeof stored);
     if (stored != mgpu__fnv1a(MGPU__FNV_OFFSET, bytes, at))
         mgpu_fatal("%s: checksum mismatch (the file is damaged)", path);
+    net->changes++;
     for (int i = 0; i < (int)header[1]; i++) {
         mgpu_tensor *t = mgpu__net_saved(net, i);
         mgpu_tensor *host = mgpu_from_host(mgpu_cpu(), t->shape, (const float *)(bytes + offsets[i]));
@@ -7771,6 +7861,7 @@ struct mgpu_data_parallel {
     const char *algorithm;
     mgpu_device *devices[MGPU_MAX_DEVICES];
     mgpu_net *replicas[MGPU_MAX_DEVICES];   /* replicas[0] is the caller's net */
+    unsigned module_changes;                 /* replicas[0]->changes when the others last copied it */
     /* the step's shards of the batch: one of two sets of buffers, used in
        turn, each with the event that ends the last step that used it on
        each device (mgpu__dp_scatter) */
@@ -7802,6 +7893,12 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
     MGPU_REQUIRE(net->device == devices[0],
                  "mgpu_data_parallel_new: the network is on %s, it must be on devices[0] (%s)",
                  net->device->name, devices[0]->name);
+    MGPU_REQUIRE(!net->wrapped, "mgpu_data_parallel_new: another wrapper holds this network already");
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            MGPU_REQUIRE(devices[i] != devices[j], "mgpu_data_parallel_new: %s is devices[%d] and devices[%d]; "
+                         "give each replica its own device (mgpu_devices makes virtual ones)",
+                         devices[i]->name, j, i);
     mgpu_data_parallel *dp = (mgpu_data_parallel *)mgpu__xcalloc(1, sizeof *dp);
     dp->n = n;
     dp->mode = mode;
@@ -7809,10 +7906,12 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         dp->devices[i] = devices[i];
         /* Replicas start as exact copies: one broadcast from device 0. */
         dp->replicas[i] = i == 0 ? net : mgpu_net_replicate(net, devices[i]);
+        dp->replicas[i]->wrapped = 1;
         dp->loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
     }
+    dp->module_changes = net->changes;
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
     dp->bucket_bytes = 25u << 20;
     dp->overlap = 1;
@@ -8035,10 +8134,24 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
     mgpu_net_sgd(module, lr, momentum, weight_decay);
 }
 
+/* What the caller did to replica 0 (the module) between steps reaches the
+   others: its training mode always, and its values when they may have
+   changed (loaded, or written through mgpu_net_param). In gather mode
+   each step copies the values anyway. */
+static void mgpu__dp_follow_module(mgpu_data_parallel *dp) {
+    mgpu_net *module = dp->replicas[0];
+    for (int i = 1; i < dp->n; i++) dp->replicas[i]->training = module->training;
+    if (module->changes == dp->module_changes) return;
+    if (dp->mode == MGPU_DP_ALLREDUCE)
+        for (int i = 1; i < dp->n; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
+    dp->module_changes = module->changes;
+}
+
 MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                       const mgpu_tensor *y, float lr, float momentum,
                                       float weight_decay) {
     int batch = X->shape.d[0];
+    mgpu__dp_follow_module(dp);
     mgpu__dp_scatter(dp, X, y);
     if (dp->mode == MGPU_DP_GATHER)
         mgpu__dp_step_gather(dp, batch, lr, momentum, weight_decay);
@@ -8062,6 +8175,7 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     if (!dp) return;
     mgpu__dp_unbucket_module(dp);
     for (int i = 0; i < dp->n; i++) {
+        dp->replicas[i]->wrapped = 0;
         if (i > 0) mgpu_net_free(dp->replicas[i]);
         for (int set = 0; set < 2; set++) {
             mgpu_free(dp->x_set[set][i]);

@@ -20,6 +20,8 @@
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
+#include <signal.h>
+#include <sys/resource.h>
 
 /* A small network: conv, batch norm and ReLU (or ReLU alone), a residual
    block (which has batch norm inside), global pool, linear. */
@@ -313,10 +315,28 @@ TEST(damaged_checkpoints_are_clear_errors) {
     EXPECT_DIES(mgpu_net_load(net, bad), "checksum mismatch (the file is damaged)");
     bytes[n / 2] ^= 0x10;
 
-    write_bytes(bad, bytes, n - 100); /* truncated */
-    EXPECT_DIES(mgpu_net_load(net, bad), "truncated");
-    write_bytes(bad, bytes, 10);
+    /* tensor 1, conv0's bias [6]: its second dimension, past its ndim
+       (after the header, tensor 0's shape and its 6 x 1 x 3 x 3 values) */
+    size_t unused = 16 + 20 + 6 * 9 * 4 + 8;
+    bytes[unused] ^= 0x01;
+    write_bytes(bad, bytes, n);
+    EXPECT_DIES(mgpu_net_load(net, bad), "checksum mismatch (the file is damaged)");
+    bytes[unused] ^= 0x01;
+
+    write_bytes(bad, bytes, n - 100); /* truncated, in each part of the file */
+    EXPECT_DIES(mgpu_net_load(net, bad), "truncated in tensor 20 (block2.bn2's running_mean), of 22");
+    write_bytes(bad, bytes, n - 3);
+    EXPECT_DIES(mgpu_net_load(net, bad), "truncated in the checksum at its end");
+    write_bytes(bad, bytes, 12);
+    EXPECT_DIES(mgpu_net_load(net, bad), "truncated in the header");
+    write_bytes(bad, bytes, 5);
     EXPECT_DIES(mgpu_net_load(net, bad), "not an mgpu checkpoint");
+    /* longer than the network's checkpoint: said without reading it all */
+    unsigned char *longer = (unsigned char *)calloc(n + (1 << 20), 1);
+    memcpy(longer, bytes, n);
+    write_bytes(bad, longer, n + (1 << 20));
+    EXPECT_DIES(mgpu_net_load(net, bad), "1048584 bytes after the last tensor, expected 8");
+    free(longer);
 
     mgpu_net *other = plain_net(d); /* another network's checkpoint */
     EXPECT_DIES(mgpu_net_load(other, path), "the network has");
@@ -327,7 +347,7 @@ TEST(damaged_checkpoints_are_clear_errors) {
     mgpu_net_add_residual(five, 6, 8, 2);
     mgpu_net_add_global_avg_pool(five);
     mgpu_net_add_linear(five, 8, 5);
-    EXPECT_DIES(mgpu_net_load(five, path), "has shape [8, 10], the network's is [8, 5]");
+    EXPECT_DIES(mgpu_net_load(five, path), "tensor 14 (linear4's weight) has shape [8, 10], the network's is [8, 5]");
     mgpu_net_free(five);
     EXPECT_DIES(mgpu_net_load(net, "/nonexistent/x.ckpt"), "cannot open the checkpoint");
     EXPECT_DIES(mgpu_net_load(net, "/tmp"), "cannot read the checkpoint");
@@ -337,12 +357,42 @@ TEST(damaged_checkpoints_are_clear_errors) {
     unlink(bad);
     CHECK(mkfifo(bad, 0600) == 0);
     EXPECT_DIES(alarm(20); mgpu_net_load(net, bad), "cannot read the checkpoint (not a regular file)");
+    EXPECT_DIES(alarm(20); mgpu_net_save(net, bad), "cannot write the checkpoint (not a regular file)");
 
     free(bytes);
     unlink(path);
     unlink(bad);
     mgpu_net_free(net);
     mgpu_net_free(other);
+}
+
+/* A save that fails half-way (here: files limited to 1000 bytes, as a
+   full disk would stop it) leaves the checkpoint before it as it was. */
+static void save_into_1000_bytes(const mgpu_net *net, const char *path) {
+    struct rlimit small;
+    small.rlim_cur = small.rlim_max = 1000;
+    signal(SIGXFSZ, SIG_IGN); /* a write past the limit fails, and does not kill */
+    setrlimit(RLIMIT_FSIZE, &small);
+    mgpu_net_save(net, path);
+}
+TEST(a_failed_save_keeps_the_checkpoint_before_it) {
+    mgpu_net *net = small_net(mgpu_cpu(), 1);
+    char path[256], tmp[300];
+    temp_path(path, sizeof path, "kept.ckpt");
+    mgpu_net_save(net, path);
+    size_t n, m;
+    unsigned char *before = read_bytes(path, &n);
+    mgpu_scale_(net->params[0]->value, 2.0f); /* a checkpoint that would differ */
+    EXPECT_DIES(save_into_1000_bytes(net, path), "kept.ckpt: cannot write the checkpoint (File too large)");
+    unsigned char *after = read_bytes(path, &m);
+    CHECK_EQ_INT((int)m, (int)n);
+    CHECK(memcmp(before, after, n) == 0);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    CHECK(access(tmp, F_OK) != 0); /* and no half-written file beside it */
+    free(before);
+    free(after);
+    unlink(path);
+    mgpu_net_free(net);
 }
 #endif
 
@@ -1213,6 +1263,54 @@ TEST(an_allreduce_of_ones_own_trains_like_the_librarys) {
     mgpu_net_free(net);
 #endif
 }
+
+/* Between steps the caller may load a checkpoint into the module, or
+   write its values: the next step copies them to the other replicas
+   first, so that they stay the same (the step's reduction alone would
+   keep their difference). */
+TEST(the_wrapper_follows_what_is_done_to_the_module) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    char path[256];
+    temp_path(path, sizeof path, "module.ckpt");
+    train_steps(dp, 1);
+    mgpu_net_save(net, path);
+    train_steps(dp, 2);
+    mgpu_net_load(net, path); /* back one step: replica 1 is not */
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
+    train_steps(dp, 1);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    mgpu_scale_(mgpu_net_param(net, 0)->value, 0.5f);
+    train_steps(dp, 1);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    unlink(path);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
+#if !TEST_ON_GPU /* (a forked child cannot use the GPU) */
+TEST(the_wrapper_refuses_what_would_break_its_replicas) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    EXPECT_DIES(mgpu_net_add_linear(net, 10, 10),
+                "linear5: the network is held by a data-parallel wrapper, which copied its layers; "
+                "add layers before mgpu_data_parallel_new");
+    EXPECT_DIES(mgpu_net_free(net), "mgpu_net_free: a data-parallel wrapper still holds this network; "
+                                    "free the wrapper first (mgpu_data_parallel_free)");
+    EXPECT_DIES(mgpu_data_parallel_new(net, devs, 2, MGPU_DP_GATHER),
+                "mgpu_data_parallel_new: another wrapper holds this network already");
+    mgpu_data_parallel_free(dp);
+    mgpu_device *twice[2] = {devs[0], devs[0]};
+    EXPECT_DIES(mgpu_data_parallel_new(net, twice, 2, MGPU_DP_ALLREDUCE),
+                "mgpu_data_parallel_new: cpu is devices[0] and devices[1]; give each replica its own device");
+    mgpu_net_add_linear(net, 10, 10); /* the wrapper gone, the network is the caller's again */
+    mgpu_net_free(net);
+}
+#endif
 
 TEST(switching_the_reduction_off_lets_replicas_drift) {
     mgpu_device *devs[2];
