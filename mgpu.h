@@ -1367,7 +1367,8 @@ typedef struct mgpu_options {
 } mgpu_options;
 typedef struct mgpu_flag {
     const char *name;  /* "--size" */
-    char type;         /* 'i' positive int, 'd' positive double, 's' string, 'b' switch */
+    char type;         /* 'i' positive int, 'd' positive double, 's' string, 'b' switch,
+                          'n' not taken here: help says why, as the error (value NULL) */
     void *value;       /* int*, double*, const char**, int* */
     const char *help;
 } mgpu_flag;
@@ -1394,6 +1395,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #ifndef MGPU__IMPLEMENTED
 #define MGPU__IMPLEMENTED
 
+#include <ctype.h>
 #include <errno.h>
 #include <float.h>
 #include <math.h>
@@ -2076,6 +2078,8 @@ static void mgpu__after_fork_in_child(void) {
     }
 }
 
+static int mgpu__tf32_allowed(int which);
+static void mgpu__conv_settings_from_environment(void);
 static void mgpu__init(void) {
     if (mgpu__g.initialised) return;
     mgpu__g.initialised = 1;
@@ -2097,6 +2101,10 @@ static void mgpu__init(void) {
 #endif
     atexit(mgpu__at_exit);
     pthread_atfork(NULL, NULL, mgpu__after_fork_in_child);
+    /* The environment's settings now: a bad value stops the program before
+       its work, not at its first convolution. */
+    mgpu__tf32_allowed(0);
+    mgpu__conv_settings_from_environment();
 }
 
 /* ======================================================================
@@ -2280,14 +2288,16 @@ MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
 static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
     char *end = NULL;
     errno = 0;
+    /* (strtol and strtod would pass over spaces, and take a '+', before it) */
+    int number_first = isdigit((unsigned char)text[0]) || text[0] == '.' || text[0] == '-';
     if (f->type == 'i') {
         long v = strtol(text, &end, 10);
-        if (errno || *end || end == text || v <= 0 || v > 1000000000)
+        if (!number_first || errno || *end || end == text || v <= 0 || v > 1000000000)
             mgpu_fatal("%s: expected a positive whole number, got '%s'", f->name, text);
         *(int *)f->value = (int)v;
     } else if (f->type == 'd') {
         double v = strtod(text, &end);
-        if (*end || end == text || !(v > 0))
+        if (!number_first || *end || end == text || !(v > 0))
             mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
         if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
             mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
@@ -2324,7 +2334,8 @@ static void mgpu__flag_print(const mgpu_flag *f) {
     char value[64] = "";
     if (f->type == 'i' && *(int *)f->value) snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
     if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
-    if (f->type == 'd') snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
+    if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
+    if (f->type == 'd' && !*(double *)f->value) snprintf(value, sizeof value, " X");
     if (f->type == 's') {
         const char *v = *(const char **)f->value;
         snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
@@ -2362,6 +2373,7 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
             if (strcmp(arg, c->name) == 0) f = c;
         }
         if (!f) mgpu_fatal("unknown flag '%s' (try --help)", arg);
+        if (f->type == 'n') mgpu_fatal("%s: %s", arg, f->help);
         if (f->type == 'b') {
             *(int *)f->value = 1;
             continue;
@@ -2378,7 +2390,8 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
             for (int e = 0; e < nextra; e++) overridden |= strcmp(extra[e].name, common[k].name) == 0;
             if (!overridden) mgpu__flag_print(&common[k]);
         }
-        for (int k = 0; k < nextra; k++) mgpu__flag_print(&extra[k]);
+        for (int k = 0; k < nextra; k++)
+            if (extra[k].type != 'n') mgpu__flag_print(&extra[k]);
         exit(0);
     }
     /* Checked now, not when a run has ended: */
@@ -2952,12 +2965,11 @@ static FILE *mgpu__whole_file_open(const char *path, char **tmp) {
     return f;
 }
 static int mgpu__whole_file_close(FILE *f, char *tmp, const char *path, int failed) {
-    errno = 0;
-    failed |= ferror(f) != 0;
-    failed |= fclose(f) != 0; /* closed in any case; a full disk may only show here */
-    if (!failed) failed = rename(tmp, path) != 0;
-    int error = failed ? (errno ? errno : EIO) : 0;
-    if (failed) remove(tmp);
+    /* the first failure's errno: the writes' (open set errno to 0), else fclose's, else rename's */
+    int error = failed || ferror(f) ? (errno ? errno : EIO) : 0;
+    if (fclose(f) != 0 && !error) error = errno ? errno : EIO; /* a full disk may only show here */
+    if (!error && rename(tmp, path) != 0) error = errno ? errno : EIO;
+    if (error) remove(tmp);
     free(tmp);
     return error;
 }
@@ -4522,7 +4534,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
 static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA=1 */
-/* Read at the first convolution: MGPU_CONV_SCRATCH_MB replaces both
+/* Read when the library starts (mgpu__init): MGPU_CONV_SCRATCH_MB replaces both
    scratch sizes, MGPU_CONV chooses the GPU's algorithm, MGPU_WGMMA whether
    the wgmma kernels are among the candidates. */
 static int mgpu__conv_env_read;
@@ -4542,7 +4554,7 @@ static void mgpu__conv_settings_from_environment(void) {
     if (!env || !*env) return;
     char *end;
     long mb = strtol(env, &end, 10);
-    MGPU_REQUIRE(*end == '\0' && mb >= 1 && mb <= 65536,
+    MGPU_REQUIRE(isdigit((unsigned char)env[0]) && *end == '\0' && mb >= 1 && mb <= 65536,
                  "MGPU_CONV_SCRATCH_MB=%s: want a whole number of MiB from 1 to 65536", env);
     mgpu__conv_scratch_floats[0] = mgpu__conv_scratch_floats[1] = (size_t)mb << 18;
 }
@@ -5952,8 +5964,11 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL);
 }
 
-/* Checks logits [N, classes] and labels [N] against out's device. */
-static mgpu__ce_args mgpu__ce_prepare(const char *op, mgpu_tensor *out, const mgpu_tensor *logits,
+/* Checks logits [N, classes] and labels [N] against out's device. The
+   messages name op, the function the caller called, and count the samples
+   from first_row (a data-parallel step's shard: where its rows start in
+   the caller's batch). */
+static mgpu__ce_args mgpu__ce_prepare(const char *op, int first_row, mgpu_tensor *out, const mgpu_tensor *logits,
                                       const mgpu_tensor *labels) {
     char sl[64], sy[64];
     mgpu__require_device(logits, out->device, op);
@@ -5971,6 +5986,7 @@ static mgpu__ce_args mgpu__ce_prepare(const char *op, mgpu_tensor *out, const mg
     a.n = logits->shape.d[0];
     a.classes = logits->shape.d[1];
     a.op = op;
+    a.first_row = first_row;
     return a;
 }
 /* out must have `numel` values, `what` says which. */
@@ -5980,20 +5996,18 @@ static void mgpu__require_numel(const mgpu_tensor *out, size_t numel, const char
                  mgpu_shape_str(out->shape, s, sizeof s), what, numel);
 }
 
-MGPU_DEF void mgpu_cross_entropy_forward(mgpu_tensor *losses, const mgpu_tensor *logits,
-                                         const mgpu_tensor *labels) {
-    const char *op = "mgpu_cross_entropy_forward";
-    mgpu__ce_args a = mgpu__ce_prepare(op, losses, logits, labels);
+static void mgpu__cross_entropy_forward(const char *op, int first_row, mgpu_tensor *losses,
+                                        const mgpu_tensor *logits, const mgpu_tensor *labels) {
+    mgpu__ce_args a = mgpu__ce_prepare(op, first_row, losses, logits, labels);
     mgpu__require_numel(losses, (size_t)a.n, op, "[N]");
     mgpu__before_write(losses);
     mgpu__launch_on(&losses->device->queue[0], "cross entropy", mgpu__ce_forward_cpu,
                     MGPU__CUDA_FN(mgpu__ce_forward_cuda), &a, sizeof a);
 }
 
-MGPU_DEF void mgpu_cross_entropy_backward(mgpu_tensor *dlogits, const mgpu_tensor *logits,
-                                          const mgpu_tensor *labels, float scale) {
-    const char *op = "mgpu_cross_entropy_backward";
-    mgpu__ce_args a = mgpu__ce_prepare(op, dlogits, logits, labels);
+static void mgpu__cross_entropy_backward(const char *op, int first_row, mgpu_tensor *dlogits,
+                                         const mgpu_tensor *logits, const mgpu_tensor *labels, float scale) {
+    mgpu__ce_args a = mgpu__ce_prepare(op, first_row, dlogits, logits, labels);
     mgpu__require_same_shape(dlogits, logits, op);
     a.scale = scale;
     mgpu__before_write(dlogits);
@@ -6001,14 +6015,25 @@ MGPU_DEF void mgpu_cross_entropy_backward(mgpu_tensor *dlogits, const mgpu_tenso
                     MGPU__CUDA_FN(mgpu__ce_backward_cuda), &a, sizeof a);
 }
 
-MGPU_DEF void mgpu_accuracy_count(mgpu_tensor *count, const mgpu_tensor *logits,
-                                  const mgpu_tensor *labels) {
-    const char *op = "mgpu_accuracy_count";
-    mgpu__ce_args a = mgpu__ce_prepare(op, count, logits, labels);
+static void mgpu__accuracy_count(const char *op, int first_row, mgpu_tensor *count, const mgpu_tensor *logits,
+                                 const mgpu_tensor *labels) {
+    mgpu__ce_args a = mgpu__ce_prepare(op, first_row, count, logits, labels);
     mgpu__require_numel(count, 1, op, "[1]");
     mgpu__before_write(count);
     mgpu__launch_on(&count->device->queue[0], "accuracy", mgpu__accuracy_cpu,
                     MGPU__CUDA_FN(mgpu__accuracy_cuda), &a, sizeof a);
+}
+MGPU_DEF void mgpu_cross_entropy_forward(mgpu_tensor *losses, const mgpu_tensor *logits,
+                                         const mgpu_tensor *labels) {
+    mgpu__cross_entropy_forward("mgpu_cross_entropy_forward", 0, losses, logits, labels);
+}
+MGPU_DEF void mgpu_cross_entropy_backward(mgpu_tensor *dlogits, const mgpu_tensor *logits,
+                                          const mgpu_tensor *labels, float scale) {
+    mgpu__cross_entropy_backward("mgpu_cross_entropy_backward", 0, dlogits, logits, labels, scale);
+}
+MGPU_DEF void mgpu_accuracy_count(mgpu_tensor *count, const mgpu_tensor *logits,
+                                  const mgpu_tensor *labels) {
+    mgpu__accuracy_count("mgpu_accuracy_count", 0, count, logits, labels);
 }
 
 static void mgpu__sum_launch(const char *op, mgpu_tensor *out, const mgpu_tensor *x, double scale) {
@@ -7517,20 +7542,22 @@ static void mgpu__require_loss_sum(const char *who, const mgpu_tensor *loss_sum)
                  loss_sum ? mgpu_shape_str(loss_sum->shape, s, sizeof s) : "");
 }
 /* The loss's gradient with respect to the logits (and the loss, added to
-   loss_sum when given): where every backward pass starts. */
+   loss_sum when given): where every backward pass starts. For messages:
+   op, the caller's function, and first_row, where these rows start in its
+   batch (mgpu__ce_prepare). */
 static const mgpu_tensor *mgpu__net_loss_grad(mgpu_net *net, const mgpu_tensor *logits,
                                               const mgpu_tensor *labels, float scale,
-                                              mgpu_tensor *loss_sum) {
+                                              mgpu_tensor *loss_sum, const char *op, int first_row) {
     int n = logits->shape.d[0];
     mgpu_ensure(&net->losses, net->device, mgpu_shape1(n));
     mgpu_ensure(&net->dlogits, net->device, logits->shape);
-    mgpu_cross_entropy_forward(net->losses, logits, labels);
+    mgpu__cross_entropy_forward(op, first_row, net->losses, logits, labels);
     if (loss_sum) {
         mgpu_ensure(&net->loss_sum, net->device, mgpu_shape1(1));
         mgpu_sum(net->loss_sum, net->losses);
         mgpu_add_(loss_sum, net->loss_sum);
     }
-    mgpu_cross_entropy_backward(net->dlogits, logits, labels, scale);
+    mgpu__cross_entropy_backward(op, first_row, net->dlogits, logits, labels, scale);
     return net->dlogits;
 }
 
@@ -7539,7 +7566,7 @@ MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      mgpu_tensor *loss_sum) {
     mgpu__net_require_backward(net, "mgpu_net_loss_backward");
     mgpu__require_loss_sum("mgpu_net_loss_backward", loss_sum);
-    mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum));
+    mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum, "mgpu_net_loss_backward", 0));
 }
 
 MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
@@ -7548,7 +7575,8 @@ MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgp
     mgpu__require_loss_sum("mgpu_net_train_step", loss_sum);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     mgpu__net_require_backward(net, "mgpu_net_train_step");
-    mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum), 0);
+    mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum,
+                                                "mgpu_net_train_step", 0), 0);
     mgpu_net_sgd(net, lr, momentum, weight_decay);
 }
 
@@ -8054,13 +8082,14 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     for (int i = dp->used; i < dp->n; i++)
         for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
-    for (int i = 0; i < dp->used; i++) { /* (no zero_grad: the backward writes the gradients) */
-        mgpu_net *r = dp->replicas[i];
+    const char *op = "mgpu_data_parallel_step";
+    for (int i = 0, row = 0; i < dp->used; row += dp->x_shards[i]->shape.d[0], i++) {
+        mgpu_net *r = dp->replicas[i]; /* (no zero_grad: the backward writes the gradients) */
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
-        mgpu__net_require_backward(r, "mgpu_data_parallel_step");
-        mgpu_accuracy_count(dp->count[i], logits, dp->y_shards[i]);
+        mgpu__net_require_backward(r, op);
+        mgpu__accuracy_count(op, row, dp->count[i], logits, dp->y_shards[i]);
         mgpu_add_(dp->correct[i], dp->count[i]);
-        grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i]);
+        grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i], op, row);
     }
     int next_bucket = 0;
     for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
@@ -8105,12 +8134,13 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
     mgpu_ensure(&dp->losses, d0, mgpu_shape1(batch));
     mgpu_ensure(&dp->dlogits, d0, dp->logits->shape);
     mgpu_ensure(&dp->batch_loss, d0, mgpu_shape1(1));
-    mgpu_cross_entropy_forward(dp->losses, dp->logits, dp->labels);
+    const char *op = "mgpu_data_parallel_step";
+    mgpu__cross_entropy_forward(op, 0, dp->losses, dp->logits, dp->labels);
     mgpu_sum(dp->batch_loss, dp->losses);
     mgpu_add_(dp->loss_sum[0], dp->batch_loss);
-    mgpu_accuracy_count(dp->count[0], dp->logits, dp->labels);
+    mgpu__accuracy_count(op, 0, dp->count[0], dp->logits, dp->labels);
     mgpu_add_(dp->correct[0], dp->count[0]);
-    mgpu_cross_entropy_backward(dp->dlogits, dp->logits, dp->labels, 1.0f / (float)batch);
+    mgpu__cross_entropy_backward(op, 0, dp->dlogits, dp->logits, dp->labels, 1.0f / (float)batch);
     /* 5. scatter the logits' gradient back, backward on every device */
     row = 0;
     for (int i = 0; i < dp->used; i++) {

@@ -170,6 +170,8 @@ int main(int argc, char **argv) {
                        "bench/allreduce: the book's allreduce, the ring and NCCL, from 4 KiB to 256 MiB "
                        "per device, against floors from the measured copy rate",
                        extra, 1);
+    MGPU_REQUIRE(max_mib <= 4096, "--max-mib %d: at most 4096 (a tensor holds fewer than 2^31 values)",
+                 max_mib);
     int k = o.devices;
     MGPU_REQUIRE(k >= 2, "--devices: an allreduce needs at least 2 devices, not %d", k);
     mgpu_device *dev[MGPU_MAX_DEVICES];

@@ -239,6 +239,8 @@ int main(int argc, char **argv) {
 
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
+    if (train_samples > train_set->n)
+        mgpu_fatal("--train-samples %d: the training set has %d images", train_samples, train_set->n);
     mgpu_dataset_truncate(train_set, train_samples);
 
     /* 1. the parameters, and a copy on device 0 */
@@ -289,25 +291,25 @@ int main(int argc, char **argv) {
 
     /* 4. train on 1 and on 2 (--devices) devices, same batch size and learning rate */
     printf("\n");
-    int sizes[2] = {1, o.devices ? o.devices : 2};
+    int sizes[2] = {1, o.devices ? o.devices : 2}, nruns = sizes[1] > 1 ? 2 : 1;
     mgpu_animator *runs[2];
     char labels[2][32];
     const char *label_ptrs[2];
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < nruns; k++) {
         runs[k] = train(params, sizes[k], use_gpu, train_set, test_set, o.batch_size, (float)o.lr,
                         o.epochs, &o);
         snprintf(labels[k], sizeof labels[k], "%d device%s", sizes[k], sizes[k] > 1 ? "s" : "");
         label_ptrs[k] = labels[k];
     }
     char path[1024];
-    mgpu_animator_write_combined(mgpu_out_path(&o, "chapter2_test_acc.png", path, sizeof path),
-                                 "LeNet test accuracy", 2, (const mgpu_animator *const *)runs, 2,
-                                 label_ptrs);
-    printf("plots: %s, and chapter2_<N>_device(s).png for each run beside it\n", path);
+    if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter2_test_acc.png", path, sizeof path),
+                                     "LeNet test accuracy", nruns, (const mgpu_animator *const *)runs, 2,
+                                     label_ptrs) == 0)
+        printf("plots: %s, and chapter2_<N>_device(s).png for each run beside it\n", path);
 
-    for (int k = 0; k < 2; k++) mgpu_animator_free(runs[k]);
+    for (int k = 0; k < nruns; k++) mgpu_animator_free(runs[k]);
     for (int k = 0; k < NUM_PARAMS; k++) mgpu_free(params[k]);
     mgpu_dataset_free(train_set);
     mgpu_dataset_free(test_set);
-    return 0;
+    return mgpu_output_errors() ? 1 : 0; /* (each said so on stderr) */
 }

@@ -22,7 +22,11 @@
    On one GPU the extra devices are virtual (queues on the same GPU), so
    more devices cannot be faster, only as fast; without a GPU the chapter
    runs a reduced setting on CPU devices (a few hundred images), to show the
-   mechanics, and --full runs the book's. */
+   mechanics, and --full runs the book's. The reduced runs give each device
+   the same number of images (256, so 1024 on 4 devices): every run then
+   takes the same number of steps. On the same few images, 4 devices would
+   take a quarter of the steps, too few for batch norm's running statistics
+   (which evaluation uses) to settle. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
@@ -130,9 +134,9 @@ static void step_timeline(int batch_size, int use_gpu, const mgpu_dataset *train
         mgpu_data_parallel_step(dp, b.x, b.y, 0.1f, 0.0f, 0.0f);
         mgpu_trace_end();
         char path[1024];
-        mgpu_trace_write_png(mgpu_out_path(o, "chapter3_step_timeline.png", path, sizeof path),
-                             "one ResNet-18 step on 2 devices: gradient buckets reduced under backward");
-        printf("step timeline (%s, buckets of 25 MiB): %s\n", mgpu_data_parallel_algorithm(dp), path);
+        if (mgpu_trace_write_png(mgpu_out_path(o, "chapter3_step_timeline.png", path, sizeof path),
+                                 "one ResNet-18 step on 2 devices: gradient buckets reduced under backward") == 0)
+            printf("step timeline (%s, buckets of 25 MiB): %s\n", mgpu_data_parallel_algorithm(dp), path);
     }
     mgpu_loader_free(loader);
     mgpu_data_parallel_free(dp);
@@ -145,33 +149,42 @@ int main(int argc, char **argv) {
     o.seed = 1; /* epochs: 0 until parsed, then the book's 10 or the reduced run's 2 */
     int train_samples = 0, test_samples = 0;
     const mgpu_flag extra[] = {
-        {"--train-samples", 'i', &train_samples, "use the first N training images"},
+        {"--train-samples", 'i', &train_samples,
+         "training images per device: a run on k devices takes the first k N (all 60000 at most)"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
         {"--batch-size", 'i', &o.batch_size, "batch per device (the book's 256): k devices take k times it"},
+        {"--lr", 'd', &o.lr, "learning rate of one device (the book's 0.1): k devices take k times it"},
         {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... devices, up to N"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter3: ResNet-18 on 1, 2 and 4 devices with a DataParallel-style wrapper",
-                       extra, 4);
+                       extra, 5);
     int max_devices = o.devices ? o.devices : 4; /* runs on 1, 2, 4, ... up to this many */
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
-    /* the book: batch 256 per device, lr 0.1 per 256; reduced: batch 16 per device, so
+    /* the book: batch 256 per device, lr 0.1 per 256; reduced: batch 8 per device, so
        that batch norm's running statistics (momentum 0.1) settle in the few steps */
-    int per_device_batch = o.batch_size ? o.batch_size : reduced ? 16 : 256;
+    int per_device_batch = o.batch_size ? o.batch_size : reduced ? 8 : 256;
+    double lr = o.lr ? o.lr : reduced ? 0.025 : 0.1; /* of one device */
+    if ((long long)per_device_batch * max_devices > 1000000000)
+        mgpu_fatal("--batch-size %d: %d devices would take a batch of more than 10^9", per_device_batch,
+                   max_devices);
     if (reduced) {
-        if (!train_samples) train_samples = 512;
+        if (!train_samples) train_samples = 256;
         if (!test_samples) test_samples = 256;
         if (!o.epochs) o.epochs = 2;
-        printf("No GPU: a reduced run on CPU devices: %d training and %d test images, %d epochs, "
-               "batch %d per device (--full: the book's setting).\n",
-               train_samples, test_samples, o.epochs, per_device_batch);
+        printf("No GPU: a reduced run on CPU devices: %d training images per device, %d test images, "
+               "%d epochs, batch %d and lr %g per device (--full: the book's setting).\n",
+               train_samples, test_samples, o.epochs, per_device_batch, lr);
     }
     if (!o.epochs) o.epochs = 10;
     if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
-    mgpu_dataset_truncate(train_set, train_samples);
+    if (train_samples > train_set->n)
+        mgpu_fatal("--train-samples %d: the training set has %d images", train_samples, train_set->n);
+    if (test_samples > test_set->n)
+        mgpu_fatal("--test-samples %d: the test set has %d images", test_samples, test_set->n);
     mgpu_dataset_truncate(test_set, test_samples);
 
     mgpu_animator *runs[8];
@@ -179,18 +192,21 @@ int main(int argc, char **argv) {
     const char *label_ptrs[8];
     int nruns = 0;
     for (int k = 1; k <= max_devices && nruns < 8; k *= 2, nruns++) {
-        /* the book: lr 0.1 per 256 samples; the reduced run takes smaller steps */
-        double lr = o.lr ? o.lr : reduced ? 0.05 : 0.1;
+        /* k devices: k times the batch and the learning rate (and with
+           --train-samples, k times the images) */
         run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k)};
-        runs[nruns] = train(&c, use_gpu, train_set, test_set, &o);
+        long long images = train_samples ? (long long)train_samples * k : train_set->n;
+        mgpu_dataset *subset = mgpu_dataset_subset(train_set, images < train_set->n ? (int)images : train_set->n);
+        runs[nruns] = train(&c, use_gpu, subset, test_set, &o);
+        mgpu_dataset_free(subset);
         snprintf(labels[nruns], sizeof labels[nruns], "%d device%s", k, k > 1 ? "s" : "");
         label_ptrs[nruns] = labels[nruns];
     }
     char path[1024];
-    mgpu_animator_write_combined(mgpu_out_path(&o, "chapter3_test_acc.png", path, sizeof path),
-                                 "ResNet-18 test accuracy", nruns,
-                                 (const mgpu_animator *const *)runs, 2, label_ptrs);
-    printf("plots: %s, and one chapter3_<N>_device(s).png per run beside it\n", path);
+    if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter3_test_acc.png", path, sizeof path),
+                                     "ResNet-18 test accuracy", nruns,
+                                     (const mgpu_animator *const *)runs, 2, label_ptrs) == 0)
+        printf("plots: %s, and one chapter3_<N>_device(s).png per run beside it\n", path);
 
     memory_table(max_devices >= 2 ? 2 : 1, per_device_batch * 2, use_gpu, train_set);
     step_timeline(per_device_batch * 2, use_gpu, train_set, &o);
@@ -198,5 +214,5 @@ int main(int argc, char **argv) {
     for (int i = 0; i < nruns; i++) mgpu_animator_free(runs[i]);
     mgpu_dataset_free(train_set);
     mgpu_dataset_free(test_set);
-    return 0;
+    return mgpu_output_errors() ? 1 : 0; /* (each said so on stderr) */
 }

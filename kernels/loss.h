@@ -31,6 +31,7 @@ typedef struct {
     int n, classes;
     float scale;                 /* backward: of scale * sum of losses */
     const char *op;              /* the public function, for error messages */
+    int first_row;               /* row 0's index in the caller's batch (a device's shard), for them */
 } mgpu__ce_args;
 
 /* The class a label names, or -1 when it is not an integer in [0, classes). */
@@ -42,7 +43,7 @@ static int mgpu__label_class_cpu(const mgpu__ce_args *a, int row) {
     int k = mgpu__label_class(a->labels[row], a->classes);
     if (k < 0)
         mgpu_fatal("%s: label %g of sample %d is not a class index in [0, %d)", a->op,
-                   (double)a->labels[row], row, a->classes);
+                   (double)a->labels[row], a->first_row + row, a->classes);
     return k;
 }
 

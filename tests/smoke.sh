@@ -31,6 +31,16 @@ check() {
     fi
 }
 
+# lacks NAME PATTERN: passes when the log of check NAME has no line
+# matching PATTERN.
+lacks() {
+    if grep -Eq -- "$2" "$out/$1.log"; then
+        echo "FAIL $1_lacks /$2/"; failed=$((failed + 1))
+    else
+        echo "ok   $1_lacks /$2/"; passed=$((passed + 1))
+    fi
+}
+
 # The second image must be a PNG with a non-trivial size.
 png_ok() { [ -s "$1" ] && [ "$(head -c 4 "$1" | tail -c 3)" = "PNG" ]; }
 
@@ -44,7 +54,13 @@ check chapter1_help 0 '--devices' '--size' -- ./chapter1 --help
 check chapter1_unknown_flag 1 "^mgpu: error: unknown flag '--bogus' \(try --help\)$" -- ./chapter1 --bogus
 check chapter1_bad_number 1 "^mgpu: error: --size: expected a positive whole number, got 'ten'$" -- ./chapter1 --size ten
 check chapter1_missing_value 1 "^mgpu: error: --reps needs a value" -- ./chapter1 --reps
-check chapter1_trains_nothing 1 "^mgpu: error: chapter 1 trains nothing and reads no data" -- ./chapter1 --epochs 7
+check chapter1_trains_nothing 1 "^mgpu: error: --epochs: chapter 1 trains nothing and reads no data" -- ./chapter1 --epochs 7
+lacks chapter1_help '--(epochs|batch-size|lr|data) '
+check chapter1_number_after_a_space 1 "^mgpu: error: --size: expected a positive whole number, got ' 64'$" -- ./chapter1 --size ' 64'
+check chapter1_number_after_a_plus 1 "^mgpu: error: --reps: expected a positive whole number, got '\+2'$" -- ./chapter1 --reps +2
+# The environment's settings are read when the library starts, before any work
+check chapter1_bad_environment 1 "^mgpu: error: MGPU_CONV=bogus: want auto" -- env MGPU_CONV=bogus ./chapter1 --cpu --size 64 --reps 2
+lacks chapter1_bad_environment '^dev1'
 check chapter1_two_devices_only 1 "^mgpu: error: --devices 3: chapter 1 compares exactly two devices$" -- ./chapter1 --devices 3
 
 
@@ -63,6 +79,22 @@ for f in chapter2_test_acc.png chapter2_1_device.png chapter2_2_devices.png chap
     else echo "FAIL chapter2_writes_$f"; failed=$((failed + 1)); fi
 done
 check chapter2_missing_data 1 "^mgpu: error: .*nonexistent.*" -- ./chapter2 --cpu --data /nonexistent
+check chapter2_more_samples_than_the_set 1 "^mgpu: error: --train-samples 70000: the training set has 60000 images$" \
+    -- ./chapter2 --cpu --train-samples 70000
+# --devices 1: one run, not the 1-device run twice
+check chapter2_one_device 0 '^test acc: .* on \[cpu\]$' -- ./chapter2 --cpu --devices 1 --train-samples 256 --epochs 1 --out "$out/ch2one"
+lacks chapter2_one_device 'on \[cpu, '
+if [ "$(grep -c '^test acc' "$out/chapter2_one_device.log")" = 1 ]; then echo "ok   chapter2_one_device_runs_once"; passed=$((passed + 1));
+else echo "FAIL chapter2_one_device_runs_once"; failed=$((failed + 1)); fi
+# A plot that cannot be written (files limited to 2 KiB here, as a full
+# disk would stop them): one line each, no 'plots:' line naming a file
+# that is not there, no half-written file, and exit status 1.
+mkdir -p "$out/ch2full"
+check chapter2_cannot_write 1 '^mgpu: error: .*chapter2_test_acc.png: cannot write PNG \(File too large\)$' \
+    -- bash -c "trap '' XFSZ; ulimit -f 2; ./chapter2 --cpu --train-samples 256 --epochs 1 --out '$out/ch2full'"
+lacks chapter2_cannot_write '^plots:'
+if [ -z "$(find "$out/ch2full" -name '*.tmp' -o -size 0 | head -1)" ]; then echo "ok   chapter2_cannot_write_leaves_no_half_file"; passed=$((passed + 1));
+else echo "FAIL chapter2_cannot_write_leaves_no_half_file"; ls -la "$out/ch2full"; failed=$((failed + 1)); fi
 check chapter2_bad_lr 1 "^mgpu: error: --lr: expected a positive number, got '-1'$" -- ./chapter2 --lr -1
 # Flags are checked before any work: ranges, empty folders, a flag where a
 # value should be, an --out that is a file.
@@ -73,7 +105,9 @@ touch "$out/a_file"
 check chapter2_out_is_a_file 1 "^mgpu: error: --out $out/a_file: not a folder$" -- ./chapter2 --out "$out/a_file"
 check chapter3_too_many_epochs 1 "^mgpu: error: --epochs 5000: at most 4096" -- ./chapter3 --epochs 5000
 check chapter3_too_many_devices 1 "^mgpu: error: --devices 17: at most 16 devices$" -- ./chapter3 --devices 17
-check chapter3_help_batch_per_device 0 '--batch-size N +batch per device' -- ./chapter3 --help
+check chapter3_help_batch_per_device 0 '--batch-size N +batch per device' '--lr X +learning rate of one device' -- ./chapter3 --help
+check chapter3_batch_too_large 1 "^mgpu: error: --batch-size 600000000: 4 devices would take a batch of more than 10\^9$" \
+    -- ./chapter3 --cpu --batch-size 600000000
 
 # Chapter 3 on a handful of images: three runs (1, 2, 4 devices), the
 # memory table, the step timeline, and a training loss that falls.
@@ -82,7 +116,7 @@ check chapter3_runs 0 \
     '^test acc: [0-9]\.[0-9]{2}, [0-9.]+ sec/epoch, on \[cpu, cpu#1\] \(gradients: ring\)$' \
     '^test acc: .* on \[cpu, cpu#1, cpu#2, cpu#3\] \(gradients: ring\)$' \
     '^  gather on device 0 \(DataParallel\) ' '^  allreduce \(DDP\) ' '^step timeline \(ring' \
-    -- ./chapter3 --cpu --train-samples 96 --test-samples 32 --epochs 2 --batch-size 16 --out "$out/ch3"
+    -- ./chapter3 --cpu --train-samples 64 --test-samples 32 --epochs 2 --batch-size 8 --out "$out/ch3"
 # the loss of epoch 2 is below that of epoch 1 in the 1-device run's CSV
 if awk -F, 'NR==2{a=$2} NR==3{b=$2} END{exit !(b < a)}' "$out/ch3/chapter3_1_device.csv" 2>/dev/null; then
     echo "ok   chapter3_loss_falls"; passed=$((passed + 1));

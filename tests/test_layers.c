@@ -538,10 +538,14 @@ TEST(conv_settings_from_the_environment) {
     mgpu__conv_env_read = 0;
     CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 77);
     CHECK(mgpu__conv_scratch_floats[1] == (size_t)3 << 18);
-    setenv("MGPU_CONV_SCRATCH_MB", "3x", 1);
-    mgpu__conv_env_read = 0;
-    EXPECT_DIES(mgpu__conv_chunk(&g, mgpu_cpu()),
-                "MGPU_CONV_SCRATCH_MB=3x: want a whole number of MiB from 1 to 65536");
+    const char *bad[] = {"3x", " 3", "+3", "0"};
+    for (int i = 0; i < 4; i++) {
+        setenv("MGPU_CONV_SCRATCH_MB", bad[i], 1);
+        mgpu__conv_env_read = 0;
+        char want[128];
+        snprintf(want, sizeof want, "MGPU_CONV_SCRATCH_MB=%s: want a whole number of MiB from 1 to 65536", bad[i]);
+        EXPECT_DIES(mgpu__conv_chunk(&g, mgpu_cpu()), want);
+    }
     unsetenv("MGPU_CONV_SCRATCH_MB");
     mgpu__conv_scratch_floats[0] = saved[0];
     mgpu__conv_scratch_floats[1] = saved[1];

@@ -1310,6 +1310,28 @@ TEST(the_wrapper_refuses_what_would_break_its_replicas) {
     mgpu_net_add_linear(net, 10, 10); /* the wrapper gone, the network is the caller's again */
     mgpu_net_free(net);
 }
+
+/* A bad label is named by its index in the caller's batch, and by the
+   function the caller called: sample 5 of 8 is device 1's second row. */
+TEST(a_bad_label_in_a_data_parallel_step_names_its_sample) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_tensor *x, *y;
+    batch(0, 8, &x, &y);
+    float labels[8] = {0, 1, 2, 3, 4, -1, 6, 7};
+    mgpu_free(y);
+    y = mgpu_from_host(test_device(), mgpu_shape1(8), labels);
+    for (int mode = 0; mode < 2; mode++) {
+        mgpu_net *net = small_net(devs[0], 1);
+        mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
+        EXPECT_DIES(mgpu_data_parallel_step(dp, x, y, 0.1f, 0.0f, 0.0f); mgpu_synchronize_all(),
+                    "mgpu_data_parallel_step: label -1 of sample 5 is not a class index in [0, 10)");
+        mgpu_data_parallel_free(dp);
+        mgpu_net_free(net);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+}
 #endif
 
 TEST(switching_the_reduction_off_lets_replicas_drift) {
