@@ -6066,10 +6066,20 @@ MGPU_DEF void mgpu_sgd_book(mgpu_tensor *param, mgpu_tensor *grad, float lr, int
 
 /* torch.optim.SGD's update of count tensors, MGPU__LIST_MAX to a launch
    (kernels/sgd.h); bufs is NULL when momentum is 0. */
+/* As torch.optim.SGD: a learning rate, momentum and weight decay of 0 or
+   more (a negative one would climb the loss), and finite. */
+static void mgpu__require_sgd_settings(const char *op, float lr, float momentum, float weight_decay) {
+    MGPU_REQUIRE(lr >= 0 && momentum >= 0 && weight_decay >= 0 && isfinite(lr) && isfinite(momentum) &&
+                     isfinite(weight_decay),
+                 "%s: learning rate %g, momentum %g, weight decay %g: each must be a finite 0 or more", op,
+                 (double)lr, (double)momentum, (double)weight_decay);
+}
+
 static void mgpu__sgd_tensors(const char *op, mgpu_tensor *const *params,
                               const mgpu_tensor *const *grads, mgpu_tensor *const *bufs,
                               int count, float lr, float momentum, float weight_decay,
                               int first_step) {
+    mgpu__require_sgd_settings(op, lr, momentum, weight_decay);
     mgpu__sgd_args a;
     memset(&a, 0, sizeof a);
     a.lr = lr;
@@ -7233,14 +7243,15 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
     mgpu_device *d = x->device;
     l->input = x;
     switch (l->kind) {
-    case MGPU_LAYER_CONV:
-        mgpu_ensure(&l->output, d,
-                     mgpu_conv2d_output_shape(x->shape, l->weight.value->shape, l->stride, l->pad));
+    case MGPU_LAYER_CONV: { /* (a shape that does not fit is an error naming the layer) */
+        mgpu__conv_geom g = mgpu__conv_geometry(l->name, x->shape, l->weight.value->shape, l->stride, l->pad);
+        mgpu_ensure(&l->output, d, mgpu_shape4(g.n, g.k, g.p, g.q));
         mgpu__conv2d_forward(l->output, x, x_t, l->weight.value,
                              mgpu__network_keeps_weight_copies ? &l->weight_t : NULL, l->bias.value, l->stride,
                              l->pad, &l->own_input_t, mgpu__conv_layer_prepared(l, 0, NULL));
         l->input_t = x_t ? x_t : l->own_input_t;
         break;
+    }
     case MGPU_LAYER_BATCHNORM:
         mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), &l->output_t, next,
                                       training);
@@ -8181,6 +8192,7 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
                                       const mgpu_tensor *y, float lr, float momentum,
                                       float weight_decay) {
     int batch = X->shape.d[0];
+    mgpu__require_sgd_settings("mgpu_data_parallel_step", lr, momentum, weight_decay);
     mgpu__dp_follow_module(dp);
     mgpu__dp_scatter(dp, X, y);
     if (dp->mode == MGPU_DP_GATHER)

@@ -581,6 +581,12 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
     mgpu_tensor *sum = mgpu_zeros(mgpu_cpu(), mgpu_shape1(2));
     EXPECT_DIES(mgpu_net_train_step(net, x, y, 0.1f, 0, 0, sum),
                 "mgpu_net_train_step: loss_sum has shape [2]; it must hold one value, [1]");
+    mgpu_tensor *rgb = mgpu_zeros(mgpu_cpu(), mgpu_shape4(2, 3, 4, 4)); /* conv0 takes 1 channel */
+    EXPECT_DIES(mgpu_net_train_step(net, rgb, y, 0.1f, 0, 0, NULL),
+                "conv0: input [2, 3, 4, 4] has 3 channels but weight [4, 1, 3, 3] expects 1");
+    EXPECT_DIES(mgpu_net_train_step(net, x, y, -0.1f, 0, 0, NULL),
+                "mgpu_net_sgd: learning rate -0.1, momentum 0, weight decay 0: each must be a finite 0 or more");
+    mgpu_free(rgb);
     mgpu_net *empty = mgpu_net_new(mgpu_cpu());
     EXPECT_DIES(mgpu_net_train_step(empty, x, y, 0.1f, 0, 0, NULL), "mgpu_net_forward: the network has no layers");
     mgpu_net_free(empty);
@@ -1326,6 +1332,8 @@ TEST(a_bad_label_in_a_data_parallel_step_names_its_sample) {
         mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
         EXPECT_DIES(mgpu_data_parallel_step(dp, x, y, 0.1f, 0.0f, 0.0f); mgpu_synchronize_all(),
                     "mgpu_data_parallel_step: label -1 of sample 5 is not a class index in [0, 10)");
+        EXPECT_DIES(mgpu_data_parallel_step(dp, x, y, 0.1f, -0.9f, 0.0f),
+                    "mgpu_data_parallel_step: learning rate 0.1, momentum -0.9, weight decay 0");
         mgpu_data_parallel_free(dp);
         mgpu_net_free(net);
     }

@@ -605,6 +605,9 @@ TEST(sgd_errors) {
     EXPECT_DIES(mgpu_sgd_step(p, g3, NULL, 0.1f, 0.9f, 0, 1),
                 "mgpu_sgd_step: momentum_buf (needed with momentum) is NULL");
     EXPECT_DIES(mgpu_sgd_step(p, g3, g, 0.1f, 0.9f, 0, 1), "mgpu_sgd_step: shapes [3] and [4] differ");
+    EXPECT_DIES(mgpu_sgd_step(p, g3, NULL, 0.1f, 0, -1e-4f, 1),
+                "mgpu_sgd_step: learning rate 0.1, momentum 0, weight decay -0.0001: each must be a finite 0 or more");
+    EXPECT_DIES(mgpu_sgd_step(p, g3, g3, 0.1f, NAN, 0, 1), "mgpu_sgd_step: learning rate 0.1, momentum nan");
     mgpu_free(p); mgpu_free(g); mgpu_free(g3);
 }
 
