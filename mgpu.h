@@ -1119,7 +1119,10 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    One file holds every parameter and buffer: a header (magic "MGPUNET1",
    version, tensor count), each tensor's shape and values, and a 64-bit
    FNV-1a checksum of everything before it. Loading a damaged file, another
-   network's file or a file from another version is a one-line error.
+   network's file or a file from another version is a one-line error. A
+   save writes "<path>.tmp" and renames it over path (over the file a link
+   names, keeping its permissions): a save that fails (a full disk) leaves
+   the checkpoint before it as it was.
        void mgpu_net_free(net)   the layers, parameters, buffers and scratch
 
        double mgpu_net_evaluate_accuracy(net, data, batch_size)
@@ -1201,10 +1204,10 @@ typedef struct mgpu_net {
     /* while a data-parallel wrapper holds the network: its layers are
        fixed, and it is freed after the wrapper */
     int wrapped;
-    /* counts the ways its values may have changed outside a training step
-       (mgpu_net_load, mgpu_net_copy_params into it, mgpu_net_param and
-       mgpu_net_buffer, which hand out what can be written): a wrapper's
-       other replicas copy replica 0 again when it moves */
+    /* counts the calls that may have changed its values: mgpu_net_load,
+       mgpu_net_sgd, mgpu_net_copy_params into it, and mgpu_net_param and
+       mgpu_net_buffer, which hand out what can be written. A wrapper's
+       other replicas copy replica 0 again when it moved between steps. */
     unsigned changes;
 } mgpu_net;
 
@@ -1264,8 +1267,11 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    mgpu_data_parallel_module) and the wrapper copies it to the others.
    What you do to net between steps reaches them at the start of the next
    step: its training mode, and its values when you load a checkpoint
-   into it or write them through mgpu_net_param or mgpu_net_buffer. Its
-   layers are fixed while the wrapper holds it (adding one is an error).
+   into it, train it alone (mgpu_net_train_step, mgpu_net_sgd), or write
+   them through a pointer that mgpu_net_param or mgpu_net_buffer gave you
+   since the last step. (Writes through older pointers, or the layer
+   structs, are not seen: fetch the pointer again.) Its layers are fixed
+   while the wrapper holds it (adding one is an error).
    mgpu_data_parallel_free frees the copies, not net: free net yourself,
    after the wrapper. Each device holds one replica: a device given twice
    is an error (mgpu_devices makes virtual devices where you want more).
@@ -1367,8 +1373,9 @@ typedef struct mgpu_options {
 } mgpu_options;
 typedef struct mgpu_flag {
     const char *name;  /* "--size" */
-    char type;         /* 'i' positive int, 'd' positive double, 's' string, 'b' switch,
-                          'n' not taken here: help says why, as the error (value NULL) */
+    char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 's' string, 'b' switch,
+                          'n' a common flag this program refuses: giving it fails with help as
+                          the message, and --help omits it (value NULL) */
     void *value;       /* int*, double*, const char**, int* */
     const char *help;
 } mgpu_flag;
@@ -2288,16 +2295,18 @@ MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
 static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
     char *end = NULL;
     errno = 0;
-    /* (strtol and strtod would pass over spaces, and take a '+', before it) */
-    int number_first = isdigit((unsigned char)text[0]) || text[0] == '.' || text[0] == '-';
-    if (f->type == 'i') {
-        long v = strtol(text, &end, 10);
-        if (!number_first || errno || *end || end == text || v <= 0 || v > 1000000000)
-            mgpu_fatal("%s: expected a positive whole number, got '%s'", f->name, text);
+    /* The value is the number alone: strtol and strtod would pass over
+       spaces before it, and take a '+'. */
+    int starts_like_a_number = isdigit((unsigned char)text[0]) || text[0] == '.' || text[0] == '-';
+    if (f->type == 'i' || f->type == 'u') {
+        long v = strtol(text, &end, 10), least = f->type == 'u' ? 0 : 1;
+        if (!starts_like_a_number || errno || *end || end == text || v < least || v > 1000000000)
+            mgpu_fatal("%s: expected %s, got '%s'", f->name,
+                       least ? "a positive whole number" : "a whole number of 0 or more", text);
         *(int *)f->value = (int)v;
     } else if (f->type == 'd') {
         double v = strtod(text, &end);
-        if (!number_first || *end || end == text || !(v > 0))
+        if (!starts_like_a_number || *end || end == text || !(v > 0))
             mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
         if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
             mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
@@ -2332,6 +2341,7 @@ static void mgpu__make_out_folder(const char *dir) {
 
 static void mgpu__flag_print(const mgpu_flag *f) {
     char value[64] = "";
+    if (f->type == 'u') snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
     if (f->type == 'i' && *(int *)f->value) snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
     if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
     if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
@@ -2358,7 +2368,7 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
         {"--lr", 'd', &o->lr, "learning rate"},
         {"--data", 's', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
         {"--out", 's', &o->out, "folder for the PNG and CSV files"},
-        {"--seed", 'i', &seed, "random seed"},
+        {"--seed", 'u', &seed, "random seed"},
         {"--cpu", 'b', &o->cpu, "use CPU devices even when there are GPUs"},
         {"--full", 'b', &o->full, "the book's full setting, also without a GPU"},
         {"--help", 'b', &help, "print this help"},
@@ -2946,31 +2956,47 @@ static int mgpu__plot_write_failed(const char *path, const char *what, const cha
 /* A file that appears whole or not at all: written to "<path>.tmp", which
    is then renamed over path. A viewer that reloads it (the Animator
    rewrites its files after every point) sees the old file or the new one,
-   and a full disk leaves the old one as it was. Open gives the FILE (NULL
-   with errno set); close returns 0, or the errno of what failed (EIO where
-   none was set), and removes the temporary file on failure. */
-static FILE *mgpu__whole_file_open(const char *path, char **tmp) {
-    size_t length = strlen(path);
-    *tmp = (char *)mgpu__xmalloc(length + 5);
-    memcpy(*tmp, path, length);
-    memcpy(*tmp + length, ".tmp", 5);
-    errno = 0;
-    FILE *f = fopen(*tmp, "wb");
-    if (!f) {
+   and a full disk leaves the old one as it was. Where path is a link, the
+   file it names is the one replaced, and a file replaced keeps its
+   permissions. Open gives the FILE (NULL with errno set); close returns 0,
+   or the errno of what failed (EIO where none was set), and removes the
+   temporary file on failure. */
+typedef struct mgpu__whole_file {
+    FILE *f;
+    char *target, *tmp; /* the file replaced (a link's target), and "<target>.tmp" */
+} mgpu__whole_file;
+static FILE *mgpu__whole_file_open(mgpu__whole_file *w, const char *path) {
+    char *resolved = realpath(path, NULL); /* (NULL where there is no file yet) */
+    const char *target = resolved ? resolved : path;
+    size_t length = strlen(target);
+    w->target = (char *)mgpu__xmalloc(length + 1);
+    w->tmp = (char *)mgpu__xmalloc(length + 5);
+    memcpy(w->target, target, length + 1);
+    memcpy(w->tmp, target, length);
+    memcpy(w->tmp + length, ".tmp", 5);
+    free(resolved);
+    struct stat old;
+    int replaces = stat(w->target, &old) == 0;
+    w->f = fopen(w->tmp, "wb");
+    if (!w->f) {
         int error = errno;
-        free(*tmp);
-        *tmp = NULL;
+        free(w->target);
+        free(w->tmp);
         errno = error;
+        return NULL;
     }
-    return f;
+    if (replaces) (void)fchmod(fileno(w->f), old.st_mode & 07777); /* (failing, it keeps umask's) */
+    errno = 0; /* a write that fails sets it again: mgpu__whole_file_close reads it */
+    return w->f;
 }
-static int mgpu__whole_file_close(FILE *f, char *tmp, const char *path, int failed) {
-    /* the first failure's errno: the writes' (open set errno to 0), else fclose's, else rename's */
-    int error = failed || ferror(f) ? (errno ? errno : EIO) : 0;
-    if (fclose(f) != 0 && !error) error = errno ? errno : EIO; /* a full disk may only show here */
-    if (!error && rename(tmp, path) != 0) error = errno ? errno : EIO;
-    if (error) remove(tmp);
-    free(tmp);
+static int mgpu__whole_file_close(mgpu__whole_file *w, int failed) {
+    /* the first failure's errno: the writes', else fclose's, else rename's */
+    int error = (failed || ferror(w->f)) ? (errno ? errno : EIO) : 0;
+    if (fclose(w->f) != 0 && !error) error = errno ? errno : EIO; /* a full disk may only show here */
+    if (!error && rename(w->tmp, w->target) != 0) error = errno ? errno : EIO;
+    if (error) remove(w->tmp);
+    free(w->target);
+    free(w->tmp);
     return error;
 }
 
@@ -2981,12 +3007,11 @@ static void mgpu__plot_png_piece(void *file, void *data, int size) {
 }
 
 MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
-    char *tmp;
-    FILE *f = mgpu__whole_file_open(path, &tmp);
-    if (!f) return mgpu__plot_write_failed(path, "PNG", strerror(errno));
-    int encoded = stbi_write_png_to_func(mgpu__plot_png_piece, f, c->width, c->height, 3, c->rgb,
+    mgpu__whole_file w;
+    if (!mgpu__whole_file_open(&w, path)) return mgpu__plot_write_failed(path, "PNG", strerror(errno));
+    int encoded = stbi_write_png_to_func(mgpu__plot_png_piece, w.f, c->width, c->height, 3, c->rgb,
                                          c->width * 3);
-    int error = mgpu__whole_file_close(f, tmp, path, !encoded);
+    int error = mgpu__whole_file_close(&w, !encoded);
     return error ? mgpu__plot_write_failed(path, "PNG", encoded ? strerror(error) : "encoder failed") : 0;
 }
 
@@ -3315,9 +3340,9 @@ MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series) {
 /* "x,name1,name2,..." and then one line per point; NaN is an empty field,
    which spreadsheets and pandas read as a missing value. */
 static int mgpu__animator_write_csv(const mgpu_animator *a) {
-    char *tmp;
-    FILE *f = mgpu__whole_file_open(a->csv_path, &tmp);
-    if (!f) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
+    mgpu__whole_file w;
+    if (!mgpu__whole_file_open(&w, a->csv_path)) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
+    FILE *f = w.f;
     fputs("x", f);
     for (int k = 0; k < a->nseries; k++) fprintf(f, ",%s", a->names[k] ? a->names[k] : "");
     for (int i = 0; i < a->n; i++) {
@@ -3330,7 +3355,7 @@ static int mgpu__animator_write_csv(const mgpu_animator *a) {
         }
     }
     fputs("\n", f);
-    int error = mgpu__whole_file_close(f, tmp, a->csv_path, 0);
+    int error = mgpu__whole_file_close(&w, 0);
     return error ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(error)) : 0;
 }
 
@@ -4173,6 +4198,9 @@ static int mgpu__data_find(const char *dir, const char *name, char *path, size_t
         int len = snprintf(path, size, "%s/%s%s", dir, name, suffixes[i]);
         MGPU_REQUIRE(len > 0 && (size_t)len < size, "data path too long: %s/%s", dir, name);
         if (stat(path, &st) == 0) return 1;
+        /* only a file that is not there sends us on to the next name */
+        if (errno != ENOENT) mgpu_fatal("%s: cannot open (%s)", path, strerror(errno));
+        if (lstat(path, &st) == 0) mgpu_fatal("%s: a link to a file that is not there", path);
     }
     return 0;
 }
@@ -4197,6 +4225,14 @@ static mgpu_dataset *mgpu__fashion_mnist_part(const char *dir, const char *prefi
 MGPU_DEF void mgpu_dataset_load_fashion_mnist(const char *dir, mgpu_dataset **train,
                                               mgpu_dataset **test) {
     if (!dir) dir = mgpu_data_dir(NULL);
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        mgpu_fatal("Fashion-MNIST not found: cannot open the folder %s (%s); it comes from --data, else "
+                   "$MGPU_DATA, else data/fashion-mnist, and `make data` fetches the data set",
+                   dir, strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        mgpu_fatal("%s: not a folder (Fashion-MNIST's folder comes from --data, else $MGPU_DATA, else "
+                   "data/fashion-mnist)", dir);
     if (train) *train = mgpu__fashion_mnist_part(dir, "train");
     if (test) *test = mgpu__fashion_mnist_part(dir, "t10k");
 }
@@ -6064,8 +6100,6 @@ MGPU_DEF void mgpu_sgd_book(mgpu_tensor *param, mgpu_tensor *grad, float lr, int
                     MGPU__CUDA_FN(mgpu__sgd_book_cuda), &a, sizeof a);
 }
 
-/* torch.optim.SGD's update of count tensors, MGPU__LIST_MAX to a launch
-   (kernels/sgd.h); bufs is NULL when momentum is 0. */
 /* As torch.optim.SGD: a learning rate, momentum and weight decay of 0 or
    more (a negative one would climb the loss), and finite. */
 static void mgpu__require_sgd_settings(const char *op, float lr, float momentum, float weight_decay) {
@@ -6074,6 +6108,9 @@ static void mgpu__require_sgd_settings(const char *op, float lr, float momentum,
                  "%s: learning rate %g, momentum %g, weight decay %g: each must be a finite 0 or more", op,
                  (double)lr, (double)momentum, (double)weight_decay);
 }
+
+/* torch.optim.SGD's update of count tensors, MGPU__LIST_MAX to a launch
+   (kernels/sgd.h); bufs is NULL when momentum is 0. */
 
 static void mgpu__sgd_tensors(const char *op, mgpu_tensor *const *params,
                               const mgpu_tensor *const *grads, mgpu_tensor *const *bufs,
@@ -7544,6 +7581,7 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     mgpu__sgd_tensors("mgpu_net_sgd", values, grads, momentum != 0.0f ? net->momentum : NULL,
                       net->nparams, lr, momentum, weight_decay, net->steps == 0);
     net->steps++;
+    net->changes++; /* (a wrapper's own step then says that it made this change itself) */
 }
 
 /* A caller's loss_sum holds one value (or is NULL). */
@@ -7584,6 +7622,7 @@ MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgp
                                   float lr, float momentum, float weight_decay,
                                   mgpu_tensor *loss_sum) {
     mgpu__require_loss_sum("mgpu_net_train_step", loss_sum);
+    mgpu__require_sgd_settings("mgpu_net_train_step", lr, momentum, weight_decay);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     mgpu__net_require_backward(net, "mgpu_net_train_step");
     mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum,
@@ -7750,11 +7789,12 @@ static mgpu_tensor *mgpu__net_saved(const mgpu_net *net, int i) {
     return i < net->nparams ? net->params[i]->value : *net->buffers[i - net->nparams];
 }
 
-/* What tensor i of the checkpoint is, for messages: "block2.conv1's
-   weight", "bn1's running_var". */
+/* What tensor i of the checkpoint is, for messages: "tensor 14 of 22
+   (linear4's weight)", "tensor 20 of 22 (block2.bn2's running_mean)". */
 static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, size_t size) {
     const void *slot = i < net->nparams ? (const void *)net->params[i] : (const void *)net->buffers[i - net->nparams];
-    snprintf(buf, size, "tensor %d", i);
+    int count = mgpu__net_num_saved(net);
+    snprintf(buf, size, "tensor %d of %d", i, count);
     const mgpu_layer *stack[MGPU_NET_MAX_LAYERS * 5];
     int n = 0;
     for (int k = net->nlayers - 1; k >= 0; k--) stack[n++] = net->layers[k];
@@ -7763,7 +7803,7 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, s
         const char *what = slot == &l->weight ? "weight" : slot == &l->bias ? "bias"
                          : slot == &l->running_mean ? "running_mean" : slot == &l->running_var ? "running_var" : NULL;
         if (what) {
-            snprintf(buf, size, "tensor %d (%s's %s)", i, l->name, what);
+            snprintf(buf, size, "tensor %d of %d (%s's %s)", i, count, l->name, what);
             break;
         }
         const mgpu_layer *parts[5] = {l->shortcut, l->bn2, l->bn1, l->conv2, l->conv1};
@@ -7793,8 +7833,8 @@ MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
     if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
         mgpu_fatal("%s: cannot write the checkpoint (not a regular file)", path);
     /* Whole or not at all: a full disk leaves the checkpoint before it. */
-    char *tmp;
-    FILE *f = mgpu__whole_file_open(path, &tmp);
+    mgpu__whole_file w;
+    FILE *f = mgpu__whole_file_open(&w, path);
     if (!f) mgpu_fatal("%s: cannot open for writing (%s)", path, strerror(errno));
     uint64_t hash = MGPU__FNV_OFFSET;
     uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)mgpu__net_num_saved(net)};
@@ -7811,7 +7851,7 @@ MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
         free(values);
     }
     written &= fwrite(&hash, sizeof hash, 1, f) == 1;
-    int error = mgpu__whole_file_close(f, tmp, path, !written);
+    int error = mgpu__whole_file_close(&w, !written);
     if (error) mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(error));
 }
 
@@ -7833,9 +7873,9 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
     /* Check everything before touching the network. */
     size_t at = 0;
     const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
-    if (total < 8 || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
+    if (readable < 8 || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
         mgpu_fatal("%s: not an mgpu checkpoint (no \"" MGPU__NET_MAGIC "\" header)", path);
-    if (total < header_bytes) mgpu_fatal("%s: truncated in the header", path);
+    if (readable < header_bytes) mgpu_fatal("%s: truncated in the header", path);
     uint32_t header[2];
     memcpy(header, bytes + 8, sizeof header);
     at = header_bytes;
@@ -7850,9 +7890,8 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
         const mgpu_tensor *t = mgpu__net_saved(net, i);
         uint32_t shape[1 + MGPU_MAX_DIMS];
         char name[160];
-        if (sizeof shape > total - at)
-            mgpu_fatal("%s: truncated in %s, of %u", path, mgpu__net_saved_name(net, i, name, sizeof name),
-                       header[1]);
+        if (sizeof shape > readable - at)
+            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, name, sizeof name));
         memcpy(shape, bytes + at, sizeof shape);
         at += sizeof shape;
         /* (the dimensions past ndim, always 1, are the checksum's to check) */
@@ -7868,12 +7907,12 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
                        mgpu_shape_str(t->shape, want, sizeof want));
         }
         offsets[i] = at;
-        if (t->numel * sizeof(float) > total - at)
-            mgpu_fatal("%s: truncated in %s, of %u", path, mgpu__net_saved_name(net, i, name, sizeof name),
-                       header[1]);
+        if (t->numel * sizeof(float) > readable - at)
+            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, name, sizeof name));
         at += t->numel * sizeof(float);
     }
-    if (total - at < trailer) mgpu_fatal("%s: truncated in the checksum at its end", path);
+    /* (the bounds are the buffer's, `readable` bytes; `total`, the file's, is for messages) */
+    if (readable - at < trailer) mgpu_fatal("%s: truncated in the checksum at its end", path);
     if (total - at > trailer)
         mgpu_fatal("%s: %zu bytes after the last tensor, expected %zu (damaged file)", path,
                    total - at, trailer);
@@ -8200,6 +8239,7 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
     else
         mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay);
     mgpu__dp_shards_used(dp);
+    dp->module_changes = dp->replicas[0]->changes; /* (this step's SGD: every replica took it) */
 }
 
 MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,

@@ -75,7 +75,7 @@ int main(int argc, char **argv) {
     mgpu_options_parse(&o, argc, argv,
                        "chapter1: automatic parallelism on two devices, and compute overlapped "
                        "with copies",
-                       extra, 6);
+                       extra, (int)(sizeof extra / sizeof extra[0]));
 
     MGPU_REQUIRE(o.devices == 0 || o.devices == 2,
                  "--devices %d: chapter 1 compares exactly two devices", o.devices);

@@ -223,7 +223,7 @@ int main(int argc, char **argv) {
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter2: data-parallel training of a LeNet from scratch on 1 and 2 devices",
-                       extra, 1);
+                       extra, (int)(sizeof extra / sizeof extra[0]));
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     /* A small LeNet starting at scale 0.01 needs a few hundred steps to
@@ -304,7 +304,8 @@ int main(int argc, char **argv) {
     char path[1024];
     if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter2_test_acc.png", path, sizeof path),
                                      "LeNet test accuracy", nruns, (const mgpu_animator *const *)runs, 2,
-                                     label_ptrs) == 0)
+                                     label_ptrs) == 0 &&
+        !mgpu_output_errors()) /* (the runs' own plots too) */
         printf("plots: %s, and chapter2_<N>_device(s).png for each run beside it\n", path);
 
     for (int k = 0; k < nruns; k++) mgpu_animator_free(runs[k]);

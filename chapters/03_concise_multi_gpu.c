@@ -21,7 +21,7 @@
 
    On one GPU the extra devices are virtual (queues on the same GPU), so
    more devices cannot be faster, only as fast; without a GPU the chapter
-   runs a reduced setting on CPU devices (a few hundred images), to show the
+   runs a reduced setting on CPU devices (256 to 1024 images), to show the
    mechanics, and --full runs the book's. The reduced runs give each device
    the same number of images (256, so 1024 on 4 devices): every run then
    takes the same number of steps. On the same few images, 4 devices would
@@ -158,7 +158,7 @@ int main(int argc, char **argv) {
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter3: ResNet-18 on 1, 2 and 4 devices with a DataParallel-style wrapper",
-                       extra, 5);
+                       extra, (int)(sizeof extra / sizeof extra[0]));
     int max_devices = o.devices ? o.devices : 4; /* runs on 1, 2, 4, ... up to this many */
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
@@ -181,8 +181,9 @@ int main(int argc, char **argv) {
     if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
-    if (train_samples > train_set->n)
-        mgpu_fatal("--train-samples %d: the training set has %d images", train_samples, train_set->n);
+    if ((long long)train_samples * max_devices > train_set->n) /* (every run the same steps) */
+        mgpu_fatal("--train-samples %d: %d devices would take %lld images, the training set has %d",
+                   train_samples, max_devices, (long long)train_samples * max_devices, train_set->n);
     if (test_samples > test_set->n)
         mgpu_fatal("--test-samples %d: the test set has %d images", test_samples, test_set->n);
     mgpu_dataset_truncate(test_set, test_samples);
@@ -195,17 +196,21 @@ int main(int argc, char **argv) {
         /* k devices: k times the batch and the learning rate (and with
            --train-samples, k times the images) */
         run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k)};
-        long long images = train_samples ? (long long)train_samples * k : train_set->n;
-        mgpu_dataset *subset = mgpu_dataset_subset(train_set, images < train_set->n ? (int)images : train_set->n);
+        int images = train_samples ? train_samples * k : train_set->n;
+        mgpu_dataset *subset = mgpu_dataset_subset(train_set, images);
         runs[nruns] = train(&c, use_gpu, subset, test_set, &o);
         mgpu_dataset_free(subset);
-        snprintf(labels[nruns], sizeof labels[nruns], "%d device%s", k, k > 1 ? "s" : "");
+        if (train_samples)
+            snprintf(labels[nruns], sizeof labels[nruns], "%d device%s, %d images", k, k > 1 ? "s" : "", images);
+        else
+            snprintf(labels[nruns], sizeof labels[nruns], "%d device%s", k, k > 1 ? "s" : "");
         label_ptrs[nruns] = labels[nruns];
     }
     char path[1024];
     if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter3_test_acc.png", path, sizeof path),
                                      "ResNet-18 test accuracy", nruns,
-                                     (const mgpu_animator *const *)runs, 2, label_ptrs) == 0)
+                                     (const mgpu_animator *const *)runs, 2, label_ptrs) == 0 &&
+        !mgpu_output_errors()) /* (the runs' own plots too) */
         printf("plots: %s, and one chapter3_<N>_device(s).png per run beside it\n", path);
 
     memory_table(max_devices >= 2 ? 2 : 1, per_device_batch * 2, use_gpu, train_set);

@@ -31,7 +31,7 @@ typedef struct {
     int n, classes;
     float scale;                 /* backward: of scale * sum of losses */
     const char *op;              /* the public function, for error messages */
-    int first_row;               /* row 0's index in the caller's batch (a device's shard), for them */
+    int first_row;               /* row 0's index in the caller's batch (a device's shard), for messages */
 } mgpu__ce_args;
 
 /* The class a label names, or -1 when it is not an integer in [0, classes). */

@@ -605,6 +605,19 @@ TEST(fashion_mnist_lookup) {
              "%s/train-images-idx3-ubyte", empty, empty);
     EXPECT_DIES(mgpu_dataset_load_fashion_mnist(empty, &train, &test), want);
     EXPECT_DIES(mgpu_dataset_load_fashion_mnist(empty, &train, &test), "`make data` fetches the data set");
+    /* Not there, not a folder, a link to nothing: each says which */
+    const char *nowhere = tmp_path("no-such-folder");
+    snprintf(want, sizeof want, "Fashion-MNIST not found: cannot open the folder %s (No such file or directory)",
+             nowhere);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(nowhere, &train, &test), want);
+    const char *a_file = labels_file("labels-not-a-folder", 5, -1, 0, 0);
+    snprintf(want, sizeof want, "%s: not a folder", a_file);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(a_file, &train, &test), want);
+    const char *dangling = tmp_path("empty-folder/train-images-idx3-ubyte.gz");
+    CHECK(symlink("/nonexistent/mgpu-images.gz", dangling) == 0);
+    snprintf(want, sizeof want, "%s: a link to a file that is not there", dangling);
+    EXPECT_DIES(mgpu_dataset_load_fashion_mnist(empty, &train, &test), want);
+    unlink(dangling);
     /* A folder of small uncompressed files with the right names. */
     const char *folder = tmp_path("small-fashion");
     mkdir(folder, 0700);

@@ -324,7 +324,7 @@ TEST(damaged_checkpoints_are_clear_errors) {
     bytes[unused] ^= 0x01;
 
     write_bytes(bad, bytes, n - 100); /* truncated, in each part of the file */
-    EXPECT_DIES(mgpu_net_load(net, bad), "truncated in tensor 20 (block2.bn2's running_mean), of 22");
+    EXPECT_DIES(mgpu_net_load(net, bad), "truncated in tensor 20 of 22 (block2.bn2's running_mean)");
     write_bytes(bad, bytes, n - 3);
     EXPECT_DIES(mgpu_net_load(net, bad), "truncated in the checksum at its end");
     write_bytes(bad, bytes, 12);
@@ -347,7 +347,7 @@ TEST(damaged_checkpoints_are_clear_errors) {
     mgpu_net_add_residual(five, 6, 8, 2);
     mgpu_net_add_global_avg_pool(five);
     mgpu_net_add_linear(five, 8, 5);
-    EXPECT_DIES(mgpu_net_load(five, path), "tensor 14 (linear4's weight) has shape [8, 10], the network's is [8, 5]");
+    EXPECT_DIES(mgpu_net_load(five, path), "tensor 14 of 22 (linear4's weight) has shape [8, 10], the network's is [8, 5]");
     mgpu_net_free(five);
     EXPECT_DIES(mgpu_net_load(net, "/nonexistent/x.ckpt"), "cannot open the checkpoint");
     EXPECT_DIES(mgpu_net_load(net, "/tmp"), "cannot read the checkpoint");
@@ -392,6 +392,31 @@ TEST(a_failed_save_keeps_the_checkpoint_before_it) {
     free(before);
     free(after);
     unlink(path);
+    mgpu_net_free(net);
+}
+
+/* Saving through a link replaces the file it names, which keeps its
+   permissions: the link still leads to the new checkpoint. */
+TEST(saving_through_a_link_replaces_the_file_it_names) {
+    mgpu_net *net = small_net(mgpu_cpu(), 1);
+    char target[256], link[256];
+    temp_path(target, sizeof target, "target.ckpt");
+    temp_path(link, sizeof link, "latest.ckpt");
+    mgpu_net_save(net, target);
+    CHECK(chmod(target, 0640) == 0);
+    unlink(link);
+    CHECK(symlink(target, link) == 0);
+    mgpu_scale_(net->params[0]->value, 2.0f);
+    mgpu_net_save(net, link);
+    struct stat st;
+    CHECK(lstat(link, &st) == 0 && S_ISLNK(st.st_mode));
+    CHECK(stat(target, &st) == 0 && (st.st_mode & 0777) == 0640);
+    mgpu_net *back = small_net(mgpu_cpu(), 1);
+    mgpu_net_load(back, target);
+    CHECK(max_param_diff(back, net) == 0.0);
+    unlink(link);
+    unlink(target);
+    mgpu_net_free(back);
     mgpu_net_free(net);
 }
 #endif
@@ -585,7 +610,7 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
     EXPECT_DIES(mgpu_net_train_step(net, rgb, y, 0.1f, 0, 0, NULL),
                 "conv0: input [2, 3, 4, 4] has 3 channels but weight [4, 1, 3, 3] expects 1");
     EXPECT_DIES(mgpu_net_train_step(net, x, y, -0.1f, 0, 0, NULL),
-                "mgpu_net_sgd: learning rate -0.1, momentum 0, weight decay 0: each must be a finite 0 or more");
+                "mgpu_net_train_step: learning rate -0.1, momentum 0, weight decay 0: each must be a finite 0 or more");
     mgpu_free(rgb);
     mgpu_net *empty = mgpu_net_new(mgpu_cpu());
     EXPECT_DIES(mgpu_net_train_step(empty, x, y, 0.1f, 0, 0, NULL), "mgpu_net_forward: the network has no layers");
@@ -1291,6 +1316,19 @@ TEST(the_wrapper_follows_what_is_done_to_the_module) {
     mgpu_scale_(mgpu_net_param(net, 0)->value, 0.5f);
     train_steps(dp, 1);
     CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    mgpu_tensor *x, *y, *x0, *y0;
+    batch(9, 6, &x, &y);
+    x0 = mgpu_to(x, devs[0], 0);
+    y0 = mgpu_to(y, devs[0], 0);
+    mgpu_net_train_step(net, x0, y0, 0.1f, 0, 0, NULL); /* the module alone */
+    mgpu_free(x); mgpu_free(y); mgpu_free(x0); mgpu_free(y0);
+    train_steps(dp, 1);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    /* and nothing is copied where nothing changed: a difference made
+       behind the library's back stays (the reduction keeps it) */
+    mgpu_scale_(dp->replicas[1]->params[0]->value, 0.5f);
+    train_steps(dp, 1);
+    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
     unlink(path);
     mgpu_data_parallel_free(dp);
     mgpu_net_free(net);
