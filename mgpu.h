@@ -1569,6 +1569,7 @@ struct mgpu_device {
     size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
     mgpu_tensor *bn_done; /* a GPU's batch norm counters (mgpu__bn_done), or NULL */
+    mgpu_tensor *label_error; /* a GPU's report of a bad label (kernels/loss.h), made by its first loss */
 };
 
 /* --------------------------------------------------------------- events */
@@ -1998,9 +1999,11 @@ MGPU_DEF void *mgpu_device_stream(const mgpu_device *d) {
     (void)d;
     return NULL;
 }
+static void mgpu__require_no_label_error(mgpu_device *d);
 MGPU_DEF void mgpu_synchronize(mgpu_device *d) {
     mgpu__queue_synchronize(&d->queue[0]);
     mgpu__queue_synchronize(&d->queue[1]);
+    mgpu__require_no_label_error(d);
 }
 MGPU_DEF void mgpu_synchronize_all(void) {
     mgpu__init();
@@ -2025,6 +2028,7 @@ MGPU_DEF void mgpu_shutdown(void) {
     for (int i = 0; i < mgpu__g.ndevices; i++) {
         mgpu_device *d = mgpu__g.devices[i];
         mgpu_free(d->bn_done);
+        mgpu_free(d->label_error);
         mgpu__queue_destroy(&d->queue[0]);
         mgpu__queue_destroy(&d->queue[1]);
         mgpu__allocator_release(d);
@@ -6000,6 +6004,22 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL);
 }
 
+/* Stops at a bad label a GPU's loss kernels met (kernels/loss.h), with the
+   line the CPU gives: read once the device's queues are done. */
+static void mgpu__require_no_label_error(mgpu_device *d) {
+#if MGPU_CUDA
+    if (!d->label_error) return;
+    mgpu__label_error e;
+    MGPU_CUDA_CHECK(cudaSetDevice(d->gpu));
+    MGPU_CUDA_CHECK(cudaMemcpy(&e, d->label_error->data, sizeof e, cudaMemcpyDeviceToHost));
+    if (e.op)
+        mgpu_fatal("%s: label %g of sample %d is not a class index in [0, %d) (on %s)",
+                   (const char *)(uintptr_t)e.op, (double)e.label, e.row, e.classes, d->name);
+#else
+    (void)d;
+#endif
+}
+
 /* Checks logits [N, classes] and labels [N] against out's device. The
    messages name op, the function the caller called, and count the samples
    from first_row (a data-parallel step's shard: where its rows start in
@@ -6023,6 +6043,13 @@ static mgpu__ce_args mgpu__ce_prepare(const char *op, int first_row, mgpu_tensor
     a.classes = logits->shape.d[1];
     a.op = op;
     a.first_row = first_row;
+#if MGPU_CUDA
+    mgpu_device *d = out->device;
+    if (mgpu_device_is_gpu(d)) {
+        if (!d->label_error) d->label_error = mgpu_zeros(d, mgpu_shape1(sizeof(mgpu__label_error) / sizeof(float)));
+        a.error = (mgpu__label_error *)d->label_error->data;
+    }
+#endif
     return a;
 }
 /* out must have `numel` values, `what` says which. */
@@ -6494,11 +6521,6 @@ static void mgpu__ring_start(const char *op, mgpu_tensor *const *data, int n, in
                      "%s: %s and %s: the devices of a ring must be all GPUs or all CPU devices", op,
                      data[0]->device->name, data[i]->device->name);
     if (n == 1 || data[0]->numel == 0) return;
-    size_t chunk = (data[0]->numel + n - 1) / n; /* the longest chunk */
-    for (int i = 0; scratch && i < n; i++)
-        MGPU_REQUIRE(scratch[i] && scratch[i]->device == data[i]->device && scratch[i]->numel >= chunk,
-                     "%s: scratch[%d] must hold at least %zu elements on %s", op, i, chunk,
-                     data[i]->device->name);
     mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
     mgpu__devices_of(data, n, devices);
     mgpu_enable_peer_access(devices, n);
@@ -6723,6 +6745,13 @@ static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int
                                          mgpu_tensor *const *scratch) {
     mgpu__require_collective(op, data, n);
     if (n == 1) return "none"; /* the sum of one vector is itself, and so is its average */
+    /* checked whichever algorithm runs (NCCL needs no scratch, the ring
+       does): a call is right or wrong the same on every kind of device */
+    size_t chunk = (data[0]->numel + n - 1) / n; /* the ring's longest chunk */
+    for (int i = 0; scratch && i < n; i++)
+        MGPU_REQUIRE(scratch[i] && scratch[i]->device == data[i]->device && scratch[i]->numel >= chunk,
+                     "%s: scratch[%d] must hold at least %zu elements on %s", op, i, chunk,
+                     data[i]->device->name);
 #if MGPU_CUDA
     mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
     mgpu__devices_of(data, n, devices);

@@ -10,20 +10,32 @@
        dL/dz_j = scale (softmax(z)_j - [j == k]),  softmax(z)_j = exp(z_j - logsumexp(z))
 
    Accuracy: the number of rows whose argmax (the first index of the
-   largest logit, like torch.argmax) is the label, written to a one-element
-   tensor so that it stays on the device's queue until someone asks.
+   largest logit, a NaN counting as largest, like torch.argmax) is the
+   label, written to a one-element tensor so that it stays on the
+   device's queue until someone asks.
 
    Labels are floats holding class indices. One that is not an integer in
    [0, classes) is a fatal error on the CPU. A GPU kernel cannot stop the
-   program cleanly, so it flags the sample instead: its loss and its row of
-   the gradient are NaN (which shows in any reported loss), and it counts as
-   wrong in the accuracy.
+   program cleanly, so it reports the first such sample it meets in the
+   device's mgpu__label_error, which the host reads when it next waits for
+   the device (mgpu_synchronize, and so mgpu_item and mgpu_to_host) and
+   stops there with the CPU's line. Until then the sample's loss and
+   gradient row are NaN, and it counts as wrong in the accuracy.
 
    The CUDA version gives each row (sample) to one warp: the lanes stride
    over the classes, and the maximum and the sum of exponentials are warp
    shuffles (kernels/batchnorm.h has the reduction helpers). Ten classes
    leave most lanes idle, but the kernels are tiny next to the network; what
    matters is that there is no shared memory and no synchronisation. */
+
+/* A GPU's report of a bad label: op is 0 until a kernel meets one; the
+   first kernel to set it (to its op, a host pointer carried as a number)
+   writes the rest. */
+typedef struct {
+    unsigned long long op;
+    int row, classes;
+    float label;
+} mgpu__label_error;
 
 typedef struct {
     float *out;                  /* losses [N], dlogits [N, classes] or a count [1] */
@@ -32,7 +44,18 @@ typedef struct {
     float scale;                 /* backward: of scale * sum of losses */
     const char *op;              /* the public function, for error messages */
     int first_row;               /* row 0's index in the caller's batch (a device's shard), for messages */
+    mgpu__label_error *error;    /* on a GPU: where a bad label is reported (NULL on the CPU) */
 } mgpu__ce_args;
+
+/* Whether value a at index ia beats value b at index ib for the argmax,
+   as torch.argmax decides: a NaN beats any number (it is the maximum),
+   then the larger value wins, then, of equals (or two NaNs), the smaller
+   index. One rule for the CPU and the GPU, which combine in other orders. */
+static MGPU__HOSTDEVICE inline int mgpu__argmax_beats(float a, int ia, float b, int ib) {
+    if (isnan(a) != isnan(b)) return isnan(a);
+    if (!isnan(a) && a != b) return a > b;
+    return ia < ib;
+}
 
 /* The class a label names, or -1 when it is not an integer in [0, classes). */
 static MGPU__HOSTDEVICE inline int mgpu__label_class(float label, int classes) {
@@ -86,7 +109,7 @@ static void mgpu__accuracy_cpu(const void *args, const mgpu__exec *ex) {
         const float *z = a->logits + (size_t)row * a->classes;
         int best = 0;
         for (int j = 1; j < a->classes; j++)
-            if (z[j] > z[best]) best = j; /* strictly larger: ties keep the first */
+            if (mgpu__argmax_beats(z[j], j, z[best], best)) best = j;
         correct += best == mgpu__label_class_cpu(a, row);
     }
     a->out[0] = (float)correct;
@@ -128,11 +151,22 @@ static __device__ float mgpu__warp_logsumexp(const float *z, int classes, int la
     return max + logf(mgpu__warp_allreduce(sum, mgpu__sum_op()));
 }
 
+/* The class of row's label; a bad one is reported by lane 0 (above). */
+static __device__ int mgpu__label_class_gpu(const mgpu__ce_args &a, int row, int lane) {
+    int k = mgpu__label_class(a.labels[row], a.classes);
+    if (k < 0 && lane == 0 && atomicCAS(&a.error->op, 0ull, (unsigned long long)(uintptr_t)a.op) == 0ull) {
+        a.error->row = a.first_row + row;
+        a.error->classes = a.classes;
+        a.error->label = a.labels[row];
+    }
+    return k;
+}
+
 static __global__ void mgpu__ce_forward_kernel(mgpu__ce_args a) {
     int lane = threadIdx.x % 32;
     for (int row = mgpu__warp_index(); row < a.n; row += mgpu__warp_count()) {
         const float *z = a.logits + (size_t)row * a.classes;
-        int k = mgpu__label_class(a.labels[row], a.classes);
+        int k = mgpu__label_class_gpu(a, row, lane);
         float lse = mgpu__warp_logsumexp(z, a.classes, lane);
         if (lane == 0) a.out[row] = k < 0 ? NAN : lse - z[k];
     }
@@ -143,14 +177,14 @@ static __global__ void mgpu__ce_backward_kernel(mgpu__ce_args a) {
     for (int row = mgpu__warp_index(); row < a.n; row += mgpu__warp_count()) {
         const float *z = a.logits + (size_t)row * a.classes;
         float *dz = a.out + (size_t)row * a.classes;
-        int k = mgpu__label_class(a.labels[row], a.classes);
+        int k = mgpu__label_class_gpu(a, row, lane);
         float lse = mgpu__warp_logsumexp(z, a.classes, lane);
         for (int j = lane; j < a.classes; j += 32)
             dz[j] = k < 0 ? NAN : a.scale * (expf(z[j] - lse) - (j == k ? 1.0f : 0.0f));
     }
 }
 
-/* The larger value wins; of equal values, the smaller index (torch.argmax). */
+/* mgpu__argmax_beats decides (NaN first, then the larger value, then the smaller index). */
 typedef struct { float value; int index; } mgpu__argmax;
 static __device__ inline mgpu__argmax mgpu__shfl_xor(mgpu__argmax v, int mask) {
     v.value = __shfl_xor_sync(0xffffffffu, v.value, mask);
@@ -159,7 +193,7 @@ static __device__ inline mgpu__argmax mgpu__shfl_xor(mgpu__argmax v, int mask) {
 }
 struct mgpu__argmax_op {
     __device__ mgpu__argmax operator()(mgpu__argmax x, mgpu__argmax y) const {
-        return x.value > y.value || (x.value == y.value && x.index < y.index) ? x : y;
+        return mgpu__argmax_beats(x.value, x.index, y.value, y.index) ? x : y;
     }
 };
 
@@ -171,15 +205,15 @@ static __global__ void mgpu__accuracy_kernel(mgpu__ce_args a) {
            from nothing) and keeps the first of its largest. */
         mgpu__argmax best = {-INFINITY, 0x7fffffff};
         for (int j = lane; j < a.classes; j += 32) {
-            if (j == lane || z[j] > best.value) {
+            if (j == lane || mgpu__argmax_beats(z[j], j, best.value, best.index)) {
                 best.value = z[j];
                 best.index = j;
             }
         }
         best = mgpu__warp_allreduce(best, mgpu__argmax_op());
         /* Counts are small integers: float atomics add them exactly. */
-        if (lane == 0 && best.index == mgpu__label_class(a.labels[row], a.classes))
-            atomicAdd(a.out, 1.0f);
+        int k = mgpu__label_class_gpu(a, row, lane);
+        if (lane == 0 && best.index == k) atomicAdd(a.out, 1.0f);
     }
 }
 

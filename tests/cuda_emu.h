@@ -275,6 +275,11 @@ template <typename T> static T atomicAdd(T *address, T value) {
     *address = old + value;
     return old;
 }
+template <typename T> static T atomicCAS(T *address, T compare, T value) {
+    T old = *address;
+    if (old == compare) *address = value;
+    return old;
+}
 static void __threadfence() {}
 
 /* ------------------------------------------- shared memory, asynchronous copies */

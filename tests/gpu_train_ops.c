@@ -160,22 +160,56 @@ TEST(cross_entropy_1000_classes) { check_cross_entropy(64, 1000, 0); }
 TEST(cross_entropy_ties) { check_cross_entropy(4096, 10, 1); }
 TEST(cross_entropy_one_class) { check_cross_entropy(7, 1, 0); }
 
-/* On the GPU a label outside [0, classes) is flagged, not fatal. */
-TEST(cross_entropy_bad_label_is_nan_on_the_gpu) {
+/* On the GPU a label outside [0, classes) is reported in the device's
+   mgpu__label_error, which the next wait for the device (mgpu_item here)
+   turns into the CPU's line. A forked child cannot use the GPU, so the
+   test reads the report itself, then clears it to read the values: the
+   sample's loss and gradient row are NaN, and it counts as wrong. */
+TEST(cross_entropy_bad_label_is_reported_on_the_gpu) {
     float z[6] = {0, 1, 2, 3, 4, 5}, labels[2] = {2, 3};
     mgpu_tensor *tz = mgpu_from_host(gpu_dev, mgpu_shape2(2, 3), z);
     mgpu_tensor *ty = mgpu_from_host(gpu_dev, mgpu_shape1(2), labels);
     mgpu_tensor *losses = mgpu_empty(gpu_dev, mgpu_shape1(2)), *dz = mgpu_empty(gpu_dev, mgpu_shape2(2, 3));
     mgpu_tensor *count = mgpu_empty(gpu_dev, mgpu_shape1(1));
-    mgpu_cross_entropy_forward(losses, tz, ty);
+    mgpu__cross_entropy_forward("a_caller", 40, losses, tz, ty);
     mgpu_cross_entropy_backward(dz, tz, ty, 1.0f);
     mgpu_accuracy_count(count, tz, ty);
+    mgpu__queue_synchronize(&gpu_dev->queue[0]);
+    mgpu__label_error e;
+    MGPU_CUDA_CHECK(cudaMemcpy(&e, gpu_dev->label_error->data, sizeof e, cudaMemcpyDeviceToHost));
+    CHECK(e.op != 0 && strcmp((const char *)(uintptr_t)e.op, "a_caller") == 0); /* the first kernel's */
+    CHECK_EQ_INT(e.row, 41); /* row 1, counted from the caller's 40 */
+    CHECK_EQ_INT(e.classes, 3);
+    CHECK(e.label == 3.0f);
+    mgpu_fill(gpu_dev->label_error, 0.0f);
     CHECK(!isnan(mgpu_item(losses, 0)));
     CHECK(isnan(mgpu_item(losses, 1)));
     CHECK(!isnan(mgpu_item(dz, 2)));
     CHECK(isnan(mgpu_item(dz, 3)) && isnan(mgpu_item(dz, 5)));
     CHECK_EQ_INT(mgpu_item(count, 0), 1);
     mgpu_free(tz); mgpu_free(ty); mgpu_free(losses); mgpu_free(dz); mgpu_free(count);
+}
+
+/* The same rows as test_train_ops.c's accuracy_takes_nan_as_the_largest,
+   and 40 classes, so that the lanes combine their NaNs in a warp. */
+TEST(accuracy_takes_nan_as_the_largest) {
+    float z[15] = {1, NAN, 3, NAN, NAN, 0, NAN, 2, 2, 2, 5, NAN, -INFINITY, -INFINITY, -INFINITY};
+    float labels[5] = {1, 0, 0, 2, 1};
+    twin tz = twin_from(mgpu_shape2(5, 3), z), ty = twin_from(mgpu_shape1(5), labels);
+    twin count = twin_empty(mgpu_shape1(1));
+    mgpu_accuracy_count(count.gpu, tz.gpu, ty.gpu);
+    CHECK_EQ_INT(mgpu_item(count.gpu, 0), 4);
+    float wide[2 * 40], wide_labels[2] = {33, 0};
+    for (int j = 0; j < 80; j++) wide[j] = (float)(j % 7);
+    wide[33] = wide[37] = NAN;    /* row 0: the first NaN, 33, in lane 1 */
+    for (int j = 40; j < 80; j++) wide[j] = NAN; /* row 1: all NaN: 0 */
+    twin tw = twin_from(mgpu_shape2(2, 40), wide), tl = twin_from(mgpu_shape1(2), wide_labels);
+    mgpu_accuracy_count(count.gpu, tw.gpu, tl.gpu);
+    mgpu_accuracy_count(count.cpu, tw.cpu, tl.cpu);
+    CHECK_EQ_INT(mgpu_item(count.gpu, 0), 2);
+    CHECK_EQ_INT(mgpu_item(count.cpu, 0), 2);
+    twin ts[] = {tz, ty, count, tw, tl};
+    for (int i = 0; i < 5; i++) { mgpu_free(ts[i].cpu); mgpu_free(ts[i].gpu); }
 }
 
 TEST(sum_of_a_long_vector) {

@@ -504,6 +504,20 @@ TEST(accuracy_counts_first_argmax) {
     mgpu_free(tz); mgpu_free(ty); mgpu_free(count);
 }
 
+/* A NaN counts as the largest logit, as torch.argmax takes it (the first
+   NaN of a row): rows [1 NaN 3], [NaN NaN 0], [NaN 2 2], [2 5 NaN],
+   [-inf -inf -inf] have their argmax at 1, 0, 0, 2, 0; labels 1, 0, 0, 2, 1
+   make 4 right. (A diverged run then scores the same on CPU and GPU.) */
+TEST(accuracy_takes_nan_as_the_largest) {
+    float z[15] = {1, NAN, 3, NAN, NAN, 0, NAN, 2, 2, 2, 5, NAN, -INFINITY, -INFINITY, -INFINITY};
+    float labels[5] = {1, 0, 0, 2, 1};
+    mgpu_tensor *tz = on_cpu(mgpu_shape2(5, 3), z), *ty = on_cpu(mgpu_shape1(5), labels);
+    mgpu_tensor *count = mgpu_empty(mgpu_cpu(), mgpu_shape1(1));
+    mgpu_accuracy_count(count, tz, ty);
+    CHECK_EQ_INT(mgpu_item(count, 0), 4);
+    mgpu_free(tz); mgpu_free(ty); mgpu_free(count);
+}
+
 TEST(sum_and_mean) {
     float v[5] = {1, 2, 3, 4, 5.5f};
     mgpu_tensor *x = on_cpu(mgpu_shape1(5), v), *out = mgpu_empty(mgpu_cpu(), mgpu_shape1(1));
