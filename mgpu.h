@@ -779,8 +779,9 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
    Softmax cross-entropy (PyTorch's CrossEntropyLoss; kernels/loss.h):
    logits are [N, classes]; labels hold N class indices stored as floats
    (0., 1., ...). A label that is not an integer in [0, classes) is a fatal
-   error on a CPU device; on a GPU the sample's loss and gradient row
-   become NaN and it counts as wrong in the accuracy.
+   error: on a CPU device at once; on a GPU when the program next waits
+   for the device (mgpu_synchronize, mgpu_item, mgpu_to_host), with the
+   same line (until then the sample's loss and gradient row are NaN).
 
        void mgpu_cross_entropy_forward(losses, logits, labels)
    losses ([N]): one loss per sample, log sum_j exp(z_j) - z_label
@@ -1894,6 +1895,9 @@ MGPU_DEF void mgpu_event_synchronize(mgpu_event *e) {
     if (source) mgpu__event_host_wait(e, generation, source);
 }
 MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
+    MGPU_REQUIRE(start && end && start->queue && end->queue,
+                 "mgpu_event_elapsed_ms: %s event was never recorded (mgpu_event_record it first)",
+                 !start || !start->queue ? "the start" : "the end");
     mgpu_event_synchronize(start);
     mgpu_event_synchronize(end);
 #if MGPU_CUDA
@@ -3426,8 +3430,8 @@ MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *titl
     memset(&ch, 0, sizeof ch);
     for (int i = 0; i < nanimators; i++) {
         const mgpu_animator *a = animators[i];
-        const char *label = labels ? labels[i] : a->title ? a->title : a->names[series];
         mgpu__animator_check(a, series);
+        const char *label = labels ? labels[i] : a->title ? a->title : a->names[series];
         curves[i] = mgpu__animator_series(a, series, label);
     }
     if (nanimators > 0) {
@@ -3605,15 +3609,33 @@ MGPU_DEF const char *mgpu_shape_str(mgpu_shape s, char *buf, size_t size) {
     return buf;
 }
 
+/* The values of a shape that op is given, which must be one a tensor can
+   have: 1 to MGPU_MAX_DIMS sizes of 0 or more (mgpu_shape is a plain
+   struct a program may fill itself), and no more bytes than a size_t
+   counts. */
+static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
+    MGPU_REQUIRE(shape.ndim >= 1 && shape.ndim <= MGPU_MAX_DIMS,
+                 "%s: a tensor has 1 to %d dimensions, not %d", op, MGPU_MAX_DIMS, shape.ndim);
+    size_t numel = 1;
+    for (int i = 0; i < shape.ndim; i++) {
+        MGPU_REQUIRE(shape.d[i] >= 0, "%s: a shape cannot have a negative size (%d in dimension %d)", op,
+                     shape.d[i], i);
+        MGPU_REQUIRE(shape.d[i] == 0 || numel <= SIZE_MAX / sizeof(float) / (size_t)shape.d[i],
+                     "%s: a shape of more values than memory can hold (dimension %d: %d)", op, i,
+                     shape.d[i]);
+        numel *= (size_t)shape.d[i];
+    }
+    return numel;
+}
+
 /* A tensor of this shape on dev, its memory extra_floats longer than its
    values (a layer of yours' guard floats: mgpu__ensure_guarded). */
 static mgpu_tensor *mgpu__tensor_alloc(mgpu_device *dev, mgpu_shape shape, int pinned, size_t extra_floats) {
     MGPU_REQUIRE(dev != NULL, "tensor on a NULL device");
-    MGPU_REQUIRE(shape.ndim >= 1 && shape.ndim <= MGPU_MAX_DIMS,
-                 "a tensor has 1 to %d dimensions, not %d", MGPU_MAX_DIMS, shape.ndim);
+    size_t numel = mgpu__tensor_numel(shape, "a new tensor");
     mgpu_tensor *t = (mgpu_tensor *)mgpu__xcalloc(1, sizeof *t);
     t->shape = shape;
-    t->numel = mgpu_shape_numel(shape);
+    t->numel = numel;
     t->device = dev;
     t->pinned = pinned;
     t->block = mgpu__block_alloc(dev, (t->numel + extra_floats) * sizeof(float), pinned);
@@ -3638,7 +3660,7 @@ MGPU_DEF void mgpu_free(mgpu_tensor *t) {
 
 MGPU_DEF mgpu_tensor *mgpu_view(const mgpu_tensor *t, mgpu_shape shape) {
     char a[64], b[64];
-    MGPU_REQUIRE(mgpu_shape_numel(shape) == t->numel, "cannot view a tensor of shape %s as %s",
+    MGPU_REQUIRE(mgpu__tensor_numel(shape, "mgpu_view") == t->numel, "cannot view a tensor of shape %s as %s",
                  mgpu_shape_str(t->shape, a, sizeof a), mgpu_shape_str(shape, b, sizeof b));
     mgpu_tensor *v = (mgpu_tensor *)mgpu__xcalloc(1, sizeof *v);
     v->data = t->data;
@@ -3659,8 +3681,8 @@ MGPU_DEF mgpu_tensor *mgpu_ensure(mgpu_tensor **slot, mgpu_device *dev, mgpu_sha
 
 MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
     char a[64];
-    MGPU_REQUIRE(start >= 0 && length >= 0 && start + length <= t->shape.d[0],
-                 "mgpu_narrow: cannot take rows %d..%d of a tensor of shape %s", start, start + length,
+    MGPU_REQUIRE(start >= 0 && length >= 0 && (long long)start + length <= t->shape.d[0],
+                 "mgpu_narrow: cannot take rows %d..%lld of a tensor of shape %s", start, (long long)start + length,
                  mgpu_shape_str(t->shape, a, sizeof a));
     mgpu_shape s = t->shape;
     size_t row = t->numel / (size_t)(s.d[0] ? s.d[0] : 1);
@@ -3698,6 +3720,19 @@ static void mgpu__require_same_shape(const mgpu_tensor *a, const mgpu_tensor *b,
     char sa[64], sb[64];
     MGPU_REQUIRE(mgpu_shape_equal(a->shape, b->shape), "%s: shapes %s and %s differ", op,
                  mgpu_shape_str(a->shape, sa, sizeof sa), mgpu_shape_str(b->shape, sb, sizeof sb));
+}
+
+/* Refuses an output that shares memory with an input: overlapping views
+   of one tensor, where the operation would read values it has already
+   written (PyTorch refuses them too). The very same values (y += y) are
+   fine for an operation that reads each value before writing it
+   (allow_same); a matrix product is not one. */
+static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, const char *op, int allow_same) {
+    if (out->device != in->device || !out->numel || !in->numel) return;
+    int shared = out->data < in->data + in->numel && in->data < out->data + out->numel;
+    int same = out->data == in->data && out->numel == in->numel;
+    MGPU_REQUIRE(!shared || (allow_same && same), "%s: the output and an input share memory (%s)", op,
+                 same ? "the same tensor" : "overlapping views of one tensor");
 }
 
 #ifdef __cplusplus
@@ -3773,6 +3808,7 @@ MGPU_DEF mgpu_tensor *mgpu_arange(mgpu_device *dev, mgpu_shape shape) {
 MGPU_DEF void mgpu_add_(mgpu_tensor *y, const mgpu_tensor *x) {
     mgpu__require_device(x, y->device, "mgpu_add_");
     mgpu__require_same_shape(y, x, "mgpu_add_");
+    mgpu__require_apart(y, x, "mgpu_add_", 1);
     mgpu__axpby_args args = {y->data, x->data, y->numel, 1.0f, 1.0f};
     mgpu__before_write(y);
     mgpu__launch_on(&y->device->queue[0], "add", mgpu__axpby_cpu, MGPU__CUDA_FN(mgpu__axpby_cuda),
@@ -3830,6 +3866,8 @@ MGPU_DEF void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tenso
                  "mgpu_matmul: cannot multiply %s by %s into %s",
                  mgpu_shape_str(a->shape, sa, sizeof sa), mgpu_shape_str(b->shape, sb, sizeof sb),
                  mgpu_shape_str(c->shape, sc, sizeof sc));
+    mgpu__require_apart(c, a, "mgpu_matmul", 0);
+    mgpu__require_apart(c, b, "mgpu_matmul", 0);
     mgpu__gemm_args g = mgpu__gemm_dense(0, 0, a->shape.d[0], b->shape.d[1], a->shape.d[1], a->data,
                                          b->data, c->data, 0.0f,
                                          mgpu__tf32_allowed(MGPU__TF32_MATMUL));
@@ -3872,6 +3910,7 @@ static void mgpu__memcpy_cuda(const void *args, const mgpu__exec *ex) {
    knows when the last work reading dst ends (mgpu__scatter). */
 static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking, mgpu_event *dst_free) {
     mgpu__require_same_shape(dst, src, "mgpu_copy");
+    mgpu__require_apart(dst, src, "mgpu_copy", 1);
     mgpu_device *from = src->device, *to = dst->device;
     mgpu__queue *q = (to->gpu >= 0 && from->gpu < 0) ? &to->queue[1] : &from->queue[1];
     /* Wait for the source to be written and for the destination to be free.
@@ -3973,12 +4012,13 @@ MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
 
 MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
     MGPU_REQUIRE(i < t->numel, "mgpu_item: index %zu out of range for %zu elements", i, t->numel);
-    mgpu_tensor *flat = mgpu_view(t, mgpu_shape1((int)t->numel));
-    mgpu_tensor *one = mgpu_narrow(flat, (int)i, 1);
+    mgpu_tensor *one = mgpu_view(t, t->shape); /* then narrowed to value i (of any of 2^64) */
+    one->shape = mgpu_shape1(1);
+    one->numel = 1;
+    one->data += i;
     float v;
     mgpu_to_host(one, &v);
     mgpu_free(one);
-    mgpu_free(flat);
     return v;
 }
 
@@ -6748,10 +6788,12 @@ static const char *mgpu__allreduce_start(const char *op, mgpu_tensor **data, int
     /* checked whichever algorithm runs (NCCL needs no scratch, the ring
        does): a call is right or wrong the same on every kind of device */
     size_t chunk = (data[0]->numel + n - 1) / n; /* the ring's longest chunk */
-    for (int i = 0; scratch && i < n; i++)
+    for (int i = 0; scratch && i < n; i++) {
         MGPU_REQUIRE(scratch[i] && scratch[i]->device == data[i]->device && scratch[i]->numel >= chunk,
                      "%s: scratch[%d] must hold at least %zu elements on %s", op, i, chunk,
                      data[i]->device->name);
+        mgpu__require_apart(scratch[i], data[i], op, 0);
+    }
 #if MGPU_CUDA
     mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
     mgpu__devices_of(data, n, devices);

@@ -256,9 +256,47 @@ TEST(views_and_narrow_share_memory) {
     EXPECT_DIES(mgpu_view(x, mgpu_shape2(3, 5)), "cannot view a tensor of shape [4, 5] as [3, 5]");
     EXPECT_DIES(mgpu_narrow(x, 3, 2), "mgpu_narrow: cannot take rows 3..5 of a tensor of shape [4, 5]");
     EXPECT_DIES(mgpu_empty(mgpu_cpu(), mgpu_shape2(-1, 5)), "negative size");
+    EXPECT_DIES(mgpu_narrow(x, 2, INT_MAX), "mgpu_narrow: cannot take rows 2..2147483649"); /* (no overflow) */
     mgpu_free(rows);
     mgpu_free(flat);
     mgpu_free(x);
+}
+
+/* mgpu_shape is a plain struct: a shape a program fills itself is checked
+   like the constructors' (mgpu_shape4 ...), and one of more values than
+   memory can count is refused, not wrapped round to a few bytes. */
+TEST(shapes_that_no_tensor_can_have_are_refused) {
+    mgpu_tensor *x = mgpu_zeros(mgpu_cpu(), mgpu_shape1(4));
+    mgpu_shape seven = {7, {1, 1, 1, 1}}, negative = {2, {-2, -2, 1, 1}}, none = {0, {1, 1, 1, 1}};
+    EXPECT_DIES(mgpu_view(x, seven), "mgpu_view: a tensor has 1 to 4 dimensions, not 7");
+    EXPECT_DIES(mgpu_view(x, none), "mgpu_view: a tensor has 1 to 4 dimensions, not 0");
+    EXPECT_DIES(mgpu_view(x, negative), "mgpu_view: a shape cannot have a negative size (-2 in dimension 0)");
+    EXPECT_DIES(mgpu_empty(mgpu_cpu(), negative), "a new tensor: a shape cannot have a negative size");
+    EXPECT_DIES(mgpu_zeros(mgpu_cpu(), mgpu_shape3(1 << 30, 1 << 30, 4)),
+                "a new tensor: a shape of more values than memory can hold (dimension 2: 4)");
+    mgpu_free(x);
+}
+
+/* An output that shares memory with an input would read values the
+   operation already wrote: overlapping views are refused (y += y, the
+   same values, is fine elementwise; a product is not). */
+TEST(outputs_that_overlap_their_inputs_are_refused) {
+    mgpu_tensor *t = mgpu_arange(mgpu_cpu(), mgpu_shape1(6));
+    mgpu_tensor *head = mgpu_narrow(t, 0, 5), *tail = mgpu_narrow(t, 1, 5);
+    EXPECT_DIES(mgpu_add_(tail, head), "mgpu_add_: the output and an input share memory (overlapping views of one tensor)");
+    EXPECT_DIES(mgpu_copy(tail, head, 0), "mgpu_copy: the output and an input share memory (overlapping views");
+    mgpu_add_(t, t);
+    CHECK_CLOSE(mgpu_item(t, 5), 10, 0, 0);
+    mgpu_tensor *a = mgpu_ones(mgpu_cpu(), mgpu_shape2(2, 2)), *b = mgpu_ones(mgpu_cpu(), mgpu_shape2(2, 2));
+    EXPECT_DIES(mgpu_matmul(a, a, b), "mgpu_matmul: the output and an input share memory (the same tensor)");
+    EXPECT_DIES(mgpu_matmul(b, a, b), "mgpu_matmul: the output and an input share memory (the same tensor)");
+    mgpu_event *never = mgpu_event_new(), *recorded = mgpu_event_new();
+    mgpu_event_record(recorded, mgpu_cpu());
+    EXPECT_DIES(mgpu_event_elapsed_ms(never, recorded), "mgpu_event_elapsed_ms: the start event was never recorded");
+    EXPECT_DIES(mgpu_event_elapsed_ms(recorded, never), "mgpu_event_elapsed_ms: the end event was never recorded");
+    mgpu_event_free(never);
+    mgpu_event_free(recorded);
+    mgpu_free(head); mgpu_free(tail); mgpu_free(t); mgpu_free(a); mgpu_free(b);
 }
 
 TEST(operations_refuse_tensors_from_two_devices) {

@@ -541,6 +541,9 @@ TEST(caller_bugs_are_fatal_with_a_message) {
     const char *names[] = {"loss"};
     mgpu_animator *a = mgpu_animator_new(NULL, NULL, NULL, NULL, 0, 0, 1, names);
     EXPECT_DIES(mgpu_animator_last(a, 3), "mgpu: error: animator has no series 3 (it has 1)");
+    const mgpu_animator *runs[1] = {a}; /* (no labels, no title: the series' name would be read) */
+    EXPECT_DIES(mgpu_animator_write_combined("/tmp/mgpu_never.png", NULL, 1, runs, 3, NULL),
+                "mgpu: error: animator has no series 3 (it has 1)");
     EXPECT_DIES(mgpu_canvas_new(0, 5, 0), "mgpu: error: a canvas of 0x5 pixels cannot be made");
     mgpu_animator_free(a);
 }
