@@ -6416,6 +6416,19 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n) {
     for (int i = 0; i < n; i++) mgpu__queue_wait_queue(&devices[i]->queue[0], &devices[i]->queue[1]);
 }
 
+/* A collective's tensors are in use on the communication queues until the
+   work enqueued there so far is done: freed before mgpu_comm_wait, their
+   memory goes back to the cache marked so (mgpu__tensor_track), and is
+   not given out again before that. */
+static void mgpu__comm_track(mgpu_tensor *const *t, int n) {
+    for (int i = 0; t && i < n; i++) {
+        mgpu_event *done = mgpu_event_new();
+        mgpu__event_record_on(done, &t[i]->device->queue[1]);
+        mgpu__tensor_track(t[i], done);
+        mgpu_event_free(done); /* (the tensor keeps its own reference) */
+    }
+}
+
 static void mgpu__comm_end(mgpu_tensor *const *data, int n) {
     mgpu_device *devices[MGPU_MAX_DEVICES] = {NULL};
     mgpu__devices_of(data, n, devices);
@@ -6550,6 +6563,8 @@ static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average, mgpu_te
         mgpu_free(r.recv[i]);
     }
     for (int i = 0; i < n; i++) mgpu_event_free(r.mark[i]);
+    mgpu__comm_track(data, n);
+    mgpu__comm_track(scratch, n);
 }
 
 /* A CPU queue cannot copy GPU memory, nor a GPU stream wait for a CPU
@@ -6682,6 +6697,8 @@ static void mgpu__nccl_start(const mgpu_nccl_comm *c, const char *name, mgpu__nc
     }
     MGPU_NCCL_CHECK(ncclGroupEnd());
     for (int i = 0; i < c->n; i++) mgpu__nccl_trace_close(&out[i]->device->queue[1], bars[i]);
+    mgpu__comm_track(out, c->n);
+    if (in != out) mgpu__comm_track(in, c->n);
 }
 
 MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *c, mgpu_tensor **data, int average) {

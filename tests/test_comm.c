@@ -217,6 +217,26 @@ TEST(allreduce_start_lets_compute_go_on) {
     for (int i = 0; i < K; i++) mgpu_free(scratch[i]);
 }
 
+/* A tensor freed while an allreduce still uses it (before mgpu_comm_wait)
+   goes back to the cache marked in use: a new tensor does not get its
+   memory, and overwrite the vector, before the reduction is done. */
+TEST(a_tensor_freed_under_its_allreduce_is_not_reused_too_early) {
+    mgpu_device *dev[2];
+    mgpu_devices(2, TEST_ON_GPU, dev);
+    enum { N = 1 << 20 };
+    for (int run = 0; run < 3; run++) {
+        mgpu_tensor *data[2] = {mgpu_full(dev[0], mgpu_shape1(N), 1.0f), mgpu_full(dev[1], mgpu_shape1(N), 2.0f)};
+        mgpu_allreduce_start(data, 2, 0, NULL);
+        mgpu_free(data[0]);
+        mgpu_tensor *other = mgpu_full(dev[0], mgpu_shape1(N), 7.0f); /* the freed block's size */
+        mgpu_comm_wait(dev, 2);
+        CHECK_CLOSE(mgpu_item(data[1], N - 1), 3.0, 0, 0);
+        CHECK_CLOSE(mgpu_item(other, 0), 7.0, 0, 0);
+        mgpu_free(other);
+        mgpu_free(data[1]);
+    }
+}
+
 TEST(too_small_scratch_is_an_error) {
     mgpu_device *dev[2];
     mgpu_devices(2, TEST_ON_GPU, dev);
