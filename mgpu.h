@@ -29,8 +29,9 @@
    queue for operations and a copy queue for transfers between devices, so
    copies can overlap compute. On a GPU the queues are CUDA streams; on the
    CPU each queue is a worker thread. mgpu_synchronize(dev) waits until a
-   device has finished everything enqueued so far; mgpu_synchronize_all()
-   waits for every device.
+   device has finished everything enqueued so far (and stops the program
+   if a GPU's loss met a label that is not a class: see "Softmax
+   cross-entropy" below); mgpu_synchronize_all() waits for every device.
 
        int mgpu_num_gpus(void);              physical GPUs visible (0 without a GPU)
        mgpu_device *mgpu_cpu(void);          the CPU device "cpu" (also the host)
@@ -99,7 +100,11 @@
 
    A view (mgpu_view, mgpu_narrow) shares its tensor's memory and does not
    keep it alive: free the views before the tensor. Views can be copied
-   to and from, and operated on, like any tensor.
+   to and from, and operated on, like any tensor, except that an output
+   may not overlap an input (two views of one tensor that share part of
+   it): the operation would read values it has already written, and it is
+   an error. The same tensor as output and input is fine where each value
+   is read before it is written (y += y, a copy to itself; not a product).
 
    A copy runs on a copy queue: it starts when the source's device and the
    destination's device have both finished what was enqueued before it
@@ -780,8 +785,10 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
    logits are [N, classes]; labels hold N class indices stored as floats
    (0., 1., ...). A label that is not an integer in [0, classes) is a fatal
    error: on a CPU device at once; on a GPU when the program next waits
-   for the device (mgpu_synchronize, mgpu_item, mgpu_to_host), with the
-   same line (until then the sample's loss and gradient row are NaN).
+   for the device (mgpu_synchronize, mgpu_item, mgpu_to_host,
+   mgpu_event_synchronize, and at the latest when it ends), with the same
+   line and the device named (until then the sample's loss and gradient
+   row are NaN).
 
        void mgpu_cross_entropy_forward(losses, logits, labels)
    losses ([N]): one loss per sample, log sum_j exp(z_j) - z_label
@@ -923,8 +930,11 @@ MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
    for every pair that can; the ring and the book's allreduce call it.
 
    Errors: tensors of different shapes, devices of mixed kinds in a ring,
-   or more than MGPU_MAX_DEVICES tensors are one-line errors naming the
-   function; NCCL failures name the file, line and NCCL's message. */
+   more than MGPU_MAX_DEVICES tensors, or a scratch that is too short, on
+   the wrong device or overlaps its data (checked where NCCL runs too) are
+   one-line errors naming the function; NCCL failures name the file, line
+   and NCCL's message. A tensor freed before mgpu_comm_wait is given out
+   again only once the reduction is done with it. */
 
 typedef struct mgpu_param { mgpu_tensor *value, *grad; } mgpu_param;
 MGPU_DEF void mgpu_get_params(mgpu_param *out, mgpu_tensor *const *params, int n, mgpu_device *dev);
@@ -1570,7 +1580,11 @@ struct mgpu_device {
     size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
     mgpu_tensor *bn_done; /* a GPU's batch norm counters (mgpu__bn_done), or NULL */
-    mgpu_tensor *label_error; /* a GPU's report of a bad label (kernels/loss.h), made by its first loss */
+    /* a GPU's report of a bad label (kernels/loss.h), made by its first
+       loss: in pinned host memory, which the GPU writes directly, and the
+       word in device memory that a reporting thread claims first */
+    struct mgpu__label_error *label_error;
+    mgpu_tensor *label_claim;
 };
 
 /* --------------------------------------------------------------- events */
@@ -1887,12 +1901,14 @@ static void mgpu__event_wait_on(mgpu__queue *q, mgpu_event *e) {
 
 MGPU_DEF void mgpu_event_record(mgpu_event *e, mgpu_device *d) { mgpu__event_record_on(e, &d->queue[0]); }
 MGPU_DEF void mgpu_event_wait(mgpu_device *d, mgpu_event *e) { mgpu__event_wait_on(&d->queue[0], e); }
+static void mgpu__require_no_label_error(const mgpu_device *d);
 MGPU_DEF void mgpu_event_synchronize(mgpu_event *e) {
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
     uint64_t generation = e->recorded;
     mgpu__queue *source = e->queue;
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
     if (source) mgpu__event_host_wait(e, generation, source);
+    if (source && mgpu__queue_on_gpu(source)) mgpu__require_no_label_error(source->device);
 }
 MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
     MGPU_REQUIRE(start && end && start->queue && end->queue,
@@ -1901,8 +1917,7 @@ MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
     mgpu_event_synchronize(start);
     mgpu_event_synchronize(end);
 #if MGPU_CUDA
-    if (start->queue && mgpu__queue_on_gpu(start->queue) && end->queue &&
-        mgpu__queue_on_gpu(end->queue)) {
+    if (mgpu__queue_on_gpu(start->queue) && mgpu__queue_on_gpu(end->queue)) {
         float ms = 0;
         MGPU_REQUIRE(start->cuda_gpu == end->cuda_gpu,
                      "mgpu_event_elapsed_ms: the events were recorded on GPUs %d and %d; "
@@ -1910,8 +1925,7 @@ MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
         MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start->cuda, end->cuda));
         return ms;
     }
-    MGPU_REQUIRE(!(start->queue && mgpu__queue_on_gpu(start->queue)) &&
-                     !(end->queue && mgpu__queue_on_gpu(end->queue)),
+    MGPU_REQUIRE(!mgpu__queue_on_gpu(start->queue) && !mgpu__queue_on_gpu(end->queue),
                  "mgpu_event_elapsed_ms: both events must be on GPUs or both on CPUs");
 #endif
     return 1e3 * (end->time - start->time);
@@ -2003,7 +2017,6 @@ MGPU_DEF void *mgpu_device_stream(const mgpu_device *d) {
     (void)d;
     return NULL;
 }
-static void mgpu__require_no_label_error(mgpu_device *d);
 MGPU_DEF void mgpu_synchronize(mgpu_device *d) {
     mgpu__queue_synchronize(&d->queue[0]);
     mgpu__queue_synchronize(&d->queue[1]);
@@ -2032,7 +2045,10 @@ MGPU_DEF void mgpu_shutdown(void) {
     for (int i = 0; i < mgpu__g.ndevices; i++) {
         mgpu_device *d = mgpu__g.devices[i];
         mgpu_free(d->bn_done);
-        mgpu_free(d->label_error);
+        mgpu_free(d->label_claim);
+#if MGPU_CUDA
+        if (d->label_error) MGPU_CUDA_CHECK(cudaFreeHost(d->label_error));
+#endif
         mgpu__queue_destroy(&d->queue[0]);
         mgpu__queue_destroy(&d->queue[1]);
         mgpu__allocator_release(d);
@@ -3592,7 +3608,7 @@ MGPU_DEF mgpu_shape mgpu_shape3(int a, int b, int c) { return mgpu__shape(3, a, 
 MGPU_DEF mgpu_shape mgpu_shape4(int a, int b, int c, int d) { return mgpu__shape(4, a, b, c, d); }
 MGPU_DEF size_t mgpu_shape_numel(mgpu_shape s) {
     size_t n = 1;
-    for (int i = 0; i < s.ndim; i++) n *= (size_t)s.d[i];
+    for (int i = 0; i < s.ndim && i < MGPU_MAX_DIMS; i++) n *= (size_t)s.d[i];
     return n;
 }
 MGPU_DEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b) {
@@ -3611,8 +3627,9 @@ MGPU_DEF const char *mgpu_shape_str(mgpu_shape s, char *buf, size_t size) {
 
 /* The values of a shape that op is given, which must be one a tensor can
    have: 1 to MGPU_MAX_DIMS sizes of 0 or more (mgpu_shape is a plain
-   struct a program may fill itself), and no more bytes than a size_t
-   counts. */
+   struct a program may fill itself), and at most 2^60 values, so that
+   their bytes, rounded up by the allocator and with a layer's guard
+   floats, still fit a size_t (no machine holds a tenth of that). */
 static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
     MGPU_REQUIRE(shape.ndim >= 1 && shape.ndim <= MGPU_MAX_DIMS,
                  "%s: a tensor has 1 to %d dimensions, not %d", op, MGPU_MAX_DIMS, shape.ndim);
@@ -3620,7 +3637,7 @@ static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
     for (int i = 0; i < shape.ndim; i++) {
         MGPU_REQUIRE(shape.d[i] >= 0, "%s: a shape cannot have a negative size (%d in dimension %d)", op,
                      shape.d[i], i);
-        MGPU_REQUIRE(shape.d[i] == 0 || numel <= SIZE_MAX / sizeof(float) / (size_t)shape.d[i],
+        MGPU_REQUIRE(shape.d[i] == 0 || numel <= ((size_t)1 << 60) / (size_t)shape.d[i],
                      "%s: a shape of more values than memory can hold (dimension %d: %d)", op, i,
                      shape.d[i]);
         numel *= (size_t)shape.d[i];
@@ -4012,7 +4029,7 @@ MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
 
 MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
     MGPU_REQUIRE(i < t->numel, "mgpu_item: index %zu out of range for %zu elements", i, t->numel);
-    mgpu_tensor *one = mgpu_view(t, t->shape); /* then narrowed to value i (of any of 2^64) */
+    mgpu_tensor *one = mgpu_view(t, t->shape); /* then narrowed to value i (past INT_MAX too) */
     one->shape = mgpu_shape1(1);
     one->numel = 1;
     one->data += i;
@@ -6044,20 +6061,17 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL);
 }
 
-/* Stops at a bad label a GPU's loss kernels met (kernels/loss.h), with the
-   line the CPU gives: read once the device's queues are done. */
-static void mgpu__require_no_label_error(mgpu_device *d) {
-#if MGPU_CUDA
-    if (!d->label_error) return;
-    mgpu__label_error e;
-    MGPU_CUDA_CHECK(cudaSetDevice(d->gpu));
-    MGPU_CUDA_CHECK(cudaMemcpy(&e, d->label_error->data, sizeof e, cudaMemcpyDeviceToHost));
-    if (e.op)
-        mgpu_fatal("%s: label %g of sample %d is not a class index in [0, %d) (on %s)",
-                   (const char *)(uintptr_t)e.op, (double)e.label, e.row, e.classes, d->name);
-#else
-    (void)d;
-#endif
+/* The line for a bad label a GPU's loss kernels reported (kernels/loss.h):
+   the CPU's, with the device named. */
+static void mgpu__label_error_fail(const mgpu__label_error *e, const mgpu_device *d) {
+    mgpu_fatal("%s: label %g of sample %d is not a class index in [0, %d) (on %s)",
+               (const char *)(uintptr_t)e->op, (double)e->label, e->row, e->classes, d->name);
+}
+/* Stops at a bad label, once the host has waited for the device: the
+   report is in pinned host memory, so this is a read, not a copy. */
+static void mgpu__require_no_label_error(const mgpu_device *d) {
+    const volatile mgpu__label_error *e = d->label_error;
+    if (e && e->op) mgpu__label_error_fail((const mgpu__label_error *)e, d);
 }
 
 /* Checks logits [N, classes] and labels [N] against out's device. The
@@ -6086,8 +6100,14 @@ static mgpu__ce_args mgpu__ce_prepare(const char *op, int first_row, mgpu_tensor
 #if MGPU_CUDA
     mgpu_device *d = out->device;
     if (mgpu_device_is_gpu(d)) {
-        if (!d->label_error) d->label_error = mgpu_zeros(d, mgpu_shape1(sizeof(mgpu__label_error) / sizeof(float)));
-        a.error = (mgpu__label_error *)d->label_error->data;
+        if (!d->label_error) {
+            /* (pinned host memory is the same pointer on a GPU: unified addressing) */
+            MGPU_CUDA_CHECK(cudaMallocHost((void **)&d->label_error, sizeof *d->label_error));
+            memset(d->label_error, 0, sizeof *d->label_error);
+            d->label_claim = mgpu_zeros(d, mgpu_shape1(1)); /* (all bits 0: unclaimed) */
+        }
+        a.error = d->label_error;
+        a.claim = (unsigned *)d->label_claim->data;
     }
 #endif
     return a;
@@ -6416,16 +6436,25 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n) {
     for (int i = 0; i < n; i++) mgpu__queue_wait_queue(&devices[i]->queue[0], &devices[i]->queue[1]);
 }
 
-/* A collective's tensors are in use on the communication queues until the
-   work enqueued there so far is done: freed before mgpu_comm_wait, their
-   memory goes back to the cache marked so (mgpu__tensor_track), and is
-   not given out again before that. */
-static void mgpu__comm_track(mgpu_tensor *const *t, int n) {
-    for (int i = 0; t && i < n; i++) {
+/* A collective's tensors (a[i], and b[i] where b is given: on a[i]'s
+   device) are in use on the communication queues until the work enqueued
+   there so far is done: freed before mgpu_comm_wait, their memory goes
+   back to the cache marked so (mgpu__tensor_track), and is not given out
+   again before that. One event a device; the queue first waits for what
+   was still reading them, so that the event stands for that too. */
+static void mgpu__comm_track(mgpu_tensor *const *a, mgpu_tensor *const *b, int n) {
+    for (int i = 0; i < n; i++) {
+        mgpu__queue *q = &a[i]->device->queue[1];
+        mgpu_tensor *both[2] = {a[i], b ? b[i] : NULL};
+        for (int k = 0; k < 2; k++) {
+            const mgpu_tensor *base = both[k] && both[k]->base ? both[k]->base : both[k];
+            if (base && base->last_read) mgpu__event_wait_on(q, base->last_read);
+        }
         mgpu_event *done = mgpu_event_new();
-        mgpu__event_record_on(done, &t[i]->device->queue[1]);
-        mgpu__tensor_track(t[i], done);
-        mgpu_event_free(done); /* (the tensor keeps its own reference) */
+        mgpu__event_record_on(done, q);
+        for (int k = 0; k < 2; k++)
+            if (both[k]) mgpu__tensor_track(both[k], done);
+        mgpu_event_free(done); /* (each tensor keeps its own reference) */
     }
 }
 
@@ -6563,8 +6592,7 @@ static void mgpu__ring_run(mgpu_tensor *const *data, int n, int average, mgpu_te
         mgpu_free(r.recv[i]);
     }
     for (int i = 0; i < n; i++) mgpu_event_free(r.mark[i]);
-    mgpu__comm_track(data, n);
-    mgpu__comm_track(scratch, n);
+    mgpu__comm_track(data, scratch, n);
 }
 
 /* A CPU queue cannot copy GPU memory, nor a GPU stream wait for a CPU
@@ -6697,8 +6725,7 @@ static void mgpu__nccl_start(const mgpu_nccl_comm *c, const char *name, mgpu__nc
     }
     MGPU_NCCL_CHECK(ncclGroupEnd());
     for (int i = 0; i < c->n; i++) mgpu__nccl_trace_close(&out[i]->device->queue[1], bars[i]);
-    mgpu__comm_track(out, c->n);
-    if (in != out) mgpu__comm_track(in, c->n);
+    mgpu__comm_track(out, in != out ? in : NULL, c->n);
 }
 
 MGPU_DEF void mgpu_nccl_allreduce(mgpu_nccl_comm *c, mgpu_tensor **data, int average) {

@@ -17,10 +17,13 @@
    Labels are floats holding class indices. One that is not an integer in
    [0, classes) is a fatal error on the CPU. A GPU kernel cannot stop the
    program cleanly, so it reports the first such sample it meets in the
-   device's mgpu__label_error, which the host reads when it next waits for
-   the device (mgpu_synchronize, and so mgpu_item and mgpu_to_host) and
-   stops there with the CPU's line. Until then the sample's loss and
-   gradient row are NaN, and it counts as wrong in the accuracy.
+   device's mgpu__label_error, in pinned host memory that the GPU writes
+   directly (no copy back, so reading it costs nothing). The host reads it
+   whenever it waits for the device (mgpu_synchronize, mgpu_item,
+   mgpu_to_host, mgpu_event_synchronize, and at the latest when the
+   program ends) and stops there with the CPU's line, the device named.
+   Until then the sample's loss and gradient row are NaN, and it counts as
+   wrong in the accuracy.
 
    The CUDA version gives each row (sample) to one warp: the lanes stride
    over the classes, and the maximum and the sum of exponentials are warp
@@ -28,10 +31,11 @@
    leave most lanes idle, but the kernels are tiny next to the network; what
    matters is that there is no shared memory and no synchronisation. */
 
-/* A GPU's report of a bad label: op is 0 until a kernel meets one; the
-   first kernel to set it (to its op, a host pointer carried as a number)
-   writes the rest. */
-typedef struct {
+/* A GPU's report of a bad label, in pinned host memory: op is 0 until a
+   kernel meets one. The thread that first claims the device's claim word
+   (an atomic in device memory) writes row, classes and label, then op (a
+   host pointer to the function's name, carried as a number) last. */
+typedef struct mgpu__label_error {
     unsigned long long op;
     int row, classes;
     float label;
@@ -45,6 +49,7 @@ typedef struct {
     const char *op;              /* the public function, for error messages */
     int first_row;               /* row 0's index in the caller's batch (a device's shard), for messages */
     mgpu__label_error *error;    /* on a GPU: where a bad label is reported (NULL on the CPU) */
+    unsigned *claim;             /* on a GPU: 0 until a thread claims the report */
 } mgpu__ce_args;
 
 /* Whether value a at index ia beats value b at index ib for the argmax,
@@ -151,13 +156,16 @@ static __device__ float mgpu__warp_logsumexp(const float *z, int classes, int la
     return max + logf(mgpu__warp_allreduce(sum, mgpu__sum_op()));
 }
 
-/* The class of row's label; a bad one is reported by lane 0 (above). */
+/* The class of row's label; lane 0 reports a bad one in a.error
+   (mgpu__label_error, top of the file), if no thread has yet. */
 static __device__ int mgpu__label_class_gpu(const mgpu__ce_args &a, int row, int lane) {
     int k = mgpu__label_class(a.labels[row], a.classes);
-    if (k < 0 && lane == 0 && atomicCAS(&a.error->op, 0ull, (unsigned long long)(uintptr_t)a.op) == 0ull) {
+    if (k < 0 && lane == 0 && atomicCAS(a.claim, 0u, 1u) == 0u) {
         a.error->row = a.first_row + row;
         a.error->classes = a.classes;
         a.error->label = a.labels[row];
+        __threadfence_system(); /* (the fields reach the host before op says they are there) */
+        a.error->op = (unsigned long long)(uintptr_t)a.op;
     }
     return k;
 }

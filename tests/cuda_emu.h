@@ -281,6 +281,7 @@ template <typename T> static T atomicCAS(T *address, T compare, T value) {
     return old;
 }
 static void __threadfence() {}
+static void __threadfence_system() {}
 
 /* ------------------------------------------- shared memory, asynchronous copies */
 /* Dynamic shared memory (the launch's third argument): one buffer, as the

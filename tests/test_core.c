@@ -274,6 +274,9 @@ TEST(shapes_that_no_tensor_can_have_are_refused) {
     EXPECT_DIES(mgpu_empty(mgpu_cpu(), negative), "a new tensor: a shape cannot have a negative size");
     EXPECT_DIES(mgpu_zeros(mgpu_cpu(), mgpu_shape3(1 << 30, 1 << 30, 4)),
                 "a new tensor: a shape of more values than memory can hold (dimension 2: 4)");
+    /* 2^62 - 4 values: bytes that the allocator's rounding would wrap to 0 */
+    EXPECT_DIES(mgpu_zeros(mgpu_cpu(), mgpu_shape3(4, (1 << 30) - 1, (1 << 30) + 1)),
+                "a new tensor: a shape of more values than memory can hold (dimension 2");
     mgpu_free(x);
 }
 

@@ -518,6 +518,19 @@ TEST(accuracy_takes_nan_as_the_largest) {
     mgpu_free(tz); mgpu_free(ty); mgpu_free(count);
 }
 
+/* The line a GPU's report of a bad label becomes (kernels/loss.h: the
+   kernels write the report; tests/gpu_train_ops.c checks that they do). */
+TEST(a_gpus_bad_label_report_is_the_cpus_line) {
+    mgpu__label_error e = {(unsigned long long)(uintptr_t) "mgpu_data_parallel_step", 41, 10, -1.0f};
+    EXPECT_DIES(mgpu__label_error_fail(&e, mgpu_cpu()),
+                "mgpu: error: mgpu_data_parallel_step: label -1 of sample 41 is not a class index in [0, 10) (on cpu)");
+    mgpu_device fake_gpu = *mgpu_cpu(); /* (a copy that holds a report, as a GPU's would) */
+    fake_gpu.label_error = &e;
+    EXPECT_DIES(mgpu__require_no_label_error(&fake_gpu), "label -1 of sample 41");
+    e.op = 0; /* no report: nothing to say */
+    mgpu__require_no_label_error(&fake_gpu);
+}
+
 TEST(sum_and_mean) {
     float v[5] = {1, 2, 3, 4, 5.5f};
     mgpu_tensor *x = on_cpu(mgpu_shape1(5), v), *out = mgpu_empty(mgpu_cpu(), mgpu_shape1(1));
