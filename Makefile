@@ -197,9 +197,13 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 # ones first: so that neither ends on one long job alone. Each test's
 # output is shown whole, in this order. test-gpu runs them one at a time,
 # so that each has the GPU to itself.
+# The GPU check's rehearsal (tests/gpu_check_rehearsal.sh) runs the
+# benchmark programs built above: the checked CUDA builds, or the CPU ones.
 TEST_JOBS ?= $(shell nproc)
+REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
 test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS)
-	@TEST_JOBS=$(TEST_JOBS) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) -- tests/smoke.sh
+	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
+	  $(CPU_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

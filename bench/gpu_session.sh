@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench/gpu_session.sh STAGE...: the GPU checks, in as few device calls as
+# bench/gpu_session.sh STAGE...: the longer GPU work (bench/gpu_check.sh is
+# the owed checks in one call), in as few device calls as
 # possible, on a GPU machine that has no package registry (the device tool's
 # machines: nothing can be installed there, and each call may be at most
 # 10 minutes).
@@ -19,22 +20,16 @@
 # few most useful files there, at most 8 files in all for the stages above
 # together (the tool's limit on what comes back).
 #
-# Before the call, on the machine with the registries:
-#   mkdir -p .devdata && cp ../shared/fashion-mnist/*.gz .devdata/
-#   mkdir -p .deps/debs && (cd .deps/debs && apt-get download libopenblas-pthread-dev \
-#       libopenblas0-pthread libgfortran5 libquadmath0 libstb-dev libstb0 zlib1g-dev zlib1g)
-# and name .devdata and .deps in the call's carry. (Both are ignored by
-# git.) The Debian packages are unpacked under .deps/root and found through
-# CPATH, LIBRARY_PATH and LD_LIBRARY_PATH, only if the machine lacks the
-# libraries: the Makefile looks for them by compiling a tiny program.
-# These variables live in this script's process only: a command of your
-# own in the same call (a test binary, ncu) needs them exported again
-# after a first stage has unpacked the packages:
+# Before the call, on the machine with the registries, `bash
+# bench/gpu_check.sh --prepare` fills .devdata and .deps (ignored by git);
+# name both in the call's carry. bench/lib.sh (use_carried_libraries) says
+# how the packages are used. Its variables live in this script's process
+# only: a command of your own in the same call (a test binary, ncu) needs
 #   R=$PWD/.deps/root; L=$R/usr/lib/x86_64-linux-gnu
 #   export LD_LIBRARY_PATH=$L:$L/openblas-pthread:$R/lib/x86_64-linux-gnu
-# (and CPATH and LIBRARY_PATH as below, to build with make).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 
 SESSION=build/gpu-session
 mkdir -p "$SESSION"
@@ -45,23 +40,7 @@ export PYTHONUNBUFFERED=1
 
 say() { printf '\n### %s\n' "$*"; }
 
-# --- the libraries, from carried Debian packages when the machine has none
-libraries_found() {
-    printf '#include <cblas.h>\n#include <stb/stb_image_write.h>\n#include <zlib.h>\nint main(void) { return 0; }\n' |
-        ${CC:-gcc} -x c - -o "$SESSION/probe" -lopenblas -lstb -lz >/dev/null 2>&1
-}
-if ! libraries_found && ls .deps/debs/*.deb >/dev/null 2>&1; then
-    root=$PWD/.deps/root
-    for deb in .deps/debs/*.deb; do dpkg -x "$deb" "$root" || exit 1; done
-    # zlib1g-dev's libz.so points at /lib/...; point it at the unpacked runtime
-    ln -sf ../../../lib/x86_64-linux-gnu/libz.so.1 "$root/usr/lib/x86_64-linux-gnu/libz.so"
-    lib=$root/usr/lib/x86_64-linux-gnu
-    export CPATH=$root/usr/include:$root/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
-    export LIBRARY_PATH=$lib:$lib/openblas-pthread:$root/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
-    export LD_LIBRARY_PATH=$LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "libraries: from the carried Debian packages under $root"
-fi
-libraries_found || echo "libraries: OpenBLAS, stb or zlib missing, and no usable .deps/debs (see the header)"
+use_carried_libraries
 
 # keep LOG FILE...: copies the files to $OUT when it is set
 keep() { [ -n "${OUT:-}" ] && cp "$@" "$OUT/" 2>/dev/null; return 0; }

@@ -58,6 +58,7 @@
 # programs' logs, PNGs and CSVs go (default build/bench).
 set -u
 cd "$(dirname "$0")/.."
+. bench/lib.sh    # value, result, calc, or_dash
 
 PYTHON=${PYTHON:-python3}
 DATA=${MGPU_DATA:-data/fashion-mnist}
@@ -118,22 +119,9 @@ step() {
         echo "   done in $((SECONDS - t0)) s"
     fi
 }
-# value NAME SED_EXPRESSION: the first number the expression picks from the log.
-value() { sed -n "$2" "$LOGS/$1.log" 2>/dev/null | head -n 1; }
-# result NAME KEY [MATCH]: KEY=... from the first "RESULT" line (containing MATCH) of the log.
-result() {
-    grep "^RESULT.*${3:-}" "$LOGS/$1.log" 2>/dev/null | head -n 1 |
-        sed -n "s/.* $2=\([^ ]*\).*/\1/p"
-}
-# calc FORMAT EXPRESSION: awk arithmetic; "-" when a number is missing
-# (the expression no longer parses) or a division by zero (inf).
-calc() {
-    awk "BEGIN { x = $2; if (x - x != 0) print \"-\"; else printf \"$1\", x }" 2>/dev/null || echo "-"
-}
 ROWS=""
 # row WORKLOAD FIGURE VALUE TARGET: a line of the results table.
 row() { ROWS+="| $1 | $2 | ${3:--} | ${4:-} |"$'\n'; }
-or_dash() { echo "${1:--}"; }
 
 # Multiply-adds of one forward pass of the book's ResNet-18 on a 1x28x28
 # image (the formula is in the header; chapter3.py counts the same with

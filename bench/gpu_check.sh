@@ -1,0 +1,365 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh: every GPU figure the project owes, in one command of
+# at most 8 minutes on a GPU machine.
+#
+#   bash bench/gpu_check.sh --prepare        # here, with the package registries:
+#                                            # .devdata (Fashion-MNIST) and .deps/debs
+#   bash bench/gpu_check.sh LOGDIR           # there, on the GPU machine
+#   bash bench/gpu_check.sh --rehearse LOGDIR  # anywhere: the same stages on the
+#                                            # emulated GPUs and the CPU, tiny sizes
+#
+# A GPU machine may have no package registry. --prepare fills two folders
+# that git ignores: .devdata, the four Fashion-MNIST .gz files (from
+# $MGPU_DATA or ../shared/fashion-mnist, 30 MiB), and .deps/debs, the Debian
+# packages of OpenBLAS, stb and zlib (14 MiB); copy the checkout with both
+# to the GPU machine. There the script unpacks the packages only if the
+# libraries are missing (bench/lib.sh: use_carried_libraries).
+#
+# The stages, in order of importance, each with a time budget; a stage
+# that would start after the deadline (470 s on a GPU, so that the whole
+# script stays under 8 minutes) is skipped, and one that outruns its
+# budget is stopped. Each writes its programs' logs under LOGDIR.
+#   build      make for sm_90 alone (CUDA_ARCHS=90) of what the stages run
+#   tests      the GPU tests (tests/gpu_*.c): every CUDA kernel of the
+#              product against its CPU reference, the collectives, the
+#              data-parallel wrapper
+#   sanitize   compute-sanitizer memcheck and racecheck on the small
+#              kernel tests
+#   resnet18   chapter 3's epoch on one device, batch 256, beside the
+#              book's PyTorch code and the tuned one (targets 9 to 11),
+#              and ./bench/profile's step
+#   lenet      chapter 2 on 1 and 2 devices beside the book's PyTorch
+#              code (targets 4 to 6), 5 epochs each
+#   comm       ./bench/overlap (target 14) and ./bench/allreduce on 2 and
+#              4 virtual devices up to 64 MiB (target 13)
+#   conv       ./bench/conv beside cuDNN (bench/pytorch/conv.py)
+#   full       ./chapter3 --full on one device (target 12)
+# The last lines printed are the summary table, one row per target with
+# its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
+# that a log cut short still ends on it. The exit status is non-zero when
+# a stage failed (a missed target is not a failure of the script).
+#
+# The rehearsal (in `make test`) runs every stage with tiny sizes: the
+# GPU tests and the sanitizer's list on the emulated GPUs (build/emu/,
+# one chosen test each, without compute-sanitizer), the programs on CPU
+# devices, the PyTorch scripts only compiled when torch is missing. It
+# ends with "test-summary: P passed, F failed", a check per stage and one
+# for the table, so a misspelt test name, flag or file fails it here
+# instead of on the GPU's minutes. REHEARSE_BENCH names where the built
+# benchmark programs are (default bench/; the Makefile passes its checked
+# builds).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. bench/lib.sh
+
+# ------------------------------------------------------------- --prepare
+if [ "${1:-}" = --prepare ]; then
+    src=${MGPU_DATA:-../shared/fashion-mnist}
+    mkdir -p .devdata .deps/debs || exit 1
+    cp "$src"/*-ubyte.gz .devdata/ || { echo "gpu_check.sh: no Fashion-MNIST .gz files in $src" >&2; exit 1; }
+    (cd .deps/debs && apt-get download libopenblas-pthread-dev libopenblas0-pthread libgfortran5 \
+        libquadmath0 libstb-dev libstb0 zlib1g-dev zlib1g) || exit 1
+    du -sh .devdata .deps/debs
+    echo "carry .devdata and .deps to the GPU machine, then: bash bench/gpu_check.sh LOGDIR"
+    exit 0
+fi
+
+REHEARSE=0 STAGE=
+[ "${1:-}" = --rehearse ] && { REHEARSE=1; shift; }
+[ "${1:-}" = --stage ] && { STAGE=$2; shift 2; }
+[ $# = 1 ] || { echo "usage: bash bench/gpu_check.sh [--rehearse] LOGDIR | --prepare" >&2; exit 2; }
+LOGS=$1
+mkdir -p "$LOGS" || exit 1
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+[ -d .devdata ] && export MGPU_DATA=${MGPU_DATA:-$PWD/.devdata}
+DATA=${MGPU_DATA:-data/fashion-mnist}
+if ! ls "$DATA"/train-images-idx3-ubyte* >/dev/null 2>&1; then
+    echo "gpu_check.sh: no Fashion-MNIST in '$DATA' (set MGPU_DATA, or bench/gpu_check.sh --prepare)" >&2
+    exit 1
+fi
+JOBS=$(nproc)
+GPU_TESTS=$(cd tests && ls gpu_*.c | sed 's/\.c$//')
+
+if [ $REHEARSE = 1 ]; then
+    DEADLINE=400
+    TEST_DIR=build/emu
+    BENCH=${REHEARSE_BENCH:-bench/}
+    CPU=--cpu
+    MAKE_ARGS=()
+    # chapter 3: 2 steps of 32 images; chapter 2: 512 images; the rest one step
+    CH3=(--epochs 1 --train-samples 64 --test-samples 64 --batch-size 32 --lr 0.05)
+    CH3_FULL=(--epochs 1 --train-samples 32 --test-samples 32 --batch-size 16)
+    CH2=(--epochs 1 --train-samples 512 --batch-size 256)
+    PROFILE=(--batch-size 8 --steps 1) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
+    ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
+else
+    DEADLINE=470
+    TEST_DIR=build/cuda
+    BENCH=bench/
+    CPU=
+    MAKE_ARGS=(CUDA_ARCHS=90)
+    CH3=(--epochs 2 --train-samples 60000 --test-samples 10000 --batch-size 256 --lr 0.1)
+    CH3_FULL=(--full)
+    CH2=(--epochs 5 --train-samples 60000 --batch-size 256)
+    PROFILE=() OVERLAP=() ALLREDUCE_MIB=64 CONV=()
+fi
+
+# A test binary and the part of it that a stage runs: the rehearsal runs
+# one small test of each on the emulator (the rest run in `make test`).
+declare -A REHEARSAL_TEST=([gpu_comm]=nccl_broadcast [gpu_data]=loader [gpu_fixtures]=lenet
+                           [gpu_layers]=relu_and_add [gpu_parallel]=resnet18_has [gpu_train_ops]=sgd_plain)
+# The sanitizer's list: small shapes of every kernel family.
+SANITIZED=("gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling"
+           "gpu_layers relu" "gpu_layers linear" "gpu_layers first_layer" "gpu_layers residual_block"
+           "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" "gpu_train_ops cross_entropy_10"
+           "gpu_train_ops cross_entropy_one" "gpu_train_ops sum_of" "gpu_train_ops sgd")
+
+TORCH=0
+if "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    TORCH=1
+fi
+
+# ---------------------------------------------------------------- stages
+STATUS=()     # one line per stage: "name: ok, 12 s" and the like
+FAILED=0
+# stage NAME BUDGET: runs do_NAME with at most BUDGET seconds, fewer if
+# the deadline is nearer, its output in $LOGS/NAME.log. The stage runs
+# as this script again (--stage NAME), under timeout, which stops it and
+# every program it started.
+stage() {
+    local name=$1 budget=$2 left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        STATUS+=("$name: skipped, ${left} s left of the deadline")
+        printf -- '-- %-9s skipped (%d s left)\n' "$name" "$left"
+        return
+    fi
+    [ "$budget" -gt "$left" ] && budget=$left
+    local t0=$SECONDS
+    printf -- '-- %-9s (at most %d s) ' "$name" "$budget"
+    timeout -k 5 "$budget" bash "$0" $([ $REHEARSE = 1 ] && echo --rehearse) --stage "$name" "$LOGS" \
+        >"$LOGS/$name.log" 2>&1
+    local rc=$? took=$((SECONDS - t0)) what
+    case $rc in
+    0) what="ok" ;;
+    124|137) what="STOPPED at its budget of $budget s"; FAILED=$((FAILED + 1)) ;;
+    *) what="FAILED (exit status $rc)"; FAILED=$((FAILED + 1)) ;;
+    esac
+    STATUS+=("$name: $what, $took s")
+    echo "$what, $took s"
+    [ $rc = 0 ] || tail -n 5 "$LOGS/$name.log" | sed 's/^/   | /'
+}
+
+# run NAME COMMAND...: COMMAND's output in $LOGS/NAME.log (and a line in
+# the stage's log); the stage goes on when it fails.
+run() {
+    local name=$1; shift
+    echo "-- $name: $*"
+    "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    [ $rc = 0 ] || { echo "   FAILED (exit status $rc):"; tail -n 5 "$LOGS/$name.log"; }
+    return $rc
+}
+
+do_build() {
+    [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
+    local targets=(chapter2 chapter3) t
+    for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
+    for t in profile overlap allreduce conv; do targets+=("$BENCH$t"); done
+    make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
+}
+
+# sums the "test-summary: P passed, F failed" lines of the logs given
+sum_summaries() {
+    cat "$@" | sed -n 's/^test-summary: \([0-9]*\) passed, \([0-9]*\) failed.*/\1 \2/p' |
+        awk '{ p += $1; f += $2 } END { printf "%d passed, %d failed\n", p, f }'
+}
+
+do_tests() {
+    local t rc=0
+    for t in $GPU_TESTS; do
+        if [ $REHEARSE = 1 ]; then
+            run "test-$t" "$TEST_DIR/$t" "${REHEARSAL_TEST[$t]}" || rc=1
+            grep -q '^test-summary: [1-9]' "$LOGS/test-$t.log" || { echo "   no test of $t ran"; rc=1; }
+        else
+            run "test-$t" "$TEST_DIR/$t" || rc=1
+        fi
+    done
+    echo "tests: $(sum_summaries "$LOGS"/test-gpu_*.log)"
+    return $rc
+}
+
+# Each listed test under memcheck and racecheck (plain on the emulator):
+# it must run at least one test, pass them all, and the tool must report
+# no error.
+do_sanitize() {
+    local cs=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+    local tool entry rc=0 clean=0 runs=0 log tools=(memcheck racecheck)
+    [ $REHEARSE = 1 ] && tools=(plain)    # each test once: the names are what is rehearsed
+    for tool in "${tools[@]}"; do
+        for entry in "${SANITIZED[@]}"; do
+            set -- $entry
+            log=sanitize-$tool-$1-$2
+            runs=$((runs + 1))
+            if [ $REHEARSE = 1 ]; then
+                run "$log" "$TEST_DIR/$1" "$2"
+            else
+                run "$log" "$cs" --tool "$tool" --error-exitcode 3 "$TEST_DIR/$1" "$2"
+            fi
+            if [ $? = 0 ] && grep -q '^test-summary: [1-9][0-9]* passed, 0 failed' "$LOGS/$log.log" &&
+               { [ $REHEARSE = 1 ] || grep -qE '(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)' "$LOGS/$log.log"; }; then
+                clean=$((clean + 1))
+            else
+                echo "   not clean: $tool $1 $2"; rc=1
+            fi
+        done
+    done
+    echo "sanitize: $clean of $runs runs clean"
+    return $rc
+}
+
+# The PyTorch scripts run where torch sees a GPU; elsewhere they are only
+# compiled, so that a syntax error shows before the GPU's minutes.
+torch_or_compile() {
+    local name=$1 script=$2; shift 2
+    if [ $TORCH = 1 ]; then
+        run "$name" "$PYTHON" -u "$script" "$@" --device cuda
+    else
+        echo "-- $name: torch cannot use a GPU here: $script only compiled"
+        "$PYTHON" -m py_compile "$script"
+    fi
+}
+
+do_resnet18() {
+    local rc=0
+    run chapter3 ./chapter3 $CPU --devices 1 "${CH3[@]}" --data "$DATA" --out "$LOGS/out" || rc=1
+    torch_or_compile chapter3.py bench/pytorch/chapter3.py "${CH3[@]}" --data "$DATA" || rc=1
+    run profile "${BENCH}profile" $CPU "${PROFILE[@]}" --data "$DATA" || rc=1
+    return $rc
+}
+
+do_lenet() {
+    local rc=0
+    run chapter2 ./chapter2 $CPU "${CH2[@]}" --data "$DATA" --out "$LOGS/out" || rc=1
+    torch_or_compile chapter2.py bench/pytorch/chapter2.py "${CH2[@]}" --data "$DATA" || rc=1
+    return $rc
+}
+
+do_comm() {
+    local rc=0 k
+    run overlap "${BENCH}overlap" $CPU "${OVERLAP[@]}" --data "$DATA" || rc=1
+    for k in 2 4; do
+        run "allreduce-$k" "${BENCH}allreduce" $CPU --devices $k --max-mib $ALLREDUCE_MIB \
+            --out "$LOGS/allreduce-$k" || rc=1
+    done
+    return $rc
+}
+
+do_conv() {
+    local rc=0
+    run conv "${BENCH}conv" $CPU "${CONV[@]}" || rc=1
+    torch_or_compile conv.py bench/pytorch/conv.py "${CONV[@]}" || rc=1
+    return $rc
+}
+
+do_full() {
+    run full ./chapter3 $CPU --devices 1 "${CH3_FULL[@]}" --data "$DATA" --out "$LOGS/out-full"
+}
+
+if [ -n "$STAGE" ]; then
+    use_carried_libraries >/dev/null
+    "do_$STAGE"
+    exit
+fi
+
+echo "gpu_check.sh$([ $REHEARSE = 1 ] && echo ' --rehearse'): $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), logs in $LOGS"
+use_carried_libraries || FAILED=$((FAILED + 1))
+stage build 200
+stage tests 100
+stage sanitize 60
+stage resnet18 100
+stage lenet 60
+stage comm 60
+stage conv 50
+stage full 60
+
+# ----------------------------------------------------------------- summary
+ROWS=""
+MISSING=0
+# row TARGET VALUE THRESHOLD TEST [X]: TEST an awk condition on x, X or
+# else the value's first number; empty for a figure without a threshold.
+row() {
+    local verdict="-" x=${5:-${2%%[!0-9.]*}}
+    if [ -z "$2" ] || [ "$2" = - ]; then
+        verdict="no figure"
+        MISSING=$((MISSING + 1))
+    elif [ -n "${4:-}" ] && [ $REHEARSE = 0 ]; then
+        verdict=$(awk "BEGIN { x = $x; print ($4) ? \"met\" : \"missed\" }")
+    fi
+    ROWS+="| $1 | $2 | ${3:--} | $verdict |"$'\n'
+}
+# a figure that needs torch on a GPU: "-" and not counted as missing without one
+torch_row() {
+    if [ $TORCH = 1 ]; then row "$@"; else ROWS+="| $1 | (no torch with a GPU) | ${3:--} | - |"$'\n'; fi
+}
+
+tests_line=$(value tests 's/^tests: //p')
+row "GPU tests ($TEST_DIR/gpu_*)" "$tests_line" "0 failed" "x == 0" "$(echo "$tests_line" | sed -n 's/.* \([0-9]*\) failed/\1/p')"
+sanitized=$(value sanitize 's/^sanitize: //p')
+row "compute-sanitizer memcheck and racecheck$([ $REHEARSE = 1 ] && echo ', rehearsed without it')" \
+    "$sanitized" "every run clean" "x == 0" "$(echo "$sanitized" | awk '{ print $3 - $1 }')"
+
+# chapter 2: "test acc: 0.84, 2.2 sec/epoch, on [cuda:0]", one line per run
+ch2() { grep '^test acc: .* sec/epoch, on ' "$LOGS/chapter2.log" 2>/dev/null | sed -n "$1p" | sed -n "$2"; }
+m1=$(ch2 1 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p') m2=$(ch2 2 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p')
+p1=$(result chapter2.py sec_per_epoch devices=1)
+row "4: chapter 2, 1 device $(ch2 1 's/.* on \(\[[^]]*\]\).*/\1/p'), sec/epoch" "$(or_dash "$m1")" "<= 0.15" "x <= 0.15"
+torch_row "5: chapter 2, book's PyTorch / mgpu, 1 device" "$(calc %.2f "$p1 / $m1")" ">= 10" "x >= 10"
+row "6: chapter 2, 2 virtual devices / 1 device" "$(calc %.2f "$m2 / $m1")" "<= 1.3" "x <= 1.3"
+
+c_last=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p' "$LOGS/chapter3.log" 2>/dev/null | tail -n 1)
+row "9: chapter 3, 1 device, batch 256, sec/epoch (last epoch)" "$(or_dash "$c_last")" "<= 2.0" "x <= 2.0"
+torch_row "10: chapter 3, book's PyTorch / mgpu" \
+    "$(calc %.2f "$(result chapter3.py last_epoch variant=seed) / $c_last")" ">= 1.5" "x >= 1.5"
+torch_row "11: chapter 3, tuned PyTorch / mgpu" \
+    "$(calc %.2f "$(result chapter3.py last_epoch variant=tuned) / $c_last")" ">= 1.0" "x >= 1.0"
+full_acc=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, test acc \([0-9.]*\), .*/\1/p' "$LOGS/full.log" 2>/dev/null | tail -n 1)
+row "12: ./chapter3 --full, 1 device, test accuracy" "$(or_dash "$full_acc")" ">= 0.90" "x >= 0.90"
+
+# ring at 64 MiB (the largest size the run reached, if smaller)
+ring_over() {
+    local csv=$LOGS/allreduce-$1/bench_allreduce.csv size
+    size=$(grep ',ring,' "$csv" 2>/dev/null | cut -d, -f1 | sort -n | awk '$1 <= 67108864' | tail -n 1)
+    grep "^$size,ring," "$csv" 2>/dev/null | cut -d, -f7
+}
+for k in 2 4; do
+    row "13: ring allreduce, $k virtual devices, 64 MiB, time / floor" "$(or_dash "$(ring_over $k)")" "<= 1.25" "x <= 1.25"
+done
+row "14: ResNet-18 step on 2 virtual devices, overlapped / no reduction" \
+    "$(or_dash "$(result overlap ratio)")" "<= 1.05" "x <= 1.05"
+row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
+    "$(or_dash "$(result profile step_ms)")" "" ""
+row "ResNet-18's convolutions, ms a step: mgpu im2col / implicit / best" \
+    "$(result conv im2col_ms) / $(result conv implicit_ms) / $(result conv best_ms)" "" ""
+torch_row "ResNet-18's convolutions, ms a step: cuDNN NCHW / NHWC / best" \
+    "$(result conv.py nchw_ms) / $(result conv.py nhwc_ms) / $(result conv.py best_ms)" "" ""
+
+{
+    echo
+    echo "### gpu_check.sh$([ $REHEARSE = 1 ] && echo ' --rehearse'), $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    [ $REHEARSE = 1 ] || echo "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $JOBS CPU cores"
+    printf '%s\n' "${STATUS[@]}" | sed 's/^/stage /'
+    echo
+    echo "| target | value | threshold | status |"
+    echo "| --- | --- | --- | --- |"
+    printf '%s' "$ROWS"
+} | tee "$LOGS/summary.md"
+
+if [ $REHEARSE = 1 ]; then
+    # a check per stage, and one for the table: every figure there
+    passed=$(printf '%s\n' "${STATUS[@]}" | grep -c ': ok,')
+    failed=$(( ${#STATUS[@]} - passed + (MISSING > 0 ? 1 : 0) ))
+    [ $MISSING = 0 ] && passed=$((passed + 1)) || echo "$MISSING rows without a figure"
+    echo "test-summary: $passed passed, $failed failed"
+fi
+[ $FAILED = 0 ]
