@@ -115,10 +115,13 @@ SANITIZED=("gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layer
            "gpu_train_ops batchnorm_one" "gpu_train_ops ragged" "gpu_train_ops cross_entropy_10"
            "gpu_train_ops cross_entropy_one" "gpu_train_ops sum_of" "gpu_train_ops sgd")
 
-TORCH=0
-if "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    TORCH=1
+# torch with a GPU? (asked once: the stages inherit the answer)
+if [ -z "${GPU_CHECK_TORCH:-}" ]; then
+    GPU_CHECK_TORCH=0
+    "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null && GPU_CHECK_TORCH=1
+    export GPU_CHECK_TORCH
 fi
+TORCH=$GPU_CHECK_TORCH
 
 # ---------------------------------------------------------------- stages
 STATUS=()     # one line per stage: "name: ok, 12 s" and the like
