@@ -676,11 +676,11 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    TF32 results can differ from run to run), counting the channels-last
    copies the kernels read (none that a network prepares for them);
    im2col forces im2col, implicit the fastest implicit GEMMs.
-   MGPU_WGMMA=1 adds to the candidates, on a GPU of compute capability 9.0
-   (H100, H200) whose code was built for sm_90a (the Makefile's is),
+   On a GPU of compute capability 9.0 (H100, H200) whose code was built
+   for sm_90a (the Makefile's is), the candidates also include
    conv_nhwc.h's kernel with Hopper's warpgroup products (wgmma) in place
-   of mma.sync, in the 64 x 128 and 128 x 128 tiles. Off by default until
-   it has been checked on such a GPU (bench/RESULTS.md).
+   of mma.sync, in the 64 x 128 and 128 x 128 tiles; MGPU_WGMMA=0 leaves
+   them out.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -4630,7 +4630,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
-static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA=1 */
+static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
 /* Read when the library starts (mgpu__init): MGPU_CONV_SCRATCH_MB replaces both
    scratch sizes, MGPU_CONV chooses the GPU's algorithm, MGPU_WGMMA whether
    the wgmma kernels are among the candidates. */
@@ -4645,8 +4645,8 @@ static void mgpu__conv_settings_from_environment(void) {
     else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col or implicit", algorithm);
     const char *wgmma = getenv("MGPU_WGMMA");
     MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
-                 "MGPU_WGMMA=%s: want 0 (the default: mma.sync alone) or 1 (wgmma too, on sm_90)", wgmma);
-    mgpu__conv_wgmma_asked = wgmma && strcmp(wgmma, "1") == 0;
+                 "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);
+    mgpu__conv_wgmma_asked = !wgmma || strcmp(wgmma, "0") != 0;
     const char *env = getenv("MGPU_CONV_SCRATCH_MB");
     if (!env || !*env) return;
     char *end;
@@ -5173,8 +5173,8 @@ static int mgpu__wgmma_runs(mgpu_device *dev) {
     }
     return known[dev->gpu] == 2;
 }
-/* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): when
-   MGPU_WGMMA=1 asks, on a GPU of compute capability 9.0 whose code has
+/* Whether a trial on dev times the wgmma kernels (conv_nhwc.h): unless
+   MGPU_WGMMA=0, on a GPU of compute capability 9.0 whose code has
    them (nvcc built it for sm_90a; asked once a GPU). */
 static int mgpu__wgmma_usable(mgpu_device *dev) {
     mgpu__conv_settings_from_environment();

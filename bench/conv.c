@@ -19,7 +19,7 @@
    B blocks, where a tile's differ from the row above's), for dx at
    stride 2 the sub-pixel classes joined a row
    at a time (rows "channels-last joined", "/N" as above), with
-   MGPU_WGMMA=1 on a GPU that runs them (sm_90a code on compute capability
+   unless MGPU_WGMMA=0, on a GPU that runs them (sm_90a code on compute capability
    9.0) conv_nhwc.h's direct and joined kernels by wgmma (rows "...
    wgmma", in the 64 x 128 and 128 x 128 tiles), and
    kernels/winograd.h's (rows "Winograd", one figure,

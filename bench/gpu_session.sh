@@ -138,7 +138,7 @@ ab() {
 }
 
 # The step without and with the wgmma kernels among the trial's
-# candidates (MGPU_WGMMA=1; kernels/conv_nhwc.h), twice each in turn, then
+# candidates (MGPU_WGMMA=0 and the default; kernels/conv_nhwc.h), twice each in turn, then
 # the profile with them, which names the kernel each convolution keeps,
 # and ./bench/conv with them (rows "... wgmma"). (make test-gpu checks
 # them against the CPU wherever the GPU runs them.)
@@ -150,7 +150,7 @@ wgmma_stage() {
             echo "MGPU_WGMMA=$w, run $round: $(MGPU_WGMMA=$w ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
         done
     done
-    MGPU_WGMMA=1 ./bench/profile --data "$MGPU_DATA" && echo && MGPU_WGMMA=1 ./bench/conv
+    ./bench/profile --data "$MGPU_DATA" && echo && ./bench/conv
 }
 
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;

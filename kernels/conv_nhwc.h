@@ -92,7 +92,7 @@
    the 64 x 128 and 128 x 128 tiles: the tensor cores read both tiles from
    shared memory themselves, so the warps load no fragments, and the 128
    x 128 tile, which brings a third fewer bytes per multiply than 64 x
-   128, fits in 210 registers. (Tried when MGPU_WGMMA=1.)
+   128, fits in 210 registers. (Tried unless MGPU_WGMMA=0.)
    Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
    the first call with a shape finds it the fastest. */
 

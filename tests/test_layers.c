@@ -562,18 +562,18 @@ TEST(conv_settings_from_the_environment) {
                 "MGPU_CONV=winograd: want auto (the default), im2col or implicit");
     reread_conv_settings("MGPU_CONV", NULL);
     CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
-    /* MGPU_WGMMA: 1 asks for the wgmma kernels, 0 or nothing not */
+    /* MGPU_WGMMA: 0 leaves the wgmma kernels out; 1 or nothing keeps them */
     const char *wgmma[] = {"1", "0", ""};
     for (int i = 0; i < 3; i++) {
         reread_conv_settings("MGPU_WGMMA", wgmma[i]);
-        CHECK_EQ_INT(mgpu__conv_wgmma_asked, i == 0);
+        CHECK_EQ_INT(mgpu__conv_wgmma_asked, i != 1);
     }
     setenv("MGPU_WGMMA", "yes", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
-                "MGPU_WGMMA=yes: want 0 (the default: mma.sync alone) or 1 (wgmma too, on sm_90)");
+                "MGPU_WGMMA=yes: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)");
     reread_conv_settings("MGPU_WGMMA", NULL);
-    CHECK_EQ_INT(mgpu__conv_wgmma_asked, 0);
+    CHECK_EQ_INT(mgpu__conv_wgmma_asked, 1);
 }
 
 /* The backward plan's choice of ways (mgpu__conv_backward_ways), on times
