@@ -985,8 +985,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    the data instead of two, and one layer in the list. A layer whose
    channels do not follow from the one before it is a one-line error;
    so is a linear layer's in_features where the layer before says it (a
-   linear layer, or global pooling), else at the first forward pass. At
-   most MGPU_NET_MAX_LAYERS layers. The LeNet of chapter 2, for instance:
+   linear layer, or global pooling), else at the first forward pass. A
+   network holds any number of layers. The LeNet of chapter 2, for instance:
        mgpu_net *net = mgpu_net_new(dev);
        mgpu_net_add_conv(net, 1, 20, 3, 1, 0);  mgpu_net_add_relu(net);
        mgpu_net_add_avg_pool(net, 2);
@@ -1197,18 +1197,17 @@ struct mgpu_layer {
     mgpu_tensor *dweight, *dbias;
 };
 
-#define MGPU_NET_MAX_PARAMS 128
-#define MGPU_NET_MAX_LAYERS 32
 typedef struct mgpu_net {
     mgpu_device *device;
     int training;
-    int nlayers;
-    mgpu_layer *layers[MGPU_NET_MAX_LAYERS];
-    int nparams, nbuffers;
-    int first_param[MGPU_NET_MAX_LAYERS + 1]; /* layer i's parameters are params[first_param[i] ..] */
-    mgpu_param *params[MGPU_NET_MAX_PARAMS]; /* pointers into the layers, in registration order */
-    mgpu_tensor **buffers[MGPU_NET_MAX_PARAMS];
-    mgpu_tensor *momentum[MGPU_NET_MAX_PARAMS]; /* SGD momentum buffers, made at the first step */
+    /* the arrays below grow as layers are added (their room: *_room) */
+    int nlayers, layers_room;
+    mgpu_layer **layers;
+    int *first_param; /* layer i's parameters are params[first_param[i] ..] */
+    int nparams, nbuffers, params_room, buffers_room;
+    mgpu_param **params; /* pointers into the layers, in registration order */
+    mgpu_tensor ***buffers;
+    mgpu_tensor **momentum; /* SGD momentum buffers, made at the first step */
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
@@ -1473,6 +1472,11 @@ MGPU_DEF void mgpu_fatal_at(const char *file, int line, const char *fmt, ...) {
 /* Allocation on the host never fails silently. */
 static void *mgpu__xmalloc(size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
+    if (!p) mgpu_fatal("out of host memory (asked for %zu bytes)", bytes);
+    return p;
+}
+static void *mgpu__xrealloc(void *old, size_t bytes) {
+    void *p = realloc(old, bytes ? bytes : 1);
     if (!p) mgpu_fatal("out of host memory (asked for %zu bytes)", bytes);
     return p;
 }
@@ -6959,8 +6963,16 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
             if (order[i]) mgpu__net_register(net, order[i]);
         return;
     }
-    MGPU_REQUIRE(net->nparams + 2 <= MGPU_NET_MAX_PARAMS,
-                 "a network holds at most %d parameter tensors", MGPU_NET_MAX_PARAMS);
+    if (net->nparams + 2 > net->params_room) {
+        net->params_room = 2 * net->params_room + 16;
+        net->params = (mgpu_param **)mgpu__xrealloc(net->params, net->params_room * sizeof *net->params);
+        net->momentum = (mgpu_tensor **)mgpu__xrealloc(net->momentum, net->params_room * sizeof *net->momentum);
+        for (int i = net->nparams; i < net->params_room; i++) net->momentum[i] = NULL;
+    }
+    if (net->nbuffers + 2 > net->buffers_room) {
+        net->buffers_room = 2 * net->buffers_room + 16;
+        net->buffers = (mgpu_tensor ***)mgpu__xrealloc(net->buffers, net->buffers_room * sizeof *net->buffers);
+    }
     if (l->weight.value) net->params[net->nparams++] = &l->weight;
     if (l->bias.value) net->params[net->nparams++] = &l->bias;
     if (l->running_mean) {
@@ -6982,8 +6994,11 @@ MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
 static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     MGPU_REQUIRE(!net->wrapped, "%s: the network is held by a data-parallel wrapper, which copied its "
                                 "layers; add layers before mgpu_data_parallel_new", l->name);
-    MGPU_REQUIRE(net->nlayers < MGPU_NET_MAX_LAYERS, "%s: a network holds at most %d layers", l->name,
-                 MGPU_NET_MAX_LAYERS);
+    if (net->nlayers + 1 >= net->layers_room) { /* (first_param has a place more than layers) */
+        net->layers_room = 2 * net->layers_room + 16;
+        net->layers = (mgpu_layer **)mgpu__xrealloc(net->layers, net->layers_room * sizeof *net->layers);
+        net->first_param = (int *)mgpu__xrealloc(net->first_param, net->layers_room * sizeof *net->first_param);
+    }
     if (net->nlayers == 0 && l->kind != MGPU_LAYER_BATCHNORM) l->need_dinput = 0;
     mgpu_layer_kind before = net->nlayers ? net->layers[net->nlayers - 1]->kind : MGPU_LAYER_LINEAR;
     if (before == MGPU_LAYER_BATCHNORM || before == MGPU_LAYER_RESIDUAL) { /* (a block's output is bn2's) */
@@ -7676,16 +7691,17 @@ MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
 }
 
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
-    mgpu_tensor *grads[MGPU_NET_MAX_PARAMS];
+    mgpu_tensor **grads = (mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *grads);
     for (int i = 0; i < net->nparams; i++) grads[i] = net->params[i]->grad;
     mgpu__zero_tensors(grads, net->nparams);
+    free(grads);
 }
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
 
 /* One update of every parameter: a few launches, not one a tensor. */
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay) {
-    mgpu_tensor *values[MGPU_NET_MAX_PARAMS];
-    const mgpu_tensor *grads[MGPU_NET_MAX_PARAMS];
+    mgpu_tensor **values = (mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *values);
+    const mgpu_tensor **grads = (const mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *grads);
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
         if (momentum != 0.0f && !net->momentum[i])
@@ -7695,6 +7711,8 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     }
     mgpu__sgd_tensors("mgpu_net_sgd", values, grads, momentum != 0.0f ? net->momentum : NULL,
                       net->nparams, lr, momentum, weight_decay, net->steps == 0);
+    free(values);
+    free((void *)grads);
     net->steps++;
     net->changes++; /* (a wrapper's own step then says that it made this change itself) */
 }
@@ -7845,6 +7863,11 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
                                 "free the wrapper first (mgpu_data_parallel_free)");
     for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i]);
     for (int i = 0; i < net->nparams; i++) mgpu_free(net->momentum[i]);
+    free(net->layers);
+    free(net->first_param);
+    free(net->params);
+    free(net->buffers);
+    free(net->momentum);
     mgpu_free(net->losses);
     mgpu_free(net->dlogits);
     mgpu_free(net->loss_sum);
@@ -7910,7 +7933,8 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, s
     const void *slot = i < net->nparams ? (const void *)net->params[i] : (const void *)net->buffers[i - net->nparams];
     int count = mgpu__net_num_saved(net);
     snprintf(buf, size, "tensor %d of %d", i, count);
-    const mgpu_layer *stack[MGPU_NET_MAX_LAYERS * 5];
+    /* a depth-first walk: each layer, then a block's parts (at most 5 a layer) */
+    const mgpu_layer **stack = (const mgpu_layer **)mgpu__xmalloc((5 * net->nlayers + 1) * sizeof *stack);
     int n = 0;
     for (int k = net->nlayers - 1; k >= 0; k--) stack[n++] = net->layers[k];
     while (n > 0) {
@@ -7925,6 +7949,7 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, s
         for (int k = 0; k < 5; k++)
             if (parts[k]) stack[n++] = parts[k];
     }
+    free(stack);
     return buf;
 }
 

@@ -618,11 +618,51 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
     mgpu_free(x);
     mgpu_free(y);
     mgpu_free(sum);
-    EXPECT_DIES(for (int i = 0; i < MGPU_NET_MAX_LAYERS; i++) mgpu_net_add_relu(net),
-                ": a network holds at most 32 layers");
     mgpu_net_free(net);
 }
 #endif
+
+/* A network has no cap on its depth: 201 layers (a convolution, 198
+   residual blocks, pooling and a linear layer) and 1588 parameter
+   tensors train: each small step down the gradient lowers the loss on
+   the batch, and every parameter tensor gets a gradient but the biases of
+   the convolutions before a batch norm, which cancels them (2 a block). */
+TEST(a_network_of_any_depth_trains) {
+    mgpu_device *d = test_device();
+    mgpu_manual_seed(21);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    for (int i = 0; i < 198; i++) mgpu_net_add_residual(net, 4, 4, 1);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 4, 10);
+    CHECK_EQ_INT(net->nlayers, 201);
+    CHECK_EQ_INT(net->nparams, 2 + 198 * 8 + 2);
+    CHECK_EQ_INT(net->nbuffers, 198 * 4);
+    mgpu_tensor *x, *y;
+    batch(0, 8, &x, &y);
+    mgpu_tensor *loss_sum = mgpu_zeros(d, mgpu_shape1(1)); /* (each step adds its summed loss) */
+    float loss[4], sum_before = 0;
+    for (int step = 0; step < 4; step++) {
+        mgpu_net_train_step(net, x, y, 0.003f, 0, 0, loss_sum); /* the loss before the step's update */
+        float sum = mgpu_item(loss_sum, 0);
+        loss[step] = (sum - sum_before) / 8;
+        sum_before = sum;
+    }
+    CHECK(loss[0] > 1.5f && loss[0] < 3.5f); /* about ln 10 = 2.3 */
+    for (int step = 1; step < 4; step++) CHECK(loss[step] < loss[step - 1] - 0.005f);
+    int with_gradient = 0;
+    for (int p = 0; p < net->nparams; p++) {
+        mgpu_tensor *g = net->params[p]->grad;
+        float largest = 0;
+        for (size_t i = 0; i < g->numel; i++) largest = fmaxf(largest, fabsf(mgpu_item(g, i)));
+        with_gradient += largest > 0;
+    }
+    CHECK_EQ_INT(with_gradient, net->nparams - 2 * 198);
+    mgpu_free(loss_sum);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+}
 
 /* Layers of one's own (mgpu_net_add_layer): a ReLU and a linear layer
    made of the library's operations, which then run on any device. */
