@@ -26,13 +26,17 @@
    the same number of images (256, so 1024 on 4 devices): every run then
    takes the same number of steps. On the same few images, 4 devices would
    take a quarter of the steps, too few for batch norm's running statistics
-   (which evaluation uses) to settle. */
+   (which evaluation uses) to settle. The reduced runs test 4 times an
+   epoch, so that each curve has points to show, and print images/sec:
+   on a CPU the k devices share its cores, so k devices, with k times the
+   images, take longer per epoch; images/sec compares them. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
 typedef struct {
     int devices, batch_size, epochs;
     float lr;
+    int evals_per_epoch; /* test accuracy this many times an epoch (the book: once) */
 } run_config;
 
 /* Trains a fresh ResNet-18 on `devices` devices; returns its animator. */
@@ -49,31 +53,48 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
     snprintf(name, sizeof name, "chapter3_%d_device%s.png", c->devices, c->devices > 1 ? "s" : "");
     snprintf(title, sizeof title, "ResNet-18 on %s, batch %d, lr %.2f", list, c->batch_size, c->lr);
     const char *series[] = {"train loss", "train acc", "test acc"};
-    mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title,
-                                                "epoch", "", 1, c->epochs, 3, series);
+    /* (several evaluations an epoch put points between the epochs, from 0) */
+    mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title, "epoch", "",
+                                                c->evals_per_epoch > 1 ? 0 : 1, c->epochs, 3, series);
     mgpu_loader *loader = mgpu_loader_new(train_set, c->batch_size, 1, o->seed);
-    mgpu_timer timer;
-    mgpu_timer_init(&timer);
+    int steps = (train_set->n + c->batch_size - 1) / c->batch_size;
+    double train_seconds = 0;
     for (int epoch = 0; epoch < c->epochs; epoch++) {
-        mgpu_net_set_training(net, 1);
-        mgpu_timer_start(&timer);
         mgpu_loader_start_epoch(loader, epoch);
-        mgpu_batch b;
-        while (mgpu_loader_next(loader, &b))
+        double epoch_seconds = 0, loss = 0, correct = 0;
+        int seen = 0, evals = 0;
+        for (int step = 0; step < steps; step++) {
+            double start = mgpu_now();
+            mgpu_net_set_training(net, 1);
+            mgpu_batch b;
+            MGPU_REQUIRE(mgpu_loader_next(loader, &b), "chapter3: the loader ended before step %d", step);
             mgpu_data_parallel_step(dp, b.x, b.y, c->lr, 0.0f, 0.0f);
-        double loss, correct;
-        mgpu_data_parallel_take_stats(dp, &loss, &correct); /* waits for the epoch */
-        double seconds = mgpu_timer_stop(&timer);
-        /* evaluation on device 0 with the plain network (the seed's .module) */
-        double test_acc = mgpu_net_evaluate_accuracy(net, test_set, 256);
-        double ys[3] = {loss / train_set->n, correct / train_set->n, test_acc};
-        mgpu_animator_add(animator, epoch + 1, ys);
-        /* (to the millisecond: bench/run.sh reads these lines) */
-        fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.3f sec\n",
-                epoch + 1, c->epochs, ys[0], ys[1], test_acc, seconds);
+            seen += b.n;
+            /* evaluate after each evals_per_epoch-th of the steps, the last one included */
+            int eval_now = (long long)(step + 1) * c->evals_per_epoch / steps > evals;
+            if (!eval_now) {
+                epoch_seconds += mgpu_now() - start;
+                continue;
+            }
+            double segment_loss, segment_correct;
+            mgpu_data_parallel_take_stats(dp, &segment_loss, &segment_correct); /* waits for the steps */
+            epoch_seconds += mgpu_now() - start;
+            loss += segment_loss;
+            correct += segment_correct;
+            evals++;
+            /* evaluation on device 0 with the plain network (the seed's .module), untimed */
+            double test_acc = mgpu_net_evaluate_accuracy(net, test_set, 256);
+            double ys[3] = {loss / seen, correct / seen, test_acc}; /* the epoch so far */
+            mgpu_animator_add(animator, epoch + (step + 1.0) / steps, ys);
+            if (step + 1 == steps) /* (to the millisecond: bench/run.sh reads these lines) */
+                fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.3f sec\n",
+                        epoch + 1, c->epochs, ys[0], ys[1], test_acc, epoch_seconds);
+        }
+        train_seconds += epoch_seconds;
     }
-    printf("test acc: %.2f, %.*f sec/epoch, on %s (gradients: %s)\n",
-           mgpu_animator_last(animator, 2), MGPU_SECONDS(mgpu_timer_avg(&timer)), list,
+    double per_epoch = train_seconds / c->epochs;
+    printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %s (gradients: %s)\n",
+           mgpu_animator_last(animator, 2), MGPU_SECONDS(per_epoch), train_set->n / per_epoch, list,
            mgpu_data_parallel_algorithm(dp));
     fflush(stdout);
     mgpu_loader_free(loader);
@@ -174,8 +195,12 @@ int main(int argc, char **argv) {
         if (!test_samples) test_samples = 256;
         if (!o.epochs) o.epochs = 2;
         printf("No GPU: a reduced run on CPU devices: %d training images per device, %d test images, "
-               "%d epochs, batch %d and lr %g per device (--full: the book's setting).\n",
+               "%d epochs, batch %d and lr %g per device, tested 4 times an epoch (--full: the book's "
+               "setting).\n",
                train_samples, test_samples, o.epochs, per_device_batch, lr);
+        printf("Each device trains on its own %d images, so k devices do k times the work of one; on a "
+               "CPU they share its cores, so their epoch takes longer. Compare the runs by images/sec.\n",
+               train_samples);
     }
     if (!o.epochs) o.epochs = 10;
     if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
@@ -195,7 +220,7 @@ int main(int argc, char **argv) {
     for (int k = 1; k <= max_devices && nruns < 8; k *= 2, nruns++) {
         /* k devices: k times the batch and the learning rate (and with
            --train-samples, k times the images) */
-        run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k)};
+        run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k), reduced ? 4 : 1};
         int images = train_samples ? train_samples * k : train_set->n;
         mgpu_dataset *subset = mgpu_dataset_subset(train_set, images);
         runs[nruns] = train(&c, use_gpu, subset, test_set, &o);
