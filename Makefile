@@ -152,13 +152,17 @@ CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 # kernel<<<config>>>(args); (kernel may be a template's, name<V>) are
 # rewritten into calls of the emulator, and
 # the kernels are compared with their CPU references, GPU or not.
-# The kernel files in the order mgpu.h includes them.
+# Each kernel file rewritten for the emulator, in build/emu/kernels/
+# (a kernel file's #include of another finds the rewritten one there),
+# and build/emu/kernels.h includes them in the order mgpu.h does.
 EMU_TEST     := $(BUILD)/tests/emu_kernels
 KERNEL_FILES := $(shell sed -n 's/^\#include "\(kernels\/[a-z_]*\.h\)"/\1/p' mgpu.h)
-$(BUILD)/emu/kernels.h: $(KERNEL_FILES) Makefile
+EMU_KERNELS  := $(patsubst kernels/%,$(BUILD)/emu/kernels/%,$(wildcard kernels/*.h))
+$(BUILD)/emu/kernels/%.h: kernels/%.h
 	@mkdir -p $(dir $@)
-	perl -0pe 's/(\w+(?:<[\w, ]*>)?)<<<(.*?)>>>\((.*?)\);/mgpu_emu_launcher($$2)($$1, $$3);/gs' \
-	  $(KERNEL_FILES) > $@
+	perl -0pe 's/(\w+(?:<[\w, ]*>)?)<<<(.*?)>>>\((.*?)\);/mgpu_emu_launcher($$2)($$1, $$3);/gs' $< > $@
+$(BUILD)/emu/kernels.h: $(EMU_KERNELS) Makefile
+	@printf '#include "%s"\n' $(KERNEL_FILES) > $@
 $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tests/test.h $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++20 -O1 -Wall -Wextra -Werror -Itests -I$(BUILD)/emu $< -o $@ -lopenblas -lpthread
@@ -203,7 +207,7 @@ TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
 test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS)
 	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
-	  $(CPU_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh
+	  $(CPU_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

@@ -23,6 +23,10 @@
    loop (one thread per element, consecutive threads on consecutive
    addresses, so every warp reads and writes whole cache lines). The output
    may be the same memory as an input: element i reads only element i. */
+#ifndef MGPU_KERNELS_ACTIVATION_H
+#define MGPU_KERNELS_ACTIVATION_H
+#include "common.h"
+
 
 typedef struct {
     float *y;
@@ -114,4 +118,5 @@ static void mgpu__add_cuda(const void *args, const mgpu__exec *ex) {
     mgpu__add_kernel<<<mgpu__grid_for(p->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*p);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+#endif
 #endif

@@ -99,6 +99,12 @@
    merge one value at a time, costs a division per value: with it this
    kernel spent 44 instructions a value, more than the GPU can issue while
    memory delivers 4 bytes; bench/RESULTS.md has the counts.) */
+#ifndef MGPU_KERNELS_BATCHNORM_H
+#define MGPU_KERNELS_BATCHNORM_H
+#include "common.h"
+#include "activation.h"
+#include "channels_last.h"
+
 
 /* ---------------------------------------------------------------- forward */
 typedef struct {
@@ -294,43 +300,16 @@ static int mgpu__bn_splits(size_t m) {
 }
 
 #if MGPU_CUDA
-/* ---------------------------------------------------------------------
-   Reductions for the CUDA kernels of this file and of kernels/loss.h.
-   A value type needs a shuffle (mgpu__shfl_xor) and an operator that
-   combines two values. */
+/* Welford's statistics of a set of values, reduced with common.h's
+   warp and block reductions: a shuffle and an operator of their own. */
 typedef struct { float n, mean, m2; } mgpu__welford; /* count, mean, sum of squared deviations */
-typedef struct { float a, b; } mgpu__pair;            /* two sums at once */
 
-static __device__ inline float mgpu__shfl_xor(float v, int mask) {
-    return __shfl_xor_sync(0xffffffffu, v, mask);
-}
-static __device__ inline double mgpu__shfl_xor(double v, int mask) {
-    return __shfl_xor_sync(0xffffffffu, v, mask);
-}
 static __device__ inline mgpu__welford mgpu__shfl_xor(mgpu__welford v, int mask) {
     v.n = mgpu__shfl_xor(v.n, mask);
     v.mean = mgpu__shfl_xor(v.mean, mask);
     v.m2 = mgpu__shfl_xor(v.m2, mask);
     return v;
 }
-static __device__ inline mgpu__pair mgpu__shfl_xor(mgpu__pair v, int mask) {
-    v.a = mgpu__shfl_xor(v.a, mask);
-    v.b = mgpu__shfl_xor(v.b, mask);
-    return v;
-}
-
-struct mgpu__sum_op {
-    __device__ float operator()(float x, float y) const { return x + y; }
-    __device__ double operator()(double x, double y) const { return x + y; }
-    __device__ mgpu__pair operator()(mgpu__pair x, mgpu__pair y) const {
-        x.a += y.a;
-        x.b += y.b;
-        return x;
-    }
-};
-struct mgpu__max_op {
-    __device__ float operator()(float x, float y) const { return fmaxf(x, y); }
-};
 /* Chan et al.: the statistics of two sets from those of each. */
 struct mgpu__welford_op {
     __device__ mgpu__welford operator()(mgpu__welford x, mgpu__welford y) const {
@@ -344,30 +323,6 @@ struct mgpu__welford_op {
         return r;
     }
 };
-/* Butterfly reduction: every lane of the warp ends with the combination of
-   all 32 lanes' values (combined in different orders, so the last bits
-   may differ from lane to lane: callers use lane 0's). */
-template <typename T, typename Op>
-static __device__ inline T mgpu__warp_allreduce(T v, Op op) {
-    for (int mask = 16; mask > 0; mask >>= 1) v = op(v, mgpu__shfl_xor(v, mask));
-    return v;
-}
-/* Reduction over a block (blockDim.x a multiple of 32): each warp reduces,
-   one value per warp goes through shared memory, the first warp reduces
-   those. Thread 0 has the result. Once per kernel: the buffer is reused. */
-template <typename T, typename Op>
-static __device__ T mgpu__block_reduce(T v, Op op, T identity) {
-    __shared__ T per_warp[32];
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    v = mgpu__warp_allreduce(v, op);
-    if (lane == 0) per_warp[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x / 32) ? per_warp[lane] : identity;
-        v = mgpu__warp_allreduce(v, op);
-    }
-    return v;
-}
 
 /* --------------------------------------------------- batch norm kernels */
 #define MGPU__BN_BLOCK 256
@@ -418,9 +373,9 @@ static __device__ inline void mgpu__bn_slice(int vectors, int splits, int *begin
    order every time, so the result does not depend on which block came
    last. (A warp, not a thread: one thread merging stage 1's 49 partials
    one after the other took 46 us on the H100, each merge waiting for its
-   load.) (Until the seventeenth session a kernel of its own did this after
-   the reduction, a warp a channel: one launch more a pass, 30 a
-   ResNet-18 step, each a few microseconds for a microsecond's work.)
+   load.) Finishing here, rather than in a kernel of its own after the
+   reduction, saves a launch a pass (30 a ResNet-18 step), each a few
+   microseconds for a microsecond's work.
    With S = 1 (N*H*W of 4096 or fewer, as ResNet-18's stage 4 at batch
    256) the block is its channel's only one and finishes it at once. */
 
@@ -636,4 +591,5 @@ static void mgpu__bn_backward_cuda(const void *args, const mgpu__exec *ex) {
     else
         mgpu__bn_backward_launch<1>(a, (cudaStream_t)ex->stream);
 }
+#endif
 #endif

@@ -20,6 +20,10 @@
    in the same pass that computes it, and its gradient likewise, instead
    of written plainly and then copied: a read and a write of the whole
    tensor saved. */
+#ifndef MGPU_KERNELS_CHANNELS_LAST_H
+#define MGPU_KERNELS_CHANNELS_LAST_H
+#include "common.h"
+
 
 /* The blocks of 256 threads a multiprocessor holds at once, the tile
    kernels' launch bound (which caps their registers so that all fit):
@@ -282,4 +286,5 @@ static void mgpu__channels_last_list_cuda(const void *args, const mgpu__exec *ex
         MGPU_CUDA_CHECK_LAUNCH();
     }
 }
+#endif
 #endif

@@ -56,6 +56,10 @@
    whole trip to memory per value (the H100 profile of ResNet-18's stage
    4 in bench/RESULTS.md: im2col and col2im each at about a third of the
    memory's bandwidth). */
+#ifndef MGPU_KERNELS_CONV_H
+#define MGPU_KERNELS_CONV_H
+#include "common.h"
+
 
 /* The geometry of a convolution over a chunk of n images. */
 typedef struct {
@@ -325,4 +329,5 @@ static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {
         *a, mgpu__divisor_for((int)a->inner / vector), mgpu__divisor_for(a->outer));
     MGPU_CUDA_CHECK_LAUNCH();
 }
+#endif
 #endif

@@ -30,6 +30,12 @@
    warps' in order through shared memory) into the slice's partial
    [K, C*R*S], and mgpu__wgrad_sum (conv_implicit.h) adds the slices'
    partials in order into dw: the same result from run to run. */
+#ifndef MGPU_KERNELS_CONV_FEW_INPUTS_H
+#define MGPU_KERNELS_CONV_FEW_INPUTS_H
+#include "common.h"
+#include "conv_implicit.h"
+#include "conv.h"
+
 
 #define MGPU__FEW_INPUTS_MAX 9    /* C*R*S at most */
 #define MGPU__FEW_FILTERS 16      /* filters a thread of the forward pass writes */
@@ -187,4 +193,5 @@ static void mgpu__conv_few_inputs_wgrad_cuda(const void *args, const mgpu__exec 
     mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->slices, a->g.k, a->g.c, a->g.r * a->g.s, 1};
     mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
+#endif
 #endif

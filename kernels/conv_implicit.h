@@ -61,6 +61,11 @@
    faster than conv.h's im2col for the convolution's shape; either way in
    the tile that was fastest, timed at the first call (mgpu__conv_plan_for
    in mgpu.h). bench/conv times each tile against im2col and cuDNN. */
+#ifndef MGPU_KERNELS_CONV_IMPLICIT_H
+#define MGPU_KERNELS_CONV_IMPLICIT_H
+#include "common.h"
+#include "conv.h"
+
 
 #if MGPU_CUDA
 #define MGPU__IMPLICIT_STEP 16     /* values of the summed index per step */
@@ -554,4 +559,5 @@ static void mgpu__conv_implicit_wgrad_cuda(const void *args, const mgpu__exec *e
     mgpu__wgrad_sum_args sum = {a->dw, a->partials, a->beta, a->splits, a->g.k, a->g.c, a->g.r * a->g.s, 1};
     mgpu__wgrad_sum(sum, (cudaStream_t)ex->stream);
 }
+#endif
 #endif

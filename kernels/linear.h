@@ -43,6 +43,11 @@
    would be mostly idle threads and the launch mostly the scheduling of
    blocks (84 us on an H100 for 8 MB), so there each thread sums whole
    channels (MGPU__CHAN_SUM_FEW values or fewer), one after another. */
+#ifndef MGPU_KERNELS_LINEAR_H
+#define MGPU_KERNELS_LINEAR_H
+#include "common.h"
+#include "matmul.h"
+
 
 static inline int mgpu__max1(int x) { return x > 1 ? x : 1; }
 
@@ -236,4 +241,5 @@ static void mgpu__chan_sum_cuda(const void *args, const mgpu__exec *ex) {
         MGPU_CUDA_CHECK_LAUNCH();
     }
 }
+#endif
 #endif

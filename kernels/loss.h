@@ -30,6 +30,10 @@
    shuffles (kernels/batchnorm.h has the reduction helpers). Ten classes
    leave most lanes idle, but the kernels are tiny next to the network; what
    matters is that there is no shared memory and no synchronisation. */
+#ifndef MGPU_KERNELS_LOSS_H
+#define MGPU_KERNELS_LOSS_H
+#include "common.h"
+
 
 /* A GPU's report of a bad label, in pinned host memory: op is 0 until a
    kernel meets one. The thread that first claims the device's claim word
@@ -258,4 +262,5 @@ static void mgpu__sum_cuda(const void *args, const mgpu__exec *ex) {
     mgpu__sum_kernel<<<1, 1024, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+#endif
 #endif

@@ -6,6 +6,10 @@
    On the CPU, cblas takes the layout as an argument. The convolutions and
    linear layers call mgpu__gemm_cpu / mgpu__gemm_cuda directly from their
    own kernels with the same argument struct. */
+#ifndef MGPU_KERNELS_MATMUL_H
+#define MGPU_KERNELS_MATMUL_H
+#include "common.h"
+
 
 typedef struct {
     int trans_a, trans_b; /* use A^T / B^T */
@@ -54,3 +58,4 @@ static inline void mgpu__gemm(const mgpu__exec *ex, const mgpu__gemm_args *g) {
 #endif
     mgpu__gemm_cpu(g, ex);
 }
+#endif

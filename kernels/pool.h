@@ -23,6 +23,10 @@
    every dx element, so dx needs no zeroing and no atomics. Both sides add
    the k*k values of a window in the same order and divide the same way,
    so they agree to the last bit. */
+#ifndef MGPU_KERNELS_POOL_H
+#define MGPU_KERNELS_POOL_H
+#include "common.h"
+
 
 typedef struct {
     float *y;       /* [planes, h/k, w/k] */
@@ -118,4 +122,5 @@ static void mgpu__avg_pool_backward_cuda(const void *args, const mgpu__exec *ex)
     mgpu__avg_pool_backward_kernel<<<mgpu__grid_for(a->n, 256), 256, 0, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+#endif
 #endif

@@ -30,6 +30,10 @@
    stays well inside the 4 KB a kernel's arguments may take, and inside a
    CPU queue's task (MGPU__TASK_ARGS). The book's sgd works on one tensor
    at a time, as in the book. */
+#ifndef MGPU_KERNELS_SGD_H
+#define MGPU_KERNELS_SGD_H
+#include "common.h"
+
 
 #define MGPU__LIST_MAX 16
 #define MGPU__LIST_CHUNK 4096
@@ -187,4 +191,5 @@ static void mgpu__sgd_cuda(const void *args, const mgpu__exec *ex) {
 static void mgpu__zero_cuda(const void *args, const mgpu__exec *ex) {
     mgpu__list_launch(mgpu__zero_kernel, (const mgpu__zero_args *)args, ex);
 }
+#endif
 #endif

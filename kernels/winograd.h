@@ -48,6 +48,11 @@
    tile's patch starts at input pixel (2 (p / 2) - pad, 2 (q / 2) - pad),
    with zeros outside the image. An odd P or Q leaves a last row or column
    of tiles half used. */
+#ifndef MGPU_KERNELS_WINOGRAD_H
+#define MGPU_KERNELS_WINOGRAD_H
+#include "common.h"
+#include "conv.h"
+
 
 #if MGPU_CUDA
 typedef struct {
@@ -189,4 +194,5 @@ static void mgpu__winograd_cuda(const void *args, const mgpu__exec *ex) {
     mgpu__winograd_output_kernel<<<mgpu__grid_for(tiles * g->k, 256), 256, 0, stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
+#endif
 #endif
