@@ -177,6 +177,37 @@
        where in mgpu.h it was made: "mgpu: error: <file>:<line>: <call>:
        <what> (<hint>)".
 
+   8. Settings
+   -----------
+   Everything that changes how the library computes, in one list. The
+   environment variables are read once: MGPU_TF32 at the first product
+   that asks, the others when the first device starts. A setter called
+   before then wins over its variable.
+     MGPU_TF32=0|1      0: float32 everywhere; 1: TF32 in every product
+                        on a GPU. Unset: PyTorch's defaults, TF32 in the
+                        convolutions alone. Setter: mgpu_set_tf32(conv,
+                        matmul); mgpu_get_tf32 and mgpu_tf32_str read it.
+     MGPU_CONV=auto|im2col|implicit
+                        how a GPU's TF32 convolutions compute: auto (the
+                        default) times im2col and the library's
+                        convolution kernels at the first call with each
+                        shape and keeps the fastest for each of the
+                        forward pass, dx and dW; im2col forces im2col and
+                        the matrix product; implicit the fastest kernels
+                        (the LAYERS section lists what is tried).
+     MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
+                        also times the kernels built on Hopper's
+                        warpgroup products; 0 leaves them out.
+     MGPU_CONV_SCRATCH_MB=N  for measuring: the im2col scratch of a
+                        convolution (default 256 MiB on a GPU, 4 MiB on
+                        the CPU).
+     MGPU_DATA=DIR      the Fashion-MNIST folder when no --data flag
+                        names one (else data/fashion-mnist).
+     mgpu_manual_seed(seed)  the random generator's seed (section 5).
+     mgpu_devices(n, use_gpu, ...)  gives each of n CPU devices 1/n of the
+                        cores for OpenBLAS (OPENBLAS_NUM_THREADS is
+                        overridden).
+
    ====================================================================== */
 /* The implementation calls POSIX functions (clock_gettime, posix_memalign,
    fileno) that C11's headers declare only when asked to: */
@@ -3776,7 +3807,6 @@ static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, c
 #include "kernels/pool.h"
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
-/* (after batchnorm.h, whose warp reductions it takes) */
 #include "kernels/conv_few_inputs.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
@@ -4612,10 +4642,9 @@ static void mgpu__require_indexable(const mgpu_tensor *t, const char *op) {
 
 /* Scratch a convolution may use at once, in floats: the col buffer and
    the output in [K, n*P*Q] order, for a chunk of n images. On a GPU, 256
-   MiB: one product should cover as many images as it can (measured on an
-   H100, 2026-11-22, ResNet-18's step at batch 256 with MGPU_CONV=auto:
-   16 MiB 20.7 ms, 32 MiB 20.1, 64 MiB 19.6, 128 MiB 18.9, 256 MiB 18.7:
-   fewer, larger products win over keeping a chunk in the L2 cache). On
+   MiB: one product should cover as many images as it can (fewer, larger
+   products beat chunks small enough to stay in the L2 cache: the sweep
+   is in bench/RESULTS.md). On
    the CPU, 4 MiB: a chunk whose col buffer stays in the processor's cache between
    im2col and the product is faster than one product over the whole
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
