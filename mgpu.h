@@ -1443,6 +1443,94 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #ifndef MGPU__IMPLEMENTED
 #define MGPU__IMPLEMENTED
 
+/* What the implementation holds, in its order: each section opens with a
+   banner of its name, and "defines" lists the public functions it
+   defines (the kernels are in kernels/, one family a file; each file
+   says what it holds).
+     Errors, the clock, queues
+         defines: mgpu_fatal, mgpu_fatal_at, mgpu_now; a device's queues
+     Events
+         defines: mgpu_event_new, mgpu_event_free, mgpu_event_record,
+         mgpu_event_wait, mgpu_event_synchronize, mgpu_event_elapsed_ms
+     Devices
+         defines: mgpu_num_gpus, mgpu_cpu, mgpu_try_gpu, mgpu_try_all_gpus,
+         mgpu_devices, mgpu_device_name, mgpu_device_is_gpu,
+         mgpu_device_gpu_index, mgpu_device_stream, mgpu_synchronize,
+         mgpu_synchronize_all, mgpu_device_memory_in_use,
+         mgpu_device_memory_peak, mgpu_device_reset_peak,
+         mgpu_device_allocations, mgpu_device_list, mgpu_shutdown
+     The caching allocator
+         internal: the allocator behind mgpu_empty and mgpu_free
+     Timers
+         defines: mgpu_timer_init, mgpu_timer_start, mgpu_timer_stop,
+         mgpu_timer_sum, mgpu_timer_avg, mgpu_timer_cumsum, mgpu_benchmark_begin,
+         mgpu_benchmark_end
+     Command-line flags
+         defines: mgpu_options_parse, mgpu_out_path
+     Random numbers
+         defines: mgpu_philox, mgpu_manual_seed
+     Tracing
+         defines: mgpu_trace_begin, mgpu_trace_end, mgpu_trace_write_png,
+         mgpu_trace_summary
+     Plots
+         defines: mgpu_palette, mgpu_canvas_new, mgpu_canvas_free,
+         mgpu_canvas_fill_rect, mgpu_canvas_line, mgpu_text_width,
+         mgpu_canvas_text, mgpu_output_errors, mgpu_canvas_write_png,
+         mgpu_chart_write_png, mgpu_animator_new, mgpu_animator_free,
+         mgpu_animator_count, mgpu_animator_last, mgpu_animator_add,
+         mgpu_animator_write_combined, mgpu_timeline_write_png
+     Shapes and tensors
+         defines: mgpu_shape1, mgpu_shape2, mgpu_shape3, mgpu_shape4,
+         mgpu_shape_numel, mgpu_shape_equal, mgpu_shape_str, mgpu_empty,
+         mgpu_empty_pinned, mgpu_free, mgpu_view, mgpu_ensure, mgpu_narrow,
+         mgpu_fill, mgpu_full, mgpu_zeros, mgpu_ones, mgpu_rand_uniform,
+         mgpu_rand, mgpu_randn, mgpu_arange, mgpu_add_, mgpu_scale_,
+         mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str, mgpu_matmul, mgpu_mm
+     Copies between devices
+         defines: mgpu_copy, mgpu_to, mgpu_from_host, mgpu_to_host, mgpu_item,
+         mgpu_print
+     Data
+         defines: mgpu_data_dir, mgpu_dataset_load,
+         mgpu_dataset_load_fashion_mnist, mgpu_dataset_truncate,
+         mgpu_dataset_subset, mgpu_dataset_free, mgpu_fashion_mnist_label,
+         mgpu_loader_new, mgpu_loader_start_epoch, mgpu_loader_next,
+         mgpu_loader_num_batches, mgpu_loader_free
+     Layers
+         defines: mgpu_conv2d_output_shape, mgpu_conv2d_forward,
+         mgpu_conv2d_backward, mgpu_avg_pool2d_output_shape,
+         mgpu_avg_pool2d_forward, mgpu_avg_pool2d_backward,
+         mgpu_global_avg_pool_forward, mgpu_global_avg_pool_backward,
+         mgpu_relu_forward, mgpu_relu_backward, mgpu_add, mgpu_add_relu,
+         mgpu_linear_forward, mgpu_linear_backward
+     Batch norm, losses, optimisers
+         defines: mgpu_batchnorm2d_forward, mgpu_batchnorm2d_backward,
+         mgpu_cross_entropy_forward, mgpu_cross_entropy_backward,
+         mgpu_accuracy_count, mgpu_sum, mgpu_mean, mgpu_sgd_book, mgpu_sgd_step
+     Communication
+         defines: mgpu_enable_peer_access, mgpu_get_params, mgpu_params_free,
+         mgpu_allreduce, mgpu_scatter, mgpu_split_batch, mgpu_comm_wait,
+         mgpu_ring_allreduce, mgpu_nccl_init, mgpu_nccl_free,
+         mgpu_nccl_allreduce, mgpu_nccl_broadcast, mgpu_nccl_reduce_scatter,
+         mgpu_nccl_all_gather, mgpu_allreduce_start, mgpu_allreduce_auto
+     Networks
+         defines: mgpu_net_new, mgpu_net_add_conv, mgpu_net_add_batchnorm,
+         mgpu_net_add_relu, mgpu_net_add_avg_pool, mgpu_net_add_global_avg_pool,
+         mgpu_net_add_residual, mgpu_net_add_linear, mgpu_net_add_layer,
+         mgpu_resnet18, mgpu_net_forward, mgpu_net_backward, mgpu_net_zero_grad,
+         mgpu_net_set_training, mgpu_net_sgd, mgpu_net_loss_backward,
+         mgpu_net_train_step, mgpu_net_num_params, mgpu_net_param,
+         mgpu_net_num_buffers, mgpu_net_buffer, mgpu_net_num_weights,
+         mgpu_net_replicate, mgpu_net_copy_params, mgpu_net_free,
+         mgpu_evaluate_accuracy, mgpu_net_evaluate_accuracy, mgpu_net_save,
+         mgpu_net_load
+     Data parallelism
+         defines: mgpu_data_parallel_new, mgpu_data_parallel_configure,
+         mgpu_data_parallel_use_allreduce, mgpu_data_parallel_module,
+         mgpu_data_parallel_replica, mgpu_data_parallel_algorithm,
+         mgpu_data_parallel_step, mgpu_data_parallel_take_stats,
+         mgpu_data_parallel_free
+*/
+
 #include <ctype.h>
 #include <errno.h>
 #include <float.h>
