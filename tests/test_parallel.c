@@ -649,7 +649,11 @@ TEST(a_network_of_any_depth_trains) {
         sum_before = sum;
     }
     CHECK(loss[0] > 1.5f && loss[0] < 3.5f); /* about ln 10 = 2.3 */
-    for (int step = 1; step < 4; step++) CHECK(loss[step] < loss[step - 1] - 0.005f);
+    /* Each step lowers the loss, by 0.07 in all on the CPU, the emulated
+       GPUs and an H200 (2.285 to 2.212, 2.209 and 2.216: the rounding of
+       200 layers' sums takes the three apart by up to 0.02 a step). */
+    for (int step = 1; step < 4; step++) CHECK(loss[step] < loss[step - 1]);
+    CHECK(loss[3] < loss[0] - 0.03f);
     int with_gradient = 0;
     for (int p = 0; p < net->nparams; p++) {
         mgpu_tensor *g = net->params[p]->grad;
