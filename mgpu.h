@@ -1736,6 +1736,7 @@ typedef struct mgpu__trace_record {
 #endif
 } mgpu__trace_record;
 
+/* The library's state: its devices, the random generator and the tracer. */
 static struct {
     int initialised;
     pid_t pid;
@@ -1753,7 +1754,7 @@ static struct {
 #if MGPU_CUDA
     cudaEvent_t trace_cuda_start[MGPU_MAX_DEVICES];
 #endif
-} mgpu__g;
+} mgpu__library;
 
 static void mgpu__init(void);
 static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
@@ -1770,9 +1771,9 @@ static void *mgpu__worker(void *arg) {
         mgpu__task *task = &q->ring[q->tail % MGPU__QUEUE_RING];
         q->busy = 1;
         MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&q->mutex));
-        double start = mgpu__g.tracing ? mgpu_now() : 0.0;
+        double start = mgpu__library.tracing ? mgpu_now() : 0.0;
         task->fn(task->args, &cpu_exec);
-        if (mgpu__g.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now(), NULL);
+        if (mgpu__library.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now(), NULL);
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
         q->busy = 0;
         q->tail++;
@@ -1879,7 +1880,7 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
         mgpu__exec ex = {1, (void *)q->stream, (void *)q->cublas};
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
         void *bar[2] = {NULL, NULL}; /* the tracer's start and end events */
-        if (mgpu__g.tracing) {
+        if (mgpu__library.tracing) {
             mgpu__trace_add(q, name, 0, 0, bar);
             MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
         }
@@ -1924,7 +1925,7 @@ static void mgpu__event_release(mgpu_event *e) {
 #if MGPU_CUDA
     /* A forked child cannot call CUDA (the context is the parent's): there
        the CUDA event is left alone, and goes with the child's exit. */
-    if (e->cuda_created && !mgpu__g.forked) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
+    if (e->cuda_created && !mgpu__library.forked) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
 #endif
     pthread_mutex_destroy(&e->mutex);
     pthread_cond_destroy(&e->done_cond);
@@ -2059,16 +2060,16 @@ MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
    ====================================================================== */
 static mgpu_device *mgpu__device_get(int gpu, int virtual_index) {
     mgpu__init();
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
     mgpu_device *found = NULL;
-    for (int i = 0; i < mgpu__g.ndevices && !found; i++)
-        if (mgpu__g.devices[i]->gpu == gpu && mgpu__g.devices[i]->virtual_index == virtual_index)
-            found = mgpu__g.devices[i];
+    for (int i = 0; i < mgpu__library.ndevices && !found; i++)
+        if (mgpu__library.devices[i]->gpu == gpu && mgpu__library.devices[i]->virtual_index == virtual_index)
+            found = mgpu__library.devices[i];
     if (!found) {
-        if (mgpu__g.ndevices == (int)(sizeof mgpu__g.devices / sizeof mgpu__g.devices[0]))
-            mgpu_fatal("too many devices (at most %d)", mgpu__g.ndevices);
+        if (mgpu__library.ndevices == (int)(sizeof mgpu__library.devices / sizeof mgpu__library.devices[0]))
+            mgpu_fatal("too many devices (at most %d)", mgpu__library.ndevices);
         mgpu_device *d = (mgpu_device *)mgpu__xcalloc(1, sizeof *d);
-        d->index = mgpu__g.ndevices;
+        d->index = mgpu__library.ndevices;
         d->gpu = gpu;
         d->virtual_index = virtual_index;
         if (gpu >= 0)
@@ -2079,16 +2080,16 @@ static mgpu_device *mgpu__device_get(int gpu, int virtual_index) {
         MGPU__PTHREAD_CHECK(pthread_mutex_init(&d->alloc_mutex, NULL));
         mgpu__queue_init(&d->queue[0], d, 0);
         mgpu__queue_init(&d->queue[1], d, 1);
-        mgpu__g.devices[mgpu__g.ndevices++] = d;
+        mgpu__library.devices[mgpu__library.ndevices++] = d;
         found = d;
     }
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
     return found;
 }
 
 MGPU_DEF int mgpu_num_gpus(void) {
     mgpu__init();
-    return mgpu__g.num_gpus;
+    return mgpu__library.num_gpus;
 }
 MGPU_DEF mgpu_device *mgpu_cpu(void) { return mgpu__device_get(-1, 0); }
 MGPU_DEF mgpu_device *mgpu_try_gpu(int i) {
@@ -2147,7 +2148,7 @@ MGPU_DEF void mgpu_synchronize(mgpu_device *d) {
 }
 MGPU_DEF void mgpu_synchronize_all(void) {
     mgpu__init();
-    for (int i = 0; i < mgpu__g.ndevices; i++) mgpu_synchronize(mgpu__g.devices[i]);
+    for (int i = 0; i < mgpu__library.ndevices; i++) mgpu_synchronize(mgpu__library.devices[i]);
 }
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d) { return d->in_use; }
 MGPU_DEF size_t mgpu_device_memory_peak(const mgpu_device *d) { return d->peak; }
@@ -2163,10 +2164,10 @@ MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const
 
 static void mgpu__allocator_release(mgpu_device *d);
 MGPU_DEF void mgpu_shutdown(void) {
-    if (!mgpu__g.initialised || mgpu__g.pid != getpid()) return;
-    for (int i = 0; i < mgpu__g.ndevices; i++) mgpu_synchronize(mgpu__g.devices[i]);
-    for (int i = 0; i < mgpu__g.ndevices; i++) {
-        mgpu_device *d = mgpu__g.devices[i];
+    if (!mgpu__library.initialised || mgpu__library.pid != getpid()) return;
+    for (int i = 0; i < mgpu__library.ndevices; i++) mgpu_synchronize(mgpu__library.devices[i]);
+    for (int i = 0; i < mgpu__library.ndevices; i++) {
+        mgpu_device *d = mgpu__library.devices[i];
         mgpu_free(d->bn_done);
         mgpu_free(d->label_claim);
 #if MGPU_CUDA
@@ -2178,18 +2179,18 @@ MGPU_DEF void mgpu_shutdown(void) {
         pthread_mutex_destroy(&d->alloc_mutex);
         free(d);
     }
-    mgpu__g.ndevices = 0;
+    mgpu__library.ndevices = 0;
 #if MGPU_CUDA
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        if (mgpu__g.trace[i].cuda_start) cudaEventDestroy(mgpu__g.trace[i].cuda_start);
-        if (mgpu__g.trace[i].cuda_end) cudaEventDestroy(mgpu__g.trace[i].cuda_end);
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        if (mgpu__library.trace[i].cuda_start) cudaEventDestroy(mgpu__library.trace[i].cuda_start);
+        if (mgpu__library.trace[i].cuda_end) cudaEventDestroy(mgpu__library.trace[i].cuda_end);
     }
 #endif
-    free(mgpu__g.trace);
-    mgpu__g.trace = NULL;
-    mgpu__g.trace_n = mgpu__g.trace_cap = 0;
-    pthread_mutex_destroy(&mgpu__g.mutex);
-    mgpu__g.initialised = 0;
+    free(mgpu__library.trace);
+    mgpu__library.trace = NULL;
+    mgpu__library.trace_n = mgpu__library.trace_cap = 0;
+    pthread_mutex_destroy(&mgpu__library.mutex);
+    mgpu__library.initialised = 0;
 }
 
 /* At the end of the process: wait for every queue, so that no work is
@@ -2201,25 +2202,25 @@ MGPU_DEF void mgpu_shutdown(void) {
    same reason). A forked child leaves the GPUs alone: CUDA does not work
    across fork. */
 static void mgpu__at_exit(void) {
-    if (!mgpu__g.initialised || mgpu__g.pid != getpid()) return;
-    if (mgpu__g.num_gpus == 0) {
+    if (!mgpu__library.initialised || mgpu__library.pid != getpid()) return;
+    if (mgpu__library.num_gpus == 0) {
         mgpu_shutdown();
         return;
     }
-    for (int i = 0; i < mgpu__g.ndevices; i++)
-        if (!(mgpu__g.forked && mgpu_device_is_gpu(mgpu__g.devices[i])))
-            mgpu_synchronize(mgpu__g.devices[i]);
+    for (int i = 0; i < mgpu__library.ndevices; i++)
+        if (!(mgpu__library.forked && mgpu_device_is_gpu(mgpu__library.devices[i])))
+            mgpu_synchronize(mgpu__library.devices[i]);
 }
 
 /* fork() copies only the calling thread: in the child, the CPU queues get
    new worker threads (and fresh locks), so a forked child, such as a test
    that expects an error, can still run work on its devices. */
 static void mgpu__after_fork_in_child(void) {
-    mgpu__g.pid = getpid();
-    mgpu__g.forked = 1; /* before the workers start: work they find may not call CUDA */
-    pthread_mutex_init(&mgpu__g.mutex, NULL);
-    for (int i = 0; i < mgpu__g.ndevices; i++) {
-        mgpu_device *d = mgpu__g.devices[i];
+    mgpu__library.pid = getpid();
+    mgpu__library.forked = 1; /* before the workers start: work they find may not call CUDA */
+    pthread_mutex_init(&mgpu__library.mutex, NULL);
+    for (int i = 0; i < mgpu__library.ndevices; i++) {
+        mgpu_device *d = mgpu__library.devices[i];
         pthread_mutex_init(&d->alloc_mutex, NULL);
         for (int lane = 0; lane < 2; lane++) {
             mgpu__queue *q = &d->queue[lane];
@@ -2235,17 +2236,17 @@ static void mgpu__after_fork_in_child(void) {
 static int mgpu__tf32_allowed(int which);
 static void mgpu__conv_settings_from_environment(void);
 static void mgpu__init(void) {
-    if (mgpu__g.initialised) return;
-    mgpu__g.initialised = 1;
-    mgpu__g.pid = getpid();
-    MGPU__PTHREAD_CHECK(pthread_mutex_init(&mgpu__g.mutex, NULL));
-    mgpu__g.seed = 0x5eed;
-    mgpu__g.num_gpus = 0;
+    if (mgpu__library.initialised) return;
+    mgpu__library.initialised = 1;
+    mgpu__library.pid = getpid();
+    MGPU__PTHREAD_CHECK(pthread_mutex_init(&mgpu__library.mutex, NULL));
+    mgpu__library.seed = 0x5eed;
+    mgpu__library.num_gpus = 0;
 #if MGPU_CUDA
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err == cudaSuccess) {
-        mgpu__g.num_gpus = count;
+        mgpu__library.num_gpus = count;
     } else {
         /* Not an error: a CUDA build on a machine without a GPU runs on the CPU. */
         cudaGetLastError();
@@ -2275,10 +2276,10 @@ static size_t mgpu__round_bytes(size_t bytes) {
    the kernel would sooner or later kill the process without a word. */
 static void mgpu__require_host_memory(const mgpu_device *d, size_t bytes) {
     mgpu_device *devices[MGPU_MAX_DEVICES * 4];
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
-    int n = mgpu__g.ndevices;
-    memcpy(devices, mgpu__g.devices, (size_t)n * sizeof devices[0]);
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
+    int n = mgpu__library.ndevices;
+    memcpy(devices, mgpu__library.devices, (size_t)n * sizeof devices[0]);
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
     size_t held = 0;
     for (int i = 0; i < n; i++) {
         if (devices[i]->gpu >= 0) continue;
@@ -2304,7 +2305,7 @@ static void *mgpu__raw_alloc(mgpu_device *d, size_t bytes, int pinned) {
                        cudaGetErrorString(err));
         return p;
     }
-    if (pinned && mgpu__g.num_gpus > 0) {
+    if (pinned && mgpu__library.num_gpus > 0) {
         MGPU_CUDA_CHECK(cudaMallocHost(&p, bytes));
         return p;
     }
@@ -2323,7 +2324,7 @@ static void mgpu__raw_free(mgpu_device *d, void *p, int pinned) {
         MGPU_CUDA_CHECK(cudaFree(p));
         return;
     }
-    if (pinned && mgpu__g.num_gpus > 0) {
+    if (pinned && mgpu__library.num_gpus > 0) {
         MGPU_CUDA_CHECK(cudaFreeHost(p));
         return;
     }
@@ -2615,14 +2616,14 @@ MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]) {
 }
 MGPU_DEF void mgpu_manual_seed(uint64_t seed) {
     mgpu__init();
-    mgpu__g.seed = seed;
-    mgpu__g.offset = 0;
+    mgpu__library.seed = seed;
+    mgpu__library.offset = 0;
 }
 /* Each draw takes the next block of counters, rounded to whole Philox blocks. */
 static uint64_t mgpu__random_offset(size_t n) {
     mgpu__init();
-    uint64_t offset = mgpu__g.offset;
-    mgpu__g.offset += (n + 3) / 4 * 4;
+    uint64_t offset = mgpu__library.offset;
+    mgpu__library.offset += (n + 3) / 4 * 4;
     return offset;
 }
 
@@ -2635,17 +2636,17 @@ static uint64_t mgpu__random_offset(size_t n) {
    another thread may grow the array meanwhile, so no pointer is kept). */
 static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
                             void **gpu_events) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
-    if (mgpu__g.trace_n == mgpu__g.trace_cap) {
-        int cap = mgpu__g.trace_cap ? 2 * mgpu__g.trace_cap : 1024;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
+    if (mgpu__library.trace_n == mgpu__library.trace_cap) {
+        int cap = mgpu__library.trace_cap ? 2 * mgpu__library.trace_cap : 1024;
         mgpu__trace_record *grown =
-            (mgpu__trace_record *)realloc(mgpu__g.trace, (size_t)cap * sizeof *grown);
+            (mgpu__trace_record *)realloc(mgpu__library.trace, (size_t)cap * sizeof *grown);
         if (!grown) mgpu_fatal("out of host memory for the trace");
-        memset(grown + mgpu__g.trace_cap, 0, (size_t)(cap - mgpu__g.trace_cap) * sizeof *grown);
-        mgpu__g.trace = grown;
-        mgpu__g.trace_cap = cap;
+        memset(grown + mgpu__library.trace_cap, 0, (size_t)(cap - mgpu__library.trace_cap) * sizeof *grown);
+        mgpu__library.trace = grown;
+        mgpu__library.trace_cap = cap;
     }
-    mgpu__trace_record *r = &mgpu__g.trace[mgpu__g.trace_n++];
+    mgpu__trace_record *r = &mgpu__library.trace[mgpu__library.trace_n++];
     r->queue_id = q->device->index * 2 + q->lane;
     r->name = name;
     r->start = start;
@@ -2668,41 +2669,42 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, doub
 #else
     (void)gpu_events;
 #endif
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
 }
 
 MGPU_DEF void mgpu_trace_begin(void) {
     mgpu_synchronize_all();
-    mgpu__g.trace_n = 0;
+    mgpu__library.trace_n = 0;
 #if MGPU_CUDA
     /* One reference event per GPU: GPU times are measured from it. */
-    for (int g = 0; g < mgpu__g.num_gpus && g < MGPU_MAX_DEVICES; g++) {
+    for (int g = 0; g < mgpu__library.num_gpus && g < MGPU_MAX_DEVICES; g++) {
         MGPU_CUDA_CHECK(cudaSetDevice(g));
-        if (!mgpu__g.trace_cuda_start[g]) MGPU_CUDA_CHECK(cudaEventCreate(&mgpu__g.trace_cuda_start[g]));
-        MGPU_CUDA_CHECK(cudaEventRecord(mgpu__g.trace_cuda_start[g], 0));
-        MGPU_CUDA_CHECK(cudaEventSynchronize(mgpu__g.trace_cuda_start[g]));
+        if (!mgpu__library.trace_cuda_start[g])
+            MGPU_CUDA_CHECK(cudaEventCreate(&mgpu__library.trace_cuda_start[g]));
+        MGPU_CUDA_CHECK(cudaEventRecord(mgpu__library.trace_cuda_start[g], 0));
+        MGPU_CUDA_CHECK(cudaEventSynchronize(mgpu__library.trace_cuda_start[g]));
     }
 #endif
-    mgpu__g.trace_start = mgpu_now();
-    mgpu__g.tracing = 1;
+    mgpu__library.trace_start = mgpu_now();
+    mgpu__library.tracing = 1;
 }
 
 MGPU_DEF void mgpu_trace_end(void) {
     mgpu_synchronize_all();
-    mgpu__g.tracing = 0;
-    mgpu__g.trace_stop = mgpu_now();
+    mgpu__library.tracing = 0;
+    mgpu__library.trace_stop = mgpu_now();
 }
 
 /* A record's start and end in milliseconds since mgpu_trace_begin. */
 static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, double *end_ms) {
-    *start_ms = 1e3 * (r->start - mgpu__g.trace_start);
-    *end_ms = 1e3 * (r->end - mgpu__g.trace_start);
+    *start_ms = 1e3 * (r->start - mgpu__library.trace_start);
+    *end_ms = 1e3 * (r->end - mgpu__library.trace_start);
 #if MGPU_CUDA
-    const mgpu_device *d = mgpu__g.devices[r->queue_id / 2];
+    const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
     if (d->gpu >= 0) {
         float s = 0, e = 0;
-        MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__g.trace_cuda_start[d->gpu], r->cuda_start));
-        MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__g.trace_cuda_start[d->gpu], r->cuda_end));
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__library.trace_cuda_start[d->gpu], r->cuda_start));
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__library.trace_cuda_start[d->gpu], r->cuda_end));
         *start_ms = s;
         *end_ms = e;
     }
@@ -2711,30 +2713,30 @@ static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, dou
 
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
     mgpu__init();
-    if (mgpu__g.tracing) mgpu_trace_end(); /* every traced operation must have finished */
+    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
     /* Lanes: only the queues that did something, in device order. */
     int lane_of[MGPU_MAX_DEVICES * 8];
     const char *lane_names[MGPU_MAX_DEVICES * 8];
-    int nqueues = 2 * mgpu__g.ndevices, nlanes = 0;
+    int nqueues = 2 * mgpu__library.ndevices, nlanes = 0;
     for (int id = 0; id < nqueues; id++) {
         lane_of[id] = -1;
-        for (int i = 0; i < mgpu__g.trace_n; i++)
-            if (mgpu__g.trace[i].queue_id == id) {
+        for (int i = 0; i < mgpu__library.trace_n; i++)
+            if (mgpu__library.trace[i].queue_id == id) {
                 lane_of[id] = nlanes;
-                lane_names[nlanes++] = mgpu__g.devices[id / 2]->queue[id % 2].name;
+                lane_names[nlanes++] = mgpu__library.devices[id / 2]->queue[id % 2].name;
                 break;
             }
     }
     mgpu_timeline_bar *bars =
-        (mgpu_timeline_bar *)mgpu__xcalloc((size_t)mgpu__g.trace_n + 1, sizeof *bars);
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__g.trace[i];
+        (mgpu_timeline_bar *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *bars);
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
         mgpu_timeline_bar *b = &bars[i];
         b->lane = lane_of[r->queue_id];
         snprintf(b->name, sizeof b->name, "%s", r->name);
         mgpu__trace_times(r, &b->start_ms, &b->end_ms);
     }
-    int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__g.trace_n, bars);
+    int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__library.trace_n, bars);
     free(bars);
     return rc;
 }
@@ -2747,13 +2749,13 @@ static int mgpu__trace_total_cmp(const void *a, const void *b) {
 
 MGPU_DEF void mgpu_trace_summary(FILE *f) {
     mgpu__init();
-    if (mgpu__g.tracing) mgpu_trace_end(); /* every traced operation must have finished */
+    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
     mgpu__trace_total *totals =
-        (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__g.trace_n + 1, sizeof *totals);
+        (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *totals);
     int ntotals = 0;
     double all_ms = 0;
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__g.trace[i];
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
         double start, end;
         mgpu__trace_times(r, &start, &end);
         int t = 0;
@@ -2770,7 +2772,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f) {
                 totals[t].total_ms, 1e3 * totals[t].total_ms / totals[t].calls,
                 all_ms > 0 ? 100.0 * totals[t].total_ms / all_ms : 0.0);
     fprintf(f, "%-32s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", "all",
-            mgpu__g.trace_n, all_ms, 1e3 * (mgpu__g.trace_stop - mgpu__g.trace_start));
+            mgpu__library.trace_n, all_ms, 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start));
     free(totals);
 }
 
@@ -3912,7 +3914,7 @@ static void mgpu__fill_launch(mgpu_tensor *t, int kind, float a, float b) {
     args.kind = kind;
     args.a = a;
     args.b = b;
-    args.key = mgpu__g.seed;
+    args.key = mgpu__library.seed;
     args.offset = (kind == MGPU__FILL_UNIFORM || kind == MGPU__FILL_NORMAL)
                       ? mgpu__random_offset(t->numel) : 0;
     mgpu__before_write(t);
@@ -4524,11 +4526,12 @@ static int mgpu__loader_batch_n(const mgpu_loader *l, int k) {
 /* The program's side: marks "now" on every queue that may read the slot. */
 static void mgpu__loader_fence_record(mgpu__loader_fence *f) {
     mgpu_device *cpu = mgpu_cpu();
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__g.mutex));
-    int ndevices = mgpu__g.ndevices;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__g.mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
+    int ndevices = mgpu__library.ndevices;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
     for (; f->n < ndevices + 1; f->n++) f->events[f->n] = mgpu_event_new();
-    for (int i = 0; i < ndevices; i++) mgpu__event_record_on(f->events[i], &mgpu__g.devices[i]->queue[1]);
+    for (int i = 0; i < ndevices; i++)
+        mgpu__event_record_on(f->events[i], &mgpu__library.devices[i]->queue[1]);
     mgpu__event_record_on(f->events[ndevices], &cpu->queue[0]);
 }
 
@@ -6798,7 +6801,7 @@ static void mgpu__require_nccl(const char *op, const mgpu_nccl_comm *c, mgpu_ten
    closed after it (an index, not a pointer: the trace may grow meanwhile). */
 static void mgpu__nccl_trace_open(mgpu__queue *q, const char *name, void **bar) {
     bar[0] = bar[1] = NULL;
-    if (!mgpu__g.tracing) return;
+    if (!mgpu__library.tracing) return;
     MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
     mgpu__trace_add(q, name, 0, 0, bar);
     MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
@@ -7392,14 +7395,15 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
     l->input = x;
     l->batch_statistics = training;
     int n = x->shape.d[0], c = x->shape.d[1], hw = x->shape.d[2] * x->shape.d[3];
-    mgpu_tensor *twin = NULL;
-    if (mgpu__next_reads_output_t(next, x->shape)) twin = mgpu_ensure(y_t, x->device, mgpu_shape3(n, hw, c));
-    if (twin && !skip && next->kind == MGPU_LAYER_CONV && mgpu__conv_layer_reads_x_t(next, x->shape, 1))
+    mgpu_tensor *y_copy = NULL; /* the channels-last copy of y this pass writes */
+    if (mgpu__next_reads_output_t(next, x->shape))
+        y_copy = mgpu_ensure(y_t, x->device, mgpu_shape3(n, hw, c));
+    if (y_copy && !skip && next->kind == MGPU_LAYER_CONV && mgpu__conv_layer_reads_x_t(next, x->shape, 1))
         y = NULL;
-    mgpu__batchnorm2d_forward(l->name, y, twin, x, skip, l->weight.value, l->bias.value, l->running_mean,
+    mgpu__batchnorm2d_forward(l->name, y, y_copy, x, skip, l->weight.value, l->bias.value, l->running_mean,
                               l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
                               l->fuse_relu || skip);
-    if (!twin) { /* not written: no stale copy left to read */
+    if (!y_copy) { /* not written: no stale copy left to read */
         mgpu_free(*y_t);
         *y_t = NULL;
     }

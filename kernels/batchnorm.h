@@ -476,8 +476,8 @@ struct mgpu__bn_output_source {
 };
 /* The last kernel of either pass: a source's values (y, or dx) over the
    whole tensor [n, c, hw], written by the source itself in place, a
-   thread a vector; or, given `twin`, written channels-last there too by
-   kernels/channels_last.h's tile kernel. */
+   thread a vector; or, given `channels_last_copy`, written channels-last
+   there too by kernels/channels_last.h's tile kernel. */
 template <int V, class Source>
 static __global__ void mgpu__bn_values_kernel(Source src, int n, int c, int hw, mgpu__bn_layout l) {
     MGPU__GRID_STRIDE_LOOP(i, (size_t)n * c * (hw / V)) {
@@ -486,10 +486,10 @@ static __global__ void mgpu__bn_values_kernel(Source src, int n, int c, int hw, 
     }
 }
 template <int V, class Source>
-static void mgpu__bn_values(Source src, float *twin, int n, int c, int hw, mgpu__bn_layout l,
+static void mgpu__bn_values(Source src, float *channels_last_copy, int n, int c, int hw, mgpu__bn_layout l,
                             cudaStream_t stream) {
-    if (twin) { /* [n, c, hw] -> [n, hw, c] */
-        mgpu__channels_last_to to = {twin, n, c, hw, 0};
+    if (channels_last_copy) { /* [n, c, hw] -> [n, hw, c] */
+        mgpu__channels_last_to to = {channels_last_copy, n, c, hw, 0};
         mgpu__channels_last_launch(src, to, V == 4 && c % 4 == 0, stream);
         return;
     }

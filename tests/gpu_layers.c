@@ -669,7 +669,7 @@ TEST(trial_candidates_quads) {
    the trace names them). */
 static int traced_calls(const char *name) {
     int calls = 0;
-    for (int i = 0; i < mgpu__g.trace_n; i++) calls += strcmp(mgpu__g.trace[i].name, name) == 0;
+    for (int i = 0; i < mgpu__library.trace_n; i++) calls += strcmp(mgpu__library.trace[i].name, name) == 0;
     return calls;
 }
 /* Sets g's plan by hand, for its forward pass and its backward pass

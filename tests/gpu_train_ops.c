@@ -23,16 +23,16 @@
 static mgpu_device *cpu_dev, *gpu_dev;
 
 /* The same values on the CPU and on the GPU. */
-typedef struct { mgpu_tensor *cpu, *gpu; } twin;
-static twin twin_from(mgpu_shape s, const float *values) {
-    twin t = {mgpu_from_host(cpu_dev, s, values), mgpu_from_host(gpu_dev, s, values)};
+typedef struct { mgpu_tensor *cpu, *gpu; } cpu_and_gpu;
+static cpu_and_gpu both_from(mgpu_shape s, const float *values) {
+    cpu_and_gpu t = {mgpu_from_host(cpu_dev, s, values), mgpu_from_host(gpu_dev, s, values)};
     return t;
 }
-static twin twin_empty(mgpu_shape s) {
-    twin t = {mgpu_empty(cpu_dev, s), mgpu_empty(gpu_dev, s)};
+static cpu_and_gpu both_empty(mgpu_shape s) {
+    cpu_and_gpu t = {mgpu_empty(cpu_dev, s), mgpu_empty(gpu_dev, s)};
     return t;
 }
-static void twin_free(twin t) {
+static void both_free(cpu_and_gpu t) {
     mgpu_free(t.cpu);
     mgpu_free(t.gpu);
 }
@@ -42,18 +42,18 @@ static float uniform(float lo, float hi) {
     rng_state = rng_state * 1664525u + 1013904223u;
     return lo + (hi - lo) * (float)(rng_state >> 8) / 16777216.0f;
 }
-static twin twin_uniform(mgpu_shape s, float lo, float hi) {
+static cpu_and_gpu both_uniform(mgpu_shape s, float lo, float hi) {
     size_t n = mgpu_shape_numel(s);
     float *v = (float *)malloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++) v[i] = uniform(lo, hi);
-    twin t = twin_from(s, v);
+    cpu_and_gpu t = both_from(s, v);
     free(v);
     return t;
 }
 
 /* Every value of the GPU tensor against the CPU one; reports how many
    differ, and the first. */
-static void expect_close(const char *what, twin t, double atol, double rtol) {
+static void expect_close(const char *what, cpu_and_gpu t, double atol, double rtol) {
     size_t n = t.cpu->numel, bad = 0, first = 0;
     float *want = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
     mgpu_to_host(t.cpu, want);
@@ -73,10 +73,10 @@ static void expect_close(const char *what, twin t, double atol, double rtol) {
 static void check_batchnorm(int n, int c, int h, int w, float offset, int fuse_relu) {
     mgpu_shape s = mgpu_shape4(n, c, h, w), cs = mgpu_shape1(c);
     double m = (double)n * h * w;
-    twin x = twin_uniform(s, offset - 1.0f, offset + 1.0f), y = twin_empty(s);
-    twin gamma = twin_uniform(cs, 0.5f, 1.5f), beta = twin_uniform(cs, -0.5f, 0.5f);
-    twin rm = twin_uniform(cs, -1, 1), rv = twin_uniform(cs, 0.5f, 2);
-    twin sm = twin_empty(cs), si = twin_empty(cs);
+    cpu_and_gpu x = both_uniform(s, offset - 1.0f, offset + 1.0f), y = both_empty(s);
+    cpu_and_gpu gamma = both_uniform(cs, 0.5f, 1.5f), beta = both_uniform(cs, -0.5f, 0.5f);
+    cpu_and_gpu rm = both_uniform(cs, -1, 1), rv = both_uniform(cs, 0.5f, 2);
+    cpu_and_gpu sm = both_empty(cs), si = both_empty(cs);
     mgpu_batchnorm2d_forward(y.cpu, x.cpu, gamma.cpu, beta.cpu, rm.cpu, rv.cpu, sm.cpu, si.cpu, 1, 0.1f, 1e-5f, fuse_relu);
     mgpu_batchnorm2d_forward(y.gpu, x.gpu, gamma.gpu, beta.gpu, rm.gpu, rv.gpu, sm.gpu, si.gpu, 1, 0.1f, 1e-5f, fuse_relu);
     double mean_atol = 1e-5 + 1e-6 * fabs(offset);
@@ -97,8 +97,8 @@ static void check_batchnorm(int n, int c, int h, int w, float offset, int fuse_r
         mgpu_copy(sm.gpu, sm.cpu, 0);
         mgpu_copy(si.gpu, si.cpu, 0);
     }
-    twin dy = twin_uniform(s, -1, 1), dx = twin_empty(s);
-    twin dgamma = twin_uniform(cs, -1, 1), dbeta = twin_uniform(cs, -1, 1);
+    cpu_and_gpu dy = both_uniform(s, -1, 1), dx = both_empty(s);
+    cpu_and_gpu dgamma = both_uniform(cs, -1, 1), dbeta = both_uniform(cs, -1, 1);
     mgpu_batchnorm2d_backward(dx.cpu, dgamma.cpu, dbeta.cpu, dy.cpu, x.cpu, gamma.cpu, beta.cpu, sm.cpu, si.cpu, fuse_relu, 1);
     mgpu_batchnorm2d_backward(dx.gpu, dgamma.gpu, dbeta.gpu, dy.gpu, x.gpu, gamma.gpu, beta.gpu, sm.gpu, si.gpu, fuse_relu, 1);
     expect_close("dx", dx, 1e-4, 1e-4);
@@ -113,8 +113,8 @@ static void check_batchnorm(int n, int c, int h, int w, float offset, int fuse_r
     mgpu_batchnorm2d_forward(y.gpu, x.gpu, gamma.gpu, beta.gpu, rm.gpu, rv.gpu, NULL, NULL, 0, 0.1f, 1e-5f, fuse_relu);
     expect_close("y (evaluation)", y, 1e-4, 1e-4);
 
-    twin all[] = {x, y, gamma, beta, rm, rv, sm, si, dy, dx, dgamma, dbeta};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) twin_free(all[i]);
+    cpu_and_gpu all[] = {x, y, gamma, beta, rm, rv, sm, si, dy, dx, dgamma, dbeta};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) both_free(all[i]);
 }
 
 /* ResNet-18's first stage at batch 256: 200704 values per channel, cut
@@ -135,9 +135,9 @@ static void check_cross_entropy(int n, int classes, int integer_logits) {
     for (size_t i = 0; i < (size_t)n * classes; i++)
         z[i] = integer_logits ? floorf(uniform(0, 3)) : uniform(-8, 8);
     for (int i = 0; i < n; i++) labels[i] = floorf(uniform(0, (float)classes));
-    twin tz = twin_from(s, z), ty = twin_from(mgpu_shape1(n), labels);
-    twin losses = twin_empty(mgpu_shape1(n)), dz = twin_empty(s), count = twin_empty(mgpu_shape1(1));
-    twin total = twin_empty(mgpu_shape1(1));
+    cpu_and_gpu tz = both_from(s, z), ty = both_from(mgpu_shape1(n), labels);
+    cpu_and_gpu losses = both_empty(mgpu_shape1(n)), dz = both_empty(s), count = both_empty(mgpu_shape1(1));
+    cpu_and_gpu total = both_empty(mgpu_shape1(1));
     mgpu_cross_entropy_forward(losses.cpu, tz.cpu, ty.cpu);
     mgpu_cross_entropy_forward(losses.gpu, tz.gpu, ty.gpu);
     expect_close("losses", losses, 1e-5, 1e-5);
@@ -150,8 +150,8 @@ static void check_cross_entropy(int n, int classes, int integer_logits) {
     mgpu_mean(total.cpu, losses.cpu);
     mgpu_mean(total.gpu, losses.gpu);
     expect_close("mean loss", total, 0, 1e-5);
-    twin all[] = {tz, ty, losses, dz, count, total};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) twin_free(all[i]);
+    cpu_and_gpu all[] = {tz, ty, losses, dz, count, total};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) both_free(all[i]);
     free(z);
     free(labels);
 }
@@ -195,45 +195,45 @@ TEST(cross_entropy_bad_label_is_reported_on_the_gpu) {
 TEST(accuracy_takes_nan_as_the_largest) {
     float z[15] = {1, NAN, 3, NAN, NAN, 0, NAN, 2, 2, 2, 5, NAN, -INFINITY, -INFINITY, -INFINITY};
     float labels[5] = {1, 0, 0, 2, 1};
-    twin tz = twin_from(mgpu_shape2(5, 3), z), ty = twin_from(mgpu_shape1(5), labels);
-    twin count = twin_empty(mgpu_shape1(1));
+    cpu_and_gpu tz = both_from(mgpu_shape2(5, 3), z), ty = both_from(mgpu_shape1(5), labels);
+    cpu_and_gpu count = both_empty(mgpu_shape1(1));
     mgpu_accuracy_count(count.gpu, tz.gpu, ty.gpu);
     CHECK_EQ_INT(mgpu_item(count.gpu, 0), 4);
     float wide[2 * 40], wide_labels[2] = {33, 0};
     for (int j = 0; j < 80; j++) wide[j] = (float)(j % 7);
     wide[33] = wide[37] = NAN;    /* row 0: the first NaN, 33, in lane 1 */
     for (int j = 40; j < 80; j++) wide[j] = NAN; /* row 1: all NaN: 0 */
-    twin tw = twin_from(mgpu_shape2(2, 40), wide), tl = twin_from(mgpu_shape1(2), wide_labels);
+    cpu_and_gpu tw = both_from(mgpu_shape2(2, 40), wide), tl = both_from(mgpu_shape1(2), wide_labels);
     mgpu_accuracy_count(count.gpu, tw.gpu, tl.gpu);
     mgpu_accuracy_count(count.cpu, tw.cpu, tl.cpu);
     CHECK_EQ_INT(mgpu_item(count.gpu, 0), 2);
     CHECK_EQ_INT(mgpu_item(count.cpu, 0), 2);
-    twin ts[] = {tz, ty, count, tw, tl};
+    cpu_and_gpu ts[] = {tz, ty, count, tw, tl};
     for (int i = 0; i < 5; i++) { mgpu_free(ts[i].cpu); mgpu_free(ts[i].gpu); }
 }
 
 TEST(sum_of_a_long_vector) {
-    twin x = twin_uniform(mgpu_shape1(1000003), -1, 3), out = twin_empty(mgpu_shape1(1));
+    cpu_and_gpu x = both_uniform(mgpu_shape1(1000003), -1, 3), out = both_empty(mgpu_shape1(1));
     mgpu_sum(out.cpu, x.cpu);
     mgpu_sum(out.gpu, x.gpu);
     expect_close("sum", out, 0, 1e-6);
-    twin_free(x);
-    twin_free(out);
+    both_free(x);
+    both_free(out);
 }
 
 /* ------------------------------------------------------------------ SGD */
 TEST(sgd_book) {
     mgpu_shape s = mgpu_shape2(1000, 37);
-    twin p = twin_uniform(s, -1, 1);
+    cpu_and_gpu p = both_uniform(s, -1, 1);
     for (int step = 0; step < 3; step++) {
-        twin g = twin_uniform(s, -5, 5);
+        cpu_and_gpu g = both_uniform(s, -5, 5);
         mgpu_sgd_book(p.cpu, g.cpu, 0.2f, 256);
         mgpu_sgd_book(p.gpu, g.gpu, 0.2f, 256);
         expect_close("param", p, 1e-7, 1e-6);
         expect_close("grad (cleared)", g, 0, 0);
-        twin_free(g);
+        both_free(g);
     }
-    twin_free(p);
+    both_free(p);
 }
 
 /* The GPU compiles a * b + c to one fused multiply-add (one rounding), the
@@ -243,17 +243,17 @@ TEST(sgd_book) {
    difference of a small result. Hence an absolute tolerance, of 4 such ulps. */
 static void check_sgd_step(float momentum, float weight_decay) {
     mgpu_shape s = mgpu_shape1(100001);
-    twin p = twin_uniform(s, -1, 1), buf = twin_empty(s);
+    cpu_and_gpu p = both_uniform(s, -1, 1), buf = both_empty(s);
     for (int step = 0; step < 3; step++) {
-        twin g = twin_uniform(s, -1, 1);
+        cpu_and_gpu g = both_uniform(s, -1, 1);
         mgpu_sgd_step(p.cpu, g.cpu, buf.cpu, 0.1f, momentum, weight_decay, step == 0);
         mgpu_sgd_step(p.gpu, g.gpu, buf.gpu, 0.1f, momentum, weight_decay, step == 0);
         expect_close("param", p, 1e-6, 1e-6);
         if (momentum != 0) expect_close("momentum buffer", buf, 1e-6, 1e-6);
-        twin_free(g);
+        both_free(g);
     }
-    twin_free(p);
-    twin_free(buf);
+    both_free(p);
+    both_free(buf);
 }
 TEST(sgd_momentum_weight_decay) { check_sgd_step(0.9f, 5e-4f); }
 TEST(sgd_plain) { check_sgd_step(0.0f, 0.0f); }

@@ -508,8 +508,8 @@ TEST(tracer_records_overlapping_work_on_two_devices) {
     mgpu_trace_end();
     int found = 0;
     double s[2] = {0, 0}, e[2] = {0, 0};
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__g.trace[i];
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
         if (strcmp(r->name, "sleep") != 0) continue;
         int which = r->queue_id == d[0]->index * 2 ? 0 : 1;
         s[which] = r->start;

@@ -1454,8 +1454,8 @@ TEST(reduction_runs_under_the_backward_pass) {
     /* some communication (on a copy queue) happened while device 0's
        compute queue was still in its backward pass */
     double last_backward_end = 0, first_comm_start = 1e300;
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__g.trace[i];
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
         double start, end; /* a GPU's records hold CUDA events, not host times */
         mgpu__trace_times(r, &start, &end);
         if (r->queue_id == devs[0]->index * 2 && strstr(r->name, "backward"))
@@ -1560,8 +1560,8 @@ TEST(a_steps_batch_is_copied_while_the_step_before_computes) {
     mgpu_trace_end();
     double product_end = 0, first_copy = 1e300;
     int copies = 0;
-    for (int i = 0; i < mgpu__g.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__g.trace[i];
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
         double start, end;
         mgpu__trace_times(r, &start, &end);
         if (strcmp(r->name, "matmul") == 0) product_end = end;
