@@ -8213,17 +8213,17 @@ struct mgpu_data_parallel {
     /* gather mode, on device 0: the whole batch's logits, labels and
        logit gradients, and a staging copy of each other replica's gradients */
     mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
-    mgpu_tensor *staged[MGPU_MAX_DEVICES][128];
+    mgpu_tensor **staged[MGPU_MAX_DEVICES]; /* [device][parameter] */
     /* allreduce mode: the gradients in buckets, each one flat tensor per
        device that the parameters' gradients are views into */
     size_t bucket_bytes;
     int overlap, reduce;
     mgpu_allreduce_fn yours; /* a reduction of the caller's, or NULL */
     const char *yours_name;
-    int nbuckets;
-    int bucket_last_layer[128];          /* the bucket is complete once backward reaches it */
-    mgpu_tensor *bucket[128][MGPU_MAX_DEVICES];
-    mgpu_tensor *scratch[128][MGPU_MAX_DEVICES];
+    int nbuckets; /* at most one a layer: the arrays have a place for each */
+    int *bucket_last_layer;                /* the bucket is complete once backward reaches it */
+    mgpu_tensor *(*bucket)[MGPU_MAX_DEVICES];  /* [bucket][device] */
+    mgpu_tensor *(*scratch)[MGPU_MAX_DEVICES];
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -8249,6 +8249,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         dp->loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
+        dp->staged[i] = (mgpu_tensor **)mgpu__xcalloc((size_t)net->nparams + 1, sizeof *dp->staged[i]);
     }
     dp->module_changes = net->changes;
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
@@ -8292,6 +8293,9 @@ static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
    as one vector. A bucket holds whole top-level layers. */
 static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
     const mgpu_net *net = dp->replicas[0];
+    dp->bucket_last_layer = (int *)mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket_last_layer);
+    dp->bucket = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket);
+    dp->scratch = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->scratch);
     int last = net->nlayers - 1;
     while (last >= 0) {
         size_t floats = 0;
@@ -8303,7 +8307,6 @@ static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
         }
         if (first < 0) first = 0;
         if (floats > 0) {
-            MGPU_REQUIRE(dp->nbuckets < 128, "too many gradient buckets: raise bucket_bytes");
             int b = dp->nbuckets++;
             dp->bucket_last_layer[b] = first;
             int p0 = net->first_param[first], p1 = net->first_param[last + 1];
@@ -8528,7 +8531,8 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
         mgpu_free(dp->loss_sum[i]);
         mgpu_free(dp->correct[i]);
         mgpu_free(dp->count[i]);
-        for (int p = 0; p < 128; p++) mgpu_free(dp->staged[i][p]);
+        for (int p = 0; p < dp->replicas[0]->nparams; p++) mgpu_free(dp->staged[i][p]);
+        free(dp->staged[i]);
     }
     /* after the replicas, whose gradients were views into the buckets */
     for (int b = 0; b < dp->nbuckets; b++)
@@ -8536,6 +8540,9 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
             mgpu_free(dp->bucket[b][i]);
             mgpu_free(dp->scratch[b][i]);
         }
+    free(dp->bucket_last_layer);
+    free(dp->bucket);
+    free(dp->scratch);
     mgpu_free(dp->logits);
     mgpu_free(dp->labels);
     mgpu_free(dp->dlogits);
