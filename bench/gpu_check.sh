@@ -49,6 +49,8 @@
 # benchmark programs are (default bench/; the Makefile passes its checked
 # builds).
 set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0") # (the stages run it again, from the root)
+CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 . bench/lib.sh
 
@@ -69,6 +71,12 @@ REHEARSE=0 STAGE=
 [ "${1:-}" = --stage ] && { STAGE=$2; shift 2; }
 [ $# = 1 ] || { echo "usage: bash bench/gpu_check.sh [--rehearse] LOGDIR | --prepare" >&2; exit 2; }
 LOGS=$1
+case $LOGS in /*) ;; *) LOGS=$CALLER_DIR/$LOGS ;; esac
+# an earlier run's logs would give this run's table figures it did not make
+if [ -z "$STAGE" ] && [ -n "$(ls -A "$LOGS" 2>/dev/null)" ]; then
+    echo "gpu_check.sh: $LOGS is not empty; give a new or empty folder" >&2
+    exit 2
+fi
 mkdir -p "$LOGS" || exit 1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
@@ -132,15 +140,16 @@ FAILED=0
 # every program it started.
 stage() {
     local name=$1 budget=$2 left=$((DEADLINE - SECONDS))
-    if [ "$left" -lt 20 ]; then
+    if [ "$left" -lt 20 ]; then # (a skipped stage's figures are missing: it counts as failed)
         STATUS+=("$name: skipped, ${left} s left of the deadline")
+        FAILED=$((FAILED + 1))
         printf -- '-- %-9s skipped (%d s left)\n' "$name" "$left"
         return
     fi
     [ "$budget" -gt "$left" ] && budget=$left
     local t0=$SECONDS
     printf -- '-- %-9s (at most %d s) ' "$name" "$budget"
-    timeout -k 5 "$budget" bash "$0" $([ $REHEARSE = 1 ] && echo --rehearse) --stage "$name" "$LOGS" \
+    timeout -k 5 "$budget" bash "$SELF" $([ $REHEARSE = 1 ] && echo --rehearse) --stage "$name" "$LOGS" \
         >"$LOGS/$name.log" 2>&1
     local rc=$? took=$((SECONDS - t0)) what
     case $rc in
@@ -172,10 +181,18 @@ do_build() {
     make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
 }
 
-# sums the "test-summary: P passed, F failed" lines of the logs given
+# sums the "test-summary: P passed, F failed" lines of the logs given; a
+# log without one (a test program that crashed, or was not built) counts
+# as one failure, as in tests/run.sh
 sum_summaries() {
-    cat "$@" | sed -n 's/^test-summary: \([0-9]*\) passed, \([0-9]*\) failed.*/\1 \2/p' |
-        awk '{ p += $1; f += $2 } END { printf "%d passed, %d failed\n", p, f }'
+    local log p=0 f=0 line
+    for log in "$@"; do
+        line=$(sed -n 's/^test-summary: \([0-9]*\) passed, \([0-9]*\) failed.*/\1 \2/p' "$log" | tail -n 1)
+        if [ -z "$line" ]; then f=$((f + 1)); continue; fi
+        set -- $line
+        p=$((p + $1)) f=$((f + $2))
+    done
+    echo "$p passed, $f failed"
 }
 
 do_tests() {
@@ -318,7 +335,8 @@ torch_row() {
 }
 
 tests_line=$(value tests 's/^tests: //p')
-row "GPU tests ($TEST_DIR/gpu_*)" "$tests_line" "0 failed" "x == 0" "$(echo "$tests_line" | sed -n 's/.* \([0-9]*\) failed/\1/p')"
+# (none passed counts as a failure)
+row "GPU tests ($TEST_DIR/gpu_*)" "$tests_line" "0 failed" "x == 0" "$(echo "$tests_line" | awk '{ print $3 + ($1 == 0) }')"
 sanitized=$(sanitize_count)
 row "compute-sanitizer memcheck and racecheck$([ $REHEARSE = 1 ] && echo ', rehearsed without it')" \
     "$sanitized" "every run clean" "x == 0" "$(echo "$sanitized" | awk '{ print $3 - $1 }')"
@@ -353,10 +371,21 @@ row "14: ResNet-18 step on 2 virtual devices, overlapped / no reduction" \
     "$(or_dash "$(result overlap ratio)")" "<= 1.05" "x <= 1.05"
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
+# "a / b / c", or "-" when one of the parts needed is missing (the CPU has
+# im2col alone, so the rehearsal needs only the first)
+parts() {
+    local needed=$1; shift
+    for ((i = 1; i <= $#; i++)); do
+        [ "$i" -le "$needed" ] && [ -z "${!i}" ] && { echo -; return; }
+    done
+    local IFS=/
+    echo "$*" | sed 's|/| / |g'
+}
+conv_needed=$([ $REHEARSE = 1 ] && echo 1 || echo 3)
 row "ResNet-18's convolutions, ms a step: mgpu im2col / implicit / best" \
-    "$(result conv im2col_ms) / $(result conv implicit_ms) / $(result conv best_ms)" "" ""
+    "$(parts $conv_needed "$(result conv im2col_ms)" "$(result conv implicit_ms)" "$(result conv best_ms)")" "" ""
 torch_row "ResNet-18's convolutions, ms a step: cuDNN NCHW / NHWC / best" \
-    "$(result conv.py nchw_ms) / $(result conv.py nhwc_ms) / $(result conv.py best_ms)" "" ""
+    "$(parts 3 "$(result conv.py nchw_ms)" "$(result conv.py nhwc_ms)" "$(result conv.py best_ms)")" "" ""
 
 {
     echo

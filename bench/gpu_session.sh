@@ -12,7 +12,7 @@
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #   bash bench/gpu_session.sh ncu                 # Nsight Compute on the convolution kernels
 #   AB_BASE=REV bash bench/gpu_session.sh ab      # ./bench/profile and ./bench/conv, REV against this tree
-#   bash bench/gpu_session.sh wgmma               # ./bench/profile without and with MGPU_WGMMA=1
+#   bash bench/gpu_session.sh wgmma               # ./bench/profile with MGPU_WGMMA=0 and 1
 #
 # Every stage builds what it needs first (make is quick when nothing
 # changed). Logs, PNGs and CSVs go to build/gpu-session/<stage>/; when $OUT

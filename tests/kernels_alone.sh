@@ -12,6 +12,11 @@ trap 'rm -rf "$work"' EXIT
 # each conditional still open there (a test file holds the core, the
 # kernel file's #include and the #endifs)
 core=$(grep -n '^#ifdef MGPU_CUDA_EMU$' mgpu.h | head -n 1 | cut -d: -f1)
+if [ -z "$core" ]; then
+    echo "FAIL kernels_alone: mgpu.h has no '#ifdef MGPU_CUDA_EMU' line before its kernel includes"
+    echo "test-summary: 0 passed, 1 failed"
+    exit 1
+fi
 head -n $((core - 1)) mgpu.h > "$work/core.h"
 closers=$(awk '/^#if/ { d++ } /^#endif/ { d-- } END { for (i = 0; i < d; i++) print "#endif" }' "$work/core.h")
 passed=0 failed=0
