@@ -20,9 +20,10 @@
    Each time is the fastest of three runs: on a machine shared with other
    work a single run can be slowed by what else ran then, and the fastest
    is the one least disturbed. If the times still say something that
-   cannot be (two devices together faster than the faster one alone,
-   compute and copy together faster than either alone), the machine was
-   busy, and the chapter says so instead of explaining the number.
+   cannot be (two devices together faster than the slower one alone,
+   compute and copy together faster than the longer of the two alone),
+   the machine was busy, and the chapter says so instead of explaining
+   the number.
 
    On one GPU the second device is virtual (cuda:0#1): its own queue on the
    same GPU. A 4000x4000 product fills the whole GPU, so the two queues take

@@ -57,7 +57,7 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
     mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title, "epoch", "",
                                                 c->evals_per_epoch > 1 ? 0 : 1, c->epochs, 3, series);
     mgpu_loader *loader = mgpu_loader_new(train_set, c->batch_size, 1, o->seed);
-    int steps = (train_set->n + c->batch_size - 1) / c->batch_size;
+    int steps = mgpu_loader_num_batches(loader);
     double train_seconds = 0;
     for (int epoch = 0; epoch < c->epochs; epoch++) {
         mgpu_loader_start_epoch(loader, epoch);
@@ -198,8 +198,9 @@ int main(int argc, char **argv) {
                "%d epochs, batch %d and lr %g per device, tested 4 times an epoch (--full: the book's "
                "setting).\n",
                train_samples, test_samples, o.epochs, per_device_batch, lr);
-        printf("Each device trains on its own %d images, so k devices do k times the work of one; on a "
-               "CPU they share its cores, so their epoch takes longer. Compare the runs by images/sec.\n",
+        printf("A run on k devices takes %d images per device, k times the work of one device; on a "
+               "CPU the devices share its cores, so their epoch takes longer. Compare the runs by "
+               "images/sec.\n",
                train_samples);
     }
     if (!o.epochs) o.epochs = 10;
