@@ -37,7 +37,8 @@
 # The last lines printed are the summary table, one row per target with
 # its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
 # that a log cut short still ends on it. The exit status is non-zero when
-# a stage failed (a missed target is not a failure of the script).
+# a stage failed or was skipped (a missed target is not a failure of the
+# script). LOGDIR must be new or empty.
 #
 # The rehearsal (in `make test`) runs every stage with tiny sizes: the
 # GPU tests and the sanitizer's list on the emulated GPUs (build/emu/,
