@@ -198,9 +198,6 @@
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
-     MGPU_CONV_SCRATCH_MB=N  for measuring: the im2col scratch of a
-                        convolution (default 256 MiB on a GPU, 4 MiB on
-                        the CPU).
      MGPU_DATA=DIR      the Fashion-MNIST folder when no --data flag
                         names one (else data/fashion-mnist).
      mgpu_manual_seed(seed)  the random generator's seed (section 5).
@@ -680,8 +677,7 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
-   and 256 MiB on a GPU; the environment variable MGPU_CONV_SCRATCH_MB sets
-   another size for both (for measuring: bench/profile). A GPU's
+   and 256 MiB on a GPU (bench/profile --scratch-mb measures others). A GPU's
    convolutions that may use TF32 can instead compute y, dx and dw as
    implicit GEMMs on the tensor cores that never write a col buffer:
    kernels/conv_implicit.h's, which gather from the NCHW tensors, and
@@ -4755,9 +4751,9 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
 static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
-/* Read when the library starts (mgpu__init): MGPU_CONV_SCRATCH_MB replaces both
-   scratch sizes, MGPU_CONV chooses the GPU's algorithm, MGPU_WGMMA whether
-   the wgmma kernels are among the candidates. */
+/* Read when the library starts (mgpu__init): MGPU_CONV chooses the GPU's
+   algorithm, MGPU_WGMMA whether the wgmma kernels are among the
+   candidates. */
 static int mgpu__conv_env_read;
 static void mgpu__conv_settings_from_environment(void) {
     if (mgpu__conv_env_read) return;
@@ -4771,13 +4767,6 @@ static void mgpu__conv_settings_from_environment(void) {
     MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
                  "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);
     mgpu__conv_wgmma_asked = !wgmma || strcmp(wgmma, "0") != 0;
-    const char *env = getenv("MGPU_CONV_SCRATCH_MB");
-    if (!env || !*env) return;
-    char *end;
-    long mb = strtol(env, &end, 10);
-    MGPU_REQUIRE(isdigit((unsigned char)env[0]) && *end == '\0' && mb >= 1 && mb <= 65536,
-                 "MGPU_CONV_SCRATCH_MB=%s: want a whole number of MiB from 1 to 65536", env);
-    mgpu__conv_scratch_floats[0] = mgpu__conv_scratch_floats[1] = (size_t)mb << 18;
 }
 
 /* The geometry of conv(x, w) over the whole batch; checks that the shapes fit. */

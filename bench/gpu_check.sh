@@ -100,7 +100,7 @@ if [ $REHEARSE = 1 ]; then
     CH3=(--epochs 1 --train-samples 64 --test-samples 64 --batch-size 32 --lr 0.05)
     CH3_FULL=(--epochs 1 --train-samples 32 --test-samples 32 --batch-size 16)
     CH2=(--epochs 1 --train-samples 512 --batch-size 256)
-    PROFILE=(--batch-size 8 --steps 1) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
+    PROFILE=(--batch-size 8 --steps 1 --scratch-mb 4) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
     ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
 else
     DEADLINE=470

@@ -171,8 +171,8 @@ profile() {
         echo && MGPU_CONV=implicit ./bench/profile --data "$MGPU_DATA" &&
         echo && MGPU_TF32=0 ./bench/profile --data "$MGPU_DATA" || return 1
     for mb in 16 64 128 512; do
-        echo "MGPU_CONV=im2col MGPU_CONV_SCRATCH_MB=$mb: $(MGPU_CONV=im2col MGPU_CONV_SCRATCH_MB=$mb \
-            ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
+        echo "MGPU_CONV=im2col --scratch-mb $mb: $(MGPU_CONV=im2col \
+            ./bench/profile --data "$MGPU_DATA" --scratch-mb $mb | grep '^RESULT')"
     done
 }
 

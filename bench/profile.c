@@ -2,6 +2,7 @@
 
    make bench/profile && ./bench/profile [--batch-size N] [--steps N] [--cpu]
                                          [--convolutions-copy] [--weights-copy]
+                                         [--scratch-mb N]
 
    One device, chapter 3's network and step (mgpu_data_parallel on one
    device: forward, backward, SGD), on one Fashion-MNIST batch of 256 (32
@@ -31,16 +32,22 @@
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
-    int steps = 0, convolutions_copy = 0, weights_copy = 0;
+    int steps = 0, convolutions_copy = 0, weights_copy = 0, scratch_mb = 0;
     const mgpu_flag extra[] = {
         {"--steps", 'i', &steps, "steps timed, then traced (default 20 on a GPU, 3 on the CPU)"},
         {"--convolutions-copy", 'b', &convolutions_copy,
          "the convolutions copy x and dy to channels-last, not batch norm"},
         {"--weights-copy", 'b', &weights_copy, "each convolution copies its weights at each pass"},
+        {"--scratch-mb", 'i', &scratch_mb,
+         "the im2col scratch of a convolution, in MiB (the library's: 4 on the CPU, 256 on a GPU)"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "bench/profile: the time of a ResNet-18 training step, and where it goes",
-                       extra, 3);
+                       extra, 4);
+    if (scratch_mb) { /* (the library's setting for both kinds of device) */
+        MGPU_REQUIRE(scratch_mb <= 65536, "--scratch-mb %d: at most 65536", scratch_mb);
+        mgpu__conv_scratch_floats[0] = mgpu__conv_scratch_floats[1] = (size_t)scratch_mb << 18;
+    }
     mgpu__batch_norm_writes_channels_last = !convolutions_copy;
     mgpu__network_keeps_weight_copies = !weights_copy;
     mgpu_device *dev[1];

@@ -35,10 +35,10 @@ dx for dx, read dy for the bias gradient (where there is one).
 The products are counted once each (2 m n k FLOPs; cuBLAS keeps its tiles'
 re-reads in the caches) and weights are small beside activations. Every
 byte is counted at the device memory's rate, although a col buffer of a
-chunk (at most --scratch-mb, mgpu's default 64 MiB on a GPU) may partly
+chunk (at most --scratch-mb, mgpu's default 256 MiB on a GPU) may partly
 stay in the 50 MB L2 cache between im2col and the product: the measured
 time may beat the byte floor for that reason, and bench/profile's
-MGPU_CONV_SCRATCH_MB sweep shows by how much.
+--scratch-mb sweep (bench/gpu_session.sh profile) shows by how much.
 
 Defaults: batch 256 (chapter 3 on one device), an H100 SXM's dense TF32
 tensor-core rate (495 TFLOP/s; 67 without tensor cores) and the 3.0 TB/s a
