@@ -179,10 +179,11 @@
 
    8. Settings
    -----------
-   Everything that changes how the library computes, in one list. The
-   environment variables are read once: MGPU_TF32 at the first product
-   that asks, the others when the first device starts. A setter called
-   before then wins over its variable.
+   Everything that changes how the library computes, in one list.
+   MGPU_TF32, MGPU_CONV and MGPU_WGMMA are read once, when the library
+   starts (the first device), so that a bad value stops the program
+   before its work; mgpu_set_tf32 called after that wins. MGPU_DATA is
+   read at each mgpu_data_dir call.
      MGPU_TF32=0|1      0: float32 everywhere; 1: TF32 in every product
                         on a GPU. Unset: PyTorch's defaults, TF32 in the
                         convolutions alone. Setter: mgpu_set_tf32(conv,
@@ -1440,11 +1441,16 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #define MGPU__IMPLEMENTED
 
 /* What the implementation holds, in its order: each section opens with a
-   banner of its name, and "defines" lists the public functions it
-   defines (the kernels are in kernels/, one family a file; each file
-   says what it holds).
-     Errors, the clock, queues
-         defines: mgpu_fatal, mgpu_fatal_at, mgpu_now; a device's queues
+   banner of its name (the first two with small dividers), and "defines"
+   lists the public functions it defines. The kernel files (kernels/, one
+   family a file, each saying what it holds) are included just before
+   "filling tensors", in the Shapes and tensors section. Plots is the
+   manual's DRAWING; Batch norm, losses, optimisers its TRAINING.
+     Errors, the clock
+         defines: mgpu_fatal, mgpu_fatal_at, mgpu_now
+     Queues
+         internal: a device's queues, and the structs of devices, events and
+         trace records and the library's state (mgpu__library)
      Events
          defines: mgpu_event_new, mgpu_event_free, mgpu_event_record,
          mgpu_event_wait, mgpu_event_synchronize, mgpu_event_elapsed_ms
