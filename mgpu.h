@@ -1236,6 +1236,8 @@ typedef struct mgpu_net {
     mgpu_param **params; /* pointers into the layers, in registration order */
     mgpu_tensor ***buffers;
     mgpu_tensor **momentum; /* SGD momentum buffers, made at the first step */
+    mgpu_tensor **step_values;        /* a step's lists of the parameters' values */
+    const mgpu_tensor **step_grads;   /* and gradients (mgpu_net_sgd, mgpu_net_zero_grad) */
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
@@ -7083,6 +7085,10 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
         net->params = (mgpu_param **)mgpu__xrealloc(net->params, net->params_room * sizeof *net->params);
         net->momentum = (mgpu_tensor **)mgpu__xrealloc(net->momentum, net->params_room * sizeof *net->momentum);
         for (int i = net->nparams; i < net->params_room; i++) net->momentum[i] = NULL;
+        net->step_values = (mgpu_tensor **)mgpu__xrealloc(net->step_values,
+                                                          net->params_room * sizeof(mgpu_tensor *));
+        net->step_grads = (const mgpu_tensor **)mgpu__xrealloc((void *)net->step_grads,
+                                                               net->params_room * sizeof(mgpu_tensor *));
     }
     if (net->nbuffers + 2 > net->buffers_room) {
         net->buffers_room = 2 * net->buffers_room + 16;
@@ -7807,17 +7813,15 @@ MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
 }
 
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
-    mgpu_tensor **grads = (mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *grads);
-    for (int i = 0; i < net->nparams; i++) grads[i] = net->params[i]->grad;
-    mgpu__zero_tensors(grads, net->nparams);
-    free(grads);
+    for (int i = 0; i < net->nparams; i++) net->step_values[i] = net->params[i]->grad;
+    mgpu__zero_tensors(net->step_values, net->nparams);
 }
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
 
 /* One update of every parameter: a few launches, not one a tensor. */
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay) {
-    mgpu_tensor **values = (mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *values);
-    const mgpu_tensor **grads = (const mgpu_tensor **)mgpu__xmalloc((net->nparams + 1) * sizeof *grads);
+    mgpu_tensor **values = net->step_values;
+    const mgpu_tensor **grads = net->step_grads;
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
         if (momentum != 0.0f && !net->momentum[i])
@@ -7827,8 +7831,6 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     }
     mgpu__sgd_tensors("mgpu_net_sgd", values, grads, momentum != 0.0f ? net->momentum : NULL,
                       net->nparams, lr, momentum, weight_decay, net->steps == 0);
-    free(values);
-    free((void *)grads);
     net->steps++;
     net->changes++; /* (a wrapper's own step then says that it made this change itself) */
 }
@@ -7984,6 +7986,8 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     free(net->params);
     free(net->buffers);
     free(net->momentum);
+    free(net->step_values);
+    free((void *)net->step_grads);
     mgpu_free(net->losses);
     mgpu_free(net->dlogits);
     mgpu_free(net->loss_sum);

@@ -342,15 +342,13 @@ sanitized=$(sanitize_count)
 row "compute-sanitizer memcheck and racecheck$([ $REHEARSE = 1 ] && echo ', rehearsed without it')" \
     "$sanitized" "every run clean" "x == 0" "$(echo "$sanitized" | awk '{ print $3 - $1 }')"
 
-# chapter 2: "test acc: 0.84, 2.2 sec/epoch, on [cuda:0]", one line per run
-ch2() { grep '^test acc: .* sec/epoch, on ' "$LOGS/chapter2.log" 2>/dev/null | sed -n "$1p" | sed -n "$2"; }
-m1=$(ch2 1 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p') m2=$(ch2 2 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p')
+m1=$(run_secs chapter2 1) m2=$(run_secs chapter2 2)
 p1=$(result chapter2.py sec_per_epoch devices=1)
-row "4: chapter 2, 1 device $(ch2 1 's/.* on \(\[[^]]*\]\).*/\1/p'), sec/epoch" "$(or_dash "$m1")" "<= 0.15" "x <= 0.15"
+row "4: chapter 2, 1 device $(run_on chapter2 1), sec/epoch" "$(or_dash "$m1")" "<= 0.15" "x <= 0.15"
 torch_row "5: chapter 2, book's PyTorch / mgpu, 1 device" "$(calc %.2f "$p1 / $m1")" ">= 10" "x >= 10"
 row "6: chapter 2, 2 virtual devices / 1 device" "$(calc %.2f "$m2 / $m1")" "<= 1.3" "x <= 1.3"
 
-c_last=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p' "$LOGS/chapter3.log" 2>/dev/null | tail -n 1)
+c_last=$(epoch_secs chapter3)
 row "9: chapter 3, 1 device, batch 256, sec/epoch (last epoch)" "$(or_dash "$c_last")" "<= 2.0" "x <= 2.0"
 torch_row "10: chapter 3, book's PyTorch / mgpu" \
     "$(calc %.2f "$(result chapter3.py last_epoch variant=seed) / $c_last")" ">= 1.5" "x >= 1.5"
@@ -376,6 +374,7 @@ row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile 
 # im2col alone, so the rehearsal needs only the first)
 parts() {
     local needed=$1; shift
+    local i
     for ((i = 1; i <= $#; i++)); do
         [ "$i" -le "$needed" ] && [ -z "${!i}" ] && { echo -; return; }
     done

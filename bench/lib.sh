@@ -1,7 +1,8 @@
 # bench/lib.sh: helpers shared by the benchmark scripts (sourced by
 # bench/run.sh, bench/gpu_check.sh and bench/gpu_session.sh).
 #
-# defines: value, result, calc, or_dash, libraries_found, use_carried_libraries
+# defines: value, result, calc, or_dash, run_line, run_secs, run_acc, run_on,
+#          epoch_secs, libraries_found, use_carried_libraries
 #
 # value and result read the log $LOGS/NAME.log, so the caller sets LOGS.
 
@@ -22,6 +23,20 @@ calc() {
 }
 
 or_dash() { echo "${1:--}"; }
+
+# A chapter's line for its run N (1, 2, ...) in the log NAME:
+#     test acc: 0.84, 2.2 sec/epoch, [1234 images/sec, ]on [cuda:0] ...
+# and its seconds per epoch, its test accuracy and its devices.
+run_line() { grep '^test acc: .* sec/epoch, .*on \[' "$LOGS/$1.log" 2>/dev/null | sed -n "$2p"; }
+run_secs() { run_line "$@" | sed -n 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p'; }
+run_acc() { run_line "$@" | sed -n 's/^test acc: \([0-9.]*\),.*/\1/p'; }
+run_on() { run_line "$@" | sed -n 's/.* on \(\[[^]]*\]\).*/\1/p'; }
+# epoch_secs NAME [N]: the seconds of epoch N (default the last) from the
+# log's per-epoch lines, "  epoch 2/10: loss ..., 5.312 sec"
+epoch_secs() {
+    sed -n 's/^  epoch \([0-9]*\)\/[0-9]*: .*, \([0-9.]*\) sec$/\1 \2/p' "$LOGS/$1.log" 2>/dev/null |
+        awk -v n="${2:-}" 'n == "" || $1 == n { s = $2 } END { print s }'
+}
 
 # use_carried_libraries: on a machine that lacks OpenBLAS, stb or zlib and
 # has no package registry (the GPU machines), unpack the Debian packages

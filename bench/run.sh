@@ -192,22 +192,17 @@ row "matmul" "time ratio mgpu / direct" "$(calc %.3f "$(result matmul ratio)")" 
 # ------------------------------------------------------------- chapter 2
 CH2_COMMON=(--epochs $CH2_EPOCHS --train-samples $CH2_SAMPLES --batch-size 256 --data "$DATA")
 step chapter2 ./chapter2 "${CH2_COMMON[@]}" --out "$OUT"
-# "test acc: 0.84, 2.2 sec/epoch, on [cuda:0]", one line per run
-ch2_line() { grep '^test acc: .* sec/epoch, on ' "$LOGS/$1.log" 2>/dev/null | sed -n "$2p"; }
-ch2_secs() { ch2_line "$@" | sed -n 's/.*, \([0-9.]*\) sec\/epoch.*/\1/p'; }
-ch2_acc() { ch2_line "$@" | sed -n 's/^test acc: \([0-9.]*\),.*/\1/p'; }
-ch2_on() { ch2_line "$@" | sed -n 's/.* on \(\[[^]]*\]\).*/\1/p'; }
-m1=$(ch2_secs chapter2 1) m2=$(ch2_secs chapter2 2)
+m1=$(run_secs chapter2 1) m2=$(run_secs chapter2 2)
 if [ $TORCH = 1 ]; then
     step chapter2.py "$PYTHON" -u bench/pytorch/chapter2.py "${CH2_COMMON[@]}" --device $TORCH_DEVICE
 fi
 p1=$(result chapter2.py sec_per_epoch devices=1) p2=$(result chapter2.py sec_per_epoch devices=2)
 ch2_what="$CH2_EPOCHS epoch(s) of $CH2_SAMPLES images, batch 256"
-row "chapter 2 mgpu, 1 device $(ch2_on chapter2 1)" "sec/epoch, test acc ($ch2_what)" \
-    "$(or_dash "$m1"), $(or_dash "$(ch2_acc chapter2 1)")" \
+row "chapter 2 mgpu, 1 device $(run_on chapter2 1)" "sec/epoch, test acc ($ch2_what)" \
+    "$(or_dash "$m1"), $(or_dash "$(run_acc chapter2 1)")" \
     "<= 0.15 s on an H100/H200; <= 20 s on 2 CPU cores; acc >= 0.80 after 10 epochs (issue 3)"
-row "chapter 2 mgpu, 2 devices $(ch2_on chapter2 2)" "sec/epoch, test acc" \
-    "$(or_dash "$m2"), $(or_dash "$(ch2_acc chapter2 2)")"
+row "chapter 2 mgpu, 2 devices $(run_on chapter2 2)" "sec/epoch, test acc" \
+    "$(or_dash "$m2"), $(or_dash "$(run_acc chapter2 2)")"
 row "chapter 2" "mgpu 2 devices / 1 device" "$(calc %.2f "$m2 / $m1")" "<= 1.3 with 2 virtual devices on one GPU (issue 3)"
 if [ $TORCH = 1 ]; then
     row "chapter 2 PyTorch (book's code), 1 device $(result chapter2.py on devices=1)" "sec/epoch, test acc" \
@@ -228,8 +223,8 @@ fi
 MACS=$(resnet18_macs)
 FLOP=$(calc %.6e "2 * 3 * $MACS * $CH3_SAMPLES")
 # per-epoch lines on stderr: "  epoch 2/2: loss 0.41, train acc 0.85, test acc 0.86, 5.312 sec"
-c_first=$(value chapter3 's/^  epoch 1\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p')
-c_last=$(sed -n 's/^  epoch [0-9]*\/[0-9]*: .*, \([0-9.]*\) sec$/\1/p' "$LOGS/chapter3.log" 2>/dev/null | tail -n 1)
+c_first=$(epoch_secs chapter3 1)
+c_last=$(epoch_secs chapter3)
 c_acc=$(value chapter3 's/^test acc: \([0-9.]*\), .*/\1/p')
 c_on=$(value chapter3 's/^test acc: .* on \(\[[^]]*\]\).*/\1/p')
 ch3_what="$CH3_SAMPLES images, batch $CH3_BATCH"

@@ -63,9 +63,9 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
         mgpu_loader_start_epoch(loader, epoch);
         double epoch_seconds = 0, loss = 0, correct = 0;
         int seen = 0, evals = 0;
+        mgpu_net_set_training(net, 1); /* (evaluation puts it back as it found it) */
         for (int step = 0; step < steps; step++) {
             double start = mgpu_now();
-            mgpu_net_set_training(net, 1);
             mgpu_batch b;
             MGPU_REQUIRE(mgpu_loader_next(loader, &b), "chapter3: the loader ended before step %d", step);
             mgpu_data_parallel_step(dp, b.x, b.y, c->lr, 0.0f, 0.0f);
