@@ -179,7 +179,7 @@ $(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) 
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
-BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
+BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
@@ -216,8 +216,17 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all $(BENCH_BINS)
+bench: all $(BENCH_BINS) $(if $(filter 1,$(HAVE_NVCC)),$(CONV_VARIANTS))
 	@bash bench/run.sh
+
+# The convolution variants that lost on every pass of the GPU profile
+# (bench/conv/, numbered): each a standalone CUDA program with its own
+# kernels, its CPU check and its timing. Built by make bench, not by make
+# test; a variant returns to kernels/ when a GPU measurement shows it
+# winning a pass of ResNet-18's step by 3% or more (bench/RESULTS.md).
+CONV_VARIANTS := $(patsubst %.cu,%,$(wildcard bench/conv/[0-9][0-9]_*.cu))
+bench/conv/%: bench/conv/%.cu
+	$(NVCC) -O3 -std=c++17 $(GENCODE) -Xcompiler -Wall,-Wextra $< -o $@
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
 bench/allreduce: bench/allreduce.c $(HEADERS) $(DEPS_STAMP)
@@ -235,8 +244,8 @@ bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
 bench/profile: bench/profile.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
-# ResNet-18's convolutions one by one: im2col against each implicit-GEMM tile.
-bench/conv: bench/conv.c $(HEADERS) $(DEPS_STAMP)
+# ResNet-18's convolutions one by one: im2col against each fast kernel and tile.
+bench/convolutions: bench/convolutions.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # ------------------------------------------------------------------ data

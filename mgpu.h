@@ -382,161 +382,48 @@ MGPU_DEF void mgpu_set_tf32(int conv, int matmul);
 MGPU_DEF void mgpu_get_tf32(int *conv, int *matmul);
 MGPU_DEF const char *mgpu_tf32_str(void);
 
-/* ---------------------------------------------------------------------------
-   DRAWING. Plots: PNG pictures of curves and device timelines
-   ---------------------------------------------------------------------------
-   The chapters show what happened as pictures: accuracy and loss curves
-   while a model trains, and a timeline of what every device did and when.
-   Everything is drawn by a small rasteriser in this file into an RGB pixel
-   buffer (a canvas) with a built-in 5x7 bitmap font, and saved as a PNG
-   through stb_image_write. No plotting library, no fonts on the system.
+/* ---------------------------------------------------------------- random */
+MGPU_DEF void mgpu_manual_seed(uint64_t seed);
+/* Philox4x32-10: four 32-bit random words for (key, counter). */
+MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]);
 
-   Colours are 0xRRGGBB integers. Coordinates are pixels: x grows to the
-   right, y grows downwards, (0, 0) is the top-left pixel. Everything drawn
-   is clipped to the canvas, so drawing partly (or wholly) outside is safe.
+/* ------------------------------------------------------ command-line flags */
+/* Every chapter takes the same flags; a chapter sets its defaults, then
+   parses. Extra flags of its own go in an mgpu_flag array (one named like
+   a common flag replaces it, help text and all). A bad flag or value is
+   a one-line error and exit status 1, before any work: an unknown flag,
+   a missing value, a number out of range (--devices up to
+   MGPU_MAX_DEVICES, --epochs up to MGPU_TIMER_MAX, floats within float's
+   range), an empty folder name, an --out that cannot be made or written
+   to (parsing makes it). --help prints the flags. */
+typedef struct mgpu_options {
+    int devices, epochs, batch_size;
+    double lr;
+    const char *data;  /* NULL: $MGPU_DATA, then data/fashion-mnist */
+    const char *out;   /* folder for PNG and CSV files */
+    int cpu;           /* --cpu: CPU devices even when there are GPUs */
+    int full;          /* --full: the book's setting on a machine without a GPU */
+    uint64_t seed;
+} mgpu_options;
+typedef struct mgpu_flag {
+    const char *name;  /* "--size" */
+    char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 's' string, 'b' switch,
+                          'n' a common flag this program refuses: giving it fails with help as
+                          the message, and --help omits it (value NULL) */
+    void *value;       /* int*, double*, const char**, int* */
+    const char *help;
+} mgpu_flag;
+MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
+                                 const mgpu_flag *extra, int nextra);
+/* "<out>/<name>", creating <out> when needed; into buf. */
+MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size);
 
-   Canvas: the building blocks.
-       mgpu_canvas *c = mgpu_canvas_new(200, 100, 0xFFFFFF);
-       mgpu_canvas_fill_rect(c, 10, 10, 50, 30, 0x1F77B4); // x in [10,50), y in [10,30)
-       mgpu_canvas_line(c, 0, 99, 199, 0, 0xD62728, 2);    // 2 pixels thick
-       mgpu_canvas_text(c, 60, 10, "loss: 0.25", 0x000000, 2); // twice the font size
-       if (mgpu_canvas_write_png(c, "out/pic.png") != 0) { ... }
-       mgpu_canvas_free(c);
-   The font has every printable ASCII character (32..126). A character is a
-   5x7 pixel glyph (descenders of g, j, p, q, y and _ go 2 rows lower) in a
-   6-pixel-wide cell; `scale` multiplies every font pixel, so a string is
-   mgpu_text_width(s, scale) pixels wide and 9*scale pixels tall.
+/* --------------------------------------------------------------- tracing */
+MGPU_DEF void mgpu_trace_begin(void);
+MGPU_DEF void mgpu_trace_end(void);  /* synchronises all devices */
+MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title);
+MGPU_DEF void mgpu_trace_summary(FILE *f);
 
-   Line charts: fill an mgpu_chart with one mgpu_series per curve.
-       mgpu_series s[2];  mgpu_chart ch;
-       memset(s, 0, sizeof s);  memset(&ch, 0, sizeof ch);
-       s[0].name = "train loss"; s[0].n = n; s[0].x = epochs; s[0].y = loss;
-       s[1].name = "test acc";   s[1].n = n; s[1].x = epochs; s[1].y = acc;
-       s[1].dashed = 1;
-       ch.title = "LeNet"; ch.xlabel = "epoch"; ch.nseries = 2; ch.series = s;
-       mgpu_chart_write_png(&ch, "out/lenet.png");
-   Zeroed fields take defaults: a 640x480 picture, the x and y ranges taken
-   from the data and widened to "nice" tick values (steps of 1, 2 or 5 times
-   a power of ten), and colour 0 gives series i colour i of the palette
-   (matplotlib's "tab10"; mgpu_palette(i) gives them). Points whose x or y
-   is NaN are skipped: the curve goes straight from the point before to the
-   point after. A legend lists the named series in the corner of the plot
-   where it hides the least of the curves.
-
-   Animator (the book's d2l.Animator): a chart that fills in during
-   training. Every mgpu_animator_add appends one x and one y per series and
-   rewrites both the PNG and a CSV beside it ("curves.png" -> "curves.csv",
-   header "x,name1,name2,...", an empty field for NaN), so opening the PNG
-   in a viewer that reloads shows the training progress, and the CSV keeps
-   the numbers. Pass NaN for a series that has no value at this x (the
-   book adds the test accuracy once per epoch, the training loss more
-   often). Each add encodes a PNG (a few milliseconds): add a few points
-   per epoch, not one per batch. A NULL png_path keeps the points in memory
-   and writes nothing.
-       const char *names[] = {"train loss", "train acc", "test acc"};
-       mgpu_animator *a = mgpu_animator_new("out/ch2.png", "2 devices",
-                              "epoch", NULL, 1, 10, 3, names);
-       ... mgpu_animator_add(a, epoch + 1.0, ys);
-       printf("test acc: %.2f\n", mgpu_animator_last(a, 2));
-   mgpu_animator_write_combined puts one series (say the test accuracy) of
-   several animators (say the runs on 1, 2 and 4 devices) in one chart.
-
-   Timelines: one horizontal lane per device queue, one bar per operation
-   from its start to its end time in milliseconds, so work that overlaps in
-   time on different lanes (parallelism) is seen at a glance. The picture
-   is 1000 pixels wide and as tall as its lanes and legend need; a bar on
-   no lane, or that ends before it starts, is left out. Bars with the
-   same name get the same colour (a hash of the name picks it, and names in
-   one picture never share a colour while the palette lasts); a name is
-   written inside its bar where it fits, and a legend maps names to colours.
-   Give operations of the same kind the same name ("matmul", "copy to
-   host") rather than numbering them.
-
-   Errors: a picture or CSV that cannot be written prints one line
-       mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
-   to stderr and the function returns non-zero; the program goes on (an
-   Animator says it once and then only keeps its points), and
-       int mgpu_output_errors(void);
-   counts such failures, for the program's exit status (the chapters exit
-   with 1 when it is not 0). PNGs and CSVs are written to "<path>.tmp" and
-   renamed, so a viewer never sees half a file, and a failed write leaves
-   the old file as it was. Out of
-   memory, a canvas of no pixels or a series an animator does not have are
-   bugs, and fatal (mgpu_fatal). */
-
-typedef struct mgpu_canvas {
-    int width, height;
-    unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
-} mgpu_canvas;
-
-/* A canvas filled with the background colour. */
-MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb);
-MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c);
-/* Pixels x0 <= x < x1, y0 <= y < y1. */
-MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb);
-/* A straight line between two pixel positions, `thickness` pixels wide. */
-MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
-                               uint32_t rgb, int thickness);
-/* Text whose top-left corner is (x, y). */
-MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
-                               int scale);
-MGPU_DEF int mgpu_text_width(const char *text, int scale);
-/* 0 on success; non-zero (after a one-line error) when it cannot be written. */
-MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path);
-MGPU_DEF int mgpu_output_errors(void);
-/* Colour i (any i >= 0, it wraps) of the 10-colour palette charts use. */
-MGPU_DEF uint32_t mgpu_palette(int i);
-
-/* ---- line charts ---- */
-typedef struct mgpu_series {
-    const char *name; /* in the legend; NULL leaves the series out of it */
-    uint32_t color;   /* 0xRRGGBB; 0 picks palette colour i for series i */
-    int n;            /* number of points */
-    const double *x, *y;
-    int dashed; /* non-zero draws a dashed line */
-} mgpu_series;
-
-typedef struct mgpu_chart {
-    const char *title, *xlabel, *ylabel; /* any may be NULL */
-    double xmin, xmax, ymin, ymax;       /* a range with min >= max is taken from the data */
-    int width, height;                   /* 0 means 640 and 480 */
-    int nseries;
-    const mgpu_series *series;
-} mgpu_chart;
-
-MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *chart, const char *path);
-
-/* ---- the Animator ---- */
-typedef struct mgpu_animator mgpu_animator;
-
-/* xmin >= xmax takes the x range from the data; the y range always is.
-   ylabel and title may be NULL. The strings are copied. */
-MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
-                                          const char *xlabel, const char *ylabel, double xmin,
-                                          double xmax, int nseries, const char *const *names);
-/* ys holds nseries values (NaN: no value for that series at this x). */
-MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys);
-MGPU_DEF int mgpu_animator_count(const mgpu_animator *a); /* points added so far */
-/* The last value of a series that was not NaN; NaN when there is none. */
-MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series);
-MGPU_DEF void mgpu_animator_free(mgpu_animator *a);
-/* Series `series` of every animator as one curve each, labelled labels[i]
-   (labels NULL: each animator's title). The x range and x label are the
-   first animator's; so is the y label, or else the series' name. */
-MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
-                                          const mgpu_animator *const *animators, int series,
-                                          const char *const *labels);
-
-/* ---- device timelines ---- */
-typedef struct mgpu_timeline_bar {
-    int lane; /* 0 .. nlanes-1 */
-    double start_ms, end_ms;
-    char name[32]; /* NUL-terminated; bars with equal names share a colour */
-} mgpu_timeline_bar;
-
-MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
-                                     const char *const *lane_names, int nbars,
-                                     const mgpu_timeline_bar *bars);
 /* ---------------------------------------------------------------------------
    DATA. Fashion-MNIST in memory, and batches prepared ahead
    ---------------------------------------------------------------------------
@@ -678,37 +565,33 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
-   and 256 MiB on a GPU (bench/profile --scratch-mb measures others). A GPU's
-   convolutions that may use TF32 can instead compute y, dx and dw as
-   implicit GEMMs on the tensor cores that never write a col buffer:
-   kernels/conv_implicit.h's, which gather from the NCHW tensors, and
-   kernels/conv_nhwc.h's, which work on channels-last copies (the forward
-   pass and dx when C, for dx K, is a multiple of 32, dx at strides above
-   1 by sub-pixel convolutions, alone or a row of them in one product,
-   and for 3x3 windows at stride 2 and padding 1 by quads, all four
-   sub-pixel classes in one kernel; dW when C and K are multiples of 4);
-   each in one of four tile shapes, the channels-last ones also with their sum
-   split into slices that run at once (2 to 8 for the forward pass and
-   dx, over (r, s, c); dW's over the pixels, for 256 to 1536 blocks); and
-   for 3x3 layers at stride 1 with 256 channels and filters or more, the
-   forward pass and dx from the same channels-last copies by Winograd's
-   F(2x2, 3x3), 16 multiplies for 36 (kernels/winograd.h: transforms, and
-   16 products by cuBLAS). A layer whose output pixel
-   sees at most 9 inputs (C*R*S <= 9: a first layer on grayscale images)
-   may also take kernels/conv_few_inputs.h's float32 kernels for y and dw,
-   bound by memory, not by the products.
-   MGPU_CONV chooses: auto
-   (the default) times im2col and every kernel, tile and slicing at the
-   first call with each shape and keeps the fastest, as PyTorch's
-   cudnn.benchmark does, for each gradient on its own (so the rounding of
-   TF32 results can differ from run to run), counting the channels-last
-   copies the kernels read (none that a network prepares for them);
-   im2col forces im2col, implicit the fastest implicit GEMMs.
-   On a GPU of compute capability 9.0 (H100, H200) whose code was built
-   for sm_90a (the Makefile's is), the candidates also include
-   conv_nhwc.h's kernel with Hopper's warpgroup products (wgmma) in place
-   of mma.sync, in the 64 x 128 and 128 x 128 tiles; MGPU_WGMMA=0 leaves
-   them out.
+   and 256 MiB on a GPU. That is the reference, on every device.
+   On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
+   take a fast kernel that never writes a col buffer. What the library
+   tries, for each pass (y, dx, dw) of each shape:
+     - an implicit GEMM on the tensor cores over channels-last copies of
+       the tensors (the forward pass and dx when C, for dx K, is a
+       multiple of 32; dw when C and K are multiples of 4), in four tile
+       shapes, its sum whole or split into slices that run at once; at
+       strides above 1, dx by sub-pixel convolutions, and for 3x3 windows
+       at stride 2 and padding 1 also a kernel that computes the four
+       sub-pixel classes at once;
+     - for 3x3 layers at stride 1 with 256 channels and filters or more,
+       the forward pass and dx by Winograd's F(2x2, 3x3);
+     - for a first layer on grayscale images (C*R*S <= 9), float32
+       kernels for y and dw, bound by memory rather than arithmetic;
+     - im2col itself, for the whole backward pass or for one gradient.
+   MGPU_CONV chooses: auto (the default) times every candidate at the
+   first call with each shape and keeps the fastest for each pass, as
+   PyTorch's cudnn.benchmark does (so the rounding of TF32 results can
+   differ from run to run), counting the channels-last copies the
+   kernels read (none that a network prepares for them); im2col forces
+   im2col; implicit the fastest fast kernel wherever one fits. On a GPU
+   of compute capability 9.0 (H100, H200) with code built for sm_90a
+   (the Makefile's is), the implicit GEMM is also tried with Hopper's
+   warpgroup products (wgmma); MGPU_WGMMA=0 leaves them out.
+   kernels/conv_nhwc.h, winograd.h and conv_few_inputs.h hold the
+   kernels, and bench/conv/ the variants that lost on every pass.
 
    Average pooling, k x k windows with stride k: x [N, C, H, W] ->
    y [N, C, H/k, W/k], rounded down like PyTorch (a 9x9 map gives 4x4).
@@ -1050,7 +933,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                       with none of the three, backward is not called
                       (so a first layer without parameters needs no
                       NULL check, though it must have a backward).
-       host_loops     0: the functions run on the calling thread and are
+       own_loops      0: the functions run on the calling thread and are
                       made of the library's operations (mgpu_relu_forward,
                       mgpu_linear_forward, ...), which run on their
                       tensors' device, CPU or GPU, so the layer does too;
@@ -1075,7 +958,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    backward past the end of dx, is a one-line error naming the layer and
    the tensor's shape (a device's own: in a data-parallel wrapper, its
    slice of the batch): both have 16 guard floats after their values,
-   read after every pass of host loops, else after each pass that follows
+   read after every pass of own loops, else after each pass that follows
    a change of shape (the first, a shorter last batch). A write before
    the start, or one that jumps past the guard floats, is not seen: it
    lands in other memory, and may crash or mislead far from the bug. A
@@ -1179,13 +1062,14 @@ typedef enum {
 } mgpu_layer_kind;
 
 typedef struct mgpu_layer mgpu_layer;
+struct mgpu__layer_copies; /* the library's own (below, in the implementation) */
 typedef struct mgpu_layer_fns {
     const char *kind;
     mgpu_shape (*output_shape)(const mgpu_layer *l, mgpu_shape x);
     void (*forward)(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training);
     void (*backward)(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
                      const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y);
-    int host_loops;
+    int own_loops;
 } mgpu_layer_fns;
 #define MGPU_LAYER_KIND_MAX 32 /* characters of mgpu_layer_fns.kind */
 struct mgpu_layer {
@@ -1196,7 +1080,6 @@ struct mgpu_layer {
     int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
     int batch_statistics;     /* batch norm: its last forward used the batch's statistics */
     int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
-    int input_from_batch_norm; /* a convolution whose input is a batch norm's output (a block's) */
     /* parameters: conv/linear weight and bias; batch norm gamma and beta */
     mgpu_param weight, bias;
     /* batch norm buffers, and what its backward pass needs */
@@ -1206,18 +1089,9 @@ struct mgpu_layer {
     /* activations of the last forward, kept for the backward */
     const mgpu_tensor *input;
     mgpu_tensor *output, *dinput, *dsum;
-    /* channels-last copies on a GPU (kernels/channels_last.h), where a
-       convolution reads them: a convolution's of its input (input_t: the
-       one the layer before wrote, or own_input_t, its own); a batch norm's
-       (or a residual block's) of its output, written beside it, and of
-       its input gradient, written instead of it (output_t, dinput_t) */
-    const mgpu_tensor *input_t;
-    mgpu_tensor *own_input_t, *output_t, *dinput_t;
-    /* and a convolution's of its weights, for its forward kernel (w_t) and
-       turned round for its input gradient's (w'_t), where those read them:
-       made at the first pass that does, then remade by each forward pass
-       of the network, all in a few launches (mgpu__net_weight_copies) */
-    mgpu_tensor *weight_t, *weight_turned_t;
+    /* the library's own: on a GPU, the channels-last copies of tensors
+       that its fast convolutions read */
+    struct mgpu__layer_copies *copies;
     /* a layer of yours: its functions, your settings, and where its
        backward writes the gradients that the network then adds up */
     const mgpu_layer_fns *fns;
@@ -1388,48 +1262,161 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
                                                const char *name);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
-/* ---------------------------------------------------------------- random */
-MGPU_DEF void mgpu_manual_seed(uint64_t seed);
-/* Philox4x32-10: four 32-bit random words for (key, counter). */
-MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]);
+/* ---------------------------------------------------------------------------
+   DRAWING. Plots: PNG pictures of curves and device timelines
+   ---------------------------------------------------------------------------
+   The chapters show what happened as pictures: accuracy and loss curves
+   while a model trains, and a timeline of what every device did and when.
+   Everything is drawn by a small rasteriser in this file into an RGB pixel
+   buffer (a canvas) with a built-in 5x7 bitmap font, and saved as a PNG
+   through stb_image_write. No plotting library, no fonts on the system.
 
-/* ------------------------------------------------------ command-line flags */
-/* Every chapter takes the same flags; a chapter sets its defaults, then
-   parses. Extra flags of its own go in an mgpu_flag array (one named like
-   a common flag replaces it, help text and all). A bad flag or value is
-   a one-line error and exit status 1, before any work: an unknown flag,
-   a missing value, a number out of range (--devices up to
-   MGPU_MAX_DEVICES, --epochs up to MGPU_TIMER_MAX, floats within float's
-   range), an empty folder name, an --out that cannot be made or written
-   to (parsing makes it). --help prints the flags. */
-typedef struct mgpu_options {
-    int devices, epochs, batch_size;
-    double lr;
-    const char *data;  /* NULL: $MGPU_DATA, then data/fashion-mnist */
-    const char *out;   /* folder for PNG and CSV files */
-    int cpu;           /* --cpu: CPU devices even when there are GPUs */
-    int full;          /* --full: the book's setting on a machine without a GPU */
-    uint64_t seed;
-} mgpu_options;
-typedef struct mgpu_flag {
-    const char *name;  /* "--size" */
-    char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 's' string, 'b' switch,
-                          'n' a common flag this program refuses: giving it fails with help as
-                          the message, and --help omits it (value NULL) */
-    void *value;       /* int*, double*, const char**, int* */
-    const char *help;
-} mgpu_flag;
-MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
-                                 const mgpu_flag *extra, int nextra);
-/* "<out>/<name>", creating <out> when needed; into buf. */
-MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size);
+   Colours are 0xRRGGBB integers. Coordinates are pixels: x grows to the
+   right, y grows downwards, (0, 0) is the top-left pixel. Everything drawn
+   is clipped to the canvas, so drawing partly (or wholly) outside is safe.
 
-/* --------------------------------------------------------------- tracing */
-MGPU_DEF void mgpu_trace_begin(void);
-MGPU_DEF void mgpu_trace_end(void);  /* synchronises all devices */
-MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title);
-MGPU_DEF void mgpu_trace_summary(FILE *f);
+   Canvas: the building blocks.
+       mgpu_canvas *c = mgpu_canvas_new(200, 100, 0xFFFFFF);
+       mgpu_canvas_fill_rect(c, 10, 10, 50, 30, 0x1F77B4); // x in [10,50), y in [10,30)
+       mgpu_canvas_line(c, 0, 99, 199, 0, 0xD62728, 2);    // 2 pixels thick
+       mgpu_canvas_text(c, 60, 10, "loss: 0.25", 0x000000, 2); // twice the font size
+       if (mgpu_canvas_write_png(c, "out/pic.png") != 0) { ... }
+       mgpu_canvas_free(c);
+   The font has every printable ASCII character (32..126). A character is a
+   5x7 pixel glyph (descenders of g, j, p, q, y and _ go 2 rows lower) in a
+   6-pixel-wide cell; `scale` multiplies every font pixel, so a string is
+   mgpu_text_width(s, scale) pixels wide and 9*scale pixels tall.
 
+   Line charts: fill an mgpu_chart with one mgpu_series per curve.
+       mgpu_series s[2];  mgpu_chart ch;
+       memset(s, 0, sizeof s);  memset(&ch, 0, sizeof ch);
+       s[0].name = "train loss"; s[0].n = n; s[0].x = epochs; s[0].y = loss;
+       s[1].name = "test acc";   s[1].n = n; s[1].x = epochs; s[1].y = acc;
+       s[1].dashed = 1;
+       ch.title = "LeNet"; ch.xlabel = "epoch"; ch.nseries = 2; ch.series = s;
+       mgpu_chart_write_png(&ch, "out/lenet.png");
+   Zeroed fields take defaults: a 640x480 picture, the x and y ranges taken
+   from the data and widened to "nice" tick values (steps of 1, 2 or 5 times
+   a power of ten), and colour 0 gives series i colour i of the palette
+   (matplotlib's "tab10"; mgpu_palette(i) gives them). Points whose x or y
+   is NaN are skipped: the curve goes straight from the point before to the
+   point after. A legend lists the named series in the corner of the plot
+   where it hides the least of the curves.
+
+   Animator (the book's d2l.Animator): a chart that fills in during
+   training. Every mgpu_animator_add appends one x and one y per series and
+   rewrites both the PNG and a CSV beside it ("curves.png" -> "curves.csv",
+   header "x,name1,name2,...", an empty field for NaN), so opening the PNG
+   in a viewer that reloads shows the training progress, and the CSV keeps
+   the numbers. Pass NaN for a series that has no value at this x (the
+   book adds the test accuracy once per epoch, the training loss more
+   often). Each add encodes a PNG (a few milliseconds): add a few points
+   per epoch, not one per batch. A NULL png_path keeps the points in memory
+   and writes nothing.
+       const char *names[] = {"train loss", "train acc", "test acc"};
+       mgpu_animator *a = mgpu_animator_new("out/ch2.png", "2 devices",
+                              "epoch", NULL, 1, 10, 3, names);
+       ... mgpu_animator_add(a, epoch + 1.0, ys);
+       printf("test acc: %.2f\n", mgpu_animator_last(a, 2));
+   mgpu_animator_write_combined puts one series (say the test accuracy) of
+   several animators (say the runs on 1, 2 and 4 devices) in one chart.
+
+   Timelines: one horizontal lane per device queue, one bar per operation
+   from its start to its end time in milliseconds, so work that overlaps in
+   time on different lanes (parallelism) is seen at a glance. The picture
+   is 1000 pixels wide and as tall as its lanes and legend need; a bar on
+   no lane, or that ends before it starts, is left out. Bars with the
+   same name get the same colour (a hash of the name picks it, and names in
+   one picture never share a colour while the palette lasts); a name is
+   written inside its bar where it fits, and a legend maps names to colours.
+   Give operations of the same kind the same name ("matmul", "copy to
+   host") rather than numbering them.
+
+   Errors: a picture or CSV that cannot be written prints one line
+       mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
+   to stderr and the function returns non-zero; the program goes on (an
+   Animator says it once and then only keeps its points), and
+       int mgpu_output_errors(void);
+   counts such failures, for the program's exit status (the chapters exit
+   with 1 when it is not 0). PNGs and CSVs are written to "<path>.tmp" and
+   renamed, so a viewer never sees half a file, and a failed write leaves
+   the old file as it was. Out of
+   memory, a canvas of no pixels or a series an animator does not have are
+   bugs, and fatal (mgpu_fatal). */
+
+typedef struct mgpu_canvas {
+    int width, height;
+    unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
+} mgpu_canvas;
+
+/* A canvas filled with the background colour. */
+MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb);
+MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c);
+/* Pixels x0 <= x < x1, y0 <= y < y1. */
+MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb);
+/* A straight line between two pixel positions, `thickness` pixels wide. */
+MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
+                               uint32_t rgb, int thickness);
+/* Text whose top-left corner is (x, y). */
+MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
+                               int scale);
+MGPU_DEF int mgpu_text_width(const char *text, int scale);
+/* 0 on success; non-zero (after a one-line error) when it cannot be written. */
+MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path);
+MGPU_DEF int mgpu_output_errors(void);
+/* Colour i (any i >= 0, it wraps) of the 10-colour palette charts use. */
+MGPU_DEF uint32_t mgpu_palette(int i);
+
+/* ---- line charts ---- */
+typedef struct mgpu_series {
+    const char *name; /* in the legend; NULL leaves the series out of it */
+    uint32_t color;   /* 0xRRGGBB; 0 picks palette colour i for series i */
+    int n;            /* number of points */
+    const double *x, *y;
+    int dashed; /* non-zero draws a dashed line */
+} mgpu_series;
+
+typedef struct mgpu_chart {
+    const char *title, *xlabel, *ylabel; /* any may be NULL */
+    double xmin, xmax, ymin, ymax;       /* a range with min >= max is taken from the data */
+    int width, height;                   /* 0 means 640 and 480 */
+    int nseries;
+    const mgpu_series *series;
+} mgpu_chart;
+
+MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *chart, const char *path);
+
+/* ---- the Animator ---- */
+typedef struct mgpu_animator mgpu_animator;
+
+/* xmin >= xmax takes the x range from the data; the y range always is.
+   ylabel and title may be NULL. The strings are copied. */
+MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
+                                          const char *xlabel, const char *ylabel, double xmin,
+                                          double xmax, int nseries, const char *const *names);
+/* ys holds nseries values (NaN: no value for that series at this x). */
+MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys);
+MGPU_DEF int mgpu_animator_count(const mgpu_animator *a); /* points added so far */
+/* The last value of a series that was not NaN; NaN when there is none. */
+MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series);
+MGPU_DEF void mgpu_animator_free(mgpu_animator *a);
+/* Series `series` of every animator as one curve each, labelled labels[i]
+   (labels NULL: each animator's title). The x range and x label are the
+   first animator's; so is the y label, or else the series' name. */
+MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
+                                          const mgpu_animator *const *animators, int series,
+                                          const char *const *labels);
+
+/* ---- device timelines ---- */
+typedef struct mgpu_timeline_bar {
+    int lane; /* 0 .. nlanes-1 */
+    double start_ms, end_ms;
+    char name[32]; /* NUL-terminated; bars with equal names share a colour */
+} mgpu_timeline_bar;
+
+MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
+                                     const char *const *lane_names, int nbars,
+                                     const mgpu_timeline_bar *bars);
 #ifdef __cplusplus
 }
 #endif
@@ -1448,7 +1435,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
    family a file, each saying what it holds) are included just before
    "filling tensors", in the Shapes and tensors section. Plots is the
    manual's DRAWING; Batch norm, losses, optimisers its TRAINING.
-     Errors, the clock
+     Errors, files written whole, the clock
          defines: mgpu_fatal, mgpu_fatal_at, mgpu_now
      Queues
          internal: a device's queues, and the structs of devices, events and
@@ -1476,13 +1463,6 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
      Tracing
          defines: mgpu_trace_begin, mgpu_trace_end, mgpu_trace_write_png,
          mgpu_trace_summary
-     Plots
-         defines: mgpu_palette, mgpu_canvas_new, mgpu_canvas_free,
-         mgpu_canvas_fill_rect, mgpu_canvas_line, mgpu_text_width,
-         mgpu_canvas_text, mgpu_output_errors, mgpu_canvas_write_png,
-         mgpu_chart_write_png, mgpu_animator_new, mgpu_animator_free,
-         mgpu_animator_count, mgpu_animator_last, mgpu_animator_add,
-         mgpu_animator_write_combined, mgpu_timeline_write_png
      Shapes and tensors
          defines: mgpu_shape1, mgpu_shape2, mgpu_shape3, mgpu_shape4,
          mgpu_shape_numel, mgpu_shape_equal, mgpu_shape_str, mgpu_empty,
@@ -1533,6 +1513,13 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
          mgpu_data_parallel_replica, mgpu_data_parallel_algorithm,
          mgpu_data_parallel_step, mgpu_data_parallel_take_stats,
          mgpu_data_parallel_free
+     Plots
+         defines: mgpu_palette, mgpu_canvas_new, mgpu_canvas_free,
+         mgpu_canvas_fill_rect, mgpu_canvas_line, mgpu_text_width,
+         mgpu_canvas_text, mgpu_output_errors, mgpu_canvas_write_png,
+         mgpu_chart_write_png, mgpu_animator_new, mgpu_animator_free,
+         mgpu_animator_count, mgpu_animator_last, mgpu_animator_add,
+         mgpu_animator_write_combined, mgpu_timeline_write_png
 */
 
 #include <ctype.h>
@@ -1553,7 +1540,6 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
 #if MGPU_CUDA && !defined(MGPU_CUDA_EMU)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include <mma.h> /* WMMA: the tensor cores from CUDA C++ (kernels/conv_implicit.h) */
 #endif
 
 #ifdef __cplusplus
@@ -1634,6 +1620,54 @@ static void *mgpu__xcalloc(size_t n, size_t size) {
 /* After a kernel launch: catches bad launch configurations at once. */
 #define MGPU_CUDA_CHECK_LAUNCH() MGPU_CUDA_CHECK(cudaGetLastError())
 #endif
+
+/* ----------------------------------------------------------------- files */
+/* A file that appears whole or not at all: written to "<path>.tmp", which
+   is then renamed over path. A viewer that reloads it (the Animator
+   rewrites its files after every point) sees the old file or the new one,
+   and a full disk leaves the old one as it was. Where path is a link, the
+   file it names is the one replaced, and a file replaced keeps its
+   permissions. Open gives the FILE (NULL with errno set); close returns 0,
+   or the errno of what failed (EIO where none was set), and removes the
+   temporary file on failure. */
+typedef struct mgpu__whole_file {
+    FILE *f;
+    char *target, *tmp; /* the file replaced (a link's target), and "<target>.tmp" */
+} mgpu__whole_file;
+static FILE *mgpu__whole_file_open(mgpu__whole_file *w, const char *path) {
+    char *resolved = realpath(path, NULL); /* (NULL where there is no file yet) */
+    const char *target = resolved ? resolved : path;
+    size_t length = strlen(target);
+    w->target = (char *)mgpu__xmalloc(length + 1);
+    w->tmp = (char *)mgpu__xmalloc(length + 5);
+    memcpy(w->target, target, length + 1);
+    memcpy(w->tmp, target, length);
+    memcpy(w->tmp + length, ".tmp", 5);
+    free(resolved);
+    struct stat old;
+    int replaces = stat(w->target, &old) == 0;
+    w->f = fopen(w->tmp, "wb");
+    if (!w->f) {
+        int error = errno;
+        free(w->target);
+        free(w->tmp);
+        errno = error;
+        return NULL;
+    }
+    if (replaces) (void)fchmod(fileno(w->f), old.st_mode & 07777); /* (failing, it keeps umask's) */
+    errno = 0; /* a write that fails sets it again: mgpu__whole_file_close reads it */
+    return w->f;
+}
+static int mgpu__whole_file_close(mgpu__whole_file *w, int failed) {
+    /* the first failure's errno: the writes', else fclose's, else rename's */
+    int error = (failed || ferror(w->f)) ? (errno ? errno : EIO) : 0;
+    if (fclose(w->f) != 0 && !error) error = errno ? errno : EIO; /* a full disk may only show here */
+    if (!error && rename(w->tmp, w->target) != 0) error = errno ? errno : EIO;
+    if (error) remove(w->tmp);
+    free(w->target);
+    free(w->tmp);
+    return error;
+}
 
 /* ----------------------------------------------------------------- clock */
 MGPU_DEF double mgpu_now(void) {
@@ -2780,943 +2814,6 @@ MGPU_DEF void mgpu_trace_summary(FILE *f) {
     free(totals);
 }
 
-#ifdef __cplusplus
-}
-#endif
-/* ===========================================================================
-   Plots: implementation (see "Plots" in the manual above)
-   ===========================================================================
-   Four layers, each built on the one before:
-     1. the canvas: an RGB buffer with rectangles, lines and text, saved as
-        a PNG by stb_image_write;
-     2. the frame: the plot area of a chart, its axes with "nice" ticks and
-        the mapping from data values to pixels;
-     3. line charts and the Animator that redraws one after every point;
-     4. device timelines.
-   Out of memory and calls that make no sense (a canvas of no pixels, a
-   series an animator does not have) are fatal here as everywhere in mgpu
-   (mgpu_fatal); a file that cannot be written is not (see the manual). */
-#include <errno.h>
-#include <stb/stb_image_write.h>
-
-/* ---- 1. the canvas ------------------------------------------------------ */
-
-/* realloc that does not fail: the animator's arrays grow with it. */
-static void *mgpu__plot_grow(void *p, size_t bytes) {
-    p = realloc(p, bytes ? bytes : 1);
-    if (!p) mgpu_fatal("out of host memory (asked for %zu bytes)", bytes);
-    return p;
-}
-
-/* A duplicate of s; NULL stays NULL. */
-static char *mgpu__plot_strdup(const char *s) {
-    char *copy;
-    if (!s) return NULL;
-    copy = (char *)mgpu__xmalloc(strlen(s) + 1);
-    return strcpy(copy, s);
-}
-
-/* The font: one glyph per printable ASCII character, 32 (space) to 126 (~).
-   A glyph is 9 rows of 5 pixels, top row first; in each row byte bit 4 is
-   the leftmost pixel. Rows 0-6 hold capitals and digits, the baseline is
-   under row 6, and rows 7-8 are for descenders (g j p q y , _). */
-#define MGPU__GLYPH_W 5
-#define MGPU__GLYPH_H 9
-#define MGPU__CAP_H 7  /* height of capitals and digits, for centring text */
-#define MGPU__CELL_W 6 /* a glyph and a blank column before the next one */
-static const unsigned char mgpu__font[95][MGPU__GLYPH_H] = {
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* space */
-    {0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ! */
-    {0x0A, 0x0A, 0x0A, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* " */
-    {0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A, 0x00, 0x00}, /* # */
-    {0x04, 0x0F, 0x14, 0x0E, 0x05, 0x1E, 0x04, 0x00, 0x00}, /* $ */
-    {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03, 0x00, 0x00}, /* % */
-    {0x0C, 0x12, 0x14, 0x08, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* & */
-    {0x04, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ' */
-    {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02, 0x00, 0x00}, /* ( */
-    {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08, 0x00, 0x00}, /* ) */
-    {0x00, 0x04, 0x15, 0x0E, 0x15, 0x04, 0x00, 0x00, 0x00}, /* asterisk */
-    {0x00, 0x04, 0x04, 0x1F, 0x04, 0x04, 0x00, 0x00, 0x00}, /* + */
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08, 0x00}, /* , */
-    {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00, 0x00}, /* - */
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C, 0x00, 0x00}, /* . */
-    {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00, 0x00, 0x00}, /* slash */
-    {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E, 0x00, 0x00}, /* 0 */
-    {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* 1 */
-    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* 2 */
-    {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 3 */
-    {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02, 0x00, 0x00}, /* 4 */
-    {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 5 */
-    {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 6 */
-    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08, 0x00, 0x00}, /* 7 */
-    {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 8 */
-    {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C, 0x00, 0x00}, /* 9 */
-    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00, 0x00, 0x00}, /* : */
-    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x04, 0x08, 0x00, 0x00}, /* ; */
-    {0x02, 0x04, 0x08, 0x10, 0x08, 0x04, 0x02, 0x00, 0x00}, /* < */
-    {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00}, /* = */
-    {0x08, 0x04, 0x02, 0x01, 0x02, 0x04, 0x08, 0x00, 0x00}, /* > */
-    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ? */
-    {0x0E, 0x11, 0x01, 0x0D, 0x15, 0x15, 0x0E, 0x00, 0x00}, /* @ */
-    {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* A */
-    {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* B */
-    {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* C */
-    {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C, 0x00, 0x00}, /* D */
-    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* E */
-    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* F */
-    {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* G */
-    {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* H */
-    {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* I */
-    {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C, 0x00, 0x00}, /* J */
-    {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11, 0x00, 0x00}, /* K */
-    {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* L */
-    {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11, 0x00, 0x00}, /* M */
-    {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11, 0x00, 0x00}, /* N */
-    {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* O */
-    {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* P */
-    {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* Q */
-    {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11, 0x00, 0x00}, /* R */
-    {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E, 0x00, 0x00}, /* S */
-    {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* T */
-    {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* U */
-    {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* V */
-    {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* W */
-    {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11, 0x00, 0x00}, /* X */
-    {0x11, 0x11, 0x0A, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* Y */
-    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F, 0x00, 0x00}, /* Z */
-    {0x0E, 0x08, 0x08, 0x08, 0x08, 0x08, 0x0E, 0x00, 0x00}, /* [ */
-    {0x00, 0x10, 0x08, 0x04, 0x02, 0x01, 0x00, 0x00, 0x00}, /* backslash */
-    {0x0E, 0x02, 0x02, 0x02, 0x02, 0x02, 0x0E, 0x00, 0x00}, /* ] */
-    {0x04, 0x0A, 0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ^ */
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F, 0x00}, /* _ */
-    {0x08, 0x04, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ` */
-    {0x00, 0x00, 0x0E, 0x01, 0x0F, 0x11, 0x0F, 0x00, 0x00}, /* a */
-    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* b */
-    {0x00, 0x00, 0x0E, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* c */
-    {0x01, 0x01, 0x0D, 0x13, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* d */
-    {0x00, 0x00, 0x0E, 0x11, 0x1F, 0x10, 0x0E, 0x00, 0x00}, /* e */
-    {0x06, 0x09, 0x08, 0x1C, 0x08, 0x08, 0x08, 0x00, 0x00}, /* f */
-    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* g */
-    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* h */
-    {0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* i */
-    {0x02, 0x00, 0x06, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C}, /* j */
-    {0x10, 0x10, 0x12, 0x14, 0x18, 0x14, 0x12, 0x00, 0x00}, /* k */
-    {0x0C, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* l */
-    {0x00, 0x00, 0x1A, 0x15, 0x15, 0x15, 0x15, 0x00, 0x00}, /* m */
-    {0x00, 0x00, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* n */
-    {0x00, 0x00, 0x0E, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* o */
-    {0x00, 0x00, 0x1E, 0x11, 0x11, 0x11, 0x1E, 0x10, 0x10}, /* p */
-    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x01}, /* q */
-    {0x00, 0x00, 0x16, 0x19, 0x10, 0x10, 0x10, 0x00, 0x00}, /* r */
-    {0x00, 0x00, 0x0F, 0x10, 0x0E, 0x01, 0x1E, 0x00, 0x00}, /* s */
-    {0x08, 0x08, 0x1C, 0x08, 0x08, 0x09, 0x06, 0x00, 0x00}, /* t */
-    {0x00, 0x00, 0x11, 0x11, 0x11, 0x13, 0x0D, 0x00, 0x00}, /* u */
-    {0x00, 0x00, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* v */
-    {0x00, 0x00, 0x11, 0x11, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* w */
-    {0x00, 0x00, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x00, 0x00}, /* x */
-    {0x00, 0x00, 0x11, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* y */
-    {0x00, 0x00, 0x1F, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* z */
-    {0x02, 0x04, 0x04, 0x08, 0x04, 0x04, 0x02, 0x00, 0x00}, /* { */
-    {0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* | */
-    {0x08, 0x04, 0x04, 0x02, 0x04, 0x04, 0x08, 0x00, 0x00}, /* } */
-    {0x00, 0x00, 0x08, 0x15, 0x02, 0x00, 0x00, 0x00, 0x00}, /* ~ */
-};
-
-/* matplotlib's "tab10": ten colours that are easy to tell apart. */
-static const uint32_t mgpu__palette[10] = {0x1F77B4, 0xFF7F0E, 0x2CA02C, 0xD62728, 0x9467BD,
-                                           0x8C564B, 0xE377C2, 0x7F7F7F, 0xBCBD22, 0x17BECF};
-#define MGPU__INK 0x222222u  /* text, frames and ticks */
-#define MGPU__GRID 0xE4E4E4u /* grid lines behind the data */
-#define MGPU__WHITE 0xFFFFFFu
-
-MGPU_DEF uint32_t mgpu_palette(int i) { return mgpu__palette[(i % 10 + 10) % 10]; }
-
-MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb) {
-    mgpu_canvas *c;
-    MGPU_REQUIRE(width > 0 && height > 0, "a canvas of %dx%d pixels cannot be made", width, height);
-    c = (mgpu_canvas *)mgpu__xmalloc(sizeof *c);
-    c->width = width;
-    c->height = height;
-    c->rgb = (unsigned char *)mgpu__xmalloc((size_t)width * (size_t)height * 3);
-    mgpu_canvas_fill_rect(c, 0, 0, width, height, background_rgb);
-    return c;
-}
-
-MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c) {
-    if (!c) return;
-    free(c->rgb);
-    free(c);
-}
-
-static int mgpu__plot_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-
-/* Every other drawing operation ends up here, so this is where clipping to
-   the canvas happens. */
-MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
-    x0 = mgpu__plot_clamp(x0, 0, c->width);
-    x1 = mgpu__plot_clamp(x1, 0, c->width);
-    y0 = mgpu__plot_clamp(y0, 0, c->height);
-    y1 = mgpu__plot_clamp(y1, 0, c->height);
-    for (int y = y0; y < y1; y++) {
-        unsigned char *p = c->rgb + ((size_t)y * (size_t)c->width + (size_t)x0) * 3;
-        for (int x = x0; x < x1; x++, p += 3) {
-            p[0] = (unsigned char)(rgb >> 16);
-            p[1] = (unsigned char)(rgb >> 8);
-            p[2] = (unsigned char)rgb;
-        }
-    }
-}
-
-/* A 1-pixel outline around the pixels x0..x1, y0..y1 (both inclusive). */
-static void mgpu__plot_outline(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
-    mgpu_canvas_fill_rect(c, x0, y0, x1 + 1, y0 + 1, rgb);
-    mgpu_canvas_fill_rect(c, x0, y1, x1 + 1, y1 + 1, rgb);
-    mgpu_canvas_fill_rect(c, x0, y0, x0 + 1, y1 + 1, rgb);
-    mgpu_canvas_fill_rect(c, x1, y0, x1 + 1, y1 + 1, rgb);
-}
-
-/* A box of pixel positions, edges included. */
-typedef struct mgpu__plot_box {
-    double x0, y0, x1, y1;
-} mgpu__plot_box;
-
-/* Liang-Barsky clipping. The segment is p(t) = (x0,y0) + t*(dx,dy) for t in
-   [0,1]; each side of the box keeps the t on its inner side, and [*t0, *t1]
-   ends up as the part inside all four. Returns 0 when nothing is left. */
-static int mgpu__plot_clip(mgpu__plot_box box, double x0, double y0, double x1, double y1,
-                           double *t0, double *t1) {
-    double dx = x1 - x0, dy = y1 - y0;
-    double p[4], q[4]; /* side i keeps the t with p[i] * t <= q[i] */
-    p[0] = -dx, q[0] = x0 - box.x0;
-    p[1] = dx, q[1] = box.x1 - x0;
-    p[2] = -dy, q[2] = y0 - box.y0;
-    p[3] = dy, q[3] = box.y1 - y0;
-    *t0 = 0;
-    *t1 = 1;
-    for (int i = 0; i < 4; i++) {
-        if (p[i] == 0) { /* parallel to this side: wholly inside it or wholly outside */
-            if (q[i] < 0) return 0;
-        } else if (p[i] < 0) { /* coming in through this side */
-            *t0 = fmax(*t0, q[i] / p[i]);
-        } else { /* going out through it */
-            *t1 = fmin(*t1, q[i] / p[i]);
-        }
-    }
-    return *t0 <= *t1;
-}
-
-MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
-                               uint32_t rgb, int thickness) {
-    mgpu__plot_box near_canvas;
-    double t0, t1, ax, ay, bx, by;
-    int steps, half;
-    if (!isfinite(x0) || !isfinite(y0) || !isfinite(x1) || !isfinite(y1)) return;
-    if (thickness < 1) thickness = 1;
-    /* Walk only the part that can touch the canvas: a line towards a point
-       far outside costs no more than one across the picture. */
-    near_canvas.x0 = near_canvas.y0 = -thickness;
-    near_canvas.x1 = c->width + thickness;
-    near_canvas.y1 = c->height + thickness;
-    if (!mgpu__plot_clip(near_canvas, x0, y0, x1, y1, &t0, &t1)) return;
-    ax = x0 + t0 * (x1 - x0), ay = y0 + t0 * (y1 - y0);
-    bx = x0 + t1 * (x1 - x0), by = y0 + t1 * (y1 - y0);
-    /* One step per pixel along the longer direction, and at every step a
-       thickness x thickness square (the "brush") centred on the line. */
-    steps = (int)ceil(fmax(fabs(bx - ax), fabs(by - ay)));
-    half = thickness / 2;
-    for (int i = 0; i <= steps; i++) {
-        double f = steps ? (double)i / steps : 0;
-        int x = (int)lround(ax + f * (bx - ax)) - half, y = (int)lround(ay + f * (by - ay)) - half;
-        mgpu_canvas_fill_rect(c, x, y, x + thickness, y + thickness, rgb);
-    }
-}
-
-/* The segment's part inside `clip`; dashed when dash > 0 (dash pixels on,
-   dash pixels off). *travel is the length of the polyline before this
-   segment, so the dashes run on from one segment to the next. */
-static void mgpu__plot_stroke(mgpu_canvas *c, mgpu__plot_box clip, double x0, double y0, double x1,
-                              double y1, uint32_t rgb, int thickness, double dash, double *travel) {
-    double len = hypot(x1 - x0, y1 - y0), start = *travel, t0, t1;
-    *travel += len;
-    if (!mgpu__plot_clip(clip, x0, y0, x1, y1, &t0, &t1)) return;
-    if (dash <= 0 || len == 0) {
-        mgpu_canvas_line(c, x0 + t0 * (x1 - x0), y0 + t0 * (y1 - y0), x0 + t1 * (x1 - x0),
-                         y0 + t1 * (y1 - y0), rgb, thickness);
-        return;
-    }
-    /* s runs along the segment from one dash boundary to the next. */
-    for (double s = t0 * len; s < t1 * len;) {
-        double phase = fmod(start + s, 2 * dash); /* < dash: in a dash; else in a gap */
-        double end = fmin(s + (phase < dash ? dash - phase : 2 * dash - phase), t1 * len);
-        if (end <= s) break; /* rounding left nothing to advance over */
-        if (phase < dash)
-            mgpu_canvas_line(c, x0 + s / len * (x1 - x0), y0 + s / len * (y1 - y0),
-                             x0 + end / len * (x1 - x0), y0 + end / len * (y1 - y0), rgb,
-                             thickness);
-        s = end;
-    }
-}
-
-static const unsigned char *mgpu__plot_glyph(char ch) {
-    unsigned char code = (unsigned char)ch;
-    return mgpu__font[(code < 32 || code > 126 ? '?' : code) - 32];
-}
-
-MGPU_DEF int mgpu_text_width(const char *text, int scale) {
-    int n = text ? (int)strlen(text) : 0;
-    return n ? (n * MGPU__CELL_W - 1) * scale : 0; /* no blank column after the last glyph */
-}
-
-/* Text in a box whose top-left corner is (x, y); `vertical` turns it a
-   quarter turn anticlockwise, to read from bottom to top (a y-axis label). */
-static void mgpu__plot_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb, int scale,
-                            int vertical) {
-    int length = mgpu_text_width(text, scale);
-    if (scale < 1 || !text) return;
-    for (int i = 0; text[i]; i++) {
-        const unsigned char *glyph = mgpu__plot_glyph(text[i]);
-        for (int row = 0; row < MGPU__GLYPH_H; row++)
-            for (int col = 0; col < MGPU__GLYPH_W; col++) {
-                /* (along, across): the font pixel's place along the text and across it */
-                int along = (i * MGPU__CELL_W + col) * scale, across = row * scale;
-                if (!(glyph[row] & (0x10 >> col))) continue;
-                if (vertical)
-                    mgpu_canvas_fill_rect(c, x + across, y + length - along - scale,
-                                          x + across + scale, y + length - along, rgb);
-                else
-                    mgpu_canvas_fill_rect(c, x + along, y + across, x + along + scale,
-                                          y + across + scale, rgb);
-            }
-    }
-}
-
-MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
-                               int scale) {
-    mgpu__plot_text(c, x, y, text, rgb, scale, 0);
-}
-
-static int mgpu__output_errors;
-MGPU_DEF int mgpu_output_errors(void) { return mgpu__output_errors; }
-
-/* One line on stderr about a file that could not be written; returns -1 so
-   that callers can `return mgpu__plot_write_failed(...)`. */
-static int mgpu__plot_write_failed(const char *path, const char *what, const char *reason) {
-    fprintf(stderr, "mgpu: error: %s: cannot write %s (%s)\n", path, what, reason);
-    mgpu__output_errors++;
-    return -1;
-}
-
-/* A file that appears whole or not at all: written to "<path>.tmp", which
-   is then renamed over path. A viewer that reloads it (the Animator
-   rewrites its files after every point) sees the old file or the new one,
-   and a full disk leaves the old one as it was. Where path is a link, the
-   file it names is the one replaced, and a file replaced keeps its
-   permissions. Open gives the FILE (NULL with errno set); close returns 0,
-   or the errno of what failed (EIO where none was set), and removes the
-   temporary file on failure. */
-typedef struct mgpu__whole_file {
-    FILE *f;
-    char *target, *tmp; /* the file replaced (a link's target), and "<target>.tmp" */
-} mgpu__whole_file;
-static FILE *mgpu__whole_file_open(mgpu__whole_file *w, const char *path) {
-    char *resolved = realpath(path, NULL); /* (NULL where there is no file yet) */
-    const char *target = resolved ? resolved : path;
-    size_t length = strlen(target);
-    w->target = (char *)mgpu__xmalloc(length + 1);
-    w->tmp = (char *)mgpu__xmalloc(length + 5);
-    memcpy(w->target, target, length + 1);
-    memcpy(w->tmp, target, length);
-    memcpy(w->tmp + length, ".tmp", 5);
-    free(resolved);
-    struct stat old;
-    int replaces = stat(w->target, &old) == 0;
-    w->f = fopen(w->tmp, "wb");
-    if (!w->f) {
-        int error = errno;
-        free(w->target);
-        free(w->tmp);
-        errno = error;
-        return NULL;
-    }
-    if (replaces) (void)fchmod(fileno(w->f), old.st_mode & 07777); /* (failing, it keeps umask's) */
-    errno = 0; /* a write that fails sets it again: mgpu__whole_file_close reads it */
-    return w->f;
-}
-static int mgpu__whole_file_close(mgpu__whole_file *w, int failed) {
-    /* the first failure's errno: the writes', else fclose's, else rename's */
-    int error = (failed || ferror(w->f)) ? (errno ? errno : EIO) : 0;
-    if (fclose(w->f) != 0 && !error) error = errno ? errno : EIO; /* a full disk may only show here */
-    if (!error && rename(w->tmp, w->target) != 0) error = errno ? errno : EIO;
-    if (error) remove(w->tmp);
-    free(w->target);
-    free(w->tmp);
-    return error;
-}
-
-/* stb_image_write hands the encoded PNG over piece by piece. A failed fwrite
-   is remembered by the FILE and seen by ferror() at the end. */
-static void mgpu__plot_png_piece(void *file, void *data, int size) {
-    fwrite(data, 1, (size_t)size, (FILE *)file);
-}
-
-MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
-    mgpu__whole_file w;
-    if (!mgpu__whole_file_open(&w, path)) return mgpu__plot_write_failed(path, "PNG", strerror(errno));
-    int encoded = stbi_write_png_to_func(mgpu__plot_png_piece, w.f, c->width, c->height, 3, c->rgb,
-                                         c->width * 3);
-    int error = mgpu__whole_file_close(&w, !encoded);
-    return error ? mgpu__plot_write_failed(path, "PNG", encoded ? strerror(error) : "encoder failed") : 0;
-}
-
-/* ---- 2. the frame: axes, ticks and the data-to-pixel mapping ------------ */
-
-/* An axis shows values lo..hi with a tick every `step`. */
-typedef struct mgpu__plot_axis {
-    double lo, hi, step;
-} mgpu__plot_axis;
-
-/* 1, 2 or 5 times a power of ten, giving about `ticks` ticks over `span`:
-   the steps people read easily. */
-static double mgpu__plot_nice_step(double span, int ticks) {
-    double raw = span / (ticks > 1 ? ticks : 1), magnitude = pow(10, floor(log10(raw))),
-           ratio = raw / magnitude;
-    return (ratio < 1.5 ? 1 : ratio < 3.5 ? 2 : ratio < 7.5 ? 5 : 10) * magnitude;
-}
-
-/* The axis for [lo, hi]: kept as it is when `fixed`; otherwise it comes from
-   the data (lo > hi when there was none) and is widened to whole ticks. */
-static mgpu__plot_axis mgpu__plot_axis_new(double lo, double hi, int fixed, int ticks) {
-    mgpu__plot_axis a;
-    if (!fixed && !(lo <= hi)) { /* no data at all */
-        lo = 0;
-        hi = 1;
-    } else if (!fixed && lo == hi) { /* a single value: centre it */
-        double pad = lo != 0 ? fabs(lo) / 10 : 1;
-        lo -= pad;
-        hi += pad;
-    }
-    a.step = mgpu__plot_nice_step(hi - lo, ticks);
-    /* the 1e-9 keeps a value that is a whole tick up to rounding on that tick */
-    a.lo = fixed ? lo : floor(lo / a.step + 1e-9) * a.step;
-    a.hi = fixed ? hi : ceil(hi / a.step - 1e-9) * a.step;
-    return a;
-}
-
-/* Tick i of an axis: its value and its label, with as many decimals as the
-   step needs (a step of 0.05 gives "0.35"). Returns 0 past the last tick. */
-static int mgpu__plot_tick(const mgpu__plot_axis *a, int i, double *value, char label[32]) {
-    int decimals = a->step >= 1 ? 0 : (int)ceil(-log10(a->step) - 1e-9);
-    *value = (ceil(a->lo / a->step - 1e-9) + i) * a->step;
-    if (i >= 100 || *value > a->hi + a->step * 1e-9) return 0;
-    if (*value == 0) *value = 0; /* -0.0 would print as "-0" */
-    snprintf(label, 32, "%.*f", decimals, *value);
-    return 1;
-}
-
-/* The frame of a chart: the plot area (pixels x0..x1, y0..y1, edges
-   included, where the frame is drawn), its axes and the font scale. */
-typedef struct mgpu__plot_frame {
-    mgpu_canvas *c;
-    int x0, y0, x1, y1;
-    mgpu__plot_axis ax, ay;
-    int scale;
-} mgpu__plot_frame;
-
-static double mgpu__plot_px(const mgpu__plot_frame *f, double x) {
-    return f->x0 + (x - f->ax.lo) / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0);
-}
-
-static double mgpu__plot_py(const mgpu__plot_frame *f, double y) /* pixel y grows downwards */
-{
-    return f->y1 - (y - f->ay.lo) / (f->ay.hi - f->ay.lo) * (f->y1 - f->y0);
-}
-
-static mgpu__plot_box mgpu__plot_area(const mgpu__plot_frame *f) {
-    mgpu__plot_box box;
-    box.x0 = f->x0, box.y0 = f->y0, box.x1 = f->x1, box.y1 = f->y1;
-    return box;
-}
-
-/* The widest tick label of an axis, to size the margin beside it. */
-static int mgpu__plot_widest_tick(const mgpu__plot_axis *a, int scale) {
-    char label[32];
-    double value;
-    int widest = 0;
-    for (int i = 0; mgpu__plot_tick(a, i, &value, label); i++)
-        if (mgpu_text_width(label, scale) > widest) widest = mgpu_text_width(label, scale);
-    return widest;
-}
-
-/* Grid lines, tick marks and numbers of the x axis (below the frame) or of
-   the y axis (left of it). Drawn before the data, so the grid is behind it. */
-static void mgpu__plot_ticks(const mgpu__plot_frame *f, int y_axis) {
-    int s = f->scale, tick = 3 * s;
-    char label[32];
-    double value;
-    for (int i = 0; mgpu__plot_tick(y_axis ? &f->ay : &f->ax, i, &value, label); i++) {
-        int width = mgpu_text_width(label, s);
-        if (y_axis) {
-            int y = (int)lround(mgpu__plot_py(f, value));
-            mgpu_canvas_fill_rect(f->c, f->x0 + 1, y, f->x1, y + 1, MGPU__GRID);
-            mgpu_canvas_fill_rect(f->c, f->x0 - tick, y, f->x0, y + 1, MGPU__INK);
-            mgpu_canvas_text(f->c, f->x0 - tick - 2 * s - width, y - MGPU__CAP_H * s / 2, label,
-                             MGPU__INK, s);
-        } else {
-            int x = (int)lround(mgpu__plot_px(f, value));
-            mgpu_canvas_fill_rect(f->c, x, f->y0 + 1, x + 1, f->y1, MGPU__GRID);
-            mgpu_canvas_fill_rect(f->c, x, f->y1 + 1, x + 1, f->y1 + 1 + tick, MGPU__INK);
-            mgpu_canvas_text(f->c, x - width / 2, f->y1 + tick + 3 * s, label, MGPU__INK, s);
-        }
-    }
-}
-
-/* The margins: a title line above the plot area, the tick numbers and an
-   x label below it. */
-static int mgpu__plot_top(const char *title, int s) { return title && *title ? 20 * s : 8 * s; }
-static int mgpu__plot_bottom(const char *xlabel, int s) {
-    return xlabel && *xlabel ? 32 * s : 18 * s;
-}
-
-/* Chooses the x axis for data in [xlo, xhi] (see mgpu__plot_axis_new) and
-   places the plot area: `left_width` pixels of numbers or names left of it,
-   and `below` pixels for something else (a legend) under its margin. */
-static void mgpu__plot_layout(mgpu__plot_frame *f, double xlo, double xhi, int xfixed,
-                              int left_width, int below, const char *title, const char *xlabel,
-                              const char *ylabel) {
-    int s = f->scale;
-    f->x0 = 4 * s + (ylabel && *ylabel ? 14 * s : 0) + left_width + 5 * s;
-    f->y0 = mgpu__plot_top(title, s);
-    f->y1 = f->c->height - 1 - below - mgpu__plot_bottom(xlabel, s);
-    /* About one tick per 50 font pixels of width, fewer while the numbers
-       would run into each other. The last number is centred on the right
-       edge of the frame, so half of it must fit beside the frame. */
-    for (int ticks = f->c->width / (50 * s);; ticks--) {
-        int widest;
-        f->ax = mgpu__plot_axis_new(xlo, xhi, xfixed, ticks);
-        widest = mgpu__plot_widest_tick(&f->ax, s);
-        f->x1 = f->c->width - 1 - 4 * s - widest / 2;
-        if (ticks <= 2 || f->ax.step / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0) >= widest + 6 * s)
-            break;
-    }
-}
-
-/* Title above the plot area, x label under the tick numbers, y label
-   turned up the left edge of the picture; each centred on the plot area. */
-static void mgpu__plot_labels(const mgpu__plot_frame *f, const char *title, const char *xlabel,
-                              const char *ylabel) {
-    int s = f->scale, cx = (f->x0 + f->x1) / 2, cy = (f->y0 + f->y1) / 2;
-    int title_x = cx - mgpu_text_width(title, s) / 2,
-        title_max = f->c->width - 4 * s - mgpu_text_width(title, s);
-    /* a long title moves left rather than off the picture */
-    mgpu_canvas_text(f->c, title_x < title_max ? title_x : title_max, 5 * s, title, MGPU__INK, s);
-    mgpu_canvas_text(f->c, cx - mgpu_text_width(xlabel, s) / 2, f->y1 + 19 * s, xlabel, MGPU__INK,
-                     s);
-    mgpu__plot_text(f->c, 4 * s, cy - mgpu_text_width(ylabel, s) / 2, ylabel, MGPU__INK, s, 1);
-}
-
-/* ---- 3. line charts and the Animator ------------------------------------ */
-
-/* How many pixels of a w x h box at (x, y) are data: neither background nor
-   grid. The legend goes where this is smallest. */
-static long mgpu__chart_ink(const mgpu_canvas *c, int x, int y, int w, int h) {
-    int x0 = mgpu__plot_clamp(x, 0, c->width), x1 = mgpu__plot_clamp(x + w, 0, c->width);
-    int y0 = mgpu__plot_clamp(y, 0, c->height), y1 = mgpu__plot_clamp(y + h, 0, c->height);
-    long count = 0;
-    for (int j = y0; j < y1; j++)
-        for (int i = x0; i < x1; i++) {
-            const unsigned char *p = c->rgb + ((size_t)j * (size_t)c->width + (size_t)i) * 3;
-            uint32_t rgb = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
-            count += rgb != MGPU__WHITE && rgb != MGPU__GRID;
-        }
-    return count;
-}
-
-static uint32_t mgpu__chart_color(const mgpu_chart *ch, int i) {
-    return ch->series[i].color ? ch->series[i].color : mgpu_palette(i);
-}
-
-/* One curve. Points with a NaN (or infinite) coordinate are passed over and
-   their neighbours joined, as the book's Animator does with missing values. */
-static void mgpu__chart_curve(const mgpu__plot_frame *f, const mgpu_series *series, uint32_t rgb) {
-    int s = f->scale, points = 0;
-    double travel = 0, px = 0, py = 0;
-    for (int i = 0; i < series->n; i++) {
-        double qx, qy;
-        if (!isfinite(series->x[i]) || !isfinite(series->y[i])) continue;
-        qx = mgpu__plot_px(f, series->x[i]), qy = mgpu__plot_py(f, series->y[i]);
-        if (points++)
-            mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, qx, qy, rgb, s,
-                              series->dashed ? 6 * s : 0, &travel);
-        px = qx, py = qy;
-    }
-    if (points == 1) /* a lone point draws no line: mark it with a dot */
-        mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, px, py, rgb, 3 * s, 0, &travel);
-}
-
-/* A box with a line sample and the name of every named series, in the
-   corner of the plot area that hides the fewest data pixels. */
-static void mgpu__chart_legend(const mgpu__plot_frame *f, const mgpu_chart *ch) {
-    int s = f->scale, pad = 5 * s, row = 12 * s, sample = 18 * s, entries = 0, widest = 0;
-    int w, h, x = 0, y = 0;
-    long least = -1;
-    for (int i = 0; i < ch->nseries; i++) {
-        if (!ch->series[i].name) continue;
-        entries++;
-        if (mgpu_text_width(ch->series[i].name, s) > widest)
-            widest = mgpu_text_width(ch->series[i].name, s);
-    }
-    if (!entries) return;
-    w = 3 * pad + sample + widest;
-    h = 2 * pad + entries * row - 3 * s;
-    /* corners in the order tried: upper right, upper left, lower right, lower left */
-    for (int corner = 0; corner < 4; corner++) {
-        int cx = corner % 2 ? f->x0 + pad : f->x1 - pad - w,
-            cy = corner < 2 ? f->y0 + pad : f->y1 - pad - h;
-        long ink = mgpu__chart_ink(f->c, cx, cy, w, h);
-        if (least < 0 || ink < least) least = ink, x = cx, y = cy;
-    }
-    mgpu_canvas_fill_rect(f->c, x, y, x + w, y + h, MGPU__WHITE);
-    mgpu__plot_outline(f->c, x, y, x + w - 1, y + h - 1, 0xAAAAAA);
-    y += pad;
-    for (int i = 0; i < ch->nseries; i++) {
-        double travel = 0, mid = y + MGPU__CAP_H * s / 2;
-        if (!ch->series[i].name) continue;
-        mgpu__plot_stroke(f->c, mgpu__plot_area(f), x + pad, mid, x + pad + sample, mid,
-                          mgpu__chart_color(ch, i), s, ch->series[i].dashed ? 6 * s : 0, &travel);
-        mgpu_canvas_text(f->c, x + 2 * pad + sample, y, ch->series[i].name, MGPU__INK, s);
-        y += row;
-    }
-}
-
-MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *ch, const char *path) {
-    mgpu__plot_frame f;
-    double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
-    int width = ch->width > 0 ? ch->width : 640, height = ch->height > 0 ? ch->height : 480, result;
-    int xfixed = ch->xmin < ch->xmax, yfixed = ch->ymin < ch->ymax;
-    for (int i = 0; i < ch->nseries; i++)
-        for (int j = 0; j < ch->series[i].n; j++) {
-            double x = ch->series[i].x[j], y = ch->series[i].y[j];
-            if (!isfinite(x) || !isfinite(y)) continue;
-            xlo = fmin(xlo, x), xhi = fmax(xhi, x), ylo = fmin(ylo, y), yhi = fmax(yhi, y);
-        }
-    f.c = mgpu_canvas_new(width, height, MGPU__WHITE);
-    f.scale = width >= 480 && height >= 360 ? 2 : 1;
-    /* about one y tick per 40 font pixels of height */
-    f.ay = mgpu__plot_axis_new(yfixed ? ch->ymin : ylo, yfixed ? ch->ymax : yhi, yfixed,
-                               height / (40 * f.scale));
-    mgpu__plot_layout(&f, xfixed ? ch->xmin : xlo, xfixed ? ch->xmax : xhi, xfixed,
-                      mgpu__plot_widest_tick(&f.ay, f.scale), 0, ch->title, ch->xlabel, ch->ylabel);
-    /* back to front: grid, curves, legend, then the frame over the curves' ends */
-    mgpu__plot_ticks(&f, 0);
-    mgpu__plot_ticks(&f, 1);
-    for (int i = 0; i < ch->nseries; i++)
-        mgpu__chart_curve(&f, &ch->series[i], mgpu__chart_color(ch, i));
-    mgpu__chart_legend(&f, ch);
-    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
-    mgpu__plot_labels(&f, ch->title, ch->xlabel, ch->ylabel);
-    result = mgpu_canvas_write_png(f.c, path);
-    mgpu_canvas_free(f.c);
-    return result;
-}
-
-struct mgpu_animator {
-    char *png_path, *csv_path; /* NULL: write nothing */
-    char *title, *xlabel, *ylabel;
-    double xmin, xmax;
-    int nseries;
-    char **names;
-    int n, capacity; /* points added, and room for */
-    double *x;       /* x[i]: the x of point i */
-    double **y;      /* y[k][i]: series k at point i, NaN for none */
-};
-
-MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
-                                          const char *xlabel, const char *ylabel, double xmin,
-                                          double xmax, int nseries, const char *const *names) {
-    mgpu_animator *a = (mgpu_animator *)mgpu__xmalloc(sizeof *a);
-    memset(a, 0, sizeof *a);
-    if (png_path) { /* the CSV goes beside the PNG: "run.png" -> "run.csv" */
-        size_t stem = strlen(png_path);
-        if (stem >= 4 && strcmp(png_path + stem - 4, ".png") == 0) stem -= 4;
-        a->png_path = mgpu__plot_strdup(png_path);
-        a->csv_path = (char *)mgpu__xmalloc(stem + 5);
-        memcpy(a->csv_path, png_path, stem);
-        strcpy(a->csv_path + stem, ".csv");
-    }
-    a->title = mgpu__plot_strdup(title);
-    a->xlabel = mgpu__plot_strdup(xlabel);
-    a->ylabel = mgpu__plot_strdup(ylabel);
-    a->xmin = xmin;
-    a->xmax = xmax;
-    a->nseries = nseries > 0 ? nseries : 0;
-    a->names = (char **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->names);
-    a->y = (double **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->y);
-    for (int k = 0; k < a->nseries; k++) {
-        a->names[k] = mgpu__plot_strdup(names ? names[k] : NULL);
-        a->y[k] = NULL;
-    }
-    return a;
-}
-
-MGPU_DEF void mgpu_animator_free(mgpu_animator *a) {
-    if (!a) return;
-    for (int k = 0; k < a->nseries; k++) {
-        free(a->names[k]);
-        free(a->y[k]);
-    }
-    free(a->names);
-    free(a->y);
-    free(a->x);
-    free(a->png_path);
-    free(a->csv_path);
-    free(a->title);
-    free(a->xlabel);
-    free(a->ylabel);
-    free(a);
-}
-
-/* A series number that the animator does not have is a bug in the caller. */
-static void mgpu__animator_check(const mgpu_animator *a, int series) {
-    MGPU_REQUIRE(series >= 0 && series < a->nseries, "animator has no series %d (it has %d)",
-                 series, a->nseries);
-}
-
-MGPU_DEF int mgpu_animator_count(const mgpu_animator *a) { return a->n; }
-
-MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series) {
-    mgpu__animator_check(a, series);
-    for (int i = a->n - 1; i >= 0; i--)
-        if (!isnan(a->y[series][i])) return a->y[series][i];
-    return NAN;
-}
-
-/* "x,name1,name2,..." and then one line per point; NaN is an empty field,
-   which spreadsheets and pandas read as a missing value. */
-static int mgpu__animator_write_csv(const mgpu_animator *a) {
-    mgpu__whole_file w;
-    if (!mgpu__whole_file_open(&w, a->csv_path)) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
-    FILE *f = w.f;
-    fputs("x", f);
-    for (int k = 0; k < a->nseries; k++) fprintf(f, ",%s", a->names[k] ? a->names[k] : "");
-    for (int i = 0; i < a->n; i++) {
-        fprintf(f, "\n%.9g", a->x[i]);
-        for (int k = 0; k < a->nseries; k++) {
-            if (isnan(a->y[k][i]))
-                fputs(",", f);
-            else
-                fprintf(f, ",%.9g", a->y[k][i]);
-        }
-    }
-    fputs("\n", f);
-    int error = mgpu__whole_file_close(&w, 0);
-    return error ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(error)) : 0;
-}
-
-/* The curve of series k, labelled `name`. */
-static mgpu_series mgpu__animator_series(const mgpu_animator *a, int k, const char *name) {
-    mgpu_series s;
-    memset(&s, 0, sizeof s);
-    s.name = name;
-    s.n = a->n;
-    s.x = a->x;
-    s.y = a->y[k];
-    return s;
-}
-
-/* A chart of `nseries` curves with the animator's title, labels and x range. */
-static mgpu_chart mgpu__animator_chart(const mgpu_animator *a, int nseries,
-                                       const mgpu_series *series) {
-    mgpu_chart ch;
-    memset(&ch, 0, sizeof ch);
-    ch.title = a->title;
-    ch.xlabel = a->xlabel;
-    ch.ylabel = a->ylabel;
-    ch.xmin = a->xmin;
-    ch.xmax = a->xmax;
-    ch.nseries = nseries;
-    ch.series = series;
-    return ch;
-}
-
-MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys) {
-    mgpu_series *series;
-    mgpu_chart ch;
-    if (a->n == a->capacity) {
-        a->capacity = a->capacity ? 2 * a->capacity : 64;
-        a->x = (double *)mgpu__plot_grow(a->x, (size_t)a->capacity * sizeof *a->x);
-        for (int k = 0; k < a->nseries; k++)
-            a->y[k] = (double *)mgpu__plot_grow(a->y[k], (size_t)a->capacity * sizeof *a->y[k]);
-    }
-    a->x[a->n] = x;
-    for (int k = 0; k < a->nseries; k++) a->y[k][a->n] = ys[k];
-    a->n++;
-    if (!a->png_path) return;
-    series = (mgpu_series *)mgpu__xmalloc((size_t)a->nseries * sizeof *series);
-    for (int k = 0; k < a->nseries; k++) series[k] = mgpu__animator_series(a, k, a->names[k]);
-    ch = mgpu__animator_chart(a, a->nseries, series);
-    /* One error line is enough: after a failed write the animator stops
-       writing (rather than repeating the error at every point) and only
-       keeps the points. */
-    if (mgpu__animator_write_csv(a) != 0 || mgpu_chart_write_png(&ch, a->png_path) != 0) {
-        free(a->png_path);
-        free(a->csv_path);
-        a->png_path = a->csv_path = NULL;
-    }
-    free(series);
-}
-
-MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
-                                          const mgpu_animator *const *animators, int series,
-                                          const char *const *labels) {
-    mgpu_series *curves =
-        (mgpu_series *)mgpu__xcalloc((size_t)(nanimators > 0 ? nanimators : 0), sizeof *curves);
-    mgpu_chart ch;
-    int result;
-    memset(&ch, 0, sizeof ch);
-    for (int i = 0; i < nanimators; i++) {
-        const mgpu_animator *a = animators[i];
-        mgpu__animator_check(a, series);
-        const char *label = labels ? labels[i] : a->title ? a->title : a->names[series];
-        curves[i] = mgpu__animator_series(a, series, label);
-    }
-    if (nanimators > 0) {
-        ch = mgpu__animator_chart(animators[0], nanimators, curves);
-        /* the legend names the runs, so the y axis says what the curves are */
-        if (!ch.ylabel || !*ch.ylabel) ch.ylabel = animators[0]->names[series];
-    }
-    ch.title = title;
-    result = mgpu_chart_write_png(&ch, png_path);
-    free(curves);
-    return result;
-}
-
-/* ---- 4. device timelines ------------------------------------------------ */
-
-/* A distinct bar name and the palette colour it got. */
-typedef struct mgpu__timeline_key {
-    const char *name;
-    int slot;
-} mgpu__timeline_key;
-
-/* FNV-1a: a simple hash that spreads short names well. */
-static uint32_t mgpu__timeline_hash(const char *s) {
-    uint32_t h = 2166136261u;
-    while (*s) h = (h ^ (unsigned char)*s++) * 16777619u;
-    return h;
-}
-
-/* The index of `name` among the keys, adding it on first sight. A new name
-   gets the colour its hash points at or, if another name has that one, the
-   next free one (linear probing): the same name keeps its colour from one
-   picture to the next as far as possible, and two names in a picture share
-   a colour only when there are more than ten. */
-static int mgpu__timeline_key_of(mgpu__timeline_key *keys, int *nkeys, const char *name) {
-    int slot = (int)(mgpu__timeline_hash(name) % 10);
-    for (int k = 0; k < *nkeys; k++)
-        if (strcmp(keys[k].name, name) == 0) return k;
-    for (int tries = 0; tries < 10; tries++, slot = (slot + 1) % 10) {
-        int taken = 0;
-        for (int k = 0; k < *nkeys; k++) taken |= keys[k].slot == slot;
-        if (!taken) break;
-    } /* all ten taken: the loop came back round to the hash's colour */
-    keys[*nkeys].name = name;
-    keys[*nkeys].slot = slot;
-    return (*nkeys)++;
-}
-
-/* The legend under a timeline: a colour square and a name for each of the
-   first ten keys (then "+N more"), in rows wrapped at `width`. Returns its
-   height; with c == NULL it only measures. */
-static int mgpu__timeline_legend(mgpu_canvas *c, int x0, int y0, int width,
-                                 const mgpu__timeline_key *keys, int nkeys, int s) {
-    int x = x0, y = y0, row = 14 * s, shown = nkeys < 10 ? nkeys : 10;
-    char more[32];
-    snprintf(more, sizeof more, "+%d more", nkeys - shown);
-    for (int k = 0; k < shown + (nkeys > shown); k++) {
-        const char *text = k < shown ? keys[k].name : more;
-        int swatch = k < shown ? 11 * s : 0, w = swatch + mgpu_text_width(text, s);
-        if (x > x0 && x + w > x0 + width) x = x0, y += row; /* wrap */
-        if (c && k < shown)
-            mgpu_canvas_fill_rect(c, x, y, x + 7 * s, y + 7 * s, mgpu_palette(keys[k].slot));
-        if (c) mgpu_canvas_text(c, x + swatch, y, text, MGPU__INK, s);
-        x += w + 14 * s;
-    }
-    return nkeys ? y + row - y0 : 0;
-}
-
-/* Black or white, whichever reads better on `rgb` (by its luminance). */
-static uint32_t mgpu__timeline_text_color(uint32_t rgb) {
-    double luma = 0.299 * (rgb >> 16 & 255) + 0.587 * (rgb >> 8 & 255) + 0.114 * (rgb & 255);
-    return luma > 150 ? 0x000000 : 0xFFFFFF;
-}
-
-MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
-                                     const char *const *lane_names, int nbars,
-                                     const mgpu_timeline_bar *bars) {
-    const int s = 2, width = 1000, lane_h = 16 * s;
-    const char *xlabel = "time (ms)";
-    size_t room = (size_t)(nbars > 0 ? nbars : 0); /* at most one key per bar */
-    mgpu__timeline_key *keys = (mgpu__timeline_key *)mgpu__xcalloc(room, sizeof *keys);
-    int *key_of = (int *)mgpu__xcalloc(room, sizeof *key_of);
-    int nkeys = 0, names_w = 0, legend_h, result;
-    double lo = INFINITY, hi = -INFINITY;
-    mgpu__plot_frame f;
-    for (int b = 0; b < nbars; b++) { /* bars off every lane or with no time span are left out */
-        int drawn = bars[b].lane >= 0 && bars[b].lane < nlanes && isfinite(bars[b].start_ms) &&
-                    isfinite(bars[b].end_ms) && bars[b].start_ms <= bars[b].end_ms;
-        key_of[b] = drawn ? mgpu__timeline_key_of(keys, &nkeys, bars[b].name) : -1;
-        if (drawn) lo = fmin(lo, bars[b].start_ms), hi = fmax(hi, bars[b].end_ms);
-    }
-    for (int l = 0; l < nlanes; l++)
-        if (mgpu_text_width(lane_names[l], s) > names_w)
-            names_w = mgpu_text_width(lane_names[l], s);
-    /* The picture is as tall as its lanes and legend need. */
-    legend_h = mgpu__timeline_legend(NULL, 4 * s, 0, width - 8 * s, keys, nkeys, s);
-    f.c = mgpu_canvas_new(width,
-                          mgpu__plot_top(title, s) + nlanes * lane_h + 1 +
-                              mgpu__plot_bottom(xlabel, s) + legend_h + 4 * s,
-                          MGPU__WHITE);
-    f.scale = s;
-    f.ay.lo = f.ay.hi = f.ay.step = 0; /* unused: the vertical direction holds lanes, not values */
-    mgpu__plot_layout(&f, lo, hi, 0, names_w, legend_h + 4 * s, title, xlabel, NULL);
-    for (int l = 0; l < nlanes; l++) {
-        int top = f.y0 + l * lane_h;
-        /* every other lane shaded: stripes guide the eye along a lane */
-        if (l % 2) mgpu_canvas_fill_rect(f.c, f.x0, top, f.x1, top + lane_h, 0xF4F4F4);
-        mgpu_canvas_text(f.c, f.x0 - 5 * s - mgpu_text_width(lane_names[l], s),
-                         top + (lane_h - MGPU__CAP_H * s) / 2, lane_names[l], MGPU__INK, s);
-    }
-    mgpu__plot_ticks(&f, 0);
-    for (int b = 0; b < nbars; b++) {
-        const mgpu_timeline_bar *bar = &bars[b];
-        int x0 = (int)lround(mgpu__plot_px(&f, bar->start_ms)),
-            x1 = (int)lround(mgpu__plot_px(&f, bar->end_ms));
-        int top = f.y0 + bar->lane * lane_h + 3 * s, bottom = top + lane_h - 6 * s;
-        uint32_t rgb;
-        if (key_of[b] < 0) continue;
-        rgb = mgpu_palette(keys[key_of[b]].slot);
-        /* At least one pixel, so that the shortest operation still shows; a
-           one-pixel gap at the end, so that back-to-back bars stay apart. */
-        x1 = x1 - x0 >= 3 ? x1 - 1 : x0 + 1;
-        mgpu_canvas_fill_rect(f.c, x0, top, x1, bottom, rgb);
-        if (mgpu_text_width(bar->name, s) + 4 * s <= x1 - x0)
-            mgpu_canvas_text(f.c, (x0 + x1 - mgpu_text_width(bar->name, s)) / 2,
-                             (top + bottom - MGPU__CAP_H * s) / 2, bar->name,
-                             mgpu__timeline_text_color(rgb), s);
-    }
-    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
-    mgpu__plot_labels(&f, title, xlabel, NULL);
-    mgpu__timeline_legend(f.c, 4 * s, f.y1 + mgpu__plot_bottom(xlabel, s), width - 8 * s, keys,
-                          nkeys, s);
-    result = mgpu_canvas_write_png(f.c, path);
-    mgpu_canvas_free(f.c);
-    free(keys);
-    free(key_of);
-    return result;
-}
-#ifdef __cplusplus
-extern "C" {
-#endif
 
 /* ======================================================================
    Shapes and tensors
@@ -3895,7 +2992,6 @@ static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, c
 #include "kernels/activation.h"
 #include "kernels/channels_last.h"
 #include "kernels/conv.h"
-#include "kernels/conv_implicit.h"
 #include "kernels/conv_nhwc.h"
 #include "kernels/winograd.h"
 #include "kernels/pool.h"
@@ -4750,8 +3846,8 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                convolution's shape, timed at the first call with that
                shape (as PyTorch's cudnn.benchmark does);
      im2col    conv.h's im2col and cuBLAS products;
-     implicit  the implicit GEMMs of kernels/conv_implicit.h and
-               conv_nhwc.h (or winograd.h, from the same copies, and
+     implicit  the implicit GEMMs of kernels/conv_nhwc.h (or winograd.h,
+               from the same channels-last copies, and
                conv_few_inputs.h for a first layer), for each pass the
                kernel and tile shape that was fastest for it (timed the
                same way).
@@ -4919,17 +4015,17 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
 enum { MGPU__PREPARED_X = 1, MGPU__PREPARED_DY = 2, MGPU__PREPARED_W = 4 };
 
 /* The ways a gradient of the backward pass may take (the plan below):
-   the gathering kernel, the channels-last one, or its half of the im2col
-   path. Given each way's time for dx (dx_ms; ignored without dx) and for
+   a kernel that reads the NCHW tensors as they are (conv_few_inputs.h's),
+   a channels-last one, or its half of the im2col path. Given each way's time for dx (dx_ms; ignored without dx) and for
    dW (dw_ms), the fastest pair, in *by_dx and *by_dw, and its time. The
    channels-last kernels share one copy of dy, which costs dy_ms, or
    nothing where the caller prepares it (dy_prepared) and they read dy
    only through it: dW by channels-last, and dx too when wanted. */
-enum { MGPU__BY_GATHERING, MGPU__BY_CHANNELS_LAST, MGPU__BY_IM2COL_HALF, MGPU__WAYS };
+enum { MGPU__BY_NCHW, MGPU__BY_CHANNELS_LAST, MGPU__BY_IM2COL_HALF, MGPU__WAYS };
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
                                               int dy_prepared, int with_dx, int *by_dx, int *by_dw) {
     double best = HUGE_VAL;
-    *by_dx = *by_dw = MGPU__BY_GATHERING;
+    *by_dx = *by_dw = MGPU__BY_NCHW;
     for (int i = 0; i < (with_dx ? MGPU__WAYS : 1); i++)
         for (int j = 0; j < MGPU__WAYS; j++) {
             int reads_dy_t = (with_dx && i == MGPU__BY_CHANNELS_LAST) || j == MGPU__BY_CHANNELS_LAST;
@@ -4944,13 +4040,13 @@ static inline double mgpu__conv_backward_ways(const double *dx_ms, const double 
 #if MGPU_CUDA
 /* The implicit GEMM needs TF32 tensor cores: code compiled for sm_80 or
    newer (a plain `nvcc` without -gencode compiles for an older GPU, and
-   kernels/conv_implicit.h leaves the kernel's body out). Asked once (the
+   kernels/conv_nhwc.h leaves the kernels' bodies out). Asked once (the
    library's GPUs are alike). */
 static int mgpu__conv_implicit_available(void) {
     static int available = -1;
     if (available < 0) {
         cudaFuncAttributes f;
-        MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_implicit_kernel<64, 64>));
+        MGPU_CUDA_CHECK(cudaFuncGetAttributes(&f, mgpu__conv_nhwc_kernel<64, 64>));
         available = f.ptxVersion >= 80 && f.binaryVersion >= 80;
         if (!available && mgpu__conv_mode == MGPU__CONV_IMPLICIT)
             fprintf(stderr, "mgpu: MGPU_CONV=implicit needs code built for sm_80 or newer (this is "
@@ -4959,38 +4055,27 @@ static int mgpu__conv_implicit_available(void) {
     return available;
 }
 
-/* Which implicit GEMM computes a pass: conv_implicit.h's kernels, which
-   gather from the NCHW tensors, or conv_nhwc.h's, which copy channels-last
-   copies of them (the forward pass, dx, and dW); each in one of the four
-   tiles, and conv_nhwc.h's with their sum split into slices or not. In
-   the channels-last family, for the forward pass and dx of 3x3
-   convolutions at stride 1, Winograd (winograd.h) too, as it reads the
-   same copies (a network prepares them alike); for dx at larger strides,
-   conv_nhwc.h's sub-pixel
-   classes one at a time (direct) or a row of them at a time (joined),
-   and for 3x3 windows at stride 2 and padding 1, its kernel that takes a
-   quad of dx's pixels, one of each class, at a time (quads; no tile).
-   In the gathering family, which reads the NCHW tensors as they are, for
+/* Which kernel computes a pass. conv_nhwc.h's implicit GEMM (direct),
+   from channels-last copies of the tensors, in one of the four tiles,
+   its sum split into slices or not, by mma.sync or (sm_90a) by wgmma; at
+   stride t > 1, dx by its sub-pixel classes. From the same copies, for
+   the forward pass and dx of 3x3 convolutions at stride 1, Winograd
+   (winograd.h), and for dx of 3x3 windows at stride 2 and padding 1,
+   conv_nhwc.h's kernel that takes a quad of dx's pixels, one of each
+   class, at a time (stride-2 dx). And from the NCHW tensors as they are, for
    the forward pass and dW of convolutions with C*R*S <= 9,
-   conv_few_inputs.h's kernels (float32, no tiles). */
-typedef enum { MGPU__GATHER, MGPU__CHANNELS_LAST, MGPU__FAMILIES } mgpu__implicit_family;
-static const char *const mgpu__implicit_family_names[MGPU__FAMILIES] = {"gather", "channels-last"};
-typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__JOINED, MGPU__QUADS } mgpu__conv_method;
+   conv_few_inputs.h's kernels (float32). Winograd, stride-2 dx and few
+   inputs take no tile and no slices. */
+typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX } mgpu__conv_method;
 typedef struct {
-    mgpu__implicit_family family;
+    mgpu__conv_method method;
     mgpu__implicit_tile tile;
-    int splits; /* channels-last: slices of the sum, over (r, s, c) in the forward pass and dx
-                   (0 or 1: none), over the output pixels in dW (0: the kernel's default);
-                   the gathering dW takes its own (conv_implicit.h) */
-    mgpu__conv_method method; /* channels-last forward or dx: conv_nhwc.h's kernel (direct),
-                                 or Winograd (no tile); at stride > 1, dx's sub-pixel
-                                 classes alone (direct) or joined by rows, or at stride 2
-                                 by quads (conv_nhwc.h);
-                                 channels-last dW: conv_nhwc.h's kernel (direct);
-                                 gathering forward or dW: conv_implicit.h's kernel (direct), or
-                                 conv_few_inputs.h's (no tile) */
-    int wgmma; /* conv_nhwc.h's direct or joined kernel by wgmma (64 x 128 and 128 x 128 tiles) */
+    int splits; /* slices of the sum, over (r, s, c) in the forward pass and dx (0 or 1:
+                   none), over the output pixels in dW (0: the kernel's default) */
+    int wgmma;  /* the direct kernel by wgmma (64 x 128 and 128 x 128 tiles) */
 } mgpu__implicit_kernel;
+/* Whether kernel k reads the channels-last copies (all but few inputs). */
+static int mgpu__conv_reads_copies(mgpu__implicit_kernel k) { return k.method != MGPU__FEW_INPUTS; }
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
 static mgpu_tensor *mgpu__partials(mgpu_device *dev, size_t floats) {
@@ -5077,7 +4162,7 @@ static void mgpu__conv_channels_last(mgpu_device *dev, float *out, const float *
     mgpu_tensor *own_w_t;
     const float *w_t = mgpu__weights_channels_last(dev, w, keep_w_t, g, for_dx, &own_w_t);
     mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_partial_floats(g, kernel.splits));
-    mgpu__nhwc_out plain = {0, 0, 0, 0, 0, 0};
+    mgpu__nhwc_out plain = {0, 0, 0, 0, 0};
     mgpu__conv_nhwc_args a = {out, in_t, w_t, b, *g, kernel.tile, plain, accumulate, kernel.splits, 0,
                               partials ? partials->data : NULL, kernel.wgmma};
     const char *name = for_dx ? "conv2d_backward channels-last dx" : "conv2d channels-last";
@@ -5094,9 +4179,9 @@ static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_ten
     return dy_t ? dy_t->data : (*own)->data;
 }
 
-/* The same with the implicit GEMMs (TF32), no col buffers, each product
-   with the given kernel; from x_t and dy_t, the channels-last copies of x
-   and dy, where the caller has them (else NULL). A channels-last forward
+/* The same with the fast kernels (TF32 but few inputs), no col buffers,
+   each pass by the given kernel; from x_t and dy_t, the channels-last
+   copies of x and dy, where the caller has them (else NULL). A channels-last forward
    without x_t makes the copy, and leaves it in *keep_x_t when the caller
    gives one (a network keeps it for the weight gradient, which needs the
    same copy), else frees it. */
@@ -5110,56 +4195,41 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
         mgpu__launch_on(&dev->queue[0], "conv2d few inputs", NULL, mgpu__conv_few_inputs_cuda, &a, sizeof a);
         return;
     }
-    if (kernel.family == MGPU__CHANNELS_LAST) {
-        mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, keep_w_t, b ? b->data : NULL,
-                                 g, 0, kernel, 0);
-        if (keep_x_t) *keep_x_t = own;
-        else mgpu_free(own);
-        return;
-    }
-    mgpu__conv_implicit_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g, kernel.tile};
-    mgpu__launch_on(&dev->queue[0], "conv2d implicit", NULL, mgpu__conv_implicit_cuda, &a, sizeof a);
+    mgpu_tensor *own = x_t ? NULL : mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+    mgpu__conv_channels_last(dev, y->data, (x_t ? x_t : own)->data, w->data, keep_w_t, b ? b->data : NULL, g, 0,
+                             kernel, 0);
+    if (keep_x_t) *keep_x_t = own;
+    else mgpu_free(own);
 }
 static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
                                    const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu__conv_geom *g,
                                    mgpu__implicit_kernel kernel, int add_to_dx) {
-    if (kernel.family == MGPU__CHANNELS_LAST) {
-        mgpu_tensor *own;
-        const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
-        if (g->stride == 1) {
-            mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-            mgpu__conv_channels_last(dx->device, dx->data, dy_cl, w->data, keep_w_t, NULL, &d, 1, kernel,
-                                     add_to_dx);
-        } else if (kernel.method == MGPU__QUADS) { /* from the turned weights, as at stride 1 */
-            mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-            mgpu_tensor *own_w_t;
-            const float *w_t = mgpu__weights_channels_last(dx->device, w->data, keep_w_t, &d, 1, &own_w_t);
-            mgpu__conv_nhwc_quads_args a = {dx->data, dy_cl, w_t, *g, add_to_dx};
-            mgpu__launch_on(&dx->device->queue[0], "conv2d_backward channels-last quads dx", NULL,
-                            mgpu__conv_nhwc_quads_cuda, &a, sizeof a);
-            mgpu_free(own_w_t); /* (reused only by work enqueued after this on the same queue) */
-        } else { /* the sub-pixel classes, each with its taps of w, alone or a row of them joined */
-            int joined = kernel.method == MGPU__JOINED;
-            mgpu_tensor *w_classes =
-                mgpu_empty(dx->device, mgpu_shape1((int)mgpu__conv_nhwc_subpixel_weight_floats(g, joined)));
-            mgpu_tensor *partials =
-                mgpu__partials(dx->device, mgpu__conv_nhwc_subpixel_partial_floats(g, joined, kernel.splits));
-            mgpu__conv_nhwc_subpixel_args a = {dx->data, dy_cl, w->data,  w_classes->data,
-                                               *g,       kernel.tile, add_to_dx, kernel.splits,
-                                               partials ? partials->data : NULL, joined, kernel.wgmma};
-            mgpu__launch_on(&dx->device->queue[0],
-                            joined ? "conv2d_backward channels-last joined dx" : "conv2d_backward channels-last dx",
-                            NULL, mgpu__conv_nhwc_subpixel_cuda, &a, sizeof a);
-            mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
-            mgpu_free(w_classes);
-        }
-        mgpu_free(own);
-        return;
+    mgpu_device *dev = dx->device;
+    mgpu_tensor *own;
+    const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
+    if (g->stride == 1) {
+        mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+        mgpu__conv_channels_last(dev, dx->data, dy_cl, w->data, keep_w_t, NULL, &d, 1, kernel, add_to_dx);
+    } else if (kernel.method == MGPU__STRIDE2_DX) { /* from the turned weights, as at stride 1 */
+        mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+        mgpu_tensor *own_w_t;
+        const float *w_t = mgpu__weights_channels_last(dev, w->data, keep_w_t, &d, 1, &own_w_t);
+        mgpu__conv_nhwc_stride2_dx_args a = {dx->data, dy_cl, w_t, *g, add_to_dx};
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last stride-2 dx", NULL, mgpu__conv_nhwc_stride2_dx_cuda,
+                        &a, sizeof a);
+        mgpu_free(own_w_t); /* (reused only by work enqueued after this on the same queue) */
+    } else { /* the sub-pixel classes, each with its taps of w */
+        mgpu_tensor *w_classes = mgpu_empty(dev, mgpu_shape1((int)mgpu__conv_nhwc_subpixel_weight_floats(g)));
+        mgpu_tensor *partials = mgpu__partials(dev, mgpu__conv_nhwc_subpixel_partial_floats(g, kernel.splits));
+        mgpu__conv_nhwc_subpixel_args a = {dx->data,   dy_cl,        w->data,       w_classes->data,
+                                           *g,         kernel.tile,  add_to_dx,     kernel.splits,
+                                           partials ? partials->data : NULL,        kernel.wgmma};
+        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dx", NULL, mgpu__conv_nhwc_subpixel_cuda, &a,
+                        sizeof a);
+        mgpu_free(partials); /* (both reused only by work enqueued after this on the same queue) */
+        mgpu_free(w_classes);
     }
-    mgpu__conv_implicit_dgrad_args d = {dx->data, dy->data, w->data, *g, kernel.tile, add_to_dx};
-    mgpu__launch_on(&dx->device->queue[0], "conv2d_backward implicit dx", NULL,
-                    mgpu__conv_implicit_dgrad_cuda, &d, sizeof d);
+    mgpu_free(own);
 }
 /* x_t: x's channels-last copy, if the forward pass kept one (else NULL). */
 static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
@@ -5177,39 +4247,27 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
         mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
         return;
     }
-    if (kernel.family == MGPU__CHANNELS_LAST) { /* from channels-last copies of dy and x */
-        mgpu_tensor *own, *own_x_t = NULL;
-        const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
-        if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
-        mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, kernel.splits,
-                                     0, *g, kernel.tile};
-        mgpu__conv_nhwc_dw_slices(&a);
-        mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
-        a.partials = partials->data;
-        mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda, &a,
-                        sizeof a);
-        mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
-        mgpu_free(own_x_t);
-        mgpu_free(own);
-        return;
-    }
-    mgpu__conv_implicit_wgrad_args wg = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
-                                         0, *g, kernel.tile};
-    wg.splits = mgpu__conv_implicit_wgrad_splits(g, kernel.tile);
-    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(wg.splits * g->k * (int)crs));
-    wg.partials = partials->data;
-    mgpu__launch_on(&dev->queue[0], "conv2d_backward implicit dW", NULL,
-                    mgpu__conv_implicit_wgrad_cuda, &wg, sizeof wg);
-    mgpu_free(partials); /* reused only by work enqueued after this on the same queue */
+    mgpu_tensor *own, *own_x_t = NULL; /* from channels-last copies of dy and x */
+    const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
+    if (!x_t) x_t = own_x_t = mgpu__channels_last_copy(dev, x->data, g->n, g->c, g->h * g->w, 0);
+    mgpu__conv_nhwc_dw_args a = {dw->data, NULL, dy_cl, x_t->data, accumulate ? 1.0f : 0.0f, kernel.splits, 0, *g,
+                                 kernel.tile};
+    mgpu__conv_nhwc_dw_slices(&a);
+    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.splits * g->k * (int)crs));
+    a.partials = partials->data;
+    mgpu__launch_on(&dev->queue[0], "conv2d_backward channels-last dW", NULL, mgpu__conv_nhwc_dw_cuda, &a, sizeof a);
+    mgpu_free(partials); /* (all three reused only by work enqueued after this on the same queue) */
+    mgpu_free(own_x_t);
+    mgpu_free(own);
 }
 
 /* How a convolution's pass runs. The forward pass: with im2col, or with
    an implicit GEMM (implicit, kernel y). The backward pass: with conv.h's
    im2col path for both gradients at once (they share its dy in [K,
    n*P*Q] and its col buffer), or (implicit) each gradient on its own,
-   with an implicit GEMM (kernels dx and dw) or with its half of the
-   im2col path (dx_im2col, dw_im2col): the gathering dx is slow at
-   stride 2, for one, where the channels-last dW is fast. */
+   with a fast kernel (kernels dx and dw) or with its half of the im2col
+   path (dx_im2col, dw_im2col): at ResNet-18's last stage, im2col's dW
+   half can beat the channels-last dW where its dx does not. */
 typedef struct {
     int implicit, dx_im2col, dw_im2col;
     mgpu__implicit_kernel y, dx, dw;
@@ -5268,14 +4326,11 @@ static double mgpu__conv_trial_ms(mgpu__conv_trial *t, mgpu__conv_try what, mgpu
     return (mgpu_now() - t0) * 1e3;
 }
 
-/* Whether a kernel family can compute a pass of this convolution: the
-   gathering kernels all of them, the channels-last ones the forward pass
-   and dx when the channels come in whole steps (dx at stride t > 1 also
-   when its sub-pixel classes share a padding), and dW when channels and
-   filters come in fours. */
-static int mgpu__conv_family_fits(mgpu__implicit_family family, mgpu__conv_try what,
-                                  const mgpu__conv_geom *g) {
-    if (family == MGPU__GATHER) return 1;
+/* Whether conv_nhwc.h's direct kernel computes a pass of this
+   convolution: the forward pass and dx when the channels come in whole
+   steps (dx at stride t > 1 also when its sub-pixel classes share a
+   padding), and dW when channels and filters come in fours. */
+static int mgpu__conv_channels_last_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
     return what == MGPU__TRY_Y    ? mgpu__conv_nhwc_fits(g)
            : what == MGPU__TRY_DX ? mgpu__conv_nhwc_dx_fits(g)
                                   : what == MGPU__TRY_DW && mgpu__conv_nhwc_dw_fits(g);
@@ -5316,43 +4371,31 @@ static const int mgpu__conv_dw_block_choices[] = {256, 384, 512, 768, 1024, 1536
 static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(int) &&
                   sizeof mgpu__conv_dw_block_choices == MGPU__KERNEL_CHOICES * sizeof(int),
               "a choice of each kind for each i");
-/* Whether the joined sub-pixel classes compute a pass of geometry g: dx
-   at stride > 1, where they fit (conv_nhwc.h). */
-static int mgpu__conv_joined_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
-    return what == MGPU__TRY_DX && mgpu__conv_nhwc_subpixel_fits(g, 1);
-}
-/* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of a family and tile for a
-   pass (`what`) of geometry g, by the direct kernels or (dx at stride >
-   1) by joined sub-pixel classes, in *k; returns whether the trial times
-   it: the channels-last forward and dx in mgpu__conv_slice_choices[i]
+/* Choice i (0 .. MGPU__KERNEL_CHOICES - 1) of the direct kernel in a
+   tile for a pass (`what`) of geometry g, in *k; returns whether the
+   trial times it: the forward pass and dx in mgpu__conv_slice_choices[i]
    slices of their sum, where every slice keeps at least 8 steps of 32
-   (dx at stride t in t^2 classes, each with about 1 / t^2 of the taps;
-   joined, t products with about 1 / t each) and the partials (all the
-   products', which run at once) fit in MGPU__PARTIAL_FLOATS_MAX (as
-   dW's); the channels-last dW in the slices
-   for mgpu__conv_dw_block_choices[i] blocks, where they differ from
-   choice i - 1's; the gathering kernels as they are (choice 0). With
-   wgmma, the channels-last forward pass and dx by the wgmma kernels, in
+   (dx at stride t in t^2 classes, each with about 1 / t^2 of the taps)
+   and the partials (all the classes', which run at once) fit in
+   MGPU__PARTIAL_FLOATS_MAX (as dW's); dW in the slices for
+   mgpu__conv_dw_block_choices[i] blocks, where they differ from choice
+   i - 1's. With wgmma, the forward pass and dx by the wgmma kernels, in
    their tiles, as those by mma.sync. */
-static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
-                                    mgpu__implicit_tile tile, mgpu__conv_method method, int wgmma, int i,
-                                    mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {family, tile, 1, method, wgmma};
+static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile,
+                                    int wgmma, int i, mgpu__implicit_kernel *k) {
+    mgpu__implicit_kernel kernel = {MGPU__DIRECT, tile, 1, wgmma};
     *k = kernel;
-    int joined = method == MGPU__JOINED;
-    if (joined && (family != MGPU__CHANNELS_LAST || !mgpu__conv_joined_fits(what, g))) return 0;
-    if (wgmma && (family != MGPU__CHANNELS_LAST || what == MGPU__TRY_DW || !mgpu__wgmma_tile_fits(tile))) return 0;
-    if (!mgpu__conv_family_fits(family, what, g)) return 0;
-    if (family == MGPU__GATHER) return i == 0;
+    if (wgmma && (what == MGPU__TRY_DW || !mgpu__wgmma_tile_fits(tile))) return 0;
+    if (!mgpu__conv_channels_last_fits(what, g)) return 0;
     if (what == MGPU__TRY_DW) {
         k->splits = mgpu__conv_nhwc_dw_splits(g, tile, mgpu__conv_dw_block_choices[i]);
         return i == 0 || k->splits != mgpu__conv_nhwc_dw_splits(g, tile, mgpu__conv_dw_block_choices[i - 1]);
     }
     k->splits = mgpu__conv_slice_choices[i];
-    int products = what == MGPU__TRY_DX ? (joined ? g->stride : g->stride * g->stride) : 1;
+    int products = what == MGPU__TRY_DX ? g->stride * g->stride : 1;
     int terms = (what == MGPU__TRY_Y ? g->c : g->k) * g->r * g->s / products;
     size_t partials = what == MGPU__TRY_Y ? mgpu__conv_nhwc_partial_floats(g, k->splits)
-                                          : mgpu__conv_nhwc_dx_partial_floats(g, joined, k->splits);
+                                          : mgpu__conv_nhwc_dx_partial_floats(g, k->splits);
     return i == 0 || (terms / MGPU__NHWC_STEP / k->splits >= 8 && partials <= MGPU__PARTIAL_FLOATS_MAX);
 }
 /* The geometry of the convolution a channels-last forward pass or dx
@@ -5364,7 +4407,7 @@ static mgpu__conv_geom mgpu__conv_pass_geometry(mgpu__conv_try what, const mgpu_
    copies: the forward pass or dx of a 3x3 convolution at stride 1. */
 static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
     if (what == MGPU__TRY_DW || g->stride != 1) return 0;
-    if (!mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g)) return 0; /* (it reads their copies) */
+    if (!mgpu__conv_channels_last_fits(what, g)) return 0; /* (it reads their copies) */
     mgpu__conv_geom d = mgpu__conv_pass_geometry(what, g);
     return mgpu__winograd_fits(&d);
 }
@@ -5378,75 +4421,68 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    trial would only lose time, and stage 1's V and M, 200 MB each, would
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
-/* Whether conv_nhwc.h's quads compute a pass of geometry g: dx at
+/* Whether conv_nhwc.h's stride-2 dx kernel computes a pass of geometry g: dx at
    stride 2 of a 3x3 window with padding 1, where they fit. */
-static int mgpu__conv_quads_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
-    return what == MGPU__TRY_DX && mgpu__conv_nhwc_quads_fits(g);
+static int mgpu__conv_stride2_dx_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
+    return what == MGPU__TRY_DX && mgpu__conv_nhwc_stride2_dx_fits(g);
 }
-/* Whether a method other than the gathering kernels' computes a pass of
-   geometry g (in some tile: the channels-last direct kernel's). */
+/* Whether a method computes a pass of geometry g (the direct kernel: in
+   some tile). */
 static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
-           : method == MGPU__JOINED     ? mgpu__conv_joined_fits(what, g)
-           : method == MGPU__QUADS      ? mgpu__conv_quads_fits(what, g)
-                                        : mgpu__conv_family_fits(MGPU__CHANNELS_LAST, what, g);
+           : method == MGPU__STRIDE2_DX      ? mgpu__conv_stride2_dx_fits(what, g)
+                                        : mgpu__conv_channels_last_fits(what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:
-   every family's, tile's and choice's that fits, the joined sub-pixel
-   classes' likewise, and with wgmma (mgpu__wgmma_usable) both again by
-   the wgmma kernels; Winograd where it is worth trying, and
-   conv_few_inputs.h's and the quads where they fit. */
-#define MGPU__CANDIDATES (((int)MGPU__FAMILIES + 3) * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 3)
+   the direct kernel's in every tile and choice that fits, by mma.sync
+   and with wgmma (mgpu__wgmma_usable) by wgmma too; Winograd where it is
+   worth trying, and conv_few_inputs.h's and the stride-2 dx kernel where they fit. */
+#define MGPU__CANDIDATES (2 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 3)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
-    /* by mma.sync direct, then joined; by wgmma likewise (mgpu__conv_kernel_choice
-       takes the joined and wgmma kernels from the channels-last family alone) */
-    static const struct { mgpu__conv_method method; int wgmma; } ways[] = {
-        {MGPU__DIRECT, 0}, {MGPU__JOINED, 0}, {MGPU__DIRECT, 1}, {MGPU__JOINED, 1}};
     int count = 0;
-    for (int w = 0; w < (wgmma ? 4 : 2); w++)
-        for (int f = 0; f < MGPU__FAMILIES; f++)
-            for (int t = 0; t < MGPU__TILE_KINDS; t++)
-                for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
-                    count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t,
-                                                      ways[w].method, ways[w].wgmma, i, &list[count]);
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
-    if (mgpu__conv_method_fits(MGPU__WINOGRAD, what, g) && mgpu__conv_winograd_worth_trying(g))
-        list[count++] = winograd;
-    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
-    if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, what, g)) list[count++] = few;
-    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
-    if (mgpu__conv_method_fits(MGPU__QUADS, what, g)) list[count++] = quads;
+    for (int by_wgmma = 0; by_wgmma <= wgmma; by_wgmma++)
+        for (int t = 0; t < MGPU__TILE_KINDS; t++)
+            for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
+                count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_tile)t, by_wgmma, i, &list[count]);
+    static const mgpu__conv_method others[] = {MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX};
+    for (int m = 0; m < 3; m++) {
+        mgpu__implicit_kernel k = {others[m], MGPU__TILE_64x64, 1, 0};
+        if (mgpu__conv_method_fits(k.method, what, g) &&
+            (k.method != MGPU__WINOGRAD || mgpu__conv_winograd_worth_trying(g)))
+            list[count++] = k;
+    }
     return count;
 }
 
 /* Whether dx of geometry g may read the weights' turned channels-last
-   copy (w'_t): at stride 1 (the direct kernel), and where the quads fit;
+   copy (w'_t): at stride 1 (the direct kernel), and where the stride-2 dx kernel fits;
    the sub-pixel classes take their own taps. And whether kernel k, for
-   pass `what`, reads the weights' copy (Winograd and the gathering
-   kernels take the weights as they are). */
+   pass `what`, reads the weights' copy (Winograd and few inputs take the
+   weights as they are). */
 static int mgpu__conv_dx_reads_turned_weights(const mgpu__conv_geom *g) {
-    return g->stride == 1 || mgpu__conv_nhwc_quads_fits(g);
+    return g->stride == 1 || mgpu__conv_nhwc_stride2_dx_fits(g);
 }
 static int mgpu__conv_reads_weights_copy(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel k) {
-    if (k.family != MGPU__CHANNELS_LAST || k.method == MGPU__WINOGRAD) return 0;
-    return what != MGPU__TRY_DX || g->stride == 1 || k.method == MGPU__QUADS;
+    if (k.method == MGPU__FEW_INPUTS || k.method == MGPU__WINOGRAD) return 0;
+    return what != MGPU__TRY_DX || g->stride == 1 || k.method == MGPU__STRIDE2_DX;
 }
 
-/* The fastest implicit GEMM of a family for one pass (`what`), in
+/* The fastest kernel for one pass (`what`) among those that read the
+   channels-last copies, or (channels_last 0) the NCHW tensors, in
    *kernel, and its time (HUGE_VAL, *kernel untouched, if none fits): the
    best of three calls of each candidate, the candidates taking turns, so
    that a GPU clock still rising favours none; each one that reads the
    weights' channels-last copy charged w_copy_ms for it (Winograd takes
    the weights as they are, the sub-pixel classes their own taps). */
-static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_family family,
+static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, int channels_last,
                                         double w_copy_ms, mgpu__implicit_kernel *kernel) {
     mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
     double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
     int count = 0, fits = mgpu__conv_candidates(what, t->g, mgpu__wgmma_usable(t->x->device), candidates);
     for (int i = 0; i < fits; i++)
-        if (candidates[i].family == family) candidates[count++] = candidates[i];
+        if (mgpu__conv_reads_copies(candidates[i]) == channels_last) candidates[count++] = candidates[i];
     for (int i = 0; i < count; i++) best[i] = HUGE_VAL;
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
@@ -5463,7 +4499,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0}; /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);
@@ -5473,18 +4509,16 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 }
 
 /* A measured plan in words, for the benchmarks and tests: the shape, and
-   each product's kernel (family, tile, slices of the sum) or im2col. */
+   each pass's kernel (tile, slices of the sum) or im2col. */
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
-    if (k.method == MGPU__WINOGRAD || k.method == MGPU__FEW_INPUTS || k.method == MGPU__QUADS) {
-        snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family],
-                 k.method == MGPU__WINOGRAD ? "Winograd" : k.method == MGPU__QUADS ? "quads" : "few inputs");
+    if (k.method != MGPU__DIRECT) {
+        snprintf(out, size, "%s", k.method == MGPU__WINOGRAD ? "channels-last Winograd"
+                                  : k.method == MGPU__STRIDE2_DX  ? "channels-last stride-2 dx"
+                                                             : "few inputs");
         return;
     }
-    snprintf(out, size, "%s %s", mgpu__implicit_family_names[k.family], mgpu__implicit_tile_names[k.tile]);
-    if (k.wgmma) snprintf(out + strlen(out), size - strlen(out), " wgmma");
-    if (k.method == MGPU__JOINED) snprintf(out + strlen(out), size - strlen(out), " joined");
-    if (k.splits > 1)
-        snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
+    snprintf(out, size, "channels-last %s%s", mgpu__implicit_tile_names[k.tile], k.wgmma ? " wgmma" : "");
+    if (k.splits > 1) snprintf(out + strlen(out), size - strlen(out), " in %d slices", k.splits);
 }
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
@@ -5533,14 +4567,14 @@ static const mgpu__conv_plan *mgpu__conv_plan_known(const mgpu__conv_geom *g, in
    dy_t for dW and for dx when wanted, and plain dy for the bias gradient
    when wanted (with_db). */
 static int mgpu__conv_plan_reads_x_t(const mgpu__conv_plan *p) {
-    return p && p->implicit && p->y.family == MGPU__CHANNELS_LAST;
+    return p && p->implicit && mgpu__conv_reads_copies(p->y);
 }
 static int mgpu__conv_plan_dw_reads_x_t(const mgpu__conv_plan *p) {
-    return p && p->implicit && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST;
+    return p && p->implicit && !p->dw_im2col && mgpu__conv_reads_copies(p->dw);
 }
 static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx, int with_db) {
-    return p && p->implicit && !with_db && !p->dw_im2col && p->dw.family == MGPU__CHANNELS_LAST &&
-           (!with_dx || (!p->dx_im2col && p->dx.family == MGPU__CHANNELS_LAST));
+    return p && p->implicit && !with_db && !p->dw_im2col && mgpu__conv_reads_copies(p->dw) &&
+           (!with_dx || !p->dx_im2col);
 }
 
 /* A trial's copies for the channels-last kernels: made before the
@@ -5568,9 +4602,9 @@ static mgpu_tensor *mgpu__conv_timed_copy(mgpu_device *dev, mgpu__channels_last_
 static void mgpu__conv_trial_copies(mgpu__conv_trial *t, mgpu__conv_copies_ms *ms) {
     const mgpu__conv_geom *g = t->g;
     mgpu_device *dev = t->x->device;
-    int y = !t->backward && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_Y, g);
-    int dx = t->backward && t->dx && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_DX, g);
-    int dw = t->backward && mgpu__conv_family_fits(MGPU__CHANNELS_LAST, MGPU__TRY_DW, g);
+    int y = !t->backward && mgpu__conv_channels_last_fits(MGPU__TRY_Y, g);
+    int dx = t->backward && t->dx && mgpu__conv_channels_last_fits(MGPU__TRY_DX, g);
+    int dw = t->backward && mgpu__conv_channels_last_fits(MGPU__TRY_DW, g);
     double unused;
     memset(ms, 0, sizeof *ms);
     t->x_t = t->dy_t = t->w_t = t->w_turned_t = NULL;
@@ -5611,27 +4645,28 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     plan.implicit = 1;
     if (!t->backward) {
         mgpu__implicit_kernel channels_last = plan.y;
-        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__GATHER, 0.0, &plan.y);
-        double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, MGPU__CHANNELS_LAST, copy.w, &channels_last) +
-                       copy.x;
+        double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, 0, 0.0, &plan.y);
+        double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, 1, copy.w, &channels_last) + copy.x;
         if (cl_ms < y_ms) y_ms = cl_ms, plan.y = channels_last;
-        if (automatic) plan.implicit = y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
+        plan.implicit = automatic ? y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL) : y_ms < HUGE_VAL;
     } else {
-        /* each gradient's ways (the im2col half with MGPU_CONV=auto only) */
+        /* each gradient's ways (the im2col half with MGPU_CONV=auto, or
+           where no kernel fits) */
         double dx_ms[MGPU__WAYS] = {0.0, 0.0, 0.0}, dw_ms[MGPU__WAYS];
         mgpu__implicit_kernel dx_kernel[2] = {plan.dx, plan.dx}, dw_kernel[2] = {plan.dw, plan.dw};
         if (with_dx) {
-            dx_ms[MGPU__BY_GATHERING] =
-                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__GATHER, 0.0, &dx_kernel[0]);
+            dx_ms[MGPU__BY_NCHW] = HUGE_VAL; /* (no such kernel for dx) */
             dx_ms[MGPU__BY_CHANNELS_LAST] =
-                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, MGPU__CHANNELS_LAST, copy.w_turned, &dx_kernel[1]);
-            dx_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX) : HUGE_VAL;
+                mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, 1, copy.w_turned, &dx_kernel[1]);
+            dx_ms[MGPU__BY_IM2COL_HALF] = automatic || dx_ms[MGPU__BY_CHANNELS_LAST] == HUGE_VAL
+                                              ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX)
+                                              : HUGE_VAL;
         }
-        dw_ms[MGPU__BY_GATHERING] =
-            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__GATHER, 0.0, &dw_kernel[0]);
-        dw_ms[MGPU__BY_CHANNELS_LAST] =
-            mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, MGPU__CHANNELS_LAST, 0.0, &dw_kernel[1]) + copy.x;
-        dw_ms[MGPU__BY_IM2COL_HALF] = automatic ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW) : HUGE_VAL;
+        dw_ms[MGPU__BY_NCHW] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, 0, 0.0, &dw_kernel[0]);
+        dw_ms[MGPU__BY_CHANNELS_LAST] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, 1, 0.0, &dw_kernel[1]) + copy.x;
+        dw_ms[MGPU__BY_IM2COL_HALF] = automatic || fmin(dw_ms[MGPU__BY_NCHW], dw_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
+                                          ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW)
+                                          : HUGE_VAL;
         int by_dx, by_dw;
         double best =
             mgpu__conv_backward_ways(dx_ms, dw_ms, copy.dy, copy.dy_prepared, with_dx, &by_dx, &by_dw);
@@ -5745,8 +4780,8 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     implicit = plan.implicit;
     if (implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
-        int dx_cl = dx && !plan.dx_im2col && plan.dx.family == MGPU__CHANNELS_LAST;
-        int dw_cl = !plan.dw_im2col && plan.dw.family == MGPU__CHANNELS_LAST;
+        int dx_cl = dx && !plan.dx_im2col;
+        int dw_cl = !plan.dw_im2col && mgpu__conv_reads_copies(plan.dw);
         mgpu_tensor *own_dy_t = NULL;
         if (!dy_t && dx_cl && dw_cl)
             dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
@@ -6989,8 +6024,24 @@ MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average)
    Networks: layers with parameters, buffers and saved activations.
    ====================================================================== */
 
+/* A layer's channels-last copies on a GPU (kernels/channels_last.h),
+   where a convolution reads them: a convolution's of its input (input_t:
+   the one the layer before wrote, or own_input_t, its own); a batch
+   norm's (or a residual block's) of its output, written beside it, and
+   of its input gradient, written instead of it (output_t, dinput_t); a
+   convolution's of its weights, for its forward kernel (w_t) and turned
+   round for its input gradient's (w'_t), where those read them: made at
+   the first pass that does, then remade by each forward pass of the
+   network, all in a few launches (mgpu__net_weight_copies). */
+struct mgpu__layer_copies {
+    int input_from_batch_norm; /* a convolution whose input is a batch norm's output (a block's) */
+    const mgpu_tensor *input_t;
+    mgpu_tensor *own_input_t, *output_t, *dinput_t;
+    mgpu_tensor *weight_t, *weight_turned_t;
+};
 static mgpu_layer *mgpu__layer_new(mgpu_layer_kind kind, const char *name) {
     mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
+    l->copies = (struct mgpu__layer_copies *)mgpu__xcalloc(1, sizeof *l->copies);
     l->kind = kind;
     l->need_dinput = 1;
     snprintf(l->name, sizeof l->name, "%s", name);
@@ -7049,7 +6100,7 @@ static mgpu_layer *mgpu__residual_new(const char *name, int in, int out, int str
     l->conv1 = mgpu__conv_new(sub, in, out, 3, stride, 1, d);
     snprintf(sub, sizeof sub, "%s.conv2", name);
     l->conv2 = mgpu__conv_new(sub, out, out, 3, 1, 1, d);
-    l->conv2->input_from_batch_norm = 1; /* bn1's */
+    l->conv2->copies->input_from_batch_norm = 1; /* bn1's */
     if (in != out || stride != 1) {
         snprintf(sub, sizeof sub, "%s.conv3", name);
         l->shortcut = mgpu__conv_new(sub, in, out, 1, stride, 0, d);
@@ -7123,10 +6174,10 @@ static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
     if (net->nlayers == 0 && l->kind != MGPU_LAYER_BATCHNORM) l->need_dinput = 0;
     mgpu_layer_kind before = net->nlayers ? net->layers[net->nlayers - 1]->kind : MGPU_LAYER_LINEAR;
     if (before == MGPU_LAYER_BATCHNORM || before == MGPU_LAYER_RESIDUAL) { /* (a block's output is bn2's) */
-        if (l->kind == MGPU_LAYER_CONV) l->input_from_batch_norm = 1;
+        if (l->kind == MGPU_LAYER_CONV) l->copies->input_from_batch_norm = 1;
         if (l->kind == MGPU_LAYER_RESIDUAL) {
-            l->conv1->input_from_batch_norm = 1;
-            if (l->shortcut) l->shortcut->input_from_batch_norm = 1;
+            l->conv1->copies->input_from_batch_norm = 1;
+            if (l->shortcut) l->shortcut->copies->input_from_batch_norm = 1;
         }
     }
     net->first_param[net->nlayers] = net->nparams;
@@ -7238,10 +6289,10 @@ MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out
                                                out_features, net->device));
 }
 
-/* A host-loop layer (mgpu_layer_fns.host_loops) runs on CPU devices only. */
-static void mgpu__require_host_loops_on_cpu(const mgpu_layer *l, const mgpu_device *dev, const char *op) {
-    MGPU_REQUIRE(l->kind != MGPU_LAYER_OWN || !l->fns->host_loops || !mgpu_device_is_gpu(dev),
-                 "%s: %s loops over its values on the host (host_loops 1), and %s is a GPU", op, l->name,
+/* A layer with its own loops (mgpu_layer_fns.own_loops) runs on CPU devices only. */
+static void mgpu__require_own_loops_on_cpu(const mgpu_layer *l, const mgpu_device *dev, const char *op) {
+    MGPU_REQUIRE(l->kind != MGPU_LAYER_OWN || !l->fns->own_loops || !mgpu_device_is_gpu(dev),
+                 "%s: %s loops over its values on the host (own_loops 1), and %s is a GPU", op, l->name,
                  dev->name);
 }
 /* A parameter of a layer of yours: a tensor of its own on the net's
@@ -7266,14 +6317,14 @@ MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns
     MGPU_REQUIRE(!fns->kind || strlen(fns->kind) <= MGPU_LAYER_KIND_MAX,
                  "mgpu_net_add_layer: kind \"%s\" is longer than %d characters", fns->kind,
                  MGPU_LAYER_KIND_MAX);
-    MGPU_REQUIRE(fns->host_loops == 0 || fns->host_loops == 1,
-                 "mgpu_net_add_layer: host_loops is %d; it is 0 or 1", fns->host_loops);
+    MGPU_REQUIRE(fns->own_loops == 0 || fns->own_loops == 1,
+                 "mgpu_net_add_layer: own_loops is %d; it is 0 or 1", fns->own_loops);
     MGPU_REQUIRE(!weight || weight != bias, "mgpu_net_add_layer: weight and bias are the same tensor");
     char name[40];
     mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_OWN, mgpu__net_layer_name(net, fns->kind ? fns->kind : "layer",
                                                                          name, sizeof name));
     l->fns = fns;
-    mgpu__require_host_loops_on_cpu(l, net->device, "mgpu_net_add_layer");
+    mgpu__require_own_loops_on_cpu(l, net->device, "mgpu_net_add_layer");
     l->settings = settings;
     l->weight = mgpu__own_param(net, weight, "weight", l->name);
     l->bias = mgpu__own_param(net, bias, "bias", l->name);
@@ -7370,13 +6421,13 @@ static int mgpu__conv_layer_reads_dy_t_only(const mgpu_layer *l, int with_dx, co
 /* What the network prepares for convolution layer l (MGPU__PREPARED_*),
    for its trial to count: in the forward pass, or in the backward pass
    (followed by layer `next`). x's copy where batch norm writes it, or in
-   the backward where the forward made one (l->input_t); dy's where the
+   the backward where the forward made one (l->copies->input_t); dy's where the
    layer after is a batch norm in training (mgpu__bias_cancelled_by),
    which writes it when the plan reads it alone; the weights' where the
    network keeps them. */
 static int mgpu__conv_layer_prepared(const mgpu_layer *l, int backward, const mgpu_layer *next) {
     int bn = mgpu__batch_norm_writes_channels_last, prepared = 0;
-    if ((bn && l->input_from_batch_norm) || (backward && l->input_t)) prepared |= MGPU__PREPARED_X;
+    if ((bn && l->copies->input_from_batch_norm) || (backward && l->copies->input_t)) prepared |= MGPU__PREPARED_X;
     if (bn && backward && mgpu__bias_cancelled_by(next)) prepared |= MGPU__PREPARED_DY;
     if (mgpu__network_keeps_weight_copies) prepared |= MGPU__PREPARED_W;
     return prepared;
@@ -7416,7 +6467,7 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
    written into the loop) would write over whatever lies after them in
    memory. So both get MGPU__GUARD_FLOATS more floats after their values,
    holding a NaN that no arithmetic makes (its bits are the pattern), and
-   the library reads them after the pass: after every pass of host loops
+   the library reads them after the pass: after every pass of own loops
    (on the device's queue, where the values are at hand), and otherwise
    when the tensor is made anew (the first pass, or a batch of another
    size), waiting for the device that once. A write before the start, or
@@ -7474,7 +6525,7 @@ static void mgpu__require_guard_now(const mgpu_layer *l, const mgpu_tensor *t, i
 /* A pass of a layer of yours: forward (dy NULL: y = f(x)) or backward
    (dx, dweight, dbias from dy, x and y), after the copies still reading
    what it writes (as the library's operations are, for kernels of yours
-   and host loops). On the calling thread; or, with host_loops, on the
+   and own loops). On the calling thread; or, with own_loops, on the
    device's queue, with copies of the tensors
    as they are now: by the time the queue runs it, the next forward pass
    may have replaced l->input or l->output (their values are safe: the
@@ -7506,7 +6557,7 @@ static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_ten
                                  mgpu_tensor *dweight, mgpu_tensor *dbias, int training) {
     mgpu_tensor *t[6] = {out, dweight, dbias, (mgpu_tensor *)x, l->output, (mgpu_tensor *)dy};
     if (out) mgpu__before_write(out);
-    if (!l->fns->host_loops) {
+    if (!l->fns->own_loops) {
 #if MGPU_CUDA
         if (mgpu_device_is_gpu(x->device)) MGPU_CUDA_CHECK(cudaSetDevice(x->device->gpu)); /* for kernels of yours */
 #endif
@@ -7525,7 +6576,7 @@ static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_ten
 /* Layer l's forward pass from x, and from x_t, x's channels-last copy,
    when the layer before wrote one (else NULL); next: the layer that takes
    l's output (NULL if none). Returns the output; its channels-last copy,
-   if l wrote one, is then in l->output_t (else that is NULL), and a batch
+   if l wrote one, is then in l->copies->output_t (else that is NULL), and a batch
    norm may then have left the output's values unwritten (above). */
 static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
                                         const mgpu_layer *next, int training) {
@@ -7536,13 +6587,13 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         mgpu__conv_geom g = mgpu__conv_geometry(l->name, x->shape, l->weight.value->shape, l->stride, l->pad);
         mgpu_ensure(&l->output, d, mgpu_shape4(g.n, g.k, g.p, g.q));
         mgpu__conv2d_forward(l->output, x, x_t, l->weight.value,
-                             mgpu__network_keeps_weight_copies ? &l->weight_t : NULL, l->bias.value, l->stride,
-                             l->pad, &l->own_input_t, mgpu__conv_layer_prepared(l, 0, NULL));
-        l->input_t = x_t ? x_t : l->own_input_t;
+                             mgpu__network_keeps_weight_copies ? &l->copies->weight_t : NULL, l->bias.value, l->stride,
+                             l->pad, &l->copies->own_input_t, mgpu__conv_layer_prepared(l, 0, NULL));
+        l->copies->input_t = x_t ? x_t : l->copies->own_input_t;
         break;
     }
     case MGPU_LAYER_BATCHNORM:
-        mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), &l->output_t, next,
+        mgpu__batchnorm_layer_forward(l, x, NULL, mgpu_ensure(&l->output, d, x->shape), &l->copies->output_t, next,
                                       training);
         break;
     case MGPU_LAYER_RELU:
@@ -7552,10 +6603,10 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
     case MGPU_LAYER_RESIDUAL: {
         const mgpu_tensor *y = mgpu__layer_forward(l->conv1, x, x_t, l->bn1, training);
         y = mgpu__layer_forward(l->bn1, y, NULL, l->conv2, training); /* with its ReLU */
-        y = mgpu__layer_forward(l->conv2, y, l->bn1->output_t, l->bn2, training);
+        y = mgpu__layer_forward(l->conv2, y, l->bn1->copies->output_t, l->bn2, training);
         const mgpu_tensor *skip = l->shortcut ? mgpu__layer_forward(l->shortcut, x, x_t, NULL, training) : x;
         /* bn2, the add and the ReLU in one pass, into the block's output */
-        mgpu__batchnorm_layer_forward(l->bn2, y, skip, mgpu_ensure(&l->output, d, y->shape), &l->output_t,
+        mgpu__batchnorm_layer_forward(l->bn2, y, skip, mgpu_ensure(&l->output, d, y->shape), &l->copies->output_t,
                                       next, training);
         break;
     }
@@ -7575,7 +6626,7 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
         int made = mgpu__ensure_guarded(&l->output, d,
                                         l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
         mgpu__own_layer_pass(l, l->output, x, NULL, NULL, NULL, training);
-        if (made && !l->fns->host_loops) mgpu__require_guard_now(l, l->output, 0); /* (host loops: each pass) */
+        if (made && !l->fns->own_loops) mgpu__require_guard_now(l, l->output, 0); /* (own loops: each pass) */
         break;
     }
     }
@@ -7602,7 +6653,7 @@ static void mgpu__net_weight_copies(mgpu_net *net) {
             const mgpu_tensor *w = conv->weight.value;
             int filters = w->shape.d[0], channels = w->shape.d[1], taps = w->shape.d[2] * w->shape.d[3];
             for (int turned = 0; turned <= net->training; turned++) {
-                mgpu_tensor *copy = turned ? conv->weight_turned_t : conv->weight_t;
+                mgpu_tensor *copy = turned ? conv->copies->weight_turned_t : conv->copies->weight_t;
                 if (copy && mgpu__channels_last_list_add(&list, mgpu__weights_copy(copy->data, w->data, filters,
                                                                                    channels, taps, turned))) {
                     MGPU__ENQUEUE(net->device, "conv2d channels-last weights", mgpu__channels_last_list, list);
@@ -7626,7 +6677,7 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     for (int i = 0; i < net->nlayers; i++) {
         mgpu_layer *l = net->layers[i];
         h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, net->training);
-        h_t = l->output_t;
+        h_t = l->copies->output_t;
     }
     return (mgpu_tensor *)h;
 }
@@ -7655,14 +6706,14 @@ static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, cons
                                       const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_db,
                                       int accumulate) {
     mgpu__conv2d_backward(dx, l->weight.grad, with_db && !mgpu__bias_cancelled_by(next) ? l->bias.grad : NULL,
-                          dy, dy_t, l->input, l->input_t, l->weight.value,
-                          mgpu__network_keeps_weight_copies ? &l->weight_turned_t : NULL, l->stride, l->pad,
+                          dy, dy_t, l->input, l->copies->input_t, l->weight.value,
+                          mgpu__network_keeps_weight_copies ? &l->copies->weight_turned_t : NULL, l->stride, l->pad,
                           accumulate, add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
 }
 /* Batch norm layer l's backward pass; prev: the convolution before it
    whose backward takes its input gradient (with_dx: as there), or NULL.
    When prev reads that gradient through its channels-last copy alone,
-   l->dinput_t gets the copy and dx is not written (l->dinput_t is NULL
+   l->copies->dinput_t gets the copy and dx is not written (l->copies->dinput_t is NULL
    otherwise). end: as a residual block's bn2, or NULL. With accumulate 0
    it writes its parameters' gradients, and prev's bias gradient too: the
    0 that l's batch mean makes it (prev's own backward leaves it). */
@@ -7673,10 +6724,10 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
     if (dx && mgpu__batch_norm_writes_channels_last &&
         mgpu__conv_layer_reads_dy_t_only(prev, prev_with_dx, l)) {
         mgpu_shape x = l->input->shape;
-        dx_t = mgpu_ensure(&l->dinput_t, dx->device, mgpu_shape3(x.d[0], x.d[2] * x.d[3], x.d[1]));
+        dx_t = mgpu_ensure(&l->copies->dinput_t, dx->device, mgpu_shape3(x.d[0], x.d[2] * x.d[3], x.d[1]));
     } else {
-        mgpu_free(l->dinput_t);
-        l->dinput_t = NULL;
+        mgpu_free(l->copies->dinput_t);
+        l->copies->dinput_t = NULL;
     }
     int prev_bias = prev && prev->kind == MGPU_LAYER_CONV && prev->bias.grad && !accumulate;
     mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
@@ -7698,7 +6749,7 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
     for (int i = 0; i < 3; i++)
         if (written[i]) mgpu_fill(written[i], 0.0f);
     mgpu__own_layer_pass(l, dx, l->input, dy, dweight, dbias, 0);
-    if (dx_made && !l->fns->host_loops) mgpu__require_guard_now(l, dx, 1); /* (host loops: each pass) */
+    if (dx_made && !l->fns->own_loops) mgpu__require_guard_now(l, dx, 1); /* (own loops: each pass) */
     if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
     if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
 }
@@ -7709,7 +6760,7 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
    not written, and only a convolution takes it); `next` is the layer that
    took l's output (NULL if none), `prev` the one whose output l took
    (NULL if none). The input gradient's channels-last copy, if l wrote
-   one, is then in l->dinput_t (else that is NULL). */
+   one, is then in l->copies->dinput_t (else that is NULL). */
 static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
                                                const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
     mgpu_device *d = dy->device;
@@ -7749,11 +6800,11 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu_tensor *g2 = mgpu_ensure(&l->bn2->dinput, d, dsum->shape);
         mgpu__bn_block_end end = {l->output, dsum, l->shortcut ? l->shortcut->bias.grad : NULL};
         mgpu__batchnorm_layer_backward(l->bn2, dy, g2, l->conv2, 1, &end, accumulate);
-        const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->dinput_t, l->bn2, l->bn1, accumulate);
+        const mgpu_tensor *g = mgpu__layer_backward(l->conv2, g2, l->bn2->copies->dinput_t, l->bn2, l->bn1, accumulate);
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
         mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL, accumulate);
-        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->dinput_t, l->bn1, dx, !l->shortcut, 1, accumulate);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->copies->dinput_t, l->bn1, dx, !l->shortcut, 1, accumulate);
         if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 0, accumulate);
         break;
     }
@@ -7796,7 +6847,7 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
    mgpu__layer_backward. */
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {
     const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
-    return mgpu__layer_backward(net->layers[i], dy, next ? next->dinput_t : NULL, next,
+    return mgpu__layer_backward(net->layers[i], dy, next ? next->copies->dinput_t : NULL, next,
                                 i > 0 ? net->layers[i - 1] : NULL, accumulate);
 }
 
@@ -7909,9 +6960,10 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     if (!src) return NULL;
     mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
     *l = *src; /* the settings */
-    l->input = l->input_t = NULL;
-    l->output = l->dinput = l->dsum = l->own_input_t = l->output_t = l->dinput_t = NULL;
-    l->weight_t = l->weight_turned_t = NULL;
+    l->copies = (struct mgpu__layer_copies *)mgpu__xcalloc(1, sizeof *l->copies);
+    l->copies->input_from_batch_norm = src->copies->input_from_batch_norm;
+    l->input = NULL;
+    l->output = l->dinput = l->dsum = NULL;
     l->dweight = l->dbias = NULL;
     if (src->weight.value) l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
     if (src->bias.value) l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
@@ -7931,7 +6983,7 @@ MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
     mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
     for (int i = 0; i < net->nlayers; i++) {
-        mgpu__require_host_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
+        mgpu__require_own_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
         mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
     }
     return copy;
@@ -7960,11 +7012,12 @@ static void mgpu__layer_free(mgpu_layer *l) {
     mgpu_free(l->output);
     mgpu_free(l->dinput);
     mgpu_free(l->dsum);
-    mgpu_free(l->own_input_t);
-    mgpu_free(l->output_t);
-    mgpu_free(l->dinput_t);
-    mgpu_free(l->weight_t);
-    mgpu_free(l->weight_turned_t);
+    mgpu_free(l->copies->own_input_t);
+    mgpu_free(l->copies->output_t);
+    mgpu_free(l->copies->dinput_t);
+    mgpu_free(l->copies->weight_t);
+    mgpu_free(l->copies->weight_turned_t);
+    free(l->copies);
     mgpu_free(l->dweight);
     mgpu_free(l->dbias);
     mgpu__layer_free(l->conv1);
@@ -8548,6 +7601,890 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     mgpu_free(dp->losses);
     mgpu_free(dp->batch_loss);
     free(dp);
+}
+/* ===========================================================================
+   Plots: implementation (see "Plots" in the manual above)
+   ===========================================================================
+   Four layers, each built on the one before:
+     1. the canvas: an RGB buffer with rectangles, lines and text, saved as
+        a PNG by stb_image_write;
+     2. the frame: the plot area of a chart, its axes with "nice" ticks and
+        the mapping from data values to pixels;
+     3. line charts and the Animator that redraws one after every point;
+     4. device timelines.
+   Out of memory and calls that make no sense (a canvas of no pixels, a
+   series an animator does not have) are fatal here as everywhere in mgpu
+   (mgpu_fatal); a file that cannot be written is not (see the manual). */
+#include <errno.h>
+#include <stb/stb_image_write.h>
+
+/* ---- 1. the canvas ------------------------------------------------------ */
+
+/* realloc that does not fail: the animator's arrays grow with it. */
+static void *mgpu__plot_grow(void *p, size_t bytes) {
+    p = realloc(p, bytes ? bytes : 1);
+    if (!p) mgpu_fatal("out of host memory (asked for %zu bytes)", bytes);
+    return p;
+}
+
+/* A duplicate of s; NULL stays NULL. */
+static char *mgpu__plot_strdup(const char *s) {
+    char *copy;
+    if (!s) return NULL;
+    copy = (char *)mgpu__xmalloc(strlen(s) + 1);
+    return strcpy(copy, s);
+}
+
+/* The font: one glyph per printable ASCII character, 32 (space) to 126 (~).
+   A glyph is 9 rows of 5 pixels, top row first; in each row byte bit 4 is
+   the leftmost pixel. Rows 0-6 hold capitals and digits, the baseline is
+   under row 6, and rows 7-8 are for descenders (g j p q y , _). */
+#define MGPU__GLYPH_W 5
+#define MGPU__GLYPH_H 9
+#define MGPU__CAP_H 7  /* height of capitals and digits, for centring text */
+#define MGPU__CELL_W 6 /* a glyph and a blank column before the next one */
+static const unsigned char mgpu__font[95][MGPU__GLYPH_H] = {
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* space */
+    {0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ! */
+    {0x0A, 0x0A, 0x0A, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* " */
+    {0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A, 0x00, 0x00}, /* # */
+    {0x04, 0x0F, 0x14, 0x0E, 0x05, 0x1E, 0x04, 0x00, 0x00}, /* $ */
+    {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03, 0x00, 0x00}, /* % */
+    {0x0C, 0x12, 0x14, 0x08, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* & */
+    {0x04, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ' */
+    {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02, 0x00, 0x00}, /* ( */
+    {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08, 0x00, 0x00}, /* ) */
+    {0x00, 0x04, 0x15, 0x0E, 0x15, 0x04, 0x00, 0x00, 0x00}, /* asterisk */
+    {0x00, 0x04, 0x04, 0x1F, 0x04, 0x04, 0x00, 0x00, 0x00}, /* + */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08, 0x00}, /* , */
+    {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00, 0x00}, /* - */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C, 0x00, 0x00}, /* . */
+    {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00, 0x00, 0x00}, /* slash */
+    {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E, 0x00, 0x00}, /* 0 */
+    {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* 1 */
+    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* 2 */
+    {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 3 */
+    {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02, 0x00, 0x00}, /* 4 */
+    {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E, 0x00, 0x00}, /* 5 */
+    {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 6 */
+    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08, 0x00, 0x00}, /* 7 */
+    {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* 8 */
+    {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C, 0x00, 0x00}, /* 9 */
+    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00, 0x00, 0x00}, /* : */
+    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x04, 0x08, 0x00, 0x00}, /* ; */
+    {0x02, 0x04, 0x08, 0x10, 0x08, 0x04, 0x02, 0x00, 0x00}, /* < */
+    {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00, 0x00, 0x00}, /* = */
+    {0x08, 0x04, 0x02, 0x01, 0x02, 0x04, 0x08, 0x00, 0x00}, /* > */
+    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04, 0x00, 0x00}, /* ? */
+    {0x0E, 0x11, 0x01, 0x0D, 0x15, 0x15, 0x0E, 0x00, 0x00}, /* @ */
+    {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* A */
+    {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* B */
+    {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* C */
+    {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C, 0x00, 0x00}, /* D */
+    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* E */
+    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* F */
+    {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* G */
+    {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11, 0x00, 0x00}, /* H */
+    {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* I */
+    {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C, 0x00, 0x00}, /* J */
+    {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11, 0x00, 0x00}, /* K */
+    {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F, 0x00, 0x00}, /* L */
+    {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11, 0x00, 0x00}, /* M */
+    {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11, 0x00, 0x00}, /* N */
+    {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* O */
+    {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10, 0x00, 0x00}, /* P */
+    {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D, 0x00, 0x00}, /* Q */
+    {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11, 0x00, 0x00}, /* R */
+    {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E, 0x00, 0x00}, /* S */
+    {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* T */
+    {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* U */
+    {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* V */
+    {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* W */
+    {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11, 0x00, 0x00}, /* X */
+    {0x11, 0x11, 0x0A, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* Y */
+    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F, 0x00, 0x00}, /* Z */
+    {0x0E, 0x08, 0x08, 0x08, 0x08, 0x08, 0x0E, 0x00, 0x00}, /* [ */
+    {0x00, 0x10, 0x08, 0x04, 0x02, 0x01, 0x00, 0x00, 0x00}, /* backslash */
+    {0x0E, 0x02, 0x02, 0x02, 0x02, 0x02, 0x0E, 0x00, 0x00}, /* ] */
+    {0x04, 0x0A, 0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ^ */
+    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F, 0x00}, /* _ */
+    {0x08, 0x04, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}, /* ` */
+    {0x00, 0x00, 0x0E, 0x01, 0x0F, 0x11, 0x0F, 0x00, 0x00}, /* a */
+    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x1E, 0x00, 0x00}, /* b */
+    {0x00, 0x00, 0x0E, 0x10, 0x10, 0x11, 0x0E, 0x00, 0x00}, /* c */
+    {0x01, 0x01, 0x0D, 0x13, 0x11, 0x11, 0x0F, 0x00, 0x00}, /* d */
+    {0x00, 0x00, 0x0E, 0x11, 0x1F, 0x10, 0x0E, 0x00, 0x00}, /* e */
+    {0x06, 0x09, 0x08, 0x1C, 0x08, 0x08, 0x08, 0x00, 0x00}, /* f */
+    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* g */
+    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* h */
+    {0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* i */
+    {0x02, 0x00, 0x06, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C}, /* j */
+    {0x10, 0x10, 0x12, 0x14, 0x18, 0x14, 0x12, 0x00, 0x00}, /* k */
+    {0x0C, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E, 0x00, 0x00}, /* l */
+    {0x00, 0x00, 0x1A, 0x15, 0x15, 0x15, 0x15, 0x00, 0x00}, /* m */
+    {0x00, 0x00, 0x16, 0x19, 0x11, 0x11, 0x11, 0x00, 0x00}, /* n */
+    {0x00, 0x00, 0x0E, 0x11, 0x11, 0x11, 0x0E, 0x00, 0x00}, /* o */
+    {0x00, 0x00, 0x1E, 0x11, 0x11, 0x11, 0x1E, 0x10, 0x10}, /* p */
+    {0x00, 0x00, 0x0F, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x01}, /* q */
+    {0x00, 0x00, 0x16, 0x19, 0x10, 0x10, 0x10, 0x00, 0x00}, /* r */
+    {0x00, 0x00, 0x0F, 0x10, 0x0E, 0x01, 0x1E, 0x00, 0x00}, /* s */
+    {0x08, 0x08, 0x1C, 0x08, 0x08, 0x09, 0x06, 0x00, 0x00}, /* t */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x13, 0x0D, 0x00, 0x00}, /* u */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x0A, 0x04, 0x00, 0x00}, /* v */
+    {0x00, 0x00, 0x11, 0x11, 0x15, 0x15, 0x0A, 0x00, 0x00}, /* w */
+    {0x00, 0x00, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x00, 0x00}, /* x */
+    {0x00, 0x00, 0x11, 0x11, 0x11, 0x11, 0x0F, 0x01, 0x0E}, /* y */
+    {0x00, 0x00, 0x1F, 0x02, 0x04, 0x08, 0x1F, 0x00, 0x00}, /* z */
+    {0x02, 0x04, 0x04, 0x08, 0x04, 0x04, 0x02, 0x00, 0x00}, /* { */
+    {0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x00}, /* | */
+    {0x08, 0x04, 0x04, 0x02, 0x04, 0x04, 0x08, 0x00, 0x00}, /* } */
+    {0x00, 0x00, 0x08, 0x15, 0x02, 0x00, 0x00, 0x00, 0x00}, /* ~ */
+};
+
+/* matplotlib's "tab10": ten colours that are easy to tell apart. */
+static const uint32_t mgpu__palette[10] = {0x1F77B4, 0xFF7F0E, 0x2CA02C, 0xD62728, 0x9467BD,
+                                           0x8C564B, 0xE377C2, 0x7F7F7F, 0xBCBD22, 0x17BECF};
+#define MGPU__INK 0x222222u  /* text, frames and ticks */
+#define MGPU__GRID 0xE4E4E4u /* grid lines behind the data */
+#define MGPU__WHITE 0xFFFFFFu
+
+MGPU_DEF uint32_t mgpu_palette(int i) { return mgpu__palette[(i % 10 + 10) % 10]; }
+
+MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background_rgb) {
+    mgpu_canvas *c;
+    MGPU_REQUIRE(width > 0 && height > 0, "a canvas of %dx%d pixels cannot be made", width, height);
+    c = (mgpu_canvas *)mgpu__xmalloc(sizeof *c);
+    c->width = width;
+    c->height = height;
+    c->rgb = (unsigned char *)mgpu__xmalloc((size_t)width * (size_t)height * 3);
+    mgpu_canvas_fill_rect(c, 0, 0, width, height, background_rgb);
+    return c;
+}
+
+MGPU_DEF void mgpu_canvas_free(mgpu_canvas *c) {
+    if (!c) return;
+    free(c->rgb);
+    free(c);
+}
+
+static int mgpu__plot_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* Every other drawing operation ends up here, so this is where clipping to
+   the canvas happens. */
+MGPU_DEF void mgpu_canvas_fill_rect(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
+    x0 = mgpu__plot_clamp(x0, 0, c->width);
+    x1 = mgpu__plot_clamp(x1, 0, c->width);
+    y0 = mgpu__plot_clamp(y0, 0, c->height);
+    y1 = mgpu__plot_clamp(y1, 0, c->height);
+    for (int y = y0; y < y1; y++) {
+        unsigned char *p = c->rgb + ((size_t)y * (size_t)c->width + (size_t)x0) * 3;
+        for (int x = x0; x < x1; x++, p += 3) {
+            p[0] = (unsigned char)(rgb >> 16);
+            p[1] = (unsigned char)(rgb >> 8);
+            p[2] = (unsigned char)rgb;
+        }
+    }
+}
+
+/* A 1-pixel outline around the pixels x0..x1, y0..y1 (both inclusive). */
+static void mgpu__plot_outline(mgpu_canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb) {
+    mgpu_canvas_fill_rect(c, x0, y0, x1 + 1, y0 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x0, y1, x1 + 1, y1 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x0, y0, x0 + 1, y1 + 1, rgb);
+    mgpu_canvas_fill_rect(c, x1, y0, x1 + 1, y1 + 1, rgb);
+}
+
+/* A box of pixel positions, edges included. */
+typedef struct mgpu__plot_box {
+    double x0, y0, x1, y1;
+} mgpu__plot_box;
+
+/* Liang-Barsky clipping. The segment is p(t) = (x0,y0) + t*(dx,dy) for t in
+   [0,1]; each side of the box keeps the t on its inner side, and [*t0, *t1]
+   ends up as the part inside all four. Returns 0 when nothing is left. */
+static int mgpu__plot_clip(mgpu__plot_box box, double x0, double y0, double x1, double y1,
+                           double *t0, double *t1) {
+    double dx = x1 - x0, dy = y1 - y0;
+    double p[4], q[4]; /* side i keeps the t with p[i] * t <= q[i] */
+    p[0] = -dx, q[0] = x0 - box.x0;
+    p[1] = dx, q[1] = box.x1 - x0;
+    p[2] = -dy, q[2] = y0 - box.y0;
+    p[3] = dy, q[3] = box.y1 - y0;
+    *t0 = 0;
+    *t1 = 1;
+    for (int i = 0; i < 4; i++) {
+        if (p[i] == 0) { /* parallel to this side: wholly inside it or wholly outside */
+            if (q[i] < 0) return 0;
+        } else if (p[i] < 0) { /* coming in through this side */
+            *t0 = fmax(*t0, q[i] / p[i]);
+        } else { /* going out through it */
+            *t1 = fmin(*t1, q[i] / p[i]);
+        }
+    }
+    return *t0 <= *t1;
+}
+
+MGPU_DEF void mgpu_canvas_line(mgpu_canvas *c, double x0, double y0, double x1, double y1,
+                               uint32_t rgb, int thickness) {
+    mgpu__plot_box near_canvas;
+    double t0, t1, ax, ay, bx, by;
+    int steps, half;
+    if (!isfinite(x0) || !isfinite(y0) || !isfinite(x1) || !isfinite(y1)) return;
+    if (thickness < 1) thickness = 1;
+    /* Walk only the part that can touch the canvas: a line towards a point
+       far outside costs no more than one across the picture. */
+    near_canvas.x0 = near_canvas.y0 = -thickness;
+    near_canvas.x1 = c->width + thickness;
+    near_canvas.y1 = c->height + thickness;
+    if (!mgpu__plot_clip(near_canvas, x0, y0, x1, y1, &t0, &t1)) return;
+    ax = x0 + t0 * (x1 - x0), ay = y0 + t0 * (y1 - y0);
+    bx = x0 + t1 * (x1 - x0), by = y0 + t1 * (y1 - y0);
+    /* One step per pixel along the longer direction, and at every step a
+       thickness x thickness square (the "brush") centred on the line. */
+    steps = (int)ceil(fmax(fabs(bx - ax), fabs(by - ay)));
+    half = thickness / 2;
+    for (int i = 0; i <= steps; i++) {
+        double f = steps ? (double)i / steps : 0;
+        int x = (int)lround(ax + f * (bx - ax)) - half, y = (int)lround(ay + f * (by - ay)) - half;
+        mgpu_canvas_fill_rect(c, x, y, x + thickness, y + thickness, rgb);
+    }
+}
+
+/* The segment's part inside `clip`; dashed when dash > 0 (dash pixels on,
+   dash pixels off). *travel is the length of the polyline before this
+   segment, so the dashes run on from one segment to the next. */
+static void mgpu__plot_stroke(mgpu_canvas *c, mgpu__plot_box clip, double x0, double y0, double x1,
+                              double y1, uint32_t rgb, int thickness, double dash, double *travel) {
+    double len = hypot(x1 - x0, y1 - y0), start = *travel, t0, t1;
+    *travel += len;
+    if (!mgpu__plot_clip(clip, x0, y0, x1, y1, &t0, &t1)) return;
+    if (dash <= 0 || len == 0) {
+        mgpu_canvas_line(c, x0 + t0 * (x1 - x0), y0 + t0 * (y1 - y0), x0 + t1 * (x1 - x0),
+                         y0 + t1 * (y1 - y0), rgb, thickness);
+        return;
+    }
+    /* s runs along the segment from one dash boundary to the next. */
+    for (double s = t0 * len; s < t1 * len;) {
+        double phase = fmod(start + s, 2 * dash); /* < dash: in a dash; else in a gap */
+        double end = fmin(s + (phase < dash ? dash - phase : 2 * dash - phase), t1 * len);
+        if (end <= s) break; /* rounding left nothing to advance over */
+        if (phase < dash)
+            mgpu_canvas_line(c, x0 + s / len * (x1 - x0), y0 + s / len * (y1 - y0),
+                             x0 + end / len * (x1 - x0), y0 + end / len * (y1 - y0), rgb,
+                             thickness);
+        s = end;
+    }
+}
+
+static const unsigned char *mgpu__plot_glyph(char ch) {
+    unsigned char code = (unsigned char)ch;
+    return mgpu__font[(code < 32 || code > 126 ? '?' : code) - 32];
+}
+
+MGPU_DEF int mgpu_text_width(const char *text, int scale) {
+    int n = text ? (int)strlen(text) : 0;
+    return n ? (n * MGPU__CELL_W - 1) * scale : 0; /* no blank column after the last glyph */
+}
+
+/* Text in a box whose top-left corner is (x, y); `vertical` turns it a
+   quarter turn anticlockwise, to read from bottom to top (a y-axis label). */
+static void mgpu__plot_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb, int scale,
+                            int vertical) {
+    int length = mgpu_text_width(text, scale);
+    if (scale < 1 || !text) return;
+    for (int i = 0; text[i]; i++) {
+        const unsigned char *glyph = mgpu__plot_glyph(text[i]);
+        for (int row = 0; row < MGPU__GLYPH_H; row++)
+            for (int col = 0; col < MGPU__GLYPH_W; col++) {
+                /* (along, across): the font pixel's place along the text and across it */
+                int along = (i * MGPU__CELL_W + col) * scale, across = row * scale;
+                if (!(glyph[row] & (0x10 >> col))) continue;
+                if (vertical)
+                    mgpu_canvas_fill_rect(c, x + across, y + length - along - scale,
+                                          x + across + scale, y + length - along, rgb);
+                else
+                    mgpu_canvas_fill_rect(c, x + along, y + across, x + along + scale,
+                                          y + across + scale, rgb);
+            }
+    }
+}
+
+MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
+                               int scale) {
+    mgpu__plot_text(c, x, y, text, rgb, scale, 0);
+}
+
+static int mgpu__output_errors;
+MGPU_DEF int mgpu_output_errors(void) { return mgpu__output_errors; }
+
+/* One line on stderr about a file that could not be written; returns -1 so
+   that callers can `return mgpu__plot_write_failed(...)`. */
+static int mgpu__plot_write_failed(const char *path, const char *what, const char *reason) {
+    fprintf(stderr, "mgpu: error: %s: cannot write %s (%s)\n", path, what, reason);
+    mgpu__output_errors++;
+    return -1;
+}
+
+/* stb_image_write hands the encoded PNG over piece by piece. A failed fwrite
+   is remembered by the FILE and seen by ferror() at the end. */
+static void mgpu__plot_png_piece(void *file, void *data, int size) {
+    fwrite(data, 1, (size_t)size, (FILE *)file);
+}
+
+MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
+    mgpu__whole_file w;
+    if (!mgpu__whole_file_open(&w, path)) return mgpu__plot_write_failed(path, "PNG", strerror(errno));
+    int encoded = stbi_write_png_to_func(mgpu__plot_png_piece, w.f, c->width, c->height, 3, c->rgb,
+                                         c->width * 3);
+    int error = mgpu__whole_file_close(&w, !encoded);
+    return error ? mgpu__plot_write_failed(path, "PNG", encoded ? strerror(error) : "encoder failed") : 0;
+}
+
+/* ---- 2. the frame: axes, ticks and the data-to-pixel mapping ------------ */
+
+/* An axis shows values lo..hi with a tick every `step`. */
+typedef struct mgpu__plot_axis {
+    double lo, hi, step;
+} mgpu__plot_axis;
+
+/* 1, 2 or 5 times a power of ten, giving about `ticks` ticks over `span`:
+   the steps people read easily. */
+static double mgpu__plot_nice_step(double span, int ticks) {
+    double raw = span / (ticks > 1 ? ticks : 1), magnitude = pow(10, floor(log10(raw))),
+           ratio = raw / magnitude;
+    return (ratio < 1.5 ? 1 : ratio < 3.5 ? 2 : ratio < 7.5 ? 5 : 10) * magnitude;
+}
+
+/* The axis for [lo, hi]: kept as it is when `fixed`; otherwise it comes from
+   the data (lo > hi when there was none) and is widened to whole ticks. */
+static mgpu__plot_axis mgpu__plot_axis_new(double lo, double hi, int fixed, int ticks) {
+    mgpu__plot_axis a;
+    if (!fixed && !(lo <= hi)) { /* no data at all */
+        lo = 0;
+        hi = 1;
+    } else if (!fixed && lo == hi) { /* a single value: centre it */
+        double pad = lo != 0 ? fabs(lo) / 10 : 1;
+        lo -= pad;
+        hi += pad;
+    }
+    a.step = mgpu__plot_nice_step(hi - lo, ticks);
+    /* the 1e-9 keeps a value that is a whole tick up to rounding on that tick */
+    a.lo = fixed ? lo : floor(lo / a.step + 1e-9) * a.step;
+    a.hi = fixed ? hi : ceil(hi / a.step - 1e-9) * a.step;
+    return a;
+}
+
+/* Tick i of an axis: its value and its label, with as many decimals as the
+   step needs (a step of 0.05 gives "0.35"). Returns 0 past the last tick. */
+static int mgpu__plot_tick(const mgpu__plot_axis *a, int i, double *value, char label[32]) {
+    int decimals = a->step >= 1 ? 0 : (int)ceil(-log10(a->step) - 1e-9);
+    *value = (ceil(a->lo / a->step - 1e-9) + i) * a->step;
+    if (i >= 100 || *value > a->hi + a->step * 1e-9) return 0;
+    if (*value == 0) *value = 0; /* -0.0 would print as "-0" */
+    snprintf(label, 32, "%.*f", decimals, *value);
+    return 1;
+}
+
+/* The frame of a chart: the plot area (pixels x0..x1, y0..y1, edges
+   included, where the frame is drawn), its axes and the font scale. */
+typedef struct mgpu__plot_frame {
+    mgpu_canvas *c;
+    int x0, y0, x1, y1;
+    mgpu__plot_axis ax, ay;
+    int scale;
+} mgpu__plot_frame;
+
+static double mgpu__plot_px(const mgpu__plot_frame *f, double x) {
+    return f->x0 + (x - f->ax.lo) / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0);
+}
+
+static double mgpu__plot_py(const mgpu__plot_frame *f, double y) /* pixel y grows downwards */
+{
+    return f->y1 - (y - f->ay.lo) / (f->ay.hi - f->ay.lo) * (f->y1 - f->y0);
+}
+
+static mgpu__plot_box mgpu__plot_area(const mgpu__plot_frame *f) {
+    mgpu__plot_box box;
+    box.x0 = f->x0, box.y0 = f->y0, box.x1 = f->x1, box.y1 = f->y1;
+    return box;
+}
+
+/* The widest tick label of an axis, to size the margin beside it. */
+static int mgpu__plot_widest_tick(const mgpu__plot_axis *a, int scale) {
+    char label[32];
+    double value;
+    int widest = 0;
+    for (int i = 0; mgpu__plot_tick(a, i, &value, label); i++)
+        if (mgpu_text_width(label, scale) > widest) widest = mgpu_text_width(label, scale);
+    return widest;
+}
+
+/* Grid lines, tick marks and numbers of the x axis (below the frame) or of
+   the y axis (left of it). Drawn before the data, so the grid is behind it. */
+static void mgpu__plot_ticks(const mgpu__plot_frame *f, int y_axis) {
+    int s = f->scale, tick = 3 * s;
+    char label[32];
+    double value;
+    for (int i = 0; mgpu__plot_tick(y_axis ? &f->ay : &f->ax, i, &value, label); i++) {
+        int width = mgpu_text_width(label, s);
+        if (y_axis) {
+            int y = (int)lround(mgpu__plot_py(f, value));
+            mgpu_canvas_fill_rect(f->c, f->x0 + 1, y, f->x1, y + 1, MGPU__GRID);
+            mgpu_canvas_fill_rect(f->c, f->x0 - tick, y, f->x0, y + 1, MGPU__INK);
+            mgpu_canvas_text(f->c, f->x0 - tick - 2 * s - width, y - MGPU__CAP_H * s / 2, label,
+                             MGPU__INK, s);
+        } else {
+            int x = (int)lround(mgpu__plot_px(f, value));
+            mgpu_canvas_fill_rect(f->c, x, f->y0 + 1, x + 1, f->y1, MGPU__GRID);
+            mgpu_canvas_fill_rect(f->c, x, f->y1 + 1, x + 1, f->y1 + 1 + tick, MGPU__INK);
+            mgpu_canvas_text(f->c, x - width / 2, f->y1 + tick + 3 * s, label, MGPU__INK, s);
+        }
+    }
+}
+
+/* The margins: a title line above the plot area, the tick numbers and an
+   x label below it. */
+static int mgpu__plot_top(const char *title, int s) { return title && *title ? 20 * s : 8 * s; }
+static int mgpu__plot_bottom(const char *xlabel, int s) {
+    return xlabel && *xlabel ? 32 * s : 18 * s;
+}
+
+/* Chooses the x axis for data in [xlo, xhi] (see mgpu__plot_axis_new) and
+   places the plot area: `left_width` pixels of numbers or names left of it,
+   and `below` pixels for something else (a legend) under its margin. */
+static void mgpu__plot_layout(mgpu__plot_frame *f, double xlo, double xhi, int xfixed,
+                              int left_width, int below, const char *title, const char *xlabel,
+                              const char *ylabel) {
+    int s = f->scale;
+    f->x0 = 4 * s + (ylabel && *ylabel ? 14 * s : 0) + left_width + 5 * s;
+    f->y0 = mgpu__plot_top(title, s);
+    f->y1 = f->c->height - 1 - below - mgpu__plot_bottom(xlabel, s);
+    /* About one tick per 50 font pixels of width, fewer while the numbers
+       would run into each other. The last number is centred on the right
+       edge of the frame, so half of it must fit beside the frame. */
+    for (int ticks = f->c->width / (50 * s);; ticks--) {
+        int widest;
+        f->ax = mgpu__plot_axis_new(xlo, xhi, xfixed, ticks);
+        widest = mgpu__plot_widest_tick(&f->ax, s);
+        f->x1 = f->c->width - 1 - 4 * s - widest / 2;
+        if (ticks <= 2 || f->ax.step / (f->ax.hi - f->ax.lo) * (f->x1 - f->x0) >= widest + 6 * s)
+            break;
+    }
+}
+
+/* Title above the plot area, x label under the tick numbers, y label
+   turned up the left edge of the picture; each centred on the plot area. */
+static void mgpu__plot_labels(const mgpu__plot_frame *f, const char *title, const char *xlabel,
+                              const char *ylabel) {
+    int s = f->scale, cx = (f->x0 + f->x1) / 2, cy = (f->y0 + f->y1) / 2;
+    int title_x = cx - mgpu_text_width(title, s) / 2,
+        title_max = f->c->width - 4 * s - mgpu_text_width(title, s);
+    /* a long title moves left rather than off the picture */
+    mgpu_canvas_text(f->c, title_x < title_max ? title_x : title_max, 5 * s, title, MGPU__INK, s);
+    mgpu_canvas_text(f->c, cx - mgpu_text_width(xlabel, s) / 2, f->y1 + 19 * s, xlabel, MGPU__INK,
+                     s);
+    mgpu__plot_text(f->c, 4 * s, cy - mgpu_text_width(ylabel, s) / 2, ylabel, MGPU__INK, s, 1);
+}
+
+/* ---- 3. line charts and the Animator ------------------------------------ */
+
+/* How many pixels of a w x h box at (x, y) are data: neither background nor
+   grid. The legend goes where this is smallest. */
+static long mgpu__chart_ink(const mgpu_canvas *c, int x, int y, int w, int h) {
+    int x0 = mgpu__plot_clamp(x, 0, c->width), x1 = mgpu__plot_clamp(x + w, 0, c->width);
+    int y0 = mgpu__plot_clamp(y, 0, c->height), y1 = mgpu__plot_clamp(y + h, 0, c->height);
+    long count = 0;
+    for (int j = y0; j < y1; j++)
+        for (int i = x0; i < x1; i++) {
+            const unsigned char *p = c->rgb + ((size_t)j * (size_t)c->width + (size_t)i) * 3;
+            uint32_t rgb = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
+            count += rgb != MGPU__WHITE && rgb != MGPU__GRID;
+        }
+    return count;
+}
+
+static uint32_t mgpu__chart_color(const mgpu_chart *ch, int i) {
+    return ch->series[i].color ? ch->series[i].color : mgpu_palette(i);
+}
+
+/* One curve. Points with a NaN (or infinite) coordinate are passed over and
+   their neighbours joined, as the book's Animator does with missing values. */
+static void mgpu__chart_curve(const mgpu__plot_frame *f, const mgpu_series *series, uint32_t rgb) {
+    int s = f->scale, points = 0;
+    double travel = 0, px = 0, py = 0;
+    for (int i = 0; i < series->n; i++) {
+        double qx, qy;
+        if (!isfinite(series->x[i]) || !isfinite(series->y[i])) continue;
+        qx = mgpu__plot_px(f, series->x[i]), qy = mgpu__plot_py(f, series->y[i]);
+        if (points++)
+            mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, qx, qy, rgb, s,
+                              series->dashed ? 6 * s : 0, &travel);
+        px = qx, py = qy;
+    }
+    if (points == 1) /* a lone point draws no line: mark it with a dot */
+        mgpu__plot_stroke(f->c, mgpu__plot_area(f), px, py, px, py, rgb, 3 * s, 0, &travel);
+}
+
+/* A box with a line sample and the name of every named series, in the
+   corner of the plot area that hides the fewest data pixels. */
+static void mgpu__chart_legend(const mgpu__plot_frame *f, const mgpu_chart *ch) {
+    int s = f->scale, pad = 5 * s, row = 12 * s, sample = 18 * s, entries = 0, widest = 0;
+    int w, h, x = 0, y = 0;
+    long least = -1;
+    for (int i = 0; i < ch->nseries; i++) {
+        if (!ch->series[i].name) continue;
+        entries++;
+        if (mgpu_text_width(ch->series[i].name, s) > widest)
+            widest = mgpu_text_width(ch->series[i].name, s);
+    }
+    if (!entries) return;
+    w = 3 * pad + sample + widest;
+    h = 2 * pad + entries * row - 3 * s;
+    /* corners in the order tried: upper right, upper left, lower right, lower left */
+    for (int corner = 0; corner < 4; corner++) {
+        int cx = corner % 2 ? f->x0 + pad : f->x1 - pad - w,
+            cy = corner < 2 ? f->y0 + pad : f->y1 - pad - h;
+        long ink = mgpu__chart_ink(f->c, cx, cy, w, h);
+        if (least < 0 || ink < least) least = ink, x = cx, y = cy;
+    }
+    mgpu_canvas_fill_rect(f->c, x, y, x + w, y + h, MGPU__WHITE);
+    mgpu__plot_outline(f->c, x, y, x + w - 1, y + h - 1, 0xAAAAAA);
+    y += pad;
+    for (int i = 0; i < ch->nseries; i++) {
+        double travel = 0, mid = y + MGPU__CAP_H * s / 2;
+        if (!ch->series[i].name) continue;
+        mgpu__plot_stroke(f->c, mgpu__plot_area(f), x + pad, mid, x + pad + sample, mid,
+                          mgpu__chart_color(ch, i), s, ch->series[i].dashed ? 6 * s : 0, &travel);
+        mgpu_canvas_text(f->c, x + 2 * pad + sample, y, ch->series[i].name, MGPU__INK, s);
+        y += row;
+    }
+}
+
+MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *ch, const char *path) {
+    mgpu__plot_frame f;
+    double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
+    int width = ch->width > 0 ? ch->width : 640, height = ch->height > 0 ? ch->height : 480, result;
+    int xfixed = ch->xmin < ch->xmax, yfixed = ch->ymin < ch->ymax;
+    for (int i = 0; i < ch->nseries; i++)
+        for (int j = 0; j < ch->series[i].n; j++) {
+            double x = ch->series[i].x[j], y = ch->series[i].y[j];
+            if (!isfinite(x) || !isfinite(y)) continue;
+            xlo = fmin(xlo, x), xhi = fmax(xhi, x), ylo = fmin(ylo, y), yhi = fmax(yhi, y);
+        }
+    f.c = mgpu_canvas_new(width, height, MGPU__WHITE);
+    f.scale = width >= 480 && height >= 360 ? 2 : 1;
+    /* about one y tick per 40 font pixels of height */
+    f.ay = mgpu__plot_axis_new(yfixed ? ch->ymin : ylo, yfixed ? ch->ymax : yhi, yfixed,
+                               height / (40 * f.scale));
+    mgpu__plot_layout(&f, xfixed ? ch->xmin : xlo, xfixed ? ch->xmax : xhi, xfixed,
+                      mgpu__plot_widest_tick(&f.ay, f.scale), 0, ch->title, ch->xlabel, ch->ylabel);
+    /* back to front: grid, curves, legend, then the frame over the curves' ends */
+    mgpu__plot_ticks(&f, 0);
+    mgpu__plot_ticks(&f, 1);
+    for (int i = 0; i < ch->nseries; i++)
+        mgpu__chart_curve(&f, &ch->series[i], mgpu__chart_color(ch, i));
+    mgpu__chart_legend(&f, ch);
+    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
+    mgpu__plot_labels(&f, ch->title, ch->xlabel, ch->ylabel);
+    result = mgpu_canvas_write_png(f.c, path);
+    mgpu_canvas_free(f.c);
+    return result;
+}
+
+struct mgpu_animator {
+    char *png_path, *csv_path; /* NULL: write nothing */
+    char *title, *xlabel, *ylabel;
+    double xmin, xmax;
+    int nseries;
+    char **names;
+    int n, capacity; /* points added, and room for */
+    double *x;       /* x[i]: the x of point i */
+    double **y;      /* y[k][i]: series k at point i, NaN for none */
+};
+
+MGPU_DEF mgpu_animator *mgpu_animator_new(const char *png_path, const char *title,
+                                          const char *xlabel, const char *ylabel, double xmin,
+                                          double xmax, int nseries, const char *const *names) {
+    mgpu_animator *a = (mgpu_animator *)mgpu__xmalloc(sizeof *a);
+    memset(a, 0, sizeof *a);
+    if (png_path) { /* the CSV goes beside the PNG: "run.png" -> "run.csv" */
+        size_t stem = strlen(png_path);
+        if (stem >= 4 && strcmp(png_path + stem - 4, ".png") == 0) stem -= 4;
+        a->png_path = mgpu__plot_strdup(png_path);
+        a->csv_path = (char *)mgpu__xmalloc(stem + 5);
+        memcpy(a->csv_path, png_path, stem);
+        strcpy(a->csv_path + stem, ".csv");
+    }
+    a->title = mgpu__plot_strdup(title);
+    a->xlabel = mgpu__plot_strdup(xlabel);
+    a->ylabel = mgpu__plot_strdup(ylabel);
+    a->xmin = xmin;
+    a->xmax = xmax;
+    a->nseries = nseries > 0 ? nseries : 0;
+    a->names = (char **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->names);
+    a->y = (double **)mgpu__xmalloc((size_t)a->nseries * sizeof *a->y);
+    for (int k = 0; k < a->nseries; k++) {
+        a->names[k] = mgpu__plot_strdup(names ? names[k] : NULL);
+        a->y[k] = NULL;
+    }
+    return a;
+}
+
+MGPU_DEF void mgpu_animator_free(mgpu_animator *a) {
+    if (!a) return;
+    for (int k = 0; k < a->nseries; k++) {
+        free(a->names[k]);
+        free(a->y[k]);
+    }
+    free(a->names);
+    free(a->y);
+    free(a->x);
+    free(a->png_path);
+    free(a->csv_path);
+    free(a->title);
+    free(a->xlabel);
+    free(a->ylabel);
+    free(a);
+}
+
+/* A series number that the animator does not have is a bug in the caller. */
+static void mgpu__animator_check(const mgpu_animator *a, int series) {
+    MGPU_REQUIRE(series >= 0 && series < a->nseries, "animator has no series %d (it has %d)",
+                 series, a->nseries);
+}
+
+MGPU_DEF int mgpu_animator_count(const mgpu_animator *a) { return a->n; }
+
+MGPU_DEF double mgpu_animator_last(const mgpu_animator *a, int series) {
+    mgpu__animator_check(a, series);
+    for (int i = a->n - 1; i >= 0; i--)
+        if (!isnan(a->y[series][i])) return a->y[series][i];
+    return NAN;
+}
+
+/* "x,name1,name2,..." and then one line per point; NaN is an empty field,
+   which spreadsheets and pandas read as a missing value. */
+static int mgpu__animator_write_csv(const mgpu_animator *a) {
+    mgpu__whole_file w;
+    if (!mgpu__whole_file_open(&w, a->csv_path)) return mgpu__plot_write_failed(a->csv_path, "CSV", strerror(errno));
+    FILE *f = w.f;
+    fputs("x", f);
+    for (int k = 0; k < a->nseries; k++) fprintf(f, ",%s", a->names[k] ? a->names[k] : "");
+    for (int i = 0; i < a->n; i++) {
+        fprintf(f, "\n%.9g", a->x[i]);
+        for (int k = 0; k < a->nseries; k++) {
+            if (isnan(a->y[k][i]))
+                fputs(",", f);
+            else
+                fprintf(f, ",%.9g", a->y[k][i]);
+        }
+    }
+    fputs("\n", f);
+    int error = mgpu__whole_file_close(&w, 0);
+    return error ? mgpu__plot_write_failed(a->csv_path, "CSV", strerror(error)) : 0;
+}
+
+/* The curve of series k, labelled `name`. */
+static mgpu_series mgpu__animator_series(const mgpu_animator *a, int k, const char *name) {
+    mgpu_series s;
+    memset(&s, 0, sizeof s);
+    s.name = name;
+    s.n = a->n;
+    s.x = a->x;
+    s.y = a->y[k];
+    return s;
+}
+
+/* A chart of `nseries` curves with the animator's title, labels and x range. */
+static mgpu_chart mgpu__animator_chart(const mgpu_animator *a, int nseries,
+                                       const mgpu_series *series) {
+    mgpu_chart ch;
+    memset(&ch, 0, sizeof ch);
+    ch.title = a->title;
+    ch.xlabel = a->xlabel;
+    ch.ylabel = a->ylabel;
+    ch.xmin = a->xmin;
+    ch.xmax = a->xmax;
+    ch.nseries = nseries;
+    ch.series = series;
+    return ch;
+}
+
+MGPU_DEF void mgpu_animator_add(mgpu_animator *a, double x, const double *ys) {
+    mgpu_series *series;
+    mgpu_chart ch;
+    if (a->n == a->capacity) {
+        a->capacity = a->capacity ? 2 * a->capacity : 64;
+        a->x = (double *)mgpu__plot_grow(a->x, (size_t)a->capacity * sizeof *a->x);
+        for (int k = 0; k < a->nseries; k++)
+            a->y[k] = (double *)mgpu__plot_grow(a->y[k], (size_t)a->capacity * sizeof *a->y[k]);
+    }
+    a->x[a->n] = x;
+    for (int k = 0; k < a->nseries; k++) a->y[k][a->n] = ys[k];
+    a->n++;
+    if (!a->png_path) return;
+    series = (mgpu_series *)mgpu__xmalloc((size_t)a->nseries * sizeof *series);
+    for (int k = 0; k < a->nseries; k++) series[k] = mgpu__animator_series(a, k, a->names[k]);
+    ch = mgpu__animator_chart(a, a->nseries, series);
+    /* One error line is enough: after a failed write the animator stops
+       writing (rather than repeating the error at every point) and only
+       keeps the points. */
+    if (mgpu__animator_write_csv(a) != 0 || mgpu_chart_write_png(&ch, a->png_path) != 0) {
+        free(a->png_path);
+        free(a->csv_path);
+        a->png_path = a->csv_path = NULL;
+    }
+    free(series);
+}
+
+MGPU_DEF int mgpu_animator_write_combined(const char *png_path, const char *title, int nanimators,
+                                          const mgpu_animator *const *animators, int series,
+                                          const char *const *labels) {
+    mgpu_series *curves =
+        (mgpu_series *)mgpu__xcalloc((size_t)(nanimators > 0 ? nanimators : 0), sizeof *curves);
+    mgpu_chart ch;
+    int result;
+    memset(&ch, 0, sizeof ch);
+    for (int i = 0; i < nanimators; i++) {
+        const mgpu_animator *a = animators[i];
+        mgpu__animator_check(a, series);
+        const char *label = labels ? labels[i] : a->title ? a->title : a->names[series];
+        curves[i] = mgpu__animator_series(a, series, label);
+    }
+    if (nanimators > 0) {
+        ch = mgpu__animator_chart(animators[0], nanimators, curves);
+        /* the legend names the runs, so the y axis says what the curves are */
+        if (!ch.ylabel || !*ch.ylabel) ch.ylabel = animators[0]->names[series];
+    }
+    ch.title = title;
+    result = mgpu_chart_write_png(&ch, png_path);
+    free(curves);
+    return result;
+}
+
+/* ---- 4. device timelines ------------------------------------------------ */
+
+/* A distinct bar name and the palette colour it got. */
+typedef struct mgpu__timeline_key {
+    const char *name;
+    int slot;
+} mgpu__timeline_key;
+
+/* FNV-1a: a simple hash that spreads short names well. */
+static uint32_t mgpu__timeline_hash(const char *s) {
+    uint32_t h = 2166136261u;
+    while (*s) h = (h ^ (unsigned char)*s++) * 16777619u;
+    return h;
+}
+
+/* The index of `name` among the keys, adding it on first sight. A new name
+   gets the colour its hash points at or, if another name has that one, the
+   next free one (linear probing): the same name keeps its colour from one
+   picture to the next as far as possible, and two names in a picture share
+   a colour only when there are more than ten. */
+static int mgpu__timeline_key_of(mgpu__timeline_key *keys, int *nkeys, const char *name) {
+    int slot = (int)(mgpu__timeline_hash(name) % 10);
+    for (int k = 0; k < *nkeys; k++)
+        if (strcmp(keys[k].name, name) == 0) return k;
+    for (int tries = 0; tries < 10; tries++, slot = (slot + 1) % 10) {
+        int taken = 0;
+        for (int k = 0; k < *nkeys; k++) taken |= keys[k].slot == slot;
+        if (!taken) break;
+    } /* all ten taken: the loop came back round to the hash's colour */
+    keys[*nkeys].name = name;
+    keys[*nkeys].slot = slot;
+    return (*nkeys)++;
+}
+
+/* The legend under a timeline: a colour square and a name for each of the
+   first ten keys (then "+N more"), in rows wrapped at `width`. Returns its
+   height; with c == NULL it only measures. */
+static int mgpu__timeline_legend(mgpu_canvas *c, int x0, int y0, int width,
+                                 const mgpu__timeline_key *keys, int nkeys, int s) {
+    int x = x0, y = y0, row = 14 * s, shown = nkeys < 10 ? nkeys : 10;
+    char more[32];
+    snprintf(more, sizeof more, "+%d more", nkeys - shown);
+    for (int k = 0; k < shown + (nkeys > shown); k++) {
+        const char *text = k < shown ? keys[k].name : more;
+        int swatch = k < shown ? 11 * s : 0, w = swatch + mgpu_text_width(text, s);
+        if (x > x0 && x + w > x0 + width) x = x0, y += row; /* wrap */
+        if (c && k < shown)
+            mgpu_canvas_fill_rect(c, x, y, x + 7 * s, y + 7 * s, mgpu_palette(keys[k].slot));
+        if (c) mgpu_canvas_text(c, x + swatch, y, text, MGPU__INK, s);
+        x += w + 14 * s;
+    }
+    return nkeys ? y + row - y0 : 0;
+}
+
+/* Black or white, whichever reads better on `rgb` (by its luminance). */
+static uint32_t mgpu__timeline_text_color(uint32_t rgb) {
+    double luma = 0.299 * (rgb >> 16 & 255) + 0.587 * (rgb >> 8 & 255) + 0.114 * (rgb & 255);
+    return luma > 150 ? 0x000000 : 0xFFFFFF;
+}
+
+MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
+                                     const char *const *lane_names, int nbars,
+                                     const mgpu_timeline_bar *bars) {
+    const int s = 2, width = 1000, lane_h = 16 * s;
+    const char *xlabel = "time (ms)";
+    size_t room = (size_t)(nbars > 0 ? nbars : 0); /* at most one key per bar */
+    mgpu__timeline_key *keys = (mgpu__timeline_key *)mgpu__xcalloc(room, sizeof *keys);
+    int *key_of = (int *)mgpu__xcalloc(room, sizeof *key_of);
+    int nkeys = 0, names_w = 0, legend_h, result;
+    double lo = INFINITY, hi = -INFINITY;
+    mgpu__plot_frame f;
+    for (int b = 0; b < nbars; b++) { /* bars off every lane or with no time span are left out */
+        int drawn = bars[b].lane >= 0 && bars[b].lane < nlanes && isfinite(bars[b].start_ms) &&
+                    isfinite(bars[b].end_ms) && bars[b].start_ms <= bars[b].end_ms;
+        key_of[b] = drawn ? mgpu__timeline_key_of(keys, &nkeys, bars[b].name) : -1;
+        if (drawn) lo = fmin(lo, bars[b].start_ms), hi = fmax(hi, bars[b].end_ms);
+    }
+    for (int l = 0; l < nlanes; l++)
+        if (mgpu_text_width(lane_names[l], s) > names_w)
+            names_w = mgpu_text_width(lane_names[l], s);
+    /* The picture is as tall as its lanes and legend need. */
+    legend_h = mgpu__timeline_legend(NULL, 4 * s, 0, width - 8 * s, keys, nkeys, s);
+    f.c = mgpu_canvas_new(width,
+                          mgpu__plot_top(title, s) + nlanes * lane_h + 1 +
+                              mgpu__plot_bottom(xlabel, s) + legend_h + 4 * s,
+                          MGPU__WHITE);
+    f.scale = s;
+    f.ay.lo = f.ay.hi = f.ay.step = 0; /* unused: the vertical direction holds lanes, not values */
+    mgpu__plot_layout(&f, lo, hi, 0, names_w, legend_h + 4 * s, title, xlabel, NULL);
+    for (int l = 0; l < nlanes; l++) {
+        int top = f.y0 + l * lane_h;
+        /* every other lane shaded: stripes guide the eye along a lane */
+        if (l % 2) mgpu_canvas_fill_rect(f.c, f.x0, top, f.x1, top + lane_h, 0xF4F4F4);
+        mgpu_canvas_text(f.c, f.x0 - 5 * s - mgpu_text_width(lane_names[l], s),
+                         top + (lane_h - MGPU__CAP_H * s) / 2, lane_names[l], MGPU__INK, s);
+    }
+    mgpu__plot_ticks(&f, 0);
+    for (int b = 0; b < nbars; b++) {
+        const mgpu_timeline_bar *bar = &bars[b];
+        int x0 = (int)lround(mgpu__plot_px(&f, bar->start_ms)),
+            x1 = (int)lround(mgpu__plot_px(&f, bar->end_ms));
+        int top = f.y0 + bar->lane * lane_h + 3 * s, bottom = top + lane_h - 6 * s;
+        uint32_t rgb;
+        if (key_of[b] < 0) continue;
+        rgb = mgpu_palette(keys[key_of[b]].slot);
+        /* At least one pixel, so that the shortest operation still shows; a
+           one-pixel gap at the end, so that back-to-back bars stay apart. */
+        x1 = x1 - x0 >= 3 ? x1 - 1 : x0 + 1;
+        mgpu_canvas_fill_rect(f.c, x0, top, x1, bottom, rgb);
+        if (mgpu_text_width(bar->name, s) + 4 * s <= x1 - x0)
+            mgpu_canvas_text(f.c, (x0 + x1 - mgpu_text_width(bar->name, s)) / 2,
+                             (top + bottom - MGPU__CAP_H * s) / 2, bar->name,
+                             mgpu__timeline_text_color(rgb), s);
+    }
+    mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
+    mgpu__plot_labels(&f, title, xlabel, NULL);
+    mgpu__timeline_legend(f.c, 4 * s, f.y1 + mgpu__plot_bottom(xlabel, s), width - 8 * s, keys,
+                          nkeys, s);
+    result = mgpu_canvas_write_png(f.c, path);
+    mgpu_canvas_free(f.c);
+    free(keys);
+    free(key_of);
+    return result;
 }
 #endif /* MGPU__IMPLEMENTED */
 #endif /* MGPU_IMPLEMENTATION */

@@ -32,7 +32,8 @@
 #              code (targets 4 to 6), the book's 10 epochs
 #   comm       ./bench/overlap (target 14) and ./bench/allreduce on 2 and
 #              4 virtual devices up to 64 MiB (target 13)
-#   conv       ./bench/conv beside cuDNN (bench/pytorch/conv.py)
+#   conv       ./bench/convolutions beside cuDNN (bench/pytorch/conv.py);
+#              on the GPU, bench/conv/'s variants, each checked and timed
 #   full       ./chapter3 --full on one device (target 12)
 # The last lines printed are the summary table, one row per target with
 # its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
@@ -70,6 +71,7 @@ fi
 REHEARSE=0 STAGE=
 [ "${1:-}" = --rehearse ] && { REHEARSE=1; shift; }
 [ "${1:-}" = --stage ] && { STAGE=$2; shift 2; }
+case "${1:-}" in -*) set -- ;; esac # (a flag it does not know, --help included, is not a folder)
 [ $# = 1 ] || { echo "usage: bash bench/gpu_check.sh [--rehearse] LOGDIR | --prepare" >&2; exit 2; }
 LOGS=$1
 case $LOGS in /*) ;; *) LOGS=$CALLER_DIR/$LOGS ;; esac
@@ -178,7 +180,9 @@ do_build() {
     [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
     local targets=(chapter2 chapter3) t
     for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
-    for t in profile overlap allreduce conv; do targets+=("$BENCH$t"); done
+    for t in profile overlap allreduce convolutions; do targets+=("$BENCH$t"); done
+    # (on the GPU, bench/conv/'s variants too: they are CUDA programs alone)
+    [ $REHEARSE = 1 ] || for t in bench/conv/[0-9][0-9]_*.cu; do targets+=("${t%.cu}"); done
     make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
 }
 
@@ -289,8 +293,14 @@ do_comm() {
 
 do_conv() {
     local rc=0
-    run conv "${BENCH}conv" $CPU "${CONV[@]}" || rc=1
+    run conv "${BENCH}convolutions" $CPU "${CONV[@]}" || rc=1
     torch_or_compile conv.py bench/pytorch/conv.py "${CONV[@]}" || rc=1
+    if [ $REHEARSE = 0 ]; then
+        local variant
+        for variant in bench/conv/[0-9][0-9]_*.cu; do
+            run "$(basename "$variant" .cu)" "${variant%.cu}" --steps 5 || rc=1
+        done
+    fi
     return $rc
 }
 

@@ -8,10 +8,10 @@
 #   bash bench/gpu_session.sh build test          # make, make test-gpu
 #   bash bench/gpu_session.sh chapters            # ./chapter1 --full, ./chapter2, ./chapter3
 #   bash bench/gpu_session.sh bench               # make bench beside PyTorch
-#   bash bench/gpu_session.sh profile             # bench/conv beside cuDNN; ./bench/profile
+#   bash bench/gpu_session.sh profile             # bench/convolutions beside cuDNN; ./bench/profile
 #   bash bench/gpu_session.sh sanitize            # small GPU tests under compute-sanitizer
 #   bash bench/gpu_session.sh ncu                 # Nsight Compute on the convolution kernels
-#   AB_BASE=REV bash bench/gpu_session.sh ab      # ./bench/profile and ./bench/conv, REV against this tree
+#   AB_BASE=REV bash bench/gpu_session.sh ab      # ./bench/profile and ./bench/convolutions, REV against this tree
 #   bash bench/gpu_session.sh wgmma               # ./bench/profile with MGPU_WGMMA=0 and 1
 #
 # Every stage builds what it needs first (make is quick when nothing
@@ -61,7 +61,7 @@ stage() {
 build() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     nvcc --version | tail -n 2
-    make -j"$JOBS" all bench/matmul bench/overlap bench/allreduce bench/profile bench/conv
+    make -j"$JOBS" all bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions
 }
 
 chapters() {
@@ -93,20 +93,20 @@ sanitize() {
     return $status
 }
 
-# Nsight Compute on bench/conv's first launches of the kernels whose names
+# Nsight Compute on bench/convolutions's first launches of the kernels whose names
 # match NCU_KERNELS (default: conv_nhwc.h's;
 # NCU_COUNT launches, 24 by default, after NCU_SKIP): how near each runs
 # to its compute and memory ceilings, its occupancy, and what its warps
 # wait for. The clocks are left alone (--clock-control none: the device
 # tool's METHOD.md), so durations are those of the step.
 ncu_stage() {
-    make -j"$JOBS" bench/conv || return 1
+    make -j"$JOBS" bench/convolutions || return 1
     local ncu
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     "$ncu" --clock-control none --kernel-name "regex:${NCU_KERNELS:-conv_nhwc}" \
         --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-24}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-        --section LaunchStats --section WarpStateStats ./bench/conv --steps 1
+        --section LaunchStats --section WarpStateStats ./bench/convolutions --steps 1
 }
 
 # The step and its convolutions by an older revision (AB_BASE, which the
@@ -115,14 +115,14 @@ ncu_stage() {
 # in a worktree under build/gpu-session/ab/base, then ./bench/profile by
 # each in turn, twice (base, this, base, this: a drift of the machine
 # shows as a difference between the two runs of one side), then
-# ./bench/conv by each. AB_ARGS: more arguments for ./bench/profile
+# ./bench/convolutions by each. AB_ARGS: more arguments for ./bench/profile
 # (--cpu --steps 1 to try the stage without a GPU).
 ab() {
     [ -n "${AB_BASE:-}" ] || { echo "ab: set AB_BASE to the revision to compare with"; return 2; }
     local base=$SESSION/ab/base
     rm -rf "$base" && git worktree prune &&
         git worktree add --detach "$base" "$AB_BASE" >/dev/null || return 1
-    (cd "$base" && make -j"$JOBS" bench/profile bench/conv >/dev/null) || return 1
+    (cd "$base" && make -j"$JOBS" bench/profile bench/convolutions >/dev/null) || return 1
     local round side name
     for round in 1 2; do
         for side in "$base" .; do
@@ -131,26 +131,26 @@ ab() {
                 grep '^RESULT')"
         done
     done
-    [ -n "${AB_ARGS:-}" ] && return 0 # (bench/conv takes no such arguments, and times the GPU alone)
+    [ -n "${AB_ARGS:-}" ] && return 0 # (bench/convolutions takes no such arguments, and times the GPU alone)
     for side in "$base" .; do
-        echo "### ./bench/conv, $side" && (cd "$side" && ./bench/conv) || return 1
+        echo "### ./bench/convolutions, $side" && (cd "$side" && ./bench/convolutions) || return 1
     done
 }
 
 # The step without and with the wgmma kernels among the trial's
 # candidates (MGPU_WGMMA=0 and the default; kernels/conv_nhwc.h), twice each in turn, then
 # the profile with them, which names the kernel each convolution keeps,
-# and ./bench/conv with them (rows "... wgmma"). (make test-gpu checks
+# and ./bench/convolutions with them (rows "... wgmma"). (make test-gpu checks
 # them against the CPU wherever the GPU runs them.)
 wgmma_stage() {
-    make -j"$JOBS" bench/profile bench/conv || return 1
+    make -j"$JOBS" bench/profile bench/convolutions || return 1
     local round w
     for round in 1 2; do
         for w in 0 1; do
             echo "MGPU_WGMMA=$w, run $round: $(MGPU_WGMMA=$w ./bench/profile --data "$MGPU_DATA" | grep '^RESULT')"
         done
     done
-    ./bench/profile --data "$MGPU_DATA" && echo && ./bench/conv
+    ./bench/profile --data "$MGPU_DATA" && echo && ./bench/convolutions
 }
 
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
@@ -163,7 +163,7 @@ wgmma_stage() {
 # step faster the larger the scratch, from 16 MiB, which keeps a chunk's
 # col buffer in the 50 MB L2 cache, up to 256).
 profile() {
-    ./bench/conv && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
+    ./bench/convolutions && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
         ./bench/profile --data "$MGPU_DATA" &&
         echo && ./bench/profile --data "$MGPU_DATA" --convolutions-copy &&
         echo && ./bench/profile --data "$MGPU_DATA" --weights-copy &&

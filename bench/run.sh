@@ -34,10 +34,11 @@
 #   profile    ./bench/profile: chapter 3's step on one device (batch 256
 #              on a GPU), its time and TFLOP/s, and the tracer's table of
 #              where the time goes (copied below the results table).
-#   conv       ./bench/conv and bench/pytorch/conv.py: each of ResNet-18's
-#              convolutions (forward, dx, dW) with im2col, with each tile
-#              of the implicit GEMMs (GPU), and with cuDNN (NCHW and NHWC);
-#              the tables, and a step's convolutions summed.
+#   conv       ./bench/convolutions and bench/pytorch/conv.py: each of ResNet-18's
+#              convolutions (forward, dx, dW) with im2col, with each fast
+#              kernel and tile (GPU), and with cuDNN (NCHW and NHWC); the
+#              tables, and a step's convolutions summed; on a GPU, each
+#              of bench/conv/'s variants (its check and its timing).
 #   overlap    ./bench/overlap: a ResNet-18 step on 2 devices with the
 #              gradients not reduced, reduced after backward, and reduced
 #              in buckets overlapped with backward; overlapped / not
@@ -274,7 +275,7 @@ row "ResNet-18 step $(result profile on), batch $(or_dash "$p_batch")" "ms per s
 # ------------------------------------------------------- convolutions
 # A step's convolutions (forward, dx, dW of each, summed with how often
 # each occurs): mgpu's im2col, its implicit GEMMs, and cuDNN.
-step conv ./bench/conv
+step conv ./bench/convolutions
 row "ResNet-18's convolutions $(result conv on), batch $(or_dash "$(result conv batch)")" \
     "ms per step: im2col / implicit, fastest kernels / the faster per pass" \
     "$(calc %.2f "$(result conv im2col_ms)") / $(calc %.2f "$(result conv implicit_ms)") / $(calc %.2f "$(result conv best_ms)")"
@@ -283,6 +284,13 @@ if [ $TORCH = 1 ]; then
     row "ResNet-18's convolutions, PyTorch $TORCH_DEVICE$([ $ON_GPU = 1 ] && echo ' (cuDNN, benchmark on)'), batch $(or_dash "$(result conv.py batch)")" \
         "ms per step: NCHW / NHWC / the better per pass" \
         "$(calc %.2f "$(result conv.py nchw_ms)") / $(calc %.2f "$(result conv.py nhwc_ms)") / $(calc %.2f "$(result conv.py best_ms)")"
+fi
+# The variants out of the product (bench/conv/), each checked and timed
+# on its own; their tables are in their logs.
+if [ $ON_GPU = 1 ]; then
+    for variant in bench/conv/[0-9][0-9]_*.cu; do
+        step "$(basename "$variant" .cu)" "${variant%.cu}"
+    done
 fi
 
 # ------------------------------------------------------------- overlap

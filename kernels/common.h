@@ -16,7 +16,7 @@
    only at run time costs some 20 instructions, more than the rest of an
    elementwise kernel's work on a value, and kernels that find a value's
    channel, pixel or image from its index divide for every value
-   (kernels/batchnorm.h, conv.h, conv_implicit.h). With l = ceil(log2 d) and
+   (kernels/batchnorm.h, conv.h, conv_few_inputs.h). With l = ceil(log2 d) and
    m = ceil(2^(31 + l) / d), which fits in 32 bits,
        n / d = floor(n m / 2^(31 + l))  for every 0 <= n < 2^31
    (the error n (m d - 2^(31 + l)) / (d 2^(31 + l)) stays below 1/d;

@@ -329,5 +329,46 @@ static void mgpu__swap_outer_cuda(const void *args, const mgpu__exec *ex) {
         *a, mgpu__divisor_for((int)a->inner / vector), mgpu__divisor_for(a->outer));
     MGPU_CUDA_CHECK_LAUNCH();
 }
+
+/* dw = beta dw + the partial tiles [splits, K, C*R*S], added in order
+   (the same result from run to run). The partial tiles' columns are in
+   runs of `run` channels: in (c / run, r, s, c % run) order. With run 1
+   that is dw's own (c, r, s) order; with run C, (r, s, c), channels
+   fastest (conv_nhwc.h's weight gradient). They
+   go to dw's (c, r, s), read in the partials' order (so that the many
+   reads are coalesced, the one write of each value not), each place
+   found by three divisions by multiplying (mgpu__div: dw has fewer than
+   2^31 values). */
+typedef struct {
+    float *dw;
+    const float *partials;
+    float beta;
+    int splits, k, c, rs, run;
+} mgpu__wgrad_sum_args;
+typedef struct {
+    mgpu__divisor crs, run_len, run; /* C R S, R S run, run */
+} mgpu__wgrad_sum_divisors;
+static __global__ void mgpu__wgrad_sum_kernel(mgpu__wgrad_sum_args a, mgpu__wgrad_sum_divisors d) {
+    int n = a.k * d.crs.d;
+    MGPU__GRID_STRIDE_LOOP(i, (size_t)n) {
+        float sum = 0.0f;
+        for (int z = 0; z < a.splits; z++) sum += a.partials[(size_t)z * n + i];
+        int o = (int)i;
+        if (a.run > 1) {
+            int filter = mgpu__div(o, d.crs), rest = o - filter * d.crs.d;
+            int runs = mgpu__div(rest, d.run_len), in_run = rest - runs * d.run_len.d, rs = mgpu__div(in_run, d.run);
+            o = filter * d.crs.d + (runs * a.run + in_run - rs * a.run) * a.rs + rs;
+        }
+        a.dw[o] = a.beta != 0.0f ? a.beta * a.dw[o] + sum : sum;
+    }
+}
+static void mgpu__wgrad_sum(mgpu__wgrad_sum_args a, cudaStream_t stream) {
+    size_t n = (size_t)a.k * a.c * a.rs;
+    if (n >> 31) mgpu_fatal("internal: a weight gradient of %zu values, more than 2^31 - 1", n);
+    mgpu__wgrad_sum_divisors d = {mgpu__divisor_for(a.c * a.rs), mgpu__divisor_for(a.rs * a.run),
+                                  mgpu__divisor_for(a.run)};
+    mgpu__wgrad_sum_kernel<<<mgpu__grid_for(n, 256), 256, 0, stream>>>(a, d);
+    MGPU_CUDA_CHECK_LAUNCH();
+}
 #endif
 #endif

@@ -8,10 +8,9 @@
    it writes, and the weight gradient [K, C*R*S] is a few hundred sums,
    each over every output pixel. What takes the time is memory: writing y,
    reading dy, each 51 MB for ResNet-18's stem at batch 256 (17 us at 3
-   TB/s). The implicit GEMMs (conv_implicit.h) waste most of their tiles
-   here, whose 64 or 128 columns of (c, r, s) hold 9: on the H100 the
-   gathering kernels took 33 us for the stem's forward pass and 96 us for
-   its weight gradient (cuDNN: 94 and 83).
+   TB/s). An implicit GEMM's tiles, whose 64 or 128
+   columns of (c, r, s) would hold 9, would be mostly waste (and
+   conv_nhwc.h needs whole steps of 32 channels).
 
    The forward pass: a thread an output pixel (img, p, q) and a group of
    MGPU__FEW_FILTERS filters (grid.y). It loads its pixel's C*R*S inputs
@@ -28,12 +27,11 @@
    MGPU__FEW_WGRAD_FILTERS sums.
    Then the block adds its threads' sums (each warp by shuffles, then the
    warps' in order through shared memory) into the slice's partial
-   [K, C*R*S], and mgpu__wgrad_sum (conv_implicit.h) adds the slices'
+   [K, C*R*S], and mgpu__wgrad_sum (conv.h) adds the slices'
    partials in order into dw: the same result from run to run. */
 #ifndef MGPU_KERNELS_CONV_FEW_INPUTS_H
 #define MGPU_KERNELS_CONV_FEW_INPUTS_H
 #include "common.h"
-#include "conv_implicit.h"
 #include "conv.h"
 
 
@@ -73,6 +71,19 @@ typedef struct {
 } mgpu__conv_few_inputs_wgrad_args;
 
 #if MGPU_CUDA
+/* The divisors the kernels use (mgpu__div, kernels/common.h), made
+   once per launch from the geometry: the kernels find each pixel's image and
+   place by dividing. */
+typedef struct {
+    mgpu__divisor rs, s, pq, q, hw, w, stride;
+} mgpu__conv_divisors;
+static mgpu__conv_divisors mgpu__conv_divisors_for(const mgpu__conv_geom *g) {
+    mgpu__conv_divisors v = {mgpu__divisor_for(g->r * g->s), mgpu__divisor_for(g->s),
+                             mgpu__divisor_for(g->p * g->q), mgpu__divisor_for(g->q),
+                             mgpu__divisor_for(g->h * g->w), mgpu__divisor_for(g->w),
+                             mgpu__divisor_for(g->stride)};
+    return v;
+}
 /* The inputs (c, r, s), decoded once a block into shared memory: r, s,
    and the offset in an image, c H W + r W + s (past C*R*S: r far outside,
    so that the input reads as 0). */

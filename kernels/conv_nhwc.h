@@ -6,8 +6,9 @@
    channels-last copies of the tensors (GPU only, TF32), with
    asynchronous copies straight from memory into shared memory.
 
-   Why another kernel. conv_implicit.h gathers its values from NCHW
-   tensors one at a time: there a pixel's neighbours lie side by side, not
+   Why channels last. An implicit GEMM that gathers its values from NCHW
+   tensors (bench/conv/01_gather_implicit_gemm.cu) loads them one at a
+   time: there a pixel's neighbours lie side by side, not
    its channels, so for every value a thread tests the window's edges,
    loads 4 bytes, rounds to TF32 and stores to shared memory. Nsight
    Compute found it bound by those instructions, at 35 to 45 TFLOP/s on an
@@ -22,9 +23,10 @@
    no rounding to do. (In a network, batch norm writes x_t itself when a
    convolution follows it: mgpu.h.)
 
-   The product. Y [K, n*P*Q] = W_t [K, R*S*C] col [R*S*C, n*P*Q], as in
-   conv_implicit.h, but with the summed index in (r, s, c) order, channels
-   fastest:
+   The product. Y [K, n*P*Q] = W_t [K, R*S*C] col [R*S*C, n*P*Q], where
+   im2col's col (kernels/conv.h) is never written: each block loads the
+   tiles of col it needs straight from x_t. The summed index is in (r, s,
+   c) order, channels fastest:
        col[(r,s,c), (img,p,q)] = x_t[img, p*t + r - d, q*t + s - d, c]
    (0 in the padding). A step is 32 consecutive channels at one (r, s), so
    C must be a multiple of 32: a step's row of W_t is 128 contiguous
@@ -43,8 +45,7 @@
    convolutions, below the forward kernel).
 
    The kernel. A block of 128 threads (4 warps, 2 x 2 over the tile)
-   computes a TM x TN tile of Y (TM filters, TN pixels; the four tiles of
-   conv_implicit.h), stepping through R*S*C 32 at a time. For each step
+   computes a TM x TN tile of Y (TM filters, TN pixels; the four tiles below), stepping through R*S*C 32 at a time. For each step
    every thread starts eight or four 16-byte copies of W_t's tile [TM x
    32] and as many of col's [32 x TN] (cp.async: memory to shared memory
    without registers, zero-filled where the window is outside the image),
@@ -55,7 +56,7 @@
    multiplies they feed). Two steps are in flight: while the tensor cores
    multiply step i, the copies of step i + 1 are on their way. One barrier
    a step. At the end the tile goes through shared memory to y, with the
-   bias, as in conv_implicit.h (or, where a layer has few tiles, each
+   bias (or, where a layer has few tiles, each
    block takes a slice of the steps and another kernel sums the slices:
    "Slices of the sum", below). (Three steps in flight hide more of a
    copy's trip, but take half as much shared memory again, so that two
@@ -66,7 +67,7 @@
 
    Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
    steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
-   of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); conv_implicit.h's
+   of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); the gathering
    kernels issue 16 to 48 for the same work. So instructions no longer
    bound it; on an H100 the operands' trip from L2 does (Nsight Compute,
    with three steps in flight and 8 warps a multiprocessor: L2 at 60% of
@@ -100,11 +101,77 @@
 #include "common.h"
 #include "channels_last.h"
 #include "conv.h"
-#include "conv_implicit.h"
 #include "ptx.h"
 
 
 #if MGPU_CUDA
+/* ------------------------------------------------------------- the tiles */
+#define MGPU__IMPLICIT_THREADS 128 /* 4 warps a block (the stride-2 dx kernel's and dW's too) */
+#define MGPU__IMPLICIT_OUT_ROWS 64 /* rows of the finished tile written out at a time */
+
+/* The block tiles compiled, rows x columns of the product (rows: filters
+   or channels; columns: pixels, or (c, r, s) for dW). A larger tile reads
+   fewer values from shared memory per multiply-add but gives fewer
+   blocks, and a 128-row tile wastes half
+   its work on a layer of 64 filters. mgpu.h times each tile on each
+   shape and keeps the fastest; bench/convolutions shows them all. */
+typedef enum {
+    MGPU__TILE_64x64, MGPU__TILE_128x64, MGPU__TILE_64x128, MGPU__TILE_128x128, MGPU__TILE_KINDS
+} mgpu__implicit_tile;
+static const int mgpu__implicit_tile_rows[MGPU__TILE_KINDS] = {64, 128, 64, 128};
+static const int mgpu__implicit_tile_columns[MGPU__TILE_KINDS] = {64, 64, 128, 128};
+static const char *const mgpu__implicit_tile_names[MGPU__TILE_KINDS] = {"64x64", "128x64", "64x128",
+                                                                        "128x128"};
+
+/* A block per tile: the columns on x (up to 2^31 - 1 blocks), the rows on
+   y, the slices of a split sum on z. */
+static dim3 mgpu__implicit_grid(mgpu__implicit_tile tile, size_t columns, int rows, int slices) {
+    size_t tm = mgpu__implicit_tile_rows[tile], tn = mgpu__implicit_tile_columns[tile];
+    return dim3((unsigned)((columns + tn - 1) / tn), (unsigned)((rows + tm - 1) / tm), (unsigned)slices);
+}
+/* The instance of a kernel template for a tile kind. */
+#define MGPU__IMPLICIT_INSTANCE(kernel, tile)                                              \
+    ((tile) == MGPU__TILE_128x64    ? kernel<128, 64>                                       \
+     : (tile) == MGPU__TILE_64x128  ? kernel<64, 128>                                       \
+     : (tile) == MGPU__TILE_128x128 ? kernel<128, 128>                                      \
+                                    : kernel<64, 64>)
+
+/* The block's finished tile of TM rows, in the warps' accumulators, to
+   memory through a buffer `out` of 64 rows in shared memory, 64 rows at a
+   time: store(m0) puts the thread's accumulators of rows m0 .. m0 + 63
+   of the tile (if it has any) into out; write(m0) takes those rows from
+   out to memory. The caller has made sure no warp still reads the bytes
+   of out. */
+template <int TM, typename Store, typename Write>
+static __device__ void mgpu__implicit_finish(Store store, Write write) {
+    MGPU__UNROLL
+    for (int m0 = 0; m0 < TM; m0 += MGPU__IMPLICIT_OUT_ROWS) {
+        store(m0);
+        __syncthreads();
+        write(m0);
+        __syncthreads(); /* out is read before the next rows take it */
+    }
+}
+
+/* This thread's column of the finished rows in `out` to memory: row
+   row0 + m goes to column[(row0 + m) * row_stride], plus bias[row0 + m]
+   when there is a bias, and added to what is there with accumulate, for
+   the rows below `rows`. Consecutive threads hold consecutive columns, so
+   the writes of a row are coalesced. */
+template <int TN>
+static __device__ void mgpu__implicit_write(const float (*out)[TN + 4], float *column, size_t row_stride,
+                                            int row0, int rows, const float *bias, int accumulate) {
+    int tid = threadIdx.x;
+    for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS; m += MGPU__IMPLICIT_THREADS / TN) {
+        int row = row0 + m;
+        if (row >= rows) continue;
+        float *to = column + (size_t)row * row_stride, value = out[m][tid % TN] + (bias ? bias[row] : 0.0f);
+        *to = accumulate ? *to + value : value;
+    }
+}
+
+/* The most floats a product's slices' partial tiles take (64 MB). */
+#define MGPU__PARTIAL_FLOATS_MAX ((size_t)16 << 20)
 /* ------------------------------------------------------------ the product */
 #define MGPU__NHWC_STEP 32   /* channels per step: 8 copies of 16 bytes a row */
 #define MGPU__NHWC_STAGES 2     /* steps in flight: the forward kernel's, */
@@ -155,23 +222,20 @@ static mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
     mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
     return d;
 }
-static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined);
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g);
 /* Whether dx of geometry g has a channels-last kernel: the one above at
    stride 1, the sub-pixel classes (below) at larger strides. */
 static int mgpu__conv_nhwc_dx_fits(const mgpu__conv_geom *g) {
-    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_fits(g, 0);
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_fits(g);
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     return g->r == g->s && g->pad <= g->r - 1 && mgpu__conv_nhwc_fits(&d);
 }
 
 /* Where the output pixels go: with step 0, output pixel (p, q) to (p, q)
    of y [n, K, P, Q]; else to (p step + row, q step + col) of y [n, K, h,
-   w] (a sub-pixel class of an input gradient, below); with joined set,
-   output row m (of K = step C) is channel m / step of y [n, C, h, w], at
-   column class m % step: (p step + row, q step + m % step), where that
-   is inside w (a row of classes in one product, below). */
+   w] (a sub-pixel class of an input gradient, below). */
 typedef struct {
-    int step, row, col, h, w, joined;
+    int step, row, col, h, w;
 } mgpu__nhwc_out;
 
 typedef struct {
@@ -217,7 +281,7 @@ static size_t mgpu__conv_nhwc_partial_floats(const mgpu__conv_geom *g, int split
     return splits > 1 ? (size_t)splits * g->k * mgpu__nhwc_partial_ld((size_t)g->n * g->p * g->q) : 0;
 }
 /* Where output pixel in_image (= p Q + q) of an image goes in its plane of
-   y, and that plane's size (mgpu__nhwc_out, not joined). */
+   y, and that plane's size (mgpu__nhwc_out). */
 static __host__ __device__ size_t mgpu__nhwc_out_at(const mgpu__conv_nhwc_args &a, int in_image,
                                                     size_t *plane) {
     if (!a.out.step) {
@@ -228,22 +292,6 @@ static __host__ __device__ size_t mgpu__nhwc_out_at(const mgpu__conv_nhwc_args &
     *plane = (size_t)a.out.h * a.out.w;
     return (size_t)(p * a.out.step + a.out.row) * a.out.w + q * a.out.step + a.out.col;
 }
-/* Where the product's value of output row `filter` at pixel in_image of
-   image img goes in y, for every kind of mgpu__nhwc_out; *inside: whether
-   it goes anywhere (a joined row's last column classes may fall outside
-   an odd width). */
-static __host__ __device__ size_t mgpu__nhwc_out_index(const mgpu__conv_nhwc_args &a, int img, int filter,
-                                                       int in_image, bool *inside) {
-    if (!a.out.joined) {
-        size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane);
-        *inside = true;
-        return ((size_t)img * a.g.k + filter) * plane + at;
-    }
-    int t = a.out.step, p = in_image / a.g.q, col = (in_image - p * a.g.q) * t + filter % t;
-    *inside = col < a.out.w;
-    return (((size_t)img * (a.g.k / t) + filter / t) * a.out.h + p * t + a.out.row) * a.out.w + col;
-}
-
 /* Which accumulators a thread holds, as 16 x 8 tensor-core tiles, MT x
    NT of them, each laid out as mgpu__mma_tf32's d: tile (i, j) of warp w
    starts at row row(w) + ROWS_APART i, column col(w) + 8 j of the block's
@@ -501,7 +549,7 @@ static __device__ void mgpu__nhwc_store_partial(const typename W::acc &acc, floa
 
 /* The block's finished tile (its warps' accumulators) to y, or with
    slices, to the partial of its slice (`slice`; the sum comes after). To y [img,
-   filter, p, q] with the bias, as conv_implicit.h writes it: each lane's
+   filter, p, q] with the bias, as mgpu__implicit_write writes it: each lane's
    values go to out (shared memory that no warp reads any more) where
    mgpu__mma_tf32 says they are, then along the rows to y, coalesced. */
 template <int TM, int TN, typename W = mgpu__nhwc_warp<TM, TN>>
@@ -520,18 +568,6 @@ static __device__ void mgpu__nhwc_finish(const mgpu__conv_nhwc_args &a, const ty
             if (row >= m0 && row < m0 + MGPU__IMPLICIT_OUT_ROWS) out[row - m0][col] = value;
         });
     };
-    if (a.out.joined) { /* each row to its own channel and column class (no bias: only dx is joined) */
-        mgpu__implicit_finish<TM>(store, [&](int m0) {
-            for (int m = tid / TN; m < MGPU__IMPLICIT_OUT_ROWS && pixel < npq; m += MGPU__IMPLICIT_THREADS / TN) {
-                int filter = blockIdx.y * TM + m0 + m;
-                if (filter >= g.k) break;
-                bool inside;
-                size_t at = mgpu__nhwc_out_index(a, img, filter, in_image, &inside);
-                if (inside) a.y[at] = a.accumulate ? a.y[at] + out[m][tid % TN] : out[m][tid % TN];
-            }
-        });
-        return;
-    }
     size_t plane, at = mgpu__nhwc_out_at(a, in_image, &plane); /* y's plane, this pixel's place in it */
     mgpu__implicit_finish<TM>(store, [&](int m0) {
         if (pixel < npq)
@@ -720,9 +756,9 @@ static __global__ void mgpu__conv_nhwc_slices_sum_kernel(mgpu__conv_nhwc_args a)
         float value = 0.0f;
         for (int z = 0; z < a.splits; z++) value += partial[z * slice];
         if (a.b) value += a.b[filter];
-        bool inside;
-        float *to = a.y + mgpu__nhwc_out_index(a, img, filter, pixel - img * pq, &inside);
-        if (inside) *to = a.accumulate ? *to + value : value;
+        size_t plane, at = mgpu__nhwc_out_at(a, pixel - img * pq, &plane);
+        float *to = a.y + ((size_t)img * g.k + filter) * plane + at;
+        *to = a.accumulate ? *to + value : value;
     }
 }
 
@@ -802,24 +838,12 @@ static void mgpu__conv_nhwc_cuda(const void *args, const mgpu__exec *ex) {
    of dx (mgpu__nhwc_out). The classes run side by side in one launch
    (mgpu__conv_nhwc_products_kernel), each block a tile of one of them.
 
-   Or joined: the t classes of a row class e_h in one product. Column
-   class e_w reads dy at columns v + j - pad'_e (j < its taps); over the t
-   classes these offsets lie in one window of S' columns from -pad'' on,
-   and the product's rows are the pairs (c, e_w), C t of them, each with
-   its class's taps at their places in that window and zeros elsewhere.
-   A 3x3 window at stride 2 and padding 1 gives row classes of 1 and 2
-   taps, each a 1x2 or 2x2 window over 2C rows: 12 C K multiplies a pixel
-   of dy where the classes alone do 9, but in 2 products instead of 4,
-   each writing whole rows of dx. A class alone writes every other value
-   of every other row: the other half of each 32-byte sector comes from
-   another launch, after the sector may have left L2.
-
-   The kernel takes one padding for both dimensions: classes (or row
-   classes) whose pads differ between rows and columns do not fit (none
+   The kernel takes one padding for both dimensions: classes whose pads
+   differ between rows and columns do not fit (none
    of ResNet's do). */
 
 /* One dimension of a class: its taps (the count), the first one, and pad'. */
-static __host__ __device__ int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, int *pad_out) {
+static int mgpu__subpixel_taps(int window, int pad, int t, int e, int *first, int *pad_out) {
     *first = (e + pad) % t;
     int taps = window > *first ? (window - *first + t - 1) / t : 0;
     *pad_out = taps - 1 - (e + pad - *first) / t;
@@ -829,37 +853,23 @@ static __host__ __device__ int mgpu__subpixel_taps(int window, int pad, int t, i
 typedef struct {
     mgpu__conv_geom g;  /* the product: a stride-1 convolution of dy [n, K, P, Q] */
     mgpu__nhwc_out out; /* where its pixels go in dx */
-    int first_r, pad_s; /* the first of w's rows it takes; its columns' pad (joined: pad'') */
+    int first_r, first_s, pad_s; /* the first of w's rows and columns it takes; its columns' pad */
 } mgpu__subpixel_class;
 
-/* Class (e_h, e_w), or joined, row class e_h's t classes (e_w unused). */
-static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, int e_h, int e_w, int joined) {
+/* Class (e_h, e_w). */
+static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, int e_h, int e_w) {
     mgpu__subpixel_class k;
-    int t = g->stride, pad_r, first_s;
+    int t = g->stride, pad_r;
     int taps_r = mgpu__subpixel_taps(g->r, g->pad, t, e_h, &k.first_r, &pad_r);
-    int taps_s = mgpu__subpixel_taps(g->s, g->pad, t, e_w, &first_s, &k.pad_s);
+    int taps_s = mgpu__subpixel_taps(g->s, g->pad, t, e_w, &k.first_s, &k.pad_s);
     int rows = e_h < g->h ? (g->h - e_h + t - 1) / t : 0, cols = e_w < g->w ? (g->w - e_w + t - 1) / t : 0;
-    if (joined) { /* the window of offsets -pad'.. taps - 1 - pad' of every column class with taps */
-        int first = 0, last = 0, any = 0;
-        for (int e = 0; e < t; e++) {
-            int pad_e, taps = mgpu__subpixel_taps(g->s, g->pad, t, e, &first_s, &pad_e);
-            if (!taps) continue;
-            if (!any || -pad_e < first) first = -pad_e;
-            if (!any || taps - 1 - pad_e > last) last = taps - 1 - pad_e;
-            any = 1;
-        }
-        taps_s = any ? last - first + 1 : 0;
-        k.pad_s = -first;
-        cols = (g->w + t - 1) / t; /* (class 0's, the most) */
-    }
-    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, joined ? t * g->c : g->c, taps_r, taps_s, rows, cols, 1, pad_r};
-    mgpu__nhwc_out out = {t, e_h, joined ? 0 : e_w, g->h, g->w, joined};
+    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, taps_r, taps_s, rows, cols, 1, pad_r};
+    mgpu__nhwc_out out = {t, e_h, e_w, g->h, g->w};
     k.g = d;
     k.out = out;
     return k;
 }
-/* The products of dx at stride t: the t^2 classes, or joined, the t row
-   classes; and product i of them, in the order of their taps, most first
+/* The products of dx at stride t, its t^2 classes; and product i of them, in the order of their taps, most first
    (of equal taps, in the order of their classes). A launch's products lie
    one after another in its grid, and a GPU starts blocks in the grid's
    order (in practice: CUDA promises no order), so the longest blocks
@@ -870,20 +880,17 @@ static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, in
    16, 16 and 32 steps for 264 places; a block counted as its steps and 3
    more (its start and its end), the launch takes 54 step-times in the
    order of the classes, 38 the other way round, 31 if it were even. */
-static int mgpu__subpixel_products(const mgpu__conv_geom *g, int joined) {
-    return joined ? g->stride : g->stride * g->stride;
+static int mgpu__subpixel_products(const mgpu__conv_geom *g) { return g->stride * g->stride; }
+static mgpu__subpixel_class mgpu__subpixel_in_class_order(const mgpu__conv_geom *g, int i) {
+    return mgpu__subpixel_class_of(g, i / g->stride, i % g->stride);
 }
-static mgpu__subpixel_class mgpu__subpixel_in_class_order(const mgpu__conv_geom *g, int joined, int i) {
-    return joined ? mgpu__subpixel_class_of(g, i, 0, 1)
-                  : mgpu__subpixel_class_of(g, i / g->stride, i % g->stride, 0);
-}
-static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int joined, int i) {
-    int n = mgpu__subpixel_products(g, joined);
+static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int i) {
+    int n = mgpu__subpixel_products(g);
     for (int j = 0; j < n; j++) { /* the class with i products before it */
-        mgpu__subpixel_class k = mgpu__subpixel_in_class_order(g, joined, j);
+        mgpu__subpixel_class k = mgpu__subpixel_in_class_order(g, j);
         int before = 0;
         for (int o = 0; o < n; o++) {
-            mgpu__subpixel_class other = mgpu__subpixel_in_class_order(g, joined, o);
+            mgpu__subpixel_class other = mgpu__subpixel_in_class_order(g, o);
             int taps = other.g.r * other.g.s, own = k.g.r * k.g.s;
             before += taps > own || (taps == own && o < j);
         }
@@ -896,22 +903,20 @@ static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int
    (else its pixels are zeros, or dx as it was). */
 static int mgpu__subpixel_runs(const mgpu__subpixel_class *k) { return k->g.p && k->g.q && k->g.r && k->g.s; }
 
-/* Whether the sub-pixel classes (joined or not) compute dx of geometry g
-   (stride > 1). */
-static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g, int joined) {
+/* Whether the sub-pixel classes compute dx of geometry g (stride > 1). */
+static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g) {
     if (g->stride < 2) return 0;
-    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+    for (int i = 0; i < mgpu__subpixel_products(g); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, i);
         if (!mgpu__conv_nhwc_fits(&k.g)) return 0;
         if (k.g.r > 0 && k.g.s > 0 && k.g.pad != k.pad_s) return 0;
     }
     return 1;
 }
 
-/* out[m, j_r, j_s, k] = tf32(w[k, c, r, s]): the weights of product k,
-   row m being channel c = m (joined: c = m / t, of column class m % t),
-   (j_r, j_s) its place in the product's window, turned round, filters
-   and channels swapped; zero where the row's class has no tap there. One
+/* out[c, j_r, j_s, k] = tf32(w[k, c, r, s]): the weights of product k,
+   (j_r, j_s) the tap's place in the class's window, turned round,
+   filters and channels swapped. One
    thread a value (the weights are small), a row of the grid (blockIdx.y)
    for each product, one launch for the products that run together (as
    many as their batch, mgpu__conv_nhwc_products, holds). */
@@ -934,12 +939,9 @@ static __global__ void mgpu__subpixel_weights_kernel(const __grid_constant__ mgp
     int t = g.stride;
     MGPU__GRID_STRIDE_LOOP(i, mgpu__subpixel_weight_floats(&g, &product)) {
         int k = (int)(i % g.k), rest = (int)(i / g.k);
-        int j_s = rest % d.s, j_r = rest / d.s % d.r, m = rest / d.s / d.r;
-        int c = product.out.joined ? m / t : m, e_w = product.out.joined ? m % t : product.out.col;
-        int first_s, pad_s, taps_s = mgpu__subpixel_taps(g.s, g.pad, t, e_w, &first_s, &pad_s);
-        int j = j_s - product.pad_s + pad_s; /* the class's own column tap */
-        int r = product.first_r + t * (d.r - 1 - j_r), s = first_s + t * (taps_s - 1 - j);
-        out[i] = 0 <= j && j < taps_s ? mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]) : 0.0f;
+        int j_s = rest % d.s, j_r = rest / d.s % d.r, c = rest / d.s / d.r;
+        int r = product.first_r + t * (d.r - 1 - j_r), s = product.first_s + t * (d.s - 1 - j_s);
+        out[i] = mgpu__tf32_round(a.w[(((size_t)k * g.c + c) * g.r + r) * g.s + s]);
     }
 }
 
@@ -953,25 +955,24 @@ typedef struct {
     int accumulate;     /* 1: dx += the gradient; 0: dx = it */
     int splits;         /* each product's sum in slices (0 or 1: none) */
     float *partials;    /* their scratch: mgpu__conv_nhwc_subpixel_partial_floats */
-    int joined;         /* 1: each row class's classes in one product */
     int wgmma;          /* 1: the products by wgmma (mgpu__conv_nhwc_args) */
 } mgpu__conv_nhwc_subpixel_args;
 
 /* The floats of the products' weights, one after another. */
-static size_t mgpu__conv_nhwc_subpixel_weight_floats(const mgpu__conv_geom *g, int joined) {
+static size_t mgpu__conv_nhwc_subpixel_weight_floats(const mgpu__conv_geom *g) {
     size_t floats = 0;
-    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+    for (int i = 0; i < mgpu__subpixel_products(g); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, i);
         floats += mgpu__subpixel_weight_floats(g, &k);
     }
     return floats;
 }
 /* The floats of the partials for the products of dx of geometry g that
    run, one after another (they run at once). */
-static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int joined, int splits) {
+static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, int splits) {
     size_t floats = 0;
-    for (int i = 0; i < mgpu__subpixel_products(g, joined); i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(g, joined, i);
+    for (int i = 0; i < mgpu__subpixel_products(g); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(g, i);
         if (mgpu__subpixel_runs(&k)) floats += mgpu__conv_nhwc_partial_floats(&k.g, splits);
     }
     return floats;
@@ -980,8 +981,8 @@ static size_t mgpu__conv_nhwc_subpixel_partial_floats(const mgpu__conv_geom *g, 
 /* The floats of the partials for dx of geometry g in `splits` slices: of
    the stride-1 product (mgpu__conv_dx_geometry), or of the largest
    sub-pixel product. */
-static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g, int joined, int splits) {
-    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_partial_floats(g, joined, splits);
+static inline size_t mgpu__conv_nhwc_dx_partial_floats(const mgpu__conv_geom *g, int splits) {
+    if (g->stride > 1) return mgpu__conv_nhwc_subpixel_partial_floats(g, splits);
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     return mgpu__conv_nhwc_partial_floats(&d, splits);
 }
@@ -1012,9 +1013,9 @@ static void mgpu__subpixel_launch(mgpu__subpixel_weights_args *weights, mgpu__co
    every other pixel). */
 static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_nhwc_subpixel_args *a = (const mgpu__conv_nhwc_subpixel_args *)args;
-    int products = mgpu__subpixel_products(&a->g, a->joined), empty = 0;
+    int products = mgpu__subpixel_products(&a->g), empty = 0;
     for (int i = 0; i < products; i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
+        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, i);
         empty += k.g.r * k.g.s == 0;
     }
     cudaStream_t stream = (cudaStream_t)ex->stream;
@@ -1027,7 +1028,7 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
     mgpu__conv_nhwc_products batch;
     batch.count = 0;
     for (int i = 0; i < products; i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, a->joined, i);
+        mgpu__subpixel_class k = mgpu__subpixel_product(&a->g, i);
         if (!mgpu__subpixel_runs(&k)) continue; /* no pixels of dx, or zeros (or dx as it was) */
         weights.k[batch.count] = k, weights.out[batch.count] = w_class;
         mgpu__conv_nhwc_args product = {a->dx, a->dy_t, w_class, NULL, k.g, a->tile, k.out,
@@ -1086,9 +1087,9 @@ typedef struct {
     const float *w_t;  /* w'_t [C, 3, 3, K]: the weights turned (mgpu__weights_copy), TF32 */
     mgpu__conv_geom g; /* of the convolution: 3x3, stride 2, padding 1 */
     int accumulate;    /* 1: dx += the gradient; 0: dx = it */
-} mgpu__conv_nhwc_quads_args;
+} mgpu__conv_nhwc_stride2_dx_args;
 
-static int mgpu__conv_nhwc_quads_fits(const mgpu__conv_geom *g) {
+static int mgpu__conv_nhwc_stride2_dx_fits(const mgpu__conv_geom *g) {
     return g->r == 3 && g->s == 3 && g->stride == 2 && g->pad == 1 && g->k % MGPU__NHWC_STEP == 0 &&
            g->c / MGPU__QUAD_TILE < 65535;
 }
@@ -1124,7 +1125,7 @@ typedef mgpu__nhwc_warp<MGPU__QUAD_TILE, MGPU__QUAD_TILE> mgpu__quad_warp;
    + 31 at shift (I, J), and the same channels of w'_t for each of the
    shift's taps (`reads`: the kernel's, below). */
 template <int I, int J>
-static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_quads_args &a, const mgpu__conv_geom &reads,
+static __device__ void mgpu__quad_load(const mgpu__conv_nhwc_stride2_dx_args &a, const mgpu__conv_geom &reads,
                                        const mgpu__nhwc_pixels<MGPU__QUAD_TILE, mgpu__padded_rows> &pixels,
                                        mgpu__shared_address w_tiles, mgpu__shared_address dy_tiles, int stage,
                                        int c0) {
@@ -1159,7 +1160,7 @@ static __device__ void mgpu__quad_multiply(mgpu__quad_warp::acc (&acc)[4], mgpu_
 #endif
 
 static __global__ void __launch_bounds__(MGPU__IMPLICIT_THREADS, 2)
-mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
+mgpu__conv_nhwc_stride2_dx_kernel(const mgpu__conv_nhwc_stride2_dx_args a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     const mgpu__conv_geom g = a.g;
     const int T = MGPU__QUAD_TILE;
@@ -1224,15 +1225,15 @@ mgpu__conv_nhwc_quads_kernel(const mgpu__conv_nhwc_quads_args a) {
 #endif
 }
 
-static void mgpu__conv_nhwc_quads_cuda(const void *args, const mgpu__exec *ex) {
-    const mgpu__conv_nhwc_quads_args *a = (const mgpu__conv_nhwc_quads_args *)args;
+static void mgpu__conv_nhwc_stride2_dx_cuda(const void *args, const mgpu__exec *ex) {
+    const mgpu__conv_nhwc_stride2_dx_args *a = (const mgpu__conv_nhwc_stride2_dx_args *)args;
     int bytes = (int)sizeof(mgpu__nhwc_quad_tiles);
-    MGPU_CUDA_CHECK(cudaFuncSetAttribute(mgpu__conv_nhwc_quads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MGPU_CUDA_CHECK(cudaFuncSetAttribute(mgpu__conv_nhwc_stride2_dx_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes));
     size_t pixels = (size_t)a->g.n * a->g.p * a->g.q;
     dim3 grid((unsigned)((pixels + MGPU__QUAD_TILE - 1) / MGPU__QUAD_TILE),
               (unsigned)((a->g.c + MGPU__QUAD_TILE - 1) / MGPU__QUAD_TILE));
-    mgpu__conv_nhwc_quads_kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
+    mgpu__conv_nhwc_stride2_dx_kernel<<<grid, MGPU__IMPLICIT_THREADS, bytes, (cudaStream_t)ex->stream>>>(*a);
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
@@ -1260,7 +1261,7 @@ static void mgpu__conv_nhwc_quads_cuda(const void *args, const mgpu__exec *ex) {
    values), so it is split over blocks (grid.z) in slices of whole steps
    (how many: the trial in mgpu.h times several, for 256 to 1536 blocks);
    each slice's tile goes to its own partial [K, R*S*C], and
-   mgpu__wgrad_sum (conv_implicit.h) adds the slices in order into dw,
+   mgpu__wgrad_sum (conv.h) adds the slices in order into dw,
    from (r, s, c) to dw's (c, r, s).
 
    Instructions a step (SASS, nvcc 13.0, sm_90) per multiply: 4.3 for the
@@ -1281,11 +1282,21 @@ typedef struct {
 static int mgpu__conv_nhwc_dw_fits(const mgpu__conv_geom *g) {
     return g->c % 4 == 0 && g->k % 4 == 0 && g->k / 64 < 65535;
 }
-/* The slices for about `blocks` blocks, each of at least 512 pixels:
-   fewer, longer ones than conv_implicit.h's, as this kernel multiplies
-   faster than it could read and write more partial tiles. */
+/* Slices of the sum over output pixels: about `blocks` blocks in all,
+   each summing at least 512 pixels (fewer, longer slices than the
+   gathering kernels took: this kernel multiplies faster than it could
+   read and write more partial tiles), the partial tiles at most
+   MGPU__PARTIAL_FLOATS_MAX. */
 static int mgpu__conv_nhwc_dw_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks) {
-    return mgpu__conv_wgrad_splits(g, tile, blocks, 512);
+    size_t crs = (size_t)g->c * g->r * g->s, pixels = (size_t)g->n * g->p * g->q;
+    size_t rows = mgpu__implicit_tile_rows[tile], columns = mgpu__implicit_tile_columns[tile];
+    size_t tiles = ((size_t)g->k + rows - 1) / rows * ((crs + columns - 1) / columns);
+    size_t splits = (blocks + tiles - 1) / tiles;
+    if (splits > pixels / 512) splits = pixels / 512;
+    size_t most = MGPU__PARTIAL_FLOATS_MAX / ((size_t)g->k * crs);
+    if (splits > most) splits = most;
+    if (splits > 65535) splits = 65535; /* grid.z */
+    return splits < 1 ? 1 : (int)splits;
 }
 /* Sets a->per, a whole number of steps, for about a->splits slices (0:
    for about 512 blocks), and a->splits to the slices that takes. */

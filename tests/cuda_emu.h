@@ -18,15 +18,14 @@
    after thread; switches are _setjmp/_longjmp, which unlike swapcontext
    leave the signal mask alone. Two shortcuts keep the big tests fast: a
    kernel whose first block meets no barrier runs its threads one after
-   another without fibers, and lane 0 alone does a warp's WMMA products
-   (only its stores reach memory). tests/emu_kernels.cpp took 57 s with a
-   thread per CUDA thread, and takes under a second now.
+   another without fibers (tests/emu_kernels.cpp took 57 s with a thread
+   per CUDA thread).
 
    What it checks beyond the arithmetic: launch configurations a GPU
    refuses (an empty grid, gridDim.y or .z above 65535, more than 1024
    threads), warp shuffles with a partial mask or after some threads of
    the warp have returned (undefined on a GPU), barriers that not all
-   threads of a block or warp reach, TF32 WMMA and mma inputs not
+   threads of a block or warp reach, TF32 mma and wgmma inputs not
    rounded, the leading dimensions cuBLAS would reject, more than 48 KiB
    of dynamic shared memory without cudaFuncSetAttribute, unaligned
    asynchronous copies and ldmatrix rows. Asynchronous copies (cp.async)
@@ -462,108 +461,15 @@ static void mgpu_emu_thread_returned(unsigned t) {
     mgpu_emu_wgmma_fenced[t] = false;
 }
 
-/* -------------------------------------------------- WMMA (tensor cores) */
-/* The WMMA fragments the kernels use (TF32 inputs, a row-major, b row-
-   or column-major, float accumulators). On a GPU a fragment is spread over the 32 threads of a
-   warp; here every thread holds all of it, and lane 0 does the products
-   and the stores for its warp. The rules a GPU enforces are checked:
-   32-byte aligned pointers, leading dimensions that are multiples of 4
-   floats. */
-namespace nvcuda {
-namespace wmma {
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-namespace precision { struct tf32 {}; }
-enum layout_t { mem_row_major, mem_col_major };
-template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment;
-template <int M, int N, int K> struct fragment<matrix_a, M, N, K, precision::tf32, row_major> {
-    static const int num_elements = M * K;
-    float x[M * K];
-};
-template <int M, int N, int K, typename Layout> struct fragment<matrix_b, M, N, K, precision::tf32, Layout> {
-    static const int num_elements = K * N;
-    float x[K * N]; /* row-major here, whichever layout memory has */
-};
-template <int M, int N, int K> struct fragment<accumulator, M, N, K, float, void> {
-    static const int num_elements = M * N;
-    float x[M * N];
-};
-static void mgpu_emu_check_tile(const void *p, unsigned ldm) {
-    if ((uintptr_t)p % 32) mgpu_emu_fail("a WMMA pointer that is not 32-byte aligned");
-    if (ldm % 4) mgpu_emu_fail("a WMMA leading dimension that is not a multiple of 4 floats");
-}
-template <int M, int N, int K>
-static void load_matrix_sync(fragment<matrix_a, M, N, K, precision::tf32, row_major> &f,
-                             const float *p, unsigned ldm) {
-    mgpu_emu_check_tile(p, ldm);
-    for (int i = 0; i < M; i++)
-        for (int k = 0; k < K; k++) f.x[i * K + k] = p[(size_t)i * ldm + k];
-}
-template <int M, int N, int K>
-static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, row_major> &f,
-                             const float *p, unsigned ldm) {
-    mgpu_emu_check_tile(p, ldm);
-    for (int k = 0; k < K; k++)
-        for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)k * ldm + j];
-}
-template <int M, int N, int K> /* column j of b is at p + j * ldm */
-static void load_matrix_sync(fragment<matrix_b, M, N, K, precision::tf32, col_major> &f,
-                             const float *p, unsigned ldm) {
-    mgpu_emu_check_tile(p, ldm);
-    for (int k = 0; k < K; k++)
-        for (int j = 0; j < N; j++) f.x[k * N + j] = p[(size_t)j * ldm + k];
-}
-static void mgpu_emu_check_tf32(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    if (bits & 0x1fffu) mgpu_emu_fail("a TF32 WMMA input not rounded with __float_to_tf32");
-}
-template <int M, int N, int K>
-static void fill_fragment(fragment<accumulator, M, N, K, float, void> &f, float v) {
-    for (float &x : f.x) x = v;
-}
-template <int M, int N, int K, typename LayoutB>
-static void mma_sync(fragment<accumulator, M, N, K, float, void> &d,
-                     const fragment<matrix_a, M, N, K, precision::tf32, row_major> &a,
-                     const fragment<matrix_b, M, N, K, precision::tf32, LayoutB> &b,
-                     const fragment<accumulator, M, N, K, float, void> &c) {
-    /* Only lane 0's fragments reach memory (store_matrix_sync below): the
-       other lanes may skip the product, a 32-fold saving. */
-    if (threadIdx.x % 32 != 0) return;
-    /* the CUDA guide: a TF32 fragment holds values already rounded with
-       __float_to_tf32 (the tensor cores read only their top 19 bits) */
-    for (float v : a.x) mgpu_emu_check_tf32(v);
-    for (float v : b.x) mgpu_emu_check_tf32(v);
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            float s = c.x[i * N + j];
-            for (int k = 0; k < K; k++) s += a.x[i * K + k] * b.x[k * N + j];
-            d.x[i * N + j] = s;
-        }
-}
-/* Collective on a GPU; here one thread writes (the others hold the same values). */
-template <int M, int N, int K>
-static void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float, void> &f,
-                              unsigned ldm, layout_t layout) {
-    mgpu_emu_check_tile(p, ldm);
-    if (layout != mem_row_major) mgpu_emu_fail("only row-major WMMA stores are emulated");
-    if (threadIdx.x % 32 != 0) return;
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) p[(size_t)i * ldm + j] = f.x[i * N + j];
-}
-/* float to TF32: 10 bits of mantissa, rounded to nearest, ties away from zero (cvt.rna) */
-static float __float_to_tf32(float v) {
+/* float to TF32 as the tensor cores and cuBLAS's TF32 products read it:
+   10 bits of mantissa, rounded to nearest, ties away from zero (cvt.rna) */
+static float mgpu_emu_tf32(float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof bits);
     if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & ~0x1fffu;
     memcpy(&v, &bits, sizeof v);
     return v;
 }
-} // namespace wmma
-} // namespace nvcuda
 #define __align__(n) __attribute__((aligned(n)))
 
 #include "cuda_emu_runtime.h"

@@ -474,7 +474,7 @@ static inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
    TF32 as the tensor cores read them. */
 static inline std::vector<float> mgpu_emu_tf32_copy(const float *p, int rows, int cols, int ld) {
     std::vector<float> v(cols ? (size_t)ld * (cols - 1) + rows : 0);
-    for (size_t i = 0; i < v.size(); i++) v[i] = nvcuda::wmma::__float_to_tf32(p[i]);
+    for (size_t i = 0; i < v.size(); i++) v[i] = mgpu_emu_tf32(p[i]);
     return v;
 }
 /* cuBLAS's product, column-major, on the handle's stream (no handle: at

@@ -117,8 +117,8 @@ TEST(im2col_col2im_and_layout_swap) {
     }
 }
 
-/* The implicit-GEMM convolution (TF32 on the tensor cores) against the
-   CPU's im2col path: y, dx and dw. TF32 keeps 10 bits of mantissa: allowed
+/* The fast convolution kernels (TF32 on the tensor cores, but few
+   inputs') against the CPU's im2col path: y, dx and dw. TF32 keeps 10 bits of mantissa: allowed
    2e-3 of the largest value (tests/gpu_layers.c says why). */
 static void close_in_tf32(const char *name, const char *what, const std::vector<float> &gpu,
                           const std::vector<float> &cpu) {
@@ -141,8 +141,7 @@ static std::vector<float> channels_last(const std::vector<float> &in, int outer,
     return out;
 }
 static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes alone */
-static int joined_cases;   /* and joined by rows */
-static int quads_cases;    /* and by quads (3x3, stride 2, padding 1) */
+static int stride2_cases;    /* and by the stride-2 dx kernel (3x3, stride 2, padding 1) */
 static int wgmma_cases;    /* conv_nhwc.h's products by wgmma: y, dx at stride 1, dx's classes */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
@@ -178,32 +177,6 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     std::vector<float> dw_start = random_values(k * crs), dw_c = dw_start;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, k, (int)crs, (int)(n * pq), 1.0f,
                 gk.data(), (int)(n * pq), col.data(), (int)(n * pq), 1.0f, dw_c.data(), (int)crs);
-    /* the GPU's implicit GEMMs, in every tile shape */
-    for (int tile = 0; tile < MGPU__TILE_KINDS; tile++) {
-        mgpu__implicit_tile kind = (mgpu__implicit_tile)tile;
-        char name[128];
-        snprintf(name, sizeof name, "implicit conv %s n%d c%d %dx%d k%d %dx%d stride %d pad %d",
-                 mgpu__implicit_tile_names[tile], n, c, h, w, k, r, s, stride, pad);
-        std::vector<float> y_g = nans(ys), dx_g = nans(x.size());
-        mgpu__conv_implicit_args a = {y_g.data(), x.data(), wt.data(), bias ? b.data() : NULL, g, kind};
-        mgpu__conv_implicit_cuda(&a, &on_gpu);
-        close_in_tf32(name, "y", y_g, y_c);
-        mgpu__conv_implicit_dgrad_args d = {dx_g.data(), dy.data(), wt.data(), g, kind, 0};
-        mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
-        close_in_tf32(name, "dx", dx_g, dx_c);
-        dx_g = dx_start;
-        d.accumulate = 1;
-        mgpu__conv_implicit_dgrad_cuda(&d, &on_gpu);
-        close_in_tf32(name, "dx added", dx_g, dx_sum_c);
-        /* the sum in one slice, in the library's number of slices, and in 3 */
-        for (int splits : {1, mgpu__conv_implicit_wgrad_splits(&g, kind), 3}) {
-            std::vector<float> dw_g = dw_start, partials = nans((size_t)splits * k * crs);
-            mgpu__conv_implicit_wgrad_args wg = {dw_g.data(), dy.data(), x.data(), partials.data(),
-                                                 1.0f, splits, g, kind};
-            mgpu__conv_implicit_wgrad_cuda(&wg, &on_gpu);
-            close_in_tf32(name, "dw", dw_g, dw_c);
-        }
-    }
     /* conv_nhwc.h's kernel, where it fits: y from the channels-last copies
        of x and w; dx from those of dy and w' (flipped), as mgpu.h calls it */
     int rs = r * s;
@@ -241,29 +214,26 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                         close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
                         wgmma_cases += wgmma;
                     }
-                    for (int joined = 0; joined <= 1 && stride > 1; joined++) { /* the sub-pixel classes */
-                        if (!mgpu__conv_nhwc_subpixel_fits(&g, joined)) continue;
+                    if (stride > 1 && mgpu__conv_nhwc_subpixel_fits(&g)) { /* the sub-pixel classes */
                         dx_g = accumulate ? dx_start : nans(x.size());
-                        std::vector<float> w_classes = nans(mgpu__conv_nhwc_subpixel_weight_floats(&g, joined));
-                        std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, joined, splits));
+                        std::vector<float> w_classes = nans(mgpu__conv_nhwc_subpixel_weight_floats(&g));
+                        std::vector<float> partials = nans(mgpu__conv_nhwc_subpixel_partial_floats(&g, splits));
                         mgpu__conv_nhwc_subpixel_args a = {dx_g.data(), dy_t.data(), wt.data(), w_classes.data(), g,
-                                                           kind, accumulate, splits, partials.data(), joined, wgmma};
+                                                           kind, accumulate, splits, partials.data(), wgmma};
                         mgpu__conv_nhwc_subpixel_cuda(&a, &on_gpu);
-                        (joined ? joined_cases : subpixel_cases)++;
+                        subpixel_cases++;
                         wgmma_cases += wgmma;
-                        close_in_tf32(sliced, joined ? (accumulate ? "joined dx added" : "joined dx")
-                                                     : (accumulate ? "dx added" : "dx"),
-                                      dx_g, accumulate ? dx_sum_c : dx_c);
+                        close_in_tf32(sliced, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
                     }
-                    /* the quads (no tile, no slices: once) */
-                    if (tile == 0 && !wgmma && splits == 0 && mgpu__conv_nhwc_quads_fits(&g)) {
+                    /* the stride-2 dx kernel (no tile, no slices: once) */
+                    if (tile == 0 && !wgmma && splits == 0 && mgpu__conv_nhwc_stride2_dx_fits(&g)) {
                         dx_g = accumulate ? dx_start : nans(x.size());
-                        mgpu__conv_nhwc_quads_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), g, accumulate};
-                        mgpu__conv_nhwc_quads_cuda(&a, &on_gpu);
-                        quads_cases++;
-                        char quads[96];
-                        snprintf(quads, sizeof quads, "quads n%d c%d %dx%d k%d", n, c, h, w, k);
-                        close_in_tf32(quads, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
+                        mgpu__conv_nhwc_stride2_dx_args a = {dx_g.data(), dy_t.data(), w_flipped.data(), g, accumulate};
+                        mgpu__conv_nhwc_stride2_dx_cuda(&a, &on_gpu);
+                        stride2_cases++;
+                        char label[96];
+                        snprintf(label, sizeof label, "stride-2 dx n%d c%d %dx%d k%d", n, c, h, w, k);
+                        close_in_tf32(label, accumulate ? "dx added" : "dx", dx_g, accumulate ? dx_sum_c : dx_c);
                     }
                 }
             }
@@ -336,7 +306,10 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         few_inputs_cases++;
     }
 }
-TEST(implicit_gemm_convolution) {
+/* Channels too few for conv_nhwc.h's steps of 32: conv_few_inputs.h's
+   kernels, Winograd and the channels-last dW (C and K in fours) where
+   they fit. */
+TEST(few_channels_convolution) {
     few_inputs_cases = 0; /* count this test's own cases, whichever test ran before */
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
     implicit_case(1, 1, 6, 6, 3, 3, 1, 1, 1);
@@ -356,7 +329,7 @@ TEST(implicit_gemm_convolution) {
    of its 32-channel step; partial tiles of filters and pixels, windows
    over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
 TEST(channels_last_convolution) {
-    subpixel_cases = joined_cases = quads_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
+    subpixel_cases = stride2_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
     /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
     implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
@@ -368,9 +341,8 @@ TEST(channels_last_convolution) {
     /* stride 3: 9 classes, in launches of 4, 4 and 1, of 80, 60 and 45
        pixels: 2 tiles of 64 for some, 1 for others */
     implicit_case(5, 32, 11, 11, 32, 3, 3, 0, 0);
-    /* 5x4, stride 2: joined rows only (the column classes' pads, 1 and 0,
-       differ from each other, not from the rows': the joined window is
-       3 wide, each class's 2) */
+    /* 5x4, stride 2: no sub-pixel classes (the column classes' pads, 1
+       and 0, differ) */
     implicit_case(2, 32, 9, 8, 32, 5, 2, 1, 0, 4);
     implicit_case(3, 32, 9, 10, 130, 3, 1, 0, 1); /* more than one tile of 128 filters and pixels */
     implicit_case(2, 64, 6, 6, 36, 3, 1, 1, 0);  /* dW: several tiles of 128 (r, s, c), 2 positions a tile */
@@ -382,26 +354,25 @@ TEST(channels_last_convolution) {
     implicit_case(3, 96, 7, 5, 96, 3, 1, 1, 1);
     implicit_case(2, 32, 11, 13, 32, 3, 1, 1, 0);
     implicit_case(1, 16, 28, 28, 8, 3, 1, 1, 0); /* dW only: stage 1's 28-wide rows */
-    /* dx at stride 2 only (C = 70): for the quads, 2 tiles of 64 channels
+    /* dx at stride 2 only (C = 70): for the stride-2 dx kernel, 2 tiles of 64 channels
        of dx (the second partial) and of 64 pixels of dy (6 x 6 in each of
        3 images), H and W odd */
     implicit_case(3, 70, 11, 11, 32, 3, 2, 1, 0);
     /* in 3 slicings, overwriting dx and adding to it; in every tile by
        mma.sync, and in 2 by wgmma too */
     CHECK(subpixel_cases == 3 * 2 * 7 * (MGPU__TILE_KINDS + 2));
-    CHECK(joined_cases == 3 * 2 * 8 * (MGPU__TILE_KINDS + 2));
-    CHECK(quads_cases == 4 * 2); /* the 4 cases of 3x3 windows at stride 2 and padding 1, K in 32s; both ways */
+    CHECK(stride2_cases == 4 * 2); /* the 4 cases of 3x3 windows at stride 2 and padding 1, K in 32s; both ways */
     /* by wgmma, in its 2 tiles and 3 slicings: y of the 14 cases with C in
        32s, dx of the 4 at stride 1 with K in 32s (over dx and added),
-       and the sub-pixel classes (7 cases) and joined rows (8), both ways */
-    CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 7 * 2 + 8 * 2));
+       and the sub-pixel classes (7 cases), both ways */
+    CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 7 * 2));
     CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 6 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }
 
-/* The quads alone, against dx straight from its definition (in double:
+/* The stride-2 dx kernel alone, against dx straight from its definition (in double:
    dx[h, w] sums w[k, c, r, s] dy[k, p, q] over the (p, r) with 2p + r - 1
    = h and the (q, s) with 2q + s - 1 = w), written over NaNs and added
    to a gradient there, with guard floats on both sides of dx that must
@@ -409,7 +380,7 @@ TEST(channels_last_convolution) {
    Shapes the convolution tests above do not cover: H odd and W even, two
    whole tiles of 64 channels, fewer channels than a tile, a 1 x 1 image,
    a row of dy longer than a block's 64 pixels. */
-static void quads_case(int n, int c, int h, int w, int k) {
+static void stride2_case(int n, int c, int h, int w, int k) {
     mgpu__conv_geom g = {n, c, h, w, k, 3, 3, (h - 1) / 2 + 1, (w - 1) / 2 + 1, 2, 1};
     size_t pq = (size_t)g.p * g.q, xs = (size_t)n * c * h * w;
     std::vector<float> wt = random_values((size_t)k * c * 9), dy = random_values(n * k * pq);
@@ -435,12 +406,12 @@ static void quads_case(int n, int c, int h, int w, int k) {
     for (int accumulate = 0; accumulate <= 1; accumulate++) {
         std::vector<float> memory(GUARD + xs + GUARD, UNTOUCHED);
         for (size_t i = 0; i < xs; i++) memory[GUARD + i] = accumulate ? start[i] : NAN;
-        mgpu__conv_nhwc_quads_args a = {memory.data() + GUARD, dy_t.data(), w_turned.data(), g, accumulate};
-        mgpu__conv_nhwc_quads_cuda(&a, &on_gpu);
+        mgpu__conv_nhwc_stride2_dx_args a = {memory.data() + GUARD, dy_t.data(), w_turned.data(), g, accumulate};
+        mgpu__conv_nhwc_stride2_dx_cuda(&a, &on_gpu);
         std::vector<float> got(memory.begin() + GUARD, memory.begin() + GUARD + xs), expected = want;
         for (size_t i = 0; accumulate && i < xs; i++) expected[i] += start[i];
         char name[96];
-        snprintf(name, sizeof name, "quads n%d c%d %dx%d k%d%s", n, c, h, w, k, accumulate ? ", added" : "");
+        snprintf(name, sizeof name, "stride-2 dx n%d c%d %dx%d k%d%s", n, c, h, w, k, accumulate ? ", added" : "");
         close_in_tf32(name, "dx", got, expected);
         size_t overwritten = 0;
         for (size_t i = 0; i < GUARD; i++)
@@ -449,24 +420,24 @@ static void quads_case(int n, int c, int h, int w, int k) {
         CHECK(overwritten == 0);
     }
 }
-TEST(quads_against_the_definition) {
-    quads_case(2, 32, 7, 8, 32);    /* H odd, W even */
-    quads_case(3, 128, 14, 14, 64); /* 2 whole tiles of channels; 147 pixels of dy */
-    quads_case(1, 5, 1, 1, 32);     /* a 1 x 1 image: dy 1 x 1, only class (0, 0) inside dx */
-    quads_case(2, 3, 2, 3, 32);     /* 3 channels of a tile's 64 */
-    quads_case(1, 64, 2, 129, 32);  /* a row of dy 65 pixels long */
-    quads_case(3, 70, 11, 11, 32);  /* (as in channels_last_convolution: a partial tile of each) */
+TEST(stride2_dx_against_the_definition) {
+    stride2_case(2, 32, 7, 8, 32);    /* H odd, W even */
+    stride2_case(3, 128, 14, 14, 64); /* 2 whole tiles of channels; 147 pixels of dy */
+    stride2_case(1, 5, 1, 1, 32);     /* a 1 x 1 image: dy 1 x 1, only class (0, 0) inside dx */
+    stride2_case(2, 3, 2, 3, 32);     /* 3 channels of a tile's 64 */
+    stride2_case(1, 64, 2, 129, 32);  /* a row of dy 65 pixels long */
+    stride2_case(3, 70, 11, 11, 32);  /* (as in channels_last_convolution: a partial tile of each) */
 }
 
 /* The sub-pixel products' order (most taps first, so that a launch
    starts its longest blocks first): each class once, the taps never
    rising, classes of equal taps in their own order. */
-static std::vector<int> subpixel_taps(int h, int r, int stride, int pad, int joined, std::vector<int> *classes) {
+static std::vector<int> subpixel_taps(int h, int r, int stride, int pad, std::vector<int> *classes) {
     mgpu__conv_geom g = {2, 32, h, h, 32, r, r, 0, 0, stride, pad};
     g.p = (h + 2 * pad - r) / stride + 1, g.q = g.p;
     std::vector<int> taps;
-    for (int i = 0; i < mgpu__subpixel_products(&g, joined); i++) {
-        mgpu__subpixel_class k = mgpu__subpixel_product(&g, joined, i);
+    for (int i = 0; i < mgpu__subpixel_products(&g); i++) {
+        mgpu__subpixel_class k = mgpu__subpixel_product(&g, i);
         taps.push_back(k.g.r * k.g.s);
         classes->push_back(k.out.row * stride + k.out.col);
     }
@@ -474,17 +445,14 @@ static std::vector<int> subpixel_taps(int h, int r, int stride, int pad, int joi
 }
 TEST(subpixel_products_longest_first) {
     std::vector<int> classes;
-    CHECK(subpixel_taps(9, 3, 2, 1, 0, &classes) == std::vector<int>({4, 2, 2, 1})); /* ResNet's 3x3 at stride 2 */
+    CHECK(subpixel_taps(9, 3, 2, 1, &classes) == std::vector<int>({4, 2, 2, 1})); /* ResNet's 3x3 at stride 2 */
     CHECK(classes == std::vector<int>({3, 1, 2, 0}));
     classes.clear();
-    CHECK(subpixel_taps(9, 3, 2, 1, 1, &classes) == std::vector<int>({2 * 2, 1 * 2})); /* joined rows, 2 wide */
-    CHECK(classes == std::vector<int>({2, 0}));
-    classes.clear();
-    CHECK(subpixel_taps(8, 1, 2, 0, 0, &classes) == std::vector<int>({1, 0, 0, 0})); /* 1x1: 3 without taps */
+    CHECK(subpixel_taps(8, 1, 2, 0, &classes) == std::vector<int>({1, 0, 0, 0})); /* 1x1: 3 without taps */
     CHECK(classes == std::vector<int>({0, 1, 2, 3}));
     classes.clear();
     /* 5x5 at stride 3 and padding 1: 2, 1 and 2 taps in each dimension */
-    CHECK(subpixel_taps(11, 5, 3, 1, 0, &classes) == std::vector<int>({4, 4, 4, 4, 2, 2, 2, 2, 1}));
+    CHECK(subpixel_taps(11, 5, 3, 1, &classes) == std::vector<int>({4, 4, 4, 4, 2, 2, 2, 2, 1}));
     CHECK(classes == std::vector<int>({0, 2, 6, 8, 1, 3, 5, 7, 4}));
 }
 
@@ -505,7 +473,7 @@ TEST(channels_last_copy) {
         /* and the CPU's by hand, for one element: in[o][i][j] -> out[o][j'][i] */
         int o = outer - 1, i = rows - 1, j = 1, jj = flip ? j - j % flip + flip - 1 - j % flip : j;
         CHECK(out_c[((size_t)o * cols + jj) * rows + i] ==
-              nvcuda::wmma::__float_to_tf32(in[((size_t)o * rows + i) * cols + j]));
+              mgpu_emu_tf32(in[((size_t)o * rows + i) * cols + j]));
     }
 }
 

@@ -264,8 +264,8 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_set_tf32(0, 0);
 }
 
-/* MGPU_CONV=implicit: y, dx and dw as implicit GEMMs on the tensor cores
-   (kernels/conv_implicit.h), TF32, at ResNet-18's shapes and at sizes
+/* MGPU_CONV=implicit: y, dx and dw by the fast kernels where they fit
+   (kernels/conv_nhwc.h, winograd.h, conv_few_inputs.h), else im2col, TF32, at ResNet-18's shapes and at sizes
    that leave partial tiles; within TF32's 2e-3 of the CPU. */
 static void implicit_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                              int pad, int bias) {
@@ -305,7 +305,7 @@ static void dx_compare(const char *what, const mgpu__conv_geom *g, mgpu__implici
    CPU's in y and dx (dx also added to what is there). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
                              pair *dy, pair *dx) {
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
+    mgpu__implicit_kernel winograd = {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0};
     char what[96];
     snprintf(what, sizeof what, "%s, Winograd", name);
     if (mgpu__conv_winograd_fits(MGPU__TRY_Y, g)) {
@@ -315,25 +315,25 @@ static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x
     }
     if (mgpu__conv_winograd_fits(MGPU__TRY_DX, g)) dx_compare(what, g, winograd, wt, dy, dx, NULL);
 }
-static int quads_checks; /* the input gradients checked by quads below */
-/* dx by conv_nhwc.h's quads where they fit (3x3, stride 2, padding 1),
+static int stride2_checks; /* the input gradients checked by the stride-2 dx kernel below */
+/* dx by conv_nhwc.h's stride-2 dx kernel where it fits (3x3, stride 2, padding 1),
    against the CPU's, the turned weights' copy made at the first call and
    kept for the second. */
-static void quads_compare(const char *name, const mgpu__conv_geom *g, pair *wt, pair *dy, pair *dx) {
-    if (!mgpu__conv_method_fits(MGPU__QUADS, MGPU__TRY_DX, g)) return;
-    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
+static void stride2_dx_compare(const char *name, const mgpu__conv_geom *g, pair *wt, pair *dy, pair *dx) {
+    if (!mgpu__conv_method_fits(MGPU__STRIDE2_DX, MGPU__TRY_DX, g)) return;
+    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
     char what[96];
-    snprintf(what, sizeof what, "%s, quads", name);
+    snprintf(what, sizeof what, "%s, stride-2 dx kernel", name);
     mgpu_tensor *w_turned_t = NULL;
-    dx_compare(what, g, quads, wt, dy, dx, &w_turned_t);
+    dx_compare(what, g, stride2_dx, wt, dy, dx, &w_turned_t);
     CHECK(w_turned_t != NULL);
     mgpu_free(w_turned_t);
-    quads_checks++;
+    stride2_checks++;
 }
 static int wgmma_checks; /* the input gradients checked by wgmma below */
-/* Every kernel and tile shape of the implicit GEMMs, each launched
-   directly (the library keeps the fastest per product, so some may never
-   run above); the channels-last kernels where they fit. */
+/* Every tile shape of the implicit GEMM, each launched directly (the
+   library keeps the fastest per pass, so some may never run above),
+   where it fits. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
     mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
@@ -350,16 +350,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel gather = {MGPU__GATHER, tile, 1, MGPU__DIRECT, 0};
-        mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, tile, 1, MGPU__DIRECT, 0};
-        mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, tile, 2, MGPU__DIRECT, 0}; /* the sum in 2 slices */
-        mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, gather, NULL);
-        mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, gather, 0);
-        mgpu__conv_dw_implicit(dw.g, dy.g, NULL, x.g, NULL, &g, 0, gather);
-        check_same(what, "y", &y, 2e-3);
-        check_same(what, "dx", &dx, 2e-3);
-        check_same(what, "dw", &dw, 2e-3);
-        snprintf(what, sizeof what, "%s, channels-last, tile %s", name, mgpu__implicit_tile_names[tile]);
+        mgpu__implicit_kernel channels_last = {MGPU__DIRECT, tile, 1, 0};
+        mgpu__implicit_kernel sliced = {MGPU__DIRECT, tile, 2, 0}; /* the sum in 2 slices */
         mgpu_tensor *x_t = NULL; /* the forward's copy of x, kept for dW */
         mgpu_tensor *w_t = NULL, *w_turned_t = NULL; /* the weights' copies, kept for the next call */
         if (mgpu__conv_nhwc_fits(&g)) {
@@ -380,24 +372,21 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
             check_same(what, "dx in 2 slices, from the kept copy of w", &dx, 2e-3);
         }
         /* by wgmma, where the GPU has it (sm_90a code on an H100 or H200,
-           and the emulator): whole and in 2 slices, and at stride 2 the
-           joined classes too */
-        for (int i = 0; i < 4 && mgpu__wgmma_tile_fits(tile) && mgpu__wgmma_runs(x.g->device); i++) {
-            mgpu__implicit_kernel by_wgmma = {MGPU__CHANNELS_LAST, tile, 1 + i % 2,
-                                              i < 2 ? MGPU__DIRECT : MGPU__JOINED, 1};
+           and the emulator): whole and in 2 slices */
+        for (int splits = 1; splits <= 2 && mgpu__wgmma_tile_fits(tile) && mgpu__wgmma_runs(x.g->device); splits++) {
+            mgpu__implicit_kernel by_wgmma = {MGPU__DIRECT, tile, splits, 1};
             char how[160];
-            snprintf(how, sizeof how, "%s by wgmma, %s, %d slices", what, i < 2 ? "direct" : "joined",
-                     by_wgmma.splits);
-            if (i < 2 && mgpu__conv_nhwc_fits(&g)) {
+            snprintf(how, sizeof how, "%s by wgmma, %d slices", what, splits);
+            if (mgpu__conv_nhwc_fits(&g)) {
                 mgpu_fill(y.g, NAN);
                 mgpu__conv_forward_implicit(y.g, x.g, NULL, wt.g, NULL, b.g, &g, by_wgmma, NULL);
                 check_same(how, "y", &y, 2e-3);
             }
-            if (i < 2 ? mgpu__conv_nhwc_dx_fits(&g) : mgpu__conv_nhwc_subpixel_fits(&g, 1)) {
+            if (mgpu__conv_nhwc_dx_fits(&g)) {
                 mgpu_fill(dx.g, NAN);
                 mgpu__conv_dx_implicit(dx.g, dy.g, NULL, wt.g, NULL, &g, by_wgmma, 0);
                 check_same(how, "dx", &dx, 2e-3);
-                wgmma_checks += i < 2;
+                wgmma_checks++;
             }
         }
         if (mgpu__conv_nhwc_dw_fits(&g)) {
@@ -415,12 +404,12 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_free(w_turned_t);
     }
     winograd_compare(name, &g, &x, &wt, &b, &y, &dy, &dx);
-    quads_compare(name, &g, &wt, &dy, &dx);
+    stride2_dx_compare(name, &g, &wt, &dy, &dx);
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
 TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
-    quads_checks = 0; /* this test's own */
+    stride2_checks = 0; /* this test's own */
     mgpu__conv_settings_from_environment(); /* so that MGPU_CONV is not read after this */
     mgpu__conv_mode = MGPU__CONV_IMPLICIT;
     mgpu_set_tf32(1, 0);
@@ -439,7 +428,7 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     implicit_tiles_compare("stage 4",          16, 512, 4, 512, 3, 1, 1);
     implicit_tiles_compare("partial tiles",     3, 96, 11,  96, 3, 1, 2);
     implicit_tiles_compare("stage 4 /2",       16, 256, 7, 512, 3, 2, 1); /* dx 7 x 7: odd */
-    CHECK_EQ_INT(quads_checks, 2); /* the two 3x3 convolutions at stride 2 */
+    CHECK_EQ_INT(stride2_checks, 2); /* the two 3x3 convolutions at stride 2 */
     if (mgpu__wgmma_runs(gpu)) {
         printf("  wgmma: %d input gradients checked by the direct kernels\n", wgmma_checks);
         CHECK(wgmma_checks > 0);
@@ -484,27 +473,17 @@ TEST(conv_algorithm_chosen_by_measuring) {
 }
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
-   (batch 256) in, with one family and tile, by the direct kernels, into
-   splits; returns how many (and in *winograd, whether it times Winograd
-   too). */
-static int candidate_slices(mgpu__conv_try what, mgpu__implicit_family family, mgpu__implicit_tile tile,
-                            const mgpu__conv_geom *g, int *splits, int *winograd) {
+   (batch 256) in, with one tile, by the direct kernel, into splits;
+   returns how many (and in *winograd, whether it times Winograd too). */
+static int candidate_slices(mgpu__conv_try what, mgpu__implicit_tile tile, const mgpu__conv_geom *g, int *splits,
+                            int *winograd) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
     *winograd = 0;
     for (int j = 0; j < count; j++)
         if (list[j].method == MGPU__WINOGRAD) *winograd += 1;
-        else if (list[j].family == family && list[j].tile == tile && list[j].method == MGPU__DIRECT)
+        else if (list[j].tile == tile && list[j].method == MGPU__DIRECT)
             splits[found++] = list[j].splits;
-    return found;
-}
-/* The slices the trial times dx of geometry g in, by the joined sub-pixel
-   classes in a tile, into splits; returns how many. */
-static int joined_slices(const mgpu__conv_geom *g, mgpu__implicit_tile tile, int *splits) {
-    mgpu__implicit_kernel list[MGPU__CANDIDATES];
-    int count = mgpu__conv_candidates(MGPU__TRY_DX, g, 0, list), found = 0;
-    for (int j = 0; j < count; j++)
-        if (list[j].method == MGPU__JOINED && list[j].tile == tile) splits[found++] = list[j].splits;
     return found;
 }
 static void check_slices(const char *what, const int *got, int count, const int *want, int wanted) {
@@ -523,10 +502,8 @@ static void check_slices(const char *what, const int *got, int count, const int 
    every slice keeps at least 8 steps of 32 terms and the partials fit in
    16M floats; the channels-last dW in
    distinct slices of its pixels, for 256 to 1536 blocks of at least 512
-   pixels; the gathering kernels whole (their dW slices its own); for the
-   forward pass and dx of 3x3 convolutions at stride 1, Winograd with
-   256 channels and filters or more; for dx at stride 2, the joined
-   sub-pixel classes sliced as the direct kernel. */
+   pixels; for the forward pass and dx of 3x3 convolutions at stride 1,
+   Winograd with 256 channels and filters or more. */
 TEST(trial_candidates_slice_the_sums) {
     int got[MGPU__CANDIDATES], winograd;
     const mgpu__conv_geom stage4 =
@@ -539,56 +516,47 @@ TEST(trial_candidates_slice_the_sums) {
         mgpu__conv_geometry("stage 3 /2", mgpu_shape4(256, 128, 14, 14), mgpu_shape4(256, 128, 3, 3), 2, 1);
     /* stage 4's 3x3: 512 * 9 / 32 = 144 steps, every choice up to 8 slices */
     const int all[] = {1, 2, 3, 4, 6, 8}, two[] = {1, 2}, whole[] = {1};
-    int n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    int n = candidate_slices(MGPU__TRY_Y, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, y", got, n, all, 6);
     CHECK_EQ_INT(winograd, 1); /* 3x3 at stride 1, 512 channels: Winograd too */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dx", got, n, all, 6);
     CHECK_EQ_INT(winograd, 1);
     /* stage 3's 3x3: 72 steps, but 6 slices' partials of 256 x 12544
        would pass 16M floats */
     const int four[] = {1, 2, 3, 4};
-    n = candidate_slices(MGPU__TRY_Y, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3, got, &winograd);
+    n = candidate_slices(MGPU__TRY_Y, MGPU__TILE_64x128, &stage3, got, &winograd);
     check_slices("stage 3, y", got, n, four, 4);
     CHECK_EQ_INT(winograd, 1);
-    n = candidate_slices(MGPU__TRY_Y, MGPU__GATHER, MGPU__TILE_128x128, &stage4, got, &winograd);
-    check_slices("stage 4, y, gathering", got, n, whole, 1);
     /* stage 1's 3x3: 64 * 9 / 32 = 18 steps would make 2 slices of 9, but
        their partials, 2 x 64 x 200704 floats, pass 16M: whole only */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x64, &stage1, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__TILE_64x64, &stage1, got, &winograd);
     check_slices("stage 1, dx", got, n, whole, 1);
     CHECK_EQ_INT(winograd, 0); /* (it fits, but 64 channels are too few to pay) */
     /* stage 3's stride-2 3x3 dx: 4 sub-pixel classes of about 256 * 9 / 4
        terms, 18 steps: 2 slices of 9 and no more */
-    n = candidate_slices(MGPU__TRY_DX, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage3_down, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DX, MGPU__TILE_64x128, &stage3_down, got, &winograd);
     check_slices("stage 3, stride 2, dx", got, n, two, 2);
     CHECK_EQ_INT(winograd, 0);
-    /* joined, 2 products of about 256 * 9 / 2 terms, 36 steps: 4 slices
-       would keep 9 steps each, but the two products run at once, each
-       with its own partials: 2 x 3 x 256 x 12544 floats for 3 slices pass
-       16M, so 1 or 2 */
-    n = joined_slices(&stage3_down, MGPU__TILE_64x128, got);
-    check_slices("stage 3, stride 2, joined dx", got, n, two, 2);
-    CHECK_EQ_INT(joined_slices(&stage1, MGPU__TILE_64x128, got), 0); /* (stride 1) */
     /* stage 4's dW in 64 x 128 tiles: 8 x 36 = 288 tiles; 1 slice for 256
        and 384 blocks, 2 for 512 (the default) ..., 6 for 1536 */
     const int stage4_dw[] = {1, 2, 3, 4, 6};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__TILE_64x128, &stage4, got, &winograd);
     check_slices("stage 4, dW", got, n, stage4_dw, 5);
     CHECK_EQ_INT(winograd, 0);
     /* in 128 x 128 tiles (144): 11 slices for 1536 blocks, but the
        partials are kept under 16M floats: 7 slices of 512 x 4608 */
     const int stage4_dw_128[] = {2, 3, 4, 6, 7};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_128x128, &stage4, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__TILE_128x128, &stage4, got, &winograd);
     check_slices("stage 4, dW, 128 x 128", got, n, stage4_dw_128, 5);
     /* stage 1's dW: 5 tiles of 64 x 128 (576 columns); 52 slices of
        3872 pixels for 256 blocks ... 308 for 1536 */
     const int stage1_dw[] = {52, 77, 103, 154, 205, 308};
-    n = candidate_slices(MGPU__TRY_DW, MGPU__CHANNELS_LAST, MGPU__TILE_64x128, &stage1, got, &winograd);
+    n = candidate_slices(MGPU__TRY_DW, MGPU__TILE_64x128, &stage1, got, &winograd);
     check_slices("stage 1, dW", got, n, stage1_dw, 6);
     /* with wgmma asked for: the channels-last kernels again by wgmma, in
        its two tiles, sliced as by mma.sync: stage 4's y in 6 slicings
-       each; stage 3's stride-2 dx in 2, alone and joined; never dW */
+       each; stage 3's stride-2 dx in 2; never dW */
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int plain = mgpu__conv_candidates(MGPU__TRY_Y, &stage4, 0, list);
     int count = mgpu__conv_candidates(MGPU__TRY_Y, &stage4, 1, list), by_wgmma = 0;
@@ -601,22 +569,21 @@ TEST(trial_candidates_slice_the_sums) {
     }
     CHECK_EQ_INT(by_wgmma, 2 * 6);
     plain = mgpu__conv_candidates(MGPU__TRY_DX, &stage3_down, 0, list);
-    CHECK_EQ_INT(mgpu__conv_candidates(MGPU__TRY_DX, &stage3_down, 1, list) - plain, 2 * 2 + 2 * 2);
+    CHECK_EQ_INT(mgpu__conv_candidates(MGPU__TRY_DX, &stage3_down, 1, list) - plain, 2 * 2);
     plain = mgpu__conv_candidates(MGPU__TRY_DW, &stage4, 0, list);
     CHECK_EQ_INT(mgpu__conv_candidates(MGPU__TRY_DW, &stage4, 1, list), plain);
 }
 
 /* conv_few_inputs.h's kernels are candidates where C*R*S <= 9, for the
    forward pass and dW (not dx): ResNet-18's stem, not stage 1. */
-static int lists_method(mgpu__conv_method method, mgpu__implicit_family family, mgpu__conv_try what,
-                        const mgpu__conv_geom *g) {
+static int lists_method(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
     mgpu__implicit_kernel list[MGPU__CANDIDATES];
     int count = mgpu__conv_candidates(what, g, 0, list), found = 0;
-    for (int j = 0; j < count; j++) found += list[j].method == method && list[j].family == family;
+    for (int j = 0; j < count; j++) found += list[j].method == method;
     return found;
 }
 static int lists_few_inputs(mgpu__conv_try what, const mgpu__conv_geom *g) {
-    return lists_method(MGPU__FEW_INPUTS, MGPU__GATHER, what, g);
+    return lists_method(MGPU__FEW_INPUTS, what, g);
 }
 TEST(trial_candidates_few_inputs) {
     const mgpu__conv_geom stem =
@@ -630,13 +597,13 @@ TEST(trial_candidates_few_inputs) {
     CHECK_EQ_INT(lists_few_inputs(MGPU__TRY_DW, &stage1), 0);
 }
 
-/* The quads are one candidate for dx of ResNet's 3x3 convolutions at
+/* The stride-2 dx kernel is one candidate for dx of ResNet's 3x3 convolutions at
    stride 2 (padding 1), and of nothing else: not their forward pass or
    dW, not the 1x1 shortcuts at stride 2, not stride 1, not padding 0.
    They read the weights' turned copy, which the trial then makes and
    charges them for; the sub-pixel classes at stride 2 (their own taps)
    and Winograd are not charged for it. */
-TEST(trial_candidates_quads) {
+TEST(trial_candidates_stride2_dx) {
     mgpu_shape stage2_in = mgpu_shape4(256, 64, 28, 28);
     mgpu__conv_geom down = mgpu__conv_geometry("stage 2 /2", stage2_in, mgpu_shape4(128, 64, 3, 3), 2, 1);
     mgpu__conv_geom stage4_down =
@@ -644,19 +611,19 @@ TEST(trial_candidates_quads) {
     mgpu__conv_geom shortcut = mgpu__conv_geometry("1x1 /2", stage2_in, mgpu_shape4(128, 64, 1, 1), 2, 0);
     mgpu__conv_geom unpadded = mgpu__conv_geometry("pad 0", stage2_in, mgpu_shape4(128, 64, 3, 3), 2, 0);
     mgpu__conv_geom stage1 = mgpu__conv_geometry("stage 1", stage2_in, mgpu_shape4(64, 64, 3, 3), 1, 1);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &down), 1);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &stage4_down), 1);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_Y, &down), 0);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DW, &down), 0);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &shortcut), 0);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &unpadded), 0);
-    CHECK_EQ_INT(lists_method(MGPU__QUADS, MGPU__CHANNELS_LAST, MGPU__TRY_DX, &stage1), 0);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &down), 1);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &stage4_down), 1);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_Y, &down), 0);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DW, &down), 0);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &shortcut), 0);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &unpadded), 0);
+    CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &stage1), 0);
     CHECK(mgpu__conv_dx_reads_turned_weights(&down) && mgpu__conv_dx_reads_turned_weights(&stage1));
     CHECK(!mgpu__conv_dx_reads_turned_weights(&shortcut));
-    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
-    mgpu__implicit_kernel classes = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 1, MGPU__DIRECT, 0};
-    mgpu__implicit_kernel winograd = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0};
-    CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, quads));
+    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel classes = {MGPU__DIRECT, MGPU__TILE_64x128, 1, 0};
+    mgpu__implicit_kernel winograd = {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0};
+    CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, stride2_dx));
     CHECK(!mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, classes));
     CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_Y, &down, classes));
     CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &stage1, classes));
@@ -701,7 +668,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu_shape xs = mgpu_shape4(3, 1, 17, 15), ws = mgpu_shape4(20, 1, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
-    mgpu__implicit_kernel few = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0};
+    mgpu__implicit_kernel few = {MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0};
     mgpu__conv_plan plan = {1, 0, 0, few, few, few};
     int before = plan_by_hand(&g, plan);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
@@ -753,14 +720,14 @@ TEST(conv_backward_im2col_halves) {
 /* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
 TEST(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
-    quads_checks = 0;
+    stride2_checks = 0;
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);
     implicit_tiles_compare("channels-last", 2, 64, 9, 96, 3, 1, 1); /* y, dx and dW channels-last too */
-    implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels, and quads */
+    implicit_tiles_compare("channels-last, stride 2", 2, 32, 9, 64, 3, 2, 1); /* dx by sub-pixels, and the stride-2 dx kernel */
     implicit_tiles_compare("Winograd, padding 0", 2, 32, 8, 64, 3, 1, 0); /* (y 6x6; dx padded by 2) */
     implicit_tiles_compare("Winograd, padding 2", 1, 64, 5, 32, 3, 1, 2); /* (y 7x7, dx 5x5: half tiles) */
     if (mgpu__wgmma_runs(gpu)) CHECK(wgmma_checks > 0); /* (the emulator's GPUs run them) */
-    CHECK_EQ_INT(quads_checks, 1);
+    CHECK_EQ_INT(stride2_checks, 1);
     mgpu_set_tf32(0, 0);
 }
 
@@ -775,7 +742,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel cl = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -787,8 +754,8 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, 6, 6));
     mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
     mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
-    CHECK(on_g->input_t != NULL);
-    CHECK(on_c->input_t == NULL); /* the CPU takes im2col */
+    CHECK(on_g->copies->input_t != NULL);
+    CHECK(on_c->copies->input_t == NULL); /* the CPU takes im2col */
     pair y = {on_c->output, on_g->output};
     check_same("kept x_t", "y", &y, 2e-3);
     mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL, 1);
@@ -800,7 +767,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     check_same("kept x_t", "db", &db, 1e-5);
     mgpu__conv_choices[before].plan.implicit = 0; /* the forward by im2col: no copy */
     mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
-    CHECK(on_g->input_t == NULL);
+    CHECK(on_g->copies->input_t == NULL);
     mgpu__conv_choice_count = before;
     mgpu__layer_free(on_c);
     mgpu__layer_free(on_g);
@@ -811,11 +778,11 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
 
 /* A residual block's input gradient is the skip path's plus conv1's, which
    conv1's backward pass adds to the skip path's as it writes it. Checked
-   against the CPU for each way dx can run (im2col, gathering, channels-
-   last), in a block with the identity shortcut and in one with the 1x1
-   stride-2 convolution (whose channels-last dx takes the sub-pixel
-   classes, three of them without taps; alone, or joined in rows, as the
-   trace shows; conv1's takes the quads when asked). Plans set by hand,
+   against the CPU for each way dx can run (im2col, channels-last whole,
+   in slices, by wgmma), in a block with the identity shortcut and in one
+   with the 1x1 stride-2 convolution (whose channels-last dx takes the
+   sub-pixel classes, three of them without taps; conv1's takes the stride-2 dx kernel
+   when asked, as the trace shows). Plans set by hand,
    as above. */
 static mgpu__conv_method method_where_it_fits(mgpu__conv_method method, mgpu__conv_try what,
                                               const mgpu__conv_geom *g) {
@@ -832,10 +799,10 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     const mgpu__conv_geom *geoms[] = {&g1, &g2, &g3};
     for (int i = 0; i < 3; i++)
         for (int backward = 0; backward <= 1; backward++) {
-            mgpu__conv_plan plan = {1, dx_im2col, 0, kernel, kernel, kernel}; /* (dx by quads: conv1 alone) */
-            plan.dx.method = kernel.method == MGPU__QUADS ? method_where_it_fits(MGPU__QUADS, MGPU__TRY_DX, geoms[i])
+            mgpu__conv_plan plan = {1, dx_im2col, 0, kernel, kernel, kernel}; /* (dx by the stride-2 dx kernel: conv1 alone) */
+            plan.dx.method = kernel.method == MGPU__STRIDE2_DX ? method_where_it_fits(MGPU__STRIDE2_DX, MGPU__TRY_DX, geoms[i])
                                                          : kernel.method;
-            plan.y.method = plan.dw.method = kernel.method == MGPU__QUADS ? MGPU__DIRECT : kernel.method;
+            plan.y.method = plan.dw.method = kernel.method == MGPU__STRIDE2_DX ? MGPU__DIRECT : kernel.method;
             mgpu__conv_choice c = {*geoms[i], backward, backward, plan};
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
@@ -849,21 +816,19 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, out_hw, out_hw));
     mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
     mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
-    /* channels-last: bn1 writes conv2's input channels-last, and conv2
-       makes no copy of its own */
-    int cl = kernel.family == MGPU__CHANNELS_LAST && !dx_im2col;
-    CHECK((on_g->bn1->output_t != NULL) == cl);
-    CHECK(on_g->conv2->input_t == on_g->bn1->output_t && on_g->conv2->own_input_t == NULL);
+    /* bn1 writes conv2's input channels-last, and conv2 makes no copy of
+       its own */
+    CHECK(on_g->bn1->copies->output_t != NULL);
+    CHECK(on_g->conv2->copies->input_t == on_g->bn1->copies->output_t && on_g->conv2->copies->own_input_t == NULL);
     mgpu__layer_backward(on_c, dy.c, NULL, NULL, NULL, 1);
     mgpu_trace_begin();
     mgpu__layer_backward(on_g, dy.g, NULL, NULL, NULL, 1);
     mgpu_trace_end();
-    int joined = kernel.method == MGPU__JOINED && stride == 2; /* conv1 and the shortcut */
-    CHECK_EQ_INT(traced_calls("conv2d_backward channels-last joined dx"), joined ? 2 : 0);
-    int quads = kernel.method == MGPU__QUADS && stride == 2; /* conv1 */
-    CHECK_EQ_INT(traced_calls("conv2d_backward channels-last quads dx"), quads);
-    /* and both batch norms write their input gradients channels-last alone */
-    CHECK((on_g->bn2->dinput_t != NULL) == cl && (on_g->bn1->dinput_t != NULL) == cl);
+    int stride2_dx = kernel.method == MGPU__STRIDE2_DX && stride == 2; /* conv1 */
+    CHECK_EQ_INT(traced_calls("conv2d_backward channels-last stride-2 dx"), stride2_dx);
+    /* and both batch norms write their input gradients channels-last
+       alone, unless dx reads dy itself (im2col) */
+    CHECK((on_g->bn2->copies->dinput_t != NULL) == !dx_im2col && (on_g->bn1->copies->dinput_t != NULL) == !dx_im2col);
     pair dx = {on_c->dinput, on_g->dinput};
     pair dw1 = {on_c->conv1->weight.grad, on_g->conv1->weight.grad};
     pair dw2 = {on_c->conv2->weight.grad, on_g->conv2->weight.grad};
@@ -888,25 +853,19 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel gather = {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
-    mgpu__implicit_kernel channels_last = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
-    mgpu__implicit_kernel sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT, 0};
-    mgpu__implicit_kernel joined = {MGPU__CHANNELS_LAST, MGPU__TILE_128x64, 1, MGPU__JOINED, 0};
-    mgpu__implicit_kernel joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 0};
-    mgpu__implicit_kernel wgmma = {MGPU__CHANNELS_LAST, MGPU__TILE_128x128, 1, MGPU__DIRECT, 1};
-    mgpu__implicit_kernel wgmma_joined_sliced = {MGPU__CHANNELS_LAST, MGPU__TILE_64x128, 2, MGPU__JOINED, 1};
-    mgpu__implicit_kernel quads = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0};
-    residual_block_compare(2, quads, 0);
+    mgpu__implicit_kernel channels_last = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel sliced = {MGPU__DIRECT, MGPU__TILE_64x64, 2, 0};
+    mgpu__implicit_kernel wgmma = {MGPU__DIRECT, MGPU__TILE_128x128, 1, 1};
+    mgpu__implicit_kernel wgmma_sliced = {MGPU__DIRECT, MGPU__TILE_64x128, 2, 1};
+    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
+    residual_block_compare(2, stride2_dx, 0);
     for (int stride = 1; stride <= 2; stride++) {
-        residual_block_compare(stride, gather, 1);
-        residual_block_compare(stride, gather, 0);
+        residual_block_compare(stride, channels_last, 1);
         residual_block_compare(stride, channels_last, 0);
         residual_block_compare(stride, sliced, 0);
-        residual_block_compare(stride, joined, 0);
-        residual_block_compare(stride, joined_sliced, 0);
         if (!mgpu__wgmma_runs(gpu)) continue;
         residual_block_compare(stride, wgmma, 0);
-        residual_block_compare(stride, wgmma_joined_sliced, 0);
+        residual_block_compare(stride, wgmma_sliced, 0);
     }
     mgpu_set_tf32(0, 0);
 }
@@ -1002,7 +961,7 @@ static int all_nan(const mgpu_tensor *t) {
 }
 static void batch_norms_write_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__DIRECT, 0};
+    mgpu__implicit_kernel kernel = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
     mgpu_manual_seed(13);
     small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
@@ -1023,13 +982,13 @@ static void batch_norms_write_copies_compare(const char *name, mgpu__conv_method
     for (int k = 0; k < 2; k++) {
         mgpu_layer **l = nets[k]->layers;
         int wrote = k == 1;
-        CHECK((l[1]->output_t != NULL) == wrote && (l[2]->output_t != NULL) == wrote);
-        CHECK(l[3]->output_t == NULL); /* pooling comes next */
-        CHECK((l[2]->conv1->own_input_t == NULL) == wrote);
-        CHECK(l[2]->conv1->input_t == (wrote ? l[1]->output_t : l[2]->conv1->own_input_t));
+        CHECK((l[1]->copies->output_t != NULL) == wrote && (l[2]->copies->output_t != NULL) == wrote);
+        CHECK(l[3]->copies->output_t == NULL); /* pooling comes next */
+        CHECK((l[2]->conv1->copies->own_input_t == NULL) == wrote);
+        CHECK(l[2]->conv1->copies->input_t == (wrote ? l[1]->copies->output_t : l[2]->conv1->copies->own_input_t));
         CHECK(!wrote ||
-              (l[3]->conv1->input_t == l[2]->output_t && l[3]->shortcut->input_t == l[2]->output_t));
-        CHECK((l[1]->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
+              (l[3]->conv1->copies->input_t == l[2]->copies->output_t && l[3]->shortcut->copies->input_t == l[2]->copies->output_t));
+        CHECK((l[1]->copies->dinput_t != NULL) == wrote); /* for the stem, which wants no dx */
         CHECK(all_nan(l[2]->bn1->output) == wrote && all_nan(l[3]->bn1->output) == wrote);
     }
     same_networks(&test, name, nets, logits, 1);
@@ -1050,10 +1009,10 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
    at every pass. The stride-1 convolutions that take dx keep the turned
    copy too; the others (the stem, which wants no dx, and the stride-2
    ones, whose sub-pixel classes take their own taps) do not, but for
-   block 2's conv1 when its dx is by quads. */
+   block 2's conv1 when its dx is by the stride-2 dx kernel. */
 static void kept_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 2, MGPU__DIRECT, 0}; /* in 2 slices */
+    mgpu__implicit_kernel kernel = {MGPU__DIRECT, MGPU__TILE_64x64, 2, 0}; /* in 2 slices */
     mgpu_manual_seed(17);
     small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
@@ -1072,13 +1031,13 @@ static void kept_copies_compare(const char *name, mgpu__conv_method method) {
     for (int k = 0; k < 2; k++) {
         mgpu_layer **l = nets[k]->layers;
         int kept = k == 1;
-        CHECK((l[0]->weight_t != NULL) == kept && l[0]->weight_turned_t == NULL);
-        CHECK((l[2]->conv1->weight_t != NULL) == kept && (l[2]->conv1->weight_turned_t != NULL) == kept);
-        CHECK((l[2]->conv2->weight_t != NULL) == kept && (l[2]->conv2->weight_turned_t != NULL) == kept);
-        CHECK((l[3]->conv1->weight_t != NULL) == kept);
-        CHECK((l[3]->conv1->weight_turned_t != NULL) == (kept && method == MGPU__QUADS));
-        CHECK((l[3]->conv2->weight_turned_t != NULL) == kept);
-        CHECK((l[3]->shortcut->weight_t != NULL) == kept && l[3]->shortcut->weight_turned_t == NULL);
+        CHECK((l[0]->copies->weight_t != NULL) == kept && l[0]->copies->weight_turned_t == NULL);
+        CHECK((l[2]->conv1->copies->weight_t != NULL) == kept && (l[2]->conv1->copies->weight_turned_t != NULL) == kept);
+        CHECK((l[2]->conv2->copies->weight_t != NULL) == kept && (l[2]->conv2->copies->weight_turned_t != NULL) == kept);
+        CHECK((l[3]->conv1->copies->weight_t != NULL) == kept);
+        CHECK((l[3]->conv1->copies->weight_turned_t != NULL) == (kept && method == MGPU__STRIDE2_DX));
+        CHECK((l[3]->conv2->copies->weight_turned_t != NULL) == kept);
+        CHECK((l[3]->shortcut->copies->weight_t != NULL) == kept && l[3]->shortcut->copies->weight_turned_t == NULL);
     }
     same_networks(&test, name, nets, logits, 0);
 }
@@ -1086,7 +1045,7 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     kept_copies_compare("kept weight copies", MGPU__DIRECT);
-    kept_copies_compare("kept weight copies, dx by quads", MGPU__QUADS);
+    kept_copies_compare("kept weight copies, dx by the stride-2 dx kernel", MGPU__STRIDE2_DX);
 }
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))

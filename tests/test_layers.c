@@ -568,14 +568,15 @@ TEST(conv_settings_from_the_environment) {
    made up so that each answer is known: the channels-last kernels' one
    shared copy of dy decides between them and the others, and costs
    nothing only where the caller prepares it and both read dy only
-   through it. Ways: gathering, channels-last, im2col half. */
+   through it. Ways: a kernel on the NCHW tensors, channels-last, im2col
+   half. */
 TEST(conv_backward_ways_count_the_copy_of_dy_once) {
     const double dx_ms[3] = {12, 10, 13}, dw_ms[3] = {14, 10, 11};
     int by_dx, by_dw;
     /* channels-last both: 10 + 10 + one copy of 5 = 25, not 30; beside
        gathering dx and im2col's dW half: 12 + 11 = 23 */
     CHECK(mgpu__conv_backward_ways(dx_ms, dw_ms, 5, 0, 1, &by_dx, &by_dw) == 23);
-    CHECK(by_dx == MGPU__BY_GATHERING && by_dw == MGPU__BY_IM2COL_HALF);
+    CHECK(by_dx == MGPU__BY_NCHW && by_dw == MGPU__BY_IM2COL_HALF);
     /* with the copy prepared: 20 */
     CHECK(mgpu__conv_backward_ways(dx_ms, dw_ms, 5, 1, 1, &by_dx, &by_dw) == 20);
     CHECK(by_dx == MGPU__BY_CHANNELS_LAST && by_dw == MGPU__BY_CHANNELS_LAST);
@@ -587,7 +588,7 @@ TEST(conv_backward_ways_count_the_copy_of_dy_once) {
        copy (21.5), and im2col's half wins (21) */
     const double slow_dx[3] = {10, 20, 30};
     CHECK(mgpu__conv_backward_ways(slow_dx, dw_ms, 1.5, 1, 1, &by_dx, &by_dw) == 21);
-    CHECK(by_dx == MGPU__BY_GATHERING && by_dw == MGPU__BY_IM2COL_HALF);
+    CHECK(by_dx == MGPU__BY_NCHW && by_dw == MGPU__BY_IM2COL_HALF);
     /* without dx: dW alone, by channels-last with the copy (15) or prepared (10) */
     CHECK(mgpu__conv_backward_ways(NULL, dw_ms, 5, 0, 0, &by_dx, &by_dw) == 11);
     CHECK(by_dw == MGPU__BY_IM2COL_HALF);

@@ -789,7 +789,7 @@ TEST(layers_of_ones_own_train_like_the_librarys) {
 }
 
 #if !TEST_ON_GPU
-/* Layers of one's own that loop over the values themselves (host_loops,
+/* Layers of one's own that loop over the values themselves (own_loops,
    CPU devices only): a leaky ReLU, its slope in the settings, and a
    learnable scale per channel, y = x s[c]. On GPUs (below) the same
    layers are CUDA kernels of one's own. */
@@ -992,7 +992,7 @@ TEST(a_layer_of_ones_own_is_refused_without_what_it_needs) {
                                              own_relu_backward, 0};
     EXPECT_DIES(mgpu_net_add_layer(net, &long_kind, NULL, NULL, NULL), "is longer than 32 characters");
     static const mgpu_layer_fns loops_2 = {"two", NULL, own_relu_forward, own_relu_backward, 2};
-    EXPECT_DIES(mgpu_net_add_layer(net, &loops_2, NULL, NULL, NULL), "host_loops is 2; it is 0 or 1");
+    EXPECT_DIES(mgpu_net_add_layer(net, &loops_2, NULL, NULL, NULL), "own_loops is 2; it is 0 or 1");
     mgpu_tensor *w = mgpu_zeros(devs[1], mgpu_shape2(8, 10));
     EXPECT_DIES(mgpu_net_add_layer(net, &own_linear, w, NULL, NULL),
                 "mgpu_net_add_layer: own_linear0's weight is on cpu#1, the network on cpu");
@@ -1155,7 +1155,7 @@ TEST(a_host_loop_layer_is_refused_on_a_gpu) {
     static const mgpu_layer_fns host = {"host", NULL, own_relu_forward, own_relu_backward, 1};
     mgpu_net *net = mgpu_net_new(test_device());
     char want[160];
-    snprintf(want, sizeof want, "mgpu_net_add_layer: host0 loops over its values on the host (host_loops 1), "
+    snprintf(want, sizeof want, "mgpu_net_add_layer: host0 loops over its values on the host (own_loops 1), "
              "and %s is a GPU", mgpu_device_name(test_device()));
     EXPECT_DIES(mgpu_net_add_layer(net, &host, NULL, NULL, NULL), want);
     mgpu_net *on_cpu = mgpu_net_new(mgpu_cpu());

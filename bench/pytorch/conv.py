@@ -1,8 +1,8 @@
-"""ResNet-18's convolutions one by one in PyTorch (cuDNN), beside bench/conv.c.
+"""ResNet-18's convolutions one by one in PyTorch (cuDNN), beside bench/convolutions.c.
 
     python3 bench/pytorch/conv.py [--batch-size 256] [--steps 20] [--device cuda|cpu] [--tf32 ...]
 
-The same 11 convolutions as bench/conv.c (the book's ResNet-18 on 1x28x28
+The same 11 convolutions as bench/convolutions.c (the book's ResNet-18 on 1x28x28
 images, with how often each occurs), timed the same way: microseconds per
 call, the mean of --steps calls between two synchronisations after one
 warm-up call. The passes are the ones autograd runs:

@@ -1,6 +1,7 @@
-/* bench/conv.c: each convolution of ResNet-18, one algorithm at a time.
+/* bench/convolutions.c: each convolution of ResNet-18, one algorithm at a
+   time.
 
-   make bench/conv && ./bench/conv [--batch-size N] [--steps N] [--cpu]
+   make bench/convolutions && ./bench/convolutions [--batch-size N] [--steps N] [--cpu]
 
    The book's ResNet-18 on 1x28x28 images has 11 distinct convolutions
    (below, with how often each occurs in the network). For each, at batch
@@ -11,22 +12,18 @@
    with conv.h's im2col + cuBLAS (the forward through mgpu_conv2d_forward,
    the backward through mgpu_conv2d_backward, dx and dW together), and on
    a GPU with each gradient's half of the im2col path alone (rows "im2col
-   alone"), and with each tile shape of the implicit GEMMs, launched
-   directly: kernels/conv_implicit.h's (rows "gather"), and
-   kernels/conv_nhwc.h's (rows "channels-last": the forward pass, dx, and
-   dW; their times include the copies to channels-last; "/N": the forward
-   pass or dx with its sum in N slices, "~B": dW in the slices for about
-   B blocks, where a tile's differ from the row above's), for dx at
-   stride 2 the sub-pixel classes joined a row
-   at a time (rows "channels-last joined", "/N" as above), with
-   unless MGPU_WGMMA=0, on a GPU that runs them (sm_90a code on compute capability
-   9.0) conv_nhwc.h's direct and joined kernels by wgmma (rows "...
-   wgmma", in the 64 x 128 and 128 x 128 tiles), and
-   kernels/winograd.h's (rows "Winograd", one figure,
+   alone"), and with each tile shape of kernels/conv_nhwc.h's implicit
+   GEMM, launched directly (rows "channels-last": the forward pass, dx,
+   and dW; their times include the copies to channels-last; "/N": the
+   forward pass or dx with its sum in N slices, "~B": dW in the slices
+   for about B blocks, where a tile's differ from the row above's), and
+   unless MGPU_WGMMA=0, on a GPU that runs them (sm_90a code on compute
+   capability 9.0) by wgmma (rows "... wgmma", in the 64 x 128 and 128 x
+   128 tiles), and kernels/winograd.h's (rows "Winograd", one figure,
    under the first tile): the forward pass and dx; for the first layer
-   (C*R*S = 9) kernels/conv_few_inputs.h's (rows "gather few inputs", one
+   (C*R*S = 9) kernels/conv_few_inputs.h's (rows "few inputs", one
    figure): the forward pass and dW; for dx of the 3x3 convolutions at
-   stride 2, conv_nhwc.h's quads (rows "channels-last quads", one figure,
+   stride 2, conv_nhwc.h's stride-2 dx kernel (rows "channels-last stride-2 dx", one figure,
    the turned weights' copy included). The fastest tile of a
    row is marked *; the fastest of a pass is the one the library's own trial
    should keep. Each figure is the mean of `steps` calls between two
@@ -123,18 +120,14 @@ static void im2col_dw(void *p) {
 enum { TILE_COLUMNS = 4 }; /* room for the tile shapes */
 #if MGPU_CUDA
 static_assert((int)MGPU__TILE_KINDS <= (int)TILE_COLUMNS, "a column for each tile shape");
-/* The trial's candidate i of a family and tile for a pass, in *k (as
-   mgpu__conv_kernel_choice): the direct kernels' choices, then the
-   joined sub-pixel classes' (for dx at stride > 1), each by mma.sync,
-   then again by wgmma where `wgmma` (the GPU runs them); returns whether
-   it is one. */
-enum { CANDIDATE_ROWS = 4 * MGPU__KERNEL_CHOICES };
-static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_family family,
-                     mgpu__implicit_tile tile, int wgmma, int i, mgpu__implicit_kernel *k) {
-    const int N = MGPU__KERNEL_CHOICES;
-    int by_wgmma = i >= 2 * N, joined = i % (2 * N) >= N;
-    return (wgmma || !by_wgmma) &&
-           mgpu__conv_kernel_choice(what, g, family, tile, joined ? MGPU__JOINED : MGPU__DIRECT, by_wgmma, i % N, k);
+/* The trial's candidate i in a tile for a pass, in *k (as
+   mgpu__conv_kernel_choice): the choices by mma.sync, then again by
+   wgmma where `wgmma` (the GPU runs them); returns whether it is one. */
+enum { CANDIDATE_ROWS = 2 * MGPU__KERNEL_CHOICES };
+static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile, int wgmma, int i,
+                     mgpu__implicit_kernel *k) {
+    int by_wgmma = i >= MGPU__KERNEL_CHOICES;
+    return (wgmma || !by_wgmma) && mgpu__conv_kernel_choice(what, g, tile, by_wgmma, i % MGPU__KERNEL_CHOICES, k);
 }
 #endif
 
@@ -167,7 +160,7 @@ int main(int argc, char **argv) {
         {"--steps", 'i', &steps, "calls timed per figure (default 20 on a GPU, 2 on the CPU)"},
     };
     mgpu_options_parse(&o, argc, argv,
-                       "bench/conv: ResNet-18's convolutions, im2col against implicit GEMM", extra, 1);
+                       "bench/convolutions: ResNet-18's convolutions, im2col against the fast kernels", extra, 1);
     mgpu_device *dev[1];
     mgpu_devices(1, !o.cpu, dev);
     int on_gpu = mgpu_device_is_gpu(dev[0]);
@@ -208,7 +201,7 @@ int main(int argc, char **argv) {
         c.x = mgpu_randn(dev[0], mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
         c.w = mgpu_randn(dev[0], mgpu_shape4(cc->k, cc->c, cc->r, cc->r), 0, 0.1f);
         c.b = mgpu_zeros(dev[0], mgpu_shape1(cc->k));
-        c.g = mgpu__conv_geometry("bench/conv", c.x->shape, c.w->shape, cc->stride, cc->pad);
+        c.g = mgpu__conv_geometry("bench/convolutions", c.x->shape, c.w->shape, cc->stride, cc->pad);
         c.y = mgpu_empty(dev[0], mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
         c.dy = mgpu_randn(dev[0], c.y->shape, 0, 1);
         c.dx = mgpu_empty(dev[0], c.x->shape);
@@ -235,42 +228,30 @@ int main(int argc, char **argv) {
             const mgpu__conv_try tries[PASSES] = {MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW};
             for (int pass = 0; pass < PASSES; pass++) {
                 if (pass == DX && c.first) continue;
-                for (int f = 0; f < MGPU__FAMILIES; f++)
-                    for (int i = 0; i < CANDIDATE_ROWS; i++) { /* the trial's candidates */
-                        double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
-                        int timed = 0;
-                        for (int t = 0; t < tiles; t++) {
-                            if (!candidate(tries[pass], &c.g, (mgpu__implicit_family)f, (mgpu__implicit_tile)t, wgmma,
-                                           i, &c.kernel))
-                                continue;
-                            us[t] = time_us(dev[0], runs[pass], &c, steps);
-                            if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
-                            timed++;
-                        }
-                        if (!timed) continue;
-                        char family[48];
-                        const int N = MGPU__KERNEL_CHOICES;
-                        int choice = i % N; /* (joined and wgmma: as direct) */
-                        const char *joined = i >= 3 * N   ? " joined wgmma"
-                                             : i >= 2 * N ? " wgmma"
-                                             : i >= N     ? " joined"
-                                                          : "";
-                        if (f == MGPU__CHANNELS_LAST && pass == DW)
-                            snprintf(family, sizeof family, "  %s ~%d", mgpu__implicit_family_names[f],
-                                     mgpu__conv_dw_block_choices[choice]);
-                        else if (f == MGPU__CHANNELS_LAST && choice > 0)
-                            snprintf(family, sizeof family, "  %s%s /%d", mgpu__implicit_family_names[f], joined,
-                                     mgpu__conv_slice_choices[choice]);
-                        else
-                            snprintf(family, sizeof family, "  %s%s", mgpu__implicit_family_names[f], joined);
-                        print_row(family, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0,
-                                  us, tiles);
+                for (int i = 0; i < CANDIDATE_ROWS; i++) { /* the trial's candidates */
+                    double us[TILE_COLUMNS] = {0}; /* (0: not a candidate) */
+                    int timed = 0;
+                    for (int t = 0; t < tiles; t++) {
+                        if (!candidate(tries[pass], &c.g, (mgpu__implicit_tile)t, wgmma, i, &c.kernel)) continue;
+                        us[t] = time_us(dev[0], runs[pass], &c, steps);
+                        if (!best[pass] || us[t] < best[pass]) best[pass] = us[t];
+                        timed++;
                     }
+                    if (!timed) continue;
+                    char row[48];
+                    int choice = i % MGPU__KERNEL_CHOICES; /* (wgmma: as mma.sync) */
+                    const char *by = i >= MGPU__KERNEL_CHOICES ? " wgmma" : "";
+                    if (pass == DW) snprintf(row, sizeof row, "  channels-last ~%d", mgpu__conv_dw_block_choices[choice]);
+                    else if (choice > 0)
+                        snprintf(row, sizeof row, "  channels-last%s /%d", by, mgpu__conv_slice_choices[choice]);
+                    else snprintf(row, sizeof row, "  channels-last%s", by);
+                    print_row(row, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
+                }
                 const mgpu__implicit_kernel untiled[] = { /* (one figure each) */
-                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__WINOGRAD, 0},
-                    {MGPU__GATHER, MGPU__TILE_64x64, 1, MGPU__FEW_INPUTS, 0},
-                    {MGPU__CHANNELS_LAST, MGPU__TILE_64x64, 1, MGPU__QUADS, 0}};
-                const char *untiled_names[] = {"  Winograd", "  gather few inputs", "  channels-last quads"};
+                    {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0},
+                    {MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0},
+                    {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0}};
+                const char *untiled_names[] = {"  Winograd", "  few inputs", "  channels-last stride-2 dx"};
                 for (int m = 0; m < 3; m++) {
                     if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g)) continue;
                     double us[TILE_COLUMNS] = {0};
