@@ -21,7 +21,18 @@
    THE MANUAL
    ======================================================================
 
-   1. Devices are queues
+   1. Errors
+   ---------
+   Every error prints one line on stderr and exits with status 1:
+     - bad arguments name the function and what is wrong with them:
+       "mgpu: error: mgpu_add_: a tensor on cpu#1 is used with one on cpu;
+       copy it first with mgpu_to";
+     - bad files name the file: "mgpu: error: <path>: <what is wrong>";
+     - a failing CUDA, cuBLAS, NCCL or system call names the call and
+       where in mgpu.h it was made: "mgpu: error: <file>:<line>: <call>:
+       <what> (<hint>)".
+
+   2. Devices are queues
    ---------------------
    A device (mgpu_device) runs the operations you give it in order, and
    asynchronously to your program: calling mgpu_relu_forward(...) only *enqueues*
@@ -55,12 +66,12 @@
        size_t mgpu_device_memory_in_use(const mgpu_device *d);   bytes held by tensors
        size_t mgpu_device_memory_peak(const mgpu_device *d);
 
-   2. Events and timers
+   3. Events and timers
    --------------------
        mgpu_event *mgpu_event_new(void);      void mgpu_event_free(mgpu_event*);
        void mgpu_event_record(mgpu_event *e, mgpu_device *d);  marks "now" in d's compute queue
        void mgpu_event_wait(mgpu_device *d, mgpu_event *e);    d's compute queue waits for e
-   (Copies need no events: each orders itself, section 3.)
+   (Copies need no events: each orders itself, section 4.)
        void mgpu_event_synchronize(mgpu_event *e);            the host waits for e
        double mgpu_event_elapsed_ms(mgpu_event *a, mgpu_event *b);
 
@@ -73,7 +84,7 @@
        MGPU_BENCHMARK("GPU1 time") { run(x); }
    runs the block, synchronises every device and prints "GPU1 time: 0.5620 sec".
 
-   3. Tensors
+   4. Tensors
    ----------
    float32, up to 4 dimensions, living on one device. A tensor is freed with
    mgpu_free; memory goes back to the device's caching allocator, so a
@@ -81,7 +92,7 @@
 
        mgpu_shape mgpu_shape1(a) ... mgpu_shape4(a, b, c, d)
        mgpu_tensor *mgpu_empty(dev, shape)   mgpu_zeros  mgpu_ones  mgpu_full(dev, shape, v)
-       mgpu_tensor *mgpu_rand(dev, shape)    uniform [0, 1)   (the generator: section 5)
+       mgpu_tensor *mgpu_rand(dev, shape)    uniform [0, 1)   (the generator: section 6)
        mgpu_tensor *mgpu_rand_uniform(dev, shape, low, high)
        mgpu_tensor *mgpu_randn(dev, shape, mean, std)
        mgpu_tensor *mgpu_arange(dev, shape)  0, 1, 2, ... in row-major order
@@ -114,7 +125,7 @@
    wait for it; a non-blocking one returns at once (copy into pinned host
    memory for it to overlap compute on a GPU).
 
-   4. Operations
+   5. Operations
    -------------
        void mgpu_matmul(mgpu_tensor *c, const mgpu_tensor *a, const mgpu_tensor *b)   c = a b
        mgpu_tensor *mgpu_mm(const mgpu_tensor *a, const mgpu_tensor *b)               new c
@@ -136,7 +147,6 @@
 
    The rest of the library has a manual section of its own above its
    declarations, below this comment, in this order:
-     DRAWING          canvas, line charts, the Animator, timelines (PNG)
      DATA             Fashion-MNIST: IDX files, data sets, the batch loader
      LAYERS           convolution, pooling, ReLU, residual add, linear
      TRAINING         batch norm, cross-entropy, accuracy, sums, SGD
@@ -145,17 +155,18 @@
      NETWORKS         layers with parameters, ResNet-18, save and load,
                       evaluate_accuracy
      DATA PARALLELISM the DataParallel-style wrapper, gradient buckets
+     DRAWING          canvas, line charts, the Animator, timelines (PNG)
    Every operation runs on the queue of the device its tensors are on, and
    every tensor it touches must be on that device (copy with mgpu_to).
 
-   5. Random numbers
+   6. Random numbers
    -----------------
    A counter-based generator (Philox4x32-10): the i-th number of a draw
    depends only on the seed, the draw's offset and i, so a seed gives the
    same tensors on the CPU and on a GPU.
        void mgpu_manual_seed(uint64_t seed);
 
-   6. Tracing
+   7. Tracing
    ----------
        mgpu_trace_begin();  ... work ...;  mgpu_trace_end();
        mgpu_trace_write_png("timeline.png", "title");
@@ -165,17 +176,6 @@
    is a profile: per operation name, how often it ran, its total and mean
    time and its share of all traced time, the largest first. On a GPU the
    times come from CUDA events around each operation.
-
-   7. Errors
-   ---------
-   Every error prints one line on stderr and exits with status 1:
-     - bad arguments name the function and what is wrong with them:
-       "mgpu: error: mgpu_add_: a tensor on cpu#1 is used with one on cpu;
-       copy it first with mgpu_to";
-     - bad files name the file: "mgpu: error: <path>: <what is wrong>";
-     - a failing CUDA, cuBLAS, NCCL or system call names the call and
-       where in mgpu.h it was made: "mgpu: error: <file>:<line>: <call>:
-       <what> (<hint>)".
 
    8. Settings
    -----------
@@ -195,13 +195,14 @@
                         shape and keeps the fastest for each of the
                         forward pass, dx and dW; im2col forces im2col and
                         the matrix product; implicit the fastest kernels
-                        (the LAYERS section lists what is tried).
+                        wherever one fits (the LAYERS section lists what
+                        is tried).
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
      MGPU_DATA=DIR      the Fashion-MNIST folder when no --data flag
                         names one (else data/fashion-mnist).
-     mgpu_manual_seed(seed)  the random generator's seed (section 5).
+     mgpu_manual_seed(seed)  the random generator's seed (section 6).
      mgpu_devices(n, use_gpu, ...)  gives each of n CPU devices 1/n of the
                         cores for OpenBLAS (OPENBLAS_NUM_THREADS is
                         overridden).
@@ -475,7 +476,7 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
    - Order: a shuffling loader visits the samples in an order that depends
      only on (seed, epoch): the same pair gives the same order whatever
      happened before, another epoch gives another one. It is a Fisher-Yates
-     shuffle driven by Philox (section 5). Without shuffling, the order is
+     shuffle driven by Philox (section 6). Without shuffling, the order is
      the data set's, every epoch.
    - Every sample once per epoch: the last batch holds what is left (60000
      samples in batches of 256 end with a batch of 96), as DataLoader's
@@ -588,7 +589,7 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    kernels read (none that a network prepares for them); im2col forces
    im2col; implicit the fastest fast kernel wherever one fits. On a GPU
    of compute capability 9.0 (H100, H200) with code built for sm_90a
-   (the Makefile's is), the implicit GEMM is also tried with Hopper's
+   (as the Makefile builds it), the implicit GEMM is also tried with Hopper's
    warpgroup products (wgmma); MGPU_WGMMA=0 leaves them out.
    kernels/conv_nhwc.h, winograd.h and conv_few_inputs.h hold the
    kernels, and bench/conv/ the variants that lost on every pass.
@@ -907,8 +908,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        mgpu_net_add_linear(net, 128, 10);
    Without batch norm, the book's Normal(0, 0.01) starts such a stack with
    nearly zero signal: chapter 2's LeNet is still at chance (test accuracy
-   0.10) after its first epoch of 60000 images (bench/RESULTS.md), and a
-   few thousand images do not move it. To
+   0.10) after its first epoch of 60000 images, and a few thousand
+   images do not move it. To
    start from other weights, draw them into mgpu_net_param(net, i)->value,
    e.g. He's: mgpu_randn(dev, shape, 0, sqrt(2 / fan_in)) copied in with
    mgpu_copy.
@@ -999,7 +1000,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    the convolutions' plans are measured (the first step), a batch norm
    also writes the channels-last copy that the next convolution reads,
    and leaves its plain output unwritten where only that convolution
-   would read it (the "channels-last" section below): a program that
+   would read it: a program that
    looks into a residual block's bn1->output after a step may find it
    stale. The convolutions keep their weights' channels-last copies, and
    each forward pass remakes them from the weights: change the weights
@@ -1012,8 +1013,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    mgpu_net_zero_grad clears them. With batch norm, the last forward must
    have run in training mode (its backward needs the batch statistics; a
    one-line error otherwise). A convolution's bias followed by batch norm
-   gets exactly 0 added: the batch mean cancels it (mgpu__bias_cancelled_by
-   says why).
+   gets exactly 0 added: the batch mean cancels it, so its gradient is
+   exactly 0.
 
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
    the backward pass of scale times the cross-entropy summed over the rows
@@ -1430,7 +1431,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #define MGPU__IMPLEMENTED
 
 /* What the implementation holds, in its order: each section opens with a
-   banner of its name (the first two with small dividers), and "defines"
+   banner of its name (the first with small dividers), and "defines"
    lists the public functions it defines. The kernel files (kernels/, one
    family a file, each saying what it holds) are included just before
    "filling tensors", in the Shapes and tensors section. Plots is the
@@ -1438,11 +1439,9 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
      Errors, files written whole, the clock
          defines: mgpu_fatal, mgpu_fatal_at, mgpu_now
      Queues
-         internal: a device's queues, and the structs of devices, events and
-         trace records and the library's state (mgpu__library)
-     Events
-         defines: mgpu_event_new, mgpu_event_free, mgpu_event_record,
-         mgpu_event_wait, mgpu_event_synchronize, mgpu_event_elapsed_ms
+         internal: a device's queues, and the structs of devices (with the
+         blocks of their caching allocator), events and trace records and
+         the library's state (mgpu__library)
      Devices
          defines: mgpu_num_gpus, mgpu_cpu, mgpu_try_gpu, mgpu_try_all_gpus,
          mgpu_devices, mgpu_device_name, mgpu_device_is_gpu,
@@ -1450,19 +1449,17 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_synchronize_all, mgpu_device_memory_in_use,
          mgpu_device_memory_peak, mgpu_device_reset_peak,
          mgpu_device_allocations, mgpu_device_list, mgpu_shutdown
-     The caching allocator
-         internal: the allocator behind mgpu_empty and mgpu_free
+     Events
+         defines: mgpu_event_new, mgpu_event_free, mgpu_event_record,
+         mgpu_event_wait, mgpu_event_synchronize, mgpu_event_elapsed_ms
      Timers
          defines: mgpu_timer_init, mgpu_timer_start, mgpu_timer_stop,
          mgpu_timer_sum, mgpu_timer_avg, mgpu_timer_cumsum, mgpu_benchmark_begin,
          mgpu_benchmark_end
-     Command-line flags
-         defines: mgpu_options_parse, mgpu_out_path
+     The caching allocator
+         internal: the allocator behind mgpu_empty and mgpu_free
      Random numbers
          defines: mgpu_philox, mgpu_manual_seed
-     Tracing
-         defines: mgpu_trace_begin, mgpu_trace_end, mgpu_trace_write_png,
-         mgpu_trace_summary
      Shapes and tensors
          defines: mgpu_shape1, mgpu_shape2, mgpu_shape3, mgpu_shape4,
          mgpu_shape_numel, mgpu_shape_equal, mgpu_shape_str, mgpu_empty,
@@ -1473,6 +1470,11 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
      Copies between devices
          defines: mgpu_copy, mgpu_to, mgpu_from_host, mgpu_to_host, mgpu_item,
          mgpu_print
+     Tracing
+         defines: mgpu_trace_begin, mgpu_trace_end, mgpu_trace_write_png,
+         mgpu_trace_summary
+     Command-line flags
+         defines: mgpu_options_parse, mgpu_out_path
      Data
          defines: mgpu_data_dir, mgpu_dataset_load,
          mgpu_dataset_load_fashion_mnist, mgpu_dataset_truncate,
@@ -1938,164 +1940,9 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
 #endif
 
 /* ======================================================================
-   Events
-   ====================================================================== */
-MGPU_DEF mgpu_event *mgpu_event_new(void) {
-    mgpu_event *e = (mgpu_event *)mgpu__xcalloc(1, sizeof *e);
-    e->refs = 1;
-    MGPU__PTHREAD_CHECK(pthread_mutex_init(&e->mutex, NULL));
-    MGPU__PTHREAD_CHECK(pthread_cond_init(&e->done_cond, NULL));
-    return e;
-}
-
-/* An event lives until its owner has freed it and no queued task still
-   records or waits on it: freeing never has to wait for the queues. */
-static void mgpu__event_retain(mgpu_event *e) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    e->refs++;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-}
-static void mgpu__event_release(mgpu_event *e) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    int last = --e->refs == 0;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-    if (!last) return;
-#if MGPU_CUDA
-    /* A forked child cannot call CUDA (the context is the parent's): there
-       the CUDA event is left alone, and goes with the child's exit. */
-    if (e->cuda_created && !mgpu__library.forked) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
-#endif
-    pthread_mutex_destroy(&e->mutex);
-    pthread_cond_destroy(&e->done_cond);
-    free(e);
-}
-MGPU_DEF void mgpu_event_free(mgpu_event *e) {
-    if (e) mgpu__event_release(e);
-}
-
-typedef struct { mgpu_event *event; uint64_t generation; } mgpu__event_args;
-static void mgpu__event_complete(const void *args, const mgpu__exec *ex) {
-    (void)ex;
-    const mgpu__event_args *a = (const mgpu__event_args *)args;
-    mgpu_event *e = a->event;
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    if (e->completed < a->generation) e->completed = a->generation;
-    e->time = mgpu_now();
-    MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&e->done_cond));
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-    mgpu__event_release(e);
-}
-
-static void mgpu__event_record_on(mgpu_event *e, mgpu__queue *q) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    uint64_t generation = ++e->recorded;
-    e->queue = q;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-#if MGPU_CUDA
-    if (mgpu__queue_on_gpu(q)) {
-        MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
-        if (e->cuda_created && e->cuda_gpu != q->device->gpu) {
-            /* a CUDA event belongs to one GPU: recorded on another, it is made anew */
-            MGPU_CUDA_CHECK(cudaEventSynchronize(e->cuda));
-            MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
-            e->cuda_created = 0;
-        }
-        if (!e->cuda_created) {
-            MGPU_CUDA_CHECK(cudaEventCreate(&e->cuda));
-            e->cuda_created = 1;
-            e->cuda_gpu = q->device->gpu;
-        }
-        MGPU_CUDA_CHECK(cudaEventRecord(e->cuda, q->stream));
-        return;
-    }
-#endif
-    mgpu__event_args a = {e, generation};
-    mgpu__event_retain(e);
-    mgpu__queue_push(q, NULL, mgpu__event_complete, &a, sizeof a);
-}
-
-/* The host waits for generation g of e. */
-static void mgpu__event_host_wait(mgpu_event *e, uint64_t generation, mgpu__queue *q) {
-#if MGPU_CUDA
-    if (q && mgpu__queue_on_gpu(q)) {
-        MGPU_CUDA_CHECK(cudaEventSynchronize(e->cuda));
-        return;
-    }
-#else
-    (void)q;
-#endif
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    while (e->completed < generation)
-        MGPU__PTHREAD_CHECK(pthread_cond_wait(&e->done_cond, &e->mutex));
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-}
-
-typedef struct { mgpu_event *event; uint64_t generation; mgpu__queue *source; } mgpu__wait_args;
-static void mgpu__event_wait_task(const void *args, const mgpu__exec *ex) {
-    (void)ex;
-    const mgpu__wait_args *a = (const mgpu__wait_args *)args;
-    mgpu__event_host_wait(a->event, a->generation, a->source);
-    mgpu__event_release(a->event);
-}
-
-/* Queue q waits (in order, without blocking the host) for e's last record. */
-static void mgpu__event_wait_on(mgpu__queue *q, mgpu_event *e) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    uint64_t generation = e->recorded;
-    mgpu__queue *source = e->queue;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-    if (!source || source == q) return; /* never recorded, or same queue: in order already */
-#if MGPU_CUDA
-    if (mgpu__queue_on_gpu(q)) {
-        if (mgpu__queue_on_gpu(source)) {
-            MGPU_CUDA_CHECK(cudaStreamWaitEvent(q->stream, e->cuda, 0));
-        } else {
-            /* A CUDA stream cannot wait for a CPU thread: the host waits. */
-            mgpu__event_host_wait(e, generation, source);
-        }
-        return;
-    }
-#endif
-    mgpu__wait_args a = {e, generation, source};
-    mgpu__event_retain(e);
-    mgpu__queue_push(q, NULL, mgpu__event_wait_task, &a, sizeof a);
-}
-
-MGPU_DEF void mgpu_event_record(mgpu_event *e, mgpu_device *d) { mgpu__event_record_on(e, &d->queue[0]); }
-MGPU_DEF void mgpu_event_wait(mgpu_device *d, mgpu_event *e) { mgpu__event_wait_on(&d->queue[0], e); }
-static void mgpu__require_no_label_error(const mgpu_device *d);
-MGPU_DEF void mgpu_event_synchronize(mgpu_event *e) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
-    uint64_t generation = e->recorded;
-    mgpu__queue *source = e->queue;
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
-    if (source) mgpu__event_host_wait(e, generation, source);
-    if (source && mgpu__queue_on_gpu(source)) mgpu__require_no_label_error(source->device);
-}
-MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
-    MGPU_REQUIRE(start && end && start->queue && end->queue,
-                 "mgpu_event_elapsed_ms: %s event was never recorded (mgpu_event_record it first)",
-                 !start || !start->queue ? "the start" : "the end");
-    mgpu_event_synchronize(start);
-    mgpu_event_synchronize(end);
-#if MGPU_CUDA
-    if (mgpu__queue_on_gpu(start->queue) && mgpu__queue_on_gpu(end->queue)) {
-        float ms = 0;
-        MGPU_REQUIRE(start->cuda_gpu == end->cuda_gpu,
-                     "mgpu_event_elapsed_ms: the events were recorded on GPUs %d and %d; "
-                     "time two events of one GPU", start->cuda_gpu, end->cuda_gpu);
-        MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start->cuda, end->cuda));
-        return ms;
-    }
-    MGPU_REQUIRE(!mgpu__queue_on_gpu(start->queue) && !mgpu__queue_on_gpu(end->queue),
-                 "mgpu_event_elapsed_ms: both events must be on GPUs or both on CPUs");
-#endif
-    return 1e3 * (end->time - start->time);
-}
-
-/* ======================================================================
    Devices
    ====================================================================== */
+static void mgpu__require_no_label_error(const mgpu_device *d);
 static mgpu_device *mgpu__device_get(int gpu, int virtual_index) {
     mgpu__init();
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
@@ -2301,6 +2148,194 @@ static void mgpu__init(void) {
 }
 
 /* ======================================================================
+   Events
+   ====================================================================== */
+MGPU_DEF mgpu_event *mgpu_event_new(void) {
+    mgpu_event *e = (mgpu_event *)mgpu__xcalloc(1, sizeof *e);
+    e->refs = 1;
+    MGPU__PTHREAD_CHECK(pthread_mutex_init(&e->mutex, NULL));
+    MGPU__PTHREAD_CHECK(pthread_cond_init(&e->done_cond, NULL));
+    return e;
+}
+
+/* An event lives until its owner has freed it and no queued task still
+   records or waits on it: freeing never has to wait for the queues. */
+static void mgpu__event_retain(mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    e->refs++;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+}
+static void mgpu__event_release(mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    int last = --e->refs == 0;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    if (!last) return;
+#if MGPU_CUDA
+    /* A forked child cannot call CUDA (the context is the parent's): there
+       the CUDA event is left alone, and goes with the child's exit. */
+    if (e->cuda_created && !mgpu__library.forked) MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
+#endif
+    pthread_mutex_destroy(&e->mutex);
+    pthread_cond_destroy(&e->done_cond);
+    free(e);
+}
+MGPU_DEF void mgpu_event_free(mgpu_event *e) {
+    if (e) mgpu__event_release(e);
+}
+
+typedef struct { mgpu_event *event; uint64_t generation; } mgpu__event_args;
+static void mgpu__event_complete(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__event_args *a = (const mgpu__event_args *)args;
+    mgpu_event *e = a->event;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    if (e->completed < a->generation) e->completed = a->generation;
+    e->time = mgpu_now();
+    MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&e->done_cond));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    mgpu__event_release(e);
+}
+
+static void mgpu__event_record_on(mgpu_event *e, mgpu__queue *q) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    uint64_t generation = ++e->recorded;
+    e->queue = q;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+#if MGPU_CUDA
+    if (mgpu__queue_on_gpu(q)) {
+        MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
+        if (e->cuda_created && e->cuda_gpu != q->device->gpu) {
+            /* a CUDA event belongs to one GPU: recorded on another, it is made anew */
+            MGPU_CUDA_CHECK(cudaEventSynchronize(e->cuda));
+            MGPU_CUDA_CHECK(cudaEventDestroy(e->cuda));
+            e->cuda_created = 0;
+        }
+        if (!e->cuda_created) {
+            MGPU_CUDA_CHECK(cudaEventCreate(&e->cuda));
+            e->cuda_created = 1;
+            e->cuda_gpu = q->device->gpu;
+        }
+        MGPU_CUDA_CHECK(cudaEventRecord(e->cuda, q->stream));
+        return;
+    }
+#endif
+    mgpu__event_args a = {e, generation};
+    mgpu__event_retain(e);
+    mgpu__queue_push(q, NULL, mgpu__event_complete, &a, sizeof a);
+}
+
+/* The host waits for generation g of e. */
+static void mgpu__event_host_wait(mgpu_event *e, uint64_t generation, mgpu__queue *q) {
+#if MGPU_CUDA
+    if (q && mgpu__queue_on_gpu(q)) {
+        MGPU_CUDA_CHECK(cudaEventSynchronize(e->cuda));
+        return;
+    }
+#else
+    (void)q;
+#endif
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    while (e->completed < generation)
+        MGPU__PTHREAD_CHECK(pthread_cond_wait(&e->done_cond, &e->mutex));
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+}
+
+typedef struct { mgpu_event *event; uint64_t generation; mgpu__queue *source; } mgpu__wait_args;
+static void mgpu__event_wait_task(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const mgpu__wait_args *a = (const mgpu__wait_args *)args;
+    mgpu__event_host_wait(a->event, a->generation, a->source);
+    mgpu__event_release(a->event);
+}
+
+/* Queue q waits (in order, without blocking the host) for e's last record. */
+static void mgpu__event_wait_on(mgpu__queue *q, mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    uint64_t generation = e->recorded;
+    mgpu__queue *source = e->queue;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    if (!source || source == q) return; /* never recorded, or same queue: in order already */
+#if MGPU_CUDA
+    if (mgpu__queue_on_gpu(q)) {
+        if (mgpu__queue_on_gpu(source)) {
+            MGPU_CUDA_CHECK(cudaStreamWaitEvent(q->stream, e->cuda, 0));
+        } else {
+            /* A CUDA stream cannot wait for a CPU thread: the host waits. */
+            mgpu__event_host_wait(e, generation, source);
+        }
+        return;
+    }
+#endif
+    mgpu__wait_args a = {e, generation, source};
+    mgpu__event_retain(e);
+    mgpu__queue_push(q, NULL, mgpu__event_wait_task, &a, sizeof a);
+}
+
+MGPU_DEF void mgpu_event_record(mgpu_event *e, mgpu_device *d) { mgpu__event_record_on(e, &d->queue[0]); }
+MGPU_DEF void mgpu_event_wait(mgpu_device *d, mgpu_event *e) { mgpu__event_wait_on(&d->queue[0], e); }
+MGPU_DEF void mgpu_event_synchronize(mgpu_event *e) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&e->mutex));
+    uint64_t generation = e->recorded;
+    mgpu__queue *source = e->queue;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&e->mutex));
+    if (source) mgpu__event_host_wait(e, generation, source);
+    if (source && mgpu__queue_on_gpu(source)) mgpu__require_no_label_error(source->device);
+}
+MGPU_DEF double mgpu_event_elapsed_ms(mgpu_event *start, mgpu_event *end) {
+    MGPU_REQUIRE(start && end && start->queue && end->queue,
+                 "mgpu_event_elapsed_ms: %s event was never recorded (mgpu_event_record it first)",
+                 !start || !start->queue ? "the start" : "the end");
+    mgpu_event_synchronize(start);
+    mgpu_event_synchronize(end);
+#if MGPU_CUDA
+    if (mgpu__queue_on_gpu(start->queue) && mgpu__queue_on_gpu(end->queue)) {
+        float ms = 0;
+        MGPU_REQUIRE(start->cuda_gpu == end->cuda_gpu,
+                     "mgpu_event_elapsed_ms: the events were recorded on GPUs %d and %d; "
+                     "time two events of one GPU", start->cuda_gpu, end->cuda_gpu);
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start->cuda, end->cuda));
+        return ms;
+    }
+    MGPU_REQUIRE(!mgpu__queue_on_gpu(start->queue) && !mgpu__queue_on_gpu(end->queue),
+                 "mgpu_event_elapsed_ms: both events must be on GPUs or both on CPUs");
+#endif
+    return 1e3 * (end->time - start->time);
+}
+
+/* ======================================================================
+   Timers
+   ====================================================================== */
+MGPU_DEF void mgpu_timer_init(mgpu_timer *t) { memset(t, 0, sizeof *t); }
+MGPU_DEF void mgpu_timer_start(mgpu_timer *t) { t->started = mgpu_now(); }
+MGPU_DEF double mgpu_timer_stop(mgpu_timer *t) {
+    double dt = mgpu_now() - t->started;
+    if (t->n < MGPU_TIMER_MAX) t->times[t->n++] = dt;
+    return dt;
+}
+MGPU_DEF double mgpu_timer_sum(const mgpu_timer *t) { return mgpu_timer_cumsum(t, t->n - 1); }
+MGPU_DEF double mgpu_timer_avg(const mgpu_timer *t) { return t->n ? mgpu_timer_sum(t) / t->n : 0.0; }
+MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i) {
+    double s = 0;
+    for (int k = 0; k <= i && k < t->n; k++) s += t->times[k];
+    return s;
+}
+MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description) {
+    mgpu_benchmark b;
+    b.description = description;
+    b.done = 0;
+    b.started = mgpu_now();
+    return b;
+}
+MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
+    mgpu_synchronize_all();
+    double seconds = mgpu_now() - b->started;
+    printf("%s: %.4f sec\n", b->description, seconds);
+    fflush(stdout);
+    b->done = 1;
+    return seconds;
+}
+
+/* ======================================================================
    The caching allocator
    ====================================================================== */
 static size_t mgpu__round_bytes(size_t bytes) {
@@ -2443,170 +2478,6 @@ static void mgpu__allocator_release(mgpu_device *d) {
 }
 
 /* ======================================================================
-   Timers
-   ====================================================================== */
-MGPU_DEF void mgpu_timer_init(mgpu_timer *t) { memset(t, 0, sizeof *t); }
-MGPU_DEF void mgpu_timer_start(mgpu_timer *t) { t->started = mgpu_now(); }
-MGPU_DEF double mgpu_timer_stop(mgpu_timer *t) {
-    double dt = mgpu_now() - t->started;
-    if (t->n < MGPU_TIMER_MAX) t->times[t->n++] = dt;
-    return dt;
-}
-MGPU_DEF double mgpu_timer_sum(const mgpu_timer *t) { return mgpu_timer_cumsum(t, t->n - 1); }
-MGPU_DEF double mgpu_timer_avg(const mgpu_timer *t) { return t->n ? mgpu_timer_sum(t) / t->n : 0.0; }
-MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i) {
-    double s = 0;
-    for (int k = 0; k <= i && k < t->n; k++) s += t->times[k];
-    return s;
-}
-MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description) {
-    mgpu_benchmark b;
-    b.description = description;
-    b.done = 0;
-    b.started = mgpu_now();
-    return b;
-}
-MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
-    mgpu_synchronize_all();
-    double seconds = mgpu_now() - b->started;
-    printf("%s: %.4f sec\n", b->description, seconds);
-    fflush(stdout);
-    b->done = 1;
-    return seconds;
-}
-
-/* ======================================================================
-   Command-line flags
-   ====================================================================== */
-static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
-    char *end = NULL;
-    errno = 0;
-    /* The value is the number alone: strtol and strtod would pass over
-       spaces before it, and take a '+'. */
-    int starts_like_a_number = isdigit((unsigned char)text[0]) || text[0] == '.' || text[0] == '-';
-    if (f->type == 'i' || f->type == 'u') {
-        long v = strtol(text, &end, 10), least = f->type == 'u' ? 0 : 1;
-        if (!starts_like_a_number || errno || *end || end == text || v < least || v > 1000000000)
-            mgpu_fatal("%s: expected %s, got '%s'", f->name,
-                       least ? "a positive whole number" : "a whole number of 0 or more", text);
-        *(int *)f->value = (int)v;
-    } else if (f->type == 'd') {
-        double v = strtod(text, &end);
-        if (!starts_like_a_number || *end || end == text || !(v > 0))
-            mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
-        if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
-            mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
-        *(double *)f->value = v;
-    } else {
-        if (!*text) mgpu_fatal("%s: expected a folder, got ''", f->name);
-        *(const char **)f->value = text;
-    }
-}
-
-/* Makes folder dir and the folders above it where missing (mkdir -p),
-   and checks that the program can write there. */
-static void mgpu__make_out_folder(const char *dir) {
-    char path[1024];
-    if (strlen(dir) >= sizeof path - 64) /* (room for the file names after it) */
-        mgpu_fatal("--out: a folder name of at most %d characters, got %zu", (int)sizeof path - 65, strlen(dir));
-    snprintf(path, sizeof path, "%s", dir);
-    for (char *p = path + 1; ; p++) { /* one component at a time */
-        char c = *p;
-        if (c == '/' || c == 0) {
-            *p = 0;
-            if (mkdir(path, 0777) != 0 && errno != EEXIST)
-                mgpu_fatal("--out %s: cannot create folder %s (%s)", dir, path, strerror(errno));
-            *p = c;
-        }
-        if (!c) break;
-    }
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) mgpu_fatal("--out %s: not a folder", dir);
-    if (access(dir, W_OK) != 0) mgpu_fatal("--out %s: cannot write there (%s)", dir, strerror(errno));
-}
-
-static void mgpu__flag_print(const mgpu_flag *f) {
-    char value[64] = "";
-    if (f->type == 'u') snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
-    if (f->type == 'i' && *(int *)f->value) snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
-    if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
-    if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
-    if (f->type == 'd' && !*(double *)f->value) snprintf(value, sizeof value, " X");
-    if (f->type == 's') {
-        const char *v = *(const char **)f->value;
-        snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
-    }
-    char left[96];
-    snprintf(left, sizeof left, "%s%s", f->name, value);
-    printf("  %-32s %s\n", left, f->help);
-}
-
-MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
-                                 const mgpu_flag *extra, int nextra) {
-    /* one line at a time, also into a pipe or a log, so that the lines on
-       stdout and the progress lines on stderr come out in order */
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    int seed = (int)o->seed, help = 0;
-    const mgpu_flag common[] = {
-        {"--devices", 'i', &o->devices, "number of (logical) devices"},
-        {"--epochs", 'i', &o->epochs, "passes over the training data"},
-        {"--batch-size", 'i', &o->batch_size, "global batch size, split over the devices"},
-        {"--lr", 'd', &o->lr, "learning rate"},
-        {"--data", 's', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
-        {"--out", 's', &o->out, "folder for the PNG and CSV files"},
-        {"--seed", 'u', &seed, "random seed"},
-        {"--cpu", 'b', &o->cpu, "use CPU devices even when there are GPUs"},
-        {"--full", 'b', &o->full, "the book's full setting, also without a GPU"},
-        {"--help", 'b', &help, "print this help"},
-    };
-    int ncommon = (int)(sizeof common / sizeof common[0]);
-    /* A chapter's own flags first: one may give a common flag its own meaning. */
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        const mgpu_flag *f = NULL;
-        for (int k = 0; k < nextra + ncommon && !f; k++) {
-            const mgpu_flag *c = k < nextra ? &extra[k] : &common[k - nextra];
-            if (strcmp(arg, c->name) == 0) f = c;
-        }
-        if (!f) mgpu_fatal("unknown flag '%s' (try --help)", arg);
-        if (f->type == 'n') mgpu_fatal("%s: %s", arg, f->help);
-        if (f->type == 'b') {
-            *(int *)f->value = 1;
-            continue;
-        }
-        if (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)
-            mgpu_fatal("%s needs a value (try --help)", arg);
-        mgpu__flag_set(f, argv[++i]);
-    }
-    o->seed = (uint64_t)seed;
-    if (help) {
-        printf("%s\n\nflags:\n", about);
-        for (int k = 0; k < ncommon; k++) {
-            int overridden = 0;
-            for (int e = 0; e < nextra; e++) overridden |= strcmp(extra[e].name, common[k].name) == 0;
-            if (!overridden) mgpu__flag_print(&common[k]);
-        }
-        for (int k = 0; k < nextra; k++)
-            if (extra[k].type != 'n') mgpu__flag_print(&extra[k]);
-        exit(0);
-    }
-    /* Checked now, not when a run has ended: */
-    if (o->devices > MGPU_MAX_DEVICES)
-        mgpu_fatal("--devices %d: at most %d devices", o->devices, MGPU_MAX_DEVICES);
-    if (o->epochs > MGPU_TIMER_MAX)
-        mgpu_fatal("--epochs %d: at most %d (a timer keeps that many epochs' times)", o->epochs, MGPU_TIMER_MAX);
-    if (!o->out) o->out = ".";
-    mgpu__make_out_folder(o->out);
-}
-
-MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size) {
-    const char *dir = o->out ? o->out : ".";
-    mgpu__make_out_folder(dir);
-    snprintf(buf, size, "%s/%s", dir, name);
-    return buf;
-}
-
-/* ======================================================================
    Random numbers: Philox4x32-10 (Salmon et al., "Parallel random numbers:
    as easy as 1, 2, 3", SC 2011). A bijective mix of a 128-bit counter
    under a 64-bit key: no state, so any element of any draw can be made
@@ -2664,156 +2535,6 @@ static uint64_t mgpu__random_offset(size_t n) {
     mgpu__library.offset += (n + 3) / 4 * 4;
     return offset;
 }
-
-/* ======================================================================
-   Tracing
-   ====================================================================== */
-/* Adds a bar to the trace. On a GPU queue the times come from two CUDA
-   events that the caller records around the work: their handles are
-   returned in gpu_events (records are reused from trace to trace, and
-   another thread may grow the array meanwhile, so no pointer is kept). */
-static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
-                            void **gpu_events) {
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
-    if (mgpu__library.trace_n == mgpu__library.trace_cap) {
-        int cap = mgpu__library.trace_cap ? 2 * mgpu__library.trace_cap : 1024;
-        mgpu__trace_record *grown =
-            (mgpu__trace_record *)realloc(mgpu__library.trace, (size_t)cap * sizeof *grown);
-        if (!grown) mgpu_fatal("out of host memory for the trace");
-        memset(grown + mgpu__library.trace_cap, 0, (size_t)(cap - mgpu__library.trace_cap) * sizeof *grown);
-        mgpu__library.trace = grown;
-        mgpu__library.trace_cap = cap;
-    }
-    mgpu__trace_record *r = &mgpu__library.trace[mgpu__library.trace_n++];
-    r->queue_id = q->device->index * 2 + q->lane;
-    r->name = name;
-    r->start = start;
-    r->end = end;
-#if MGPU_CUDA
-    if (mgpu__queue_on_gpu(q)) {
-        if (r->cuda_start && r->cuda_gpu != q->device->gpu) {
-            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_start));
-            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_end));
-            r->cuda_start = r->cuda_end = NULL;
-        }
-        if (!r->cuda_start) { /* the caller has made q's GPU current */
-            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_start));
-            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_end));
-            r->cuda_gpu = q->device->gpu;
-        }
-        gpu_events[0] = (void *)r->cuda_start;
-        gpu_events[1] = (void *)r->cuda_end;
-    }
-#else
-    (void)gpu_events;
-#endif
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
-}
-
-MGPU_DEF void mgpu_trace_begin(void) {
-    mgpu_synchronize_all();
-    mgpu__library.trace_n = 0;
-#if MGPU_CUDA
-    /* One reference event per GPU: GPU times are measured from it. */
-    for (int g = 0; g < mgpu__library.num_gpus && g < MGPU_MAX_DEVICES; g++) {
-        MGPU_CUDA_CHECK(cudaSetDevice(g));
-        if (!mgpu__library.trace_cuda_start[g])
-            MGPU_CUDA_CHECK(cudaEventCreate(&mgpu__library.trace_cuda_start[g]));
-        MGPU_CUDA_CHECK(cudaEventRecord(mgpu__library.trace_cuda_start[g], 0));
-        MGPU_CUDA_CHECK(cudaEventSynchronize(mgpu__library.trace_cuda_start[g]));
-    }
-#endif
-    mgpu__library.trace_start = mgpu_now();
-    mgpu__library.tracing = 1;
-}
-
-MGPU_DEF void mgpu_trace_end(void) {
-    mgpu_synchronize_all();
-    mgpu__library.tracing = 0;
-    mgpu__library.trace_stop = mgpu_now();
-}
-
-/* A record's start and end in milliseconds since mgpu_trace_begin. */
-static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, double *end_ms) {
-    *start_ms = 1e3 * (r->start - mgpu__library.trace_start);
-    *end_ms = 1e3 * (r->end - mgpu__library.trace_start);
-#if MGPU_CUDA
-    const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
-    if (d->gpu >= 0) {
-        float s = 0, e = 0;
-        MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__library.trace_cuda_start[d->gpu], r->cuda_start));
-        MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__library.trace_cuda_start[d->gpu], r->cuda_end));
-        *start_ms = s;
-        *end_ms = e;
-    }
-#endif
-}
-
-MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
-    mgpu__init();
-    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
-    /* Lanes: only the queues that did something, in device order. */
-    int lane_of[MGPU_MAX_DEVICES * 8];
-    const char *lane_names[MGPU_MAX_DEVICES * 8];
-    int nqueues = 2 * mgpu__library.ndevices, nlanes = 0;
-    for (int id = 0; id < nqueues; id++) {
-        lane_of[id] = -1;
-        for (int i = 0; i < mgpu__library.trace_n; i++)
-            if (mgpu__library.trace[i].queue_id == id) {
-                lane_of[id] = nlanes;
-                lane_names[nlanes++] = mgpu__library.devices[id / 2]->queue[id % 2].name;
-                break;
-            }
-    }
-    mgpu_timeline_bar *bars =
-        (mgpu_timeline_bar *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *bars);
-    for (int i = 0; i < mgpu__library.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__library.trace[i];
-        mgpu_timeline_bar *b = &bars[i];
-        b->lane = lane_of[r->queue_id];
-        snprintf(b->name, sizeof b->name, "%s", r->name);
-        mgpu__trace_times(r, &b->start_ms, &b->end_ms);
-    }
-    int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__library.trace_n, bars);
-    free(bars);
-    return rc;
-}
-
-typedef struct { const char *name; int calls; double total_ms; } mgpu__trace_total;
-static int mgpu__trace_total_cmp(const void *a, const void *b) {
-    double x = ((const mgpu__trace_total *)a)->total_ms, y = ((const mgpu__trace_total *)b)->total_ms;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-MGPU_DEF void mgpu_trace_summary(FILE *f) {
-    mgpu__init();
-    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
-    mgpu__trace_total *totals =
-        (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *totals);
-    int ntotals = 0;
-    double all_ms = 0;
-    for (int i = 0; i < mgpu__library.trace_n; i++) {
-        const mgpu__trace_record *r = &mgpu__library.trace[i];
-        double start, end;
-        mgpu__trace_times(r, &start, &end);
-        int t = 0;
-        while (t < ntotals && strcmp(totals[t].name, r->name) != 0) t++;
-        if (t == ntotals) totals[ntotals++].name = r->name;
-        totals[t].calls++;
-        totals[t].total_ms += end - start;
-        all_ms += end - start;
-    }
-    qsort(totals, (size_t)ntotals, sizeof *totals, mgpu__trace_total_cmp);
-    fprintf(f, "%-32s %7s %11s %10s %7s\n", "operation", "calls", "total ms", "mean us", "share");
-    for (int t = 0; t < ntotals; t++)
-        fprintf(f, "%-32s %7d %11.3f %10.1f %6.1f%%\n", totals[t].name, totals[t].calls,
-                totals[t].total_ms, 1e3 * totals[t].total_ms / totals[t].calls,
-                all_ms > 0 ? 100.0 * totals[t].total_ms / all_ms : 0.0);
-    fprintf(f, "%-32s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", "all",
-            mgpu__library.trace_n, all_ms, 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start));
-    free(totals);
-}
-
 
 /* ======================================================================
    Shapes and tensors
@@ -3294,6 +3015,287 @@ MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
 #ifdef __cplusplus
 }
 #endif
+
+/* ======================================================================
+   Tracing
+   ====================================================================== */
+/* Adds a bar to the trace. On a GPU queue the times come from two CUDA
+   events that the caller records around the work: their handles are
+   returned in gpu_events (records are reused from trace to trace, and
+   another thread may grow the array meanwhile, so no pointer is kept). */
+static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
+                            void **gpu_events) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
+    if (mgpu__library.trace_n == mgpu__library.trace_cap) {
+        int cap = mgpu__library.trace_cap ? 2 * mgpu__library.trace_cap : 1024;
+        mgpu__trace_record *grown =
+            (mgpu__trace_record *)realloc(mgpu__library.trace, (size_t)cap * sizeof *grown);
+        if (!grown) mgpu_fatal("out of host memory for the trace");
+        memset(grown + mgpu__library.trace_cap, 0, (size_t)(cap - mgpu__library.trace_cap) * sizeof *grown);
+        mgpu__library.trace = grown;
+        mgpu__library.trace_cap = cap;
+    }
+    mgpu__trace_record *r = &mgpu__library.trace[mgpu__library.trace_n++];
+    r->queue_id = q->device->index * 2 + q->lane;
+    r->name = name;
+    r->start = start;
+    r->end = end;
+#if MGPU_CUDA
+    if (mgpu__queue_on_gpu(q)) {
+        if (r->cuda_start && r->cuda_gpu != q->device->gpu) {
+            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_start));
+            MGPU_CUDA_CHECK(cudaEventDestroy(r->cuda_end));
+            r->cuda_start = r->cuda_end = NULL;
+        }
+        if (!r->cuda_start) { /* the caller has made q's GPU current */
+            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_start));
+            MGPU_CUDA_CHECK(cudaEventCreate(&r->cuda_end));
+            r->cuda_gpu = q->device->gpu;
+        }
+        gpu_events[0] = (void *)r->cuda_start;
+        gpu_events[1] = (void *)r->cuda_end;
+    }
+#else
+    (void)gpu_events;
+#endif
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
+}
+
+MGPU_DEF void mgpu_trace_begin(void) {
+    mgpu_synchronize_all();
+    mgpu__library.trace_n = 0;
+#if MGPU_CUDA
+    /* One reference event per GPU: GPU times are measured from it. */
+    for (int g = 0; g < mgpu__library.num_gpus && g < MGPU_MAX_DEVICES; g++) {
+        MGPU_CUDA_CHECK(cudaSetDevice(g));
+        if (!mgpu__library.trace_cuda_start[g])
+            MGPU_CUDA_CHECK(cudaEventCreate(&mgpu__library.trace_cuda_start[g]));
+        MGPU_CUDA_CHECK(cudaEventRecord(mgpu__library.trace_cuda_start[g], 0));
+        MGPU_CUDA_CHECK(cudaEventSynchronize(mgpu__library.trace_cuda_start[g]));
+    }
+#endif
+    mgpu__library.trace_start = mgpu_now();
+    mgpu__library.tracing = 1;
+}
+
+MGPU_DEF void mgpu_trace_end(void) {
+    mgpu_synchronize_all();
+    mgpu__library.tracing = 0;
+    mgpu__library.trace_stop = mgpu_now();
+}
+
+/* A record's start and end in milliseconds since mgpu_trace_begin. */
+static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, double *end_ms) {
+    *start_ms = 1e3 * (r->start - mgpu__library.trace_start);
+    *end_ms = 1e3 * (r->end - mgpu__library.trace_start);
+#if MGPU_CUDA
+    const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
+    if (d->gpu >= 0) {
+        float s = 0, e = 0;
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&s, mgpu__library.trace_cuda_start[d->gpu], r->cuda_start));
+        MGPU_CUDA_CHECK(cudaEventElapsedTime(&e, mgpu__library.trace_cuda_start[d->gpu], r->cuda_end));
+        *start_ms = s;
+        *end_ms = e;
+    }
+#endif
+}
+
+MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
+    mgpu__init();
+    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
+    /* Lanes: only the queues that did something, in device order. */
+    int lane_of[MGPU_MAX_DEVICES * 8];
+    const char *lane_names[MGPU_MAX_DEVICES * 8];
+    int nqueues = 2 * mgpu__library.ndevices, nlanes = 0;
+    for (int id = 0; id < nqueues; id++) {
+        lane_of[id] = -1;
+        for (int i = 0; i < mgpu__library.trace_n; i++)
+            if (mgpu__library.trace[i].queue_id == id) {
+                lane_of[id] = nlanes;
+                lane_names[nlanes++] = mgpu__library.devices[id / 2]->queue[id % 2].name;
+                break;
+            }
+    }
+    mgpu_timeline_bar *bars =
+        (mgpu_timeline_bar *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *bars);
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
+        mgpu_timeline_bar *b = &bars[i];
+        b->lane = lane_of[r->queue_id];
+        snprintf(b->name, sizeof b->name, "%s", r->name);
+        mgpu__trace_times(r, &b->start_ms, &b->end_ms);
+    }
+    int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__library.trace_n, bars);
+    free(bars);
+    return rc;
+}
+
+typedef struct { const char *name; int calls; double total_ms; } mgpu__trace_total;
+static int mgpu__trace_total_cmp(const void *a, const void *b) {
+    double x = ((const mgpu__trace_total *)a)->total_ms, y = ((const mgpu__trace_total *)b)->total_ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+MGPU_DEF void mgpu_trace_summary(FILE *f) {
+    mgpu__init();
+    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
+    mgpu__trace_total *totals =
+        (mgpu__trace_total *)mgpu__xcalloc((size_t)mgpu__library.trace_n + 1, sizeof *totals);
+    int ntotals = 0;
+    double all_ms = 0;
+    for (int i = 0; i < mgpu__library.trace_n; i++) {
+        const mgpu__trace_record *r = &mgpu__library.trace[i];
+        double start, end;
+        mgpu__trace_times(r, &start, &end);
+        int t = 0;
+        while (t < ntotals && strcmp(totals[t].name, r->name) != 0) t++;
+        if (t == ntotals) totals[ntotals++].name = r->name;
+        totals[t].calls++;
+        totals[t].total_ms += end - start;
+        all_ms += end - start;
+    }
+    qsort(totals, (size_t)ntotals, sizeof *totals, mgpu__trace_total_cmp);
+    fprintf(f, "%-32s %7s %11s %10s %7s\n", "operation", "calls", "total ms", "mean us", "share");
+    for (int t = 0; t < ntotals; t++)
+        fprintf(f, "%-32s %7d %11.3f %10.1f %6.1f%%\n", totals[t].name, totals[t].calls,
+                totals[t].total_ms, 1e3 * totals[t].total_ms / totals[t].calls,
+                all_ms > 0 ? 100.0 * totals[t].total_ms / all_ms : 0.0);
+    fprintf(f, "%-32s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", "all",
+            mgpu__library.trace_n, all_ms, 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start));
+    free(totals);
+}
+
+
+/* ======================================================================
+   Command-line flags
+   ====================================================================== */
+static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
+    char *end = NULL;
+    errno = 0;
+    /* The value is the number alone: strtol and strtod would pass over
+       spaces before it, and take a '+'. */
+    int starts_like_a_number = isdigit((unsigned char)text[0]) || text[0] == '.' || text[0] == '-';
+    if (f->type == 'i' || f->type == 'u') {
+        long v = strtol(text, &end, 10), least = f->type == 'u' ? 0 : 1;
+        if (!starts_like_a_number || errno || *end || end == text || v < least || v > 1000000000)
+            mgpu_fatal("%s: expected %s, got '%s'", f->name,
+                       least ? "a positive whole number" : "a whole number of 0 or more", text);
+        *(int *)f->value = (int)v;
+    } else if (f->type == 'd') {
+        double v = strtod(text, &end);
+        if (!starts_like_a_number || *end || end == text || !(v > 0))
+            mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
+        if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
+            mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
+        *(double *)f->value = v;
+    } else {
+        if (!*text) mgpu_fatal("%s: expected a folder, got ''", f->name);
+        *(const char **)f->value = text;
+    }
+}
+
+/* Makes folder dir and the folders above it where missing (mkdir -p),
+   and checks that the program can write there. */
+static void mgpu__make_out_folder(const char *dir) {
+    char path[1024];
+    if (strlen(dir) >= sizeof path - 64) /* (room for the file names after it) */
+        mgpu_fatal("--out: a folder name of at most %d characters, got %zu", (int)sizeof path - 65, strlen(dir));
+    snprintf(path, sizeof path, "%s", dir);
+    for (char *p = path + 1; ; p++) { /* one component at a time */
+        char c = *p;
+        if (c == '/' || c == 0) {
+            *p = 0;
+            if (mkdir(path, 0777) != 0 && errno != EEXIST)
+                mgpu_fatal("--out %s: cannot create folder %s (%s)", dir, path, strerror(errno));
+            *p = c;
+        }
+        if (!c) break;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) mgpu_fatal("--out %s: not a folder", dir);
+    if (access(dir, W_OK) != 0) mgpu_fatal("--out %s: cannot write there (%s)", dir, strerror(errno));
+}
+
+static void mgpu__flag_print(const mgpu_flag *f) {
+    char value[64] = "";
+    if (f->type == 'u') snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
+    if (f->type == 'i' && *(int *)f->value) snprintf(value, sizeof value, " N (now %d)", *(int *)f->value);
+    if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
+    if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
+    if (f->type == 'd' && !*(double *)f->value) snprintf(value, sizeof value, " X");
+    if (f->type == 's') {
+        const char *v = *(const char **)f->value;
+        snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
+    }
+    char left[96];
+    snprintf(left, sizeof left, "%s%s", f->name, value);
+    printf("  %-32s %s\n", left, f->help);
+}
+
+MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
+                                 const mgpu_flag *extra, int nextra) {
+    /* one line at a time, also into a pipe or a log, so that the lines on
+       stdout and the progress lines on stderr come out in order */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    int seed = (int)o->seed, help = 0;
+    const mgpu_flag common[] = {
+        {"--devices", 'i', &o->devices, "number of (logical) devices"},
+        {"--epochs", 'i', &o->epochs, "passes over the training data"},
+        {"--batch-size", 'i', &o->batch_size, "global batch size, split over the devices"},
+        {"--lr", 'd', &o->lr, "learning rate"},
+        {"--data", 's', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
+        {"--out", 's', &o->out, "folder for the PNG and CSV files"},
+        {"--seed", 'u', &seed, "random seed"},
+        {"--cpu", 'b', &o->cpu, "use CPU devices even when there are GPUs"},
+        {"--full", 'b', &o->full, "the book's full setting, also without a GPU"},
+        {"--help", 'b', &help, "print this help"},
+    };
+    int ncommon = (int)(sizeof common / sizeof common[0]);
+    /* A chapter's own flags first: one may give a common flag its own meaning. */
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        const mgpu_flag *f = NULL;
+        for (int k = 0; k < nextra + ncommon && !f; k++) {
+            const mgpu_flag *c = k < nextra ? &extra[k] : &common[k - nextra];
+            if (strcmp(arg, c->name) == 0) f = c;
+        }
+        if (!f) mgpu_fatal("unknown flag '%s' (try --help)", arg);
+        if (f->type == 'n') mgpu_fatal("%s: %s", arg, f->help);
+        if (f->type == 'b') {
+            *(int *)f->value = 1;
+            continue;
+        }
+        if (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)
+            mgpu_fatal("%s needs a value (try --help)", arg);
+        mgpu__flag_set(f, argv[++i]);
+    }
+    o->seed = (uint64_t)seed;
+    if (help) {
+        printf("%s\n\nflags:\n", about);
+        for (int k = 0; k < ncommon; k++) {
+            int overridden = 0;
+            for (int e = 0; e < nextra; e++) overridden |= strcmp(extra[e].name, common[k].name) == 0;
+            if (!overridden) mgpu__flag_print(&common[k]);
+        }
+        for (int k = 0; k < nextra; k++)
+            if (extra[k].type != 'n') mgpu__flag_print(&extra[k]);
+        exit(0);
+    }
+    /* Checked now, not when a run has ended: */
+    if (o->devices > MGPU_MAX_DEVICES)
+        mgpu_fatal("--devices %d: at most %d devices", o->devices, MGPU_MAX_DEVICES);
+    if (o->epochs > MGPU_TIMER_MAX)
+        mgpu_fatal("--epochs %d: at most %d (a timer keeps that many epochs' times)", o->epochs, MGPU_TIMER_MAX);
+    if (!o->out) o->out = ".";
+    mgpu__make_out_folder(o->out);
+}
+
+MGPU_DEF const char *mgpu_out_path(const mgpu_options *o, const char *name, char *buf, size_t size) {
+    const char *dir = o->out ? o->out : ".";
+    mgpu__make_out_folder(dir);
+    snprintf(buf, size, "%s/%s", dir, name);
+    return buf;
+}
 
 /* ======================================================================
    Data: the IDX reader, the data set and the loaders (see "Data" above)

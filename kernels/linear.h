@@ -166,17 +166,10 @@ static void mgpu__chan_broadcast_cuda(const void *args, const mgpu__exec *ex) {
     MGPU_CUDA_CHECK_LAUNCH();
 }
 
-/* The sum of v over the 32 lanes of a warp, in lane 0. */
-static __device__ inline float mgpu__warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
-    return v;
-}
-
 /* Block (k, s) sums channel k over slab s of the outer axis (the whole
    axis when splits is 1): into out[k] when there is one slab, else into
    partials[k * splits + s] for mgpu__chan_sum_finish_kernel. */
 static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
-    __shared__ float warp_sums[32];
     unsigned k = blockIdx.x, s = blockIdx.y, inner = (unsigned)p.inner;
     unsigned per = ((unsigned)p.outer + p.splits - 1) / p.splits, first = s * per;
     unsigned last = first + per < (unsigned)p.outer ? first + per : (unsigned)p.outer;
@@ -184,18 +177,12 @@ static __global__ void mgpu__chan_sum_kernel(mgpu__chan_sum_args p) {
     float sum = 0.0f;
     for (unsigned j = threadIdx.x; j < count; j += blockDim.x) /* j = (o - first, i) */
         sum += p.x[((size_t)(first + j / inner) * p.channels + k) * inner + j % inner];
-    sum = mgpu__warp_sum(sum);
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0) warp_sums[warp] = sum;
-    __syncthreads();
-    if (warp == 0) {
-        sum = mgpu__warp_sum(lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f);
-        if (lane == 0 && p.splits > 1) {
-            p.partials[(size_t)k * p.splits + s] = sum;
-        } else if (lane == 0) {
-            float v = p.alpha * sum;
-            p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + v : v;
-        }
+    sum = mgpu__block_reduce(sum, mgpu__sum_op(), 0.0f);
+    if (threadIdx.x == 0 && p.splits > 1) {
+        p.partials[(size_t)k * p.splits + s] = sum;
+    } else if (threadIdx.x == 0) {
+        float v = p.alpha * sum;
+        p.out[k] = p.beta != 0.0f ? p.beta * p.out[k] + v : v;
     }
 }
 /* Channels of at most MGPU__CHAN_SUM_FEW values: a thread per channel,

@@ -249,12 +249,8 @@ template <typename T> static T mgpu_emu_shuffle(unsigned mask, T v, int (*source
     return r;
 }
 static int mgpu_emu_xor_lane(int lane, int mask) { return lane ^ mask; }
-static int mgpu_emu_down_lane(int lane, int delta) { return lane + delta < 32 ? lane + delta : lane; }
 template <typename T> static T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     return mgpu_emu_shuffle(mask, v, mgpu_emu_xor_lane, lane_mask);
-}
-template <typename T> static T __shfl_down_sync(unsigned mask, T v, int delta) {
-    return mgpu_emu_shuffle(mask, v, mgpu_emu_down_lane, delta);
 }
 static int mgpu_emu_given_lane(int lane, int source) { return (void)lane, source; }
 template <typename T> static T __shfl_sync(unsigned mask, T v, int source) {
