@@ -206,6 +206,12 @@
      mgpu_devices(n, use_gpu, ...)  gives each of n CPU devices 1/n of the
                         cores for OpenBLAS (OPENBLAS_NUM_THREADS is
                         overridden).
+     OPENBLAS_CORETYPE  left as you set it. Unset, and OpenBLAS took
+                        kernels without AVX2 on a processor that has
+                        AVX2 and FMA (a processor it does not know), the
+                        program starts again at once with it set to
+                        kernels the processor runs, and says so in one
+                        line.
 
    ====================================================================== */
 /* The implementation calls POSIX functions (clock_gettime, posix_memalign,
@@ -1990,6 +1996,51 @@ MGPU_DEF int mgpu_try_all_gpus(mgpu_device **out, int max) {
     for (int i = 0; i < n && i < max; i++) out[i] = mgpu__device_get(i, 0);
     return n < max ? n : max;
 }
+
+/* OpenBLAS picks its kernels for the processor's family and model. On a
+   processor it does not know (cloud machines may report a generic name,
+   "Intel(R) Xeon(R) Processor") it takes its oldest x86-64 kernels,
+   Prescott's, with neither AVX2 nor AVX-512: its products then run at a
+   fifth of the speed the processor has (bench/RESULTS.md). It chooses
+   when it is loaded, reading OPENBLAS_CORETYPE only then; so where it took
+   kernels without AVX2 on a processor with AVX2 and FMA, the program
+   starts again before main, with OPENBLAS_CORETYPE naming the kernels the
+   processor runs, and says so in one line. A coretype the user set is
+   left alone. */
+extern char *openblas_get_corename(void);
+/* The kernels to ask for, given those OpenBLAS took (core) and what the
+   processor has; NULL where core uses AVX2 already, or the processor has
+   nothing better. */
+static const char *mgpu__blas_better_core(const char *core, int avx2_fma, int avx512) {
+    static const char *const without_avx2[] = {"Prescott",    "Core2",   "Penryn",    "Dunnington", "Nehalem",
+                                               "Sandybridge", "Atom",    "Opteron",   "Barcelona",  "Bobcat",
+                                               "Bulldozer",   "Piledriver", "Steamroller", "Nano"};
+    if (!avx2_fma || !core) return NULL;
+    for (size_t i = 0; i < sizeof without_avx2 / sizeof without_avx2[0]; i++)
+        if (strcasecmp(core, without_avx2[i]) == 0) return avx512 ? "SkylakeX" : "Haswell";
+    return NULL;
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+static void mgpu__processor_vectors(int *avx2_fma, int *avx512) {
+    __builtin_cpu_init();
+    *avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    *avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+/* (glibc hands a constructor the program's arguments, as main gets them) */
+__attribute__((constructor)) static void mgpu__blas_kernels_check(int argc, char **argv) {
+    if (getenv("OPENBLAS_CORETYPE") || argc < 1 || !argv) return;
+    int avx2_fma, avx512;
+    mgpu__processor_vectors(&avx2_fma, &avx512);
+    const char *core = openblas_get_corename();
+    const char *better = mgpu__blas_better_core(core, avx2_fma, avx512);
+    if (!better) return;
+    fprintf(stderr, "mgpu: OpenBLAS took its %s kernels on a processor with %s; starting again with "
+            "OPENBLAS_CORETYPE=%s\n", core, avx512 ? "AVX-512" : "AVX2", better);
+    if (setenv("OPENBLAS_CORETYPE", better, 1) == 0) execv("/proc/self/exe", argv);
+    fprintf(stderr, "mgpu: could not start again (%s): the products keep %s's kernels\n", strerror(errno), core);
+}
+#endif
 
 /* OpenBLAS runs every matrix product with all cores by default. When several
    CPU devices run at once, each gets its share, so that two devices really

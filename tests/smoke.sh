@@ -65,6 +65,34 @@ check chapter1_bad_environment 1 "^mgpu: error: MGPU_CONV=bogus: want auto" -- e
 lacks chapter1_bad_environment '^dev1'
 check chapter1_two_devices_only 1 "^mgpu: error: --devices 3: chapter 1 compares exactly two devices$" -- ./chapter1 --devices 3
 
+# OpenBLAS on a processor it does not know takes its oldest kernels: a
+# stand-in for it reports Prescott's, and the program starts again, once,
+# before main, with kernels the processor runs (none better without AVX2
+# and FMA: no restart); a coretype the user set is left alone.
+blas_shim=$out/prescott.so
+printf 'char *openblas_get_corename(void) { return "Prescott"; }\n' | ${CC:-gcc} -shared -fPIC -x c - -o "$blas_shim"
+if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+    want=Haswell
+    grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo &&
+        grep -qw avx512dq /proc/cpuinfo && want=SkylakeX
+    check blas_kernels_restart 0 \
+        "^mgpu: OpenBLAS took its Prescott kernels on a processor with AVX.*; starting again with OPENBLAS_CORETYPE=$want$" \
+        '^dev1 \(cpu\) time: ' -- env LD_PRELOAD="$blas_shim" OPENBLAS_VERBOSE=2 ./chapter1 --cpu --size 64 \
+        --reps 2 --out "$out/ch1blas"
+    # (OpenBLAS, verbose, names its kernels each time it is loaded: twice)
+    if [ "$(grep -c 'starting again' "$out/blas_kernels_restart.log")" = 1 ] &&
+        [ "$(grep -c '^Core: ' "$out/blas_kernels_restart.log")" = 2 ]; then
+        echo "ok   blas_kernels_restart_once"; passed=$((passed + 1))
+    else echo "FAIL blas_kernels_restart_once"; failed=$((failed + 1)); fi
+else
+    check blas_kernels_nothing_better 0 '^dev1 \(cpu\) time: ' -- \
+        env LD_PRELOAD="$blas_shim" ./chapter1 --cpu --size 64 --reps 2 --out "$out/ch1blas"
+    lacks blas_kernels_nothing_better 'starting again'
+fi
+check blas_kernels_coretype_set 0 '^dev1 \(cpu\) time: ' -- \
+    env LD_PRELOAD="$blas_shim" OPENBLAS_CORETYPE=Prescott ./chapter1 --cpu --size 64 --reps 2 --out "$out/ch1blas2"
+lacks blas_kernels_coretype_set 'starting again'
+
 
 # Chapter 2 on a few hundred images: the demos print as in the book, both
 # runs print their seed-style line, and the plots are written. 513 images

@@ -556,4 +556,27 @@ TEST(trace_summary_totals_time_by_operation) {
     CHECK(strstr(text, "operation") == text);
 }
 
+/* OpenBLAS's kernels: better ones asked for only where it took kernels
+   without AVX2 and the processor has AVX2 and FMA (AVX-512: SkylakeX's);
+   and on this machine the products run on kernels that fit the
+   processor (the library restarts the program where they did not). */
+TEST(blas_kernels_fit_the_processor) {
+    CHECK(strcmp(mgpu__blas_better_core("Prescott", 1, 1), "SkylakeX") == 0);
+    CHECK(strcmp(mgpu__blas_better_core("prescott", 1, 0), "Haswell") == 0);
+    CHECK(strcmp(mgpu__blas_better_core("Sandybridge", 1, 0), "Haswell") == 0);
+    CHECK(mgpu__blas_better_core("Prescott", 0, 0) == NULL); /* nothing better to run */
+    CHECK(mgpu__blas_better_core("Haswell", 1, 1) == NULL);  /* AVX2 already */
+    CHECK(mgpu__blas_better_core("SkylakeX", 1, 1) == NULL);
+    CHECK(mgpu__blas_better_core("Zen", 1, 0) == NULL);
+    CHECK(mgpu__blas_better_core(NULL, 1, 1) == NULL);
+#if defined(__x86_64__) && defined(__GNUC__)
+    int avx2_fma, avx512;
+    mgpu__processor_vectors(&avx2_fma, &avx512);
+    const char *core = openblas_get_corename();
+    if (!getenv("OPENBLAS_CORETYPE") && mgpu__blas_better_core(core, avx2_fma, avx512))
+        fprintf(stderr, "  OpenBLAS runs %s's kernels on a processor with AVX2%s\n", core, avx512 ? " and AVX-512" : "");
+    CHECK(getenv("OPENBLAS_CORETYPE") || !mgpu__blas_better_core(core, avx2_fma, avx512));
+#endif
+}
+
 TEST_MAIN()
