@@ -216,9 +216,6 @@ test-gpu: $(CUDA_TEST_BINS) all
 	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
-bench: all $(BENCH_BINS) $(if $(filter 1,$(HAVE_NVCC)),$(CONV_VARIANTS))
-	@bash bench/run.sh
-
 # The convolution variants that lost on every pass of the GPU profile
 # (bench/conv/, numbered): each a standalone CUDA program with its own
 # kernels, its CPU check and its timing. Built by make bench, not by make
@@ -227,6 +224,9 @@ bench: all $(BENCH_BINS) $(if $(filter 1,$(HAVE_NVCC)),$(CONV_VARIANTS))
 CONV_VARIANTS := $(patsubst %.cu,%,$(wildcard bench/conv/[0-9][0-9]_*.cu))
 bench/conv/%: bench/conv/%.cu
 	$(NVCC) -O3 -std=c++17 $(GENCODE) -Xcompiler -Wall,-Wextra $< -o $@
+
+bench: all $(BENCH_BINS) $(if $(filter 1,$(HAVE_NVCC)),$(CONV_VARIANTS))
+	@bash bench/run.sh
 
 # The allreduce benchmark: the book's allreduce, the ring and NCCL.
 bench/allreduce: bench/allreduce.c $(HEADERS) $(DEPS_STAMP)
