@@ -2011,7 +2011,7 @@ extern char *openblas_get_corename(void);
 /* The kernels to ask for, given those OpenBLAS took (core) and what the
    processor has; NULL where core uses AVX2 already, or the processor has
    nothing better. */
-static const char *mgpu__blas_better_core(const char *core, int avx2_fma, int avx512) {
+static inline const char *mgpu__blas_better_core(const char *core, int avx2_fma, int avx512) {
     static const char *const without_avx2[] = {"Prescott",    "Core2",   "Penryn",    "Dunnington", "Nehalem",
                                                "Sandybridge", "Atom",    "Opteron",   "Barcelona",  "Bobcat",
                                                "Bulldozer",   "Piledriver", "Steamroller", "Nano"};
@@ -2020,7 +2020,7 @@ static const char *mgpu__blas_better_core(const char *core, int avx2_fma, int av
         if (strcasecmp(core, without_avx2[i]) == 0) return avx512 ? "SkylakeX" : "Haswell";
     return NULL;
 }
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
 static void mgpu__processor_vectors(int *avx2_fma, int *avx512) {
     __builtin_cpu_init();
     *avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -3903,7 +3903,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                from the same channels-last copies, and
                conv_few_inputs.h for a first layer), for each pass the
                kernel and tile shape that was fastest for it (timed the
-               same way).
+               same way); im2col where no such kernel fits.
    Float32 convolutions (no TF32) and a CPU's always take im2col. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
@@ -4729,6 +4729,7 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
         plan.dw_im2col = by_dw == MGPU__BY_IM2COL_HALF;
         /* (without dx, the dW half is the whole path) */
         if (automatic) plan.implicit = !with_dx || best < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
+        else plan.implicit = !(plan.dw_im2col && (!with_dx || plan.dx_im2col)); /* (both halves: the whole path) */
     }
     mgpu_free(dx);
     mgpu_free(dw);

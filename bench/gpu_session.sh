@@ -122,7 +122,10 @@ ab() {
     local base=$SESSION/ab/base
     rm -rf "$base" && git worktree prune &&
         git worktree add --detach "$base" "$AB_BASE" >/dev/null || return 1
-    (cd "$base" && make -j"$JOBS" bench/profile bench/convolutions >/dev/null) || return 1
+    # (the convolutions' benchmark was bench/conv before 740cbfa)
+    local conv=convolutions
+    [ -f "$base/bench/convolutions.c" ] || conv=conv
+    (cd "$base" && make -j"$JOBS" bench/profile bench/$conv >/dev/null) || return 1
     local round side name
     for round in 1 2; do
         for side in "$base" .; do
@@ -133,7 +136,8 @@ ab() {
     done
     [ -n "${AB_ARGS:-}" ] && return 0 # (bench/convolutions takes no such arguments, and times the GPU alone)
     for side in "$base" .; do
-        echo "### ./bench/convolutions, $side" && (cd "$side" && ./bench/convolutions) || return 1
+        local program=$([ "$side" = . ] && echo convolutions || echo $conv)
+        echo "### ./bench/$program, $side" && (cd "$side" && ./bench/$program) || return 1
     done
 }
 

@@ -71,17 +71,14 @@ typedef struct {
 } mgpu__conv_few_inputs_wgrad_args;
 
 #if MGPU_CUDA
-/* The divisors the kernels use (mgpu__div, kernels/common.h), made
-   once per launch from the geometry: the kernels find each pixel's image and
-   place by dividing. */
+/* The divisors the kernels use (mgpu__div, kernels/common.h), made once
+   per launch from the geometry: the kernels find each output pixel's
+   image and row by dividing by P*Q and Q. */
 typedef struct {
-    mgpu__divisor rs, s, pq, q, hw, w, stride;
+    mgpu__divisor pq, q;
 } mgpu__conv_divisors;
 static mgpu__conv_divisors mgpu__conv_divisors_for(const mgpu__conv_geom *g) {
-    mgpu__conv_divisors v = {mgpu__divisor_for(g->r * g->s), mgpu__divisor_for(g->s),
-                             mgpu__divisor_for(g->p * g->q), mgpu__divisor_for(g->q),
-                             mgpu__divisor_for(g->h * g->w), mgpu__divisor_for(g->w),
-                             mgpu__divisor_for(g->stride)};
+    mgpu__conv_divisors v = {mgpu__divisor_for(g->p * g->q), mgpu__divisor_for(g->q)};
     return v;
 }
 /* The inputs (c, r, s), decoded once a block into shared memory: r, s,

@@ -569,7 +569,7 @@ TEST(blas_kernels_fit_the_processor) {
     CHECK(mgpu__blas_better_core("SkylakeX", 1, 1) == NULL);
     CHECK(mgpu__blas_better_core("Zen", 1, 0) == NULL);
     CHECK(mgpu__blas_better_core(NULL, 1, 1) == NULL);
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
     int avx2_fma, avx512;
     mgpu__processor_vectors(&avx2_fma, &avx512);
     const char *core = openblas_get_corename();

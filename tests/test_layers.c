@@ -574,7 +574,7 @@ TEST(conv_backward_ways_count_the_copy_of_dy_once) {
     const double dx_ms[3] = {12, 10, 13}, dw_ms[3] = {14, 10, 11};
     int by_dx, by_dw;
     /* channels-last both: 10 + 10 + one copy of 5 = 25, not 30; beside
-       gathering dx and im2col's dW half: 12 + 11 = 23 */
+       an NCHW dx and im2col's dW half: 12 + 11 = 23 */
     CHECK(mgpu__conv_backward_ways(dx_ms, dw_ms, 5, 0, 1, &by_dx, &by_dw) == 23);
     CHECK(by_dx == MGPU__BY_NCHW && by_dw == MGPU__BY_IM2COL_HALF);
     /* with the copy prepared: 20 */
