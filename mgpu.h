@@ -4119,7 +4119,7 @@ static int mgpu__conv_implicit_available(void) {
    the forward pass and dW of convolutions with C*R*S <= 9,
    conv_few_inputs.h's kernels (float32). Winograd, stride-2 dx and few
    inputs take no tile and no slices. */
-typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX } mgpu__conv_method;
+typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX, MGPU__METHODS } mgpu__conv_method;
 typedef struct {
     mgpu__conv_method method;
     mgpu__implicit_tile tile;
@@ -4474,8 +4474,8 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    trial would only lose time, and stage 1's V and M, 200 MB each, would
    count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
-/* Whether conv_nhwc.h's stride-2 dx kernel computes a pass of geometry g: dx at
-   stride 2 of a 3x3 window with padding 1, where they fit. */
+/* Whether conv_nhwc.h's stride-2 dx kernel computes a pass of geometry
+   g: dx at stride 2 of a 3x3 window with padding 1, where it fits. */
 static int mgpu__conv_stride2_dx_fits(mgpu__conv_try what, const mgpu__conv_geom *g) {
     return what == MGPU__TRY_DX && mgpu__conv_nhwc_stride2_dx_fits(g);
 }
@@ -4484,14 +4484,15 @@ static int mgpu__conv_stride2_dx_fits(mgpu__conv_try what, const mgpu__conv_geom
 static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
     return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
-           : method == MGPU__STRIDE2_DX      ? mgpu__conv_stride2_dx_fits(what, g)
+           : method == MGPU__STRIDE2_DX ? mgpu__conv_stride2_dx_fits(what, g)
                                         : mgpu__conv_channels_last_fits(what, g);
 }
 /* The kernels a trial times for a pass, into list; returns how many:
    the direct kernel's in every tile and choice that fits, by mma.sync
    and with wgmma (mgpu__wgmma_usable) by wgmma too; Winograd where it is
-   worth trying, and conv_few_inputs.h's and the stride-2 dx kernel where they fit. */
-#define MGPU__CANDIDATES (2 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + 3)
+   worth trying, and conv_few_inputs.h's and the stride-2 dx kernel where
+   they fit (the methods other than the direct kernel, one each). */
+#define MGPU__CANDIDATES (2 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + (int)MGPU__METHODS - 1)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
     int count = 0;
@@ -4499,9 +4500,8 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
         for (int t = 0; t < MGPU__TILE_KINDS; t++)
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_tile)t, by_wgmma, i, &list[count]);
-    static const mgpu__conv_method others[] = {MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX};
-    for (int m = 0; m < 3; m++) {
-        mgpu__implicit_kernel k = {others[m], MGPU__TILE_64x64, 1, 0};
+    for (int m = MGPU__DIRECT + 1; m < MGPU__METHODS; m++) {
+        mgpu__implicit_kernel k = {(mgpu__conv_method)m, MGPU__TILE_64x64, 1, 0};
         if (mgpu__conv_method_fits(k.method, what, g) &&
             (k.method != MGPU__WINOGRAD || mgpu__conv_winograd_worth_trying(g)))
             list[count++] = k;

@@ -881,16 +881,13 @@ static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, in
    more (its start and its end), the launch takes 54 step-times in the
    order of the classes, 38 the other way round, 31 if it were even. */
 static int mgpu__subpixel_products(const mgpu__conv_geom *g) { return g->stride * g->stride; }
-static mgpu__subpixel_class mgpu__subpixel_in_class_order(const mgpu__conv_geom *g, int i) {
-    return mgpu__subpixel_class_of(g, i / g->stride, i % g->stride);
-}
 static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int i) {
     int n = mgpu__subpixel_products(g);
     for (int j = 0; j < n; j++) { /* the class with i products before it */
-        mgpu__subpixel_class k = mgpu__subpixel_in_class_order(g, j);
+        mgpu__subpixel_class k = mgpu__subpixel_class_of(g, j / g->stride, j % g->stride);
         int before = 0;
         for (int o = 0; o < n; o++) {
-            mgpu__subpixel_class other = mgpu__subpixel_in_class_order(g, o);
+            mgpu__subpixel_class other = mgpu__subpixel_class_of(g, o / g->stride, o % g->stride);
             int taps = other.g.r * other.g.s, own = k.g.r * k.g.s;
             before += taps > own || (taps == own && o < j);
         }
