@@ -34,8 +34,28 @@ MGPU_DATA := $(patsubst %/,%,$(dir $(firstword $(wildcard data/fashion-mnist/tra
 endif
 export MGPU_DATA
 
-CFLAGS_C   := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g
-LIBS       := -lopenblas -lstb -lz -lpthread -lm
+# OpenMP. With -fopenmp a CPU device runs its own kernels on its share of
+# the cores (mgpu.h, "Queues"); without it, on one thread each. It comes
+# with OpenBLAS built for OpenMP (Debian's libopenblas0-openmp, which `make
+# deps` installs when run as root): the products then run on the same
+# threads as the kernels. Beside the default OpenBLAS, whose own threads
+# spin between products, OpenMP's threads and OpenBLAS's would take each
+# other's cores (bench/RESULTS.md), so without that package the kernels
+# stay on one thread. USE_OPENMP=0 leaves OpenMP out.
+OPENBLAS_OPENMP := /usr/lib/$(shell $(CC) -dumpmachine)/openblas-openmp
+WITH_OPENMP = $(if $(filter 0,$(USE_OPENMP)),,$(wildcard $(OPENBLAS_OPENMP)/libopenblas.so))
+OPENMP     = $(if $(WITH_OPENMP),-fopenmp)
+BLAS_DIR   = $(if $(WITH_OPENMP),$(OPENBLAS_OPENMP))
+# oneDNN (Debian's libdnnl-dev, installed like OpenBLAS for OpenMP): its
+# convolutions are a CPU device's candidates beside im2col
+# (kernels/conv_onednn.h). It runs on OpenMP, so it comes with it.
+# USE_ONEDNN=0 leaves it out.
+WITH_ONEDNN = $(if $(filter 0,$(USE_ONEDNN)),,$(if $(WITH_OPENMP),$(wildcard /usr/include/oneapi/dnnl/dnnl.h)))
+ONEDNN     = $(if $(WITH_ONEDNN),-DMGPU_ONEDNN=1)
+ONEDNN_LIB = $(if $(WITH_ONEDNN),-ldnnl)
+CFLAGS_C   = -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g $(OPENMP) $(ONEDNN)
+LIBS       = $(if $(BLAS_DIR),-L$(BLAS_DIR) -Wl$(COMMA)-rpath$(COMMA)$(BLAS_DIR)) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
+COMMA      := ,
 ASAN       := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 # ------------------------------------------------------------ is nvcc there?
@@ -50,17 +70,18 @@ endif
 SASS_ARCH   = $(if $(filter 90,$(1)),90a,$(1))
 GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(call SASS_ARCH,$(a)),code=sm_$(call SASS_ARCH,$(a))) \
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
-NVFLAGS    := -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra -D_GNU_SOURCE \
+NVFLAGS     = -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) \
               -I$(NCCL_HOME)/include
 LAST_ARCH  := $(lastword $(CUDA_ARCHS))
-NVFLAGS_CHECK := -x cu -std=c++17 -O0 \
+NVFLAGS_CHECK = -x cu -std=c++17 -O0 \
               -gencode=arch=compute_$(call SASS_ARCH,$(LAST_ARCH)),code=sm_$(call SASS_ARCH,$(LAST_ARCH)) \
-              -Xcompiler -Wall,-Wextra -D_GNU_SOURCE -I$(NCCL_HOME)/include
+              -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) -I$(NCCL_HOME)/include
 # pip's NCCL ships libnccl.so.2 without the libnccl.so link -lnccl looks for
 NCCL_LIB   := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib64/libnccl.so),-lnccl,-l:libnccl.so.2)
-CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 \
+CUDA_LIBS   = -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 \
               -Xlinker -rpath,$(CUDA_HOME)/lib64 -Xlinker -rpath,$(NCCL_HOME)/lib \
-              -lcublas $(NCCL_LIB) -lcudart $(LIBS)
+              $(if $(BLAS_DIR),-L$(BLAS_DIR) -Xlinker -rpath$(COMMA)$(BLAS_DIR)) \
+              -lcublas $(NCCL_LIB) -lcudart $(if $(OPENMP),-lgomp) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
 
 ifeq ($(HAVE_NVCC),1)
 COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
@@ -87,7 +108,8 @@ all: $(CHAPTER_BINS)
 # the GPU machine, which has no package registry: bench/gpu_session.sh).
 # Missing ones are installed with apt-get when running as root; otherwise
 # the command is printed. (OpenMPI joins this list with the chapter that
-# uses it.)
+# uses it.) The optional ones (OpenBLAS for OpenMP and oneDNN, above) are installed
+# when running as root, and skipped when they cannot be.
 DEPS_STAMP := $(BUILD)/deps.ok
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
@@ -107,6 +129,15 @@ $(DEPS_STAMP):
 	      echo "mgpu needs:$$missing. Install them with:"; \
 	      echo "  sudo apt-get install -y$$missing"; exit 1; \
 	    fi; \
+	  fi
+	@if [ ! -e $(OPENBLAS_OPENMP)/libopenblas.so ] && [ "$$(id -u)" = 0 ] && [ "$(USE_OPENMP)" != 0 ]; then \
+	    echo "installing: libopenblas-openmp-dev (optional: the CPU kernels on all their cores)"; \
+	    apt-get install -y libopenblas-openmp-dev >/dev/null 2>&1 || \
+	      echo "  not installed: a CPU device's own kernels run on one thread"; \
+	  fi
+	@if [ ! -e /usr/include/oneapi/dnnl/dnnl.h ] && [ "$$(id -u)" = 0 ] && [ "$(USE_ONEDNN)" != 0 ]; then \
+	    echo "installing: libdnnl-dev (optional: oneDNN's convolutions on CPU devices)"; \
+	    apt-get install -y libdnnl-dev >/dev/null 2>&1 || echo "  not installed: the CPU convolutions take im2col"; \
 	  fi
 	@touch $@
 
@@ -148,6 +179,13 @@ $(BUILD)/cuda-check/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $
 
 CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 
+# The layers' tests once more as a program built by hand would be: no
+# OpenMP, no oneDNN, the default OpenBLAS (the convolutions by im2col).
+PLAIN_TEST_BINS := $(BUILD)/plain/test_layers
+$(BUILD)/plain/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O1 -g -I. $< -o $@ -lopenblas -lstb -lz -lpthread -lm
+
 # The CUDA kernels run on the CPU (tests/cuda_emu.h): their launches
 # kernel<<<config>>>(args); (kernel may be a template's, name<V>) are
 # rewritten into calls of the emulator, and
@@ -174,7 +212,7 @@ $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tes
 EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS))
 $(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE -include tests/cuda_emu.h \
+	$(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) -include tests/cuda_emu.h \
 	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
@@ -205,9 +243,9 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 # benchmark programs built above: the checked CUDA builds, or the CPU ones.
 TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
-test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS)
+test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
 	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
-	  $(CPU_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh
+	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

@@ -230,6 +230,12 @@
 #define MGPU_DEF extern
 #endif
 
+/* oneDNN's convolutions on CPU devices (kernels/conv_onednn.h): the
+   Makefile sets MGPU_ONEDNN=1 where oneDNN is installed. */
+#ifndef MGPU_ONEDNN
+#define MGPU_ONEDNN 0
+#endif
+
 #if defined(__CUDACC__) || defined(MGPU_CUDA_EMU) /* emulated: tests/cuda_emu.h */
 #define MGPU_CUDA 1
 #else
@@ -1690,6 +1696,26 @@ MGPU_DEF double mgpu_now(void) {
    caller can return at once (the arguments are copied, not pointed to).
    ====================================================================== */
 #define MGPU__TASK_ARGS 640 /* room for a list of tensors (kernels/sgd.h) */
+
+/* A CPU device's share of the machine's cores: cores / CPU devices
+   (mgpu_devices sets it). Its kernels split their outer loops over that
+   many threads, as OpenBLAS splits its products: with OpenMP, where the
+   program was compiled with -fopenmp (the Makefile does), the worker
+   thread that runs the task leading the team. Without -fopenmp they run
+   on the worker thread alone. The results are the same either way: a
+   thread takes whole iterations, and no sum is split between two. A loop
+   over fewer than MGPU__PARALLEL_MIN values stays on one thread, where
+   waking the others would cost more than it saves. */
+static int mgpu__cpu_threads = 1; /* (all the cores once the library starts) */
+#define MGPU__PARALLEL_MIN 32768
+#ifdef _OPENMP
+#include <omp.h>
+#define MGPU__PRAGMA(x) _Pragma(#x)
+#define MGPU__CPU_PARALLEL_FOR(values) \
+    MGPU__PRAGMA(omp parallel for num_threads((values) < MGPU__PARALLEL_MIN ? 1 : mgpu__cpu_threads))
+#else
+#define MGPU__CPU_PARALLEL_FOR(values)
+#endif
 #define MGPU__QUEUE_RING 512
 
 /* Where a kernel runs: the CUDA stream and cuBLAS handle of a GPU queue,
@@ -2043,13 +2069,15 @@ __attribute__((constructor)) static void mgpu__blas_kernels_check(int argc, char
 #endif
 
 /* OpenBLAS runs every matrix product with all cores by default. When several
-   CPU devices run at once, each gets its share, so that two devices really
-   work side by side instead of fighting over the same cores. */
+   CPU devices run at once, each gets its share, for its products and its
+   own kernels, so that two devices really work side by side instead of
+   fighting over the same cores. */
 extern void openblas_set_num_threads(int num_threads);
 static void mgpu__share_cpu_cores(int ncpu_devices) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     int per_device = (int)(cores / (ncpu_devices > 0 ? ncpu_devices : 1));
-    openblas_set_num_threads(per_device > 0 ? per_device : 1);
+    mgpu__cpu_threads = per_device > 0 ? per_device : 1;
+    openblas_set_num_threads(mgpu__cpu_threads);
 }
 
 MGPU_DEF int mgpu_devices(int n, int use_gpu, mgpu_device **out) {
@@ -2177,6 +2205,8 @@ static void mgpu__init(void) {
     mgpu__library.pid = getpid();
     MGPU__PTHREAD_CHECK(pthread_mutex_init(&mgpu__library.mutex, NULL));
     mgpu__library.seed = 0x5eed;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN); /* one CPU device alone: all of them, as OpenBLAS */
+    mgpu__cpu_threads = cores > 0 ? (int)cores : 1;
     mgpu__library.num_gpus = 0;
 #if MGPU_CUDA
     int count = 0;
@@ -2770,6 +2800,7 @@ static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, c
 #include "kernels/linear.h"
 #include "kernels/batchnorm.h"
 #include "kernels/conv_few_inputs.h"
+#include "kernels/conv_onednn.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
 #endif
@@ -4745,6 +4776,155 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
 }
 #endif
 
+/* ------------------------------------------ a CPU's: im2col or oneDNN */
+#if MGPU_ONEDNN
+/* A CPU device computes a convolution's pass with conv.h's im2col and
+   OpenBLAS's products, or with oneDNN's kernels (kernels/conv_onednn.h),
+   whichever was faster for the pass and shape. The GPU's trial runs extra
+   calls at a shape's first use; on a CPU a pass of ResNet-18 takes
+   milliseconds to tens of milliseconds, so extra calls would cost seconds
+   at the first step. Instead the first MGPU__CPU_TIMED_CALLS calls of a
+   pass with a shape do their real work, by the two ways in turn, each
+   timed alone (the device synchronised before and after it); the calls
+   after them take the way whose best time was the shorter. MGPU_CONV=im2col
+   keeps im2col; implicit takes oneDNN wherever it has a kernel. */
+typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
+static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN"};
+#define MGPU__CPU_TIMED_CALLS 4
+typedef struct {
+    const mgpu_device *device; /* (each device its own: each has its share of the cores) */
+    mgpu__conv_geom g;
+    int backward, with_dx;
+    int calls;                          /* made so far, up to MGPU__CPU_TIMED_CALLS */
+    double best_ms[MGPU__CPU_WAYS];     /* of the timed calls (HUGE_VAL: none, or no kernel) */
+    mgpu__cpu_conv_way way;             /* after the timed calls */
+} mgpu__cpu_conv_choice;
+static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
+static int mgpu__cpu_conv_choice_count;
+
+/* One call of a pass: the forward (y), or the backward (dx, which may be
+   NULL, and dw), with what they add to. */
+typedef struct {
+    mgpu_tensor *y, *dx, *dw;
+    const mgpu_tensor *x, *w, *b, *dy;
+    const mgpu__conv_geom *g;
+    int backward, accumulate, add_to_dx, tf32;
+} mgpu__cpu_conv_call;
+
+/* Enqueues one oneDNN pass on dev, with its chosen-layout copies from the
+   allocator; 0 (nothing enqueued) where oneDNN has no kernel for it. */
+static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__conv_geom *g,
+                                mgpu__onednn_pass pass, const float *in_a, const float *in_b, float *out,
+                                const float *bias, int accumulate) {
+    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, bias != NULL, accumulate, mgpu__cpu_threads);
+    if (!plan) return 0;
+    mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias,
+                           mgpu__cpu_threads};
+    mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
+    for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) {
+        size_t bytes = t < MGPU__ONEDNN_TENSORS ? plan->bytes[t] : plan->scratch_bytes;
+        if (!bytes) continue;
+        scratch[t] = mgpu_empty(dev, mgpu_shape1((int)((bytes + sizeof(float) - 1) / sizeof(float))));
+        if (t < MGPU__ONEDNN_TENSORS) a.copy[t] = scratch[t]->data;
+        else a.scratch = scratch[t]->data;
+    }
+    mgpu__launch_on(&dev->queue[0], name, mgpu__onednn_conv_cpu, NULL, &a, sizeof a);
+    for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) mgpu_free(scratch[t]); /* (reused only by later work) */
+    return 1;
+}
+
+/* The call by oneDNN; 0 (nothing enqueued) where it has no kernel for a
+   pass of it. The plans are all made before anything is enqueued. */
+static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c) {
+    mgpu_device *dev = c->x->device;
+    const mgpu__conv_geom *g = c->g;
+    if (!c->backward)
+        return mgpu__onednn_enqueue(dev, "conv2d oneDNN forward", g, MGPU__ONEDNN_Y, c->x->data, c->w->data,
+                                    c->y->data, c->b ? c->b->data : NULL, 0);
+    int threads = mgpu__cpu_threads;
+    if ((c->dx && !mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, 0, c->add_to_dx, threads)) ||
+        !mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads))
+        return 0;
+    if (c->dx)
+        mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dx", g, MGPU__ONEDNN_DX, c->w->data, c->dy->data,
+                             c->dx->data, NULL, c->add_to_dx);
+    mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dW", g, MGPU__ONEDNN_DW, c->x->data, c->dy->data,
+                         c->dw->data, NULL, c->accumulate);
+    return 1;
+}
+static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
+    if (c->backward)
+        mgpu__conv_backward_im2col(c->dx, c->dw, c->dy, c->x, c->w, c->g, c->tf32, c->accumulate, c->add_to_dx);
+    else
+        mgpu__conv_forward_im2col(c->y, c->x, c->w, c->b, c->g, c->tf32);
+}
+
+static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_for(const mgpu_device *dev, const mgpu__conv_geom *g,
+                                                        int backward, int with_dx) {
+    for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
+        mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[i];
+        if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->backward == backward && c->with_dx == with_dx)
+            return c;
+    }
+    MGPU_REQUIRE(mgpu__cpu_conv_choice_count < (int)(sizeof mgpu__cpu_conv_choices / sizeof mgpu__cpu_conv_choices[0]),
+                 "conv2d: more than %d convolution shapes", mgpu__cpu_conv_choice_count);
+    mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[mgpu__cpu_conv_choice_count++];
+    memset(c, 0, sizeof *c);
+    c->device = dev;
+    c->g = *g;
+    c->backward = backward;
+    c->with_dx = with_dx;
+    c->best_ms[MGPU__CPU_BY_IM2COL] = c->best_ms[MGPU__CPU_BY_ONEDNN] = HUGE_VAL;
+    return c;
+}
+
+/* A pass on a CPU device, by the way its choice says (above). */
+static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
+    mgpu__conv_settings_from_environment();
+    if (mgpu__conv_mode == MGPU__CONV_IM2COL) {
+        mgpu__cpu_conv_by_im2col(call);
+        return;
+    }
+    if (mgpu__conv_mode == MGPU__CONV_IMPLICIT) {
+        if (!mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
+        return;
+    }
+    mgpu_device *dev = call->x->device;
+    mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(dev, call->g, call->backward, call->dx != NULL);
+    if (c->calls >= MGPU__CPU_TIMED_CALLS) {
+        if (c->way == MGPU__CPU_BY_IM2COL || !mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
+        return;
+    }
+    mgpu__cpu_conv_way way = c->calls % 2 ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL;
+    mgpu_synchronize(dev);
+    double t0 = mgpu_now();
+    if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(call);
+    else if (!mgpu__cpu_conv_by_onednn(call)) { /* no kernel: im2col for good */
+        mgpu__cpu_conv_by_im2col(call);
+        c->calls = MGPU__CPU_TIMED_CALLS;
+        c->way = MGPU__CPU_BY_IM2COL;
+        return;
+    }
+    mgpu_synchronize(dev);
+    double ms = (mgpu_now() - t0) * 1e3;
+    if (ms < c->best_ms[way]) c->best_ms[way] = ms;
+    if (++c->calls == MGPU__CPU_TIMED_CALLS)
+        c->way = c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
+                                                                                  : MGPU__CPU_BY_IM2COL;
+}
+
+/* A choice in words, for the benchmarks and tests. */
+static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size) {
+    const mgpu__conv_geom *g = &c->g;
+    snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (best of im2col %.2f ms, oneDNN %.2f ms)",
+             c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
+             !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)",
+             c->calls < MGPU__CPU_TIMED_CALLS ? "(not chosen yet)" : mgpu__cpu_conv_way_names[c->way],
+             c->best_ms[MGPU__CPU_BY_IM2COL], c->best_ms[MGPU__CPU_BY_ONEDNN]);
+    return out;
+}
+#endif
+
 /* mgpu_conv2d_forward; x_t: x's channels-last copy, if the caller has
    one (else NULL); with keep_x_t, a channels-last forward that made its
    own copy of x leaves it there for the backward pass (*keep_x_t is freed
@@ -4784,6 +4964,13 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
 #endif
     (void)keep_w_t;
     (void)prepared;
+#if MGPU_ONEDNN
+    if (!mgpu_device_is_gpu(dev)) {
+        mgpu__cpu_conv_call call = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, tf32};
+        mgpu__conv_cpu(&call);
+        return;
+    }
+#endif
     mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
@@ -4823,7 +5010,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     if (dx) mgpu__before_write(dx);
     if (db) mgpu__before_write(db);
     mgpu__before_write(dw);
-    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), implicit = 0;
+    int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), done = 0; /* done: by a way other than im2col here */
 #if MGPU_CUDA
     mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1, db ? prepared & ~MGPU__PREPARED_DY : prepared,
                           NULL, NULL, NULL, NULL};
@@ -4831,8 +5018,8 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     MGPU_REQUIRE(!dy_t || mgpu__conv_plan_reads_dy_t_only(&plan, dx != NULL, db != NULL),
                  "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
     if (dy_t) mgpu__require_channels_last_of(dy_t, dy, op, "channels-last dy_t");
-    implicit = plan.implicit;
-    if (implicit) {
+    done = plan.implicit;
+    if (plan.implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
         int dx_cl = dx && !plan.dx_im2col;
         int dw_cl = !plan.dw_im2col && mgpu__conv_reads_copies(plan.dw);
@@ -4848,7 +5035,14 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
-    if (!implicit) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate, add_to_dx);
+#if MGPU_ONEDNN
+    if (!mgpu_device_is_gpu(dev)) {
+        mgpu__cpu_conv_call call = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, tf32};
+        mgpu__conv_cpu(&call);
+        done = 1;
+    }
+#endif
+    if (!done) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate, add_to_dx);
     if (db) {
         mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k,
                                (size_t)g.p * g.q, 1.0f, accumulate ? 1.0f : 0.0f);

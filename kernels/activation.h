@@ -64,16 +64,19 @@ static MGPU__HOSTDEVICE inline float mgpu__add_value(const mgpu__add_args *p, si
 static void mgpu__relu_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__relu_args *p = (const mgpu__relu_args *)args;
+    MGPU__CPU_PARALLEL_FOR(p->n)
     for (size_t i = 0; i < p->n; i++) p->y[i] = mgpu__relu_value(p, i);
 }
 static void mgpu__relu_backward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__relu_backward_args *p = (const mgpu__relu_backward_args *)args;
+    MGPU__CPU_PARALLEL_FOR(p->n)
     for (size_t i = 0; i < p->n; i++) p->dx[i] = mgpu__relu_backward_value(p, i);
 }
 static void mgpu__add_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__add_args *p = (const mgpu__add_args *)args;
+    MGPU__CPU_PARALLEL_FOR(p->n)
     for (size_t i = 0; i < p->n; i++) p->y[i] = mgpu__add_value(p, i);
 }
 

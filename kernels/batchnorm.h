@@ -175,11 +175,14 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_finish_stats(const mgpu__bn_forward
 }
 
 /* The CPU walks each channel image by image: a channel of one image is
-   hw contiguous values, so the inner loops read memory in order. */
+   hw contiguous values, so the inner loops read memory in order. The
+   channels are shared among the device's threads (MGPU__CPU_PARALLEL_FOR,
+   mgpu.h): each channel's sums stay on one thread, in one order. */
 static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     size_t m = (size_t)a->n * (size_t)a->hw;
+    MGPU__CPU_PARALLEL_FOR(m * a->c)
     for (int c = 0; c < a->c; c++) {
         if (a->training) { /* two passes in double: the mean, then the squared deviations */
             double sum = 0, squares = 0;
@@ -262,6 +265,7 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__bn_backward_args *a = (const mgpu__bn_backward_args *)args;
     size_t m = (size_t)a->n * (size_t)a->hw;
+    MGPU__CPU_PARALLEL_FOR(m * a->c)
     for (int c = 0; c < a->c; c++) {
         float scale, shift;
         mgpu__bn_backward_affine(a, c, &scale, &shift);

@@ -117,6 +117,7 @@ static void mgpu__conv_valid_range(int in, int out, int t, int stride, int pad, 
 static void mgpu__im2col_walk(const mgpu__conv_geom *g, float *x, float *col, int to_col) {
     size_t pq = (size_t)g->p * g->q, cols = (size_t)g->n * pq, plane = (size_t)g->h * g->w;
     int t = g->stride;
+    MGPU__CPU_PARALLEL_FOR(cols * g->c * g->r * g->s) /* channel c writes only its rows, or its planes */
     for (int c = 0; c < g->c; c++)
         for (int r = 0; r < g->r; r++) {
             int p_lo, p_hi;
@@ -174,6 +175,7 @@ static void mgpu__col2im_cpu(const void *args, const mgpu__exec *ex) {
 static void mgpu__swap_outer_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__swap_outer_args *a = (const mgpu__swap_outer_args *)args;
+    MGPU__CPU_PARALLEL_FOR((size_t)a->middle * a->outer * a->inner)
     for (int m = 0; m < a->middle; m++)
         for (int o = 0; o < a->outer; o++) {
             float *out = a->out + ((size_t)m * a->outer + o) * a->inner;

@@ -33,6 +33,7 @@ static MGPU__HOSTDEVICE inline float mgpu__fill_value(const mgpu__fill_args *f, 
 static void mgpu__fill_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__fill_args *f = (const mgpu__fill_args *)args;
+    MGPU__CPU_PARALLEL_FOR(f->n)
     for (size_t i = 0; i < f->n; i++) f->y[i] = mgpu__fill_value(f, i);
 }
 
@@ -46,6 +47,7 @@ typedef struct {
 static void mgpu__axpby_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__axpby_args *p = (const mgpu__axpby_args *)args;
+    MGPU__CPU_PARALLEL_FOR(p->n)
     for (size_t i = 0; i < p->n; i++) p->y[i] = p->a * p->y[i] + p->b * p->x[i];
 }
 

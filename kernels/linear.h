@@ -112,6 +112,7 @@ static int mgpu__chan_sum_splits(int outer, int channels, size_t inner) {
 static void mgpu__chan_broadcast_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__chan_broadcast_args *p = (const mgpu__chan_broadcast_args *)args;
+    MGPU__CPU_PARALLEL_FOR((size_t)p->outer * p->channels * p->inner)
     for (int o = 0; o < p->outer; o++)
         for (int k = 0; k < p->channels; k++) {
             float *run = p->y + ((size_t)o * p->channels + k) * p->inner, v = p->alpha * p->v[k];
@@ -140,6 +141,7 @@ static float mgpu__sum_run(const float *v, size_t n) {
 static void mgpu__chan_sum_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
+    MGPU__CPU_PARALLEL_FOR((size_t)p->outer * p->channels * p->inner)
     for (int k = 0; k < p->channels; k++) {
         double sum = 0.0; /* runs are added in double: a channel may hold millions of values */
         for (int o = 0; o < p->outer; o++)

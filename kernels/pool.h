@@ -47,6 +47,7 @@ static void mgpu__avg_pool_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__avg_pool_args *a = (const mgpu__avg_pool_args *)args;
     int k = a->k, P = a->h / k, Q = a->w / k;
     size_t planes = a->n / ((size_t)P * Q);
+    MGPU__CPU_PARALLEL_FOR(a->n * k * k)
     for (size_t plane = 0; plane < planes; plane++)
         for (int p = 0; p < P; p++) {
             /* the k image rows under the windows of output row p */
@@ -66,6 +67,7 @@ static void mgpu__avg_pool_backward_cpu(const void *args, const mgpu__exec *ex) 
     const mgpu__avg_pool_backward_args *a = (const mgpu__avg_pool_backward_args *)args;
     int k = a->k, P = a->h / k, Q = a->w / k;
     size_t planes = a->n / ((size_t)a->h * a->w);
+    MGPU__CPU_PARALLEL_FOR(a->n)
     for (size_t plane = 0; plane < planes; plane++)
         for (int h = 0; h < a->h; h++) {
             float *row = a->dx + (plane * a->h + h) * a->w;

@@ -91,6 +91,7 @@ typedef struct {
 static void mgpu__sgd_book_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__sgd_book_args *a = (const mgpu__sgd_book_args *)args;
+    MGPU__CPU_PARALLEL_FOR(a->n)
     for (size_t i = 0; i < a->n; i++) mgpu__sgd_book_at(a, i);
 }
 static void mgpu__sgd_cpu(const void *args, const mgpu__exec *ex) {
@@ -98,6 +99,7 @@ static void mgpu__sgd_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__sgd_args *a = (const mgpu__sgd_args *)args;
     for (int t = 0; t < a->list.count; t++) {
         float *param = a->param[t], *buf = a->buf[t];
+        MGPU__CPU_PARALLEL_FOR(a->list.n[t])
         for (size_t i = 0; i < a->list.n[t]; i++)
             param[i] = mgpu__sgd_update(a, param[i], a->grad[t][i], buf ? &buf[i] : NULL);
     }

@@ -564,6 +564,119 @@ TEST(conv_settings_from_the_environment) {
     CHECK_EQ_INT(mgpu__conv_wgmma_asked, 1);
 }
 
+#if MGPU_ONEDNN
+/* One pass computed both ways on a CPU device: each tensor's values by
+   im2col and by oneDNN (MGPU_CONV's modes im2col and implicit). */
+typedef struct {
+    float *y, *dx, *dw;
+} conv_results;
+static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad, int accumulate) {
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu__conv_mode = mode;
+    mgpu_manual_seed(7); /* the same tensors both ways */
+    mgpu_tensor *x = mgpu_randn(cpu, xs, 0.0f, 1.0f), *w = mgpu_randn(cpu, ws, 0.0f, 0.1f);
+    mgpu_tensor *b = mgpu_randn(cpu, mgpu_shape1(ws.d[0]), 0.0f, 1.0f);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    mgpu_tensor *dy = mgpu_randn(cpu, ys, 0.0f, 1.0f), *y = mgpu_empty(cpu, ys);
+    mgpu_tensor *dx = mgpu_randn(cpu, xs, 0.0f, 1.0f), *dw = mgpu_randn(cpu, ws, 0.0f, 1.0f);
+    mgpu_conv2d_forward(y, x, w, b, stride, pad);
+    /* add_to_dx and accumulate together: both outputs add to what they hold */
+    mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, accumulate, 0);
+    conv_results r = {to_host(y), to_host(dx), to_host(dw)};
+    mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
+    return r;
+}
+static void check_close_floats(const char *what, const float *got, const float *want, size_t n, double atol,
+                               double rtol) {
+    int before = test__failures;
+    for (size_t i = 0; i < n && test__failures == before; i++) {
+        CHECK_CLOSE(got[i], want[i], atol, rtol);
+        if (test__failures != before) fprintf(stderr, "  (%s, element %zu)\n", what, i);
+    }
+}
+/* Whether the tracer saw an operation of this name since it began. */
+static int traced(const char *name) {
+    for (int i = 0; i < mgpu__library.trace_n; i++)
+        if (mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0) return 1;
+    return 0;
+}
+
+/* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
+   and LeNet's, written and added to. */
+TEST(conv2d_by_onednn_matches_im2col) {
+    struct { int c, h, k, r, stride, pad; } shapes[] = {
+        {64, 28, 64, 3, 1, 1}, {64, 28, 128, 3, 2, 1}, {64, 28, 128, 1, 2, 0}, {128, 14, 128, 3, 1, 1},
+        {256, 7, 512, 3, 2, 1}, {512, 4, 512, 3, 1, 1}, {1, 28, 64, 3, 1, 1}, /* ResNet-18 */
+        {1, 28, 6, 5, 1, 2}, {6, 14, 16, 5, 1, 0}};                            /* LeNet */
+    mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        for (int accumulate = 0; accumulate <= 1; accumulate++) {
+            mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
+            mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
+            conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, accumulate);
+            mgpu_trace_begin();
+            conv_results got = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, accumulate);
+            mgpu_synchronize_all();
+            CHECK(traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
+                  traced("conv2d_backward oneDNN dW"));
+            mgpu_trace_end();
+            mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
+            int before = test__failures;
+            check_close_floats("y", got.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
+            check_close_floats("dx", got.dx, want.dx, mgpu_shape_numel(xs), 1e-4, 1e-4);
+            check_close_floats("dW", got.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
+            if (test__failures != before)
+                fprintf(stderr, "  (%d -> %d, %dx%d, stride %d, accumulate %d)\n", shapes[i].c, shapes[i].k,
+                        shapes[i].r, shapes[i].r, shapes[i].stride, accumulate);
+            free(want.y), free(want.dx), free(want.dw), free(got.y), free(got.dx), free(got.dw);
+        }
+    mgpu__conv_mode = saved;
+}
+
+/* By default a CPU device times both ways on the first calls of each pass
+   and shape, and keeps the faster. */
+TEST(cpu_convolutions_keep_the_faster_way) {
+    mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *x = mgpu_randn(cpu, mgpu_shape4(2, 32, 9, 9), 0.0f, 1.0f);
+    mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(16, 32, 3, 3), 0.0f, 0.1f);
+    mgpu_tensor *y = mgpu_empty(cpu, mgpu_shape4(2, 16, 9, 9));
+    mgpu__conv_geom g = mgpu__conv_geometry("test", x->shape, w->shape, 1, 1);
+    for (int call = 0; call < MGPU__CPU_TIMED_CALLS + 2; call++) {
+        mgpu_conv2d_forward(y, x, w, NULL, 1, 1);
+        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(cpu, &g, 0, 0); /* (the forward pass: no dx) */
+        CHECK_EQ_INT(c->calls, call + 1 < MGPU__CPU_TIMED_CALLS ? call + 1 : MGPU__CPU_TIMED_CALLS);
+        if (call + 1 < MGPU__CPU_TIMED_CALLS) continue;
+        CHECK(c->best_ms[MGPU__CPU_BY_IM2COL] > 0.0 && c->best_ms[MGPU__CPU_BY_IM2COL] < HUGE_VAL);
+        CHECK(c->best_ms[MGPU__CPU_BY_ONEDNN] > 0.0 && c->best_ms[MGPU__CPU_BY_ONEDNN] < HUGE_VAL);
+        CHECK_EQ_INT(c->way, c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL]
+                                 ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
+    }
+    /* the calls after the timed ones take the chosen way, and only it */
+    mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(cpu, &g, 0, 0); /* (the forward pass: no dx) */
+    mgpu_trace_begin();
+    mgpu_conv2d_forward(y, x, w, NULL, 1, 1);
+    mgpu_synchronize_all();
+    CHECK_EQ_INT(traced("conv2d oneDNN forward"), c->way == MGPU__CPU_BY_ONEDNN);
+    CHECK_EQ_INT(traced("conv2d im2col"), c->way == MGPU__CPU_BY_IM2COL);
+    mgpu_trace_end();
+    mgpu_free(x), mgpu_free(w), mgpu_free(y);
+    mgpu__conv_mode = saved;
+}
+
+/* A failed oneDNN call stops the program with one line: where, the call,
+   and the status's name. */
+TEST(onednn_errors_are_one_line) {
+    dnnl_memory_desc_t md;
+    dnnl_dims_t dims = {-1};
+    EXPECT_DIES(MGPU_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a)),
+                "oneDNN: dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a) failed: invalid_arguments");
+}
+#endif
+
 /* The backward plan's choice of ways (mgpu__conv_backward_ways), on times
    made up so that each answer is known: the channels-last kernels' one
    shared copy of dy decides between them and the others, and costs
