@@ -57,8 +57,11 @@
    a program written for 4 GPUs runs on one GPU, or on none. With use_gpu 0
    (the --cpu flag) all devices are CPU devices. CPU devices share the
    machine's cores: mgpu_devices gives each of n CPU devices 1/n of them
-   for OpenBLAS's products, so two devices work side by side rather than
-   in turn (OPENBLAS_NUM_THREADS is overridden).
+   for OpenBLAS's products and, in a program compiled with -fopenmp (the
+   Makefile does, with OpenBLAS built for OpenMP), for the device's own
+   kernels, so two devices work side by side rather than in turn
+   (OPENBLAS_NUM_THREADS is overridden). The results do not depend on the
+   number of threads: each thread takes whole channels or rows.
 
        const char *mgpu_device_name(const mgpu_device *d);   "cuda:0", "cpu#1"
        int mgpu_device_is_gpu(const mgpu_device *d);
@@ -196,7 +199,8 @@
                         forward pass, dx and dW; im2col forces im2col and
                         the matrix product; implicit the fastest kernels
                         wherever one fits (the LAYERS section lists what
-                        is tried).
+                        is tried). On a CPU with oneDNN the same words
+                        choose between im2col and oneDNN.
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
@@ -204,7 +208,8 @@
                         names one (else data/fashion-mnist).
      mgpu_manual_seed(seed)  the random generator's seed (section 6).
      mgpu_devices(n, use_gpu, ...)  gives each of n CPU devices 1/n of the
-                        cores for OpenBLAS (OPENBLAS_NUM_THREADS is
+                        cores for OpenBLAS, its own kernels and oneDNN
+                        (OPENBLAS_NUM_THREADS and OMP_NUM_THREADS are
                         overridden).
      OPENBLAS_CORETYPE  left as you set it. Unset, and OpenBLAS took
                         kernels without AVX2 on a processor that has
@@ -579,6 +584,10 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 256 MiB on a GPU. That is the reference, on every device.
+   On a CPU built with oneDNN (MGPU_ONEDNN=1; the Makefile sets it where
+   Debian's libdnnl-dev is installed), each pass may instead take oneDNN's
+   kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h): the first
+   call of a pass with a shape times both ways and keeps the faster.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:
@@ -4780,24 +4789,23 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
 #if MGPU_ONEDNN
 /* A CPU device computes a convolution's pass with conv.h's im2col and
    OpenBLAS's products, or with oneDNN's kernels (kernels/conv_onednn.h),
-   whichever was faster for the pass and shape. The GPU's trial runs extra
-   calls at a shape's first use; on a CPU a pass of ResNet-18 takes
-   milliseconds to tens of milliseconds, so extra calls would cost seconds
-   at the first step. Instead the first MGPU__CPU_TIMED_CALLS calls of a
-   pass with a shape do their real work, by the two ways in turn, each
-   timed alone (the device synchronised before and after it); the calls
-   after them take the way whose best time was the shorter. MGPU_CONV=im2col
-   keeps im2col; implicit takes oneDNN wherever it has a kernel. */
+   whichever was faster for the pass and shape. As on a GPU, the first
+   call of a pass with a shape on a device times both ways, twice each,
+   into scratch outputs (so that measuring never adds to a real gradient),
+   each call alone (the device synchronised before and after it); then it
+   and every later call run by the faster. So every call of a pass with a
+   shape computes the same way, and two identical networks compute
+   identical values. MGPU_CONV=im2col keeps im2col; implicit takes oneDNN
+   wherever it has a kernel. */
 typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
 static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN"};
-#define MGPU__CPU_TIMED_CALLS 4
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
-    int backward, with_dx;
-    int calls;                          /* made so far, up to MGPU__CPU_TIMED_CALLS */
-    double best_ms[MGPU__CPU_WAYS];     /* of the timed calls (HUGE_VAL: none, or no kernel) */
-    mgpu__cpu_conv_way way;             /* after the timed calls */
+    int backward; /* (with dx or without: dW must not depend on whether dx is asked for) */
+    int with_dx;  /* in the trial */
+    double best_ms[MGPU__CPU_WAYS]; /* the trial's (HUGE_VAL: oneDNN has no kernel) */
+    mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
 static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 static int mgpu__cpu_conv_choice_count;
@@ -4859,13 +4867,17 @@ static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
         mgpu__conv_forward_im2col(c->y, c->x, c->w, c->b, c->g, c->tf32);
 }
 
-static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_for(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                        int backward, int with_dx) {
+/* The choice made for a pass and shape on dev, or NULL if none was yet. */
+static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
+                                                         int backward) {
     for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
         mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[i];
-        if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->backward == backward && c->with_dx == with_dx)
-            return c;
+        if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->backward == backward) return c;
     }
+    return NULL;
+}
+static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, const mgpu__conv_geom *g,
+                                                        int backward, int with_dx) {
     MGPU_REQUIRE(mgpu__cpu_conv_choice_count < (int)(sizeof mgpu__cpu_conv_choices / sizeof mgpu__cpu_conv_choices[0]),
                  "conv2d: more than %d convolution shapes", mgpu__cpu_conv_choice_count);
     mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[mgpu__cpu_conv_choice_count++];
@@ -4878,39 +4890,50 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_for(const mgpu_device *dev, 
     return c;
 }
 
+/* The trial of a pass (above): each way twice, into scratch outputs. */
+static void mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
+    mgpu_device *dev = call->x->device;
+    mgpu__cpu_conv_call t = *call;
+    t.accumulate = t.add_to_dx = 0;
+    if (!t.backward) t.y = mgpu_empty(dev, call->y->shape);
+    else {
+        t.dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
+        t.dw = mgpu_empty(dev, call->w->shape);
+    }
+    for (int round = 0; round < 2; round++)
+        for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+            mgpu_synchronize(dev);
+            double t0 = mgpu_now();
+            if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(&t);
+            else if (!mgpu__cpu_conv_by_onednn(&t)) continue; /* (no kernel: stays HUGE_VAL) */
+            mgpu_synchronize(dev);
+            double ms = (mgpu_now() - t0) * 1e3;
+            if (ms < c->best_ms[way]) c->best_ms[way] = ms;
+        }
+    c->way = c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
+                                                                              : MGPU__CPU_BY_IM2COL;
+    if (!t.backward) {
+        mgpu_free(t.y);
+    } else {
+        mgpu_free(t.dx);
+        mgpu_free(t.dw);
+    }
+}
+
 /* A pass on a CPU device, by the way its choice says (above). */
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
-    if (mgpu__conv_mode == MGPU__CONV_IM2COL) {
-        mgpu__cpu_conv_by_im2col(call);
-        return;
+    int onednn = mgpu__conv_mode == MGPU__CONV_IMPLICIT;
+    if (mgpu__conv_mode == MGPU__CONV_AUTO) {
+        mgpu_device *dev = call->x->device;
+        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, call->backward);
+        if (!c) {
+            c = mgpu__cpu_conv_choice_new(dev, call->g, call->backward, call->dx != NULL);
+            mgpu__cpu_conv_trial(c, call);
+        }
+        onednn = c->way == MGPU__CPU_BY_ONEDNN;
     }
-    if (mgpu__conv_mode == MGPU__CONV_IMPLICIT) {
-        if (!mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
-        return;
-    }
-    mgpu_device *dev = call->x->device;
-    mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(dev, call->g, call->backward, call->dx != NULL);
-    if (c->calls >= MGPU__CPU_TIMED_CALLS) {
-        if (c->way == MGPU__CPU_BY_IM2COL || !mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
-        return;
-    }
-    mgpu__cpu_conv_way way = c->calls % 2 ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL;
-    mgpu_synchronize(dev);
-    double t0 = mgpu_now();
-    if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(call);
-    else if (!mgpu__cpu_conv_by_onednn(call)) { /* no kernel: im2col for good */
-        mgpu__cpu_conv_by_im2col(call);
-        c->calls = MGPU__CPU_TIMED_CALLS;
-        c->way = MGPU__CPU_BY_IM2COL;
-        return;
-    }
-    mgpu_synchronize(dev);
-    double ms = (mgpu_now() - t0) * 1e3;
-    if (ms < c->best_ms[way]) c->best_ms[way] = ms;
-    if (++c->calls == MGPU__CPU_TIMED_CALLS)
-        c->way = c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
-                                                                                  : MGPU__CPU_BY_IM2COL;
+    if (!onednn || !mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
 }
 
 /* A choice in words, for the benchmarks and tests. */
@@ -4919,7 +4942,7 @@ static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice 
     snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (best of im2col %.2f ms, oneDNN %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
              !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)",
-             c->calls < MGPU__CPU_TIMED_CALLS ? "(not chosen yet)" : mgpu__cpu_conv_way_names[c->way],
+             mgpu__cpu_conv_way_names[c->way],
              c->best_ms[MGPU__CPU_BY_IM2COL], c->best_ms[MGPU__CPU_BY_ONEDNN]);
     return out;
 }

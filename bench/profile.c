@@ -66,13 +66,7 @@ int main(int argc, char **argv) {
     mgpu_manual_seed(1);
     mgpu_net *net = mgpu_resnet18(10, 1, dev[0]);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, dev, 1, MGPU_DP_ALLREDUCE);
-    /* warm-up: caches, cuBLAS; on a CPU with oneDNN, the calls that choose each convolution's way */
-#if MGPU_ONEDNN
-    int warm_up = on_gpu ? 1 : MGPU__CPU_TIMED_CALLS;
-#else
-    int warm_up = 1;
-#endif
-    for (int s = 0; s < warm_up; s++) mgpu_data_parallel_step(dp, b.x, b.y, 0.01f, 0.0f, 0.0f);
+    mgpu_data_parallel_step(dp, b.x, b.y, 0.01f, 0.0f, 0.0f); /* warm-up: caches, cuBLAS, the trials */
     double ms[2];
     for (int traced = 0; traced <= 1; traced++) {
         mgpu_synchronize_all();
@@ -97,7 +91,7 @@ int main(int argc, char **argv) {
     }
 #endif
 #if MGPU_ONEDNN
-    printf("the CPU convolutions' ways, chosen at the first steps:\n");
+    printf("the CPU convolutions' ways, chosen at the first step:\n");
     for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
         char way[200];
         printf("  %s\n", mgpu__cpu_conv_choice_str(&mgpu__cpu_conv_choices[i], way, sizeof way));

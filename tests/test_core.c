@@ -579,4 +579,68 @@ TEST(blas_kernels_fit_the_processor) {
 #endif
 }
 
+/* Batch norm forward and backward, then a convolution's im2col pass, on
+   one CPU device: every output value, for the threads asked for. */
+static float *cpu_kernels_outputs(int threads, size_t *count) {
+    int saved = mgpu__cpu_threads;
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu__cpu_threads = threads;
+    mgpu_manual_seed(3);
+    mgpu_shape s = mgpu_shape4(4, 8, 32, 32); /* 32768 values: past MGPU__PARALLEL_MIN */
+    mgpu_tensor *x = mgpu_randn(cpu, s, 1.0f, 2.0f), *dy = mgpu_randn(cpu, s, 0.0f, 1.0f);
+    mgpu_tensor *gamma = mgpu_randn(cpu, mgpu_shape1(8), 1.0f, 0.1f), *beta = mgpu_randn(cpu, mgpu_shape1(8), 0.0f, 0.1f);
+    mgpu_tensor *stats[4], *y = mgpu_empty(cpu, s), *dx = mgpu_empty(cpu, s);
+    for (int i = 0; i < 4; i++) stats[i] = mgpu_full(cpu, mgpu_shape1(8), i == 1 ? 1.0f : 0.0f);
+    mgpu_tensor *dgamma = mgpu_empty(cpu, mgpu_shape1(8)), *dbeta = mgpu_empty(cpu, mgpu_shape1(8));
+    mgpu_batchnorm2d_forward(y, x, gamma, beta, stats[0], stats[1], stats[2], stats[3], 1, 0.1f, 1e-5f, 1);
+    mgpu_batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, beta, stats[2], stats[3], 1, 0);
+    mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(4, 8, 3, 3), 0.0f, 0.1f);
+    mgpu_tensor *wide = mgpu_empty(cpu, mgpu_shape4(4, 4, 32, 32));
+    mgpu__conv_geom g = mgpu__conv_geometry("test", s, w->shape, 1, 1);
+    mgpu__conv_forward_im2col(wide, y, w, NULL, &g, 0);
+    const mgpu_tensor *outs[] = {y, dx, dgamma, dbeta, wide, stats[0], stats[1]};
+    size_t n = 0;
+    for (int i = 0; i < 7; i++) n += outs[i]->numel;
+    float *all = (float *)malloc(n * sizeof(float)), *at = all;
+    for (int i = 0; i < 7; i++) {
+        mgpu_to_host(outs[i], at);
+        at += outs[i]->numel;
+    }
+    *count = n;
+    mgpu_free(x), mgpu_free(dy), mgpu_free(gamma), mgpu_free(beta), mgpu_free(y), mgpu_free(dx);
+    for (int i = 0; i < 4; i++) mgpu_free(stats[i]);
+    mgpu_free(dgamma), mgpu_free(dbeta), mgpu_free(w), mgpu_free(wide);
+    mgpu__cpu_threads = saved;
+    return all;
+}
+
+/* CPU devices share the cores, and a device's kernels run on its share
+   (with OpenMP) with the same results as on one thread, bit for bit. */
+TEST(cpu_devices_run_their_kernels_on_their_share_of_the_cores) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    mgpu_device *d[4];
+    mgpu_devices(1, 0, d);
+    CHECK_EQ_INT(mgpu__cpu_threads, (int)cores);
+    mgpu_devices(2, 0, d);
+    CHECK_EQ_INT(mgpu__cpu_threads, cores >= 2 ? (int)cores / 2 : 1);
+#ifdef _OPENMP
+    /* the team a kernel's loop gets: the share, and one thread for a small loop */
+    for (size_t values = MGPU__PARALLEL_MIN - 1; values <= MGPU__PARALLEL_MIN; values++) {
+        int saved = mgpu__cpu_threads, team = 0;
+        mgpu__cpu_threads = 3;
+        MGPU__CPU_PARALLEL_FOR(values)
+        for (int i = 0; i < 3; i++)
+            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+        CHECK_EQ_INT(team, values < MGPU__PARALLEL_MIN ? 1 : 3);
+        mgpu__cpu_threads = saved;
+    }
+#endif
+    size_t n1, n3;
+    float *one = cpu_kernels_outputs(1, &n1), *three = cpu_kernels_outputs(3, &n3);
+    CHECK(n1 == n3 && memcmp(one, three, n1 * sizeof(float)) == 0);
+    free(one);
+    free(three);
+    mgpu_devices(1, 0, d); /* (as the other tests expect) */
+}
+
 TEST_MAIN()

@@ -634,8 +634,8 @@ TEST(conv2d_by_onednn_matches_im2col) {
     mgpu__conv_mode = saved;
 }
 
-/* By default a CPU device times both ways on the first calls of each pass
-   and shape, and keeps the faster. */
+/* By default a CPU device times both ways at the first call of each pass
+   and shape, and that call and the later ones take the faster. */
 TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
@@ -645,24 +645,29 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(16, 32, 3, 3), 0.0f, 0.1f);
     mgpu_tensor *y = mgpu_empty(cpu, mgpu_shape4(2, 16, 9, 9));
     mgpu__conv_geom g = mgpu__conv_geometry("test", x->shape, w->shape, 1, 1);
-    for (int call = 0; call < MGPU__CPU_TIMED_CALLS + 2; call++) {
+    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, 0) == NULL);
+    for (int call = 0; call < 2; call++) {
+        mgpu_synchronize_all();
+        mgpu_trace_begin();
         mgpu_conv2d_forward(y, x, w, NULL, 1, 1);
-        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(cpu, &g, 0, 0); /* (the forward pass: no dx) */
-        CHECK_EQ_INT(c->calls, call + 1 < MGPU__CPU_TIMED_CALLS ? call + 1 : MGPU__CPU_TIMED_CALLS);
-        if (call + 1 < MGPU__CPU_TIMED_CALLS) continue;
+        mgpu_synchronize_all();
+        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, 0);
+        CHECK(c != NULL);
         CHECK(c->best_ms[MGPU__CPU_BY_IM2COL] > 0.0 && c->best_ms[MGPU__CPU_BY_IM2COL] < HUGE_VAL);
         CHECK(c->best_ms[MGPU__CPU_BY_ONEDNN] > 0.0 && c->best_ms[MGPU__CPU_BY_ONEDNN] < HUGE_VAL);
-        CHECK_EQ_INT(c->way, c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL]
-                                 ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
+        int onednn = c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL];
+        CHECK_EQ_INT(c->way, onednn ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
+        /* the trial ran both ways (first call), then the call ran by the chosen one alone */
+        int im2col_calls = 0, onednn_calls = 0;
+        for (int i = 0; i < mgpu__library.trace_n; i++) {
+            const char *name = mgpu__library.trace[i].name;
+            im2col_calls += name && strcmp(name, "conv2d im2col") == 0;
+            onednn_calls += name && strcmp(name, "conv2d oneDNN forward") == 0;
+        }
+        CHECK_EQ_INT(im2col_calls, (call == 0 ? 2 : 0) + !onednn);
+        CHECK_EQ_INT(onednn_calls, (call == 0 ? 2 : 0) + onednn);
+        mgpu_trace_end();
     }
-    /* the calls after the timed ones take the chosen way, and only it */
-    mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_for(cpu, &g, 0, 0); /* (the forward pass: no dx) */
-    mgpu_trace_begin();
-    mgpu_conv2d_forward(y, x, w, NULL, 1, 1);
-    mgpu_synchronize_all();
-    CHECK_EQ_INT(traced("conv2d oneDNN forward"), c->way == MGPU__CPU_BY_ONEDNN);
-    CHECK_EQ_INT(traced("conv2d im2col"), c->way == MGPU__CPU_BY_IM2COL);
-    mgpu_trace_end();
     mgpu_free(x), mgpu_free(w), mgpu_free(y);
     mgpu__conv_mode = saved;
 }
