@@ -4790,7 +4790,7 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
 /* A CPU device computes a convolution's pass with conv.h's im2col and
    OpenBLAS's products, or with oneDNN's kernels (kernels/conv_onednn.h),
    whichever was faster for the pass and shape. As on a GPU, the first
-   call of a pass with a shape on a device times both ways, twice each,
+   call of a pass with a shape on a device times both ways, once each,
    into scratch outputs (so that measuring never adds to a real gradient),
    each call alone (the device synchronised before and after it); then it
    and every later call run by the faster. So every call of a pass with a
@@ -4804,7 +4804,7 @@ typedef struct {
     mgpu__conv_geom g;
     int backward; /* (with dx or without: dW must not depend on whether dx is asked for) */
     int with_dx;  /* in the trial */
-    double best_ms[MGPU__CPU_WAYS]; /* the trial's (HUGE_VAL: oneDNN has no kernel) */
+    double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: oneDNN has no kernel) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
 static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
@@ -4841,18 +4841,24 @@ static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__
     return 1;
 }
 
+/* Whether oneDNN has a kernel for every pass of the call; makes their
+   plans (oneDNN compiles its kernels then: milliseconds). */
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c) {
+    const mgpu__conv_geom *g = c->g;
+    int threads = mgpu__cpu_threads;
+    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, c->b != NULL, 0, threads) != NULL;
+    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, 0, c->add_to_dx, threads)) &&
+           mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads);
+}
 /* The call by oneDNN; 0 (nothing enqueued) where it has no kernel for a
-   pass of it. The plans are all made before anything is enqueued. */
+   pass of it. */
 static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c) {
     mgpu_device *dev = c->x->device;
     const mgpu__conv_geom *g = c->g;
+    if (!mgpu__cpu_conv_onednn_plans(c)) return 0;
     if (!c->backward)
         return mgpu__onednn_enqueue(dev, "conv2d oneDNN forward", g, MGPU__ONEDNN_Y, c->x->data, c->w->data,
                                     c->y->data, c->b ? c->b->data : NULL, 0);
-    int threads = mgpu__cpu_threads;
-    if ((c->dx && !mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, 0, c->add_to_dx, threads)) ||
-        !mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads))
-        return 0;
     if (c->dx)
         mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dx", g, MGPU__ONEDNN_DX, c->w->data, c->dy->data,
                              c->dx->data, NULL, c->add_to_dx);
@@ -4886,11 +4892,12 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, 
     c->g = *g;
     c->backward = backward;
     c->with_dx = with_dx;
-    c->best_ms[MGPU__CPU_BY_IM2COL] = c->best_ms[MGPU__CPU_BY_ONEDNN] = HUGE_VAL;
+    c->trial_ms[MGPU__CPU_BY_IM2COL] = c->trial_ms[MGPU__CPU_BY_ONEDNN] = HUGE_VAL;
     return c;
 }
 
-/* The trial of a pass (above): each way twice, into scratch outputs. */
+/* The trial of a pass (above): each way once, into scratch outputs, with
+   oneDNN's plans made before the clock starts. */
 static void mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
     mgpu_device *dev = call->x->device;
     mgpu__cpu_conv_call t = *call;
@@ -4900,17 +4907,16 @@ static void mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_
         t.dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
         t.dw = mgpu_empty(dev, call->w->shape);
     }
-    for (int round = 0; round < 2; round++)
-        for (int way = 0; way < MGPU__CPU_WAYS; way++) {
-            mgpu_synchronize(dev);
-            double t0 = mgpu_now();
-            if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(&t);
-            else if (!mgpu__cpu_conv_by_onednn(&t)) continue; /* (no kernel: stays HUGE_VAL) */
-            mgpu_synchronize(dev);
-            double ms = (mgpu_now() - t0) * 1e3;
-            if (ms < c->best_ms[way]) c->best_ms[way] = ms;
-        }
-    c->way = c->best_ms[MGPU__CPU_BY_ONEDNN] < c->best_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
+    int onednn = mgpu__cpu_conv_onednn_plans(&t); /* (no kernel: its time stays HUGE_VAL) */
+    for (int way = 0; way < (onednn ? MGPU__CPU_WAYS : 1); way++) {
+        mgpu_synchronize(dev);
+        double t0 = mgpu_now();
+        if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(&t);
+        else mgpu__cpu_conv_by_onednn(&t);
+        mgpu_synchronize(dev);
+        c->trial_ms[way] = (mgpu_now() - t0) * 1e3;
+    }
+    c->way = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
                                                                               : MGPU__CPU_BY_IM2COL;
     if (!t.backward) {
         mgpu_free(t.y);
@@ -4939,11 +4945,11 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
 /* A choice in words, for the benchmarks and tests. */
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
-    snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (best of im2col %.2f ms, oneDNN %.2f ms)",
+    snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
              !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)",
              mgpu__cpu_conv_way_names[c->way],
-             c->best_ms[MGPU__CPU_BY_IM2COL], c->best_ms[MGPU__CPU_BY_ONEDNN]);
+             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN]);
     return out;
 }
 #endif
