@@ -43,14 +43,16 @@ export MGPU_DATA
 # other's cores (bench/RESULTS.md), so without that package the kernels
 # stay on one thread. USE_OPENMP=0 leaves OpenMP out.
 OPENBLAS_OPENMP := /usr/lib/$(shell $(CC) -dumpmachine)/openblas-openmp
-WITH_OPENMP = $(if $(filter 0,$(USE_OPENMP)),,$(wildcard $(OPENBLAS_OPENMP)/libopenblas.so))
+# (asked of the shell, not $(wildcard): make would remember the folder as
+# it was before `make deps` installed the package)
+WITH_OPENMP = $(if $(filter 0,$(USE_OPENMP)),,$(shell test -e $(OPENBLAS_OPENMP)/libopenblas.so && echo yes))
 OPENMP     = $(if $(WITH_OPENMP),-fopenmp)
 BLAS_DIR   = $(if $(WITH_OPENMP),$(OPENBLAS_OPENMP))
 # oneDNN (Debian's libdnnl-dev, installed like OpenBLAS for OpenMP): its
 # convolutions are a CPU device's candidates beside im2col
 # (kernels/conv_onednn.h). It runs on OpenMP, so it comes with it.
 # USE_ONEDNN=0 leaves it out.
-WITH_ONEDNN = $(if $(filter 0,$(USE_ONEDNN)),,$(if $(WITH_OPENMP),$(wildcard /usr/include/oneapi/dnnl/dnnl.h)))
+WITH_ONEDNN = $(if $(filter 0,$(USE_ONEDNN)),,$(if $(WITH_OPENMP),$(shell test -e /usr/include/oneapi/dnnl/dnnl.h && echo yes)))
 ONEDNN     = $(if $(WITH_ONEDNN),-DMGPU_ONEDNN=1)
 ONEDNN_LIB = $(if $(WITH_ONEDNN),-ldnnl)
 # The CPU kernels' vector instructions: AVX2 and FMA where this machine
