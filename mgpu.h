@@ -60,8 +60,9 @@
    for OpenBLAS's products and, in a program compiled with -fopenmp (the
    Makefile does, with OpenBLAS built for OpenMP), for the device's own
    kernels, so two devices work side by side rather than in turn
-   (OPENBLAS_NUM_THREADS is overridden). The results do not depend on the
-   number of threads: each thread takes whole channels or rows.
+   (OPENBLAS_NUM_THREADS is overridden). The results of the library's own
+   kernels do not depend on the number of threads: each thread takes
+   whole channels or rows.
 
        const char *mgpu_device_name(const mgpu_device *d);   "cuda:0", "cpu#1"
        int mgpu_device_is_gpu(const mgpu_device *d);
@@ -209,8 +210,8 @@
      mgpu_manual_seed(seed)  the random generator's seed (section 6).
      mgpu_devices(n, use_gpu, ...)  gives each of n CPU devices 1/n of the
                         cores for OpenBLAS, its own kernels and oneDNN
-                        (OPENBLAS_NUM_THREADS and OMP_NUM_THREADS are
-                        overridden).
+                        (OPENBLAS_NUM_THREADS is overridden, and so is
+                        OMP_NUM_THREADS on the devices' workers).
      OPENBLAS_CORETYPE  left as you set it. Unset, and OpenBLAS took
                         kernels without AVX2 on a processor that has
                         AVX2 and FMA (a processor it does not know), the
@@ -587,7 +588,9 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
    On a CPU built with oneDNN (MGPU_ONEDNN=1; the Makefile sets it where
    Debian's libdnnl-dev is installed), each pass may instead take oneDNN's
    kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h): the first
-   call of a pass with a shape times both ways and keeps the faster.
+   call of a pass with a shape times both ways and keeps the faster (so,
+   as with auto on a GPU, the rounding of the results can differ from run
+   to run, and oneDNN's with the number of threads).
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:
@@ -1550,7 +1553,11 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -1707,24 +1714,13 @@ MGPU_DEF double mgpu_now(void) {
 #define MGPU__TASK_ARGS 640 /* room for a list of tensors (kernels/sgd.h) */
 
 /* A CPU device's share of the machine's cores: cores / CPU devices
-   (mgpu_devices sets it). Its kernels split their outer loops over that
-   many threads, as OpenBLAS splits its products: with OpenMP, where the
-   program was compiled with -fopenmp (the Makefile does), the worker
-   thread that runs the task leading the team. Without -fopenmp they run
-   on the worker thread alone. The results are the same either way: a
-   thread takes whole iterations, and no sum is split between two. A loop
-   over fewer than MGPU__PARALLEL_MIN values stays on one thread, where
-   waking the others would cost more than it saves. */
+   (mgpu_devices sets it). Its compute queue's worker runs each task with
+   OpenMP set to that many threads, and its copy queue's with one (a copy
+   or a reduction overlapping compute must not take the compute's cores):
+   OpenBLAS's products (built for OpenMP), oneDNN's convolutions and the
+   library's own kernels (MGPU__CPU_PARALLEL_FOR, kernels/common.h) then
+   split their work over them. */
 static int mgpu__cpu_threads = 1; /* (all the cores once the library starts) */
-#define MGPU__PARALLEL_MIN 32768
-#ifdef _OPENMP
-#include <omp.h>
-#define MGPU__PRAGMA(x) _Pragma(#x)
-#define MGPU__CPU_PARALLEL_FOR(values) \
-    MGPU__PRAGMA(omp parallel for num_threads((values) < MGPU__PARALLEL_MIN ? 1 : mgpu__cpu_threads))
-#else
-#define MGPU__CPU_PARALLEL_FOR(values)
-#endif
 #define MGPU__QUEUE_RING 512
 
 /* Where a kernel runs: the CUDA stream and cuBLAS handle of a GPU queue,
@@ -1853,6 +1849,9 @@ static void *mgpu__worker(void *arg) {
         q->busy = 1;
         MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&q->mutex));
         double start = mgpu__library.tracing ? mgpu_now() : 0.0;
+#ifdef _OPENMP
+        omp_set_num_threads(q->lane ? 1 : mgpu__cpu_threads);
+#endif
         task->fn(task->args, &cpu_exec);
         if (mgpu__library.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now(), NULL);
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
@@ -2082,9 +2081,17 @@ __attribute__((constructor)) static void mgpu__blas_kernels_check(int argc, char
    own kernels, so that two devices really work side by side instead of
    fighting over the same cores. */
 extern void openblas_set_num_threads(int num_threads);
-static void mgpu__share_cpu_cores(int ncpu_devices) {
+/* The cores this process may run on (its affinity: a container or
+   taskset may give it fewer than the machine has). */
+static int mgpu__cores(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int per_device = (int)(cores / (ncpu_devices > 0 ? ncpu_devices : 1));
+    return cores > 0 ? (int)cores : 1;
+}
+static void mgpu__share_cpu_cores(int ncpu_devices) {
+    int cores = mgpu__cores();
+    int per_device = cores / (ncpu_devices > 0 ? ncpu_devices : 1);
     mgpu__cpu_threads = per_device > 0 ? per_device : 1;
     openblas_set_num_threads(mgpu__cpu_threads);
 }
@@ -2214,8 +2221,7 @@ static void mgpu__init(void) {
     mgpu__library.pid = getpid();
     MGPU__PTHREAD_CHECK(pthread_mutex_init(&mgpu__library.mutex, NULL));
     mgpu__library.seed = 0x5eed;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN); /* one CPU device alone: all of them, as OpenBLAS */
-    mgpu__cpu_threads = cores > 0 ? (int)cores : 1;
+    mgpu__cpu_threads = mgpu__cores(); /* one CPU device alone: all of them, as OpenBLAS */
     mgpu__library.num_gpus = 0;
 #if MGPU_CUDA
     int count = 0;
@@ -4826,8 +4832,7 @@ static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__
                                 const float *bias, int accumulate) {
     mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, bias != NULL, accumulate, mgpu__cpu_threads);
     if (!plan) return 0;
-    mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias,
-                           mgpu__cpu_threads};
+    mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias};
     mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
     for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) {
         size_t bytes = t < MGPU__ONEDNN_TENSORS ? plan->bytes[t] : plan->scratch_bytes;

@@ -181,7 +181,11 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_finish_stats(const mgpu__bn_forward
    into vector instructions (a single running sum is a chain of dependent
    additions). The channels are shared among the device's threads
    (MGPU__CPU_PARALLEL_FOR, mgpu.h): each channel's sums stay on one
-   thread, in one order. */
+   thread, in one order. The float lanes take blocks of at most
+   MGPU__BN_CPU_BLOCK values, whose sums are added in double: a float sum
+   loses about sqrt(count) units of its last place, too many over a
+   whole image of 270000 values. */
+#define MGPU__BN_CPU_BLOCK 512
 static float mgpu__squares_run(const float *v, int n, float mean) {
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int i = 0;
@@ -200,10 +204,15 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
     for (int c = 0; c < a->c; c++) {
         if (a->training) { /* two passes: the mean, then the squared deviations */
             double sum = 0, squares = 0;
-            for (int n = 0; n < a->n; n++) sum += mgpu__sum_run(a->x + ((size_t)n * a->c + c) * a->hw, (size_t)a->hw);
+            for (int n = 0; n < a->n; n++)
+                for (int p = 0; p < a->hw; p += MGPU__BN_CPU_BLOCK)
+                    sum += mgpu__sum_run(a->x + ((size_t)n * a->c + c) * a->hw + p,
+                                         (size_t)(a->hw - p < MGPU__BN_CPU_BLOCK ? a->hw - p : MGPU__BN_CPU_BLOCK));
             double mean = sum / (double)m;
             for (int n = 0; n < a->n; n++)
-                squares += mgpu__squares_run(a->x + ((size_t)n * a->c + c) * a->hw, a->hw, (float)mean);
+                for (int p = 0; p < a->hw; p += MGPU__BN_CPU_BLOCK)
+                    squares += mgpu__squares_run(a->x + ((size_t)n * a->c + c) * a->hw + p,
+                                                 a->hw - p < MGPU__BN_CPU_BLOCK ? a->hw - p : MGPU__BN_CPU_BLOCK, (float)mean);
             mgpu__bn_finish_stats(a, c, mean, squares / (double)m);
         }
         /* after the statistics, so y may be x itself */
@@ -277,25 +286,26 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward
     return a->gamma[c] * a->save_invstd[c] * (g - mean_g - mgpu__bn_xhat(a, x, c) * mean_g_xhat);
 }
 
-/* The sums of g and of g xhat over one image's run of channel c, in 8
-   float lanes (as mgpu__squares_run above). What mgpu__bn_grad_out and
+/* The sums of g and of g xhat over n values of one image's run of channel
+   c (a block: see above), in 8 float lanes (as mgpu__squares_run). What mgpu__bn_grad_out and
    mgpu__bn_xhat compute, from the channel's numbers in locals: read
    through a, they would stop the compiler from vectorising the loop; and
    out of line, as inlined into the channel loop GCC 12 does not either. */
-static __attribute__((noinline)) void mgpu__bn_backward_run_sums(const mgpu__bn_backward_args *a, int c, const float *dy, const float *x,
-                                       float scale, float shift, double *sum_g, double *sum_g_xhat) {
+static __attribute__((noinline)) void mgpu__bn_backward_run_sums(const mgpu__bn_backward_args *a, int c, const float *dy,
+                                                                  const float *x, int n, float scale, float shift,
+                                                                  double *sum_g, double *sum_g_xhat) {
     const float mean = a->save_mean[c], invstd = a->save_invstd[c];
     const int relu = a->fuse_relu;
     float lane_g[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lane_gx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float g_sum = 0.0f, gx_sum = 0.0f;
     int p = 0;
-    for (; p + 8 <= a->hw; p += 8)
+    for (; p + 8 <= n; p += 8)
         for (int j = 0; j < 8; j++) {
             float d = dy[p + j], g = (relu & !(mgpu__bn_affine(scale, x[p + j], shift) > 0.0f)) ? 0.0f : d;
             lane_g[j] += g;
             lane_gx[j] += g * ((x[p + j] - mean) * invstd);
         }
-    for (; p < a->hw; p++) {
+    for (; p < n; p++) {
         float g = mgpu__bn_grad_out(a, dy[p], x[p], scale, shift);
         g_sum += g;
         gx_sum += g * mgpu__bn_xhat(a, x[p], c);
@@ -319,7 +329,10 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             if (a->mask)
                 for (size_t i = at; i < at + (size_t)a->hw; i++) a->dsum[i] = mgpu__relu_grad(a->dy[i], a->mask[i]);
-            mgpu__bn_backward_run_sums(a, c, dy + at, a->x + at, scale, shift, &sum_g, &sum_g_xhat);
+            for (int p = 0; p < a->hw; p += MGPU__BN_CPU_BLOCK)
+                mgpu__bn_backward_run_sums(a, c, dy + at + p, a->x + at + p,
+                                           a->hw - p < MGPU__BN_CPU_BLOCK ? a->hw - p : MGPU__BN_CPU_BLOCK, scale, shift,
+                                           &sum_g, &sum_g_xhat);
         }
         mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
         float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);

@@ -1,15 +1,35 @@
-/* kernels/common.h: what the CUDA kernels of every kernel file share:
-   division by a launch's constant, the grid and its loop, 16-byte loads
-   and stores, and warp and block reductions. Each kernel file includes
-   it; it needs mgpu.h's core (MGPU_CUDA, MGPU__HOSTDEVICE) before it.
+/* kernels/common.h: what the kernels of every kernel file share: the CPU
+   loops' threads; for CUDA, division by a launch's constant, the grid and
+   its loop, 16-byte loads and stores, and warp and block reductions. Each
+   kernel file includes it; it needs mgpu.h's core (MGPU_CUDA,
+   MGPU__HOSTDEVICE) before it.
 
-   defines: mgpu__divisor, mgpu__divisor_for, mgpu__div, mgpu__grid_for,
+   defines: MGPU__CPU_PARALLEL_FOR, MGPU__PARALLEL_MIN,
+            mgpu__divisor, mgpu__divisor_for, mgpu__div, mgpu__grid_for,
             MGPU__GRID_STRIDE_LOOP, MGPU__UNROLL, mgpu__load_floats,
             mgpu__store_floats, mgpu__aligned16, mgpu__vector_width,
             mgpu__pair, mgpu__shfl_xor, mgpu__sum_op, mgpu__max_op,
             mgpu__warp_allreduce, mgpu__block_reduce */
 #ifndef MGPU_KERNELS_COMMON_H
 #define MGPU_KERNELS_COMMON_H
+
+/* The CPU kernels' outer loops: split over the OpenMP threads of the
+   worker that runs them (mgpu.h sets how many: "Queues"), where the
+   program was compiled with -fopenmp; else on the worker alone. Each
+   thread takes whole iterations and no sum is split between two, so the
+   results do not depend on the number of threads. A loop over fewer than
+   MGPU__PARALLEL_MIN values stays on one thread: waking the others would
+   cost more than it saves. */
+#define MGPU__PARALLEL_MIN 32768
+#ifdef _OPENMP
+#include <omp.h>
+#define MGPU__PRAGMA(x) _Pragma(#x)
+#define MGPU__CPU_PARALLEL_FOR(values) \
+    MGPU__PRAGMA(omp parallel for num_threads((values) < MGPU__PARALLEL_MIN ? 1 : omp_get_max_threads()))
+#else
+#define MGPU__CPU_PARALLEL_FOR(values)
+#endif
+
 #if MGPU_CUDA
 /* Division by a number fixed for a whole launch (a tensor's size), as a
    multiply and a shift. A GPU has no integer divider: n / d with d known

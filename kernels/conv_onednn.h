@@ -24,8 +24,10 @@
    (a sum post-op: dW += its gradient).
 
    Threads. Debian's oneDNN runs on OpenMP and uses as many threads as
-   the calling thread's OpenMP setting allows: each pass sets it to the
-   device's share of the cores first (mgpu__cpu_threads, mgpu.h).
+   the calling thread's OpenMP setting allows: the device's worker sets it
+   to the device's share of the cores (mgpu.h, "Queues"). Its sums (dW's
+   over the batch) are split among them, so its results, unlike the
+   library's own kernels', may change with the number of threads.
 
    defines: MGPU_ONEDNN_CHECK, mgpu__onednn_pass, mgpu__onednn_plan,
             mgpu__onednn_plan_for, mgpu__onednn_args, mgpu__onednn_conv_cpu */
@@ -103,7 +105,7 @@ static dnnl_primitive_t mgpu__onednn_make(mgpu__onednn_plan *p, dnnl_primitive_d
 }
 
 /* A reorder from one layout to another; add: to what the destination
-   holds (a sum post-op), instead of over it. */
+   holds (a sum post-op), instead of over it. NULL where oneDNN has none. */
 static dnnl_primitive_t mgpu__onednn_reorder(mgpu__onednn_plan *p, int t, const dnnl_memory_desc_t *from,
                                              const dnnl_memory_desc_t *to, int add) {
     dnnl_engine_t engine = mgpu__onednn_engine();
@@ -116,9 +118,9 @@ static dnnl_primitive_t mgpu__onednn_reorder(mgpu__onednn_plan *p, int t, const 
         MGPU_ONEDNN_CHECK(dnnl_post_ops_destroy(ops));
     }
     dnnl_primitive_desc_t pd;
-    MGPU_ONEDNN_CHECK(dnnl_reorder_primitive_desc_create(&pd, from, engine, to, engine, attr));
+    dnnl_status_t made = dnnl_reorder_primitive_desc_create(&pd, from, engine, to, engine, attr);
     MGPU_ONEDNN_CHECK(dnnl_primitive_attr_destroy(attr));
-    return mgpu__onednn_make(p, pd, 1 + t);
+    return made == dnnl_success ? mgpu__onednn_make(p, pd, 1 + t) : NULL;
 }
 
 /* The plans made so far; NULL where oneDNN has no kernel for the pass. */
@@ -195,6 +197,13 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
         p->reorder[t] = output ? mgpu__onednn_reorder(p, t, &p->chosen[t], &p->plain[t], accumulate)
                                : mgpu__onednn_reorder(p, t, &p->plain[t], &p->chosen[t], 0);
         p->bytes[t] = dnnl_memory_desc_get_size(&p->chosen[t]);
+        if (!p->reorder[t]) { /* (as a convolution without a kernel: im2col takes the pass) */
+            for (int made = 0; made < t; made++)
+                if (p->reorder[made]) MGPU_ONEDNN_CHECK(dnnl_primitive_destroy(p->reorder[made]));
+            MGPU_ONEDNN_CHECK(dnnl_primitive_desc_destroy(pd));
+            free(p);
+            return NULL;
+        }
     }
     p->conv = mgpu__onednn_make(p, pd, 0);
     return p;
@@ -237,7 +246,6 @@ typedef struct {
     float *copy[MGPU__ONEDNN_TENSORS];
     void *scratch; /* scratch_bytes of the plan's, or NULL where it needs none */
     const float *bias;
-    int threads;
 } mgpu__onednn_args;
 
 static dnnl_memory_t mgpu__onednn_memory(const dnnl_memory_desc_t *md, const void *data) {
@@ -261,9 +269,6 @@ static void mgpu__onednn_conv_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__onednn_args *a = (const mgpu__onednn_args *)args;
     const mgpu__onednn_plan *p = a->plan;
-#ifdef _OPENMP
-    omp_set_num_threads(a->threads);
-#endif
     dnnl_stream_t stream;
     MGPU_ONEDNN_CHECK(dnnl_stream_create(&stream, mgpu__onednn_engine(), dnnl_stream_default_flags));
     dnnl_memory_t plain[MGPU__ONEDNN_TENSORS], chosen[MGPU__ONEDNN_TENSORS], bias = NULL;

@@ -614,26 +614,44 @@ static float *cpu_kernels_outputs(int threads, size_t *count) {
     return all;
 }
 
+#ifdef _OPENMP
+/* How many threads a kernel's loop gets. */
+typedef struct {
+    int *team;
+    size_t values;
+} team_args;
+static void team_task(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    const team_args *a = (const team_args *)args;
+    MGPU__CPU_PARALLEL_FOR(a->values)
+    for (int i = 0; i < 8; i++)
+        if (omp_get_thread_num() == 0) *a->team = omp_get_num_threads();
+}
+#endif
+
 /* CPU devices share the cores, and a device's kernels run on its share
    (with OpenMP) with the same results as on one thread, bit for bit. */
 TEST(cpu_devices_run_their_kernels_on_their_share_of_the_cores) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = mgpu__cores();
     mgpu_device *d[4];
     mgpu_devices(1, 0, d);
-    CHECK_EQ_INT(mgpu__cpu_threads, (int)cores);
+    CHECK_EQ_INT(mgpu__cpu_threads, cores);
     mgpu_devices(2, 0, d);
-    CHECK_EQ_INT(mgpu__cpu_threads, cores >= 2 ? (int)cores / 2 : 1);
+    CHECK_EQ_INT(mgpu__cpu_threads, cores >= 2 ? cores / 2 : 1);
 #ifdef _OPENMP
-    /* the team a kernel's loop gets: the share, and one thread for a small loop */
-    for (size_t values = MGPU__PARALLEL_MIN - 1; values <= MGPU__PARALLEL_MIN; values++) {
-        int saved = mgpu__cpu_threads, team = 0;
-        mgpu__cpu_threads = 3;
-        MGPU__CPU_PARALLEL_FOR(values)
-        for (int i = 0; i < 3; i++)
-            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
-        CHECK_EQ_INT(team, values < MGPU__PARALLEL_MIN ? 1 : 3);
-        mgpu__cpu_threads = saved;
-    }
+    /* the team a kernel's loop gets on a device's queue: the share on the
+       compute queue, one thread on the copy queue and for a small loop */
+    int saved = mgpu__cpu_threads;
+    mgpu__cpu_threads = 3;
+    for (int lane = 0; lane < 2; lane++)
+        for (size_t values = MGPU__PARALLEL_MIN - 1; values <= MGPU__PARALLEL_MIN; values++) {
+            int team = 0;
+            team_args a = {&team, values};
+            mgpu__launch_on(&d[0]->queue[lane], "team", team_task, NULL, &a, sizeof a);
+            mgpu_synchronize(d[0]);
+            CHECK_EQ_INT(team, lane == 0 && values >= MGPU__PARALLEL_MIN ? 3 : 1);
+        }
+    mgpu__cpu_threads = saved;
 #endif
     size_t n1, n3;
     float *one = cpu_kernels_outputs(1, &n1), *three = cpu_kernels_outputs(3, &n3);

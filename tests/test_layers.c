@@ -570,7 +570,8 @@ TEST(conv_settings_from_the_environment) {
 typedef struct {
     float *y, *dx, *dw;
 } conv_results;
-static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad, int accumulate) {
+static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad, int accumulate,
+                            int add_to_dx) {
     mgpu_device *cpu = mgpu_cpu();
     mgpu__conv_mode = mode;
     mgpu_manual_seed(7); /* the same tensors both ways */
@@ -580,8 +581,7 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     mgpu_tensor *dy = mgpu_randn(cpu, ys, 0.0f, 1.0f), *y = mgpu_empty(cpu, ys);
     mgpu_tensor *dx = mgpu_randn(cpu, xs, 0.0f, 1.0f), *dw = mgpu_randn(cpu, ws, 0.0f, 1.0f);
     mgpu_conv2d_forward(y, x, w, b, stride, pad);
-    /* add_to_dx and accumulate together: both outputs add to what they hold */
-    mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, accumulate, 0);
+    mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, add_to_dx, 0);
     conv_results r = {to_host(y), to_host(dx), to_host(dw)};
     mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
     return r;
@@ -602,7 +602,9 @@ static int traced(const char *name) {
 }
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
-   and LeNet's, written and added to. */
+   and LeNet's, written and added to (dW, then dx); and the default's
+   (auto), whose first call of a shape is the trial, into scratch, then
+   the call itself: it must add once. */
 TEST(conv2d_by_onednn_matches_im2col) {
     struct { int c, h, k, r, stride, pad; } shapes[] = {
         {64, 28, 64, 3, 1, 1}, {64, 28, 128, 3, 2, 1}, {64, 28, 128, 1, 2, 0}, {128, 14, 128, 3, 1, 1},
@@ -610,16 +612,20 @@ TEST(conv2d_by_onednn_matches_im2col) {
         {1, 28, 6, 5, 1, 2}, {6, 14, 16, 5, 1, 0}};                            /* LeNet */
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    const int adds[3][2] = {{1, 0}, {0, 1}, {0, 0}}; /* accumulate (dW), add_to_dx */
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
-        for (int accumulate = 0; accumulate <= 1; accumulate++) {
+        for (int t = 0; t < 6; t++) {
+            int accumulate = adds[t % 3][0], add_to_dx = adds[t % 3][1], onednn = t < 3;
             mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
             mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
-            conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, accumulate);
+            int stride = shapes[i].stride, pad = shapes[i].pad;
+            conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_trace_begin();
-            conv_results got = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, accumulate);
+            conv_results got =
+                conv_by(onednn ? MGPU__CONV_IMPLICIT : MGPU__CONV_AUTO, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_synchronize_all();
-            CHECK(traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
-                  traced("conv2d_backward oneDNN dW"));
+            CHECK(!onednn || (traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
+                              traced("conv2d_backward oneDNN dW")));
             mgpu_trace_end();
             mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
             int before = test__failures;
@@ -627,8 +633,8 @@ TEST(conv2d_by_onednn_matches_im2col) {
             check_close_floats("dx", got.dx, want.dx, mgpu_shape_numel(xs), 1e-4, 1e-4);
             check_close_floats("dW", got.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
             if (test__failures != before)
-                fprintf(stderr, "  (%d -> %d, %dx%d, stride %d, accumulate %d)\n", shapes[i].c, shapes[i].k,
-                        shapes[i].r, shapes[i].r, shapes[i].stride, accumulate);
+                fprintf(stderr, "  (%d -> %d, %dx%d, stride %d, accumulate %d, add_to_dx %d, %s)\n", shapes[i].c,
+                        shapes[i].k, shapes[i].r, shapes[i].r, stride, accumulate, add_to_dx, onednn ? "oneDNN" : "auto");
             free(want.y), free(want.dx), free(want.dw), free(got.y), free(got.dx), free(got.dw);
         }
     mgpu__conv_mode = saved;
