@@ -123,21 +123,6 @@ static void mgpu__chan_broadcast_cpu(const void *args, const mgpu__exec *ex) {
         }
 }
 
-/* The sum of a run of floats, with 8 independent partial sums: the
-   additions need not wait for one another, and the compiler can put the
-   8 lanes in one vector register. (A single running sum is a chain of
-   dependent additions, several times slower.) */
-static float mgpu__sum_run(const float *v, size_t n) {
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) lane[j] += v[i + j];
-    float sum = 0.0f;
-    for (; i < n; i++) sum += v[i];
-    for (int j = 0; j < 8; j++) sum += lane[j];
-    return sum;
-}
-
 static void mgpu__chan_sum_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__chan_sum_args *p = (const mgpu__chan_sum_args *)args;
