@@ -54,9 +54,6 @@ typedef enum { MGPU__ONEDNN_Y, MGPU__ONEDNN_DX, MGPU__ONEDNN_DW } mgpu__onednn_p
 enum { MGPU__ONEDNN_IN_A, MGPU__ONEDNN_IN_B, MGPU__ONEDNN_OUT, MGPU__ONEDNN_TENSORS };
 
 typedef struct {
-    mgpu__conv_geom g;
-    mgpu__onednn_pass pass;
-    int with_bias, accumulate;
     dnnl_primitive_t conv;
     int arg[MGPU__ONEDNN_TENSORS];                 /* DNNL_ARG_* of each tensor */
     dnnl_memory_desc_t plain[MGPU__ONEDNN_TENSORS]; /* mgpu's layout */
@@ -176,10 +173,6 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
     if (made != dnnl_success) return NULL;
 
     mgpu__onednn_plan *p = (mgpu__onednn_plan *)mgpu__xcalloc(1, sizeof *p);
-    p->g = *g;
-    p->pass = pass;
-    p->with_bias = with_bias;
-    p->accumulate = accumulate;
     p->bias = bias;
     /* each pass's tensors: its inputs a and b, its output */
     static const int args[3][MGPU__ONEDNN_TENSORS] = {
