@@ -12,7 +12,8 @@
 # manager) every program carries both backends: it runs on the GPUs when
 # there are some and on the CPU otherwise. Without nvcc, gcc builds the CPU
 # backend alone. Variables you may set: CUDA_HOME, NCCL_HOME, CUDA_ARCHS,
-# NVCC, CC, MGPU_DATA, USE_CUDA=0 (force the CPU-only build).
+# NVCC, CC, MGPU_DATA, USE_CUDA=0 (force the CPU-only build), CUDNN_HOME,
+# USE_CUDNN=0, USE_OPENMP=0, USE_ONEDNN=0 (below).
 
 CC         ?= gcc
 CUDA_HOME  ?= /usr/local/cuda
@@ -22,6 +23,16 @@ PY_SITE    := $(shell python3 -c 'import site; print(site.getsitepackages()[0])'
 NCCL_HOME  ?= $(patsubst %/include/nccl.h,%,$(firstword $(wildcard $(CUDA_HOME)/include/nccl.h \
                 $(PY_SITE)/nvidia/nccl/include/nccl.h $(PY_SITE)/nvidia/*/include/nccl.h) \
                 $(CUDA_HOME)/include/nccl.h))
+# cuDNN (optional: its convolutions join the GPU's candidates,
+# kernels/conv_cudnn.h): found as NCCL is, beside the toolkit or in
+# PyTorch's nvidia-cudnn package. USE_CUDNN=0 leaves it out.
+CUDNN_HOME ?= $(patsubst %/include/cudnn.h,%,$(firstword $(wildcard $(CUDA_HOME)/include/cudnn.h \
+                $(PY_SITE)/nvidia/cudnn/include/cudnn.h $(PY_SITE)/nvidia/*/include/cudnn.h)))
+WITH_CUDNN  = $(if $(filter 0,$(USE_CUDNN)),,$(CUDNN_HOME))
+CUDNN       = $(if $(WITH_CUDNN),-DMGPU_CUDNN=1 -I$(CUDNN_HOME)/include)
+# (pip's cuDNN, like its NCCL, ships libcudnn.so.9 without the plain link)
+CUDNN_LIB   = $(if $(WITH_CUDNN),-L$(CUDNN_HOME)/lib -L$(CUDNN_HOME)/lib64 -Xlinker -rpath$(COMMA)$(CUDNN_HOME)/lib \
+              $(if $(wildcard $(CUDNN_HOME)/lib/libcudnn.so $(CUDNN_HOME)/lib64/libcudnn.so),-lcudnn,-l:libcudnn.so.9))
 NVCC       ?= $(CUDA_HOME)/bin/nvcc
 CUDA_ARCHS ?= 80 90
 BUILD      := build
@@ -79,17 +90,17 @@ SASS_ARCH   = $(if $(filter 90,$(1)),90a,$(1))
 GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(call SASS_ARCH,$(a)),code=sm_$(call SASS_ARCH,$(a))) \
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 NVFLAGS     = -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP))$(subst $(SPACE),,$(foreach f,$(CPU_ARCH),$(COMMA)$(f))) -D_GNU_SOURCE $(ONEDNN) \
-              -I$(NCCL_HOME)/include
+              $(CUDNN) -I$(NCCL_HOME)/include
 LAST_ARCH  := $(lastword $(CUDA_ARCHS))
 NVFLAGS_CHECK = -x cu -std=c++17 -O0 \
               -gencode=arch=compute_$(call SASS_ARCH,$(LAST_ARCH)),code=sm_$(call SASS_ARCH,$(LAST_ARCH)) \
-              -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) -I$(NCCL_HOME)/include
+              -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) $(CUDNN) -I$(NCCL_HOME)/include
 # pip's NCCL ships libnccl.so.2 without the libnccl.so link -lnccl looks for
 NCCL_LIB   := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib64/libnccl.so),-lnccl,-l:libnccl.so.2)
 CUDA_LIBS   = -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 \
               -Xlinker -rpath,$(CUDA_HOME)/lib64 -Xlinker -rpath,$(NCCL_HOME)/lib \
               $(if $(BLAS_DIR),-L$(BLAS_DIR) -Xlinker -rpath$(COMMA)$(BLAS_DIR)) \
-              -lcublas $(NCCL_LIB) -lcudart $(if $(OPENMP),-lgomp) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
+              -lcublas $(CUDNN_LIB) $(NCCL_LIB) -lcudart $(if $(OPENMP),-lgomp) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
 
 ifeq ($(HAVE_NVCC),1)
 COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
@@ -215,13 +226,19 @@ $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tes
 
 # The GPU tests (tests/gpu_*.c) on emulated GPUs: the library's whole CUDA
 # path, built with g++ against tests/cuda_emu.h (MGPU_CUDA_EMU: kernels on
-# the CPU; the CUDA runtime, cuBLAS and NCCL emulated; 2 GPUs). Tests too
+# the CPU; the CUDA runtime, cuBLAS, cuDNN and NCCL emulated; 2 GPUs). Tests too
 # slow there are marked TEST_REAL_GPU and run on real GPUs only.
-EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS))
+# cuDNN is emulated too; the whole models' tests run once more without it,
+# as a GPU build where cuDNN is not found would.
+EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS)) $(BUILD)/emu-no-cudnn/gpu_fixtures
+EMU_BUILD     = $(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) -include tests/cuda_emu.h \
+	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
 $(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) -include tests/cuda_emu.h \
-	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
+	$(EMU_BUILD) -DMGPU_CUDNN=1
+$(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(EMU_BUILD)
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
@@ -300,3 +317,8 @@ data:
 
 clean:
 	rm -rf $(BUILD) chapter[0-9]
+
+# make print-VAR: what the Makefile found, e.g. make print-CUDNN_HOME
+print-%:
+	@echo '$*=$($*)'
+

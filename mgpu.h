@@ -192,16 +192,19 @@
                         on a GPU. Unset: PyTorch's defaults, TF32 in the
                         convolutions alone. Setter: mgpu_set_tf32(conv,
                         matmul); mgpu_get_tf32 and mgpu_tf32_str read it.
-     MGPU_CONV=auto|im2col|implicit
+     MGPU_CONV=auto|im2col|implicit|cudnn
                         how a GPU's TF32 convolutions compute: auto (the
-                        default) times im2col and the library's
-                        convolution kernels at the first call with each
-                        shape and keeps the fastest for each of the
-                        forward pass, dx and dW; im2col forces im2col and
-                        the matrix product; implicit the fastest kernels
-                        wherever one fits (the LAYERS section lists what
-                        is tried). On a CPU with oneDNN the same words
-                        choose between im2col and oneDNN.
+                        default) times im2col, the library's convolution
+                        kernels and (built with cuDNN) cuDNN's
+                        algorithms at the first call with each shape and
+                        keeps the fastest for each of the forward pass,
+                        dx and dW; im2col forces im2col and the matrix
+                        product; implicit the fastest kernels wherever
+                        one fits (the LAYERS section lists what is
+                        tried); cudnn cuDNN's fastest algorithm alone. On
+                        a CPU with oneDNN, auto chooses between im2col
+                        and oneDNN the same way, implicit means oneDNN,
+                        and cudnn im2col.
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
@@ -237,9 +240,13 @@
 #endif
 
 /* oneDNN's convolutions on CPU devices (kernels/conv_onednn.h): the
-   Makefile sets MGPU_ONEDNN=1 where oneDNN is installed. */
+   Makefile sets MGPU_ONEDNN=1 where oneDNN is installed; and cuDNN's on
+   GPUs (kernels/conv_cudnn.h): MGPU_CUDNN=1 where cuDNN is. */
 #ifndef MGPU_ONEDNN
 #define MGPU_ONEDNN 0
+#endif
+#ifndef MGPU_CUDNN
+#define MGPU_CUDNN 0
 #endif
 
 #if defined(__CUDACC__) || defined(MGPU_CUDA_EMU) /* emulated: tests/cuda_emu.h */
@@ -605,13 +612,19 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
        the forward pass and dx by Winograd's F(2x2, 3x3);
      - for a first layer on grayscale images (C*R*S <= 9), float32
        kernels for y and dw, bound by memory rather than arithmetic;
+     - where the library is built with cuDNN (MGPU_CUDNN=1: the
+       Makefile sets it where it finds cuDNN), each of cuDNN's
+       algorithms that says it computes the pass on the NCHW tensors as
+       they are, PyTorch's GPU convolutions (kernels/conv_cudnn.h); not
+       those whose results may change from run to run;
      - im2col itself, for the whole backward pass or for one gradient.
    MGPU_CONV chooses: auto (the default) times every candidate at the
    first call with each shape and keeps the fastest for each pass, as
    PyTorch's cudnn.benchmark does (so the rounding of TF32 results can
    differ from run to run), counting the channels-last copies the
    kernels read (none that a network prepares for them); im2col forces
-   im2col; implicit the fastest fast kernel wherever one fits. On a GPU
+   im2col; implicit the fastest fast kernel wherever one fits; cudnn
+   the fastest of cuDNN's algorithms. On a GPU
    of compute capability 9.0 (H100, H200) with code built for sm_90a
    (as the Makefile builds it), the implicit GEMM is also tried with Hopper's
    warpgroup products (wgmma); MGPU_WGMMA=0 leaves them out.
@@ -1570,6 +1583,9 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #if MGPU_CUDA && !defined(MGPU_CUDA_EMU)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#if MGPU_CUDNN
+#include <cudnn.h>
+#endif
 #endif
 
 #ifdef __cplusplus
@@ -1624,6 +1640,13 @@ static void *mgpu__xcalloc(size_t n, size_t size) {
     if (!p) mgpu_fatal("out of host memory (asked for %zu x %zu bytes)", n, size);
     return p;
 }
+/* The layer whose pass this thread is enqueuing (a network's forward
+   and backward passes set it), or NULL: the error lines of the
+   libraries' calls name it, ", in layer conv1" (MGPU__IN_LAYER gives the
+   two strings a "%s%s" takes). */
+static __thread const char *mgpu__layer_enqueuing;
+#define MGPU__IN_LAYER(name) (name) ? ", in layer " : "", (name) ? (name) : ""
+
 #define MGPU__PTHREAD_CHECK(call)                                              \
     do {                                                                       \
         int mgpu__rc = (call);                                                 \
@@ -1647,6 +1670,16 @@ static void *mgpu__xcalloc(size_t n, size_t size) {
             mgpu_fatal_at(__FILE__, __LINE__, "%s: %s", #call,                  \
                           cublasGetStatusString(mgpu__st));                     \
     } while (0)
+#if MGPU_CUDNN
+#define MGPU_CUDNN_CHECK(call)                                                  \
+    do {                                                                        \
+        cudnnStatus_t mgpu__cudnn_st = (call);                                  \
+        if (mgpu__cudnn_st != CUDNN_STATUS_SUCCESS)                             \
+            mgpu_fatal_at(__FILE__, __LINE__, "cuDNN: %s failed: %s%s%s", #call, \
+                          cudnnGetErrorString(mgpu__cudnn_st),                  \
+                          MGPU__IN_LAYER(mgpu__layer_enqueuing));               \
+    } while (0)
+#endif
 /* After a kernel launch: catches bad launch configurations at once. */
 #define MGPU_CUDA_CHECK_LAUNCH() MGPU_CUDA_CHECK(cudaGetLastError())
 #endif
@@ -1729,6 +1762,7 @@ typedef struct mgpu__exec {
     int on_gpu;
     void *stream; /* cudaStream_t */
     void *cublas; /* cublasHandle_t */
+    void *cudnn;  /* cudnnHandle_t, once the queue made one (kernels/conv_cudnn.h), else NULL */
 } mgpu__exec;
 typedef void (*mgpu__kernel_fn)(const void *args, const mgpu__exec *ex);
 
@@ -1753,6 +1787,9 @@ typedef struct mgpu__queue {
 #if MGPU_CUDA
     cudaStream_t stream;
     cublasHandle_t cublas;
+#if MGPU_CUDNN
+    cudnnHandle_t cudnn; /* made at the queue's first cuDNN call (mgpu__cudnn_ready) */
+#endif
 #endif
 } mgpu__queue;
 
@@ -1839,7 +1876,7 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, doub
 
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
-    static const mgpu__exec cpu_exec = {0, NULL, NULL};
+    static const mgpu__exec cpu_exec = {0, NULL, NULL, NULL};
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
     for (;;) {
         while (q->tail == q->head && !q->stop)
@@ -1889,6 +1926,9 @@ static void mgpu__queue_destroy(mgpu__queue *q) {
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
         MGPU_CUDA_CHECK(cudaStreamSynchronize(q->stream));
         MGPU_CUBLAS_CHECK(cublasDestroy(q->cublas));
+#if MGPU_CUDNN
+        if (q->cudnn) MGPU_CUDNN_CHECK(cudnnDestroy(q->cudnn));
+#endif
         MGPU_CUDA_CHECK(cudaStreamDestroy(q->stream));
         return;
     }
@@ -1957,7 +1997,10 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
 #if MGPU_CUDA
     if (mgpu__queue_on_gpu(q)) {
         if (!cuda) mgpu_fatal("'%s' has no CUDA version", name);
-        mgpu__exec ex = {1, (void *)q->stream, (void *)q->cublas};
+        mgpu__exec ex = {1, (void *)q->stream, (void *)q->cublas, NULL};
+#if MGPU_CUDNN
+        ex.cudnn = (void *)q->cudnn;
+#endif
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
         void *bar[2] = {NULL, NULL}; /* the tracer's start and end events */
         if (mgpu__library.tracing) {
@@ -2816,6 +2859,7 @@ static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, c
 #include "kernels/batchnorm.h"
 #include "kernels/conv_few_inputs.h"
 #include "kernels/conv_onednn.h"
+#include "kernels/conv_cudnn.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
 #endif
@@ -3947,11 +3991,15 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_nhwc.h (or winograd.h,
                from the same channels-last copies, and
-               conv_few_inputs.h for a first layer), for each pass the
+               conv_few_inputs.h for a first layer), or cuDNN's
+               algorithms where cuDNN is built in, for each pass the
                kernel and tile shape that was fastest for it (timed the
-               same way); im2col where no such kernel fits.
-   Float32 convolutions (no TF32) and a CPU's always take im2col. */
-typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT } mgpu__conv_mode_kind;
+               same way); im2col where no such kernel fits;
+     cudnn     cuDNN's algorithms alone (kernels/conv_cudnn.h), the
+               fastest for each pass; im2col where none fits or cuDNN is
+               not built in.
+   Float32 convolutions (no TF32) always take im2col; a CPU's, see below. */
+typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
 static mgpu__conv_mode_kind mgpu__conv_mode;
 static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
 /* Read when the library starts (mgpu__init): MGPU_CONV chooses the GPU's
@@ -3965,7 +4013,8 @@ static void mgpu__conv_settings_from_environment(void) {
     if (!algorithm || !*algorithm || strcmp(algorithm, "auto") == 0) mgpu__conv_mode = MGPU__CONV_AUTO;
     else if (strcmp(algorithm, "im2col") == 0) mgpu__conv_mode = MGPU__CONV_IM2COL;
     else if (strcmp(algorithm, "implicit") == 0) mgpu__conv_mode = MGPU__CONV_IMPLICIT;
-    else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col or implicit", algorithm);
+    else if (strcmp(algorithm, "cudnn") == 0) mgpu__conv_mode = MGPU__CONV_CUDNN;
+    else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col, implicit or cudnn", algorithm);
     const char *wgmma = getenv("MGPU_WGMMA");
     MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
                  "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);
@@ -4163,18 +4212,36 @@ static int mgpu__conv_implicit_available(void) {
    conv_nhwc.h's kernel that takes a quad of dx's pixels, one of each
    class, at a time (stride-2 dx). And from the NCHW tensors as they are, for
    the forward pass and dW of convolutions with C*R*S <= 9,
-   conv_few_inputs.h's kernels (float32). Winograd, stride-2 dx and few
-   inputs take no tile and no slices. */
-typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX, MGPU__METHODS } mgpu__conv_method;
+   conv_few_inputs.h's kernels (float32), and for every pass, where
+   MGPU_CUDNN is built in, cuDNN's algorithms (conv_cudnn.h). Winograd,
+   stride-2 dx, few inputs and cuDNN take no tile and no slices. */
+typedef enum { MGPU__DIRECT, MGPU__WINOGRAD, MGPU__FEW_INPUTS, MGPU__STRIDE2_DX, MGPU__CUDNN, MGPU__METHODS } mgpu__conv_method;
 typedef struct {
     mgpu__conv_method method;
     mgpu__implicit_tile tile;
     int splits; /* slices of the sum, over (r, s, c) in the forward pass and dx (0 or 1:
                    none), over the output pixels in dW (0: the kernel's default) */
     int wgmma;  /* the direct kernel by wgmma (64 x 128 and 128 x 128 tiles) */
+#if MGPU_CUDNN
+    mgpu__cudnn_algorithm cudnn; /* MGPU__CUDNN: which of cuDNN's algorithms (kernels/conv_cudnn.h) */
+#endif
 } mgpu__implicit_kernel;
-/* Whether kernel k reads the channels-last copies (all but few inputs). */
-static int mgpu__conv_reads_copies(mgpu__implicit_kernel k) { return k.method != MGPU__FEW_INPUTS; }
+/* A kernel with no cuDNN algorithm (the fields are zero where not given). */
+static inline mgpu__implicit_kernel mgpu__kernel_of(mgpu__conv_method method, mgpu__implicit_tile tile, int splits,
+                                                    int wgmma) {
+    mgpu__implicit_kernel k;
+    memset(&k, 0, sizeof k);
+    k.method = method;
+    k.tile = tile;
+    k.splits = splits;
+    k.wgmma = wgmma;
+    return k;
+}
+/* Whether kernel k reads the channels-last copies (all but few inputs
+   and cuDNN's, which read the NCHW tensors as they are). */
+static int mgpu__conv_reads_copies(mgpu__implicit_kernel k) {
+    return k.method != MGPU__FEW_INPUTS && k.method != MGPU__CUDNN;
+}
 
 /* Scratch of `floats` floats for slices' partial tiles, or NULL for none. */
 static mgpu_tensor *mgpu__partials(mgpu_device *dev, size_t floats) {
@@ -4278,6 +4345,40 @@ static const float *mgpu__dy_channels_last(const mgpu_tensor *dy, const mgpu_ten
     return dy_t ? dy_t->data : (*own)->data;
 }
 
+#if MGPU_CUDNN
+/* The device's cuDNN handle, made at its first call (the library's
+   threads that enqueue work are its callers, one at a time), bound to
+   its compute stream. */
+static cudnnHandle_t mgpu__cudnn_ready(mgpu_device *dev) {
+    mgpu__queue *q = &dev->queue[0];
+    MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
+    if (!q->cudnn) {
+        MGPU_CUDNN_CHECK(cudnnCreate(&q->cudnn));
+        MGPU_CUDNN_CHECK(cudnnSetStream(q->cudnn, q->stream));
+    }
+    return q->cudnn;
+}
+/* Where a trial's cuDNN calls leave a refusal (mgpu__cudnn_args), or
+   NULL: outside trials a refusal stops the program. */
+static cudnnStatus_t *mgpu__cudnn_trial_refusal;
+/* out = (a pass by cuDNN's algorithm) + (add ? out : 0), and the bias b
+   (the forward pass, where given); its workspace from dev's allocator.
+   in_a and in_b: as mgpu__cudnn_args says. */
+static void mgpu__conv_cudnn(mgpu_device *dev, float *out, const float *in_a, const float *in_b, const float *b,
+                             const mgpu__conv_geom *g, mgpu__cudnn_pass pass, mgpu__cudnn_algorithm algorithm,
+                             int add) {
+    static const char *const names[MGPU__CUDNN_PASSES] = {"conv2d cuDNN", "conv2d_backward cuDNN dx",
+                                                          "conv2d_backward cuDNN dW"};
+    mgpu__cudnn_ready(dev);
+    size_t floats = (algorithm.workspace + sizeof(float) - 1) / sizeof(float);
+    mgpu_tensor *workspace = floats ? mgpu_empty(dev, mgpu_shape1((int)floats)) : NULL;
+    mgpu__cudnn_args a = {out, in_a, in_b, b, workspace ? workspace->data : NULL, *g, pass, algorithm,
+                          add ? 1.0f : 0.0f, mgpu__cudnn_trial_refusal};
+    mgpu__launch_on(&dev->queue[0], names[pass], NULL, mgpu__conv_cudnn_cuda, &a, sizeof a);
+    mgpu_free(workspace); /* (reused only by work enqueued after this on the same queue) */
+}
+#endif
+
 /* The same with the fast kernels (TF32 but few inputs), no col buffers,
    each pass by the given kernel; from x_t and dy_t, the channels-last
    copies of x and dy, where the caller has them (else NULL). A channels-last forward
@@ -4289,6 +4390,12 @@ static void mgpu__conv_forward_implicit(mgpu_tensor *y, const mgpu_tensor *x, co
                                         const mgpu__conv_geom *g, mgpu__implicit_kernel kernel,
                                         mgpu_tensor **keep_x_t) {
     mgpu_device *dev = x->device;
+#if MGPU_CUDNN
+    if (kernel.method == MGPU__CUDNN) {
+        mgpu__conv_cudnn(dev, y->data, x->data, w->data, b ? b->data : NULL, g, MGPU__CUDNN_Y, kernel.cudnn, 0);
+        return;
+    }
+#endif
     if (kernel.method == MGPU__FEW_INPUTS) {
         mgpu__conv_few_inputs_args a = {y->data, x->data, w->data, b ? b->data : NULL, *g};
         mgpu__launch_on(&dev->queue[0], "conv2d few inputs", NULL, mgpu__conv_few_inputs_cuda, &a, sizeof a);
@@ -4304,6 +4411,12 @@ static void mgpu__conv_dx_implicit(mgpu_tensor *dx, const mgpu_tensor *dy, const
                                    const mgpu_tensor *w, mgpu_tensor **keep_w_t, const mgpu__conv_geom *g,
                                    mgpu__implicit_kernel kernel, int add_to_dx) {
     mgpu_device *dev = dx->device;
+#if MGPU_CUDNN
+    if (kernel.method == MGPU__CUDNN) {
+        mgpu__conv_cudnn(dev, dx->data, w->data, dy->data, NULL, g, MGPU__CUDNN_DX, kernel.cudnn, add_to_dx);
+        return;
+    }
+#endif
     mgpu_tensor *own;
     const float *dy_cl = mgpu__dy_channels_last(dy, dy_t, g, &own);
     if (g->stride == 1) {
@@ -4336,6 +4449,12 @@ static void mgpu__conv_dw_implicit(mgpu_tensor *dw, const mgpu_tensor *dy, const
                                    int accumulate, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = x->device;
     size_t crs = (size_t)g->c * g->r * g->s;
+#if MGPU_CUDNN
+    if (kernel.method == MGPU__CUDNN) {
+        mgpu__conv_cudnn(dev, dw->data, x->data, dy->data, NULL, g, MGPU__CUDNN_DW, kernel.cudnn, accumulate);
+        return;
+    }
+#endif
     if (kernel.method == MGPU__FEW_INPUTS) {
         mgpu__conv_few_inputs_wgrad_args a = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
                                               mgpu__conv_few_inputs_slices(g), *g};
@@ -4404,6 +4523,10 @@ typedef enum {
    of three counts). */
 static double mgpu__conv_trial_ms(mgpu__conv_trial *t, mgpu__conv_try what, mgpu__implicit_kernel kernel) {
     mgpu_device *dev = t->x->device;
+#if MGPU_CUDNN
+    cudnnStatus_t refused = CUDNN_STATUS_SUCCESS; /* a cuDNN algorithm that refused the shape: not a candidate */
+    mgpu__cudnn_trial_refusal = &refused;
+#endif
     mgpu_synchronize(dev);
     double t0 = mgpu_now();
     switch (what) {
@@ -4422,7 +4545,12 @@ static double mgpu__conv_trial_ms(mgpu__conv_trial *t, mgpu__conv_try what, mgpu
     case MGPU__TRY_DW: mgpu__conv_dw_implicit(t->dw, t->dy, t->dy_t, t->x, t->x_t, t->g, 0, kernel); break;
     }
     mgpu_synchronize(dev);
-    return (mgpu_now() - t0) * 1e3;
+    double ms = (mgpu_now() - t0) * 1e3;
+#if MGPU_CUDNN
+    mgpu__cudnn_trial_refusal = NULL;
+    if (refused != CUDNN_STATUS_SUCCESS) return HUGE_VAL;
+#endif
+    return ms;
 }
 
 /* Whether conv_nhwc.h's direct kernel computes a pass of this
@@ -4482,7 +4610,7 @@ static_assert(sizeof mgpu__conv_slice_choices == MGPU__KERNEL_CHOICES * sizeof(i
    their tiles, as those by mma.sync. */
 static int mgpu__conv_kernel_choice(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_tile tile,
                                     int wgmma, int i, mgpu__implicit_kernel *k) {
-    mgpu__implicit_kernel kernel = {MGPU__DIRECT, tile, 1, wgmma};
+    mgpu__implicit_kernel kernel = mgpu__kernel_of(MGPU__DIRECT, tile, 1, wgmma);
     *k = kernel;
     if (wgmma && (what == MGPU__TRY_DW || !mgpu__wgmma_tile_fits(tile))) return 0;
     if (!mgpu__conv_channels_last_fits(what, g)) return 0;
@@ -4526,9 +4654,10 @@ static int mgpu__conv_stride2_dx_fits(mgpu__conv_try what, const mgpu__conv_geom
     return what == MGPU__TRY_DX && mgpu__conv_nhwc_stride2_dx_fits(g);
 }
 /* Whether a method computes a pass of geometry g (the direct kernel: in
-   some tile). */
+   some tile; cuDNN's algorithms are asked apart, mgpu__conv_cudnn_candidates). */
 static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what, const mgpu__conv_geom *g) {
-    return method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
+    return method == MGPU__CUDNN          ? 0
+           : method == MGPU__WINOGRAD     ? mgpu__conv_winograd_fits(what, g)
            : method == MGPU__FEW_INPUTS ? what != MGPU__TRY_DX && mgpu__conv_few_inputs_fits(g)
            : method == MGPU__STRIDE2_DX ? mgpu__conv_stride2_dx_fits(what, g)
                                         : mgpu__conv_channels_last_fits(what, g);
@@ -4538,7 +4667,7 @@ static int mgpu__conv_method_fits(mgpu__conv_method method, mgpu__conv_try what,
    and with wgmma (mgpu__wgmma_usable) by wgmma too; Winograd where it is
    worth trying, and conv_few_inputs.h's and the stride-2 dx kernel where
    they fit (the methods other than the direct kernel, one each). */
-#define MGPU__CANDIDATES (2 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + (int)MGPU__METHODS - 1)
+#define MGPU__CANDIDATES (2 * (int)MGPU__TILE_KINDS * MGPU__KERNEL_CHOICES + (int)MGPU__METHODS - 2)
 static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
                                  mgpu__implicit_kernel *list) {
     int count = 0;
@@ -4547,13 +4676,37 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
             for (int i = 0; i < MGPU__KERNEL_CHOICES; i++)
                 count += mgpu__conv_kernel_choice(what, g, (mgpu__implicit_tile)t, by_wgmma, i, &list[count]);
     for (int m = MGPU__DIRECT + 1; m < MGPU__METHODS; m++) {
-        mgpu__implicit_kernel k = {(mgpu__conv_method)m, MGPU__TILE_64x64, 1, 0};
+        mgpu__implicit_kernel k = mgpu__kernel_of((mgpu__conv_method)m, MGPU__TILE_64x64, 1, 0);
         if (mgpu__conv_method_fits(k.method, what, g) &&
             (k.method != MGPU__WINOGRAD || mgpu__conv_winograd_worth_trying(g)))
             list[count++] = k;
     }
     return count;
 }
+
+/* cuDNN's algorithms for a pass on dev, into list (at most
+   MGPU__CUDNN_MAX_ALGORITHMS); returns how many (none without cuDNN). */
+#if MGPU_CUDNN
+#define MGPU__CUDNN_CANDIDATES MGPU__CUDNN_MAX_ALGORITHMS
+static int mgpu__conv_cudnn_candidates(mgpu_device *dev, mgpu__conv_try what, const mgpu__conv_geom *g,
+                                       mgpu__implicit_kernel *list) {
+    mgpu__cudnn_pass pass = what == MGPU__TRY_Y ? MGPU__CUDNN_Y : what == MGPU__TRY_DX ? MGPU__CUDNN_DX : MGPU__CUDNN_DW;
+    mgpu__cudnn_algorithm algorithms[MGPU__CUDNN_MAX_ALGORITHMS];
+    int count = mgpu__cudnn_algorithms(mgpu__cudnn_ready(dev), pass, g, 1, algorithms);
+    for (int i = 0; i < count; i++) {
+        list[i] = mgpu__kernel_of(MGPU__CUDNN, MGPU__TILE_64x64, 1, 0);
+        list[i].cudnn = algorithms[i];
+    }
+    return count;
+}
+#else
+#define MGPU__CUDNN_CANDIDATES 0
+static int mgpu__conv_cudnn_candidates(mgpu_device *dev, mgpu__conv_try what, const mgpu__conv_geom *g,
+                                       mgpu__implicit_kernel *list) {
+    (void)dev, (void)what, (void)g, (void)list;
+    return 0;
+}
+#endif
 
 /* Whether dx of geometry g may read the weights' turned channels-last
    copy (w'_t): at stride 1 (the direct kernel), and where the stride-2 dx kernel fits;
@@ -4577,11 +4730,15 @@ static int mgpu__conv_reads_weights_copy(mgpu__conv_try what, const mgpu__conv_g
    the weights as they are, the sub-pixel classes their own taps). */
 static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what, int channels_last,
                                         double w_copy_ms, mgpu__implicit_kernel *kernel) {
-    mgpu__implicit_kernel candidates[MGPU__CANDIDATES];
-    double best[MGPU__CANDIDATES], fastest = HUGE_VAL;
-    int count = 0, fits = mgpu__conv_candidates(what, t->g, mgpu__wgmma_usable(t->x->device), candidates);
+    mgpu__implicit_kernel candidates[MGPU__CANDIDATES + MGPU__CUDNN_CANDIDATES];
+    double best[MGPU__CANDIDATES + MGPU__CUDNN_CANDIDATES], fastest = HUGE_VAL;
+    mgpu_device *dev = t->x->device;
+    int count = 0, fits = mgpu__conv_candidates(what, t->g, mgpu__wgmma_usable(dev), candidates);
+    fits += mgpu__conv_cudnn_candidates(dev, what, t->g, candidates + fits);
     for (int i = 0; i < fits; i++)
-        if (mgpu__conv_reads_copies(candidates[i]) == channels_last) candidates[count++] = candidates[i];
+        if (mgpu__conv_reads_copies(candidates[i]) == channels_last &&
+            (mgpu__conv_mode != MGPU__CONV_CUDNN || candidates[i].method == MGPU__CUDNN))
+            candidates[count++] = candidates[i];
     for (int i = 0; i < count; i++) best[i] = HUGE_VAL;
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < count; i++) {
@@ -4598,7 +4755,7 @@ static double mgpu__conv_fastest_kernel(mgpu__conv_trial *t, mgpu__conv_try what
 /* The best of three calls of an im2col pass (`what`: the forward pass,
    the whole backward pass, or one gradient's half of it). */
 static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
-    mgpu__implicit_kernel none = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0}; /* (im2col takes no kernel) */
+    mgpu__implicit_kernel none = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 1, 0); /* (im2col takes no kernel) */
     double best = HUGE_VAL;
     for (int round = 0; round < 3; round++) {
         double ms = mgpu__conv_trial_ms(t, what, none);
@@ -4609,7 +4766,16 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 
 /* A measured plan in words, for the benchmarks and tests: the shape, and
    each pass's kernel (tile, slices of the sum) or im2col. */
-static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k) {
+static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k, mgpu__conv_try what) {
+#if MGPU_CUDNN
+    if (k.method == MGPU__CUDNN) {
+        mgpu__cudnn_pass pass = what == MGPU__TRY_Y ? MGPU__CUDNN_Y : what == MGPU__TRY_DX ? MGPU__CUDNN_DX : MGPU__CUDNN_DW;
+        snprintf(out, size, "cuDNN %s%s", mgpu__cudnn_algorithm_name(pass, k.cudnn.algo),
+                 k.cudnn.math == CUDNN_FMA_MATH ? " (float32)" : "");
+        return;
+    }
+#endif
+    (void)what;
     if (k.method != MGPU__DIRECT) {
         snprintf(out, size, "%s", k.method == MGPU__WINOGRAD ? "channels-last Winograd"
                                   : k.method == MGPU__STRIDE2_DX  ? "channels-last stride-2 dx"
@@ -4623,9 +4789,9 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
     const mgpu__conv_geom *g = &c->g;
     const mgpu__conv_plan *p = &c->plan;
     char y[48], dx[48], dw[48];
-    mgpu__conv_kernel_str(y, sizeof y, p->y);
-    mgpu__conv_kernel_str(dx, sizeof dx, p->dx);
-    mgpu__conv_kernel_str(dw, sizeof dw, p->dw);
+    mgpu__conv_kernel_str(y, sizeof y, p->y, MGPU__TRY_Y);
+    mgpu__conv_kernel_str(dx, sizeof dx, p->dx, MGPU__TRY_DX);
+    mgpu__conv_kernel_str(dw, sizeof dw, p->dw, MGPU__TRY_DW);
     int at = snprintf(out, size, "%dx%d, %d -> %d, stride %d, %d x %dx%d: ", g->r, g->s, g->c, g->k, g->stride,
                       g->n, g->h, g->w);
     if (!c->backward) snprintf(out + at, size - at, "forward by %s", p->implicit ? y : "im2col");
@@ -4673,7 +4839,7 @@ static int mgpu__conv_plan_dw_reads_x_t(const mgpu__conv_plan *p) {
 }
 static int mgpu__conv_plan_reads_dy_t_only(const mgpu__conv_plan *p, int with_dx, int with_db) {
     return p && p->implicit && !with_db && !p->dw_im2col && mgpu__conv_reads_copies(p->dw) &&
-           (!with_dx || !p->dx_im2col);
+           (!with_dx || (!p->dx_im2col && mgpu__conv_reads_copies(p->dx)));
 }
 
 /* A trial's copies for the channels-last kernels: made before the
@@ -4754,10 +4920,10 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
         double dx_ms[MGPU__WAYS] = {0.0, 0.0, 0.0}, dw_ms[MGPU__WAYS];
         mgpu__implicit_kernel dx_kernel[2] = {plan.dx, plan.dx}, dw_kernel[2] = {plan.dw, plan.dw};
         if (with_dx) {
-            dx_ms[MGPU__BY_NCHW] = HUGE_VAL; /* (no such kernel for dx) */
+            dx_ms[MGPU__BY_NCHW] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, 0, 0.0, &dx_kernel[0]);
             dx_ms[MGPU__BY_CHANNELS_LAST] =
                 mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, 1, copy.w_turned, &dx_kernel[1]);
-            dx_ms[MGPU__BY_IM2COL_HALF] = automatic || dx_ms[MGPU__BY_CHANNELS_LAST] == HUGE_VAL
+            dx_ms[MGPU__BY_IM2COL_HALF] = automatic || fmin(dx_ms[MGPU__BY_NCHW], dx_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
                                               ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX)
                                               : HUGE_VAL;
         }
@@ -5055,7 +5221,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     done = plan.implicit;
     if (plan.implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
-        int dx_cl = dx && !plan.dx_im2col;
+        int dx_cl = dx && !plan.dx_im2col && mgpu__conv_reads_copies(plan.dx);
         int dw_cl = !plan.dw_im2col && mgpu__conv_reads_copies(plan.dw);
         mgpu_tensor *own_dy_t = NULL;
         if (!dy_t && dx_cl && dw_cl)
@@ -6855,13 +7021,18 @@ static void mgpu__own_layer_pass(mgpu_layer *l, mgpu_tensor *out, const mgpu_ten
     mgpu__launch_on(&x->device->queue[0], "layer of yours", mgpu__own_pass_run, NULL, &a, sizeof a);
 }
 
+static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                        const mgpu_layer *next, int training);
+static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate);
+
 /* Layer l's forward pass from x, and from x_t, x's channels-last copy,
    when the layer before wrote one (else NULL); next: the layer that takes
    l's output (NULL if none). Returns the output; its channels-last copy,
    if l wrote one, is then in l->copies->output_t (else that is NULL), and a batch
    norm may then have left the output's values unwritten (above). */
-static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
-                                        const mgpu_layer *next, int training) {
+static mgpu_tensor *mgpu__layer_forward_pass(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                             const mgpu_layer *next, int training) {
     mgpu_device *d = x->device;
     l->input = x;
     switch (l->kind) {
@@ -6913,6 +7084,16 @@ static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, con
     }
     }
     return l->output;
+}
+
+/* (the pass, with the layer named in the libraries' error lines) */
+static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
+                                        const mgpu_layer *next, int training) {
+    const char *outer = mgpu__layer_enqueuing; /* (a block's, around its own layers) */
+    mgpu__layer_enqueuing = l->name;
+    mgpu_tensor *y = mgpu__layer_forward_pass(l, x, x_t, next, training);
+    mgpu__layer_enqueuing = outer;
+    return y;
 }
 
 /* The weights' channels-last copies the network's convolutions keep
@@ -7043,8 +7224,8 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
    took l's output (NULL if none), `prev` the one whose output l took
    (NULL if none). The input gradient's channels-last copy, if l wrote
    one, is then in l->copies->dinput_t (else that is NULL). */
-static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
+static const mgpu_tensor *mgpu__layer_backward_pass(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                                    const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
     mgpu_device *d = dy->device;
     int dx_made = 0; /* (a layer of yours writes dx itself: with guard floats after it) */
     if (l->need_dinput && l->kind == MGPU_LAYER_OWN)
@@ -7100,6 +7281,16 @@ static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor 
         mgpu__own_layer_backward(l, dy, dx, dx_made, accumulate);
         break;
     }
+    return dx;
+}
+
+/* (the pass, with the layer named in the libraries' error lines) */
+static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
+    const char *outer = mgpu__layer_enqueuing; /* (a block's, around its own layers) */
+    mgpu__layer_enqueuing = l->name;
+    const mgpu_tensor *dx = mgpu__layer_backward_pass(l, dy, dy_t, next, prev, accumulate);
+    mgpu__layer_enqueuing = outer;
     return dx;
 }
 

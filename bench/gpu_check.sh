@@ -178,6 +178,7 @@ run() {
 
 do_build() {
     [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
+    make -s print-CUDNN_HOME print-NCCL_HOME # (cuDNN's convolutions are candidates where it is found)
     local targets=(chapter2 chapter3) t
     for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
     for t in profile overlap allreduce convolutions; do targets+=("$BENCH$t"); done

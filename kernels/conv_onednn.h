@@ -39,13 +39,15 @@
 #include "conv.h"
 
 /* Every oneDNN call is checked: a failure stops the program with the
-   call, where it was made, and the status's name. */
+   call, where it was made, the status's name, and the layer whose pass
+   was being enqueued (plans are made then). */
 #define MGPU_ONEDNN_CHECK(call)                                                              \
     do {                                                                                     \
         dnnl_status_t mgpu__dnnl_status = (call);                                            \
         if (mgpu__dnnl_status != dnnl_success)                                               \
-            mgpu_fatal_at(__FILE__, __LINE__, "oneDNN: %s failed: %s", #call,                \
-                          dnnl_status2str(mgpu__dnnl_status));                               \
+            mgpu_fatal_at(__FILE__, __LINE__, "oneDNN: %s failed: %s%s%s", #call,            \
+                          dnnl_status2str(mgpu__dnnl_status),                                \
+                          MGPU__IN_LAYER(mgpu__layer_enqueuing));                            \
     } while (0)
 
 typedef enum { MGPU__ONEDNN_Y, MGPU__ONEDNN_DX, MGPU__ONEDNN_DW } mgpu__onednn_pass;

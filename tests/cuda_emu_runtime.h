@@ -1,4 +1,4 @@
-/* tests/cuda_emu_runtime.h: the CUDA runtime, cuBLAS and NCCL calls that
+/* tests/cuda_emu_runtime.h: the CUDA runtime, cuBLAS, cuDNN and NCCL calls that
    mgpu.h makes, on the CPU (included by tests/cuda_emu.h, which runs the
    kernels themselves). With it the library's whole CUDA path, streams,
    events, copies, the allocator, cuBLAS and NCCL included, runs in
@@ -25,8 +25,8 @@
      recording one on another device's stream fails (cudaEventRecord),
      and timing two of different devices too (cudaEventElapsedTime). An
      event used after cudaEventDestroy aborts.
-   - A cuBLAS handle belongs to the device current at cublasCreate, and
-     its calls must find that device current.
+   - A cuBLAS or cuDNN handle belongs to the device current when it was
+     made, and its calls must find that device current.
    - NCCL: ncclCommInitAll refuses a device twice; a collective's calls
      from every rank are matched in order, and each rank's stream waits in
      it until all ranks' streams have reached it.
@@ -531,6 +531,319 @@ static inline cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta,
                                          int ldc) {
     return cublasGemmEx(h, ta, tb, m, n, k, alpha, a, CUDA_R_32F, lda, b, CUDA_R_32F, ldb, beta, c,
                         CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+/* --------------------------------------------------------------- cuDNN */
+/* The legacy convolution API that kernels/conv_cudnn.h calls, computed by
+   a direct loop in double from the inputs (rounded to TF32 unless the
+   math type is CUDNN_FMA_MATH). Which algorithms "exist" is made up, but
+   shaped like cuDNN's answers, so that the library's filtering is
+   exercised: some refuse some shapes (Winograd: 3x3 at stride 1 only),
+   some are non-deterministic, some need a workspace, one runs in float32,
+   and one (the forward pass's nonfused Winograd) is listed by the
+   heuristics but refuses to run, as cuDNN's sometimes do.
+   Refused as cuDNN would: a descriptor not set or not matching the
+   others, an algorithm that does not fit the shape, a workspace smaller
+   than the algorithm asked for, a tensor or workspace outside the
+   handle's device's memory, a stream of another device, and a handle
+   used while another device is current. */
+typedef int cudnnStatus_t;
+enum {
+    CUDNN_STATUS_SUCCESS = 0,
+    CUDNN_STATUS_BAD_PARAM = 2000,
+    CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH = 2007,
+    CUDNN_STATUS_NOT_SUPPORTED = 3000,
+    CUDNN_STATUS_EXECUTION_FAILED = 5000,
+};
+static inline const char *cudnnGetErrorString(cudnnStatus_t s) {
+    return s == CUDNN_STATUS_SUCCESS                    ? "CUDNN_STATUS_SUCCESS"
+           : s == CUDNN_STATUS_BAD_PARAM                ? "CUDNN_STATUS_BAD_PARAM"
+           : s == CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH ? "CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH"
+           : s == CUDNN_STATUS_NOT_SUPPORTED            ? "CUDNN_STATUS_NOT_SUPPORTED"
+                                                        : "CUDNN_STATUS_EXECUTION_FAILED";
+}
+struct mgpu_emu_cudnn {
+    int device;
+    cudaStream_t stream;
+};
+typedef mgpu_emu_cudnn *cudnnHandle_t;
+static inline cudnnStatus_t cudnnCreate(cudnnHandle_t *h) {
+    *h = new mgpu_emu_cudnn{mgpu_emu_device, 0};
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnDestroy(cudnnHandle_t h) {
+    delete h;
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnSetStream(cudnnHandle_t h, cudaStream_t s) {
+    if (s && s->device != h->device) return CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH;
+    h->stream = s;
+    return CUDNN_STATUS_SUCCESS;
+}
+
+typedef enum { CUDNN_TENSOR_NCHW = 0, CUDNN_TENSOR_NHWC = 1 } cudnnTensorFormat_t;
+typedef enum { CUDNN_DATA_FLOAT = 0 } cudnnDataType_t;
+typedef enum { CUDNN_CONVOLUTION = 0, CUDNN_CROSS_CORRELATION = 1 } cudnnConvolutionMode_t;
+typedef enum { CUDNN_DEFAULT_MATH = 0, CUDNN_TENSOR_OP_MATH = 1, CUDNN_FMA_MATH = 3 } cudnnMathType_t;
+typedef enum { CUDNN_NON_DETERMINISTIC = 0, CUDNN_DETERMINISTIC = 1 } cudnnDeterminism_t;
+typedef enum { CUDNN_CONVOLUTION_FWD_ALGO_COUNT = 8 } cudnnConvolutionFwdAlgo_t;
+typedef enum { CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT = 6 } cudnnConvolutionBwdDataAlgo_t;
+typedef enum { CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT = 7 } cudnnConvolutionBwdFilterAlgo_t;
+
+struct mgpu_emu_cudnn_tensor { int n = 0, c = 0, h = 0, w = 0; };        /* NCHW; n 0: not set */
+struct mgpu_emu_cudnn_filter { int k = 0, c = 0, r = 0, s = 0; };
+struct mgpu_emu_cudnn_convolution { int pad = -1, stride = 0, math = CUDNN_DEFAULT_MATH; };
+typedef mgpu_emu_cudnn_tensor *cudnnTensorDescriptor_t;
+typedef mgpu_emu_cudnn_filter *cudnnFilterDescriptor_t;
+typedef mgpu_emu_cudnn_convolution *cudnnConvolutionDescriptor_t;
+static inline cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *d) { *d = new mgpu_emu_cudnn_tensor; return 0; }
+static inline cudnnStatus_t cudnnCreateFilterDescriptor(cudnnFilterDescriptor_t *d) { *d = new mgpu_emu_cudnn_filter; return 0; }
+static inline cudnnStatus_t cudnnCreateConvolutionDescriptor(cudnnConvolutionDescriptor_t *d) {
+    *d = new mgpu_emu_cudnn_convolution;
+    return 0;
+}
+static inline cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t d) { delete d; return 0; }
+static inline cudnnStatus_t cudnnDestroyFilterDescriptor(cudnnFilterDescriptor_t d) { delete d; return 0; }
+static inline cudnnStatus_t cudnnDestroyConvolutionDescriptor(cudnnConvolutionDescriptor_t d) { delete d; return 0; }
+static inline cudnnStatus_t cudnnSetTensor4dDescriptor(cudnnTensorDescriptor_t d, cudnnTensorFormat_t format,
+                                                       cudnnDataType_t, int n, int c, int h, int w) {
+    if (format != CUDNN_TENSOR_NCHW || n < 1 || c < 1 || h < 1 || w < 1) return CUDNN_STATUS_BAD_PARAM;
+    *d = {n, c, h, w};
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnSetFilter4dDescriptor(cudnnFilterDescriptor_t d, cudnnDataType_t,
+                                                       cudnnTensorFormat_t format, int k, int c, int r, int s) {
+    if (format != CUDNN_TENSOR_NCHW || k < 1 || c < 1 || r < 1 || s < 1) return CUDNN_STATUS_BAD_PARAM;
+    *d = {k, c, r, s};
+    return CUDNN_STATUS_SUCCESS;
+}
+/* (the library's convolutions have one padding, one stride and no dilation) */
+static inline cudnnStatus_t cudnnSetConvolution2dDescriptor(cudnnConvolutionDescriptor_t d, int pad_h, int pad_w,
+                                                            int u, int v, int dilation_h, int dilation_w,
+                                                            cudnnConvolutionMode_t mode, cudnnDataType_t) {
+    if (pad_h < 0 || u < 1 || pad_h != pad_w || u != v || dilation_h != 1 || dilation_w != 1 ||
+        mode != CUDNN_CROSS_CORRELATION)
+        return CUDNN_STATUS_BAD_PARAM;
+    d->pad = pad_h;
+    d->stride = u;
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnSetConvolutionMathType(cudnnConvolutionDescriptor_t d, cudnnMathType_t math) {
+    d->math = math;
+    return CUDNN_STATUS_SUCCESS;
+}
+
+/* One convolution's shapes, checked against each other. */
+struct mgpu_emu_cudnn_shapes {
+    mgpu_emu_cudnn_tensor x, y;
+    mgpu_emu_cudnn_filter w;
+    int pad, stride, math;
+};
+static inline bool mgpu_emu_cudnn_consistent(const mgpu_emu_cudnn_shapes &a) {
+    if (!a.x.n || !a.y.n || !a.w.k || a.pad < 0) return false; /* a descriptor not set */
+    int p = (a.x.h + 2 * a.pad - a.w.r) / a.stride + 1, q = (a.x.w + 2 * a.pad - a.w.s) / a.stride + 1;
+    return a.x.c == a.w.c && a.y.n == a.x.n && a.y.c == a.w.k && a.y.h == p && a.y.w == q;
+}
+enum mgpu_emu_cudnn_pass { MGPU_EMU_CUDNN_Y, MGPU_EMU_CUDNN_DX, MGPU_EMU_CUDNN_DW };
+/* Whether an algorithm of a pass computes these shapes, and with what. */
+struct mgpu_emu_cudnn_answer {
+    cudnnStatus_t status;
+    size_t workspace;
+    bool deterministic;
+    int math;
+    bool runs = true; /* false: listed, but refused when called */
+};
+enum { MGPU_EMU_CUDNN_LISTED_BUT_REFUSED = 7 }; /* the forward pass's */
+static inline mgpu_emu_cudnn_answer mgpu_emu_cudnn_algorithm(mgpu_emu_cudnn_pass pass, int algo,
+                                                            const mgpu_emu_cudnn_shapes &a) {
+    int asked = a.math == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH;
+    bool winograd = a.w.r == 3 && a.w.s == 3 && a.stride == 1;
+    size_t col = sizeof(float) * a.w.c * a.w.r * a.w.s * a.y.h * a.y.w; /* one image's im2col */
+    mgpu_emu_cudnn_answer no = {CUDNN_STATUS_NOT_SUPPORTED, 0, true, asked};
+    if (pass == MGPU_EMU_CUDNN_Y) {
+        switch (algo) {
+        case 0: return {CUDNN_STATUS_SUCCESS, 0, true, asked};                  /* implicit GEMM */
+        case 1: return {CUDNN_STATUS_SUCCESS, 4096, true, asked};               /* precomputed */
+        case 2: return {CUDNN_STATUS_SUCCESS, col, true, CUDNN_FMA_MATH};       /* GEMM, float32 */
+        case 6: return winograd ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 0, true, asked} : no;
+        case MGPU_EMU_CUDNN_LISTED_BUT_REFUSED:
+            return winograd ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 0, true, asked, false} : no;
+        default: return no;
+        }
+    }
+    if (pass == MGPU_EMU_CUDNN_DX) {
+        switch (algo) {
+        case 0: return {CUDNN_STATUS_SUCCESS, 0, false, asked};                 /* atomics */
+        case 1: return {CUDNN_STATUS_SUCCESS, col, true, asked};
+        case 4: return winograd ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 1024, true, asked} : no;
+        default: return no;
+        }
+    }
+    switch (algo) {
+    case 0: return {CUDNN_STATUS_SUCCESS, 0, false, asked};
+    case 1: return {CUDNN_STATUS_SUCCESS, 2048, true, asked};
+    case 3: return {CUDNN_STATUS_SUCCESS, 0, false, asked};
+    default: return no;
+    }
+}
+
+/* The heuristics' answer: every algorithm, with its status. */
+#define MGPU_EMU_CUDNN_PERF(name, algo_type)                                                          \
+    typedef struct {                                                                                  \
+        algo_type algo;                                                                               \
+        cudnnStatus_t status;                                                                         \
+        float time;                                                                                   \
+        size_t memory;                                                                                \
+        cudnnDeterminism_t determinism;                                                               \
+        cudnnMathType_t mathType;                                                                     \
+        int reserved[3];                                                                              \
+    } name;
+MGPU_EMU_CUDNN_PERF(cudnnConvolutionFwdAlgoPerf_t, cudnnConvolutionFwdAlgo_t)
+MGPU_EMU_CUDNN_PERF(cudnnConvolutionBwdDataAlgoPerf_t, cudnnConvolutionBwdDataAlgo_t)
+MGPU_EMU_CUDNN_PERF(cudnnConvolutionBwdFilterAlgoPerf_t, cudnnConvolutionBwdFilterAlgo_t)
+#undef MGPU_EMU_CUDNN_PERF
+template <typename Perf>
+static inline cudnnStatus_t mgpu_emu_cudnn_heuristics(cudnnHandle_t h, mgpu_emu_cudnn_pass pass, int algorithms,
+                                                      const mgpu_emu_cudnn_shapes &a, int requested, int *returned,
+                                                      Perf *perf) {
+    if (h->device != mgpu_emu_device) return CUDNN_STATUS_EXECUTION_FAILED;
+    if (!mgpu_emu_cudnn_consistent(a) || requested < 1) return CUDNN_STATUS_BAD_PARAM;
+    *returned = std::min(requested, algorithms);
+    for (int i = 0; i < *returned; i++) {
+        mgpu_emu_cudnn_answer answer = mgpu_emu_cudnn_algorithm(pass, i, a);
+        perf[i] = Perf{};
+        perf[i].algo = (decltype(perf[i].algo))i;
+        perf[i].status = answer.status;
+        perf[i].time = -1.0f;
+        perf[i].memory = answer.workspace;
+        perf[i].determinism = answer.deterministic ? CUDNN_DETERMINISTIC : CUDNN_NON_DETERMINISTIC;
+        perf[i].mathType = (cudnnMathType_t)answer.math;
+    }
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnGetConvolutionForwardAlgorithm_v7(cudnnHandle_t h, cudnnTensorDescriptor_t x,
+                                                                   cudnnFilterDescriptor_t w,
+                                                                   cudnnConvolutionDescriptor_t conv,
+                                                                   cudnnTensorDescriptor_t y, int requested,
+                                                                   int *returned, cudnnConvolutionFwdAlgoPerf_t *perf) {
+    return mgpu_emu_cudnn_heuristics(h, MGPU_EMU_CUDNN_Y, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+                                     {*x, *y, *w, conv->pad, conv->stride, conv->math}, requested, returned, perf);
+}
+static inline cudnnStatus_t cudnnGetConvolutionBackwardDataAlgorithm_v7(cudnnHandle_t h, cudnnFilterDescriptor_t w,
+                                                                        cudnnTensorDescriptor_t dy,
+                                                                        cudnnConvolutionDescriptor_t conv,
+                                                                        cudnnTensorDescriptor_t dx, int requested,
+                                                                        int *returned,
+                                                                        cudnnConvolutionBwdDataAlgoPerf_t *perf) {
+    return mgpu_emu_cudnn_heuristics(h, MGPU_EMU_CUDNN_DX, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+                                     {*dx, *dy, *w, conv->pad, conv->stride, conv->math}, requested, returned, perf);
+}
+static inline cudnnStatus_t cudnnGetConvolutionBackwardFilterAlgorithm_v7(cudnnHandle_t h, cudnnTensorDescriptor_t x,
+                                                                          cudnnTensorDescriptor_t dy,
+                                                                          cudnnConvolutionDescriptor_t conv,
+                                                                          cudnnFilterDescriptor_t dw, int requested,
+                                                                          int *returned,
+                                                                          cudnnConvolutionBwdFilterAlgoPerf_t *perf) {
+    return mgpu_emu_cudnn_heuristics(h, MGPU_EMU_CUDNN_DW, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+                                     {*x, *dy, *dw, conv->pad, conv->stride, conv->math}, requested, returned, perf);
+}
+
+/* One pass: out = alpha * (the pass's result) + beta * out, on the
+   handle's stream, after the checks above. */
+static inline cudnnStatus_t mgpu_emu_cudnn_run(cudnnHandle_t h, mgpu_emu_cudnn_pass pass, int algo,
+                                               const mgpu_emu_cudnn_shapes &a, const float *x, const float *w,
+                                               const float *y, float *out, void *workspace, size_t workspace_bytes,
+                                               float alpha, float beta) {
+    if (h->device != mgpu_emu_device) return CUDNN_STATUS_EXECUTION_FAILED;
+    if (!mgpu_emu_cudnn_consistent(a)) return CUDNN_STATUS_BAD_PARAM;
+    mgpu_emu_cudnn_answer answer = mgpu_emu_cudnn_algorithm(pass, algo, a);
+    if (answer.status != CUDNN_STATUS_SUCCESS) return answer.status;
+    if (!answer.runs) return CUDNN_STATUS_NOT_SUPPORTED;
+    if (workspace_bytes < answer.workspace || (answer.workspace && !workspace)) return CUDNN_STATUS_BAD_PARAM;
+    size_t xs = sizeof(float) * a.x.n * a.x.c * a.x.h * a.x.w, ys = sizeof(float) * a.y.n * a.y.c * a.y.h * a.y.w,
+           ws = sizeof(float) * a.w.k * a.w.c * a.w.r * a.w.s;
+    if (mgpu_emu_owner(x, xs) != h->device || mgpu_emu_owner(w, ws) != h->device ||
+        mgpu_emu_owner(y, ys) != h->device || (workspace && mgpu_emu_owner(workspace, workspace_bytes) != h->device))
+        return CUDNN_STATUS_BAD_PARAM;
+    bool tf32 = a.math != CUDNN_FMA_MATH && answer.math != CUDNN_FMA_MATH;
+    mgpu_emu_submit(h->stream, [=] {
+        auto in = [tf32](float v) { return (double)(tf32 ? mgpu_emu_tf32(v) : v); };
+        int n = a.x.n, c = a.x.c, hh = a.x.h, ww = a.x.w, k = a.w.k, r = a.w.r, s = a.w.s, p = a.y.h, q = a.y.w;
+        size_t count = pass == MGPU_EMU_CUDNN_Y ? (size_t)n * k * p * q
+                       : pass == MGPU_EMU_CUDNN_DX ? (size_t)n * c * hh * ww : (size_t)k * c * r * s;
+        std::vector<double> sum(count, 0.0);
+        for (int ni = 0; ni < n; ni++)
+            for (int ki = 0; ki < k; ki++)
+                for (int pi = 0; pi < p; pi++)
+                    for (int qi = 0; qi < q; qi++) {
+                        size_t yi = (((size_t)ni * k + ki) * p + pi) * q + qi;
+                        double dy = pass == MGPU_EMU_CUDNN_Y ? 0.0 : in(y[yi]);
+                        for (int ci = 0; ci < c; ci++)
+                            for (int ri = 0; ri < r; ri++) {
+                                int row = pi * a.stride + ri - a.pad;
+                                if (row < 0 || row >= hh) continue;
+                                for (int si = 0; si < s; si++) {
+                                    int col = qi * a.stride + si - a.pad;
+                                    if (col < 0 || col >= ww) continue;
+                                    size_t xi = (((size_t)ni * c + ci) * hh + row) * ww + col;
+                                    size_t wi = (((size_t)ki * c + ci) * r + ri) * s + si;
+                                    if (pass == MGPU_EMU_CUDNN_Y) sum[yi] += in(x[xi]) * in(w[wi]);
+                                    else if (pass == MGPU_EMU_CUDNN_DX) sum[xi] += dy * in(w[wi]);
+                                    else sum[wi] += dy * in(x[xi]);
+                                }
+                            }
+                    }
+        for (size_t i = 0; i < count; i++)
+            out[i] = (float)(alpha * sum[i] + (beta != 0.0f ? beta * (double)out[i] : 0.0));
+    });
+    return CUDNN_STATUS_SUCCESS;
+}
+static inline cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t h, const void *alpha, cudnnTensorDescriptor_t xd,
+                                                    const void *x, cudnnFilterDescriptor_t wd, const void *w,
+                                                    cudnnConvolutionDescriptor_t conv, cudnnConvolutionFwdAlgo_t algo,
+                                                    void *workspace, size_t workspace_bytes, const void *beta,
+                                                    cudnnTensorDescriptor_t yd, void *y) {
+    return mgpu_emu_cudnn_run(h, MGPU_EMU_CUDNN_Y, algo, {*xd, *yd, *wd, conv->pad, conv->stride, conv->math},
+                              (const float *)x, (const float *)w, (const float *)y, (float *)y, workspace,
+                              workspace_bytes, *(const float *)alpha, *(const float *)beta);
+}
+static inline cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t h, const void *alpha, cudnnFilterDescriptor_t wd,
+                                                         const void *w, cudnnTensorDescriptor_t dyd, const void *dy,
+                                                         cudnnConvolutionDescriptor_t conv,
+                                                         cudnnConvolutionBwdDataAlgo_t algo, void *workspace,
+                                                         size_t workspace_bytes, const void *beta,
+                                                         cudnnTensorDescriptor_t dxd, void *dx) {
+    return mgpu_emu_cudnn_run(h, MGPU_EMU_CUDNN_DX, algo, {*dxd, *dyd, *wd, conv->pad, conv->stride, conv->math},
+                              (const float *)dx, (const float *)w, (const float *)dy, (float *)dx, workspace,
+                              workspace_bytes, *(const float *)alpha, *(const float *)beta);
+}
+static inline cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t h, const void *alpha,
+                                                           cudnnTensorDescriptor_t xd, const void *x,
+                                                           cudnnTensorDescriptor_t dyd, const void *dy,
+                                                           cudnnConvolutionDescriptor_t conv,
+                                                           cudnnConvolutionBwdFilterAlgo_t algo, void *workspace,
+                                                           size_t workspace_bytes, const void *beta,
+                                                           cudnnFilterDescriptor_t dwd, void *dw) {
+    return mgpu_emu_cudnn_run(h, MGPU_EMU_CUDNN_DW, algo, {*xd, *dyd, *dwd, conv->pad, conv->stride, conv->math},
+                              (const float *)x, (const float *)dw, (const float *)dy, (float *)dw, workspace,
+                              workspace_bytes, *(const float *)alpha, *(const float *)beta);
+}
+/* y = alpha * b + beta * y, b [1, C, 1, 1] broadcast over y [N, C, H, W]
+   (the only broadcast the library asks for). */
+static inline cudnnStatus_t cudnnAddTensor(cudnnHandle_t h, const void *alpha, cudnnTensorDescriptor_t bd,
+                                           const void *b, const void *beta, cudnnTensorDescriptor_t yd, void *y) {
+    if (h->device != mgpu_emu_device) return CUDNN_STATUS_EXECUTION_FAILED;
+    mgpu_emu_cudnn_tensor bs = *bd, ys = *yd;
+    if (!bs.n || !ys.n || bs.n != 1 || bs.h != 1 || bs.w != 1 || bs.c != ys.c) return CUDNN_STATUS_BAD_PARAM;
+    float al = *(const float *)alpha, be = *(const float *)beta;
+    const float *bias = (const float *)b;
+    float *out = (float *)y;
+    mgpu_emu_submit(h->stream, [=] {
+        size_t plane = (size_t)ys.h * ys.w;
+        for (size_t i = 0; i < (size_t)ys.n * ys.c * plane; i++)
+            out[i] = al * bias[i / plane % ys.c] + be * out[i];
+    });
+    return CUDNN_STATUS_SUCCESS;
 }
 
 /* ---------------------------------------------------------------- NCCL */

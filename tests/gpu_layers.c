@@ -305,7 +305,7 @@ static void dx_compare(const char *what, const mgpu__conv_geom *g, mgpu__implici
    CPU's in y and dx (dx also added to what is there). */
 static void winograd_compare(const char *name, const mgpu__conv_geom *g, pair *x, pair *wt, pair *b, pair *y,
                              pair *dy, pair *dx) {
-    mgpu__implicit_kernel winograd = {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel winograd = mgpu__kernel_of(MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0);
     char what[96];
     snprintf(what, sizeof what, "%s, Winograd", name);
     if (mgpu__conv_winograd_fits(MGPU__TRY_Y, g)) {
@@ -321,7 +321,7 @@ static int stride2_checks; /* the input gradients checked by the stride-2 dx ker
    kept for the second. */
 static void stride2_dx_compare(const char *name, const mgpu__conv_geom *g, pair *wt, pair *dy, pair *dx) {
     if (!mgpu__conv_method_fits(MGPU__STRIDE2_DX, MGPU__TRY_DX, g)) return;
-    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel stride2_dx = mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0);
     char what[96];
     snprintf(what, sizeof what, "%s, stride-2 dx kernel", name);
     mgpu_tensor *w_turned_t = NULL;
@@ -350,8 +350,8 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         mgpu_fill(y.g, NAN);
         mgpu_fill(dx.g, NAN);
         mgpu_fill(dw.g, NAN);
-        mgpu__implicit_kernel channels_last = {MGPU__DIRECT, tile, 1, 0};
-        mgpu__implicit_kernel sliced = {MGPU__DIRECT, tile, 2, 0}; /* the sum in 2 slices */
+        mgpu__implicit_kernel channels_last = mgpu__kernel_of(MGPU__DIRECT, tile, 1, 0);
+        mgpu__implicit_kernel sliced = mgpu__kernel_of(MGPU__DIRECT, tile, 2, 0); /* the sum in 2 slices */
         mgpu_tensor *x_t = NULL; /* the forward's copy of x, kept for dW */
         mgpu_tensor *w_t = NULL, *w_turned_t = NULL; /* the weights' copies, kept for the next call */
         if (mgpu__conv_nhwc_fits(&g)) {
@@ -374,7 +374,7 @@ static void implicit_tiles_compare(const char *name, int n, int c, int h, int k,
         /* by wgmma, where the GPU has it (sm_90a code on an H100 or H200,
            and the emulator): whole and in 2 slices */
         for (int splits = 1; splits <= 2 && mgpu__wgmma_tile_fits(tile) && mgpu__wgmma_runs(x.g->device); splits++) {
-            mgpu__implicit_kernel by_wgmma = {MGPU__DIRECT, tile, splits, 1};
+            mgpu__implicit_kernel by_wgmma = mgpu__kernel_of(MGPU__DIRECT, tile, splits, 1);
             char how[160];
             snprintf(how, sizeof how, "%s by wgmma, %d slices", what, splits);
             if (mgpu__conv_nhwc_fits(&g)) {
@@ -620,9 +620,9 @@ TEST(trial_candidates_stride2_dx) {
     CHECK_EQ_INT(lists_method(MGPU__STRIDE2_DX, MGPU__TRY_DX, &stage1), 0);
     CHECK(mgpu__conv_dx_reads_turned_weights(&down) && mgpu__conv_dx_reads_turned_weights(&stage1));
     CHECK(!mgpu__conv_dx_reads_turned_weights(&shortcut));
-    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
-    mgpu__implicit_kernel classes = {MGPU__DIRECT, MGPU__TILE_64x128, 1, 0};
-    mgpu__implicit_kernel winograd = {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel stride2_dx = mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0);
+    mgpu__implicit_kernel classes = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x128, 1, 0);
+    mgpu__implicit_kernel winograd = mgpu__kernel_of(MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0);
     CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, stride2_dx));
     CHECK(!mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &down, classes));
     CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_Y, &down, classes));
@@ -668,7 +668,7 @@ TEST(first_layer_by_few_inputs) {
     mgpu_shape xs = mgpu_shape4(3, 1, 17, 15), ws = mgpu_shape4(20, 1, 3, 3);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
     mgpu__conv_geom g = mgpu__conv_geometry("first", xs, ws, 1, 1);
-    mgpu__implicit_kernel few = {MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel few = mgpu__kernel_of(MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0);
     mgpu__conv_plan plan = {1, 0, 0, few, few, few};
     int before = plan_by_hand(&g, plan);
     pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(20)), y = pair_nan(ys);
@@ -742,7 +742,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu_set_tf32(1, 0);
     mgpu_shape xs = mgpu_shape4(2, 32, 6, 6);
     mgpu__conv_geom g = mgpu__conv_geometry("keep", xs, mgpu_shape4(32, 32, 3, 3), 1, 1);
-    mgpu__implicit_kernel cl = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel cl = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 1, 0);
     mgpu__conv_plan plan = {1, 0, 0, cl, cl, cl};
     int before = mgpu__conv_choice_count;
     mgpu__conv_choice forward = {g, 0, 0, plan}, backward = {g, 1, 1, plan};
@@ -807,7 +807,7 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
             mgpu__conv_choices[mgpu__conv_choice_count++] = c;
         }
     char name[96], how[48];
-    mgpu__conv_kernel_str(how, sizeof how, kernel);
+    mgpu__conv_kernel_str(how, sizeof how, kernel, MGPU__TRY_DX);
     snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride, dx_im2col ? "im2col" : how);
     mgpu_manual_seed(11);
     mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
@@ -853,11 +853,11 @@ TEST(residual_block_input_gradient_by_every_dx_path) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel channels_last = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
-    mgpu__implicit_kernel sliced = {MGPU__DIRECT, MGPU__TILE_64x64, 2, 0};
-    mgpu__implicit_kernel wgmma = {MGPU__DIRECT, MGPU__TILE_128x128, 1, 1};
-    mgpu__implicit_kernel wgmma_sliced = {MGPU__DIRECT, MGPU__TILE_64x128, 2, 1};
-    mgpu__implicit_kernel stride2_dx = {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel channels_last = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 1, 0);
+    mgpu__implicit_kernel sliced = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 2, 0);
+    mgpu__implicit_kernel wgmma = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_128x128, 1, 1);
+    mgpu__implicit_kernel wgmma_sliced = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x128, 2, 1);
+    mgpu__implicit_kernel stride2_dx = mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0);
     residual_block_compare(2, stride2_dx, 0);
     for (int stride = 1; stride <= 2; stride++) {
         residual_block_compare(stride, channels_last, 1);
@@ -961,7 +961,7 @@ static int all_nan(const mgpu_tensor *t) {
 }
 static void batch_norms_write_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__DIRECT, MGPU__TILE_64x64, 1, 0};
+    mgpu__implicit_kernel kernel = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 1, 0);
     mgpu_manual_seed(13);
     small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* the convolutions copying, then batch norm writing the copies */
@@ -1012,7 +1012,7 @@ TEST(network_batch_norms_write_the_convolutions_channels_last_copies) {
    block 2's conv1 when its dx is by the stride-2 dx kernel. */
 static void kept_copies_compare(const char *name, mgpu__conv_method method) {
     mgpu_set_tf32(1, 0);
-    mgpu__implicit_kernel kernel = {MGPU__DIRECT, MGPU__TILE_64x64, 2, 0}; /* in 2 slices */
+    mgpu__implicit_kernel kernel = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x64, 2, 0); /* in 2 slices */
     mgpu_manual_seed(17);
     small_test test = small_test_new(kernel, method);
     mgpu_net *nets[2]; /* copying the weights at each pass, then keeping the copies */
@@ -1047,5 +1047,150 @@ TEST(network_keeps_its_weights_channels_last_copies_current) {
     kept_copies_compare("kept weight copies", MGPU__DIRECT);
     kept_copies_compare("kept weight copies, dx by the stride-2 dx kernel", MGPU__STRIDE2_DX);
 }
+
+#if MGPU_CUDNN
+/* cuDNN's algorithms (kernels/conv_cudnn.h) for each pass, each launched
+   directly, at LeNet's and ResNet-18's shapes (small batches: the
+   emulator's cuDNN is a direct loop), against the CPU: within TF32's 2e-3,
+   or 1e-4 for an algorithm that runs in float32. dx and dW are written
+   over NaNs, then added to what is there (twice the CPU's). */
+static const mgpu__conv_try cudnn_passes[3] = {MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW};
+static int refusals; /* the emulator's algorithm that is listed but refuses to run, met */
+static void cudnn_run(pair *out, pair *x, pair *wt, pair *b, pair *dy, const mgpu__conv_geom *g,
+                      mgpu__conv_try what, mgpu__implicit_kernel kernel, int add) {
+    if (what == MGPU__TRY_Y) mgpu__conv_forward_implicit(out->g, x->g, NULL, wt->g, NULL, b->g, g, kernel, NULL);
+    else if (what == MGPU__TRY_DX) mgpu__conv_dx_implicit(out->g, dy->g, NULL, wt->g, NULL, g, kernel, add);
+    else mgpu__conv_dw_implicit(out->g, dy->g, NULL, x->g, NULL, g, add, kernel);
+}
+static void cudnn_compare(const char *name, int n, int c, int h, int k, int r, int stride, int pad) {
+    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    mgpu__conv_geom g = mgpu__conv_geometry(name, xs, ws, stride, pad);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws);
+    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, stride, pad);
+    mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
+    pair *outs[3] = {&y, &dx, &dw};
+    for (int p = 0; p < 3; p++) {
+        mgpu__implicit_kernel list[MGPU__CUDNN_CANDIDATES];
+        int count = mgpu__conv_cudnn_candidates(gpu, cudnn_passes[p], &g, list);
+        CHECK(count >= 1);
+        pair *out = outs[p];
+        size_t numel = out->c->numel;
+        float *twice = (float *)malloc(numel * sizeof(float));
+        mgpu_to_host(out->c, twice);
+        for (size_t i = 0; i < numel; i++) twice[i] *= 2;
+        pair added = {mgpu_from_host(mgpu_cpu(), out->c->shape, twice), out->g};
+        for (int i = 0; i < count; i++) {
+            char what[160], how[64];
+            mgpu__conv_kernel_str(how, sizeof how, list[i], cudnn_passes[p]);
+            snprintf(what, sizeof what, "%s, %s", name, how);
+            double tol = list[i].cudnn.math == CUDNN_FMA_MATH ? 1e-4 : 2e-3;
+#if MGPU_CUDA_EMU
+            if (p == 0 && list[i].cudnn.algo == MGPU_EMU_CUDNN_LISTED_BUT_REFUSED) {
+                /* one line naming the call, the algorithm, the shape and the layer */
+                EXPECT_DIES(mgpu__layer_enqueuing = "conv2"; cudnn_run(out, &x, &wt, &b, &dy, &g, MGPU__TRY_Y, list[i], 0);
+                            mgpu_synchronize(gpu),
+                            "cuDNN: cudnnConvolutionForward (nonfused Winograd, 3x3,");
+                EXPECT_DIES(mgpu__layer_enqueuing = "conv2"; cudnn_run(out, &x, &wt, &b, &dy, &g, MGPU__TRY_Y, list[i], 0);
+                            mgpu_synchronize(gpu),
+                            "failed: CUDNN_STATUS_NOT_SUPPORTED, in layer conv2\n");
+                refusals++;
+                continue;
+            }
+#endif
+            mgpu_fill(out->g, NAN);
+            cudnn_run(out, &x, &wt, &b, &dy, &g, cudnn_passes[p], list[i], 0);
+            check_same(what, p == 0 ? "y" : p == 1 ? "dx" : "dw", out, tol);
+            if (p > 0) {
+                cudnn_run(out, &x, &wt, &b, &dy, &g, cudnn_passes[p], list[i], 1);
+                check_same(what, p == 1 ? "dx added to" : "dw accumulated", &added, tol);
+            }
+            /* none whose sums may come out in another order each run
+               (dx's algorithm 0, dW's 0 and 3: atomics), none Winograd
+               at stride 2 */
+            int algo = list[i].cudnn.algo;
+            CHECK(!(p == 1 && algo == 0) && !(p == 2 && (algo == 0 || algo == 3)));
+            CHECK(stride == 1 || !strstr(how, "Winograd"));
+        }
+        mgpu_free(added.c);
+        free(twice);
+    }
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dx); pair_free(&dw);
+}
+TEST(cudnn_algorithms_match_the_cpu) {
+    mgpu_set_tf32(1, 0);
+    /*             name                   N   C   H    K  R  t  d */
+    cudnn_compare("LeNet conv 1",         8,  1, 28,   6, 5, 1, 2);
+    cudnn_compare("LeNet conv 2",         8,  6, 14,  16, 5, 1, 0);
+    cudnn_compare("ResNet stem",          4,  1, 28,  64, 3, 1, 1);
+    cudnn_compare("stage 1",              2, 64, 28,  64, 3, 1, 1);
+    cudnn_compare("downsampling 3x3",     2, 64, 28, 128, 3, 2, 1);
+    cudnn_compare("1x1 shortcut",         2, 64, 28, 128, 1, 2, 0);
+    cudnn_compare("stage 4",              2, 512, 4, 512, 3, 1, 1);
+#if MGPU_CUDA_EMU
+    CHECK_EQ_INT(refusals, 3); /* (at stride 1, 3x3: stem, stage 1, stage 4) */
+#endif
+    mgpu_set_tf32(0, 0);
+}
+
+/* MGPU_CONV=cudnn: every pass by cuDNN through the public calls, as the
+   plan says and the trace shows, within TF32's tolerance of the CPU; dW
+   and db accumulated. (On the emulator, the trial meets an algorithm that
+   refuses to run, and leaves it.) */
+TEST(conv_by_cudnn_alone) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_mode = MGPU__CONV_CUDNN;
+    mgpu_set_tf32(1, 0);
+    mgpu_shape xs = mgpu_shape4(3, 16, 10, 10), ws = mgpu_shape4(24, 16, 3, 3);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(24)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(24));
+    int before = mgpu__conv_choice_count;
+    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
+    mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
+    mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1); /* (the trials) */
+    mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
+    CHECK_EQ_INT(mgpu__conv_choice_count, before + 2);
+    for (int i = before; i < mgpu__conv_choice_count; i++) {
+        const mgpu__conv_plan *plan = &mgpu__conv_choices[i].plan;
+        CHECK(plan->implicit);
+        if (!mgpu__conv_choices[i].backward) CHECK(plan->y.method == MGPU__CUDNN);
+        else CHECK(!plan->dx_im2col && !plan->dw_im2col && plan->dx.method == MGPU__CUDNN && plan->dw.method == MGPU__CUDNN);
+        char text[200];
+        printf("  cudnn: %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], text, sizeof text));
+    }
+    mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
+    mgpu_trace_begin(); /* (measured: the calls as they run from now on) */
+    mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
+    mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
+    mgpu_trace_end();
+    CHECK_EQ_INT(traced_calls("conv2d cuDNN"), 1);
+    CHECK_EQ_INT(traced_calls("conv2d_backward cuDNN dx"), 1);
+    CHECK_EQ_INT(traced_calls("conv2d_backward cuDNN dW"), 1);
+    check_same("cudnn", "y", &y, 2e-3);
+    check_same("cudnn", "dx", &dx, 2e-3);
+    check_same("cudnn", "dw, accumulated twice", &dw, 2e-3);
+    check_same("cudnn", "db, accumulated twice", &db, 1e-5);
+    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
+    pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
+    mgpu_set_tf32(0, 0);
+    mgpu__conv_mode = MGPU__CONV_AUTO;
+}
+
+/* A cuDNN call that fails stops the program with one line: the call,
+   cuDNN's status, and the layer being enqueued. */
+TEST(cudnn_errors_are_one_line_naming_the_layer) {
+    cudnnTensorDescriptor_t d;
+    MGPU_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
+    EXPECT_DIES(mgpu__layer_enqueuing = "conv7";
+                MGPU_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, -1, 1, 1, 1)),
+                "cuDNN: cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, -1, 1, 1, 1) failed: "
+                "CUDNN_STATUS_BAD_PARAM, in layer conv7");
+    MGPU_CUDNN_CHECK(cudnnDestroyTensorDescriptor(d));
+}
+#endif
 
 TEST_MAIN_GPU(gpu = mgpu_try_gpu(0))

@@ -684,7 +684,11 @@ TEST(onednn_errors_are_one_line) {
     dnnl_memory_desc_t md;
     dnnl_dims_t dims = {-1};
     EXPECT_DIES(MGPU_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a)),
-                "oneDNN: dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a) failed: invalid_arguments");
+                "oneDNN: dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a) failed: invalid_arguments\n");
+    /* in a network's pass, naming the layer */
+    EXPECT_DIES(mgpu__layer_enqueuing = "conv3";
+                MGPU_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&md, 1, dims, dnnl_f32, dnnl_a)),
+                "failed: invalid_arguments, in layer conv3\n");
 }
 #endif
 

@@ -741,6 +741,38 @@ static void own_linear_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dwe
 static const mgpu_layer_fns own_linear = {"own_linear", own_linear_shape, own_linear_forward,
                                           own_linear_backward, 0};
 
+/* The layer whose pass is being enqueued, as a layer of one's own sees
+   it (what the libraries' error lines name: mgpu__layer_enqueuing). */
+static char seen_forward[40], seen_backward[40];
+static void naming_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    snprintf(seen_forward, sizeof seen_forward, "%s", mgpu__layer_enqueuing ? mgpu__layer_enqueuing : "(none)");
+    own_relu_forward(l, y, x, training);
+}
+static void naming_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                            const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    snprintf(seen_backward, sizeof seen_backward, "%s", mgpu__layer_enqueuing ? mgpu__layer_enqueuing : "(none)");
+    own_relu_backward(l, dx, dweight, dbias, dy, x, y);
+}
+static const mgpu_layer_fns naming_relu = {"naming", NULL, naming_forward, naming_backward, 0};
+TEST(a_networks_passes_name_the_layer_they_enqueue) {
+    mgpu_device *d;
+    mgpu_devices(1, TEST_ON_GPU, &d);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    mgpu_net_add_layer(net, &naming_relu, NULL, NULL, NULL);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_tensor *x = mgpu_randn(d, mgpu_shape4(2, 1, 6, 6), 0.0f, 1.0f);
+    mgpu_tensor *y = mgpu_net_forward(net, x);
+    mgpu_tensor *dy = mgpu_full(d, y->shape, 1.0f);
+    mgpu_net_backward(net, dy);
+    mgpu_synchronize(d);
+    CHECK(strcmp(seen_forward, "naming1") == 0 && strcmp(seen_backward, "naming1") == 0);
+    CHECK(mgpu__layer_enqueuing == NULL); /* (and no layer between passes) */
+    mgpu_free(x);
+    mgpu_free(dy);
+    mgpu_net_free(net);
+}
+
 /* plain_net, with its ReLUs and its linear layer its own: the same
    parameters, the same operations. */
 static mgpu_net *plain_net_of_own_layers(mgpu_device *d) {
