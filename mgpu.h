@@ -4963,12 +4963,16 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
    OpenBLAS's products, or with oneDNN's kernels (kernels/conv_onednn.h),
    whichever was faster for the pass and shape. As on a GPU, the first
    call of a pass with a shape on a device times both ways, once each,
-   into scratch outputs (so that measuring never adds to a real gradient),
-   each call alone (the device synchronised before and after it); then it
-   and every later call run by the faster. So every call of a pass with a
-   shape computes the same way, and two identical networks compute
-   identical values. MGPU_CONV=im2col keeps im2col; implicit takes oneDNN
-   wherever it has a kernel. */
+   each call alone (the device synchronised before and after it), and
+   every later call runs by the faster. Where the call writes its outputs
+   (not adding to them), im2col writes them in the trial and oneDNN
+   writes scratch copies, which replace them if oneDNN was faster: the
+   first call costs the two ways, not three. Where it adds to them, both
+   ways write scratch outputs (measuring never adds to a real gradient),
+   and the faster then runs for real. Either way every call of a pass with
+   a shape computes what the faster way computes, and two identical
+   networks compute identical values. MGPU_CONV=im2col keeps im2col;
+   implicit takes oneDNN wherever it has a kernel. */
 typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
 static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN"};
 typedef struct {
@@ -5067,11 +5071,13 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, 
     return c;
 }
 
-/* The trial of a pass (above): each way once, into scratch outputs, with
-   oneDNN's plans made before the clock starts. */
-static void mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
+/* The trial of a pass (above): each way once, with oneDNN's plans made
+   before the clock starts. Returns whether it has done the call (where
+   the call writes its outputs). */
+static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
     mgpu_device *dev = call->x->device;
-    mgpu__cpu_conv_call t = *call;
+    int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
+    mgpu__cpu_conv_call t = *call; /* the same, into scratch outputs */
     t.accumulate = t.add_to_dx = 0;
     if (!t.backward) t.y = mgpu_empty(dev, call->y->shape);
     else {
@@ -5082,19 +5088,22 @@ static void mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_
     for (int way = 0; way < (onednn ? MGPU__CPU_WAYS : 1); way++) {
         mgpu_synchronize(dev);
         double t0 = mgpu_now();
-        if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(&t);
+        if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(writes ? call : &t);
         else mgpu__cpu_conv_by_onednn(&t);
         mgpu_synchronize(dev);
         c->trial_ms[way] = (mgpu_now() - t0) * 1e3;
     }
     c->way = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
                                                                               : MGPU__CPU_BY_IM2COL;
-    if (!t.backward) {
-        mgpu_free(t.y);
-    } else {
-        mgpu_free(t.dx);
-        mgpu_free(t.dw);
+    mgpu_tensor *outs[3][2] = {{call->y, t.y}, {call->dx, t.dx}, {call->dw, t.dw}}; /* (real, scratch) */
+    for (int i = 0; i < 3; i++) {
+        if (outs[i][1] && writes && c->way == MGPU__CPU_BY_ONEDNN) {
+            mgpu__memcpy_args copy = {outs[i][0]->data, outs[i][1]->data, outs[i][0]->numel * sizeof(float), -1, -1};
+            MGPU__ENQUEUE(dev, "conv2d trial's copy", mgpu__memcpy, copy);
+        }
+        if (outs[i][1] != outs[i][0]) mgpu_free(outs[i][1]); /* (reused only by later work) */
     }
+    return writes;
 }
 
 /* A pass on a CPU device, by the way its choice says (above). */
@@ -5106,7 +5115,7 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
         mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, call->backward);
         if (!c) {
             c = mgpu__cpu_conv_choice_new(dev, call->g, call->backward, call->dx != NULL);
-            mgpu__cpu_conv_trial(c, call);
+            if (mgpu__cpu_conv_trial(c, call)) return;
         }
         onednn = c->way == MGPU__CPU_BY_ONEDNN;
     }

@@ -538,16 +538,16 @@ TEST(conv_settings_from_the_environment) {
     CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 77);
     mgpu__conv_scratch_floats[0] = saved;
     /* MGPU_CONV chooses the GPU's algorithm (auto by default); a CPU keeps im2col */
-    const char *names[] = {"implicit", "im2col", "auto", ""};
-    int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_AUTO, MGPU__CONV_AUTO};
-    for (int i = 0; i < 4; i++) {
+    const char *names[] = {"implicit", "im2col", "auto", "", "cudnn"};
+    int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_AUTO, MGPU__CONV_AUTO, MGPU__CONV_CUDNN};
+    for (int i = 0; i < 5; i++) {
         reread_conv_settings("MGPU_CONV", names[i]);
         CHECK_EQ_INT(mgpu__conv_mode, modes[i]);
     }
     setenv("MGPU_CONV", "winograd", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
-                "MGPU_CONV=winograd: want auto (the default), im2col or implicit");
+                "MGPU_CONV=winograd: want auto (the default), im2col, implicit or cudnn");
     reread_conv_settings("MGPU_CONV", NULL);
     CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
     /* MGPU_WGMMA: 0 leaves the wgmma kernels out; 1 or nothing keeps them */
@@ -641,7 +641,24 @@ TEST(conv2d_by_onednn_matches_im2col) {
 }
 
 /* By default a CPU device times both ways at the first call of each pass
-   and shape, and that call and the later ones take the faster. */
+   and shape, and the later calls take the faster. The first call's
+   outputs are the faster way's, bit for bit: where the call writes them
+   (the forward pass), im2col's from the trial itself or oneDNN's copied
+   from its scratch ("conv2d trial's copy"); where it adds to them (dW
+   accumulated), from the faster way run once more after the trial. */
+static int traced_count(const char *name) {
+    int calls = 0;
+    for (int i = 0; i < mgpu__library.trace_n; i++)
+        calls += mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0;
+    return calls;
+}
+static int same_bits(const mgpu_tensor *a, const float *b) {
+    float *got = (float *)malloc(a->numel * sizeof(float));
+    mgpu_to_host(a, got);
+    int same = memcmp(got, b, a->numel * sizeof(float)) == 0;
+    free(got);
+    return same;
+}
 TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
@@ -650,31 +667,49 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu_tensor *x = mgpu_randn(cpu, mgpu_shape4(2, 32, 9, 9), 0.0f, 1.0f);
     mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(16, 32, 3, 3), 0.0f, 0.1f);
     mgpu_tensor *y = mgpu_empty(cpu, mgpu_shape4(2, 16, 9, 9));
+    mgpu_tensor *dy = mgpu_randn(cpu, y->shape, 0.0f, 1.0f), *dw = mgpu_empty(cpu, w->shape);
+    float *dw_before = (float *)malloc(w->numel * sizeof(float));
+    mgpu_to_host(w, dw_before); /* (what dW is accumulated onto) */
+    float *first_y = (float *)malloc(y->numel * sizeof(float)), *first_dw = (float *)malloc(w->numel * sizeof(float));
     mgpu__conv_geom g = mgpu__conv_geometry("test", x->shape, w->shape, 1, 1);
-    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, 0) == NULL);
+    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, 0) == NULL && mgpu__cpu_conv_choice_find(cpu, &g, 1) == NULL);
     for (int call = 0; call < 2; call++) {
         mgpu_synchronize_all();
         mgpu_trace_begin();
+        mgpu_fill(y, NAN);
         mgpu_conv2d_forward(y, x, w, NULL, 1, 1);
+        mgpu_copy(dw, w, 0);
+        mgpu_conv2d_backward(NULL, dw, NULL, dy, x, w, 1, 1, 1);
         mgpu_synchronize_all();
-        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, 0);
-        CHECK(c != NULL);
-        CHECK(c->trial_ms[MGPU__CPU_BY_IM2COL] > 0.0 && c->trial_ms[MGPU__CPU_BY_IM2COL] < HUGE_VAL);
-        CHECK(c->trial_ms[MGPU__CPU_BY_ONEDNN] > 0.0 && c->trial_ms[MGPU__CPU_BY_ONEDNN] < HUGE_VAL);
-        int onednn = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL];
-        CHECK_EQ_INT(c->way, onednn ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
-        /* the trial ran both ways (first call), then the call ran by the chosen one alone */
-        int im2col_calls = 0, onednn_calls = 0;
-        for (int i = 0; i < mgpu__library.trace_n; i++) {
-            const char *name = mgpu__library.trace[i].name;
-            im2col_calls += name && strcmp(name, "conv2d im2col") == 0;
-            onednn_calls += name && strcmp(name, "conv2d oneDNN forward") == 0;
+        int chose_onednn[2];
+        for (int backward = 0; backward <= 1; backward++) {
+            mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward);
+            CHECK(c != NULL);
+            CHECK(c->trial_ms[MGPU__CPU_BY_IM2COL] > 0.0 && c->trial_ms[MGPU__CPU_BY_IM2COL] < HUGE_VAL);
+            CHECK(c->trial_ms[MGPU__CPU_BY_ONEDNN] > 0.0 && c->trial_ms[MGPU__CPU_BY_ONEDNN] < HUGE_VAL);
+            chose_onednn[backward] = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL];
+            CHECK_EQ_INT(c->way, chose_onednn[backward] ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
         }
-        CHECK_EQ_INT(im2col_calls, (call == 0) + !onednn);
-        CHECK_EQ_INT(onednn_calls, (call == 0) + onednn);
+        int first = call == 0, onednn = chose_onednn[0], onednn_dw = chose_onednn[1];
+        /* forward: the trial's two ways, then nothing more (first call); the chosen way alone (later) */
+        CHECK_EQ_INT(traced_count("conv2d im2col"), first ? 1 : !onednn);
+        CHECK_EQ_INT(traced_count("conv2d oneDNN forward"), first ? 1 : onednn);
+        CHECK_EQ_INT(traced_count("conv2d trial's copy"), first && onednn);
+        /* dW accumulated: the trial's two ways, then the chosen one */
+        CHECK_EQ_INT(traced_count("conv2d_backward oneDNN dW"), first + onednn_dw);
+        CHECK_EQ_INT(traced_count("conv2d_backward dW product"), first + !onednn_dw);
         mgpu_trace_end();
+        if (first) {
+            mgpu_to_host(y, first_y);
+            mgpu_to_host(dw, first_dw);
+        } else {
+            CHECK(same_bits(y, first_y));
+            CHECK(same_bits(dw, first_dw));
+        }
     }
-    mgpu_free(x), mgpu_free(w), mgpu_free(y);
+    CHECK(!same_bits(dw, dw_before)); /* (it did add) */
+    mgpu_free(x), mgpu_free(w), mgpu_free(y), mgpu_free(dy), mgpu_free(dw);
+    free(dw_before), free(first_y), free(first_dw);
     mgpu__conv_mode = saved;
 }
 
