@@ -441,12 +441,16 @@ struct mgpu_emu_launcher {
 };
 
 /* -------------------------------------------------------------- cuBLAS */
+/* A library's handle (cuBLAS's, cuDNN's): the device current when it was
+   made, and the stream its calls run on (0: at once). */
+struct mgpu_emu_handle {
+    int device = mgpu_emu_device;
+    cudaStream_t stream = 0;
+    bool takes(cudaStream_t s) const { return !s || s->device == device; }
+};
 typedef int cublasStatus_t;
 enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_INVALID_VALUE = 7, CUBLAS_STATUS_EXECUTION_FAILED = 13 };
-struct mgpu_emu_cublas {
-    int device;
-    cudaStream_t stream;
-};
+struct mgpu_emu_cublas : mgpu_emu_handle {};
 typedef mgpu_emu_cublas *cublasHandle_t;
 enum cublasOperation_t { CUBLAS_OP_N, CUBLAS_OP_T };
 enum { CUDA_R_32F };
@@ -458,7 +462,7 @@ static inline const char *cublasGetStatusString(cublasStatus_t s) {
                                               : "CUBLAS_STATUS_EXECUTION_FAILED";
 }
 static inline cublasStatus_t cublasCreate(cublasHandle_t *h) {
-    *h = new mgpu_emu_cublas{mgpu_emu_device, 0};
+    *h = new mgpu_emu_cublas;
     return CUBLAS_STATUS_SUCCESS;
 }
 static inline cublasStatus_t cublasDestroy(cublasHandle_t h) {
@@ -466,7 +470,7 @@ static inline cublasStatus_t cublasDestroy(cublasHandle_t h) {
     return CUBLAS_STATUS_SUCCESS;
 }
 static inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
-    if (s && s->device != h->device) return CUBLAS_STATUS_INVALID_VALUE;
+    if (!h->takes(s)) return CUBLAS_STATUS_INVALID_VALUE;
     h->stream = s;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -562,13 +566,10 @@ static inline const char *cudnnGetErrorString(cudnnStatus_t s) {
            : s == CUDNN_STATUS_NOT_SUPPORTED            ? "CUDNN_STATUS_NOT_SUPPORTED"
                                                         : "CUDNN_STATUS_EXECUTION_FAILED";
 }
-struct mgpu_emu_cudnn {
-    int device;
-    cudaStream_t stream;
-};
+struct mgpu_emu_cudnn : mgpu_emu_handle {};
 typedef mgpu_emu_cudnn *cudnnHandle_t;
 static inline cudnnStatus_t cudnnCreate(cudnnHandle_t *h) {
-    *h = new mgpu_emu_cudnn{mgpu_emu_device, 0};
+    *h = new mgpu_emu_cudnn;
     return CUDNN_STATUS_SUCCESS;
 }
 static inline cudnnStatus_t cudnnDestroy(cudnnHandle_t h) {
@@ -576,7 +577,7 @@ static inline cudnnStatus_t cudnnDestroy(cudnnHandle_t h) {
     return CUDNN_STATUS_SUCCESS;
 }
 static inline cudnnStatus_t cudnnSetStream(cudnnHandle_t h, cudaStream_t s) {
-    if (s && s->device != h->device) return CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH;
+    if (!h->takes(s)) return CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH;
     h->stream = s;
     return CUDNN_STATUS_SUCCESS;
 }

@@ -331,18 +331,27 @@ static void stride2_dx_compare(const char *name, const mgpu__conv_geom *g, pair 
     stride2_checks++;
 }
 static int wgmma_checks; /* the input gradients checked by wgmma below */
+/* A convolution of n images of c x h x h, k filters of r x r: its
+   geometry, inputs (x, weights, bias, dy) on both sides, and outputs (y,
+   dx, dw) computed on the CPU (y with the bias) and NaN on the GPU. */
+static void conv_case(const char *name, int n, int c, int h, int k, int r, int stride, int pad, mgpu__conv_geom *g,
+                      pair *x, pair *wt, pair *b, pair *y, pair *dy, pair *dx, pair *dw) {
+    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
+    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
+    *g = mgpu__conv_geometry(name, xs, ws, stride, pad);
+    *x = pair_randn(xs), *wt = pair_randn(ws), *b = pair_randn(mgpu_shape1(k)), *y = pair_nan(ys);
+    *dy = pair_randn(ys), *dx = pair_nan(xs), *dw = pair_nan(ws);
+    mgpu_conv2d_forward(y->c, x->c, wt->c, b->c, stride, pad);
+    mgpu_conv2d_backward(dx->c, dw->c, NULL, dy->c, x->c, wt->c, stride, pad, 0);
+}
 /* Every tile shape of the implicit GEMM, each launched directly (the
    library keeps the fastest per pass, so some may never run above),
    where it fits. */
 static void implicit_tiles_compare(const char *name, int n, int c, int h, int k, int r, int stride,
                                    int pad) {
-    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
-    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
-    mgpu__conv_geom g = mgpu__conv_geometry(name, xs, ws, stride, pad);
-    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
-    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws);
-    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, stride, pad);
-    mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
+    mgpu__conv_geom g;
+    pair x, wt, b, y, dy, dx, dw;
+    conv_case(name, n, c, h, k, r, stride, pad, &g, &x, &wt, &b, &y, &dy, &dx, &dw);
     for (int kind = 0; kind < MGPU__TILE_KINDS; kind++) {
         mgpu__implicit_tile tile = (mgpu__implicit_tile)kind;
         char what[96];
@@ -437,39 +446,50 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     mgpu_set_tf32(0, 0);
     mgpu__conv_mode = MGPU__CONV_AUTO;
 }
-/* MGPU_CONV=auto (the default): the first call with a shape times im2col
-   and every tile and remembers the fastest; the trials must leave the
+/* A convolution's forward and backward passes (dW and db accumulated) on
+   the CPU and on the GPU with MGPU_CONV=mode, twice: the trials, then the
+   plans remembered (the second round traced). The trials must leave the
    results as one algorithm alone would (the weight gradient accumulated
-   once). */
-TEST(conv_algorithm_chosen_by_measuring) {
-    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+   once), within TF32's tolerance of the CPU. Prints the plans, and
+   returns the index of the first (forward, then backward). */
+static int conv_twice_by(mgpu__conv_mode_kind mode, const char *label, mgpu_shape xs, mgpu_shape ws) {
     mgpu__conv_settings_from_environment();
-    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu__conv_mode = mode;
     mgpu_set_tf32(1, 0);
-    /* small: on the emulated GPU every trial takes seconds */
-    mgpu_shape xs = mgpu_shape4(2, 64, 8, 8), ws = mgpu_shape4(64, 64, 3, 3);
+    int k = ws.d[0];
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
-    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(64)), y = pair_nan(ys);
-    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(64));
+    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
+    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(k));
     int before = mgpu__conv_choice_count;
-    for (int round = 0; round < 2; round++) { /* measured, then remembered */
+    for (int round = 0; round < 2; round++) {
         mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
-        mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
         mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
+        if (round == 1) mgpu_trace_begin();
+        mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
         mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
+        if (round == 1) mgpu_trace_end();
         CHECK_EQ_INT(mgpu__conv_choice_count, before + 2);
-        check_same("auto", "y", &y, 2e-3);
-        check_same("auto", "dx", &dx, 2e-3);
-        check_same("auto", "dw, accumulated", &dw, 2e-3);
-        check_same("auto", "db, accumulated", &db, 1e-5);
+        check_same(label, "y", &y, 2e-3);
+        check_same(label, "dx", &dx, 2e-3);
+        check_same(label, "dw, accumulated", &dw, 2e-3);
+        check_same(label, "db, accumulated", &db, 1e-5);
     }
     for (int i = before; i < mgpu__conv_choice_count; i++) {
-        char plan[160];
-        printf("  auto: %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], plan, sizeof plan));
+        char plan[200];
+        printf("  %s: %s\n", label, mgpu__conv_choice_str(&mgpu__conv_choices[i], plan, sizeof plan));
     }
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
     mgpu_set_tf32(0, 0);
+    mgpu__conv_mode = MGPU__CONV_AUTO;
+    return before;
+}
+/* MGPU_CONV=auto (the default): the first call with a shape times im2col
+   and every tile and remembers the fastest. */
+TEST(conv_algorithm_chosen_by_measuring) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    /* small: on the emulated GPU every trial takes seconds */
+    conv_twice_by(MGPU__CONV_AUTO, "auto", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
 }
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
@@ -1063,13 +1083,9 @@ static void cudnn_run(pair *out, pair *x, pair *wt, pair *b, pair *dy, const mgp
     else mgpu__conv_dw_implicit(out->g, dy->g, NULL, x->g, NULL, g, add, kernel);
 }
 static void cudnn_compare(const char *name, int n, int c, int h, int k, int r, int stride, int pad) {
-    mgpu_shape xs = mgpu_shape4(n, c, h, h), ws = mgpu_shape4(k, c, r, r);
-    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
-    mgpu__conv_geom g = mgpu__conv_geometry(name, xs, ws, stride, pad);
-    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(k)), y = pair_nan(ys);
-    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_nan(ws);
-    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, stride, pad);
-    mgpu_conv2d_backward(dx.c, dw.c, NULL, dy.c, x.c, wt.c, stride, pad, 0);
+    mgpu__conv_geom g;
+    pair x, wt, b, y, dy, dx, dw;
+    conv_case(name, n, c, h, k, r, stride, pad, &g, &x, &wt, &b, &y, &dy, &dx, &dw);
     pair *outs[3] = {&y, &dx, &dw};
     for (int p = 0; p < 3; p++) {
         mgpu__implicit_kernel list[MGPU__CUDNN_CANDIDATES];
@@ -1136,48 +1152,18 @@ TEST(cudnn_algorithms_match_the_cpu) {
 }
 
 /* MGPU_CONV=cudnn: every pass by cuDNN through the public calls, as the
-   plan says and the trace shows, within TF32's tolerance of the CPU; dW
-   and db accumulated. (On the emulator, the trial meets an algorithm that
-   refuses to run, and leaves it.) */
+   plans say and the trace shows. (On the emulator, the trial meets an
+   algorithm that refuses to run, and leaves it.) */
 TEST(conv_by_cudnn_alone) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
-    mgpu__conv_settings_from_environment();
-    mgpu__conv_mode = MGPU__CONV_CUDNN;
-    mgpu_set_tf32(1, 0);
-    mgpu_shape xs = mgpu_shape4(3, 16, 10, 10), ws = mgpu_shape4(24, 16, 3, 3);
-    mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, 1, 1);
-    pair x = pair_randn(xs), wt = pair_randn(ws), b = pair_randn(mgpu_shape1(24)), y = pair_nan(ys);
-    pair dy = pair_randn(ys), dx = pair_nan(xs), dw = pair_randn(ws), db = pair_randn(mgpu_shape1(24));
-    int before = mgpu__conv_choice_count;
-    mgpu_conv2d_forward(y.c, x.c, wt.c, b.c, 1, 1);
-    mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
-    mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1); /* (the trials) */
-    mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
-    CHECK_EQ_INT(mgpu__conv_choice_count, before + 2);
-    for (int i = before; i < mgpu__conv_choice_count; i++) {
-        const mgpu__conv_plan *plan = &mgpu__conv_choices[i].plan;
-        CHECK(plan->implicit);
-        if (!mgpu__conv_choices[i].backward) CHECK(plan->y.method == MGPU__CUDNN);
-        else CHECK(!plan->dx_im2col && !plan->dw_im2col && plan->dx.method == MGPU__CUDNN && plan->dw.method == MGPU__CUDNN);
-        char text[200];
-        printf("  cudnn: %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], text, sizeof text));
-    }
-    mgpu_conv2d_backward(dx.c, dw.c, db.c, dy.c, x.c, wt.c, 1, 1, 1);
-    mgpu_trace_begin(); /* (measured: the calls as they run from now on) */
-    mgpu_conv2d_forward(y.g, x.g, wt.g, b.g, 1, 1);
-    mgpu_conv2d_backward(dx.g, dw.g, db.g, dy.g, x.g, wt.g, 1, 1, 1);
-    mgpu_trace_end();
+    int first = conv_twice_by(MGPU__CONV_CUDNN, "cudnn", mgpu_shape4(3, 16, 10, 10), mgpu_shape4(24, 16, 3, 3));
+    const mgpu__conv_plan *forward = &mgpu__conv_choices[first].plan, *backward = &mgpu__conv_choices[first + 1].plan;
+    CHECK(forward->implicit && forward->y.method == MGPU__CUDNN);
+    CHECK(backward->implicit && !backward->dx_im2col && !backward->dw_im2col);
+    CHECK(backward->dx.method == MGPU__CUDNN && backward->dw.method == MGPU__CUDNN);
     CHECK_EQ_INT(traced_calls("conv2d cuDNN"), 1);
     CHECK_EQ_INT(traced_calls("conv2d_backward cuDNN dx"), 1);
     CHECK_EQ_INT(traced_calls("conv2d_backward cuDNN dW"), 1);
-    check_same("cudnn", "y", &y, 2e-3);
-    check_same("cudnn", "dx", &dx, 2e-3);
-    check_same("cudnn", "dw, accumulated twice", &dw, 2e-3);
-    check_same("cudnn", "db, accumulated twice", &db, 1e-5);
-    pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
-    pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
-    mgpu_set_tf32(0, 0);
-    mgpu__conv_mode = MGPU__CONV_AUTO;
 }
 
 /* A cuDNN call that fails stops the program with one line: the call,
