@@ -506,6 +506,12 @@ MGPU_DEF void mgpu_trace_summary(FILE *f);
    - Every sample once per epoch: the last batch holds what is left (60000
      samples in batches of 256 end with a batch of 96), as DataLoader's
      default drop_last=False. mgpu_loader_num_batches gives the count.
+     mgpu_loader_set_drop_last(it, 1), before the first epoch, drops that
+     short batch instead (drop_last=True): every batch is then whole, and
+     each epoch leaves out the n % batch_size samples its order puts last
+     (different ones each epoch when shuffled). A short last batch can do
+     harm: a batch of one image split over 2 devices leaves one device no
+     image, and batch norm's statistics over one image are noise.
    - The batch's tensors live on the host (device mgpu_cpu(), pinned, so a
      non-blocking mgpu_copy or mgpu_to onto a GPU overlaps compute). They
      belong to the loader: do not free them. A batch stays valid until the
@@ -559,6 +565,8 @@ MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch);
 /* 1 and the next batch in *out, or 0 at the end of the epoch. */
 MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out);
 MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l);
+/* drop_last 1: no short last batch (before the first epoch; default 0). */
+MGPU_DEF void mgpu_loader_set_drop_last(mgpu_loader *l, int drop_last);
 MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
 /* ---------------------------------------------------------------------------
    LAYERS. The layers of a LeNet and of a ResNet, forward and backward, on any
@@ -1517,7 +1525,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_dataset_load_fashion_mnist, mgpu_dataset_truncate,
          mgpu_dataset_subset, mgpu_dataset_free, mgpu_fashion_mnist_label,
          mgpu_loader_new, mgpu_loader_start_epoch, mgpu_loader_next,
-         mgpu_loader_num_batches, mgpu_loader_free
+         mgpu_loader_num_batches, mgpu_loader_set_drop_last, mgpu_loader_free
      Layers
          defines: mgpu_conv2d_output_shape, mgpu_conv2d_forward,
          mgpu_conv2d_backward, mgpu_avg_pool2d_output_shape,
@@ -3760,6 +3768,11 @@ static void mgpu__loader_shuffle(int *order, int n, uint64_t seed, int epoch) {
     }
 }
 
+/* Batches of an epoch of n samples: with drop_last, whole ones only. */
+static int mgpu__loader_batches(int n, int batch_size, int drop_last) {
+    return (int)(drop_last ? n / batch_size : ((long long)n + batch_size - 1) / batch_size);
+}
+
 /* Samples in batch k: batch_size, except for a shorter last batch. */
 static int mgpu__loader_batch_n(const mgpu_loader *l, int k) {
     int left = l->data->n - k * l->batch_size;
@@ -3830,7 +3843,7 @@ MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int
     l->batch_size = batch_size;
     l->capacity = batch_size < d->n ? batch_size : d->n;
     l->shuffle = shuffle;
-    l->nbatches = (int)(((long long)d->n + batch_size - 1) / batch_size);
+    l->nbatches = mgpu__loader_batches(d->n, batch_size, 0);
     l->seed = seed;
     l->order = (int *)mgpu__xmalloc((size_t)d->n * sizeof(int));
     for (int i = 0; i < d->n; i++) l->order[i] = i;
@@ -3897,6 +3910,16 @@ MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out) {
 }
 
 MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l) { return l->nbatches; }
+
+MGPU_DEF void mgpu_loader_set_drop_last(mgpu_loader *l, int drop_last) {
+    MGPU_REQUIRE(drop_last == 0 || drop_last == 1, "mgpu_loader_set_drop_last: drop_last %d; want 0 or 1",
+                 drop_last);
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
+    int started = l->active;
+    if (!started) l->nbatches = mgpu__loader_batches(l->data->n, l->batch_size, drop_last);
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+    MGPU_REQUIRE(!started, "mgpu_loader_set_drop_last: the loader's first epoch has started; set it before");
+}
 
 MGPU_DEF void mgpu_loader_free(mgpu_loader *l) {
     if (!l) return;

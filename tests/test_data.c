@@ -195,6 +195,58 @@ TEST(loader_batch_larger_than_data_set) {
     mgpu_dataset_free(d);
 }
 
+/* drop_last: whole batches only, every epoch. Each epoch leaves out the
+   n % batch_size samples its order puts last: others in another epoch
+   when shuffled. A data set smaller than a batch then gives no batch. */
+static int epoch_without(mgpu_loader *l, int epoch, int n, int batch_size, char *seen) {
+    memset(seen, 0, (size_t)n);
+    mgpu_loader_start_epoch(l, epoch);
+    mgpu_batch b;
+    int batches = 0;
+    while (mgpu_loader_next(l, &b)) {
+        CHECK_EQ_INT(b.n, batch_size);
+        for (int i = 0; i < b.n; i++) { /* (the indexed data set's pixels say the sample) */
+            int index = (int)lroundf(b.x->data[4 * i] * 255.0f) + 256 * (int)lroundf(b.x->data[4 * i + 1] * 255.0f);
+            CHECK(index >= 0 && index < n && !seen[index]);
+            if (index >= 0 && index < n) seen[index] = 1;
+        }
+        batches++;
+    }
+    int missing = -1, count = 0;
+    for (int i = 0; i < n; i++)
+        if (!seen[i]) missing = i, count++;
+    CHECK_EQ_INT(count, n % batch_size);
+    CHECK_EQ_INT(batches, n / batch_size);
+    return missing;
+}
+TEST(loader_drop_last) {
+    mgpu_dataset *d = indexed_dataset(50);
+    char seen[50];
+    mgpu_loader *l = mgpu_loader_new(d, 7, 1, 3);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 8); /* (by default: 7 of 7 and one of 1) */
+    mgpu_loader_set_drop_last(l, 1);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 7);
+    int first = epoch_without(l, 0, 50, 7, seen), second = epoch_without(l, 1, 50, 7, seen);
+    CHECK(first != second);
+    EXPECT_DIES(mgpu_loader_set_drop_last(l, 0), "mgpu_loader_set_drop_last: the loader's first epoch has started");
+    EXPECT_DIES(mgpu_loader_set_drop_last(l, 2), "mgpu_loader_set_drop_last: drop_last 2; want 0 or 1");
+    mgpu_loader_free(l);
+    /* in order: the last sample is the one left out */
+    mgpu_loader *in_order = mgpu_loader_new(d, 7, 0, 3);
+    mgpu_loader_set_drop_last(in_order, 1);
+    CHECK_EQ_INT(epoch_without(in_order, 0, 50, 7, seen), 49);
+    mgpu_loader_free(in_order);
+    /* fewer samples than a batch: no batch */
+    mgpu_loader *none = mgpu_loader_new(d, 64, 1, 3);
+    mgpu_loader_set_drop_last(none, 1);
+    CHECK_EQ_INT(mgpu_loader_num_batches(none), 0);
+    mgpu_batch b;
+    mgpu_loader_start_epoch(none, 0);
+    CHECK_EQ_INT(mgpu_loader_next(none, &b), 0);
+    mgpu_loader_free(none);
+    mgpu_dataset_free(d);
+}
+
 TEST(shuffle_depends_only_on_seed_and_epoch) {
     enum { N = 1000, BS = 64 };
     mgpu_dataset *d = indexed_dataset(N);
