@@ -113,6 +113,12 @@
                    tensor([...], device='cpu')
        void mgpu_free(mgpu_tensor *t)
 
+   Mistakes with a tensor's life are one-line errors naming the call and
+   the shape: freeing a tensor twice, using a tensor after mgpu_free, using
+   a view after its tensor was freed, freeing a batch that a loader owns.
+   (The library keeps the last 4096 freed tensors' headers to see this;
+   a tensor used after more frees than that may go unnoticed.)
+
    A view (mgpu_view, mgpu_narrow) shares its tensor's memory and does not
    keep it alive: free the views before the tensor. Views can be copied
    to and from, and operated on, like any tensor, except that an output
@@ -373,6 +379,12 @@ typedef struct mgpu_tensor {
     mgpu_event *last_read;/* a copy queue may still be using the tensor */
     mgpu_event *last_write;/* pinned: a copy into it that may still be running */
     struct mgpu_tensor *base; /* a view's tensor, which keeps last_read for it */
+    /* Lifetime checks (mgpu_free): whether the tensor is alive, how many
+       times its header has been freed, base's count when the view was
+       taken, and who owns it if not the program ("the loader"). */
+    int alive;
+    unsigned frees, base_frees;
+    const char *owner;
 } mgpu_tensor;
 
 MGPU_DEF mgpu_tensor *mgpu_empty(mgpu_device *dev, mgpu_shape shape);
@@ -1752,7 +1764,7 @@ MGPU_DEF double mgpu_now(void) {
    order. A task is a function and a small copy of its arguments, so the
    caller can return at once (the arguments are copied, not pointed to).
    ====================================================================== */
-#define MGPU__TASK_ARGS 640 /* room for a list of tensors (kernels/sgd.h) */
+#define MGPU__TASK_ARGS 768 /* room for a list of tensors (kernels/sgd.h), or six tensors (a layer of yours) */
 
 /* A CPU device's share of the machine's cores: cores / CPU devices
    (mgpu_devices sets it). Its compute queue's worker runs each task with
@@ -2739,12 +2751,66 @@ static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
     return numel;
 }
 
+/* Tensor headers. A freed tensor's header is not given back to malloc:
+   it waits in a queue, marked dead, until MGPU__FREED_HEADERS others have
+   been freed after it, and is then reused. So a second mgpu_free of a
+   tensor, or the use of a tensor (or of a view of it) after mgpu_free,
+   reads a header that is still there and says so in one line, instead
+   of freeing another tensor's memory or reading its values; a view
+   checks that its tensor has not been freed since the view was taken
+   (the count of its frees). What it misses: a tensor used after more
+   than MGPU__FREED_HEADERS later frees, whose header may be a new
+   tensor's by then. The cost: two words of memory per header, and a
+   compare per tensor per operation. */
+#define MGPU__FREED_HEADERS 4096
+static struct {
+    pthread_mutex_t mutex;
+    mgpu_tensor **queue; /* freed headers, oldest first: a ring of MGPU__FREED_HEADERS + 1 */
+    int head, count;
+} mgpu__headers = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+static mgpu_tensor *mgpu__header_new(void) {
+    mgpu_tensor *t = NULL;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__headers.mutex));
+    if (mgpu__headers.count == MGPU__FREED_HEADERS) { /* the oldest, MGPU__FREED_HEADERS frees ago */
+        t = mgpu__headers.queue[mgpu__headers.head];
+        mgpu__headers.head = (mgpu__headers.head + 1) % MGPU__FREED_HEADERS;
+        mgpu__headers.count--;
+    }
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__headers.mutex));
+    unsigned frees = t ? t->frees : 0;
+    if (!t) t = (mgpu_tensor *)mgpu__xmalloc(sizeof *t);
+    memset(t, 0, sizeof *t);
+    t->frees = frees;
+    t->alive = 1;
+    return t;
+}
+static void mgpu__header_free(mgpu_tensor *t) {
+    t->alive = 0;
+    t->frees++;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__headers.mutex));
+    if (!mgpu__headers.queue)
+        mgpu__headers.queue = (mgpu_tensor **)mgpu__xcalloc(MGPU__FREED_HEADERS, sizeof(mgpu_tensor *));
+    mgpu__headers.queue[(mgpu__headers.head + mgpu__headers.count) % MGPU__FREED_HEADERS] = t;
+    mgpu__headers.count++;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__headers.mutex));
+}
+/* A tensor an operation `op` is given: alive, and if a view, its tensor
+   not freed since. */
+static void mgpu__require_alive(const mgpu_tensor *t, const char *op) {
+    char sh[64];
+    MGPU_REQUIRE(t->alive, "%s: a tensor of shape %s used after mgpu_free freed it", op,
+                 mgpu_shape_str(t->shape, sh, sizeof sh));
+    MGPU_REQUIRE(!t->base || (t->base->alive && t->base->frees == t->base_frees),
+                 "%s: a view (shape %s) of a tensor that mgpu_free has freed since the view was taken", op,
+                 mgpu_shape_str(t->shape, sh, sizeof sh));
+}
+
 /* A tensor of this shape on dev, its memory extra_floats longer than its
    values (a layer of yours' guard floats: mgpu__ensure_guarded). */
 static mgpu_tensor *mgpu__tensor_alloc(mgpu_device *dev, mgpu_shape shape, int pinned, size_t extra_floats) {
     MGPU_REQUIRE(dev != NULL, "tensor on a NULL device");
     size_t numel = mgpu__tensor_numel(shape, "a new tensor");
-    mgpu_tensor *t = (mgpu_tensor *)mgpu__xcalloc(1, sizeof *t);
+    mgpu_tensor *t = mgpu__header_new();
     t->shape = shape;
     t->numel = numel;
     t->device = dev;
@@ -2763,23 +2829,30 @@ MGPU_DEF mgpu_tensor *mgpu_empty_pinned(mgpu_shape shape) {
 
 MGPU_DEF void mgpu_free(mgpu_tensor *t) {
     if (!t) return;
+    char sh[64];
+    MGPU_REQUIRE(t->alive, "mgpu_free: a tensor of shape %s freed a second time",
+                 mgpu_shape_str(t->shape, sh, sizeof sh));
+    MGPU_REQUIRE(!t->owner, "mgpu_free: a tensor of shape %s that belongs to %s; do not free it",
+                 mgpu_shape_str(t->shape, sh, sizeof sh), t->owner);
     if (t->block) mgpu__block_release(t->device, t->block, t->pinned, t->last_read);
     else mgpu_event_free(t->last_read);
     mgpu_event_free(t->last_write); /* covered by last_read, which waited for it */
-    free(t);
+    mgpu__header_free(t);
 }
 
 MGPU_DEF mgpu_tensor *mgpu_view(const mgpu_tensor *t, mgpu_shape shape) {
     char a[64], b[64];
+    mgpu__require_alive(t, "mgpu_view");
     MGPU_REQUIRE(mgpu__tensor_numel(shape, "mgpu_view") == t->numel, "cannot view a tensor of shape %s as %s",
                  mgpu_shape_str(t->shape, a, sizeof a), mgpu_shape_str(shape, b, sizeof b));
-    mgpu_tensor *v = (mgpu_tensor *)mgpu__xcalloc(1, sizeof *v);
+    mgpu_tensor *v = mgpu__header_new();
     v->data = t->data;
     v->shape = shape;
     v->numel = t->numel;
     v->device = t->device;
     v->pinned = t->pinned;
     v->base = t->base ? t->base : (mgpu_tensor *)t;
+    v->base_frees = v->base->frees;
     return v;
 }
 
@@ -2792,6 +2865,7 @@ MGPU_DEF mgpu_tensor *mgpu_ensure(mgpu_tensor **slot, mgpu_device *dev, mgpu_sha
 
 MGPU_DEF mgpu_tensor *mgpu_narrow(const mgpu_tensor *t, int start, int length) {
     char a[64];
+    mgpu__require_alive(t, "mgpu_narrow");
     MGPU_REQUIRE(start >= 0 && length >= 0 && (long long)start + length <= t->shape.d[0],
                  "mgpu_narrow: cannot take rows %d..%lld of a tensor of shape %s", start, (long long)start + length,
                  mgpu_shape_str(t->shape, a, sizeof a));
@@ -2816,6 +2890,7 @@ static void mgpu__tensor_track(mgpu_tensor *t, mgpu_event *copy_done) {
 
 /* Before an operation on its own device writes t: wait for copies still using it. */
 static void mgpu__before_write(mgpu_tensor *t) {
+    mgpu__require_alive(t, "an operation writing a tensor");
     if (t->base) t = t->base;
     if (!t->last_read) return;
     mgpu__event_wait_on(&t->device->queue[0], t->last_read);
@@ -2824,6 +2899,7 @@ static void mgpu__before_write(mgpu_tensor *t) {
 }
 
 static void mgpu__require_device(const mgpu_tensor *t, const mgpu_device *dev, const char *op) {
+    mgpu__require_alive(t, op);
     MGPU_REQUIRE(t->device == dev, "%s: a tensor on %s is used with one on %s; copy it first with mgpu_to",
                  op, t->device->name, dev->name);
 }
@@ -3020,6 +3096,8 @@ static void mgpu__memcpy_cuda(const void *args, const mgpu__exec *ex) {
    handed out as dst), or, given dst_free, for that event only: the caller
    knows when the last work reading dst ends (mgpu__scatter). */
 static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking, mgpu_event *dst_free) {
+    mgpu__require_alive(dst, "mgpu_copy");
+    mgpu__require_alive(src, "mgpu_copy");
     mgpu__require_same_shape(dst, src, "mgpu_copy");
     mgpu__require_apart(dst, src, "mgpu_copy", 1);
     mgpu_device *from = src->device, *to = dst->device;
@@ -3106,6 +3184,7 @@ MGPU_DEF mgpu_tensor *mgpu_from_host(mgpu_device *dev, mgpu_shape shape, const f
 }
 
 MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
+    mgpu__require_alive(t, "mgpu_to_host");
     /* A non-blocking copy into pinned memory is tracked on the tensor, not
        waited for by the CPU device's queues: wait for it here. */
     const mgpu_tensor *b = t->base ? t->base : t;
@@ -3122,6 +3201,7 @@ MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
 }
 
 MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
+    mgpu__require_alive(t, "mgpu_item");
     MGPU_REQUIRE(i < t->numel, "mgpu_item: index %zu out of range for %zu elements", i, t->numel);
     mgpu_tensor *one = mgpu_view(t, t->shape); /* then narrowed to value i (past INT_MAX too) */
     one->shape = mgpu_shape1(1);
@@ -3135,6 +3215,7 @@ MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
 
 /* Prints like PyTorch: tensor([[0., 1.], [2., 3.]], device='cuda:0') */
 MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
+    mgpu__require_alive(t, "mgpu_print");
     float *v = (float *)mgpu__xmalloc(t->numel * sizeof(float));
     mgpu_to_host(t, v);
     if (label) printf("%s", label);
@@ -3768,6 +3849,13 @@ static void mgpu__loader_shuffle(int *order, int n, uint64_t seed, int epoch) {
     }
 }
 
+/* The batches' tensors are the loader's: mgpu_free refuses them. */
+#define MGPU__LOADERS_OWN "its loader (a batch of mgpu_loader_next)"
+static void mgpu__loader_free_own(mgpu_tensor *t) {
+    if (t) t->owner = NULL;
+    mgpu_free(t);
+}
+
 /* Batches of an epoch of n samples: with drop_last, whole ones only. */
 static int mgpu__loader_batches(int n, int batch_size, int drop_last) {
     return (int)(drop_last ? n / batch_size : ((long long)n + batch_size - 1) / batch_size);
@@ -3851,6 +3939,7 @@ MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int
     for (int s = 0; s < MGPU__LOADER_RING; s++) {
         l->x[s] = mgpu_empty_pinned(mgpu_shape4(l->capacity, 1, d->rows, d->cols));
         l->y[s] = mgpu_empty_pinned(mgpu_shape1(l->capacity));
+        l->x[s]->owner = l->y[s]->owner = MGPU__LOADERS_OWN;
     }
     MGPU__PTHREAD_CHECK(pthread_mutex_init(&l->mutex, NULL));
     MGPU__PTHREAD_CHECK(pthread_cond_init(&l->changed, NULL));
@@ -3862,8 +3951,8 @@ MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int
    views of a short last batch go with it (copies from them are covered by
    the fence). */
 static void mgpu__loader_release_held(mgpu_loader *l) {
-    mgpu_free(l->short_x);
-    mgpu_free(l->short_y);
+    mgpu__loader_free_own(l->short_x);
+    mgpu__loader_free_own(l->short_y);
     l->short_x = l->short_y = NULL;
     if (l->handed == l->released) return;
     mgpu__loader_fence_record(&l->fence[(l->handed - 1) % MGPU__LOADER_RING]);
@@ -3905,6 +3994,7 @@ MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out) {
     if (out->n < l->capacity) {
         out->x = l->short_x = mgpu_narrow(l->x[slot], 0, out->n);
         out->y = l->short_y = mgpu_narrow(l->y[slot], 0, out->n);
+        l->short_x->owner = l->short_y->owner = MGPU__LOADERS_OWN;
     }
     return 1;
 }
@@ -3933,8 +4023,8 @@ MGPU_DEF void mgpu_loader_free(mgpu_loader *l) {
     for (int s = 0; s < MGPU__LOADER_RING; s++) {
         mgpu__loader_fence_wait(&l->fence[s]);
         for (int i = 0; i < l->fence[s].n; i++) mgpu_event_free(l->fence[s].events[i]);
-        mgpu_free(l->x[s]);
-        mgpu_free(l->y[s]);
+        mgpu__loader_free_own(l->x[s]);
+        mgpu__loader_free_own(l->y[s]);
     }
     pthread_mutex_destroy(&l->mutex);
     pthread_cond_destroy(&l->changed);

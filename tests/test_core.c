@@ -265,6 +265,43 @@ TEST(views_and_narrow_share_memory) {
 /* mgpu_shape is a plain struct: a shape a program fills itself is checked
    like the constructors' (mgpu_shape4 ...), and one of more values than
    memory can count is refused, not wrapped round to a few bytes. */
+/* A tensor's life: freeing it twice, and using it or a view of it after
+   mgpu_free, are one-line errors naming the call and the shape, not a
+   crash or another tensor's values (the memory freed is given out again:
+   the new tensor below takes it). */
+static void use_after_free(int what) {
+    mgpu_device *cpu = mgpu_cpu();
+    mgpu_tensor *t = mgpu_zeros(cpu, mgpu_shape2(3, 4)), *v = mgpu_view(t, mgpu_shape1(12));
+    mgpu_tensor *y = mgpu_empty(cpu, mgpu_shape2(3, 4));
+    mgpu_free(t);
+    mgpu_tensor *other = mgpu_full(cpu, mgpu_shape1(12), 7.0f); /* (in t's memory) */
+    if (what == 0) mgpu_free(t);
+    if (what == 1) mgpu_print("v = ", v);
+    if (what == 2) mgpu_item(t, 0);
+    if (what == 3) mgpu_relu_forward(y, t);
+    if (what == 4) mgpu_relu_forward(other, v);
+    if (what == 5) mgpu_free(v), mgpu_free(v);
+    if (what == 6) mgpu_free(mgpu_narrow(v, 0, 2));
+    mgpu_free(other);
+}
+TEST(tensors_used_after_mgpu_free_are_one_line_errors) {
+    EXPECT_DIES(use_after_free(0), "mgpu: error: mgpu_free: a tensor of shape [3, 4] freed a second time\n");
+    EXPECT_DIES(use_after_free(1), "mgpu: error: mgpu_print: a view (shape [12]) of a tensor that mgpu_free has "
+                                   "freed since the view was taken\n");
+    EXPECT_DIES(use_after_free(2), "mgpu: error: mgpu_item: a tensor of shape [3, 4] used after mgpu_free freed it\n");
+    EXPECT_DIES(use_after_free(3), "mgpu: error: mgpu_relu_forward: a tensor of shape [3, 4] used after mgpu_free "
+                                   "freed it\n");
+    EXPECT_DIES(use_after_free(4), "mgpu: error: mgpu_relu_forward: a view (shape [12]) of a tensor that mgpu_free "
+                                   "has freed since the view was taken\n");
+    EXPECT_DIES(use_after_free(5), "mgpu: error: mgpu_free: a tensor of shape [12] freed a second time\n");
+    EXPECT_DIES(use_after_free(6), "mgpu: error: mgpu_narrow: a view (shape [12]) of a tensor that mgpu_free has freed");
+    /* and a view still alive with its tensor works */
+    mgpu_tensor *t = mgpu_full(mgpu_cpu(), mgpu_shape2(3, 4), 2.0f), *v = mgpu_view(t, mgpu_shape1(12));
+    CHECK(mgpu_item(v, 11) == 2.0f);
+    mgpu_free(v);
+    mgpu_free(t);
+}
+
 TEST(shapes_that_no_tensor_can_have_are_refused) {
     mgpu_tensor *x = mgpu_zeros(mgpu_cpu(), mgpu_shape1(4));
     mgpu_shape seven = {7, {1, 1, 1, 1}}, negative = {2, {-2, -2, 1, 1}}, none = {0, {1, 1, 1, 1}};

@@ -686,6 +686,22 @@ TEST(fashion_mnist_lookup) {
     EXPECT_DIES(mgpu_dataset_load_fashion_mnist(folder, &train, NULL), want);
 }
 
+/* A batch belongs to its loader: freeing it, whole or the short last
+   one, is a one-line error (its thread would fill freed memory). */
+static void free_a_batch(int last) {
+    mgpu_dataset *d = indexed_dataset(10);
+    mgpu_loader *l = mgpu_loader_new(d, 4, 0, 0);
+    mgpu_loader_start_epoch(l, 0);
+    mgpu_batch b;
+    for (int k = 0; k <= 2 * last; k++) mgpu_loader_next(l, &b);
+    mgpu_free(b.y);
+}
+TEST(batches_are_the_loaders_to_free) {
+    EXPECT_DIES(free_a_batch(0), "mgpu: error: mgpu_free: a tensor of shape [4] that belongs to its loader (a batch "
+                                 "of mgpu_loader_next); do not free it\n");
+    EXPECT_DIES(free_a_batch(1), "mgpu_free: a tensor of shape [2] that belongs to its loader");
+}
+
 TEST(loader_misuse) {
     mgpu_dataset *d = indexed_dataset(10);
     mgpu_loader *l = mgpu_loader_new(d, 4, 1, 0);
