@@ -185,7 +185,17 @@
    draws one lane per device queue, so overlap can be seen. The summary
    is a profile: per operation name, how often it ran, its total and mean
    time and its share of all traced time, the largest first. On a GPU the
-   times come from CUDA events around each operation.
+   times come from CUDA events around each operation. A program reads
+   what was recorded (ending the trace if it is still on) as data:
+       int mgpu_trace_count(void)              operations recorded
+       mgpu_trace_op mgpu_trace_get(int i)     the i-th: device, lane (0
+                      compute, 1 copy), queue and operation names, start
+                      and end in ms since mgpu_trace_begin
+       double mgpu_trace_span_ms(void)         mgpu_trace_begin to _end
+       double mgpu_trace_busy_ms(device, lane) the time that queue was
+                      busy: the union of its operations' intervals
+   so that, for instance, the queues busy on average are the sum of
+   mgpu_trace_busy_ms over the queues over mgpu_trace_span_ms().
 
    8. Settings
    -----------
@@ -461,6 +471,17 @@ MGPU_DEF void mgpu_trace_begin(void);
 MGPU_DEF void mgpu_trace_end(void);  /* synchronises all devices */
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title);
 MGPU_DEF void mgpu_trace_summary(FILE *f);
+typedef struct mgpu_trace_op {
+    const mgpu_device *device;
+    int lane;               /* 0: the compute queue, 1: the copy queue */
+    const char *queue;      /* "cpu#1 compute" */
+    const char *name;       /* the operation: "conv2d im2col", "copy", ... */
+    double start_ms, end_ms;/* since mgpu_trace_begin */
+} mgpu_trace_op;
+MGPU_DEF int mgpu_trace_count(void);
+MGPU_DEF mgpu_trace_op mgpu_trace_get(int i);
+MGPU_DEF double mgpu_trace_span_ms(void);
+MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane);
 
 /* ---------------------------------------------------------------------------
    DATA. Fashion-MNIST in memory, and batches prepared ahead
@@ -1529,7 +1550,8 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_print
      Tracing
          defines: mgpu_trace_begin, mgpu_trace_end, mgpu_trace_write_png,
-         mgpu_trace_summary
+         mgpu_trace_summary, mgpu_trace_count, mgpu_trace_get,
+         mgpu_trace_span_ms, mgpu_trace_busy_ms
      Command-line flags
          defines: mgpu_options_parse, mgpu_out_path
      Data
@@ -3395,6 +3417,54 @@ MGPU_DEF void mgpu_trace_summary(FILE *f) {
     free(totals);
 }
 
+MGPU_DEF int mgpu_trace_count(void) {
+    mgpu__init();
+    if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
+    return mgpu__library.trace_n;
+}
+MGPU_DEF mgpu_trace_op mgpu_trace_get(int i) {
+    int n = mgpu_trace_count();
+    MGPU_REQUIRE(i >= 0 && i < n, "mgpu_trace_get: operation %d of %d recorded", i, n);
+    const mgpu__trace_record *r = &mgpu__library.trace[i];
+    const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
+    mgpu_trace_op op = {d, r->queue_id % 2, d->queue[r->queue_id % 2].name, r->name, 0, 0};
+    mgpu__trace_times(r, &op.start_ms, &op.end_ms);
+    return op;
+}
+MGPU_DEF double mgpu_trace_span_ms(void) {
+    mgpu_trace_count();
+    return 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start);
+}
+static int mgpu__interval_cmp(const void *a, const void *b) {
+    const double *x = (const double *)a, *y = (const double *)b;
+    return (x[0] > y[0]) - (x[0] < y[0]);
+}
+MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane) {
+    MGPU_REQUIRE(d && (lane == 0 || lane == 1), "mgpu_trace_busy_ms: want a device and lane 0 (compute) or 1 (copy)");
+    int n = mgpu_trace_count(), count = 0;
+    double *interval = (double *)mgpu__xmalloc(2 * sizeof(double) * (size_t)(n + 1)); /* (start, end) pairs */
+    for (int i = 0; i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        if (op.device != d || op.lane != lane) continue;
+        interval[2 * count] = op.start_ms;
+        interval[2 * count + 1] = op.end_ms;
+        count++;
+    }
+    qsort(interval, (size_t)count, 2 * sizeof(double), mgpu__interval_cmp);
+    double busy = 0, start = 0, end = -HUGE_VAL; /* the run of overlapping intervals so far */
+    for (int i = 0; i < count; i++) {
+        if (interval[2 * i] > end) { /* a gap: the run so far is done */
+            if (end > start) busy += end - start;
+            start = interval[2 * i];
+            end = interval[2 * i + 1];
+        } else if (interval[2 * i + 1] > end) {
+            end = interval[2 * i + 1];
+        }
+    }
+    if (count && end > start) busy += end - start;
+    free(interval);
+    return busy;
+}
 
 /* ======================================================================
    Command-line flags

@@ -569,6 +569,46 @@ TEST(tracer_records_overlapping_work_on_two_devices) {
     unlink(path);
 }
 
+/* The trace as data: each operation's device, queue, name and times,
+   and each queue's busy time. Device 0 sleeps 40 ms twice, device 1 60
+   ms once, at the same time: device 0's compute queue is busy for the
+   two sleeps (its operations run one after the other), its copy queue
+   not at all, and more than one queue is busy on average. */
+TEST(trace_data_gives_each_operation_and_each_queues_busy_time) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    mgpu_trace_begin();
+    enqueue_sleep(d[0], 40);
+    enqueue_sleep(d[0], 40);
+    enqueue_sleep(d[1], 60);
+    int n = mgpu_trace_count(); /* (ends the trace) */
+    double sleeps[2] = {0, 0}, last_end = 0;
+    int found[2] = {0, 0};
+    for (int i = 0; i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        last_end = fmax(last_end, op.end_ms);
+        CHECK(op.start_ms >= 0 && op.end_ms >= op.start_ms);
+        if (strcmp(op.name, "sleep") != 0) continue;
+        int which = op.device == d[0] ? 0 : 1;
+        CHECK(op.device == d[which] && op.lane == 0);
+        CHECK(strcmp(op.queue, which ? "cpu#1 compute" : "cpu compute") == 0);
+        CHECK(op.end_ms - op.start_ms >= (which ? 59.0 : 39.0));
+        sleeps[which] += op.end_ms - op.start_ms;
+        found[which]++;
+    }
+    CHECK(found[0] == 2 && found[1] == 1);
+    CHECK_CLOSE(mgpu_trace_busy_ms(d[0], 0), sleeps[0], 1e-9, 1e-9);
+    CHECK_CLOSE(mgpu_trace_busy_ms(d[1], 0), sleeps[1], 1e-9, 1e-9);
+    CHECK(mgpu_trace_busy_ms(d[0], 1) == 0.0);
+    double span = mgpu_trace_span_ms();
+    CHECK(span >= last_end);
+    double busy_queues = (mgpu_trace_busy_ms(d[0], 0) + mgpu_trace_busy_ms(d[1], 0)) / span;
+    printf("  queues busy on average: %.2f\n", busy_queues);
+    CHECK(busy_queues > 1.1 && busy_queues <= 2.0);
+    EXPECT_DIES(mgpu_trace_get(n), "mgpu_trace_get: operation");
+    EXPECT_DIES(mgpu_trace_busy_ms(d[0], 2), "mgpu_trace_busy_ms: want a device and lane 0 (compute) or 1 (copy)");
+}
+
 /* The summary adds the bars up by name: two sleeps of 60 ms and one of 20. */
 TEST(trace_summary_totals_time_by_operation) {
     mgpu_device *d[2];
