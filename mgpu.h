@@ -1321,7 +1321,15 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    the library's operations (mgpu_narrow, mgpu_to, mgpu_copy, mgpu_add_,
    ...), which order themselves after the backward pass that produced the
    bucket. mgpu_data_parallel_algorithm then says name. MGPU_DP_ALLREDUCE
-   mode only, before the first step. */
+   mode only, before the first step.
+       void mgpu_data_parallel_check_replicas(dp, 1);   or MGPU_CHECK_REPLICAS=1
+   a debugging aid: after every step of MGPU_DP_ALLREDUCE mode, each
+   replica's parameters are compared, by a checksum of their bits, with
+   device 0's, and the first that differs stops the program with a line
+   naming the step, the parameter, its layer and the two devices. A
+   reduction that does nothing, or sums on some devices only, lets the
+   replicas drift apart and train on different models without any other
+   sign. It reads every parameter back every step: slow, for debugging. */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -1339,6 +1347,7 @@ MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket
 typedef void (*mgpu_allreduce_fn)(mgpu_tensor **data, int n);
 MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allreduce_fn fn,
                                                const char *name);
+MGPU_DEF void mgpu_data_parallel_check_replicas(mgpu_data_parallel *dp, int on);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------------------
@@ -1590,7 +1599,8 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_net_load
      Data parallelism
          defines: mgpu_data_parallel_new, mgpu_data_parallel_configure,
-         mgpu_data_parallel_use_allreduce, mgpu_data_parallel_module,
+         mgpu_data_parallel_use_allreduce, mgpu_data_parallel_check_replicas,
+         mgpu_data_parallel_module,
          mgpu_data_parallel_replica, mgpu_data_parallel_algorithm,
          mgpu_data_parallel_step, mgpu_data_parallel_take_stats,
          mgpu_data_parallel_free
@@ -7941,6 +7951,8 @@ struct mgpu_data_parallel {
     int *bucket_last_layer;                /* the bucket is complete once backward reaches it */
     mgpu_tensor *(*bucket)[MGPU_MAX_DEVICES];  /* [bucket][device] */
     mgpu_tensor *(*scratch)[MGPU_MAX_DEVICES];
+    int check_replicas; /* compare the replicas after each step (mgpu_data_parallel_check_replicas) */
+    long steps;
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -7973,7 +7985,48 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
     dp->bucket_bytes = 25u << 20;
     dp->overlap = 1;
     dp->reduce = 1;
+    const char *check = getenv("MGPU_CHECK_REPLICAS");
+    MGPU_REQUIRE(!check || !*check || strcmp(check, "0") == 0 || strcmp(check, "1") == 0,
+                 "MGPU_CHECK_REPLICAS=%s: want 1 (compare the replicas after each step) or 0", check);
+    dp->check_replicas = check && strcmp(check, "1") == 0;
     return dp;
+}
+
+MGPU_DEF void mgpu_data_parallel_check_replicas(mgpu_data_parallel *dp, int on) {
+    MGPU_REQUIRE(on == 0 || on == 1, "mgpu_data_parallel_check_replicas: %d; want 1 (on) or 0 (off)", on);
+    dp->check_replicas = on;
+}
+
+/* A tensor's values, hashed on the host (the replicas' check). */
+static uint64_t mgpu__values_checksum(const mgpu_tensor *t) {
+    float *values = (float *)mgpu__xmalloc(t->numel * sizeof(float));
+    mgpu_to_host(t, values);
+    uint64_t h = mgpu__fnv1a(MGPU__FNV_OFFSET, values, t->numel * sizeof(float));
+    free(values);
+    return h;
+}
+/* In MGPU_DP_ALLREDUCE mode, after a step: every replica's parameters
+   must be device 0's, bit for bit (each took the same update from the
+   same reduced gradients). The first that differs stops the program.
+   (In MGPU_DP_GATHER mode the replicas are copies of device 0's at each
+   step's start: nothing to drift.) */
+static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
+    if (!dp->check_replicas || dp->mode != MGPU_DP_ALLREDUCE) return;
+    const mgpu_net *module = dp->replicas[0];
+    for (int p = 0; p < module->nparams; p++) {
+        uint64_t want = mgpu__values_checksum(module->params[p]->value);
+        for (int i = 1; i < dp->n; i++) {
+            if (mgpu__values_checksum(dp->replicas[i]->params[p]->value) == want) continue;
+            int l = 0;
+            while (l + 1 < module->nlayers && module->first_param[l + 1] <= p) l++;
+            char sh[64];
+            mgpu_fatal("mgpu_data_parallel_step: after step %ld the replicas differ: parameter %d (of layer %s, "
+                       "shape %s) on %s is not the same as on %s; is the gradients' allreduce right? "
+                       "(MGPU_CHECK_REPLICAS)", dp->steps, p, module->layers[l]->name,
+                       mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh), dp->devices[i]->name,
+                       dp->devices[0]->name);
+        }
+    }
 }
 
 MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket_bytes,
@@ -8221,6 +8274,8 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
         mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay);
     mgpu__dp_shards_used(dp);
     dp->module_changes = dp->replicas[0]->changes; /* (this step's SGD: every replica took it) */
+    dp->steps++;
+    mgpu__dp_check_replicas(dp);
 }
 
 MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,

@@ -1412,6 +1412,49 @@ TEST(an_allreduce_of_ones_own_trains_like_the_librarys) {
 #endif
 }
 
+/* The replicas' check (mgpu_data_parallel_check_replicas, or
+   MGPU_CHECK_REPLICAS=1): silent with the library's reduction and with a
+   student's ring, and one line naming the step, a parameter, its layer
+   and the devices with a reduction that does nothing (each replica then
+   steps with its own gradients). */
+#if !TEST_ON_GPU
+static void does_nothing(mgpu_tensor **data, int n) {
+    (void)data;
+    (void)n;
+}
+#endif
+static void train_checked(mgpu_allreduce_fn yours, int by_environment) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    if (by_environment) setenv("MGPU_CHECK_REPLICAS", "1", 1);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    unsetenv("MGPU_CHECK_REPLICAS");
+    if (!by_environment) mgpu_data_parallel_check_replicas(dp, 1);
+    if (yours) mgpu_data_parallel_use_allreduce(dp, yours, "yours");
+    train_steps(dp, 3);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+TEST(replica_check_catches_a_reduction_that_does_nothing) {
+    int before = test__failures;
+    train_checked(NULL, 0);
+    train_checked(students_ring, 1);
+    CHECK(test__failures == before);
+#if !TEST_ON_GPU /* (a forked child cannot use the GPUs) */
+    EXPECT_DIES(train_checked(does_nothing, 0),
+                "mgpu_data_parallel_step: after step 1 the replicas differ: parameter 0 (of layer conv0, shape ");
+    EXPECT_DIES(train_checked(does_nothing, 1), "is not the same as on");
+    setenv("MGPU_CHECK_REPLICAS", "yes", 1);
+    mgpu_device *d[1];
+    mgpu_devices(1, TEST_ON_GPU, d);
+    mgpu_net *net = small_net(d[0], 1);
+    EXPECT_DIES(mgpu_data_parallel_new(net, d, 1, MGPU_DP_ALLREDUCE), "MGPU_CHECK_REPLICAS=yes: want 1");
+    unsetenv("MGPU_CHECK_REPLICAS");
+    mgpu_net_free(net);
+#endif
+}
+
 /* Between steps the caller may load a checkpoint into the module, or
    write its values: the next step copies them to the other replicas
    first, so that they stay the same (the step's reduction alone would
