@@ -1240,6 +1240,36 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net);
 /* Counts, on the net's device, the rows of logits whose argmax is the label,
    over a whole data set in evaluation mode; returns the accuracy. */
 MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size);
+/* Gradient check, as torch.autograd.gradcheck, for a whole network or a
+   layer alone (a network of that one layer: mgpu_net_new, then
+   mgpu_net_add_layer or mgpu_net_add_*):
+       mgpu_gradcheck_result r = mgpu_net_gradcheck(net, x, max_values, stdout);
+   The loss is L = sum_i p_i y_i over the network's output y for x, with
+   fixed random weights p (so that every output counts). The backward
+   pass gives dL/dx and dL/d(each parameter); central differences give
+   the same slopes, (L(v + h) - L(v - h)) / 2h for a value v, L summed in
+   double, with h = 1e-2 max(1, |v|) (float32 values: a smaller step
+   drowns in rounding), and at h / 4, combined as (16 s(h / 4) - s(h)) /
+   15 (Richardson's extrapolation: the h^2 part of the error cancels).
+   They must agree within 1e-3 + 1e-2 |slope| plus what float32's
+   rounding of the outputs does to the differences (8 epsilons of
+   sum |p_i y_i|, over h, times 5). A ReLU's kink (or a max's) within h of
+   a value bends the line there, and the slopes at h and h / 4 disagree
+   by more than that: the check then steps by h / 4, if that agrees with
+   h / 16. Of
+   each tensor, max_values values are tried (all of them if it has no
+   more), spread evenly. A value whose slopes disagree at every step is
+   not judged, but counted as near a kink and named in the report. The report (NULL: none) gets a line for each value that
+   failed or sat near a kink and a last line with the counts. It runs the
+   network in its mode, so in training mode batch norm's running
+   statistics move with each forward pass; the parameters and x are left
+   as they were. */
+typedef struct mgpu_gradcheck_result {
+    int checked, failed, near_kinks; /* values judged, beyond the tolerance, not judged */
+    double worst;                    /* the largest error over its tolerance (<= 1: passed) */
+} mgpu_gradcheck_result;
+MGPU_DEF mgpu_gradcheck_result mgpu_net_gradcheck(mgpu_net *net, const mgpu_tensor *x, int max_values,
+                                                  FILE *report);
 /* The book's evaluate_accuracy_gpu for any model: the fraction of a data
    set that forward(model, x) classifies right, running on dev, in batches
    of batch_size in the data set's order. forward returns the logits. */
@@ -7541,6 +7571,126 @@ MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
     for (int i = 0; i < net->nparams; i++) net->step_values[i] = net->params[i]->grad;
     mgpu__zero_tensors(net->step_values, net->nparams);
+}
+
+/* ---- gradient check (mgpu_net_gradcheck) ---- */
+/* L = sum of p_i y_i for the net's output y on x, in double; and in
+   *size (if given) the sum of |p_i y_i|, the scale of L's rounding. */
+static double mgpu__gradcheck_loss(mgpu_net *net, const mgpu_tensor *x, const float *p, double *size) {
+    const mgpu_tensor *y = mgpu_net_forward(net, x);
+    float *v = (float *)mgpu__xmalloc(y->numel * sizeof(float));
+    mgpu_to_host(y, v);
+    double loss = 0, magnitude = 0;
+    for (size_t i = 0; i < y->numel; i++) {
+        loss += (double)p[i] * v[i];
+        magnitude += fabs((double)p[i] * v[i]);
+    }
+    free(v);
+    if (size) *size = magnitude;
+    return loss;
+}
+/* Sets value i of t (on its device) to v. */
+static void mgpu__set_value(mgpu_tensor *t, size_t i, float v) {
+    mgpu_tensor *one = mgpu_view(t, t->shape);
+    one->shape = mgpu_shape1(1);
+    one->numel = 1;
+    one->data += i;
+    mgpu_tensor *src = mgpu_from_host(t->device, one->shape, &v);
+    mgpu_copy(one, src, 0);
+    mgpu_free(src);
+    mgpu_free(one);
+}
+/* The central difference of L in value i of t, step h. */
+static double mgpu__gradcheck_slope(mgpu_net *net, const mgpu_tensor *x, const float *p, mgpu_tensor *t, size_t i,
+                                    float v, float h) {
+    mgpu__set_value(t, i, v + h);
+    double up = mgpu__gradcheck_loss(net, x, p, NULL);
+    mgpu__set_value(t, i, v - h);
+    double down = mgpu__gradcheck_loss(net, x, p, NULL);
+    mgpu__set_value(t, i, v);
+    return (up - down) / (2.0 * (double)h);
+}
+MGPU_DEF mgpu_gradcheck_result mgpu_net_gradcheck(mgpu_net *net, const mgpu_tensor *x, int max_values, FILE *report) {
+    MGPU_REQUIRE(net && x && net->nlayers > 0 && max_values >= 1,
+                 "mgpu_net_gradcheck: want a network with layers, an input and max_values >= 1");
+    mgpu__require_device(x, net->device, "mgpu_net_gradcheck");
+    mgpu_gradcheck_result r = {0, 0, 0, 0.0};
+    mgpu_tensor *x_moved = mgpu_to(x, net->device, 0); /* (the copy whose values move) */
+    /* p: fixed draws of a small generator of its own (the library's stays where it was) */
+    const mgpu_tensor *y = mgpu_net_forward(net, x_moved);
+    float *p = (float *)mgpu__xmalloc(y->numel * sizeof(float));
+    uint64_t state = 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; i < y->numel; i++) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (float)((double)(state >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+    }
+    /* the backward pass's slopes: dx (the first layer's input gradient, asked for here) and the parameters' */
+    mgpu_layer *first = net->layers[0];
+    int wanted_dx = first->need_dinput;
+    first->need_dinput = 1;
+    mgpu_tensor *dy = mgpu_from_host(net->device, y->shape, p);
+    mgpu_net_zero_grad(net);
+    double size; /* the float outputs' rounding moves L by some float epsilons of it */
+    mgpu__gradcheck_loss(net, x_moved, p, &size);
+    mgpu_net_backward(net, dy);
+    int ntensors = 1 + net->nparams;
+    for (int k = 0; k < ntensors; k++) {
+        mgpu_tensor *t = k == 0 ? x_moved : net->params[k - 1]->value;
+        const mgpu_tensor *grad = k == 0 ? first->dinput : net->params[k - 1]->grad;
+        float *values = (float *)mgpu__xmalloc(t->numel * sizeof(float));
+        float *slopes = (float *)mgpu__xmalloc(t->numel * sizeof(float));
+        mgpu_to_host(t, values);
+        mgpu_to_host(grad, slopes);
+        size_t tries = t->numel < (size_t)max_values ? t->numel : (size_t)max_values;
+        for (size_t j = 0; j < tries; j++) {
+            size_t i = tries > 1 ? j * (t->numel - 1) / (tries - 1) : 0;
+            /* the step: h, or where the slopes at h and h / 4 disagree (a kink
+               within h), h / 4 if it agrees with h / 16 */
+            float v = values[i], h = 1e-2f * fmaxf(1.0f, fabsf(v));
+            double numeric = mgpu__gradcheck_slope(net, x_moved, p, t, i, v, h), allowed = 0, finer = 0;
+            int smooth = 0;
+            for (int tries_left = 2; tries_left > 0 && !smooth; tries_left--) {
+                double rounding = 8 * FLT_EPSILON * size / h; /* (four times it at h / 4) */
+                allowed = 1e-3 + 1e-2 * fabs(numeric) + 5 * rounding;
+                finer = mgpu__gradcheck_slope(net, x_moved, p, t, i, v, h / 4);
+                smooth = fabs(numeric - finer) <= allowed;
+                if (!smooth && tries_left > 1) h /= 4, numeric = finer;
+            }
+            /* Richardson's extrapolation: a central difference errs by c h^2 + ...,
+               so (16 s(h / 4) - s(h)) / 15 leaves out the h^2 term */
+            if (smooth) numeric = (16 * finer - numeric) / 15;
+            char what[96];
+            int l = 0;
+            while (k > 0 && l + 1 < net->nlayers && net->first_param[l + 1] <= k - 1) l++;
+            if (k == 0) snprintf(what, sizeof what, "value %zu of the input x", i);
+            else snprintf(what, sizeof what, "value %zu of parameter %d (of layer %s)", i, k - 1, net->layers[l]->name);
+            if (!smooth) { /* the line bends within h / 4 too: a kink */
+                r.near_kinks++;
+                if (report)
+                    fprintf(report, "gradcheck: %s: near a kink (slopes %.6g at step %g, %.6g at %g): not judged\n",
+                            what, numeric, h, finer, h / 4);
+                continue;
+            }
+            double error = fabs(slopes[i] - numeric) / allowed;
+            r.checked++;
+            if (error > r.worst) r.worst = error;
+            if (error <= 1.0) continue;
+            r.failed++;
+            if (report)
+                fprintf(report, "gradcheck: %s: backward gives %.6g, central differences %.6g\n", what, slopes[i],
+                        numeric);
+        }
+        free(values);
+        free(slopes);
+    }
+    first->need_dinput = wanted_dx;
+    if (report)
+        fprintf(report, "gradcheck: %d values checked, %d failed, %d near a kink (worst error %.3g of its tolerance)\n",
+                r.checked, r.failed, r.near_kinks, r.worst);
+    free(p);
+    mgpu_free(dy);
+    mgpu_free(x_moved);
+    return r;
 }
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
 

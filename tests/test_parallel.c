@@ -741,6 +741,67 @@ static void own_linear_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dwe
 static const mgpu_layer_fns own_linear = {"own_linear", own_linear_shape, own_linear_forward,
                                           own_linear_backward, 0};
 
+/* mgpu_net_gradcheck: a built network (every kind of layer) and a layer
+   of one's own alone pass it; a layer whose backward is wrong fails it,
+   each wrong value named; inputs sitting on a ReLU's kink are set apart,
+   not failed. */
+static void wrong_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    own_relu_backward(l, dx, dweight, dbias, dy, x, y);
+    mgpu_scale_(dx, 1.1f); /* 10% too steep */
+}
+static const mgpu_layer_fns wrong_relu = {"wrong_relu", NULL, own_relu_forward, wrong_backward, 0};
+TEST(gradcheck_judges_networks_and_layers) {
+    mgpu_device *d = test_device();
+    mgpu_tensor *x, *y;
+    batch(0, 4, &x, &y); /* [4, 1, 8, 8] */
+    mgpu_manual_seed(9);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 4, 3, 1, 1);
+    mgpu_net_add_batchnorm(net, 4);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_residual(net, 4, 6, 2); /* [4, 6, 2, 2] */
+    mgpu_net_add_linear(net, 24, 10);
+    scale_weights(net);
+    mgpu_gradcheck_result r = mgpu_net_gradcheck(net, x, 6, stdout);
+    int tried = 6; /* (of x, then of each parameter: 6, or fewer where it has fewer values) */
+    for (int i = 0; i < net->nparams; i++) tried += (int)fmin(6, (double)net->params[i]->value->numel);
+    CHECK_EQ_INT(r.checked + r.near_kinks, tried);
+    CHECK(r.failed == 0 && r.worst <= 1.0 && r.near_kinks <= tried / 10);
+    mgpu_net_free(net);
+    /* a layer alone: one's own ReLU, then the same with a wrong backward */
+    mgpu_tensor *away = mgpu_randn(d, mgpu_shape2(3, 5), 0.0f, 1.0f); /* (then moved off the kink) */
+    float v[15];
+    mgpu_to_host(away, v);
+    for (int i = 0; i < 15; i++) v[i] += v[i] > 0 ? 0.1f : -0.1f;
+    mgpu_free(away);
+    away = mgpu_from_host(d, mgpu_shape2(3, 5), v);
+    int positive = 0; /* (where the wrong backward is wrong) */
+    for (int i = 0; i < 15; i++) positive += v[i] > 0;
+    for (int wrong = 0; wrong <= 1; wrong++) {
+        mgpu_net *alone = mgpu_net_new(d);
+        mgpu_net_add_layer(alone, wrong ? &wrong_relu : &own_relu, NULL, NULL, NULL);
+        r = mgpu_net_gradcheck(alone, away, 100, stdout);
+        CHECK_EQ_INT(r.checked, 15);
+        CHECK_EQ_INT(r.near_kinks, 0);
+        CHECK_EQ_INT(r.failed, wrong ? positive : 0);
+        CHECK(wrong ? r.worst > 5.0 : r.worst <= 1.0);
+        mgpu_net_free(alone);
+    }
+    /* one input on the kink (0.001, within the step of 0.01 of 0): set apart */
+    v[4] = 0.001f;
+    mgpu_tensor *kinked = mgpu_from_host(d, mgpu_shape2(3, 5), v);
+    mgpu_net *alone = mgpu_net_new(d);
+    mgpu_net_add_layer(alone, &own_relu, NULL, NULL, NULL);
+    r = mgpu_net_gradcheck(alone, kinked, 100, stdout);
+    CHECK(r.checked == 14 && r.near_kinks == 1 && r.failed == 0);
+    mgpu_net_free(alone);
+    mgpu_free(kinked);
+    mgpu_free(away);
+    mgpu_free(x);
+    mgpu_free(y);
+}
+
 /* The layer whose pass is being enqueued, as a layer of one's own sees
    it (what the libraries' error lines name: mgpu__layer_enqueuing). */
 static char seen_forward[40], seen_backward[40];
