@@ -62,7 +62,11 @@
    kernels, so two devices work side by side rather than in turn
    (OPENBLAS_NUM_THREADS is overridden). The results of the library's own
    kernels do not depend on the number of threads: each thread takes
-   whole channels or rows.
+   whole channels or rows. A CPU device's copy queue is a thread too,
+   sharing the cores and the memory bandwidth with the compute: a copy
+   overlaps compute only where the compute leaves memory bandwidth to
+   spare (it is not memory-bound), and on a machine whose cores are all
+   busy, not at all. (A GPU's copies run on copy engines of their own.)
 
        const char *mgpu_device_name(const mgpu_device *d);   "cuda:0", "cpu#1"
        int mgpu_device_is_gpu(const mgpu_device *d);
@@ -134,6 +138,15 @@
    result before the copy is done. A blocking copy also makes the host
    wait for it; a non-blocking one returns at once (copy into pinned host
    memory for it to overlap compute on a GPU).
+
+   What the queues make safe. An operation enqueued after a copy that
+   writes the copy's source or destination waits for the copy to be done
+   with it: mgpu_copy(dst, src, 1); mgpu_fill(src, 0.0f); copies the old
+   values of src. Freeing a tensor right after enqueuing work on it is
+   safe too: its memory goes back to the device's cache, which gives it
+   out again only to work enqueued after that work (or after the copies
+   still reading it). A clone, a new tensor with t's values on t's device:
+       mgpu_tensor *c = mgpu_to(t, t->device, 0);
 
    5. Operations
    -------------
@@ -877,6 +890,14 @@ MGPU_DEF void mgpu_sgd_step(mgpu_tensor *param, const mgpu_tensor *grad,
    queue. mgpu_ring_allreduce makes each compute queue wait for the result,
    so the next operation on grads[i] sees the sum.
 
+   The order of the sums. Floating-point addition is not associative: the
+   book's allreduce adds ((g0 + g1) + g2) + ..., the ring adds each chunk
+   in ring order, NCCL in its own. With 2 devices every order gives the
+   same bits (a + b is b + a); with 3 or more, two correct allreduces
+   differ in the last bits, and over many training steps the difference
+   grows: two runs drift apart, each as right as the other. Compare them
+   with a tolerance, or on 2 devices.
+
    NCCL. Between distinct physical GPUs, NVIDIA's NCCL does the same job
    over NVLink or PCIe with tuned kernels. In one process:
        mgpu_nccl_comm *c = mgpu_nccl_init(devices, n);
@@ -967,7 +988,11 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        mgpu_net_add_linear(net, in_features, out_features)
    append a layer (each returns it: mgpu_layer, below) with its parameters
    made on the net's device. Conv and linear weights ~ Normal(0, 0.01),
-   their biases ~ Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (as below);
+   their biases ~ Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (as below;
+   fan_in, the inputs a weight's output sums over: a convolution's weight
+   is [K, C, R, S], fan_in C*R*S; a linear layer's is [in, out], as the
+   book's torch.mm(x, W) has it, fan_in = in = its shape.d[0], where
+   PyTorch's nn.Linear, [out, in], would have it in d[1]);
    batch norm gamma 1, beta 0. A convolution has a bias; a linear layer
    flattens an image batch it is given. A residual block is the book's
    Residual (ResNet-18's, below), with the 1x1 shortcut where the shape
@@ -1103,7 +1128,8 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    torch.optim.SGD: weight decay added to the gradient, then momentum).
        void mgpu_net_train_step(net, x, labels, lr, momentum, weight_decay, loss_sum_or_NULL)
    one SGD step on the mean cross-entropy; adds the batch's summed loss to
-   a one-element tensor ([1]) on the net's device when given one (read it once an
+   a one-element tensor ([1]) on the net's device when given one (an
+   argument on another device is an error that names it; read it once an
    epoch: reading it every step would make the host wait every step). The
    step's backward pass WRITES every gradient, so there is no zero_grad
    to run first (PyTorch's zero_grad(set_to_none=True) saves the same
@@ -7711,11 +7737,20 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     net->changes++; /* (a wrapper's own step then says that it made this change itself) */
 }
 
-/* A caller's loss_sum holds one value (or is NULL). */
-static void mgpu__require_loss_sum(const char *who, const mgpu_tensor *loss_sum) {
+/* A caller's argument `what` is alive and on the net's device: an error
+   names the argument and the caller, not an operation deep inside. */
+static void mgpu__require_net_argument(const char *who, const char *what, const mgpu_tensor *t, const mgpu_net *net) {
+    mgpu__require_alive(t, who);
+    MGPU_REQUIRE(t->device == net->device, "%s: %s is on %s, the network on %s; copy it first with mgpu_to", who,
+                 what, t->device->name, net->device->name);
+}
+/* A caller's loss_sum holds one value on the net's device (or is NULL). */
+static void mgpu__require_loss_sum(const char *who, const mgpu_tensor *loss_sum, const mgpu_net *net) {
     char s[64];
-    MGPU_REQUIRE(!loss_sum || loss_sum->numel == 1, "%s: loss_sum has shape %s; it must hold one value, [1]", who,
-                 loss_sum ? mgpu_shape_str(loss_sum->shape, s, sizeof s) : "");
+    if (!loss_sum) return;
+    mgpu__require_net_argument(who, "loss_sum", loss_sum, net);
+    MGPU_REQUIRE(loss_sum->numel == 1, "%s: loss_sum has shape %s; it must hold one value, [1]", who,
+                 mgpu_shape_str(loss_sum->shape, s, sizeof s));
 }
 /* The loss's gradient with respect to the logits (and the loss, added to
    loss_sum when given): where every backward pass starts. For messages:
@@ -7741,14 +7776,18 @@ MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      const mgpu_tensor *labels, float scale,
                                      mgpu_tensor *loss_sum) {
     mgpu__net_require_backward(net, "mgpu_net_loss_backward");
-    mgpu__require_loss_sum("mgpu_net_loss_backward", loss_sum);
+    mgpu__require_net_argument("mgpu_net_loss_backward", "logits", logits, net);
+    mgpu__require_net_argument("mgpu_net_loss_backward", "labels", labels, net);
+    mgpu__require_loss_sum("mgpu_net_loss_backward", loss_sum, net);
     mgpu_net_backward(net, mgpu__net_loss_grad(net, logits, labels, scale, loss_sum, "mgpu_net_loss_backward", 0));
 }
 
 MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgpu_tensor *labels,
                                   float lr, float momentum, float weight_decay,
                                   mgpu_tensor *loss_sum) {
-    mgpu__require_loss_sum("mgpu_net_train_step", loss_sum);
+    mgpu__require_net_argument("mgpu_net_train_step", "x", x, net);
+    mgpu__require_net_argument("mgpu_net_train_step", "labels", labels, net);
+    mgpu__require_loss_sum("mgpu_net_train_step", loss_sum, net);
     mgpu__require_sgd_settings("mgpu_net_train_step", lr, momentum, weight_decay);
     mgpu_tensor *logits = mgpu_net_forward(net, x);
     mgpu__net_require_backward(net, "mgpu_net_train_step");

@@ -302,6 +302,30 @@ TEST(tensors_used_after_mgpu_free_are_one_line_errors) {
     mgpu_free(t);
 }
 
+/* What the manual promises of the queues: a write to a copy's source
+   enqueued after the copy waits for it (the copy takes the old values),
+   freeing a tensor right after enqueuing work on it is safe, and
+   mgpu_to(t, t->device, 0) clones t. Between two CPU devices, with a
+   large tensor, so that the copy is still running when the fill is
+   enqueued. */
+TEST(writes_after_a_copy_and_frees_after_work_are_safe) {
+    mgpu_device *d[2];
+    mgpu_devices(2, 0, d);
+    enum { N = 1 << 22 };
+    mgpu_tensor *src = mgpu_full(d[0], mgpu_shape1(N), 3.0f), *dst = mgpu_empty(d[1], mgpu_shape1(N));
+    mgpu_copy(dst, src, 1);
+    mgpu_fill(src, 0.0f);
+    CHECK(mgpu_item(dst, N - 1) == 3.0f && mgpu_item(src, N - 1) == 0.0f);
+    mgpu_tensor *doomed = mgpu_full(d[0], mgpu_shape1(N), 5.0f), *sum = mgpu_zeros(d[0], mgpu_shape1(N));
+    mgpu_add_(sum, doomed);
+    mgpu_free(doomed);                                          /* (the add is still queued) */
+    mgpu_tensor *next = mgpu_full(d[0], mgpu_shape1(N), 7.0f); /* (may take doomed's memory) */
+    CHECK(mgpu_item(sum, N - 1) == 5.0f && mgpu_item(next, 0) == 7.0f);
+    mgpu_tensor *clone = mgpu_to(sum, sum->device, 0);
+    CHECK(clone->device == d[0] && clone->data != sum->data && mgpu_item(clone, 17) == 5.0f);
+    mgpu_free(src), mgpu_free(dst), mgpu_free(sum), mgpu_free(next), mgpu_free(clone);
+}
+
 TEST(shapes_that_no_tensor_can_have_are_refused) {
     mgpu_tensor *x = mgpu_zeros(mgpu_cpu(), mgpu_shape1(4));
     mgpu_shape seven = {7, {1, 1, 1, 1}}, negative = {2, {-2, -2, 1, 1}}, none = {0, {1, 1, 1, 1}};

@@ -595,6 +595,28 @@ TEST(a_built_network_has_the_gradient_of_its_loss) {
     mgpu_net_free(net);
 }
 
+/* A step's arguments on another device than the network's are named in
+   the error, with the step's function, not an operation inside it. */
+#if !TEST_ON_GPU
+TEST(train_step_names_its_misplaced_argument) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = small_net(devs[0], 1);
+    mgpu_tensor *x, *y, *elsewhere = mgpu_zeros(devs[1], mgpu_shape1(1));
+    batch(0, 4, &x, &y);
+    EXPECT_DIES(mgpu_net_train_step(net, x, y, 0.1f, 0, 0, elsewhere),
+                "mgpu: error: mgpu_net_train_step: loss_sum is on cpu#1, the network on cpu; copy it first with mgpu_to\n");
+    mgpu_tensor *y_elsewhere = mgpu_to(y, devs[1], 0);
+    EXPECT_DIES(mgpu_net_train_step(net, x, y_elsewhere, 0.1f, 0, 0, NULL),
+                "mgpu: error: mgpu_net_train_step: labels is on cpu#1, the network on cpu");
+    mgpu_free(y_elsewhere);
+    mgpu_free(elsewhere);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+}
+#endif
+
 /* A layer that cannot take what the one before gives is refused when it
    is added, with one line naming both. */
 #if !TEST_ON_GPU
