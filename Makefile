@@ -117,7 +117,7 @@ GPU_TESTS  := $(sort $(wildcard tests/gpu_*.c))
 chapter_number = $(shell echo $(notdir $(1)) | sed 's/^0*\([0-9]*\)_.*/\1/')
 CHAPTER_BINS := $(foreach c,$(CHAPTERS),chapter$(call chapter_number,$(c)))
 
-.PHONY: all deps test test-gpu test-asan bench data clean
+.PHONY: all deps test test-gpu test-asan bench data clean check-assignment
 
 all: $(CHAPTER_BINS)
 
@@ -270,7 +270,21 @@ TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
 test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
 	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
-	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh
+	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh \
+	  tests/assignments.sh
+
+# A student's solution of an assignment (docs/assignments.md), built with
+# its checker and run: make check-assignment NAME=ring FILE=student.c
+# (NAME: ring, layer or measure). The checker prints a pass or a fail per
+# test; the exit status says whether all passed.
+ASSIGNMENTS := $(patsubst tests/assignments/check_%.c,%,$(wildcard tests/assignments/check_*.c))
+check-assignment: $(DEPS_STAMP)
+	@if [ -z "$(filter $(ASSIGNMENTS),$(NAME))" ] || [ ! -f "$(FILE)" ]; then \
+	  echo "usage: make check-assignment NAME=<$(subst $(SPACE),|,$(ASSIGNMENTS))> FILE=<your .c file>" >&2; exit 2; fi
+	@mkdir -p $(BUILD)/assignments
+	@$(CC) $(CFLAGS_C) -O1 -I. -DSTUDENT_FILE='"$(abspath $(FILE))"' tests/assignments/check_$(NAME).c \
+	  -o $(BUILD)/assignments/check_$(NAME) $(LIBS)
+	@$(BUILD)/assignments/check_$(NAME)
 
 test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)

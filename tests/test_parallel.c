@@ -1433,30 +1433,10 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
     }
 }
 
-/* A student's ring allreduce (the "implement ring allreduce" assignment),
-   of the library's public operations: each vector cut into n chunks; in
-   n-1 steps device i adds its chunk i-s into device i+1's, after which
-   device i holds chunk i+1's sum; then n-1 steps pass the sums round. */
-static void students_ring(mgpu_tensor **data, int n) {
-    int numel = (int)data[0]->numel, chunk = (numel + n - 1) / n;
-    for (int phase = 0; phase < 2; phase++) /* reduce-scatter, then all-gather */
-        for (int s = 0; s < n - 1; s++)
-            for (int i = 0; i < n; i++) {
-                int to = (i + 1) % n, c = ((i - s + phase) % n + n) % n, start = c * chunk;
-                if (start >= numel) continue;
-                int length = numel - start < chunk ? numel - start : chunk;
-                mgpu_tensor *mine = mgpu_narrow(data[i], start, length);
-                mgpu_tensor *theirs = mgpu_narrow(data[to], start, length);
-                mgpu_tensor *sent = mgpu_to(mine, theirs->device, 1);
-                if (phase == 0)
-                    mgpu_add_(theirs, sent);
-                else
-                    mgpu_copy(theirs, sent, 1);
-                mgpu_free(sent);
-                mgpu_free(mine);
-                mgpu_free(theirs);
-            }
-}
+/* A student's ring allreduce: the ring assignment's reference solution
+   (docs/assignments.md), of the library's public operations. */
+#include "assignments/solutions/ring.c"
+#define students_ring ring_allreduce
 
 /* The wrapper trains with an allreduce of one's own as with its own: the
    student's ring and the book's allreduce, in buckets as they complete. */
