@@ -2853,17 +2853,15 @@ static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
 #define MGPU__FREED_HEADERS 4096
 static struct {
     pthread_mutex_t mutex;
-    mgpu_tensor **queue; /* freed headers, oldest first: a ring of MGPU__FREED_HEADERS + 1 */
+    mgpu_tensor **queue; /* the latest freed headers, oldest first: a ring of MGPU__FREED_HEADERS */
     int head, count;
-} mgpu__headers = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+    mgpu_tensor **ready; /* older ones, to be reused (a stack of ready_count, room for ready_room) */
+    size_t ready_count, ready_room;
+} mgpu__headers = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0, NULL, 0, 0};
 static mgpu_tensor *mgpu__header_new(void) {
     mgpu_tensor *t = NULL;
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__headers.mutex));
-    if (mgpu__headers.count == MGPU__FREED_HEADERS) { /* the oldest, MGPU__FREED_HEADERS frees ago */
-        t = mgpu__headers.queue[mgpu__headers.head];
-        mgpu__headers.head = (mgpu__headers.head + 1) % MGPU__FREED_HEADERS;
-        mgpu__headers.count--;
-    }
+    if (mgpu__headers.ready_count) t = mgpu__headers.ready[--mgpu__headers.ready_count];
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__headers.mutex));
     unsigned frees = t ? t->frees : 0;
     if (!t) t = (mgpu_tensor *)mgpu__xmalloc(sizeof *t);
@@ -2878,6 +2876,16 @@ static void mgpu__header_free(mgpu_tensor *t) {
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__headers.mutex));
     if (!mgpu__headers.queue)
         mgpu__headers.queue = (mgpu_tensor **)mgpu__xcalloc(MGPU__FREED_HEADERS, sizeof(mgpu_tensor *));
+    if (mgpu__headers.count == MGPU__FREED_HEADERS) { /* the oldest, MGPU__FREED_HEADERS frees ago, may go */
+        if (mgpu__headers.ready_count == mgpu__headers.ready_room) {
+            mgpu__headers.ready_room = mgpu__headers.ready_room ? 2 * mgpu__headers.ready_room : 1024;
+            mgpu__headers.ready = (mgpu_tensor **)mgpu__xrealloc(mgpu__headers.ready,
+                                                                 mgpu__headers.ready_room * sizeof(mgpu_tensor *));
+        }
+        mgpu__headers.ready[mgpu__headers.ready_count++] = mgpu__headers.queue[mgpu__headers.head];
+        mgpu__headers.head = (mgpu__headers.head + 1) % MGPU__FREED_HEADERS;
+        mgpu__headers.count--;
+    }
     mgpu__headers.queue[(mgpu__headers.head + mgpu__headers.count) % MGPU__FREED_HEADERS] = t;
     mgpu__headers.count++;
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__headers.mutex));
@@ -4609,7 +4617,7 @@ static cudnnHandle_t mgpu__cudnn_ready(mgpu_device *dev) {
 }
 /* Where a trial's cuDNN calls leave a refusal (mgpu__cudnn_args), or
    NULL: outside trials a refusal stops the program. */
-static cudnnStatus_t *mgpu__cudnn_trial_refusal;
+static __thread cudnnStatus_t *mgpu__cudnn_trial_refusal;
 /* out = (a pass by cuDNN's algorithm) + (add ? out : 0), and the bias b
    (the forward pass, where given); its workspace from dev's allocator.
    in_a and in_b: as mgpu__cudnn_args says. */
@@ -4960,13 +4968,13 @@ static int mgpu__conv_cudnn_candidates(mgpu_device *dev, mgpu__conv_try what, co
 /* Whether dx of geometry g may read the weights' turned channels-last
    copy (w'_t): at stride 1 (the direct kernel), and where the stride-2 dx kernel fits;
    the sub-pixel classes take their own taps. And whether kernel k, for
-   pass `what`, reads the weights' copy (Winograd and few inputs take the
-   weights as they are). */
+   pass `what`, reads the weights' copy (Winograd, few inputs and cuDNN
+   take the weights as they are). */
 static int mgpu__conv_dx_reads_turned_weights(const mgpu__conv_geom *g) {
     return g->stride == 1 || mgpu__conv_nhwc_stride2_dx_fits(g);
 }
 static int mgpu__conv_reads_weights_copy(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implicit_kernel k) {
-    if (k.method == MGPU__FEW_INPUTS || k.method == MGPU__WINOGRAD) return 0;
+    if (k.method == MGPU__FEW_INPUTS || k.method == MGPU__WINOGRAD || k.method == MGPU__CUDNN) return 0;
     return what != MGPU__TRY_DX || g->stride == 1 || k.method == MGPU__STRIDE2_DX;
 }
 
@@ -8210,10 +8218,11 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
             while (l + 1 < module->nlayers && module->first_param[l + 1] <= p) l++;
             char sh[64];
             mgpu_fatal("mgpu_data_parallel_step: after step %ld the replicas differ: parameter %d (of layer %s, "
-                       "shape %s) on %s is not the same as on %s; is the gradients' allreduce right? "
-                       "(MGPU_CHECK_REPLICAS)", dp->steps, p, module->layers[l]->name,
-                       mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh), dp->devices[i]->name,
-                       dp->devices[0]->name);
+                       "shape %s) on %s is not the same as on %s; %s (MGPU_CHECK_REPLICAS)", dp->steps, p,
+                       module->layers[l]->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
+                       dp->devices[i]->name, dp->devices[0]->name,
+                       dp->reduce ? "is the gradients' allreduce right?"
+                                  : "the reduction is off (mgpu_data_parallel_configure), so they drift apart");
         }
     }
 }

@@ -248,9 +248,9 @@ int main(int argc, char **argv) {
                     print_row(row, cc->count, pass == FWD ? "fwd" : pass == DX ? "dx" : "dW", flop, 0, us, tiles);
                 }
                 const mgpu__implicit_kernel untiled[] = { /* (one figure each) */
-                    {MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0},
-                    {MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0},
-                    {MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0}};
+                    mgpu__kernel_of(MGPU__WINOGRAD, MGPU__TILE_64x64, 1, 0),
+                    mgpu__kernel_of(MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0),
+                    mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0)};
                 const char *untiled_names[] = {"  Winograd", "  few inputs", "  channels-last stride-2 dx"};
                 for (int m = 0; m < 3; m++) {
                     if (!mgpu__conv_method_fits(untiled[m].method, tries[pass], &c.g)) continue;

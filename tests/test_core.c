@@ -302,6 +302,22 @@ TEST(tensors_used_after_mgpu_free_are_one_line_errors) {
     mgpu_free(t);
 }
 
+/* Past MGPU__FREED_HEADERS frees, the oldest freed headers are reused,
+   not piled up (nor lost: make test-asan's leak check), and a fresh
+   double free is still caught. */
+TEST(freed_tensor_headers_are_reused_after_the_queue_fills) {
+    mgpu_device *cpu = mgpu_cpu();
+    for (int i = 0; i < 3 * MGPU__FREED_HEADERS; i++) {
+        mgpu_tensor *a = mgpu_empty(cpu, mgpu_shape1(1)), *b = mgpu_empty(cpu, mgpu_shape1(1));
+        mgpu_free(a);
+        mgpu_free(b);
+    }
+    CHECK_EQ_INT(mgpu__headers.count, MGPU__FREED_HEADERS);
+    CHECK(mgpu__headers.ready_count <= 2); /* (taken again as fast as they come) */
+    EXPECT_DIES(mgpu_tensor *t = mgpu_empty(cpu, mgpu_shape1(3)); mgpu_free(t); mgpu_free(t),
+                "mgpu_free: a tensor of shape [3] freed a second time");
+}
+
 /* What the manual promises of the queues: a write to a copy's source
    enqueued after the copy waits for it (the copy takes the old values),
    freeing a tensor right after enqueuing work on it is safe, and

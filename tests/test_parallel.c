@@ -1500,10 +1500,8 @@ static void train_checked(mgpu_allreduce_fn yours, int by_environment) {
     mgpu_net_free(net);
 }
 TEST(replica_check_catches_a_reduction_that_does_nothing) {
-    int before = test__failures;
-    train_checked(NULL, 0);
+    train_checked(NULL, 0); /* (a false alarm would stop this program with its line) */
     train_checked(students_ring, 1);
-    CHECK(test__failures == before);
 #if !TEST_ON_GPU /* (a forked child cannot use the GPUs) */
     EXPECT_DIES(train_checked(does_nothing, 0),
                 "mgpu_data_parallel_step: after step 1 the replicas differ: parameter 0 (of layer conv0, shape ");
