@@ -206,7 +206,8 @@
                       and end in ms since mgpu_trace_begin
        double mgpu_trace_span_ms(void)         mgpu_trace_begin to _end
        double mgpu_trace_busy_ms(device, lane) the time that queue was
-                      busy: the union of its operations' intervals
+                      busy (it runs one operation at a time: the sum
+                      of their durations)
    so that, for instance, the queues busy on average are the sum of
    mgpu_trace_busy_ms over the queues over mgpu_trace_span_ms().
 
@@ -1282,10 +1283,10 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
    sum |p_i y_i|, over h, times 5). A ReLU's kink (or a max's) within h of
    a value bends the line there, and the slopes at h and h / 4 disagree
    by more than that: the check then steps by h / 4, if that agrees with
-   h / 16. Of
-   each tensor, max_values values are tried (all of them if it has no
-   more), spread evenly. A value whose slopes disagree at every step is
-   not judged, but counted as near a kink and named in the report. The report (NULL: none) gets a line for each value that
+   h / 16. A value whose slopes disagree at every step is not judged,
+   but counted as near a kink and named in the report. Of each tensor,
+   max_values values are tried (all of them if it has no more), spread
+   evenly. The report (NULL: none) gets a line for each value that
    failed or sat near a kink and a last line with the counts. It runs the
    network in its mode, so in training mode batch norm's running
    statistics move with each forward pass; the parameters and x are left
@@ -3296,13 +3297,19 @@ MGPU_DEF void mgpu_to_host(const mgpu_tensor *t, float *out) {
     memcpy(out, t->data, t->numel * sizeof(float));
 }
 
-MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
-    mgpu__require_alive(t, "mgpu_item");
-    MGPU_REQUIRE(i < t->numel, "mgpu_item: index %zu out of range for %zu elements", i, t->numel);
-    mgpu_tensor *one = mgpu_view(t, t->shape); /* then narrowed to value i (past INT_MAX too) */
+/* A view of value i of t alone, shape [1] (past INT_MAX too, where
+   mgpu_narrow's rows stop). */
+static mgpu_tensor *mgpu__value_view(const mgpu_tensor *t, size_t i) {
+    mgpu_tensor *one = mgpu_view(t, t->shape);
     one->shape = mgpu_shape1(1);
     one->numel = 1;
     one->data += i;
+    return one;
+}
+MGPU_DEF float mgpu_item(const mgpu_tensor *t, size_t i) {
+    mgpu__require_alive(t, "mgpu_item");
+    MGPU_REQUIRE(i < t->numel, "mgpu_item: index %zu out of range for %zu elements", i, t->numel);
+    mgpu_tensor *one = mgpu__value_view(t, i);
     float v;
     mgpu_to_host(one, &v);
     mgpu_free(one);
@@ -3509,34 +3516,15 @@ MGPU_DEF double mgpu_trace_span_ms(void) {
     mgpu_trace_count();
     return 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start);
 }
-static int mgpu__interval_cmp(const void *a, const void *b) {
-    const double *x = (const double *)a, *y = (const double *)b;
-    return (x[0] > y[0]) - (x[0] < y[0]);
-}
+/* A queue runs its operations one at a time: its busy time is the sum
+   of theirs. */
 MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane) {
     MGPU_REQUIRE(d && (lane == 0 || lane == 1), "mgpu_trace_busy_ms: want a device and lane 0 (compute) or 1 (copy)");
-    int n = mgpu_trace_count(), count = 0;
-    double *interval = (double *)mgpu__xmalloc(2 * sizeof(double) * (size_t)(n + 1)); /* (start, end) pairs */
-    for (int i = 0; i < n; i++) {
+    double busy = 0;
+    for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
         mgpu_trace_op op = mgpu_trace_get(i);
-        if (op.device != d || op.lane != lane) continue;
-        interval[2 * count] = op.start_ms;
-        interval[2 * count + 1] = op.end_ms;
-        count++;
+        if (op.device == d && op.lane == lane) busy += op.end_ms - op.start_ms;
     }
-    qsort(interval, (size_t)count, 2 * sizeof(double), mgpu__interval_cmp);
-    double busy = 0, start = 0, end = -HUGE_VAL; /* the run of overlapping intervals so far */
-    for (int i = 0; i < count; i++) {
-        if (interval[2 * i] > end) { /* a gap: the run so far is done */
-            if (end > start) busy += end - start;
-            start = interval[2 * i];
-            end = interval[2 * i + 1];
-        } else if (interval[2 * i + 1] > end) {
-            end = interval[2 * i + 1];
-        }
-    }
-    if (count && end > start) busy += end - start;
-    free(interval);
     return busy;
 }
 
@@ -4945,11 +4933,14 @@ static int mgpu__conv_candidates(mgpu__conv_try what, const mgpu__conv_geom *g, 
    MGPU__CUDNN_MAX_ALGORITHMS); returns how many (none without cuDNN). */
 #if MGPU_CUDNN
 #define MGPU__CUDNN_CANDIDATES MGPU__CUDNN_MAX_ALGORITHMS
+/* cuDNN's name for a trial's pass. */
+static mgpu__cudnn_pass mgpu__cudnn_pass_of(mgpu__conv_try what) {
+    return what == MGPU__TRY_Y ? MGPU__CUDNN_Y : what == MGPU__TRY_DX ? MGPU__CUDNN_DX : MGPU__CUDNN_DW;
+}
 static int mgpu__conv_cudnn_candidates(mgpu_device *dev, mgpu__conv_try what, const mgpu__conv_geom *g,
                                        mgpu__implicit_kernel *list) {
-    mgpu__cudnn_pass pass = what == MGPU__TRY_Y ? MGPU__CUDNN_Y : what == MGPU__TRY_DX ? MGPU__CUDNN_DX : MGPU__CUDNN_DW;
     mgpu__cudnn_algorithm algorithms[MGPU__CUDNN_MAX_ALGORITHMS];
-    int count = mgpu__cudnn_algorithms(mgpu__cudnn_ready(dev), pass, g, 1, algorithms);
+    int count = mgpu__cudnn_algorithms(mgpu__cudnn_ready(dev), mgpu__cudnn_pass_of(what), g, 1, algorithms);
     for (int i = 0; i < count; i++) {
         list[i] = mgpu__kernel_of(MGPU__CUDNN, MGPU__TILE_64x64, 1, 0);
         list[i].cudnn = algorithms[i];
@@ -5026,8 +5017,7 @@ static double mgpu__conv_im2col_ms(mgpu__conv_trial *t, mgpu__conv_try what) {
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k, mgpu__conv_try what) {
 #if MGPU_CUDNN
     if (k.method == MGPU__CUDNN) {
-        mgpu__cudnn_pass pass = what == MGPU__TRY_Y ? MGPU__CUDNN_Y : what == MGPU__TRY_DX ? MGPU__CUDNN_DX : MGPU__CUDNN_DW;
-        snprintf(out, size, "cuDNN %s%s", mgpu__cudnn_algorithm_name(pass, k.cudnn.algo),
+        snprintf(out, size, "cuDNN %s%s", mgpu__cudnn_algorithm_name(mgpu__cudnn_pass_of(what), k.cudnn.algo),
                  k.cudnn.math == CUDNN_FMA_MATH ? " (float32)" : "");
         return;
     }
@@ -7607,6 +7597,14 @@ MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net) {
     mgpu__zero_tensors(net->step_values, net->nparams);
 }
 
+/* The top-level layer whose parameters include parameter p (a block's,
+   for its parts'). */
+static const mgpu_layer *mgpu__param_layer(const mgpu_net *net, int p) {
+    int l = 0;
+    while (l + 1 < net->nlayers && net->first_param[l + 1] <= p) l++;
+    return net->layers[l];
+}
+
 /* ---- gradient check (mgpu_net_gradcheck) ---- */
 /* L = sum of p_i y_i for the net's output y on x, in double; and in
    *size (if given) the sum of |p_i y_i|, the scale of L's rounding. */
@@ -7625,10 +7623,7 @@ static double mgpu__gradcheck_loss(mgpu_net *net, const mgpu_tensor *x, const fl
 }
 /* Sets value i of t (on its device) to v. */
 static void mgpu__set_value(mgpu_tensor *t, size_t i, float v) {
-    mgpu_tensor *one = mgpu_view(t, t->shape);
-    one->shape = mgpu_shape1(1);
-    one->numel = 1;
-    one->data += i;
+    mgpu_tensor *one = mgpu__value_view(t, i);
     mgpu_tensor *src = mgpu_from_host(t->device, one->shape, &v);
     mgpu_copy(one, src, 0);
     mgpu_free(src);
@@ -7694,10 +7689,9 @@ MGPU_DEF mgpu_gradcheck_result mgpu_net_gradcheck(mgpu_net *net, const mgpu_tens
                so (16 s(h / 4) - s(h)) / 15 leaves out the h^2 term */
             if (smooth) numeric = (16 * finer - numeric) / 15;
             char what[96];
-            int l = 0;
-            while (k > 0 && l + 1 < net->nlayers && net->first_param[l + 1] <= k - 1) l++;
             if (k == 0) snprintf(what, sizeof what, "value %zu of the input x", i);
-            else snprintf(what, sizeof what, "value %zu of parameter %d (of layer %s)", i, k - 1, net->layers[l]->name);
+            else snprintf(what, sizeof what, "value %zu of parameter %d (of layer %s)", i, k - 1,
+                          mgpu__param_layer(net, k - 1)->name);
             if (!smooth) { /* the line bends within h / 4 too: a kink */
                 r.near_kinks++;
                 if (report)
@@ -8214,12 +8208,10 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
         uint64_t want = mgpu__values_checksum(module->params[p]->value);
         for (int i = 1; i < dp->n; i++) {
             if (mgpu__values_checksum(dp->replicas[i]->params[p]->value) == want) continue;
-            int l = 0;
-            while (l + 1 < module->nlayers && module->first_param[l + 1] <= p) l++;
             char sh[64];
             mgpu_fatal("mgpu_data_parallel_step: after step %ld the replicas differ: parameter %d (of layer %s, "
                        "shape %s) on %s is not the same as on %s; %s (MGPU_CHECK_REPLICAS)", dp->steps, p,
-                       module->layers[l]->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
+                       mgpu__param_layer(module, p)->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
                        dp->devices[i]->name, dp->devices[0]->name,
                        dp->reduce ? "is the gradients' allreduce right?"
                                   : "the reduction is off (mgpu_data_parallel_configure), so they drift apart");
