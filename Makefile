@@ -13,7 +13,7 @@
 # there are some and on the CPU otherwise. Without nvcc, gcc builds the CPU
 # backend alone. Variables you may set: CUDA_HOME, NCCL_HOME, CUDA_ARCHS,
 # NVCC, CC, MGPU_DATA, USE_CUDA=0 (force the CPU-only build), CUDNN_HOME,
-# USE_CUDNN=0, USE_OPENMP=0, USE_ONEDNN=0 (below).
+# USE_CUDNN=0, USE_OPENMP=0, USE_ONEDNN=0, USE_MPI=0 (below).
 
 CC         ?= gcc
 CUDA_HOME  ?= /usr/local/cuda
@@ -66,13 +66,20 @@ BLAS_DIR   = $(if $(WITH_OPENMP),$(OPENBLAS_OPENMP))
 WITH_ONEDNN = $(if $(filter 0,$(USE_ONEDNN)),,$(if $(WITH_OPENMP),$(shell test -e /usr/include/oneapi/dnnl/dnnl.h && echo yes)))
 ONEDNN     = $(if $(WITH_ONEDNN),-DMGPU_ONEDNN=1)
 ONEDNN_LIB = $(if $(WITH_ONEDNN),-ldnnl)
+# MPI (Open MPI: Debian's libopenmpi-dev and openmpi-bin, which `make deps`
+# installs when run as root): processes as a group, for chapter 4 (mgpu.h's
+# DISTRIBUTED section). Found by asking mpicc for its flags; without it a
+# program is a group of one. USE_MPI=0 leaves it out.
+WITH_MPI   = $(if $(filter 0,$(USE_MPI)),,$(shell mpicc --showme:compile >/dev/null 2>&1 && echo yes))
+MPI_FLAGS  = $(if $(WITH_MPI),-DMGPU_MPI=1 $(shell mpicc --showme:compile))
+MPI_LIBS   = $(if $(WITH_MPI),$(shell mpicc --showme:link))
 # The CPU kernels' vector instructions: AVX2 and FMA where this machine
 # has them (the programs run where they are built). -ffp-contract=off: a *
 # b + c stays two roundings, as the code says, FMA or not; fmaf becomes
 # one instruction instead of a call.
 CPU_ARCH   := $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && echo y),-mavx2 -mfma -ffp-contract=off)
-CFLAGS_C   = -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g $(OPENMP) $(ONEDNN) $(CPU_ARCH)
-LIBS       = $(if $(BLAS_DIR),-L$(BLAS_DIR) -Wl$(COMMA)-rpath$(COMMA)$(BLAS_DIR)) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
+CFLAGS_C   = -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O3 -g $(OPENMP) $(ONEDNN) $(MPI_FLAGS) $(CPU_ARCH)
+LIBS       = $(if $(BLAS_DIR),-L$(BLAS_DIR) -Wl$(COMMA)-rpath$(COMMA)$(BLAS_DIR)) $(ONEDNN_LIB) $(MPI_LIBS) -lopenblas -lstb -lz -lpthread -lm
 COMMA      := ,
 SPACE      := $(subst ,, )
 ASAN       := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -90,17 +97,17 @@ SASS_ARCH   = $(if $(filter 90,$(1)),90a,$(1))
 GENCODE    := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(call SASS_ARCH,$(a)),code=sm_$(call SASS_ARCH,$(a))) \
               -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 NVFLAGS     = -x cu -std=c++17 -O3 -g $(GENCODE) -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP))$(subst $(SPACE),,$(foreach f,$(CPU_ARCH),$(COMMA)$(f))) -D_GNU_SOURCE $(ONEDNN) \
-              $(CUDNN) -I$(NCCL_HOME)/include
+              $(CUDNN) $(MPI_FLAGS) -I$(NCCL_HOME)/include
 LAST_ARCH  := $(lastword $(CUDA_ARCHS))
 NVFLAGS_CHECK = -x cu -std=c++17 -O0 \
               -gencode=arch=compute_$(call SASS_ARCH,$(LAST_ARCH)),code=sm_$(call SASS_ARCH,$(LAST_ARCH)) \
-              -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) $(CUDNN) -I$(NCCL_HOME)/include
+              -Xcompiler -Wall,-Wextra$(if $(OPENMP),$(COMMA)$(OPENMP)) -D_GNU_SOURCE $(ONEDNN) $(CUDNN) $(MPI_FLAGS) -I$(NCCL_HOME)/include
 # pip's NCCL ships libnccl.so.2 without the libnccl.so link -lnccl looks for
 NCCL_LIB   := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib64/libnccl.so),-lnccl,-l:libnccl.so.2)
 CUDA_LIBS   = -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 \
               -Xlinker -rpath,$(CUDA_HOME)/lib64 -Xlinker -rpath,$(NCCL_HOME)/lib \
               $(if $(BLAS_DIR),-L$(BLAS_DIR) -Xlinker -rpath$(COMMA)$(BLAS_DIR)) \
-              -lcublas $(CUDNN_LIB) $(NCCL_LIB) -lcudart $(if $(OPENMP),-lgomp) $(ONEDNN_LIB) -lopenblas -lstb -lz -lpthread -lm
+              -lcublas $(CUDNN_LIB) $(NCCL_LIB) -lcudart $(if $(OPENMP),-lgomp) $(ONEDNN_LIB) $(MPI_LIBS) -lopenblas -lstb -lz -lpthread -lm
 
 ifeq ($(HAVE_NVCC),1)
 COMPILE    = $(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
@@ -126,9 +133,9 @@ all: $(CHAPTER_BINS)
 # a copy outside /usr found through CPATH and LIBRARY_PATH counts (as on
 # the GPU machine, which has no package registry: bench/gpu_session.sh).
 # Missing ones are installed with apt-get when running as root; otherwise
-# the command is printed. (OpenMPI joins this list with the chapter that
-# uses it.) The optional ones (OpenBLAS for OpenMP and oneDNN, above) are installed
-# when running as root, and skipped when they cannot be.
+# the command is printed. The optional ones (OpenBLAS for OpenMP, oneDNN
+# and Open MPI, above) are installed when running as root, and skipped
+# when they cannot be.
 DEPS_STAMP := $(BUILD)/deps.ok
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
@@ -157,6 +164,11 @@ $(DEPS_STAMP):
 	@if [ ! -e /usr/include/oneapi/dnnl/dnnl.h ] && [ "$$(id -u)" = 0 ] && [ "$(USE_ONEDNN)" != 0 ]; then \
 	    echo "installing: libdnnl-dev (optional: oneDNN's convolutions on CPU devices)"; \
 	    apt-get install -y libdnnl-dev >/dev/null 2>&1 || echo "  not installed: the CPU convolutions take im2col"; \
+	  fi
+	@if ! mpicc --showme:compile >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && [ "$(USE_MPI)" != 0 ]; then \
+	    echo "installing: openmpi-bin libopenmpi-dev (optional: chapter 4's processes)"; \
+	    apt-get install -y openmpi-bin libopenmpi-dev >/dev/null 2>&1 || \
+	      echo "  not installed: every program is a group of one process"; \
 	  fi
 	@touch $@
 
@@ -198,6 +210,13 @@ $(BUILD)/cuda-check/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $
 
 CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 
+# The distributed tests run under mpirun (tests/dist.sh), and once built
+# without MPI, to see that mpirun starting such a program is an error.
+DIST_TEST_BINS := $(BUILD)/tests/dist_tests $(BUILD)/nompi/dist_tests
+$(BUILD)/nompi/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(subst -DMGPU_MPI=1,-DMGPU_MPI=0,$(CFLAGS_C)) -O1 -I. $< -o $@ $(LIBS)
+
 # The layers' tests once more as a program built by hand would be: no
 # OpenMP, no oneDNN, the default OpenBLAS (the convolutions by im2col).
 PLAIN_TEST_BINS := $(BUILD)/plain/test_layers
@@ -231,7 +250,7 @@ $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tes
 # cuDNN is emulated too; the whole models' tests run once more without it,
 # as a GPU build where cuDNN is not found would.
 EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS)) $(BUILD)/emu-no-cudnn/gpu_fixtures
-EMU_BUILD     = $(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) -include tests/cuda_emu.h \
+EMU_BUILD     = $(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) $(MPI_FLAGS) -include tests/cuda_emu.h \
 	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
 $(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
@@ -268,10 +287,10 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 # benchmark programs built above: the checked CUDA builds, or the CPU ones.
 TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
-test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
+test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) $(DIST_TEST_BINS)
 	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
 	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh \
-	  tests/assignments.sh
+	  tests/assignments.sh tests/dist.sh
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c

@@ -14,7 +14,9 @@
    the implementation includes them (each kernel file holds the CPU
    reference of its operations beside their CUDA versions).
    Link with: -lopenblas -lstb -lz -lpthread -lm, and with nvcc also
-   -lcublas -lnccl. (The tests also build the CUDA path with g++ on
+   -lcublas -lnccl. For processes that work as a group (the DISTRIBUTED
+   section), add -DMGPU_MPI=1 and MPI's flags (mpicc --showme:compile and
+   --showme:link). (The tests also build the CUDA path with g++ on
    emulated GPUs, MGPU_CUDA_EMU: see tests/cuda_emu.h.)
 
    ======================================================================
@@ -178,6 +180,8 @@
      NETWORKS         layers with parameters, ResNet-18, save and load,
                       evaluate_accuracy
      DATA PARALLELISM the DataParallel-style wrapper, gradient buckets
+     DISTRIBUTED      processes as a group (MPI), their collectives and
+                      faults, the DistributedDataParallel-style wrapper
      DRAWING          canvas, line charts, the Animator, timelines (PNG)
    Every operation runs on the queue of the device its tensors are on, and
    every tensor it touches must be on that device (copy with mgpu_to).
@@ -277,6 +281,11 @@
 #endif
 #ifndef MGPU_CUDNN
 #define MGPU_CUDNN 0
+#endif
+/* MPI between processes (the DISTRIBUTED section): the Makefile sets
+   MGPU_MPI=1 where mpi.h is found. */
+#ifndef MGPU_MPI
+#define MGPU_MPI 0
 #endif
 
 #if defined(__CUDACC__) || defined(MGPU_CUDA_EMU) /* emulated: tests/cuda_emu.h */
@@ -1408,6 +1417,133 @@ MGPU_DEF void mgpu_data_parallel_check_replicas(mgpu_data_parallel *dp, int on);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------------------
+   DISTRIBUTED. One process per device, on one machine or several (MPI)
+   ---------------------------------------------------------------------------
+   Chapters 1 to 3 run every device inside one process. A real trainer runs
+   one process per device (PyTorch's DistributedDataParallel), started by
+   a launcher on one machine or many:
+       mpirun -np 4 ./chapter4                     4 processes here
+       mpirun -H a:2,b:2 ./chapter4                2 on host a, 2 on host b
+       srun -N 2 --ntasks-per-node=2 ./chapter4    under Slurm
+   The processes are a group (mgpu_group); each is a rank, 0 .. size-1.
+   Built without MPI (the Makefile adds it where mpi.h is found), or
+   started without a launcher, a program is a group of one, and every
+   call below works (a collective of one rank changes nothing).
+
+       mgpu_group *world = mgpu_dist_init(&argc, &argv);
+       int rank = mgpu_group_rank(world), size = mgpu_group_size(world);
+       mgpu_device *dev = mgpu_group_device(world, use_gpu);
+       ...
+       mgpu_dist_finalize(world);
+
+   mgpu_dist_init starts MPI when a launcher started the program (it sees
+   Open MPI's, PMI's, PMIx's or Slurm's variables), and returns the world
+   group. The local rank, the process's place among those on its machine,
+   comes from MPI_Comm_split_type(MPI_COMM_TYPE_SHARED).
+   mgpu_group_device gives each process its device: GPU local_rank %
+   gpus where the machine has GPUs (use_gpu 1), else the CPU, whose cores
+   the processes on one machine share (each takes cores / local_size of
+   them, as mgpu_devices shares them between CPU devices).
+   mgpu_group_first(world, n) is the group of ranks 0 .. n-1 (NULL on the
+   others), to run the same work on fewer processes (chapter 4's scaling
+   table); mgpu_group_free frees such a group.
+
+   Collectives. Every rank of the group calls the same collectives in the
+   same order, each with a tensor on its own device:
+       mgpu_group_allreduce(g, t, MGPU_SUM or MGPU_MEAN)  every rank gets the sum
+                                            (or the mean) of every rank's t
+       mgpu_group_broadcast(g, t, root)     every rank gets root's t
+       mgpu_group_all_gather(g, in, out)    out = in of rank 0, rank 1, ... in a row
+       mgpu_group_reduce_scatter(g, in, out, op)  out = chunk `rank` of the
+                                            sum of the in's (in: size * out's elements)
+       mgpu_group_send(g, t, to)  mgpu_group_recv(g, t, from)  one rank to another
+       mgpu_group_barrier(g)                waits for every rank
+   They run on the device's communication queue, ordered like chapter 3's
+   collectives: each starts when the compute queue has produced t, and
+   the compute queue waits for its result, so the next operation on t
+   sees it. mgpu_group_allreduce_start(g, t, op) leaves out that last
+   wait (chapter 3's mgpu_allreduce_start): mgpu_comm_wait(&dev, 1) adds it.
+   Each returns, and mgpu_group_path(g, dev) says, the way the data went:
+     "mpi"           MPI between CPU processes, straight from the tensors;
+     "mpi via host"  GPU tensors copied to host memory, through MPI, and
+                     back: the way between processes that share a GPU;
+     "none"          a group of one.
+   The allreduce is a reduce-scatter then an all-gather, as the ring of
+   chapter 3: rank r receives chunk r of every rank's vector, adds them in
+   rank order (0, 1, 2, ...) and sends the sum to every rank. So every
+   rank gets the same bits, whatever the network did, and the replicas of
+   a distributed model never drift apart.
+   For numbers on the host (losses, counts, checksums):
+       mgpu_group_sum_host(g, values, n)            values[i] summed over the ranks, in place
+       mgpu_group_all_gather_host(g, mine, n, all)  all[r * n + i] = rank r's mine[i]
+
+   Faults. A distributed job must end, not hang, when something is wrong:
+   - Before each collective the ranks compare what they are about to do
+     (its number in the group's sequence, kind, length and root). A rank
+     that calls something else (a bug: one rank skipped a step) stops the
+     job with one line naming both calls and the ranks.
+   - A rank that waits longer than MGPU_DIST_TIMEOUT seconds (default
+     120) for the others stops the job with one line naming the
+     collective it was in.
+   - A rank that dies (killed, or an error: every error line starts with
+     "rank r:") makes the launcher stop the others; each says which
+     collective it was in, and mpirun names the rank that died.
+
+   Data parallelism across processes (PyTorch's DistributedDataParallel):
+       mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
+   wraps net (on this rank's device) like mgpu_data_parallel_new, with one
+   replica a process. At construction the ranks check that they built
+   the same network (the shapes of its parameters and buffers; a rank
+   that differs is named), rank 0's parameters and buffers are broadcast,
+   and a checksum of every rank's values is compared. Then
+   mgpu_data_parallel_step(ddp, X, y, ...) takes this rank's share of the
+   global batch: the gradients are averaged over the ranks in buckets,
+   from the last layer back, each bucket's allreduce running while the
+   backward pass of the earlier layers goes on (chapter 3's buckets and
+   mgpu_data_parallel_configure), and every rank takes the same SGD step.
+   Batch norm uses each process's own statistics, and rank 0's running
+   statistics are broadcast to the others at the start of each step (as
+   DDP's broadcast_buffers). mgpu_data_parallel_take_stats gives this
+   rank's numbers: add them up with mgpu_group_sum_host.
+       mgpu_data_parallel_accumulate(dp, X, y)
+   is DDP's no_sync, in both wrappers: forward and backward, the
+   gradients added up and not reduced, no step. k - 1 of these and then
+   mgpu_data_parallel_step take one step on the k batches together: the
+   gradient of the mean loss over all their rows, with one reduction.
+       double acc = mgpu_dist_evaluate_accuracy(g, net, test, batch_size);
+   each rank evaluates its own contiguous part of the data set (no image
+   twice, none left out, unlike a padded sampler) and the counts are added. */
+typedef struct mgpu_group mgpu_group;
+typedef enum { MGPU_SUM, MGPU_MEAN } mgpu_reduce_op;
+MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv);
+MGPU_DEF void mgpu_dist_finalize(mgpu_group *world);
+MGPU_DEF int mgpu_group_rank(const mgpu_group *g);
+MGPU_DEF int mgpu_group_size(const mgpu_group *g);
+MGPU_DEF int mgpu_group_local_rank(const mgpu_group *g);
+MGPU_DEF int mgpu_group_local_size(const mgpu_group *g);
+MGPU_DEF const char *mgpu_group_host(const mgpu_group *g);
+MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu);
+MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n);
+MGPU_DEF void mgpu_group_free(mgpu_group *g);
+MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev);
+MGPU_DEF const char *mgpu_group_allreduce(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op);
+MGPU_DEF const char *mgpu_group_allreduce_start(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op);
+MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root);
+MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out);
+MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out,
+                                        mgpu_reduce_op op);
+MGPU_DEF void mgpu_group_send(mgpu_group *g, const mgpu_tensor *t, int to);
+MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from);
+MGPU_DEF void mgpu_group_barrier(mgpu_group *g);
+MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n);
+MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const double *mine, int n, double *all);
+MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g);
+MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_tensor *X,
+                                            const mgpu_tensor *y);
+MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
+                                            int batch_size);
+
+/* ---------------------------------------------------------------------------
    DRAWING. Plots: PNG pictures of curves and device timelines
    ---------------------------------------------------------------------------
    The chapters show what happened as pictures: accuracy and loss curves
@@ -1659,8 +1795,18 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_data_parallel_use_allreduce, mgpu_data_parallel_check_replicas,
          mgpu_data_parallel_module,
          mgpu_data_parallel_replica, mgpu_data_parallel_algorithm,
-         mgpu_data_parallel_step, mgpu_data_parallel_take_stats,
-         mgpu_data_parallel_free
+         mgpu_data_parallel_step, mgpu_data_parallel_accumulate,
+         mgpu_data_parallel_take_stats, mgpu_data_parallel_free
+     Distributed: process groups over MPI
+         defines: mgpu_dist_init, mgpu_dist_finalize, mgpu_group_rank,
+         mgpu_group_size, mgpu_group_local_rank, mgpu_group_local_size,
+         mgpu_group_host, mgpu_group_device, mgpu_group_first,
+         mgpu_group_free, mgpu_group_path, mgpu_group_allreduce,
+         mgpu_group_allreduce_start, mgpu_group_broadcast,
+         mgpu_group_all_gather, mgpu_group_reduce_scatter, mgpu_group_send,
+         mgpu_group_recv, mgpu_group_barrier, mgpu_group_sum_host,
+         mgpu_group_all_gather_host, mgpu_distributed_data_parallel_new,
+         mgpu_dist_evaluate_accuracy
      Plots
          defines: mgpu_palette, mgpu_canvas_new, mgpu_canvas_free,
          mgpu_canvas_fill_rect, mgpu_canvas_line, mgpu_text_width,
@@ -1676,6 +1822,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -1686,6 +1833,11 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #include <unistd.h>
 #include <sys/stat.h>
 #include <cblas.h>
+#if MGPU_MPI
+#define OMPI_SKIP_MPICXX 1 /* C's interface alone, also where this is C++ */
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
 #ifndef CLOCK_MONOTONIC /* a system header came first, without POSIX */
 #error "mgpu.h: in the file that defines MGPU_IMPLEMENTATION, include mgpu.h before any system header, or compile with -D_GNU_SOURCE"
 #endif
@@ -1702,6 +1854,9 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------- errors */
+/* "rank 2: " in a process of a distributed job, so that its errors say
+   whose they are; else empty. */
+static char mgpu__error_prefix[32];
 MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
     /* One line, written whole, by the first thread that fails: two devices'
        workers failing at once (the same bug in each replica) would
@@ -1711,7 +1866,7 @@ MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *
     if (__atomic_exchange_n(&failing, 1, __ATOMIC_SEQ_CST))
         for (;;) pause();
     char text[2048];
-    int at = snprintf(text, sizeof text, "mgpu: error: ");
+    int at = snprintf(text, sizeof text, "mgpu: error: %s", mgpu__error_prefix);
     if (file) at += snprintf(text + at, sizeof text - at, "%s:%d: ", file, line);
     vsnprintf(text + at, sizeof text - at, fmt, ap);
     fflush(stdout);
@@ -7914,8 +8069,9 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
 }
 
 /* -------------------------------------------------------- evaluation */
-MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgpu_device *dev,
-                                       const mgpu_dataset *data, int batch_size) {
+/* The number of samples of data that forward classifies right. */
+static double mgpu__count_correct(mgpu_forward_fn forward, void *model, mgpu_device *dev,
+                                  const mgpu_dataset *data, int batch_size) {
     mgpu_loader *loader = mgpu_loader_new(data, batch_size, 0, 0);
     mgpu_loader_start_epoch(loader, 0);
     mgpu_tensor *correct = mgpu_zeros(dev, mgpu_shape1(1));
@@ -7929,23 +8085,31 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
         mgpu_free(x);
         mgpu_free(y);
     }
-    double accuracy = mgpu_item(correct, 0) / (double)data->n;
+    double right = mgpu_item(correct, 0);
     mgpu_free(correct);
     mgpu_free(count);
     mgpu_loader_free(loader);
-    return accuracy;
+    return right;
+}
+MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgpu_device *dev,
+                                       const mgpu_dataset *data, int batch_size) {
+    return mgpu__count_correct(forward, model, dev, data, batch_size) / (double)data->n;
 }
 
 static mgpu_tensor *mgpu__net_forward_fn(void *net, const mgpu_tensor *x) {
     return mgpu_net_forward((mgpu_net *)net, x);
 }
 
-MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
+/* The net's right answers over data, in evaluation mode. */
+static double mgpu__net_count_correct(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
     int was_training = net->training;
     net->training = 0;
-    double accuracy = mgpu_evaluate_accuracy(mgpu__net_forward_fn, net, net->device, data, batch_size);
+    double right = mgpu__count_correct(mgpu__net_forward_fn, net, net->device, data, batch_size);
     net->training = was_training;
-    return accuracy;
+    return right;
+}
+MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *data, int batch_size) {
+    return mgpu__net_count_correct(net, data, batch_size) / (double)data->n;
 }
 
 /* ---------------------------------------------------- save and load */
@@ -8144,6 +8308,10 @@ struct mgpu_data_parallel {
     mgpu_tensor *(*scratch)[MGPU_MAX_DEVICES];
     int check_replicas; /* compare the replicas after each step (mgpu_data_parallel_check_replicas) */
     long steps;
+    int accumulated_rows; /* rows whose gradients mgpu_data_parallel_accumulate added since the last step */
+    /* a distributed wrapper's group: one replica a process, its buckets
+       averaged over the ranks (mgpu_distributed_data_parallel_new) */
+    struct mgpu_group *group;
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -8234,14 +8402,24 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
                  "mgpu_data_parallel_use_allreduce: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
                  "a reduction of yours needs MGPU_DP_ALLREDUCE");
     MGPU_REQUIRE(dp->nbuckets == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
+    MGPU_REQUIRE(!dp->group, "mgpu_data_parallel_use_allreduce: a distributed wrapper reduces over its group");
     MGPU_REQUIRE(fn && name, "mgpu_data_parallel_use_allreduce: give the function and its name");
     dp->yours = fn;
     dp->yours_name = name;
 }
 
-/* Starts the reduction of bucket b on every device: the caller's, or the
-   library's (NCCL or the ring, on the communication queues). */
+static const char *mgpu__group_allreduce(const char *op, struct mgpu_group *g, mgpu_tensor *t,
+                                         mgpu_reduce_op how, int wait);
+/* Does the wrapper reduce gradients: over several devices, or processes? */
+static int mgpu__dp_reduces(const mgpu_data_parallel *dp) {
+    return dp->n > 1 || (dp->group && mgpu_group_size(dp->group) > 1);
+}
+/* Starts the reduction of bucket b on every device: the caller's, the
+   group's mean over the processes, or the library's (NCCL or the ring, on
+   the communication queues). */
 static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
+    if (dp->group)
+        return mgpu__group_allreduce("mgpu_data_parallel_step", dp->group, dp->bucket[b][0], MGPU_MEAN, 0);
     if (!dp->yours) return mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
     dp->yours(dp->bucket[b], dp->n);
     return dp->yours_name;
@@ -8284,7 +8462,7 @@ static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
                 }
                 dp->bucket[b][i] = flat;
                 int share = (int)((floats + (size_t)dp->n - 1) / (size_t)dp->n);
-                dp->scratch[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(share));
+                if (dp->n > 1) dp->scratch[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(share));
             }
         }
         last = first - 1;
@@ -8350,32 +8528,56 @@ static void mgpu__dp_shards_used(mgpu_data_parallel *dp) {
    A device that got no rows (a batch shorter than the devices) still takes
    part in every reduction, with zero gradients, and in the update, so the
    replicas stay the same. */
+/* A bucket whose gradients the backward pass has completed: divided by
+   the rows they add up where mgpu_data_parallel_accumulate added some,
+   and its reduction started (when it overlaps the backward pass). */
+static void mgpu__dp_bucket_done(mgpu_data_parallel *dp, int b) {
+    for (int i = 0; i < dp->n && dp->accumulated_rows; i++)
+        mgpu_scale_(dp->bucket[b][i], 1.0f / (float)dp->accumulated_rows);
+    if (dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
+}
+
+/* step 0: mgpu_data_parallel_accumulate's pass, which adds the batch's
+   gradients (of the summed loss: the step divides by all the rows) and
+   stops there. step 1: a step, after such passes or not. */
 static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr, float momentum,
-                                    float weight_decay) {
-    if (dp->n > 1 && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
-    for (int i = dp->used; i < dp->n; i++)
+                                    float weight_decay, int step) {
+    int reduces = mgpu__dp_reduces(dp);
+    if (reduces && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
+    int adding = dp->accumulated_rows > 0; /* to gradients of passes before */
+    float scale = step && !adding ? 1.0f / (float)batch : 1.0f;
+    if (!step || adding) dp->accumulated_rows += batch;
+    for (int i = dp->used; i < dp->n && !adding; i++)
         for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
-    const char *op = "mgpu_data_parallel_step";
+    const char *op = step ? "mgpu_data_parallel_step" : "mgpu_data_parallel_accumulate";
     for (int i = 0, row = 0; i < dp->used; row += dp->x_shards[i]->shape.d[0], i++) {
         mgpu_net *r = dp->replicas[i]; /* (no zero_grad: the backward writes the gradients) */
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
         mgpu__net_require_backward(r, op);
         mgpu__accuracy_count(op, row, dp->count[i], logits, dp->y_shards[i]);
         mgpu_add_(dp->correct[i], dp->count[i]);
-        grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], 1.0f / (float)batch, dp->loss_sum[i], op, row);
+        grad[i] = mgpu__net_loss_grad(r, logits, dp->y_shards[i], scale, dp->loss_sum[i], op, row);
     }
     int next_bucket = 0;
     for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
         for (int i = 0; i < dp->used; i++)
-            grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], 0);
+            grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], adding);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
-        if (complete && dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, next_bucket);
+        if (complete && step) mgpu__dp_bucket_done(dp, next_bucket);
         next_bucket += complete;
     }
+    if (!step) return;
     if (dp->reduce && !dp->overlap)
         for (int b = 0; b < dp->nbuckets; b++) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
-    if (dp->n > 1) mgpu_comm_wait(dp->devices, dp->n);
+    if (reduces) {
+        mgpu_comm_wait(dp->devices, dp->n);
+    } else {
+        mgpu_net *net = dp->replicas[0]; /* one device: no buckets to divide */
+        for (int p = 0; p < net->nparams && dp->accumulated_rows; p++)
+            mgpu_scale_(net->params[p]->grad, 1.0f / (float)dp->accumulated_rows);
+    }
+    dp->accumulated_rows = 0;
     for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
 }
 
@@ -8451,17 +8653,38 @@ static void mgpu__dp_follow_module(mgpu_data_parallel *dp) {
     dp->module_changes = module->changes;
 }
 
+/* DDP's broadcast_buffers: rank 0's running statistics go to every rank
+   before a forward pass reads them. */
+static void mgpu__dp_broadcast_buffers(mgpu_data_parallel *dp) {
+    if (!dp->group || mgpu_group_size(dp->group) == 1) return;
+    mgpu_net *net = dp->replicas[0];
+    for (int i = 0; i < net->nbuffers; i++) mgpu_group_broadcast(dp->group, *net->buffers[i], 0);
+}
+
+MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_tensor *X,
+                                            const mgpu_tensor *y) {
+    MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
+                 "mgpu_data_parallel_accumulate: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
+                 "accumulating gradients needs MGPU_DP_ALLREDUCE");
+    mgpu__dp_follow_module(dp);
+    mgpu__dp_broadcast_buffers(dp);
+    mgpu__dp_scatter(dp, X, y);
+    mgpu__dp_step_allreduce(dp, X->shape.d[0], 0.0f, 0.0f, 0.0f, 0);
+    mgpu__dp_shards_used(dp);
+}
+
 MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                       const mgpu_tensor *y, float lr, float momentum,
                                       float weight_decay) {
     int batch = X->shape.d[0];
     mgpu__require_sgd_settings("mgpu_data_parallel_step", lr, momentum, weight_decay);
     mgpu__dp_follow_module(dp);
+    mgpu__dp_broadcast_buffers(dp);
     mgpu__dp_scatter(dp, X, y);
     if (dp->mode == MGPU_DP_GATHER)
         mgpu__dp_step_gather(dp, batch, lr, momentum, weight_decay);
     else
-        mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay);
+        mgpu__dp_step_allreduce(dp, batch, lr, momentum, weight_decay, 1);
     mgpu__dp_shards_used(dp);
     dp->module_changes = dp->replicas[0]->changes; /* (this step's SGD: every replica took it) */
     dp->steps++;
@@ -8511,6 +8734,634 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     mgpu_free(dp->losses);
     mgpu_free(dp->batch_loss);
     free(dp);
+}
+/* ======================================================================
+   Distributed: process groups over MPI
+   ====================================================================== */
+struct mgpu_group {
+    int rank, size, local_rank, local_size;
+    char host[256]; /* (MPI_MAX_PROCESSOR_NAME in Open MPI) */
+    long sequence;   /* the collectives called so far: each one's number */
+    double timeout;  /* seconds a rank waits for the others (MGPU_DIST_TIMEOUT) */
+    float *received; /* the chunks a reduction receives (used on one queue at a time) */
+    size_t received_floats;
+    mgpu_tensor *staging; /* pinned host memory that GPU tensors go through */
+#if MGPU_MPI
+    /* Two communicators, so that the collectives a communication queue
+       runs and the caller's numbers on the host never meet in one
+       communicator's order. */
+    MPI_Comm comm, host_comm;
+#endif
+};
+
+/* What the ranks run, in the order they call it. */
+typedef enum {
+    MGPU__ALLREDUCE, MGPU__BROADCAST, MGPU__ALL_GATHER, MGPU__REDUCE_SCATTER, MGPU__SEND, MGPU__RECV
+} mgpu__coll_kind;
+static const char *const mgpu__coll_names[] = {"allreduce", "broadcast", "all-gather", "reduce-scatter",
+                                               "send", "receive"};
+typedef struct mgpu__coll {
+    mgpu_group *group;
+    mgpu__coll_kind kind;
+    mgpu_reduce_op op;
+    int peer;       /* broadcast: the root; send, receive: the other rank */
+    long sequence;
+    size_t count;   /* the elements of `in` */
+    const float *in;
+    float *out;     /* (in == out where the collective works in place) */
+} mgpu__coll;
+
+/* A mistake that every rank sees at once: rank 0 alone writes the line
+   and exits; the others wait to be stopped by the launcher, so that the
+   job ends with one line instead of one a rank. */
+MGPU__NORETURN static void mgpu__dist_fatal_all(const mgpu_group *g, const char *fmt, ...) MGPU__PRINTF(2, 3);
+static void mgpu__dist_fatal_all(const mgpu_group *g, const char *fmt, ...) {
+    if (g->rank == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        mgpu__vfatal(NULL, 0, fmt, ap);
+    }
+    struct timespec pause = {1, 0};
+    for (double start = mgpu_now(); mgpu_now() - start < g->timeout;) nanosleep(&pause, NULL);
+    _exit(1);
+}
+
+#if MGPU_MPI
+/* "allreduce #12 of 61706 floats" */
+static void mgpu__coll_describe(const mgpu__coll *c, char *buf, size_t size) {
+    int at = snprintf(buf, size, "%s #%ld of %zu floats", mgpu__coll_names[c->kind], c->sequence, c->count);
+    if (c->kind == MGPU__BROADCAST) snprintf(buf + at, size - at, " from rank %d", c->peer);
+    if (c->kind == MGPU__SEND || c->kind == MGPU__RECV)
+        snprintf(buf + at, size - at, " %s rank %d", c->kind == MGPU__SEND ? "to" : "from", c->peer);
+}
+
+/* The collective this process is in, for the line it writes when the
+   launcher stops it (mgpu__dist_on_signal). Two slots, so that the
+   handler never reads one half written. */
+static char mgpu__dist_doing[2][192];
+static volatile sig_atomic_t mgpu__dist_doing_slot;
+static void mgpu__dist_set_doing(const mgpu__coll *c) {
+    int slot = !mgpu__dist_doing_slot;
+    if (c) {
+        char what[128];
+        mgpu__coll_describe(c, what, sizeof what);
+        snprintf(mgpu__dist_doing[slot], sizeof mgpu__dist_doing[slot], "in %s", what);
+    } else {
+        snprintf(mgpu__dist_doing[slot], sizeof mgpu__dist_doing[slot], "between collectives");
+    }
+    mgpu__dist_doing_slot = slot;
+}
+/* mpirun stops the other ranks with SIGTERM when one dies: each says
+   where it was, in one line (write(2) alone: this is a signal handler). */
+static void mgpu__dist_on_signal(int sig) {
+    (void)sig;
+    char line[384];
+    size_t n = 0;
+    const char *parts[] = {"mgpu: error: ", mgpu__error_prefix, "stopped by the launcher ",
+                           mgpu__dist_doing[mgpu__dist_doing_slot],
+                           ": another rank ended first (the launcher's message names it)\n"};
+    for (size_t k = 0; k < sizeof parts / sizeof *parts; k++)
+        for (const char *p = parts[k]; *p && n < sizeof line - 1; p++) line[n++] = *p;
+    if (write(2, line, n) < 0) _exit(1);
+    _exit(1);
+}
+
+#define MGPU__MPI_CHECK(call)                                                          \
+    do {                                                                               \
+        int mgpu__mpi_rc = (call);                                                     \
+        if (mgpu__mpi_rc != MPI_SUCCESS) {                                             \
+            char mgpu__mpi_text[MPI_MAX_ERROR_STRING];                                 \
+            int mgpu__mpi_len = 0;                                                     \
+            MPI_Error_string(mgpu__mpi_rc, mgpu__mpi_text, &mgpu__mpi_len);            \
+            mgpu_fatal_at(__FILE__, __LINE__, "%s: %s", #call, mgpu__mpi_text);        \
+        }                                                                              \
+    } while (0)
+
+/* Waits for MPI requests, polling so that a rank that never comes is an
+   error after the group's timeout, not a hang. The poll yields, then
+   sleeps: ranks that share cores must not spin on them while another
+   rank still computes. */
+static void mgpu__dist_wait(const mgpu_group *g, MPI_Request *requests, int n, const char *what) {
+    double start = mgpu_now();
+    for (long polls = 0;; polls++) {
+        int done = 0;
+        MGPU__MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
+        if (done) return;
+        if (mgpu_now() - start > g->timeout)
+            mgpu_fatal("%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is dead, hung, "
+                       "or did not call it", what, g->timeout);
+        if (polls < 64) {
+            sched_yield();
+        } else {
+            struct timespec pause = {0, polls < 1024 ? 20000 : 500000};
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
+/* Before a collective the ranks compare what each is about to run. */
+static void mgpu__coll_agree(const mgpu__coll *c) {
+    mgpu_group *g = c->group;
+    long long mine[4] = {c->sequence, c->kind, (long long)c->count, c->peer};
+    long long *all = (long long *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
+    char what[128];
+    mgpu__coll_describe(c, what, sizeof what);
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Iallgather(mine, 4, MPI_LONG_LONG, all, 4, MPI_LONG_LONG, g->comm, &request));
+    mgpu__dist_wait(g, &request, 1, what);
+    for (int r = 0; r < g->size; r++) {
+        if (memcmp(all + 4 * r, all, sizeof mine) == 0) continue;
+        mgpu__coll theirs = *c, first = *c;
+        theirs.sequence = all[4 * r]; theirs.kind = (mgpu__coll_kind)all[4 * r + 1];
+        theirs.count = (size_t)all[4 * r + 2]; theirs.peer = (int)all[4 * r + 3];
+        first.sequence = all[0]; first.kind = (mgpu__coll_kind)all[1];
+        first.count = (size_t)all[2]; first.peer = (int)all[3];
+        char a[128], b[128];
+        mgpu__coll_describe(&first, a, sizeof a);
+        mgpu__coll_describe(&theirs, b, sizeof b);
+        free(all);
+        mgpu__dist_fatal_all(g, "the ranks are out of step: rank 0 called %s, rank %d called %s "
+                             "(every rank must call the same collectives in the same order)", a, r, b);
+    }
+    free(all);
+}
+
+/* The received chunks' room, grown as needed (on the queue that runs the collective). */
+static float *mgpu__group_received(mgpu_group *g, size_t floats) {
+    if (floats > g->received_floats) {
+        g->received = (float *)mgpu__xrealloc(g->received, floats * sizeof(float));
+        g->received_floats = floats;
+    }
+    return g->received;
+}
+
+/* out[i] = the sum over ranks, in rank order, of their chunks: received
+   holds `size` chunks of len floats, rank 0's first. */
+static void mgpu__sum_chunks(float *out, const float *received, size_t len, int size, mgpu_reduce_op op) {
+    float scale = 1.0f / (float)size;
+    for (size_t i = 0; i < len; i++) {
+        float s = received[i];
+        for (int r = 1; r < size; r++) s += received[(size_t)r * len + i];
+        out[i] = op == MGPU_MEAN ? s * scale : s;
+    }
+}
+
+/* The allreduce: a reduce-scatter (rank r gets chunk r of every rank's
+   vector and adds them in rank order), then an all-gather of the sums.
+   Chunk c is [count c / size, count (c+1) / size). */
+static void mgpu__mpi_allreduce(const mgpu__coll *c, const char *what) {
+    mgpu_group *g = c->group;
+    int size = g->size, me = g->rank;
+    int *counts = (int *)mgpu__xmalloc(4 * sizeof(int) * (size_t)size);
+    int *starts = counts + size, *mine = counts + 2 * size, *mine_at = counts + 3 * size;
+    for (int r = 0; r < size; r++) {
+        starts[r] = (int)(c->count * (size_t)r / (size_t)size);
+        counts[r] = (int)(c->count * (size_t)(r + 1) / (size_t)size) - starts[r];
+    }
+    for (int r = 0; r < size; r++) {
+        mine[r] = counts[me];
+        mine_at[r] = r * counts[me];
+    }
+    float *received = mgpu__group_received(g, (size_t)counts[me] * (size_t)size);
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Ialltoallv(c->out, counts, starts, MPI_FLOAT, received, mine, mine_at, MPI_FLOAT,
+                                   g->comm, &request));
+    mgpu__dist_wait(g, &request, 1, what);
+    mgpu__sum_chunks(c->out + starts[me], received, (size_t)counts[me], size, c->op);
+    MGPU__MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, c->out, counts, starts, MPI_FLOAT,
+                                    g->comm, &request));
+    mgpu__dist_wait(g, &request, 1, what);
+    free(counts);
+}
+
+/* in holds `size` chunks of count / size floats; rank r gets the sum of every rank's chunk r. */
+static void mgpu__mpi_reduce_scatter(const mgpu__coll *c, const char *what) {
+    mgpu_group *g = c->group;
+    int len = (int)(c->count / (size_t)g->size);
+    float *received = mgpu__group_received(g, c->count);
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Ialltoall(c->in, len, MPI_FLOAT, received, len, MPI_FLOAT, g->comm, &request));
+    mgpu__dist_wait(g, &request, 1, what);
+    mgpu__sum_chunks(c->out, received, (size_t)len, g->size, c->op);
+}
+
+/* Runs a collective on host memory: the agreement, then MPI. */
+static void mgpu__coll_run(const mgpu__coll *c) {
+    mgpu_group *g = c->group;
+    char what[128];
+    mgpu__coll_describe(c, what, sizeof what);
+    mgpu__dist_set_doing(c);
+    if (c->kind != MGPU__SEND && c->kind != MGPU__RECV) mgpu__coll_agree(c);
+    MPI_Request request;
+    int n = (int)c->count;
+    switch (c->kind) {
+    case MGPU__ALLREDUCE: mgpu__mpi_allreduce(c, what); break;
+    case MGPU__REDUCE_SCATTER: mgpu__mpi_reduce_scatter(c, what); break;
+    case MGPU__BROADCAST:
+        MGPU__MPI_CHECK(MPI_Ibcast(c->out, n, MPI_FLOAT, c->peer, g->comm, &request));
+        mgpu__dist_wait(g, &request, 1, what);
+        break;
+    case MGPU__ALL_GATHER:
+        MGPU__MPI_CHECK(MPI_Iallgather(c->in, n, MPI_FLOAT, c->out, n, MPI_FLOAT, g->comm, &request));
+        mgpu__dist_wait(g, &request, 1, what);
+        break;
+    case MGPU__SEND:
+        MGPU__MPI_CHECK(MPI_Isend(c->in, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
+        mgpu__dist_wait(g, &request, 1, what);
+        break;
+    case MGPU__RECV:
+        MGPU__MPI_CHECK(MPI_Irecv(c->out, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
+        mgpu__dist_wait(g, &request, 1, what);
+        break;
+    }
+    mgpu__dist_set_doing(NULL);
+}
+
+static void mgpu__coll_task(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    mgpu__coll_run((const mgpu__coll *)args);
+}
+
+/* A group over comm: its own two communicators, ranks and machine. */
+static mgpu_group *mgpu__group_over(MPI_Comm comm) {
+    mgpu_group *g = (mgpu_group *)mgpu__xcalloc(1, sizeof *g);
+    MGPU__MPI_CHECK(MPI_Comm_dup(comm, &g->comm));
+    MGPU__MPI_CHECK(MPI_Comm_dup(comm, &g->host_comm));
+    MGPU__MPI_CHECK(MPI_Comm_set_errhandler(g->comm, MPI_ERRORS_RETURN));
+    MGPU__MPI_CHECK(MPI_Comm_set_errhandler(g->host_comm, MPI_ERRORS_RETURN));
+    MGPU__MPI_CHECK(MPI_Comm_rank(comm, &g->rank));
+    MGPU__MPI_CHECK(MPI_Comm_size(comm, &g->size));
+    MPI_Comm local;
+    MGPU__MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL, &local));
+    MGPU__MPI_CHECK(MPI_Comm_rank(local, &g->local_rank));
+    MGPU__MPI_CHECK(MPI_Comm_size(local, &g->local_size));
+    MGPU__MPI_CHECK(MPI_Comm_free(&local));
+    char name[MPI_MAX_PROCESSOR_NAME + 1] = "";
+    int length = 0;
+    MGPU__MPI_CHECK(MPI_Get_processor_name(name, &length));
+    memcpy(g->host, name, (size_t)length < sizeof g->host - 1 ? (size_t)length : sizeof g->host - 1);
+    return g;
+}
+#endif /* MGPU_MPI */
+
+/* Were we started by a launcher? Its variables say so, and how many it started. */
+static int mgpu__launcher_size(void) {
+    const char *names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"};
+    for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
+        const char *v = getenv(names[k]);
+        if (v && atoi(v) > 0) return atoi(v);
+    }
+    return getenv("PMIX_RANK") ? 2 : 1;
+}
+
+/* A group of one: this process alone. */
+static mgpu_group *mgpu__group_alone(void) {
+    mgpu_group *g = (mgpu_group *)mgpu__xcalloc(1, sizeof *g);
+    g->size = g->local_size = 1;
+    if (gethostname(g->host, sizeof g->host - 1) != 0) snprintf(g->host, sizeof g->host, "localhost");
+    return g;
+}
+
+static double mgpu__dist_timeout(void) {
+    const char *v = getenv("MGPU_DIST_TIMEOUT");
+    if (!v || !*v) return 120.0;
+    char *end;
+    double t = strtod(v, &end);
+    MGPU_REQUIRE(*end == 0 && t > 0, "MGPU_DIST_TIMEOUT=%s: want a number of seconds above 0", v);
+    return t;
+}
+
+MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
+    mgpu__init();
+    int launched = mgpu__launcher_size();
+#if MGPU_MPI
+    if (launched > 1) {
+        int provided = 0;
+        MGPU__MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+        MGPU_REQUIRE(provided == MPI_THREAD_MULTIPLE,
+                     "mgpu_dist_init: this MPI does not allow calls from several threads "
+                     "(MPI_THREAD_MULTIPLE), which the devices' queues make");
+        mgpu_group *g = mgpu__group_over(MPI_COMM_WORLD);
+        g->timeout = mgpu__dist_timeout();
+        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", g->rank);
+        mgpu__dist_set_doing(NULL);
+        struct sigaction on_term;
+        memset(&on_term, 0, sizeof on_term);
+        on_term.sa_handler = mgpu__dist_on_signal;
+        MGPU_REQUIRE(sigaction(SIGTERM, &on_term, NULL) == 0, "mgpu_dist_init: sigaction: %s", strerror(errno));
+        return g;
+    }
+#else
+    (void)argc;
+    (void)argv;
+    MGPU_REQUIRE(launched <= 1, "a launcher started %d copies of this program, but it was built without MPI, "
+                 "so each would train alone: build it where mpi.h is found (apt-get install libopenmpi-dev)",
+                 launched);
+#endif
+    mgpu_group *g = mgpu__group_alone();
+    g->timeout = mgpu__dist_timeout();
+    return g;
+}
+
+MGPU_DEF void mgpu_group_free(mgpu_group *g) {
+    if (!g) return;
+#if MGPU_MPI
+    if (g->size > 1) {
+        MGPU__MPI_CHECK(MPI_Comm_free(&g->comm));
+        MGPU__MPI_CHECK(MPI_Comm_free(&g->host_comm));
+    }
+#endif
+    mgpu_free(g->staging);
+    free(g->received);
+    free(g);
+}
+
+MGPU_DEF void mgpu_dist_finalize(mgpu_group *world) {
+    if (!world) return;
+    int distributed = world->size > 1;
+    mgpu_synchronize_all();
+    mgpu_group_free(world);
+#if MGPU_MPI
+    if (distributed) MGPU__MPI_CHECK(MPI_Finalize());
+#else
+    (void)distributed;
+#endif
+}
+
+MGPU_DEF int mgpu_group_rank(const mgpu_group *g) { return g->rank; }
+MGPU_DEF int mgpu_group_size(const mgpu_group *g) { return g->size; }
+MGPU_DEF int mgpu_group_local_rank(const mgpu_group *g) { return g->local_rank; }
+MGPU_DEF int mgpu_group_local_size(const mgpu_group *g) { return g->local_size; }
+MGPU_DEF const char *mgpu_group_host(const mgpu_group *g) { return g->host; }
+
+MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu) {
+    int gpus = use_gpu ? mgpu_num_gpus() : 0;
+    if (gpus > 0) return mgpu__device_get(g->local_rank % gpus, 0);
+    mgpu__share_cpu_cores(g->local_size);
+    return mgpu_cpu();
+}
+
+MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n) {
+    MGPU_REQUIRE(n >= 1 && n <= g->size, "mgpu_group_first: %d ranks of a group of %d", n, g->size);
+    mgpu_group *sub = NULL;
+#if MGPU_MPI
+    if (g->size > 1) {
+        MPI_Comm part;
+        MGPU__MPI_CHECK(MPI_Comm_split(g->host_comm, g->rank < n ? 0 : MPI_UNDEFINED, g->rank, &part));
+        if (part == MPI_COMM_NULL) return NULL;
+        sub = n > 1 ? mgpu__group_over(part) : NULL;
+        MGPU__MPI_CHECK(MPI_Comm_free(&part));
+    }
+#endif
+    if (!sub) sub = mgpu__group_alone(); /* (n is 1) */
+    sub->timeout = g->timeout;
+    return sub;
+}
+
+MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev) {
+    if (g->size == 1) return "none";
+    return dev->gpu >= 0 ? "mpi via host" : "mpi";
+}
+
+#if MGPU_MPI
+/* Runs collective c for tensors in (read) and out (written; either may be
+   NULL, both on one device). On a CPU device it runs on the device's
+   communication queue, after what the compute queue was given so far;
+   the compute queue waits for it when `wait`. A GPU's tensors go through
+   pinned host memory, on the calling thread. */
+static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tensor *in, mgpu_tensor *out,
+                                   int wait) {
+    mgpu_device *dev = (out ? out : in)->device;
+    c.group = g;
+    c.sequence = ++g->sequence;
+    if (g->size == 1) return "none"; /* (the callers did a group of one's work) */
+    if (dev->gpu < 0) {
+        mgpu_tensor *both[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in};
+        mgpu__comm_begin(both, 1);
+        c.in = in ? in->data : NULL;
+        c.out = out ? out->data : NULL;
+        mgpu__launch_on(&dev->queue[1], mgpu__coll_names[c.kind], mgpu__coll_task, NULL, &c, sizeof c);
+        mgpu__comm_track(both, in && out ? both + 1 : NULL, 1);
+        if (wait) mgpu_comm_wait(&dev, 1);
+        return mgpu_group_path(g, dev);
+    }
+    size_t in_n = in ? in->numel : 0, out_n = out ? out->numel : 0;
+    if (!g->staging || g->staging->numel < in_n + out_n) {
+        mgpu_free(g->staging);
+        g->staging = mgpu_empty_pinned(mgpu_shape1((int)(in_n + out_n)));
+    }
+    mgpu_tensor *host_in = NULL, *host_out = NULL;
+    if (in) {
+        mgpu_tensor *rows = mgpu_narrow(g->staging, 0, (int)in_n);
+        host_in = mgpu_view(rows, in->shape);
+        mgpu_free(rows);
+        mgpu_copy(host_in, in, 0);
+        c.in = host_in->data;
+    }
+    if (out) {
+        mgpu_tensor *rows = mgpu_narrow(g->staging, (int)in_n, (int)out_n);
+        host_out = mgpu_view(rows, out->shape);
+        mgpu_free(rows);
+        if (c.kind == MGPU__ALLREDUCE || c.kind == MGPU__BROADCAST) mgpu_copy(host_out, out, 0);
+        c.out = host_out->data;
+    }
+    mgpu__coll_run(&c);
+    if (out) mgpu_copy(out, host_out, 0);
+    mgpu_free(host_in);
+    mgpu_free(host_out);
+    return mgpu_group_path(g, dev);
+}
+
+#else
+static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tensor *in, mgpu_tensor *out,
+                                   int wait) {
+    (void)c;
+    (void)in;
+    (void)out;
+    (void)wait;
+    g->sequence++;
+    return "none"; /* without MPI a group is this process alone, whose work the callers did */
+}
+#endif
+
+static void mgpu__require_group_tensor(const char *op, const mgpu_tensor *t) {
+    MGPU_REQUIRE(t, "%s: the tensor is NULL", op);
+    mgpu__require_alive(t, op);
+}
+
+static const char *mgpu__group_allreduce(const char *op, mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op how,
+                                         int wait) {
+    mgpu__require_group_tensor(op, t);
+    MGPU_REQUIRE(how == MGPU_SUM || how == MGPU_MEAN, "%s: op %d; want MGPU_SUM or MGPU_MEAN", op, (int)how);
+    mgpu__coll c = {NULL, MGPU__ALLREDUCE, how, 0, 0, t->numel, NULL, NULL};
+    return mgpu__group_run(g, c, t, t, wait);
+}
+MGPU_DEF const char *mgpu_group_allreduce(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op) {
+    return mgpu__group_allreduce("mgpu_group_allreduce", g, t, op, 1);
+}
+MGPU_DEF const char *mgpu_group_allreduce_start(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op) {
+    return mgpu__group_allreduce("mgpu_group_allreduce_start", g, t, op, 0);
+}
+
+MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root) {
+    mgpu__require_group_tensor("mgpu_group_broadcast", t);
+    MGPU_REQUIRE(root >= 0 && root < g->size, "mgpu_group_broadcast: root %d of a group of %d", root, g->size);
+    mgpu__coll c = {NULL, MGPU__BROADCAST, MGPU_SUM, root, 0, t->numel, NULL, NULL};
+    mgpu__group_run(g, c, t, t, 1);
+}
+
+MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out) {
+    mgpu__require_group_tensor("mgpu_group_all_gather", in);
+    mgpu__require_group_tensor("mgpu_group_all_gather", out);
+    MGPU_REQUIRE(out->numel == in->numel * (size_t)g->size && in->device == out->device,
+                 "mgpu_group_all_gather: out must hold %d times in's %zu values, on in's device (%s); it holds %zu on %s",
+                 g->size, in->numel, in->device->name, out->numel, out->device->name);
+    if (g->size == 1) {
+        mgpu_tensor *flat = mgpu_view(out, in->shape);
+        mgpu_copy(flat, in, 0);
+        mgpu_free(flat);
+    }
+    mgpu__coll c = {NULL, MGPU__ALL_GATHER, MGPU_SUM, 0, 0, in->numel, NULL, NULL};
+    mgpu__group_run(g, c, in, out, 1);
+}
+
+MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out,
+                                        mgpu_reduce_op op) {
+    mgpu__require_group_tensor("mgpu_group_reduce_scatter", in);
+    mgpu__require_group_tensor("mgpu_group_reduce_scatter", out);
+    MGPU_REQUIRE(in->numel == out->numel * (size_t)g->size && in->device == out->device,
+                 "mgpu_group_reduce_scatter: in must hold %d times out's %zu values, on out's device (%s); "
+                 "it holds %zu on %s", g->size, out->numel, out->device->name, in->numel, in->device->name);
+    MGPU_REQUIRE(op == MGPU_SUM || op == MGPU_MEAN, "mgpu_group_reduce_scatter: op %d; want MGPU_SUM or MGPU_MEAN",
+                 (int)op);
+    if (g->size == 1) {
+        mgpu_tensor *flat = mgpu_view(in, out->shape);
+        mgpu_copy(out, flat, 0);
+        mgpu_free(flat);
+    }
+    mgpu__coll c = {NULL, MGPU__REDUCE_SCATTER, op, 0, 0, in->numel, NULL, NULL};
+    mgpu__group_run(g, c, in, out, 1);
+}
+
+static void mgpu__require_peer(const char *op, const mgpu_group *g, int peer) {
+    MGPU_REQUIRE(peer >= 0 && peer < g->size && peer != g->rank,
+                 "%s: rank %d is not another rank of this group of %d (this is rank %d)", op, peer, g->size, g->rank);
+}
+MGPU_DEF void mgpu_group_send(mgpu_group *g, const mgpu_tensor *t, int to) {
+    mgpu__require_group_tensor("mgpu_group_send", t);
+    mgpu__require_peer("mgpu_group_send", g, to);
+    mgpu__coll c = {NULL, MGPU__SEND, MGPU_SUM, to, 0, t->numel, NULL, NULL};
+    mgpu__group_run(g, c, t, NULL, 1);
+}
+MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from) {
+    mgpu__require_group_tensor("mgpu_group_recv", t);
+    mgpu__require_peer("mgpu_group_recv", g, from);
+    mgpu__coll c = {NULL, MGPU__RECV, MGPU_SUM, from, 0, t->numel, NULL, NULL};
+    mgpu__group_run(g, c, NULL, t, 1);
+}
+
+/* The host's collectives, on the caller's thread and communicator. */
+static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, int bytes, void *all, const char *op) {
+    if (g->size == 1) {
+        memcpy(all, mine, (size_t)bytes);
+        return;
+    }
+#if MGPU_MPI
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, g->host_comm, &request));
+    mgpu__dist_wait(g, &request, 1, op);
+#else
+    (void)op;
+#endif
+}
+MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const double *mine, int n, double *all) {
+    mgpu__group_all_gather_bytes(g, mine, n * (int)sizeof(double), all, "mgpu_group_all_gather_host");
+}
+/* Summed in rank order, from every rank's numbers: every rank gets the same bits. */
+MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n) {
+    if (g->size == 1) return;
+    double *all = (double *)mgpu__xmalloc(sizeof(double) * (size_t)n * (size_t)g->size);
+    mgpu__group_all_gather_bytes(g, values, n * (int)sizeof(double), all, "mgpu_group_sum_host");
+    for (int i = 0; i < n; i++) {
+        double s = all[i];
+        for (int r = 1; r < g->size; r++) s += all[(size_t)r * (size_t)n + (size_t)i];
+        values[i] = s;
+    }
+    free(all);
+}
+/* Everything enqueued before it is done on every rank. */
+MGPU_DEF void mgpu_group_barrier(mgpu_group *g) {
+    mgpu_synchronize_all();
+#if MGPU_MPI
+    if (g->size == 1) return;
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Ibarrier(g->host_comm, &request));
+    mgpu__dist_wait(g, &request, 1, "mgpu_group_barrier");
+#else
+    (void)g;
+#endif
+}
+
+/* -------------------------------------------- data parallelism across processes */
+/* A hash of what a network is made of: its parameters' and buffers' shapes. */
+static uint64_t mgpu__net_structure_hash(const mgpu_net *net) {
+    int counts[2] = {net->nparams, net->nbuffers};
+    uint64_t h = mgpu__fnv1a(MGPU__FNV_OFFSET, counts, sizeof counts);
+    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
+        mgpu_shape s = mgpu__net_saved(net, i)->shape;
+        h = mgpu__fnv1a(h, &s, sizeof s);
+    }
+    return h;
+}
+/* A hash of a network's values: its parameters' and buffers' bits. */
+static uint64_t mgpu__net_values_hash(const mgpu_net *net) {
+    uint64_t h = MGPU__FNV_OFFSET;
+    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
+        uint64_t one = mgpu__values_checksum(mgpu__net_saved(net, i));
+        h = mgpu__fnv1a(h, &one, sizeof one);
+    }
+    return h;
+}
+/* The first rank whose hash is not rank 0's, or -1. */
+static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char *op) {
+    uint64_t *all = (uint64_t *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
+    mgpu__group_all_gather_bytes(g, &mine, (int)sizeof mine, all, op);
+    int differs = -1;
+    for (int r = 1; r < g->size && differs < 0; r++)
+        if (all[r] != all[0]) differs = r;
+    free(all);
+    return differs;
+}
+
+MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g) {
+    const char *op = "mgpu_distributed_data_parallel_new";
+    int r = mgpu__group_first_different(g, mgpu__net_structure_hash(net), op);
+    if (r >= 0)
+        mgpu__dist_fatal_all(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
+                             "shapes differ): every rank must build the same one", op, r);
+    for (int i = 0; i < mgpu__net_num_saved(net); i++) mgpu_group_broadcast(g, mgpu__net_saved(net, i), 0);
+    r = mgpu__group_first_different(g, mgpu__net_values_hash(net), op);
+    if (r >= 0)
+        mgpu__dist_fatal_all(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
+                             op, r);
+    net->changes++;
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, &net->device, 1, MGPU_DP_ALLREDUCE);
+    dp->group = g;
+    dp->algorithm = NULL;
+    return dp;
+}
+
+/* The part of a data set that rank r of size evaluates: rows [n r / size, n (r + 1) / size). */
+MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
+                                            int batch_size) {
+    int first = (int)((long long)data->n * g->rank / g->size);
+    int last = (int)((long long)data->n * (g->rank + 1) / g->size);
+    size_t pixels = (size_t)data->rows * (size_t)data->cols;
+    mgpu_dataset part = {last - first, data->rows, data->cols, data->images + pixels * (size_t)first,
+                         data->labels + first};
+    double correct = part.n > 0 ? mgpu__net_count_correct(net, &part, batch_size) : 0.0;
+    mgpu_group_sum_host(g, &correct, 1);
+    return correct / (double)data->n;
 }
 /* ===========================================================================
    Plots: implementation (see "Plots" in the manual above)

@@ -134,6 +134,10 @@ static inline mgpu_device *test_device(void) { return TEST_ON_GPU ? mgpu_try_gpu
 /* The tests compare with float32 (or double) references at float32
    tolerances, so on a GPU they switch TF32 off (mgpu_set_tf32); the TF32
    products are checked on their own, in tests/gpu_layers.c. */
+/* A program of several processes (tests/dist_tests.c) sets these: a
+   test's failures are added up over the processes, and one prints. */
+static int (*test__combine)(int failures);
+static int test__prints = 1;
 static int test__run_all(int argc, char **argv) {
     int passed = 0, failed = 0;
 #ifdef MGPU_H /* tests/emu_kernels.cpp runs the kernels without the library */
@@ -143,11 +147,12 @@ static int test__run_all(int argc, char **argv) {
         if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue;
         test__failures = 0;
         test__table[i].fn();
-        printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
+        if (test__combine) test__failures = test__combine(test__failures);
+        if (test__prints) printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
         fflush(stdout);
         if (test__failures) failed++; else passed++;
     }
-    printf("test-summary: %d passed, %d failed\n", passed, failed);
+    if (test__prints) printf("test-summary: %d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }
 

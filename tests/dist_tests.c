@@ -1,0 +1,399 @@
+/* tests/dist_tests.c: the process group and the distributed wrapper,
+   run by tests/dist.sh under mpirun with 1 to 4 ranks.
+
+   - every collective against sums in double, at awkward lengths, with the
+     same bits on every rank;
+   - a send and a receive leave the ranks in step for what follows;
+   - the distributed wrapper on k ranks trains like one process on the
+     same global batch, and on 2 ranks exactly like chapter 3's wrapper on
+     2 devices (halving is exact, and a + b is b + a);
+   - accumulated gradients (no_sync) equal one step on the batches together;
+   - rank 0's parameters and buffers reach every rank;
+   - distributed evaluation counts each image once.
+   With --fault F it plays one fault instead (tests/dist.sh checks how
+   the job ends): out-of-step, extra-collective, die, other-network.
+
+   Every rank runs every test; rank 0 prints the results, a test failing
+   where it failed on any rank. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+#include <signal.h>
+
+static mgpu_group *world;
+
+/* A network without batch norm (with_batchnorm 0), or with it. */
+static mgpu_net *dist_net(mgpu_device *d, int with_batchnorm, uint64_t seed) {
+    mgpu_manual_seed(seed);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    if (with_batchnorm) mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    for (int i = 0; i < mgpu_net_num_params(net); i++) mgpu_scale_(mgpu_net_param(net, i)->value, 30.0f);
+    return net;
+}
+
+/* Step s's global batch of n images, the same on every rank. */
+static void global_batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
+    mgpu_manual_seed(1000 + (uint64_t)step);
+    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    float *labels = (float *)malloc(sizeof(float) * (size_t)n);
+    for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + step) % 10);
+    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+    free(labels);
+}
+
+/* max |a - b| / max |b| over a network's parameters */
+static double max_param_diff(mgpu_net *a, mgpu_net *b) {
+    double worst = 0;
+    for (int p = 0; p < mgpu_net_num_params(a); p++) {
+        const mgpu_tensor *ta = mgpu_net_param(a, p)->value, *tb = mgpu_net_param(b, p)->value;
+        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
+        mgpu_to_host(ta, va);
+        mgpu_to_host(tb, vb);
+        double diff = 0, scale = 1e-30;
+        for (size_t i = 0; i < ta->numel; i++) {
+            diff = fmax(diff, fabs((double)va[i] - vb[i]));
+            scale = fmax(scale, fabs((double)vb[i]));
+        }
+        worst = fmax(worst, diff / scale);
+        free(va);
+        free(vb);
+    }
+    return worst;
+}
+
+/* 1 when every rank holds these exact bits */
+static int same_bits_everywhere(const float *values, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    const unsigned char *p = (const unsigned char *)values;
+    for (size_t i = 0; i < n * sizeof(float); i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    double mine[2] = {(double)(h >> 32), (double)(h & 0xffffffffu)};
+    int size = mgpu_group_size(world), same = 1;
+    double *all = (double *)malloc(sizeof mine * (size_t)size);
+    mgpu_group_all_gather_host(world, mine, 2, all);
+    for (int r = 0; r < size; r++) same &= all[2 * r] == mine[0] && all[2 * r + 1] == mine[1];
+    free(all);
+    return same;
+}
+static int net_same_everywhere(mgpu_net *net) {
+    int same = 1;
+    for (int p = 0; p < mgpu_net_num_params(net); p++) {
+        const mgpu_tensor *t = mgpu_net_param(net, p)->value;
+        float *v = (float *)malloc(t->numel * sizeof(float));
+        mgpu_to_host(t, v);
+        same &= same_bits_everywhere(v, t->numel);
+        free(v);
+    }
+    return same;
+}
+
+/* Rank r's value i of a collective's input. */
+static float value_of(int rank, size_t i) { return (float)sin(0.37 * (double)i + 1.3 * rank) * (1.0f + (float)rank); }
+
+TEST(allreduce_matches_double_sums_with_the_same_bits_everywhere) {
+    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    size_t lengths[] = {1, 7, (size_t)(size > 1 ? size - 1 : 1), (size_t)size + 1, 13, 100003};
+    for (size_t k = 0; k < sizeof lengths / sizeof *lengths; k++) {
+        size_t n = lengths[k];
+        for (int mean = 0; mean < 2; mean++) {
+            float *v = (float *)malloc(n * sizeof(float));
+            for (size_t i = 0; i < n; i++) v[i] = value_of(rank, i);
+            mgpu_tensor *t = mgpu_from_host(mgpu_cpu(), mgpu_shape1((int)n), v);
+            const char *path = mgpu_group_allreduce(world, t, mean ? MGPU_MEAN : MGPU_SUM);
+            CHECK(strcmp(path, size > 1 ? "mpi" : "none") == 0);
+            mgpu_to_host(t, v);
+            double worst = 0;
+            for (size_t i = 0; i < n; i++) {
+                double want = 0;
+                for (int r = 0; r < size; r++) want += value_of(r, i);
+                if (mean) want /= size;
+                worst = fmax(worst, fabs(v[i] - want) / (1.0 + fabs(want)));
+            }
+            CHECK_CLOSE(worst, 0.0, 1e-6, 0);
+            CHECK(same_bits_everywhere(v, n));
+            mgpu_free(t);
+            free(v);
+        }
+    }
+}
+
+TEST(broadcast_all_gather_and_reduce_scatter) {
+    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    const int n = 13;
+    float v[13], all[13 * 8];
+    for (int root = 0; root < size; root++) {
+        for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
+        mgpu_tensor *t = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
+        mgpu_group_broadcast(world, t, root);
+        mgpu_to_host(t, v);
+        for (int i = 0; i < n; i++) CHECK(v[i] == value_of(root, (size_t)i));
+        mgpu_free(t);
+    }
+    for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
+    mgpu_tensor *in = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
+    mgpu_tensor *gathered = mgpu_empty(mgpu_cpu(), mgpu_shape2(size, n));
+    mgpu_group_all_gather(world, in, gathered);
+    mgpu_to_host(gathered, all);
+    for (int r = 0; r < size; r++)
+        for (int i = 0; i < n; i++) CHECK(all[r * n + i] == value_of(r, (size_t)i));
+    /* reduce-scatter of size chunks of n: rank r gets the sum of every rank's chunk r */
+    float *big = (float *)malloc(sizeof(float) * (size_t)(size * n));
+    for (int i = 0; i < size * n; i++) big[i] = value_of(rank, (size_t)i);
+    mgpu_tensor *whole = mgpu_from_host(mgpu_cpu(), mgpu_shape1(size * n), big);
+    mgpu_tensor *mine = mgpu_empty(mgpu_cpu(), mgpu_shape1(n));
+    for (int mean = 0; mean < 2; mean++) {
+        mgpu_group_reduce_scatter(world, whole, mine, mean ? MGPU_MEAN : MGPU_SUM);
+        mgpu_to_host(mine, v);
+        for (int i = 0; i < n; i++) {
+            double want = 0;
+            for (int r = 0; r < size; r++) want += value_of(r, (size_t)(rank * n + i));
+            CHECK_CLOSE(v[i], mean ? want / size : want, 1e-6, 1e-6);
+        }
+    }
+    free(big);
+    mgpu_free(in);
+    mgpu_free(gathered);
+    mgpu_free(whole);
+    mgpu_free(mine);
+}
+
+/* Each rank sends to the next one round a ring; even ranks send first, so
+   that large messages, which wait for their receiver, cannot deadlock. */
+TEST(send_and_receive_leave_the_ranks_in_step) {
+    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    if (size == 1) return;
+    const int n = 50000;
+    float *v = (float *)malloc(sizeof(float) * n);
+    for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
+    mgpu_tensor *out = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
+    mgpu_tensor *in = mgpu_zeros(mgpu_cpu(), mgpu_shape1(n));
+    int next = (rank + 1) % size, before = (rank + size - 1) % size;
+    if (rank % 2 == 0) {
+        mgpu_group_send(world, out, next);
+        mgpu_group_recv(world, in, before);
+    } else {
+        mgpu_group_recv(world, in, before);
+        mgpu_group_send(world, out, next);
+    }
+    mgpu_to_host(in, v);
+    int right = 1;
+    for (int i = 0; i < n; i++) right &= v[i] == value_of(before, (size_t)i);
+    CHECK(right);
+    mgpu_tensor *one = mgpu_ones(mgpu_cpu(), mgpu_shape1(3));
+    mgpu_group_allreduce(world, one, MGPU_SUM); /* the collectives' sequence goes on */
+    CHECK(mgpu_item(one, 2) == (float)size);
+    mgpu_free(one);
+    mgpu_free(in);
+    mgpu_free(out);
+    free(v);
+}
+
+/* Each rank starts from other weights (its own seed): the wrapper's
+   broadcast gives them rank 0's, and then k ranks with a k-th of the
+   batch each train like one process with all of it. */
+TEST(ddp_on_k_ranks_trains_like_one_process) {
+    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    const int per_rank = 4, steps = 5;
+    mgpu_net *one = dist_net(mgpu_cpu(), 0, 5);
+    mgpu_net *mine = dist_net(mgpu_cpu(), 0, 5 + (uint64_t)rank);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
+    for (int s = 0; s < steps; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(s, per_rank * size, &x, &y);
+        mgpu_net_train_step(one, x, y, 0.1f, 0.9f, 0.0f, NULL);
+        mgpu_tensor *xs = mgpu_narrow(x, rank * per_rank, per_rank), *ys = mgpu_narrow(y, rank * per_rank, per_rank);
+        mgpu_data_parallel_step(ddp, xs, ys, 0.1f, 0.9f, 0.0f);
+        mgpu_free(xs);
+        mgpu_free(ys);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK(strcmp(mgpu_data_parallel_algorithm(ddp), size > 1 ? "mpi" : "(not run yet)") == 0);
+    CHECK_CLOSE(max_param_diff(mine, one), 0.0, 1e-5, 0);
+    CHECK(net_same_everywhere(mine));
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(mine);
+    mgpu_net_free(one);
+}
+
+TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
+    if (mgpu_group_size(world) < 2) return;
+    mgpu_group *two = mgpu_group_first(world, 2);
+    if (!two) return; /* ranks 2 and up sit this one out */
+    int rank = mgpu_group_rank(two);
+    const int per_rank = 4;
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *local = dist_net(devs[0], 0, 9);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(local, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_net *mine = dist_net(mgpu_cpu(), 0, 9);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, two);
+    for (int s = 0; s < 4; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(s, 2 * per_rank, &x, &y);
+        mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 1e-4f);
+        mgpu_tensor *xs = mgpu_narrow(x, rank * per_rank, per_rank), *ys = mgpu_narrow(y, rank * per_rank, per_rank);
+        mgpu_data_parallel_step(ddp, xs, ys, 0.1f, 0.9f, 1e-4f);
+        mgpu_free(xs);
+        mgpu_free(ys);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK(max_param_diff(mine, local) == 0.0);
+    mgpu_data_parallel_free(ddp);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(mine);
+    mgpu_net_free(local);
+    mgpu_group_free(two);
+}
+
+/* no_sync: 3 batches of 4 rows a rank, two accumulated and one stepped,
+   against one step on the 12 rows together. */
+static void accumulate_vs_big_batch(mgpu_data_parallel *small, mgpu_net *small_net, mgpu_data_parallel *big,
+                                    mgpu_net *big_net) {
+    const int rows = 4;
+    for (int s = 0; s < 3; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(s + 10 * mgpu_group_rank(world), 3 * rows, &x, &y);
+        mgpu_data_parallel_step(big, x, y, 0.1f, 0.9f, 0.0f);
+        for (int part = 0; part < 3; part++) {
+            mgpu_tensor *xs = mgpu_narrow(x, part * rows, rows), *ys = mgpu_narrow(y, part * rows, rows);
+            if (part < 2)
+                mgpu_data_parallel_accumulate(small, xs, ys);
+            else
+                mgpu_data_parallel_step(small, xs, ys, 0.1f, 0.9f, 0.0f);
+            mgpu_free(xs);
+            mgpu_free(ys);
+        }
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK_CLOSE(max_param_diff(small_net, big_net), 0.0, 1e-6, 0);
+}
+TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
+    /* the distributed wrapper: each rank's batches are its own */
+    mgpu_net *a = dist_net(mgpu_cpu(), 0, 11), *b = dist_net(mgpu_cpu(), 0, 11);
+    mgpu_data_parallel *small = mgpu_distributed_data_parallel_new(a, world);
+    mgpu_data_parallel *big = mgpu_distributed_data_parallel_new(b, world);
+    accumulate_vs_big_batch(small, a, big, b);
+    CHECK(net_same_everywhere(a));
+    mgpu_data_parallel_free(small);
+    mgpu_data_parallel_free(big);
+    mgpu_net_free(a);
+    mgpu_net_free(b);
+    /* chapter 3's wrapper, 2 devices each */
+    mgpu_device *devs[4];
+    mgpu_devices(4, 0, devs);
+    a = dist_net(devs[0], 0, 11);
+    b = dist_net(devs[2], 0, 11);
+    small = mgpu_data_parallel_new(a, devs, 2, MGPU_DP_ALLREDUCE);
+    big = mgpu_data_parallel_new(b, devs + 2, 2, MGPU_DP_ALLREDUCE);
+    accumulate_vs_big_batch(small, a, big, b);
+    mgpu_data_parallel_free(small);
+    mgpu_data_parallel_free(big);
+    mgpu_net_free(a);
+    mgpu_net_free(b);
+}
+
+TEST(rank_0s_parameters_and_buffers_reach_every_rank) {
+    int rank = mgpu_group_rank(world);
+    mgpu_net *net = dist_net(mgpu_cpu(), 1, 20 + (uint64_t)rank);
+    mgpu_fill(mgpu_net_buffer(net, 0), (float)rank); /* batch norm's running mean */
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
+    CHECK(mgpu_item(mgpu_net_buffer(net, 0), 3) == 0.0f);
+    CHECK(net_same_everywhere(net));
+    /* each step starts from rank 0's running statistics (broadcast_buffers):
+       garbage written on another rank between steps is gone after the next */
+    mgpu_tensor *x, *y;
+    global_batch(0, 4, &x, &y);
+    mgpu_data_parallel_step(ddp, x, y, 0.1f, 0.0f, 0.0f);
+    float before = mgpu_item(mgpu_net_buffer(net, 0), 1);
+    mgpu_group_broadcast(world, mgpu_net_buffer(net, 0), 0);
+    CHECK(mgpu_item(mgpu_net_buffer(net, 0), 1) == before); /* the same batch gave every rank the same statistics */
+    if (rank != 0) mgpu_fill(mgpu_net_buffer(net, 0), 1e6f);
+    mgpu_data_parallel_step(ddp, x, y, 0.1f, 0.0f, 0.0f);
+    float mean1 = mgpu_item(mgpu_net_buffer(net, 0), 1);
+    float *all = (float *)malloc(sizeof(float) * 8);
+    mgpu_tensor *one = mgpu_full(mgpu_cpu(), mgpu_shape1(1), mean1);
+    mgpu_tensor *gathered = mgpu_empty(mgpu_cpu(), mgpu_shape1(mgpu_group_size(world)));
+    mgpu_group_all_gather(world, one, gathered);
+    mgpu_to_host(gathered, all);
+    for (int r = 0; r < mgpu_group_size(world); r++) CHECK(all[r] == all[0]);
+    free(all);
+    mgpu_free(one);
+    mgpu_free(gathered);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(net);
+}
+
+TEST(distributed_evaluation_counts_each_image_once) {
+    /* 10 images, so that 3 or 4 ranks get parts of unequal size */
+    mgpu_dataset d = {10, 8, 8, NULL, NULL};
+    d.images = (unsigned char *)malloc(10 * 64);
+    d.labels = (unsigned char *)malloc(10);
+    for (int i = 0; i < 10 * 64; i++) d.images[i] = (unsigned char)((i * 37) % 251);
+    for (int i = 0; i < 10; i++) d.labels[i] = (unsigned char)((i * 3) % 10);
+    mgpu_net *net = dist_net(mgpu_cpu(), 0, 5);
+    double whole = mgpu_net_evaluate_accuracy(net, &d, 4);
+    double shared = mgpu_dist_evaluate_accuracy(world, net, &d, 4);
+    CHECK(whole == shared);
+    CHECK(whole > 0.0 && whole < 1.0); /* a count that tells parts apart */
+    mgpu_net_free(net);
+    free(d.images);
+    free(d.labels);
+}
+
+/* ----------------------------------------------------------- faults */
+static int play_fault(const char *fault) {
+    int rank = mgpu_group_rank(world);
+    mgpu_tensor *t = mgpu_ones(mgpu_cpu(), mgpu_shape1(1000));
+    if (strcmp(fault, "out-of-step") == 0) {
+        mgpu_group_allreduce(world, t, MGPU_SUM);
+        if (rank == 1) mgpu_group_broadcast(world, t, 0); else mgpu_group_allreduce(world, t, MGPU_SUM);
+    } else if (strcmp(fault, "extra-collective") == 0) {
+        mgpu_group_allreduce(world, t, MGPU_SUM);
+        if (rank == 0) mgpu_group_allreduce(world, t, MGPU_SUM);
+    } else if (strcmp(fault, "die") == 0) {
+        for (int i = 0; i < 100000; i++) {
+            if (rank == 1 && i == 20) raise(SIGKILL);
+            mgpu_group_allreduce(world, t, MGPU_MEAN);
+        }
+    } else if (strcmp(fault, "other-network") == 0) {
+        mgpu_net *net = dist_net(mgpu_cpu(), rank == 1, 5);
+        mgpu_distributed_data_parallel_new(net, world);
+    } else {
+        fprintf(stderr, "dist_tests: unknown fault '%s'\n", fault);
+        return 2;
+    }
+    mgpu_free(t);
+    mgpu_dist_finalize(world);
+    return 0;
+}
+
+/* A test's failures over every rank. */
+static int failures_over_ranks(int failures) {
+    double sum = failures;
+    mgpu_group_sum_host(world, &sum, 1);
+    return (int)sum;
+}
+
+/* dist_tests [NAME]: the tests (those whose name contains NAME);
+   dist_tests --fault FAULT: one fault. */
+int main(int argc, char **argv) {
+    world = mgpu_dist_init(&argc, &argv);
+    if (argc > 2 && strcmp(argv[1], "--fault") == 0) return play_fault(argv[2]);
+    test__combine = failures_over_ranks;
+    test__prints = mgpu_group_rank(world) == 0;
+    if (test__prints) printf("%d ranks\n", mgpu_group_size(world));
+    int status = test__run_all(argc, argv);
+    mgpu_dist_finalize(world);
+    return status;
+}
