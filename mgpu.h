@@ -1474,8 +1474,9 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    rank gets the same bits, whatever the network did, and the replicas of
    a distributed model never drift apart.
    For numbers on the host (losses, counts, checksums):
-       mgpu_group_sum_host(g, values, n)            values[i] summed over the ranks, in place
-       mgpu_group_all_gather_host(g, mine, n, all)  all[r * n + i] = rank r's mine[i]
+       mgpu_group_sum_host(g, values, n)   values[i] (doubles) summed over the ranks, in place
+       mgpu_group_all_gather_host(g, mine, bytes, all)   every rank's `bytes` bytes at
+                                           mine, rank r's at all + r * bytes
 
    Faults. A distributed job must end, not hang, when something is wrong:
    - Before each collective the ranks compare what they are about to do
@@ -1536,7 +1537,7 @@ MGPU_DEF void mgpu_group_send(mgpu_group *g, const mgpu_tensor *t, int to);
 MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from);
 MGPU_DEF void mgpu_group_barrier(mgpu_group *g);
 MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n);
-MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const double *mine, int n, double *all);
+MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all);
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g);
 MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                             const mgpu_tensor *y);
@@ -9261,27 +9262,26 @@ MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from) {
 }
 
 /* The host's collectives, on the caller's thread and communicator. */
-static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, int bytes, void *all, const char *op) {
+static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, size_t bytes, void *all, const char *op) {
+    MGPU_REQUIRE(bytes <= INT_MAX, "%s: %zu bytes a rank, more than MPI counts (%d)", op, bytes, INT_MAX);
     if (g->size == 1) {
-        memcpy(all, mine, (size_t)bytes);
+        memcpy(all, mine, bytes);
         return;
     }
 #if MGPU_MPI
     MPI_Request request;
-    MGPU__MPI_CHECK(MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, g->host_comm, &request));
+    MGPU__MPI_CHECK(MPI_Iallgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, g->host_comm, &request));
     mgpu__dist_wait(g, &request, 1, op);
-#else
-    (void)op;
 #endif
 }
-MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const double *mine, int n, double *all) {
-    mgpu__group_all_gather_bytes(g, mine, n * (int)sizeof(double), all, "mgpu_group_all_gather_host");
+MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all) {
+    mgpu__group_all_gather_bytes(g, mine, bytes, all, "mgpu_group_all_gather_host");
 }
 /* Summed in rank order, from every rank's numbers: every rank gets the same bits. */
 MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n) {
     if (g->size == 1) return;
     double *all = (double *)mgpu__xmalloc(sizeof(double) * (size_t)n * (size_t)g->size);
-    mgpu__group_all_gather_bytes(g, values, n * (int)sizeof(double), all, "mgpu_group_sum_host");
+    mgpu__group_all_gather_bytes(g, values, sizeof(double) * (size_t)n, all, "mgpu_group_sum_host");
     for (int i = 0; i < n; i++) {
         double s = all[i];
         for (int r = 1; r < g->size; r++) s += all[(size_t)r * (size_t)n + (size_t)i];
@@ -9325,7 +9325,7 @@ static uint64_t mgpu__net_values_hash(const mgpu_net *net) {
 /* The first rank whose hash is not rank 0's, or -1. */
 static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char *op) {
     uint64_t *all = (uint64_t *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
-    mgpu__group_all_gather_bytes(g, &mine, (int)sizeof mine, all, op);
+    mgpu__group_all_gather_bytes(g, &mine, sizeof mine, all, op);
     int differs = -1;
     for (int r = 1; r < g->size && differs < 0; r++)
         if (all[r] != all[0]) differs = r;

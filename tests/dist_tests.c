@@ -73,11 +73,10 @@ static int same_bits_everywhere(const float *values, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull;
     const unsigned char *p = (const unsigned char *)values;
     for (size_t i = 0; i < n * sizeof(float); i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    double mine[2] = {(double)(h >> 32), (double)(h & 0xffffffffu)};
     int size = mgpu_group_size(world), same = 1;
-    double *all = (double *)malloc(sizeof mine * (size_t)size);
-    mgpu_group_all_gather_host(world, mine, 2, all);
-    for (int r = 0; r < size; r++) same &= all[2 * r] == mine[0] && all[2 * r + 1] == mine[1];
+    uint64_t *all = (uint64_t *)malloc(sizeof h * (size_t)size);
+    mgpu_group_all_gather_host(world, &h, sizeof h, all);
+    for (int r = 0; r < size; r++) same &= all[r] == h;
     free(all);
     return same;
 }
