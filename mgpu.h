@@ -583,7 +583,53 @@ MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane);
    - mgpu_loader_start_epoch may be called at any time, also in the middle
      of an epoch (the rest of that epoch is dropped), and mgpu_loader_free
      too: the thread stops cleanly.
-   The data set must outlive its loaders. */
+   - mgpu_loader_start_epoch_at(it, epoch, k) starts the epoch at its k-th
+     batch (0 is the start; k up to mgpu_loader_num_batches, which gives
+     none): exactly the batches an uninterrupted epoch gives from there on,
+     in the same order. A training resumed from a checkpoint
+     (mgpu_checkpoint_load, NETWORKS) goes on where it stopped with it.
+   The data set must outlive its loaders.
+
+   Samplers: each process its share. Trained by several processes (chapter
+   4: one per device), each rank must see its own part of every epoch and
+   all ranks together the whole data set, as PyTorch's DistributedSampler
+   gives it. A sampler is that choice, made without any communication:
+       mgpu_sampler *s = mgpu_sampler_new(train->n, world, rank, 1, seed, 0);
+       mgpu_loader *it = mgpu_loader_new(train, 128, 0, 0);   (shuffle 0)
+       mgpu_loader_set_sampler(it, s);
+       for (int epoch = 0; epoch < epochs; epoch++) {
+           mgpu_sampler_set_epoch(s, epoch);      DistributedSampler.set_epoch
+           mgpu_loader_start_epoch(it, epoch);
+           ...
+   - Order: every rank computes the same order of the n samples: with
+     shuffle, the one a shuffling loader with that seed gives the epoch
+     (depending only on (seed, epoch), so every rank agrees on it without
+     talking); without, 0, 1, ..., n-1. Rank r takes the samples at
+     positions r, r + world, r + 2 world, ... of it.
+   - Sizes: each rank gets mgpu_sampler_num_samples(s) samples an epoch,
+     the same on every rank (else the ranks' steps would not pair up):
+     ceil(n / world). The order is made as long as world times that
+     (mgpu_sampler_total_size) by going on from its start (round it again
+     and again where ranks outnumber samples twice over), so a few samples
+     count twice in an epoch: 10 samples on 4 ranks give each rank 3, and
+     the order's first two, which ranks 0 and 1 have, go to ranks 2 and 3
+     as well. With drop_last 1 the order is cut to world times
+     floor(n / world) instead (torch's ceil((n - world) / world) where
+     world does not divide n): 2 each, samples 8 and 9 of the order left
+     out.
+   - The loader goes through the rank's samples in that order, in batches
+     of its batch size (its drop_last decides about a short last batch),
+     and mgpu_loader_num_batches counts them. Set the sampler before the
+     first epoch, on a loader made with shuffle 0 (the sampler gives the
+     order, as DataLoader refuses shuffle=True with a sampler), for the
+     loader's data set (the same n); the sampler must outlive the loader.
+   - The mistake PyTorch lets pass: without set_epoch, every epoch gets
+     epoch 0's order. Here mgpu_loader_start_epoch(it, epoch) with a sampler
+     set to another epoch is a one-line error saying so (a sampler starts
+     at epoch 0).
+   - mgpu_sampler_indices(s, out) writes the rank's samples of the set
+     epoch into out (num_samples of them), for a program that draws its
+     batches itself. */
 typedef struct mgpu_dataset {
     int n, rows, cols;
     unsigned char *images; /* n * rows * cols bytes, row-major, image after image */
@@ -591,6 +637,7 @@ typedef struct mgpu_dataset {
 } mgpu_dataset;
 
 typedef struct mgpu_loader mgpu_loader;
+typedef struct mgpu_sampler mgpu_sampler;
 typedef struct mgpu_batch {
     mgpu_tensor *x; /* [n, 1, rows, cols] pinned host memory, pixels / 255 in [0, 1] */
     mgpu_tensor *y; /* [n] the labels, as floats */
@@ -618,12 +665,30 @@ MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int
                                       uint64_t seed);
 /* Starts (or restarts) an epoch; shuffled in an order that depends only on (seed, epoch). */
 MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch);
+/* The same, from its first_batch-th batch (0..mgpu_loader_num_batches): resuming an epoch. */
+MGPU_DEF void mgpu_loader_start_epoch_at(mgpu_loader *l, int epoch, int first_batch);
 /* 1 and the next batch in *out, or 0 at the end of the epoch. */
 MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out);
 MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l);
 /* drop_last 1: no short last batch (before the first epoch; default 0). */
 MGPU_DEF void mgpu_loader_set_drop_last(mgpu_loader *l, int drop_last);
+/* The epochs go through s's samples for its rank (before the first epoch;
+   a loader made with shuffle 0, for the data set of s's n). */
+MGPU_DEF void mgpu_loader_set_sampler(mgpu_loader *l, mgpu_sampler *s);
 MGPU_DEF void mgpu_loader_free(mgpu_loader *l);
+/* Rank `rank` of `world`'s share of n samples, as DistributedSampler:
+   shuffle 1 shuffles by (seed, epoch); drop_last 1 cuts what does not
+   divide among the ranks instead of repeating samples to fill it. */
+MGPU_DEF mgpu_sampler *mgpu_sampler_new(int n, int world, int rank, int shuffle, uint64_t seed,
+                                        int drop_last);
+/* The epoch whose order the sampler gives (0 until set): call it before each epoch. */
+MGPU_DEF void mgpu_sampler_set_epoch(mgpu_sampler *s, int epoch);
+/* This rank's samples an epoch, and that times world (the order's length). */
+MGPU_DEF int mgpu_sampler_num_samples(const mgpu_sampler *s);
+MGPU_DEF int mgpu_sampler_total_size(const mgpu_sampler *s);
+/* This rank's samples of the set epoch, in order: num_samples of them into out. */
+MGPU_DEF void mgpu_sampler_indices(mgpu_sampler *s, int *out);
+MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
 /* ---------------------------------------------------------------------------
    LAYERS. The layers of a LeNet and of a ResNet, forward and backward, on any
    device (the CPU and CUDA versions compute the same thing; see
@@ -1761,8 +1826,11 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          defines: mgpu_data_dir, mgpu_dataset_load,
          mgpu_dataset_load_fashion_mnist, mgpu_dataset_truncate,
          mgpu_dataset_subset, mgpu_dataset_free, mgpu_fashion_mnist_label,
-         mgpu_loader_new, mgpu_loader_start_epoch, mgpu_loader_next,
-         mgpu_loader_num_batches, mgpu_loader_set_drop_last, mgpu_loader_free
+         mgpu_sampler_new, mgpu_sampler_set_epoch, mgpu_sampler_num_samples,
+         mgpu_sampler_total_size, mgpu_sampler_indices, mgpu_sampler_free,
+         mgpu_loader_new, mgpu_loader_start_epoch, mgpu_loader_start_epoch_at,
+         mgpu_loader_next, mgpu_loader_num_batches, mgpu_loader_set_drop_last,
+         mgpu_loader_set_sampler, mgpu_loader_free
      Layers
          defines: mgpu_conv2d_output_shape, mgpu_conv2d_forward,
          mgpu_conv2d_backward, mgpu_avg_pool2d_output_shape,
@@ -4074,6 +4142,84 @@ MGPU_DEF const char *mgpu_fashion_mnist_label(int k) {
     return names[k];
 }
 
+/* ------------------------------------------------------------ samplers */
+/* The shuffled order of the samples in epoch `epoch`, a shuffling
+   loader's and a sampler's: a Fisher-Yates shuffle whose random words
+   come from Philox under a key made from (seed, epoch), so the order
+   depends on nothing else. Step t (swapping position n-1-t with
+   a position j in 0..n-1-t) uses word t: counter t / 4, word t % 4.
+   j = word * (i + 1) / 2^32 is uniform up to a bias below (i + 1) / 2^32,
+   under 2e-5 for 60000 samples: far below what training could notice. */
+static void mgpu__shuffled_order(int *order, int n, uint64_t seed, int epoch) {
+    uint32_t r[4];
+    mgpu_philox(seed, (uint64_t)epoch, r);
+    uint64_t key = (uint64_t)r[0] | (uint64_t)r[1] << 32;
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = n - 1, t = 0; i > 0; i--, t++) {
+        if (t % 4 == 0) mgpu_philox(key, (uint64_t)t / 4, r);
+        int j = (int)(((uint64_t)r[t % 4] * (uint64_t)(i + 1)) >> 32);
+        int tmp = order[i];
+        order[i] = order[j];
+        order[j] = tmp;
+    }
+}
+
+struct mgpu_sampler {
+    int n, world, rank, shuffle;
+    int num_samples, epoch;
+    uint64_t seed;
+    int *order; /* the epoch's order of all n samples (mgpu_sampler_indices' room) */
+};
+
+MGPU_DEF mgpu_sampler *mgpu_sampler_new(int n, int world, int rank, int shuffle, uint64_t seed,
+                                        int drop_last) {
+    MGPU_REQUIRE(n >= 1, "mgpu_sampler_new: %d samples; it needs at least 1", n);
+    MGPU_REQUIRE(world >= 1, "mgpu_sampler_new: world size %d; it must be at least 1", world);
+    MGPU_REQUIRE(rank >= 0 && rank < world, "mgpu_sampler_new: rank %d is not in 0..%d (world size %d)", rank,
+                 world - 1, world);
+    MGPU_REQUIRE((shuffle == 0 || shuffle == 1) && (drop_last == 0 || drop_last == 1),
+                 "mgpu_sampler_new: shuffle %d and drop_last %d; want 0 or 1 each", shuffle, drop_last);
+    /* torch's ceil((n - world) / world) with drop_last, where world does
+       not divide n, is floor(n / world), which is also its value where it
+       does; without, ceil(n / world). */
+    long long per_rank = drop_last ? n / world : ((long long)n + world - 1) / world;
+    MGPU_REQUIRE(per_rank * world <= INT_MAX,
+                 "mgpu_sampler_new: %d samples on %d ranks make an order of %lld, more than an int counts", n,
+                 world, per_rank * world);
+    mgpu_sampler *s = (mgpu_sampler *)mgpu__xcalloc(1, sizeof *s);
+    s->n = n;
+    s->world = world;
+    s->rank = rank;
+    s->shuffle = shuffle;
+    s->num_samples = (int)per_rank;
+    s->seed = seed;
+    s->order = (int *)mgpu__xmalloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) s->order[i] = i;
+    return s;
+}
+
+MGPU_DEF void mgpu_sampler_set_epoch(mgpu_sampler *s, int epoch) {
+    MGPU_REQUIRE(epoch >= 0, "mgpu_sampler_set_epoch: epoch %d is negative", epoch);
+    s->epoch = epoch;
+}
+
+MGPU_DEF int mgpu_sampler_num_samples(const mgpu_sampler *s) { return s->num_samples; }
+MGPU_DEF int mgpu_sampler_total_size(const mgpu_sampler *s) { return s->num_samples * s->world; }
+
+/* Position p of the order made total_size long is order[p % n], whether
+   it was cut (p < n) or went on from the start (torch's indices +=
+   indices[:padding], repeated as often as needed). */
+MGPU_DEF void mgpu_sampler_indices(mgpu_sampler *s, int *out) {
+    if (s->shuffle) mgpu__shuffled_order(s->order, s->n, s->seed, s->epoch);
+    for (int i = 0; i < s->num_samples; i++) out[i] = s->order[(s->rank + i * s->world) % s->n];
+}
+
+MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s) {
+    if (!s) return;
+    free(s->order);
+    free(s);
+}
+
 /* ------------------------------------------------------------- loaders
    A producer/consumer pair around a ring of MGPU__LOADER_RING batch
    buffers. Batch k of an epoch goes into slot k % RING. The loader thread
@@ -4101,9 +4247,11 @@ typedef struct mgpu__loader_fence {
 struct mgpu_loader {
     const mgpu_dataset *data;
     int batch_size, capacity; /* capacity: rows of a buffer, min(batch_size, n) */
-    int shuffle, nbatches;
+    int shuffle, drop_last;
+    mgpu_sampler *sampler;    /* NULL: every sample of the data set */
+    int count, nbatches;      /* samples and batches an epoch */
     uint64_t seed;
-    int *order;               /* the epoch's order of the samples */
+    int *order;               /* the epoch's order of its samples */
     mgpu_tensor *x[MGPU__LOADER_RING], *y[MGPU__LOADER_RING];
     mgpu__loader_fence fence[MGPU__LOADER_RING];
     mgpu_tensor *short_x, *short_y; /* views exposing a short last batch */
@@ -4117,26 +4265,6 @@ struct mgpu_loader {
     int stop;
 };
 
-/* The order of the samples in epoch `epoch`: a Fisher-Yates shuffle whose
-   random words come from Philox under a key made from (seed, epoch), so
-   the order depends on nothing else. Step t (swapping position n-1-t with
-   a position j in 0..n-1-t) uses word t: counter t / 4, word t % 4.
-   j = word * (i + 1) / 2^32 is uniform up to a bias below (i + 1) / 2^32,
-   under 2e-5 for 60000 samples: far below what training could notice. */
-static void mgpu__loader_shuffle(int *order, int n, uint64_t seed, int epoch) {
-    uint32_t r[4];
-    mgpu_philox(seed, (uint64_t)epoch, r);
-    uint64_t key = (uint64_t)r[0] | (uint64_t)r[1] << 32;
-    for (int i = 0; i < n; i++) order[i] = i;
-    for (int i = n - 1, t = 0; i > 0; i--, t++) {
-        if (t % 4 == 0) mgpu_philox(key, (uint64_t)t / 4, r);
-        int j = (int)(((uint64_t)r[t % 4] * (uint64_t)(i + 1)) >> 32);
-        int tmp = order[i];
-        order[i] = order[j];
-        order[j] = tmp;
-    }
-}
-
 /* The batches' tensors are the loader's: mgpu_free refuses them. */
 #define MGPU__LOADERS_OWN "its loader (a batch of mgpu_loader_next)"
 static void mgpu__loader_free_own(mgpu_tensor *t) {
@@ -4144,14 +4272,17 @@ static void mgpu__loader_free_own(mgpu_tensor *t) {
     mgpu_free(t);
 }
 
-/* Batches of an epoch of n samples: with drop_last, whole ones only. */
-static int mgpu__loader_batches(int n, int batch_size, int drop_last) {
-    return (int)(drop_last ? n / batch_size : ((long long)n + batch_size - 1) / batch_size);
+/* An epoch's samples (the data set's, or the sampler's share of them)
+   and its batches: with drop_last, whole ones only. */
+static void mgpu__loader_count(mgpu_loader *l) {
+    l->count = l->sampler ? l->sampler->num_samples : l->data->n;
+    l->nbatches = (int)(l->drop_last ? l->count / l->batch_size
+                                     : ((long long)l->count + l->batch_size - 1) / l->batch_size);
 }
 
 /* Samples in batch k: batch_size, except for a shorter last batch. */
 static int mgpu__loader_batch_n(const mgpu_loader *l, int k) {
-    int left = l->data->n - k * l->batch_size;
+    int left = l->count - k * l->batch_size;
     return left < l->batch_size ? left : l->batch_size;
 }
 
@@ -4219,7 +4350,7 @@ MGPU_DEF mgpu_loader *mgpu_loader_new(const mgpu_dataset *d, int batch_size, int
     l->batch_size = batch_size;
     l->capacity = batch_size < d->n ? batch_size : d->n;
     l->shuffle = shuffle;
-    l->nbatches = mgpu__loader_batches(d->n, batch_size, 0);
+    mgpu__loader_count(l);
     l->seed = seed;
     l->order = (int *)mgpu__xmalloc((size_t)d->n * sizeof(int));
     for (int i = 0; i < d->n; i++) l->order[i] = i;
@@ -4248,18 +4379,33 @@ static void mgpu__loader_release_held(mgpu_loader *l) {
     MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
 }
 
-MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch) {
-    MGPU_REQUIRE(epoch >= 0, "mgpu_loader_start_epoch: epoch %d is negative", epoch);
+/* Batch k of an epoch is the same whichever batch it started at: the
+   order is the epoch's, and batch k goes into slot k % RING as ever. */
+static void mgpu__loader_start(mgpu_loader *l, int epoch, int first_batch, const char *who) {
+    MGPU_REQUIRE(epoch >= 0, "%s: epoch %d is negative", who, epoch);
+    MGPU_REQUIRE(first_batch >= 0 && first_batch <= l->nbatches,
+                 "%s: first batch %d is not in 0..%d (the epoch's batches)", who, first_batch, l->nbatches);
+    MGPU_REQUIRE(!l->sampler || l->sampler->epoch == epoch,
+                 "%s: epoch %d, but its sampler is set to epoch %d: call mgpu_sampler_set_epoch(sampler, "
+                 "epoch) before each epoch (as DistributedSampler.set_epoch), or every epoch repeats one order",
+                 who, epoch, l->sampler ? l->sampler->epoch : 0);
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
     mgpu__loader_release_held(l);
     /* The producer may be writing a batch of the old epoch: let it finish
        before the order changes under it. */
     while (l->filling) MGPU__PTHREAD_CHECK(pthread_cond_wait(&l->changed, &l->mutex));
-    if (l->shuffle) mgpu__loader_shuffle(l->order, l->data->n, l->seed, epoch);
+    if (l->sampler) mgpu_sampler_indices(l->sampler, l->order);
+    else if (l->shuffle) mgpu__shuffled_order(l->order, l->data->n, l->seed, epoch);
     l->active = 1;
-    l->produced = l->handed = l->released = 0;
+    l->produced = l->handed = l->released = first_batch;
     MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&l->changed));
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
+}
+MGPU_DEF void mgpu_loader_start_epoch(mgpu_loader *l, int epoch) {
+    mgpu__loader_start(l, epoch, 0, "mgpu_loader_start_epoch");
+}
+MGPU_DEF void mgpu_loader_start_epoch_at(mgpu_loader *l, int epoch, int first_batch) {
+    mgpu__loader_start(l, epoch, first_batch, "mgpu_loader_start_epoch_at");
 }
 
 MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out) {
@@ -4289,14 +4435,27 @@ MGPU_DEF int mgpu_loader_next(mgpu_loader *l, mgpu_batch *out) {
 
 MGPU_DEF int mgpu_loader_num_batches(const mgpu_loader *l) { return l->nbatches; }
 
+/* Settings that change an epoch's counts come before the first epoch:
+   the loader thread reads the counts only once `active` is set (by this
+   thread alone), so no lock is needed here. */
 MGPU_DEF void mgpu_loader_set_drop_last(mgpu_loader *l, int drop_last) {
     MGPU_REQUIRE(drop_last == 0 || drop_last == 1, "mgpu_loader_set_drop_last: drop_last %d; want 0 or 1",
                  drop_last);
-    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&l->mutex));
-    int started = l->active;
-    if (!started) l->nbatches = mgpu__loader_batches(l->data->n, l->batch_size, drop_last);
-    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&l->mutex));
-    MGPU_REQUIRE(!started, "mgpu_loader_set_drop_last: the loader's first epoch has started; set it before");
+    MGPU_REQUIRE(!l->active, "mgpu_loader_set_drop_last: the loader's first epoch has started; set it before");
+    l->drop_last = drop_last;
+    mgpu__loader_count(l);
+}
+
+MGPU_DEF void mgpu_loader_set_sampler(mgpu_loader *l, mgpu_sampler *s) {
+    MGPU_REQUIRE(s, "mgpu_loader_set_sampler: the sampler is NULL");
+    MGPU_REQUIRE(s->n == l->data->n, "mgpu_loader_set_sampler: the sampler is for %d samples, the data set has %d",
+                 s->n, l->data->n);
+    MGPU_REQUIRE(!l->shuffle,
+                 "mgpu_loader_set_sampler: the loader shuffles, and the sampler gives the order; make the loader "
+                 "with shuffle 0 (as DataLoader refuses shuffle=True with a sampler)");
+    MGPU_REQUIRE(!l->active, "mgpu_loader_set_sampler: the loader's first epoch has started; set it before");
+    l->sampler = s;
+    mgpu__loader_count(l);
 }
 
 MGPU_DEF void mgpu_loader_free(mgpu_loader *l) {

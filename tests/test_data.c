@@ -1,4 +1,5 @@
-/* tests/test_data.c: the IDX reader, the data set and the loaders.
+/* tests/test_data.c: the IDX reader, the data set, the loaders and the
+   distributed sampler.
 
    The real-data tests read Fashion-MNIST from $MGPU_DATA, else from
    ../shared/fashion-mnist; without it they print a note and pass. The
@@ -103,15 +104,14 @@ TEST(data_dir_lookup) {
 
 /* -------------------------------------------------------------- loaders */
 
-/* Runs one epoch of an indexed data set, checking every batch (shape,
-   pixels exactly byte / 255, labels), and writes the sample order. */
-static void run_indexed_epoch(mgpu_loader *l, const mgpu_dataset *d, int batch_size, int epoch,
-                              int *order) {
-    mgpu_loader_start_epoch(l, epoch);
+/* Takes the rest of a started epoch of an indexed data set, `left`
+   samples, checking every batch (shape, pixels exactly byte / 255,
+   labels); writes the samples' order and returns the batches taken. */
+static int take_indexed_batches(mgpu_loader *l, const mgpu_dataset *d, int batch_size, int left, int *order) {
     mgpu_batch b;
     int seen = 0, batches = 0;
     while (mgpu_loader_next(l, &b)) {
-        int want_n = d->n - seen < batch_size ? d->n - seen : batch_size;
+        int want_n = left - seen < batch_size ? left - seen : batch_size;
         CHECK_EQ_INT(b.n, want_n);
         CHECK_EQ_INT(b.x->shape.ndim, 4);
         CHECK_EQ_INT(b.x->shape.d[0], b.n);
@@ -120,26 +120,33 @@ static void run_indexed_epoch(mgpu_loader *l, const mgpu_dataset *d, int batch_s
         CHECK_EQ_INT(b.y->shape.ndim, 1);
         CHECK_EQ_INT(b.y->shape.d[0], b.n);
         CHECK(b.x->device == mgpu_cpu() && b.x->pinned);
-        for (int i = 0; i < b.n && seen < d->n; i++) {
+        for (int i = 0; i < b.n && seen < left; i++) {
             const float *px = b.x->data + 4 * i;
             int index = (int)lroundf(px[0] * 255.0f) + 256 * (int)lroundf(px[1] * 255.0f);
             if (index < 0 || index >= d->n) {
                 CHECK(index >= 0 && index < d->n);
-                return;
+                return batches;
             }
             for (int p = 0; p < 4; p++)
                 if (px[p] != (float)d->images[4 * index + p] / 255.0f) {
                     CHECK(px[p] == (float)d->images[4 * index + p] / 255.0f);
-                    return;
+                    return batches;
                 }
             CHECK(b.y->data[i] == (float)d->labels[index]);
             order[seen++] = index;
         }
         batches++;
     }
-    CHECK_EQ_INT(seen, d->n);
-    CHECK_EQ_INT(batches, mgpu_loader_num_batches(l));
+    CHECK_EQ_INT(seen, left);
     CHECK_EQ_INT(mgpu_loader_next(l, &b), 0); /* stays at the end */
+    return batches;
+}
+
+/* One whole epoch, every sample of the data set. */
+static void run_indexed_epoch(mgpu_loader *l, const mgpu_dataset *d, int batch_size, int epoch,
+                              int *order) {
+    mgpu_loader_start_epoch(l, epoch);
+    CHECK_EQ_INT(take_indexed_batches(l, d, batch_size, d->n, order), mgpu_loader_num_batches(l));
 }
 
 /* Every index once: the order is a permutation. */
@@ -269,6 +276,243 @@ TEST(shuffle_depends_only_on_seed_and_epoch) {
     mgpu_loader_free(first);
     mgpu_loader_free(second);
     mgpu_loader_free(other_seed);
+    mgpu_dataset_free(d);
+}
+
+/* ------------------------------------------------------------- samplers */
+
+/* DistributedSampler's sizes, worked out by hand from its formulas:
+   num_samples = ceil((n - world) / world) with drop_last where world
+   does not divide n, else ceil(n / world); total = num_samples * world. */
+TEST(sampler_sizes_are_torchs) {
+    static const int cases[][5] = {
+        /* n, world, drop_last, num_samples, total */
+        {10, 4, 0, 3, 12},  {10, 4, 1, 2, 8},          /* ceil(2.5); ceil(1.5) */
+        {12, 4, 0, 3, 12},  {12, 4, 1, 3, 12},         /* divides: the same either way */
+        {3, 4, 0, 1, 4},    {3, 4, 1, 0, 0},           /* ceil(-0.25) = 0: nothing */
+        {2, 5, 0, 1, 5},    {1, 1, 0, 1, 1},
+        {60000, 7, 0, 8572, 60004}, {60000, 7, 1, 8571, 59997}, /* ceil(8571.4); ceil(8570.4) */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        for (int rank = 0; rank < cases[c][1]; rank++) {
+            mgpu_sampler *s = mgpu_sampler_new(cases[c][0], cases[c][1], rank, 1, 3, cases[c][2]);
+            CHECK_EQ_INT(mgpu_sampler_num_samples(s), cases[c][3]);
+            CHECK_EQ_INT(mgpu_sampler_total_size(s), cases[c][4]);
+            mgpu_sampler_free(s);
+        }
+    }
+}
+
+/* Rank r's samples of an epoch (num_samples of them, at most 64). */
+static int rank_samples(int n, int world, int rank, int shuffle, int drop_last, int epoch, int *out) {
+    mgpu_sampler *s = mgpu_sampler_new(n, world, rank, shuffle, 11, drop_last);
+    mgpu_sampler_set_epoch(s, epoch);
+    mgpu_sampler_indices(s, out);
+    int count = mgpu_sampler_num_samples(s);
+    mgpu_sampler_free(s);
+    return count;
+}
+
+/* In order, rank r takes r, r + world, ...; the order is made longer by
+   going on from its start, and cut with drop_last. */
+TEST(sampler_strides_and_pads_from_the_start) {
+    static const int want[4][3] = {{0, 4, 8}, {1, 5, 9}, {2, 6, 0}, {3, 7, 1}};
+    int got[3];
+    for (int rank = 0; rank < 4; rank++) {
+        CHECK_EQ_INT(rank_samples(10, 4, rank, 0, 0, 0, got), 3);
+        for (int i = 0; i < 3; i++) CHECK_EQ_INT(got[i], want[rank][i]);
+        CHECK_EQ_INT(rank_samples(10, 4, rank, 0, 1, 0, got), 2); /* drop_last: 8 and 9 left out */
+        for (int i = 0; i < 2; i++) CHECK_EQ_INT(got[i], want[rank][i]);
+    }
+    /* 2 samples on 5 ranks: the order goes round more than once, 0 1 0 1 0 */
+    for (int rank = 0; rank < 5; rank++) {
+        CHECK_EQ_INT(rank_samples(2, 5, rank, 0, 0, 0, got), 1);
+        CHECK_EQ_INT(got[0], rank % 2);
+    }
+    /* shuffled: ranks 2 and 3 end with the first samples of ranks 0 and 1 */
+    int ranks[4][3];
+    for (int rank = 0; rank < 4; rank++) rank_samples(10, 4, rank, 1, 0, 5, ranks[rank]);
+    CHECK_EQ_INT(ranks[2][2], ranks[0][0]);
+    CHECK_EQ_INT(ranks[3][2], ranks[1][0]);
+    CHECK(!(ranks[0][0] == 0 && ranks[1][0] == 1 && ranks[2][0] == 2)); /* (and it did shuffle) */
+}
+
+/* Where world divides n, the ranks' samples together are the data set,
+   each sample once, shuffled or not. */
+TEST(sampler_ranks_cover_every_sample_once) {
+    static const int sizes[][2] = {{12, 4}, {60, 3}, {64, 8}, {7, 7}};
+    for (size_t c = 0; c < sizeof sizes / sizeof sizes[0]; c++) {
+        int n = sizes[c][0], world = sizes[c][1];
+        for (int shuffle = 0; shuffle < 2; shuffle++) {
+            int times[64] = {0}, got[64];
+            for (int rank = 0; rank < world; rank++) {
+                CHECK_EQ_INT(rank_samples(n, world, rank, shuffle, 0, 2, got), n / world);
+                for (int i = 0; i < n / world; i++) times[got[i]]++;
+            }
+            for (int i = 0; i < n; i++) CHECK_EQ_INT(times[i], 1);
+        }
+    }
+}
+
+/* The shuffled order depends on (seed, epoch) alone, whatever was asked
+   before; it is the one a shuffling loader with that seed gives. */
+TEST(sampler_order_depends_only_on_seed_and_epoch) {
+    enum { N = 200 };
+    static int a[N], b[N], c[N], loader_order[N];
+    mgpu_sampler *s = mgpu_sampler_new(N, 1, 0, 1, 7, 0);
+    mgpu_sampler_set_epoch(s, 3);
+    mgpu_sampler_indices(s, a);
+    mgpu_sampler_set_epoch(s, 4);
+    mgpu_sampler_indices(s, b);
+    CHECK(memcmp(a, b, sizeof a) != 0); /* another epoch, another order */
+    CHECK(is_permutation(a, N) && is_permutation(b, N));
+    mgpu_sampler *again = mgpu_sampler_new(N, 1, 0, 1, 7, 0);
+    mgpu_sampler_set_epoch(again, 3);
+    mgpu_sampler_indices(again, c);
+    CHECK(memcmp(a, c, sizeof a) == 0);
+    mgpu_sampler_set_epoch(s, 3); /* back, after epoch 4 */
+    mgpu_sampler_indices(s, b);
+    CHECK(memcmp(a, b, sizeof a) == 0);
+    mgpu_sampler *other_seed = mgpu_sampler_new(N, 1, 0, 1, 8, 0);
+    mgpu_sampler_set_epoch(other_seed, 3);
+    mgpu_sampler_indices(other_seed, c);
+    CHECK(memcmp(a, c, sizeof a) != 0);
+    mgpu_dataset *d = indexed_dataset(N);
+    mgpu_loader *l = mgpu_loader_new(d, 32, 1, 7);
+    run_indexed_epoch(l, d, 32, 3, loader_order);
+    CHECK(memcmp(a, loader_order, sizeof a) == 0);
+    mgpu_loader_free(l);
+    mgpu_dataset_free(d);
+    mgpu_sampler_free(s);
+    mgpu_sampler_free(again);
+    mgpu_sampler_free(other_seed);
+}
+
+/* A loader with a sampler gives exactly the rank's samples (their
+   pixels and labels), in the sampler's order, in its batches. */
+TEST(loader_with_a_sampler_yields_the_ranks_samples) {
+    mgpu_dataset *d = indexed_dataset(50);
+    mgpu_sampler *s = mgpu_sampler_new(50, 4, 2, 1, 9, 0); /* 13 samples */
+    mgpu_loader *l = mgpu_loader_new(d, 5, 0, 0);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 10);
+    mgpu_loader_set_sampler(l, s);
+    CHECK_EQ_INT(mgpu_loader_num_batches(l), 3); /* 5, 5 and 3 */
+    int want[13], got[13], first[13];
+    for (int epoch = 0; epoch < 2; epoch++) {
+        mgpu_sampler_set_epoch(s, epoch);
+        mgpu_sampler_indices(s, want);
+        mgpu_loader_start_epoch(l, epoch);
+        CHECK_EQ_INT(take_indexed_batches(l, d, 5, 13, got), 3);
+        CHECK(memcmp(got, want, sizeof got) == 0);
+        if (epoch == 0) memcpy(first, got, sizeof got);
+    }
+    CHECK(memcmp(first, got, sizeof got) != 0);
+    mgpu_loader_free(l);
+    /* the loader's drop_last leaves the short batch out, before or after */
+    mgpu_loader *whole = mgpu_loader_new(d, 5, 0, 0);
+    mgpu_loader_set_drop_last(whole, 1);
+    mgpu_loader_set_sampler(whole, s);
+    CHECK_EQ_INT(mgpu_loader_num_batches(whole), 2);
+    mgpu_loader_start_epoch(whole, 1);
+    CHECK_EQ_INT(take_indexed_batches(whole, d, 5, 10, got), 2);
+    CHECK(memcmp(got, want, 10 * sizeof(int)) == 0);
+    mgpu_loader_free(whole);
+    mgpu_sampler_free(s);
+    mgpu_dataset_free(d);
+}
+
+/* Forgetting set_epoch is an error, not an epoch in the old order. */
+TEST(a_sampler_left_at_another_epoch_is_an_error) {
+    mgpu_dataset *d = indexed_dataset(20);
+    mgpu_sampler *s = mgpu_sampler_new(20, 2, 1, 1, 4, 0);
+    mgpu_loader *l = mgpu_loader_new(d, 4, 0, 0);
+    mgpu_loader_set_sampler(l, s);
+    int got[10];
+    mgpu_loader_start_epoch(l, 0); /* a sampler starts at epoch 0 */
+    CHECK_EQ_INT(take_indexed_batches(l, d, 4, 10, got), 3);
+    EXPECT_DIES(mgpu_loader_start_epoch(l, 1),
+                "mgpu: error: mgpu_loader_start_epoch: epoch 1, but its sampler is set to epoch 0: call "
+                "mgpu_sampler_set_epoch(sampler, epoch) before each epoch (as DistributedSampler.set_epoch)");
+    mgpu_sampler_set_epoch(s, 1);
+    mgpu_loader_start_epoch(l, 1);
+    mgpu_batch b;
+    CHECK(mgpu_loader_next(l, &b));
+    mgpu_loader_start_epoch(l, 1); /* the same epoch again is fine */
+    CHECK_EQ_INT(take_indexed_batches(l, d, 4, 10, got), 3);
+    EXPECT_DIES(mgpu_loader_start_epoch_at(l, 0, 1), "mgpu_loader_start_epoch_at: epoch 0, but its sampler is set to epoch 1");
+    mgpu_loader_free(l);
+    mgpu_sampler_free(s);
+    mgpu_dataset_free(d);
+}
+
+/* An epoch started at batch k gives the batches a whole epoch gives from
+   batch k on, with a sampler or without, shuffled or not. */
+static void check_resumed_epochs(mgpu_loader *l, const mgpu_dataset *d, mgpu_sampler *s, int batch_size) {
+    int count = s ? mgpu_sampler_num_samples(s) : d->n, nb = mgpu_loader_num_batches(l);
+    int *whole = (int *)malloc((size_t)count * sizeof(int)), *tail = (int *)malloc((size_t)count * sizeof(int));
+    for (int epoch = 2; epoch < 4; epoch++) {
+        if (s) mgpu_sampler_set_epoch(s, epoch);
+        mgpu_loader_start_epoch(l, epoch);
+        CHECK_EQ_INT(take_indexed_batches(l, d, batch_size, count, whole), nb);
+        for (int k = 0; k <= nb; k++) {
+            int skipped = k * batch_size < count ? k * batch_size : count;
+            mgpu_loader_start_epoch_at(l, epoch, k);
+            CHECK_EQ_INT(take_indexed_batches(l, d, batch_size, count - skipped, tail), nb - k);
+            CHECK(memcmp(tail, whole + skipped, (size_t)(count - skipped) * sizeof(int)) == 0);
+        }
+    }
+    free(whole);
+    free(tail);
+}
+TEST(an_epoch_resumed_at_a_batch_gives_the_rest_of_it) {
+    mgpu_dataset *d = indexed_dataset(103);
+    for (int shuffle = 0; shuffle < 2; shuffle++) {
+        mgpu_loader *l = mgpu_loader_new(d, 8, shuffle, 5); /* 13 batches, the last of 7 */
+        check_resumed_epochs(l, d, NULL, 8);
+        mgpu_loader_free(l);
+    }
+    mgpu_sampler *s = mgpu_sampler_new(103, 3, 1, 1, 5, 0); /* 35 samples: 5 batches, the last of 3 */
+    mgpu_loader *l = mgpu_loader_new(d, 8, 0, 0);
+    mgpu_loader_set_sampler(l, s);
+    check_resumed_epochs(l, d, s, 8);
+    mgpu_batch b;
+    mgpu_loader_start_epoch_at(l, 3, 2); /* mid-epoch, then from another batch */
+    CHECK(mgpu_loader_next(l, &b));
+    mgpu_loader_start_epoch_at(l, 3, 4);
+    CHECK(mgpu_loader_next(l, &b));
+    CHECK_EQ_INT(b.n, 3);
+    CHECK_EQ_INT(mgpu_loader_next(l, &b), 0);
+    EXPECT_DIES(mgpu_loader_start_epoch_at(l, 3, 6), "mgpu: error: mgpu_loader_start_epoch_at: first batch 6 is not in 0..5 (the epoch's batches)");
+    EXPECT_DIES(mgpu_loader_start_epoch_at(l, 3, -1), "first batch -1 is not in 0..5");
+    EXPECT_DIES(mgpu_loader_start_epoch_at(l, -1, 0), "mgpu_loader_start_epoch_at: epoch -1 is negative");
+    mgpu_loader_free(l);
+    mgpu_sampler_free(s);
+    mgpu_dataset_free(d);
+}
+
+TEST(sampler_misuse) {
+    EXPECT_DIES(mgpu_sampler_new(0, 2, 0, 1, 0, 0), "mgpu: error: mgpu_sampler_new: 0 samples; it needs at least 1");
+    EXPECT_DIES(mgpu_sampler_new(10, 0, 0, 1, 0, 0), "mgpu_sampler_new: world size 0; it must be at least 1");
+    EXPECT_DIES(mgpu_sampler_new(10, 4, 4, 1, 0, 0), "mgpu_sampler_new: rank 4 is not in 0..3 (world size 4)");
+    EXPECT_DIES(mgpu_sampler_new(10, 4, -1, 1, 0, 0), "mgpu_sampler_new: rank -1 is not in 0..3");
+    EXPECT_DIES(mgpu_sampler_new(10, 4, 0, 2, 0, 0), "mgpu_sampler_new: shuffle 2 and drop_last 0; want 0 or 1 each");
+    EXPECT_DIES(mgpu_sampler_new(2147483647, 2, 0, 1, 0, 0), "make an order of 2147483648, more than an int counts");
+    mgpu_sampler *s = mgpu_sampler_new(10, 2, 0, 1, 0, 0);
+    EXPECT_DIES(mgpu_sampler_set_epoch(s, -1), "mgpu: error: mgpu_sampler_set_epoch: epoch -1 is negative");
+    mgpu_dataset *d = indexed_dataset(12);
+    mgpu_loader *l = mgpu_loader_new(d, 4, 0, 0);
+    EXPECT_DIES(mgpu_loader_set_sampler(l, s), "mgpu_loader_set_sampler: the sampler is for 10 samples, the data set has 12");
+    EXPECT_DIES(mgpu_loader_set_sampler(l, NULL), "mgpu_loader_set_sampler: the sampler is NULL");
+    mgpu_sampler *twelve = mgpu_sampler_new(12, 2, 0, 1, 0, 0);
+    mgpu_loader *shuffling = mgpu_loader_new(d, 4, 1, 0);
+    EXPECT_DIES(mgpu_loader_set_sampler(shuffling, twelve), "mgpu_loader_set_sampler: the loader shuffles, and the sampler gives the order");
+    mgpu_loader_start_epoch(l, 0);
+    EXPECT_DIES(mgpu_loader_set_sampler(l, twelve), "mgpu_loader_set_sampler: the loader's first epoch has started; set it before");
+    mgpu_loader_free(l);
+    mgpu_loader_free(shuffling);
+    mgpu_sampler_free(s);
+    mgpu_sampler_free(twelve);
+    mgpu_sampler_free(NULL);
     mgpu_dataset_free(d);
 }
 
