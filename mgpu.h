@@ -1222,9 +1222,43 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    version, tensor count), each tensor's shape and values, and a 64-bit
    FNV-1a checksum of everything before it. Loading a damaged file, another
    network's file or a file from another version is a one-line error. A
-   save writes "<path>.tmp" and renames it over path (over the file a link
-   names, keeping its permissions): a save that fails (a full disk) leaves
-   the checkpoint before it as it was.
+   save writes "<path>.tmp", flushes it to the disk (fsync) and renames it
+   over path (over the file a link names, keeping its permissions): a save
+   that fails (a full disk), or a crash, leaves the checkpoint before it
+   as it was.
+       void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info)
+       void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info)
+   A training checkpoint: all a training needs to go on, once loaded, bit
+   for bit as if it had never stopped. Beside the parameters and buffers
+   it holds SGD's momentum buffers and its count of steps (so the first
+   step after a resume is not taken for the training's first, which sets
+   the buffer to the gradient: torch.optim.SGD's rule), the random
+   generator's place (mgpu_rand after the load draws what it would have
+   drawn after the save), and the info (mgpu_checkpoint_info): the epoch
+   and the batch in it to resume at, the steps so far, and the number of
+   processes and the data's seed it was made with (a program resumed on
+   another number of processes sees it, and decides). Saved after a step,
+   loaded at start:
+       mgpu_checkpoint_info info = {epoch, batch + 1, step, world, seed};
+       if (rank == 0) mgpu_checkpoint_save(net, "train.ckpt", &info);
+       ...
+       mgpu_checkpoint_load(net, "train.ckpt", &info);
+       for (int epoch = info.epoch; epoch < epochs; epoch++) {
+           mgpu_sampler_set_epoch(s, epoch);
+           mgpu_loader_start_epoch_at(it, epoch, epoch == info.epoch ? info.batch : 0);
+           ...
+   It is written as mgpu_net_save writes (whole, on the disk before the
+   rename), with the magic "MGPUCKP1", the training state after the
+   header and the momentum buffers after the buffers (an empty one before
+   the first step with momentum), and the same checksum. A missing,
+   truncated or damaged file, another network's, or mgpu_net_save's file
+   (and a training checkpoint given to mgpu_net_load) is a one-line error
+   naming the file and what is wrong, and leaves the network as it was:
+   all of it is checked before anything is written. Bit for bit also
+   needs the same computation: the same devices, and the convolutions
+   computed the same way (MGPU_CONV=auto times the ways again in a new
+   process, and may choose another, whose sums round differently: fix
+   one, MGPU_CONV=im2col, where a resumed run must match to the bit).
        void mgpu_net_free(net)   the layers, parameters, buffers and scratch
 
        double mgpu_net_evaluate_accuracy(net, data, batch_size)
@@ -1337,6 +1371,16 @@ MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev);
 MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_buffers);
 MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path);
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path);
+/* Where a training stands, kept in its checkpoint beside the network. */
+typedef struct mgpu_checkpoint_info {
+    int epoch;     /* the epoch to resume in */
+    int batch;     /* and its batch to resume at (mgpu_loader_start_epoch_at) */
+    long step;     /* the training's steps so far */
+    int world;     /* the processes it ran on */
+    uint64_t seed; /* the data's seed (mgpu_sampler_new, mgpu_loader_new) */
+} mgpu_checkpoint_info;
+MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info);
+MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info);
 MGPU_DEF void mgpu_net_free(mgpu_net *net);
 /* Counts, on the net's device, the rows of logits whose argmax is the label,
    over a whole data set in evaluation mode; returns the accuracy. */
@@ -1858,7 +1902,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_net_num_buffers, mgpu_net_buffer, mgpu_net_num_weights,
          mgpu_net_replicate, mgpu_net_copy_params, mgpu_net_free,
          mgpu_evaluate_accuracy, mgpu_net_evaluate_accuracy, mgpu_net_save,
-         mgpu_net_load
+         mgpu_net_load, mgpu_checkpoint_save, mgpu_checkpoint_load
      Data parallelism
          defines: mgpu_data_parallel_new, mgpu_data_parallel_configure,
          mgpu_data_parallel_use_allreduce, mgpu_data_parallel_check_replicas,
@@ -8273,8 +8317,23 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
 }
 
 /* ---------------------------------------------------- save and load */
-#define MGPU__NET_MAGIC "MGPUNET1"
+/* Two kinds of file, one layout: mgpu_net_save's (the parameters and
+   buffers) and a training checkpoint's (mgpu_checkpoint_save: those, the
+   momentum buffers and the training's state). */
+typedef struct mgpu__net_file_kind {
+    const char *magic; /* 8 characters */
+    const char *name;  /* for messages: "cannot read the <name>" */
+    const char *holds; /* what a file of this kind is, for a load of the other kind */
+} mgpu__net_file_kind;
+static const mgpu__net_file_kind mgpu__net_files[2] = {
+    {"MGPUNET1", "checkpoint", "a network's parameters and buffers (mgpu_net_save): load it with mgpu_net_load"},
+    {"MGPUCKP1", "training checkpoint", "a training checkpoint (mgpu_checkpoint_save): load it with mgpu_checkpoint_load"},
+};
 #define MGPU__NET_VERSION 1u
+/* A training checkpoint's state, after the header: the info's epoch,
+   batch, step, world and seed, the net's SGD steps, and the generator's
+   seed and offset. */
+#define MGPU__STATE_WORDS 8
 
 /* 64-bit FNV-1a: simple, and any flipped byte changes it. */
 static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
@@ -8284,17 +8343,29 @@ static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
 }
 #define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
 
-/* The tensors of a checkpoint, in order: parameters, then buffers. */
-static int mgpu__net_num_saved(const mgpu_net *net) { return net->nparams + net->nbuffers; }
-static mgpu_tensor *mgpu__net_saved(const mgpu_net *net, int i) {
-    return i < net->nparams ? net->params[i]->value : *net->buffers[i - net->nparams];
+/* The tensors of a file, in order: parameters, then buffers; in a
+   training checkpoint, then each parameter's momentum buffer, a slot that
+   is empty (NULL) until a step with momentum makes it. */
+static int mgpu__net_num_saved(const mgpu_net *net, int training) {
+    return net->nparams + net->nbuffers + (training ? net->nparams : 0);
+}
+static mgpu_tensor **mgpu__net_saved(const mgpu_net *net, int i) {
+    int np = net->nparams, nb = net->nbuffers;
+    return i < np ? &net->params[i]->value : i < np + nb ? net->buffers[i - np] : &net->momentum[i - np - nb];
+}
+/* The tensor whose shape slot i has: a momentum buffer has its parameter's. */
+static const mgpu_tensor *mgpu__net_saved_like(const mgpu_net *net, int i) {
+    int momentum = i - net->nparams - net->nbuffers;
+    return momentum >= 0 ? net->params[momentum]->value : *mgpu__net_saved(net, i);
 }
 
-/* What tensor i of the checkpoint is, for messages: "tensor 14 of 22
-   (linear4's weight)", "tensor 20 of 22 (block2.bn2's running_mean)". */
-static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, size_t size) {
-    const void *slot = i < net->nparams ? (const void *)net->params[i] : (const void *)net->buffers[i - net->nparams];
-    int count = mgpu__net_num_saved(net);
+/* What tensor i of the file's count is, for messages: "tensor 14 of 22
+   (linear4's weight)", "tensor 20 of 22 (block2.bn2's running_mean)",
+   "tensor 30 of 36 (linear4's weight's momentum)". */
+static const char *mgpu__net_saved_name(const mgpu_net *net, int i, int count, char *buf, size_t size) {
+    int np = net->nparams, nb = net->nbuffers, momentum = i >= np + nb;
+    const void *slot = i < np ? (const void *)net->params[i]
+                     : momentum ? (const void *)net->params[i - np - nb] : (const void *)net->buffers[i - np];
     snprintf(buf, size, "tensor %d of %d", i, count);
     /* a depth-first walk: each layer, then a block's parts (at most 5 a layer) */
     const mgpu_layer **stack = (const mgpu_layer **)mgpu__xmalloc((5 * net->nlayers + 1) * sizeof *stack);
@@ -8305,7 +8376,8 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, s
         const char *what = slot == &l->weight ? "weight" : slot == &l->bias ? "bias"
                          : slot == &l->running_mean ? "running_mean" : slot == &l->running_var ? "running_var" : NULL;
         if (what) {
-            snprintf(buf, size, "tensor %d of %d (%s's %s)", i, count, l->name, what);
+            snprintf(buf, size, "tensor %d of %d (%s's %s%s)", i, count, l->name, what,
+                     momentum ? "'s momentum" : "");
             break;
         }
         const mgpu_layer *parts[5] = {l->shortcut, l->bn2, l->bn1, l->conv2, l->conv1};
@@ -8316,12 +8388,13 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, char *buf, s
     return buf;
 }
 
-/* The bytes of the network's checkpoint: magic, version and count, then a
-   shape and the values of each tensor, then the checksum. */
-static size_t mgpu__net_checkpoint_bytes(const mgpu_net *net) {
-    size_t bytes = 8 + 2 * sizeof(uint32_t) + sizeof(uint64_t);
-    for (int i = 0; i < mgpu__net_num_saved(net); i++)
-        bytes += (1 + MGPU_MAX_DIMS) * sizeof(uint32_t) + mgpu__net_saved(net, i)->numel * sizeof(float);
+/* The most bytes a file for the network can have: magic, version and
+   count, a training checkpoint's state, then a shape and the values of
+   each tensor (every momentum slot full), then the checksum. */
+static size_t mgpu__net_file_bytes(const mgpu_net *net, int training) {
+    size_t bytes = 8 + 2 * sizeof(uint32_t) + (training ? MGPU__STATE_WORDS * sizeof(uint64_t) : 0) + sizeof(uint64_t);
+    for (int i = 0; i < mgpu__net_num_saved(net, training); i++)
+        bytes += (1 + MGPU_MAX_DIMS) * sizeof(uint32_t) + mgpu__net_saved_like(net, i)->numel * sizeof(float);
     return bytes;
 }
 
@@ -8330,73 +8403,99 @@ static int mgpu__write_all(FILE *f, const void *data, size_t n, uint64_t *hash) 
     return fwrite(data, 1, n, f) == n;
 }
 
-MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) {
+/* Writes the network's file, a training checkpoint when state (its
+   MGPU__STATE_WORDS words) is given, else mgpu_net_save's. An empty
+   momentum slot is written as a shape of 0 dimensions and no values. */
+static void mgpu__net_write(const mgpu_net *net, const char *path, const uint64_t *state) {
+    int training = state != NULL, count = mgpu__net_num_saved(net, training);
+    const mgpu__net_file_kind *kind = &mgpu__net_files[training];
     /* Not over what is not a file: a FIFO, say, would be replaced. */
     struct stat st;
     if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
-        mgpu_fatal("%s: cannot write the checkpoint (not a regular file)", path);
+        mgpu_fatal("%s: cannot write the %s (not a regular file)", path, kind->name);
     /* Whole or not at all: a full disk leaves the checkpoint before it. */
     mgpu__whole_file w;
     FILE *f = mgpu__whole_file_open(&w, path);
     if (!f) mgpu_fatal("%s: cannot open for writing (%s)", path, strerror(errno));
     uint64_t hash = MGPU__FNV_OFFSET;
-    uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)mgpu__net_num_saved(net)};
-    int written = mgpu__write_all(f, MGPU__NET_MAGIC, 8, &hash);
+    uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)count};
+    int written = mgpu__write_all(f, kind->magic, 8, &hash);
     written &= mgpu__write_all(f, header, sizeof header, &hash);
-    for (int i = 0; i < mgpu__net_num_saved(net) && written; i++) {
-        const mgpu_tensor *t = mgpu__net_saved(net, i);
-        uint32_t shape[1 + MGPU_MAX_DIMS] = {(uint32_t)t->shape.ndim};
-        for (int k = 0; k < MGPU_MAX_DIMS; k++) shape[1 + k] = (uint32_t)t->shape.d[k];
+    if (training) written &= mgpu__write_all(f, state, MGPU__STATE_WORDS * sizeof *state, &hash);
+    for (int i = 0; i < count && written; i++) {
+        const mgpu_tensor *t = *mgpu__net_saved(net, i);
+        uint32_t shape[1 + MGPU_MAX_DIMS] = {0};
+        if (t) {
+            shape[0] = (uint32_t)t->shape.ndim;
+            for (int k = 0; k < MGPU_MAX_DIMS; k++) shape[1 + k] = (uint32_t)t->shape.d[k];
+        }
         written &= mgpu__write_all(f, shape, sizeof shape, &hash);
+        if (!t) continue;
         float *values = (float *)mgpu__xmalloc(t->numel * sizeof(float));
         mgpu_to_host(t, values);
         written &= mgpu__write_all(f, values, t->numel * sizeof(float), &hash);
         free(values);
     }
     written &= fwrite(&hash, sizeof hash, 1, f) == 1;
+    /* On the disk before the rename: a crash just after it must find the
+       new file whole, not a name for blocks that were never written. */
+    written = written && fflush(f) == 0 && fsync(fileno(f)) == 0;
     int error = mgpu__whole_file_close(&w, !written);
-    if (error) mgpu_fatal("%s: cannot write the checkpoint (%s)", path, strerror(error));
+    if (error) mgpu_fatal("%s: cannot write the %s (%s)", path, kind->name, strerror(error));
 }
 
-MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
+/* Reads the network's file into net, a training checkpoint when state is
+   given (which gets its state words), else mgpu_net_save's. Everything is
+   checked before the network is touched. */
+static void mgpu__net_read(mgpu_net *net, const char *path, uint64_t *state) {
+    int training = state != NULL, count = mgpu__net_num_saved(net, training);
+    const mgpu__net_file_kind *kind = &mgpu__net_files[training], *other = &mgpu__net_files[!training];
     /* What it is before opening it: opening a FIFO would wait for a writer. */
     struct stat st;
-    if (stat(path, &st) != 0) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
-    if (!S_ISREG(st.st_mode)) mgpu_fatal("%s: cannot read the checkpoint (not a regular file)", path);
+    if (stat(path, &st) != 0) mgpu_fatal("%s: cannot open the %s (%s)", path, kind->name, strerror(errno));
+    if (!S_ISREG(st.st_mode)) mgpu_fatal("%s: cannot read the %s (not a regular file)", path, kind->name);
     FILE *f = fopen(path, "rb");
-    if (!f) mgpu_fatal("%s: cannot open the checkpoint (%s)", path, strerror(errno));
-    /* Only as many bytes as the network's checkpoint has: a longer file is
+    if (!f) mgpu_fatal("%s: cannot open the %s (%s)", path, kind->name, strerror(errno));
+    /* Only as many bytes as the network's file can have: a longer file is
        an error below, and need not fit in memory to be one. */
-    size_t total = (size_t)st.st_size, want = mgpu__net_checkpoint_bytes(net);
+    size_t total = (size_t)st.st_size, want = mgpu__net_file_bytes(net, training);
     size_t readable = total < want ? total : want;
     unsigned char *bytes = (unsigned char *)mgpu__xmalloc(readable ? readable : 1);
     if (fread(bytes, 1, readable, f) != readable)
-        mgpu_fatal("%s: cannot read the checkpoint (%s)", path, strerror(errno));
+        mgpu_fatal("%s: cannot read the %s (%s)", path, kind->name, strerror(errno));
     fclose(f);
-    /* Check everything before touching the network. */
     size_t at = 0;
     const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
-    if (readable < 8 || memcmp(bytes, MGPU__NET_MAGIC, 8) != 0)
-        mgpu_fatal("%s: not an mgpu checkpoint (no \"" MGPU__NET_MAGIC "\" header)", path);
+    if (readable >= 8 && memcmp(bytes, other->magic, 8) == 0) mgpu_fatal("%s: holds %s", path, other->holds);
+    if (readable < 8 || memcmp(bytes, kind->magic, 8) != 0)
+        mgpu_fatal("%s: not an mgpu %s (no \"%s\" header)", path, kind->name, kind->magic);
     if (readable < header_bytes) mgpu_fatal("%s: truncated in the header", path);
     uint32_t header[2];
     memcpy(header, bytes + 8, sizeof header);
     at = header_bytes;
     if (header[0] != MGPU__NET_VERSION)
-        mgpu_fatal("%s: checkpoint version %u, this library reads version %u", path, header[0],
+        mgpu_fatal("%s: %s version %u, this library reads version %u", path, kind->name, header[0],
                    MGPU__NET_VERSION);
-    if ((int)header[1] != mgpu__net_num_saved(net))
-        mgpu_fatal("%s: holds %u tensors, the network has %d (another network's checkpoint?)", path,
-                   header[1], mgpu__net_num_saved(net));
-    size_t *offsets = (size_t *)mgpu__xcalloc((size_t)header[1], sizeof(size_t));
-    for (int i = 0; i < (int)header[1]; i++) {
-        const mgpu_tensor *t = mgpu__net_saved(net, i);
+    if ((int)header[1] != count)
+        mgpu_fatal("%s: holds %u tensors, the network has %d (another network's %s?)", path, header[1], count,
+                   kind->name);
+    if (training) {
+        if (readable - at < MGPU__STATE_WORDS * sizeof *state) mgpu_fatal("%s: truncated in the training state", path);
+        memcpy(state, bytes + at, MGPU__STATE_WORDS * sizeof *state);
+        at += MGPU__STATE_WORDS * sizeof *state;
+    }
+    /* where each tensor's values start; 0 for an empty momentum slot
+       (values never start at 0: the header comes first) */
+    size_t *offsets = (size_t *)mgpu__xcalloc((size_t)count, sizeof(size_t));
+    for (int i = 0; i < count; i++) {
+        const mgpu_tensor *t = mgpu__net_saved_like(net, i);
         uint32_t shape[1 + MGPU_MAX_DIMS];
         char name[160];
         if (sizeof shape > readable - at)
-            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, name, sizeof name));
+            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, count, name, sizeof name));
         memcpy(shape, bytes + at, sizeof shape);
         at += sizeof shape;
+        if (shape[0] == 0 && i >= net->nparams + net->nbuffers) continue; /* an empty momentum slot */
         /* (the dimensions past ndim, always 1, are the checksum's to check) */
         int same = shape[0] == (uint32_t)t->shape.ndim;
         for (int k = 0; k < t->shape.ndim && same; k++) same = shape[1 + k] == (uint32_t)t->shape.d[k];
@@ -8406,12 +8505,12 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
                 snprintf(got + strlen(got), sizeof got - strlen(got), "%s%u", k ? ", " : "", shape[1 + k]);
             strcat(got, shape[0] > MGPU_MAX_DIMS ? ", ...]" : "]");
             mgpu_fatal("%s: %s has shape %s, the network's is %s", path,
-                       mgpu__net_saved_name(net, i, name, sizeof name), got,
+                       mgpu__net_saved_name(net, i, count, name, sizeof name), got,
                        mgpu_shape_str(t->shape, want, sizeof want));
         }
         offsets[i] = at;
         if (t->numel * sizeof(float) > readable - at)
-            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, name, sizeof name));
+            mgpu_fatal("%s: truncated in %s", path, mgpu__net_saved_name(net, i, count, name, sizeof name));
         at += t->numel * sizeof(float);
     }
     /* (the bounds are the buffer's, `readable` bytes; `total`, the file's, is for messages) */
@@ -8424,14 +8523,48 @@ MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) {
     if (stored != mgpu__fnv1a(MGPU__FNV_OFFSET, bytes, at))
         mgpu_fatal("%s: checksum mismatch (the file is damaged)", path);
     net->changes++;
-    for (int i = 0; i < (int)header[1]; i++) {
-        mgpu_tensor *t = mgpu__net_saved(net, i);
-        mgpu_tensor *host = mgpu_from_host(mgpu_cpu(), t->shape, (const float *)(bytes + offsets[i]));
-        mgpu_copy(t, host, 0);
+    for (int i = 0; i < count; i++) {
+        mgpu_tensor **slot = mgpu__net_saved(net, i);
+        if (!offsets[i]) { /* as the file has it: no momentum yet */
+            mgpu_free(*slot);
+            *slot = NULL;
+            continue;
+        }
+        if (!*slot) *slot = mgpu_empty(net->device, mgpu__net_saved_like(net, i)->shape);
+        mgpu_tensor *host = mgpu_from_host(mgpu_cpu(), (*slot)->shape, (const float *)(bytes + offsets[i]));
+        mgpu_copy(*slot, host, 0);
         mgpu_free(host);
     }
     free(offsets);
     free(bytes);
+}
+
+MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) { mgpu__net_write(net, path, NULL); }
+MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) { mgpu__net_read(net, path, NULL); }
+
+MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info) {
+    MGPU_REQUIRE(info, "mgpu_checkpoint_save: info is NULL; it says where the training resumes");
+    MGPU_REQUIRE(info->epoch >= 0 && info->batch >= 0 && info->step >= 0 && info->world >= 1,
+                 "mgpu_checkpoint_save: epoch %d, batch %d, step %ld, world %d: the first three must be 0 or "
+                 "more, world 1 or more", info->epoch, info->batch, info->step, info->world);
+    uint64_t state[MGPU__STATE_WORDS] = {(uint64_t)info->epoch, (uint64_t)info->batch, (uint64_t)info->step,
+                                         (uint64_t)info->world, info->seed, (uint64_t)net->steps,
+                                         mgpu__library.seed, mgpu__library.offset};
+    mgpu__net_write(net, path, state);
+}
+
+MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info) {
+    MGPU_REQUIRE(info, "mgpu_checkpoint_load: info is NULL; it gets where the training resumes");
+    uint64_t state[MGPU__STATE_WORDS];
+    mgpu__net_read(net, path, state);
+    info->epoch = (int)state[0];
+    info->batch = (int)state[1];
+    info->step = (long)state[2];
+    info->world = (int)state[3];
+    info->seed = state[4];
+    net->steps = (int)state[5];
+    mgpu__library.seed = state[6];
+    mgpu__library.offset = state[7];
 }
 /* ======================================================================
    Data parallelism

@@ -14,7 +14,9 @@
    - a training step writes every gradient, so needs no zero_grad;
    - on GPUs, a step's batch is copied while the step before computes;
    - save then load gives the same outputs; damaged checkpoints are clear
-     errors.
+     errors;
+   - a training resumed from its training checkpoint goes on bit for bit
+     (momentum, SGD's step count, the generator, batch norm's buffers).
    tests/gpu_parallel.c includes this file with TEST_ON_GPU 1: the same
    tests on GPU devices (physical, then virtual). */
 #define MGPU_IMPLEMENTATION
@@ -284,6 +286,91 @@ TEST(save_then_load_gives_the_same_outputs) {
     mgpu__conv_mode = saved;
 }
 
+/* SGD with momentum (and torch's first-step rule) on batches first ..
+   first + steps - 1. */
+static void sgd_steps(mgpu_net *net, int first, int steps) {
+    for (int s = first; s < first + steps; s++) {
+        mgpu_tensor *x, *y;
+        batch(s, 6, &x, &y);
+        mgpu_net_train_step(net, x, y, 0.05f, 0.9f, 1e-4f, NULL);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+}
+
+/* Every parameter and buffer of a and b, bit for bit. */
+static int same_bits(mgpu_net *a, mgpu_net *b) {
+    int same = 1;
+    for (int i = 0; i < a->nparams + a->nbuffers; i++) {
+        const mgpu_tensor *ta = i < a->nparams ? a->params[i]->value : *a->buffers[i - a->nparams];
+        const mgpu_tensor *tb = i < b->nparams ? b->params[i]->value : *b->buffers[i - b->nparams];
+        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
+        mgpu_to_host(ta, va);
+        mgpu_to_host(tb, vb);
+        same &= ta->numel == tb->numel && memcmp(va, vb, ta->numel * sizeof(float)) == 0;
+        free(va);
+        free(vb);
+    }
+    return same;
+}
+
+/* Train k steps, save, train m more: A. Another network, trained
+   elsewhere, loads the checkpoint and trains the same m steps: B. A and
+   B are the same bits, and the generator draws after the load what it
+   drew after the save. */
+TEST(a_training_resumed_from_its_checkpoint_goes_on_bit_for_bit) {
+    mgpu_device *d = test_device();
+    /* one way for both networks' convolutions: a CPU's first calls try two */
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    mgpu__conv_mode = MGPU__CONV_IM2COL;
+    char path[256];
+    temp_path(path, sizeof path, "train.ckpt");
+    mgpu_net *a = small_net(d, 1);
+    sgd_steps(a, 0, 3);
+    mgpu_manual_seed(99);
+    mgpu_free(mgpu_rand(d, mgpu_shape1(7)));
+    mgpu_checkpoint_info info = {2, 5, 3, 4, 1234}, back = {-1, -1, -1, -1, 0};
+    mgpu_checkpoint_save(a, path, &info);
+    float after_save[8], after_load[8];
+    mgpu_tensor *drawn = mgpu_rand(d, mgpu_shape1(8));
+    mgpu_to_host(drawn, after_save);
+    mgpu_free(drawn);
+    sgd_steps(a, 3, 4);
+
+    mgpu_net *b = small_net(d, 1);
+    sgd_steps(b, 100, 2); /* other weights, momentum and step count than the checkpoint's */
+    mgpu_manual_seed(12345);
+    mgpu_checkpoint_load(b, path, &back);
+    drawn = mgpu_rand(d, mgpu_shape1(8));
+    mgpu_to_host(drawn, after_load);
+    mgpu_free(drawn);
+    CHECK(memcmp(after_save, after_load, sizeof after_save) == 0);
+    CHECK_EQ_INT(back.epoch, 2);
+    CHECK_EQ_INT(back.batch, 5);
+    CHECK_EQ_INT(back.step, 3);
+    CHECK_EQ_INT(back.world, 4);
+    CHECK(back.seed == 1234);
+    CHECK_EQ_INT(b->steps, 3);
+    sgd_steps(b, 3, 4);
+    CHECK(same_bits(a, b));
+
+    /* Saved before the first step: no momentum yet, and the step after
+       the load is a first step again. */
+    mgpu_net *fresh = small_net(d, 1);
+    mgpu_checkpoint_save(fresh, path, &info);
+    sgd_steps(fresh, 0, 3);
+    mgpu_checkpoint_load(b, path, &back);
+    CHECK(b->momentum[0] == NULL && b->steps == 0);
+    sgd_steps(b, 0, 3);
+    CHECK(same_bits(fresh, b));
+    unlink(path);
+    mgpu_net_free(a);
+    mgpu_net_free(b);
+    mgpu_net_free(fresh);
+    mgpu__conv_mode = saved;
+}
+
 #if !TEST_ON_GPU /* about files, not devices */
 /* Writes bytes to a file (for damaged checkpoints). */
 static void write_bytes(const char *path, const unsigned char *data, size_t n) {
@@ -374,6 +461,79 @@ TEST(damaged_checkpoints_are_clear_errors) {
     free(bytes);
     unlink(path);
     unlink(bad);
+    mgpu_net_free(net);
+    mgpu_net_free(other);
+}
+
+/* A training checkpoint that cannot be used says why in one line naming
+   the file, and loading it changes no file. */
+TEST(damaged_training_checkpoints_are_clear_errors) {
+    mgpu_net *net = small_net(mgpu_cpu(), 1);
+    sgd_steps(net, 0, 2);
+    char path[256], bad[256], want[512], net_path[256];
+    temp_path(path, sizeof path, "good-train.ckpt");
+    temp_path(bad, sizeof bad, "bad-train.ckpt");
+    temp_path(net_path, sizeof net_path, "net-only.ckpt");
+    mgpu_checkpoint_info info = {1, 7, 40, 2, 99};
+    mgpu_checkpoint_save(net, path, &info);
+    size_t n, m;
+    unsigned char *bytes = read_bytes(path, &n);
+    /* header 16, state 64, then 38 tensors: 22 parameters and buffers, 16 momentum buffers */
+    CHECK_EQ_INT(memcmp(bytes, "MGPUCKP1", 8), 0);
+
+    bytes[n - 30] ^= 0x04; /* in linear4's bias's momentum */
+    write_bytes(bad, bytes, n);
+    snprintf(want, sizeof want, "mgpu: error: %s: checksum mismatch (the file is damaged)\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+    unsigned char *after = read_bytes(bad, &m);
+    CHECK(m == n && memcmp(after, bytes, n) == 0);
+    free(after);
+    bytes[n - 30] ^= 0x04;
+
+    bytes[16 + 8] ^= 0x01; /* the state's batch */
+    write_bytes(bad, bytes, n);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), "checksum mismatch (the file is damaged)");
+    bytes[16 + 8] ^= 0x01;
+
+    write_bytes(bad, bytes, n - 100);
+    snprintf(want, sizeof want, "mgpu: error: %s: truncated in tensor 36 of 38 (linear4's weight's momentum)\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+    after = read_bytes(bad, &m);
+    CHECK(m == n - 100 && memcmp(after, bytes, m) == 0);
+    free(after);
+    write_bytes(bad, bytes, 16 + 30);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), "truncated in the training state");
+
+    const char *missing = "/nonexistent/train.ckpt";
+    EXPECT_DIES(mgpu_checkpoint_load(net, missing, &info),
+                "mgpu: error: /nonexistent/train.ckpt: cannot open the training checkpoint (No such file or directory)\n");
+    CHECK(access(missing, F_OK) != 0);
+
+    /* the other kind of file, each way round, and another network's */
+    mgpu_net_save(net, net_path);
+    snprintf(want, sizeof want, "mgpu: error: %s: holds a network's parameters and buffers (mgpu_net_save): load it with mgpu_net_load\n", net_path);
+    EXPECT_DIES(mgpu_checkpoint_load(net, net_path, &info), want);
+    EXPECT_DIES(mgpu_net_load(net, path), "holds a training checkpoint (mgpu_checkpoint_save): load it with mgpu_checkpoint_load");
+    mgpu_net *other = plain_net(mgpu_cpu());
+    EXPECT_DIES(mgpu_checkpoint_load(other, path, &info),
+                "holds 38 tensors, the network has 12 (another network's training checkpoint?)");
+
+    mgpu_checkpoint_info wrong = {-1, 0, 0, 1, 0};
+    EXPECT_DIES(mgpu_checkpoint_save(net, bad, &wrong),
+                "mgpu: error: mgpu_checkpoint_save: epoch -1, batch 0, step 0, world 1: the first three must be 0 or more");
+    wrong.epoch = 0;
+    wrong.world = 0;
+    EXPECT_DIES(mgpu_checkpoint_save(net, bad, &wrong), "world 0");
+    EXPECT_DIES(mgpu_checkpoint_save(net, bad, NULL), "mgpu_checkpoint_save: info is NULL");
+
+    /* none of it touched the good checkpoint */
+    after = read_bytes(path, &m);
+    CHECK(m == n && memcmp(after, bytes, n) == 0);
+    free(after);
+    free(bytes);
+    unlink(path);
+    unlink(bad);
+    unlink(net_path);
     mgpu_net_free(net);
     mgpu_net_free(other);
 }
