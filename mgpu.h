@@ -558,7 +558,7 @@ MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane);
      only on (seed, epoch): the same pair gives the same order whatever
      happened before, another epoch gives another one. It is a Fisher-Yates
      shuffle driven by Philox (section 6). Without shuffling, the order is
-     the data set's, every epoch.
+     the data set's, every epoch (or a sampler's, below, when one is set).
    - Every sample once per epoch: the last batch holds what is left (60000
      samples in batches of 256 end with a batch of 96), as DataLoader's
      default drop_last=False. mgpu_loader_num_batches gives the count.
@@ -571,7 +571,7 @@ MGPU_DEF double mgpu_trace_busy_ms(const mgpu_device *d, int lane);
    - The batch's tensors live on the host (device mgpu_cpu(), pinned, so a
      non-blocking mgpu_copy or mgpu_to onto a GPU overlaps compute). They
      belong to the loader: do not free them. A batch stays valid until the
-     next call of mgpu_loader_next, mgpu_loader_start_epoch or
+     next call of mgpu_loader_next, mgpu_loader_start_epoch(_at) or
      mgpu_loader_free, and work enqueued on it before that call is safe:
      the loader waits for copies of the batch (or of views of it) and for
      operations on mgpu_cpu() that read it before it reuses the memory.
