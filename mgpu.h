@@ -9599,8 +9599,8 @@ MGPU_DEF void mgpu_group_barrier(mgpu_group *g) {
 static uint64_t mgpu__net_structure_hash(const mgpu_net *net) {
     int counts[2] = {net->nparams, net->nbuffers};
     uint64_t h = mgpu__fnv1a(MGPU__FNV_OFFSET, counts, sizeof counts);
-    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
-        mgpu_shape s = mgpu__net_saved(net, i)->shape;
+    for (int i = 0; i < mgpu__net_num_saved(net, 0); i++) {
+        mgpu_shape s = (*mgpu__net_saved(net, i))->shape;
         h = mgpu__fnv1a(h, &s, sizeof s);
     }
     return h;
@@ -9608,8 +9608,8 @@ static uint64_t mgpu__net_structure_hash(const mgpu_net *net) {
 /* A hash of a network's values: its parameters' and buffers' bits. */
 static uint64_t mgpu__net_values_hash(const mgpu_net *net) {
     uint64_t h = MGPU__FNV_OFFSET;
-    for (int i = 0; i < mgpu__net_num_saved(net); i++) {
-        uint64_t one = mgpu__values_checksum(mgpu__net_saved(net, i));
+    for (int i = 0; i < mgpu__net_num_saved(net, 0); i++) {
+        uint64_t one = mgpu__values_checksum(*mgpu__net_saved(net, i));
         h = mgpu__fnv1a(h, &one, sizeof one);
     }
     return h;
@@ -9631,7 +9631,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
     if (r >= 0)
         mgpu__dist_fatal_all(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
                              "shapes differ): every rank must build the same one", op, r);
-    for (int i = 0; i < mgpu__net_num_saved(net); i++) mgpu_group_broadcast(g, mgpu__net_saved(net, i), 0);
+    for (int i = 0; i < mgpu__net_num_saved(net, 0); i++) mgpu_group_broadcast(g, *mgpu__net_saved(net, i), 0);
     r = mgpu__group_first_different(g, mgpu__net_values_hash(net), op);
     if (r >= 0)
         mgpu__dist_fatal_all(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
@@ -9639,7 +9639,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
     net->changes++;
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, &net->device, 1, MGPU_DP_ALLREDUCE);
     dp->group = g;
-    dp->algorithm = NULL;
+    dp->algorithm = mgpu_group_size(g) > 1 ? NULL : "none";
     return dp;
 }
 

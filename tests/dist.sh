@@ -80,5 +80,59 @@ fault built_without_mpi 2 \
     '^mgpu: error: a launcher started 2 copies of this program, but it was built without MPI' \
     -- build/nompi/dist_tests
 
+# check NAME STATUS PATTERN... -- COMMAND...: chapter 4 as a student runs
+# it; passes when COMMAND exits with STATUS and its output matches every
+# PATTERN.
+check() {
+    local name=$1 want=$2; shift 2
+    local patterns=()
+    while [ "$1" != "--" ]; do patterns+=("$1"); shift; done
+    shift
+    local log="$out/$name.log"
+    timeout 300 "$@" >"$log" 2>&1
+    local status=$? ok=1
+    [ "$status" -eq "$want" ] || { ok=0; echo "  $name: exit status $status, want $want"; }
+    for p in "${patterns[@]}"; do
+        grep -Eq -- "$p" "$log" || { ok=0; echo "  $name: output lacks /$p/"; }
+    done
+    if [ $ok = 1 ]; then
+        echo "ok   $name"; passed=$((passed + 1))
+    else
+        echo "FAIL $name"; sed 's/^/    | /' "$log" | tail -n 20; failed=$((failed + 1))
+    fi
+}
+small="--train-samples 2048 --test-samples 256 --batch-size 64 --epochs 2 --momentum 0.9"
+check chapter4_two_processes 0 \
+    '^Rank: 1 \| Epoch \[2/2\] \| Avg\. Loss: [0-9.]+ \| Accuracy: [0-9.]+%$' \
+    '^test acc: 0\.[0-9]+, [0-9.]+ sec/epoch, [0-9]+ images/sec, on 1 process \(gradients: none\)' \
+    '^test acc: 0\.[0-9]+, [0-9.]+ sec/epoch, [0-9]+ images/sec, on 2 processes \(gradients: mpi\)' \
+    '^ +2 +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$' 'ranks. timeline: ' \
+    -- mpirun -np 2 ./chapter4 $small --checkpoint-every 5 --out "$out/whole"
+for png in chapter4_test_acc.png chapter4_2_processes.png chapter4_ranks_timeline.png; do
+    if [ "$(head -c 4 "$out/whole/$png" 2>/dev/null | tail -c 3)" = PNG ]; then
+        echo "ok   chapter4_$png"; passed=$((passed + 1))
+    else
+        echo "FAIL chapter4_$png"; failed=$((failed + 1))
+    fi
+done
+# Killed at step 17 (after the checkpoint of step 15) and resumed: the end
+# is the uninterrupted run's, bit for bit.
+fault chapter4_killed 2 'process rank 1 .*exited on signal 9' \
+    -- ./chapter4 $small --checkpoint-every 5 --kill-at-step 17 --out "$out/resumed"
+check chapter4_resumed 0 '^resumed from .*chapter4_2proc\.ckpt: epoch 1, batch 15, step 15$' \
+    -- mpirun -np 2 ./chapter4 $small --checkpoint-every 5 --resume --out "$out/resumed"
+whole=$(grep -o "on 2 processes.*hash [0-9a-f]*" "$out/chapter4_two_processes.log")
+resumed=$(grep -o "on 2 processes.*hash [0-9a-f]*" "$out/chapter4_resumed.log")
+if [ -n "$whole" ] && [ "$whole" = "$resumed" ]; then
+    echo "ok   chapter4_resumed_bit_for_bit"; passed=$((passed + 1))
+else
+    echo "FAIL chapter4_resumed_bit_for_bit: '$whole' against '$resumed'"; failed=$((failed + 1))
+fi
+check chapter4_alone 0 '^test acc: 0\.[0-9]+, .* on 1 process \(gradients: none\)' \
+    -- ./chapter4 --train-samples 512 --test-samples 128 --epochs 1 --out "$out/alone"
+check chapter4_more_devices_than_processes 1 '^mgpu: error: --devices 2: the job has 1 processes' \
+    -- ./chapter4 --devices 2 --out "$out/alone"
+check chapter4_bad_model 1 '^mgpu: error: --model vgg: want lenet or resnet18$' -- ./chapter4 --model vgg
+
 echo "test-summary: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,399 @@
+/* Chapter 4: distributed data parallelism, one process per device.
+
+   What it teaches. Chapters 2 and 3 ran every device inside one process.
+   Real trainers run one process per device (PyTorch's
+   DistributedDataParallel), on one machine or many, started by a
+   launcher:
+       mpirun -np 4 ./chapter4
+   Each process (a rank) holds one replica of the network on its own
+   device and reads its own share of every epoch (a distributed sampler:
+   the same shuffled order on every rank, rank r taking positions r,
+   r + world, ...). After the backward pass of each step the ranks average
+   their gradients (an allreduce over MPI, bucket by bucket while the
+   backward pass goes on), and every rank takes the same SGD step, so the
+   replicas stay the same without ever being copied. Nothing is shared but
+   the gradients: k processes with a k-th of the global batch each follow
+   the path of one process with all of it.
+
+   The chapter trains the same model on 1, 2, 4, ... processes of the
+   job (sub-groups of its ranks) with the same global batch, prints what
+   each rank saw in the seed's style and a scaling table, and writes
+   the accuracy curves and a timeline of one step on every rank. Rank 0
+   saves a checkpoint of each run (chapter4_<N>proc.ckpt in --out) at the
+   end of every epoch and every --checkpoint-every steps, written whole;
+   --resume continues each run from its checkpoint, bit for bit as if it
+   had not stopped (a finished run is only evaluated).
+
+   What you should see (mpirun -np 2, no GPU, the reduced run):
+       Rank: 0 | Epoch [1/2] | Avg. Loss: 1.077 | Accuracy: 60.693%
+       Rank: 1 | Epoch [1/2] | Avg. Loss: 1.069 | Accuracy: 61.182%
+       test acc: 0.71, 1.9 sec/epoch, 4300 images/sec, on 2 processes (gradients: mpi)
+   then the table: images/sec against one process, and the allreduce's
+   time and bandwidth for the model's gradients. On a machine of 2 cores,
+   4 processes share them: they show the mechanics, not a speed-up.
+
+   Without a GPU it runs a reduced setting (LeNet, 8192 images, 2 epochs);
+   --full trains ResNet-18 on all 60000, as chapter 3. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+
+typedef struct {
+    int resnet; /* ResNet-18, else LeNet */
+    int global_batch, epochs, checkpoint_every, resume;
+    int kill_at_step, kill_in_world; /* the last rank of the run on kill_in_world processes dies there */
+    float lr, momentum;
+    uint64_t seed;
+    const mgpu_options *o;
+} settings;
+
+/* The book's LeNet as layers, with He's initialisation: with the book's
+   Normal(0, 0.01) it would still guess after the reduced run's epochs. */
+static mgpu_net *lenet(mgpu_device *dev) {
+    mgpu_net *net = mgpu_net_new(dev);
+    mgpu_net_add_conv(net, 1, 20, 3, 1, 0);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 20, 50, 5, 1, 0);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_linear(net, 800, 128);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_linear(net, 128, 10);
+    for (int i = 0; i < mgpu_net_num_params(net); i++) {
+        mgpu_tensor *w = mgpu_net_param(net, i)->value;
+        if (w->shape.ndim < 2) continue; /* (biases keep theirs) */
+        int fan_in = w->shape.ndim == 4 ? w->shape.d[1] * w->shape.d[2] * w->shape.d[3] : w->shape.d[0];
+        mgpu_tensor *he = mgpu_randn(dev, w->shape, 0.0f, sqrtf(2.0f / (float)fan_in));
+        mgpu_copy(w, he, 0);
+        mgpu_free(he);
+    }
+    return net;
+}
+
+/* A hash of the parameters' bits: two runs that end with the same hash
+   trained the same network, bit for bit (the resume test compares them). */
+static uint64_t parameters_hash(mgpu_net *net) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < mgpu_net_num_params(net); i++) {
+        const mgpu_tensor *t = mgpu_net_param(net, i)->value;
+        float *v = (float *)malloc(t->numel * sizeof(float));
+        mgpu_to_host(t, v);
+        const unsigned char *p = (const unsigned char *)v;
+        for (size_t k = 0; k < t->numel * sizeof(float); k++) h = (h ^ p[k]) * 0x100000001b3ull;
+        free(v);
+    }
+    return h;
+}
+
+typedef struct {
+    int processes;
+    double seconds_per_epoch, images_per_second, test_acc;
+    const char *path;
+} run_result;
+
+/* One rank's training on group g: returns what rank 0 prints in the table. */
+static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgpu_dataset *train_set,
+                        const mgpu_dataset *test_set, mgpu_animator *animator) {
+    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
+    mgpu_device *dev = mgpu_group_device(g, use_gpu);
+    mgpu_manual_seed(s->seed);
+    mgpu_net *net = s->resnet ? mgpu_resnet18(10, 1, dev) : lenet(dev);
+    char name[64], checkpoint[1024];
+    snprintf(name, sizeof name, "chapter4_%dproc.ckpt", world);
+    mgpu_out_path(s->o, name, checkpoint, sizeof checkpoint);
+    mgpu_checkpoint_info at = {0, 0, 0, world, s->seed};
+    if (s->resume && access(checkpoint, F_OK) != 0 && rank == 0)
+        printf("no checkpoint %s: this run starts afresh\n", checkpoint);
+    if (s->resume && access(checkpoint, F_OK) == 0) {
+        mgpu_checkpoint_load(net, checkpoint, &at);
+        MGPU_REQUIRE(at.seed == s->seed, "%s: saved with --seed %llu; resume with the same seed", checkpoint,
+                     (unsigned long long)at.seed);
+        if (rank == 0)
+            printf("resumed from %s: epoch %d, batch %d, step %ld\n", checkpoint, at.epoch + 1, at.batch, at.step);
+    }
+    /* rank 0's parameters go to every rank; the others' are checked against them */
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
+    mgpu_sampler *sampler = mgpu_sampler_new(train_set->n, world, rank, 1, s->seed, 0);
+    mgpu_loader *loader = mgpu_loader_new(train_set, s->global_batch / world, 0, s->seed);
+    mgpu_loader_set_sampler(loader, sampler);
+    int steps = mgpu_loader_num_batches(loader);
+    long step = at.step;
+    double train_seconds = 0, result_acc = -1;
+    int timed_epochs = 0;
+    for (int epoch = at.epoch; epoch < s->epochs; epoch++) {
+        mgpu_sampler_set_epoch(sampler, epoch); /* forget it, and every epoch has epoch 0's order */
+        int first = epoch == at.epoch ? at.batch : 0;
+        mgpu_loader_start_epoch_at(loader, epoch, first);
+        mgpu_net_set_training(net, 1);
+        double start = mgpu_now();
+        mgpu_batch b;
+        for (int i = first; mgpu_loader_next(loader, &b); i++) {
+            if (step == s->kill_at_step && world == s->kill_in_world && rank == world - 1) raise(SIGKILL);
+            mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, s->momentum, 0.0f);
+            step++;
+            if (s->checkpoint_every && step % s->checkpoint_every == 0 && i + 1 < steps) {
+                mgpu_checkpoint_info info = {epoch, i + 1, step, world, s->seed};
+                mgpu_group_barrier(g); /* every rank is past this step */
+                if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
+            }
+        }
+        /* this rank's loss and accuracy, then every rank's in the seed's words */
+        double mine[2];
+        mgpu_data_parallel_take_stats(ddp, &mine[0], &mine[1]); /* waits for the steps */
+        double seconds = mgpu_now() - start;
+        int samples = mgpu_sampler_num_samples(sampler) - first * (s->global_batch / world);
+        double *all = (double *)malloc(sizeof mine * (size_t)world);
+        mgpu_group_all_gather_host(g, mine, sizeof mine, all);
+        double total[2] = {0, 0};
+        for (int r = 0; r < world; r++) {
+            if (rank == 0)
+                printf("Rank: %d | Epoch [%d/%d] | Avg. Loss: %.3f | Accuracy: %.3f%%\n", r, epoch + 1,
+                       s->epochs, all[2 * r] / samples, 100.0 * all[2 * r + 1] / samples);
+            total[0] += all[2 * r];
+            total[1] += all[2 * r + 1];
+        }
+        free(all);
+        double test_acc = mgpu_dist_evaluate_accuracy(g, net, test_set, 256);
+        if (first == 0) {
+            train_seconds += seconds;
+            timed_epochs++;
+        }
+        double ys[3] = {total[0] / (samples * world), total[1] / (samples * world), test_acc};
+        if (animator) mgpu_animator_add(animator, epoch + 1, ys);
+        mgpu_checkpoint_info info = {epoch + 1, 0, step, world, s->seed};
+        mgpu_group_barrier(g);
+        if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
+        result_acc = test_acc;
+    }
+    run_result result = {world, 0, 0, result_acc, mgpu_data_parallel_algorithm(ddp)};
+    double per_epoch = timed_epochs ? train_seconds / timed_epochs : 0;
+    result.seconds_per_epoch = per_epoch;
+    result.images_per_second = per_epoch > 0 ? (double)mgpu_sampler_total_size(sampler) / per_epoch : 0;
+    if (result.test_acc < 0) result.test_acc = mgpu_dist_evaluate_accuracy(g, net, test_set, 256);
+    uint64_t hash = parameters_hash(net);
+    if (rank == 0)
+        printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %d process%s (gradients: %s); "
+               "parameters' hash %016llx\n", result.test_acc, MGPU_SECONDS(per_epoch), result.images_per_second,
+               world, world > 1 ? "es" : "", result.path, (unsigned long long)hash);
+    fflush(stdout);
+    mgpu_loader_free(loader);
+    mgpu_sampler_free(sampler);
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(net);
+    return result;
+}
+
+/* The allreduce of a gradient's size on group g: milliseconds (median of
+   9), and the bandwidths nccl-tests reports: algbw = bytes / time, busbw
+   = algbw * 2 (k - 1) / k, what each link carried. */
+static double allreduce_ms(mgpu_group *g, mgpu_device *dev, size_t floats) {
+    mgpu_tensor *t = mgpu_zeros(dev, mgpu_shape1((int)floats));
+    double times[9];
+    for (int i = 0; i < 9; i++) {
+        mgpu_group_barrier(g);
+        double start = mgpu_now();
+        mgpu_group_allreduce(g, t, MGPU_MEAN);
+        mgpu_synchronize(dev);
+        times[i] = (mgpu_now() - start) * 1e3;
+        mgpu_group_sum_host(g, &times[i], 1); /* the slowest rank's time, roughly: their mean */
+        times[i] /= mgpu_group_size(g);
+    }
+    mgpu_free(t);
+    for (int i = 1; i < 9; i++) /* (insertion sort: the median of 9) */
+        for (int j = i; j > 0 && times[j] < times[j - 1]; j--) {
+            double swap = times[j];
+            times[j] = times[j - 1];
+            times[j - 1] = swap;
+        }
+    return times[4];
+}
+
+/* One traced step on every rank of g, drawn by rank 0 as one timeline:
+   two lanes a rank (compute, and the communication queue where the
+   buckets' allreduces run under the backward pass). */
+static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const mgpu_dataset *train_set,
+                           const mgpu_options *o) {
+    enum { MAX_BARS = 512 };
+    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
+    mgpu_device *dev = mgpu_group_device(g, use_gpu);
+    mgpu_manual_seed(s->seed);
+    mgpu_net *net = s->resnet ? mgpu_resnet18(10, 1, dev) : lenet(dev);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
+    int rows = s->global_batch / world;
+    mgpu_dataset part = *train_set;
+    part.n = rows;
+    mgpu_loader *loader = mgpu_loader_new(&part, rows, 0, 0);
+    mgpu_loader_start_epoch(loader, 0);
+    mgpu_batch b;
+    MGPU_REQUIRE(mgpu_loader_next(loader, &b), "chapter4: no batch for the timeline");
+    mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, 0.0f, 0.0f); /* warm-up: buckets, caches */
+    mgpu_group_barrier(g);
+    mgpu_trace_begin();
+    mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, 0.0f, 0.0f);
+    mgpu_trace_end();
+    mgpu_timeline_bar mine[MAX_BARS];
+    memset(mine, 0, sizeof mine);
+    int n = mgpu_trace_count() < MAX_BARS ? mgpu_trace_count() : MAX_BARS;
+    for (int i = 0; i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        mine[i].lane = 2 * rank + op.lane;
+        mine[i].start_ms = op.start_ms;
+        mine[i].end_ms = op.end_ms;
+        snprintf(mine[i].name, sizeof mine[i].name, "%s", op.name);
+    }
+    for (int i = n; i < MAX_BARS; i++) mine[i].lane = -1; /* (no bar: left out) */
+    mgpu_timeline_bar *all = rank == 0 ? (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world) : NULL;
+    mgpu_timeline_bar *scratch = all ? all : (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world);
+    mgpu_group_all_gather_host(g, mine, sizeof mine, scratch);
+    if (rank == 0) {
+        char names[2 * 16][32], path[1024], title[160];
+        const char *lanes[2 * 16];
+        for (int r = 0; r < world && r < 16; r++)
+            for (int lane = 0; lane < 2; lane++) {
+                snprintf(names[2 * r + lane], sizeof names[0], "rank %d %s", r, lane ? "comm" : "compute");
+                lanes[2 * r + lane] = names[2 * r + lane];
+            }
+        snprintf(title, sizeof title, "one %s step on %d processes: buckets averaged under backward",
+                 s->resnet ? "ResNet-18" : "LeNet", world);
+        if (mgpu_timeline_write_png(mgpu_out_path(o, "chapter4_ranks_timeline.png", path, sizeof path), title,
+                                    2 * (world < 16 ? world : 16), lanes, MAX_BARS * world, all) == 0)
+            printf("ranks' timeline: %s\n", path);
+    }
+    free(scratch);
+    mgpu_loader_free(loader);
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(net);
+}
+
+int main(int argc, char **argv) {
+    mgpu_group *everyone = mgpu_dist_init(&argc, &argv);
+    int rank = mgpu_group_rank(everyone), size = mgpu_group_size(everyone);
+    mgpu_options o;
+    memset(&o, 0, sizeof o);
+    o.seed = 1;
+    settings s;
+    memset(&s, 0, sizeof s);
+    s.kill_at_step = -1;
+    int train_samples = 0, test_samples = 0, kill_at_step = 0;
+    double momentum = 0;
+    const char *model = NULL;
+    const mgpu_flag extra[] = {
+        {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... of the job's processes, up to N (default: all)"},
+        {"--batch-size", 'i', &o.batch_size, "the global batch, split among the processes (default 256)"},
+        {"--model", 's', &model, "lenet or resnet18 (default: lenet in the reduced run, else resnet18)"},
+        {"--momentum", 'd', &momentum, "SGD's momentum (default 0, as the book)"},
+        {"--train-samples", 'i', &train_samples, "use the first N training images"},
+        {"--test-samples", 'i', &test_samples, "use the first N test images"},
+        {"--checkpoint-every", 'i', &s.checkpoint_every, "also save a checkpoint every N steps"},
+        {"--resume", 'b', &s.resume, "continue each run from its checkpoint, where there is one"},
+        {"--kill-at-step", 'u', &kill_at_step,
+         "the last rank of the last run kills itself (SIGKILL) before step N: to try --resume"},
+    };
+    mgpu_options_parse(&o, argc, argv,
+                       "chapter4: distributed data parallelism, one process per device (mpirun -np N ./chapter4)",
+                       extra, (int)(sizeof extra / sizeof extra[0]));
+    for (int i = 1; i < argc; i++) /* (0 is a step too: the flag's presence, not its value) */
+        if (strcmp(argv[i], "--kill-at-step") == 0) s.kill_at_step = kill_at_step;
+    int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
+    int reduced = !use_gpu && !o.full;
+    MGPU_REQUIRE(!model || strcmp(model, "lenet") == 0 || strcmp(model, "resnet18") == 0,
+                 "--model %s: want lenet or resnet18", model);
+    s.resnet = model ? strcmp(model, "resnet18") == 0 : !reduced;
+    s.global_batch = o.batch_size ? o.batch_size : 256;
+    s.epochs = o.epochs ? o.epochs : reduced ? 2 : 10;
+    s.lr = (float)(o.lr ? o.lr : s.resnet ? 0.1 : 0.2); /* the book's, for batch 256 */
+    s.momentum = (float)momentum;
+    s.seed = o.seed;
+    if (!train_samples && reduced) train_samples = 8192;
+    if (!test_samples && reduced) test_samples = 2048;
+    int most = o.devices ? o.devices : size;
+    MGPU_REQUIRE(most <= size, "--devices %d: the job has %d processes (mpirun -np N starts N)", most, size);
+    MGPU_REQUIRE(s.global_batch % most == 0, "--batch-size %d: %d processes cannot split it evenly",
+                 s.global_batch, most);
+    s.kill_in_world = most;
+    s.o = &o;
+    if (rank == 0) {
+        if (reduced)
+            printf("No GPU: a reduced run on CPU processes: %s, %d training images, %d test images, %d epochs "
+                   "(--full: ResNet-18 on all of them, 10 epochs).\n", s.resnet ? "ResNet-18" : "LeNet",
+                   train_samples, test_samples, s.epochs);
+        printf("%d process%s on %s (this is rank 0 of %d, local rank %d of %d); global batch %d, lr %g\n", size,
+               size > 1 ? "es" : "", mgpu_group_host(everyone), size, mgpu_group_local_rank(everyone),
+               mgpu_group_local_size(everyone), s.global_batch, s.lr);
+    }
+    mgpu_dataset *train_set = NULL, *test_set = NULL;
+    mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
+    mgpu_dataset_truncate(train_set, train_samples);
+    mgpu_dataset_truncate(test_set, test_samples);
+
+    /* 1, 2, 4, ... processes, and all of them; the others wait */
+    run_result results[8];
+    mgpu_animator *runs[8];
+    char labels[8][32];
+    const char *label_ptrs[8];
+    int nruns = 0;
+    for (int k = 1; nruns < 8; k = k * 2 > most && k < most ? most : k * 2, nruns++) {
+        mgpu_group *g = mgpu_group_first(everyone, k);
+        snprintf(labels[nruns], sizeof labels[nruns], "%d process%s", k, k > 1 ? "es" : "");
+        label_ptrs[nruns] = labels[nruns];
+        runs[nruns] = NULL;
+        if (g) {
+            char name[64], path[1024];
+            snprintf(name, sizeof name, "chapter4_%d_process%s.png", k, k > 1 ? "es" : "");
+            const char *series[] = {"train loss", "train acc", "test acc"};
+            runs[nruns] = mgpu_animator_new(rank == 0 ? mgpu_out_path(&o, name, path, sizeof path) : NULL,
+                                            labels[nruns], "epoch", "", 1, s.epochs, 3, series);
+            if (rank == 0) printf("\n%d process%s:\n", k, k > 1 ? "es" : "");
+            results[nruns] = train(g, &s, use_gpu, train_set, test_set, runs[nruns]);
+            mgpu_group_free(g);
+        }
+        mgpu_group_barrier(everyone);
+        if (k == most) {
+            nruns++;
+            break;
+        }
+    }
+
+    /* The scaling table, from rank 0's view of each run */
+    size_t floats = 0;
+    {
+        mgpu_net *net = s.resnet ? mgpu_resnet18(10, 1, mgpu_cpu()) : lenet(mgpu_cpu());
+        floats = mgpu_net_num_weights(net);
+        mgpu_net_free(net);
+    }
+    if (rank == 0) {
+        printf("\nscaling, global batch %d (%zu gradients, %.1f MiB):\n", s.global_batch, floats,
+               floats * 4.0 / 1048576.0);
+        printf("  %9s %12s %8s %10s %13s %13s %13s\n", "processes", "images/sec", "speedup", "efficiency",
+               "allreduce ms", "algbw GB/s", "busbw GB/s");
+    }
+    for (int i = 0; i < nruns; i++) {
+        int k = 1 << i < most ? 1 << i : most;
+        mgpu_group *g = mgpu_group_first(everyone, k);
+        double ms = g ? allreduce_ms(g, mgpu_group_device(g, use_gpu), floats) : 0;
+        if (g) mgpu_group_free(g);
+        if (rank == 0) {
+            double algbw = k > 1 ? floats * 4.0 / (ms * 1e-3) / 1e9 : 0;
+            double speedup = results[0].images_per_second > 0
+                                 ? results[i].images_per_second / results[0].images_per_second : 0;
+            printf("  %9d %12.0f %8.2f %10.2f %13.3f %13.3f %13.3f\n", k, results[i].images_per_second, speedup,
+                   speedup / k, ms, algbw, algbw * 2.0 * (k - 1) / k);
+        }
+        mgpu_group_barrier(everyone);
+    }
+    if (rank == 0) {
+        char path[1024];
+        if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter4_test_acc.png", path, sizeof path),
+                                         "test accuracy, same global batch", nruns,
+                                         (const mgpu_animator *const *)runs, 2, label_ptrs) == 0)
+            printf("plots: %s, and one chapter4_<N>_process(es).png per run beside it\n", path);
+    }
+    ranks_timeline(everyone, &s, use_gpu, train_set, &o);
+
+    for (int i = 0; i < nruns; i++) mgpu_animator_free(runs[i]);
+    mgpu_dataset_free(train_set);
+    mgpu_dataset_free(test_set);
+    int errors = mgpu_output_errors();
+    mgpu_dist_finalize(everyone);
+    return errors ? 1 : 0;
+}
