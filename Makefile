@@ -119,6 +119,8 @@ HEADERS    := mgpu.h $(wildcard kernels/*.h) $(wildcard parts/*.h)
 CHAPTERS   := $(sort $(wildcard chapters/[0-9][0-9]_*.c))
 CPU_TESTS  := $(sort $(wildcard tests/test_*.c))
 GPU_TESTS  := $(sort $(wildcard tests/gpu_*.c))
+# (a GPU test includes a CPU test, or the distributed tests, whole)
+INCLUDED_SOURCES := $(CPU_TESTS) tests/dist_tests.c
 
 # chapters/01_automatic_parallelism.c -> chapter1
 chapter_number = $(shell echo $(notdir $(1)) | sed 's/^0*\([0-9]*\)_.*/\1/')
@@ -196,7 +198,7 @@ $(BUILD)/asan/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_C) $(ASAN) -I. $< -o $@ $(LIBS)
 
-$(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -I. $< -o $@ $(CUDA_LIBS)
 
@@ -204,7 +206,7 @@ $(BUILD)/cuda/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(DEPS_
 # cannot run their GPU half without a GPU): for the last of CUDA_ARCHS
 # alone, host code unoptimised, 2.5 times faster than the full build; in
 # a folder of their own, so that test-gpu builds and runs the full ones.
-$(BUILD)/cuda-check/%: tests/%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(DEPS_STAMP)
+$(BUILD)/cuda-check/%: tests/%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS_CHECK) -I. $< -o $@ $(CUDA_LIBS)
 
@@ -252,10 +254,10 @@ $(EMU_TEST): tests/emu_kernels.cpp tests/cuda_emu.h tests/cuda_emu_runtime.h tes
 EMU_GPU_BINS := $(patsubst tests/%.c,$(BUILD)/emu/%,$(GPU_TESTS)) $(BUILD)/emu-no-cudnn/gpu_fixtures
 EMU_BUILD     = $(CXX) -x c++ -std=c++20 -O1 -Wall -Wextra -Werror -D_GNU_SOURCE $(OPENMP) $(MPI_FLAGS) -include tests/cuda_emu.h \
 	  -Itests -I$(BUILD)/emu -I. $< -o $@ $(LIBS)
-$(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+$(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(EMU_BUILD) -DMGPU_CUDNN=1
-$(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(CPU_TESTS) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
+$(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(EMU_BUILD)
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))

@@ -1598,6 +1598,9 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    - A rank that dies (killed, or an error: every error line starts with
      "rank r:") makes the launcher stop the others; each says which
      collective it was in, and mpirun names the rank that died.
+   - mgpu_group_fatal(g, format, ...) is mgpu_fatal for a mistake that
+     every rank of g sees at once (a bad setting): rank 0 alone writes
+     the line, so the job ends with one line, not one a rank.
 
    Data parallelism across processes (PyTorch's DistributedDataParallel):
        mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
@@ -1645,6 +1648,7 @@ MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mg
 MGPU_DEF void mgpu_group_send(mgpu_group *g, const mgpu_tensor *t, int to);
 MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from);
 MGPU_DEF void mgpu_group_barrier(mgpu_group *g);
+MGPU_DEF void mgpu_group_fatal(const mgpu_group *g, const char *fmt, ...) MGPU__PRINTF(2, 3) MGPU__NORETURN;
 MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n);
 MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all);
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g);
@@ -1917,7 +1921,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          mgpu_group_free, mgpu_group_path, mgpu_group_allreduce,
          mgpu_group_allreduce_start, mgpu_group_broadcast,
          mgpu_group_all_gather, mgpu_group_reduce_scatter, mgpu_group_send,
-         mgpu_group_recv, mgpu_group_barrier, mgpu_group_sum_host,
+         mgpu_group_recv, mgpu_group_barrier, mgpu_group_fatal, mgpu_group_sum_host,
          mgpu_group_all_gather_host, mgpu_distributed_data_parallel_new,
          mgpu_dist_evaluate_accuracy
      Plots
@@ -9064,11 +9068,13 @@ typedef struct mgpu__coll {
     float *out;     /* (in == out where the collective works in place) */
 } mgpu__coll;
 
+/* 1 while a rank waits, silent, for the launcher to stop it (mgpu_group_fatal). */
+static volatile sig_atomic_t mgpu__dist_quiet;
 /* A mistake that every rank sees at once: rank 0 alone writes the line
    and exits; the others wait to be stopped by the launcher, so that the
    job ends with one line instead of one a rank. */
-MGPU__NORETURN static void mgpu__dist_fatal_all(const mgpu_group *g, const char *fmt, ...) MGPU__PRINTF(2, 3);
-static void mgpu__dist_fatal_all(const mgpu_group *g, const char *fmt, ...) {
+MGPU_DEF void mgpu_group_fatal(const mgpu_group *g, const char *fmt, ...) {
+    mgpu__dist_quiet = g->rank != 0;
     if (g->rank == 0) {
         va_list ap;
         va_start(ap, fmt);
@@ -9108,6 +9114,7 @@ static void mgpu__dist_set_doing(const mgpu__coll *c) {
    where it was, in one line (write(2) alone: this is a signal handler). */
 static void mgpu__dist_on_signal(int sig) {
     (void)sig;
+    if (mgpu__dist_quiet) _exit(1);
     char line[384];
     size_t n = 0;
     const char *parts[] = {"mgpu: error: ", mgpu__error_prefix, "stopped by the launcher ",
@@ -9173,7 +9180,7 @@ static void mgpu__coll_agree(const mgpu__coll *c) {
         mgpu__coll_describe(&first, a, sizeof a);
         mgpu__coll_describe(&theirs, b, sizeof b);
         free(all);
-        mgpu__dist_fatal_all(g, "the ranks are out of step: rank 0 called %s, rank %d called %s "
+        mgpu_group_fatal(g, "the ranks are out of step: rank 0 called %s, rank %d called %s "
                              "(every rank must call the same collectives in the same order)", a, r, b);
     }
     free(all);
@@ -9629,12 +9636,12 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
     const char *op = "mgpu_distributed_data_parallel_new";
     int r = mgpu__group_first_different(g, mgpu__net_structure_hash(net), op);
     if (r >= 0)
-        mgpu__dist_fatal_all(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
+        mgpu_group_fatal(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
                              "shapes differ): every rank must build the same one", op, r);
     for (int i = 0; i < mgpu__net_num_saved(net, 0); i++) mgpu_group_broadcast(g, *mgpu__net_saved(net, i), 0);
     r = mgpu__group_first_different(g, mgpu__net_values_hash(net), op);
     if (r >= 0)
-        mgpu__dist_fatal_all(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
+        mgpu_group_fatal(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
                              op, r);
     net->changes++;
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, &net->device, 1, MGPU_DP_ALLREDUCE);

@@ -106,10 +106,21 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
         printf("no checkpoint %s: this run starts afresh\n", checkpoint);
     if (s->resume && access(checkpoint, F_OK) == 0) {
         mgpu_checkpoint_load(net, checkpoint, &at);
-        MGPU_REQUIRE(at.seed == s->seed, "%s: saved with --seed %llu; resume with the same seed", checkpoint,
-                     (unsigned long long)at.seed);
-        if (rank == 0)
+        if (at.seed != s->seed)
+            mgpu_group_fatal(g, "%s: saved with --seed %llu; resume with the same seed", checkpoint,
+                             (unsigned long long)at.seed);
+        if (rank == 0 && at.epoch >= s->epochs)
+            printf("resumed from %s: finished (%ld steps), only evaluated\n", checkpoint, at.step);
+        else if (rank == 0 && at.world == world)
             printf("resumed from %s: epoch %d, batch %d, step %ld\n", checkpoint, at.epoch + 1, at.batch, at.step);
+        /* Another number of processes that divides the global batch B
+           sees the same global batches: batch j is positions [j B, (j + 1) B)
+           of the epoch's order, however the sampler deals them out (only
+           the padding at the epoch's end differs). So batch j is where to
+           go on, and only the sums' order changes the bits. */
+        else if (rank == 0)
+            printf("resumed from %s: epoch %d, batch %d, step %ld (saved by %d processes: the epoch's order is "
+                   "re-split over %d)\n", checkpoint, at.epoch + 1, at.batch, at.step, at.world, world);
     }
     /* rank 0's parameters go to every rank; the others' are checked against them */
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
@@ -296,8 +307,9 @@ int main(int argc, char **argv) {
         if (strcmp(argv[i], "--kill-at-step") == 0) s.kill_at_step = kill_at_step;
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
-    MGPU_REQUIRE(!model || strcmp(model, "lenet") == 0 || strcmp(model, "resnet18") == 0,
-                 "--model %s: want lenet or resnet18", model);
+    /* (every rank sees a bad setting: mgpu_group_fatal says it once) */
+    if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)
+        mgpu_group_fatal(everyone, "--model %s: want lenet or resnet18", model);
     s.resnet = model ? strcmp(model, "resnet18") == 0 : !reduced;
     s.global_batch = o.batch_size ? o.batch_size : 256;
     s.epochs = o.epochs ? o.epochs : reduced ? 2 : 10;
@@ -307,9 +319,10 @@ int main(int argc, char **argv) {
     if (!train_samples && reduced) train_samples = 8192;
     if (!test_samples && reduced) test_samples = 2048;
     int most = o.devices ? o.devices : size;
-    MGPU_REQUIRE(most <= size, "--devices %d: the job has %d processes (mpirun -np N starts N)", most, size);
-    MGPU_REQUIRE(s.global_batch % most == 0, "--batch-size %d: %d processes cannot split it evenly",
-                 s.global_batch, most);
+    if (most > size)
+        mgpu_group_fatal(everyone, "--devices %d: the job has %d processes (mpirun -np N starts N)", most, size);
+    if (s.global_batch % most != 0)
+        mgpu_group_fatal(everyone, "--batch-size %d: %d processes cannot split it evenly", s.global_batch, most);
     s.kill_in_world = most;
     s.o = &o;
     if (rank == 0) {

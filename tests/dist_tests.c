@@ -10,6 +10,8 @@
    - accumulated gradients (no_sync) equal one step on the batches together;
    - rank 0's parameters and buffers reach every rank;
    - distributed evaluation counts each image once.
+   tests/gpu_dist.c runs them on GPUs (emulated ones in make test): the
+   data go through host memory ("mpi via host").
    With --fault F it plays one fault instead (tests/dist.sh checks how
    the job ends): out-of-step, extra-collective, die, other-network.
 
@@ -21,6 +23,7 @@
 #include <signal.h>
 
 static mgpu_group *world;
+static mgpu_device *dev; /* this rank's: the CPU, or with TEST_ON_GPU its GPU (tests/gpu_dist.c) */
 
 /* A network without batch norm (with_batchnorm 0), or with it. */
 static mgpu_net *dist_net(mgpu_device *d, int with_batchnorm, uint64_t seed) {
@@ -41,10 +44,10 @@ static mgpu_net *dist_net(mgpu_device *d, int with_batchnorm, uint64_t seed) {
 /* Step s's global batch of n images, the same on every rank. */
 static void global_batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     mgpu_manual_seed(1000 + (uint64_t)step);
-    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    *x = mgpu_rand(dev, mgpu_shape4(n, 1, 8, 8));
     float *labels = (float *)malloc(sizeof(float) * (size_t)n);
     for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + step) % 10);
-    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+    *y = mgpu_from_host(dev, mgpu_shape1(n), labels);
     free(labels);
 }
 
@@ -103,9 +106,9 @@ TEST(allreduce_matches_double_sums_with_the_same_bits_everywhere) {
         for (int mean = 0; mean < 2; mean++) {
             float *v = (float *)malloc(n * sizeof(float));
             for (size_t i = 0; i < n; i++) v[i] = value_of(rank, i);
-            mgpu_tensor *t = mgpu_from_host(mgpu_cpu(), mgpu_shape1((int)n), v);
+            mgpu_tensor *t = mgpu_from_host(dev, mgpu_shape1((int)n), v);
             const char *path = mgpu_group_allreduce(world, t, mean ? MGPU_MEAN : MGPU_SUM);
-            CHECK(strcmp(path, size > 1 ? "mpi" : "none") == 0);
+            CHECK(strcmp(path, mgpu_group_path(world, dev)) == 0);
             mgpu_to_host(t, v);
             double worst = 0;
             for (size_t i = 0; i < n; i++) {
@@ -128,15 +131,15 @@ TEST(broadcast_all_gather_and_reduce_scatter) {
     float v[13], all[13 * 8];
     for (int root = 0; root < size; root++) {
         for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
-        mgpu_tensor *t = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
+        mgpu_tensor *t = mgpu_from_host(dev, mgpu_shape1(n), v);
         mgpu_group_broadcast(world, t, root);
         mgpu_to_host(t, v);
         for (int i = 0; i < n; i++) CHECK(v[i] == value_of(root, (size_t)i));
         mgpu_free(t);
     }
     for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
-    mgpu_tensor *in = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
-    mgpu_tensor *gathered = mgpu_empty(mgpu_cpu(), mgpu_shape2(size, n));
+    mgpu_tensor *in = mgpu_from_host(dev, mgpu_shape1(n), v);
+    mgpu_tensor *gathered = mgpu_empty(dev, mgpu_shape2(size, n));
     mgpu_group_all_gather(world, in, gathered);
     mgpu_to_host(gathered, all);
     for (int r = 0; r < size; r++)
@@ -144,8 +147,8 @@ TEST(broadcast_all_gather_and_reduce_scatter) {
     /* reduce-scatter of size chunks of n: rank r gets the sum of every rank's chunk r */
     float *big = (float *)malloc(sizeof(float) * (size_t)(size * n));
     for (int i = 0; i < size * n; i++) big[i] = value_of(rank, (size_t)i);
-    mgpu_tensor *whole = mgpu_from_host(mgpu_cpu(), mgpu_shape1(size * n), big);
-    mgpu_tensor *mine = mgpu_empty(mgpu_cpu(), mgpu_shape1(n));
+    mgpu_tensor *whole = mgpu_from_host(dev, mgpu_shape1(size * n), big);
+    mgpu_tensor *mine = mgpu_empty(dev, mgpu_shape1(n));
     for (int mean = 0; mean < 2; mean++) {
         mgpu_group_reduce_scatter(world, whole, mine, mean ? MGPU_MEAN : MGPU_SUM);
         mgpu_to_host(mine, v);
@@ -170,8 +173,8 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
     const int n = 50000;
     float *v = (float *)malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
-    mgpu_tensor *out = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), v);
-    mgpu_tensor *in = mgpu_zeros(mgpu_cpu(), mgpu_shape1(n));
+    mgpu_tensor *out = mgpu_from_host(dev, mgpu_shape1(n), v);
+    mgpu_tensor *in = mgpu_zeros(dev, mgpu_shape1(n));
     int next = (rank + 1) % size, before = (rank + size - 1) % size;
     if (rank % 2 == 0) {
         mgpu_group_send(world, out, next);
@@ -184,7 +187,7 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
     int right = 1;
     for (int i = 0; i < n; i++) right &= v[i] == value_of(before, (size_t)i);
     CHECK(right);
-    mgpu_tensor *one = mgpu_ones(mgpu_cpu(), mgpu_shape1(3));
+    mgpu_tensor *one = mgpu_ones(dev, mgpu_shape1(3));
     mgpu_group_allreduce(world, one, MGPU_SUM); /* the collectives' sequence goes on */
     CHECK(mgpu_item(one, 2) == (float)size);
     mgpu_free(one);
@@ -199,8 +202,8 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
 TEST(ddp_on_k_ranks_trains_like_one_process) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
     const int per_rank = 4, steps = 5;
-    mgpu_net *one = dist_net(mgpu_cpu(), 0, 5);
-    mgpu_net *mine = dist_net(mgpu_cpu(), 0, 5 + (uint64_t)rank);
+    mgpu_net *one = dist_net(dev, 0, 5);
+    mgpu_net *mine = dist_net(dev, 0, 5 + (uint64_t)rank);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
     for (int s = 0; s < steps; s++) {
         mgpu_tensor *x, *y;
@@ -213,7 +216,7 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
         mgpu_free(x);
         mgpu_free(y);
     }
-    CHECK(strcmp(mgpu_data_parallel_algorithm(ddp), size > 1 ? "mpi" : "none") == 0);
+    CHECK(strcmp(mgpu_data_parallel_algorithm(ddp), mgpu_group_path(world, dev)) == 0);
     CHECK_CLOSE(max_param_diff(mine, one), 0.0, 1e-5, 0);
     CHECK(net_same_everywhere(mine));
     mgpu_data_parallel_free(ddp);
@@ -228,10 +231,10 @@ TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
     int rank = mgpu_group_rank(two);
     const int per_rank = 4;
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
+    mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_net *local = dist_net(devs[0], 0, 9);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(local, devs, 2, MGPU_DP_ALLREDUCE);
-    mgpu_net *mine = dist_net(mgpu_cpu(), 0, 9);
+    mgpu_net *mine = dist_net(dev, 0, 9);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, two);
     for (int s = 0; s < 4; s++) {
         mgpu_tensor *x, *y;
@@ -277,7 +280,7 @@ static void accumulate_vs_big_batch(mgpu_data_parallel *small, mgpu_net *small_n
 }
 TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
     /* the distributed wrapper: each rank's batches are its own */
-    mgpu_net *a = dist_net(mgpu_cpu(), 0, 11), *b = dist_net(mgpu_cpu(), 0, 11);
+    mgpu_net *a = dist_net(dev, 0, 11), *b = dist_net(dev, 0, 11);
     mgpu_data_parallel *small = mgpu_distributed_data_parallel_new(a, world);
     mgpu_data_parallel *big = mgpu_distributed_data_parallel_new(b, world);
     accumulate_vs_big_batch(small, a, big, b);
@@ -288,7 +291,7 @@ TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
     mgpu_net_free(b);
     /* chapter 3's wrapper, 2 devices each */
     mgpu_device *devs[4];
-    mgpu_devices(4, 0, devs);
+    mgpu_devices(4, TEST_ON_GPU, devs);
     a = dist_net(devs[0], 0, 11);
     b = dist_net(devs[2], 0, 11);
     small = mgpu_data_parallel_new(a, devs, 2, MGPU_DP_ALLREDUCE);
@@ -302,7 +305,7 @@ TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
 
 TEST(rank_0s_parameters_and_buffers_reach_every_rank) {
     int rank = mgpu_group_rank(world);
-    mgpu_net *net = dist_net(mgpu_cpu(), 1, 20 + (uint64_t)rank);
+    mgpu_net *net = dist_net(dev, 1, 20 + (uint64_t)rank);
     mgpu_fill(mgpu_net_buffer(net, 0), (float)rank); /* batch norm's running mean */
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
     CHECK(mgpu_item(mgpu_net_buffer(net, 0), 3) == 0.0f);
@@ -319,8 +322,8 @@ TEST(rank_0s_parameters_and_buffers_reach_every_rank) {
     mgpu_data_parallel_step(ddp, x, y, 0.1f, 0.0f, 0.0f);
     float mean1 = mgpu_item(mgpu_net_buffer(net, 0), 1);
     float *all = (float *)malloc(sizeof(float) * 8);
-    mgpu_tensor *one = mgpu_full(mgpu_cpu(), mgpu_shape1(1), mean1);
-    mgpu_tensor *gathered = mgpu_empty(mgpu_cpu(), mgpu_shape1(mgpu_group_size(world)));
+    mgpu_tensor *one = mgpu_full(dev, mgpu_shape1(1), mean1);
+    mgpu_tensor *gathered = mgpu_empty(dev, mgpu_shape1(mgpu_group_size(world)));
     mgpu_group_all_gather(world, one, gathered);
     mgpu_to_host(gathered, all);
     for (int r = 0; r < mgpu_group_size(world); r++) CHECK(all[r] == all[0]);
@@ -340,7 +343,7 @@ TEST(distributed_evaluation_counts_each_image_once) {
     d.labels = (unsigned char *)malloc(10);
     for (int i = 0; i < 10 * 64; i++) d.images[i] = (unsigned char)((i * 37) % 251);
     for (int i = 0; i < 10; i++) d.labels[i] = (unsigned char)((i * 3) % 10);
-    mgpu_net *net = dist_net(mgpu_cpu(), 0, 5);
+    mgpu_net *net = dist_net(dev, 0, 5);
     double whole = mgpu_net_evaluate_accuracy(net, &d, 4);
     double shared = mgpu_dist_evaluate_accuracy(world, net, &d, 4);
     CHECK(whole == shared);
@@ -353,7 +356,7 @@ TEST(distributed_evaluation_counts_each_image_once) {
 /* ----------------------------------------------------------- faults */
 static int play_fault(const char *fault) {
     int rank = mgpu_group_rank(world);
-    mgpu_tensor *t = mgpu_ones(mgpu_cpu(), mgpu_shape1(1000));
+    mgpu_tensor *t = mgpu_ones(dev, mgpu_shape1(1000));
     if (strcmp(fault, "out-of-step") == 0) {
         mgpu_group_allreduce(world, t, MGPU_SUM);
         if (rank == 1) mgpu_group_broadcast(world, t, 0); else mgpu_group_allreduce(world, t, MGPU_SUM);
@@ -366,7 +369,7 @@ static int play_fault(const char *fault) {
             mgpu_group_allreduce(world, t, MGPU_MEAN);
         }
     } else if (strcmp(fault, "other-network") == 0) {
-        mgpu_net *net = dist_net(mgpu_cpu(), rank == 1, 5);
+        mgpu_net *net = dist_net(dev, rank == 1, 5);
         mgpu_distributed_data_parallel_new(net, world);
     } else {
         fprintf(stderr, "dist_tests: unknown fault '%s'\n", fault);
@@ -384,14 +387,34 @@ static int failures_over_ranks(int failures) {
     return (int)sum;
 }
 
+/* "2 ranks on host-a, host-b": where the ranks run, each host once. */
+static void print_hosts(void) {
+    enum { NAME = 256 };
+    int size = mgpu_group_size(world);
+    char mine[NAME] = "", *all = (char *)malloc((size_t)NAME * (size_t)size);
+    snprintf(mine, sizeof mine, "%s", mgpu_group_host(world));
+    mgpu_group_all_gather_host(world, mine, NAME, all);
+    if (test__prints) {
+        printf("%d rank%s on ", size, size > 1 ? "s" : "");
+        for (int r = 0; r < size; r++) {
+            int seen = 0;
+            for (int q = 0; q < r; q++) seen |= strcmp(all + q * NAME, all + r * NAME) == 0;
+            if (!seen) printf("%s%s", r ? ", " : "", all + r * NAME);
+        }
+        printf("\n");
+    }
+    free(all);
+}
+
 /* dist_tests [NAME]: the tests (those whose name contains NAME);
    dist_tests --fault FAULT: one fault. */
 int main(int argc, char **argv) {
     world = mgpu_dist_init(&argc, &argv);
+    dev = mgpu_group_device(world, TEST_ON_GPU);
     if (argc > 2 && strcmp(argv[1], "--fault") == 0) return play_fault(argv[2]);
     test__combine = failures_over_ranks;
     test__prints = mgpu_group_rank(world) == 0;
-    if (test__prints) printf("%d ranks\n", mgpu_group_size(world));
+    print_hosts();
     int status = test__run_all(argc, argv);
     mgpu_dist_finalize(world);
     return status;

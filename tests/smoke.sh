@@ -3,46 +3,7 @@
 # settings, and checks what they print and write; also bad flags.
 # Prints "test-summary: P passed, F failed" like the C test programs.
 cd "$(dirname "$0")/.."
-passed=0
-failed=0
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-
-# check NAME EXPECTED_STATUS PATTERN... -- COMMAND...: runs COMMAND, and
-# passes when its exit status is EXPECTED_STATUS and its output (stdout and
-# stderr) matches every extended-regex PATTERN.
-check() {
-    local name=$1 want=$2; shift 2
-    local patterns=()
-    while [ "$1" != "--" ]; do patterns+=("$1"); shift; done
-    shift
-    local log="$out/$name.log"
-    timeout 600 "$@" >"$log" 2>&1
-    local status=$?
-    local ok=1
-    [ "$status" -eq "$want" ] || { ok=0; echo "  $name: exit status $status, want $want"; }
-    for p in "${patterns[@]}"; do
-        grep -Eq -- "$p" "$log" || { ok=0; echo "  $name: output lacks /$p/"; }
-    done
-    if [ $ok = 1 ]; then
-        echo "ok   $name"; passed=$((passed + 1))
-    else
-        echo "FAIL $name"; sed 's/^/    | /' "$log" | tail -n 20; failed=$((failed + 1))
-    fi
-}
-
-# lacks NAME PATTERN: passes when the log of check NAME has no line
-# matching PATTERN.
-lacks() {
-    if grep -Eq -- "$2" "$out/$1.log"; then
-        echo "FAIL $1_lacks /$2/"; failed=$((failed + 1))
-    else
-        echo "ok   $1_lacks /$2/"; passed=$((passed + 1))
-    fi
-}
-
-# The second image must be a PNG with a non-trivial size.
-png_ok() { [ -s "$1" ] && [ "$(head -c 4 "$1" | tail -c 3)" = "PNG" ]; }
+. tests/check.sh
 
 check chapter1_runs 0 \
     '^dev1 \(cpu\) time: [0-9]+\.[0-9]{4} sec$' '^dev2 \(cpu#1\) time: ' '^dev1 & dev2: ' \
@@ -208,5 +169,4 @@ PROGRAM
 check manual_layer_example 0 '^leaky_relu1 trained on 2 devices: loss [0-9]+\.[0-9]{3}$' \
     -- bash -c "gcc -std=c11 -Wall -Wextra -Werror -Wno-unused-parameter -I. '$out/manual_layer.c' -o '$out/manual_layer' -lopenblas -lstb -lz -lpthread -lm && '$out/manual_layer'"
 
-echo "test-summary: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

@@ -1,0 +1,54 @@
+# tests/check.sh: what the test scripts (tests/smoke.sh, tests/dist.sh)
+# share; sourced. Each counts its passes and failures, keeps its logs in
+# $out (removed at exit), and ends with `summary`, which prints
+# "test-summary: P passed, F failed" like the C test programs.
+passed=0
+failed=0
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+# check NAME STATUS PATTERN... -- COMMAND...: runs COMMAND, and passes when
+# its exit status is STATUS and its output (stdout and stderr) matches every
+# extended-regex PATTERN. STATUS "dies": any status but 0, within 30 s (a
+# distributed job that must end, not hang).
+check() {
+    local name=$1 want=$2; shift 2
+    local patterns=()
+    while [ "$1" != "--" ]; do patterns+=("$1"); shift; done
+    shift
+    local log="$out/$name.log" start=$SECONDS
+    timeout 600 "$@" >"$log" 2>&1
+    local status=$? took=$((SECONDS - start)) ok=1
+    if [ "$want" = dies ]; then
+        [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && [ "$took" -le 30 ] ||
+            { ok=0; echo "  $name: exit status $status after $took s, want non-zero within 30 s"; }
+    else
+        [ "$status" -eq "$want" ] || { ok=0; echo "  $name: exit status $status, want $want"; }
+    fi
+    for p in "${patterns[@]}"; do
+        grep -Eq -- "$p" "$log" || { ok=0; echo "  $name: output lacks /$p/"; }
+    done
+    if [ $ok = 1 ]; then
+        echo "ok   $name"; passed=$((passed + 1))
+    else
+        echo "FAIL $name"; sed 's/^/    | /' "$log" | tail -n 20; failed=$((failed + 1))
+    fi
+}
+
+# lacks NAME PATTERN: passes when the log of check NAME has no line
+# matching PATTERN.
+lacks() {
+    if grep -Eq -- "$2" "$out/$1.log"; then
+        echo "FAIL $1_lacks /$2/"; failed=$((failed + 1))
+    else
+        echo "ok   $1_lacks /$2/"; passed=$((passed + 1))
+    fi
+}
+
+# The file must be a PNG with a non-trivial size.
+png_ok() { [ -s "$1" ] && [ "$(head -c 4 "$1" | tail -c 3)" = "PNG" ]; }
+
+summary() {
+    echo "test-summary: $passed passed, $failed failed"
+    [ "$failed" -eq 0 ]
+}
