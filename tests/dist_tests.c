@@ -51,26 +51,6 @@ static void global_batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     free(labels);
 }
 
-/* max |a - b| / max |b| over a network's parameters */
-static double max_param_diff(mgpu_net *a, mgpu_net *b) {
-    double worst = 0;
-    for (int p = 0; p < mgpu_net_num_params(a); p++) {
-        const mgpu_tensor *ta = mgpu_net_param(a, p)->value, *tb = mgpu_net_param(b, p)->value;
-        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
-        mgpu_to_host(ta, va);
-        mgpu_to_host(tb, vb);
-        double diff = 0, scale = 1e-30;
-        for (size_t i = 0; i < ta->numel; i++) {
-            diff = fmax(diff, fabs((double)va[i] - vb[i]));
-            scale = fmax(scale, fabs((double)vb[i]));
-        }
-        worst = fmax(worst, diff / scale);
-        free(va);
-        free(vb);
-    }
-    return worst;
-}
-
 /* 1 when every rank holds these exact bits */
 static int same_bits_everywhere(const float *values, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -85,8 +65,8 @@ static int same_bits_everywhere(const float *values, size_t n) {
 }
 static int net_same_everywhere(mgpu_net *net) {
     int same = 1;
-    for (int p = 0; p < mgpu_net_num_params(net); p++) {
-        const mgpu_tensor *t = mgpu_net_param(net, p)->value;
+    for (int p = 0; p < net->nparams; p++) {
+        const mgpu_tensor *t = net->params[p]->value;
         float *v = (float *)malloc(t->numel * sizeof(float));
         mgpu_to_host(t, v);
         same &= same_bits_everywhere(v, t->numel);
@@ -217,7 +197,7 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
         mgpu_free(y);
     }
     CHECK(strcmp(mgpu_data_parallel_algorithm(ddp), mgpu_group_path(world, dev)) == 0);
-    CHECK_CLOSE(max_param_diff(mine, one), 0.0, 1e-5, 0);
+    CHECK_CLOSE(test_max_param_diff(mine, one), 0.0, 1e-5, 0);
     CHECK(net_same_everywhere(mine));
     mgpu_data_parallel_free(ddp);
     mgpu_net_free(mine);
@@ -247,7 +227,7 @@ TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
         mgpu_free(x);
         mgpu_free(y);
     }
-    CHECK(max_param_diff(mine, local) == 0.0);
+    CHECK(test_max_param_diff(mine, local) == 0.0);
     mgpu_data_parallel_free(ddp);
     mgpu_data_parallel_free(dp);
     mgpu_net_free(mine);
@@ -276,7 +256,7 @@ static void accumulate_vs_big_batch(mgpu_data_parallel *small, mgpu_net *small_n
         mgpu_free(x);
         mgpu_free(y);
     }
-    CHECK_CLOSE(max_param_diff(small_net, big_net), 0.0, 1e-6, 0);
+    CHECK_CLOSE(test_max_param_diff(small_net, big_net), 0.0, 1e-6, 0);
 }
 TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
     /* the distributed wrapper: each rank's batches are its own */

@@ -128,6 +128,29 @@ static int test__failures; /* failures inside the running test */
 #ifdef MGPU_H
 /* The device a test runs on: GPU 0 with TEST_ON_GPU, else the CPU. */
 static inline mgpu_device *test_device(void) { return TEST_ON_GPU ? mgpu_try_gpu(0) : mgpu_cpu(); }
+
+/* Largest difference between two networks' parameters, relative to each
+   tensor's largest value: max |a - b| / max |b|, over the tensors. (It
+   reads the parameters from the nets' structs: mgpu_net_param would mark
+   a wrapped net as changed, and its wrapper would copy it again.) */
+static __attribute__((unused)) double test_max_param_diff(const mgpu_net *a, const mgpu_net *b) {
+    double worst = 0;
+    for (int p = 0; p < a->nparams; p++) {
+        const mgpu_tensor *ta = a->params[p]->value, *tb = b->params[p]->value;
+        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
+        mgpu_to_host(ta, va);
+        mgpu_to_host(tb, vb);
+        double diff = 0, scale = 1e-30;
+        for (size_t i = 0; i < ta->numel; i++) {
+            diff = fmax(diff, fabs((double)va[i] - vb[i]));
+            scale = fmax(scale, fabs((double)vb[i]));
+        }
+        worst = fmax(worst, diff / scale);
+        free(va);
+        free(vb);
+    }
+    return worst;
+}
 #endif
 
 /* Runs the registered tests (those whose name contains argv[1] when given). */

@@ -63,27 +63,6 @@ static void batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     *y = mgpu_from_host(test_device(), mgpu_shape1(n), labels);
 }
 
-/* Largest difference between two networks' parameters, relative to each
-   tensor's largest value: max |a - b| / max |b|, over the tensors. */
-static double max_param_diff(mgpu_net *a, mgpu_net *b) {
-    double worst = 0;
-    for (int p = 0; p < a->nparams; p++) {
-        size_t n = a->params[p]->value->numel;
-        float *va = (float *)malloc(n * sizeof(float)), *vb = (float *)malloc(n * sizeof(float));
-        mgpu_to_host(a->params[p]->value, va);
-        mgpu_to_host(b->params[p]->value, vb);
-        double diff = 0, scale = 1e-30;
-        for (size_t i = 0; i < n; i++) {
-            diff = fmax(diff, fabs((double)va[i] - vb[i]));
-            scale = fmax(scale, fabs((double)vb[i]));
-        }
-        worst = fmax(worst, diff / scale);
-        free(va);
-        free(vb);
-    }
-    return worst;
-}
-
 static void train_steps(mgpu_data_parallel *dp, int steps) {
     for (int s = 0; s < steps; s++) {
         mgpu_tensor *x, *y;
@@ -111,9 +90,9 @@ TEST(k_devices_train_like_one_without_batchnorm) {
             mgpu_data_parallel *dpk =
                 mgpu_data_parallel_new(many, devs, k, mode ? MGPU_DP_ALLREDUCE : MGPU_DP_GATHER);
             train_steps(dpk, 10);
-            double moved = 0, diff = max_param_diff(one, many);
+            double moved = 0, diff = test_max_param_diff(one, many);
             mgpu_net *start = plain_net(devs[0]);
-            moved = max_param_diff(one, start);
+            moved = test_max_param_diff(one, start);
             if (diff > 1e-5)
                 fprintf(stderr, "  %d devices (%s): parameters differ by %g (relative)\n", k,
                         mode ? "allreduce" : "gather", diff);
@@ -121,7 +100,7 @@ TEST(k_devices_train_like_one_without_batchnorm) {
             CHECK(moved > 1e-2); /* training did change them: the comparison means something */
             /* the replicas stay identical to each other */
             for (int i = 1; i < k; i++)
-                if (mode) CHECK(max_param_diff(mgpu_data_parallel_replica(dpk, i), many) == 0);
+                if (mode) CHECK(test_max_param_diff(mgpu_data_parallel_replica(dpk, i), many) == 0);
             mgpu_data_parallel_free(dp1);
             mgpu_data_parallel_free(dpk);
             mgpu_net_free(one);
@@ -151,13 +130,13 @@ TEST(a_batch_shorter_than_the_devices_trains_like_one_device) {
             mgpu_free(x);
             mgpu_free(y);
         }
-        double diff = max_param_diff(one, many);
+        double diff = test_max_param_diff(one, many);
         if (diff > 1e-5) fprintf(stderr, "  %s: parameters differ by %g (relative)\n",
                                  mode ? "allreduce" : "gather", diff);
         CHECK(diff <= 1e-5);
-        CHECK(max_param_diff(one, start) > 1e-2); /* training did change them */
+        CHECK(test_max_param_diff(one, start) > 1e-2); /* training did change them */
         for (int i = 1; i < 3 && mode; i++)
-            CHECK(max_param_diff(mgpu_data_parallel_replica(dp3, i), many) == 0);
+            CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp3, i), many) == 0);
         double loss, right, loss3, right3;
         mgpu_data_parallel_take_stats(dp1, &loss, &right);
         mgpu_data_parallel_take_stats(dp3, &loss3, &right3);
@@ -188,7 +167,7 @@ TEST(batchnorm_uses_each_shards_statistics) {
     mgpu_net_loss_backward(one, mgpu_net_forward(one, x1), y1, 1.0f / 12, NULL);
     mgpu_net_loss_backward(one, mgpu_net_forward(one, x0), y0, 1.0f / 12, NULL);
     mgpu_net_sgd(one, 0.5f, 0.0f, 0.0f);
-    double diff = max_param_diff(one, two);
+    double diff = test_max_param_diff(one, two);
     if (diff > 1e-5) fprintf(stderr, "  parameters differ by %g\n", diff);
     CHECK(diff <= 1e-5);
     /* device 0's running statistics come from shard 0 alone ... */
@@ -585,7 +564,7 @@ TEST(saving_through_a_link_replaces_the_file_it_names) {
     CHECK(stat(target, &st) == 0 && (st.st_mode & 0777) == 0640);
     mgpu_net *back = small_net(mgpu_cpu(), 1);
     mgpu_net_load(back, target);
-    CHECK(max_param_diff(back, net) == 0.0);
+    CHECK(test_max_param_diff(back, net) == 0.0);
     unlink(link);
     unlink(target);
     mgpu_net_free(back);
@@ -849,11 +828,14 @@ TEST(a_network_of_any_depth_trains) {
         sum_before = sum;
     }
     CHECK(loss[0] > 1.5f && loss[0] < 3.5f); /* about ln 10 = 2.3 */
-    /* Each step lowers the loss, by 0.07 in all on the CPU, the emulated
-       GPUs and an H200 (2.285 to 2.212, 2.209 and 2.216: the rounding of
-       200 layers' sums takes the three apart by up to 0.02 a step); the
-       test asks for less than half of that. */
-    for (int step = 1; step < 4; step++) CHECK(loss[step] < loss[step - 1]);
+    /* The steps lower the loss, by 0.07 in all on the CPU, the emulated
+       GPUs and an H200 (2.285 to 2.212, 2.209 and 2.216). The rounding of
+       200 layers' sums takes them apart by up to 0.02 a step, and so does
+       the convolution method that each shape's trial picks by timing (on
+       a busy CPU: 2.2143 then 2.2152 in one run, 2.2145 then 2.2037 in
+       another). So the test asks for less than half of the whole drop,
+       and for no step to rise by more than that rounding. */
+    for (int step = 1; step < 4; step++) CHECK(loss[step] < loss[step - 1] + 0.02f);
     CHECK(loss[3] < loss[0] - 0.03f);
     mgpu_net_train_step(net, x, y, 0.003f, 0.9f, 0, NULL);
     int with_momentum = 0;
@@ -879,7 +861,7 @@ TEST(a_network_of_any_depth_trains) {
             CHECK_EQ_INT(staged, net->nparams);
         } else { /* every replica took the same step */
             CHECK_EQ_INT(dp->nbuckets, 200);
-            double diff = max_param_diff(mgpu_data_parallel_replica(dp, 1), net);
+            double diff = test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net);
             if (diff > 1e-6) fprintf(stderr, "  the replicas differ by %g\n", diff);
             CHECK(diff <= 1e-6);
         }
@@ -1067,8 +1049,8 @@ TEST(layers_of_ones_own_train_like_the_librarys) {
     mgpu_data_parallel *dp_own = mgpu_data_parallel_new(own, devs, 2, MGPU_DP_ALLREDUCE);
     train_steps(dp_library, 5);
     train_steps(dp_own, 5);
-    CHECK(max_param_diff(own, library) == 0);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp_own, 1), own) == 0);
+    CHECK(test_max_param_diff(own, library) == 0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp_own, 1), own) == 0);
     mgpu_data_parallel_free(dp_library);
     mgpu_data_parallel_free(dp_own);
     mgpu_net_free(library);
@@ -1244,11 +1226,11 @@ TEST(layers_of_ones_own_run_on_each_devices_queue) {
     mgpu_data_parallel *dp2 = mgpu_data_parallel_new(two, devs, 2, MGPU_DP_ALLREDUCE);
     train_steps(dp1, 10);
     train_steps(dp2, 10);
-    double diff = max_param_diff(one, two);
+    double diff = test_max_param_diff(one, two);
     if (diff > 1e-5) fprintf(stderr, "  parameters differ by %g (relative)\n", diff);
     CHECK(diff <= 1e-5);
-    CHECK(max_param_diff(one, start) > 1e-2);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp2, 1), two) == 0);
+    CHECK(test_max_param_diff(one, start) > 1e-2);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp2, 1), two) == 0);
     mgpu_data_parallel_free(dp1);
     mgpu_data_parallel_free(dp2);
     mgpu_net_free(one);
@@ -1570,12 +1552,12 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
         CHECK(dp_small->nbuckets >= 3);
         CHECK_EQ_INT(dp_ref->nbuckets, 1);
         /* the same sums in the same order: bitwise equal whatever the timing */
-        CHECK(max_param_diff(small, late) == 0);
+        CHECK(test_max_param_diff(small, late) == 0);
         /* other bucket boundaries chunk the ring differently: rounding only */
-        double diff = max_param_diff(small, ref);
+        double diff = test_max_param_diff(small, ref);
         if (diff > 1e-6) fprintf(stderr, "  %d devices: bucketed and single-bucket differ by %g\n", k, diff);
         CHECK(diff <= 1e-6);
-        for (int i = 1; i < k; i++) CHECK(max_param_diff(mgpu_data_parallel_replica(dp_small, i), small) == 0);
+        for (int i = 1; i < k; i++) CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp_small, i), small) == 0);
         CHECK(strcmp(mgpu_data_parallel_algorithm(dp_small),
                      TEST_ON_GPU && k <= mgpu_num_gpus() ? "nccl" : "ring") == 0);
         mgpu_data_parallel_free(dp_ref);
@@ -1611,12 +1593,12 @@ TEST(an_allreduce_of_ones_own_trains_like_the_librarys) {
         mgpu_net *nets[2] = {ring, book};
         mgpu_data_parallel *dps[2] = {dp_ring, dp_book};
         for (int m = 0; m < 2; m++) {
-            double diff = max_param_diff(nets[m], ref);
+            double diff = test_max_param_diff(nets[m], ref);
             if (diff > 1e-6) fprintf(stderr, "  %d devices: %s differs by %g\n", k,
                                      mgpu_data_parallel_algorithm(dps[m]), diff);
             CHECK(diff <= 1e-6);
             for (int i = 1; i < k; i++)
-                CHECK(max_param_diff(mgpu_data_parallel_replica(dps[m], i), nets[m]) == 0);
+                CHECK(test_max_param_diff(mgpu_data_parallel_replica(dps[m], i), nets[m]) == 0);
             mgpu_data_parallel_free(dps[m]);
             mgpu_net_free(nets[m]);
         }
@@ -1691,12 +1673,12 @@ TEST(the_wrapper_follows_what_is_done_to_the_module) {
     mgpu_net_save(net, path);
     train_steps(dp, 2);
     mgpu_net_load(net, path); /* back one step: replica 1 is not */
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
     train_steps(dp, 1);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
     mgpu_scale_(mgpu_net_param(net, 0)->value, 0.5f);
     train_steps(dp, 1);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
     mgpu_tensor *x, *y, *x0, *y0;
     batch(9, 6, &x, &y);
     x0 = mgpu_to(x, devs[0], 0);
@@ -1704,12 +1686,12 @@ TEST(the_wrapper_follows_what_is_done_to_the_module) {
     mgpu_net_train_step(net, x0, y0, 0.1f, 0, 0, NULL); /* the module alone */
     mgpu_free(x); mgpu_free(y); mgpu_free(x0); mgpu_free(y0);
     train_steps(dp, 1);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) == 0.0);
     /* and nothing is copied where nothing changed: a difference made
        behind the library's back stays (the reduction keeps it) */
     mgpu_scale_(dp->replicas[1]->params[0]->value, 0.5f);
     train_steps(dp, 1);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-3);
     unlink(path);
     mgpu_data_parallel_free(dp);
     mgpu_net_free(net);
@@ -1768,7 +1750,7 @@ TEST(switching_the_reduction_off_lets_replicas_drift) {
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
     mgpu_data_parallel_configure(dp, 1024, 1, 0);
     train_steps(dp, 2);
-    CHECK(max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-4);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net) > 1e-4);
     EXPECT_DIES(mgpu_data_parallel_configure(dp, 1024, 1, 1), "before the first step");
     mgpu_data_parallel_free(dp);
     mgpu_net_free(net);
@@ -1853,11 +1835,11 @@ TEST(a_training_step_writes_every_gradient) {
         }
         mgpu_synchronize_all();
         if (way == 2) CHECK(dps[1]->nbuckets >= 3);
-        double diff = max_param_diff(nets[1], nets[0]);
+        double diff = test_max_param_diff(nets[1], nets[0]);
         if (diff != 0) fprintf(stderr, "  way %d: the steps after garbage gradients differ by %g\n", way, diff);
         CHECK(diff == 0);
         for (int i = 1; i < k && way == 2; i++)
-            CHECK(max_param_diff(mgpu_data_parallel_replica(dps[1], i), nets[1]) == 0);
+            CHECK(test_max_param_diff(mgpu_data_parallel_replica(dps[1], i), nets[1]) == 0);
         for (int garbage = 0; garbage <= 1; garbage++) {
             mgpu_data_parallel_free(dps[garbage]);
             mgpu_net_free(nets[garbage]);
