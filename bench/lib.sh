@@ -1,7 +1,7 @@
 # bench/lib.sh: helpers shared by the benchmark scripts (sourced by
-# bench/run.sh, bench/gpu_check.sh and bench/gpu_session.sh).
+# bench/run.sh, bench/ddp.sh, bench/gpu_check.sh and bench/gpu_session.sh).
 #
-# defines: value, result, calc, or_dash, run_line, run_secs, run_acc, run_on,
+# defines: value, result, calc, or_dash, median, run_line, run_secs, run_acc, run_on,
 #          epoch_secs, libraries_found, use_carried_libraries
 #
 # value and result read the log $LOGS/NAME.log, so the caller sets LOGS.
@@ -23,6 +23,12 @@ calc() {
 }
 
 or_dash() { echo "${1:--}"; }
+
+# median NUMBER...: the median of the numbers (anything else is left out)
+median() {
+    printf '%s\n' "$@" | grep -E '^[0-9]+([.][0-9]*)?$' | sort -g |
+        awk '{ v[NR] = $1 } END { if (NR) print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
 
 # A chapter's line for its run N (1, 2, ...) in the log NAME:
 #     test acc: 0.84, 2.2 sec/epoch, [1234 images/sec, ]on [cuda:0] ...

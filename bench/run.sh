@@ -64,7 +64,7 @@
 # programs' logs, PNGs and CSVs go (default build/bench).
 set -u
 cd "$(dirname "$0")/.."
-. bench/lib.sh    # value, result, calc, or_dash
+. bench/lib.sh    # value, result, calc, or_dash, median
 
 PYTHON=${PYTHON:-python3}
 DATA=${MGPU_DATA:-data/fashion-mnist}
@@ -115,11 +115,6 @@ fi
 ROUNDS=${BENCH_ROUNDS:-$([ $ON_GPU = 1 ] && echo 1 || echo 3)}
 # rounds NAME: the logs of NAME's rounds (NAME, NAME.r2, NAME.r3, ...)
 rounds() { echo "$1"; for r in $(seq 2 "$ROUNDS"); do echo "$1.r$r"; done; }
-# median NUMBER...: the median of the numbers (anything else is left out)
-median() {
-    printf '%s\n' "$@" | grep -E '^[0-9]+([.][0-9]*)?$' | sort -g |
-        awk '{ v[NR] = $1 } END { if (NR) print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
 
 step() {
     local name=$1; shift
