@@ -263,7 +263,7 @@ $(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOUR
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
-BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions
+BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
@@ -337,6 +337,11 @@ bench/matmul: bench/matmul.c $(HEADERS) $(DEPS_STAMP)
 
 # A ResNet-18 step on 2 devices: no gradient reduction, after backward, overlapped.
 bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# A step of the distributed wrapper on 1 and 2 processes (under mpirun),
+# and of chapter 3's wrapper on 2 devices of one process.
+bench/ddp: bench/ddp.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # Where the time of a ResNet-18 step goes (the tracer's summary).
