@@ -47,6 +47,10 @@
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
 #              (issue 5).
+#   ddp        bash bench/ddp.sh, where mpirun is found: ./bench/ddp (the
+#              distributed wrapper, 1 and 2 processes) beside PyTorch's
+#              DDP (bench/pytorch/ddp.py, gloo), both on the CPU; one round
+#              of LeNet here (its header says what is measured).
 #
 # Rounds: without a GPU, chapters 2 and 3 run BENCH_ROUNDS times (default
 # 3), mgpu and PyTorch in turn, and their rows give the medians: a shared
@@ -340,6 +344,16 @@ for k in 2 4; do
     row "allreduce $k devices $(value allreduce-$k 's/^allreduce on [0-9]* devices \(.*\)/\1/p')" "copy rate" "$(or_dash "$rate")"
 done
 
+# ------------------------------------------------------------------ ddp
+# The distributed wrapper beside PyTorch's DDP on the CPU (bench/ddp.sh;
+# its table is copied below the results table): a short configuration,
+# one round of LeNet. `bash bench/ddp.sh` alone runs both models, 3 rounds.
+if command -v mpirun >/dev/null; then
+    step ddp env DDP_ROUNDS=1 DDP_MODELS=lenet PYTHON="$PYTHON" BENCH_OUT="$OUT" bash bench/ddp.sh
+else
+    echo "-- ddp: skipped: no mpirun (apt-get install openmpi-bin libopenmpi-dev)"
+fi
+
 # --------------------------------------------------------------- results
 {
     echo "### make bench: $STAMP, $DEVICE"
@@ -358,6 +372,12 @@ done
         echo '```'
         sed -n '/^ResNet-18 training step/,/^all /p' "$LOGS/profile.log"
         echo '```'
+    fi
+    if grep -q '^### bench/ddp.sh' "$LOGS/ddp.log" 2>/dev/null; then
+        echo
+        echo "The distributed wrapper beside PyTorch's DDP (bench/ddp.sh, short):"
+        echo
+        sed -n '/^### bench\/ddp.sh/,$p' "$LOGS/ddp.log" | tail -n +2
     fi
     for log in conv conv.py; do
         grep -q '^convolution' "$LOGS/$log.log" 2>/dev/null || continue
