@@ -24,7 +24,8 @@
      none        no reduction (the replicas drift apart: no matter to a
                  timing); the step's compute alone.
    --reduce all builds one wrapper for each way and times them in turn,
-   step by step, so that a busy moment of the machine hits the three alike.
+   step by step (the first of each turn rotating), so that a busy moment
+   of the machine hits the three alike.
 
    A step, as timed: mgpu_data_parallel_step (the batch's shards copied to
    the devices, forward, loss, backward, the reduction, SGD with lr 0.01),
@@ -139,8 +140,12 @@ int main(int argc, char **argv) {
 
     /* times[w * steps + s]: this rank's time of way w's step s */
     double *times = (double *)malloc(sizeof(double) * NWAYS * (size_t)steps);
+    /* The ways take turns, and the turn's first way rotates from step to
+       step: no way always runs right after another's step. */
+    int nways = last - first + 1;
     for (int s = 0; s < steps; s++)
-        for (int w = first; w <= last; w++) {
+        for (int k = 0; k < nways; k++) {
+            int w = first + (s + k) % nways;
             double t0 = mgpu_now();
             mgpu_data_parallel_step(dp[w], x, y, 0.01f, 0.0f, 0.0f);
             mgpu_synchronize_all();

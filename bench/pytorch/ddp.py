@@ -20,7 +20,7 @@ Ways of combining the gradients, as bench/ddp.c's:
               from the last layer back), as DDP would without overlap;
   none        the backward pass under no_sync(): no reduction.
 --reduce all wraps one model for each way and times them in turn, step by
-step.
+step, the first of each turn rotating.
 
 Threads: each process takes its share of the cores it may run on (its
 affinity divided by the processes on the machine, at least 1), as mgpu's
@@ -141,8 +141,9 @@ def main():
             steps[way]()
 
     times = {way: [] for way in ways}
-    for _ in range(args.steps):
-        for way in ways:
+    for s in range(args.steps):
+        # the ways take turns, the turn's first rotating, as bench/ddp.c's
+        for way in ways[s % len(ways):] + ways[:s % len(ways)]:
             t0 = time.perf_counter()
             steps[way]()
             times[way].append(time.perf_counter() - t0)
