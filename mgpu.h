@@ -1531,31 +1531,50 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    Chapters 1 to 3 run every device inside one process. A real trainer runs
    one process per device (PyTorch's DistributedDataParallel), started by
    a launcher on one machine or many:
-       mpirun -np 4 ./chapter4                     4 processes here
-       mpirun -H a:2,b:2 ./chapter4                2 on host a, 2 on host b
-       srun -N 2 --ntasks-per-node=2 ./chapter4    under Slurm
+       mpirun -np 4 ./train                     4 processes here
+       mpirun -H a:2,b:2 ./train                2 on host a, 2 on host b
+       srun -N 2 --ntasks-per-node=2 ./train    under Slurm
    The processes are a group (mgpu_group); each is a rank, 0 .. size-1.
    Built without MPI (the Makefile adds it where mpi.h is found), or
    started without a launcher, a program is a group of one, and every
-   call below works (a collective of one rank changes nothing).
+   call below works (a collective of one rank changes nothing). A
+   training program, whole (the batch and the learning rate are the
+   global batch's, as one process with all of it would have them):
 
        mgpu_group *world = mgpu_dist_init(&argc, &argv);
        int rank = mgpu_group_rank(world), size = mgpu_group_size(world);
        mgpu_device *dev = mgpu_group_device(world, use_gpu);
-       ...
+       mgpu_net *net = ...;                           the same on every rank
+       mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
+       mgpu_sampler *s = mgpu_sampler_new(train->n, size, rank, 1, seed, 0);
+       mgpu_loader *it = mgpu_loader_new(train, batch / size, 0, seed);
+       mgpu_loader_set_sampler(it, s);
+       for (int epoch = 0; epoch < epochs; epoch++) {
+           mgpu_sampler_set_epoch(s, epoch);
+           mgpu_loader_start_epoch(it, epoch);
+           mgpu_batch b;
+           while (mgpu_loader_next(it, &b)) mgpu_data_parallel_step(ddp, b.x, b.y, lr, 0, 0);
+           double stats[2];                           this rank's loss sum, right answers
+           mgpu_data_parallel_take_stats(ddp, &stats[0], &stats[1]);
+           mgpu_group_sum_host(world, stats, 2);      every rank's
+           double acc = mgpu_dist_evaluate_accuracy(world, net, test, 256);
+           if (rank == 0) printf(...);
+       }
+       ... free them ...
        mgpu_dist_finalize(world);
 
    mgpu_dist_init starts MPI when a launcher started the program (it sees
-   Open MPI's, PMI's, PMIx's or Slurm's variables), and returns the world
-   group. The local rank, the process's place among those on its machine,
-   comes from MPI_Comm_split_type(MPI_COMM_TYPE_SHARED).
-   mgpu_group_device gives each process its device: GPU local_rank %
-   gpus where the machine has GPUs (use_gpu 1), else the CPU, whose cores
-   the processes on one machine share (each takes cores / local_size of
-   them, as mgpu_devices shares them between CPU devices).
-   mgpu_group_first(world, n) is the group of ranks 0 .. n-1 (NULL on the
-   others), to run the same work on fewer processes (chapter 4's scaling
-   table); mgpu_group_free frees such a group.
+   Open MPI's, PMI's or Slurm's variables), and returns the world group.
+   The local rank, the process's place among those on its machine, comes
+   from MPI_Comm_split_type(MPI_COMM_TYPE_SHARED). mgpu_group_device gives
+   each process its device: GPU local_rank % gpus where the machine has
+   GPUs (use_gpu 1), else the CPU, whose cores the processes on one
+   machine share (each takes cores / local_size of them, as mgpu_devices
+   shares them between CPU devices). mgpu_group_first(g, n) is the group
+   of ranks 0 .. n-1 (NULL on the others), to run the same work on fewer
+   processes (chapter 4's scaling table). Every rank of g calls it, and
+   every member calls mgpu_group_free (which first waits for the devices)
+   when done with the group.
 
    Collectives. Every rank of the group calls the same collectives in the
    same order, each with a tensor on its own device:
@@ -1566,16 +1585,23 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
        mgpu_group_reduce_scatter(g, in, out, op)  out = chunk `rank` of the
                                             sum of the in's (in: size * out's elements)
        mgpu_group_send(g, t, to)  mgpu_group_recv(g, t, from)  one rank to another
-       mgpu_group_barrier(g)                waits for every rank
+                                            (only those two call it)
+       mgpu_group_barrier(g)                waits until every rank has got
+                                            here and its devices are done
    They run on the device's communication queue, ordered like chapter 3's
    collectives: each starts when the compute queue has produced t, and
    the compute queue waits for its result, so the next operation on t
    sees it. mgpu_group_allreduce_start(g, t, op) leaves out that last
    wait (chapter 3's mgpu_allreduce_start): mgpu_comm_wait(&dev, 1) adds it.
-   Each returns, and mgpu_group_path(g, dev) says, the way the data went:
+   A group's collectives go to one device's queue at a time: use a group
+   for one device. Each returns, and mgpu_group_path(g, dev) says, the
+   way the data went:
      "mpi"           MPI between CPU processes, straight from the tensors;
      "mpi via host"  GPU tensors copied to host memory, through MPI, and
-                     back: the way between processes that share a GPU;
+                     back, with the calling thread waiting for it: the
+                     way between GPUs of different processes (those that
+                     share a GPU too), so on GPUs a bucket's reduction
+                     does not overlap the backward pass;
      "none"          a group of one.
    The allreduce is a reduce-scatter then an all-gather, as the ring of
    chapter 3: rank r receives chunk r of every rank's vector, adds them in
@@ -1589,34 +1615,46 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
    Faults. A distributed job must end, not hang, when something is wrong:
    - Before each collective the ranks compare what they are about to do
-     (its number in the group's sequence, kind, length and root). A rank
-     that calls something else (a bug: one rank skipped a step) stops the
-     job with one line naming both calls and the ranks.
+     (its number in the group's sequence, kind, length, root and sum or
+     mean). A rank that calls something else (a bug: one rank skipped a
+     step) stops the job with one line naming both calls and the ranks.
    - A rank that waits longer than MGPU_DIST_TIMEOUT seconds (default
-     120) for the others stops the job with one line naming the
-     collective it was in.
+     120) in a collective, or for the host's numbers, stops the job with
+     one line naming the collective it was in: the ranks of a collective
+     arrive together, give or take one step's work. A barrier waits as
+     long as the slowest rank works (ranks left out of a sub-group's run
+     wait there).
    - A rank that dies (killed, or an error: every error line starts with
      "rank r:") makes the launcher stop the others; each says which
-     collective it was in, and mpirun names the rank that died.
+     collective it was in, and mpirun names the rank that died. (Under
+     Slurm, srun --kill-on-bad-exit does the same.)
    - mgpu_group_fatal(g, format, ...) is mgpu_fatal for a mistake that
      every rank of g sees at once (a bad setting): rank 0 alone writes
      the line, so the job ends with one line, not one a rank.
+   Making and freeing groups (mgpu_group_first, mgpu_group_free) are MPI
+   calls without a timeout: call them on every rank.
 
    Data parallelism across processes (PyTorch's DistributedDataParallel):
        mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
    wraps net (on this rank's device) like mgpu_data_parallel_new, with one
    replica a process. At construction the ranks check that they built
    the same network (the shapes of its parameters and buffers; a rank
-   that differs is named), rank 0's parameters and buffers are broadcast,
-   and a checksum of every rank's values is compared. Then
-   mgpu_data_parallel_step(ddp, X, y, ...) takes this rank's share of the
-   global batch: the gradients are averaged over the ranks in buckets,
-   from the last layer back, each bucket's allreduce running while the
-   backward pass of the earlier layers goes on (chapter 3's buckets and
-   mgpu_data_parallel_configure), and every rank takes the same SGD step.
-   Batch norm uses each process's own statistics, and rank 0's running
-   statistics are broadcast to the others at the start of each step (as
-   DDP's broadcast_buffers). mgpu_data_parallel_take_stats gives this
+   that differs is named); rank 0's parameters, buffers and SGD state
+   (momentum buffers and count of steps) are broadcast, and a checksum of
+   every rank's values is compared. So a checkpoint (mgpu_checkpoint_save,
+   NETWORKS) is written by rank 0 and needs loading on rank 0 alone,
+   before the wrapper is made. Then mgpu_data_parallel_step(ddp, X, y,
+   ...) takes this rank's share of the global batch (mgpu_sampler and
+   mgpu_loader_set_sampler deal it out): each rank's loss is the mean
+   over its rows, and the gradients are averaged over the ranks in
+   buckets, from the last layer back, each bucket's allreduce running
+   while the backward pass of the earlier layers goes on (chapter 3's
+   buckets and mgpu_data_parallel_configure; a network smaller than a
+   bucket has one bucket, reduced after the whole backward pass), and
+   every rank takes the same SGD step. Batch norm uses each process's own
+   statistics; rank 0's running statistics are broadcast to the others
+   at the start of each step (as DDP's broadcast_buffers) and before a
+   distributed evaluation. mgpu_data_parallel_take_stats gives this
    rank's numbers: add them up with mgpu_group_sum_host.
        mgpu_data_parallel_accumulate(dp, X, y)
    is DDP's no_sync, in both wrappers: forward and backward, the
@@ -9043,6 +9081,7 @@ struct mgpu_group {
     float *received; /* the chunks a reduction receives (used on one queue at a time) */
     size_t received_floats;
     mgpu_tensor *staging; /* pinned host memory that GPU tensors go through */
+    mgpu_device *device;  /* the device of its collectives' tensors (set by the first) */
 #if MGPU_MPI
     /* Two communicators, so that the collectives a communication queue
        runs and the caller's numbers on the host never meet in one
@@ -9086,11 +9125,18 @@ MGPU_DEF void mgpu_group_fatal(const mgpu_group *g, const char *fmt, ...) {
 }
 
 #if MGPU_MPI
-/* "allreduce #12 of 61706 floats" */
+/* "allreduce #12 of 61706 floats (mean)", "send of 100 floats to rank 2":
+   what a collective is, for messages (a send or a receive, between two
+   ranks only, has no number in the group's sequence). */
 static void mgpu__coll_describe(const mgpu__coll *c, char *buf, size_t size) {
-    int at = snprintf(buf, size, "%s #%ld of %zu floats", mgpu__coll_names[c->kind], c->sequence, c->count);
-    if (c->kind == MGPU__BROADCAST) snprintf(buf + at, size - at, " from rank %d", c->peer);
-    if (c->kind == MGPU__SEND || c->kind == MGPU__RECV)
+    int at = snprintf(buf, size, "%s", mgpu__coll_names[c->kind]);
+    if (c->sequence) at += snprintf(buf + at, size - at, " #%ld", c->sequence);
+    at += snprintf(buf + at, size - at, " of %zu floats", c->count);
+    if (c->kind == MGPU__ALLREDUCE || c->kind == MGPU__REDUCE_SCATTER)
+        snprintf(buf + at, size - at, " (%s)", c->op == MGPU_MEAN ? "mean" : "sum");
+    else if (c->kind == MGPU__BROADCAST)
+        snprintf(buf + at, size - at, " from rank %d", c->peer);
+    else if (c->kind == MGPU__SEND || c->kind == MGPU__RECV)
         snprintf(buf + at, size - at, " %s rank %d", c->kind == MGPU__SEND ? "to" : "from", c->peer);
 }
 
@@ -9117,11 +9163,15 @@ static void mgpu__dist_on_signal(int sig) {
     if (mgpu__dist_quiet) _exit(1);
     char line[384];
     size_t n = 0;
-    const char *parts[] = {"mgpu: error: ", mgpu__error_prefix, "stopped by the launcher ",
+    const char *parts[] = {"mgpu: error: ", mgpu__error_prefix, "stopped by SIGTERM ",
                            mgpu__dist_doing[mgpu__dist_doing_slot],
-                           ": another rank ended first (the launcher's message names it)\n"};
+                           " (mpirun stops every rank when one ends: its message names the rank)"};
+    /* each part at most its slot's size: another thread may be rewriting
+       the other slot, and a slot being rewritten may lack its NUL */
     for (size_t k = 0; k < sizeof parts / sizeof *parts; k++)
-        for (const char *p = parts[k]; *p && n < sizeof line - 1; p++) line[n++] = *p;
+        for (size_t i = 0; i < sizeof mgpu__dist_doing[0] && parts[k][i] && n < sizeof line - 1; i++)
+            line[n++] = parts[k][i];
+    line[n++] = '\n';
     if (write(2, line, n) < 0) _exit(1);
     _exit(1);
 }
@@ -9138,47 +9188,53 @@ static void mgpu__dist_on_signal(int sig) {
     } while (0)
 
 /* Waits for MPI requests, polling so that a rank that never comes is an
-   error after the group's timeout, not a hang. The poll yields, then
-   sleeps: ranks that share cores must not spin on them while another
-   rank still computes. */
-static void mgpu__dist_wait(const mgpu_group *g, MPI_Request *requests, int n, const char *what) {
+   error after timeout seconds (0: no limit), not a hang. The poll
+   yields, then sleeps longer and longer (20 us to 10 ms): ranks that
+   share cores must not spin on them while another rank still computes. */
+static void mgpu__dist_wait(MPI_Request *requests, int n, const char *what, double timeout) {
     double start = mgpu_now();
+    long pause_ns = 20000;
     for (long polls = 0;; polls++) {
         int done = 0;
         MGPU__MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
         if (done) return;
-        if (mgpu_now() - start > g->timeout)
+        if (timeout > 0 && mgpu_now() - start > timeout)
             mgpu_fatal("%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is dead, hung, "
-                       "or did not call it", what, g->timeout);
+                       "or did not call it", what, timeout);
         if (polls < 64) {
             sched_yield();
-        } else {
-            struct timespec pause = {0, polls < 1024 ? 20000 : 500000};
-            nanosleep(&pause, NULL);
+            continue;
         }
+        struct timespec pause = {0, pause_ns};
+        nanosleep(&pause, NULL);
+        if (polls % 256 == 0 && pause_ns < 10000000) pause_ns *= 2;
     }
 }
 
 /* Before a collective the ranks compare what each is about to run. */
 static void mgpu__coll_agree(const mgpu__coll *c) {
     mgpu_group *g = c->group;
-    long long mine[4] = {c->sequence, c->kind, (long long)c->count, c->peer};
+    long long mine[5] = {c->sequence, c->kind, (long long)c->count, c->peer, c->op};
     long long *all = (long long *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
     char what[128];
     mgpu__coll_describe(c, what, sizeof what);
     MPI_Request request;
-    MGPU__MPI_CHECK(MPI_Iallgather(mine, 4, MPI_LONG_LONG, all, 4, MPI_LONG_LONG, g->comm, &request));
-    mgpu__dist_wait(g, &request, 1, what);
+    MGPU__MPI_CHECK(MPI_Iallgather(mine, 5, MPI_LONG_LONG, all, 5, MPI_LONG_LONG, g->comm, &request));
+    mgpu__dist_wait(&request, 1, what, g->timeout);
     for (int r = 0; r < g->size; r++) {
-        if (memcmp(all + 4 * r, all, sizeof mine) == 0) continue;
-        mgpu__coll theirs = *c, first = *c;
-        theirs.sequence = all[4 * r]; theirs.kind = (mgpu__coll_kind)all[4 * r + 1];
-        theirs.count = (size_t)all[4 * r + 2]; theirs.peer = (int)all[4 * r + 3];
-        first.sequence = all[0]; first.kind = (mgpu__coll_kind)all[1];
-        first.count = (size_t)all[2]; first.peer = (int)all[3];
-        char a[128], b[128];
-        mgpu__coll_describe(&first, a, sizeof a);
-        mgpu__coll_describe(&theirs, b, sizeof b);
+        if (memcmp(all + 5 * r, all, sizeof mine) == 0) continue;
+        mgpu__coll calls[2] = {*c, *c}; /* rank 0's, rank r's */
+        for (int k = 0; k < 2; k++) {
+            const long long *w = all + 5 * (k ? r : 0);
+            calls[k].sequence = w[0];
+            calls[k].kind = (mgpu__coll_kind)w[1];
+            calls[k].count = (size_t)w[2];
+            calls[k].peer = (int)w[3];
+            calls[k].op = (mgpu_reduce_op)w[4];
+        }
+        char a[160], b[160];
+        mgpu__coll_describe(&calls[0], a, sizeof a);
+        mgpu__coll_describe(&calls[1], b, sizeof b);
         free(all);
         mgpu_group_fatal(g, "the ranks are out of step: rank 0 called %s, rank %d called %s "
                              "(every rank must call the same collectives in the same order)", a, r, b);
@@ -9226,11 +9282,11 @@ static void mgpu__mpi_allreduce(const mgpu__coll *c, const char *what) {
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ialltoallv(c->out, counts, starts, MPI_FLOAT, received, mine, mine_at, MPI_FLOAT,
                                    g->comm, &request));
-    mgpu__dist_wait(g, &request, 1, what);
+    mgpu__dist_wait(&request, 1, what, g->timeout);
     mgpu__sum_chunks(c->out + starts[me], received, (size_t)counts[me], size, c->op);
     MGPU__MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, c->out, counts, starts, MPI_FLOAT,
                                     g->comm, &request));
-    mgpu__dist_wait(g, &request, 1, what);
+    mgpu__dist_wait(&request, 1, what, g->timeout);
     free(counts);
 }
 
@@ -9241,7 +9297,7 @@ static void mgpu__mpi_reduce_scatter(const mgpu__coll *c, const char *what) {
     float *received = mgpu__group_received(g, c->count);
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ialltoall(c->in, len, MPI_FLOAT, received, len, MPI_FLOAT, g->comm, &request));
-    mgpu__dist_wait(g, &request, 1, what);
+    mgpu__dist_wait(&request, 1, what, g->timeout);
     mgpu__sum_chunks(c->out, received, (size_t)len, g->size, c->op);
 }
 
@@ -9259,19 +9315,19 @@ static void mgpu__coll_run(const mgpu__coll *c) {
     case MGPU__REDUCE_SCATTER: mgpu__mpi_reduce_scatter(c, what); break;
     case MGPU__BROADCAST:
         MGPU__MPI_CHECK(MPI_Ibcast(c->out, n, MPI_FLOAT, c->peer, g->comm, &request));
-        mgpu__dist_wait(g, &request, 1, what);
+        mgpu__dist_wait(&request, 1, what, g->timeout);
         break;
     case MGPU__ALL_GATHER:
         MGPU__MPI_CHECK(MPI_Iallgather(c->in, n, MPI_FLOAT, c->out, n, MPI_FLOAT, g->comm, &request));
-        mgpu__dist_wait(g, &request, 1, what);
+        mgpu__dist_wait(&request, 1, what, g->timeout);
         break;
     case MGPU__SEND:
         MGPU__MPI_CHECK(MPI_Isend(c->in, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
-        mgpu__dist_wait(g, &request, 1, what);
+        mgpu__dist_wait(&request, 1, what, g->timeout);
         break;
     case MGPU__RECV:
         MGPU__MPI_CHECK(MPI_Irecv(c->out, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
-        mgpu__dist_wait(g, &request, 1, what);
+        mgpu__dist_wait(&request, 1, what, g->timeout);
         break;
     }
     mgpu__dist_set_doing(NULL);
@@ -9306,12 +9362,12 @@ static mgpu_group *mgpu__group_over(MPI_Comm comm) {
 
 /* Were we started by a launcher? Its variables say so, and how many it started. */
 static int mgpu__launcher_size(void) {
-    const char *names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"};
+    const char *names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"};
     for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
         const char *v = getenv(names[k]);
         if (v && atoi(v) > 0) return atoi(v);
     }
-    return getenv("PMIX_RANK") ? 2 : 1;
+    return 1;
 }
 
 /* A group of one: this process alone. */
@@ -9365,6 +9421,7 @@ MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
 
 MGPU_DEF void mgpu_group_free(mgpu_group *g) {
     if (!g) return;
+    mgpu_synchronize_all(); /* (the communication queues may still run its collectives) */
 #if MGPU_MPI
     if (g->size > 1) {
         MGPU__MPI_CHECK(MPI_Comm_free(&g->comm));
@@ -9432,8 +9489,14 @@ MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev
 static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tensor *in, mgpu_tensor *out,
                                    int wait) {
     mgpu_device *dev = (out ? out : in)->device;
+    MGPU_REQUIRE(c.count <= INT_MAX, "a group's %s of %zu floats: more than MPI counts (%d)",
+                 mgpu__coll_names[c.kind], c.count, INT_MAX);
+    /* (one device, so that one thread runs the group's MPI calls, in order) */
+    if (!g->device) g->device = dev;
+    MGPU_REQUIRE(g->device == dev, "a group's %s: a tensor on %s, but the group's collectives run on %s: "
+                 "use a group for one device", mgpu__coll_names[c.kind], dev->name, g->device->name);
     c.group = g;
-    c.sequence = ++g->sequence;
+    c.sequence = c.kind == MGPU__SEND || c.kind == MGPU__RECV ? 0 : ++g->sequence;
     if (g->size == 1) return "none"; /* (the callers did a group of one's work) */
     if (dev->gpu < 0) {
         mgpu_tensor *both[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in};
@@ -9445,13 +9508,14 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
         if (wait) mgpu_comm_wait(&dev, 1);
         return mgpu_group_path(g, dev);
     }
-    size_t in_n = in ? in->numel : 0, out_n = out ? out->numel : 0;
+    int in_place = in == out; /* (allreduce, broadcast: staged once) */
+    size_t in_n = in && !in_place ? in->numel : 0, out_n = out ? out->numel : 0;
     if (!g->staging || g->staging->numel < in_n + out_n) {
         mgpu_free(g->staging);
         g->staging = mgpu_empty_pinned(mgpu_shape1((int)(in_n + out_n)));
     }
     mgpu_tensor *host_in = NULL, *host_out = NULL;
-    if (in) {
+    if (in && !in_place) {
         mgpu_tensor *rows = mgpu_narrow(g->staging, 0, (int)in_n);
         host_in = mgpu_view(rows, in->shape);
         mgpu_free(rows);
@@ -9462,8 +9526,9 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
         mgpu_tensor *rows = mgpu_narrow(g->staging, (int)in_n, (int)out_n);
         host_out = mgpu_view(rows, out->shape);
         mgpu_free(rows);
-        if (c.kind == MGPU__ALLREDUCE || c.kind == MGPU__BROADCAST) mgpu_copy(host_out, out, 0);
+        if (in_place) mgpu_copy(host_out, out, 0);
         c.out = host_out->data;
+        if (in_place) c.in = c.out;
     }
     mgpu__coll_run(&c);
     if (out) mgpu_copy(out, host_out, 0);
@@ -9479,7 +9544,7 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
     (void)in;
     (void)out;
     (void)wait;
-    g->sequence++;
+    (void)g;
     return "none"; /* without MPI a group is this process alone, whose work the callers did */
 }
 #endif
@@ -9570,7 +9635,7 @@ static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, size_t
 #if MGPU_MPI
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Iallgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, g->host_comm, &request));
-    mgpu__dist_wait(g, &request, 1, op);
+    mgpu__dist_wait(&request, 1, op, g->timeout);
 #endif
 }
 MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all) {
@@ -9595,7 +9660,7 @@ MGPU_DEF void mgpu_group_barrier(mgpu_group *g) {
     if (g->size == 1) return;
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ibarrier(g->host_comm, &request));
-    mgpu__dist_wait(g, &request, 1, "mgpu_group_barrier");
+    mgpu__dist_wait(&request, 1, "mgpu_group_barrier", 0.0); /* (as long as the slowest rank works) */
 #else
     (void)g;
 #endif
@@ -9632,6 +9697,26 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
     return differs;
 }
 
+/* SGD's state goes with the parameters (a checkpoint that rank 0 alone
+   loaded): rank 0's count of steps, and its momentum buffers where it
+   has them (none on every rank where it has none). */
+static void mgpu__group_broadcast_sgd_state(mgpu_group *g, mgpu_net *net) {
+    long mine[2] = {net->steps, net->nparams > 0 && net->momentum[0] != NULL};
+    long *all = (long *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
+    mgpu__group_all_gather_bytes(g, mine, sizeof mine, all, "mgpu_distributed_data_parallel_new");
+    net->steps = (int)all[0];
+    for (int p = 0; p < net->nparams; p++) {
+        if (!all[1]) {
+            mgpu_free(net->momentum[p]);
+            net->momentum[p] = NULL;
+            continue;
+        }
+        if (!net->momentum[p]) net->momentum[p] = mgpu_zeros(net->device, net->params[p]->value->shape);
+        mgpu_group_broadcast(g, net->momentum[p], 0);
+    }
+    free(all);
+}
+
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g) {
     const char *op = "mgpu_distributed_data_parallel_new";
     int r = mgpu__group_first_different(g, mgpu__net_structure_hash(net), op);
@@ -9639,6 +9724,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
         mgpu_group_fatal(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
                              "shapes differ): every rank must build the same one", op, r);
     for (int i = 0; i < mgpu__net_num_saved(net, 0); i++) mgpu_group_broadcast(g, *mgpu__net_saved(net, i), 0);
+    mgpu__group_broadcast_sgd_state(g, net);
     r = mgpu__group_first_different(g, mgpu__net_values_hash(net), op);
     if (r >= 0)
         mgpu_group_fatal(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
@@ -9650,7 +9736,8 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
     return dp;
 }
 
-/* The part of a data set that rank r of size evaluates: rows [n r / size, n (r + 1) / size). */
+/* Rank r of size evaluates rows [n r / size, n (r + 1) / size) of the
+   data set, with rank 0's network: the buffers are broadcast first. */
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
                                             int batch_size) {
     int first = (int)((long long)data->n * g->rank / g->size);
@@ -9658,6 +9745,8 @@ MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const 
     size_t pixels = (size_t)data->rows * (size_t)data->cols;
     mgpu_dataset part = {last - first, data->rows, data->cols, data->images + pixels * (size_t)first,
                          data->labels + first};
+    /* rank 0's running statistics: each rank's moved with its own shard since the last step's broadcast */
+    for (int i = 0; i < net->nbuffers; i++) mgpu_group_broadcast(g, *net->buffers[i], 0);
     double correct = part.n > 0 ? mgpu__net_count_correct(net, &part, batch_size) : 0.0;
     mgpu_group_sum_host(g, &correct, 1);
     return correct / (double)data->n;

@@ -156,7 +156,7 @@ int main(int argc, char **argv) {
     /* A step is over when the slowest rank is done with it. */
     int n = NWAYS * steps;
     double *all = (double *)malloc(sizeof(double) * (size_t)n * (size_t)procs);
-    mgpu_group_all_gather_host(world, times, n, all);
+    mgpu_group_all_gather_host(world, times, sizeof(double) * (size_t)n, all);
     double *sorted = (double *)malloc(sizeof(double) * (size_t)steps);
     char list[128];
     mgpu_device_list(list, sizeof list, devs, o.devices);

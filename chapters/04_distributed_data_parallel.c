@@ -40,7 +40,7 @@
 typedef struct {
     int resnet; /* ResNet-18, else LeNet */
     int global_batch, epochs, checkpoint_every, resume;
-    int kill_at_step, kill_in_world; /* the last rank of the run on kill_in_world processes dies there */
+    int kill_at_step, kill_in_world; /* (0: never) the last rank of the run on kill_in_world processes dies there */
     float lr, momentum;
     uint64_t seed;
     const mgpu_options *o;
@@ -85,8 +85,13 @@ static uint64_t parameters_hash(mgpu_net *net) {
     return h;
 }
 
+/* Where a run goes on: rank 0's checkpoint, if it found one. */
 typedef struct {
-    int processes;
+    int found;
+    mgpu_checkpoint_info info;
+} resume_point;
+
+typedef struct {
     double seconds_per_epoch, images_per_second, test_acc;
     const char *path;
 } run_result;
@@ -101,11 +106,21 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
     char name[64], checkpoint[1024];
     snprintf(name, sizeof name, "chapter4_%dproc.ckpt", world);
     mgpu_out_path(s->o, name, checkpoint, sizeof checkpoint);
-    mgpu_checkpoint_info at = {0, 0, 0, world, s->seed};
-    if (s->resume && access(checkpoint, F_OK) != 0 && rank == 0)
-        printf("no checkpoint %s: this run starts afresh\n", checkpoint);
-    if (s->resume && access(checkpoint, F_OK) == 0) {
-        mgpu_checkpoint_load(net, checkpoint, &at);
+    /* Rank 0 alone reads the checkpoint (the others may be on machines
+       without the file): the wrapper's broadcast gives them its network and
+       SGD's state, and the all-gather below where to go on. */
+    resume_point here = {0, {0, 0, 0, world, s->seed}};
+    if (rank == 0 && s->resume && access(checkpoint, F_OK) == 0) {
+        mgpu_checkpoint_load(net, checkpoint, &here.info);
+        here.found = 1;
+    }
+    resume_point *points = (resume_point *)malloc(sizeof here * (size_t)world);
+    mgpu_group_all_gather_host(g, &here, sizeof here, points);
+    mgpu_checkpoint_info at = points[0].info;
+    int found = points[0].found;
+    free(points);
+    if (s->resume && !found && rank == 0) printf("no checkpoint %s: this run starts afresh\n", checkpoint);
+    if (found) {
         if (at.seed != s->seed)
             mgpu_group_fatal(g, "%s: saved with --seed %llu; resume with the same seed", checkpoint,
                              (unsigned long long)at.seed);
@@ -124,6 +139,9 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
     }
     /* rank 0's parameters go to every rank; the others' are checked against them */
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
+    /* LeNet is smaller than one bucket of 25 MiB: in buckets of 64 KiB its
+       last layers' reduction runs while the first layers' backward does */
+    if (!s->resnet) mgpu_data_parallel_configure(ddp, 64 << 10, 1, 1);
     mgpu_sampler *sampler = mgpu_sampler_new(train_set->n, world, rank, 1, s->seed, 0);
     mgpu_loader *loader = mgpu_loader_new(train_set, s->global_batch / world, 0, s->seed);
     mgpu_loader_set_sampler(loader, sampler);
@@ -139,12 +157,13 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
         double start = mgpu_now();
         mgpu_batch b;
         for (int i = first; mgpu_loader_next(loader, &b); i++) {
-            if (step == s->kill_at_step && world == s->kill_in_world && rank == world - 1) raise(SIGKILL);
+            if (s->kill_at_step && step == s->kill_at_step && world == s->kill_in_world && rank == world - 1)
+                raise(SIGKILL);
             mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, s->momentum, 0.0f);
             step++;
             if (s->checkpoint_every && step % s->checkpoint_every == 0 && i + 1 < steps) {
                 mgpu_checkpoint_info info = {epoch, i + 1, step, world, s->seed};
-                mgpu_group_barrier(g); /* every rank is past this step */
+                mgpu_group_barrier(g); /* every rank has finished the steps the file says are done */
                 if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
             }
         }
@@ -176,7 +195,7 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
         if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
         result_acc = test_acc;
     }
-    run_result result = {world, 0, 0, result_acc, mgpu_data_parallel_algorithm(ddp)};
+    run_result result = {0, 0, result_acc, mgpu_data_parallel_algorithm(ddp)};
     double per_epoch = timed_epochs ? train_seconds / timed_epochs : 0;
     result.seconds_per_epoch = per_epoch;
     result.images_per_second = per_epoch > 0 ? (double)mgpu_sampler_total_size(sampler) / per_epoch : 0;
@@ -199,16 +218,18 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
    = algbw * 2 (k - 1) / k, what each link carried. */
 static double allreduce_ms(mgpu_group *g, mgpu_device *dev, size_t floats) {
     mgpu_tensor *t = mgpu_zeros(dev, mgpu_shape1((int)floats));
-    double times[9];
+    double times[9], *every = (double *)malloc(sizeof(double) * (size_t)mgpu_group_size(g));
     for (int i = 0; i < 9; i++) {
         mgpu_group_barrier(g);
         double start = mgpu_now();
         mgpu_group_allreduce(g, t, MGPU_MEAN);
         mgpu_synchronize(dev);
-        times[i] = (mgpu_now() - start) * 1e3;
-        mgpu_group_sum_host(g, &times[i], 1); /* the slowest rank's time, roughly: their mean */
-        times[i] /= mgpu_group_size(g);
+        double mine = (mgpu_now() - start) * 1e3;
+        mgpu_group_all_gather_host(g, &mine, sizeof mine, every);
+        times[i] = 0; /* the slowest rank's time */
+        for (int r = 0; r < mgpu_group_size(g); r++) times[i] = every[r] > times[i] ? every[r] : times[i];
     }
+    free(every);
     mgpu_free(t);
     for (int i = 1; i < 9; i++) /* (insertion sort: the median of 9) */
         for (int j = i; j > 0 && times[j] < times[j - 1]; j--) {
@@ -253,9 +274,8 @@ static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const 
         snprintf(mine[i].name, sizeof mine[i].name, "%s", op.name);
     }
     for (int i = n; i < MAX_BARS; i++) mine[i].lane = -1; /* (no bar: left out) */
-    mgpu_timeline_bar *all = rank == 0 ? (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world) : NULL;
-    mgpu_timeline_bar *scratch = all ? all : (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world);
-    mgpu_group_all_gather_host(g, mine, sizeof mine, scratch);
+    mgpu_timeline_bar *all = (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world);
+    mgpu_group_all_gather_host(g, mine, sizeof mine, all);
     if (rank == 0) {
         char names[2 * 16][32], path[1024], title[160];
         const char *lanes[2 * 16];
@@ -270,7 +290,7 @@ static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const 
                                     2 * (world < 16 ? world : 16), lanes, MAX_BARS * world, all) == 0)
             printf("ranks' timeline: %s\n", path);
     }
-    free(scratch);
+    free(all);
     mgpu_loader_free(loader);
     mgpu_data_parallel_free(ddp);
     mgpu_net_free(net);
@@ -284,8 +304,7 @@ int main(int argc, char **argv) {
     o.seed = 1;
     settings s;
     memset(&s, 0, sizeof s);
-    s.kill_at_step = -1;
-    int train_samples = 0, test_samples = 0, kill_at_step = 0;
+    int train_samples = 0, test_samples = 0;
     double momentum = 0;
     const char *model = NULL;
     const mgpu_flag extra[] = {
@@ -297,14 +316,12 @@ int main(int argc, char **argv) {
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
         {"--checkpoint-every", 'i', &s.checkpoint_every, "also save a checkpoint every N steps"},
         {"--resume", 'b', &s.resume, "continue each run from its checkpoint, where there is one"},
-        {"--kill-at-step", 'u', &kill_at_step,
-         "the last rank of the last run kills itself (SIGKILL) before step N: to try --resume"},
+        {"--kill-at-step", 'i', &s.kill_at_step,
+         "the last rank of the last run kills itself (SIGKILL) when N steps are done: to try --resume"},
     };
     mgpu_options_parse(&o, argc, argv,
                        "chapter4: distributed data parallelism, one process per device (mpirun -np N ./chapter4)",
                        extra, (int)(sizeof extra / sizeof extra[0]));
-    for (int i = 1; i < argc; i++) /* (0 is a step too: the flag's presence, not its value) */
-        if (strcmp(argv[i], "--kill-at-step") == 0) s.kill_at_step = kill_at_step;
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     /* (every rank sees a bad setting: mgpu_group_fatal says it once) */
@@ -339,32 +356,34 @@ int main(int argc, char **argv) {
     mgpu_dataset_truncate(train_set, train_samples);
     mgpu_dataset_truncate(test_set, test_samples);
 
-    /* 1, 2, 4, ... processes, and all of them; the others wait */
+    /* The runs: on 1, 2, 4, ... processes, the last on `most`; the
+       processes a run leaves out wait for it */
+    int ks[8], nruns = 0;
+    for (int k = 1; nruns < 8; k *= 2) {
+        ks[nruns++] = k < most ? k : most;
+        if (k >= most) break;
+    }
     run_result results[8];
     mgpu_animator *runs[8];
     char labels[8][32];
     const char *label_ptrs[8];
-    int nruns = 0;
-    for (int k = 1; nruns < 8; k = k * 2 > most && k < most ? most : k * 2, nruns++) {
+    for (int i = 0; i < nruns; i++) {
+        int k = ks[i];
         mgpu_group *g = mgpu_group_first(everyone, k);
-        snprintf(labels[nruns], sizeof labels[nruns], "%d process%s", k, k > 1 ? "es" : "");
-        label_ptrs[nruns] = labels[nruns];
-        runs[nruns] = NULL;
+        snprintf(labels[i], sizeof labels[i], "%d process%s", k, k > 1 ? "es" : "");
+        label_ptrs[i] = labels[i];
+        runs[i] = NULL;
         if (g) {
             char name[64], path[1024];
             snprintf(name, sizeof name, "chapter4_%d_process%s.png", k, k > 1 ? "es" : "");
             const char *series[] = {"train loss", "train acc", "test acc"};
-            runs[nruns] = mgpu_animator_new(rank == 0 ? mgpu_out_path(&o, name, path, sizeof path) : NULL,
-                                            labels[nruns], "epoch", "", 1, s.epochs, 3, series);
+            runs[i] = mgpu_animator_new(rank == 0 ? mgpu_out_path(&o, name, path, sizeof path) : NULL,
+                                        labels[i], "epoch", "", 1, s.epochs, 3, series);
             if (rank == 0) printf("\n%d process%s:\n", k, k > 1 ? "es" : "");
-            results[nruns] = train(g, &s, use_gpu, train_set, test_set, runs[nruns]);
+            results[i] = train(g, &s, use_gpu, train_set, test_set, runs[i]);
             mgpu_group_free(g);
         }
         mgpu_group_barrier(everyone);
-        if (k == most) {
-            nruns++;
-            break;
-        }
     }
 
     /* The scaling table, from rank 0's view of each run */
@@ -381,7 +400,7 @@ int main(int argc, char **argv) {
                "allreduce ms", "algbw GB/s", "busbw GB/s");
     }
     for (int i = 0; i < nruns; i++) {
-        int k = 1 << i < most ? 1 << i : most;
+        int k = ks[i];
         mgpu_group *g = mgpu_group_first(everyone, k);
         double ms = g ? allreduce_ms(g, mgpu_group_device(g, use_gpu), floats) : 0;
         if (g) mgpu_group_free(g);
@@ -401,7 +420,10 @@ int main(int argc, char **argv) {
                                          (const mgpu_animator *const *)runs, 2, label_ptrs) == 0)
             printf("plots: %s, and one chapter4_<N>_process(es).png per run beside it\n", path);
     }
-    ranks_timeline(everyone, &s, use_gpu, train_set, &o);
+    mgpu_group *last = mgpu_group_first(everyone, most);
+    if (last) ranks_timeline(last, &s, use_gpu, train_set, &o);
+    mgpu_group_free(last);
+    mgpu_group_barrier(everyone);
 
     for (int i = 0; i < nruns; i++) mgpu_animator_free(runs[i]);
     mgpu_dataset_free(train_set);

@@ -108,7 +108,7 @@ TEST(allreduce_matches_double_sums_with_the_same_bits_everywhere) {
 TEST(broadcast_all_gather_and_reduce_scatter) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
     const int n = 13;
-    float v[13], all[13 * 8];
+    float v[13], *all = (float *)malloc(sizeof(float) * (size_t)(n * size));
     for (int root = 0; root < size; root++) {
         for (int i = 0; i < n; i++) v[i] = value_of(rank, (size_t)i);
         mgpu_tensor *t = mgpu_from_host(dev, mgpu_shape1(n), v);
@@ -139,6 +139,7 @@ TEST(broadcast_all_gather_and_reduce_scatter) {
         }
     }
     free(big);
+    free(all);
     mgpu_free(in);
     mgpu_free(gathered);
     mgpu_free(whole);
@@ -167,8 +168,11 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
     int right = 1;
     for (int i = 0; i < n; i++) right &= v[i] == value_of(before, (size_t)i);
     CHECK(right);
+    /* a send between two ranks alone: the others' collectives go on in step */
+    if (rank == 0) mgpu_group_send(world, out, 1);
+    if (rank == 1) mgpu_group_recv(world, in, 0);
     mgpu_tensor *one = mgpu_ones(dev, mgpu_shape1(3));
-    mgpu_group_allreduce(world, one, MGPU_SUM); /* the collectives' sequence goes on */
+    mgpu_group_allreduce(world, one, MGPU_SUM);
     CHECK(mgpu_item(one, 2) == (float)size);
     mgpu_free(one);
     mgpu_free(in);
@@ -179,12 +183,13 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
 /* Each rank starts from other weights (its own seed): the wrapper's
    broadcast gives them rank 0's, and then k ranks with a k-th of the
    batch each train like one process with all of it. */
-TEST(ddp_on_k_ranks_trains_like_one_process) {
+static void ddp_trains_like_one_process(size_t bucket_bytes, int overlap) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
     const int per_rank = 4, steps = 5;
     mgpu_net *one = dist_net(dev, 0, 5);
     mgpu_net *mine = dist_net(dev, 0, 5 + (uint64_t)rank);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
+    mgpu_data_parallel_configure(ddp, bucket_bytes, overlap, 1);
     for (int s = 0; s < steps; s++) {
         mgpu_tensor *x, *y;
         global_batch(s, per_rank * size, &x, &y);
@@ -202,6 +207,11 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
     mgpu_data_parallel_free(ddp);
     mgpu_net_free(mine);
     mgpu_net_free(one);
+}
+TEST(ddp_on_k_ranks_trains_like_one_process) {
+    ddp_trains_like_one_process(25u << 20, 1); /* the network in one bucket */
+    ddp_trains_like_one_process(256, 1);       /* a bucket a layer, reduced under the backward pass */
+    ddp_trains_like_one_process(256, 0);       /* the same, reduced after it */
 }
 
 TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
@@ -328,6 +338,23 @@ TEST(distributed_evaluation_counts_each_image_once) {
     double shared = mgpu_dist_evaluate_accuracy(world, net, &d, 4);
     CHECK(whole == shared);
     CHECK(whole > 0.0 && whole < 1.0); /* a count that tells parts apart */
+    mgpu_net_free(net);
+    /* with batch norm, after a step on each rank's own batch: every rank's
+       running statistics moved its own way, and the evaluation uses rank 0's */
+    net = dist_net(dev, 1, 5);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
+    mgpu_tensor *x, *y;
+    global_batch(mgpu_group_rank(world), 4, &x, &y);
+    mgpu_data_parallel_step(ddp, x, y, 0.1f, 0.0f, 0.0f);
+    shared = mgpu_dist_evaluate_accuracy(world, net, &d, 4);
+    whole = mgpu_net_evaluate_accuracy(net, &d, 4); /* (rank 0's statistics now on every rank) */
+    double mine = whole, *every = (double *)malloc(sizeof(double) * (size_t)mgpu_group_size(world));
+    mgpu_group_all_gather_host(world, &mine, sizeof mine, every);
+    CHECK(shared == every[0]);
+    free(every);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(ddp);
     mgpu_net_free(net);
     free(d.images);
     free(d.labels);
