@@ -260,7 +260,8 @@ $(BUILD)/emu/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HE
 $(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEADERS) $(BUILD)/emu/kernels.h $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(EMU_BUILD)
-ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS))
+# (the distributed tests as a group of one: tests/dist.sh runs them under mpirun)
+ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS)) $(BUILD)/asan/dist_tests
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
 BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp

@@ -72,6 +72,17 @@ check chapter4_two_processes 0 \
     '^test acc: 0\.[0-9]+, [0-9.]+ sec/epoch, [0-9]+ images/sec, on 2 processes \(gradients: mpi\)' \
     '^ +2 +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$' 'ranks. timeline: ' \
     -- env MGPU_DIST_TIMEOUT=1 mpirun -np 2 ./chapter4 $small --checkpoint-every 5 --out "$out/whole"
+# 1 process and 2 on the same global batch: the first epoch's mean loss
+# (the 1-process run's line, then the 2 ranks' of the 2-process run) agrees
+# to rounding
+if awk -F'Avg. Loss: ' '/Epoch \[1\/2\]/ { split($2, v, " "); loss[n++] = v[1] }
+        END { d = loss[0] - (loss[1] + loss[2]) / 2; exit !(n == 3 && d < 0.003 && d > -0.003) }' \
+        "$out/chapter4_two_processes.log"; then
+    echo "ok   chapter4_one_and_two_processes_agree"; passed=$((passed + 1))
+else
+    echo "FAIL chapter4_one_and_two_processes_agree"; grep 'Epoch \[1/2\]' "$out/chapter4_two_processes.log"
+    failed=$((failed + 1))
+fi
 for png in chapter4_test_acc.png chapter4_2_processes.png chapter4_ranks_timeline.png; do
     if png_ok "$out/whole/$png"; then
         echo "ok   chapter4_$png"; passed=$((passed + 1))
