@@ -1570,7 +1570,10 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    each process its device: GPU local_rank % gpus where the machine has
    GPUs (use_gpu 1), else the CPU, whose cores the processes on one
    machine share (each takes cores / local_size of them, as mgpu_devices
-   shares them between CPU devices). mgpu_group_first(g, n) is the group
+   shares them between CPU devices). mgpu_group_devices(g, use_gpu, n,
+   out) gives a process n devices (the hybrid case, below): GPUs local_rank
+   * n + i mod gpus (virtual ones where it needs more than there are), or
+   n CPU devices with cores / (local_size * n) each; it returns n. mgpu_group_first(g, n) is the group
    of ranks 0 .. n-1 (NULL on the others), to run the same work on fewer
    processes (chapter 4's scaling table). Every rank of g calls it, and
    every member calls mgpu_group_free (which first waits for the devices)
@@ -1661,6 +1664,14 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    gradients added up and not reduced, no step. k - 1 of these and then
    mgpu_data_parallel_step take one step on the k batches together: the
    gradient of the mean loss over all their rows, with one reduction.
+   Several devices a process (data parallelism inside each process, and
+   across them):
+       mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(net, devices, n, g);
+   net on devices[0]: the wrapper replicates it on the others, splits each
+   of the rank's batches among them, sums a bucket's gradients over them
+   (chapter 3's ring, or NCCL), averages that sum over the ranks from
+   devices[0], and copies the result to the others. CPU devices, or GPUs
+   (through the host, as above).
        double acc = mgpu_dist_evaluate_accuracy(g, net, test, batch_size);
    each rank evaluates its own contiguous part of the data set (no image
    twice, none left out, unlike a padded sampler) and the counts are added. */
@@ -1674,6 +1685,7 @@ MGPU_DEF int mgpu_group_local_rank(const mgpu_group *g);
 MGPU_DEF int mgpu_group_local_size(const mgpu_group *g);
 MGPU_DEF const char *mgpu_group_host(const mgpu_group *g);
 MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu);
+MGPU_DEF int mgpu_group_devices(mgpu_group *g, int use_gpu, int n, mgpu_device **out);
 MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n);
 MGPU_DEF void mgpu_group_free(mgpu_group *g);
 MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev);
@@ -1690,6 +1702,8 @@ MGPU_DEF void mgpu_group_fatal(const mgpu_group *g, const char *fmt, ...) MGPU__
 MGPU_DEF void mgpu_group_sum_host(mgpu_group *g, double *values, int n);
 MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all);
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g);
+MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net *net, mgpu_device *const *devices,
+                                                                        int n, mgpu_group *g);
 MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                             const mgpu_tensor *y);
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
@@ -8647,6 +8661,7 @@ struct mgpu_data_parallel {
     /* a distributed wrapper's group: one replica a process, its buckets
        averaged over the ranks (mgpu_distributed_data_parallel_new) */
     struct mgpu_group *group;
+    char algorithm_name[48]; /* "ring, then mpi": several devices a process */
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -8749,12 +8764,12 @@ static const char *mgpu__group_allreduce(const char *op, struct mgpu_group *g, m
 static int mgpu__dp_reduces(const mgpu_data_parallel *dp) {
     return dp->n > 1 || (dp->group && mgpu_group_size(dp->group) > 1);
 }
+static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int b);
 /* Starts the reduction of bucket b on every device: the caller's, the
    group's mean over the processes, or the library's (NCCL or the ring, on
    the communication queues). */
 static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
-    if (dp->group)
-        return mgpu__group_allreduce("mgpu_data_parallel_step", dp->group, dp->bucket[b][0], MGPU_MEAN, 0);
+    if (dp->group) return mgpu__dp_reduce_bucket_over_ranks(dp, b);
     if (!dp->yours) return mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
     dp->yours(dp->bucket[b], dp->n);
     return dp->yours_name;
@@ -9451,11 +9466,19 @@ MGPU_DEF int mgpu_group_local_rank(const mgpu_group *g) { return g->local_rank; 
 MGPU_DEF int mgpu_group_local_size(const mgpu_group *g) { return g->local_size; }
 MGPU_DEF const char *mgpu_group_host(const mgpu_group *g) { return g->host; }
 
-MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu) {
+MGPU_DEF int mgpu_group_devices(mgpu_group *g, int use_gpu, int n, mgpu_device **out) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES, "mgpu_group_devices: %d devices; between 1 and %d", n,
+                 MGPU_MAX_DEVICES);
     int gpus = use_gpu ? mgpu_num_gpus() : 0;
-    if (gpus > 0) return mgpu__device_get(g->local_rank % gpus, 0);
-    mgpu__share_cpu_cores(g->local_size);
-    return mgpu_cpu();
+    for (int i = 0; i < n; i++)
+        out[i] = gpus > 0 ? mgpu__device_get((g->local_rank * n + i) % gpus, i / gpus) : mgpu__device_get(-1, i);
+    if (gpus == 0) mgpu__share_cpu_cores(g->local_size * n);
+    return n;
+}
+MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu) {
+    mgpu_device *dev;
+    mgpu_group_devices(g, use_gpu, 1, &dev);
+    return dev;
 }
 
 MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n) {
@@ -9508,6 +9531,7 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
         if (wait) mgpu_comm_wait(&dev, 1);
         return mgpu_group_path(g, dev);
     }
+    mgpu_synchronize(dev); /* (both queues: a collective of the process's own devices may still write t) */
     int in_place = in == out; /* (allreduce, broadcast: staged once) */
     size_t in_n = in && !in_place ? in->numel : 0, out_n = out ? out->numel : 0;
     if (!g->staging || g->staging->numel < in_n + out_n) {
@@ -9718,6 +9742,11 @@ static void mgpu__group_broadcast_sgd_state(mgpu_group *g, mgpu_net *net) {
 }
 
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, mgpu_group *g) {
+    return mgpu_distributed_data_parallel_new_devices(net, &net->device, 1, g);
+}
+
+MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net *net, mgpu_device *const *devices,
+                                                                        int n, mgpu_group *g) {
     const char *op = "mgpu_distributed_data_parallel_new";
     int r = mgpu__group_first_different(g, mgpu__net_structure_hash(net), op);
     if (r >= 0)
@@ -9730,10 +9759,38 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
         mgpu_group_fatal(g, "%s: after the broadcast from rank 0, rank %d's parameters differ from rank 0's",
                              op, r);
     net->changes++;
-    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, &net->device, 1, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, n, MGPU_DP_ALLREDUCE);
     dp->group = g;
-    dp->algorithm = mgpu_group_size(g) > 1 ? NULL : "none";
+    dp->algorithm = mgpu__dp_reduces(dp) ? NULL : "none";
     return dp;
+}
+
+/* Bucket b of a distributed wrapper: summed over this process's devices
+   (chapter 3's ring, or NCCL), averaged over the ranks from devices[0]
+   (whose communication queue runs the group's allreduce after its part
+   of the ring), then copied to the other devices, each on its own
+   communication queue once devices[0]'s is done. devices[0]'s queue then
+   waits for those copies: once it is done, nothing reads its bucket any
+   more (mgpu_comm_wait relies on this). */
+static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int b) {
+    mgpu_tensor **bucket = dp->bucket[b];
+    const char *local = dp->n > 1 ? mgpu_allreduce_start(bucket, dp->n, 0, dp->scratch[b]) : "none";
+    if (mgpu_group_size(dp->group) == 1) return local; /* (chapter 3's wrapper) */
+    const char *path = mgpu__group_allreduce("mgpu_data_parallel_step", dp->group, bucket[0], MGPU_MEAN, 0);
+    if (dp->n == 1) return path;
+    mgpu__queue *first = &dp->devices[0]->queue[1];
+    for (int i = 1; i < dp->n; i++) {
+        mgpu__queue *q = &dp->devices[i]->queue[1];
+        mgpu__queue_wait_queue(q, first);
+        mgpu__memcpy_args copy = {bucket[i]->data, bucket[0]->data, bucket[0]->numel * sizeof(float),
+                                  dp->devices[i]->gpu, dp->devices[0]->gpu};
+        mgpu__launch_on(q, "copy of the ranks' mean", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &copy,
+                        sizeof copy);
+    }
+    for (int i = 1; i < dp->n; i++) mgpu__queue_wait_queue(first, &dp->devices[i]->queue[1]);
+    mgpu__comm_track(bucket, NULL, dp->n);
+    snprintf(dp->algorithm_name, sizeof dp->algorithm_name, "%s, then %s", local, path);
+    return dp->algorithm_name;
 }
 
 /* Rank r of size evaluates rows [n r / size, n (r + 1) / size) of the

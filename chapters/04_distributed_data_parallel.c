@@ -42,6 +42,11 @@
    another order (over 256 rows, or 128 and 128 then added) takes the
    runs apart, each as right as the other, as chapter 3's devices do.
 
+   --devices-per-process N gives each process N devices (CPU devices, or
+   GPUs): the hybrid of chapters 3 and 4, where a bucket's gradients are
+   summed over the process's devices (chapter 3's ring), then averaged
+   over the processes (MPI).
+
    Without a GPU it runs a reduced setting (LeNet, 8192 images, 2 epochs);
    --full trains ResNet-18 on all 60000, as chapter 3. */
 #define MGPU_IMPLEMENTATION
@@ -50,11 +55,18 @@
 typedef struct {
     int resnet; /* ResNet-18, else LeNet */
     int global_batch, epochs, checkpoint_every, resume;
+    int devices_per_process, use_gpu;
     int kill_at_step, kill_in_world; /* (0: never) the last rank of the run on kill_in_world processes dies there */
     float lr, momentum;
     uint64_t seed;
     const mgpu_options *o;
 } settings;
+
+/* Where a run goes on: rank 0's checkpoint, if it found one. */
+typedef struct {
+    int found;
+    mgpu_checkpoint_info info;
+} resume_point;
 
 /* The book's LeNet as layers, with He's initialisation: with the book's
    Normal(0, 0.01) it would still guess after the reduced run's epochs. */
@@ -80,6 +92,35 @@ static mgpu_net *lenet(mgpu_device *dev) {
     return net;
 }
 
+/* A rank's replica of the model on its devices (devs, s->devices_per_process
+   of them), in the distributed wrapper: rank 0's parameters go to every
+   rank and the others' are checked against them. */
+static mgpu_data_parallel *wrapped_model(mgpu_group *g, const settings *s, mgpu_device **devs, mgpu_net **net,
+                                         const char *checkpoint, mgpu_checkpoint_info *at, int *found) {
+    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
+    mgpu_group_devices(g, s->use_gpu, s->devices_per_process, devs);
+    mgpu_manual_seed(s->seed);
+    *net = s->resnet ? mgpu_resnet18(10, 1, devs[0]) : lenet(devs[0]);
+    /* Rank 0 alone reads the checkpoint (the others may be on machines
+       without the file): the wrapper's broadcast gives them its network and
+       SGD's state, and the all-gather below where to go on. */
+    resume_point here = {0, {0, 0, 0, world, s->seed}};
+    if (checkpoint && rank == 0 && access(checkpoint, F_OK) == 0) {
+        mgpu_checkpoint_load(*net, checkpoint, &here.info);
+        here.found = 1;
+    }
+    resume_point *points = (resume_point *)malloc(sizeof here * (size_t)world);
+    mgpu_group_all_gather_host(g, &here, sizeof here, points);
+    if (at) *at = points[0].info;
+    if (found) *found = points[0].found;
+    free(points);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(*net, devs, s->devices_per_process, g);
+    /* LeNet is smaller than one bucket of 25 MiB: in buckets of 64 KiB its
+       last layers' reduction runs while the first layers' backward does */
+    if (!s->resnet) mgpu_data_parallel_configure(ddp, 64 << 10, 1, 1);
+    return ddp;
+}
+
 /* A hash of the parameters' bits: two runs that end with the same hash
    trained the same network, bit for bit (the resume test compares them). */
 static uint64_t parameters_hash(mgpu_net *net) {
@@ -95,40 +136,23 @@ static uint64_t parameters_hash(mgpu_net *net) {
     return h;
 }
 
-/* Where a run goes on: rank 0's checkpoint, if it found one. */
-typedef struct {
-    int found;
-    mgpu_checkpoint_info info;
-} resume_point;
-
 typedef struct {
     double seconds_per_epoch, images_per_second, test_acc;
     const char *path;
 } run_result;
 
 /* One rank's training on group g: returns what rank 0 prints in the table. */
-static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgpu_dataset *train_set,
+static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *train_set,
                         const mgpu_dataset *test_set, mgpu_animator *animator) {
     int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
-    mgpu_device *dev = mgpu_group_device(g, use_gpu);
-    mgpu_manual_seed(s->seed);
-    mgpu_net *net = s->resnet ? mgpu_resnet18(10, 1, dev) : lenet(dev);
     char name[64], checkpoint[1024];
     snprintf(name, sizeof name, "chapter4_%dproc.ckpt", world);
     mgpu_out_path(s->o, name, checkpoint, sizeof checkpoint);
-    /* Rank 0 alone reads the checkpoint (the others may be on machines
-       without the file): the wrapper's broadcast gives them its network and
-       SGD's state, and the all-gather below where to go on. */
-    resume_point here = {0, {0, 0, 0, world, s->seed}};
-    if (rank == 0 && s->resume && access(checkpoint, F_OK) == 0) {
-        mgpu_checkpoint_load(net, checkpoint, &here.info);
-        here.found = 1;
-    }
-    resume_point *points = (resume_point *)malloc(sizeof here * (size_t)world);
-    mgpu_group_all_gather_host(g, &here, sizeof here, points);
-    mgpu_checkpoint_info at = points[0].info;
-    int found = points[0].found;
-    free(points);
+    mgpu_device *devs[MGPU_MAX_DEVICES];
+    mgpu_net *net;
+    mgpu_checkpoint_info at;
+    int found;
+    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, &net, s->resume ? checkpoint : NULL, &at, &found);
     if (s->resume && !found && rank == 0) printf("no checkpoint %s: this run starts afresh\n", checkpoint);
     if (found) {
         if (at.seed != s->seed)
@@ -147,11 +171,6 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
             printf("resumed from %s: epoch %d, batch %d, step %ld (saved by %d processes: the epoch's order is "
                    "re-split over %d)\n", checkpoint, at.epoch + 1, at.batch, at.step, at.world, world);
     }
-    /* rank 0's parameters go to every rank; the others' are checked against them */
-    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
-    /* LeNet is smaller than one bucket of 25 MiB: in buckets of 64 KiB its
-       last layers' reduction runs while the first layers' backward does */
-    if (!s->resnet) mgpu_data_parallel_configure(ddp, 64 << 10, 1, 1);
     mgpu_sampler *sampler = mgpu_sampler_new(train_set->n, world, rank, 1, s->seed, 0);
     mgpu_loader *loader = mgpu_loader_new(train_set, s->global_batch / world, 0, s->seed);
     mgpu_loader_set_sampler(loader, sampler);
@@ -211,10 +230,14 @@ static run_result train(mgpu_group *g, const settings *s, int use_gpu, const mgp
     result.images_per_second = per_epoch > 0 ? (double)mgpu_sampler_total_size(sampler) / per_epoch : 0;
     if (result.test_acc < 0) result.test_acc = mgpu_dist_evaluate_accuracy(g, net, test_set, 256);
     uint64_t hash = parameters_hash(net);
+    char where[64];
+    snprintf(where, sizeof where, "%d process%s", world, world > 1 ? "es" : "");
+    if (s->devices_per_process > 1)
+        snprintf(where + strlen(where), sizeof where - strlen(where), " x %d devices", s->devices_per_process);
     if (rank == 0)
-        printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %d process%s (gradients: %s); "
-               "parameters' hash %016llx\n", result.test_acc, MGPU_SECONDS(per_epoch), result.images_per_second,
-               world, world > 1 ? "es" : "", result.path, (unsigned long long)hash);
+        printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %s (gradients: %s); parameters' hash %016llx\n",
+               result.test_acc, MGPU_SECONDS(per_epoch), result.images_per_second, where, result.path,
+               (unsigned long long)hash);
     fflush(stdout);
     mgpu_loader_free(loader);
     mgpu_sampler_free(sampler);
@@ -253,14 +276,12 @@ static double allreduce_ms(mgpu_group *g, mgpu_device *dev, size_t floats) {
 /* One traced step on every rank of g, drawn by rank 0 as one timeline:
    two lanes a rank (compute, and the communication queue where the
    buckets' allreduces run under the backward pass). */
-static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const mgpu_dataset *train_set,
-                           const mgpu_options *o) {
-    enum { MAX_BARS = 512 };
-    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
-    mgpu_device *dev = mgpu_group_device(g, use_gpu);
-    mgpu_manual_seed(s->seed);
-    mgpu_net *net = s->resnet ? mgpu_resnet18(10, 1, dev) : lenet(dev);
-    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
+static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset *train_set, const mgpu_options *o) {
+    enum { MAX_BARS = 512, MAX_LANES = 32 };
+    int rank = mgpu_group_rank(g), world = mgpu_group_size(g), per = s->devices_per_process;
+    mgpu_device *devs[MGPU_MAX_DEVICES];
+    mgpu_net *net;
+    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, &net, NULL, NULL, NULL);
     int rows = s->global_batch / world;
     mgpu_dataset part = *train_set;
     part.n = rows;
@@ -273,12 +294,15 @@ static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const 
     mgpu_trace_begin();
     mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, 0.0f, 0.0f);
     mgpu_trace_end();
+    /* two lanes a device of each rank: compute, and communication */
     mgpu_timeline_bar mine[MAX_BARS];
     memset(mine, 0, sizeof mine);
     int n = mgpu_trace_count() < MAX_BARS ? mgpu_trace_count() : MAX_BARS;
     for (int i = 0; i < n; i++) {
         mgpu_trace_op op = mgpu_trace_get(i);
-        mine[i].lane = 2 * rank + op.lane;
+        int d = 0;
+        while (d + 1 < per && devs[d] != op.device) d++;
+        mine[i].lane = 2 * (rank * per + d) + op.lane;
         mine[i].start_ms = op.start_ms;
         mine[i].end_ms = op.end_ms;
         snprintf(mine[i].name, sizeof mine[i].name, "%s", op.name);
@@ -287,17 +311,21 @@ static void ranks_timeline(mgpu_group *g, const settings *s, int use_gpu, const 
     mgpu_timeline_bar *all = (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world);
     mgpu_group_all_gather_host(g, mine, sizeof mine, all);
     if (rank == 0) {
-        char names[2 * 16][32], path[1024], title[160];
-        const char *lanes[2 * 16];
-        for (int r = 0; r < world && r < 16; r++)
-            for (int lane = 0; lane < 2; lane++) {
-                snprintf(names[2 * r + lane], sizeof names[0], "rank %d %s", r, lane ? "comm" : "compute");
-                lanes[2 * r + lane] = names[2 * r + lane];
-            }
+        char names[MAX_LANES][40], path[1024], title[160];
+        const char *lanes[MAX_LANES];
+        int nlanes = 2 * world * per < MAX_LANES ? 2 * world * per : MAX_LANES;
+        for (int l = 0; l < nlanes; l++) {
+            if (per > 1)
+                snprintf(names[l], sizeof names[l], "rank %d device %d %s", l / 2 / per, l / 2 % per,
+                         l % 2 ? "comm" : "compute");
+            else
+                snprintf(names[l], sizeof names[l], "rank %d %s", l / 2, l % 2 ? "comm" : "compute");
+            lanes[l] = names[l];
+        }
         snprintf(title, sizeof title, "one %s step on %d processes: buckets averaged under backward",
                  s->resnet ? "ResNet-18" : "LeNet", world);
         if (mgpu_timeline_write_png(mgpu_out_path(o, "chapter4_ranks_timeline.png", path, sizeof path), title,
-                                    2 * (world < 16 ? world : 16), lanes, MAX_BARS * world, all) == 0)
+                                    nlanes, lanes, MAX_BARS * world, all) == 0)
             printf("ranks' timeline: %s\n", path);
     }
     free(all);
@@ -319,6 +347,8 @@ int main(int argc, char **argv) {
     const char *model = NULL;
     const mgpu_flag extra[] = {
         {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... of the job's processes, up to N (default: all)"},
+        {"--devices-per-process", 'i', &s.devices_per_process,
+         "N devices in each process (default 1): data parallelism inside each process too"},
         {"--batch-size", 'i', &o.batch_size, "the global batch, split among the processes (default 256)"},
         {"--model", 's', &model, "lenet or resnet18 (default: lenet in the reduced run, else resnet18)"},
         {"--momentum", 'd', &momentum, "SGD's momentum (default 0, as the book)"},
@@ -333,6 +363,8 @@ int main(int argc, char **argv) {
                        "chapter4: distributed data parallelism, one process per device (mpirun -np N ./chapter4)",
                        extra, (int)(sizeof extra / sizeof extra[0]));
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
+    s.use_gpu = use_gpu;
+    if (!s.devices_per_process) s.devices_per_process = 1;
     int reduced = !use_gpu && !o.full;
     /* (every rank sees a bad setting: mgpu_group_fatal says it once) */
     if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)
@@ -390,7 +422,7 @@ int main(int argc, char **argv) {
             runs[i] = mgpu_animator_new(rank == 0 ? mgpu_out_path(&o, name, path, sizeof path) : NULL,
                                         labels[i], "epoch", "", 1, s.epochs, 3, series);
             if (rank == 0) printf("\n%d process%s:\n", k, k > 1 ? "es" : "");
-            results[i] = train(g, &s, use_gpu, train_set, test_set, runs[i]);
+            results[i] = train(g, &s, train_set, test_set, runs[i]);
             mgpu_group_free(g);
         }
         mgpu_group_barrier(everyone);
@@ -412,7 +444,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < nruns; i++) {
         int k = ks[i];
         mgpu_group *g = mgpu_group_first(everyone, k);
-        double ms = g ? allreduce_ms(g, mgpu_group_device(g, use_gpu), floats) : 0;
+        double ms = g ? allreduce_ms(g, mgpu_group_device(g, s.use_gpu), floats) : 0;
         if (g) mgpu_group_free(g);
         if (rank == 0) {
             double algbw = k > 1 ? floats * 4.0 / (ms * 1e-3) / 1e9 : 0;
@@ -431,7 +463,7 @@ int main(int argc, char **argv) {
             printf("plots: %s, and one chapter4_<N>_process(es).png per run beside it\n", path);
     }
     mgpu_group *last = mgpu_group_first(everyone, most);
-    if (last) ranks_timeline(last, &s, use_gpu, train_set, &o);
+    if (last) ranks_timeline(last, &s, train_set, &o);
     mgpu_group_free(last);
     mgpu_group_barrier(everyone);
 

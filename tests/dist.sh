@@ -111,6 +111,11 @@ check chapter4_resumed_on_4 0 \
     '^resumed from .*chapter4_4proc\.ckpt: epoch 1, batch 15, step 15 \(saved by 2 processes: the epoch.s order is re-split over 4\)$' \
     '^test acc: 0\.[0-9]+, .* on 4 processes \(gradients: mpi\)' \
     -- mpirun -np 4 ./chapter4 $small --devices 4 --resume --out "$out/four"
+# two devices in each process: the in-process ring, then MPI
+check chapter4_two_devices_a_process 0 \
+    '^test acc: 0\.[0-9]+, .* on 2 processes x 2 devices \(gradients: ring, then mpi\)' 'ranks. timeline: ' \
+    -- mpirun -np 2 ./chapter4 --train-samples 1024 --test-samples 256 --epochs 1 --devices-per-process 2 \
+       --out "$out/hybrid"
 check chapter4_more_devices_than_processes 1 '^mgpu: error: --devices 2: the job has 1 processes' \
     -- ./chapter4 --devices 2 --out "$out/alone"
 check chapter4_batch_not_split dies '^mgpu: error: rank 0: --batch-size 64: 3 processes cannot split it evenly$' \

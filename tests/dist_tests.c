@@ -214,6 +214,39 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
     ddp_trains_like_one_process(256, 0);       /* the same, reduced after it */
 }
 
+/* Two devices a rank (the hybrid case): k ranks of 2 devices, each
+   with a 2k-th of the batch, train like one process with all of it. */
+TEST(ddp_with_2_devices_a_rank_trains_like_one_process) {
+    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    const int per_rank = 8;
+    mgpu_group *g = mgpu_group_first(world, size); /* (a group of its own: its collectives run on devs[0]) */
+    mgpu_device *devs[2];
+    mgpu_group_devices(g, TEST_ON_GPU, 2, devs);
+    mgpu_net *one = dist_net(dev, 0, 5);
+    mgpu_net *mine = dist_net(devs[0], 0, 5 + (uint64_t)rank);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(mine, devs, 2, g);
+    mgpu_data_parallel_configure(ddp, 256, 1, 1); /* a bucket a layer */
+    for (int s = 0; s < 5; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(s, per_rank * size, &x, &y);
+        mgpu_net_train_step(one, x, y, 0.1f, 0.9f, 0.0f, NULL);
+        mgpu_tensor *xs = mgpu_narrow(x, rank * per_rank, per_rank), *ys = mgpu_narrow(y, rank * per_rank, per_rank);
+        mgpu_data_parallel_step(ddp, xs, ys, 0.1f, 0.9f, 0.0f);
+        mgpu_free(xs);
+        mgpu_free(ys);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK_CLOSE(test_max_param_diff(mine, one), 0.0, 1e-5, 0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(ddp, 1), mine) == 0.0); /* its devices agree */
+    CHECK(net_same_everywhere(mine));
+    if (size > 1) CHECK(strstr(mgpu_data_parallel_algorithm(ddp), ", then mpi") != NULL);
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(mine);
+    mgpu_net_free(one);
+    mgpu_group_free(g);
+}
+
 TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
     if (mgpu_group_size(world) < 2) return;
     mgpu_group *two = mgpu_group_first(world, 2);
