@@ -8868,39 +8868,40 @@ static void mgpu__dp_shards_used(mgpu_data_parallel *dp) {
     dp->set = !dp->set;
 }
 
-/* DistributedDataParallel's way: each device computes the loss of its own
-   shard, scaled by 1/N of the WHOLE batch, so that the allreduced sum of
-   the replicas' gradients is the gradient of the batch's mean loss. The
-   backward pass runs layer by layer on all devices together, and each
-   bucket's reduction starts on the communication queues as soon as the
-   backward of its layers has been enqueued everywhere, while the backward
-   of the earlier layers goes on. The optimiser waits for the last bucket.
-   A device that got no rows (a batch shorter than the devices) still takes
-   part in every reduction, with zero gradients, and in the update, so the
-   replicas stay the same. */
 /* A bucket whose gradients the backward pass has completed: divided by
    the rows they add up where mgpu_data_parallel_accumulate added some,
    and its reduction started (when it overlaps the backward pass). */
 static void mgpu__dp_bucket_done(mgpu_data_parallel *dp, int b) {
-    for (int i = 0; i < dp->n && dp->accumulated_rows; i++)
-        mgpu_scale_(dp->bucket[b][i], 1.0f / (float)dp->accumulated_rows);
+    if (dp->accumulated_rows)
+        for (int i = 0; i < dp->n; i++) mgpu_scale_(dp->bucket[b][i], 1.0f / (float)dp->accumulated_rows);
     if (dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
 }
 
-/* step 0: mgpu_data_parallel_accumulate's pass, which adds the batch's
-   gradients (of the summed loss: the step divides by all the rows) and
-   stops there. step 1: a step, after such passes or not. */
+/* DistributedDataParallel's way: each device computes the loss of its own
+   shard, scaled by 1/N of the WHOLE batch given to the wrapper, so that
+   the allreduced sum of the replicas' gradients is the gradient of the
+   batch's mean loss (a distributed wrapper then averages that over the
+   ranks, each with its own batch). The backward pass runs layer by layer
+   on all devices together, and each bucket's reduction starts on the
+   communication queues as soon as the backward of its layers has been
+   enqueued everywhere, while the backward of the earlier layers goes on.
+   The optimiser waits for the last bucket. A device that got no rows (a
+   batch shorter than the devices) still takes part in every reduction,
+   with zero gradients, and in the update, so the replicas stay the same.
+   take_step 0: mgpu_data_parallel_accumulate's pass, which adds the
+   batch's gradients (of the summed loss: the step divides by all the
+   rows) and stops there; 1: a step, after such passes or not. */
 static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr, float momentum,
-                                    float weight_decay, int step) {
+                                    float weight_decay, int take_step) {
     int reduces = mgpu__dp_reduces(dp);
     if (reduces && dp->nbuckets == 0) mgpu__dp_make_buckets(dp);
     int adding = dp->accumulated_rows > 0; /* to gradients of passes before */
-    float scale = step && !adding ? 1.0f / (float)batch : 1.0f;
-    if (!step || adding) dp->accumulated_rows += batch;
+    float scale = take_step && !adding ? 1.0f / (float)batch : 1.0f;
+    if (!take_step || adding) dp->accumulated_rows += batch;
     for (int i = dp->used; i < dp->n && !adding; i++)
         for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
-    const char *op = step ? "mgpu_data_parallel_step" : "mgpu_data_parallel_accumulate";
+    const char *op = take_step ? "mgpu_data_parallel_step" : "mgpu_data_parallel_accumulate";
     for (int i = 0, row = 0; i < dp->used; row += dp->x_shards[i]->shape.d[0], i++) {
         mgpu_net *r = dp->replicas[i]; /* (no zero_grad: the backward writes the gradients) */
         mgpu_tensor *logits = mgpu_net_forward(r, dp->x_shards[i]);
@@ -8914,10 +8915,10 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
         for (int i = 0; i < dp->used; i++)
             grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], adding);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
-        if (complete && step) mgpu__dp_bucket_done(dp, next_bucket);
+        if (complete && take_step) mgpu__dp_bucket_done(dp, next_bucket);
         next_bucket += complete;
     }
-    if (!step) return;
+    if (!take_step) return;
     if (dp->reduce && !dp->overlap)
         for (int b = 0; b < dp->nbuckets; b++) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
     if (reduces) {
@@ -9522,12 +9523,12 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
     c.sequence = c.kind == MGPU__SEND || c.kind == MGPU__RECV ? 0 : ++g->sequence;
     if (g->size == 1) return "none"; /* (the callers did a group of one's work) */
     if (dev->gpu < 0) {
-        mgpu_tensor *both[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in};
-        mgpu__comm_begin(both, 1);
+        mgpu_tensor *tensors[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in}; /* written (a send: read), read */
+        mgpu__comm_begin(tensors, 1);
         c.in = in ? in->data : NULL;
         c.out = out ? out->data : NULL;
         mgpu__launch_on(&dev->queue[1], mgpu__coll_names[c.kind], mgpu__coll_task, NULL, &c, sizeof c);
-        mgpu__comm_track(both, in && out ? both + 1 : NULL, 1);
+        mgpu__comm_track(tensors, in && out ? tensors + 1 : NULL, 1);
         if (wait) mgpu_comm_wait(&dev, 1);
         return mgpu_group_path(g, dev);
     }
