@@ -31,11 +31,14 @@
        Rank: 0 | Epoch [2/2] | Avg. Loss: 1.016 | Accuracy: 63.525%
        Rank: 1 | Epoch [2/2] | Avg. Loss: 1.004 | Accuracy: 64.551%
        test acc: 0.67, 1.3 sec/epoch, 6294 images/sec, on 2 processes (gradients: mpi); ...
-   then the table: images/sec against one process (here 3385: 1.86
-   times as many on 2 processes, each on a core of its own), and the
-   allreduce's time and bandwidth for the model's gradients. With 4
-   processes on 2 cores, two share each core: they show the mechanics,
-   and cannot be faster than 2. One process and two follow the same path
+   then the table: images/sec against one process, and the allreduce's
+   time and bandwidth for the model's gradients. What they mean depends
+   on the cores: mpirun -np 2 binds each process to a core of its own, so
+   the 1-process run had one core (3385 images/sec) and 2 processes did
+   1.86 times its work. With mpirun -np 4 on 2 cores, mpirun binds none:
+   the 1-process run has both cores (5373 images/sec in one run), and 2
+   or 4 processes, sharing the same two, cannot do much more (1.08 and
+   1.02 times): they show the mechanics, not a speed-up. One process and two follow the same path
    on the same global batch: their first epoch's mean loss agrees to the
    third decimal (1.921 with MGPU_CONV=im2col, which fixes the
    convolution's method). After that the rounding of sums taken in
