@@ -9722,6 +9722,21 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
     return differs;
 }
 
+/* dst takes src's SGD state: its count of steps and its momentum buffers
+   (or none, where src has none). */
+static void mgpu__net_copy_sgd_state(mgpu_net *dst, const mgpu_net *src) {
+    dst->steps = src->steps;
+    for (int p = 0; p < src->nparams; p++) {
+        if (!src->momentum[p]) {
+            mgpu_free(dst->momentum[p]);
+            dst->momentum[p] = NULL;
+            continue;
+        }
+        mgpu_ensure(&dst->momentum[p], dst->device, src->momentum[p]->shape);
+        mgpu_copy(dst->momentum[p], src->momentum[p], 0);
+    }
+}
+
 /* SGD's state goes with the parameters (a checkpoint that rank 0 alone
    loaded): rank 0's count of steps, and its momentum buffers where it
    has them (none on every rank where it has none). */
@@ -9761,6 +9776,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
                              op, r);
     net->changes++;
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, n, MGPU_DP_ALLREDUCE);
+    for (int i = 1; i < n; i++) mgpu__net_copy_sgd_state(dp->replicas[i], net); /* (a loaded checkpoint's) */
     dp->group = g;
     dp->algorithm = mgpu__dp_reduces(dp) ? NULL : "none";
     return dp;

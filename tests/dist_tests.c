@@ -215,7 +215,9 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
 }
 
 /* Two devices a rank (the hybrid case): k ranks of 2 devices, each
-   with a 2k-th of the batch, train like one process with all of it. */
+   with a 2k-th of the batch, train like one process with all of it,
+   also from a network that has taken steps with momentum before (as a
+   loaded checkpoint has): its SGD state reaches every device. */
 TEST(ddp_with_2_devices_a_rank_trains_like_one_process) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
     const int per_rank = 8;
@@ -223,7 +225,19 @@ TEST(ddp_with_2_devices_a_rank_trains_like_one_process) {
     mgpu_device *devs[2];
     mgpu_group_devices(g, TEST_ON_GPU, 2, devs);
     mgpu_net *one = dist_net(dev, 0, 5);
-    mgpu_net *mine = dist_net(devs[0], 0, 5 + (uint64_t)rank);
+    mgpu_net *mine = dist_net(devs[0], 0, 5);
+    for (int s = 0; s < 2; s++) { /* (the same steps on every rank) */
+        mgpu_tensor *x, *y, *xm, *ym;
+        global_batch(100 + s, per_rank * size, &x, &y);
+        mgpu_net_train_step(one, x, y, 0.1f, 0.9f, 0.0f, NULL);
+        xm = mgpu_to(x, devs[0], 0);
+        ym = mgpu_to(y, devs[0], 0);
+        mgpu_net_train_step(mine, xm, ym, 0.1f, 0.9f, 0.0f, NULL);
+        mgpu_free(xm);
+        mgpu_free(ym);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(mine, devs, 2, g);
     mgpu_data_parallel_configure(ddp, 256, 1, 1); /* a bucket a layer */
     for (int s = 0; s < 5; s++) {
