@@ -1571,13 +1571,14 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    GPUs (use_gpu 1), else the CPU, whose cores the processes on one
    machine share (each takes cores / local_size of them, as mgpu_devices
    shares them between CPU devices). mgpu_group_devices(g, use_gpu, n,
-   out) gives a process n devices (the hybrid case, below): GPUs local_rank
-   * n + i mod gpus (virtual ones where it needs more than there are), or
-   n CPU devices with cores / (local_size * n) each; it returns n. mgpu_group_first(g, n) is the group
-   of ranks 0 .. n-1 (NULL on the others), to run the same work on fewer
-   processes (chapter 4's scaling table). Every rank of g calls it, and
-   every member calls mgpu_group_free (which first waits for the devices)
-   when done with the group.
+   out) gives a process n devices (the hybrid case, below): GPUs
+   local_rank * n + i mod gpus (virtual ones where it needs more than
+   there are), or n CPU devices with cores / (local_size * n) each; it
+   returns n. mgpu_group_first(g, n) is the group of ranks 0 .. n-1 (NULL
+   on the others), to run the same work on fewer processes (chapter 4's
+   scaling table). Every rank of g calls it, and every member calls
+   mgpu_group_free (which first waits for the devices) when done with the
+   group.
 
    Collectives. Every rank of the group calls the same collectives in the
    same order, each with a tensor on its own device:
