@@ -25,22 +25,6 @@
 static mgpu_group *world;
 static mgpu_device *dev; /* this rank's: the CPU, or with TEST_ON_GPU its GPU (tests/gpu_dist.c) */
 
-/* A network without batch norm (with_batchnorm 0), or with it. */
-static mgpu_net *dist_net(mgpu_device *d, int with_batchnorm, uint64_t seed) {
-    mgpu_manual_seed(seed);
-    mgpu_net *net = mgpu_net_new(d);
-    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
-    if (with_batchnorm) mgpu_net_add_batchnorm(net, 6);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_global_avg_pool(net);
-    mgpu_net_add_linear(net, 8, 10);
-    for (int i = 0; i < mgpu_net_num_params(net); i++) mgpu_scale_(mgpu_net_param(net, i)->value, 30.0f);
-    return net;
-}
-
 /* Step s's global batch of n images, the same on every rank. */
 static void global_batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     mgpu_manual_seed(1000 + (uint64_t)step);
@@ -180,16 +164,11 @@ TEST(send_and_receive_leave_the_ranks_in_step) {
     free(v);
 }
 
-/* Each rank starts from other weights (its own seed): the wrapper's
-   broadcast gives them rank 0's, and then k ranks with a k-th of the
-   batch each train like one process with all of it. */
-static void ddp_trains_like_one_process(size_t bucket_bytes, int overlap) {
+/* `steps` SGD steps (momentum 0.9) on the global batches of per_rank
+   rows a rank: the whole of each on one process's network, and this
+   rank's rows of it through the distributed wrapper. */
+static void train_beside_one_process(mgpu_net *one, mgpu_data_parallel *ddp, int steps, int per_rank) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
-    const int per_rank = 4, steps = 5;
-    mgpu_net *one = dist_net(dev, 0, 5);
-    mgpu_net *mine = dist_net(dev, 0, 5 + (uint64_t)rank);
-    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
-    mgpu_data_parallel_configure(ddp, bucket_bytes, overlap, 1);
     for (int s = 0; s < steps; s++) {
         mgpu_tensor *x, *y;
         global_batch(s, per_rank * size, &x, &y);
@@ -201,6 +180,19 @@ static void ddp_trains_like_one_process(size_t bucket_bytes, int overlap) {
         mgpu_free(x);
         mgpu_free(y);
     }
+}
+
+/* Each rank starts from other weights (its own seed): the wrapper's
+   broadcast gives them rank 0's, and then k ranks with a k-th of the
+   batch each train like one process with all of it. */
+static void ddp_trains_like_one_process(size_t bucket_bytes, int overlap) {
+    int rank = mgpu_group_rank(world);
+    const int per_rank = 4, steps = 5;
+    mgpu_net *one = test_plain_net(dev, 5, 0);
+    mgpu_net *mine = test_plain_net(dev, 5 + (uint64_t)rank, 0);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
+    mgpu_data_parallel_configure(ddp, bucket_bytes, overlap, 1);
+    train_beside_one_process(one, ddp, steps, per_rank);
     CHECK(strcmp(mgpu_data_parallel_algorithm(ddp), mgpu_group_path(world, dev)) == 0);
     CHECK_CLOSE(test_max_param_diff(mine, one), 0.0, 1e-5, 0);
     CHECK(net_same_everywhere(mine));
@@ -219,13 +211,13 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
    also from a network that has taken steps with momentum before (as a
    loaded checkpoint has): its SGD state reaches every device. */
 TEST(ddp_with_2_devices_a_rank_trains_like_one_process) {
-    int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    int size = mgpu_group_size(world);
     const int per_rank = 8;
     mgpu_group *g = mgpu_group_first(world, size); /* (a group of its own: its collectives run on devs[0]) */
     mgpu_device *devs[2];
     mgpu_group_devices(g, TEST_ON_GPU, 2, devs);
-    mgpu_net *one = dist_net(dev, 0, 5);
-    mgpu_net *mine = dist_net(devs[0], 0, 5);
+    mgpu_net *one = test_plain_net(dev, 5, 0);
+    mgpu_net *mine = test_plain_net(devs[0], 5, 0);
     for (int s = 0; s < 2; s++) { /* (the same steps on every rank) */
         mgpu_tensor *x, *y, *xm, *ym;
         global_batch(100 + s, per_rank * size, &x, &y);
@@ -240,17 +232,7 @@ TEST(ddp_with_2_devices_a_rank_trains_like_one_process) {
     }
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(mine, devs, 2, g);
     mgpu_data_parallel_configure(ddp, 256, 1, 1); /* a bucket a layer */
-    for (int s = 0; s < 5; s++) {
-        mgpu_tensor *x, *y;
-        global_batch(s, per_rank * size, &x, &y);
-        mgpu_net_train_step(one, x, y, 0.1f, 0.9f, 0.0f, NULL);
-        mgpu_tensor *xs = mgpu_narrow(x, rank * per_rank, per_rank), *ys = mgpu_narrow(y, rank * per_rank, per_rank);
-        mgpu_data_parallel_step(ddp, xs, ys, 0.1f, 0.9f, 0.0f);
-        mgpu_free(xs);
-        mgpu_free(ys);
-        mgpu_free(x);
-        mgpu_free(y);
-    }
+    train_beside_one_process(one, ddp, 5, per_rank);
     CHECK_CLOSE(test_max_param_diff(mine, one), 0.0, 1e-5, 0);
     CHECK(test_max_param_diff(mgpu_data_parallel_replica(ddp, 1), mine) == 0.0); /* its devices agree */
     CHECK(net_same_everywhere(mine));
@@ -269,9 +251,9 @@ TEST(ddp_on_2_ranks_equals_chapter3_wrapper_on_2_devices_bit_for_bit) {
     const int per_rank = 4;
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
-    mgpu_net *local = dist_net(devs[0], 0, 9);
+    mgpu_net *local = test_plain_net(devs[0], 9, 0);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(local, devs, 2, MGPU_DP_ALLREDUCE);
-    mgpu_net *mine = dist_net(dev, 0, 9);
+    mgpu_net *mine = test_plain_net(dev, 9, 0);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, two);
     for (int s = 0; s < 4; s++) {
         mgpu_tensor *x, *y;
@@ -317,7 +299,7 @@ static void accumulate_vs_big_batch(mgpu_data_parallel *small, mgpu_net *small_n
 }
 TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
     /* the distributed wrapper: each rank's batches are its own */
-    mgpu_net *a = dist_net(dev, 0, 11), *b = dist_net(dev, 0, 11);
+    mgpu_net *a = test_plain_net(dev, 11, 0), *b = test_plain_net(dev, 11, 0);
     mgpu_data_parallel *small = mgpu_distributed_data_parallel_new(a, world);
     mgpu_data_parallel *big = mgpu_distributed_data_parallel_new(b, world);
     accumulate_vs_big_batch(small, a, big, b);
@@ -329,8 +311,8 @@ TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
     /* chapter 3's wrapper, 2 devices each */
     mgpu_device *devs[4];
     mgpu_devices(4, TEST_ON_GPU, devs);
-    a = dist_net(devs[0], 0, 11);
-    b = dist_net(devs[2], 0, 11);
+    a = test_plain_net(devs[0], 11, 0);
+    b = test_plain_net(devs[2], 11, 0);
     small = mgpu_data_parallel_new(a, devs, 2, MGPU_DP_ALLREDUCE);
     big = mgpu_data_parallel_new(b, devs + 2, 2, MGPU_DP_ALLREDUCE);
     accumulate_vs_big_batch(small, a, big, b);
@@ -342,7 +324,7 @@ TEST(accumulated_gradients_equal_one_step_on_the_batches_together) {
 
 TEST(rank_0s_parameters_and_buffers_reach_every_rank) {
     int rank = mgpu_group_rank(world);
-    mgpu_net *net = dist_net(dev, 1, 20 + (uint64_t)rank);
+    mgpu_net *net = test_plain_net(dev, 20 + (uint64_t)rank, 1);
     mgpu_fill(mgpu_net_buffer(net, 0), (float)rank); /* batch norm's running mean */
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
     CHECK(mgpu_item(mgpu_net_buffer(net, 0), 3) == 0.0f);
@@ -380,7 +362,7 @@ TEST(distributed_evaluation_counts_each_image_once) {
     d.labels = (unsigned char *)malloc(10);
     for (int i = 0; i < 10 * 64; i++) d.images[i] = (unsigned char)((i * 37) % 251);
     for (int i = 0; i < 10; i++) d.labels[i] = (unsigned char)((i * 3) % 10);
-    mgpu_net *net = dist_net(dev, 0, 5);
+    mgpu_net *net = test_plain_net(dev, 5, 0);
     double whole = mgpu_net_evaluate_accuracy(net, &d, 4);
     double shared = mgpu_dist_evaluate_accuracy(world, net, &d, 4);
     CHECK(whole == shared);
@@ -388,7 +370,7 @@ TEST(distributed_evaluation_counts_each_image_once) {
     mgpu_net_free(net);
     /* with batch norm, after a step on each rank's own batch: every rank's
        running statistics moved its own way, and the evaluation uses rank 0's */
-    net = dist_net(dev, 1, 5);
+    net = test_plain_net(dev, 5, 1);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, world);
     mgpu_tensor *x, *y;
     global_batch(mgpu_group_rank(world), 4, &x, &y);
@@ -423,7 +405,7 @@ static int play_fault(const char *fault) {
             mgpu_group_allreduce(world, t, MGPU_MEAN);
         }
     } else if (strcmp(fault, "other-network") == 0) {
-        mgpu_net *net = dist_net(dev, rank == 1, 5);
+        mgpu_net *net = test_plain_net(dev, 5, rank == 1);
         mgpu_distributed_data_parallel_new(net, world);
     } else {
         fprintf(stderr, "dist_tests: unknown fault '%s'\n", fault);

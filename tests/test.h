@@ -129,6 +129,25 @@ static int test__failures; /* failures inside the running test */
 /* The device a test runs on: GPU 0 with TEST_ON_GPU, else the CPU. */
 static inline mgpu_device *test_device(void) { return TEST_ON_GPU ? mgpu_try_gpu(0) : mgpu_cpu(); }
 
+/* A small network: a convolution (with batch norm after it, with_batchnorm
+   1), ReLU, pooling, a strided convolution, ReLU, global pooling, linear;
+   its parameters 30 times the library's initial ones, so that a few
+   steps move them. */
+static __attribute__((unused)) mgpu_net *test_plain_net(mgpu_device *d, uint64_t seed, int with_batchnorm) {
+    mgpu_manual_seed(seed);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    if (with_batchnorm) mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    for (int i = 0; i < net->nparams; i++) mgpu_scale_(net->params[i]->value, 30.0f);
+    return net;
+}
+
 /* Largest difference between two networks' parameters, relative to each
    tensor's largest value: max |a - b| / max |b|, over the tensors. (It
    reads the parameters from the nets' structs: mgpu_net_param would mark

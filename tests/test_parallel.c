@@ -41,19 +41,7 @@ static mgpu_net *small_net(mgpu_device *d, int with_batchnorm) {
 }
 
 /* A network without any batch norm: convolutions, ReLUs, pooling. */
-static mgpu_net *plain_net(mgpu_device *d) {
-    mgpu_manual_seed(5);
-    mgpu_net *net = mgpu_net_new(d);
-    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_global_avg_pool(net);
-    mgpu_net_add_linear(net, 8, 10);
-    for (int i = 0; i < net->nparams; i++) mgpu_scale_(net->params[i]->value, 30.0f);
-    return net;
-}
+static mgpu_net *plain_net(mgpu_device *d) { return test_plain_net(d, 5, 0); }
 
 static void batch(int step, int n, mgpu_tensor **x, mgpu_tensor **y) {
     mgpu_manual_seed(1000 + (uint64_t)step);
