@@ -1084,6 +1084,7 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        mgpu_net_add_avg_pool(net, 2);
        mgpu_net_add_linear(net, 800, 128);      mgpu_net_add_relu(net);
        mgpu_net_add_linear(net, 128, 10);
+   mgpu_lenet(dev) builds this one.
    Without batch norm, the book's Normal(0, 0.01) starts such a stack with
    nearly zero signal: chapter 2's LeNet is still at chance (test accuracy
    0.10) after its first epoch of 60000 images, and a few thousand
@@ -1351,6 +1352,7 @@ MGPU_DEF mgpu_layer *mgpu_net_add_linear(mgpu_net *net, int in_features, int out
 MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns, mgpu_tensor *weight,
                                         mgpu_tensor *bias, void *settings);
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev);
+MGPU_DEF mgpu_net *mgpu_lenet(mgpu_device *dev);
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net);
@@ -1953,7 +1955,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
          defines: mgpu_net_new, mgpu_net_add_conv, mgpu_net_add_batchnorm,
          mgpu_net_add_relu, mgpu_net_add_avg_pool, mgpu_net_add_global_avg_pool,
          mgpu_net_add_residual, mgpu_net_add_linear, mgpu_net_add_layer,
-         mgpu_resnet18, mgpu_net_forward, mgpu_net_backward, mgpu_net_zero_grad,
+         mgpu_resnet18, mgpu_lenet, mgpu_net_forward, mgpu_net_backward, mgpu_net_zero_grad,
          mgpu_net_set_training, mgpu_net_sgd, mgpu_net_loss_backward,
          mgpu_net_train_step, mgpu_net_num_params, mgpu_net_param,
          mgpu_net_num_buffers, mgpu_net_buffer, mgpu_net_num_weights,
@@ -7449,6 +7451,21 @@ MGPU_DEF mgpu_layer *mgpu_net_add_layer(mgpu_net *net, const mgpu_layer_fns *fns
     l->weight = mgpu__own_param(net, weight, "weight", l->name);
     l->bias = mgpu__own_param(net, bias, "bias", l->name);
     return mgpu__net_add(net, l);
+}
+
+/* Chapter 2's LeNet, as layers (the NETWORKS manual's example). */
+MGPU_DEF mgpu_net *mgpu_lenet(mgpu_device *dev) {
+    mgpu_net *net = mgpu_net_new(dev);
+    mgpu_net_add_conv(net, 1, 20, 3, 1, 0);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 20, 50, 5, 1, 0);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_linear(net, 800, 128);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_linear(net, 128, 10);
+    return net;
 }
 
 MGPU_DEF mgpu_net *mgpu_resnet18(int num_classes, int in_channels, mgpu_device *dev) {

@@ -47,20 +47,6 @@ typedef struct {
 } way;
 static const way ways[NWAYS] = {{"overlapped", 1, 1}, {"after", 0, 1}, {"none", 1, 0}};
 
-static mgpu_net *lenet(mgpu_device *dev) {
-    mgpu_net *net = mgpu_net_new(dev);
-    mgpu_net_add_conv(net, 1, 20, 3, 1, 0);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_conv(net, 20, 50, 5, 1, 0);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_linear(net, 800, 128);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_linear(net, 128, 10);
-    return net;
-}
-
 static int compare_doubles(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -128,7 +114,7 @@ int main(int argc, char **argv) {
     mgpu_data_parallel *dp[NWAYS] = {NULL};
     for (int w = first; w <= last; w++) {
         mgpu_manual_seed(o.seed);
-        net[w] = is_resnet ? mgpu_resnet18(10, 1, devs[0]) : lenet(devs[0]);
+        net[w] = is_resnet ? mgpu_resnet18(10, 1, devs[0]) : mgpu_lenet(devs[0]);
         dp[w] = in_process ? mgpu_data_parallel_new(net[w], devs, o.devices, MGPU_DP_ALLREDUCE)
                            : mgpu_distributed_data_parallel_new(net[w], world);
         mgpu_data_parallel_configure(dp[w], 25u << 20, ways[w].overlap, ways[w].reduce);

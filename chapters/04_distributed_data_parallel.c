@@ -71,19 +71,10 @@ typedef struct {
     mgpu_checkpoint_info info;
 } resume_point;
 
-/* The book's LeNet as layers, with He's initialisation: with the book's
+/* The book's LeNet (mgpu_lenet), with He's initialisation: with the book's
    Normal(0, 0.01) it would still guess after the reduced run's epochs. */
 static mgpu_net *lenet(mgpu_device *dev) {
-    mgpu_net *net = mgpu_net_new(dev);
-    mgpu_net_add_conv(net, 1, 20, 3, 1, 0);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_conv(net, 20, 50, 5, 1, 0);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_avg_pool(net, 2);
-    mgpu_net_add_linear(net, 800, 128);
-    mgpu_net_add_relu(net);
-    mgpu_net_add_linear(net, 128, 10);
+    mgpu_net *net = mgpu_lenet(dev);
     for (int i = 0; i < mgpu_net_num_params(net); i++) {
         mgpu_tensor *w = mgpu_net_param(net, i)->value;
         if (w->shape.ndim < 2) continue; /* (biases keep theirs) */
@@ -434,7 +425,7 @@ int main(int argc, char **argv) {
     /* The scaling table, from rank 0's view of each run */
     size_t floats = 0;
     {
-        mgpu_net *net = s.resnet ? mgpu_resnet18(10, 1, mgpu_cpu()) : lenet(mgpu_cpu());
+        mgpu_net *net = s.resnet ? mgpu_resnet18(10, 1, mgpu_cpu()) : mgpu_lenet(mgpu_cpu());
         floats = mgpu_net_num_weights(net);
         mgpu_net_free(net);
     }

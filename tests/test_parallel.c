@@ -560,6 +560,22 @@ TEST(saving_through_a_link_replaces_the_file_it_names) {
 }
 #endif
 
+/* mgpu_lenet: chapter 2's parameters W1 .. b4, and 10 logits an image. */
+TEST(lenet_has_chapter2s_parameters) {
+    mgpu_net *net = mgpu_lenet(test_device());
+    const int shapes[8][4] = {{20, 1, 3, 3}, {20}, {50, 20, 5, 5}, {50}, {800, 128}, {128}, {128, 10}, {10}};
+    CHECK_EQ_INT(net->nparams, 8);
+    for (int p = 0; p < net->nparams && p < 8; p++)
+        for (int k = 0; k < net->params[p]->value->shape.ndim; k++)
+            CHECK_EQ_INT(net->params[p]->value->shape.d[k], shapes[p][k]);
+    mgpu_tensor *x = mgpu_rand(test_device(), mgpu_shape4(2, 1, 28, 28));
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    CHECK_EQ_INT(logits->shape.d[0], 2);
+    CHECK_EQ_INT(logits->shape.d[1], 10);
+    mgpu_free(x);
+    mgpu_net_free(net);
+}
+
 TEST(resnet18_has_the_books_shape) {
     mgpu_net *net = mgpu_resnet18(10, 1, test_device());
     /* conv and linear weights and biases, batch norm gammas and betas */
