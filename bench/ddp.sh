@@ -91,21 +91,8 @@ echo "bench/ddp.sh: $STAMP, $MACHINE, commit $COMMIT, load average $LOAD"
 echo "$TORCH_NOTE; $ROUNDS round(s) of: $MODELS; 1-process runs on cpu(s) $HALF"
 [ $MPI = 1 ] || echo "no mpirun: the 2-process runs are skipped (apt-get install openmpi-bin libopenmpi-dev)"
 
-# run NAME COMMAND...: COMMAND's output into $LOGS/NAME.log; a failure
-# shows the end of the log, and its figures are then missing.
-run() {
-    local name=$1; shift
-    local t0=$SECONDS
-    printf -- '-- %-24s %s\n' "$name" "$*"
-    timeout 900 "$@" >"$LOGS/$name.log" 2>&1
-    local status=$?
-    if [ $status -ne 0 ]; then
-        echo "   FAILED (exit status $status); the end of $LOGS/$name.log:"
-        tail -n 5 "$LOGS/$name.log" | sed 's/^/   | /'
-    else
-        echo "   done in $((SECONDS - t0)) s"
-    fi
-}
+# (step, bench/lib.sh: a run into $LOGS/NAME.log, at most 900 s)
+STEP_TIMEOUT=900
 
 # -------------------------------------------------------------- the runs
 for m in $MODELS; do rm -f "$LOGS/$m".*.log; done
@@ -117,15 +104,15 @@ for r in $(seq 1 "$ROUNDS"); do
             *) echo "bench/ddp.sh: error: DDP_MODELS: lenet or resnet18, got '$m'" >&2; exit 1 ;;
         esac
         flags=(--model $m --batch-size $batch --steps $steps --warmup $warmup)
-        run $m.mgpu-1proc.r$r taskset -c "$HALF" ./bench/ddp --cpu "${flags[@]}"
-        [ $TORCH = 1 ] && run $m.torch-1proc.r$r taskset -c "$HALF" \
+        step $m.mgpu-1proc.r$r taskset -c "$HALF" ./bench/ddp --cpu "${flags[@]}"
+        [ $TORCH = 1 ] && step $m.torch-1proc.r$r taskset -c "$HALF" \
             "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 bench/pytorch/ddp.py "${flags[@]}"
         if [ $MPI = 1 ]; then
-            run $m.mgpu-2proc.r$r mpirun -np 2 --bind-to none ./bench/ddp --cpu "${flags[@]}" --reduce all
+            step $m.mgpu-2proc.r$r mpirun -np 2 --bind-to none ./bench/ddp --cpu "${flags[@]}" --reduce all
         fi
-        [ $TORCH = 1 ] && run $m.torch-2proc.r$r \
+        [ $TORCH = 1 ] && step $m.torch-2proc.r$r \
             "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 bench/pytorch/ddp.py "${flags[@]}" --reduce all
-        run $m.mgpu-2dev.r$r ./bench/ddp --cpu --devices 2 "${flags[@]}"
+        step $m.mgpu-2dev.r$r ./bench/ddp --cpu --devices 2 "${flags[@]}"
     done
 done
 

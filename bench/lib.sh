@@ -1,10 +1,28 @@
 # bench/lib.sh: helpers shared by the benchmark scripts (sourced by
 # bench/run.sh, bench/ddp.sh, bench/gpu_check.sh and bench/gpu_session.sh).
 #
-# defines: value, result, calc, or_dash, median, run_line, run_secs, run_acc, run_on,
+# defines: step, value, result, calc, or_dash, median, run_line, run_secs, run_acc, run_on,
 #          epoch_secs, libraries_found, use_carried_libraries
 #
 # value and result read the log $LOGS/NAME.log, so the caller sets LOGS.
+
+# step NAME COMMAND...: runs COMMAND with its output in $LOGS/NAME.log (for
+# at most STEP_TIMEOUT seconds when that is set) and says how long it took;
+# a failure shows the end of the log and the caller goes on (that run's
+# figures are then missing).
+step() {
+    local name=$1; shift
+    local t0=$SECONDS
+    printf -- '-- %-24s %s\n' "$name" "$*"
+    timeout "${STEP_TIMEOUT:-0}" "$@" >"$LOGS/$name.log" 2>&1
+    local status=$?
+    if [ $status -ne 0 ]; then
+        echo "   FAILED (exit status $status); the end of $LOGS/$name.log:"
+        tail -n 5 "$LOGS/$name.log" | sed 's/^/   | /'
+    else
+        echo "   done in $((SECONDS - t0)) s"
+    fi
+}
 
 # value NAME SED_EXPRESSION: the first thing the expression prints from the log.
 value() { sed -n "$2" "$LOGS/$1.log" 2>/dev/null | head -n 1; }

@@ -68,7 +68,7 @@
 # programs' logs, PNGs and CSVs go (default build/bench).
 set -u
 cd "$(dirname "$0")/.."
-. bench/lib.sh    # value, result, calc, or_dash, median
+. bench/lib.sh    # step, value, result, calc, or_dash, median
 
 PYTHON=${PYTHON:-python3}
 DATA=${MGPU_DATA:-data/fashion-mnist}
@@ -113,26 +113,11 @@ else
 fi
 
 # --------------------------------------------------------------- helpers
-# step NAME COMMAND...: runs COMMAND with its output in $LOGS/NAME.log and
-# says how long it took; a failure shows the end of the log and the run
-# goes on (that step's figures are then missing).
+# (step, bench/lib.sh: runs a command into $LOGS/NAME.log)
 ROUNDS=${BENCH_ROUNDS:-$([ $ON_GPU = 1 ] && echo 1 || echo 3)}
 # rounds NAME: the logs of NAME's rounds (NAME, NAME.r2, NAME.r3, ...)
 rounds() { echo "$1"; for r in $(seq 2 "$ROUNDS"); do echo "$1.r$r"; done; }
 
-step() {
-    local name=$1; shift
-    local t0=$SECONDS
-    printf -- '-- %-16s %s\n' "$name" "$*"
-    "$@" >"$LOGS/$name.log" 2>&1
-    local status=$?
-    if [ $status -ne 0 ]; then
-        echo "   FAILED (exit status $status); the end of $LOGS/$name.log:"
-        tail -n 5 "$LOGS/$name.log" | sed 's/^/   | /'
-    else
-        echo "   done in $((SECONDS - t0)) s"
-    fi
-}
 ROWS=""
 # row WORKLOAD FIGURE VALUE TARGET: a line of the results table.
 row() { ROWS+="| $1 | $2 | ${3:--} | ${4:-} |"$'\n'; }
