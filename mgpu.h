@@ -9740,38 +9740,38 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
     return differs;
 }
 
-/* dst takes src's SGD state: its count of steps and its momentum buffers
-   (or none, where src has none). */
+/* Gives net momentum buffers (their values still to be written) where
+   `present`, else none: SGD makes them all at its first step with
+   momentum, so a net has all or none. */
+static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
+    for (int p = 0; p < net->nparams; p++) {
+        if (present) {
+            mgpu_ensure(&net->momentum[p], net->device, net->params[p]->value->shape);
+        } else {
+            mgpu_free(net->momentum[p]);
+            net->momentum[p] = NULL;
+        }
+    }
+}
+static int mgpu__net_has_momentum(const mgpu_net *net) { return net->nparams > 0 && net->momentum[0]; }
+
+/* dst takes src's SGD state: its count of steps and its momentum buffers. */
 static void mgpu__net_copy_sgd_state(mgpu_net *dst, const mgpu_net *src) {
     dst->steps = src->steps;
-    for (int p = 0; p < src->nparams; p++) {
-        if (!src->momentum[p]) {
-            mgpu_free(dst->momentum[p]);
-            dst->momentum[p] = NULL;
-            continue;
-        }
-        mgpu_ensure(&dst->momentum[p], dst->device, src->momentum[p]->shape);
-        mgpu_copy(dst->momentum[p], src->momentum[p], 0);
-    }
+    mgpu__net_keep_momentum(dst, mgpu__net_has_momentum(src));
+    for (int p = 0; p < src->nparams && src->momentum[p]; p++) mgpu_copy(dst->momentum[p], src->momentum[p], 0);
 }
 
 /* SGD's state goes with the parameters (a checkpoint that rank 0 alone
    loaded): rank 0's count of steps, and its momentum buffers where it
    has them (none on every rank where it has none). */
 static void mgpu__group_broadcast_sgd_state(mgpu_group *g, mgpu_net *net) {
-    long mine[2] = {net->steps, net->nparams > 0 && net->momentum[0] != NULL};
+    long mine[2] = {net->steps, mgpu__net_has_momentum(net)};
     long *all = (long *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
     mgpu__group_all_gather_bytes(g, mine, sizeof mine, all, "mgpu_distributed_data_parallel_new");
     net->steps = (int)all[0];
-    for (int p = 0; p < net->nparams; p++) {
-        if (!all[1]) {
-            mgpu_free(net->momentum[p]);
-            net->momentum[p] = NULL;
-            continue;
-        }
-        if (!net->momentum[p]) net->momentum[p] = mgpu_zeros(net->device, net->params[p]->value->shape);
-        mgpu_group_broadcast(g, net->momentum[p], 0);
-    }
+    mgpu__net_keep_momentum(net, (int)all[1]);
+    for (int p = 0; p < net->nparams && all[1]; p++) mgpu_group_broadcast(g, net->momentum[p], 0);
     free(all);
 }
 

@@ -51,7 +51,7 @@
 # BENCH_OUT (logs in $BENCH_OUT/logs/ddp, default build/bench).
 set -u
 cd "$(dirname "$0")/.."
-. bench/lib.sh    # result, calc, or_dash, median
+. bench/lib.sh    # step, result, calc, or_dash, median
 
 PYTHON=${PYTHON:-python3}
 ROUNDS=${DDP_ROUNDS:-3}
