@@ -91,15 +91,11 @@ int main(int argc, char **argv) {
                  "(this is rank %d of %d)", o.devices, rank, procs);
     int batch = o.batch_size ? o.batch_size : is_resnet ? 32 : 256;
     int replicas = procs * o.devices, global_batch = batch * replicas;
-    int in_process = o.devices > 1;
 
-    /* Each process's device (its share of the cores), or the devices of
-       one process. */
+    /* Each process's devices (their share of the cores): one a process,
+       or the devices of one process (a group of one: chapter 3's wrapper). */
     mgpu_device *devs[MGPU_MAX_DEVICES];
-    if (in_process)
-        mgpu_devices(o.devices, !o.cpu, devs);
-    else
-        devs[0] = mgpu_group_device(world, !o.cpu);
+    mgpu_group_devices(world, !o.cpu, o.devices, devs);
 
     /* This process's batch: a replica's share for each of its devices. */
     int local = batch * o.devices;
@@ -115,8 +111,7 @@ int main(int argc, char **argv) {
     for (int w = first; w <= last; w++) {
         mgpu_manual_seed(o.seed);
         net[w] = is_resnet ? mgpu_resnet18(10, 1, devs[0]) : mgpu_lenet(devs[0]);
-        dp[w] = in_process ? mgpu_data_parallel_new(net[w], devs, o.devices, MGPU_DP_ALLREDUCE)
-                           : mgpu_distributed_data_parallel_new(net[w], world);
+        dp[w] = mgpu_distributed_data_parallel_new_devices(net[w], devs, o.devices, world);
         mgpu_data_parallel_configure(dp[w], 25u << 20, ways[w].overlap, ways[w].reduce);
     }
     for (int s = 0; s < warmup; s++)
