@@ -96,6 +96,19 @@ static void mgpu__cudnn_descriptors_free(mgpu__cudnn_descriptors *d) {
     MGPU_CUDNN_CHECK(cudnnDestroyTensorDescriptor(d->x));
 }
 
+/* An algorithm's name as cuDNN's enumerations spell it, shortened. */
+static inline const char *mgpu__cudnn_algorithm_name(mgpu__cudnn_pass pass, int algo) {
+    static const char *const forward[] = {"implicit GEMM", "implicit precomputed GEMM", "GEMM", "direct",
+                                          "FFT", "tiled FFT", "Winograd", "nonfused Winograd"};
+    static const char *const dx[] = {"algorithm 0", "algorithm 1", "FFT", "tiled FFT", "Winograd",
+                                     "nonfused Winograd"};
+    static const char *const dw[] = {"algorithm 0", "algorithm 1", "FFT", "algorithm 3", "Winograd",
+                                     "nonfused Winograd", "tiled FFT"};
+    const char *const *names = pass == MGPU__CUDNN_Y ? forward : pass == MGPU__CUDNN_DX ? dx : dw;
+    int count = pass == MGPU__CUDNN_Y ? 8 : pass == MGPU__CUDNN_DX ? 6 : 7;
+    return algo >= 0 && algo < count ? names[algo] : "?";
+}
+
 /* The algorithms that can compute a pass of geometry g, into out (at
    most MGPU__CUDNN_MAX_ALGORITHMS); returns how many. tf32: whether they
    may use TF32 (else float32 alone). Left out: those needing more
@@ -140,26 +153,18 @@ static int mgpu__cudnn_algorithms(cudnnHandle_t handle, mgpu__cudnn_pass pass, c
     mgpu__cudnn_descriptors_free(&d);
     int count = 0;
     for (int i = 0; i < returned; i++) {
-        if (status[i] == CUDNN_STATUS_SUCCESS && repeats[i] && memory[i] <= MGPU__CUDNN_WORKSPACE_MAX) {
+        /* Nonfused Winograd in TF32 at filters larger than 3x3: its
+           transforms magnify TF32's rounding of the transformed tiles,
+           to errors several times TF32's own (bench/RESULTS.md). */
+        int inaccurate = tf32 && math[i] != CUDNN_FMA_MATH && g->r > 3 &&
+                         strcmp(mgpu__cudnn_algorithm_name(pass, algo[i]), "nonfused Winograd") == 0;
+        if (status[i] == CUDNN_STATUS_SUCCESS && repeats[i] && memory[i] <= MGPU__CUDNN_WORKSPACE_MAX && !inaccurate) {
             /* (without TF32, float32 whatever the answer's math type) */
             mgpu__cudnn_algorithm a = {algo[i], tf32 ? math[i] : CUDNN_FMA_MATH, memory[i]};
             out[count++] = a;
         }
     }
     return count;
-}
-
-/* An algorithm's name as cuDNN's enumerations spell it, shortened. */
-static inline const char *mgpu__cudnn_algorithm_name(mgpu__cudnn_pass pass, int algo) {
-    static const char *const forward[] = {"implicit GEMM", "implicit precomputed GEMM", "GEMM", "direct",
-                                          "FFT", "tiled FFT", "Winograd", "nonfused Winograd"};
-    static const char *const dx[] = {"algorithm 0", "algorithm 1", "FFT", "tiled FFT", "Winograd",
-                                     "nonfused Winograd"};
-    static const char *const dw[] = {"algorithm 0", "algorithm 1", "FFT", "algorithm 3", "Winograd",
-                                     "nonfused Winograd", "tiled FFT"};
-    const char *const *names = pass == MGPU__CUDNN_Y ? forward : pass == MGPU__CUDNN_DX ? dx : dw;
-    int count = pass == MGPU__CUDNN_Y ? 8 : pass == MGPU__CUDNN_DX ? 6 : 7;
-    return algo >= 0 && algo < count ? names[algo] : "?";
 }
 
 /* One pass: out = (the pass's result) + beta * out, by the algorithm,

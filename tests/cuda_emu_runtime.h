@@ -667,8 +667,10 @@ static inline mgpu_emu_cudnn_answer mgpu_emu_cudnn_algorithm(mgpu_emu_cudnn_pass
         case 1: return {CUDNN_STATUS_SUCCESS, 4096, true, asked};               /* precomputed */
         case 2: return {CUDNN_STATUS_SUCCESS, col, true, CUDNN_FMA_MATH};       /* GEMM, float32 */
         case 6: return winograd ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 0, true, asked} : no;
-        case MGPU_EMU_CUDNN_LISTED_BUT_REFUSED:
-            return winograd ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 0, true, asked, false} : no;
+        case MGPU_EMU_CUDNN_LISTED_BUT_REFUSED: /* nonfused Winograd: refused at 3x3, runs at 5x5 */
+            if (winograd) return {CUDNN_STATUS_SUCCESS, 0, true, asked, false};
+            return a.w.r == 5 && a.w.s == 5 && a.stride == 1 ? mgpu_emu_cudnn_answer{CUDNN_STATUS_SUCCESS, 0, true, asked}
+                                                            : no;
         default: return no;
         }
     }

@@ -1158,6 +1158,28 @@ TEST(cudnn_algorithms_match_the_cpu) {
     mgpu_set_tf32(0, 0);
 }
 
+/* Nonfused Winograd in TF32 at a 5x5 filter is no candidate: its errors
+   at LeNet's layers were several times TF32's own on an H200. In float32
+   it stays one (the emulator lists it there; a GPU's cuDNN may not). */
+static int nonfused_winograd_listed(const mgpu__conv_geom *g, int tf32) {
+    mgpu__cudnn_algorithm list[MGPU__CUDNN_MAX_ALGORITHMS];
+    int count = mgpu__cudnn_algorithms(mgpu__cudnn_ready(gpu), MGPU__CUDNN_Y, g, tf32, list), listed = 0;
+    for (int i = 0; i < count; i++)
+        listed += strcmp(mgpu__cudnn_algorithm_name(MGPU__CUDNN_Y, list[i].algo), "nonfused Winograd") == 0;
+    return listed;
+}
+TEST(cudnn_leaves_out_nonfused_winograd_in_tf32_at_5x5) {
+    mgpu__conv_geom g5 = mgpu__conv_geometry("conv", mgpu_shape4(8, 6, 14, 14), mgpu_shape4(16, 6, 5, 5), 1, 0);
+    mgpu__conv_geom g3 = mgpu__conv_geometry("conv", mgpu_shape4(2, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1);
+    CHECK_EQ_INT(nonfused_winograd_listed(&g5, 1), 0);
+#if MGPU_CUDA_EMU
+    CHECK_EQ_INT(nonfused_winograd_listed(&g5, 0), 1);
+    CHECK_EQ_INT(nonfused_winograd_listed(&g3, 1), 1); /* (3x3 keeps it) */
+#else
+    (void)g3;
+#endif
+}
+
 /* MGPU_CONV=cudnn: every pass by cuDNN through the public calls, as the
    plans say and the trace shows. (On the emulator, the trial meets an
    algorithm that refuses to run, and leaves it.) */
