@@ -1295,6 +1295,8 @@ struct mgpu_layer {
     int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
     int batch_statistics;     /* batch norm: its last forward used the batch's statistics */
     int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
+    struct mgpu_group *sync;  /* batch norm: the group over whose batch its statistics are taken
+                                 (mgpu_net_sync_batchnorm), or NULL */
     /* parameters: conv/linear weight and bias; batch norm gamma and beta */
     mgpu_param weight, bias;
     /* batch norm buffers, and what its backward pass needs */
@@ -1662,6 +1664,21 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    at the start of each step (as DDP's broadcast_buffers) and before a
    distributed evaluation. mgpu_data_parallel_take_stats gives this
    rank's numbers: add them up with mgpu_group_sum_host.
+       mgpu_net_sync_batchnorm(net, g)      before the wrapper is made
+   is PyTorch's SyncBatchNorm: every batch norm of net (the residual
+   blocks' too) takes its training statistics over the whole group's
+   batch. Each forward pass all-gathers every rank's count, mean and sum
+   of squared deviations of each channel and merges them in rank order
+   (the same bits on every rank); each backward pass allreduces the two
+   sums that the input gradient needs (dgamma and dbeta stay this rank's,
+   averaged by the wrapper as any gradient). So k ranks train like one
+   process with the global batch, batch norm included, where each rank's
+   own statistics would normalise by its own few rows. The cost: two
+   collectives per batch norm per step, which the calling thread waits
+   for. Evaluation uses the running statistics, with no collective. Every
+   rank must run each training pass (as the wrapper does), and each
+   process must have one device: a wrapper of several devices refuses a
+   synchronised network, as PyTorch's does.
        mgpu_data_parallel_accumulate(dp, X, y)
    is DDP's no_sync, in both wrappers: forward and backward, the
    gradients added up and not reduced, no step. k - 1 of these and then
@@ -1709,6 +1726,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
                                                                         int n, mgpu_group *g);
 MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_tensor *X,
                                             const mgpu_tensor *y);
+MGPU_DEF void mgpu_net_sync_batchnorm(mgpu_net *net, mgpu_group *g);
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
                                             int batch_size);
 
@@ -6169,6 +6187,47 @@ static unsigned *mgpu__bn_done(mgpu_device *dev, int channels) {
     return (unsigned *)dev->bn_done->data;
 }
 
+/* A synchronised batch norm's passes (kernels/batchnorm.h, "Synchronised
+   batch norm"): the parts of a, each launched on the compute queue, with
+   the group's collective between them (which orders itself after the
+   compute queue, and it after the collective). */
+static void mgpu__bn_forward_synced(mgpu__bn_forward_args *a, mgpu_group *g, mgpu_device *dev) {
+    mgpu_tensor *mine = mgpu_empty(dev, mgpu_shape2(a->c, 3));
+    mgpu_tensor *all = mgpu_empty(dev, mgpu_shape3(mgpu_group_size(g), a->c, 3));
+    a->phase = MGPU__BN_MOMENTS;
+    a->moments = mine->data;
+    mgpu__launch_on(&dev->queue[0], "batchnorm moments", mgpu__bn_forward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    mgpu_group_all_gather(g, mine, all);
+    a->phase = MGPU__BN_MERGE;
+    a->moments = all->data;
+    a->ranks = mgpu_group_size(g);
+    mgpu__launch_on(&dev->queue[0], "batchnorm merge", mgpu__bn_forward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    a->phase = MGPU__BN_NORMALISE;
+    mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    mgpu_free(mine);
+    mgpu_free(all);
+}
+/* The group's count of values a channel has comes with the sums: the
+   allreduced tensor is [C][2] sums, then this rank's count. */
+static void mgpu__bn_backward_synced(mgpu__bn_backward_args *a, mgpu_group *g, mgpu_device *dev) {
+    mgpu_tensor *sums = mgpu_empty(dev, mgpu_shape1(2 * a->c + 1));
+    mgpu_tensor *count = mgpu_narrow(sums, 2 * a->c, 1);
+    mgpu_fill(count, (float)((size_t)a->n * (size_t)a->hw));
+    mgpu_free(count);
+    a->phase = MGPU__BN_GRAD_SUMS;
+    a->sums = sums->data;
+    mgpu__launch_on(&dev->queue[0], "batchnorm backward sums", mgpu__bn_backward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
+    mgpu_group_allreduce(g, sums, MGPU_SUM);
+    a->phase = MGPU__BN_INPUT_GRAD;
+    mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
+    mgpu_free(sums);
+}
+
 /* mgpu_batchnorm2d_forward, and with skip (not NULL) the residual block's
    y = max(bn(x) + skip, 0) in one pass (kernels/batchnorm.h); with y_t,
    y channels-last in TF32 there too, or there alone if y is NULL. */
@@ -6177,7 +6236,7 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
                                       const mgpu_tensor *beta, mgpu_tensor *running_mean,
                                       mgpu_tensor *running_var, mgpu_tensor *save_mean,
                                       mgpu_tensor *save_invstd, int training, float momentum,
-                                      float eps, int fuse_relu) {
+                                      float eps, int fuse_relu, mgpu_group *sync) {
     char s[64];
     mgpu_device *dev = x->device;
     mgpu__bn_forward_args a;
@@ -6232,8 +6291,11 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
         a.partials = scratch ? scratch->data : NULL;
         a.done = mgpu__bn_done(dev, a.c);
     }
-    mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
+    if (training && sync && mgpu_group_size(sync) > 1)
+        mgpu__bn_forward_synced(&a, sync, dev);
+    else
+        mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
+                        MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
     mgpu_free(scratch);
 }
 
@@ -6244,7 +6306,7 @@ MGPU_DEF void mgpu_batchnorm2d_forward(mgpu_tensor *y, const mgpu_tensor *x,
                                        int training, float momentum, float eps, int fuse_relu) {
     mgpu__batchnorm2d_forward("mgpu_batchnorm2d_forward", y, NULL, x, NULL, gamma, beta, running_mean,
                               running_var, save_mean, save_invstd, training, momentum, eps,
-                              fuse_relu);
+                              fuse_relu, NULL);
 }
 
 /* A residual block's end, for its bn2's backward pass (kernels/batchnorm.h
@@ -6265,7 +6327,8 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
                                        const mgpu_tensor *x, const mgpu_tensor *gamma,
                                        const mgpu_tensor *beta, const mgpu_tensor *save_mean,
                                        const mgpu_tensor *save_invstd, int fuse_relu, int accumulate,
-                                       const mgpu__bn_block_end *end, mgpu_tensor *dconv_bias) {
+                                       const mgpu__bn_block_end *end, mgpu_tensor *dconv_bias,
+                                       mgpu_group *sync) {
     mgpu_device *dev = x->device;
     mgpu__bn_backward_args a;
     memset(&a, 0, sizeof a);
@@ -6325,8 +6388,11 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     a.done = mgpu__bn_done(dev, a.c);
     mgpu__before_write(dgamma);
     mgpu__before_write(dbeta);
-    mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
+    if (sync && mgpu_group_size(sync) > 1)
+        mgpu__bn_backward_synced(&a, sync, dev);
+    else
+        mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
+                        MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
     mgpu_free(scratch);
 }
 MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
@@ -6336,7 +6402,7 @@ MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mg
                                         const mgpu_tensor *save_invstd, int fuse_relu,
                                         int accumulate) {
     mgpu__batchnorm2d_backward("mgpu_batchnorm2d_backward", dx, NULL, dgamma, dbeta, dy, x, gamma, beta,
-                               save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL);
+                               save_mean, save_invstd, fuse_relu, accumulate, NULL, NULL, NULL);
 }
 
 /* The line for a bad label a GPU's loss kernels reported (kernels/loss.h):
@@ -7210,6 +7276,26 @@ static mgpu_layer *mgpu__batchnorm_new(const char *name, int channels, int fuse_
     return l;
 }
 
+/* The batch norms of net, the residual blocks' too, into out (room for
+   2 a layer); returns how many. */
+static int mgpu__net_batch_norms(const mgpu_net *net, mgpu_layer **out) {
+    int count = 0;
+    for (int i = 0; i < net->nlayers; i++) {
+        mgpu_layer *l = net->layers[i];
+        if (l->kind == MGPU_LAYER_BATCHNORM) out[count++] = l;
+        if (l->kind == MGPU_LAYER_RESIDUAL) out[count++] = l->bn1, out[count++] = l->bn2;
+    }
+    return count;
+}
+/* Whether a batch norm of net is synchronised over a group. */
+static int mgpu__net_synced(const mgpu_net *net) {
+    mgpu_layer **bns = (mgpu_layer **)mgpu__xmalloc(sizeof *bns * (2 * (size_t)net->nlayers + 1));
+    int count = mgpu__net_batch_norms(net, bns), synced = 0;
+    for (int i = 0; i < count; i++) synced |= bns[i]->sync != NULL;
+    free(bns);
+    return synced;
+}
+
 /* The book's Residual: conv3x3-BN-ReLU-conv3x3-BN, plus the input (through
    a strided 1x1 convolution when the shape changes), then ReLU. */
 static mgpu_layer *mgpu__residual_new(const char *name, int in, int out, int stride, mgpu_device *d) {
@@ -7591,7 +7677,7 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
         y = NULL;
     mgpu__batchnorm2d_forward(l->name, y, y_copy, x, skip, l->weight.value, l->bias.value, l->running_mean,
                               l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
-                              l->fuse_relu || skip);
+                              l->fuse_relu || skip, l->sync);
     if (!y_copy) { /* not written: no stale copy left to read */
         mgpu_free(*y_t);
         *y_t = NULL;
@@ -7884,7 +7970,7 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
     int prev_bias = prev && prev->kind == MGPU_LAYER_CONV && prev->bias.grad && !accumulate;
     mgpu__batchnorm2d_backward(l->name, dx_t ? NULL : dx, dx_t, l->weight.grad, l->bias.grad, dy, l->input,
                                l->weight.value, l->bias.value, l->save_mean, l->save_invstd, l->fuse_relu,
-                               accumulate, end, prev_bias ? prev->bias.grad : NULL);
+                               accumulate, end, prev_bias ? prev->bias.grad : NULL, l->sync);
 }
 
 /* A layer of yours: its backward pass gets its gradients zeroed, the
@@ -8689,6 +8775,9 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
                  "mgpu_data_parallel_new: the network is on %s, it must be on devices[0] (%s)",
                  net->device->name, devices[0]->name);
     MGPU_REQUIRE(!net->wrapped, "mgpu_data_parallel_new: another wrapper holds this network already");
+    MGPU_REQUIRE(n == 1 || !mgpu__net_synced(net),
+                 "mgpu_data_parallel_new: the network's batch norms are synchronised over a group "
+                 "(mgpu_net_sync_batchnorm): that needs one device a process, not %d", n);
     for (int i = 0; i < n; i++)
         for (int j = 0; j < i; j++)
             MGPU_REQUIRE(devices[i] != devices[j], "mgpu_data_parallel_new: %s is devices[%d] and devices[%d]; "
@@ -9782,6 +9871,9 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new(mgpu_net *net, m
 MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net *net, mgpu_device *const *devices,
                                                                         int n, mgpu_group *g) {
     const char *op = "mgpu_distributed_data_parallel_new";
+    if (n > 1 && mgpu__net_synced(net))
+        mgpu_group_fatal(g, "%s: the network's batch norms are synchronised over a group "
+                            "(mgpu_net_sync_batchnorm): that needs one device a process, not %d", op, n);
     int r = mgpu__group_first_different(g, mgpu__net_structure_hash(net), op);
     if (r >= 0)
         mgpu_group_fatal(g, "%s: rank %d built another network than rank 0 (its parameters' or buffers' "
@@ -9830,6 +9922,15 @@ static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int
 
 /* Rank r of size evaluates rows [n r / size, n (r + 1) / size) of the
    data set, with rank 0's network: the buffers are broadcast first. */
+MGPU_DEF void mgpu_net_sync_batchnorm(mgpu_net *net, mgpu_group *g) {
+    MGPU_REQUIRE(!net->wrapped, "mgpu_net_sync_batchnorm: a wrapper holds this network already; "
+                 "synchronise its batch norms before making the wrapper");
+    mgpu_layer **bns = (mgpu_layer **)mgpu__xmalloc(sizeof *bns * (2 * (size_t)net->nlayers + 1));
+    int count = mgpu__net_batch_norms(net, bns);
+    for (int i = 0; i < count; i++) bns[i]->sync = g;
+    free(bns);
+}
+
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
                                             int batch_size) {
     int first = (int)((long long)data->n * g->rank / g->size);

@@ -50,6 +50,13 @@
    summed over the process's devices (chapter 3's ring), then averaged
    over the processes (MPI).
 
+   Batch norm (ResNet-18) normalises by each process's own share of the
+   batch, as DDP does: with 4 processes and a global batch of 256, by 64
+   images. --sync-bn takes the statistics over the whole global batch
+   instead (PyTorch's SyncBatchNorm: two more collectives per batch norm
+   and step), so that k processes follow one process's path with batch
+   norm too.
+
    Without a GPU it runs a reduced setting (LeNet, 8192 images, 2 epochs);
    --full trains ResNet-18 on all 60000, as chapter 3. */
 #define MGPU_IMPLEMENTATION
@@ -58,7 +65,7 @@
 typedef struct {
     int resnet; /* ResNet-18, else LeNet */
     int global_batch, epochs, checkpoint_every, resume;
-    int devices_per_process, use_gpu;
+    int devices_per_process, use_gpu, sync_bn;
     int kill_at_step, kill_in_world; /* (0: never) the last rank of the run on kill_in_world processes dies there */
     float lr, momentum;
     uint64_t seed;
@@ -108,6 +115,7 @@ static mgpu_data_parallel *wrapped_model(mgpu_group *g, const settings *s, mgpu_
     if (at) *at = points[0].info;
     if (found) *found = points[0].found;
     free(points);
+    if (s->sync_bn) mgpu_net_sync_batchnorm(*net, g);
     mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(*net, devs, s->devices_per_process, g);
     /* LeNet is smaller than one bucket of 25 MiB: in buckets of 64 KiB its
        last layers' reduction runs while the first layers' backward does */
@@ -346,6 +354,8 @@ int main(int argc, char **argv) {
         {"--batch-size", 'i', &o.batch_size, "the global batch, split among the processes (default 256)"},
         {"--model", 's', &model, "lenet or resnet18 (default: lenet in the reduced run, else resnet18)"},
         {"--momentum", 'd', &momentum, "SGD's momentum (default 0, as the book)"},
+        {"--sync-bn", 'b', &s.sync_bn,
+         "batch norm's statistics over the global batch, not each process's share (SyncBatchNorm)"},
         {"--train-samples", 'i', &train_samples, "use the first N training images"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
         {"--checkpoint-every", 'i', &s.checkpoint_every, "also save a checkpoint every N steps"},
@@ -364,6 +374,11 @@ int main(int argc, char **argv) {
     if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)
         mgpu_group_fatal(everyone, "--model %s: want lenet or resnet18", model);
     s.resnet = model ? strcmp(model, "resnet18") == 0 : !reduced;
+    if (s.sync_bn && !s.resnet)
+        mgpu_group_fatal(everyone, "--sync-bn: LeNet has no batch norm (add --model resnet18)");
+    if (s.sync_bn && s.devices_per_process > 1)
+        mgpu_group_fatal(everyone, "--sync-bn: synchronised batch norm needs one device a process, not %d",
+                         s.devices_per_process);
     s.global_batch = o.batch_size ? o.batch_size : 256;
     s.epochs = o.epochs ? o.epochs : reduced ? 2 : 10;
     s.lr = (float)(o.lr ? o.lr : s.resnet ? 0.1 : 0.2); /* the book's, for batch 256 */
@@ -383,9 +398,10 @@ int main(int argc, char **argv) {
             printf("No GPU: a reduced run on CPU processes: %s, %d training images, %d test images, %d epochs "
                    "(--full: ResNet-18 on all of them, 10 epochs).\n", s.resnet ? "ResNet-18" : "LeNet",
                    train_samples, test_samples, s.epochs);
-        printf("%d process%s on %s (this is rank 0 of %d, local rank %d of %d); global batch %d, lr %g\n", size,
+        printf("%d process%s on %s (this is rank 0 of %d, local rank %d of %d); global batch %d, lr %g%s\n", size,
                size > 1 ? "es" : "", mgpu_group_host(everyone), size, mgpu_group_local_rank(everyone),
-               mgpu_group_local_size(everyone), s.global_batch, s.lr);
+               mgpu_group_local_size(everyone), s.global_batch, s.lr,
+               s.sync_bn ? "; batch norm synchronised over the processes" : "");
     }
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);

@@ -55,6 +55,24 @@
    the gradient of the sum, which goes to skip as it is and through this
    file's backward (without fuse_relu) to x.
 
+   Synchronised batch norm (PyTorch's SyncBatchNorm; mgpu.h,
+   mgpu_net_sync_batchnorm) takes the statistics over every rank's batch.
+   Each pass is then cut in parts (the phase), with a collective between
+   them that mgpu.h runs:
+     forward:  MOMENTS    each channel's (count, mean, sum of squared
+                          deviations) over this rank's values; the ranks'
+                          triples are all-gathered;
+               MERGE      merges them in rank order (Chan et al., in
+                          double, so every rank gets the same bits),
+                          saves the statistics, moves the running ones;
+               NORMALISE  y, from the saved statistics.
+     backward: GRAD_SUMS  the sums of g and g xhat over this rank's values
+                          (dgamma and dbeta are this rank's sums, as any
+                          parameter's gradient: the data-parallel wrapper
+                          averages them); the sums are allreduced;
+               INPUT_GRAD dx, from the group's sums over its count.
+   Every part reuses the kernels below; the whole pass is phase WHOLE.
+
    The CUDA version. A channel's values are not contiguous (one run of H*W
    values per image), and one block per channel would leave most of a GPU
    idle for ResNet's 64 channels. So each channel is cut into S slices
@@ -107,6 +125,15 @@
 #include "channels_last.h"
 
 
+typedef enum {
+    MGPU__BN_WHOLE,     /* a pass on its own */
+    MGPU__BN_MOMENTS,   /* the parts of a synchronised forward, */
+    MGPU__BN_MERGE,
+    MGPU__BN_NORMALISE,
+    MGPU__BN_GRAD_SUMS, /* and backward (above) */
+    MGPU__BN_INPUT_GRAD
+} mgpu__bn_phase;
+
 /* ---------------------------------------------------------------- forward */
 typedef struct {
     float *y;                       /* NULL where y_t alone is wanted */
@@ -120,6 +147,9 @@ typedef struct {
     int n, c, hw, splits;           /* x is [n, c, hw]; splits = S */
     int training, fuse_relu;
     float momentum, eps;
+    int phase;                      /* mgpu__bn_phase */
+    float *moments;                 /* MOMENTS: [C][3] written; MERGE: [ranks][C][3] read */
+    int ranks;                      /* MERGE: how many ranks' triples */
 } mgpu__bn_forward_args;
 
 /* The statistics that normalise channel c: the batch's (saved by the
@@ -163,16 +193,41 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_output(const mgpu__bn_forward_args
     return a->fuse_relu && y < 0.0f ? 0.0f : y;
 }
 
-/* Once channel c's batch mean and (biased) variance are known: save them
-   for backward and move the running statistics. */
+/* Once channel c's batch mean and (biased) variance over m values are
+   known: save them for backward and move the running statistics. */
 static MGPU__HOSTDEVICE inline void mgpu__bn_finish_stats(const mgpu__bn_forward_args *a, int c,
-                                                          double mean, double var) {
-    double m = (double)a->n * (double)a->hw;
+                                                          double mean, double var, double m) {
     a->save_mean[c] = (float)mean;
     a->save_invstd[c] = (float)(1.0 / sqrt(var + a->eps));
     a->running_mean[c] = (1.0f - a->momentum) * a->running_mean[c] + a->momentum * (float)mean;
     a->running_var[c] =
         (1.0f - a->momentum) * a->running_var[c] + a->momentum * (float)(var * m / (m - 1.0));
+}
+/* Channel c's count, mean and sum of squared deviations m2 over this
+   rank's batch: the statistics (phase WHOLE), or the triple for the other
+   ranks (MOMENTS). */
+static MGPU__HOSTDEVICE inline void mgpu__bn_channel_done(const mgpu__bn_forward_args *a, int c, double count,
+                                                          double mean, double m2) {
+    if (a->phase == MGPU__BN_MOMENTS) {
+        float *t = a->moments + (size_t)c * 3;
+        t[0] = (float)count, t[1] = (float)mean, t[2] = (float)m2;
+    } else {
+        mgpu__bn_finish_stats(a, c, mean, m2 / count, count);
+    }
+}
+/* MERGE: channel c's triples of every rank, merged in rank order by Chan
+   et al.'s formula, then its statistics as above. */
+static MGPU__HOSTDEVICE inline void mgpu__bn_merge_channel(const mgpu__bn_forward_args *a, int c) {
+    double count = 0, mean = 0, m2 = 0;
+    for (int r = 0; r < a->ranks; r++) {
+        const float *t = a->moments + ((size_t)r * a->c + c) * 3;
+        double more = t[0], delta = t[1] - mean, total = count + more;
+        if (more == 0) continue;
+        mean += delta * more / total;
+        m2 += t[2] + delta * delta * count * more / total;
+        count = total;
+    }
+    mgpu__bn_finish_stats(a, c, mean, m2 / count, count);
 }
 
 /* The CPU walks each channel image by image: a channel of one image is
@@ -200,9 +255,13 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__bn_forward_args *a = (const mgpu__bn_forward_args *)args;
     size_t m = (size_t)a->n * (size_t)a->hw;
+    if (a->phase == MGPU__BN_MERGE) {
+        for (int c = 0; c < a->c; c++) mgpu__bn_merge_channel(a, c);
+        return;
+    }
     MGPU__CPU_PARALLEL_FOR(m * a->c)
     for (int c = 0; c < a->c; c++) {
-        if (a->training) { /* two passes: the mean, then the squared deviations */
+        if (a->training && a->phase != MGPU__BN_NORMALISE) { /* two passes: the mean, then the squared deviations */
             double sum = 0, squares = 0;
             for (int n = 0; n < a->n; n++)
                 for (int p = 0; p < a->hw; p += MGPU__BN_CPU_BLOCK)
@@ -213,7 +272,8 @@ static void mgpu__bn_forward_cpu(const void *args, const mgpu__exec *ex) {
                 for (int p = 0; p < a->hw; p += MGPU__BN_CPU_BLOCK)
                     squares += mgpu__squares_run(a->x + ((size_t)n * a->c + c) * a->hw + p,
                                                  a->hw - p < MGPU__BN_CPU_BLOCK ? a->hw - p : MGPU__BN_CPU_BLOCK, (float)mean);
-            mgpu__bn_finish_stats(a, c, mean, squares / (double)m);
+            mgpu__bn_channel_done(a, c, (double)m, mean, squares);
+            if (a->phase == MGPU__BN_MOMENTS) continue;
         }
         /* after the statistics, so y may be x itself */
         float scale, shift;
@@ -249,6 +309,9 @@ typedef struct {
     unsigned *done;    /* CUDA: as the forward's */
     int n, c, hw, splits;
     int fuse_relu, accumulate; /* accumulate: dgamma += ..., dbeta += ... */
+    int phase;                 /* mgpu__bn_phase */
+    float *sums;               /* GRAD_SUMS: [C][2] sums of g and g xhat written; INPUT_GRAD: the
+                                  group's read, and at [2C] the values a channel has over the group */
 } mgpu__bn_backward_args;
 
 /* The forward's scale and shift of channel c (for the ReLU's mask). */
@@ -325,7 +388,7 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
         mgpu__bn_backward_affine(a, c, &scale, &shift);
         double sum_g = 0, sum_g_xhat = 0;
         const float *dy = a->mask ? a->dsum : a->dy; /* (masked first, below) */
-        for (int n = 0; n < a->n; n++) {
+        for (int n = 0; n < a->n && a->phase != MGPU__BN_INPUT_GRAD; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             if (a->mask)
                 for (size_t i = at; i < at + (size_t)a->hw; i++) a->dsum[i] = mgpu__relu_grad(a->dy[i], a->mask[i]);
@@ -334,8 +397,17 @@ static void mgpu__bn_backward_cpu(const void *args, const mgpu__exec *ex) {
                                            a->hw - p < MGPU__BN_CPU_BLOCK ? a->hw - p : MGPU__BN_CPU_BLOCK, scale, shift,
                                            &sum_g, &sum_g_xhat);
         }
-        mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
-        float mean_g = (float)(sum_g / (double)m), mean_g_xhat = (float)(sum_g_xhat / (double)m);
+        double count = (double)m;
+        if (a->phase == MGPU__BN_INPUT_GRAD) {
+            sum_g = a->sums[2 * c], sum_g_xhat = a->sums[2 * c + 1], count = a->sums[2 * a->c];
+        } else {
+            mgpu__bn_param_grads(a, c, (float)sum_g, (float)sum_g_xhat);
+            if (a->phase == MGPU__BN_GRAD_SUMS) {
+                a->sums[2 * c] = (float)sum_g, a->sums[2 * c + 1] = (float)sum_g_xhat;
+                continue;
+            }
+        }
+        float mean_g = (float)(sum_g / count), mean_g_xhat = (float)(sum_g_xhat / count);
         for (int n = 0; n < a->n; n++) {
             size_t at = ((size_t)n * a->c + c) * a->hw;
             const float *g_in = dy + at, *x = a->x + at;
@@ -521,7 +593,10 @@ static __global__ void mgpu__bn_stats_kernel(mgpu__bn_forward_args a, mgpu__bn_l
     if (threadIdx.x >= 32) return; /* warp 0 finishes */
     if (mgpu__bn_slice_done(&w, (mgpu__welford *)a.partials, a.done, c, a.splits, mgpu__welford_op(), none) &&
         threadIdx.x == 0)
-        mgpu__bn_finish_stats(&a, c, w.mean, w.m2 / w.n);
+        mgpu__bn_channel_done(&a, c, w.n, w.mean, w.m2);
+}
+static __global__ void mgpu__bn_merge_kernel(mgpu__bn_forward_args a) {
+    MGPU__GRID_STRIDE_LOOP(c, (size_t)a.c) mgpu__bn_merge_channel(&a, (int)c);
 }
 
 /* y at offset `at` of x, of channel c, written to a.y there too (unless
@@ -564,10 +639,16 @@ static void mgpu__bn_values(Source src, float *channels_last_copy, int n, int c,
 
 template <int V> static void mgpu__bn_forward_launch(const mgpu__bn_forward_args *a, cudaStream_t stream) {
     mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
-    if (a->training) {
+    if (a->phase == MGPU__BN_MERGE) {
+        mgpu__bn_merge_kernel<<<mgpu__grid_for((size_t)a->c, 128), 128, 0, stream>>>(*a);
+        MGPU_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (a->training && a->phase != MGPU__BN_NORMALISE) {
         mgpu__bn_stats_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
         MGPU_CUDA_CHECK_LAUNCH();
     }
+    if (a->phase == MGPU__BN_MOMENTS) return;
     mgpu__bn_output_source src = {*a};
     mgpu__bn_values<V>(src, a->y_t, a->n, a->c, a->hw, l, stream);
 }
@@ -583,9 +664,13 @@ static void mgpu__bn_forward_cuda(const void *args, const mgpu__exec *ex) {
 /* Channel c's dbeta and dgamma, and the means of g and g xhat for dx
    (after the partials), from its sums of g and g xhat. */
 static __device__ inline void mgpu__bn_finish_grads(const mgpu__bn_backward_args &a, int c, mgpu__pair total) {
+    mgpu__bn_param_grads(&a, c, total.a, total.b);
+    if (a.phase == MGPU__BN_GRAD_SUMS) {
+        a.sums[2 * c] = total.a, a.sums[2 * c + 1] = total.b;
+        return;
+    }
     float m = (float)((size_t)a.n * a.hw);
     mgpu__pair *means = (mgpu__pair *)a.partials + (size_t)a.c * a.splits;
-    mgpu__bn_param_grads(&a, c, total.a, total.b);
     means[c].a = total.a / m;
     means[c].b = total.b / m;
 }
@@ -626,14 +711,18 @@ static __global__ void mgpu__bn_grad_sums_kernel(mgpu__bn_backward_args a, mgpu_
 struct mgpu__bn_input_grad_source {
     mgpu__bn_backward_args a;
     template <int V> __device__ void operator()(size_t at, int c, float (&dx)[V]) const {
-        const mgpu__pair *means = (const mgpu__pair *)a.partials + (size_t)a.c * a.splits;
+        mgpu__pair mean; /* of g and of g xhat: this pass's, or the group's (INPUT_GRAD) */
+        if (a.phase == MGPU__BN_INPUT_GRAD)
+            mean.a = a.sums[2 * c] / a.sums[2 * a.c], mean.b = a.sums[2 * c + 1] / a.sums[2 * a.c];
+        else
+            mean = ((const mgpu__pair *)a.partials)[(size_t)a.c * a.splits + c];
         float scale, shift, dy[V], x[V];
         mgpu__bn_backward_affine(&a, c, &scale, &shift);
         mgpu__load_floats(dy, a.dy + at);
         mgpu__load_floats(x, a.x + at);
         for (int e = 0; e < V; e++) {
             float g = mgpu__bn_grad_out(&a, dy[e], x[e], scale, shift);
-            dx[e] = mgpu__bn_input_grad(&a, g, x[e], c, means[c].a, means[c].b);
+            dx[e] = mgpu__bn_input_grad(&a, g, x[e], c, mean.a, mean.b);
         }
         if (!a.dx_t) mgpu__store_floats(a.dx + at, dx);
     }
@@ -641,8 +730,11 @@ struct mgpu__bn_input_grad_source {
 
 template <int V> static void mgpu__bn_backward_launch(const mgpu__bn_backward_args *a, cudaStream_t stream) {
     mgpu__bn_layout l = mgpu__bn_layout_for(a->c, a->hw, V);
-    mgpu__bn_grad_sums_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
-    MGPU_CUDA_CHECK_LAUNCH();
+    if (a->phase != MGPU__BN_INPUT_GRAD) {
+        mgpu__bn_grad_sums_kernel<V><<<dim3(a->c, a->splits), MGPU__BN_BLOCK, 0, stream>>>(*a, l);
+        MGPU_CUDA_CHECK_LAUNCH();
+    }
+    if (a->phase == MGPU__BN_GRAD_SUMS) return;
     mgpu__bn_input_grad_source src = {*a};
     if (a->mask) src.a.dy = a->dsum; /* g, masked by the sums' pass */
     mgpu__bn_values<V>(src, a->dx_t, a->n, a->c, a->hw, l, stream);

@@ -58,6 +58,10 @@ check killed_rank dies \
 check other_network dies \
     '^mgpu: error: rank 0: mgpu_distributed_data_parallel_new: rank 1 built another network than rank 0' \
     -- mpirun -np 2 $tests --fault other-network
+check sync_bn_two_devices dies \
+    '^mgpu: error: rank 0: mgpu_distributed_data_parallel_new: the network.s batch norms are synchronised over a group \(mgpu_net_sync_batchnorm\): that needs one device a process, not 2$' \
+    -- mpirun -np 2 $tests --fault sync-bn-two-devices
+lacks sync_bn_two_devices '^mgpu: error: rank 1:'
 check built_without_mpi dies \
     '^mgpu: error: a launcher started 2 copies of this program, but it was built without MPI' \
     -- mpirun -np 2 build/nompi/dist_tests
@@ -124,6 +128,18 @@ lacks chapter4_batch_not_split '^mgpu: error: rank [12]:' # (one line, not one a
 check chapter4_alone 0 '^test acc: 0\.[0-9]+, .* on 1 process \(gradients: none\)' \
     -- ./chapter4 --train-samples 512 --test-samples 128 --epochs 1 --out "$out/alone"
 check chapter4_bad_model 1 '^mgpu: error: --model vgg: want lenet or resnet18$' -- ./chapter4 --model vgg
+# synchronised batch norm: ResNet-18 on 2 processes; refused, in one
+# line, for LeNet (no batch norm) and with 2 devices a process
+tiny_resnet="--model resnet18 --train-samples 64 --test-samples 64 --epochs 1 --batch-size 32"
+check chapter4_sync_bn 0 '; batch norm synchronised over the processes$' \
+    '^test acc: 0\.[0-9]+, .* on 2 processes \(gradients: mpi\)' \
+    -- mpirun -np 2 ./chapter4 $tiny_resnet --sync-bn --out "$out/sync"
+check chapter4_sync_bn_lenet 1 '^mgpu: error: --sync-bn: LeNet has no batch norm \(add --model resnet18\)$' \
+    -- ./chapter4 --sync-bn
+check chapter4_sync_bn_two_devices dies \
+    '^mgpu: error: rank 0: --sync-bn: synchronised batch norm needs one device a process, not 2$' \
+    -- mpirun -np 2 ./chapter4 $tiny_resnet --sync-bn --devices-per-process 2 --out "$out/sync2"
+lacks chapter4_sync_bn_two_devices '^mgpu: error: rank 1:'
 
 # ------------------------------------------------------------- two hosts
 # Two network namespaces joined by a veth pair, each a host with its own

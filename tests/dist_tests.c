@@ -8,12 +8,14 @@
      same global batch, and on 2 ranks exactly like chapter 3's wrapper on
      2 devices (halving is exact, and a + b is b + a);
    - accumulated gradients (no_sync) equal one step on the batches together;
+   - synchronised batch norm on k ranks trains like one process;
    - rank 0's parameters and buffers reach every rank;
    - distributed evaluation counts each image once.
    tests/gpu_dist.c runs them on GPUs (emulated ones in make test): the
    data go through host memory ("mpi via host").
    With --fault F it plays one fault instead (tests/dist.sh checks how
-   the job ends): out-of-step, extra-collective, die, other-network.
+   the job ends): out-of-step, extra-collective, die, other-network,
+   sync-bn-two-devices.
 
    Every rank runs every test; rank 0 prints the results, a test failing
    where it failed on any rank. */
@@ -204,6 +206,72 @@ TEST(ddp_on_k_ranks_trains_like_one_process) {
     ddp_trains_like_one_process(25u << 20, 1); /* the network in one bucket */
     ddp_trains_like_one_process(256, 1);       /* a bucket a layer, reduced under the backward pass */
     ddp_trains_like_one_process(256, 0);       /* the same, reduced after it */
+}
+
+/* A network with batch norm everywhere: after a convolution (with the
+   ReLU fused), and a residual block's two (bn2 with the skip). */
+static mgpu_net *batch_norm_net(mgpu_device *d, uint64_t seed) {
+    mgpu_manual_seed(seed);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_residual(net, 6, 8, 2);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    return net;
+}
+/* max |a - b| / max |b| over the running statistics */
+static double max_buffer_diff(mgpu_net *a, mgpu_net *b) {
+    double worst = 0;
+    for (int i = 0; i < a->nbuffers; i++) {
+        const mgpu_tensor *ta = *a->buffers[i], *tb = *b->buffers[i];
+        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
+        mgpu_to_host(ta, va);
+        mgpu_to_host(tb, vb);
+        double diff = 0, scale = 1e-30;
+        for (size_t k = 0; k < ta->numel; k++) {
+            diff = fmax(diff, fabs((double)va[k] - vb[k]));
+            scale = fmax(scale, fabs((double)vb[k]));
+        }
+        worst = fmax(worst, diff / scale);
+        free(va);
+        free(vb);
+    }
+    return worst;
+}
+/* 5 steps of k ranks with a k-th of the batch each, beside one process
+   with all of it: the largest difference of the parameters and of the
+   running statistics. */
+static void batch_norm_beside_one_process(int sync, double *params, double *buffers) {
+    int rank = mgpu_group_rank(world);
+    mgpu_net *one = batch_norm_net(dev, 9);
+    mgpu_net *mine = batch_norm_net(dev, 9 + (uint64_t)rank);
+    if (sync) mgpu_net_sync_batchnorm(mine, world);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine, world);
+    mgpu_data_parallel_configure(ddp, 256, 1, 1);
+    train_beside_one_process(one, ddp, 5, 4);
+    *params = test_max_param_diff(mine, one);
+    *buffers = max_buffer_diff(mine, one);
+    CHECK(net_same_everywhere(mine));
+    mgpu_data_parallel_free(ddp);
+    mgpu_net_free(mine);
+    mgpu_net_free(one);
+}
+/* Synchronised batch norm: k ranks train like one process with the
+   global batch, batch norm's statistics included; each rank's own
+   statistics (the default) do not, which shows that the comparison can
+   tell. */
+TEST(sync_batchnorm_on_k_ranks_trains_like_one_process) {
+    double params, buffers;
+    batch_norm_beside_one_process(1, &params, &buffers);
+    CHECK_CLOSE(params, 0.0, 1e-5, 0);
+    CHECK_CLOSE(buffers, 0.0, 1e-5, 0);
+    if (mgpu_group_size(world) > 1) {
+        batch_norm_beside_one_process(0, &params, &buffers);
+        CHECK(params > 1e-3);
+        CHECK(buffers > 1e-3);
+    }
 }
 
 /* Two devices a rank (the hybrid case): k ranks of 2 devices, each
@@ -407,6 +475,12 @@ static int play_fault(const char *fault) {
     } else if (strcmp(fault, "other-network") == 0) {
         mgpu_net *net = test_plain_net(dev, 5, rank == 1);
         mgpu_distributed_data_parallel_new(net, world);
+    } else if (strcmp(fault, "sync-bn-two-devices") == 0) {
+        mgpu_device *devs[2];
+        mgpu_group_devices(world, TEST_ON_GPU, 2, devs);
+        mgpu_net *net = batch_norm_net(devs[0], 5);
+        mgpu_net_sync_batchnorm(net, world);
+        mgpu_distributed_data_parallel_new_devices(net, devs, 2, world);
     } else {
         fprintf(stderr, "dist_tests: unknown fault '%s'\n", fault);
         return 2;
