@@ -349,6 +349,10 @@ bench/ddp: bench/ddp.c $(HEADERS) $(DEPS_STAMP)
 bench/profile: bench/profile.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
+# What NCCL does between processes, two on one GPU too (under mpirun; CUDA only).
+bench/nccl_ranks: bench/nccl_ranks.c $(DEPS_STAMP)
+	$(NVCC) $(NVFLAGS) $< -o $@ $(CUDA_LIBS)
+
 # ResNet-18's convolutions one by one: im2col against each fast kernel and tile.
 bench/convolutions: bench/convolutions.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)

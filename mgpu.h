@@ -75,6 +75,25 @@
        void mgpu_synchronize(mgpu_device *d);  void mgpu_synchronize_all(void);
        size_t mgpu_device_memory_in_use(const mgpu_device *d);   bytes held by tensors
        size_t mgpu_device_memory_peak(const mgpu_device *d);
+   Memory by what it holds. Every tensor counts under one category:
+   MGPU_MEMORY_PARAMETERS, _GRADIENTS (the parameters' gradients, and a
+   data-parallel wrapper's buckets of them), _OPTIMIZER (momentum, Adam's
+   moments), _ACTIVATIONS (what a network's training forward pass makes,
+   kept for its backward pass), _WORKSPACE (what its backward pass makes:
+   the activations' gradients, scratch) and _OTHER (the rest: batches,
+   your own tensors).
+       size_t mgpu_device_memory_of(d, category)        held now
+       size_t mgpu_device_memory_peak_of(d, category)   the category's own peak
+       size_t mgpu_device_memory_at_peak(d, category)   its part of the device's peak
+       const char *mgpu_memory_category_name(category)  "activations"
+   (mgpu_device_reset_peak starts every peak again from now.)
+       void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes)
+   gives a device, a CPU or virtual one too, a limit (0: none, the
+   default): an allocation that would take it past the limit stops the
+   program with one line naming the device, the request, the limit and
+   the largest holders. It counts what tensors hold, not the allocator's
+   cache of freed blocks (which they reuse). A GPU's own memory is a limit
+   too, with the same line.
 
    3. Events and timers
    --------------------
@@ -340,6 +359,20 @@ MGPU_DEF void mgpu_synchronize_all(void);
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d);
 MGPU_DEF size_t mgpu_device_memory_peak(const mgpu_device *d);
 MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d);
+typedef enum {
+    MGPU_MEMORY_OTHER, /* (first: what nothing else claims) */
+    MGPU_MEMORY_PARAMETERS,
+    MGPU_MEMORY_GRADIENTS,
+    MGPU_MEMORY_OPTIMIZER,
+    MGPU_MEMORY_ACTIVATIONS,
+    MGPU_MEMORY_WORKSPACE,
+    MGPU_MEMORY_CATEGORIES
+} mgpu_memory_category;
+MGPU_DEF size_t mgpu_device_memory_of(const mgpu_device *d, mgpu_memory_category c);
+MGPU_DEF size_t mgpu_device_memory_peak_of(const mgpu_device *d, mgpu_memory_category c);
+MGPU_DEF size_t mgpu_device_memory_at_peak(const mgpu_device *d, mgpu_memory_category c);
+MGPU_DEF const char *mgpu_memory_category_name(mgpu_memory_category c);
+MGPU_DEF void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes);
 /* How many blocks the device's allocator has taken from the system so far:
    it stops growing once a training loop has seen all its shapes. */
 MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d);
@@ -1195,6 +1228,26 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    gets exactly 0 added: the batch mean cancels it, so its gradient is
    exactly 0.
 
+       void mgpu_net_checkpoint(mgpu_net *net, int segments)
+   gradient checkpointing (Chen et al. 2016; PyTorch's
+   checkpoint_sequential): the layers are cut into `segments` runs of
+   about equal length (MGPU_SEGMENTS_SQRT: about sqrt(n) of n layers; 0:
+   none, the default). A forward pass in training mode then keeps each
+   run's input (the output of the run before) and frees what the run's
+   layers made for their backward pass, except in the last run; the
+   backward pass makes it again, run by run, by running the run's forward
+   pass just before its backward pass. The activations held fall from all
+   n layers' to the k - 1 kept inputs plus one run's, about n/k + k
+   layers' (least near k = sqrt(n)), for a second forward pass of all runs
+   but the last. The gradients are bit for bit the plain ones: the same
+   kernels on the same inputs (while the convolutions' trial is timing
+   its candidates in the first steps, two passes may take two of them:
+   fix the method, MGPU_CONV, to compare bits from the first step). Batch
+   norm's running statistics move once a step: the recomputation leaves
+   them. A layer of yours is recomputed too: its forward pass must depend
+   on its input and parameters alone. More runs than layers, or a
+   negative number, is a one-line error.
+
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
    the backward pass of scale times the cross-entropy summed over the rows
    of logits (the last forward's): scale 1/N gives the mean over N rows;
@@ -1327,6 +1380,12 @@ typedef struct mgpu_net {
     mgpu_param **params; /* pointers into the layers, in registration order */
     mgpu_tensor ***buffers;
     mgpu_tensor **momentum; /* SGD momentum buffers, made at the first step */
+    /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0: none),
+       and for the last forward pass, the runs' first layers (room for
+       nlayers + 1) and which runs' activations it freed */
+    int segments, nsegments;
+    int *segment_start;
+    unsigned char *segment_freed;
     mgpu_tensor **step_values;        /* a step's lists of the parameters' values */
     const mgpu_tensor **step_grads;   /* and gradients (mgpu_net_sgd, mgpu_net_zero_grad) */
     int steps;
@@ -1359,6 +1418,8 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net);
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training);
+#define MGPU_SEGMENTS_SQRT (-1) /* mgpu_net_checkpoint: about sqrt(n) runs of n layers */
+MGPU_DEF void mgpu_net_checkpoint(mgpu_net *net, int segments);
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay);
 MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      const mgpu_tensor *labels, float scale,
@@ -2256,6 +2317,7 @@ typedef struct mgpu__queue {
 struct mgpu__block {
     void *ptr;
     size_t bytes;
+    int category;        /* an mgpu_memory_category */
     mgpu__block *next;
     mgpu_event *pending; /* a copy that may still read the block */
 };
@@ -2268,6 +2330,8 @@ struct mgpu_device {
     mgpu__queue queue[2]; /* compute, copy */
     mgpu__block *cache;   /* free blocks */
     size_t in_use, peak, cached;
+    size_t limit;         /* on in_use, or 0 (mgpu_device_set_memory_limit) */
+    size_t held[MGPU_MEMORY_CATEGORIES], held_peak[MGPU_MEMORY_CATEGORIES], held_at_peak[MGPU_MEMORY_CATEGORIES];
     size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
     mgpu_tensor *bn_done; /* a GPU's batch norm counters (mgpu__bn_done), or NULL */
@@ -2629,7 +2693,34 @@ MGPU_DEF void mgpu_synchronize_all(void) {
 }
 MGPU_DEF size_t mgpu_device_memory_in_use(const mgpu_device *d) { return d->in_use; }
 MGPU_DEF size_t mgpu_device_memory_peak(const mgpu_device *d) { return d->peak; }
-MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d) { d->peak = d->in_use; }
+MGPU_DEF void mgpu_device_reset_peak(mgpu_device *d) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
+    d->peak = d->in_use;
+    for (int c = 0; c < MGPU_MEMORY_CATEGORIES; c++) d->held_peak[c] = d->held_at_peak[c] = d->held[c];
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
+}
+static void mgpu__require_category(mgpu_memory_category c, const char *op) {
+    MGPU_REQUIRE((int)c >= 0 && c < MGPU_MEMORY_CATEGORIES, "%s: memory category %d does not exist", op, (int)c);
+}
+MGPU_DEF size_t mgpu_device_memory_of(const mgpu_device *d, mgpu_memory_category c) {
+    mgpu__require_category(c, "mgpu_device_memory_of");
+    return d->held[c];
+}
+MGPU_DEF size_t mgpu_device_memory_peak_of(const mgpu_device *d, mgpu_memory_category c) {
+    mgpu__require_category(c, "mgpu_device_memory_peak_of");
+    return d->held_peak[c];
+}
+MGPU_DEF size_t mgpu_device_memory_at_peak(const mgpu_device *d, mgpu_memory_category c) {
+    mgpu__require_category(c, "mgpu_device_memory_at_peak");
+    return d->held_at_peak[c];
+}
+MGPU_DEF const char *mgpu_memory_category_name(mgpu_memory_category c) {
+    static const char *const names[MGPU_MEMORY_CATEGORIES] = {"other", "parameters", "gradients",
+                                                              "optimizer state", "activations", "workspace"};
+    mgpu__require_category(c, "mgpu_memory_category_name");
+    return names[c];
+}
+MGPU_DEF void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes) { d->limit = bytes; }
 MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d) { return d->allocations; }
 MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const *devices, int n) {
     size_t used = (size_t)snprintf(buf, size, "[");
@@ -2959,16 +3050,49 @@ static void mgpu__require_host_memory(const mgpu_device *d, size_t bytes) {
                    "the machine has %.1f MiB", d->name, bytes / 1048576.0, held / 1048576.0, machine / 1048576.0);
 }
 
+/* The category that the calling thread's allocations count under (see
+   mgpu__memory_scope). */
+static __thread int mgpu__memory_category;
+/* Makes this thread's allocations count under category c until the
+   returned category is given back to it. */
+static int mgpu__memory_scope(mgpu_memory_category c) {
+    int before = mgpu__memory_category;
+    mgpu__memory_category = (int)c;
+    return before;
+}
+
+/* An allocation that cannot be had (why: past what): one line, with the
+   device's largest holders. */
+static void mgpu__out_of_memory(const mgpu_device *d, size_t bytes, int category, const char *why) {
+    char holders[256] = "";
+    int order[MGPU_MEMORY_CATEGORIES], at = 0;
+    for (int c = 0; c < MGPU_MEMORY_CATEGORIES; c++) order[c] = c;
+    for (int i = 0; i < MGPU_MEMORY_CATEGORIES; i++) /* largest first */
+        for (int j = i + 1; j < MGPU_MEMORY_CATEGORIES; j++)
+            if (d->held[order[j]] > d->held[order[i]]) {
+                int t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+    for (int i = 0; i < 3 && d->held[order[i]] > 0; i++)
+        at += snprintf(holders + at, sizeof holders - (size_t)at, "%s%s %.1f MiB", i ? ", " : "",
+                       mgpu_memory_category_name((mgpu_memory_category)order[i]), d->held[order[i]] / 1048576.0);
+    mgpu_fatal("out of memory on %s: asked for %.1f MiB (%s) with %.1f MiB in use, past %s; the largest "
+               "holders: %s%s%s", d->name, bytes / 1048576.0, mgpu_memory_category_name((mgpu_memory_category)category),
+               d->in_use / 1048576.0, why, at ? holders : "none", MGPU__IN_LAYER(mgpu__layer_enqueuing));
+}
+
 static void *mgpu__raw_alloc(mgpu_device *d, size_t bytes, int pinned) {
     void *p = NULL;
 #if MGPU_CUDA
     if (d->gpu >= 0) {
         MGPU_CUDA_CHECK(cudaSetDevice(d->gpu));
         cudaError_t err = cudaMalloc(&p, bytes);
-        if (err != cudaSuccess)
-            mgpu_fatal("out of memory on %s: asked for %.1f MiB with %.1f MiB in use (%s)",
-                       d->name, bytes / 1048576.0, d->in_use / 1048576.0,
-                       cudaGetErrorString(err));
+        if (err != cudaSuccess) {
+            char why[96];
+            snprintf(why, sizeof why, "what the GPU has (cudaMalloc: %s)", cudaGetErrorString(err));
+            mgpu__out_of_memory(d, bytes, mgpu__memory_category, why);
+        }
         return p;
     }
     if (pinned && mgpu__library.num_gpus > 0) {
@@ -3001,8 +3125,41 @@ static void mgpu__raw_free(mgpu_device *d, void *p, int pinned) {
     free(p);
 }
 
+/* Counts bytes taken (taken 1) or given back (0) under category c, and
+   the peaks, with d's allocation mutex held. */
+static void mgpu__memory_count(mgpu_device *d, int c, size_t bytes, int taken) {
+    if (!taken) {
+        d->in_use -= bytes;
+        d->held[c] -= bytes;
+        return;
+    }
+    d->in_use += bytes;
+    d->held[c] += bytes;
+    if (d->held[c] > d->held_peak[c]) d->held_peak[c] = d->held[c];
+    if (d->in_use > d->peak) {
+        d->peak = d->in_use;
+        memcpy(d->held_at_peak, d->held, sizeof d->held);
+    }
+}
+/* Moves tensor t's bytes to category c (a parameter made by a caller,
+   then registered). */
+static void mgpu__memory_recount(mgpu_tensor *t, mgpu_memory_category c) {
+    if (!t->block || t->block->category == (int)c) return;
+    mgpu_device *d = t->device;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
+    mgpu__memory_count(d, t->block->category, t->block->bytes, 0);
+    t->block->category = (int)c;
+    mgpu__memory_count(d, (int)c, t->block->bytes, 1);
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
+}
+
 static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) {
     bytes = mgpu__round_bytes(bytes);
+    if (d->limit && d->in_use + bytes > d->limit) {
+        char why[96];
+        snprintf(why, sizeof why, "its limit of %.1f MiB (mgpu_device_set_memory_limit)", d->limit / 1048576.0);
+        mgpu__out_of_memory(d, bytes, mgpu__memory_category, why);
+    }
     mgpu__block *b = NULL;
     if (!pinned) {
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
@@ -3029,17 +3186,17 @@ static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) 
         b->bytes = bytes;
         b->ptr = mgpu__raw_alloc(d, bytes, pinned);
     }
+    b->category = mgpu__memory_category;
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
     d->allocations += (size_t)fresh;
-    d->in_use += bytes;
-    if (d->in_use > d->peak) d->peak = d->in_use;
+    mgpu__memory_count(d, b->category, bytes, 1);
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
     return b;
 }
 
 static void mgpu__block_release(mgpu_device *d, mgpu__block *b, int pinned, mgpu_event *pending) {
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
-    d->in_use -= b->bytes;
+    mgpu__memory_count(d, b->category, b->bytes, 0);
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
     if (pinned) {
         /* Pinned host memory is rare and large: give it straight back, once
@@ -7212,6 +7369,11 @@ MGPU_DEF const char *mgpu_allreduce_auto(mgpu_tensor **data, int n, int average)
    Networks: layers with parameters, buffers and saved activations.
    ====================================================================== */
 
+/* The `training` of a layer's forward pass: 0 evaluation, 1 training, or
+   MGPU__RECOMPUTE, training again for gradient checkpointing (batch norm
+   takes the batch's statistics and leaves its running ones). */
+#define MGPU__RECOMPUTE 2
+
 /* A layer's channels-last copies on a GPU (kernels/channels_last.h),
    where a convolution reads them: a convolution's of its input (input_t:
    the one the layer before wrote, or own_input_t, its own); a batch
@@ -7359,6 +7521,14 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
         net->buffers[net->nbuffers++] = &l->running_mean;
         net->buffers[net->nbuffers++] = &l->running_var;
     }
+    /* what its tensors hold counts as the network's (mgpu_memory_category):
+       its statistics with the parameters */
+    mgpu_tensor *state[] = {l->weight.value, l->bias.value, l->running_mean, l->running_var, l->save_mean,
+                            l->save_invstd};
+    for (size_t i = 0; i < sizeof state / sizeof *state; i++)
+        if (state[i]) mgpu__memory_recount(state[i], MGPU_MEMORY_PARAMETERS);
+    if (l->weight.grad) mgpu__memory_recount(l->weight.grad, MGPU_MEMORY_GRADIENTS);
+    if (l->bias.grad) mgpu__memory_recount(l->bias.grad, MGPU_MEMORY_GRADIENTS);
 }
 
 MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
@@ -7667,6 +7837,8 @@ static int mgpu__conv_layer_prepared(const mgpu_layer *l, int backward, const mg
 static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *skip,
                                           mgpu_tensor *y, mgpu_tensor **y_t, const mgpu_layer *next,
                                           int training) {
+    /* (a recomputation: the batch's statistics again, the running ones left) */
+    float momentum = training == MGPU__RECOMPUTE ? 0.0f : 0.1f;
     l->input = x;
     l->batch_statistics = training;
     int n = x->shape.d[0], c = x->shape.d[1], hw = x->shape.d[2] * x->shape.d[3];
@@ -7676,7 +7848,7 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
     if (y_copy && !skip && next->kind == MGPU_LAYER_CONV && mgpu__conv_layer_reads_x_t(next, x->shape, 1))
         y = NULL;
     mgpu__batchnorm2d_forward(l->name, y, y_copy, x, skip, l->weight.value, l->bias.value, l->running_mean,
-                              l->running_var, l->save_mean, l->save_invstd, training, 0.1f, 1e-5f,
+                              l->running_var, l->save_mean, l->save_invstd, training, momentum, 1e-5f,
                               l->fuse_relu || skip, l->sync);
     if (!y_copy) { /* not written: no stale copy left to read */
         mgpu_free(*y_t);
@@ -7853,7 +8025,7 @@ static mgpu_tensor *mgpu__layer_forward_pass(mgpu_layer *l, const mgpu_tensor *x
     case MGPU_LAYER_OWN: {
         int made = mgpu__ensure_guarded(&l->output, d,
                                         l->fns->output_shape ? l->fns->output_shape(l, x->shape) : x->shape);
-        mgpu__own_layer_pass(l, l->output, x, NULL, NULL, NULL, training);
+        mgpu__own_layer_pass(l, l->output, x, NULL, NULL, NULL, training != 0);
         if (made && !l->fns->own_loops) mgpu__require_guard_now(l, l->output, 0); /* (own loops: each pass) */
         break;
     }
@@ -7906,17 +8078,95 @@ static void mgpu__net_weight_copies(mgpu_net *net) {
 #endif
 }
 
+/* ---- gradient checkpointing (mgpu_net_checkpoint) ---- */
+/* Frees what layer l's forward pass made for its backward pass: its
+   output (unless keep_output) and channels-last copies, its parts' too. */
+static void mgpu__layer_free_activations(mgpu_layer *l, int keep_output) {
+    if (!keep_output) {
+        mgpu_free(l->output);
+        l->output = NULL;
+        mgpu_free(l->copies->output_t);
+        l->copies->output_t = NULL;
+    }
+    mgpu_free(l->copies->own_input_t);
+    l->copies->own_input_t = NULL;
+    l->copies->input_t = NULL;
+    mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++)
+        if (parts[i]) mgpu__layer_free_activations(parts[i], 0);
+}
+/* Run s's activations freed, all but its output (the next run's input)
+   when keep_output. */
+static void mgpu__net_free_segment(mgpu_net *net, int s, int keep_output) {
+    int last = net->segment_start[s + 1] - 1;
+    for (int i = net->segment_start[s]; i <= last; i++)
+        mgpu__layer_free_activations(net->layers[i], keep_output && i == last);
+    net->segment_freed[s] = 1;
+}
+/* The runs of this forward pass: one (no checkpointing, or evaluation),
+   else net->segments (or about sqrt(n)) of about n / k layers each. */
+static void mgpu__net_cut_segments(mgpu_net *net) {
+    int n = net->nlayers, k = net->segments == MGPU_SEGMENTS_SQRT ? (int)lround(sqrt((double)n)) : net->segments;
+    if (k < 1 || !net->training) k = 1;
+    MGPU_REQUIRE(k <= n, "mgpu_net_forward: %d checkpointed runs (mgpu_net_checkpoint) of a network of %d layers; "
+                 "at most one a layer", k, n);
+    net->segment_start = (int *)mgpu__xrealloc(net->segment_start, (size_t)(n + 1) * sizeof(int));
+    net->segment_freed = (unsigned char *)mgpu__xrealloc(net->segment_freed, (size_t)n + 1);
+    for (int s = 0; s <= k; s++) net->segment_start[s] = (int)((long)s * n / k);
+    memset(net->segment_freed, 0, (size_t)n + 1);
+    net->nsegments = k;
+}
+/* The run whose last layer is layer i, if its activations were freed; else -1. */
+static int mgpu__net_freed_segment_ending_at(const mgpu_net *net, int i) {
+    for (int s = 0; s < net->nsegments; s++)
+        if (net->segment_start[s + 1] - 1 == i && net->segment_freed[s]) return s;
+    return -1;
+}
+/* Run s's forward pass again from its input, which the run before kept
+   (or the network's input), for its backward pass. */
+static void mgpu__net_recompute_segment(mgpu_net *net, int s) {
+    int first = net->segment_start[s], end = net->segment_start[s + 1];
+    int scope = mgpu__memory_scope(MGPU_MEMORY_ACTIVATIONS);
+    const mgpu_tensor *h = net->layers[first]->input;
+    const mgpu_tensor *h_t = first > 0 ? net->layers[first - 1]->copies->output_t : NULL;
+    for (int i = first; i < end; i++) {
+        mgpu_layer *l = net->layers[i];
+        h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, MGPU__RECOMPUTE);
+        h_t = l->copies->output_t;
+    }
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    net->segment_freed[s] = 0;
+}
+MGPU_DEF void mgpu_net_checkpoint(mgpu_net *net, int segments) {
+    MGPU_REQUIRE(segments >= 0 || segments == MGPU_SEGMENTS_SQRT,
+                 "mgpu_net_checkpoint: %d runs; want 0 (none), a number of runs, or MGPU_SEGMENTS_SQRT", segments);
+    MGPU_REQUIRE(segments <= net->nlayers,
+                 "mgpu_net_checkpoint: %d runs of a network of %d layers; at most one a layer", segments,
+                 net->nlayers);
+    net->segments = segments;
+}
+
 MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     MGPU_REQUIRE(net->nlayers > 0, "mgpu_net_forward: the network has no layers (mgpu_net_add_* adds them)");
     MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
                  x->device->name, net->device->name);
+    int scope = mgpu__memory_scope(MGPU_MEMORY_ACTIVATIONS);
     mgpu__net_weight_copies(net);
+    mgpu__net_cut_segments(net);
+    /* the last run's activations of the pass before, made again below:
+       freed first, so that the runs before it do not meet them */
+    for (int i = net->segment_start[net->nsegments - 1]; i < net->nlayers && net->nsegments > 1; i++)
+        mgpu__layer_free_activations(net->layers[i], 0);
     const mgpu_tensor *h = x, *h_t = NULL;
-    for (int i = 0; i < net->nlayers; i++) {
-        mgpu_layer *l = net->layers[i];
-        h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, net->training);
-        h_t = l->copies->output_t;
+    for (int s = 0; s < net->nsegments; s++) {
+        for (int i = net->segment_start[s]; i < net->segment_start[s + 1]; i++) {
+            mgpu_layer *l = net->layers[i];
+            h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, net->training);
+            h_t = l->copies->output_t;
+        }
+        if (s + 1 < net->nsegments) mgpu__net_free_segment(net, s, 1);
     }
+    mgpu__memory_scope((mgpu_memory_category)scope);
     return (mgpu_tensor *)h;
 }
 
@@ -8095,8 +8345,18 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
    mgpu__layer_backward. */
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {
     const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
-    return mgpu__layer_backward(net->layers[i], dy, next ? next->copies->dinput_t : NULL, next,
-                                i > 0 ? net->layers[i - 1] : NULL, accumulate);
+    int freed = mgpu__net_freed_segment_ending_at(net, i);
+    if (freed >= 0) mgpu__net_recompute_segment(net, freed);
+    int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
+    const mgpu_tensor *dx = mgpu__layer_backward(net->layers[i], dy, next ? next->copies->dinput_t : NULL, next,
+                                                 i > 0 ? net->layers[i - 1] : NULL, accumulate);
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    /* a run's activations go as soon as its backward pass is done (the
+       last run's but the output: the logits stay valid until the next
+       forward pass) */
+    for (int s = 0; s < net->nsegments && net->nsegments > 1; s++)
+        if (net->segment_start[s] == i) mgpu__net_free_segment(net, s, s + 1 == net->nsegments);
+    return dx;
 }
 
 /* The whole backward pass: adds every parameter's gradient, or with
@@ -8247,8 +8507,10 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     const mgpu_tensor **grads = net->step_grads;
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
-        if (momentum != 0.0f && !net->momentum[i])
+        if (momentum != 0.0f && !net->momentum[i]) {
             net->momentum[i] = mgpu_zeros(net->device, p->value->shape);
+            mgpu__memory_recount(net->momentum[i], MGPU_MEMORY_OPTIMIZER);
+        }
         values[i] = p->value;
         grads[i] = p->grad;
     }
@@ -8367,6 +8629,7 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
 MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
     mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
+    copy->segments = net->segments;
     for (int i = 0; i < net->nlayers; i++) {
         mgpu__require_own_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
         mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
@@ -8424,6 +8687,8 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     free(net->params);
     free(net->buffers);
     free(net->momentum);
+    free(net->segment_start);
+    free(net->segment_freed);
     free(net->step_values);
     free((void *)net->step_grads);
     mgpu_free(net->losses);
@@ -8907,7 +9172,9 @@ static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
             int p0 = net->first_param[first], p1 = net->first_param[last + 1];
             for (int i = 0; i < dp->n; i++) {
                 mgpu_net *r = dp->replicas[i];
+                int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS); /* (the gradients become views of it) */
                 mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)floats));
+                mgpu__memory_scope((mgpu_memory_category)scope);
                 int offset = 0;
                 for (int p = p0; p < p1; p++) {
                     mgpu_param *param = r->params[p];
@@ -9836,6 +10103,7 @@ static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
     for (int p = 0; p < net->nparams; p++) {
         if (present) {
             mgpu_ensure(&net->momentum[p], net->device, net->params[p]->value->shape);
+            mgpu__memory_recount(net->momentum[p], MGPU_MEMORY_OPTIMIZER);
         } else {
             mgpu_free(net->momentum[p]);
             net->momentum[p] = NULL;

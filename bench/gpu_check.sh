@@ -35,6 +35,11 @@
 #   conv       ./bench/convolutions beside cuDNN (bench/pytorch/conv.py);
 #              on the GPU, bench/conv/'s variants, each checked and timed
 #   full       ./chapter3 --full on one device (target 12)
+#   dist       processes (chapter 4) sharing the GPU: tests/gpu_dist.c
+#              under mpirun -np 2 ("mpi via host"), ./chapter4 for an
+#              epoch on 1 and 2 processes, with --sync-bn too, and
+#              ./bench/nccl_ranks: what NCCL does with two processes on
+#              one GPU, with and without NCCL_MULTI_RANK_GPU_ENABLE=1
 # The last lines printed are the summary table, one row per target with
 # its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
 # that a log cut short still ends on it. The exit status is non-zero when
@@ -104,6 +109,7 @@ if [ $REHEARSE = 1 ]; then
     CH2=(--epochs 1 --train-samples 512 --batch-size 256)
     PROFILE=(--batch-size 8 --steps 1 --scratch-mb 4) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
     ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
+    CH4=(--cpu --train-samples 128 --test-samples 64 --batch-size 32)
 else
     DEADLINE=470
     TEST_DIR=build/cuda
@@ -114,7 +120,10 @@ else
     CH3_FULL=(--full)
     CH2=(--epochs 10 --train-samples 60000 --batch-size 256)
     PROFILE=() OVERLAP=() ALLREDUCE_MIB=64 CONV=()
+    CH4=(--train-samples 30720 --test-samples 10000 --batch-size 256)
 fi
+# mpirun as root (the GPU machines), with more ranks than cores allowed
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 # A test binary and the part of it that a stage runs: the rehearsal runs
 # one small test of each on the emulator (the rest run in `make test`).
@@ -180,9 +189,10 @@ run() {
 do_build() {
     [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
     make -s print-CUDNN_HOME print-NCCL_HOME # (cuDNN's convolutions are candidates where it is found)
-    local targets=(chapter2 chapter3) t
+    local targets=(chapter2 chapter3 chapter4) t
     for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
     for t in profile overlap allreduce convolutions; do targets+=("$BENCH$t"); done
+    [ $REHEARSE = 1 ] || targets+=(bench/nccl_ranks)
     make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
 }
 
@@ -305,6 +315,24 @@ do_conv() {
     return $rc
 }
 
+do_dist() {
+    local rc=0
+    if [ $REHEARSE = 1 ]; then
+        run dist-tests mpirun -np 2 "$TEST_DIR/gpu_dist" "${REHEARSAL_TEST[gpu_dist]}" || rc=1
+    else
+        run dist-tests mpirun -np 2 "$TEST_DIR/gpu_dist" || rc=1
+    fi
+    echo "dist tests: $(sum_summaries "$LOGS/dist-tests.log")"
+    run chapter4 mpirun -np 2 ./chapter4 --model resnet18 --epochs 1 "${CH4[@]}" --out "$LOGS/out4" || rc=1
+    run chapter4-sync mpirun -np 2 ./chapter4 --model resnet18 --epochs 1 --devices 2 --sync-bn "${CH4[@]}" \
+        --out "$LOGS/out4-sync" || rc=1
+    if [ $REHEARSE = 0 ]; then # (what NCCL does is the finding: a refusal is not this stage's failure)
+        run nccl-ranks mpirun -np 2 bench/nccl_ranks
+        NCCL_MULTI_RANK_GPU_ENABLE=1 run nccl-ranks-multi mpirun -x NCCL_MULTI_RANK_GPU_ENABLE -np 2 bench/nccl_ranks
+    fi
+    return $rc
+}
+
 do_full() {
     run full ./chapter3 $CPU --devices 1 "${CH3_FULL[@]}" --data "$DATA" --out "$LOGS/out-full"
 }
@@ -325,6 +353,7 @@ stage lenet 80
 stage comm 60
 stage conv 50
 stage full 60
+stage dist 90
 
 # ----------------------------------------------------------------- summary
 ROWS=""
@@ -379,6 +408,20 @@ for k in 2 4; do
 done
 row "14: ResNet-18 step on 2 virtual devices, overlapped / no reduction" \
     "$(or_dash "$(result overlap ratio)")" "<= 1.05" "x <= 1.05"
+dist_line=$(value dist 's/^dist tests: //p')
+row "chapter 4's tests, 2 processes on one device (mpirun -np 2 $TEST_DIR/gpu_dist)" "$dist_line" "0 failed" "x == 0" \
+    "$(echo "$dist_line" | awk '{ print $3 + ($1 == 0) }')"
+c4_1=$(sed -n 's/^test acc: .*, \([0-9]*\) images\/sec, on 1 process .*/\1/p' "$LOGS/chapter4.log" 2>/dev/null)
+c4_2=$(sed -n 's/^test acc: .*, \([0-9]*\) images\/sec, on 2 processes .*/\1/p' "$LOGS/chapter4.log" 2>/dev/null)
+row "chapter 4, ResNet-18, images/sec: 1 process / 2 sharing the device ($(sed -n 's/.*on 2 processes (gradients: \([^)]*\)).*/\1/p' "$LOGS/chapter4.log" 2>/dev/null))" \
+    "$([ -n "$c4_1" ] && [ -n "$c4_2" ] && echo "$c4_1 / $c4_2")" "" ""
+row "chapter 4 --sync-bn, 2 processes, test accuracy after an epoch" \
+    "$(sed -n 's/^test acc: \([0-9.]*\), .* on 2 processes .*/\1/p' "$LOGS/chapter4-sync.log" 2>/dev/null)" "" ""
+if [ $REHEARSE = 0 ]; then
+    for v in nccl-ranks nccl-ranks-multi; do
+        ROWS+="| NCCL, 2 processes on one GPU$([ $v = nccl-ranks-multi ] && echo ', NCCL_MULTI_RANK_GPU_ENABLE=1') | $(head -n 1 "$LOGS/$v.log" 2>/dev/null | cut -c1-40): $(grep -hoE 'RESULT.*|nccl_ranks: rank [0-9]+: .*' "$LOGS/$v.log" 2>/dev/null | head -n 1 | cut -c1-160) | - | - |"$'\n'
+    done
+fi
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
 # "a / b / c", or "-" when one of the parts needed is missing (the CPU has

@@ -340,7 +340,7 @@ TEST(batchnorm_with_skip_is_the_residual_blocks_end) {
             sm[k] = mgpu_empty(d, cs), si[k] = mgpu_empty(d, cs), y[k] = mgpu_empty(d, s);
         }
         mgpu__batchnorm2d_forward("test", y[0], NULL, x, skip, gamma, beta, rm[0], rv[0], sm[0], si[0],
-                                  training, 0.1f, 1e-5f, 1);
+                                  training, 0.1f, 1e-5f, 1, NULL);
         mgpu_tensor *normalised = mgpu_empty(d, s);
         mgpu_batchnorm2d_forward(normalised, x, gamma, beta, rm[1], rv[1], sm[1], si[1], training,
                                  0.1f, 1e-5f, 0);
@@ -364,7 +364,7 @@ TEST(batchnorm_with_skip_is_the_residual_blocks_end) {
         }
     }
     EXPECT_DIES(mgpu__batchnorm2d_forward("block.bn2", x, NULL, x, gamma, gamma, beta, gamma, beta, gamma,
-                                          beta, 1, 0.1f, 1e-5f, 1),
+                                          beta, 1, 0.1f, 1e-5f, 1, NULL),
                 "block.bn2: shapes [4] and [3, 4, 2, 3] differ");
     mgpu_free(x); mgpu_free(skip); mgpu_free(gamma); mgpu_free(beta);
     free(xv); free(sv); free(gv); free(bv);

@@ -1,0 +1,308 @@
+/* tests/test_memory.c: where a device's memory goes, its limit, and
+   gradient checkpointing (chapter 5).
+
+   - checkpointed gradients are bit for bit the plain ones, for ResNet-18
+     and for a network with a layer of one's own, at 2, about sqrt(n) and
+     n runs, and batch norm's running statistics move once a step;
+   - in both data-parallel wrappers' steps too;
+   - the activations held by a chain of equal layers, at their peak,
+     within 10% of n/k + k - 1 layers' outputs;
+   - a training step's memory by category: the parameters', gradients'
+     and momentum's bytes exactly;
+   - a device's limit: one line naming the device, the request, the limit
+     and the largest holders; other devices are not limited;
+   - bad settings refused by name.
+   tests/gpu_memory.c runs them on GPUs (emulated ones in make test). */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+static mgpu_device *dev;
+
+/* A ReLU of one's own, made of the library's operations (so it runs on
+   any device): recomputed like the library's layers. */
+static void own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)training;
+    mgpu_relu_forward(y, x);
+}
+static void own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                              const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l;
+    (void)dweight;
+    (void)dbias;
+    (void)y;
+    mgpu_relu_backward(dx, dy, x);
+}
+static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward, 0};
+
+static mgpu_net *resnet(uint64_t seed) {
+    mgpu_manual_seed(seed);
+    return mgpu_resnet18(10, 1, dev);
+}
+static mgpu_net *with_own_layers(uint64_t seed) {
+    mgpu_manual_seed(seed);
+    mgpu_net *net = mgpu_net_new(dev);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_batchnorm(net, 8);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_conv(net, 8, 8, 3, 1, 1);
+    mgpu_net_add_layer(net, &own_relu, NULL, NULL, NULL);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    for (int i = 0; i < net->nparams; i++) mgpu_scale_(net->params[i]->value, 30.0f);
+    return net;
+}
+
+static void batch(int n, int size, mgpu_tensor **x, mgpu_tensor **y) {
+    mgpu_manual_seed(77);
+    *x = mgpu_randn(dev, mgpu_shape4(n, 1, size, size), 0.0f, 1.0f);
+    float labels[64];
+    for (int i = 0; i < n; i++) labels[i] = (float)(i * 3 % 10);
+    *y = mgpu_from_host(dev, mgpu_shape1(n), labels);
+}
+
+/* 1 when the two tensors hold the same bits */
+static int same_bits(const mgpu_tensor *a, const mgpu_tensor *b) {
+    float *va = (float *)malloc(a->numel * sizeof(float)), *vb = (float *)malloc(b->numel * sizeof(float));
+    mgpu_to_host(a, va);
+    mgpu_to_host(b, vb);
+    int same = a->numel == b->numel && memcmp(va, vb, a->numel * sizeof(float)) == 0;
+    free(va);
+    free(vb);
+    return same;
+}
+
+/* NaN-filled tensors of the shapes of every output of `shapes`' layers
+   (their parts' too), into out; returns how many. Made between a
+   checkpointed forward pass and its backward pass, they take the blocks
+   that the freed activations gave back to the allocator: a backward pass
+   that read those instead of recomputing them would meet NaN. */
+static int poison_like(const mgpu_layer *l, mgpu_tensor **out) {
+    int count = 0;
+    if (l->output) out[count++] = mgpu_full(dev, l->output->shape, NAN);
+    const mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5; i++)
+        if (parts[i]) count += poison_like(parts[i], out + count);
+    return count;
+}
+
+/* One forward and backward pass of a fresh network with `segments`
+   checkpointed runs, beside one without: every gradient and running
+   statistic the same bits. */
+static void checkpointed_like_plain(const char *name, mgpu_net *(*make)(uint64_t), int segments, int size) {
+    mgpu_net *plain = make(3), *cut = make(3);
+    mgpu_net_checkpoint(cut, segments);
+    mgpu_tensor *x, *y;
+    batch(4, size, &x, &y);
+    mgpu_net *nets[2] = {plain, cut};
+    mgpu_tensor *poison[256];
+    int poisoned = 0;
+    for (int k = 0; k < 2; k++) {
+        mgpu_tensor *logits = mgpu_net_forward(nets[k], x);
+        mgpu_synchronize(dev); /* (the freed blocks back in the allocator's cache) */
+        for (int i = 0; i < plain->nlayers && k == 1; i++) poisoned += poison_like(plain->layers[i], poison + poisoned);
+        mgpu_net_loss_backward(nets[k], logits, y, 0.25f, NULL);
+    }
+    for (int i = 0; i < poisoned; i++) mgpu_free(poison[i]);
+    int same = 1;
+    for (int p = 0; p < plain->nparams; p++) same &= same_bits(plain->params[p]->grad, cut->params[p]->grad);
+    for (int b = 0; b < plain->nbuffers; b++) same &= same_bits(*plain->buffers[b], *cut->buffers[b]);
+    if (!same) printf("  %s, %d runs: not the plain pass's bits\n", name, segments);
+    CHECK(same);
+    CHECK(cut->nsegments == (segments == MGPU_SEGMENTS_SQRT ? (int)lround(sqrt(cut->nlayers)) : segments));
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(plain);
+    mgpu_net_free(cut);
+}
+TEST(checkpointed_gradients_are_the_plain_ones_bit_for_bit) {
+    checkpointed_like_plain("ResNet-18", resnet, MGPU_SEGMENTS_SQRT, 8);
+    if (!TEST_ON_GPU) { /* (the emulated GPUs' convolutions are slow) */
+        checkpointed_like_plain("ResNet-18", resnet, 2, 8);
+        checkpointed_like_plain("ResNet-18", resnet, 12, 8); /* a run a layer */
+    }
+    checkpointed_like_plain("own layers", with_own_layers, 2, 8);
+    checkpointed_like_plain("own layers", with_own_layers, 9, 8);
+}
+
+/* The running statistics move once a step, as without checkpointing:
+   after one step from mean 0 and variance 1 they are 0.1 of the batch's
+   (PyTorch's checkpoint would move them twice, to 0.19 of it). */
+TEST(running_statistics_move_once_a_step) {
+    mgpu_net *net = with_own_layers(5), *plain = with_own_layers(5);
+    mgpu_net_checkpoint(net, 9);
+    mgpu_tensor *x, *y;
+    batch(4, 8, &x, &y);
+    mgpu_net_train_step(net, x, y, 0.0f, 0.0f, 0.0f, NULL);
+    mgpu_net_train_step(plain, x, y, 0.0f, 0.0f, 0.0f, NULL);
+    mgpu_layer *bn = net->layers[3];
+    CHECK(bn->kind == MGPU_LAYER_BATCHNORM);
+    float moved[8], batch_mean[8];
+    mgpu_to_host(bn->running_mean, moved);
+    mgpu_to_host(bn->save_mean, batch_mean);
+    for (int c = 0; c < 8; c++) CHECK_CLOSE(moved[c], 0.1 * batch_mean[c], 1e-6, 1e-5);
+    CHECK(same_bits(bn->running_mean, plain->layers[3]->running_mean));
+    CHECK(same_bits(bn->running_var, plain->layers[3]->running_var));
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+    mgpu_net_free(plain);
+}
+
+/* Chapter 3's wrapper on 2 devices: 3 steps with and without
+   checkpointing give the same parameters, bit for bit: a network with
+   batch norm and layers of one's own, in about sqrt(n) runs. */
+TEST(checkpointing_inside_the_data_parallel_wrapper) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *nets[2];
+    mgpu_data_parallel *dps[2];
+    for (int k = 0; k < 2; k++) {
+        mgpu_manual_seed(11);
+        nets[k] = mgpu_net_new(devs[0]);
+        mgpu_net_add_conv(nets[k], 1, 6, 3, 1, 1);
+        mgpu_net_add_batchnorm(nets[k], 6);
+        mgpu_net_add_layer(nets[k], &own_relu, NULL, NULL, NULL);
+        mgpu_net_add_conv(nets[k], 6, 8, 3, 2, 1);
+        mgpu_net_add_layer(nets[k], &own_relu, NULL, NULL, NULL);
+        mgpu_net_add_global_avg_pool(nets[k]);
+        mgpu_net_add_linear(nets[k], 8, 10);
+        if (k) mgpu_net_checkpoint(nets[k], MGPU_SEGMENTS_SQRT);
+        dps[k] = mgpu_data_parallel_new(nets[k], devs, 2, MGPU_DP_ALLREDUCE);
+    }
+    for (int s = 0; s < 3; s++) {
+        mgpu_tensor *x, *y;
+        batch(8, 8, &x, &y);
+        for (int k = 0; k < 2; k++) mgpu_data_parallel_step(dps[k], x, y, 0.1f, 0.9f, 0.0f);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    int same = 1;
+    for (int p = 0; p < nets[0]->nparams; p++) same &= same_bits(nets[0]->params[p]->value, nets[1]->params[p]->value);
+    CHECK(same);
+    CHECK(mgpu_data_parallel_replica(dps[1], 1)->segments == MGPU_SEGMENTS_SQRT);
+    for (int k = 0; k < 2; k++) {
+        mgpu_data_parallel_free(dps[k]);
+        mgpu_net_free(nets[k]);
+    }
+}
+
+/* 16 equal linear layers of 128 features, batch 32: each output is A =
+   16 KiB. The activations held at their peak are the kept inputs of the
+   first k - 1 runs and one run's outputs: n/k + k - 1 outputs (n without
+   checkpointing). Within 10%. */
+TEST(peak_activations_follow_the_formula) {
+    const int n = 16, width = 128, rows = 32;
+    const double a = rows * width * sizeof(float);
+    int runs[] = {0, 2, 4, 8, 16};
+    mgpu_manual_seed(1);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape2(rows, width), 0.0f, 1.0f);
+    float labels[32];
+    for (int i = 0; i < rows; i++) labels[i] = (float)(i % 10);
+    mgpu_tensor *y = mgpu_from_host(dev, mgpu_shape1(rows), labels);
+    for (size_t r = 0; r < sizeof runs / sizeof *runs; r++) {
+        double before = (double)mgpu_device_memory_of(dev, MGPU_MEMORY_ACTIVATIONS);
+        mgpu_net *net = mgpu_net_new(dev);
+        for (int i = 0; i < n; i++) mgpu_net_add_linear(net, width, width);
+        mgpu_net_checkpoint(net, runs[r]);
+        mgpu_net_train_step(net, x, y, 0.01f, 0.0f, 0.0f, NULL); /* (the first step makes the scratch) */
+        mgpu_synchronize(dev);
+        mgpu_device_reset_peak(dev);
+        mgpu_net_train_step(net, x, y, 0.01f, 0.0f, 0.0f, NULL);
+        mgpu_synchronize(dev);
+        int k = runs[r] ? runs[r] : 1;
+        double want = (n / k + k - 1) * a;
+        double got = (double)mgpu_device_memory_peak_of(dev, MGPU_MEMORY_ACTIVATIONS) - before;
+        printf("  %2d runs: peak activations %.0f KiB, formula %.0f KiB\n", runs[r], got / 1024, want / 1024);
+        CHECK_CLOSE(got, want, 0.0, 0.10);
+        mgpu_net_free(net);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+}
+
+/* size's bytes as the allocator counts them (512-byte granules) */
+static size_t held_bytes(const mgpu_tensor *t) { return (t->numel * sizeof(float) + 511) / 512 * 512; }
+
+/* After a training step with momentum: the parameters (with batch norm's
+   statistics), their gradients and their momentum, each exactly. */
+TEST(a_training_steps_memory_by_category) {
+    size_t before[MGPU_MEMORY_CATEGORIES];
+    for (int c = 0; c < MGPU_MEMORY_CATEGORIES; c++) before[c] = mgpu_device_memory_of(dev, (mgpu_memory_category)c);
+    mgpu_net *net = with_own_layers(8);
+    mgpu_tensor *x, *y;
+    batch(4, 8, &x, &y);
+    mgpu_device_reset_peak(dev);
+    mgpu_net_train_step(net, x, y, 0.1f, 0.9f, 0.0f, NULL);
+    mgpu_synchronize(dev);
+    size_t params = 0, grads = 0, momentum = 0;
+    for (int p = 0; p < net->nparams; p++) {
+        params += held_bytes(net->params[p]->value);
+        grads += held_bytes(net->params[p]->grad);
+        momentum += held_bytes(net->momentum[p]);
+    }
+    mgpu_layer *bn = net->layers[3];
+    params += held_bytes(bn->running_mean) + held_bytes(bn->running_var) + held_bytes(bn->save_mean) +
+              held_bytes(bn->save_invstd);
+    CHECK(mgpu_device_memory_of(dev, MGPU_MEMORY_PARAMETERS) - before[MGPU_MEMORY_PARAMETERS] == params);
+    CHECK(mgpu_device_memory_of(dev, MGPU_MEMORY_GRADIENTS) - before[MGPU_MEMORY_GRADIENTS] == grads);
+    CHECK(mgpu_device_memory_of(dev, MGPU_MEMORY_OPTIMIZER) - before[MGPU_MEMORY_OPTIMIZER] == momentum);
+    size_t outputs = 0; /* what the forward pass keeps: every layer's output */
+    for (int i = 0; i < net->nlayers; i++) outputs += held_bytes(net->layers[i]->output);
+    CHECK(mgpu_device_memory_at_peak(dev, MGPU_MEMORY_ACTIVATIONS) >= outputs);
+    CHECK(mgpu_device_memory_peak_of(dev, MGPU_MEMORY_WORKSPACE) > 0); /* the activations' gradients */
+    CHECK(strcmp(mgpu_memory_category_name(MGPU_MEMORY_OPTIMIZER), "optimizer state") == 0);
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_net_free(net);
+    for (int c = 0; c < MGPU_MEMORY_CATEGORIES; c++) /* all given back */
+        CHECK(mgpu_device_memory_of(dev, (mgpu_memory_category)c) == before[c]);
+}
+
+/* A device's limit: past it, one line; another device has none. */
+TEST(a_memory_limit_is_one_line_naming_the_holders) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_tensor *kept = mgpu_full(devs[0], mgpu_shape1(1 << 18), 3.0f); /* 1 MiB */
+    size_t base = mgpu_device_memory_in_use(devs[1]);
+    mgpu_device_set_memory_limit(devs[1], base + (3u << 19)); /* 1.5 MiB more */
+    mgpu_tensor *one = mgpu_zeros(devs[1], mgpu_shape1(1 << 18));
+    char line[512];
+    snprintf(line, sizeof line,
+             "out of memory on %s: asked for 1.0 MiB (other) with %.1f MiB in use, past its limit of %.1f MiB "
+             "(mgpu_device_set_memory_limit); the largest holders: other %.1f MiB",
+             mgpu_device_name(devs[1]), (base + (1u << 20)) / 1048576.0, (base + (3u << 19)) / 1048576.0,
+             (mgpu_device_memory_of(devs[1], MGPU_MEMORY_OTHER)) / 1048576.0);
+    EXPECT_DIES(mgpu_zeros(devs[1], mgpu_shape1(1 << 18)), line);
+    mgpu_tensor *more = mgpu_zeros(devs[0], mgpu_shape1(1 << 20)); /* 4 MiB where there is no limit */
+    CHECK(mgpu_item(kept, 12345) == 3.0f);
+    mgpu_device_set_memory_limit(devs[1], 0);
+    mgpu_free(more);
+    mgpu_free(one);
+    mgpu_free(kept);
+}
+
+TEST(bad_checkpoint_settings_are_refused_by_name) {
+    mgpu_net *net = with_own_layers(1);
+    EXPECT_DIES(mgpu_net_checkpoint(net, -3), "mgpu_net_checkpoint: -3 runs; want 0 (none), a number of runs, "
+                                              "or MGPU_SEGMENTS_SQRT");
+    EXPECT_DIES(mgpu_net_checkpoint(net, 10), "mgpu_net_checkpoint: 10 runs of a network of 9 layers; "
+                                              "at most one a layer");
+    EXPECT_DIES(mgpu_device_memory_of(dev, (mgpu_memory_category)9), "mgpu_device_memory_of: memory category 9 "
+                                                                     "does not exist");
+    mgpu_net_free(net);
+}
+
+#if TEST_ON_GPU
+TEST_MAIN_GPU((dev = mgpu_try_gpu(0), setenv("MGPU_CONV", "im2col", 1), mgpu__conv_settings_from_environment()))
+#else
+int main(int argc, char **argv) {
+    dev = mgpu_cpu();
+    setenv("MGPU_CONV", "im2col", 1); /* (one method: the bits do not depend on a trial) */
+    mgpu__conv_settings_from_environment();
+    return test__run_all(argc, argv);
+}
+#endif
