@@ -1255,6 +1255,19 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        void mgpu_net_sgd(net, lr, momentum, weight_decay)
    one SGD step of every parameter from its gradient (PyTorch's
    torch.optim.SGD: weight decay added to the gradient, then momentum).
+       void mgpu_net_use_adam(net, beta1, beta2, eps, decoupled)
+   makes the net's optimizer Adam (torch.optim.Adam; decoupled 1: AdamW,
+   whose weight decay shrinks the parameters instead of joining the
+   gradient); PyTorch's defaults are 0.9, 0.999 and 1e-8, and AdamW's
+   weight decay 0.01. Its two moments, each the size of the parameters,
+   are made at the first step: the optimizer state that SGD without
+   momentum does not have.
+       void mgpu_net_step(net, lr, momentum, weight_decay)
+   one step of the net's optimizer: SGD's, or Adam's with lr and
+   weight_decay (its momentum must then be 0: Adam keeps moments of its
+   own). mgpu_net_train_step and the data-parallel wrappers' steps take
+   it. A checkpoint holds Adam's moments and step count as it holds SGD's
+   momentum.
        void mgpu_net_train_step(net, x, labels, lr, momentum, weight_decay, loss_sum_or_NULL)
    one SGD step on the mean cross-entropy; adds the batch's summed loss to
    a one-element tensor ([1]) on the net's device when given one (an
@@ -1379,7 +1392,10 @@ typedef struct mgpu_net {
     int nparams, nbuffers, params_room, buffers_room;
     mgpu_param **params; /* pointers into the layers, in registration order */
     mgpu_tensor ***buffers;
-    mgpu_tensor **momentum; /* SGD momentum buffers, made at the first step */
+    mgpu_tensor **momentum; /* SGD's momentum buffers, or Adam's first moments, made at the first step */
+    mgpu_tensor **second_moment; /* Adam's (mgpu_net_use_adam), made at its first step */
+    int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
+    float beta1, beta2, eps;
     /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0: none),
        and for the last forward pass, the runs' first layers (room for
        nlayers + 1) and which runs' activations it freed */
@@ -1421,6 +1437,8 @@ MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training);
 #define MGPU_SEGMENTS_SQRT (-1) /* mgpu_net_checkpoint: about sqrt(n) runs of n layers */
 MGPU_DEF void mgpu_net_checkpoint(mgpu_net *net, int segments);
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay);
+MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled);
+MGPU_DEF void mgpu_net_step(mgpu_net *net, float lr, float momentum, float weight_decay);
 MGPU_DEF void mgpu_net_loss_backward(mgpu_net *net, const mgpu_tensor *logits,
                                      const mgpu_tensor *labels, float scale,
                                      mgpu_tensor *loss_sum);
@@ -3545,6 +3563,7 @@ static void mgpu__require_apart(const mgpu_tensor *out, const mgpu_tensor *in, c
 #include "kernels/conv_cudnn.h"
 #include "kernels/loss.h"
 #include "kernels/sgd.h"
+#include "kernels/adam.h"
 #endif
 
 #ifdef __cplusplus
@@ -7505,7 +7524,9 @@ static void mgpu__net_register(mgpu_net *net, mgpu_layer *l) {
         net->params_room = 2 * net->params_room + 16;
         net->params = (mgpu_param **)mgpu__xrealloc(net->params, net->params_room * sizeof *net->params);
         net->momentum = (mgpu_tensor **)mgpu__xrealloc(net->momentum, net->params_room * sizeof *net->momentum);
-        for (int i = net->nparams; i < net->params_room; i++) net->momentum[i] = NULL;
+        net->second_moment = (mgpu_tensor **)mgpu__xrealloc(net->second_moment,
+                                                            net->params_room * sizeof *net->second_moment);
+        for (int i = net->nparams; i < net->params_room; i++) net->momentum[i] = net->second_moment[i] = NULL;
         net->step_values = (mgpu_tensor **)mgpu__xrealloc(net->step_values,
                                                           net->params_room * sizeof(mgpu_tensor *));
         net->step_grads = (const mgpu_tensor **)mgpu__xrealloc((void *)net->step_grads,
@@ -8520,6 +8541,74 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     net->changes++; /* (a wrapper's own step then says that it made this change itself) */
 }
 
+static int mgpu__net_has_momentum(const mgpu_net *net) { return net->nparams > 0 && net->momentum[0]; }
+
+MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled) {
+    MGPU_REQUIRE(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f && isfinite(eps),
+                 "mgpu_net_use_adam: betas %g and %g, eps %g: the betas must be in [0, 1), eps above 0",
+                 (double)beta1, (double)beta2, (double)eps);
+    MGPU_REQUIRE(!mgpu__net_has_momentum(net) || net->adam,
+                 "mgpu_net_use_adam: the network has taken SGD steps with momentum; choose Adam before the first step");
+    net->adam = 1;
+    net->decoupled = decoupled != 0;
+    net->beta1 = beta1, net->beta2 = beta2, net->eps = eps;
+}
+
+/* Adam's (or AdamW's) step t = net->steps + 1 of every parameter, a few
+   launches (kernels/adam.h). */
+static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
+    const char *op = net->decoupled ? "AdamW" : "Adam";
+    MGPU_REQUIRE(lr >= 0.0f && isfinite(lr) && weight_decay >= 0.0f && isfinite(weight_decay),
+                 "%s: learning rate %g, weight decay %g: each must be a finite 0 or more", op, (double)lr,
+                 (double)weight_decay);
+    double t = (double)net->steps + 1.0;
+    mgpu__adam_args a;
+    memset(&a, 0, sizeof a);
+    a.one_minus_beta1 = (float)(1.0 - (double)net->beta1);
+    a.beta2 = net->beta2;
+    a.one_minus_beta2 = (float)(1.0 - (double)net->beta2);
+    a.eps = net->eps;
+    a.weight_decay = weight_decay;
+    a.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    a.step_size = (float)((double)lr / (1.0 - pow((double)net->beta1, t)));
+    a.correction2_sqrt = (float)sqrt(1.0 - pow((double)net->beta2, t));
+    a.decoupled = net->decoupled;
+    for (int i = 0; i < net->nparams; i++) {
+        mgpu_param *p = net->params[i];
+        mgpu_tensor **moments[2] = {&net->momentum[i], &net->second_moment[i]};
+        for (int k = 0; k < 2; k++)
+            if (!*moments[k]) {
+                *moments[k] = mgpu_zeros(net->device, p->value->shape);
+                mgpu__memory_recount(*moments[k], MGPU_MEMORY_OPTIMIZER);
+            }
+        mgpu__before_write(p->value);
+        mgpu__before_write(net->momentum[i]);
+        mgpu__before_write(net->second_moment[i]);
+        int t_at = a.list.count;
+        a.param[t_at] = p->value->data;
+        a.grad[t_at] = p->grad->data;
+        a.m[t_at] = net->momentum[i]->data;
+        a.v[t_at] = net->second_moment[i]->data;
+        if (mgpu__list_add(&a.list, p->value->numel) || i == net->nparams - 1) {
+            mgpu__launch_on(&net->device->queue[0], net->decoupled ? "adamw" : "adam", mgpu__adam_cpu,
+                            MGPU__CUDA_FN(mgpu__adam_cuda), &a, sizeof a);
+            a.list.count = 0;
+        }
+    }
+    net->steps++;
+    net->changes++;
+}
+
+MGPU_DEF void mgpu_net_step(mgpu_net *net, float lr, float momentum, float weight_decay) {
+    if (!net->adam) {
+        mgpu_net_sgd(net, lr, momentum, weight_decay);
+        return;
+    }
+    MGPU_REQUIRE(momentum == 0.0f, "%s: momentum %g, but Adam keeps moments of its own (betas %g, %g): give 0",
+                 net->decoupled ? "AdamW" : "Adam", (double)momentum, (double)net->beta1, (double)net->beta2);
+    mgpu__net_adam(net, lr, weight_decay);
+}
+
 /* A caller's argument `what` is alive and on the net's device: an error
    names the argument and the caller, not an operation deep inside. */
 static void mgpu__require_net_argument(const char *who, const char *what, const mgpu_tensor *t, const mgpu_net *net) {
@@ -8576,7 +8665,7 @@ MGPU_DEF void mgpu_net_train_step(mgpu_net *net, const mgpu_tensor *x, const mgp
     mgpu__net_require_backward(net, "mgpu_net_train_step");
     mgpu__net_backward(net, mgpu__net_loss_grad(net, logits, labels, 1.0f / (float)x->shape.d[0], loss_sum,
                                                 "mgpu_net_train_step", 0), 0);
-    mgpu_net_sgd(net, lr, momentum, weight_decay);
+    mgpu_net_step(net, lr, momentum, weight_decay);
 }
 
 /* ------------------------------------------------------------ access */
@@ -8630,6 +8719,8 @@ MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
     mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
     copy->segments = net->segments;
+    copy->adam = net->adam, copy->decoupled = net->decoupled;
+    copy->beta1 = net->beta1, copy->beta2 = net->beta2, copy->eps = net->eps;
     for (int i = 0; i < net->nlayers; i++) {
         mgpu__require_own_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
         mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
@@ -8681,7 +8772,11 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     MGPU_REQUIRE(!net->wrapped, "mgpu_net_free: a data-parallel wrapper still holds this network; "
                                 "free the wrapper first (mgpu_data_parallel_free)");
     for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i]);
-    for (int i = 0; i < net->nparams; i++) mgpu_free(net->momentum[i]);
+    for (int i = 0; i < net->nparams; i++) {
+        mgpu_free(net->momentum[i]);
+        mgpu_free(net->second_moment[i]);
+    }
+    free(net->second_moment);
     free(net->layers);
     free(net->first_param);
     free(net->params);
@@ -8771,26 +8866,30 @@ static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
 /* The tensors of a file, in order: parameters, then buffers; in a
    training checkpoint, then each parameter's momentum buffer, a slot that
    is empty (NULL) until a step with momentum makes it. */
+/* The tensors a file holds: the parameters, the buffers, and in a
+   training checkpoint the optimizer's state, a momentum slot a parameter
+   (Adam's first moments) and with Adam a second moment's. */
 static int mgpu__net_num_saved(const mgpu_net *net, int training) {
-    return net->nparams + net->nbuffers + (training ? net->nparams : 0);
+    return net->nparams + net->nbuffers + (training ? (1 + net->adam) * net->nparams : 0);
 }
 static mgpu_tensor **mgpu__net_saved(const mgpu_net *net, int i) {
     int np = net->nparams, nb = net->nbuffers;
-    return i < np ? &net->params[i]->value : i < np + nb ? net->buffers[i - np] : &net->momentum[i - np - nb];
+    return i < np ? &net->params[i]->value : i < np + nb ? net->buffers[i - np]
+         : i < 2 * np + nb ? &net->momentum[i - np - nb] : &net->second_moment[i - 2 * np - nb];
 }
-/* The tensor whose shape slot i has: a momentum buffer has its parameter's. */
+/* The tensor whose shape slot i has: an optimizer's has its parameter's. */
 static const mgpu_tensor *mgpu__net_saved_like(const mgpu_net *net, int i) {
-    int momentum = i - net->nparams - net->nbuffers;
-    return momentum >= 0 ? net->params[momentum]->value : *mgpu__net_saved(net, i);
+    int state = i - net->nparams - net->nbuffers;
+    return state >= 0 ? net->params[state % net->nparams]->value : *mgpu__net_saved(net, i);
 }
 
 /* What tensor i of the file's count is, for messages: "tensor 14 of 22
    (linear4's weight)", "tensor 20 of 22 (block2.bn2's running_mean)",
    "tensor 30 of 36 (linear4's weight's momentum)". */
 static const char *mgpu__net_saved_name(const mgpu_net *net, int i, int count, char *buf, size_t size) {
-    int np = net->nparams, nb = net->nbuffers, momentum = i >= np + nb;
+    int np = net->nparams, nb = net->nbuffers, momentum = i >= np + nb, second = i >= 2 * np + nb;
     const void *slot = i < np ? (const void *)net->params[i]
-                     : momentum ? (const void *)net->params[i - np - nb] : (const void *)net->buffers[i - np];
+                     : momentum ? (const void *)net->params[(i - np - nb) % np] : (const void *)net->buffers[i - np];
     snprintf(buf, size, "tensor %d of %d", i, count);
     /* a depth-first walk: each layer, then a block's parts (at most 5 a layer) */
     const mgpu_layer **stack = (const mgpu_layer **)mgpu__xmalloc((5 * net->nlayers + 1) * sizeof *stack);
@@ -8802,7 +8901,7 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, int count, c
                          : slot == &l->running_mean ? "running_mean" : slot == &l->running_var ? "running_var" : NULL;
         if (what) {
             snprintf(buf, size, "tensor %d of %d (%s's %s%s)", i, count, l->name, what,
-                     momentum ? "'s momentum" : "");
+                     second ? "'s second moment" : momentum ? "'s momentum" : "");
             break;
         }
         const mgpu_layer *parts[5] = {l->shortcut, l->bn2, l->bn1, l->conv2, l->conv1};
@@ -9303,7 +9402,7 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
             mgpu_scale_(net->params[p]->grad, 1.0f / (float)dp->accumulated_rows);
     }
     dp->accumulated_rows = 0;
-    for (int i = 0; i < dp->n; i++) mgpu_net_sgd(dp->replicas[i], lr, momentum, weight_decay);
+    for (int i = 0; i < dp->n; i++) mgpu_net_step(dp->replicas[i], lr, momentum, weight_decay);
 }
 
 /* torch.nn.DataParallel's way, step by step. Like it, a batch shorter
@@ -9362,7 +9461,7 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
             mgpu_copy(staged, grad, 1);
             mgpu_add_(module->params[p]->grad, staged);
         }
-    mgpu_net_sgd(module, lr, momentum, weight_decay);
+    mgpu_net_step(module, lr, momentum, weight_decay);
 }
 
 /* What the caller did to replica 0 (the module) between steps reaches the
@@ -10096,39 +10195,50 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
     return differs;
 }
 
-/* Gives net momentum buffers (their values still to be written) where
-   `present`, else none: SGD makes them all at its first step with
-   momentum, so a net has all or none. */
+/* Gives net its optimizer's state tensors (their values still to be
+   written) where `present`, else none: momentum buffers, and with Adam
+   the second moments. The optimizer makes them all at its first step
+   that uses them, so a net has all or none. */
 static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
     for (int p = 0; p < net->nparams; p++) {
-        if (present) {
-            mgpu_ensure(&net->momentum[p], net->device, net->params[p]->value->shape);
-            mgpu__memory_recount(net->momentum[p], MGPU_MEMORY_OPTIMIZER);
-        } else {
-            mgpu_free(net->momentum[p]);
-            net->momentum[p] = NULL;
+        mgpu_tensor **state[2] = {&net->momentum[p], &net->second_moment[p]};
+        for (int k = 0; k < 2; k++) {
+            if (present && (k == 0 || net->adam)) {
+                mgpu_ensure(state[k], net->device, net->params[p]->value->shape);
+                mgpu__memory_recount(*state[k], MGPU_MEMORY_OPTIMIZER);
+            } else {
+                mgpu_free(*state[k]);
+                *state[k] = NULL;
+            }
         }
     }
 }
-static int mgpu__net_has_momentum(const mgpu_net *net) { return net->nparams > 0 && net->momentum[0]; }
 
-/* dst takes src's SGD state: its count of steps and its momentum buffers. */
+/* dst takes src's optimizer state: its count of steps, its momentum
+   buffers (and Adam's second moments). */
 static void mgpu__net_copy_sgd_state(mgpu_net *dst, const mgpu_net *src) {
     dst->steps = src->steps;
     mgpu__net_keep_momentum(dst, mgpu__net_has_momentum(src));
-    for (int p = 0; p < src->nparams && src->momentum[p]; p++) mgpu_copy(dst->momentum[p], src->momentum[p], 0);
+    for (int p = 0; p < src->nparams && src->momentum[p]; p++) {
+        mgpu_copy(dst->momentum[p], src->momentum[p], 0);
+        if (src->second_moment[p]) mgpu_copy(dst->second_moment[p], src->second_moment[p], 0);
+    }
 }
 
-/* SGD's state goes with the parameters (a checkpoint that rank 0 alone
-   loaded): rank 0's count of steps, and its momentum buffers where it
-   has them (none on every rank where it has none). */
+/* The optimizer's state goes with the parameters (a checkpoint that rank
+   0 alone loaded): rank 0's count of steps, and its momentum buffers (and
+   Adam's second moments) where it has them (none on every rank where it
+   has none). */
 static void mgpu__group_broadcast_sgd_state(mgpu_group *g, mgpu_net *net) {
     long mine[2] = {net->steps, mgpu__net_has_momentum(net)};
     long *all = (long *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
     mgpu__group_all_gather_bytes(g, mine, sizeof mine, all, "mgpu_distributed_data_parallel_new");
     net->steps = (int)all[0];
     mgpu__net_keep_momentum(net, (int)all[1]);
-    for (int p = 0; p < net->nparams && all[1]; p++) mgpu_group_broadcast(g, net->momentum[p], 0);
+    for (int p = 0; p < net->nparams && all[1]; p++) {
+        mgpu_group_broadcast(g, net->momentum[p], 0);
+        if (net->adam) mgpu_group_broadcast(g, net->second_moment[p], 0);
+    }
     free(all);
 }
 

@@ -132,7 +132,7 @@ template <typename Values>
 static __device__ inline void mgpu__list_values(const mgpu__tensor_list *l, Values values) {
     size_t begin, end;
     int t = mgpu__list_block(l, &begin, &end);
-    const void *tensors[3];
+    const void *tensors[4];
     int count = values.tensors(t, tensors);
     size_t vectors_end = begin + (mgpu__aligned16(tensors, count) ? (end - begin) / 4 * 4 : 0);
     for (size_t i = begin + 4 * threadIdx.x; i < vectors_end; i += 4 * blockDim.x) values.template at<4>(t, i);

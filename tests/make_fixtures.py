@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
 """tests/make_fixtures.py: the PyTorch side of mgpu's whole-model checks.
 
-Writes tests/fixtures/lenet.bin and tests/fixtures/resnet18_step.bin with
-what PyTorch computes for:
+Writes tests/fixtures/lenet.bin, resnet18_step.bin and adam.bin with what
+PyTorch computes for:
   - the book's from-scratch LeNet (chapter 2): per-sample losses
     (reduction='none') and the gradient of their sum for every parameter;
   - one SGD step of the book's ResNet-18 (chapter 3) in training mode: the
     mean cross-entropy, the gradients of the first convolution, one batch
     norm layer and the last linear layer, and batch norm's running
-    statistics after the step.
+    statistics after the step;
+  - five steps of torch.optim.Adam (with L2 weight decay) and of
+    torch.optim.AdamW (decoupled weight decay) on two parameters, from
+    gradients given by the formula below: the parameters after the steps.
 
 No weights are stored: every parameter and input is made by a formula that
 tests/fixture.h computes the same way in C (value = base + amp * sin(a*i +
 b*k) for element i of tensor k), so the fixtures stay a few kilobytes.
 
 Run it where PyTorch is installed (the GPU machine, or `pip install torch`):
-    python3 tests/make_fixtures.py
+    python3 tests/make_fixtures.py            # all of them
+    python3 tests/make_fixtures.py adam       # only adam.bin (or lenet, resnet)
 File format (little-endian): "MGPUFIX1", uint32 count, then per tensor a
 64-byte NUL-padded name, uint32 ndim, uint32 dims[4], float32 values.
 """
@@ -53,7 +57,7 @@ def write(path, tensors):
             dims = list(t.shape) + [1] * (4 - t.dim())
             f.write(name.encode().ljust(64, b"\0"))
             f.write(struct.pack("<5I", t.dim(), *dims))
-            f.write(t.numpy().astype("<f4").tobytes())
+            f.write(struct.pack(f"<{t.numel()}f", *t.flatten().tolist()))
     print(f"wrote {path} ({len(tensors)} tensors)")
 
 
@@ -152,7 +156,26 @@ def resnet_fixture():
     write(os.path.join(HERE, "fixtures", "resnet18_step.bin"), out)
 
 
+def adam_fixture():
+    """A weight [6, 5] and a bias [5]; step s's gradient of tensor k is
+    the formula's tensor 100 + 10 s + k."""
+    shapes = [(6, 5), (5,)]
+    out = []
+    for name, opt_class in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
+        params = [formula(s, k, 0.0, 0.5).requires_grad_() for k, s in enumerate(shapes)]
+        opt = opt_class(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        for step in range(5):
+            for k, p in enumerate(params):
+                p.grad = formula(p.shape, 100 + 10 * step + k, 0.0, 1.0)
+            opt.step()
+        out += [(f"{name}.weight", params[0]), (f"{name}.bias", params[1])]
+    write(os.path.join(HERE, "fixtures", "adam.bin"), out)
+
+
 if __name__ == "__main__":
+    import sys
+
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
-    lenet_fixture()
-    resnet_fixture()
+    fixtures = {"lenet": lenet_fixture, "resnet": resnet_fixture, "adam": adam_fixture}
+    for name in sys.argv[1:] or fixtures:
+        fixtures[name]()
