@@ -8116,6 +8116,21 @@ static void mgpu__layer_free_activations(mgpu_layer *l, int keep_output) {
     for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++)
         if (parts[i]) mgpu__layer_free_activations(parts[i], 0);
 }
+/* Frees the activations' gradients layer l's backward pass made: its
+   parts' and its scratch, and its own input gradient with `own`. */
+static void mgpu__layer_free_gradients(mgpu_layer *l, int own) {
+    if (own) {
+        mgpu_free(l->dinput);
+        l->dinput = NULL;
+        mgpu_free(l->copies->dinput_t);
+        l->copies->dinput_t = NULL;
+    }
+    mgpu_free(l->dsum);
+    l->dsum = NULL;
+    mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++)
+        if (parts[i]) mgpu__layer_free_gradients(parts[i], 1);
+}
 /* Run s's activations freed, all but its output (the next run's input)
    when keep_output. */
 static void mgpu__net_free_segment(mgpu_net *net, int s, int keep_output) {
@@ -8372,6 +8387,11 @@ static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const m
     const mgpu_tensor *dx = mgpu__layer_backward(net->layers[i], dy, next ? next->copies->dinput_t : NULL, next,
                                                  i > 0 ? net->layers[i - 1] : NULL, accumulate);
     mgpu__memory_scope((mgpu_memory_category)scope);
+    /* the output gradient layer i read (layer i + 1's input gradient) and
+       its parts' scratch are done with: freed, so that the backward pass
+       holds the activations' gradients of a layer or two, not of all */
+    if (next) mgpu__layer_free_gradients(net->layers[i + 1], 1);
+    mgpu__layer_free_gradients(net->layers[i], 0);
     /* a run's activations go as soon as its backward pass is done (the
        last run's but the output: the logits stay valid until the next
        forward pass) */
