@@ -87,6 +87,14 @@
        size_t mgpu_device_memory_at_peak(d, category)   its part of the device's peak
        const char *mgpu_memory_category_name(category)  "activations"
    (mgpu_device_reset_peak starts every peak again from now.)
+       mgpu_device_record_memory(d, 1)   ... mgpu_device_record_memory(d, 0)
+       int n = mgpu_device_memory_samples(d, &samples);
+   records, between the two calls, what the device holds after every
+   allocation and every free: an mgpu_memory_sample each (the host's
+   seconds, in_use, and held[category]), at most 1 << 20 of them. A
+   device's memory is taken and given back when the host asks (the
+   allocator is the host's), so the seconds are those of the host's calls,
+   ahead of a GPU's work.
        void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes)
    gives a device, a CPU or virtual one too, a limit (0: none, the
    default): an allocation that would take it past the limit stops the
@@ -373,6 +381,12 @@ MGPU_DEF size_t mgpu_device_memory_peak_of(const mgpu_device *d, mgpu_memory_cat
 MGPU_DEF size_t mgpu_device_memory_at_peak(const mgpu_device *d, mgpu_memory_category c);
 MGPU_DEF const char *mgpu_memory_category_name(mgpu_memory_category c);
 MGPU_DEF void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes);
+typedef struct mgpu_memory_sample {
+    double seconds; /* mgpu_now() */
+    size_t in_use, held[MGPU_MEMORY_CATEGORIES];
+} mgpu_memory_sample;
+MGPU_DEF void mgpu_device_record_memory(mgpu_device *d, int on);
+MGPU_DEF int mgpu_device_memory_samples(const mgpu_device *d, const mgpu_memory_sample **samples);
 /* How many blocks the device's allocator has taken from the system so far:
    it stops growing once a training loop has seen all its shapes. */
 MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d);
@@ -2350,6 +2364,8 @@ struct mgpu_device {
     size_t in_use, peak, cached;
     size_t limit;         /* on in_use, or 0 (mgpu_device_set_memory_limit) */
     size_t held[MGPU_MEMORY_CATEGORIES], held_peak[MGPU_MEMORY_CATEGORIES], held_at_peak[MGPU_MEMORY_CATEGORIES];
+    int recording, nsamples, samples_room; /* mgpu_device_record_memory */
+    mgpu_memory_sample *samples;
     size_t allocations;   /* blocks taken from the system (cudaMalloc, posix_memalign) */
     pthread_mutex_t alloc_mutex;
     mgpu_tensor *bn_done; /* a GPU's batch norm counters (mgpu__bn_done), or NULL */
@@ -2739,6 +2755,16 @@ MGPU_DEF const char *mgpu_memory_category_name(mgpu_memory_category c) {
     return names[c];
 }
 MGPU_DEF void mgpu_device_set_memory_limit(mgpu_device *d, size_t bytes) { d->limit = bytes; }
+MGPU_DEF void mgpu_device_record_memory(mgpu_device *d, int on) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
+    if (on) d->nsamples = 0;
+    d->recording = on != 0;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
+}
+MGPU_DEF int mgpu_device_memory_samples(const mgpu_device *d, const mgpu_memory_sample **samples) {
+    *samples = d->samples;
+    return d->nsamples;
+}
 MGPU_DEF size_t mgpu_device_allocations(const mgpu_device *d) { return d->allocations; }
 MGPU_DEF const char *mgpu_device_list(char *buf, size_t size, mgpu_device *const *devices, int n) {
     size_t used = (size_t)snprintf(buf, size, "[");
@@ -3146,17 +3172,27 @@ static void mgpu__raw_free(mgpu_device *d, void *p, int pinned) {
 /* Counts bytes taken (taken 1) or given back (0) under category c, and
    the peaks, with d's allocation mutex held. */
 static void mgpu__memory_count(mgpu_device *d, int c, size_t bytes, int taken) {
-    if (!taken) {
+    if (taken) {
+        d->in_use += bytes;
+        d->held[c] += bytes;
+        if (d->held[c] > d->held_peak[c]) d->held_peak[c] = d->held[c];
+        if (d->in_use > d->peak) {
+            d->peak = d->in_use;
+            memcpy(d->held_at_peak, d->held, sizeof d->held);
+        }
+    } else {
         d->in_use -= bytes;
         d->held[c] -= bytes;
-        return;
     }
-    d->in_use += bytes;
-    d->held[c] += bytes;
-    if (d->held[c] > d->held_peak[c]) d->held_peak[c] = d->held[c];
-    if (d->in_use > d->peak) {
-        d->peak = d->in_use;
-        memcpy(d->held_at_peak, d->held, sizeof d->held);
+    if (d->recording && d->nsamples < (1 << 20)) {
+        if (d->nsamples == d->samples_room) {
+            d->samples_room = 2 * d->samples_room + 1024;
+            d->samples = (mgpu_memory_sample *)mgpu__xrealloc(d->samples, d->samples_room * sizeof *d->samples);
+        }
+        mgpu_memory_sample *s = &d->samples[d->nsamples++];
+        s->seconds = mgpu_now();
+        s->in_use = d->in_use;
+        memcpy(s->held, d->held, sizeof d->held);
     }
 }
 /* Moves tensor t's bytes to category c (a parameter made by a caller,
@@ -3243,6 +3279,9 @@ static void mgpu__allocator_release(mgpu_device *d) {
         free(b);
     }
     d->cached = 0;
+    free(d->samples);
+    d->samples = NULL;
+    d->nsamples = d->samples_room = 0;
 }
 
 /* ======================================================================
@@ -8549,8 +8588,9 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
         if (momentum != 0.0f && !net->momentum[i]) {
+            int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
             net->momentum[i] = mgpu_zeros(net->device, p->value->shape);
-            mgpu__memory_recount(net->momentum[i], MGPU_MEMORY_OPTIMIZER);
+            mgpu__memory_scope((mgpu_memory_category)scope);
         }
         values[i] = p->value;
         grads[i] = p->grad;
@@ -8598,8 +8638,9 @@ static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
         mgpu_tensor **moments[2] = {&net->momentum[i], &net->second_moment[i]};
         for (int k = 0; k < 2; k++)
             if (!*moments[k]) {
+                int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
                 *moments[k] = mgpu_zeros(net->device, p->value->shape);
-                mgpu__memory_recount(*moments[k], MGPU_MEMORY_OPTIMIZER);
+                mgpu__memory_scope((mgpu_memory_category)scope);
             }
         mgpu__before_write(p->value);
         mgpu__before_write(net->momentum[i]);
@@ -10224,8 +10265,9 @@ static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
         mgpu_tensor **state[2] = {&net->momentum[p], &net->second_moment[p]};
         for (int k = 0; k < 2; k++) {
             if (present && (k == 0 || net->adam)) {
+                int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
                 mgpu_ensure(state[k], net->device, net->params[p]->value->shape);
-                mgpu__memory_recount(*state[k], MGPU_MEMORY_OPTIMIZER);
+                mgpu__memory_scope((mgpu_memory_category)scope);
             } else {
                 mgpu_free(*state[k]);
                 *state[k] = NULL;

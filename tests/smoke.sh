@@ -122,6 +122,22 @@ for f in chapter3_test_acc.png chapter3_step_timeline.png chapter3_4_devices.png
     else echo "FAIL chapter3_writes_$f"; failed=$((failed + 1)); fi
 done
 
+# Chapter 5, small: the memory table (P = 11.2 million: 42.6 MiB a copy
+# of the parameters), the checkpointing table at k = 0, 2, 3 and 12, and
+# the largest batches under 170 MiB, checkpointing's the larger.
+check chapter5_runs 0 '^  parameters +42\.7 +42\.7 +4P = 42\.6' '^  optimizer state +42\.6 +85\.3 +4P = 42\.6 / 8P = 85\.3$' \
+    '^ +0 +[0-9.]+ MiB +[0-9.]+ MiB +[0-9.]+ +1\.00x$' '^ +3 +[0-9.]+ MiB' '^ +12 +[0-9.]+ MiB' \
+    '^  without checkpointing +batch [0-9]+$' '^  checkpointed \(sqrt n runs\) batch [0-9]+$' \
+    'the first that did not fit said: mgpu: error: out of memory on cpu: asked for .* past its limit of 170\.0 MiB' \
+    -- ./chapter5 --cpu --batch-size 4 --steps 1 --limit-mib 170 --out "$out/ch5"
+if awk '/^  without checkpointing/{a=$NF} /^  checkpointed/{b=$NF} END{exit !(a > 0 && b > a)}' \
+       "$out/chapter5_runs.log"; then echo "ok   chapter5_checkpointing_fits_a_larger_batch"; passed=$((passed + 1));
+else echo "FAIL chapter5_checkpointing_fits_a_larger_batch"; failed=$((failed + 1)); fi
+if png_ok "$out/ch5/chapter5_memory_timeline.png"; then echo "ok   chapter5_writes_its_timeline"; passed=$((passed + 1));
+else echo "FAIL chapter5_writes_its_timeline"; failed=$((failed + 1)); fi
+check chapter5_refuses_epochs 1 '^mgpu: error: --epochs: chapter 5 times steps, not epochs \(--steps\)$' \
+    -- ./chapter5 --epochs 3
+
 
 # The README's example program, built the way the README says, with gcc
 # (C11, strict warnings, no -D_GNU_SOURCE: the header asks for POSIX) and,

@@ -8,7 +8,7 @@
    - the activations held by a chain of equal layers, at their peak,
      within 10% of n/k + k - 1 layers' outputs;
    - a training step's memory by category: the parameters', gradients'
-     and momentum's bytes exactly;
+     and momentum's bytes exactly; its recorded samples reach the peak;
    - a device's limit: one line naming the device, the request, the limit
      and the largest holders; other devices are not limited;
    - bad settings refused by name.
@@ -236,8 +236,17 @@ TEST(a_training_steps_memory_by_category) {
     mgpu_tensor *x, *y;
     batch(4, 8, &x, &y);
     mgpu_device_reset_peak(dev);
+    mgpu_device_record_memory(dev, 1);
     mgpu_net_train_step(net, x, y, 0.1f, 0.9f, 0.0f, NULL);
     mgpu_synchronize(dev);
+    mgpu_device_record_memory(dev, 0);
+    const mgpu_memory_sample *samples;
+    int n = mgpu_device_memory_samples(dev, &samples);
+    size_t most = 0; /* the samples' highest point is the peak */
+    for (int i = 0; i < n; i++) most = samples[i].in_use > most ? samples[i].in_use : most;
+    CHECK(n > 10);
+    CHECK(most == mgpu_device_memory_peak(dev));
+    CHECK(n > 0 && samples[n - 1].held[MGPU_MEMORY_ACTIVATIONS] == mgpu_device_memory_of(dev, MGPU_MEMORY_ACTIVATIONS));
     size_t params = 0, grads = 0, momentum = 0;
     for (int p = 0; p < net->nparams; p++) {
         params += held_bytes(net->params[p]->value);
