@@ -264,7 +264,7 @@ $(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOUR
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS)) $(BUILD)/asan/dist_tests
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
-BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp
+BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp bench/checkpoint
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
@@ -343,6 +343,10 @@ bench/overlap: bench/overlap.c $(HEADERS) $(DEPS_STAMP)
 # A step of the distributed wrapper on 1 and 2 processes (under mpirun),
 # and of chapter 3's wrapper on 2 devices of one process.
 bench/ddp: bench/ddp.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# A ResNet-18 step with and without gradient checkpointing.
+bench/checkpoint: bench/checkpoint.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # Where the time of a ResNet-18 step goes (the tracer's summary).

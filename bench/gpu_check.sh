@@ -40,6 +40,10 @@
 #              epoch on 1 and 2 processes, with --sync-bn too, and
 #              ./bench/nccl_ranks: what NCCL does with two processes on
 #              one GPU, with and without NCCL_MULTI_RANK_GPU_ENABLE=1
+#   memory     ./chapter5 (a step's memory by category, checkpointing, the
+#              largest batch under a limit) and ./bench/checkpoint beside
+#              bench/pytorch/checkpoint.py (chapter 5's target: a
+#              checkpointed step at most 1.4 times a plain one)
 # The last lines printed are the summary table, one row per target with
 # its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
 # that a log cut short still ends on it. The exit status is non-zero when
@@ -110,6 +114,7 @@ if [ $REHEARSE = 1 ]; then
     PROFILE=(--batch-size 8 --steps 1 --scratch-mb 4) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
     ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
     CH4=(--cpu --train-samples 128 --test-samples 64 --batch-size 32)
+    CH5=(--cpu --batch-size 4 --steps 1 --limit-mib 170) CKPT=(--cpu --batch-size 4 --steps 1)
 else
     DEADLINE=470
     TEST_DIR=build/cuda
@@ -121,6 +126,7 @@ else
     CH2=(--epochs 10 --train-samples 60000 --batch-size 256)
     PROFILE=() OVERLAP=() ALLREDUCE_MIB=64 CONV=()
     CH4=(--train-samples 30720 --test-samples 10000 --batch-size 256)
+    CH5=() CKPT=()
 fi
 # mpirun as root (the GPU machines), with more ranks than cores allowed
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -190,9 +196,9 @@ run() {
 do_build() {
     [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
     make -s print-CUDNN_HOME print-NCCL_HOME # (cuDNN's convolutions are candidates where it is found)
-    local targets=(chapter2 chapter3 chapter4) t
+    local targets=(chapter2 chapter3 chapter4 chapter5) t
     for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
-    for t in profile overlap allreduce convolutions; do targets+=("$BENCH$t"); done
+    for t in profile overlap allreduce convolutions checkpoint; do targets+=("$BENCH$t"); done
     [ $REHEARSE = 1 ] || targets+=(bench/nccl_ranks)
     make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
 }
@@ -334,6 +340,14 @@ do_dist() {
     return $rc
 }
 
+do_memory() {
+    local rc=0
+    run chapter5 ./chapter5 "${CH5[@]}" --out "$LOGS/out5" || rc=1
+    run checkpoint "${BENCH}checkpoint" "${CKPT[@]}" || rc=1
+    torch_or_compile checkpoint.py bench/pytorch/checkpoint.py || rc=1
+    return $rc
+}
+
 do_full() {
     run full ./chapter3 $CPU --devices 1 "${CH3_FULL[@]}" --data "$DATA" --out "$LOGS/out-full"
 }
@@ -355,6 +369,7 @@ stage comm 60
 stage conv 50
 stage full 60
 stage dist 90
+stage memory 120
 
 # ----------------------------------------------------------------- summary
 ROWS=""
@@ -423,6 +438,11 @@ if [ $REHEARSE = 0 ]; then
         ROWS+="| NCCL, 2 processes on one GPU$([ $v = nccl-ranks-multi ] && echo ', NCCL_MULTI_RANK_GPU_ENABLE=1') | $(head -n 1 "$LOGS/$v.log" 2>/dev/null | cut -c1-40): $(grep -hoE 'RESULT.*|nccl_ranks: rank [0-9]+: .*' "$LOGS/$v.log" 2>/dev/null | head -n 1 | cut -c1-160) | - | - |"$'\n'
     done
 fi
+row "chapter 5's checkpointed ResNet-18 step / plain ($(result checkpoint on), batch $(result checkpoint batch), $(result checkpoint runs) runs)" \
+    "$(or_dash "$(result checkpoint ratio)")" "<= 1.4" "x <= 1.4"
+torch_row "PyTorch checkpoint_sequential's step / plain (same cut)" "$(or_dash "$(result checkpoint.py ratio)")" "" ""
+row "chapter 5, largest batch under its limit: plain / checkpointed" \
+    "$(sed -n 's/^  without checkpointing *batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null) / $(sed -n 's/^  checkpointed (sqrt n runs) batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null)" "" ""
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
 # "a / b / c", or "-" when one of the parts needed is missing (the CPU has

@@ -43,6 +43,10 @@
 #              gradients not reduced, reduced after backward, and reduced
 #              in buckets overlapped with backward; overlapped / not
 #              reduced, target at most 1.05 on one GPU (issue 5).
+#   checkpoint ./bench/checkpoint and bench/pytorch/checkpoint.py: a ResNet-18
+#              step plain and in about sqrt(n) = 3 checkpointed runs,
+#              alternated step by step; the ratio of the medians (at most
+#              1.4, chapter 5's issue) beside checkpoint_sequential's
 #   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
@@ -304,6 +308,17 @@ row "overlap, ResNet-18 step on $(value overlap 's/^ResNet-18 step on \(\[[^]]*\
     "$(calc %.1f "$(result overlap none_ms)") / $(calc %.1f "$(result overlap after_ms)") / $(calc %.1f "$(result overlap overlapped_ms)")"
 row "overlap" "overlapped / no reduction" "$(calc %.3f "$(result overlap ratio)")" \
     "<= 1.05 on 2 virtual devices of one GPU (issue 5)"
+
+# ------------------------------------------------------------ checkpoint
+step checkpoint ./bench/checkpoint
+[ $TORCH = 1 ] && step checkpoint.py "$PYTHON" -u bench/pytorch/checkpoint.py --device $TORCH_DEVICE
+row "checkpointing, ResNet-18 step $(result checkpoint on), batch $(result checkpoint batch)" \
+    "ms per step: plain / $(result checkpoint runs) runs; activations (MiB)" \
+    "$(calc %.1f "$(result checkpoint plain_ms)") / $(calc %.1f "$(result checkpoint checkpointed_ms)"); $(result checkpoint plain_act_mib) / $(result checkpoint checkpointed_act_mib)"
+row "checkpointing" "checkpointed / plain" "$(calc %.3f "$(result checkpoint ratio)")" \
+    "<= 1.4 at about sqrt(n) runs (chapter 5's issue)"
+[ $TORCH = 1 ] && row "checkpointing, PyTorch checkpoint_sequential" "checkpointed / plain" \
+    "$(calc %.3f "$(result checkpoint.py ratio)") ($(calc %.1f "$(result checkpoint.py plain_ms)") / $(calc %.1f "$(result checkpoint.py checkpointed_ms)") ms)"
 
 # ------------------------------------------------------------- allreduce
 for k in 2 4; do

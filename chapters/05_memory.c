@@ -43,7 +43,7 @@
 
    Without a GPU it runs a reduced setting (batch 16, 3 timed steps, a
    limit of 320 MiB); --full, or a GPU, runs batch 256 and a limit of
-   8 GiB. */
+   2 GiB. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include <unistd.h>
@@ -300,7 +300,7 @@ int main(int argc, char **argv) {
     const mgpu_flag extra[] = {
         {"--batch-size", 'i', &o.batch_size, "the batch of sections 1 and 2 (default 16 reduced, else 256)"},
         {"--steps", 'i', &steps, "timed steps for each number of runs (default 3 reduced, else 10)"},
-        {"--limit-mib", 'd', &limit_mib, "section 3's memory limit (default 320 reduced, else 8192)"},
+        {"--limit-mib", 'd', &limit_mib, "section 3's memory limit (default 320 reduced, else 2048)"},
         {"--try-batch", 'i', &try_at, "(a try of section 3: one step at this batch under --limit-mib)"},
         {"--checkpointed", 'u', &segments, "(a try: 1 with about sqrt(n) checkpointed runs)"},
         {"--devices", 'n', NULL, "chapter 5 measures one device"},
@@ -314,11 +314,11 @@ int main(int argc, char **argv) {
     if (try_at) return try_batch(try_at, segments ? MGPU_SEGMENTS_SQRT : 0, limit_mib, use_gpu);
     int batch = o.batch_size ? o.batch_size : reduced ? 16 : 256;
     if (!steps) steps = reduced ? 3 : 10;
-    if (!limit_mib) limit_mib = reduced ? 320 : 8192;
+    if (!limit_mib) limit_mib = reduced ? 320 : 2048;
     mgpu_device *dev = use_gpu ? mgpu_try_gpu(0) : mgpu_cpu();
     if (reduced)
         printf("No GPU: a reduced run on the CPU: batch %d, %d timed steps, a limit of %.0f MiB (--full: batch "
-               "256, 10 steps, 8192 MiB).\n", batch, steps, limit_mib);
+               "256, 10 steps, 2048 MiB).\n", batch, steps, limit_mib);
     memory_by_category(dev, batch);
     checkpointing(dev, batch, steps, &o);
     largest_batches(dev, limit_mib, use_gpu, reduced ? 4 : 16);
