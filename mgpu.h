@@ -1409,6 +1409,7 @@ typedef struct mgpu_net {
     mgpu_tensor **momentum; /* SGD's momentum buffers, or Adam's first moments, made at the first step */
     mgpu_tensor **second_moment; /* Adam's (mgpu_net_use_adam), made at its first step */
     int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
+    int sharded;            /* its optimizer's state is spread over a ZeRO wrapper's members */
     float beta1, beta2, eps;
     /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0: none),
        and for the last forward pass, the runs' first layers (room for
@@ -1601,7 +1602,29 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    naming the step, the parameter, its layer and the two devices. A
    reduction that does nothing, or sums on some devices only, lets the
    replicas drift apart and train on different models without any other
-   sign. It reads every parameter back every step: slow, for debugging. */
+   sign. It reads every parameter back every step: slow, for debugging.
+
+       void mgpu_data_parallel_zero(dp, stage);         before the first step
+   shards the optimizer among the W members, the wrapper's devices (or a
+   distributed wrapper's ranks, one device each), as DeepSpeed's ZeRO:
+   each bucket (padded with zeros to W equal chunks) is cut in W chunks,
+   and member m keeps the optimizer's state (SGD's momentum, Adam's
+   moments) of chunk m alone, updates chunk m of the parameters, and the
+   updated chunks are then gathered into every member's parameters (which
+   become views into flat buckets, as the gradients are). Stage 1: the
+   gradients are allreduced as without ZeRO; the optimizer's state per
+   member falls from S to S/W. Stage 2: each bucket is reduce-scattered as
+   soon as the backward pass has made it, each member keeps its own chunk
+   of the gradient, and the whole bucket is freed: the gradients held
+   between steps fall from G to G/W too (a bucket's whole gradient lives
+   only while the backward pass fills it, so there is no gradient to read
+   in param.grad between steps). The updates are the same operations on
+   the same numbers, so the parameters stay those of the unsharded
+   wrapper (bit for bit where the sums' order is the same: 2 devices, or
+   ranks). mgpu_data_parallel_accumulate works with stage 1, not 2; a
+   checkpoint of a sharded network is refused until the wrapper is freed,
+   which gathers the state back into the module. Stage 3 (the parameters
+   sharded too) is not built. */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -1620,6 +1643,7 @@ typedef void (*mgpu_allreduce_fn)(mgpu_tensor **data, int n);
 MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allreduce_fn fn,
                                                const char *name);
 MGPU_DEF void mgpu_data_parallel_check_replicas(mgpu_data_parallel *dp, int on);
+MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
 /* ---------------------------------------------------------------------------
@@ -8603,6 +8627,27 @@ MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight
 
 static int mgpu__net_has_momentum(const mgpu_net *net) { return net->nparams > 0 && net->momentum[0]; }
 
+/* Gives net its optimizer's state tensors (their values still to be
+   written) where `present`, else none: momentum buffers, and with Adam
+   the second moments. The optimizer makes them all at its first step
+   that uses them, so a net has all or none. */
+static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
+    for (int p = 0; p < net->nparams; p++) {
+        mgpu_tensor **state[2] = {&net->momentum[p], &net->second_moment[p]};
+        for (int k = 0; k < 2; k++) {
+            if (present && (k == 0 || net->adam)) {
+                int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
+                mgpu_ensure(state[k], net->device, net->params[p]->value->shape);
+                mgpu__memory_scope((mgpu_memory_category)scope);
+            } else {
+                mgpu_free(*state[k]);
+                *state[k] = NULL;
+            }
+        }
+    }
+}
+
+
 MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled) {
     MGPU_REQUIRE(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f && isfinite(eps),
                  "mgpu_net_use_adam: betas %g and %g, eps %g: the betas must be in [0, 1), eps above 0",
@@ -8614,9 +8659,11 @@ MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float e
     net->beta1 = beta1, net->beta2 = beta2, net->eps = eps;
 }
 
-/* Adam's (or AdamW's) step t = net->steps + 1 of every parameter, a few
-   launches (kernels/adam.h). */
-static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
+/* Adam's (or AdamW's, as net says) step t = net->steps + 1 of count
+   tensors with their gradients and moments, MGPU__LIST_MAX to a launch
+   (kernels/adam.h). */
+static void mgpu__adam_tensors(const mgpu_net *net, mgpu_tensor *const *params, const mgpu_tensor *const *grads,
+                               mgpu_tensor *const *m, mgpu_tensor *const *v, int count, float lr, float weight_decay) {
     const char *op = net->decoupled ? "AdamW" : "Adam";
     MGPU_REQUIRE(lr >= 0.0f && isfinite(lr) && weight_decay >= 0.0f && isfinite(weight_decay),
                  "%s: learning rate %g, weight decay %g: each must be a finite 0 or more", op, (double)lr,
@@ -8633,6 +8680,28 @@ static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
     a.step_size = (float)((double)lr / (1.0 - pow((double)net->beta1, t)));
     a.correction2_sqrt = (float)sqrt(1.0 - pow((double)net->beta2, t));
     a.decoupled = net->decoupled;
+    for (int i = 0; i < count; i++) {
+        mgpu_tensor *state[3] = {params[i], m[i], v[i]};
+        for (int k = 0; k < 3; k++) {
+            mgpu__require_device(state[k], params[0]->device, op);
+            mgpu__require_same_shape(state[k], grads[i], op);
+            mgpu__before_write(state[k]);
+        }
+        int at = a.list.count;
+        a.param[at] = params[i]->data;
+        a.grad[at] = grads[i]->data;
+        a.m[at] = m[i]->data;
+        a.v[at] = v[i]->data;
+        if (mgpu__list_add(&a.list, params[i]->numel) || i == count - 1) {
+            mgpu__launch_on(&params[0]->device->queue[0], net->decoupled ? "adamw" : "adam", mgpu__adam_cpu,
+                            MGPU__CUDA_FN(mgpu__adam_cuda), &a, sizeof a);
+            a.list.count = 0;
+        }
+    }
+}
+
+/* Adam's step of every parameter of the net. */
+static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
     for (int i = 0; i < net->nparams; i++) {
         mgpu_param *p = net->params[i];
         mgpu_tensor **moments[2] = {&net->momentum[i], &net->second_moment[i]};
@@ -8642,20 +8711,11 @@ static void mgpu__net_adam(mgpu_net *net, float lr, float weight_decay) {
                 *moments[k] = mgpu_zeros(net->device, p->value->shape);
                 mgpu__memory_scope((mgpu_memory_category)scope);
             }
-        mgpu__before_write(p->value);
-        mgpu__before_write(net->momentum[i]);
-        mgpu__before_write(net->second_moment[i]);
-        int t_at = a.list.count;
-        a.param[t_at] = p->value->data;
-        a.grad[t_at] = p->grad->data;
-        a.m[t_at] = net->momentum[i]->data;
-        a.v[t_at] = net->second_moment[i]->data;
-        if (mgpu__list_add(&a.list, p->value->numel) || i == net->nparams - 1) {
-            mgpu__launch_on(&net->device->queue[0], net->decoupled ? "adamw" : "adam", mgpu__adam_cpu,
-                            MGPU__CUDA_FN(mgpu__adam_cuda), &a, sizeof a);
-            a.list.count = 0;
-        }
+        net->step_values[i] = p->value;
+        net->step_grads[i] = p->grad;
     }
+    mgpu__adam_tensors(net, net->step_values, net->step_grads, net->momentum, net->second_moment, net->nparams, lr,
+                       weight_decay);
     net->steps++;
     net->changes++;
 }
@@ -9128,6 +9188,8 @@ MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) { mgpu__net_w
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) { mgpu__net_read(net, path, NULL); }
 
 MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info) {
+    MGPU_REQUIRE(!net->sharded, "mgpu_checkpoint_save: %s: the optimizer's state of this network is spread over a "
+                 "ZeRO wrapper's members (mgpu_data_parallel_zero); freeing the wrapper gathers it back", path);
     MGPU_REQUIRE(info, "mgpu_checkpoint_save: info is NULL; it says where the training resumes");
     MGPU_REQUIRE(info->epoch >= 0 && info->batch >= 0 && info->step >= 0 && info->world >= 1,
                  "mgpu_checkpoint_save: epoch %d, batch %d, step %ld, world %d: the first three must be 0 or "
@@ -9191,6 +9253,16 @@ struct mgpu_data_parallel {
        averaged over the ranks (mgpu_distributed_data_parallel_new) */
     struct mgpu_group *group;
     char algorithm_name[48]; /* "ring, then mpi": several devices a process */
+    /* ZeRO (mgpu_data_parallel_zero): the stage; each bucket's length, a
+       multiple of the members; the parameters' values as flat buckets too
+       (the values views into them); member i's chunk of each bucket's
+       gradient (stage 2) and its optimizer state for that chunk (SGD's
+       momentum, or Adam's two moments) */
+    int zero;
+    size_t *bucket_len;
+    mgpu_tensor *(*value_bucket)[MGPU_MAX_DEVICES];
+    mgpu_tensor *(*grad_chunk)[MGPU_MAX_DEVICES];
+    mgpu_tensor *(*chunk_state)[MGPU_MAX_DEVICES][2];
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -9311,11 +9383,75 @@ static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
    layer back (the order backward produces them), and makes every replica's
    gradients views into one flat tensor per bucket, so a bucket is reduced
    as one vector. A bucket holds whole top-level layers. */
+/* The members that share out the optimizer's state under ZeRO: the
+   wrapper's devices, or its group's ranks (one device each); and device
+   i's place among them. */
+static int mgpu__dp_members(const mgpu_data_parallel *dp) { return dp->group ? mgpu_group_size(dp->group) : dp->n; }
+static int mgpu__dp_member(const mgpu_data_parallel *dp, int i) { return dp->group ? mgpu_group_rank(dp->group) : i; }
+
+/* Makes the gradients (or with values, the values) of replica r's
+   parameters p0 .. p1 - 1 views into flat, in order; the values are
+   copied there first. */
+static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int values) {
+    int offset = 0;
+    for (int p = p0; p < p1; p++) {
+        mgpu_tensor **t = values ? &r->params[p]->value : &r->params[p]->grad;
+        mgpu_shape shape = r->params[p]->value->shape;
+        int numel = (int)r->params[p]->value->numel;
+        mgpu_tensor *rows = mgpu_narrow(flat, offset, numel);
+        mgpu_tensor *view = mgpu_view(rows, shape);
+        mgpu_free(rows);
+        if (values && *t) mgpu_copy(view, *t, 0);
+        mgpu_free(*t);
+        *t = view;
+        offset += numel;
+    }
+}
+
+/* The first and one past the last parameter of bucket b. */
+static void mgpu__dp_bucket_params(const mgpu_data_parallel *dp, int b, int *p0, int *p1) {
+    const mgpu_net *net = dp->replicas[0];
+    int last = b == 0 ? net->nlayers - 1 : dp->bucket_last_layer[b - 1] - 1;
+    *p0 = net->first_param[dp->bucket_last_layer[b]];
+    *p1 = net->first_param[last + 1];
+}
+
+/* Bucket b's flat gradients on every device, zeros (ZeRO-2 makes them
+   for each backward pass and frees them once reduced). */
+static void mgpu__dp_grad_bucket_make(mgpu_data_parallel *dp, int b) {
+    int p0, p1;
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    for (int i = 0; i < dp->n; i++) {
+        int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS); /* (the gradients become views of it) */
+        dp->bucket[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__views_into(dp->bucket[b][i], dp->replicas[i], p0, p1, 0);
+    }
+}
+static void mgpu__dp_grad_bucket_free(mgpu_data_parallel *dp, int b) {
+    int p0, p1;
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    for (int i = 0; i < dp->n; i++) {
+        for (int p = p0; p < p1; p++) {
+            mgpu_free(dp->replicas[i]->params[p]->grad);
+            dp->replicas[i]->params[p]->grad = NULL;
+        }
+        mgpu_free(dp->bucket[b][i]);
+        dp->bucket[b][i] = NULL;
+    }
+}
+
 static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
     const mgpu_net *net = dp->replicas[0];
     dp->bucket_last_layer = (int *)mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket_last_layer);
+    dp->bucket_len = (size_t *)mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket_len);
     dp->bucket = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket);
     dp->scratch = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->scratch);
+    dp->value_bucket = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->value_bucket);
+    dp->grad_chunk = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->grad_chunk);
+    dp->chunk_state = (mgpu_tensor *(*)[MGPU_MAX_DEVICES][2])mgpu__xcalloc((size_t)net->nlayers,
+                                                                            sizeof *dp->chunk_state);
+    size_t members = (size_t)mgpu__dp_members(dp);
     int last = net->nlayers - 1;
     while (last >= 0) {
         size_t floats = 0;
@@ -9329,25 +9465,21 @@ static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
         if (floats > 0) {
             int b = dp->nbuckets++;
             dp->bucket_last_layer[b] = first;
-            int p0 = net->first_param[first], p1 = net->first_param[last + 1];
+            /* (ZeRO: padded with zeros, which stay 0, to equal chunks) */
+            dp->bucket_len[b] = dp->zero ? (floats + members - 1) / members * members : floats;
+            mgpu__dp_grad_bucket_make(dp, b);
+            int p0, p1;
+            mgpu__dp_bucket_params(dp, b, &p0, &p1);
             for (int i = 0; i < dp->n; i++) {
-                mgpu_net *r = dp->replicas[i];
-                int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS); /* (the gradients become views of it) */
-                mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)floats));
-                mgpu__memory_scope((mgpu_memory_category)scope);
-                int offset = 0;
-                for (int p = p0; p < p1; p++) {
-                    mgpu_param *param = r->params[p];
-                    mgpu_tensor *rows = mgpu_narrow(flat, offset, (int)param->grad->numel);
-                    mgpu_free(param->grad);
-                    param->grad = mgpu_view(rows, param->value->shape);
-                    mgpu_free(rows);
-                    offset += (int)param->value->numel;
-                }
-                dp->bucket[b][i] = flat;
-                int share = (int)((floats + (size_t)dp->n - 1) / (size_t)dp->n);
+                int share = (int)((dp->bucket_len[b] + (size_t)dp->n - 1) / (size_t)dp->n);
                 if (dp->n > 1) dp->scratch[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(share));
+                if (!dp->zero) continue;
+                int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+                dp->value_bucket[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
+                mgpu__memory_scope((mgpu_memory_category)scope);
+                mgpu__views_into(dp->value_bucket[b][i], dp->replicas[i], p0, p1, 1);
             }
+            if (dp->zero == 2) mgpu__dp_grad_bucket_free(dp, b); /* (made for each backward pass) */
         }
         last = first - 1;
     }
@@ -9359,11 +9491,21 @@ static void mgpu__dp_unbucket_module(mgpu_data_parallel *dp) {
     mgpu_net *net = dp->replicas[0];
     for (int p = 0; p < net->nparams && dp->nbuckets; p++) {
         mgpu_param *param = net->params[p];
-        mgpu_tensor *own = mgpu_empty(net->device, param->value->shape);
-        mgpu_copy(own, param->grad, 0);
+        int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS);
+        mgpu_tensor *own = mgpu_zeros(net->device, param->value->shape); /* (ZeRO-2's between steps: none) */
+        if (param->grad) mgpu_copy(own, param->grad, 0);
         mgpu_free(param->grad);
         param->grad = own;
+        mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+        if (dp->zero) { /* (its values, views into ZeRO's buckets, too) */
+            own = mgpu_empty(net->device, param->value->shape);
+            mgpu_copy(own, param->value, 0);
+            mgpu_free(param->value);
+            param->value = own;
+        }
+        mgpu__memory_scope((mgpu_memory_category)scope);
     }
+    net->sharded = 0;
 }
 
 MGPU_DEF mgpu_net *mgpu_data_parallel_module(mgpu_data_parallel *dp) { return dp->replicas[0]; }
@@ -9405,10 +9547,190 @@ static void mgpu__dp_shards_used(mgpu_data_parallel *dp) {
 /* A bucket whose gradients the backward pass has completed: divided by
    the rows they add up where mgpu_data_parallel_accumulate added some,
    and its reduction started (when it overlaps the backward pass). */
+/* ---- ZeRO (mgpu_data_parallel_zero) ----
+   Bucket b of length L (a multiple of the W members) is cut in W equal
+   chunks; member m owns chunk m: [m L/W, (m + 1) L/W). */
+static int mgpu__dp_chunk(const mgpu_data_parallel *dp, int b) {
+    return (int)(dp->bucket_len[b] / (size_t)mgpu__dp_members(dp));
+}
+/* ZeRO-2: device i's chunk of bucket b's gradient, summed over the
+   devices in their order (the replicas' gradients of a loss already
+   divided by the whole batch), or averaged over the ranks, into
+   grad_chunk[b][i]; then the whole bucket is freed. */
+static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
+    int chunk = mgpu__dp_chunk(dp, b);
+    for (int i = 0; i < dp->n; i++)
+        if (!dp->grad_chunk[b][i]) {
+            int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS);
+            dp->grad_chunk[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(chunk));
+            mgpu__memory_scope((mgpu_memory_category)scope);
+        }
+    if (dp->group && dp->reduce) {
+        mgpu_group_reduce_scatter(dp->group, dp->bucket[b][0], dp->grad_chunk[b][0], MGPU_MEAN);
+        dp->algorithm = mgpu_group_path(dp->group, dp->devices[0]);
+    } else {
+        for (int i = 0; i < dp->n; i++) {
+            int m = mgpu__dp_member(dp, i);
+            for (int j = 0; j < dp->n; j++) {
+                int from = dp->reduce ? j : i; /* (without the reduction: its own chunk alone) */
+                mgpu_tensor *part = mgpu_narrow(dp->bucket[b][from], m * chunk, chunk);
+                if (j == 0) {
+                    mgpu_copy(dp->grad_chunk[b][i], part, 1);
+                } else if (dp->reduce) {
+                    mgpu_tensor *here = mgpu_narrow(dp->scratch[b][i], 0, chunk);
+                    mgpu_copy(here, part, 1);
+                    mgpu_add_(dp->grad_chunk[b][i], here);
+                    mgpu_free(here);
+                }
+                mgpu_free(part);
+            }
+        }
+        dp->algorithm = dp->reduce && dp->n > 1 ? "reduce-scatter" : "none";
+    }
+    mgpu__dp_grad_bucket_free(dp, b);
+}
+
+/* Member i's optimizer state (k 0: momentum or Adam's first moment, 1:
+   Adam's second) for its chunk [start, start + chunk) of bucket b: zeros,
+   or the chunk of the state the replica had before (a loaded
+   checkpoint's, or steps taken before the wrapper). */
+static mgpu_tensor *mgpu__dp_chunk_state_new(mgpu_data_parallel *dp, int i, int b, int k, int start, int chunk) {
+    mgpu_net *r = dp->replicas[i];
+    mgpu_tensor **full = k == 0 ? r->momentum : r->second_moment;
+    int p0, p1, scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    mgpu_tensor *state = mgpu_zeros(dp->devices[i], mgpu_shape1(chunk));
+    if (full[p0]) {
+        mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
+        int offset = 0;
+        for (int p = p0; p < p1; p++) {
+            mgpu_tensor *rows = mgpu_narrow(flat, offset, (int)full[p]->numel), *place = mgpu_view(rows, full[p]->shape);
+            mgpu_copy(place, full[p], 0);
+            offset += (int)full[p]->numel;
+            mgpu_free(place);
+            mgpu_free(rows);
+        }
+        mgpu_tensor *mine = mgpu_narrow(flat, start, chunk);
+        mgpu_copy(state, mine, 0);
+        mgpu_free(mine);
+        mgpu_free(flat);
+    }
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    return state;
+}
+
+/* Every device's values of bucket b from its members' chunks: copies
+   between the devices, or an all-gather over the ranks. */
+static void mgpu__dp_gather_values(mgpu_data_parallel *dp, int b) {
+    int chunk = mgpu__dp_chunk(dp, b);
+    if (dp->group) {
+        int m = mgpu_group_rank(dp->group);
+        mgpu_tensor *mine = mgpu_narrow(dp->value_bucket[b][0], m * chunk, chunk);
+        mgpu_tensor *sent = mgpu_empty(dp->devices[0], mgpu_shape1(chunk)); /* (in and out may not overlap) */
+        mgpu_copy(sent, mine, 0);
+        mgpu_group_all_gather(dp->group, sent, dp->value_bucket[b][0]);
+        mgpu_free(sent);
+        mgpu_free(mine);
+        return;
+    }
+    for (int j = 0; j < dp->n; j++)
+        for (int i = 0; i < dp->n; i++) {
+            if (i == j) continue;
+            mgpu_tensor *to = mgpu_narrow(dp->value_bucket[b][j], i * chunk, chunk);
+            mgpu_tensor *from = mgpu_narrow(dp->value_bucket[b][i], i * chunk, chunk);
+            mgpu_copy(to, from, 1);
+            mgpu_free(to);
+            mgpu_free(from);
+        }
+}
+
+/* The ZeRO step: each member updates its chunk of every bucket with its
+   own part of the optimizer's state, then the chunks are gathered into
+   every device's values. */
+static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum, float weight_decay) {
+    for (int i = 0; i < dp->n; i++) {
+        mgpu_net *r = dp->replicas[i];
+        int m = mgpu__dp_member(dp, i);
+        MGPU_REQUIRE(!r->adam || momentum == 0.0f, "%s: momentum %g, but Adam keeps moments of its own: give 0",
+                     r->decoupled ? "AdamW" : "Adam", (double)momentum);
+        for (int b = 0; b < dp->nbuckets; b++) {
+            int chunk = mgpu__dp_chunk(dp, b);
+            mgpu_tensor *value = mgpu_narrow(dp->value_bucket[b][i], m * chunk, chunk);
+            mgpu_tensor *grad = dp->zero == 2 ? dp->grad_chunk[b][i] : mgpu_narrow(dp->bucket[b][i], m * chunk, chunk);
+            mgpu_tensor **state = dp->chunk_state[b][i];
+            for (int k = 0; k < (r->adam ? 2 : momentum != 0.0f); k++)
+                if (!state[k]) state[k] = mgpu__dp_chunk_state_new(dp, i, b, k, m * chunk, chunk);
+            if (r->adam)
+                mgpu__adam_tensors(r, &value, (const mgpu_tensor *const *)&grad, &state[0], &state[1], 1, lr,
+                                   weight_decay);
+            else
+                mgpu__sgd_tensors("mgpu_data_parallel_step", &value, (const mgpu_tensor *const *)&grad,
+                                  momentum != 0.0f ? &state[0] : NULL, 1, lr, momentum, weight_decay, r->steps == 0);
+            mgpu_free(value);
+            if (dp->zero != 2) mgpu_free(grad);
+        }
+        mgpu__net_keep_momentum(r, 0); /* (the chunks hold the state now) */
+        r->steps++;
+        r->changes++;
+    }
+    for (int b = 0; b < dp->nbuckets; b++) mgpu__dp_gather_values(dp, b);
+}
+
+/* At the wrapper's end: replica 0 gets its whole optimizer state back
+   from the members' chunks, so that it trains on as it would have. */
+static void mgpu__dp_zero_unshard_state(mgpu_data_parallel *dp) {
+    mgpu_net *net = dp->replicas[0];
+    if (!dp->zero || dp->nbuckets == 0) return;
+    int kinds = dp->chunk_state[0][0][1] ? 2 : dp->chunk_state[0][0][0] ? 1 : 0;
+    if (kinds == 0) return;
+    mgpu__net_keep_momentum(net, 1);
+    for (int k = 0; k < kinds; k++)
+        for (int b = 0; b < dp->nbuckets; b++) {
+            int chunk = mgpu__dp_chunk(dp, b), p0, p1;
+            mgpu_tensor *flat = mgpu_empty(dp->devices[0], mgpu_shape1((int)dp->bucket_len[b]));
+            if (dp->group) {
+                mgpu_group_all_gather(dp->group, dp->chunk_state[b][0][k], flat);
+            } else {
+                for (int i = 0; i < dp->n; i++) {
+                    mgpu_tensor *place = mgpu_narrow(flat, i * chunk, chunk);
+                    mgpu_copy(place, dp->chunk_state[b][i][k], 0);
+                    mgpu_free(place);
+                }
+            }
+            mgpu__dp_bucket_params(dp, b, &p0, &p1);
+            int offset = 0;
+            for (int p = p0; p < p1; p++) {
+                mgpu_tensor *full = k == 0 ? net->momentum[p] : net->second_moment[p];
+                mgpu_tensor *rows = mgpu_narrow(flat, offset, (int)full->numel), *from = mgpu_view(rows, full->shape);
+                mgpu_copy(full, from, 0);
+                offset += (int)full->numel;
+                mgpu_free(from);
+                mgpu_free(rows);
+            }
+            mgpu_free(flat);
+        }
+}
+
+MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
+    const char *op = "mgpu_data_parallel_zero";
+    MGPU_REQUIRE(stage >= 0 && stage <= 2, "%s: stage %d does not exist here: 0 (none), 1 (the optimizer's state "
+                 "sharded) or 2 (the gradients too); stage 3, the parameters too, is not built", op, stage);
+    MGPU_REQUIRE(dp->steps == 0 && dp->nbuckets == 0, "%s: call it before the wrapper's first step", op);
+    MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE, "%s: the wrapper gathers on device 0 (MGPU_DP_GATHER); ZeRO "
+                 "needs MGPU_DP_ALLREDUCE", op);
+    MGPU_REQUIRE(!dp->group || dp->n == 1, "%s: a distributed wrapper of %d devices a process; ZeRO needs one", op,
+                 dp->n);
+    MGPU_REQUIRE(stage < 2 || !dp->yours, "%s: stage 2 reduce-scatters the gradients, so it cannot take your "
+                 "allreduce (%s)", op, dp->yours_name);
+    dp->zero = stage;
+    for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0;
+}
+
 static void mgpu__dp_bucket_done(mgpu_data_parallel *dp, int b) {
     if (dp->accumulated_rows)
         for (int i = 0; i < dp->n; i++) mgpu_scale_(dp->bucket[b][i], 1.0f / (float)dp->accumulated_rows);
-    if (dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
+    if (dp->zero == 2) mgpu__dp_reduce_scatter(dp, b);
+    else if (dp->reduce && dp->overlap) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
 }
 
 /* DistributedDataParallel's way: each device computes the loss of its own
@@ -9432,8 +9754,8 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     int adding = dp->accumulated_rows > 0; /* to gradients of passes before */
     float scale = take_step && !adding ? 1.0f / (float)batch : 1.0f;
     if (!take_step || adding) dp->accumulated_rows += batch;
-    for (int i = dp->used; i < dp->n && !adding; i++)
-        for (int b = 0; b < dp->nbuckets; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
+    for (int i = dp->used; i < dp->n && !adding; i++) /* (ZeRO-2 makes its buckets zero, below) */
+        for (int b = 0; b < dp->nbuckets && dp->zero != 2; b++) mgpu_fill(dp->bucket[b][i], 0.0f);
     const mgpu_tensor *grad[MGPU_MAX_DEVICES];
     const char *op = take_step ? "mgpu_data_parallel_step" : "mgpu_data_parallel_accumulate";
     for (int i = 0, row = 0; i < dp->used; row += dp->x_shards[i]->shape.d[0], i++) {
@@ -9446,6 +9768,8 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
     }
     int next_bucket = 0;
     for (int layer = dp->replicas[0]->nlayers - 1; layer >= 0; layer--) {
+        if (dp->zero == 2 && next_bucket < dp->nbuckets && !dp->bucket[next_bucket][0])
+            mgpu__dp_grad_bucket_make(dp, next_bucket);
         for (int i = 0; i < dp->used; i++)
             grad[i] = mgpu__net_layer_backward(dp->replicas[i], layer, grad[i], adding);
         int complete = next_bucket < dp->nbuckets && dp->bucket_last_layer[next_bucket] == layer;
@@ -9453,7 +9777,7 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
         next_bucket += complete;
     }
     if (!take_step) return;
-    if (dp->reduce && !dp->overlap)
+    if (dp->reduce && !dp->overlap && dp->zero != 2)
         for (int b = 0; b < dp->nbuckets; b++) dp->algorithm = mgpu__dp_reduce_bucket(dp, b);
     if (reduces) {
         mgpu_comm_wait(dp->devices, dp->n);
@@ -9463,6 +9787,10 @@ static void mgpu__dp_step_allreduce(mgpu_data_parallel *dp, int batch, float lr,
             mgpu_scale_(net->params[p]->grad, 1.0f / (float)dp->accumulated_rows);
     }
     dp->accumulated_rows = 0;
+    if (dp->zero && reduces) {
+        mgpu__dp_zero_step(dp, lr, momentum, weight_decay);
+        return;
+    }
     for (int i = 0; i < dp->n; i++) mgpu_net_step(dp->replicas[i], lr, momentum, weight_decay);
 }
 
@@ -9551,6 +9879,8 @@ MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_t
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
                  "mgpu_data_parallel_accumulate: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
                  "accumulating gradients needs MGPU_DP_ALLREDUCE");
+    MGPU_REQUIRE(dp->zero != 2, "mgpu_data_parallel_accumulate: ZeRO stage 2 keeps only a chunk of each "
+                 "gradient, so it cannot add up whole ones over passes (stage 1 can)");
     mgpu__dp_follow_module(dp);
     mgpu__dp_broadcast_buffers(dp);
     mgpu__dp_scatter(dp, X, y);
@@ -9589,6 +9919,7 @@ MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss
 
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     if (!dp) return;
+    mgpu__dp_zero_unshard_state(dp);
     mgpu__dp_unbucket_module(dp);
     for (int i = 0; i < dp->n; i++) {
         dp->replicas[i]->wrapped = 0;
@@ -9609,10 +9940,18 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
         for (int i = 0; i < dp->n; i++) {
             mgpu_free(dp->bucket[b][i]);
             mgpu_free(dp->scratch[b][i]);
+            mgpu_free(dp->value_bucket[b][i]);
+            mgpu_free(dp->grad_chunk[b][i]);
+            mgpu_free(dp->chunk_state[b][i][0]);
+            mgpu_free(dp->chunk_state[b][i][1]);
         }
     free(dp->bucket_last_layer);
+    free(dp->bucket_len);
     free(dp->bucket);
     free(dp->scratch);
+    free(dp->value_bucket);
+    free(dp->grad_chunk);
+    free(dp->chunk_state);
     mgpu_free(dp->logits);
     mgpu_free(dp->labels);
     mgpu_free(dp->dlogits);
@@ -10254,26 +10593,6 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
         if (all[r] != all[0]) differs = r;
     free(all);
     return differs;
-}
-
-/* Gives net its optimizer's state tensors (their values still to be
-   written) where `present`, else none: momentum buffers, and with Adam
-   the second moments. The optimizer makes them all at its first step
-   that uses them, so a net has all or none. */
-static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
-    for (int p = 0; p < net->nparams; p++) {
-        mgpu_tensor **state[2] = {&net->momentum[p], &net->second_moment[p]};
-        for (int k = 0; k < 2; k++) {
-            if (present && (k == 0 || net->adam)) {
-                int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
-                mgpu_ensure(state[k], net->device, net->params[p]->value->shape);
-                mgpu__memory_scope((mgpu_memory_category)scope);
-            } else {
-                mgpu_free(*state[k]);
-                *state[k] = NULL;
-            }
-        }
-    }
 }
 
 /* dst takes src's optimizer state: its count of steps, its momentum

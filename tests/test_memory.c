@@ -11,6 +11,8 @@
      and momentum's bytes exactly; its recorded samples reach the peak;
    - a device's limit: one line naming the device, the request, the limit
      and the largest holders; other devices are not limited;
+   - ZeRO stages 1 and 2 on 2 devices train like the unsharded wrapper,
+     with half the optimizer's state (and gradients) a device;
    - bad settings refused by name.
    tests/gpu_memory.c runs them on GPUs (emulated ones in make test). */
 #define MGPU_IMPLEMENTATION
@@ -292,6 +294,109 @@ TEST(a_memory_limit_is_one_line_naming_the_holders) {
     mgpu_free(more);
     mgpu_free(one);
     mgpu_free(kept);
+}
+
+/* ZeRO on 2 devices: 20 steps (SGD with momentum, and Adam) leave the
+   parameters of the unsharded wrapper, within 1e-6 (in fact bit for bit:
+   a + b is b + a); each device holds half the optimizer's state, and with
+   stage 2 half the gradients between steps; the wrapper's end gives the
+   module the whole state back. */
+static mgpu_net *small_net(mgpu_device *d) {
+    mgpu_manual_seed(11);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    return net;
+}
+static size_t held_all(mgpu_device *const *devs, int n, mgpu_memory_category c, size_t *each) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += each[i] = mgpu_device_memory_of(devs[i], c);
+    return total;
+}
+static void zero_like_unsharded(int stage, int adam) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *nets[2];
+    mgpu_data_parallel *dps[2];
+    size_t optimizer[2][2], grads[2][2];
+    for (int k = 0; k < 2; k++) {
+        nets[k] = small_net(devs[0]);
+        if (adam) mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 1);
+        dps[k] = mgpu_data_parallel_new(nets[k], devs, 2, MGPU_DP_ALLREDUCE);
+        mgpu_data_parallel_configure(dps[k], 256, 1, 1); /* a bucket a layer */
+        if (k) mgpu_data_parallel_zero(dps[k], stage);
+    }
+    size_t before_opt[2], before_grad[2];
+    for (int k = 0; k < 2; k++) {
+        held_all(devs, 2, MGPU_MEMORY_OPTIMIZER, before_opt);
+        held_all(devs, 2, MGPU_MEMORY_GRADIENTS, before_grad);
+        for (int s = 0; s < 20; s++) {
+            mgpu_tensor *x, *y;
+            mgpu_manual_seed(100 + (uint64_t)s);
+            x = mgpu_randn(dev, mgpu_shape4(8, 1, 8, 8), 0.0f, 1.0f);
+            float labels[8];
+            for (int i = 0; i < 8; i++) labels[i] = (float)((i * 3 + s) % 10);
+            y = mgpu_from_host(dev, mgpu_shape1(8), labels);
+            mgpu_data_parallel_step(dps[k], x, y, adam ? 0.01f : 0.1f, adam ? 0.0f : 0.9f, 0.01f);
+            mgpu_free(x);
+            mgpu_free(y);
+        }
+        mgpu_synchronize_all();
+        size_t now[2];
+        held_all(devs, 2, MGPU_MEMORY_OPTIMIZER, now);
+        for (int i = 0; i < 2; i++) optimizer[k][i] = now[i] - before_opt[i];
+        held_all(devs, 2, MGPU_MEMORY_GRADIENTS, now);
+        for (int i = 0; i < 2; i++) grads[k][i] = now[i]; /* (held between steps) */
+    }
+    double diff = test_max_param_diff(nets[1], nets[0]);
+    if (diff > 0) printf("  ZeRO-%d%s: parameters differ by %.3g\n", stage, adam ? ", AdamW" : "", diff);
+    CHECK_CLOSE(diff, 0.0, 1e-6, 0);
+    /* per device: half the optimizer's state (and with stage 2, of the gradients), give or take a chunk's
+       padding and the allocator's 512-byte granules (a bucket a layer: 5 buckets) */
+    for (int i = 0; i < 2; i++) {
+        CHECK(optimizer[0][i] > 0);
+        CHECK_CLOSE((double)optimizer[1][i], optimizer[0][i] / 2.0, 5 * 2 * 512.0, 0);
+    }
+    if (stage == 2) for (int i = 0; i < 2; i++) CHECK(grads[1][i] < grads[0][i] * 0.6);
+    for (int k = 0; k < 2; k++) mgpu_data_parallel_free(dps[k]);
+    /* the whole state is back in the module, the same bits */
+    int same = 1;
+    for (int p = 0; p < nets[0]->nparams; p++) {
+        same &= nets[1]->momentum[p] != NULL && same_bits(nets[1]->momentum[p], nets[0]->momentum[p]);
+        if (adam) same &= same_bits(nets[1]->second_moment[p], nets[0]->second_moment[p]);
+    }
+    CHECK(same);
+    CHECK(nets[1]->steps == 20 && !nets[1]->sharded);
+    for (int k = 0; k < 2; k++) mgpu_net_free(nets[k]);
+}
+TEST(zero_stages_train_like_the_unsharded_wrapper) {
+    for (int stage = 1; stage <= 2; stage++)
+        for (int adam = 0; adam <= 1; adam++) zero_like_unsharded(stage, adam);
+}
+
+TEST(bad_zero_settings_are_refused_by_name) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *net = small_net(devs[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    EXPECT_DIES(mgpu_data_parallel_zero(dp, 3), "mgpu_data_parallel_zero: stage 3 does not exist here: 0 (none), "
+                                                "1 (the optimizer's state sharded) or 2 (the gradients too)");
+    mgpu_data_parallel_zero(dp, 2);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(4));
+    EXPECT_DIES(mgpu_data_parallel_accumulate(dp, x, y), "mgpu_data_parallel_accumulate: ZeRO stage 2 keeps only "
+                                                         "a chunk of each gradient");
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+    EXPECT_DIES(mgpu_data_parallel_zero(dp, 1), "mgpu_data_parallel_zero: call it before the wrapper's first step");
+    EXPECT_DIES(mgpu_checkpoint_save(net, "/tmp/never.ckpt", NULL), "mgpu_checkpoint_save: /tmp/never.ckpt: the "
+                                                                   "optimizer's state of this network is spread");
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
 }
 
 TEST(bad_checkpoint_settings_are_refused_by_name) {
