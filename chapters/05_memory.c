@@ -21,6 +21,14 @@
    pass costs about two forward passes. The gradients are the same, bit
    for bit.
 
+   ZeRO (Rajbhandari et al. 2020; mgpu_data_parallel_zero) trades
+   communication for the model's state under data parallelism: w devices
+   each hold the whole model, its gradients and its optimizer's state
+   (with Adam 4P + 4P + 8P bytes); ZeRO-1 gives each device the optimizer
+   state of a w-th of the parameters (it updates that part, and the parts
+   are gathered), ZeRO-2 its gradients too (reduce-scattered instead of
+   allreduced).
+
    The chapter measures, on one device (a GPU, or the CPU):
      1. a ResNet-18 step's memory by category, beside the formulas, with
         SGD and momentum and with Adam;
@@ -30,16 +38,22 @@
      3. the largest batch that fits under a memory limit, with and
         without checkpointing, found by trying: each try is this program
         again (--try-batch), stopped by the allocator's one-line error
-        when the step does not fit.
+        when the step does not fit;
+     4. with 2 and 4 devices and Adam, what each device holds of the
+        model's state with DataParallel's gather, DDP's allreduce, ZeRO-1
+        and ZeRO-2, beside the formulas.
 
    What you should see (a 2-core CPU, the reduced run: batch 16, a limit
    of 320 MiB): about 43 MiB each for the parameters, their gradients and
    the momentum (P = 11.2 million); activations near 60 MiB at their peak;
    at about sqrt(12) = 3 runs the activations' peak falls by about 40%
-   and the step takes about 1.3 times as long; the largest batch under the
-   limit grows by about half with checkpointing. ResNet-18's layers are
-   not equal (its first layers' outputs are the largest), so the measured
-   peaks part from the formula for equal layers, printed beside them.
+   and the step takes about 1.2 times as long; the largest batch under the
+   limit grows by about half with checkpointing (48 to 68). ResNet-18's
+   layers are not equal (its first layers' outputs are the largest), so
+   the measured peaks sit above the formula for equal layers printed
+   beside them. With 4 devices and Adam, each device holds 171 MiB of the
+   model's state under DDP, 107 with ZeRO-1 and 75 with ZeRO-2, as the
+   formulas say to the tenth of a MiB.
 
    Without a GPU it runs a reduced setting (batch 16, 3 timed steps, a
    limit of 320 MiB); --full, or a GPU, runs batch 256 and a limit of
@@ -222,6 +236,66 @@ static void checkpointing(mgpu_device *dev, int batch, int steps, const mgpu_opt
     }
 }
 
+/* 4. Data parallelism on w devices, Adam: what each device holds of the
+   model's state (parameters, gradients, optimizer state) between steps,
+   and its peak, for DataParallel's gather, DDP's allreduce, ZeRO-1 and
+   ZeRO-2, beside the formulas. */
+static void sharded(int w, int use_gpu, int per_device_batch) {
+    mgpu_device *devs[MGPU_MAX_DEVICES];
+    mgpu_devices(w, use_gpu, devs);
+    mgpu_tensor *x, *y;
+    step_batch(mgpu_cpu(), per_device_batch * w, &x, &y);
+    static const char *names[4] = {"gather on device 0 (DataParallel)", "allreduce (DDP)", "ZeRO-1", "ZeRO-2"};
+    printf("  %d devices, batch %d:\n", w, per_device_batch * w);
+    for (int mode = 0; mode < 4; mode++) {
+        size_t base[MGPU_MAX_DEVICES][MGPU_MEMORY_CATEGORIES];
+        mgpu_synchronize_all();
+        for (int i = 0; i < w; i++) {
+            for (int c = 0; c < MGPU_MEMORY_CATEGORIES; c++)
+                base[i][c] = mgpu_device_memory_of(devs[i], (mgpu_memory_category)c);
+            mgpu_device_reset_peak(devs[i]);
+        }
+        mgpu_net *net = resnet(devs[0], 0, 1);
+        double p = (double)mgpu_net_num_weights(net);
+        mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, mode == 0 ? MGPU_DP_GATHER : MGPU_DP_ALLREDUCE);
+        if (mode >= 2) mgpu_data_parallel_zero(dp, mode - 1);
+        for (int step = 0; step < 2; step++) mgpu_data_parallel_step(dp, x, y, 0.001f, 0.0f, 0.0f);
+        mgpu_synchronize_all();
+        /* the model's state on the device that holds the least of it (device 0 holds more in gather mode) */
+        double state[3] = {1e30, 1e30, 1e30}, peak0 = mib(mgpu_device_memory_peak(devs[0])), peak_rest = 0;
+        const mgpu_memory_category cats[3] = {MGPU_MEMORY_PARAMETERS, MGPU_MEMORY_GRADIENTS, MGPU_MEMORY_OPTIMIZER};
+        for (int i = 0; i < w; i++) {
+            for (int k = 0; k < 3; k++) {
+                double held = mib(mgpu_device_memory_of(devs[i], cats[k]) - base[i][cats[k]]);
+                if (held < state[k]) state[k] = held;
+            }
+            if (i > 0 && mib(mgpu_device_memory_peak(devs[i])) > peak_rest) peak_rest = mib(mgpu_device_memory_peak(devs[i]));
+        }
+        /* Rajbhandari et al.'s formulas, float32 and Adam: 4P + 4P + 8P, the optimizer's 8P / w with ZeRO-1,
+           and the gradients' 4P / w too with ZeRO-2 */
+        double four = 4 * p / 1048576.0, formula = four + (mode == 3 ? four / w : four) + (mode >= 2 ? 2 * four / w : 2 * four);
+        if (mode == 0) formula = 2 * four; /* (a replica; device 0 also holds Adam's state and the others' gradients) */
+        printf("    %-34s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f\n", names[mode], state[0], state[1], state[2],
+               state[0] + state[1] + state[2], formula, peak0, peak_rest);
+        mgpu_data_parallel_free(dp);
+        mgpu_net_free(net);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+}
+static void sharding(int use_gpu, int per_device_batch) {
+    printf("\n4. Data parallelism with Adam: the model's state a device holds between steps (MiB; the device\n"
+           "   holding the least), beside the formula, and each device's peak over a step:\n");
+    printf("    %-34s %9s %9s %9s %9s %9s %9s %9s\n", "", "params", "grads", "Adam", "state", "formula",
+           "peak dev0", "peak rest");
+    for (int w = 2; w <= 4; w *= 2) sharded(w, use_gpu, per_device_batch);
+    printf("  Formulas (float32, Adam's two moments): 4P + 4P + 8P a device; ZeRO-1: 4P + 4P + 8P/w; ZeRO-2:\n"
+           "  4P + 4P/w + 8P/w. DataParallel's replicas hold 4P + 4P; its device 0 also holds Adam's 8P, the\n"
+           "  whole batch's logits and a copy of every replica's gradients for the update it alone makes:\n"
+           "  the highest peak of all. ZeRO-2's peak is not below ZeRO-1's here: a bucket's whole gradient\n"
+           "  lives while the backward pass fills it, and the activations dominate the peak.\n");
+}
+
 /* One try: this program again, with --try-batch. 1 when the step fit;
    else the allocator's line in `why`. */
 static int fits(int batch, int segments, double limit_mib, int use_gpu, char *why, size_t size) {
@@ -322,5 +396,6 @@ int main(int argc, char **argv) {
     memory_by_category(dev, batch);
     checkpointing(dev, batch, steps, &o);
     largest_batches(dev, limit_mib, use_gpu, reduced ? 4 : 16);
+    sharding(use_gpu, reduced ? 4 : 64);
     return mgpu_output_errors() ? 1 : 0;
 }

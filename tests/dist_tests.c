@@ -9,6 +9,7 @@
      2 devices (halving is exact, and a + b is b + a);
    - accumulated gradients (no_sync) equal one step on the batches together;
    - synchronised batch norm on k ranks trains like one process;
+   - ZeRO stages 1 and 2 over the ranks train like the unsharded wrapper;
    - rank 0's parameters and buffers reach every rank;
    - distributed evaluation counts each image once.
    tests/gpu_dist.c runs them on GPUs (emulated ones in make test): the
@@ -272,6 +273,42 @@ TEST(sync_batchnorm_on_k_ranks_trains_like_one_process) {
         CHECK(params > 1e-3);
         CHECK(buffers > 1e-3);
     }
+}
+
+/* ZeRO over the ranks: stages 1 and 2, SGD with momentum and AdamW, 20
+   steps, against the unsharded distributed wrapper (the same sums in the
+   same rank order: the same bits, allowed 1e-6). */
+static void zero_over_ranks(int stage, int adam) {
+    int rank = mgpu_group_rank(world);
+    mgpu_net *nets[2];
+    mgpu_data_parallel *ddps[2];
+    for (int k = 0; k < 2; k++) {
+        nets[k] = batch_norm_net(dev, 13 + (uint64_t)rank);
+        if (adam) mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 1);
+        ddps[k] = mgpu_distributed_data_parallel_new(nets[k], world);
+        mgpu_data_parallel_configure(ddps[k], 256, 1, 1);
+        if (k) mgpu_data_parallel_zero(ddps[k], stage);
+    }
+    int size = mgpu_group_size(world);
+    for (int s = 0; s < 20; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(200 + s, 4 * size, &x, &y);
+        mgpu_tensor *xs = mgpu_narrow(x, rank * 4, 4), *ys = mgpu_narrow(y, rank * 4, 4);
+        for (int k = 0; k < 2; k++) mgpu_data_parallel_step(ddps[k], xs, ys, adam ? 0.01f : 0.1f, adam ? 0.0f : 0.9f, 0.01f);
+        mgpu_free(xs);
+        mgpu_free(ys);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK_CLOSE(test_max_param_diff(nets[1], nets[0]), 0.0, 1e-6, 0);
+    CHECK(net_same_everywhere(nets[1]));
+    for (int k = 0; k < 2; k++) mgpu_data_parallel_free(ddps[k]); /* (gathers the state back: a collective) */
+    CHECK(nets[1]->momentum[0] != NULL && !nets[1]->sharded);
+    for (int k = 0; k < 2; k++) mgpu_net_free(nets[k]);
+}
+TEST(zero_over_ranks_trains_like_the_unsharded_wrapper) {
+    for (int stage = 1; stage <= 2; stage++)
+        for (int adam = 0; adam <= 1; adam++) zero_over_ranks(stage, adam);
 }
 
 /* Two devices a rank (the hybrid case): k ranks of 2 devices, each
