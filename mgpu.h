@@ -6426,6 +6426,12 @@ static unsigned *mgpu__bn_done(mgpu_device *dev, int channels) {
     return (unsigned *)dev->bn_done->data;
 }
 
+/* The backward pass's name in a trace: whether it writes dx, or the
+   channels-last copy the convolution before reads instead. */
+static const char *mgpu__bn_backward_name(const mgpu__bn_backward_args *a) {
+    return a->dx_t ? "batchnorm backward, channels-last dx" : "batchnorm backward";
+}
+
 /* A synchronised batch norm's passes (kernels/batchnorm.h, "Synchronised
    batch norm"): the parts of a, each launched on the compute queue, with
    the group's collective between them (which orders itself after the
@@ -6462,7 +6468,7 @@ static void mgpu__bn_backward_synced(mgpu__bn_backward_args *a, mgpu_group *g, m
                     MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
     mgpu_group_allreduce(g, sums, MGPU_SUM);
     a->phase = MGPU__BN_INPUT_GRAD;
-    mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
+    mgpu__launch_on(&dev->queue[0], mgpu__bn_backward_name(a), mgpu__bn_backward_cpu,
                     MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
     mgpu_free(sums);
 }
@@ -6630,7 +6636,7 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     if (sync && mgpu_group_size(sync) > 1)
         mgpu__bn_backward_synced(&a, sync, dev);
     else
-        mgpu__launch_on(&dev->queue[0], "batchnorm backward", mgpu__bn_backward_cpu,
+        mgpu__launch_on(&dev->queue[0], mgpu__bn_backward_name(&a), mgpu__bn_backward_cpu,
                         MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
     mgpu_free(scratch);
 }
