@@ -264,7 +264,8 @@ $(BUILD)/emu-no-cudnn/gpu_%: tests/gpu_%.c $(wildcard tests/*.h) $(INCLUDED_SOUR
 ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS)) $(BUILD)/asan/dist_tests
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
-BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp bench/checkpoint
+BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp bench/checkpoint \
+              bench/zero
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
@@ -347,6 +348,10 @@ bench/ddp: bench/ddp.c $(HEADERS) $(DEPS_STAMP)
 
 # A ResNet-18 step with and without gradient checkpointing.
 bench/checkpoint: bench/checkpoint.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# ResNet-18 steps on 2 devices under DDP, ZeRO-1 and ZeRO-2.
+bench/zero: bench/zero.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # Where the time of a ResNet-18 step goes (the tracer's summary).

@@ -47,6 +47,9 @@
 #              step plain and in about sqrt(n) = 3 checkpointed runs,
 #              alternated step by step; the ratio of the medians (at most
 #              1.4, chapter 5's issue) beside checkpoint_sequential's
+#   zero       ./bench/zero: ResNet-18 with Adam on 2 devices under DDP,
+#              ZeRO-1 and ZeRO-2, alternated step by step; ZeRO-2 / DDP at
+#              most 1.1 (chapter 5's issue)
 #   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
@@ -319,6 +322,12 @@ row "checkpointing" "checkpointed / plain" "$(calc %.3f "$(result checkpoint rat
     "<= 1.4 at about sqrt(n) runs (chapter 5's issue)"
 [ $TORCH = 1 ] && row "checkpointing, PyTorch checkpoint_sequential" "checkpointed / plain" \
     "$(calc %.3f "$(result checkpoint.py ratio)") ($(calc %.1f "$(result checkpoint.py plain_ms)") / $(calc %.1f "$(result checkpoint.py checkpointed_ms)") ms)"
+
+# ------------------------------------------------------------------ zero
+step zero ./bench/zero
+row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" "ms per step: DDP / ZeRO-1 / ZeRO-2" \
+    "$(calc %.1f "$(result zero ddp_ms)") / $(calc %.1f "$(result zero zero1_ms)") / $(calc %.1f "$(result zero zero2_ms)")"
+row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on the same devices (chapter 5's issue)"
 
 # ------------------------------------------------------------- allreduce
 for k in 2 4; do

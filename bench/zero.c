@@ -1,0 +1,81 @@
+/* bench/zero.c: what ZeRO costs (chapter 5's issue: a ZeRO-2 step at
+   most 1.1 times plain data parallelism's on the same devices).
+
+   ResNet-18 with Adam on 2 devices (virtual ones of one GPU, or CPU
+   devices sharing the cores), batch B (default 16 a device on a CPU, 128
+   on a GPU), random 1x28x28 images, behind three wrappers of chapter 3:
+   DDP's allreduce, ZeRO-1 and ZeRO-2 (mgpu_data_parallel_zero). They take
+   their steps in turn, step by step, 2 untimed and then --steps timed
+   each, each timed to every device's end. Prints the medians, the ratios
+   to DDP's and the optimizer state a device holds, then
+       RESULT zero on=[cpu, cpu#1] batch=32 ddp_ms=... zero1_ms=... zero2_ms=... zero1_ratio=... zero2_ratio=...
+
+       ./bench/zero [--batch-size B] [--steps N] [--cpu] */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    mgpu_options o;
+    memset(&o, 0, sizeof o);
+    o.seed = 1;
+    int steps = 10;
+    const mgpu_flag extra[] = {
+        {"--batch-size", 'i', &o.batch_size, "the batch a device (default 16 on a CPU, 128 on a GPU)"},
+        {"--steps", 'i', &steps, "timed steps of each (default 10)"},
+    };
+    mgpu_options_parse(&o, argc, argv, "bench/zero: ResNet-18 steps under DDP, ZeRO-1 and ZeRO-2 on 2 devices",
+                       extra, (int)(sizeof extra / sizeof extra[0]));
+    mgpu_device *devs[2];
+    mgpu_devices(2, !o.cpu, devs);
+    int per_device = o.batch_size ? o.batch_size : mgpu_device_is_gpu(devs[0]) ? 128 : 16;
+    mgpu_manual_seed(7);
+    mgpu_tensor *x = mgpu_randn(mgpu_cpu(), mgpu_shape4(2 * per_device, 1, 28, 28), 0.0f, 1.0f);
+    float *labels = (float *)malloc(sizeof(float) * 2 * (size_t)per_device);
+    for (int i = 0; i < 2 * per_device; i++) labels[i] = (float)(i % 10);
+    mgpu_tensor *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(2 * per_device), labels);
+    free(labels);
+    mgpu_net *nets[3];
+    mgpu_data_parallel *dps[3];
+    for (int k = 0; k < 3; k++) {
+        mgpu_manual_seed(1);
+        nets[k] = mgpu_resnet18(10, 1, devs[0]);
+        mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 0);
+        dps[k] = mgpu_data_parallel_new(nets[k], devs, 2, MGPU_DP_ALLREDUCE);
+        mgpu_data_parallel_zero(dps[k], k);
+    }
+    double *ms[3];
+    for (int k = 0; k < 3; k++) ms[k] = (double *)malloc(sizeof(double) * (size_t)steps);
+    for (int s = -2; s < steps; s++)
+        for (int k = 0; k < 3; k++) {
+            mgpu_synchronize_all();
+            double start = mgpu_now();
+            mgpu_data_parallel_step(dps[k], x, y, 0.001f, 0.0f, 0.0f);
+            mgpu_synchronize_all();
+            if (s >= 0) ms[k][s] = 1e3 * (mgpu_now() - start);
+        }
+    double median[3];
+    for (int k = 0; k < 3; k++) {
+        qsort(ms[k], (size_t)steps, sizeof(double), by_value);
+        median[k] = ms[k][steps / 2];
+    }
+    char on[64];
+    mgpu_device_list(on, sizeof on, devs, 2);
+    printf("ResNet-18 with Adam on %s, batch %d, median of %d: DDP %.2f ms (%s), ZeRO-1 %.2f ms (%.3fx), "
+           "ZeRO-2 %.2f ms (%.3fx, %s)\n", on, 2 * per_device, steps, median[0], mgpu_data_parallel_algorithm(dps[0]),
+           median[1], median[1] / median[0], median[2], median[2] / median[0], mgpu_data_parallel_algorithm(dps[2]));
+    printf("RESULT zero on=%s batch=%d ddp_ms=%.3f zero1_ms=%.3f zero2_ms=%.3f zero1_ratio=%.4f zero2_ratio=%.4f\n",
+           on, 2 * per_device, median[0], median[1], median[2], median[1] / median[0], median[2] / median[0]);
+    for (int k = 0; k < 3; k++) {
+        mgpu_data_parallel_free(dps[k]);
+        mgpu_net_free(nets[k]);
+        free(ms[k]);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+    return 0;
+}
