@@ -298,7 +298,7 @@ test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TE
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c
-# (NAME: ring, layer, measure or sampler). The checker prints a pass or a
+# (NAME: ring, layer, measure, sampler or checkpoint). The checker prints a pass or a
 # fail per test; the exit status says whether all passed. (Warnings, not
 # errors: an unused parameter of a student's is no failure.)
 ASSIGNMENTS := $(patsubst tests/assignments/check_%.c,%,$(wildcard tests/assignments/check_*.c))

@@ -78,10 +78,11 @@
    Memory by what it holds. Every tensor counts under one category:
    MGPU_MEMORY_PARAMETERS, _GRADIENTS (the parameters' gradients, and a
    data-parallel wrapper's buckets of them), _OPTIMIZER (momentum, Adam's
-   moments), _ACTIVATIONS (what a network's training forward pass makes,
-   kept for its backward pass), _WORKSPACE (what its backward pass makes:
-   the activations' gradients, scratch) and _OTHER (the rest: batches,
-   your own tensors).
+   moments), _ACTIVATIONS (what a network's forward pass keeps for its
+   backward pass), _WORKSPACE (the rest that its passes make: the
+   activations' gradients, the kernels' scratch) and _OTHER (the rest:
+   batches, your own tensors). A convolution's channels-last copies of
+   its weights count with the parameters.
        size_t mgpu_device_memory_of(d, category)        held now
        size_t mgpu_device_memory_peak_of(d, category)   the category's own peak
        size_t mgpu_device_memory_at_peak(d, category)   its part of the device's peak
@@ -1245,8 +1246,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
        void mgpu_net_checkpoint(mgpu_net *net, int segments)
    gradient checkpointing (Chen et al. 2016; PyTorch's
    checkpoint_sequential): the layers are cut into `segments` runs of
-   about equal length (MGPU_SEGMENTS_SQRT: about sqrt(n) of n layers; 0:
-   none, the default). A forward pass in training mode then keeps each
+   about equal length (MGPU_SEGMENTS_SQRT: about sqrt(n) of n layers; 1:
+   one run, which is no checkpointing, as a new network has). A forward
+   pass in training mode then keeps each
    run's input (the output of the run before) and frees what the run's
    layers made for their backward pass, except in the last run; the
    backward pass makes it again, run by run, by running the run's forward
@@ -1259,8 +1261,19 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    fix the method, MGPU_CONV, to compare bits from the first step). Batch
    norm's running statistics move once a step: the recomputation leaves
    them. A layer of yours is recomputed too: its forward pass must depend
-   on its input and parameters alone. More runs than layers, or a
-   negative number, is a one-line error.
+   on its input and parameters alone. More runs than layers, or fewer
+   than 1, is a one-line error.
+   Pieces to build such a scheme of your own (the checkpointing
+   assignment), where a network is a run of layers:
+       void mgpu_net_free_activations(net)  frees what the last forward pass
+                                  kept for the backward pass, all but the
+                                  output (which stays valid)
+       void mgpu_net_want_input_grad(net, 1) makes its first layer compute
+                                  the input's gradient too (a network's
+                                  first layer does not, by default)
+       mgpu_tensor *mgpu_net_input_grad(net)  that gradient, after a
+                                  backward pass (the net's: valid until the
+                                  next one)
 
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
    the backward pass of scale times the cross-entropy summed over the rows
@@ -1411,7 +1424,7 @@ typedef struct mgpu_net {
     int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
     int sharded;            /* its optimizer's state is spread over a ZeRO wrapper's members */
     float beta1, beta2, eps;
-    /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0: none),
+    /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0 or 1: none),
        and for the last forward pass, the runs' first layers (room for
        nlayers + 1) and which runs' activations it freed */
     int segments, nsegments;
@@ -1451,6 +1464,9 @@ MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net);
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training);
 #define MGPU_SEGMENTS_SQRT (-1) /* mgpu_net_checkpoint: about sqrt(n) runs of n layers */
 MGPU_DEF void mgpu_net_checkpoint(mgpu_net *net, int segments);
+MGPU_DEF void mgpu_net_free_activations(mgpu_net *net);
+MGPU_DEF void mgpu_net_want_input_grad(mgpu_net *net, int on);
+MGPU_DEF mgpu_tensor *mgpu_net_input_grad(mgpu_net *net);
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay);
 MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled);
 MGPU_DEF void mgpu_net_step(mgpu_net *net, float lr, float momentum, float weight_decay);
@@ -8124,11 +8140,23 @@ static mgpu_tensor *mgpu__layer_forward_pass(mgpu_layer *l, const mgpu_tensor *x
 }
 
 /* (the pass, with the layer named in the libraries' error lines) */
+/* (the pass, with the layer named in the libraries' error lines; what it
+   makes counts as workspace, but for what it keeps for the backward pass,
+   the activations, and the weights' copies a convolution keeps, counted
+   with the parameters) */
 static mgpu_tensor *mgpu__layer_forward(mgpu_layer *l, const mgpu_tensor *x, const mgpu_tensor *x_t,
                                         const mgpu_layer *next, int training) {
     const char *outer = mgpu__layer_enqueuing; /* (a block's, around its own layers) */
     mgpu__layer_enqueuing = l->name;
+    int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
     mgpu_tensor *y = mgpu__layer_forward_pass(l, x, x_t, next, training);
+    mgpu_tensor *kept[3] = {l->output, l->copies->output_t, l->copies->own_input_t};
+    for (int i = 0; i < 3; i++)
+        if (kept[i]) mgpu__memory_recount(kept[i], MGPU_MEMORY_ACTIVATIONS);
+    mgpu_tensor *weights[2] = {l->copies->weight_t, l->copies->weight_turned_t};
+    for (int i = 0; i < 2; i++)
+        if (weights[i]) mgpu__memory_recount(weights[i], MGPU_MEMORY_PARAMETERS);
+    mgpu__memory_scope((mgpu_memory_category)scope);
     mgpu__layer_enqueuing = outer;
     return y;
 }
@@ -8242,9 +8270,23 @@ static void mgpu__net_recompute_segment(mgpu_net *net, int s) {
     mgpu__memory_scope((mgpu_memory_category)scope);
     net->segment_freed[s] = 0;
 }
+MGPU_DEF void mgpu_net_free_activations(mgpu_net *net) {
+    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free_activations(net->layers[i], i == net->nlayers - 1);
+}
+MGPU_DEF void mgpu_net_want_input_grad(mgpu_net *net, int on) {
+    MGPU_REQUIRE(net->nlayers > 0, "mgpu_net_want_input_grad: the network has no layers");
+    net->layers[0]->need_dinput = on != 0 || net->layers[0]->kind == MGPU_LAYER_BATCHNORM;
+}
+MGPU_DEF mgpu_tensor *mgpu_net_input_grad(mgpu_net *net) {
+    MGPU_REQUIRE(net->nlayers > 0 && net->layers[0]->need_dinput && net->layers[0]->dinput,
+                 "mgpu_net_input_grad: no input gradient: call mgpu_net_want_input_grad(net, 1) before the "
+                 "backward pass");
+    return net->layers[0]->dinput;
+}
 MGPU_DEF void mgpu_net_checkpoint(mgpu_net *net, int segments) {
-    MGPU_REQUIRE(segments >= 0 || segments == MGPU_SEGMENTS_SQRT,
-                 "mgpu_net_checkpoint: %d runs; want 0 (none), a number of runs, or MGPU_SEGMENTS_SQRT", segments);
+    MGPU_REQUIRE(segments >= 1 || segments == MGPU_SEGMENTS_SQRT,
+                 "mgpu_net_checkpoint: %d runs; want 1 (one run: no checkpointing) up to the number of layers, or "
+                 "MGPU_SEGMENTS_SQRT", segments);
     MGPU_REQUIRE(segments <= net->nlayers,
                  "mgpu_net_checkpoint: %d runs of a network of %d layers; at most one a layer", segments,
                  net->nlayers);

@@ -23,7 +23,7 @@
 static mgpu_net *resnet(mgpu_device *dev, int checkpointed) {
     mgpu_manual_seed(1);
     mgpu_net *net = mgpu_resnet18(10, 1, dev);
-    mgpu_net_checkpoint(net, checkpointed ? MGPU_SEGMENTS_SQRT : 0);
+    mgpu_net_checkpoint(net, checkpointed ? MGPU_SEGMENTS_SQRT : 1);
     return net;
 }
 

@@ -32,7 +32,7 @@
    The chapter measures, on one device (a GPU, or the CPU):
      1. a ResNet-18 step's memory by category, beside the formulas, with
         SGD and momentum and with Adam;
-     2. the peak activations and the step's time at 0, 2, about sqrt(n)
+     2. the peak activations and the step's time at 1 (none), 2, about sqrt(n)
         and n checkpointed runs, beside the formula, and a picture of
         memory through a step (chapter5_memory_timeline.png);
      3. the largest batch that fits under a memory limit, with and
@@ -91,7 +91,7 @@ static void memory_by_category(mgpu_device *dev, int batch) {
     size_t held[2][MGPU_MEMORY_CATEGORIES], peak[2];
     double p = 0;
     for (int adam = 0; adam < 2; adam++) {
-        mgpu_net *net = resnet(dev, 0, adam);
+        mgpu_net *net = resnet(dev, 1, adam);
         p = (double)mgpu_net_num_weights(net);
         float momentum = adam ? 0.0f : 0.9f;
         mgpu_net_train_step(net, x, y, adam ? 0.001f : 0.1f, momentum, 0.0f, NULL);
@@ -117,7 +117,7 @@ static void memory_by_category(mgpu_device *dev, int batch) {
         else if (c == MGPU_MEMORY_GRADIENTS) printf("4P = %.1f\n", 4 * p / 1048576.0);
         else if (c == MGPU_MEMORY_OPTIMIZER) printf("4P = %.1f / 8P = %.1f\n", 4 * p / 1048576.0, 8 * p / 1048576.0);
         else if (c == MGPU_MEMORY_ACTIVATIONS) printf("grows with the batch\n");
-        else if (c == MGPU_MEMORY_WORKSPACE) printf("a layer or two's activation gradients\n");
+        else if (c == MGPU_MEMORY_WORKSPACE) printf("activation gradients of a layer or two, scratch\n");
         else printf("the batch itself\n");
     }
     printf("  %-16s %14.1f %14.1f\n", "the whole peak", mib(peak[0]), mib(peak[1]));
@@ -176,10 +176,10 @@ static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, 
     return r;
 }
 
-/* 2. Checkpointing at 0, 2, about sqrt(n) and n runs. */
+/* 2. Checkpointing at 1 (none), 2, about sqrt(n) and n runs. */
 static void checkpointing(mgpu_device *dev, int batch, int steps, const mgpu_options *o) {
     /* O: a layer's output on average, the tensor a run keeps for the next */
-    mgpu_net *probe = resnet(dev, 0, 0);
+    mgpu_net *probe = resnet(dev, 1, 0);
     int n = probe->nlayers, root = (int)lround(sqrt((double)n));
     mgpu_tensor *x, *y;
     step_batch(dev, batch, &x, &y);
@@ -190,7 +190,7 @@ static void checkpointing(mgpu_device *dev, int batch, int steps, const mgpu_opt
     mgpu_free(x);
     mgpu_free(y);
     mgpu_net_free(probe);
-    int runs[4] = {0, 2, root, n};
+    int runs[4] = {1, 2, root, n};
     checkpoint_run r[4];
     for (int i = 0; i < 4; i++) r[i] = checkpoint_try(dev, batch, runs[i], steps);
     printf("\n2. Gradient checkpointing: ResNet-18's n = %d layers (its blocks) in k runs, batch %d, median of %d "
@@ -199,7 +199,7 @@ static void checkpointing(mgpu_device *dev, int batch, int steps, const mgpu_opt
            "time");
     double a_mean = r[0].activations / n;
     for (int i = 0; i < 4; i++) {
-        int k = runs[i] ? runs[i] : 1;
+        int k = runs[i];
         double formula = (double)n / k * a_mean + (k - 1) * o_mean;
         printf("  %5d %14.1f MiB %22.1f MiB %10.1f %7.2fx\n", runs[i], r[i].activations, formula, r[i].step_ms,
                r[i].step_ms / r[0].step_ms);
@@ -304,7 +304,7 @@ static int fits(int batch, int segments, double limit_mib, int use_gpu, char *wh
     if (len <= 0) mgpu_fatal("chapter5: cannot find this program (/proc/self/exe: %s)", strerror(errno));
     self[len] = 0;
     snprintf(command, sizeof command, "'%s' --try-batch %d --checkpointed %d --limit-mib %g%s 2>&1", self, batch,
-             segments != 0, limit_mib, use_gpu ? "" : " --cpu");
+             segments != 1, limit_mib, use_gpu ? "" : " --cpu");
     FILE *p = popen(command, "r");
     if (!p) mgpu_fatal("chapter5: cannot start %s (%s)", self, strerror(errno));
     char line[1024];
@@ -346,7 +346,7 @@ static void largest_batches(mgpu_device *dev, double limit_mib, int use_gpu, int
            limit_mib, mgpu_device_name(dev), within);
     for (int k = 0; k < 2; k++) {
         char why[1024];
-        int segments = k ? MGPU_SEGMENTS_SQRT : 0;
+        int segments = k ? MGPU_SEGMENTS_SQRT : 1;
         int b = largest_batch(segments, limit_mib, use_gpu, within, why, sizeof why);
         printf("  %-26s batch %d\n", k ? "checkpointed (sqrt n runs)" : "without checkpointing", b);
         printf("    the first that did not fit said: %s\n", why);
@@ -385,7 +385,7 @@ int main(int argc, char **argv) {
                        extra, (int)(sizeof extra / sizeof extra[0]));
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
-    if (try_at) return try_batch(try_at, segments ? MGPU_SEGMENTS_SQRT : 0, limit_mib, use_gpu);
+    if (try_at) return try_batch(try_at, segments ? MGPU_SEGMENTS_SQRT : 1, limit_mib, use_gpu);
     int batch = o.batch_size ? o.batch_size : reduced ? 16 : 256;
     if (!steps) steps = reduced ? 3 : 10;
     if (!limit_mib) limit_mib = reduced ? 320 : 2048;

@@ -9,7 +9,8 @@
      2 devices (halving is exact, and a + b is b + a);
    - accumulated gradients (no_sync) equal one step on the batches together;
    - synchronised batch norm on k ranks trains like one process;
-   - ZeRO stages 1 and 2 over the ranks train like the unsharded wrapper;
+   - ZeRO stages 1 and 2 over the ranks train like the unsharded wrapper,
+     and gradient checkpointing inside the wrapper changes no bit;
    - rank 0's parameters and buffers reach every rank;
    - distributed evaluation counts each image once.
    tests/gpu_dist.c runs them on GPUs (emulated ones in make test): the
@@ -306,6 +307,36 @@ static void zero_over_ranks(int stage, int adam) {
     CHECK(nets[1]->momentum[0] != NULL && !nets[1]->sharded);
     for (int k = 0; k < 2; k++) mgpu_net_free(nets[k]);
 }
+/* Gradient checkpointing inside the distributed wrapper: 5 steps in
+   about sqrt(n) runs, the parameters of the plain wrapper bit for bit. */
+TEST(checkpointing_inside_the_distributed_wrapper) {
+    int rank = mgpu_group_rank(world);
+    mgpu_net *nets[2];
+    mgpu_data_parallel *ddps[2];
+    for (int k = 0; k < 2; k++) {
+        nets[k] = batch_norm_net(dev, 17 + (uint64_t)rank);
+        mgpu_net_checkpoint(nets[k], k ? MGPU_SEGMENTS_SQRT : 1);
+        ddps[k] = mgpu_distributed_data_parallel_new(nets[k], world);
+    }
+    int size = mgpu_group_size(world);
+    for (int s = 0; s < 5; s++) {
+        mgpu_tensor *x, *y;
+        global_batch(300 + s, 4 * size, &x, &y);
+        mgpu_tensor *xs = mgpu_narrow(x, rank * 4, 4), *ys = mgpu_narrow(y, rank * 4, 4);
+        for (int k = 0; k < 2; k++) mgpu_data_parallel_step(ddps[k], xs, ys, 0.1f, 0.9f, 0.0f);
+        mgpu_free(xs);
+        mgpu_free(ys);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK(test_max_param_diff(nets[1], nets[0]) == 0.0);
+    CHECK(nets[1]->nsegments > 1);
+    for (int k = 0; k < 2; k++) {
+        mgpu_data_parallel_free(ddps[k]);
+        mgpu_net_free(nets[k]);
+    }
+}
+
 TEST(zero_over_ranks_trains_like_the_unsharded_wrapper) {
     for (int stage = 1; stage <= 2; stage++)
         for (int adam = 0; adam <= 1; adam++) zero_over_ranks(stage, adam);

@@ -123,11 +123,11 @@ for f in chapter3_test_acc.png chapter3_step_timeline.png chapter3_4_devices.png
 done
 
 # Chapter 5, small: the memory table (P = 11.2 million: 42.6 MiB a copy
-# of the parameters), the checkpointing table at k = 0, 2, 3 and 12, the
+# of the parameters), the checkpointing table at k = 1, 2, 3 and 12, the
 # largest batches under 170 MiB, checkpointing's the larger, and the
 # model's state a device holds under DDP, ZeRO-1 and ZeRO-2 on 4 devices.
 check chapter5_runs 0 '^  parameters +42\.7 +42\.7 +4P = 42\.6' '^  optimizer state +42\.6 +85\.3 +4P = 42\.6 / 8P = 85\.3$' \
-    '^ +0 +[0-9.]+ MiB +[0-9.]+ MiB +[0-9.]+ +1\.00x$' '^ +3 +[0-9.]+ MiB' '^ +12 +[0-9.]+ MiB' \
+    '^ +1 +[0-9.]+ MiB +[0-9.]+ MiB +[0-9.]+ +1\.00x$' '^ +3 +[0-9.]+ MiB' '^ +12 +[0-9.]+ MiB' \
     '^  without checkpointing +batch [0-9]+$' '^  checkpointed \(sqrt n runs\) batch [0-9]+$' \
     'the first that did not fit said: mgpu: error: out of memory on cpu: asked for .* past its limit of 170\.0 MiB' \
     '^    allreduce \(DDP\) +42\.7 +42\.6 +85\.3 +170\.6 +170\.5 ' '^    ZeRO-1 +42\.7 +42\.6 +21\.3 +106\.6 +106\.6 ' \

@@ -199,7 +199,7 @@ TEST(checkpointing_inside_the_data_parallel_wrapper) {
 TEST(peak_activations_follow_the_formula) {
     const int n = 16, width = 128, rows = 32;
     const double a = rows * width * sizeof(float);
-    int runs[] = {0, 2, 4, 8, 16};
+    int runs[] = {1, 2, 4, 8, 16};
     mgpu_manual_seed(1);
     mgpu_tensor *x = mgpu_randn(dev, mgpu_shape2(rows, width), 0.0f, 1.0f);
     float labels[32];
@@ -215,7 +215,7 @@ TEST(peak_activations_follow_the_formula) {
         mgpu_device_reset_peak(dev);
         mgpu_net_train_step(net, x, y, 0.01f, 0.0f, 0.0f, NULL);
         mgpu_synchronize(dev);
-        int k = runs[r] ? runs[r] : 1;
+        int k = runs[r];
         double want = (n / k + k - 1) * a;
         double got = (double)mgpu_device_memory_peak_of(dev, MGPU_MEMORY_ACTIVATIONS) - before;
         printf("  %2d runs: peak activations %.0f KiB, formula %.0f KiB\n", runs[r], got / 1024, want / 1024);
@@ -401,8 +401,9 @@ TEST(bad_zero_settings_are_refused_by_name) {
 
 TEST(bad_checkpoint_settings_are_refused_by_name) {
     mgpu_net *net = with_own_layers(1);
-    EXPECT_DIES(mgpu_net_checkpoint(net, -3), "mgpu_net_checkpoint: -3 runs; want 0 (none), a number of runs, "
-                                              "or MGPU_SEGMENTS_SQRT");
+    EXPECT_DIES(mgpu_net_checkpoint(net, 0), "mgpu_net_checkpoint: 0 runs; want 1 (one run: no checkpointing) up "
+                                             "to the number of layers, or MGPU_SEGMENTS_SQRT");
+    EXPECT_DIES(mgpu_net_checkpoint(net, -3), "mgpu_net_checkpoint: -3 runs; want 1");
     EXPECT_DIES(mgpu_net_checkpoint(net, 10), "mgpu_net_checkpoint: 10 runs of a network of 9 layers; "
                                               "at most one a layer");
     EXPECT_DIES(mgpu_device_memory_of(dev, (mgpu_memory_category)9), "mgpu_device_memory_of: memory category 9 "
