@@ -223,25 +223,6 @@ static mgpu_net *batch_norm_net(mgpu_device *d, uint64_t seed) {
     mgpu_net_add_linear(net, 8, 10);
     return net;
 }
-/* max |a - b| / max |b| over the running statistics */
-static double max_buffer_diff(mgpu_net *a, mgpu_net *b) {
-    double worst = 0;
-    for (int i = 0; i < a->nbuffers; i++) {
-        const mgpu_tensor *ta = *a->buffers[i], *tb = *b->buffers[i];
-        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
-        mgpu_to_host(ta, va);
-        mgpu_to_host(tb, vb);
-        double diff = 0, scale = 1e-30;
-        for (size_t k = 0; k < ta->numel; k++) {
-            diff = fmax(diff, fabs((double)va[k] - vb[k]));
-            scale = fmax(scale, fabs((double)vb[k]));
-        }
-        worst = fmax(worst, diff / scale);
-        free(va);
-        free(vb);
-    }
-    return worst;
-}
 /* 5 steps of k ranks with a k-th of the batch each, beside one process
    with all of it: the largest difference of the parameters and of the
    running statistics. */
@@ -254,7 +235,7 @@ static void batch_norm_beside_one_process(int sync, double *params, double *buff
     mgpu_data_parallel_configure(ddp, 256, 1, 1);
     train_beside_one_process(one, ddp, 5, 4);
     *params = test_max_param_diff(mine, one);
-    *buffers = max_buffer_diff(mine, one);
+    *buffers = test_max_diff(mine, one, 1);
     CHECK(net_same_everywhere(mine));
     mgpu_data_parallel_free(ddp);
     mgpu_net_free(mine);

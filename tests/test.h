@@ -148,28 +148,65 @@ static __attribute__((unused)) mgpu_net *test_plain_net(mgpu_device *d, uint64_t
     return net;
 }
 
-/* Largest difference between two networks' parameters, relative to each
-   tensor's largest value: max |a - b| / max |b|, over the tensors. (It
-   reads the parameters from the nets' structs: mgpu_net_param would mark
-   a wrapped net as changed, and its wrapper would copy it again.) */
-static __attribute__((unused)) double test_max_param_diff(const mgpu_net *a, const mgpu_net *b) {
-    double worst = 0;
-    for (int p = 0; p < a->nparams; p++) {
-        const mgpu_tensor *ta = a->params[p]->value, *tb = b->params[p]->value;
-        float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
-        mgpu_to_host(ta, va);
-        mgpu_to_host(tb, vb);
-        double diff = 0, scale = 1e-30;
-        for (size_t i = 0; i < ta->numel; i++) {
-            diff = fmax(diff, fabs((double)va[i] - vb[i]));
-            scale = fmax(scale, fabs((double)vb[i]));
-        }
-        worst = fmax(worst, diff / scale);
-        free(va);
-        free(vb);
+/* max |a - b| / max |b| of two tensors of the same size. */
+static __attribute__((unused)) double test_relative_diff(const mgpu_tensor *ta, const mgpu_tensor *tb) {
+    float *va = (float *)malloc(ta->numel * sizeof(float)), *vb = (float *)malloc(tb->numel * sizeof(float));
+    mgpu_to_host(ta, va);
+    mgpu_to_host(tb, vb);
+    double diff = 0, scale = 1e-30;
+    for (size_t i = 0; i < ta->numel; i++) {
+        diff = fmax(diff, fabs((double)va[i] - vb[i]));
+        scale = fmax(scale, fabs((double)vb[i]));
     }
+    free(va);
+    free(vb);
+    return diff / scale;
+}
+/* 1 when the two tensors hold the same bits. */
+static __attribute__((unused)) int test_same_bits(const mgpu_tensor *a, const mgpu_tensor *b) {
+    float *va = (float *)malloc(a->numel * sizeof(float)), *vb = (float *)malloc(b->numel * sizeof(float));
+    mgpu_to_host(a, va);
+    mgpu_to_host(b, vb);
+    int same = a->numel == b->numel && memcmp(va, vb, a->numel * sizeof(float)) == 0;
+    free(va);
+    free(vb);
+    return same;
+}
+
+/* Largest difference between two networks' parameters (with buffers 1,
+   their buffers'), relative to each tensor's largest value: the largest
+   test_relative_diff over the tensors. (It reads the parameters from the
+   nets' structs: mgpu_net_param would mark a wrapped net as changed, and
+   its wrapper would copy it again.) */
+static __attribute__((unused)) double test_max_diff(const mgpu_net *a, const mgpu_net *b, int buffers) {
+    double worst = 0;
+    int n = buffers ? a->nbuffers : a->nparams;
+    for (int i = 0; i < n; i++)
+        worst = fmax(worst, buffers ? test_relative_diff(*a->buffers[i], *b->buffers[i])
+                                    : test_relative_diff(a->params[i]->value, b->params[i]->value));
     return worst;
 }
+static __attribute__((unused)) double test_max_param_diff(const mgpu_net *a, const mgpu_net *b) {
+    return test_max_diff(a, b, 0);
+}
+
+/* A ReLU of one's own (mgpu_net_add_layer) made of the library's
+   operations, which then runs on any device. */
+static void test_own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l;
+    (void)training;
+    mgpu_relu_forward(y, x);
+}
+static void test_own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                   const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l;
+    (void)dweight;
+    (void)dbias;
+    (void)x;
+    mgpu_relu_backward(dx, dy, y); /* (a parameter-free layer is called only when dx is wanted) */
+}
+static __attribute__((unused)) const mgpu_layer_fns test_own_relu = {"own_relu", NULL, test_own_relu_forward,
+                                                                     test_own_relu_backward, 0};
 #endif
 
 /* Runs the registered tests (those whose name contains argv[1] when given). */

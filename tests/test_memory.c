@@ -21,22 +21,7 @@
 
 static mgpu_device *dev;
 
-/* A ReLU of one's own, made of the library's operations (so it runs on
-   any device): recomputed like the library's layers. */
-static void own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
-    (void)l;
-    (void)training;
-    mgpu_relu_forward(y, x);
-}
-static void own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                              const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)l;
-    (void)dweight;
-    (void)dbias;
-    (void)y;
-    mgpu_relu_backward(dx, dy, x);
-}
-static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward, 0};
+#define own_relu test_own_relu /* (test.h's: recomputed like the library's layers) */
 
 static mgpu_net *resnet(uint64_t seed) {
     mgpu_manual_seed(seed);
@@ -66,16 +51,7 @@ static void batch(int n, int size, mgpu_tensor **x, mgpu_tensor **y) {
     *y = mgpu_from_host(dev, mgpu_shape1(n), labels);
 }
 
-/* 1 when the two tensors hold the same bits */
-static int same_bits(const mgpu_tensor *a, const mgpu_tensor *b) {
-    float *va = (float *)malloc(a->numel * sizeof(float)), *vb = (float *)malloc(b->numel * sizeof(float));
-    mgpu_to_host(a, va);
-    mgpu_to_host(b, vb);
-    int same = a->numel == b->numel && memcmp(va, vb, a->numel * sizeof(float)) == 0;
-    free(va);
-    free(vb);
-    return same;
-}
+#define same_bits test_same_bits
 
 /* NaN-filled tensors of the shapes of every output of `shapes`' layers
    (their parts' too), into out; returns how many. Made between a

@@ -877,23 +877,12 @@ TEST(a_network_of_any_depth_trains) {
     mgpu_net_free(net);
 }
 
-/* Layers of one's own (mgpu_net_add_layer): a ReLU and a linear layer
-   made of the library's operations, which then run on any device. */
-static void own_relu_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
-    (void)l;
-    (void)training;
-    mgpu_relu_forward(y, x);
-}
-static void own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                              const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)l;
-    (void)dweight;
-    (void)dbias;
-    (void)x;
-    mgpu_relu_backward(dx, dy, y); /* (a parameter-free layer is called only when dx is wanted) */
-}
-static const mgpu_layer_fns own_relu = {"own_relu", NULL, own_relu_forward, own_relu_backward, 0};
-
+/* Layers of one's own (mgpu_net_add_layer): a ReLU (test.h's) and a
+   linear layer made of the library's operations, which then run on any
+   device. */
+#define own_relu test_own_relu
+#define own_relu_forward test_own_relu_forward
+#define own_relu_backward test_own_relu_backward
 static mgpu_shape own_linear_shape(const mgpu_layer *l, mgpu_shape x) {
     return mgpu_shape2(x.d[0], l->weight.value->shape.d[1]);
 }

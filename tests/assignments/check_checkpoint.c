@@ -44,16 +44,6 @@ static void cut(int k, mgpu_net **runs) {
 
 static mgpu_tensor *x, *labels;
 
-static int same_bits(const mgpu_tensor *a, const mgpu_tensor *b) {
-    float *va = (float *)malloc(a->numel * sizeof(float)), *vb = (float *)malloc(b->numel * sizeof(float));
-    mgpu_to_host(a, va);
-    mgpu_to_host(b, vb);
-    int same = a->numel == b->numel && memcmp(va, vb, a->numel * sizeof(float)) == 0;
-    free(va);
-    free(vb);
-    return same;
-}
-
 /* The plain pass of the whole network, and the student's of its k runs:
    the first `shown` differences said, the count of parameters (or with
    buffers, running statistics) whose bits differ returned. */
@@ -83,7 +73,7 @@ static int differences(int k, int buffers, double *plain_peak, double *yours_pea
         for (int i = 0; i < n; i++, buffers ? b++ : p++) {
             const mgpu_tensor *mine = buffers ? mgpu_net_buffer(runs[s], i) : mgpu_net_param(runs[s], i)->grad;
             const mgpu_tensor *want = buffers ? mgpu_net_buffer(net, b) : mgpu_net_param(net, p)->grad;
-            if (!same_bits(mine, want)) {
+            if (!test_same_bits(mine, want)) {
                 if (differ++ < 3)
                     printf("  %d runs: run %d's %s %d is not the plain pass's (first value %g, want %g)\n", k, s,
                            buffers ? "running statistic" : "gradient", i, mgpu_item(mine, 0), mgpu_item(want, 0));
