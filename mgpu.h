@@ -118,6 +118,10 @@
    The book's Timer: wall-clock seconds. mgpu_timer_stop returns the
    interval it ends; t.times[0 .. t.n-1] keeps every one. It times the
    host: synchronise first to time the devices' work.
+       double mgpu_median(double *values, int n)
+   the median of n values (the mean of the middle two when n is even),
+   sorting them in place: what a benchmark on a shared, noisy machine
+   should quote rather than a mean.
 
        MGPU_BENCHMARK("GPU1 time") { run(x); }
    runs the block, synchronises every device and prints "GPU1 time: 0.5620 sec".
@@ -420,6 +424,7 @@ MGPU_DEF double mgpu_timer_stop(mgpu_timer *t); /* returns this interval */
 MGPU_DEF double mgpu_timer_avg(const mgpu_timer *t);
 MGPU_DEF double mgpu_timer_sum(const mgpu_timer *t);
 MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i); /* sum of the first i+1 */
+MGPU_DEF double mgpu_median(double *values, int n);
 
 /* Seconds as the book prints them, one decimal, or three below 1 s:
    printf("%.*f sec/epoch", MGPU_SECONDS(t)). */
@@ -3082,6 +3087,15 @@ MGPU_DEF double mgpu_timer_stop(mgpu_timer *t) {
 }
 MGPU_DEF double mgpu_timer_sum(const mgpu_timer *t) { return mgpu_timer_cumsum(t, t->n - 1); }
 MGPU_DEF double mgpu_timer_avg(const mgpu_timer *t) { return t->n ? mgpu_timer_sum(t) / t->n : 0.0; }
+static int mgpu__double_order(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+MGPU_DEF double mgpu_median(double *values, int n) {
+    MGPU_REQUIRE(n >= 1, "mgpu_median: %d values; want 1 or more", n);
+    qsort(values, (size_t)n, sizeof *values, mgpu__double_order);
+    return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
 MGPU_DEF double mgpu_timer_cumsum(const mgpu_timer *t, int i) {
     double s = 0;
     for (int k = 0; k <= i && k < t->n; k++) s += t->times[k];

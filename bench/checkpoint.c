@@ -27,11 +27,6 @@ static mgpu_net *resnet(mgpu_device *dev, int checkpointed) {
     return net;
 }
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
@@ -76,10 +71,7 @@ int main(int argc, char **argv) {
         mgpu_net_free(net);
     }
     double median[2];
-    for (int k = 0; k < 2; k++) {
-        qsort(ms[k], (size_t)steps, sizeof(double), by_value);
-        median[k] = ms[k][steps / 2];
-    }
+    for (int k = 0; k < 2; k++) median[k] = mgpu_median(ms[k], steps);
     printf("ResNet-18 step on %s, batch %d, median of %d: plain %.2f ms (activations %.1f MiB), "
            "%d checkpointed runs %.2f ms (activations %.1f MiB): %.3fx the time, %.2fx the activations\n",
            mgpu_device_name(dev), batch, steps, median[0], activations[0], runs, median[1],

@@ -47,11 +47,6 @@ typedef struct {
 } way;
 static const way ways[NWAYS] = {{"overlapped", 1, 1}, {"after", 0, 1}, {"none", 1, 0}};
 
-static int compare_doubles(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
     mgpu_group *world = mgpu_dist_init(&argc, &argv);
     int rank = mgpu_group_rank(world), procs = mgpu_group_size(world);
@@ -152,8 +147,7 @@ int main(int argc, char **argv) {
             for (int r = 0; r < procs; r++) longest = fmax(longest, all[(size_t)r * n + w * steps + s]);
             sorted[s] = longest;
         }
-        qsort(sorted, (size_t)steps, sizeof(double), compare_doubles);
-        double median = steps % 2 ? sorted[steps / 2] : (sorted[steps / 2 - 1] + sorted[steps / 2]) / 2;
+        double median = mgpu_median(sorted, steps);
         const char *algorithm = mgpu_data_parallel_algorithm(dp[w]);
         if (replicas == 1 || !ways[w].reduce) algorithm = "none";
         if (rank == 0) {

@@ -14,11 +14,6 @@
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
@@ -59,10 +54,7 @@ int main(int argc, char **argv) {
             if (s >= 0) ms[k][s] = 1e3 * (mgpu_now() - start);
         }
     double median[3];
-    for (int k = 0; k < 3; k++) {
-        qsort(ms[k], (size_t)steps, sizeof(double), by_value);
-        median[k] = ms[k][steps / 2];
-    }
+    for (int k = 0; k < 3; k++) median[k] = mgpu_median(ms[k], steps);
     char on[64];
     mgpu_device_list(on, sizeof on, devs, 2);
     printf("ResNet-18 with Adam on %s, batch %d, median of %d: DDP %.2f ms (%s), ZeRO-1 %.2f ms (%.3fx), "

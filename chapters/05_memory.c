@@ -132,11 +132,6 @@ typedef struct {
     double *event, *act_mib; /* the last timed step's activations, after each of the allocator's calls */
 } checkpoint_run;
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* A step with `segments` runs, timed `steps` times after one to warm up:
    the peak activations and the median step. */
 static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, int steps) {
@@ -167,8 +162,7 @@ static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, 
             }
         }
     }
-    qsort(ms, (size_t)steps, sizeof *ms, by_value);
-    r.step_ms = ms[steps / 2];
+    r.step_ms = mgpu_median(ms, steps);
     free(ms);
     mgpu_net_free(net);
     mgpu_free(x);

@@ -127,6 +127,14 @@ TEST(events_order_and_time_work_across_devices) {
    (a busy machine wakes a sleeper late, by milliseconds: a 5 ms bound
    failed in CI while other tests ran); then the sum, mean and running
    sums of exactly those intervals. */
+TEST(median_of_odd_and_even_counts) {
+    double odd[3] = {3, 1, 2}, even[4] = {4, 1, 3, 2.5};
+    CHECK(mgpu_median(odd, 3) == 2.0);
+    CHECK(mgpu_median(even, 4) == 2.75);
+    CHECK(even[0] == 1.0 && even[3] == 4.0); /* (sorted in place) */
+    EXPECT_DIES(mgpu_median(odd, 0), "mgpu_median: 0 values; want 1 or more");
+}
+
 TEST(timer_sums_averages_and_cumulates) {
     mgpu_timer t;
     mgpu_timer_init(&t);
