@@ -982,6 +982,62 @@ TEST(sgd_and_zeroing_over_lists_of_tensors) {
     }
 }
 
+/* Adam and AdamW (kernels/adam.h) over the same lists: the CUDA kernels
+   give the CPU's values exactly (parameters and both moments), with the
+   gradients a value past a 16-byte boundary where the others are not
+   (the kernels then take no vectors); and the CPU's update is the
+   formula, value by value, within 1e-6. */
+TEST(adam_over_lists_of_tensors) {
+    const size_t sizes[18] = {1, 4095, 4096, 4097, 0, 9000, 64, 3, 12289, 512, 1, 8192, 7, 100, 2, 33, 4099, 10};
+    for (int decoupled = 0; decoupled < 2; decoupled++) {
+        std::vector<std::vector<float>> p_c, p_g, m_c, m_g, v_c, v_g, grad, p0, m0, v0;
+        for (int t = 0; t < 18; t++) {
+            size_t n = sizes[t] + 1;
+            p_c.push_back(random_values(n));
+            m_c.push_back(random_values(n, 0.0f, 0.1f));
+            v_c.push_back(random_values(n, 0.5f, 0.2f)); /* (a second moment is not negative) */
+            grad.push_back(random_values(n));
+            p_g.push_back(p_c.back()), m_g.push_back(m_c.back()), v_g.push_back(v_c.back());
+            p0.push_back(p_c.back()), m0.push_back(m_c.back()), v0.push_back(v_c.back());
+        }
+        mgpu__adam_args cpu = {}, gpu = {};
+        for (mgpu__adam_args *a : {&cpu, &gpu}) {
+            a->one_minus_beta1 = 0.1f, a->beta2 = 0.999f, a->one_minus_beta2 = 0.001f, a->eps = 1e-8f;
+            a->weight_decay = 0.01f, a->decay = 1.0f - 0.001f * 0.01f, a->step_size = 0.001f / 0.19f;
+            a->correction2_sqrt = 0.0447101778f, a->decoupled = decoupled;
+        }
+        for (int t = 0; t < 18; t++) {
+            int at = cpu.list.count;
+            cpu.param[at] = p_c[t].data(), gpu.param[at] = p_g[t].data();
+            cpu.m[at] = m_c[t].data(), gpu.m[at] = m_g[t].data();
+            cpu.v[at] = v_c[t].data(), gpu.v[at] = v_g[t].data();
+            cpu.grad[at] = gpu.grad[at] = grad[t].data() + (t % 3 == 1); /* (misaligned) */
+            mgpu__list_add(&gpu.list, sizes[t]);
+            if (mgpu__list_add(&cpu.list, sizes[t]) || t == 17) {
+                mgpu__adam_cpu(&cpu, &on_cpu);
+                mgpu__adam_cuda(&gpu, &on_gpu);
+                cpu.list.count = gpu.list.count = 0;
+            }
+        }
+        double worst = 0;
+        for (int t = 0; t < 18; t++) {
+            same("Adam parameters", p_g[t], p_c[t], 0);
+            same("Adam first moments", m_g[t], m_c[t], 0);
+            same("Adam second moments", v_g[t], v_c[t], 0);
+            for (size_t i = 0; i < sizes[t]; i++) {
+                double g = grad[t][i + (t % 3 == 1)], p = p0[t][i];
+                if (decoupled) p *= 1.0 - 0.001 * 0.01;
+                else g += 0.01 * p;
+                double m = m0[t][i] + 0.1 * (g - m0[t][i]), v = 0.999 * v0[t][i] + 0.001 * g * g;
+                p -= 0.001 / 0.19 * m / (std::sqrt(v) / 0.0447101778 + 1e-8);
+                worst = std::max(worst, std::fabs(p_c[t][i] - p) / (1 + std::fabs(p)));
+            }
+            CHECK(p_c[t][sizes[t]] == p0[t][sizes[t]]); /* (nothing past the end) */
+        }
+        CHECK(worst < 1e-6);
+    }
+}
+
 /* ------------------------------------------- the emulated runtime itself */
 /* The emulator's own checks (tests/cuda_emu_runtime.h), which the GPU
    tests rely on to fail where a GPU would: each refusal is tried here. */
