@@ -8709,6 +8709,18 @@ static void mgpu__net_keep_momentum(mgpu_net *net, int present) {
     }
 }
 
+/* dst takes src's optimizer state: its count of steps, its momentum
+   buffers (and Adam's second moments). */
+static void mgpu__net_copy_sgd_state(mgpu_net *dst, const mgpu_net *src) {
+    dst->steps = src->steps;
+    mgpu__net_keep_momentum(dst, mgpu__net_has_momentum(src));
+    for (int p = 0; p < src->nparams && src->momentum[p]; p++) {
+        mgpu_copy(dst->momentum[p], src->momentum[p], 0);
+        if (src->second_moment[p]) mgpu_copy(dst->second_moment[p], src->second_moment[p], 0);
+    }
+}
+
+
 
 MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled) {
     MGPU_REQUIRE(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f && isfinite(eps),
@@ -9355,6 +9367,8 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->staged[i] = (mgpu_tensor **)mgpu__xcalloc((size_t)net->nparams + 1, sizeof *dp->staged[i]);
     }
+    /* the optimizer's state too (a loaded checkpoint's, or steps taken before) */
+    for (int i = 1; i < n; i++) mgpu__net_copy_sgd_state(dp->replicas[i], net);
     dp->module_changes = net->changes;
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
     dp->bucket_bytes = 25u << 20;
@@ -10657,17 +10671,6 @@ static int mgpu__group_first_different(mgpu_group *g, uint64_t mine, const char 
     return differs;
 }
 
-/* dst takes src's optimizer state: its count of steps, its momentum
-   buffers (and Adam's second moments). */
-static void mgpu__net_copy_sgd_state(mgpu_net *dst, const mgpu_net *src) {
-    dst->steps = src->steps;
-    mgpu__net_keep_momentum(dst, mgpu__net_has_momentum(src));
-    for (int p = 0; p < src->nparams && src->momentum[p]; p++) {
-        mgpu_copy(dst->momentum[p], src->momentum[p], 0);
-        if (src->second_moment[p]) mgpu_copy(dst->second_moment[p], src->second_moment[p], 0);
-    }
-}
-
 /* The optimizer's state goes with the parameters (a checkpoint that rank
    0 alone loaded): rank 0's count of steps, and its momentum buffers (and
    Adam's second moments) where it has them (none on every rank where it
@@ -10707,7 +10710,6 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
                              op, r);
     net->changes++;
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, n, MGPU_DP_ALLREDUCE);
-    for (int i = 1; i < n; i++) mgpu__net_copy_sgd_state(dp->replicas[i], net); /* (a loaded checkpoint's) */
     dp->group = g;
     dp->algorithm = mgpu__dp_reduces(dp) ? NULL : "none";
     return dp;

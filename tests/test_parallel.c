@@ -1891,6 +1891,34 @@ TEST(a_steps_batch_is_copied_while_the_step_before_computes) {
 }
 #endif
 
+/* A network that has taken steps with momentum (or loaded a checkpoint)
+   and is then wrapped: every replica starts from its momentum, and 3
+   more steps on 2 devices equal 3 on one (1e-5), the replicas the same. */
+TEST(a_wrapper_gives_every_replica_the_networks_momentum) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *alone = test_plain_net(devs[0], 21, 0), *wrapped = test_plain_net(devs[0], 21, 0);
+    mgpu_data_parallel *dp = NULL;
+    for (int s = 0; s < 5; s++) {
+        mgpu_tensor *x, *y;
+        batch(s, 8, &x, &y);
+        mgpu_tensor *xd = mgpu_to(x, devs[0], 0), *yd = mgpu_to(y, devs[0], 0);
+        mgpu_net_train_step(alone, xd, yd, 0.1f, 0.9f, 0.0f, NULL);
+        if (s == 2) dp = mgpu_data_parallel_new(wrapped, devs, 2, MGPU_DP_ALLREDUCE);
+        if (dp) mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+        else mgpu_net_train_step(wrapped, xd, yd, 0.1f, 0.9f, 0.0f, NULL);
+        mgpu_free(xd);
+        mgpu_free(yd);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    CHECK_CLOSE(test_max_param_diff(wrapped, alone), 0.0, 1e-5, 0);
+    CHECK(test_max_param_diff(mgpu_data_parallel_replica(dp, 1), wrapped) == 0.0);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(wrapped);
+    mgpu_net_free(alone);
+}
+
 TEST(a_training_step_allocates_nothing_after_the_first) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
