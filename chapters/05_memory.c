@@ -216,7 +216,7 @@ static void checkpointing(mgpu_device *dev, int batch, int steps, const mgpu_opt
     mgpu_chart chart;
     memset(&chart, 0, sizeof chart);
     chart.title = "activations held during a ResNet-18 step";
-    chart.xlabel = "the allocator's calls during the step, in order";
+    chart.xlabel = "time: the allocator's calls during the step, in order";
     chart.ylabel = "MiB";
     chart.nseries = 2;
     chart.series = series;
