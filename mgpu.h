@@ -92,7 +92,8 @@
        int n = mgpu_device_memory_samples(d, &samples);
    records, between the two calls, what the device holds after every
    allocation and every free: an mgpu_memory_sample each (the host's
-   seconds, in_use, and held[category]), at most 1 << 20 of them. A
+   seconds, in_use, and held[category]), at most 1 << 20 of them, to be
+   read once the recording is off (it may move them while it runs). A
    device's memory is taken and given back when the host asks (the
    allocator is the host's), so the seconds are those of the host's calls,
    ahead of a GPU's work.
@@ -1429,12 +1430,13 @@ typedef struct mgpu_net {
     int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
     int sharded;            /* its optimizer's state is spread over a ZeRO wrapper's members */
     float beta1, beta2, eps;
-    /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0 or 1: none),
+    /* gradient checkpointing (mgpu_net_checkpoint): runs asked for (0, as made, or 1: none),
        and for the last forward pass, the runs' first layers (room for
        nlayers + 1) and which runs' activations it freed */
     int segments, nsegments;
     int *segment_start;
     unsigned char *segment_freed;
+    int activations_freed; /* mgpu_net_free_activations since the last forward pass */
     mgpu_tensor **step_values;        /* a step's lists of the parameters' values */
     const mgpu_tensor **step_grads;   /* and gradients (mgpu_net_sgd, mgpu_net_zero_grad) */
     int steps;
@@ -3258,12 +3260,19 @@ static void mgpu__memory_recount(mgpu_tensor *t, mgpu_memory_category c) {
     mgpu__memory_count(d, t->block->category, t->block->bytes, 0);
     t->block->category = (int)c;
     mgpu__memory_count(d, (int)c, t->block->bytes, 1);
+    if (d->in_use == d->peak) memcpy(d->held_at_peak, d->held, sizeof d->held); /* (the peak's, recounted) */
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
 }
 
 static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) {
     bytes = mgpu__round_bytes(bytes);
-    if (d->limit && d->in_use + bytes > d->limit) {
+    /* the bytes counted before they are taken, under the mutex, so that
+       two threads cannot both pass the limit's check */
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
+    int over = d->limit && d->in_use + bytes > d->limit;
+    if (!over) mgpu__memory_count(d, mgpu__memory_category, bytes, 1);
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
+    if (over) {
         char why[96];
         snprintf(why, sizeof why, "its limit of %.1f MiB (mgpu_device_set_memory_limit)", d->limit / 1048576.0);
         mgpu__out_of_memory(d, bytes, mgpu__memory_category, why);
@@ -3297,7 +3306,6 @@ static mgpu__block *mgpu__block_alloc(mgpu_device *d, size_t bytes, int pinned) 
     b->category = mgpu__memory_category;
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&d->alloc_mutex));
     d->allocations += (size_t)fresh;
-    mgpu__memory_count(d, b->category, bytes, 1);
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&d->alloc_mutex));
     return b;
 }
@@ -8230,7 +8238,9 @@ static void mgpu__layer_free_activations(mgpu_layer *l, int keep_output) {
 /* Frees the activations' gradients layer l's backward pass made: its
    parts' and its scratch, and its own input gradient with `own`. */
 static void mgpu__layer_free_gradients(mgpu_layer *l, int own) {
-    if (own) {
+    /* (a layer of yours keeps its input gradient: a new one's guard floats
+       are checked after its pass, which waits for the device) */
+    if (own && l->kind != MGPU_LAYER_OWN) {
         mgpu_free(l->dinput);
         l->dinput = NULL;
         mgpu_free(l->copies->dinput_t);
@@ -8286,6 +8296,7 @@ static void mgpu__net_recompute_segment(mgpu_net *net, int s) {
 }
 MGPU_DEF void mgpu_net_free_activations(mgpu_net *net) {
     for (int i = 0; i < net->nlayers; i++) mgpu__layer_free_activations(net->layers[i], i == net->nlayers - 1);
+    net->activations_freed = 1;
 }
 MGPU_DEF void mgpu_net_want_input_grad(mgpu_net *net, int on) {
     MGPU_REQUIRE(net->nlayers > 0, "mgpu_net_want_input_grad: the network has no layers");
@@ -8312,6 +8323,7 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     MGPU_REQUIRE(x->device == net->device, "mgpu_net_forward: the input is on %s, the network on %s",
                  x->device->name, net->device->name);
     int scope = mgpu__memory_scope(MGPU_MEMORY_ACTIVATIONS);
+    net->activations_freed = 0;
     mgpu__net_weight_copies(net);
     mgpu__net_cut_segments(net);
     /* the last run's activations of the pass before, made again below:
@@ -8498,6 +8510,8 @@ static void mgpu__require_batch_statistics(const mgpu_layer *l) {
 static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
     MGPU_REQUIRE(net->nlayers > 0 && net->layers[net->nlayers - 1]->output,
                  "%s: run mgpu_net_forward first", who);
+    MGPU_REQUIRE(!net->activations_freed, "%s: the activations of the last forward pass were freed "
+                 "(mgpu_net_free_activations): run mgpu_net_forward again first", who);
     for (int i = net->nlayers - 1; i >= 0; i--) mgpu__require_batch_statistics(net->layers[i]);
 }
 
@@ -8726,8 +8740,9 @@ MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float e
     MGPU_REQUIRE(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f && isfinite(eps),
                  "mgpu_net_use_adam: betas %g and %g, eps %g: the betas must be in [0, 1), eps above 0",
                  (double)beta1, (double)beta2, (double)eps);
-    MGPU_REQUIRE(!mgpu__net_has_momentum(net) || net->adam,
-                 "mgpu_net_use_adam: the network has taken SGD steps with momentum; choose Adam before the first step");
+    MGPU_REQUIRE(net->steps == 0 || net->adam,
+                 "mgpu_net_use_adam: the network has taken %d SGD steps; choose Adam before the first step (its "
+                 "bias corrections count the steps)", net->steps);
     net->adam = 1;
     net->decoupled = decoupled != 0;
     net->beta1 = beta1, net->beta2 = beta2, net->eps = eps;
@@ -9276,6 +9291,9 @@ MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const 
 
 MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info) {
     MGPU_REQUIRE(info, "mgpu_checkpoint_load: info is NULL; it gets where the training resumes");
+    MGPU_REQUIRE(!net->sharded, "mgpu_checkpoint_load: %s: the optimizer's state of this network is spread over a "
+                 "ZeRO wrapper's members (mgpu_data_parallel_zero); load the checkpoint before making the "
+                 "wrapper", path);
     uint64_t state[MGPU__STATE_WORDS];
     mgpu__net_read(net, path, state);
     info->epoch = (int)state[0];
@@ -9433,6 +9451,8 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
                  "a reduction of yours needs MGPU_DP_ALLREDUCE");
     MGPU_REQUIRE(dp->nbuckets == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
     MGPU_REQUIRE(!dp->group, "mgpu_data_parallel_use_allreduce: a distributed wrapper reduces over its group");
+    MGPU_REQUIRE(dp->zero != 2, "mgpu_data_parallel_use_allreduce: ZeRO stage 2 reduce-scatters the gradients, so "
+                 "it cannot take your allreduce");
     MGPU_REQUIRE(fn && name, "mgpu_data_parallel_use_allreduce: give the function and its name");
     dp->yours = fn;
     dp->yours_name = name;
@@ -9799,7 +9819,7 @@ MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
     MGPU_REQUIRE(stage < 2 || !dp->yours, "%s: stage 2 reduce-scatters the gradients, so it cannot take your "
                  "allreduce (%s)", op, dp->yours_name);
     dp->zero = stage;
-    for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0;
+    for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0 && mgpu__dp_members(dp) > 1;
 }
 
 static void mgpu__dp_bucket_done(mgpu_data_parallel *dp, int b) {

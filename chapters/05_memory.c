@@ -249,7 +249,7 @@ static void sharded(int w, int use_gpu, int per_device_batch) {
                 base[i][c] = mgpu_device_memory_of(devs[i], (mgpu_memory_category)c);
             mgpu_device_reset_peak(devs[i]);
         }
-        mgpu_net *net = resnet(devs[0], 0, 1);
+        mgpu_net *net = resnet(devs[0], 1, 1);
         double p = (double)mgpu_net_num_weights(net);
         mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, mode == 0 ? MGPU_DP_GATHER : MGPU_DP_ALLREDUCE);
         if (mode >= 2) mgpu_data_parallel_zero(dp, mode - 1);

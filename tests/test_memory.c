@@ -369,6 +369,9 @@ TEST(bad_zero_settings_are_refused_by_name) {
     EXPECT_DIES(mgpu_data_parallel_zero(dp, 1), "mgpu_data_parallel_zero: call it before the wrapper's first step");
     EXPECT_DIES(mgpu_checkpoint_save(net, "/tmp/never.ckpt", NULL), "mgpu_checkpoint_save: /tmp/never.ckpt: the "
                                                                    "optimizer's state of this network is spread");
+    mgpu_checkpoint_info info;
+    EXPECT_DIES(mgpu_checkpoint_load(net, "/tmp/never.ckpt", &info), "mgpu_checkpoint_load: /tmp/never.ckpt: the "
+                                                                    "optimizer's state of this network is spread");
     mgpu_free(x);
     mgpu_free(y);
     mgpu_data_parallel_free(dp);
@@ -384,6 +387,19 @@ TEST(bad_checkpoint_settings_are_refused_by_name) {
                                               "at most one a layer");
     EXPECT_DIES(mgpu_device_memory_of(dev, (mgpu_memory_category)9), "mgpu_device_memory_of: memory category 9 "
                                                                      "does not exist");
+    /* a backward pass after the activations were freed, and Adam after SGD's steps */
+    mgpu_tensor *x, *y;
+    batch(4, 8, &x, &y);
+    mgpu_tensor *logits = mgpu_net_forward(net, x);
+    mgpu_net_free_activations(net);
+    EXPECT_DIES(mgpu_net_loss_backward(net, logits, y, 0.25f, NULL),
+                "the activations of the last forward pass were freed (mgpu_net_free_activations): run "
+                "mgpu_net_forward again first");
+    mgpu_net_train_step(net, x, y, 0.1f, 0.0f, 0.0f, NULL);
+    EXPECT_DIES(mgpu_net_use_adam(net, 0.9f, 0.999f, 1e-8f, 0), "mgpu_net_use_adam: the network has taken 1 SGD "
+                                                               "steps; choose Adam before the first step");
+    mgpu_free(x);
+    mgpu_free(y);
     mgpu_net_free(net);
 }
 
