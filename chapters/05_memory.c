@@ -390,6 +390,6 @@ int main(int argc, char **argv) {
     memory_by_category(dev, batch);
     checkpointing(dev, batch, steps, &o);
     largest_batches(dev, limit_mib, use_gpu, reduced ? 4 : 16);
-    sharding(use_gpu, reduced ? 4 : 64);
+    sharding(use_gpu, batch >= 4 ? batch / 4 : 1); /* (a quarter of the batch a device) */
     return mgpu_output_errors() ? 1 : 0;
 }
