@@ -113,7 +113,7 @@ if [ $REHEARSE = 1 ]; then
     CH2=(--epochs 1 --train-samples 512 --batch-size 256)
     PROFILE=(--batch-size 8 --steps 1 --scratch-mb 4) OVERLAP=(--batch-size 8 --steps 1 --trials 1)
     ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
-    CH4=(--cpu --train-samples 128 --test-samples 64 --batch-size 32)
+    CH4=(--cpu --train-samples 32 --test-samples 32 --batch-size 16)
     CH5=(--cpu --batch-size 4 --steps 1 --limit-mib 170) CKPT=(--cpu --batch-size 4 --steps 1)
 else
     DEADLINE=520
