@@ -6470,6 +6470,15 @@ static const char *mgpu__bn_backward_name(const mgpu__bn_backward_args *a) {
     return a->dx_t ? "batchnorm backward, channels-last dx" : "batchnorm backward";
 }
 
+/* A batch norm pass (or, with a phase, a part of one) on the compute queue. */
+static void mgpu__bn_forward_launch(mgpu_device *dev, const char *name, const mgpu__bn_forward_args *a) {
+    mgpu__launch_on(&dev->queue[0], name, mgpu__bn_forward_cpu, MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+}
+static void mgpu__bn_backward_launch(mgpu_device *dev, const mgpu__bn_backward_args *a, const char *name) {
+    mgpu__launch_on(&dev->queue[0], name ? name : mgpu__bn_backward_name(a), mgpu__bn_backward_cpu,
+                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
+}
+
 /* A synchronised batch norm's passes (kernels/batchnorm.h, "Synchronised
    batch norm"): the parts of a, each launched on the compute queue, with
    the group's collective between them (which orders itself after the
@@ -6479,17 +6488,14 @@ static void mgpu__bn_forward_synced(mgpu__bn_forward_args *a, mgpu_group *g, mgp
     mgpu_tensor *all = mgpu_empty(dev, mgpu_shape3(mgpu_group_size(g), a->c, 3));
     a->phase = MGPU__BN_MOMENTS;
     a->moments = mine->data;
-    mgpu__launch_on(&dev->queue[0], "batchnorm moments", mgpu__bn_forward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    mgpu__bn_forward_launch(dev, "batchnorm moments", a);
     mgpu_group_all_gather(g, mine, all);
     a->phase = MGPU__BN_MERGE;
     a->moments = all->data;
     a->ranks = mgpu_group_size(g);
-    mgpu__launch_on(&dev->queue[0], "batchnorm merge", mgpu__bn_forward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    mgpu__bn_forward_launch(dev, "batchnorm merge", a);
     a->phase = MGPU__BN_NORMALISE;
-    mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_forward_cuda), a, sizeof *a);
+    mgpu__bn_forward_launch(dev, "batchnorm", a);
     mgpu_free(mine);
     mgpu_free(all);
 }
@@ -6502,12 +6508,10 @@ static void mgpu__bn_backward_synced(mgpu__bn_backward_args *a, mgpu_group *g, m
     mgpu_free(count);
     a->phase = MGPU__BN_GRAD_SUMS;
     a->sums = sums->data;
-    mgpu__launch_on(&dev->queue[0], "batchnorm backward sums", mgpu__bn_backward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
+    mgpu__bn_backward_launch(dev, a, "batchnorm backward sums");
     mgpu_group_allreduce(g, sums, MGPU_SUM);
     a->phase = MGPU__BN_INPUT_GRAD;
-    mgpu__launch_on(&dev->queue[0], mgpu__bn_backward_name(a), mgpu__bn_backward_cpu,
-                    MGPU__CUDA_FN(mgpu__bn_backward_cuda), a, sizeof *a);
+    mgpu__bn_backward_launch(dev, a, NULL);
     mgpu_free(sums);
 }
 
@@ -6577,8 +6581,7 @@ static void mgpu__batchnorm2d_forward(const char *op, mgpu_tensor *y, mgpu_tenso
     if (training && sync && mgpu_group_size(sync) > 1)
         mgpu__bn_forward_synced(&a, sync, dev);
     else
-        mgpu__launch_on(&dev->queue[0], "batchnorm", mgpu__bn_forward_cpu,
-                        MGPU__CUDA_FN(mgpu__bn_forward_cuda), &a, sizeof a);
+        mgpu__bn_forward_launch(dev, "batchnorm", &a);
     mgpu_free(scratch);
 }
 
@@ -6674,8 +6677,7 @@ static void mgpu__batchnorm2d_backward(const char *op, mgpu_tensor *dx, mgpu_ten
     if (sync && mgpu_group_size(sync) > 1)
         mgpu__bn_backward_synced(&a, sync, dev);
     else
-        mgpu__launch_on(&dev->queue[0], mgpu__bn_backward_name(&a), mgpu__bn_backward_cpu,
-                        MGPU__CUDA_FN(mgpu__bn_backward_cuda), &a, sizeof a);
+        mgpu__bn_backward_launch(dev, &a, NULL);
     mgpu_free(scratch);
 }
 MGPU_DEF void mgpu_batchnorm2d_backward(mgpu_tensor *dx, mgpu_tensor *dgamma, mgpu_tensor *dbeta,
