@@ -247,6 +247,12 @@
                       of their durations)
    so that, for instance, the queues busy on average are the sum of
    mgpu_trace_busy_ms over the queues over mgpu_trace_span_ms().
+       mgpu_trace_label("F3");  ... enqueue ...;  mgpu_trace_label(NULL);
+   labels the operations this thread enqueues from then on (NULL: no
+   label), so that a program can tell which of its pieces of work each
+   recorded operation belonged to: the pipelines (PIPELINES) label each
+   micro-batch's passes so, and draw them from the trace. The library
+   keeps a copy of each label (up to 4096 distinct ones).
 
    8. Settings
    -----------
@@ -554,7 +560,9 @@ typedef struct mgpu_trace_op {
     const char *queue;      /* "cpu#1 compute" */
     const char *name;       /* the operation: "conv2d im2col", "copy", ... */
     double start_ms, end_ms;/* since mgpu_trace_begin */
+    const char *label;      /* the label it was enqueued under (mgpu_trace_label), or NULL */
 } mgpu_trace_op;
+MGPU_DEF void mgpu_trace_label(const char *label);
 MGPU_DEF int mgpu_trace_count(void);
 MGPU_DEF mgpu_trace_op mgpu_trace_get(int i);
 MGPU_DEF double mgpu_trace_span_ms(void);
@@ -1442,9 +1450,12 @@ typedef struct mgpu_net {
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
-    /* while a data-parallel wrapper holds the network: its layers are
-       fixed, and it is freed after the wrapper */
+    /* while a data-parallel wrapper or a pipeline holds the network: its
+       layers are fixed, and it is freed after the wrapper */
     int wrapped;
+    /* its parameters and buffers are another network's (a pipeline
+       stage's micro-batch slot): freed with that one */
+    int shares_params;
     /* counts the calls that may have changed its values: mgpu_net_load,
        mgpu_net_sgd, mgpu_net_copy_params into it, and mgpu_net_param and
        mgpu_net_buffer, which hand out what can be written. A wrapper's
@@ -1668,6 +1679,146 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
 MGPU_DEF void mgpu_data_parallel_check_replicas(mgpu_data_parallel *dp, int on);
 MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage);
 MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
+
+/* ---------------------------------------------------------------------------
+   PIPELINES. A network cut into stages on several devices
+   ---------------------------------------------------------------------------
+   Data parallelism puts the whole network on every device. When it does
+   not fit on one, it is cut instead (model parallelism): consecutive
+   layers, a stage, on each device; the activations go forward from stage
+   to stage and their gradients come back.
+
+       int first[] = {0, 6};                     stage 1 starts at layer 6
+       mgpu_pipeline *pp = mgpu_pipeline_new(net, devices, 2, first);
+       mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, 4);  4 micro-batches
+       ... mgpu_pipeline_train_step(pp, b.x, b.y, lr, momentum, wd, loss_sum);
+       mgpu_pipeline_free(pp);                  the trained values back in net
+
+   Naive model parallelism: the whole batch goes through stage 0, then
+   stage 1, ..., then the backward passes come back. Stage s + 1 waits for
+   stage s, so one device works at a time and the others idle.
+
+   Micro-batches (GPipe). The batch is cut into m micro-batches, and stage
+   s works on micro-batch j while stage s + 1 works on j - 1. Every stage
+   runs all m forward passes, then all m backward passes; the gradients
+   add up over the micro-batches, and one optimiser step follows. With p
+   stages taking equal times, each stage idles p - 1 slots at the start
+   and p - 1 at the end of m + p - 1: the bubble, a fraction
+   (p - 1) / (m + p - 1) of the time. m = 1 is naive model parallelism.
+
+   1F1B (PipeDream-Flush, as in Megatron-LM). GPipe keeps the activations
+   of all m micro-batches on every stage until their backward passes.
+   1F1B starts each backward pass as early as it can: stage s runs
+   p - s - 1 forward passes (the warm-up), then one forward and one
+   backward in turn, then the backward passes left. The bubble is GPipe's,
+   but stage s never holds the activations of more than min(m, p - s)
+   micro-batches.
+
+   A schedule is the order of each stage's passes, given by a function:
+       typedef struct mgpu_pipeline_pass { int backward, micro_batch; } mgpu_pipeline_pass;
+       void schedule(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+   writes the 2m passes of `stage` into order, in the order it runs them.
+   mgpu_schedule_gpipe and mgpu_schedule_1f1b are the library's; a schedule
+   of your own is checked: every pass once, each micro-batch's backward
+   after its forward, and no stage waiting for a pass that waits for it
+   (a one-line error naming the stages and passes).
+
+   What a step does. The host enqueues every stage's passes in their
+   order, each on its stage's device, with the copies between stages
+   (manual section 4: a copy waits for its source and its destination),
+   and returns: the devices then run the schedule by themselves. Each
+   micro-batch's loss is scaled by 1/N, N the batch's rows, so the
+   gradients are the whole batch's mean loss's. A stage keeps, for each
+   micro-batch in flight, a copy of its layers (a slot) with that
+   micro-batch's activations, sharing the parameters, their gradients and
+   batch norm's buffers: m slots under GPipe, min(m, p - s) under 1F1B.
+   A micro-batch's activations and input on a stage are freed when its
+   backward pass there is done.
+
+   Batch norm over micro-batches. Each micro-batch is normalised with its
+   own statistics, and the running statistics move once per micro-batch,
+   in micro-batch order (PyTorch's pipelines do the same): a pipeline
+   trains as one device that runs the micro-batches one after the other,
+   adding up their gradients, not as one device on the whole batch.
+   Without batch norm the two are the same, up to the order of the sums.
+
+       mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
+                                        const int *first_layers)
+   stage s takes layers first_layers[s] .. first_layers[s + 1] - 1 of net,
+   on devices[s] (first_layers[0] is 0; NULL: as equal numbers of layers as
+   can be). Each stage is a network of its own (mgpu_pipeline_stage), made
+   of copies of net's layers with their values, buffers and optimizer
+   state; net is held, unchanged, until mgpu_pipeline_free copies the
+   trained state back. Refused, by name: more stages than layers, a first
+   layer that does not exist or does not come after the one before, a
+   device twice.
+       void mgpu_pipeline_set_schedule(pp, schedule, micro_batches)
+   the default is mgpu_schedule_gpipe with 1 micro-batch: naive.
+       void mgpu_pipeline_forward_backward(pp, x, labels, loss_sum)
+   runs the schedule on one batch: x [N, ...] and labels [N], on the host
+   or any device, N at least the micro-batches (cut as torch.tensor_split
+   cuts: the first N mod m micro-batches get a row more). It writes every
+   stage's gradients, and adds the batch's summed loss to loss_sum (NULL:
+   not wanted; else [1] on the last stage's device).
+       void mgpu_pipeline_step(pp, lr, momentum, weight_decay)
+   every stage's optimiser step (mgpu_net_step). mgpu_pipeline_train_step
+   (pp, x, labels, lr, momentum, weight_decay, loss_sum) does both.
+       void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n)
+   data parallelism over n pipelines of the same cut (hybrid parallelism):
+   each stage's gradients averaged over the pipelines by a ring allreduce
+   (manual COMMUNICATION), between forward_backward and step; each
+   pipeline takes its share of the global batch.
+       mgpu_tensor *mgpu_pipeline_forward(pp, x)
+   the stages' forward passes one after the other, in the mode set by
+   mgpu_pipeline_set_training (for evaluation): the logits, on the last
+   stage's device, valid until the next pass.
+       double mgpu_pipeline_evaluate_accuracy(pp, data, batch_size)
+       mgpu_net *mgpu_pipeline_stage(pp, s)     stage s's network
+       int mgpu_pipeline_slots(pp, s)           its slots under the schedule
+       void mgpu_pipeline_free(pp)
+
+   Measuring a step. Every operation of micro-batch j's forward pass on a
+   stage is labelled "F<j>" in the trace, of its backward pass "B<j>"
+   (mgpu_trace_label), so a step between mgpu_trace_begin and
+   mgpu_trace_end tells where the time went:
+       mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+   t.span_ms from the first labelled operation's start to the last one's
+   end; per stage, t.busy_ms[s] (its compute queue's labelled operations)
+   and t.bubble[s] = 1 - busy / span; t.bubble_mean, their mean, beside
+   mgpu_pipeline_bubble_formula(p, m), (p - 1) / (m + p - 1).
+       int mgpu_pipeline_write_timeline(pp, path, title)
+   draws it: a lane per stage, a bar per pass (F and B in two colours,
+   numbered by micro-batch); the bubbles are the gaps. */
+typedef struct mgpu_pipeline mgpu_pipeline;
+typedef struct mgpu_pipeline_pass { int backward, micro_batch; } mgpu_pipeline_pass;
+typedef void (*mgpu_schedule_fn)(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
+                                          const int *first_layers);
+MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches);
+MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                             mgpu_tensor *loss_sum);
+MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay);
+MGPU_DEF void mgpu_pipeline_train_step(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                       float lr, float momentum, float weight_decay, mgpu_tensor *loss_sum);
+MGPU_DEF void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n);
+MGPU_DEF void mgpu_pipeline_set_training(mgpu_pipeline *pp, int training);
+MGPU_DEF mgpu_tensor *mgpu_pipeline_forward(mgpu_pipeline *pp, const mgpu_tensor *x);
+MGPU_DEF double mgpu_pipeline_evaluate_accuracy(mgpu_pipeline *pp, const mgpu_dataset *data, int batch_size);
+MGPU_DEF int mgpu_pipeline_num_stages(const mgpu_pipeline *pp);
+MGPU_DEF mgpu_net *mgpu_pipeline_stage(mgpu_pipeline *pp, int s);
+MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s);
+typedef struct mgpu_pipeline_timing {
+    int stages;
+    double span_ms;
+    double busy_ms[MGPU_MAX_DEVICES], bubble[MGPU_MAX_DEVICES];
+    double bubble_mean;
+} mgpu_pipeline_timing;
+MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp);
+MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches);
+MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title);
+MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
 
 /* ---------------------------------------------------------------------------
    DISTRIBUTED. One process per device, on one machine or several (MPI)
@@ -2020,6 +2171,7 @@ typedef struct mgpu_timeline_bar {
     int lane; /* 0 .. nlanes-1 */
     double start_ms, end_ms;
     char name[32]; /* NUL-terminated; bars with equal names share a colour */
+    char label[16]; /* the text written on the bar where it fits; empty: the name */
 } mgpu_timeline_bar;
 
 MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nlanes,
@@ -2363,6 +2515,7 @@ typedef void (*mgpu__kernel_fn)(const void *args, const mgpu__exec *ex);
 typedef struct mgpu__task {
     mgpu__kernel_fn fn;
     const char *name;     /* for the tracer; a string literal */
+    const char *label;    /* the tracer's label when it was enqueued (mgpu_trace_label) */
     unsigned char args[MGPU__TASK_ARGS];
 } mgpu__task;
 
@@ -2442,6 +2595,7 @@ struct mgpu_event {
 typedef struct mgpu__trace_record {
     int queue_id;         /* device index * 2 + lane */
     const char *name;
+    const char *label;    /* mgpu_trace_label's when the operation was enqueued, or NULL */
     double start, end;    /* host seconds (CPU queues) */
 #if MGPU_CUDA
     cudaEvent_t cuda_start, cuda_end; /* GPU queues */
@@ -2464,14 +2618,19 @@ static struct {
     double trace_start, trace_stop;
     mgpu__trace_record *trace;
     int trace_n, trace_cap;
+    char **trace_labels; /* mgpu_trace_label's copies, each distinct */
+    int trace_nlabels;
 #if MGPU_CUDA
     cudaEvent_t trace_cuda_start[MGPU_MAX_DEVICES];
 #endif
 } mgpu__library;
 
 static void mgpu__init(void);
-static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
+static void mgpu__trace_add(mgpu__queue *q, const char *name, const char *label, double start, double end,
                             void **gpu_events);
+/* The label the calling thread gives the operations it enqueues
+   (mgpu_trace_label): one of the library's interned copies, or NULL. */
+static __thread const char *mgpu__trace_label_now;
 
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
@@ -2489,7 +2648,8 @@ static void *mgpu__worker(void *arg) {
         omp_set_num_threads(q->lane ? 1 : mgpu__cpu_threads);
 #endif
         task->fn(task->args, &cpu_exec);
-        if (mgpu__library.tracing && task->name) mgpu__trace_add(q, task->name, start, mgpu_now(), NULL);
+        if (mgpu__library.tracing && task->name)
+            mgpu__trace_add(q, task->name, task->label, start, mgpu_now(), NULL);
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
         q->busy = 0;
         q->tail++;
@@ -2567,6 +2727,7 @@ static void mgpu__queue_push(mgpu__queue *q, const char *name, mgpu__kernel_fn f
     mgpu__task *task = &q->ring[q->head % MGPU__QUEUE_RING];
     task->fn = fn;
     task->name = name;
+    task->label = mgpu__trace_label_now;
     memcpy(task->args, args, args_size);
     q->head++;
     MGPU__PTHREAD_CHECK(pthread_cond_broadcast(&q->changed));
@@ -2603,7 +2764,7 @@ static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cp
         MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
         void *bar[2] = {NULL, NULL}; /* the tracer's start and end events */
         if (mgpu__library.tracing) {
-            mgpu__trace_add(q, name, 0, 0, bar);
+            mgpu__trace_add(q, name, mgpu__trace_label_now, 0, 0, bar);
             MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
         }
         cuda(args, &ex);
@@ -2848,6 +3009,11 @@ MGPU_DEF void mgpu_shutdown(void) {
     free(mgpu__library.trace);
     mgpu__library.trace = NULL;
     mgpu__library.trace_n = mgpu__library.trace_cap = 0;
+    for (int i = 0; i < mgpu__library.trace_nlabels; i++) free(mgpu__library.trace_labels[i]);
+    free(mgpu__library.trace_labels);
+    mgpu__library.trace_labels = NULL;
+    mgpu__library.trace_nlabels = 0;
+    mgpu__trace_label_now = NULL;
     pthread_mutex_destroy(&mgpu__library.mutex);
     mgpu__library.initialised = 0;
 }
@@ -3813,8 +3979,14 @@ static void mgpu__memcpy_cuda(const void *args, const mgpu__exec *ex) {
    for the destination device's compute queue to finish what it has been
    given (its work may still read dst, or the memory the allocator has just
    handed out as dst), or, given dst_free, for that event only: the caller
-   knows when the last work reading dst ends (mgpu__scatter). */
-static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking, mgpu_event *dst_free) {
+   knows when the last work reading dst ends (mgpu__scatter). It waits for
+   the source device's compute queue to finish what it has been given (its
+   work may still write src), or, given src_ready, for that event only:
+   the caller knows when src was written (a pipeline's stages, whose
+   queues have gone on to later work by the time the next stage takes
+   their output). */
+static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking, mgpu_event *dst_free,
+                       mgpu_event *src_ready) {
     mgpu__require_alive(dst, "mgpu_copy");
     mgpu__require_alive(src, "mgpu_copy");
     mgpu__require_same_shape(dst, src, "mgpu_copy");
@@ -3824,9 +3996,14 @@ static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blockin
     /* Wait for the source to be written and for the destination to be free.
        One event per queue: an event re-recorded on another queue could
        complete out of order (and a CUDA event belongs to one GPU). */
-    mgpu_event *ready = mgpu_event_new();
-    mgpu__event_record_on(ready, &from->queue[0]);
-    mgpu__event_wait_on(q, ready);
+    mgpu_event *ready = NULL;
+    if (src_ready) {
+        mgpu__event_wait_on(q, src_ready);
+    } else {
+        ready = mgpu_event_new();
+        mgpu__event_record_on(ready, &from->queue[0]);
+        mgpu__event_wait_on(q, ready);
+    }
     if (to != from && dst_free) {
         mgpu__event_wait_on(q, dst_free);
     } else if (to != from) {
@@ -3873,7 +4050,7 @@ static void mgpu__copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blockin
     mgpu_event_free(ready);
 }
 MGPU_DEF void mgpu_copy(mgpu_tensor *dst, const mgpu_tensor *src, int non_blocking) {
-    mgpu__copy(dst, src, non_blocking, NULL);
+    mgpu__copy(dst, src, non_blocking, NULL, NULL);
 }
 
 MGPU_DEF mgpu_tensor *mgpu_to(const mgpu_tensor *t, mgpu_device *dev, int non_blocking) {
@@ -3978,7 +4155,7 @@ MGPU_DEF void mgpu_print(const char *label, const mgpu_tensor *t) {
    events that the caller records around the work: their handles are
    returned in gpu_events (records are reused from trace to trace, and
    another thread may grow the array meanwhile, so no pointer is kept). */
-static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, double end,
+static void mgpu__trace_add(mgpu__queue *q, const char *name, const char *label, double start, double end,
                             void **gpu_events) {
     MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
     if (mgpu__library.trace_n == mgpu__library.trace_cap) {
@@ -3993,6 +4170,7 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, double start, doub
     mgpu__trace_record *r = &mgpu__library.trace[mgpu__library.trace_n++];
     r->queue_id = q->device->index * 2 + q->lane;
     r->name = name;
+    r->label = label;
     r->start = start;
     r->end = end;
 #if MGPU_CUDA
@@ -4130,9 +4308,34 @@ MGPU_DEF mgpu_trace_op mgpu_trace_get(int i) {
     MGPU_REQUIRE(i >= 0 && i < n, "mgpu_trace_get: operation %d of %d recorded", i, n);
     const mgpu__trace_record *r = &mgpu__library.trace[i];
     const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
-    mgpu_trace_op op = {d, r->queue_id % 2, d->queue[r->queue_id % 2].name, r->name, 0, 0};
+    mgpu_trace_op op = {d, r->queue_id % 2, d->queue[r->queue_id % 2].name, r->name, 0, 0, r->label};
     mgpu__trace_times(r, &op.start_ms, &op.end_ms);
     return op;
+}
+#define MGPU__TRACE_LABELS_MAX 4096
+MGPU_DEF void mgpu_trace_label(const char *label) {
+    mgpu__init();
+    if (!label) {
+        mgpu__trace_label_now = NULL;
+        return;
+    }
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__library.mutex));
+    int i = 0;
+    while (i < mgpu__library.trace_nlabels && strcmp(mgpu__library.trace_labels[i], label) != 0) i++;
+    if (i == mgpu__library.trace_nlabels) {
+        if (i == MGPU__TRACE_LABELS_MAX) {
+            MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
+            mgpu_fatal("mgpu_trace_label: more than %d distinct labels (\"%s\")", MGPU__TRACE_LABELS_MAX, label);
+        }
+        if (i % 64 == 0)
+            mgpu__library.trace_labels =
+                (char **)mgpu__xrealloc(mgpu__library.trace_labels, (size_t)(i + 64) * sizeof(char *));
+        size_t bytes = strlen(label) + 1;
+        mgpu__library.trace_labels[i] = (char *)memcpy(mgpu__xmalloc(bytes), label, bytes);
+        mgpu__library.trace_nlabels++;
+    }
+    mgpu__trace_label_now = mgpu__library.trace_labels[i];
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
 }
 MGPU_DEF double mgpu_trace_span_ms(void) {
     mgpu_trace_count();
@@ -7016,7 +7219,7 @@ static int mgpu__scatter(const mgpu_tensor *x, mgpu_device *const *devices, int 
             if (kept_free) mgpu_free(out[i]);
             out[i] = mgpu_empty(devices[i], part->shape);
         }
-        mgpu__copy(out[i], part, 1, kept ? kept_free[i] : NULL);
+        mgpu__copy(out[i], part, 1, kept ? kept_free[i] : NULL, NULL);
         mgpu__free_view_of((mgpu_tensor *)x, part);
     }
     return used;
@@ -7308,7 +7511,7 @@ static void mgpu__nccl_trace_open(mgpu__queue *q, const char *name, void **bar) 
     bar[0] = bar[1] = NULL;
     if (!mgpu__library.tracing) return;
     MGPU_CUDA_CHECK(cudaSetDevice(q->device->gpu));
-    mgpu__trace_add(q, name, 0, 0, bar);
+    mgpu__trace_add(q, name, mgpu__trace_label_now, 0, 0, bar);
     MGPU_CUDA_CHECK(cudaEventRecord((cudaEvent_t)bar[0], q->stream));
 }
 static void mgpu__nccl_trace_close(mgpu__queue *q, void **bar) {
@@ -8904,7 +9107,10 @@ static mgpu_tensor *mgpu__clone(const mgpu_tensor *t, mgpu_device *d) {
     return t ? mgpu_to(t, d, 1) : NULL;
 }
 
-static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
+/* A copy of layer src on device d, with copies of its parameters and
+   buffers, or with `share`, src's own (the same tensors: a pipeline
+   stage's micro-batch slots); its activations are its own either way. */
+static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d, int share) {
     if (!src) return NULL;
     mgpu_layer *l = (mgpu_layer *)mgpu__xcalloc(1, sizeof *l);
     *l = *src; /* the settings */
@@ -8913,17 +9119,19 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d) {
     l->input = NULL;
     l->output = l->dinput = l->dsum = NULL;
     l->dweight = l->dbias = NULL;
-    if (src->weight.value) l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
-    if (src->bias.value) l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
-    l->running_mean = mgpu__clone(src->running_mean, d);
-    l->running_var = mgpu__clone(src->running_var, d);
+    if (!share) {
+        if (src->weight.value) l->weight = mgpu__param_new(mgpu__clone(src->weight.value, d));
+        if (src->bias.value) l->bias = mgpu__param_new(mgpu__clone(src->bias.value, d));
+        l->running_mean = mgpu__clone(src->running_mean, d);
+        l->running_var = mgpu__clone(src->running_var, d);
+    }
     l->save_mean = mgpu__clone(src->save_mean, d);
     l->save_invstd = mgpu__clone(src->save_invstd, d);
-    l->conv1 = mgpu__layer_clone(src->conv1, d);
-    l->bn1 = mgpu__layer_clone(src->bn1, d);
-    l->conv2 = mgpu__layer_clone(src->conv2, d);
-    l->bn2 = mgpu__layer_clone(src->bn2, d);
-    l->shortcut = mgpu__layer_clone(src->shortcut, d);
+    l->conv1 = mgpu__layer_clone(src->conv1, d, share);
+    l->bn1 = mgpu__layer_clone(src->bn1, d, share);
+    l->conv2 = mgpu__layer_clone(src->conv2, d, share);
+    l->bn2 = mgpu__layer_clone(src->bn2, d, share);
+    l->shortcut = mgpu__layer_clone(src->shortcut, d, share);
     return l;
 }
 
@@ -8935,7 +9143,7 @@ MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
     copy->beta1 = net->beta1, copy->beta2 = net->beta2, copy->eps = net->eps;
     for (int i = 0; i < net->nlayers; i++) {
         mgpu__require_own_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
-        mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev));
+        mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev, 0));
     }
     return copy;
 }
@@ -8950,14 +9158,18 @@ MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_
         for (int i = 0; i < src->nbuffers; i++) mgpu_copy(*dst->buffers[i], *src->buffers[i], 1);
 }
 
-static void mgpu__layer_free(mgpu_layer *l) {
+/* Frees layer l, and its parameters and buffers unless they are another
+   layer's (shared: mgpu__layer_clone's). */
+static void mgpu__layer_free(mgpu_layer *l, int shared) {
     if (!l) return;
-    mgpu_free(l->weight.value);
-    mgpu_free(l->weight.grad);
-    mgpu_free(l->bias.value);
-    mgpu_free(l->bias.grad);
-    mgpu_free(l->running_mean);
-    mgpu_free(l->running_var);
+    if (!shared) {
+        mgpu_free(l->weight.value);
+        mgpu_free(l->weight.grad);
+        mgpu_free(l->bias.value);
+        mgpu_free(l->bias.grad);
+        mgpu_free(l->running_mean);
+        mgpu_free(l->running_var);
+    }
     mgpu_free(l->save_mean);
     mgpu_free(l->save_invstd);
     mgpu_free(l->output);
@@ -8971,11 +9183,8 @@ static void mgpu__layer_free(mgpu_layer *l) {
     free(l->copies);
     mgpu_free(l->dweight);
     mgpu_free(l->dbias);
-    mgpu__layer_free(l->conv1);
-    mgpu__layer_free(l->bn1);
-    mgpu__layer_free(l->conv2);
-    mgpu__layer_free(l->bn2);
-    mgpu__layer_free(l->shortcut);
+    mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5; i++) mgpu__layer_free(parts[i], shared);
     free(l);
 }
 
@@ -8983,7 +9192,7 @@ MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     if (!net) return;
     MGPU_REQUIRE(!net->wrapped, "mgpu_net_free: a data-parallel wrapper still holds this network; "
                                 "free the wrapper first (mgpu_data_parallel_free)");
-    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i]);
+    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i], net->shares_params);
     for (int i = 0; i < net->nparams; i++) {
         mgpu_free(net->momentum[i]);
         mgpu_free(net->second_moment[i]);
@@ -10057,6 +10266,578 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
     mgpu_free(dp->batch_loss);
     free(dp);
 }
+/* ======================================================================
+   Pipelines
+   ====================================================================== */
+/* A stage: its network, which holds the parameters, their gradients,
+   batch norm's buffers and the optimizer's state, and its slots, copies
+   of its layers that share those, one for each micro-batch in flight
+   (slot[0] is the network itself); where its layers, parameters and
+   buffers start in the pipeline's network. */
+typedef struct mgpu__pipeline_stage {
+    mgpu_net *net;
+    mgpu_net **slot;
+    int nslots, slots_wanted;
+    int *slot_micro_batch;       /* the micro-batch each slot holds during a step, or -1 */
+    int first_layer, first_param, first_buffer;
+    int backward_passes;         /* done so far in this step: the first writes the gradients */
+} mgpu__pipeline_stage;
+
+struct mgpu_pipeline {
+    mgpu_net *net;
+    int nstages;
+    mgpu__pipeline_stage stage[MGPU_MAX_DEVICES];
+    int micro_batches;
+    mgpu_pipeline_pass *order; /* stage s's passes: order[s * 2m ..], in its order */
+    int *sequence;             /* every stage's passes as the host enqueues them: s * 2m + index */
+    /* during a step: the batch on the first stage's device and its
+       labels on the last's (each copied there whole at the start: a copy
+       waits for its source device's work, and the batch's is often the
+       first stage's); for stage s and micro-batch j ([s * m + j]), the
+       stage's input and the gradient of its output */
+    const mgpu_tensor *x, *labels;
+    mgpu_tensor *x_moved, *labels_moved;
+    mgpu_tensor **input, **output_grad;
+    /* what stage s sends for micro-batch j, and when it is written: its
+       output (the slot's) and its input's gradient (its own). The next
+       stage copies it when it comes to use it: a copy enqueued at once
+       would make the receiving queue wait for it before the work the
+       schedule puts first there. */
+    const mgpu_tensor **output;
+    mgpu_tensor **input_grad;
+    mgpu_event **output_ready, **input_grad_ready;
+};
+
+MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    (void)stage, (void)stages;
+    for (int j = 0; j < micro_batches; j++) {
+        order[j].backward = 0, order[j].micro_batch = j;
+        order[micro_batches + j].backward = 1, order[micro_batches + j].micro_batch = j;
+    }
+}
+MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    int warmup = stages - stage - 1 < micro_batches ? stages - stage - 1 : micro_batches;
+    int n = 0, forward = 0, backward = 0;
+    while (forward < warmup) order[n].backward = 0, order[n++].micro_batch = forward++;
+    while (forward < micro_batches) { /* the steady state: one forward, one backward */
+        order[n].backward = 0, order[n++].micro_batch = forward++;
+        order[n].backward = 1, order[n++].micro_batch = backward++;
+    }
+    while (backward < micro_batches) order[n].backward = 1, order[n++].micro_batch = backward++;
+}
+MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches) {
+    return (stages - 1) / (double)(micro_batches + stages - 1);
+}
+
+/* "F3" or "B3": a pass as the trace labels it and the errors name it. */
+static const char *mgpu__pass_name(mgpu_pipeline_pass pass, char *buf, size_t size) {
+    snprintf(buf, size, "%c%d", pass.backward ? 'B' : 'F', pass.micro_batch);
+    return buf;
+}
+
+/* A slot for stage st: copies of its layers sharing its parameters and
+   buffers. A stage after the first wants its input's gradient, to send
+   it back. */
+static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wants_input_grad) {
+    mgpu_net *slot = mgpu_net_new(st->net->device);
+    slot->training = st->net->training;
+    slot->segments = st->net->segments;
+    slot->shares_params = 1;
+    for (int i = 0; i < st->net->nlayers; i++)
+        mgpu__net_add(slot, mgpu__layer_clone(st->net->layers[i], st->net->device, 1));
+    mgpu_net_want_input_grad(slot, wants_input_grad);
+    return slot;
+}
+
+/* Checks the schedule's passes for every stage and finds how many slots
+   each needs (the most micro-batches between forward and backward). */
+static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
+    const char *who = "mgpu_pipeline_set_schedule";
+    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)2 * m, 1);
+    for (int s = 0; s < pp->nstages; s++) {
+        const mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
+        int in_flight = 0, most = 0;
+        char name[24];
+        memset(seen, 0, (size_t)2 * m);
+        for (int i = 0; i < 2 * m; i++) {
+            mgpu_pipeline_pass pass = order[i];
+            MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
+                         "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
+                         who, i, s, pass.micro_batch, m, m - 1);
+            int backward = pass.backward != 0;
+            MGPU_REQUIRE(!seen[2 * pass.micro_batch + backward], "%s: the schedule runs %s twice on stage %d", who,
+                         mgpu__pass_name(pass, name, sizeof name), s);
+            MGPU_REQUIRE(!backward || seen[2 * pass.micro_batch],
+                         "%s: the schedule runs %s on stage %d before that micro-batch's forward pass", who,
+                         mgpu__pass_name(pass, name, sizeof name), s);
+            seen[2 * pass.micro_batch + backward] = 1;
+            in_flight += backward ? -1 : 1;
+            if (in_flight > most) most = in_flight;
+        }
+        pp->stage[s].slots_wanted = most;
+    }
+    free(seen);
+}
+
+/* The order in which the host enqueues the passes: round after round,
+   each stage's next pass once what it takes has been enqueued (a
+   forward pass the stage before's, a backward pass the stage after's),
+   so that every device's queue gets its passes in the schedule's order
+   and no queue waits for work enqueued after it. A round with nothing
+   ready is a schedule that waits for itself. */
+static void mgpu__pipeline_sequence(mgpu_pipeline *pp, int m) {
+    int p = pp->nstages, total = 2 * m * p, n = 0;
+    int *next = (int *)mgpu__xcalloc((size_t)p, sizeof *next);
+    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)total, 1); /* [(s * m + j) * 2 + backward] */
+    pp->sequence = (int *)mgpu__xrealloc(pp->sequence, (size_t)total * sizeof *pp->sequence);
+    while (n < total) {
+        int progress = 0;
+        for (int s = 0; s < p; s++) {
+            if (next[s] == 2 * m) continue;
+            mgpu_pipeline_pass pass = pp->order[s * 2 * m + next[s]];
+            int b = pass.backward != 0, j = pass.micro_batch, from = b ? s + 1 : s - 1;
+            if (from >= 0 && from < p && !done[(from * m + j) * 2 + b]) continue;
+            done[(s * m + j) * 2 + b] = 1;
+            pp->sequence[n++] = s * 2 * m + next[s]++;
+            progress = 1;
+        }
+        if (!progress) {
+            char waits[512] = "", pass_name[24];
+            size_t used = 0;
+            for (int s = 0; s < p && used < sizeof waits; s++)
+                if (next[s] < 2 * m)
+                    used += (size_t)snprintf(waits + used, sizeof waits - used, "%sstage %d at %s", used ? ", " : "",
+                                             s, mgpu__pass_name(pp->order[s * 2 * m + next[s]], pass_name,
+                                                                sizeof pass_name));
+            mgpu_fatal("mgpu_pipeline_set_schedule: the schedule waits for itself (%s: each needs a pass "
+                       "that comes later on its neighbour)", waits);
+        }
+    }
+    free(next);
+    free(done);
+}
+
+/* The arrays of a step's tensors and events (empty between steps). */
+static void mgpu__pipeline_free_step_state(mgpu_pipeline *pp) {
+    for (int i = 0; pp->output_ready && i < pp->micro_batches * pp->nstages; i++) {
+        mgpu_event_free(pp->output_ready[i]);
+        mgpu_event_free(pp->input_grad_ready[i]);
+    }
+    free(pp->input);
+    free(pp->output_grad);
+    free((void *)pp->output);
+    free(pp->input_grad);
+    free(pp->output_ready);
+    free(pp->input_grad_ready);
+}
+
+MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches) {
+    MGPU_REQUIRE(schedule, "mgpu_pipeline_set_schedule: no schedule (mgpu_schedule_gpipe, mgpu_schedule_1f1b)");
+    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 4096,
+                 "mgpu_pipeline_set_schedule: %d micro-batches; want 1 to 4096", micro_batches);
+    int p = pp->nstages, m = micro_batches;
+    mgpu__pipeline_free_step_state(pp);
+    pp->micro_batches = m;
+    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, (size_t)2 * m * p * sizeof *pp->order);
+    for (int s = 0; s < p; s++) {
+        mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
+        for (int i = 0; i < 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
+        schedule(s, p, m, order);
+    }
+    mgpu__pipeline_check_order(pp, m);
+    mgpu__pipeline_sequence(pp, m);
+    for (int s = 0; s < p; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        if (st->slots_wanted > st->nslots) {
+            st->slot = (mgpu_net **)mgpu__xrealloc(st->slot, (size_t)st->slots_wanted * sizeof *st->slot);
+            st->slot_micro_batch =
+                (int *)mgpu__xrealloc(st->slot_micro_batch, (size_t)st->slots_wanted * sizeof *st->slot_micro_batch);
+            for (int k = st->nslots; k < st->slots_wanted; k++) st->slot[k] = mgpu__pipeline_new_slot(st, s > 0);
+            st->nslots = st->slots_wanted;
+        }
+    }
+    size_t n = (size_t)m * p;
+    pp->input = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output_grad = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output = (const mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->input_grad = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output_ready = (mgpu_event **)mgpu__xcalloc(n, sizeof(mgpu_event *));
+    pp->input_grad_ready = (mgpu_event **)mgpu__xcalloc(n, sizeof(mgpu_event *));
+    for (size_t i = 0; i < n; i++) {
+        pp->output_ready[i] = mgpu_event_new();
+        pp->input_grad_ready[i] = mgpu_event_new();
+    }
+}
+
+/* The stage's optimizer state from the pipeline's network (to_stage), or
+   back to it: momentum buffers, Adam's moments, the count of steps. */
+static void mgpu__pipeline_move_state(mgpu_pipeline *pp, int s, int to_stage) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *from = to_stage ? pp->net : st->net, *to = to_stage ? st->net : pp->net;
+    int offset = st->first_param, n = st->net->nparams;
+    for (int i = 0; i < n; i++) {
+        mgpu_tensor *const *a = to_stage ? &from->momentum[offset + i] : &from->momentum[i];
+        mgpu_tensor *const *b = to_stage ? &from->second_moment[offset + i] : &from->second_moment[i];
+        mgpu_tensor **x = to_stage ? &to->momentum[i] : &to->momentum[offset + i];
+        mgpu_tensor **y = to_stage ? &to->second_moment[i] : &to->second_moment[offset + i];
+        mgpu_tensor *const *state_from[2] = {a, b};
+        mgpu_tensor **state_to[2] = {x, y};
+        for (int k = 0; k < 2; k++) {
+            if (!*state_from[k]) continue;
+            int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
+            mgpu_ensure(state_to[k], to->device, (*state_from[k])->shape);
+            mgpu__memory_scope((mgpu_memory_category)scope);
+            mgpu_copy(*state_to[k], *state_from[k], 0);
+        }
+    }
+    to->steps = from->steps;
+}
+
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
+                                          const int *first_layers) {
+    const char *who = "mgpu_pipeline_new";
+    MGPU_REQUIRE(stages >= 1 && stages <= MGPU_MAX_DEVICES, "%s: %d stages; want 1 to %d", who, stages,
+                 MGPU_MAX_DEVICES);
+    MGPU_REQUIRE(stages <= net->nlayers, "%s: %d stages for a network of %d layers; at most one stage a layer",
+                 who, stages, net->nlayers);
+    MGPU_REQUIRE(!net->wrapped, "%s: a wrapper holds this network already", who);
+    MGPU_REQUIRE(!mgpu__net_synced(net), "%s: the network's batch norms are synchronised over a group "
+                 "(mgpu_net_sync_batchnorm); a pipeline's stages hold different layers", who);
+    int first[MGPU_MAX_DEVICES + 1];
+    for (int s = 0; s < stages; s++) {
+        first[s] = first_layers ? first_layers[s] : s * net->nlayers / stages;
+        MGPU_REQUIRE(s > 0 || first[0] == 0, "%s: stage 0 starts at layer %d; it must start at layer 0", who,
+                     first[0]);
+        MGPU_REQUIRE(first[s] >= 0 && first[s] < net->nlayers,
+                     "%s: stage %d starts at layer %d, which does not exist (the network has layers 0 to %d)", who,
+                     s, first[s], net->nlayers - 1);
+        MGPU_REQUIRE(s == 0 || first[s] > first[s - 1],
+                     "%s: stage %d starts at layer %d, not after stage %d's first layer (%d)", who, s, first[s],
+                     s - 1, first[s - 1]);
+        for (int t = 0; t < s; t++)
+            MGPU_REQUIRE(devices[s] != devices[t], "%s: %s is devices[%d] and devices[%d]; give each stage its "
+                         "own device (mgpu_devices makes virtual ones)", who, devices[s]->name, t, s);
+    }
+    first[stages] = net->nlayers;
+    mgpu_pipeline *pp = (mgpu_pipeline *)mgpu__xcalloc(1, sizeof *pp);
+    pp->net = net;
+    pp->nstages = stages;
+    int params = 0, buffers = 0;
+    for (int s = 0; s < stages; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        mgpu_net *sn = st->net = mgpu_net_new(devices[s]);
+        sn->training = net->training;
+        sn->segments = net->segments;
+        sn->adam = net->adam, sn->decoupled = net->decoupled;
+        sn->beta1 = net->beta1, sn->beta2 = net->beta2, sn->eps = net->eps;
+        for (int i = first[s]; i < first[s + 1]; i++) {
+            mgpu__require_own_loops_on_cpu(net->layers[i], devices[s], who);
+            mgpu__net_add(sn, mgpu__layer_clone(net->layers[i], devices[s], 0));
+        }
+        /* (the stage's first layer reads its input as it comes, not a
+           batch norm's channels-last copy of it) */
+        sn->layers[0]->copies->input_from_batch_norm = 0;
+        mgpu_layer *block = sn->layers[0];
+        if (block->kind == MGPU_LAYER_RESIDUAL) {
+            block->conv1->copies->input_from_batch_norm = 0;
+            if (block->shortcut) block->shortcut->copies->input_from_batch_norm = 0;
+        }
+        mgpu_net_want_input_grad(sn, s > 0);
+        st->first_layer = first[s], st->first_param = params, st->first_buffer = buffers;
+        params += sn->nparams, buffers += sn->nbuffers;
+        mgpu__pipeline_move_state(pp, s, 1);
+        st->slot = (mgpu_net **)mgpu__xcalloc(1, sizeof *st->slot);
+        st->slot_micro_batch = (int *)mgpu__xcalloc(1, sizeof *st->slot_micro_batch);
+        st->slot[0] = sn;
+        st->nslots = 1;
+    }
+    if (params != net->nparams || buffers != net->nbuffers)
+        mgpu_fatal("internal: %s: the stages hold %d parameters and %d buffers, the network %d and %d", who, params,
+                   buffers, net->nparams, net->nbuffers);
+    net->wrapped = 1;
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+    return pp;
+}
+
+/* Rows first .. first + count - 1 of the batch's n are micro-batch j's
+   (as torch.tensor_split: the first n mod m micro-batches a row more). */
+static void mgpu__micro_batch_rows(int n, int m, int j, int *first, int *count) {
+    *count = n / m + (j < n % m);
+    *first = j * (n / m) + (j < n % m ? j : n % m);
+}
+
+/* t, or where t is on another device, a copy of it on dev (*moved,
+   freed after the step). */
+static const mgpu_tensor *mgpu__on_device(const mgpu_tensor *t, mgpu_device *dev, mgpu_tensor **moved) {
+    *moved = t->device == dev ? NULL : mgpu_to(t, dev, 1);
+    return *moved ? *moved : t;
+}
+
+/* A copy on dev of what another stage sent (src, written once `ready`
+   has passed), counted as category c. */
+static mgpu_tensor *mgpu__pipeline_receive(const mgpu_tensor *src, mgpu_event *ready, mgpu_device *dev,
+                                           mgpu_memory_category c) {
+    int scope = mgpu__memory_scope(c);
+    mgpu_tensor *t = mgpu_empty(dev, src->shape);
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    mgpu__copy(t, src, 1, NULL, ready);
+    return t;
+}
+
+/* Micro-batch j's forward pass on stage s, in a free slot, on what the
+   stage before sent (the first stage: its rows of the batch). */
+static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0, first, count;
+    while (st->slot_micro_batch[k] >= 0) k++; /* (the schedule's check counted enough slots) */
+    st->slot_micro_batch[k] = j;
+    mgpu_tensor **input = &pp->input[s * m + j];
+    if (s == 0) {
+        mgpu__micro_batch_rows(pp->x->shape.d[0], m, j, &first, &count);
+        *input = mgpu_narrow(pp->x, first, count);
+    } else {
+        int from = (s - 1) * m + j;
+        *input = mgpu__pipeline_receive(pp->output[from], pp->output_ready[from], st->net->device,
+                                        MGPU_MEMORY_ACTIVATIONS);
+    }
+    pp->output[s * m + j] = mgpu_net_forward(st->slot[k], *input);
+    mgpu_event_record(pp->output_ready[s * m + j], st->net->device);
+}
+
+/* Micro-batch j's backward pass on stage s, on the gradient the stage
+   after sent (the last stage: from its loss); then what the micro-batch
+   held on this stage is freed, but its input's gradient, which the stage
+   before takes. */
+static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_tensor *loss_sum) {
+    const char *who = "mgpu_pipeline_forward_backward";
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0, first, count, n = pp->labels->shape.d[0];
+    while (st->slot_micro_batch[k] != j) k++;
+    mgpu_net *slot = st->slot[k];
+    mgpu__net_require_backward(slot, who);
+    const mgpu_tensor *dy = NULL;
+    if (s < pp->nstages - 1) {
+        int from = (s + 1) * m + j;
+        dy = pp->output_grad[s * m + j] = mgpu__pipeline_receive(pp->input_grad[from], pp->input_grad_ready[from],
+                                                                 slot->device, MGPU_MEMORY_WORKSPACE);
+        mgpu_free(pp->input_grad[from]); /* (safe once the copy that reads it is enqueued) */
+        pp->input_grad[from] = NULL;
+    } else {
+        mgpu__micro_batch_rows(n, m, j, &first, &count);
+        mgpu_tensor *labels = mgpu_narrow(pp->labels, first, count);
+        dy = mgpu__net_loss_grad(slot, slot->layers[slot->nlayers - 1]->output, labels, 1.0f / (float)n,
+                                 loss_sum, who, first);
+        mgpu_free(labels); /* (safe once the work that reads it is enqueued) */
+    }
+    mgpu__net_backward(slot, dy, st->backward_passes++ > 0);
+    if (s > 0) { /* (the layer lets go of it: the slot's next pass makes another) */
+        pp->input_grad[s * m + j] = (mgpu_tensor *)mgpu_net_input_grad(slot);
+        slot->layers[0]->dinput = NULL;
+        mgpu_event_record(pp->input_grad_ready[s * m + j], slot->device);
+    }
+    for (int i = 0; i < slot->nlayers; i++) {
+        mgpu__layer_free_activations(slot->layers[i], 0);
+        mgpu__layer_free_gradients(slot->layers[i], 1);
+    }
+    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
+    for (int h = 0; h < 2; h++) {
+        mgpu_free(*held[h]);
+        *held[h] = NULL;
+    }
+    st->slot_micro_batch[k] = -1;
+}
+
+MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                             mgpu_tensor *loss_sum) {
+    const char *who = "mgpu_pipeline_forward_backward";
+    int p = pp->nstages, m = pp->micro_batches;
+    mgpu__require_alive(x, who);
+    mgpu__require_alive(labels, who);
+    int n = x->shape.d[0];
+    MGPU_REQUIRE(labels->shape.ndim == 1 && labels->shape.d[0] == n,
+                 "%s: %d rows of x but labels of shape [%d%s]; want [%d]", who, n, labels->shape.d[0],
+                 labels->shape.ndim == 1 ? "" : ", ...", n);
+    MGPU_REQUIRE(n >= m, "%s: a batch of %d rows cannot make %d micro-batches", who, n, m);
+    mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
+    for (int s = 0; s < p; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        st->backward_passes = 0;
+        for (int k = 0; k < st->nslots; k++) st->slot_micro_batch[k] = -1;
+    }
+    pp->x = mgpu__on_device(x, pp->stage[0].net->device, &pp->x_moved);
+    pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
+    char label[24];
+    for (int i = 0; i < 2 * m * p; i++) {
+        int s = pp->sequence[i] / (2 * m);
+        mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
+        mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
+        if (pass.backward)
+            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
+        else
+            mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
+    }
+    mgpu_trace_label(NULL);
+    mgpu_free(pp->x_moved);
+    mgpu_free(pp->labels_moved);
+    pp->x = pp->labels = pp->x_moved = pp->labels_moved = NULL;
+}
+
+MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay) {
+    for (int s = 0; s < pp->nstages; s++) mgpu_net_step(pp->stage[s].net, lr, momentum, weight_decay);
+}
+MGPU_DEF void mgpu_pipeline_train_step(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                       float lr, float momentum, float weight_decay, mgpu_tensor *loss_sum) {
+    mgpu__require_sgd_settings("mgpu_pipeline_train_step", lr, momentum, weight_decay);
+    mgpu_pipeline_forward_backward(pp, x, labels, loss_sum);
+    mgpu_pipeline_step(pp, lr, momentum, weight_decay);
+}
+
+MGPU_DEF void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES, "mgpu_pipelines_average_grads: %d pipelines", n);
+    for (int k = 1; k < n; k++)
+        MGPU_REQUIRE(pipes[k]->nstages == pipes[0]->nstages && pipes[k]->net->nparams == pipes[0]->net->nparams,
+                     "mgpu_pipelines_average_grads: pipeline %d has %d stages and %d parameters, pipeline 0 %d and "
+                     "%d; average pipelines of the same network, cut the same way", k, pipes[k]->nstages,
+                     pipes[k]->net->nparams, pipes[0]->nstages, pipes[0]->net->nparams);
+    mgpu_tensor *grads[MGPU_MAX_DEVICES];
+    for (int s = 0; s < pipes[0]->nstages; s++)
+        for (int i = 0; i < pipes[0]->stage[s].net->nparams; i++) {
+            for (int k = 0; k < n; k++) {
+                MGPU_REQUIRE(pipes[k]->stage[s].first_param == pipes[0]->stage[s].first_param,
+                             "mgpu_pipelines_average_grads: pipelines 0 and %d cut the network at different layers",
+                             k);
+                grads[k] = pipes[k]->stage[s].net->params[i]->grad;
+            }
+            mgpu_ring_allreduce(grads, n, 1);
+        }
+}
+
+MGPU_DEF void mgpu_pipeline_set_training(mgpu_pipeline *pp, int training) {
+    for (int s = 0; s < pp->nstages; s++)
+        for (int k = 0; k < pp->stage[s].nslots; k++) pp->stage[s].slot[k]->training = training;
+}
+MGPU_DEF mgpu_tensor *mgpu_pipeline_forward(mgpu_pipeline *pp, const mgpu_tensor *x) {
+    mgpu__require_alive(x, "mgpu_pipeline_forward");
+    const mgpu_tensor *h = x;
+    for (int s = 0; s < pp->nstages; s++) {
+        mgpu_net *sn = pp->stage[s].net;
+        mgpu_tensor *moved = h->device == sn->device ? NULL : mgpu_to(h, sn->device, 1);
+        h = mgpu_net_forward(sn, moved ? moved : h);
+        mgpu_free(moved); /* (safe once the pass that reads it is enqueued) */
+    }
+    return (mgpu_tensor *)h;
+}
+static mgpu_tensor *mgpu__pipeline_forward_fn(void *pp, const mgpu_tensor *x) {
+    return mgpu_pipeline_forward((mgpu_pipeline *)pp, x);
+}
+MGPU_DEF double mgpu_pipeline_evaluate_accuracy(mgpu_pipeline *pp, const mgpu_dataset *data, int batch_size) {
+    int training = pp->stage[0].net->training;
+    mgpu_pipeline_set_training(pp, 0);
+    double accuracy = mgpu_evaluate_accuracy(mgpu__pipeline_forward_fn, pp, pp->stage[pp->nstages - 1].net->device,
+                                             data, batch_size);
+    mgpu_pipeline_set_training(pp, training);
+    return accuracy;
+}
+
+MGPU_DEF int mgpu_pipeline_num_stages(const mgpu_pipeline *pp) { return pp->nstages; }
+MGPU_DEF mgpu_net *mgpu_pipeline_stage(mgpu_pipeline *pp, int s) {
+    MGPU_REQUIRE(s >= 0 && s < pp->nstages, "mgpu_pipeline_stage: stage %d of %d", s, pp->nstages);
+    return pp->stage[s].net;
+}
+MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s) {
+    MGPU_REQUIRE(s >= 0 && s < pp->nstages, "mgpu_pipeline_slots: stage %d of %d", s, pp->nstages);
+    return pp->stage[s].slots_wanted;
+}
+
+/* The stage whose compute queue ran a traced operation of this pipeline's
+   passes, or -1 (another queue's, or not a pass: unlabelled, or labelled
+   by someone else). Its pass in *pass. */
+static int mgpu__pipeline_op_stage(const mgpu_pipeline *pp, const mgpu_trace_op *op, mgpu_pipeline_pass *pass) {
+    char kind = 0, end = 0;
+    if (op->lane != 0 || !op->label || sscanf(op->label, "%c%d%c", &kind, &pass->micro_batch, &end) != 2 ||
+        (kind != 'F' && kind != 'B') || pass->micro_batch < 0 || pass->micro_batch >= pp->micro_batches)
+        return -1;
+    pass->backward = kind == 'B';
+    for (int s = 0; s < pp->nstages; s++)
+        if (op->device == pp->stage[s].net->device) return s;
+    return -1;
+}
+
+MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
+    mgpu_pipeline_timing t;
+    memset(&t, 0, sizeof t);
+    t.stages = pp->nstages;
+    double lo = INFINITY, hi = -INFINITY;
+    mgpu_pipeline_pass pass;
+    for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        int s = mgpu__pipeline_op_stage(pp, &op, &pass);
+        if (s < 0) continue;
+        t.busy_ms[s] += op.end_ms - op.start_ms;
+        lo = fmin(lo, op.start_ms), hi = fmax(hi, op.end_ms);
+    }
+    MGPU_REQUIRE(hi > lo, "mgpu_pipeline_measure: the trace holds none of this pipeline's passes: run a step "
+                          "between mgpu_trace_begin and mgpu_trace_end");
+    t.span_ms = hi - lo;
+    for (int s = 0; s < pp->nstages; s++) {
+        t.bubble[s] = 1.0 - t.busy_ms[s] / t.span_ms;
+        t.bubble_mean += t.bubble[s] / pp->nstages;
+    }
+    return t;
+}
+
+MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title) {
+    int p = pp->nstages, m = pp->micro_batches, nbars = 2 * m * p;
+    mgpu_timeline_bar *bars = (mgpu_timeline_bar *)mgpu__xcalloc((size_t)nbars, sizeof *bars);
+    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 2 + backward */
+        mgpu_pipeline_pass pass = {b % 2, b / 2 % m};
+        bars[b].lane = b / 2 / m;
+        bars[b].start_ms = INFINITY, bars[b].end_ms = -INFINITY;
+        snprintf(bars[b].name, sizeof bars[b].name, "%s", pass.backward ? "backward" : "forward");
+        mgpu__pass_name(pass, bars[b].label, sizeof bars[b].label);
+    }
+    mgpu_pipeline_pass pass;
+    for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        int s = mgpu__pipeline_op_stage(pp, &op, &pass);
+        if (s < 0) continue;
+        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 2 + pass.backward];
+        bar->start_ms = fmin(bar->start_ms, op.start_ms);
+        bar->end_ms = fmax(bar->end_ms, op.end_ms);
+    }
+    char names[MGPU_MAX_DEVICES][48];
+    const char *lane_names[MGPU_MAX_DEVICES];
+    for (int s = 0; s < p; s++) {
+        snprintf(names[s], sizeof names[s], "stage %d (%s)", s, pp->stage[s].net->device->name);
+        lane_names[s] = names[s];
+    }
+    int rc = mgpu_timeline_write_png(path, title, p, lane_names, nbars, bars);
+    free(bars);
+    return rc;
+}
+
+MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp) {
+    if (!pp) return;
+    mgpu_net *net = pp->net;
+    net->wrapped = 0;
+    net->changes++;
+    for (int s = 0; s < pp->nstages; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        for (int i = 0; i < st->net->nparams; i++)
+            mgpu_copy(net->params[st->first_param + i]->value, st->net->params[i]->value, 0);
+        for (int i = 0; i < st->net->nbuffers; i++)
+            mgpu_copy(*net->buffers[st->first_buffer + i], *st->net->buffers[i], 0);
+        mgpu__pipeline_move_state(pp, s, 0);
+        for (int k = st->nslots - 1; k >= 0; k--) mgpu_net_free(st->slot[k]); /* (slot 0, the stage's net, last) */
+        free(st->slot);
+        free(st->slot_micro_batch);
+    }
+    mgpu__pipeline_free_step_state(pp);
+    free(pp->order);
+    free(pp->sequence);
+    free(pp);
+}
+
 /* ======================================================================
    Distributed: process groups over MPI
    ====================================================================== */
@@ -11658,10 +12439,10 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
            one-pixel gap at the end, so that back-to-back bars stay apart. */
         x1 = x1 - x0 >= 3 ? x1 - 1 : x0 + 1;
         mgpu_canvas_fill_rect(f.c, x0, top, x1, bottom, rgb);
-        if (mgpu_text_width(bar->name, s) + 4 * s <= x1 - x0)
-            mgpu_canvas_text(f.c, (x0 + x1 - mgpu_text_width(bar->name, s)) / 2,
-                             (top + bottom - MGPU__CAP_H * s) / 2, bar->name,
-                             mgpu__timeline_text_color(rgb), s);
+        const char *text = bar->label[0] ? bar->label : bar->name;
+        if (mgpu_text_width(text, s) + 4 * s <= x1 - x0)
+            mgpu_canvas_text(f.c, (x0 + x1 - mgpu_text_width(text, s)) / 2,
+                             (top + bottom - MGPU__CAP_H * s) / 2, text, mgpu__timeline_text_color(rgb), s);
     }
     mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
     mgpu__plot_labels(&f, title, xlabel, NULL);

@@ -434,6 +434,7 @@ TEST(animator_combined) {
 static void add_bar(mgpu_timeline_bar *bar, int lane, double start, double end, const char *name) {
     bar->lane = lane, bar->start_ms = start, bar->end_ms = end;
     snprintf(bar->name, sizeof bar->name, "%s", name);
+    bar->label[0] = '\0';
 }
 
 TEST(timeline_bars) {

@@ -1,0 +1,334 @@
+/* tests/test_pipeline.c: a network cut into stages (mgpu_pipeline).
+
+   - every schedule (naive, GPipe, 1F1B; 2 and 3 stages; micro-batches
+     that do and do not divide the batch) gives one device's gradients on
+     the same batch, within 1e-5, for a network without batch norm;
+   - with batch norm, one device that runs the micro-batches in turn:
+     gradients and running statistics;
+   - steps with momentum train like one device, and freeing the pipeline
+     gives the network its trained values and momentum;
+   - 1F1B holds at most min(m, p - s) micro-batches' activations on stage
+     s, GPipe m of them: measured against one micro-batch's;
+   - the bubble measured from the trace within 0.05 of (p-1)/(m+p-1), for
+     equal stages on 2 CPU devices;
+   - data parallelism over 2 pipelines of 2 stages equals one device;
+   - bad settings and schedules are refused by name. */
+#define MGPU_IMPLEMENTATION
+#include "../mgpu.h"
+#include "test.h"
+
+#define TOLERANCE 1e-5
+
+/* Random images [n, 1, 8, 8] and labels on the host. */
+static void batch(uint64_t seed, int n, mgpu_tensor **x, mgpu_tensor **y) {
+    mgpu_manual_seed(seed);
+    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    float labels[256];
+    for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + (int)seed) % 10);
+    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+}
+
+/* Largest difference between the pipeline's gradients (or with buffers,
+   its batch norm buffers) and the reference network's, relative to each
+   tensor's largest value. */
+static double pipeline_diff(mgpu_pipeline *pp, const mgpu_net *ref, int buffers) {
+    double worst = 0;
+    int offset = 0;
+    for (int s = 0; s < mgpu_pipeline_num_stages(pp); s++) {
+        mgpu_net *stage = mgpu_pipeline_stage(pp, s);
+        int n = buffers ? stage->nbuffers : stage->nparams;
+        for (int i = 0; i < n; i++)
+            worst = fmax(worst, buffers ? test_relative_diff(*stage->buffers[i], *ref->buffers[offset + i])
+                                        : test_relative_diff(stage->params[i]->grad, ref->params[offset + i]->grad));
+        offset += n;
+    }
+    return worst;
+}
+
+/* The reference: one device runs the micro-batches in turn, adding up
+   their gradients, each micro-batch's loss scaled by 1/N. With m = 1 it
+   is the whole batch at once. */
+static void reference_grads(mgpu_net *ref, const mgpu_tensor *x, const mgpu_tensor *y, int m) {
+    int n = x->shape.d[0];
+    mgpu_net_zero_grad(ref);
+    for (int j = 0; j < m; j++) {
+        int count = n / m + (j < n % m), first = j * (n / m) + (j < n % m ? j : n % m);
+        mgpu_tensor *xv = mgpu_narrow(x, first, count), *yv = mgpu_narrow(y, first, count);
+        mgpu_tensor *xd = mgpu_to(xv, ref->device, 0), *yd = mgpu_to(yv, ref->device, 0);
+        mgpu_net_loss_backward(ref, mgpu_net_forward(ref, xd), yd, 1.0f / (float)n, NULL);
+        mgpu_synchronize_all();
+        mgpu_free(xv), mgpu_free(yv), mgpu_free(xd), mgpu_free(yd);
+    }
+}
+
+/* Checks one schedule on `stages` devices: the pipeline's gradients
+   against one device's for a batch of n rows in m micro-batches. */
+static double schedule_diff(mgpu_schedule_fn schedule, int stages, int m, int n, int with_batchnorm) {
+    mgpu_device *devs[4];
+    mgpu_devices(stages, 0, devs);
+    mgpu_net *net = test_plain_net(mgpu_cpu(), 3, with_batchnorm);
+    mgpu_net *ref = test_plain_net(mgpu_cpu(), 3, with_batchnorm);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
+    mgpu_pipeline_set_schedule(pp, schedule, m);
+    mgpu_tensor *x, *y;
+    batch(11, n, &x, &y);
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    /* without batch norm, the whole batch at once; with it, in turn */
+    reference_grads(ref, x, y, with_batchnorm ? m : 1);
+    double diff = pipeline_diff(pp, ref, 0);
+    if (with_batchnorm) diff = fmax(diff, pipeline_diff(pp, ref, 1));
+    mgpu_pipeline_free(pp);
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(net), mgpu_net_free(ref);
+    return diff;
+}
+
+TEST(every_schedule_gives_one_devices_gradients) {
+    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
+    int micro[4] = {1, 2, 4, 3}; /* (3 does not divide 12: micro-batches of 4, 4, 4; and of 5, 5, 4 for 14) */
+    for (int k = 0; k < 2; k++)
+        for (int stages = 2; stages <= 3; stages++)
+            for (int i = 0; i < 4; i++) {
+                double diff = schedule_diff(schedules[k], stages, micro[i], i == 3 ? 14 : 12, 0);
+                if (diff > TOLERANCE)
+                    printf("  %s, %d stages, m = %d: gradients %.3g off\n", k ? "1F1B" : "GPipe", stages, micro[i],
+                           diff);
+                CHECK(diff <= TOLERANCE);
+            }
+}
+
+TEST(batch_norm_uses_each_micro_batchs_statistics) {
+    for (int k = 0; k < 2; k++) {
+        double diff = schedule_diff(k ? mgpu_schedule_1f1b : mgpu_schedule_gpipe, 2, 3, 12, 1);
+        CHECK(diff <= TOLERANCE);
+    }
+    /* and that is not the whole batch's: one device on all 12 rows differs */
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = test_plain_net(mgpu_cpu(), 3, 1), *ref = test_plain_net(mgpu_cpu(), 3, 1);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 2, NULL);
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 3);
+    mgpu_tensor *x, *y;
+    batch(11, 12, &x, &y);
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    reference_grads(ref, x, y, 1);
+    CHECK(pipeline_diff(pp, ref, 0) > 1e-3);
+    mgpu_pipeline_free(pp);
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(net), mgpu_net_free(ref);
+}
+
+TEST(steps_train_like_one_device_and_free_gives_the_state_back) {
+    mgpu_device *devs[3];
+    mgpu_devices(3, 0, devs);
+    mgpu_net *net = test_plain_net(mgpu_cpu(), 4, 0), *ref = test_plain_net(mgpu_cpu(), 4, 0);
+    int first[3] = {0, 2, 5};
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 3, first);
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, 4);
+    mgpu_tensor *loss = mgpu_zeros(devs[2], mgpu_shape1(1)), *ref_loss = mgpu_zeros(mgpu_cpu(), mgpu_shape1(1));
+    for (int step = 0; step < 5; step++) {
+        mgpu_tensor *x, *y;
+        batch(20 + (uint64_t)step, 16, &x, &y);
+        mgpu_pipeline_train_step(pp, x, y, 0.1f, 0.9f, 1e-4f, loss);
+        mgpu_net_train_step(ref, x, y, 0.1f, 0.9f, 1e-4f, ref_loss);
+        mgpu_synchronize_all();
+        mgpu_free(x), mgpu_free(y);
+    }
+    CHECK_CLOSE(mgpu_item(loss, 0), mgpu_item(ref_loss, 0), 0, TOLERANCE);
+    mgpu_pipeline_free(pp);
+    CHECK(test_max_param_diff(net, ref) <= TOLERANCE);
+    CHECK_EQ_INT(net->steps, 5);
+    for (int i = 0; i < net->nparams; i++) CHECK(test_relative_diff(net->momentum[i], ref->momentum[i]) <= TOLERANCE);
+    /* the network is its own again: it trains alone */
+    mgpu_tensor *x, *y;
+    batch(30, 8, &x, &y);
+    mgpu_net_train_step(net, x, y, 0.1f, 0.9f, 0.0f, NULL);
+    mgpu_free(x), mgpu_free(y), mgpu_free(loss), mgpu_free(ref_loss);
+    mgpu_net_free(net), mgpu_net_free(ref);
+}
+
+/* `layers` linear layers of `width` features with ReLUs between them. */
+static mgpu_net *equal_layers(int width, int layers) {
+    mgpu_manual_seed(7);
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    for (int i = 0; i < layers; i++) {
+        mgpu_net_add_linear(net, width, i + 1 < layers ? width : 10);
+        if (i + 1 < layers) mgpu_net_add_relu(net);
+    }
+    return net;
+}
+
+/* Stage s's peak activation bytes over one step of the schedule. */
+static void activation_peaks(mgpu_pipeline *pp, mgpu_device **devs, int stages, int rows, size_t *peak) {
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(rows, 64)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(rows));
+    mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (the first step makes the scratch that stays) */
+    mgpu_synchronize_all();
+    for (int s = 0; s < stages; s++) mgpu_device_reset_peak(devs[s]);
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    for (int s = 0; s < stages; s++) peak[s] = mgpu_device_memory_peak_of(devs[s], MGPU_MEMORY_ACTIVATIONS);
+    mgpu_free(x), mgpu_free(y);
+}
+
+TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
+    enum { STAGES = 4, M = 8, ROWS = 8 };
+    mgpu_device *devs[STAGES];
+    mgpu_devices(STAGES, 0, devs);
+    mgpu_net *net = equal_layers(64, 8);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, STAGES, NULL);
+    size_t one[STAGES], gpipe[STAGES], f1b1[STAGES];
+    activation_peaks(pp, devs, STAGES, ROWS, one); /* one micro-batch of 8 rows */
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, M);
+    activation_peaks(pp, devs, STAGES, M * ROWS, gpipe);
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, M);
+    activation_peaks(pp, devs, STAGES, M * ROWS, f1b1);
+    for (int s = 0; s < STAGES; s++) {
+        size_t bound = (size_t)(STAGES - s) * one[s];
+        CHECK_EQ_INT(mgpu_pipeline_slots(pp, s), STAGES - s);
+        CHECK(one[s] > 0);
+        CHECK(f1b1[s] <= bound);
+        CHECK(f1b1[s] == bound); /* the warm-up fills the bound exactly */
+        CHECK(gpipe[s] == (size_t)M * one[s]);
+    }
+    mgpu_pipeline_free(pp);
+    mgpu_net_free(net);
+}
+
+/* A layer of one's own that passes its input on and takes a fixed time:
+   it sleeps (1 ms forward, 2 ms backward), so its stages are equal
+   whatever else the machine runs. (A weight of one value, which it
+   leaves alone, makes the first layer's backward pass run too.) */
+static void sleep_ms(double ms) {
+    struct timespec t = {0, (long)(ms * 1e6)};
+    nanosleep(&t, NULL);
+}
+static void timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l, (void)training;
+    memcpy(y->data, x->data, x->numel * sizeof(float));
+    sleep_ms(1.0);
+}
+static void timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l, (void)dweight, (void)dbias, (void)x, (void)y;
+    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
+    sleep_ms(2.0);
+}
+static const mgpu_layer_fns timed_layer = {"timed", NULL, timed_forward, timed_backward, 1};
+
+TEST(measured_bubble_is_the_formulas) {
+    mgpu_device *devs[4];
+    mgpu_devices(4, 0, devs);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
+    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
+    int micro[3] = {1, 4, 8};
+    for (int stages = 2; stages <= 4; stages += 2) {
+        mgpu_net *net = mgpu_net_new(mgpu_cpu());
+        for (int i = 0; i < 2 * stages; i++) mgpu_net_add_layer(net, &timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, NULL);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < 3; i++) {
+                mgpu_pipeline_set_schedule(pp, schedules[k], micro[i]);
+                mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
+                mgpu_trace_begin();
+                mgpu_pipeline_forward_backward(pp, x, y, NULL);
+                mgpu_trace_end();
+                mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+                double want = mgpu_pipeline_bubble_formula(stages, micro[i]);
+                if (fabs(t.bubble_mean - want) > 0.05)
+                    printf("  %s, %d stages, m = %d: bubble %.3f, formula %.3f\n", k ? "1F1B" : "GPipe", stages,
+                           micro[i], t.bubble_mean, want);
+                CHECK_CLOSE(t.bubble_mean, want, 0.05, 0);
+                for (int s = 0; s < stages; s++) CHECK_CLOSE(t.bubble[s], want, 0.05, 0);
+            }
+        if (stages == 2) {
+            const char *path = "/tmp/mgpu_test_pipeline_timeline.png";
+            CHECK_EQ_INT(mgpu_pipeline_write_timeline(pp, path, "1F1B, 2 stages, 8 micro-batches"), 0);
+            FILE *f = fopen(path, "rb");
+            CHECK(f != NULL);
+            if (f) fclose(f);
+            remove(path);
+        }
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+    }
+    mgpu_free(x), mgpu_free(y);
+}
+
+TEST(data_parallel_pipelines_equal_one_device) {
+    mgpu_device *devs[4];
+    mgpu_devices(4, 0, devs);
+    mgpu_net *a = test_plain_net(mgpu_cpu(), 6, 0), *b = test_plain_net(mgpu_cpu(), 6, 0);
+    mgpu_net *ref = test_plain_net(mgpu_cpu(), 6, 0);
+    mgpu_pipeline *pipes[2] = {mgpu_pipeline_new(a, devs, 2, NULL), mgpu_pipeline_new(b, devs + 2, 2, NULL)};
+    for (int k = 0; k < 2; k++) mgpu_pipeline_set_schedule(pipes[k], mgpu_schedule_1f1b, 2);
+    for (int step = 0; step < 3; step++) {
+        mgpu_tensor *x, *y;
+        batch(40 + (uint64_t)step, 16, &x, &y);
+        for (int k = 0; k < 2; k++) {
+            mgpu_tensor *xk = mgpu_narrow(x, 8 * k, 8), *yk = mgpu_narrow(y, 8 * k, 8);
+            mgpu_pipeline_forward_backward(pipes[k], xk, yk, NULL);
+            mgpu_free(xk), mgpu_free(yk);
+        }
+        mgpu_pipelines_average_grads(pipes, 2);
+        for (int k = 0; k < 2; k++) mgpu_pipeline_step(pipes[k], 0.1f, 0.0f, 0.0f);
+        mgpu_net_train_step(ref, x, y, 0.1f, 0.0f, 0.0f, NULL);
+        mgpu_synchronize_all();
+        mgpu_free(x), mgpu_free(y);
+    }
+    for (int k = 0; k < 2; k++) mgpu_pipeline_free(pipes[k]);
+    CHECK(test_max_param_diff(a, ref) <= TOLERANCE);
+    CHECK(test_max_param_diff(b, ref) <= TOLERANCE);
+    mgpu_net_free(a), mgpu_net_free(b), mgpu_net_free(ref);
+}
+
+/* A schedule that waits for itself: stage 0 wants B0 before F1, stage 1
+   wants F1 before B0. */
+static void deadlocked(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    (void)stages, (void)m;
+    int kinds[2][4] = {{0, 1, 0, 1}, {0, 0, 1, 1}}, micro[2][4] = {{0, 0, 1, 1}, {0, 1, 0, 1}};
+    for (int i = 0; i < 4; i++) order[i].backward = kinds[stage][i], order[i].micro_batch = micro[stage][i];
+}
+static void forward_twice(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_gpipe(stage, stages, m, order);
+    order[1] = order[0];
+}
+static void backward_first(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_gpipe(stage, stages, m, order);
+    mgpu_pipeline_pass first = order[0];
+    order[0] = order[m], order[m] = first;
+}
+
+TEST(bad_settings_are_refused_by_name) {
+    mgpu_device *devs[4];
+    mgpu_devices(4, 0, devs);
+    mgpu_net *net = test_plain_net(mgpu_cpu(), 3, 0); /* 7 layers */
+    int beyond[2] = {0, 7}, backwards[3] = {0, 4, 2}, late[2] = {1, 3};
+    mgpu_device *twice[2] = {devs[1], devs[1]};
+    EXPECT_DIES(mgpu_pipeline_new(net, devs, 8, NULL), "8 stages for a network of 7 layers");
+    EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, beyond), "stage 1 starts at layer 7, which does not exist");
+    EXPECT_DIES(mgpu_pipeline_new(net, devs, 3, backwards), "stage 2 starts at layer 2, not after stage 1's");
+    EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, late), "stage 0 starts at layer 1");
+    EXPECT_DIES(mgpu_pipeline_new(net, twice, 2, NULL), "cpu#1 is devices[0] and devices[1]");
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 2, NULL);
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, 0), "0 micro-batches");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, deadlocked, 2),
+                "the schedule waits for itself (stage 0 at B0, stage 1 at F1");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, forward_twice, 2), "the schedule runs F0 twice on stage 0");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, backward_first, 2), "runs B0 on stage 0 before that micro-batch's");
+    EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, NULL), "a wrapper holds this network already");
+    EXPECT_DIES(mgpu_net_free(net), "still holds this network");
+    mgpu_tensor *x, *y, *wrong = mgpu_zeros(devs[0], mgpu_shape1(1));
+    batch(1, 3, &x, &y);
+    EXPECT_DIES(mgpu_pipeline_forward_backward(pp, x, y, wrong), "loss_sum is on cpu, the network on cpu#1");
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 4);
+    EXPECT_DIES(mgpu_pipeline_forward_backward(pp, x, y, NULL), "a batch of 3 rows cannot make 4 micro-batches");
+    mgpu_trace_begin();
+    mgpu_trace_end();
+    EXPECT_DIES(mgpu_pipeline_measure(pp), "the trace holds none of this pipeline's passes");
+    mgpu_pipeline_free(pp);
+    mgpu_free(x), mgpu_free(y), mgpu_free(wrong);
+    mgpu_net_free(net);
+}
+
+TEST_MAIN()
