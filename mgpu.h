@@ -1938,6 +1938,10 @@ MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const 
        mgpu_tp_mlp_gather_grads(m, dA, da, dB, db);
    copies the slices into full-size gradients on one device.
 
+   Each device's slices of the parameters and of their gradients count
+   under MGPU_MEMORY_PARAMETERS and _GRADIENTS (section 2): 1/k of one
+   device's, where data parallelism keeps all of them on every device.
+
    The tensors these functions return belong to the block (do not free
    them) and are overwritten by its next step; x and X must stay alive
    until the backward pass that follows (it reads them). The gradients
@@ -10967,8 +10971,10 @@ static mgpu_shape mgpu__tp_slice_shape(mgpu_shape shape, int dim, int k) {
     return shape;
 }
 
-/* Copies slice j of `whole`, cut into k equal parts along dimension dim,
-   to `part` (into_whole 0), or back (into_whole 1). In row-major memory
+/* Copies slice j of a whole tensor, cut into k equal parts along
+   dimension dim, between the whole and a tensor holding that slice alone
+   (the part): from src, the whole, into dst, the part (into_whole 0), or
+   from src, the part, into dst, the whole (into_whole 1). In row-major memory
    the slice is not one run of values unless dim is 0: call "rows" the
    indices of the dimensions before dim; each row of `whole` holds its k
    slices one after the other, so slice j of a row is one run, and the
@@ -10977,7 +10983,9 @@ static mgpu_shape mgpu__tp_slice_shape(mgpu_shape shape, int dim, int k) {
    input row; a cut along dimension 0 is a single copy. Between two
    devices, or on one (a copy into a contiguous tensor). Non-blocking:
    the copies order themselves with the devices' queues. */
-static void mgpu__tp_copy_slice(mgpu_tensor *whole, mgpu_tensor *part, int dim, int j, int k, int into_whole) {
+static void mgpu__tp_copy_slice(mgpu_tensor *dst, const mgpu_tensor *src, int dim, int j, int k,
+                                int into_whole) {
+    const mgpu_tensor *whole = into_whole ? dst : src, *part = into_whole ? src : dst;
     int rows = 1;
     for (int d = 0; d < dim; d++) rows *= whole->shape.d[d];
     int run = (int)(part->numel / (size_t)rows); /* values of one slice of one row */
@@ -10985,8 +10993,7 @@ static void mgpu__tp_copy_slice(mgpu_tensor *whole, mgpu_tensor *part, int dim, 
     mgpu_tensor *part_runs = mgpu_view(part, mgpu_shape2(rows, run));
     for (int r = 0; r < rows; r++) {
         mgpu_tensor *in_whole = mgpu_narrow(whole_runs, r * k + j, 1), *in_part = mgpu_narrow(part_runs, r, 1);
-        if (into_whole) mgpu_copy(in_whole, in_part, 1);
-        else mgpu_copy(in_part, in_whole, 1);
+        mgpu_copy(into_whole ? in_whole : in_part, into_whole ? in_part : in_whole, 1);
         mgpu_free(in_whole);
         mgpu_free(in_part);
     }
@@ -10994,10 +11001,16 @@ static void mgpu__tp_copy_slice(mgpu_tensor *whole, mgpu_tensor *part, int dim, 
     mgpu_free(part_runs);
 }
 
-/* Device j's slice of a parameter, a new tensor on devices[j]. */
-static mgpu_tensor *mgpu__tp_slice_to(const mgpu_tensor *whole, int dim, int j, int k, mgpu_device *dev) {
+/* Device j's slice of a parameter, a new tensor on devices[j] counted
+   with the parameters; its gradient (*grad) of the same shape, zero,
+   with the gradients. */
+static mgpu_tensor *mgpu__tp_parameter_slice(const mgpu_tensor *whole, int dim, int j, int k, mgpu_device *dev,
+                                             mgpu_tensor **grad) {
     mgpu_tensor *part = mgpu_empty(dev, mgpu__tp_slice_shape(whole->shape, dim, k));
-    mgpu__tp_copy_slice((mgpu_tensor *)whole, part, dim, j, k, 0);
+    mgpu__memory_recount(part, MGPU_MEMORY_PARAMETERS);
+    mgpu__tp_copy_slice(part, whole, dim, j, k, 0);
+    *grad = mgpu_zeros(dev, part->shape);
+    mgpu__memory_recount(*grad, MGPU_MEMORY_GRADIENTS);
     return part;
 }
 
@@ -11045,10 +11058,8 @@ MGPU_DEF mgpu_tp_conv *mgpu_tp_conv_new(const mgpu_tensor *weight, const mgpu_te
     c->pad = pad;
     for (int j = 0; j < k; j++) {
         c->devices[j] = devices[j];
-        c->weight[j] = mgpu__tp_slice_to(weight, 0, j, k, devices[j]);
-        c->bias[j] = mgpu__tp_slice_to(bias, 0, j, k, devices[j]);
-        c->dweight[j] = mgpu_zeros(devices[j], c->weight[j]->shape);
-        c->dbias[j] = mgpu_zeros(devices[j], c->bias[j]->shape);
+        c->weight[j] = mgpu__tp_parameter_slice(weight, 0, j, k, devices[j], &c->dweight[j]);
+        c->bias[j] = mgpu__tp_parameter_slice(bias, 0, j, k, devices[j], &c->dbias[j]);
     }
     return c;
 }
@@ -11082,7 +11093,7 @@ MGPU_DEF mgpu_tensor *mgpu_tp_conv_backward(mgpu_tp_conv *c, const mgpu_tensor *
     mgpu__tp_require_shape(op, "dy", dy, c->y[0]->shape);
     for (int j = 0; j < k; j++) {
         mgpu_tensor *dy_part = mgpu_ensure(&c->dy_part[j], c->devices[j], c->y_part[j]->shape);
-        mgpu__tp_copy_slice((mgpu_tensor *)dy, dy_part, 1, j, k, 0);
+        mgpu__tp_copy_slice(dy_part, dy, 1, j, k, 0);
         mgpu_conv2d_backward(mgpu_ensure(&c->dx[j], c->devices[j], c->x[j]->shape), c->dweight[j], c->dbias[j],
                              dy_part, c->x[j], c->weight[j], c->stride, c->pad, 0);
     }
@@ -11167,15 +11178,11 @@ MGPU_DEF mgpu_tp_mlp *mgpu_tp_mlp_new(const mgpu_tensor *A, const mgpu_tensor *a
     m->k = k;
     for (int j = 0; j < k; j++) {
         m->devices[j] = devices[j];
-        m->A[j] = mgpu__tp_slice_to(A, 1, j, k, devices[j]);  /* columns */
-        m->a[j] = mgpu__tp_slice_to(a, 0, j, k, devices[j]);
-        m->B[j] = mgpu__tp_slice_to(B, 0, j, k, devices[j]);  /* rows */
-        m->dA[j] = mgpu_zeros(devices[j], m->A[j]->shape);
-        m->da[j] = mgpu_zeros(devices[j], m->a[j]->shape);
-        m->dB[j] = mgpu_zeros(devices[j], m->B[j]->shape);
+        m->A[j] = mgpu__tp_parameter_slice(A, 1, j, k, devices[j], &m->dA[j]); /* columns */
+        m->a[j] = mgpu__tp_parameter_slice(a, 0, j, k, devices[j], &m->da[j]);
+        m->B[j] = mgpu__tp_parameter_slice(B, 0, j, k, devices[j], &m->dB[j]); /* rows */
     }
-    m->b = mgpu_to(b, devices[0], 0);
-    m->db = mgpu_zeros(devices[0], b->shape);
+    m->b = mgpu__tp_parameter_slice(b, 0, 0, 1, devices[0], &m->db);        /* all of it, on device 0 */
     return m;
 }
 

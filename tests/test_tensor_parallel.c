@@ -13,6 +13,7 @@
      to one device's;
    - the bytes each block moves per step are the hand-computed ones, and
      so are data parallelism's for the same parameters;
+   - each device holds 1/k of the parameters and of their gradients;
    - bad settings are refused with one line naming the function.
    tests/gpu_tensor_parallel.c includes this file with TEST_ON_GPU 1: the
    same tests on GPU devices (physical, then virtual). */
@@ -183,6 +184,40 @@ TEST(the_bytes_moved_per_step_are_the_hand_computed_ones) {
         mgpu_tensor *made[] = {w, b, x, dy, A, a, B, bo, X, dY};
         for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) mgpu_free(made[i]);
     }
+}
+
+/* ------------------------------------------------------------ memory */
+/* An MLP 256 -> 512 -> 128 on 4 devices: each holds 128 of the hidden
+   units, A's [256, 128] (131072 bytes), a's [128] (512) and B's [128, 128]
+   (65536): 197120 bytes of parameters and as many of gradients; device 0
+   also b [128] (512 more), where one device would hold all 788992. (Sizes
+   that are multiples of the allocator's 512-byte granules, so that what
+   a device holds is exact.) */
+TEST(each_device_holds_a_kth_of_the_parameters) {
+    mgpu_device *devs[4];
+    mgpu_devices(4, TEST_ON_GPU, devs);
+    mgpu_tensor *A = mgpu_randn(devs[0], mgpu_shape2(256, 512), 0, 1), *a = mgpu_randn(devs[0], mgpu_shape1(512), 0, 1);
+    mgpu_tensor *B = mgpu_randn(devs[0], mgpu_shape2(512, 128), 0, 1), *b = mgpu_randn(devs[0], mgpu_shape1(128), 0, 1);
+    size_t parameters[4], gradients[4];
+    for (int i = 0; i < 4; i++) {
+        parameters[i] = mgpu_device_memory_of(devs[i], MGPU_MEMORY_PARAMETERS);
+        gradients[i] = mgpu_device_memory_of(devs[i], MGPU_MEMORY_GRADIENTS);
+    }
+    mgpu_tp_mlp *m = mgpu_tp_mlp_new(A, a, B, b, devs, 4);
+    for (int i = 0; i < 4; i++) {
+        size_t want = 197120 + (i == 0 ? 512 : 0);
+        CHECK_EQ_INT(mgpu_device_memory_of(devs[i], MGPU_MEMORY_PARAMETERS) - parameters[i], want);
+        CHECK_EQ_INT(mgpu_device_memory_of(devs[i], MGPU_MEMORY_GRADIENTS) - gradients[i], want);
+    }
+    mgpu_tp_mlp_free(m);
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ_INT(mgpu_device_memory_of(devs[i], MGPU_MEMORY_PARAMETERS), parameters[i]);
+        CHECK_EQ_INT(mgpu_device_memory_of(devs[i], MGPU_MEMORY_GRADIENTS), gradients[i]);
+    }
+    mgpu_free(A);
+    mgpu_free(a);
+    mgpu_free(B);
+    mgpu_free(b);
 }
 
 /* ------------------------------------------------------------ refusals */
