@@ -1900,7 +1900,10 @@ MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const 
    the one returned is devices[0]'s). Side by side along channels means,
    in NCHW memory, inside each image: image n's channels from device j
    are one contiguous run, the next image's a whole image further on, so
-   the all-gather copies one run per image from each device to each other.
+   the all-gather copies one run per image from each device to each other
+   (k(k-1)N small copies: clear, not fast; NCCL's all-gather would send
+   each device's slice in one piece, into a [k, N, K/k, P, Q] buffer that a
+   kernel then reorders).
        mgpu_tensor *dx = mgpu_tp_conv_backward(c, dy);    dy [N, K, P, Q] on devices[0]
    Device j takes its channels of dy and computes the gradients of its own
    filters and biases, and its part of dx: every output channel depends on
@@ -1931,9 +1934,9 @@ MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const 
         only its hidden units: the sum of the k parts is dX).
      g, after the row-parallel layer: forward, an allreduce (of the
         partial products H_j B_j: their sum is Y); backward, nothing
-        (every device needs all of dY, and has it).
-   So one allreduce forward and one backward, whatever the depth of the
-   hidden layer. mgpu_tp_mlp_output(m, i) and mgpu_tp_mlp_input_grad(m, i)
+        (every device needs all of dY, and has it: the convention above).
+   So one allreduce forward and one backward, however wide the hidden
+   layer. mgpu_tp_mlp_output(m, i) and mgpu_tp_mlp_input_grad(m, i)
    are Y and dX on device i;
        mgpu_tp_mlp_gather_grads(m, dA, da, dB, db);
    copies the slices into full-size gradients on one device.
@@ -1943,10 +1946,11 @@ MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const 
    device's, where data parallelism keeps all of them on every device.
 
    The tensors these functions return belong to the block (do not free
-   them) and are overwritten by its next step; x and X must stay alive
-   until the backward pass that follows (it reads them). The gradients
-   of the parameters are overwritten by each backward pass. Each function
-   only enqueues work, like every operation.
+   them; the accessors give NULL before the first pass) and are
+   overwritten by its next step; x and X must stay alive until the
+   backward pass that follows (it reads them). The gradients of the
+   parameters are overwritten by each backward pass. Each function only
+   enqueues work, like every operation.
 
    Bytes. A block counts what its collectives moved in its last forward
    and backward pass, per device (sent, which for these equals received):
