@@ -10983,8 +10983,8 @@ static mgpu_shape mgpu__tp_slice_shape(mgpu_shape shape, int dim, int k) {
    indices of the dimensions before dim; each row of `whole` holds its k
    slices one after the other, so slice j of a row is one run, and the
    rows lie one whole row apart. One copy a row: [N, C, H, W] cut along
-   channels takes one a image; [in, hidden] cut along columns, one per
-   input row; a cut along dimension 0 is a single copy. Between two
+   channels takes one copy an image; [in, hidden] cut along columns, one
+   an input row; a cut along dimension 0 is a single copy. Between two
    devices, or on one (a copy into a contiguous tensor). Non-blocking:
    the copies order themselves with the devices' queues. */
 static void mgpu__tp_copy_slice(mgpu_tensor *dst, const mgpu_tensor *src, int dim, int j, int k,
