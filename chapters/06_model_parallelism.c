@@ -329,7 +329,7 @@ int main(int argc, char **argv) {
         {"--steps", 'i', &steps, "timed steps of each schedule (up to 64; the median is printed)"},
         {"--width", 'i', &width, "the network's channels (32)"},
         {"--micro-batches", 'i', &micro, "micro-batches of the training (section 1; default 4)"},
-        {"--devices", 'n', NULL, NULL},
+        {"--devices", 'n', NULL, "chapter 6 runs on 2 and 4 devices, its stages"},
     };
     mgpu_options_parse(&o, argc, argv, "chapter6: model parallelism: pipelines (naive, GPipe, 1F1B) and split layers",
                        extra, (int)(sizeof extra / sizeof extra[0]));
@@ -344,9 +344,9 @@ int main(int argc, char **argv) {
     if (!o.epochs) o.epochs = reduced ? 3 : 10;
     if (reduced && !train_samples) train_samples = 3072;
     if (reduced)
-        printf("No GPU: a reduced run on CPU devices: %d training images, %d epochs, batch %d, %d timed steps\n"
-               "a schedule (--full: all the images, 10 epochs, batch 256, 10 timed steps).\n",
-               train_samples, o.epochs, batch, steps);
+        printf("No GPU: a reduced run on CPU devices: %d training images, %d epoch%s, batch %d, %d timed\n"
+               "step%s a schedule (--full: all the images, 10 epochs, batch 256, 10 timed steps).\n",
+               train_samples, o.epochs, o.epochs > 1 ? "s" : "", batch, steps, steps > 1 ? "s" : "");
     if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
     printf("The network: a stem and %d equal blocks of %d channels (3x3 convolution, batch norm, ReLU) at 14x14,\n"
            "global pooling, a linear layer; 2 stages take 4 blocks each, 4 stages 2 each.\n", BLOCKS, width);

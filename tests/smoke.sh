@@ -141,6 +141,25 @@ else echo "FAIL chapter5_writes_its_timeline"; failed=$((failed + 1)); fi
 check chapter5_refuses_epochs 1 '^mgpu: error: --epochs: chapter 5 times steps, not epochs \(--steps\)$' \
     -- ./chapter5 --epochs 3
 
+# Chapter 6, small: training in 2 stages, every schedule on 2 and 4
+# devices beside the formula, a timeline per schedule, the split layers
+# equal to one device with their bytes (the MLP's forward allreduce of
+# Y [32, 10] on 4 devices: 2 (3/4) 1280 bytes), and the hybrid's two
+# copies of the network equal.
+check chapter6_runs 0 '^test acc: [0-9]\.[0-9]{2}, [0-9]+ images/sec' \
+    '^  naive +1 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.500 ' '^  1F1B +8 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.111 ' \
+    '^  1F1B +8 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.273 ' \
+    '^  Megatron MLP 784->512->10 +4 +[0-9]\.[0-9]e-0[6-9] +1920 +150528 +2442300$' \
+    'the two copies of the network differ by 0\.0e\+00' \
+    -- ./chapter6 --cpu --train-samples 256 --epochs 1 --batch-size 32 --steps 1 --width 8 --out "$out/ch6"
+for f in chapter6_test_acc.png chapter6_timeline_naive_2_stages.png chapter6_timeline_GPipe_2_stages.png \
+         chapter6_timeline_1F1B_4_stages.png; do
+    if png_ok "$out/ch6/$f"; then echo "ok   chapter6_writes_$f"; passed=$((passed + 1));
+    else echo "FAIL chapter6_writes_$f"; failed=$((failed + 1)); fi
+done
+check chapter6_refuses_devices 1 '^mgpu: error: --devices: chapter 6 runs on 2 and 4 devices, its stages$' \
+    -- ./chapter6 --devices 2
+
 
 # The README's example program, built the way the README says, with gcc
 # (C11, strict warnings, no -D_GNU_SOURCE: the header asks for POSIX) and,
