@@ -12,7 +12,10 @@
    - the bubble measured from the trace within 0.05 of (p-1)/(m+p-1), for
      equal stages on 2 CPU devices;
    - data parallelism over 2 pipelines of 2 stages equals one device;
-   - bad settings and schedules are refused by name. */
+   - bad settings and schedules are refused by name.
+   tests/gpu_pipeline.c includes this file with TEST_ON_GPU 1: the same
+   tests on GPU devices, but the bubble's (its layers sleep on the CPU)
+   and the refusals' (a forked child cannot use a GPU). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include "test.h"
@@ -65,9 +68,9 @@ static void reference_grads(mgpu_net *ref, const mgpu_tensor *x, const mgpu_tens
    against one device's for a batch of n rows in m micro-batches. */
 static double schedule_diff(mgpu_schedule_fn schedule, int stages, int m, int n, int with_batchnorm) {
     mgpu_device *devs[4];
-    mgpu_devices(stages, 0, devs);
-    mgpu_net *net = test_plain_net(mgpu_cpu(), 3, with_batchnorm);
-    mgpu_net *ref = test_plain_net(mgpu_cpu(), 3, with_batchnorm);
+    mgpu_devices(stages, TEST_ON_GPU, devs);
+    mgpu_net *net = test_plain_net(test_device(), 3, with_batchnorm);
+    mgpu_net *ref = test_plain_net(test_device(), 3, with_batchnorm);
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
     mgpu_pipeline_set_schedule(pp, schedule, m);
     mgpu_tensor *x, *y;
@@ -105,8 +108,8 @@ TEST(batch_norm_uses_each_micro_batchs_statistics) {
     }
     /* and that is not the whole batch's: one device on all 12 rows differs */
     mgpu_device *devs[2];
-    mgpu_devices(2, 0, devs);
-    mgpu_net *net = test_plain_net(mgpu_cpu(), 3, 1), *ref = test_plain_net(mgpu_cpu(), 3, 1);
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *net = test_plain_net(test_device(), 3, 1), *ref = test_plain_net(test_device(), 3, 1);
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 2, NULL);
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 3);
     mgpu_tensor *x, *y;
@@ -121,17 +124,19 @@ TEST(batch_norm_uses_each_micro_batchs_statistics) {
 
 TEST(steps_train_like_one_device_and_free_gives_the_state_back) {
     mgpu_device *devs[3];
-    mgpu_devices(3, 0, devs);
-    mgpu_net *net = test_plain_net(mgpu_cpu(), 4, 0), *ref = test_plain_net(mgpu_cpu(), 4, 0);
+    mgpu_devices(3, TEST_ON_GPU, devs);
+    mgpu_net *net = test_plain_net(test_device(), 4, 0), *ref = test_plain_net(test_device(), 4, 0);
     int first[3] = {0, 2, 5};
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 3, first);
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, 4);
-    mgpu_tensor *loss = mgpu_zeros(devs[2], mgpu_shape1(1)), *ref_loss = mgpu_zeros(mgpu_cpu(), mgpu_shape1(1));
+    mgpu_tensor *loss = mgpu_zeros(devs[2], mgpu_shape1(1)), *ref_loss = mgpu_zeros(test_device(), mgpu_shape1(1));
     for (int step = 0; step < 5; step++) {
         mgpu_tensor *x, *y;
         batch(20 + (uint64_t)step, 16, &x, &y);
         mgpu_pipeline_train_step(pp, x, y, 0.1f, 0.9f, 1e-4f, loss);
-        mgpu_net_train_step(ref, x, y, 0.1f, 0.9f, 1e-4f, ref_loss);
+        mgpu_tensor *xd = mgpu_to(x, ref->device, 0), *yd = mgpu_to(y, ref->device, 0);
+        mgpu_net_train_step(ref, xd, yd, 0.1f, 0.9f, 1e-4f, ref_loss);
+        mgpu_free(xd), mgpu_free(yd);
         mgpu_synchronize_all();
         mgpu_free(x), mgpu_free(y);
     }
@@ -143,7 +148,9 @@ TEST(steps_train_like_one_device_and_free_gives_the_state_back) {
     /* the network is its own again: it trains alone */
     mgpu_tensor *x, *y;
     batch(30, 8, &x, &y);
-    mgpu_net_train_step(net, x, y, 0.1f, 0.9f, 0.0f, NULL);
+    mgpu_tensor *xd = mgpu_to(x, net->device, 0), *yd = mgpu_to(y, net->device, 0);
+    mgpu_net_train_step(net, xd, yd, 0.1f, 0.9f, 0.0f, NULL);
+    mgpu_free(xd), mgpu_free(yd);
     mgpu_free(x), mgpu_free(y), mgpu_free(loss), mgpu_free(ref_loss);
     mgpu_net_free(net), mgpu_net_free(ref);
 }
@@ -151,7 +158,7 @@ TEST(steps_train_like_one_device_and_free_gives_the_state_back) {
 /* `layers` linear layers of `width` features with ReLUs between them. */
 static mgpu_net *equal_layers(int width, int layers) {
     mgpu_manual_seed(7);
-    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    mgpu_net *net = mgpu_net_new(test_device());
     for (int i = 0; i < layers; i++) {
         mgpu_net_add_linear(net, width, i + 1 < layers ? width : 10);
         if (i + 1 < layers) mgpu_net_add_relu(net);
@@ -174,7 +181,7 @@ static void activation_peaks(mgpu_pipeline *pp, mgpu_device **devs, int stages, 
 TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
     enum { STAGES = 4, M = 8, ROWS = 8 };
     mgpu_device *devs[STAGES];
-    mgpu_devices(STAGES, 0, devs);
+    mgpu_devices(STAGES, TEST_ON_GPU, devs);
     mgpu_net *net = equal_layers(64, 8);
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, STAGES, NULL);
     size_t one[STAGES], gpipe[STAGES], f1b1[STAGES];
@@ -195,9 +202,11 @@ TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
     mgpu_net_free(net);
 }
 
+#if !TEST_ON_GPU
 /* A layer of one's own that passes its input on and takes a fixed time:
-   it sleeps (1 ms forward, 2 ms backward), so its stages are equal
-   whatever else the machine runs. (A weight of one value, which it
+   it sleeps (5 ms forward, 10 ms backward), so its stages are equal
+   whatever else the machine runs (long enough that waking the queues'
+   threads on a busy machine takes a small part of it). (A weight of one value, which it
    leaves alone, makes the first layer's backward pass run too.) */
 static void sleep_ms(double ms) {
     struct timespec t = {0, (long)(ms * 1e6)};
@@ -206,13 +215,13 @@ static void sleep_ms(double ms) {
 static void timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
     (void)l, (void)training;
     memcpy(y->data, x->data, x->numel * sizeof(float));
-    sleep_ms(1.0);
+    sleep_ms(5.0);
 }
 static void timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
                            const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
     (void)l, (void)dweight, (void)dbias, (void)x, (void)y;
     if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
-    sleep_ms(2.0);
+    sleep_ms(10.0);
 }
 static const mgpu_layer_fns timed_layer = {"timed", NULL, timed_forward, timed_backward, 1};
 
@@ -230,16 +239,29 @@ TEST(measured_bubble_is_the_formulas) {
             for (int i = 0; i < 3; i++) {
                 mgpu_pipeline_set_schedule(pp, schedules[k], micro[i]);
                 mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
-                mgpu_trace_begin();
-                mgpu_pipeline_forward_backward(pp, x, y, NULL);
-                mgpu_trace_end();
-                mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
-                double want = mgpu_pipeline_bubble_formula(stages, micro[i]);
-                if (fabs(t.bubble_mean - want) > 0.05)
-                    printf("  %s, %d stages, m = %d: bubble %.3f, formula %.3f\n", k ? "1F1B" : "GPipe", stages,
-                           micro[i], t.bubble_mean, want);
-                CHECK_CLOSE(t.bubble_mean, want, 0.05, 0);
-                for (int s = 0; s < stages; s++) CHECK_CLOSE(t.bubble[s], want, 0.05, 0);
+                double want = mgpu_pipeline_bubble_formula(stages, micro[i]), got = 0, worst_stage = 0;
+                /* the median of 3 steps, and up to 3 tries of that: on a machine
+                   busy with other work, the queues' threads can wake late */
+                for (int attempt = 0; attempt < 3; attempt++) {
+                    double bubble[3], stage_bubble[4][3];
+                    for (int r = 0; r < 3; r++) {
+                        mgpu_trace_begin();
+                        mgpu_pipeline_forward_backward(pp, x, y, NULL);
+                        mgpu_trace_end();
+                        mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+                        bubble[r] = t.bubble_mean;
+                        for (int s = 0; s < stages; s++) stage_bubble[s][r] = t.bubble[s];
+                    }
+                    got = mgpu_median(bubble, 3), worst_stage = 0;
+                    for (int s = 0; s < stages; s++)
+                        worst_stage = fmax(worst_stage, fabs(mgpu_median(stage_bubble[s], 3) - want));
+                    if (fabs(got - want) <= 0.05 && worst_stage <= 0.05) break;
+                }
+                if (fabs(got - want) > 0.05 || worst_stage > 0.05)
+                    printf("  %s, %d stages, m = %d: bubble %.3f (a stage's off by %.3f), formula %.3f\n",
+                           k ? "1F1B" : "GPipe", stages, micro[i], got, worst_stage, want);
+                CHECK_CLOSE(got, want, 0.05, 0);
+                CHECK(worst_stage <= 0.05);
             }
         if (stages == 2) {
             const char *path = "/tmp/mgpu_test_pipeline_timeline.png";
@@ -255,11 +277,13 @@ TEST(measured_bubble_is_the_formulas) {
     mgpu_free(x), mgpu_free(y);
 }
 
+#endif
+
 TEST(data_parallel_pipelines_equal_one_device) {
     mgpu_device *devs[4];
-    mgpu_devices(4, 0, devs);
-    mgpu_net *a = test_plain_net(mgpu_cpu(), 6, 0), *b = test_plain_net(mgpu_cpu(), 6, 0);
-    mgpu_net *ref = test_plain_net(mgpu_cpu(), 6, 0);
+    mgpu_devices(4, TEST_ON_GPU, devs);
+    mgpu_net *a = test_plain_net(test_device(), 6, 0), *b = test_plain_net(test_device(), 6, 0);
+    mgpu_net *ref = test_plain_net(test_device(), 6, 0);
     mgpu_pipeline *pipes[2] = {mgpu_pipeline_new(a, devs, 2, NULL), mgpu_pipeline_new(b, devs + 2, 2, NULL)};
     for (int k = 0; k < 2; k++) mgpu_pipeline_set_schedule(pipes[k], mgpu_schedule_1f1b, 2);
     for (int step = 0; step < 3; step++) {
@@ -272,7 +296,9 @@ TEST(data_parallel_pipelines_equal_one_device) {
         }
         mgpu_pipelines_average_grads(pipes, 2);
         for (int k = 0; k < 2; k++) mgpu_pipeline_step(pipes[k], 0.1f, 0.0f, 0.0f);
-        mgpu_net_train_step(ref, x, y, 0.1f, 0.0f, 0.0f, NULL);
+        mgpu_tensor *xd = mgpu_to(x, ref->device, 0), *yd = mgpu_to(y, ref->device, 0);
+        mgpu_net_train_step(ref, xd, yd, 0.1f, 0.0f, 0.0f, NULL);
+        mgpu_free(xd), mgpu_free(yd);
         mgpu_synchronize_all();
         mgpu_free(x), mgpu_free(y);
     }
@@ -282,6 +308,7 @@ TEST(data_parallel_pipelines_equal_one_device) {
     mgpu_net_free(a), mgpu_net_free(b), mgpu_net_free(ref);
 }
 
+#if !TEST_ON_GPU
 /* A schedule that waits for itself: stage 0 wants B0 before F1, stage 1
    wants F1 before B0. */
 static void deadlocked(int stage, int stages, int m, mgpu_pipeline_pass *order) {
@@ -330,5 +357,6 @@ TEST(bad_settings_are_refused_by_name) {
     mgpu_free(x), mgpu_free(y), mgpu_free(wrong);
     mgpu_net_free(net);
 }
+#endif
 
 TEST_MAIN()
