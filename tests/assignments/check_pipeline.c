@@ -1,0 +1,341 @@
+/* tests/assignments/check_pipeline.c: the checker of the pipeline-
+   schedule assignment (docs/assignments.md). Built with the student's
+   file by
+       make check-assignment NAME=pipeline FILE=student.c
+   which must define
+       void schedule_1f1b(int stage, int stages, int micro_batches,
+                          mgpu_pipeline_pass *order);
+   1F1B's order of stage `stage`'s 2 m passes, as mgpu_schedule_fn asks.
+   It runs on 2, 3 and 4 CPU devices with 1, 2, 3, 4 and 8 micro-batches
+   (fewer than the stages, too); one device's gradients and the library's
+   bound min(m, p - s) on the activations are the answer. */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include "tests/test.h"
+#include STUDENT_FILE
+
+#include <signal.h>
+
+#define TOLERANCE 1e-5
+#define MIN_STAGES 2
+#define MAX_STAGES 4
+static const int micro[] = {1, 2, 3, 4, 8};
+#define NMICRO (int)(sizeof micro / sizeof micro[0])
+#define SAID 4 /* the wrong settings said in full, at most, by each test */
+
+/* ---- is the schedule accepted? ----
+   mgpu_pipeline_set_schedule checks a schedule (every pass once, each
+   backward after its forward, no stage waiting for a pass that waits for
+   it) and ends the program with a one-line error when it is wrong. So the
+   checker tries it first in a child process, and reads the line: a wrong
+   schedule fails the tests instead of stopping the checker. A schedule
+   that crashes (writing past its 2 m passes) or loops is caught too.
+   Each setting is tried once; the answer is kept. */
+static int tried[MAX_STAGES + 1][9]; /* [p][m]: 0 not yet, 1 accepted, -1 not (why_refused says why) */
+static char why_refused[MAX_STAGES + 1][9][2112]; /* (room for the whole of a child's line) */
+
+static void try_in_a_child(mgpu_pipeline *pp, int m) {
+    int p = mgpu_pipeline_num_stages(pp);
+    int fds[2];
+    if (pipe(fds) != 0) { perror("pipe"); exit(2); }
+    mgpu_synchronize_all(); /* (the child starts with nothing in flight) */
+    fflush(stdout), fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 2);
+        alarm(10);
+        /* first alone, into room for 2 m passes and more, to see that it
+           writes nothing past them (the library's order has no more) */
+        mgpu_pipeline_pass *order = (mgpu_pipeline_pass *)malloc((size_t)(2 * m + 16) * sizeof *order);
+        for (int s = 0; s < p; s++) {
+            for (int i = 0; i < 2 * m + 16; i++) order[i].backward = order[i].micro_batch = -7;
+            schedule_1f1b(s, p, m, order);
+            for (int i = 2 * m; i < 2 * m + 16; i++)
+                if (order[i].backward != -7 || order[i].micro_batch != -7) {
+                    fprintf(stderr, "your schedule writes order[%d] on stage %d of %d, m = %d; it has 2 m = %d "
+                            "passes (order[0] to order[%d])\n", i, s, p, m, 2 * m, 2 * m - 1);
+                    _exit(3);
+                }
+        }
+        free(order);
+        mgpu_pipeline_set_schedule(pp, schedule_1f1b, m);
+        _exit(0);
+    }
+    close(fds[1]);
+    char err[2048];
+    size_t len = 0;
+    ssize_t r;
+    while ((r = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)r;
+    err[len] = 0;
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    /* the library's line (its error is one), not what the schedule printed before it */
+    char *why = why_refused[p][m], *line = strstr(err, "mgpu: error: ");
+    if (!line) line = err;
+    if (strchr(line, '\n')) *strchr(line, '\n') = 0;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        tried[p][m] = 1;
+    else if (WIFEXITED(status) && WEXITSTATUS(status) == 3)
+        snprintf(why, sizeof why_refused[0][0], "%s", line);
+    else if (WIFEXITED(status))
+        snprintf(why, sizeof why_refused[0][0], "the library refuses your schedule: %s",
+                 line[0] ? line : "(it said nothing)");
+    else if (WTERMSIG(status) == SIGALRM)
+        snprintf(why, sizeof why_refused[0][0], "your schedule did not return within 10 s (a loop that never ends?)");
+    else
+        snprintf(why, sizeof why_refused[0][0],
+                 "your schedule crashed (%s): does it write past order[2 m - 1], or read past its arguments?",
+                 strsignal(WTERMSIG(status)));
+    if (!tried[p][m]) tried[p][m] = -1;
+}
+static int accepted(mgpu_pipeline *pp, int m) {
+    int p = mgpu_pipeline_num_stages(pp);
+    if (!tried[p][m]) try_in_a_child(pp, m);
+    if (tried[p][m] > 0) mgpu_pipeline_set_schedule(pp, schedule_1f1b, m);
+    return tried[p][m] > 0;
+}
+
+/* Settings the later tests leave out, the schedule not accepted there:
+   counted and said in one line (the first test says why). */
+static void say_skipped(int skipped) {
+    if (skipped)
+        printf("  %d of the %d settings left out: your schedule is not accepted there (see "
+               "schedule_is_accepted)\n",
+               skipped, (MAX_STAGES - MIN_STAGES + 1) * NMICRO);
+}
+
+/* ---- the networks ---- */
+
+/* A small network without batch norm: the tests' plain network
+   (convolutions, ReLUs, pooling, a linear layer: 7 layers); without batch
+   norm a pipeline's gradients are one device's on the whole batch, up to
+   the order of the sums. */
+static void batch(int n, mgpu_tensor **x, mgpu_tensor **y) {
+    mgpu_manual_seed(11);
+    *x = mgpu_rand(mgpu_cpu(), mgpu_shape4(n, 1, 8, 8));
+    float labels[64];
+    for (int i = 0; i < n; i++) labels[i] = (float)((i * 7 + 11) % 10);
+    *y = mgpu_from_host(mgpu_cpu(), mgpu_shape1(n), labels);
+}
+
+/* `layers` linear layers of 64 features with ReLUs between them: stages
+   of about equal activations, for the memory test. */
+static mgpu_net *equal_layers(int layers) {
+    mgpu_manual_seed(7);
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    for (int i = 0; i < layers; i++) {
+        mgpu_net_add_linear(net, 64, i + 1 < layers ? 64 : 10);
+        if (i + 1 < layers) mgpu_net_add_relu(net);
+    }
+    return net;
+}
+
+/* ---- the tests ---- */
+
+/* Every setting's schedule accepted by mgpu_pipeline_set_schedule. */
+TEST(schedule_is_accepted) {
+    mgpu_device *devs[MAX_STAGES];
+    mgpu_devices(MAX_STAGES, 0, devs);
+    int refused = 0;
+    for (int p = MIN_STAGES; p <= MAX_STAGES; p++) {
+        mgpu_net *net = test_plain_net(mgpu_cpu(), 3, 0);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
+        for (int i = 0; i < NMICRO; i++)
+            if (!accepted(pp, micro[i]) && refused++ < SAID)
+                printf("  %d stages, m = %d: %s\n", p, micro[i], why_refused[p][micro[i]]);
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+    }
+    if (refused > SAID) printf("  (and %d more settings not accepted)\n", refused - SAID);
+    CHECK(refused == 0);
+}
+
+/* The pipeline's gradients are one device's on the same batch (16 rows:
+   3 micro-batches of 6, 5 and 5), within 1e-5 of each tensor's largest
+   value. */
+TEST(gradients_are_one_devices) {
+    mgpu_device *devs[MAX_STAGES];
+    mgpu_devices(MAX_STAGES, 0, devs);
+    mgpu_tensor *x, *y;
+    batch(16, &x, &y);
+    mgpu_net *ref = test_plain_net(mgpu_cpu(), 3, 0);
+    mgpu_net_zero_grad(ref);
+    mgpu_net_loss_backward(ref, mgpu_net_forward(ref, x), y, 1.0f / 16, NULL);
+    mgpu_synchronize_all();
+    int skipped = 0, wrong = 0;
+    for (int p = MIN_STAGES; p <= MAX_STAGES; p++) {
+        mgpu_net *net = test_plain_net(mgpu_cpu(), 3, 0);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
+        for (int i = 0; i < NMICRO; i++) {
+            int m = micro[i];
+            if (!accepted(pp, m)) {
+                skipped++;
+                continue;
+            }
+            for (int s = 0; s < p; s++) mgpu_net_zero_grad(mgpu_pipeline_stage(pp, s));
+            mgpu_pipeline_forward_backward(pp, x, y, NULL);
+            mgpu_synchronize_all();
+            double worst = 0;
+            int worst_stage = 0, worst_param = 0;
+            for (int s = 0, offset = 0; s < p; s++) {
+                mgpu_net *stage = mgpu_pipeline_stage(pp, s);
+                for (int k = 0; k < stage->nparams; k++) {
+                    double diff = test_relative_diff(stage->params[k]->grad, ref->params[offset + k]->grad);
+                    if (diff > worst) worst = diff, worst_stage = s, worst_param = k;
+                }
+                offset += stage->nparams;
+            }
+            if (!(worst <= TOLERANCE) && wrong++ < SAID)
+                printf("  %d stages, m = %d: stage %d's gradient %d is %.3g off one device's (relative); want "
+                       "within %g\n",
+                       p, m, worst_stage, worst_param, worst, TOLERANCE);
+        }
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+    }
+    if (wrong > SAID) printf("  (and %d more settings off)\n", wrong - SAID);
+    say_skipped(skipped);
+    CHECK(wrong == 0);
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(ref);
+}
+
+/* Stage s's peak activation bytes over one step of `rows` rows (a step
+   first: it makes the scratch that stays). */
+static void activation_peaks(mgpu_pipeline *pp, mgpu_device **devs, int rows, size_t *peak) {
+    int p = mgpu_pipeline_num_stages(pp);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(rows, 64)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(rows));
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    for (int s = 0; s < p; s++) mgpu_device_reset_peak(devs[s]);
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    for (int s = 0; s < p; s++) peak[s] = mgpu_device_memory_peak_of(devs[s], MGPU_MEMORY_ACTIVATIONS);
+    mgpu_free(x), mgpu_free(y);
+}
+
+/* The activations each stage holds at its peak, in micro-batches of 8
+   rows (its peak over one micro-batch's, measured alone), and the
+   micro-batches its schedule has in flight at most (mgpu_pipeline_slots),
+   for every setting, measured once for the two tests below: the stages
+   above 1F1B's bound min(m, p - s), and those whose warm-up stops short
+   of it, counted, the first few said. */
+static struct {
+    int measured, over, under, skipped;
+    char over_said[SAID][256], under_said[SAID][256];
+} flight;
+
+static void measure_in_flight(void) {
+    enum { ROWS = 8 };
+    mgpu_device *devs[MAX_STAGES];
+    mgpu_devices(MAX_STAGES, 0, devs);
+    flight.measured = 1;
+    for (int p = MIN_STAGES; p <= MAX_STAGES; p++) {
+        mgpu_net *net = equal_layers(8);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
+        size_t one[MAX_STAGES], yours[MAX_STAGES];
+        mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+        activation_peaks(pp, devs, ROWS, one); /* one micro-batch (any schedule runs F0 then B0) */
+        for (int i = 0; i < NMICRO; i++) {
+            int m = micro[i];
+            if (!accepted(pp, m)) {
+                flight.skipped++;
+                continue;
+            }
+            activation_peaks(pp, devs, m * ROWS, yours);
+            for (int s = 0; s < p; s++) {
+                int bound = m < p - s ? m : p - s, slots = mgpu_pipeline_slots(pp, s);
+                double held = (double)yours[s] / (double)one[s];
+                if (yours[s] > (size_t)bound * one[s] && flight.over++ < SAID)
+                    snprintf(flight.over_said[flight.over - 1], sizeof flight.over_said[0],
+                             "%d stages, m = %d: stage %d held %.3g micro-batches' activations at its peak (%zu "
+                             "bytes, one's %zu); 1F1B holds at most min(m, p - s) = %d",
+                             p, m, s, held, yours[s], one[s], bound);
+                if (slots < bound && flight.under++ < SAID)
+                    snprintf(flight.under_said[flight.under - 1], sizeof flight.under_said[0],
+                             "%d stages, m = %d: stage %d has at most %d micro-batch%s in flight, fewer than "
+                             "1F1B's warm-up puts there (min(m, p - s) = %d): it waits, and the bubble grows",
+                             p, m, s, slots, slots == 1 ? "" : "es", bound);
+            }
+        }
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+    }
+}
+static void say(int count, char said[][256], const char *more) {
+    for (int i = 0; i < count && i < SAID; i++) printf("  %s\n", said[i]);
+    if (count > SAID) printf("  (and %d more %s)\n", count - SAID, more);
+}
+
+/* The peak activations on stage s are at most min(m, p - s) micro-
+   batches' worth, measured against one micro-batch's peak (GPipe's order
+   holds m of them on every stage). */
+TEST(activations_at_most_min_m_and_p_minus_s_micro_batches) {
+    if (!flight.measured) measure_in_flight();
+    say(flight.over, flight.over_said, "stages over the bound");
+    say_skipped(flight.skipped);
+    CHECK(flight.over == 0);
+}
+
+/* And no fewer in flight than that: stage s runs the forward passes of
+   p - s - 1 micro-batches more before the first one's backward pass can
+   come back from the stages after it; a schedule that waits for it
+   sooner leaves the stage idle. */
+TEST(warm_up_fills_the_pipeline) {
+    if (!flight.measured) {
+        measure_in_flight();
+        say_skipped(flight.skipped);
+    }
+    say(flight.under, flight.under_said, "stages short of it");
+    CHECK(flight.under == 0);
+}
+
+/* For information (it never fails): the bubble of your schedule measured
+   from the trace, beside the formula (p - 1) / (m + p - 1), on stages of
+   equal times (layers of the checker's own that sleep: 1 ms forward,
+   2 ms backward). */
+static void sleep_ms(double ms) {
+    struct timespec t = {0, (long)(ms * 1e6)};
+    nanosleep(&t, NULL);
+}
+static void timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)l, (void)training;
+    memcpy(y->data, x->data, x->numel * sizeof(float));
+    sleep_ms(1.0);
+}
+static void timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l, (void)dweight, (void)dbias, (void)x, (void)y;
+    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
+    sleep_ms(2.0);
+}
+static const mgpu_layer_fns timed_layer = {"timed", NULL, timed_forward, timed_backward, 1};
+
+TEST(bubble_for_information) {
+    mgpu_device *devs[MAX_STAGES];
+    mgpu_devices(MAX_STAGES, 0, devs);
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
+    for (int p = MIN_STAGES; p <= MAX_STAGES; p += 2) {
+        mgpu_net *net = mgpu_net_new(mgpu_cpu());
+        for (int i = 0; i < 2 * p; i++)
+            mgpu_net_add_layer(net, &timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, NULL);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
+        for (int m = 2; m <= 8; m *= 2) {
+            if (!accepted(pp, m)) continue;
+            mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
+            mgpu_trace_begin();
+            mgpu_pipeline_forward_backward(pp, x, y, NULL);
+            mgpu_trace_end();
+            mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+            printf("  %d stages, m = %d: your schedule's bubble %.3f; the formula (p - 1) / (m + p - 1) %.3f\n",
+                   p, m, t.bubble_mean, mgpu_pipeline_bubble_formula(p, m));
+        }
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+    }
+    mgpu_free(x), mgpu_free(y);
+}
+
+TEST_MAIN()
