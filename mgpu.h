@@ -213,8 +213,12 @@
      NETWORKS         layers with parameters, ResNet-18, save and load,
                       evaluate_accuracy
      DATA PARALLELISM the DataParallel-style wrapper, gradient buckets
+     PIPELINES        a network cut into stages on devices: naive model
+                      parallelism, GPipe, 1F1B, schedules of your own
      DISTRIBUTED      processes as a group (MPI), their collectives and
                       faults, the DistributedDataParallel-style wrapper
+     TENSOR PARALLELISM  layers split across devices: a convolution by
+                      its output channels, Megatron's MLP block
      DRAWING          canvas, line charts, the Animator, timelines (PNG)
    Every operation runs on the queue of the device its tensors are on, and
    every tensor it touches must be on that device (copy with mgpu_to).
@@ -10502,6 +10506,9 @@ static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
         memset(seen, 0, (size_t)2 * m);
         for (int i = 0; i < 2 * m; i++) {
             mgpu_pipeline_pass pass = order[i];
+            MGPU_REQUIRE(pass.backward != -1 || pass.micro_batch != -1,
+                         "%s: the schedule left pass %d of stage %d unwritten; it writes 2m = %d passes", who, i, s,
+                         2 * m);
             MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
                          "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
                          who, i, s, pass.micro_batch, m, m - 1);
@@ -10579,11 +10586,14 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
     int p = pp->nstages, m = micro_batches;
     mgpu__pipeline_free_step_state(pp);
     pp->micro_batches = m;
-    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, (size_t)2 * m * p * sizeof *pp->order);
+    /* (one pass more: a schedule that writes past its 2m is caught there) */
+    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)2 * m * p + 1) * sizeof *pp->order);
     for (int s = 0; s < p; s++) {
         mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
-        for (int i = 0; i < 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
+        for (int i = 0; i <= 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
         schedule(s, p, m, order);
+        MGPU_REQUIRE(order[2 * m].backward == -1 && order[2 * m].micro_batch == -1,
+                     "mgpu_pipeline_set_schedule: the schedule wrote past stage %d's 2m = %d passes", s, 2 * m);
     }
     mgpu__pipeline_check_order(pp, m);
     mgpu__pipeline_sequence(pp, m);

@@ -320,6 +320,13 @@ static void forward_twice(int stage, int stages, int m, mgpu_pipeline_pass *orde
     mgpu_schedule_gpipe(stage, stages, m, order);
     order[1] = order[0];
 }
+static void one_pass_short(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_gpipe(stage, stages, m - 1, order); /* (the last forward and backward unwritten) */
+}
+static void one_pass_long(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_gpipe(stage, stages, m, order);
+    order[2 * m] = order[0];
+}
 static void backward_first(int stage, int stages, int m, mgpu_pipeline_pass *order) {
     mgpu_schedule_gpipe(stage, stages, m, order);
     mgpu_pipeline_pass first = order[0];
@@ -343,6 +350,8 @@ TEST(bad_settings_are_refused_by_name) {
                 "the schedule waits for itself (stage 0 at B0, stage 1 at F1");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, forward_twice, 2), "the schedule runs F0 twice on stage 0");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, backward_first, 2), "runs B0 on stage 0 before that micro-batch's");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, one_pass_short, 2), "left pass 2 of stage 0 unwritten");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, one_pass_long, 2), "wrote past stage 0's 2m = 4 passes");
     EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, NULL), "a wrapper holds this network already");
     EXPECT_DIES(mgpu_net_free(net), "still holds this network");
     mgpu_tensor *x, *y, *wrong = mgpu_zeros(devs[0], mgpu_shape1(1));
