@@ -265,7 +265,7 @@ ASAN_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/asan/%,$(CPU_TESTS)) $(BUILD)/as
 CUDA_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/cuda/%,$(CPU_TESTS) $(GPU_TESTS))
 
 BENCH_BINS := bench/matmul bench/overlap bench/allreduce bench/profile bench/convolutions bench/ddp bench/checkpoint \
-              bench/zero
+              bench/zero bench/pipeline
 # The benchmarks are built too (they run on the GPU machine only, and a
 # change of an internal signature must not break them unseen there): with
 # nvcc as checked builds, beside the tests'.
@@ -352,6 +352,10 @@ bench/checkpoint: bench/checkpoint.c $(HEADERS) $(DEPS_STAMP)
 
 # ResNet-18 steps on 2 devices under DDP, ZeRO-1 and ZeRO-2.
 bench/zero: bench/zero.c $(HEADERS) $(DEPS_STAMP)
+	$(COMPILE)
+
+# An MLP's steps in 2 (or 4) stages: naive, GPipe and 1F1B.
+bench/pipeline: bench/pipeline.c $(HEADERS) $(DEPS_STAMP)
 	$(COMPILE)
 
 # Where the time of a ResNet-18 step goes (the tracer's summary).

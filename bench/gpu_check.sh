@@ -44,6 +44,9 @@
 #              largest batch under a limit) and ./bench/checkpoint beside
 #              bench/pytorch/checkpoint.py (chapter 5's target: a
 #              checkpointed step at most 1.4 times a plain one)
+#   models     ./bench/zero (chapter 5's target: a ZeRO-2 step at most 1.1
+#              times DDP's), ./bench/pipeline on 2 and 4 virtual devices
+#              (naive, GPipe and 1F1B), and ./chapter6 for an epoch
 # The last lines printed are the summary table, one row per target with
 # its value, threshold and "met" or "missed" (also LOGDIR/summary.md), so
 # that a log cut short still ends on it. The exit status is non-zero when
@@ -115,6 +118,8 @@ if [ $REHEARSE = 1 ]; then
     ALLREDUCE_MIB=1 CONV=(--batch-size 2 --steps 1)
     CH4=(--cpu --train-samples 32 --test-samples 32 --batch-size 16)
     CH5=(--cpu --batch-size 4 --steps 1 --limit-mib 170) CKPT=(--cpu --batch-size 4 --steps 1)
+    ZERO=(--cpu --batch-size 4 --steps 1) PIPE=(--cpu --batch-size 16 --steps 1)
+    CH6=(--cpu --epochs 1 --train-samples 256 --batch-size 32 --steps 1 --width 8)
 else
     DEADLINE=520
     TEST_DIR=build/cuda
@@ -127,6 +132,7 @@ else
     PROFILE=() OVERLAP=() ALLREDUCE_MIB=64 CONV=()
     CH4=(--train-samples 30720 --test-samples 10000 --batch-size 256)
     CH5=() CKPT=()
+    ZERO=() PIPE=() CH6=(--epochs 1 --batch-size 256)
 fi
 # mpirun as root (the GPU machines), with more ranks than cores allowed
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -135,8 +141,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 # one small test of each on the emulator (the rest run in `make test`).
 declare -A REHEARSAL_TEST=([gpu_comm]=nccl_broadcast [gpu_data]=loader [gpu_dist]=broadcast_all_gather
                            [gpu_fixtures]=lenet [gpu_layers]=relu_and_add [gpu_memory]=running_statistics
-                           [gpu_parallel]=resnet18_has
-                           [gpu_train_ops]=sgd_plain)
+                           [gpu_parallel]=resnet18_has [gpu_pipeline]=one_f_one_b
+                           [gpu_tensor_parallel]=megatrons_mlp [gpu_train_ops]=sgd_plain)
 # The sanitizer's list: small shapes of every kernel family.
 SANITIZED=("gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling"
            "gpu_layers relu" "gpu_layers linear" "gpu_layers first_layer" "gpu_layers residual_block"
@@ -196,9 +202,9 @@ run() {
 do_build() {
     [ $REHEARSE = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -n 2; }
     make -s print-CUDNN_HOME print-NCCL_HOME # (cuDNN's convolutions are candidates where it is found)
-    local targets=(chapter2 chapter3 chapter4 chapter5) t
+    local targets=(chapter2 chapter3 chapter4 chapter5 chapter6) t
     for t in $GPU_TESTS; do targets+=("$TEST_DIR/$t"); done
-    for t in profile overlap allreduce convolutions checkpoint; do targets+=("$BENCH$t"); done
+    for t in profile overlap allreduce convolutions checkpoint zero pipeline; do targets+=("$BENCH$t"); done
     [ $REHEARSE = 1 ] || targets+=(bench/nccl_ranks)
     make -j"$JOBS" "${MAKE_ARGS[@]}" "${targets[@]}"
 }
@@ -348,6 +354,14 @@ do_memory() {
     return $rc
 }
 
+do_models() {
+    local rc=0 stages
+    run zero "${BENCH}zero" "${ZERO[@]}" || rc=1
+    for stages in 2 4; do run "pipeline-$stages" "${BENCH}pipeline" --stages $stages "${PIPE[@]}" || rc=1; done
+    run chapter6 ./chapter6 "${CH6[@]}" --out "$LOGS/out6" || rc=1
+    return $rc
+}
+
 do_full() {
     run full ./chapter3 $CPU --devices 1 "${CH3_FULL[@]}" --data "$DATA" --out "$LOGS/out-full"
 }
@@ -370,6 +384,7 @@ stage conv 50
 stage full 60
 stage dist 90
 stage memory 120
+stage models 60
 
 # ----------------------------------------------------------------- summary
 ROWS=""
@@ -443,6 +458,14 @@ row "chapter 5's checkpointed ResNet-18 step / plain ($(result checkpoint on), b
 torch_row "PyTorch checkpoint_sequential's step / plain (same cut)" "$(or_dash "$(result checkpoint.py ratio)")" "" ""
 row "chapter 5, largest batch under its limit: plain / checkpointed" \
     "$(sed -n 's/^  without checkpointing *batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null) / $(sed -n 's/^  checkpointed (sqrt n runs) batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null)" "" ""
+row "23: ZeRO-2 / DDP, ResNet-18 with Adam ($(result zero on), batch $(result zero batch))" \
+    "$(or_dash "$(result zero zero2_ratio)")" "<= 1.1" "x <= 1.1"
+for stages in 2 4; do
+    row "pipeline, MLP in $stages stages ($(result pipeline-$stages on)): GPipe / 1F1B throughput over naive, m = 8" \
+        "$(parts 2 "$(result pipeline-$stages gpipe_speedup)" "$(result pipeline-$stages one_f_one_b_speedup)")" "" ""
+done
+row "chapter 6, 1F1B in 2 stages, test accuracy after an epoch" \
+    "$(sed -n 's/^test acc: \([0-9.]*\), .*/\1/p' "$LOGS/chapter6.log" 2>/dev/null)" "" ""
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
 # "a / b / c", or "-" when one of the parts needed is missing (the CPU has

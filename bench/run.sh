@@ -50,6 +50,11 @@
 #   zero       ./bench/zero: ResNet-18 with Adam on 2 devices under DDP,
 #              ZeRO-1 and ZeRO-2, alternated step by step; ZeRO-2 / DDP at
 #              most 1.1 (chapter 5's issue)
+#   pipeline   ./bench/pipeline --stages 2 and 4, and bench/pytorch/pipeline.py
+#              (on the CPU): an MLP of 8 linear layers in stages, naive model
+#              parallelism, GPipe and 1F1B with 8 micro-batches, alternated
+#              step by step; 1F1B / naive throughput at least 1.6 on 2 CPU
+#              devices (chapter 6's issue), and the bubbles.
 #   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
@@ -328,6 +333,20 @@ step zero ./bench/zero
 row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" "ms per step: DDP / ZeRO-1 / ZeRO-2" \
     "$(calc %.1f "$(result zero ddp_ms)") / $(calc %.1f "$(result zero zero1_ms)") / $(calc %.1f "$(result zero zero2_ms)")"
 row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on the same devices (chapter 5's issue)"
+
+# -------------------------------------------------------------- pipeline
+for stages in 2 4; do
+    step pipeline-$stages ./bench/pipeline --stages $stages
+    row "pipeline, an MLP in $stages stages $(result pipeline-$stages on), batch $(result pipeline-$stages batch)" \
+        "ms per step: naive / GPipe / 1F1B (m = $(result pipeline-$stages micro_batches)); bubbles" \
+        "$(calc %.1f "$(result pipeline-$stages naive_ms)") / $(calc %.1f "$(result pipeline-$stages gpipe_ms)") / $(calc %.1f "$(result pipeline-$stages one_f_one_b_ms)"); $(calc %.3f "$(result pipeline-$stages gpipe_bubble)") / $(calc %.3f "$(result pipeline-$stages one_f_one_b_bubble)")"
+done
+row "pipeline, 2 stages" "1F1B (m = 8) / naive throughput" "$(calc %.3f "$(result pipeline-2 one_f_one_b_speedup)")" \
+    ">= 1.6 on 2 CPU devices (chapter 6's issue)"
+[ $TORCH = 1 ] && [ $ON_GPU = 0 ] && step pipeline.py "$PYTHON" -u bench/pytorch/pipeline.py
+[ $TORCH = 1 ] && [ $ON_GPU = 0 ] && row "pipeline, 2 stages, torch.distributed.pipelining (2 processes, gloo)" \
+    "GPipe / naive; 1F1B / naive throughput" \
+    "$(calc %.3f "$(result pipeline.py gpipe_speedup)"); $(calc %.3f "$(result pipeline.py one_f_one_b_speedup)") ($(calc %.1f "$(result pipeline.py naive_ms)") / $(calc %.1f "$(result pipeline.py gpipe_ms)") / $(calc %.1f "$(result pipeline.py one_f_one_b_ms)") ms)"
 
 # ------------------------------------------------------------- allreduce
 for k in 2 4; do
