@@ -1772,6 +1772,19 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    each stage's gradients averaged over the pipelines by a ring allreduce
    (manual COMMUNICATION), between forward_backward and step; each
    pipeline takes its share of the global batch.
+       mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers)
+   the stages in the processes of a group (DISTRIBUTED), one a rank:
+   every rank builds the same net on its device and calls it, and rank r
+   keeps stage r (the group's size is the number of stages). Every rank
+   then calls every function below with the same arguments (the same
+   batch: rank 0 reads x's values, the last rank the labels, the others
+   their shapes); the stages send their activations and gradients with
+   the group's send and receive, in an order every rank derives from the
+   schedule, so that no two ranks wait for each other. loss_sum is the
+   last rank's; mgpu_pipeline_stage(pp, s) exists on rank s alone, and
+   mgpu_pipeline_measure times this rank's stage. mgpu_pipeline_free
+   gives each rank's net its own stage's trained state (the rest of it is
+   the other ranks').
        mgpu_tensor *mgpu_pipeline_forward(pp, x)
    the stages' forward passes one after the other, in the mode set by
    mgpu_pipeline_set_training (for evaluation): the logits, on the last
@@ -1800,6 +1813,7 @@ MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu
 MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
                                           const int *first_layers);
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers);
 MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches);
 MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
                                              mgpu_tensor *loss_sum);
@@ -10414,6 +10428,12 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
 /* ======================================================================
    Pipelines
    ====================================================================== */
+/* A send (or receive) of t to (from) rank peer of group g, on t's
+   device's communication queue (below, with the group). A send waits
+   for `ready` alone: the pipeline knows when t was written, and the
+   compute queue has gone on to later work. */
+static void mgpu__group_p2p(mgpu_group *g, int send, mgpu_tensor *t, int peer, mgpu_event *ready);
+
 /* A stage: its network, which holds the parameters, their gradients,
    batch norm's buffers and the optimizer's state, and its slots, copies
    of its layers that share those, one for each micro-batch in flight
@@ -10431,6 +10451,14 @@ typedef struct mgpu__pipeline_stage {
 struct mgpu_pipeline {
     mgpu_net *net;
     int nstages;
+    /* across processes (mgpu_pipeline_new_group): the group, and this
+       rank's stage (the others' stage[].net are NULL); the shape of each
+       stage's output for one row of the batch, found by a forward pass of
+       one row through the whole network (x_row: the row's shape it was
+       found for) */
+    struct mgpu_group *group;
+    int rank;
+    mgpu_shape row_output[MGPU_MAX_DEVICES], x_row;
     mgpu__pipeline_stage stage[MGPU_MAX_DEVICES];
     int micro_batches;
     mgpu_pipeline_pass *order; /* stage s's passes: order[s * 2m ..], in its order */
@@ -10599,7 +10627,7 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
     mgpu__pipeline_sequence(pp, m);
     for (int s = 0; s < p; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
-        if (st->slots_wanted > st->nslots) {
+        if (st->net && st->slots_wanted > st->nslots) { /* (across processes, this rank's stage alone) */
             st->slot = (mgpu_net **)mgpu__xrealloc(st->slot, (size_t)st->slots_wanted * sizeof *st->slot);
             st->slot_micro_batch =
                 (int *)mgpu__xrealloc(st->slot_micro_batch, (size_t)st->slots_wanted * sizeof *st->slot_micro_batch);
@@ -10644,9 +10672,19 @@ static void mgpu__pipeline_move_state(mgpu_pipeline *pp, int s, int to_stage) {
     to->steps = from->steps;
 }
 
-MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
-                                          const int *first_layers) {
-    const char *who = "mgpu_pipeline_new";
+/* The buffers (batch norm's running statistics) of layer l and its parts. */
+static int mgpu__layer_buffers(const mgpu_layer *l) {
+    if (!l) return 0;
+    int n = l->running_mean ? 2 : 0;
+    const mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++) n += mgpu__layer_buffers(parts[i]);
+    return n;
+}
+
+/* A new pipeline of net in `stages` stages, stage s starting at layer
+   first[s] (first[stages]: the end), after checking the cut. */
+static mgpu_pipeline *mgpu__pipeline_cut(const char *who, mgpu_net *net, int stages, const int *first_layers,
+                                         int *first) {
     MGPU_REQUIRE(stages >= 1 && stages <= MGPU_MAX_DEVICES, "%s: %d stages; want 1 to %d", who, stages,
                  MGPU_MAX_DEVICES);
     MGPU_REQUIRE(stages <= net->nlayers, "%s: %d stages for a network of %d layers; at most one stage a layer",
@@ -10654,7 +10692,6 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *dev
     MGPU_REQUIRE(!net->wrapped, "%s: a wrapper holds this network already", who);
     MGPU_REQUIRE(!mgpu__net_synced(net), "%s: the network's batch norms are synchronised over a group "
                  "(mgpu_net_sync_batchnorm); a pipeline's stages hold different layers", who);
-    int first[MGPU_MAX_DEVICES + 1];
     for (int s = 0; s < stages; s++) {
         first[s] = first_layers ? first_layers[s] : s * net->nlayers / stages;
         MGPU_REQUIRE(s > 0 || first[0] == 0, "%s: stage 0 starts at layer %d; it must start at layer 0", who,
@@ -10665,46 +10702,74 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *dev
         MGPU_REQUIRE(s == 0 || first[s] > first[s - 1],
                      "%s: stage %d starts at layer %d, not after stage %d's first layer (%d)", who, s, first[s],
                      s - 1, first[s - 1]);
-        for (int t = 0; t < s; t++)
-            MGPU_REQUIRE(devices[s] != devices[t], "%s: %s is devices[%d] and devices[%d]; give each stage its "
-                         "own device (mgpu_devices makes virtual ones)", who, devices[s]->name, t, s);
     }
     first[stages] = net->nlayers;
     mgpu_pipeline *pp = (mgpu_pipeline *)mgpu__xcalloc(1, sizeof *pp);
     pp->net = net;
     pp->nstages = stages;
-    int params = 0, buffers = 0;
-    for (int s = 0; s < stages; s++) {
-        mgpu__pipeline_stage *st = &pp->stage[s];
-        mgpu_net *sn = st->net = mgpu_net_new(devices[s]);
-        sn->training = net->training;
-        sn->segments = net->segments;
-        sn->adam = net->adam, sn->decoupled = net->decoupled;
-        sn->beta1 = net->beta1, sn->beta2 = net->beta2, sn->eps = net->eps;
-        for (int i = first[s]; i < first[s + 1]; i++) {
-            mgpu__require_own_loops_on_cpu(net->layers[i], devices[s], who);
-            mgpu__net_add(sn, mgpu__layer_clone(net->layers[i], devices[s], 0));
-        }
-        /* (the stage's first layer reads its input as it comes, not a
-           batch norm's channels-last copy of it) */
-        sn->layers[0]->copies->input_from_batch_norm = 0;
-        mgpu_layer *block = sn->layers[0];
-        if (block->kind == MGPU_LAYER_RESIDUAL) {
-            block->conv1->copies->input_from_batch_norm = 0;
-            if (block->shortcut) block->shortcut->copies->input_from_batch_norm = 0;
-        }
-        mgpu_net_want_input_grad(sn, s > 0);
-        st->first_layer = first[s], st->first_param = params, st->first_buffer = buffers;
-        params += sn->nparams, buffers += sn->nbuffers;
-        mgpu__pipeline_move_state(pp, s, 1);
-        st->slot = (mgpu_net **)mgpu__xcalloc(1, sizeof *st->slot);
-        st->slot_micro_batch = (int *)mgpu__xcalloc(1, sizeof *st->slot_micro_batch);
-        st->slot[0] = sn;
-        st->nslots = 1;
+    return pp;
+}
+
+/* Stage s, layers first .. end - 1 of the pipeline's network, on dev: a
+   network of copies of them with their state, and its first slot. */
+static void mgpu__pipeline_build_stage(mgpu_pipeline *pp, int s, mgpu_device *dev, int first, int end,
+                                       const char *who) {
+    mgpu_net *net = pp->net;
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *sn = st->net = mgpu_net_new(dev);
+    sn->training = net->training;
+    sn->segments = net->segments;
+    sn->adam = net->adam, sn->decoupled = net->decoupled;
+    sn->beta1 = net->beta1, sn->beta2 = net->beta2, sn->eps = net->eps;
+    st->first_layer = first;
+    st->first_param = net->first_param[first];
+    for (int i = 0; i < first; i++) st->first_buffer += mgpu__layer_buffers(net->layers[i]);
+    for (int i = first; i < end; i++) {
+        mgpu__require_own_loops_on_cpu(net->layers[i], dev, who);
+        mgpu__net_add(sn, mgpu__layer_clone(net->layers[i], dev, 0));
     }
-    if (params != net->nparams || buffers != net->nbuffers)
-        mgpu_fatal("internal: %s: the stages hold %d parameters and %d buffers, the network %d and %d", who, params,
-                   buffers, net->nparams, net->nbuffers);
+    /* (the stage's first layer reads its input as it comes, not a batch
+       norm's channels-last copy of it) */
+    mgpu_layer *l = sn->layers[0];
+    l->copies->input_from_batch_norm = 0;
+    if (l->kind == MGPU_LAYER_RESIDUAL) {
+        l->conv1->copies->input_from_batch_norm = 0;
+        if (l->shortcut) l->shortcut->copies->input_from_batch_norm = 0;
+    }
+    mgpu_net_want_input_grad(sn, s > 0);
+    mgpu__pipeline_move_state(pp, s, 1);
+    st->slot = (mgpu_net **)mgpu__xcalloc(1, sizeof *st->slot);
+    st->slot_micro_batch = (int *)mgpu__xcalloc(1, sizeof *st->slot_micro_batch);
+    st->slot[0] = sn;
+    st->nslots = 1;
+}
+
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
+                                          const int *first_layers) {
+    const char *who = "mgpu_pipeline_new";
+    int first[MGPU_MAX_DEVICES + 1];
+    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
+    for (int s = 0; s < stages; s++)
+        for (int t = 0; t < s; t++)
+            if (devices[s] == devices[t]) {
+                free(pp);
+                mgpu_fatal("%s: %s is devices[%d] and devices[%d]; give each stage its own device (mgpu_devices "
+                           "makes virtual ones)", who, devices[s]->name, t, s);
+            }
+    for (int s = 0; s < stages; s++) mgpu__pipeline_build_stage(pp, s, devices[s], first[s], first[s + 1], who);
+    net->wrapped = 1;
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+    return pp;
+}
+
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers) {
+    const char *who = "mgpu_pipeline_new_group";
+    int first[MGPU_MAX_DEVICES + 1], stages = mgpu_group_size(g), rank = mgpu_group_rank(g);
+    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
+    pp->group = g;
+    pp->rank = rank;
+    mgpu__pipeline_build_stage(pp, rank, net->device, first[rank], first[rank + 1], who);
+    for (int s = 0; s < stages; s++) pp->stage[s].first_layer = first[s];
     net->wrapped = 1;
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
     return pp;
@@ -10715,6 +10780,12 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *dev
 static void mgpu__micro_batch_rows(int n, int m, int j, int *first, int *count) {
     *count = n / m + (j < n % m);
     *first = j * (n / m) + (j < n % m ? j : n % m);
+}
+
+/* Shape `row` (of one row) with `rows` rows. */
+static mgpu_shape mgpu__rows_of(mgpu_shape row, int rows) {
+    row.d[0] = rows;
+    return row;
 }
 
 /* t, or where t is on another device, a copy of it on dev (*moved,
@@ -10746,6 +10817,12 @@ static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
     if (s == 0) {
         mgpu__micro_batch_rows(pp->x->shape.d[0], m, j, &first, &count);
         *input = mgpu_narrow(pp->x, first, count);
+    } else if (pp->group) {
+        mgpu__micro_batch_rows(pp->x->shape.d[0], m, j, &first, &count);
+        int scope = mgpu__memory_scope(MGPU_MEMORY_ACTIVATIONS);
+        *input = mgpu_empty(st->net->device, mgpu__rows_of(pp->row_output[s - 1], count));
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__group_p2p(pp->group, 0, *input, s - 1, NULL);
     } else {
         int from = (s - 1) * m + j;
         *input = mgpu__pipeline_receive(pp->output[from], pp->output_ready[from], st->net->device,
@@ -10767,7 +10844,13 @@ static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_t
     mgpu_net *slot = st->slot[k];
     mgpu__net_require_backward(slot, who);
     const mgpu_tensor *dy = NULL;
-    if (s < pp->nstages - 1) {
+    if (s < pp->nstages - 1 && pp->group) {
+        int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
+        mgpu_tensor *received = pp->output_grad[s * m + j] = mgpu_empty(slot->device, pp->output[s * m + j]->shape);
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__group_p2p(pp->group, 0, received, s + 1, NULL);
+        dy = received;
+    } else if (s < pp->nstages - 1) {
         int from = (s + 1) * m + j;
         dy = pp->output_grad[s * m + j] = mgpu__pipeline_receive(pp->input_grad[from], pp->input_grad_ready[from],
                                                                  slot->device, MGPU_MEMORY_WORKSPACE);
@@ -10798,6 +10881,29 @@ static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_t
     st->slot_micro_batch[k] = -1;
 }
 
+/* Across processes, what each stage's output is for one row of the
+   batch: a rank receives a tensor of that shape from the one before. A
+   forward pass of one row of x through the whole network (which every
+   rank has) in evaluation mode finds it, once for each shape of row. */
+static void mgpu__pipeline_row_shapes(mgpu_pipeline *pp, const mgpu_tensor *x) {
+    mgpu_shape row = mgpu__rows_of(x->shape, 1);
+    if (mgpu_shape_equal(row, pp->x_row)) return;
+    mgpu_net *net = pp->net;
+    mgpu_tensor *one = mgpu_narrow(x, 0, 1), *moved = mgpu_to(one, net->device, 0);
+    int training = net->training;
+    net->training = 0;
+    mgpu_net_forward(net, moved);
+    net->training = training;
+    for (int s = 0; s < pp->nstages; s++) {
+        int last = (s + 1 < pp->nstages ? pp->stage[s + 1].first_layer : net->nlayers) - 1;
+        pp->row_output[s] = net->layers[last]->output->shape;
+    }
+    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free_activations(net->layers[i], 0);
+    mgpu_free(one);
+    mgpu_free(moved);
+    pp->x_row = row;
+}
+
 MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
                                              mgpu_tensor *loss_sum) {
     const char *who = "mgpu_pipeline_forward_backward";
@@ -10809,23 +10915,35 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
                  "%s: %d rows of x but labels of shape [%d%s]; want [%d]", who, n, labels->shape.d[0],
                  labels->shape.ndim == 1 ? "" : ", ...", n);
     MGPU_REQUIRE(n >= m, "%s: a batch of %d rows cannot make %d micro-batches", who, n, m);
-    mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
+    if (pp->stage[p - 1].net) mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
     for (int s = 0; s < p; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
         st->backward_passes = 0;
         for (int k = 0; k < st->nslots; k++) st->slot_micro_batch[k] = -1;
     }
-    pp->x = mgpu__on_device(x, pp->stage[0].net->device, &pp->x_moved);
-    pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
+    pp->x = x;
+    pp->labels = labels;
+    if (pp->stage[0].net) pp->x = mgpu__on_device(x, pp->stage[0].net->device, &pp->x_moved);
+    if (pp->stage[p - 1].net) pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
+    if (pp->group) mgpu__pipeline_row_shapes(pp, x);
     char label[24];
     for (int i = 0; i < 2 * m * p; i++) {
-        int s = pp->sequence[i] / (2 * m);
+        int s = pp->sequence[i] / (2 * m), j;
         mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
         mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
-        if (pass.backward)
+        if (pp->stage[s].net && pass.backward)
             mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
-        else
+        else if (pp->stage[s].net)
             mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
+        else if (!pass.backward && s == pp->rank + 1) { /* (the next rank comes to take our output) */
+            j = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[j], s, pp->output_ready[j]);
+        } else if (pass.backward && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
+            j = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, pp->input_grad[j], s, pp->input_grad_ready[j]);
+            mgpu_free(pp->input_grad[j]); /* (safe once the send that reads it is enqueued) */
+            pp->input_grad[j] = NULL;
+        }
     }
     mgpu_trace_label(NULL);
     mgpu_free(pp->x_moved);
@@ -10834,7 +10952,8 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
 }
 
 MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay) {
-    for (int s = 0; s < pp->nstages; s++) mgpu_net_step(pp->stage[s].net, lr, momentum, weight_decay);
+    for (int s = 0; s < pp->nstages; s++)
+        if (pp->stage[s].net) mgpu_net_step(pp->stage[s].net, lr, momentum, weight_decay);
 }
 MGPU_DEF void mgpu_pipeline_train_step(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
                                        float lr, float momentum, float weight_decay, mgpu_tensor *loss_sum) {
@@ -10845,6 +10964,9 @@ MGPU_DEF void mgpu_pipeline_train_step(mgpu_pipeline *pp, const mgpu_tensor *x, 
 
 MGPU_DEF void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n) {
     MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES, "mgpu_pipelines_average_grads: %d pipelines", n);
+    for (int k = 0; k < n; k++)
+        MGPU_REQUIRE(!pipes[k]->group, "mgpu_pipelines_average_grads: pipeline %d runs across processes; it "
+                     "averages the pipelines of one process", k);
     for (int k = 1; k < n; k++)
         MGPU_REQUIRE(pipes[k]->nstages == pipes[0]->nstages && pipes[k]->net->nparams == pipes[0]->net->nparams,
                      "mgpu_pipelines_average_grads: pipeline %d has %d stages and %d parameters, pipeline 0 %d and "
@@ -10869,6 +10991,8 @@ MGPU_DEF void mgpu_pipeline_set_training(mgpu_pipeline *pp, int training) {
 }
 MGPU_DEF mgpu_tensor *mgpu_pipeline_forward(mgpu_pipeline *pp, const mgpu_tensor *x) {
     mgpu__require_alive(x, "mgpu_pipeline_forward");
+    MGPU_REQUIRE(!pp->group, "mgpu_pipeline_forward: the pipeline's stages are in several processes; run the "
+                 "network whole on one of them (mgpu_pipeline_free gives each its stage's values)");
     const mgpu_tensor *h = x;
     for (int s = 0; s < pp->nstages; s++) {
         mgpu_net *sn = pp->stage[s].net;
@@ -10893,6 +11017,7 @@ MGPU_DEF double mgpu_pipeline_evaluate_accuracy(mgpu_pipeline *pp, const mgpu_da
 MGPU_DEF int mgpu_pipeline_num_stages(const mgpu_pipeline *pp) { return pp->nstages; }
 MGPU_DEF mgpu_net *mgpu_pipeline_stage(mgpu_pipeline *pp, int s) {
     MGPU_REQUIRE(s >= 0 && s < pp->nstages, "mgpu_pipeline_stage: stage %d of %d", s, pp->nstages);
+    MGPU_REQUIRE(pp->stage[s].net, "mgpu_pipeline_stage: stage %d is rank %d's, this is rank %d", s, s, pp->rank);
     return pp->stage[s].net;
 }
 MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s) {
@@ -10910,7 +11035,7 @@ static int mgpu__pipeline_op_stage(const mgpu_pipeline *pp, const mgpu_trace_op 
         return -1;
     pass->backward = kind == 'B';
     for (int s = 0; s < pp->nstages; s++)
-        if (op->device == pp->stage[s].net->device) return s;
+        if (pp->stage[s].net && op->device == pp->stage[s].net->device) return s;
     return -1;
 }
 
@@ -10930,10 +11055,14 @@ MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
     MGPU_REQUIRE(hi > lo, "mgpu_pipeline_measure: the trace holds none of this pipeline's passes: run a step "
                           "between mgpu_trace_begin and mgpu_trace_end");
     t.span_ms = hi - lo;
-    for (int s = 0; s < pp->nstages; s++) {
-        t.bubble[s] = 1.0 - t.busy_ms[s] / t.span_ms;
-        t.bubble_mean += t.bubble[s] / pp->nstages;
-    }
+    int measured = 0; /* (across processes, this rank's stage alone) */
+    for (int s = 0; s < pp->nstages; s++)
+        if (pp->stage[s].net) {
+            t.bubble[s] = 1.0 - t.busy_ms[s] / t.span_ms;
+            t.bubble_mean += t.bubble[s];
+            measured++;
+        }
+    t.bubble_mean /= measured;
     return t;
 }
 
@@ -10959,7 +11088,10 @@ MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *p
     char names[MGPU_MAX_DEVICES][48];
     const char *lane_names[MGPU_MAX_DEVICES];
     for (int s = 0; s < p; s++) {
-        snprintf(names[s], sizeof names[s], "stage %d (%s)", s, pp->stage[s].net->device->name);
+        if (pp->stage[s].net)
+            snprintf(names[s], sizeof names[s], "stage %d (%s)", s, pp->stage[s].net->device->name);
+        else
+            snprintf(names[s], sizeof names[s], "stage %d (rank %d)", s, s);
         lane_names[s] = names[s];
     }
     int rc = mgpu_timeline_write_png(path, title, p, lane_names, nbars, bars);
@@ -10974,6 +11106,7 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp) {
     net->changes++;
     for (int s = 0; s < pp->nstages; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
+        if (!st->net) continue; /* (another rank's) */
         for (int i = 0; i < st->net->nparams; i++)
             mgpu_copy(net->params[st->first_param + i]->value, st->net->params[i]->value, 0);
         for (int i = 0; i < st->net->nbuffers; i++)
@@ -11551,6 +11684,35 @@ MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from) {
     mgpu__require_peer("mgpu_group_recv", g, from);
     mgpu__coll c = {NULL, MGPU__RECV, MGPU_SUM, from, 0, t->numel, NULL, NULL};
     mgpu__group_run(g, c, NULL, t, 1);
+}
+
+static void mgpu__group_p2p(mgpu_group *g, int send, mgpu_tensor *t, int peer, mgpu_event *ready) {
+    const char *op = send ? "a pipeline's send" : "a pipeline's receive";
+    mgpu__require_peer(op, g, peer);
+    mgpu__coll c = {NULL, send ? MGPU__SEND : MGPU__RECV, MGPU_SUM, peer, 0, t->numel, NULL, NULL};
+#if MGPU_MPI
+    if (t->device->gpu < 0 && g->size > 1) { /* (a GPU's tensors go through the host, as the group's do) */
+        MGPU_REQUIRE(c.count <= INT_MAX, "%s of %zu floats: more than MPI counts (%d)", op, c.count, INT_MAX);
+        if (!g->device) g->device = t->device;
+        MGPU_REQUIRE(g->device == t->device, "%s: a tensor on %s, but the group's collectives run on %s: use a "
+                     "group for one device", op, t->device->name, g->device->name);
+        mgpu__queue *q = &t->device->queue[1];
+        c.group = g;
+        if (send) {
+            mgpu__event_wait_on(q, ready);
+            c.in = t->data;
+        } else { /* (its memory may still be read by the compute queue's work, which it waits for) */
+            mgpu__comm_begin(&t, 1);
+            c.out = t->data;
+        }
+        mgpu__launch_on(q, mgpu__coll_names[c.kind], mgpu__coll_task, NULL, &c, sizeof c);
+        mgpu__comm_track(&t, NULL, 1);
+        if (!send) mgpu_comm_wait(&t->device, 1);
+        return;
+    }
+#endif
+    (void)ready;
+    mgpu__group_run(g, c, send ? t : NULL, send ? NULL : t, 1);
 }
 
 /* The host's collectives, on the caller's thread and communicator. */

@@ -12,7 +12,8 @@
    - ZeRO stages 1 and 2 over the ranks train like the unsharded wrapper,
      and gradient checkpointing inside the wrapper changes no bit;
    - rank 0's parameters and buffers reach every rank;
-   - distributed evaluation counts each image once.
+   - distributed evaluation counts each image once;
+   - a pipeline with a stage in each rank trains like one process.
    tests/gpu_dist.c runs them on GPUs (emulated ones in make test): the
    data go through host memory ("mpi via host").
    With --fault F it plays one fault instead (tests/dist.sh checks how
@@ -504,6 +505,52 @@ TEST(distributed_evaluation_counts_each_image_once) {
     mgpu_net_free(net);
     free(d.images);
     free(d.labels);
+}
+
+/* A pipeline with a stage in each rank (mgpu_pipeline_new_group), GPipe
+   and 1F1B, micro-batches that do and do not divide the batch: 3 steps
+   with momentum train each rank's stage as one process trains those
+   layers, within 1e-5; and freeing it gives the rank's network its
+   stage's values. */
+TEST(pipeline_stages_in_ranks_train_like_one_process) {
+    int ranks = mgpu_group_size(world), rank = mgpu_group_rank(world);
+    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
+    int micro[3] = {1, 4, 5}; /* (5 does not divide 12) */
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 3; i++) {
+            mgpu_net *net = test_plain_net(dev, 5, 0), *ref = test_plain_net(dev, 5, 0);
+            mgpu_pipeline *pp = mgpu_pipeline_new_group(net, world, NULL);
+            mgpu_pipeline_set_schedule(pp, schedules[k], micro[i]);
+            mgpu_tensor *loss = rank == ranks - 1 ? mgpu_zeros(dev, mgpu_shape1(1)) : NULL;
+            mgpu_tensor *ref_loss = mgpu_zeros(dev, mgpu_shape1(1));
+            for (int step = 0; step < 3; step++) {
+                mgpu_tensor *x, *y;
+                global_batch(step, 12, &x, &y);
+                mgpu_pipeline_train_step(pp, x, y, 0.1f, 0.9f, 0.0f, loss);
+                mgpu_net_train_step(ref, x, y, 0.1f, 0.9f, 0.0f, ref_loss);
+                mgpu_free(x);
+                mgpu_free(y);
+            }
+            /* this rank's stage, parameters first .. end - 1: layers rank * 7 / ranks on (the default cut) */
+            int first = ref->first_param[rank * ref->nlayers / ranks];
+            int end = rank == ranks - 1 ? ref->nparams : ref->first_param[(rank + 1) * ref->nlayers / ranks];
+            mgpu_net *stage = mgpu_pipeline_stage(pp, rank);
+            CHECK_EQ_INT(stage->nparams, end - first);
+            double diff = 0;
+            for (int p = first; p < end; p++)
+                diff = fmax(diff, test_relative_diff(stage->params[p - first]->value, ref->params[p]->value));
+            CHECK(diff <= 1e-5);
+            if (loss) CHECK_CLOSE(mgpu_item(loss, 0), mgpu_item(ref_loss, 0), 0, 1e-5);
+            mgpu_pipeline_free(pp);
+            double back = 0;
+            for (int p = first; p < end; p++)
+                back = fmax(back, test_relative_diff(net->params[p]->value, ref->params[p]->value));
+            CHECK(back <= 1e-5);
+            mgpu_free(loss);
+            mgpu_free(ref_loss);
+            mgpu_net_free(net);
+            mgpu_net_free(ref);
+        }
 }
 
 /* ----------------------------------------------------------- faults */
