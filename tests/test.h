@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef void (*test__fn)(void);
@@ -207,6 +208,30 @@ static void test_own_relu_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *
 }
 static __attribute__((unused)) const mgpu_layer_fns test_own_relu = {"own_relu", NULL, test_own_relu_forward,
                                                                      test_own_relu_backward, 0};
+
+/* A layer of one's own that passes its input on and takes a fixed time:
+   it sleeps *(double *)settings milliseconds forward and twice that
+   backward, so that pipeline stages made of it are equal whatever else
+   the machine runs (CPU devices: its loops are its own). Give it a weight
+   of one value (which it leaves alone): a first layer without parameters
+   would have no backward pass to run. */
+static void test_sleep_ms(double ms) {
+    struct timespec t = {(time_t)(ms / 1e3), (long)(fmod(ms, 1e3) * 1e6)};
+    nanosleep(&t, NULL);
+}
+static void test_timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    memcpy(y->data, x->data, x->numel * sizeof(float));
+    test_sleep_ms(*(const double *)l->settings);
+}
+static void test_timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                                const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dweight, (void)dbias, (void)x, (void)y;
+    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
+    test_sleep_ms(2 * *(const double *)l->settings);
+}
+static __attribute__((unused)) const mgpu_layer_fns test_timed_layer = {"timed", NULL, test_timed_forward,
+                                                                        test_timed_backward, 1};
 #endif
 
 /* Runs the registered tests (those whose name contains argv[1] when given). */

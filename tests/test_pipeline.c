@@ -203,27 +203,10 @@ TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
 }
 
 #if !TEST_ON_GPU
-/* A layer of one's own that passes its input on and takes a fixed time:
-   it sleeps (5 ms forward, 10 ms backward), so its stages are equal
-   whatever else the machine runs (long enough that waking the queues'
-   threads on a busy machine takes a small part of it). (A weight of one value, which it
-   leaves alone, makes the first layer's backward pass run too.) */
-static void sleep_ms(double ms) {
-    struct timespec t = {0, (long)(ms * 1e6)};
-    nanosleep(&t, NULL);
-}
-static void timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
-    (void)l, (void)training;
-    memcpy(y->data, x->data, x->numel * sizeof(float));
-    sleep_ms(5.0);
-}
-static void timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)l, (void)dweight, (void)dbias, (void)x, (void)y;
-    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
-    sleep_ms(10.0);
-}
-static const mgpu_layer_fns timed_layer = {"timed", NULL, timed_forward, timed_backward, 1};
+/* Equal stages of tests/test.h's timed layer, 5 ms forward and 10 ms
+   backward: long enough that waking the queues' threads on a machine busy
+   with other tests takes a small part of it. */
+static double timed_ms = 5.0;
 
 TEST(measured_bubble_is_the_formulas) {
     mgpu_device *devs[4];
@@ -233,7 +216,7 @@ TEST(measured_bubble_is_the_formulas) {
     int micro[3] = {1, 4, 8};
     for (int stages = 2; stages <= 4; stages += 2) {
         mgpu_net *net = mgpu_net_new(mgpu_cpu());
-        for (int i = 0; i < 2 * stages; i++) mgpu_net_add_layer(net, &timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, NULL);
+        for (int i = 0; i < 2 * stages; i++) mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, &timed_ms);
         mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
         for (int k = 0; k < 2; k++)
             for (int i = 0; i < 3; i++) {

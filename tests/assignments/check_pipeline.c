@@ -294,24 +294,9 @@ TEST(warm_up_fills_the_pipeline) {
 
 /* For information (it never fails): the bubble of your schedule measured
    from the trace, beside the formula (p - 1) / (m + p - 1), on stages of
-   equal times (layers of the checker's own that sleep: 1 ms forward,
-   2 ms backward). */
-static void sleep_ms(double ms) {
-    struct timespec t = {0, (long)(ms * 1e6)};
-    nanosleep(&t, NULL);
-}
-static void timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
-    (void)l, (void)training;
-    memcpy(y->data, x->data, x->numel * sizeof(float));
-    sleep_ms(1.0);
-}
-static void timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
-                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)l, (void)dweight, (void)dbias, (void)x, (void)y;
-    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
-    sleep_ms(2.0);
-}
-static const mgpu_layer_fns timed_layer = {"timed", NULL, timed_forward, timed_backward, 1};
+   equal times (tests/test.h's timed layers: 1 ms forward, 2 ms
+   backward). */
+static double timed_ms = 1.0;
 
 TEST(bubble_for_information) {
     mgpu_device *devs[MAX_STAGES];
@@ -320,7 +305,7 @@ TEST(bubble_for_information) {
     for (int p = MIN_STAGES; p <= MAX_STAGES; p += 2) {
         mgpu_net *net = mgpu_net_new(mgpu_cpu());
         for (int i = 0; i < 2 * p; i++)
-            mgpu_net_add_layer(net, &timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, NULL);
+            mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, &timed_ms);
         mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
         for (int m = 2; m <= 8; m *= 2) {
             if (!accepted(pp, m)) continue;
