@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""bench/pytorch/pipeline.py: PyTorch's side of bench/pipeline.c, pipeline parallelism on the CPU.
+
+    python3 bench/pytorch/pipeline.py [--batch-size 256] [--micro-batches 8] [--steps 10] [--seed 1]
+
+The model is bench/pipeline.c's MLP on flattened 28x28 images: Linear(784,
+1024), ReLU, 6 x [Linear(1024, 1024), ReLU], Linear(1024, 10), 8 linear
+layers, PyTorch's default initialisation; the loss is the batch's mean
+cross-entropy. It is cut into 2 stages of 4 linear layers each (stage 0:
+layers 1-4 with their ReLUs; stage 1: layers 5-8), one process a stage
+(torch.multiprocessing spawn, gloo on 127.0.0.1), each with
+torch.set_num_threads(1): one core a stage, as mgpu gives each of its 2
+CPU devices one core. The data are random (seeded) images and labels in
+0..9, the same on both processes.
+
+Three schedules of torch.distributed.pipelining, each stage a
+PipelineStage with a micro-batch's input and output given (static
+metadata, so no shape inference at the first step), each schedule on
+its own copy of the model (the same initial weights):
+  naive   ScheduleGPipe with 1 micro-batch: naive model parallelism, one
+          stage at work at a time;
+  gpipe   ScheduleGPipe with --micro-batches micro-batches (all forward
+          passes, then all backward passes);
+  1f1b    Schedule1F1B with --micro-batches micro-batches.
+How the schedules are driven (torch 2.15's pipelining/schedules.py): the
+first stage's step() takes the whole batch and splits it along dim 0, the
+last stage's takes target= (split alike) and fills losses= with one loss
+a micro-batch; loss_fn(output, target) is called on each micro-batch, and
+the stage's gradients, which accumulate over micro-batches (and steps:
+zero_grad is ours), are divided by the number of micro-batches at the end
+(scale_grads=True), so that with a mean loss each step's gradient is the
+whole batch's mean. A step, as
+timed on rank 0: a barrier, time.perf_counter, zero_grad, the schedule's
+step, an SGD step (lr 0.01), a barrier, time.perf_counter. Each schedule
+takes 2 untimed steps, then --steps timed ones; the schedules take turns
+round by round (naive, gpipe, 1f1b, naive, ...) so that drift hits them
+alike; the medians are reported, with
+    RESULT pipeline.py device=cpu batch=256 micro_batches=8 naive_ms=... gpipe_ms=...
+           one_f_one_b_ms=... gpipe_speedup=... one_f_one_b_speedup=... steps=10
+(one line; a speedup is naive_ms over the schedule's).
+
+Before timing, one check: the gradients of GPipe's first step equal, within
+1e-5 relative (per tensor, the largest difference over the largest
+reference magnitude), those of the whole model in one process on the same
+batch with the same weights; a failure exits with status 1. When
+torch.distributed.pipelining cannot run here, one line on stderr says so
+and the exit status is 1.
+"""
+import argparse
+import logging
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+# (torch from PyPI warns at import when NumPy is missing; nothing here needs it)
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+STAGES = 2
+TOLERANCE = 1e-5
+SCHEDULES = ["naive", "gpipe", "1f1b"]
+
+
+def mlp():
+    """The 8 linear layers with their ReLUs, as one Sequential of 15 modules."""
+    widths = [784] + [1024] * 7 + [10]
+    layers = []
+    for i in range(8):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i < 7:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def stage_of(model, stage):
+    """Stage 0: layers 1-4 with their ReLUs (modules 0-7); stage 1: layers 5-8."""
+    return model[:8] if stage == 0 else model[8:]
+
+
+def data(batch, seed):
+    g = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def first_line(e):
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def worker(rank, a, port):
+    """One stage's process; an exception is said in one line on stderr, with its first cause."""
+    try:
+        run(rank, a, port)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        why = first_line(e) + (f" ({first_line(cause)})" if cause is not e else "")
+        print(f"pipeline.py: torch.distributed.pipelining cannot run on {STAGES} CPU processes "
+              f"(rank {rank}): {why}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def run(rank, a, port):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    device = torch.device("cpu")
+    x, y = data(a.batch_size, a.seed)
+
+    def build(name):
+        m = 1 if name == "naive" else a.micro_batches
+        torch.manual_seed(a.seed)
+        module = stage_of(mlp(), rank)
+        mb = a.batch_size // m
+        # static metadata: one micro-batch's activation in and out of the
+        # stage. Its requires_grad matters: stage 1 computes and sends its
+        # input's gradient, and stage 0 waits for its output's, only where
+        # the example tensor requires grad (with none, stage 0's backward
+        # gets None for a gradient); the images need none.
+        shape_in = torch.empty(mb, 784 if rank == 0 else 1024, requires_grad=rank > 0)
+        shape_out = torch.empty(mb, 1024 if rank == 0 else 10, requires_grad=True)
+        stage = PipelineStage(module, rank, STAGES, device, input_args=shape_in, output_args=shape_out)
+        kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+        schedule = kind(stage, n_microbatches=m, loss_fn=F.cross_entropy)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+        return module, schedule, optimizer
+
+    runs = {name: build(name) for name in SCHEDULES}
+
+    def step(name, check=False):
+        module, schedule, optimizer = runs[name]
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        result = None
+        if check:
+            result = [p.grad.clone() for p in module.parameters()], losses
+        optimizer.step()
+        return result
+
+    # the check: GPipe's first step against the whole model in one process
+    grads, losses = step("gpipe", check=True)
+    torch.manual_seed(a.seed)
+    whole = mlp()
+    loss = F.cross_entropy(whole(x), y)
+    loss.backward()
+    reference = [p.grad for p in stage_of(whole, rank).parameters()]
+    worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference))
+    loss_err = abs(torch.stack(losses).mean().item() - loss.item()) if rank == STAGES - 1 else 0.0
+    t = torch.tensor([worst, loss_err], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    worst, loss_err = t.tolist()
+    ok = worst <= TOLERANCE
+    if rank == 0:
+        print(f"check: GPipe ({a.micro_batches} micro-batches) gradients against one process's, "
+              f"largest relative difference {worst:.2e} (tolerance {TOLERANCE:.0e}), "
+              f"mean loss {loss.item():.6f} (difference {loss_err:.1e}): {'ok' if ok else 'FAILED'}", flush=True)
+    if not ok:
+        dist.destroy_process_group()
+        sys.exit(1)
+
+    # the first of gpipe's 2 untimed steps was the check's
+    for w in range(2):
+        for name in SCHEDULES:
+            if name != "gpipe" or w:
+                step(name)
+    times = {name: [] for name in SCHEDULES}
+    for _ in range(a.steps):
+        for name in SCHEDULES:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(name)
+            dist.barrier()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+
+    if rank == 0:
+        ms = {name: statistics.median(times[name]) for name in SCHEDULES}
+        fastest = {name: min(times[name]) for name in SCHEDULES}
+        print(f"PyTorch {torch.__version__} torch.distributed.pipelining (gloo), {STAGES} stages in "
+              f"{STAGES} processes of 1 thread, 8-layer MLP, batch {a.batch_size}; median of {a.steps} "
+              f"steps after 2 untimed")
+        print(f"  {'schedule':<8} {'micro-batches':>13} {'ms/step':>9} {'fastest':>9} {'speedup':>8}")
+        for name in SCHEDULES:
+            m = 1 if name == "naive" else a.micro_batches
+            print(f"  {name:<8} {f'{m} x {a.batch_size // m}':>13} {ms[name]:9.2f} {fastest[name]:9.2f} "
+                  f"{ms['naive'] / ms[name]:7.2f}x")
+        print(f"RESULT pipeline.py device=cpu batch={a.batch_size} micro_batches={a.micro_batches} "
+              f"naive_ms={ms['naive']:.3f} gpipe_ms={ms['gpipe']:.3f} one_f_one_b_ms={ms['1f1b']:.3f} "
+              f"gpipe_speedup={ms['naive'] / ms['gpipe']:.3f} "
+              f"one_f_one_b_speedup={ms['naive'] / ms['1f1b']:.3f} steps={a.steps}", flush=True)
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    if a.batch_size % a.micro_batches:
+        p.error(f"--batch-size {a.batch_size} is not a multiple of --micro-batches {a.micro_batches}")
+    try:
+        import torch.distributed.pipelining  # noqa: F401
+        if not dist.is_available() or not dist.is_gloo_available():
+            raise RuntimeError("torch.distributed with gloo is not available")
+    except Exception as e:
+        print(f"pipeline.py: torch.distributed.pipelining cannot run here: {e}", file=sys.stderr)
+        sys.exit(1)
+    # (when a worker fails, spawn warns that it ends the other; the worker has said why)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        mp.spawn(worker, args=(a, free_port()), nprocs=STAGES)
+    except mp.ProcessExitedException as e:
+        # a worker's exit: the check failed or the pipeline could not run,
+        # and the worker said which
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
