@@ -1454,8 +1454,9 @@ typedef struct mgpu_net {
     int steps;
     /* scratch of the training step */
     mgpu_tensor *losses, *dlogits, *loss_sum;
-    /* while a data-parallel wrapper or a pipeline holds the network: its
-       layers are fixed, and it is freed after the wrapper */
+    /* while a data-parallel wrapper (1) or a pipeline (MGPU__HELD_BY_PIPELINE)
+       holds the network: its layers are fixed, and it is freed after the
+       wrapper */
     int wrapped;
     /* its parameters and buffers are another network's (a pipeline
        stage's micro-batch slot): freed with that one */
@@ -1736,15 +1737,18 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    micro-batch in flight, a copy of its layers (a slot) with that
    micro-batch's activations, sharing the parameters, their gradients and
    batch norm's buffers: m slots under GPipe, min(m, p - s) under 1F1B.
-   A micro-batch's activations and input on a stage are freed when its
-   backward pass there is done.
+   (On a GPU each slot also keeps its convolutions' channels-last copies
+   of the weights, which its forward pass remakes: parameters' memory
+   that grows with the slots.) A micro-batch's activations and input on a
+   stage are freed when its backward pass there is done.
 
    Batch norm over micro-batches. Each micro-batch is normalised with its
    own statistics, and the running statistics move once per micro-batch,
-   in micro-batch order (PyTorch's pipelines do the same): a pipeline
-   trains as one device that runs the micro-batches one after the other,
-   adding up their gradients, not as one device on the whole batch.
-   Without batch norm the two are the same, up to the order of the sums.
+   in the order of the stage's forward passes, micro-batch order under
+   GPipe and 1F1B (PyTorch's pipelines do the same): a pipeline trains as
+   one device that runs the micro-batches one after the other, adding up
+   their gradients, not as one device on the whole batch. Without batch
+   norm the two are the same, up to the order of the sums.
 
        mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
                                         const int *first_layers)
@@ -1770,8 +1774,9 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
        void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n)
    data parallelism over n pipelines of the same cut (hybrid parallelism):
    each stage's gradients averaged over the pipelines by a ring allreduce
-   (manual COMMUNICATION), between forward_backward and step; each
-   pipeline takes its share of the global batch.
+   (manual COMMUNICATION), between forward_backward and step, and batch
+   norm's running statistics made pipeline 0's everywhere (as DDP
+   broadcasts rank 0's); each pipeline takes its share of the global batch.
        mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers)
    the stages in the processes of a group (DISTRIBUTED), one a rank:
    every rank builds the same net on its device and calls it, and rank r
@@ -2245,10 +2250,13 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
    is 1000 pixels wide and as tall as its lanes and legend need; a bar on
    no lane, or that ends before it starts, is left out. Bars with the
    same name get the same colour (a hash of the name picks it, and names in
-   one picture never share a colour while the palette lasts); a name is
-   written inside its bar where it fits, and a legend maps names to colours.
-   Give operations of the same kind the same name ("matmul", "copy to
-   host") rather than numbering them.
+   one picture never share a colour while the palette lasts); a bar's
+   label, or where it is empty its name, is written inside it where it
+   fits, and a legend maps names to colours. Give operations of the same
+   kind the same name ("matmul", "copy to host") rather than numbering
+   them, and number them in the label where that helps ("F3": a pipeline's
+   forward pass of micro-batch 3). Zero the bars before filling them
+   (calloc, memset, or = {0}): an unset label is garbage text.
 
    Errors: a picture or CSV that cannot be written prints one line
        mgpu: error: out/pic.png: cannot write PNG (No such file or directory)
@@ -8033,9 +8041,17 @@ MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev) {
 /* Appends layer l and returns it. Nothing before the first layer wants
    its input gradient, so it computes none (batch norm's pass makes one
    anyway). */
+/* What holds a network (mgpu_net.wrapped), and the calls that make and
+   free it, for the errors that name them. */
+#define MGPU__HELD_BY_PIPELINE 2
+static const char *mgpu__holder(const mgpu_net *net, int call) {
+    static const char *const names[2][3] = {{"a data-parallel wrapper", "mgpu_data_parallel_new", "mgpu_data_parallel_free"},
+                                            {"a pipeline", "mgpu_pipeline_new", "mgpu_pipeline_free"}};
+    return names[net->wrapped == MGPU__HELD_BY_PIPELINE][call];
+}
 static mgpu_layer *mgpu__net_add(mgpu_net *net, mgpu_layer *l) {
-    MGPU_REQUIRE(!net->wrapped, "%s: the network is held by a data-parallel wrapper, which copied its "
-                                "layers; add layers before mgpu_data_parallel_new", l->name);
+    MGPU_REQUIRE(!net->wrapped, "%s: the network is held by %s, which copied its layers; add layers before %s",
+                 l->name, mgpu__holder(net, 0), mgpu__holder(net, 1));
     if (net->nlayers + 1 >= net->layers_room) { /* (first_param has a place more than layers) */
         net->layers_room = 2 * net->layers_room + 16;
         net->layers = (mgpu_layer **)mgpu__xrealloc(net->layers, net->layers_room * sizeof *net->layers);
@@ -9349,8 +9365,8 @@ static void mgpu__layer_free(mgpu_layer *l, int shared) {
 
 MGPU_DEF void mgpu_net_free(mgpu_net *net) {
     if (!net) return;
-    MGPU_REQUIRE(!net->wrapped, "mgpu_net_free: a data-parallel wrapper still holds this network; "
-                                "free the wrapper first (mgpu_data_parallel_free)");
+    MGPU_REQUIRE(!net->wrapped, "mgpu_net_free: %s still holds this network; free it first (%s)",
+                 mgpu__holder(net, 0), mgpu__holder(net, 2));
     for (int i = 0; i < net->nlayers; i++) mgpu__layer_free(net->layers[i], net->shares_params);
     for (int i = 0; i < net->nparams; i++) {
         mgpu_free(net->momentum[i]);
@@ -10429,9 +10445,10 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
    Pipelines
    ====================================================================== */
 /* A send (or receive) of t to (from) rank peer of group g, on t's
-   device's communication queue (below, with the group). A send waits
-   for `ready` alone: the pipeline knows when t was written, and the
-   compute queue has gone on to later work. */
+   device's communication queue (below, with the group). On a CPU device
+   a send waits for `ready` alone: the pipeline knows when t was written,
+   and the compute queue has gone on to later work. (A GPU's tensors go
+   through the host, which waits for the device.) */
 static void mgpu__group_p2p(mgpu_group *g, int send, mgpu_tensor *t, int peer, mgpu_event *ready);
 
 /* A stage: its network, which holds the parameters, their gradients,
@@ -10535,8 +10552,11 @@ static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
         for (int i = 0; i < 2 * m; i++) {
             mgpu_pipeline_pass pass = order[i];
             MGPU_REQUIRE(pass.backward != -1 || pass.micro_batch != -1,
-                         "%s: the schedule left pass %d of stage %d unwritten; it writes 2m = %d passes", who, i, s,
-                         2 * m);
+                         "%s: the schedule left pass %d of stage %d unwritten; it must write 2m = %d passes", who, i,
+                         s, 2 * m);
+            MGPU_REQUIRE(pass.backward == 0 || pass.backward == 1,
+                         "%s: the schedule's pass %d of stage %d has backward %d; want 0 (forward) or 1", who, i, s,
+                         pass.backward);
             MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
                          "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
                          who, i, s, pass.micro_batch, m, m - 1);
@@ -10609,8 +10629,9 @@ static void mgpu__pipeline_free_step_state(mgpu_pipeline *pp) {
 
 MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches) {
     MGPU_REQUIRE(schedule, "mgpu_pipeline_set_schedule: no schedule (mgpu_schedule_gpipe, mgpu_schedule_1f1b)");
-    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 4096,
-                 "mgpu_pipeline_set_schedule: %d micro-batches; want 1 to 4096", micro_batches);
+    /* (each pass is a trace label, of which the library keeps 4096) */
+    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 2048,
+                 "mgpu_pipeline_set_schedule: %d micro-batches; want 1 to 2048", micro_batches);
     int p = pp->nstages, m = micro_batches;
     mgpu__pipeline_free_step_state(pp);
     pp->micro_batches = m;
@@ -10737,6 +10758,7 @@ static void mgpu__pipeline_build_stage(mgpu_pipeline *pp, int s, mgpu_device *de
         if (l->shortcut) l->shortcut->copies->input_from_batch_norm = 0;
     }
     mgpu_net_want_input_grad(sn, s > 0);
+    sn->wrapped = MGPU__HELD_BY_PIPELINE; /* (mgpu_pipeline_stage hands it out; the pipeline frees it) */
     mgpu__pipeline_move_state(pp, s, 1);
     st->slot = (mgpu_net **)mgpu__xcalloc(1, sizeof *st->slot);
     st->slot_micro_batch = (int *)mgpu__xcalloc(1, sizeof *st->slot_micro_batch);
@@ -10750,6 +10772,11 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *dev
     int first[MGPU_MAX_DEVICES + 1];
     mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
     for (int s = 0; s < stages; s++)
+        if (!devices[s]) {
+            free(pp);
+            mgpu_fatal("%s: devices[%d] is NULL", who, s);
+        }
+    for (int s = 0; s < stages; s++)
         for (int t = 0; t < s; t++)
             if (devices[s] == devices[t]) {
                 free(pp);
@@ -10757,7 +10784,7 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *dev
                            "makes virtual ones)", who, devices[s]->name, t, s);
             }
     for (int s = 0; s < stages; s++) mgpu__pipeline_build_stage(pp, s, devices[s], first[s], first[s + 1], who);
-    net->wrapped = 1;
+    net->wrapped = MGPU__HELD_BY_PIPELINE;
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
     return pp;
 }
@@ -10770,7 +10797,7 @@ MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group
     pp->rank = rank;
     mgpu__pipeline_build_stage(pp, rank, net->device, first[rank], first[rank + 1], who);
     for (int s = 0; s < stages; s++) pp->stage[s].first_layer = first[s];
-    net->wrapped = 1;
+    net->wrapped = MGPU__HELD_BY_PIPELINE;
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
     return pp;
 }
@@ -10828,6 +10855,7 @@ static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
         *input = mgpu__pipeline_receive(pp->output[from], pp->output_ready[from], st->net->device,
                                         MGPU_MEMORY_ACTIVATIONS);
     }
+    st->slot[k]->segments = st->net->segments; /* (mgpu_net_checkpoint on the stage reaches its slots) */
     pp->output[s * m + j] = mgpu_net_forward(st->slot[k], *input);
     mgpu_event_record(pp->output_ready[s * m + j], st->net->device);
 }
@@ -10928,7 +10956,7 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     if (pp->group) mgpu__pipeline_row_shapes(pp, x);
     char label[24];
     for (int i = 0; i < 2 * m * p; i++) {
-        int s = pp->sequence[i] / (2 * m), j;
+        int s = pp->sequence[i] / (2 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
         mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
         mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
         if (pp->stage[s].net && pass.backward)
@@ -10936,13 +10964,13 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
         else if (pp->stage[s].net)
             mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
         else if (!pass.backward && s == pp->rank + 1) { /* (the next rank comes to take our output) */
-            j = pp->rank * m + pass.micro_batch;
-            mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[j], s, pp->output_ready[j]);
+            mine = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[mine], s, pp->output_ready[mine]);
         } else if (pass.backward && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
-            j = pp->rank * m + pass.micro_batch;
-            mgpu__group_p2p(pp->group, 1, pp->input_grad[j], s, pp->input_grad_ready[j]);
-            mgpu_free(pp->input_grad[j]); /* (safe once the send that reads it is enqueued) */
-            pp->input_grad[j] = NULL;
+            mine = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, pp->input_grad[mine], s, pp->input_grad_ready[mine]);
+            mgpu_free(pp->input_grad[mine]); /* (safe once the send that reads it is enqueued) */
+            pp->input_grad[mine] = NULL;
         }
     }
     mgpu_trace_label(NULL);
@@ -10967,22 +10995,28 @@ MGPU_DEF void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n) {
     for (int k = 0; k < n; k++)
         MGPU_REQUIRE(!pipes[k]->group, "mgpu_pipelines_average_grads: pipeline %d runs across processes; it "
                      "averages the pipelines of one process", k);
-    for (int k = 1; k < n; k++)
+    for (int k = 1; k < n; k++) {
         MGPU_REQUIRE(pipes[k]->nstages == pipes[0]->nstages && pipes[k]->net->nparams == pipes[0]->net->nparams,
                      "mgpu_pipelines_average_grads: pipeline %d has %d stages and %d parameters, pipeline 0 %d and "
                      "%d; average pipelines of the same network, cut the same way", k, pipes[k]->nstages,
                      pipes[k]->net->nparams, pipes[0]->nstages, pipes[0]->net->nparams);
+        for (int s = 0; s < pipes[0]->nstages; s++)
+            MGPU_REQUIRE(pipes[k]->stage[s].first_layer == pipes[0]->stage[s].first_layer,
+                         "mgpu_pipelines_average_grads: pipeline %d's stage %d starts at layer %d, pipeline 0's at "
+                         "%d; average pipelines cut the same way", k, s, pipes[k]->stage[s].first_layer,
+                         pipes[0]->stage[s].first_layer);
+    }
     mgpu_tensor *grads[MGPU_MAX_DEVICES];
-    for (int s = 0; s < pipes[0]->nstages; s++)
-        for (int i = 0; i < pipes[0]->stage[s].net->nparams; i++) {
-            for (int k = 0; k < n; k++) {
-                MGPU_REQUIRE(pipes[k]->stage[s].first_param == pipes[0]->stage[s].first_param,
-                             "mgpu_pipelines_average_grads: pipelines 0 and %d cut the network at different layers",
-                             k);
-                grads[k] = pipes[k]->stage[s].net->params[i]->grad;
-            }
+    for (int s = 0; s < pipes[0]->nstages; s++) {
+        mgpu_net *first = pipes[0]->stage[s].net;
+        for (int i = 0; i < first->nparams; i++) {
+            for (int k = 0; k < n; k++) grads[k] = pipes[k]->stage[s].net->params[i]->grad;
             mgpu_ring_allreduce(grads, n, 1);
         }
+        for (int k = 1; k < n; k++) /* (batch norm's statistics: pipeline 0's everywhere, as DDP broadcasts them) */
+            for (int i = 0; i < first->nbuffers; i++)
+                mgpu_copy(*pipes[k]->stage[s].net->buffers[i], *first->buffers[i], 1);
+    }
 }
 
 MGPU_DEF void mgpu_pipeline_set_training(mgpu_pipeline *pp, int training) {
@@ -11006,6 +11040,8 @@ static mgpu_tensor *mgpu__pipeline_forward_fn(void *pp, const mgpu_tensor *x) {
     return mgpu_pipeline_forward((mgpu_pipeline *)pp, x);
 }
 MGPU_DEF double mgpu_pipeline_evaluate_accuracy(mgpu_pipeline *pp, const mgpu_dataset *data, int batch_size) {
+    MGPU_REQUIRE(!pp->group, "mgpu_pipeline_evaluate_accuracy: the pipeline's stages are in several processes; "
+                 "evaluate the network whole on one of them (mgpu_pipeline_free gives each its stage's values)");
     int training = pp->stage[0].net->training;
     mgpu_pipeline_set_training(pp, 0);
     double accuracy = mgpu_evaluate_accuracy(mgpu__pipeline_forward_fn, pp, pp->stage[pp->nstages - 1].net->device,
@@ -11112,6 +11148,7 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp) {
         for (int i = 0; i < st->net->nbuffers; i++)
             mgpu_copy(*net->buffers[st->first_buffer + i], *st->net->buffers[i], 0);
         mgpu__pipeline_move_state(pp, s, 0);
+        st->net->wrapped = 0;
         for (int k = st->nslots - 1; k >= 0; k--) mgpu_net_free(st->slot[k]); /* (slot 0, the stage's net, last) */
         free(st->slot);
         free(st->slot_micro_batch);
@@ -11543,11 +11580,12 @@ MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev
 #if MGPU_MPI
 /* Runs collective c for tensors in (read) and out (written; either may be
    NULL, both on one device). On a CPU device it runs on the device's
-   communication queue, after what the compute queue was given so far;
-   the compute queue waits for it when `wait`. A GPU's tensors go through
-   pinned host memory, on the calling thread. */
+   communication queue, after what the compute queue was given so far, or
+   given `ready` (a send: no out), after that event alone; the compute
+   queue waits for it when `wait`. A GPU's tensors go through pinned host
+   memory, on the calling thread. */
 static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tensor *in, mgpu_tensor *out,
-                                   int wait) {
+                                   int wait, mgpu_event *ready) {
     mgpu_device *dev = (out ? out : in)->device;
     MGPU_REQUIRE(c.count <= INT_MAX, "a group's %s of %zu floats: more than MPI counts (%d)",
                  mgpu__coll_names[c.kind], c.count, INT_MAX);
@@ -11560,7 +11598,10 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
     if (g->size == 1) return "none"; /* (the callers did a group of one's work) */
     if (dev->gpu < 0) {
         mgpu_tensor *tensors[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in}; /* written (a send: read), read */
-        mgpu__comm_begin(tensors, 1);
+        if (ready && !out)
+            mgpu__event_wait_on(&dev->queue[1], ready);
+        else
+            mgpu__comm_begin(tensors, 1);
         c.in = in ? in->data : NULL;
         c.out = out ? out->data : NULL;
         mgpu__launch_on(&dev->queue[1], mgpu__coll_names[c.kind], mgpu__coll_task, NULL, &c, sizeof c);
@@ -11600,8 +11641,9 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
 
 #else
 static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tensor *in, mgpu_tensor *out,
-                                   int wait) {
+                                   int wait, mgpu_event *ready) {
     (void)c;
+    (void)ready;
     (void)in;
     (void)out;
     (void)wait;
@@ -11620,7 +11662,7 @@ static const char *mgpu__group_allreduce(const char *op, mgpu_group *g, mgpu_ten
     mgpu__require_group_tensor(op, t);
     MGPU_REQUIRE(how == MGPU_SUM || how == MGPU_MEAN, "%s: op %d; want MGPU_SUM or MGPU_MEAN", op, (int)how);
     mgpu__coll c = {NULL, MGPU__ALLREDUCE, how, 0, 0, t->numel, NULL, NULL};
-    return mgpu__group_run(g, c, t, t, wait);
+    return mgpu__group_run(g, c, t, t, wait, NULL);
 }
 MGPU_DEF const char *mgpu_group_allreduce(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op) {
     return mgpu__group_allreduce("mgpu_group_allreduce", g, t, op, 1);
@@ -11633,7 +11675,7 @@ MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root) {
     mgpu__require_group_tensor("mgpu_group_broadcast", t);
     MGPU_REQUIRE(root >= 0 && root < g->size, "mgpu_group_broadcast: root %d of a group of %d", root, g->size);
     mgpu__coll c = {NULL, MGPU__BROADCAST, MGPU_SUM, root, 0, t->numel, NULL, NULL};
-    mgpu__group_run(g, c, t, t, 1);
+    mgpu__group_run(g, c, t, t, 1, NULL);
 }
 
 MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out) {
@@ -11648,7 +11690,7 @@ MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_t
         mgpu_free(flat);
     }
     mgpu__coll c = {NULL, MGPU__ALL_GATHER, MGPU_SUM, 0, 0, in->numel, NULL, NULL};
-    mgpu__group_run(g, c, in, out, 1);
+    mgpu__group_run(g, c, in, out, 1, NULL);
 }
 
 MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out,
@@ -11666,7 +11708,7 @@ MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mg
         mgpu_free(flat);
     }
     mgpu__coll c = {NULL, MGPU__REDUCE_SCATTER, op, 0, 0, in->numel, NULL, NULL};
-    mgpu__group_run(g, c, in, out, 1);
+    mgpu__group_run(g, c, in, out, 1, NULL);
 }
 
 static void mgpu__require_peer(const char *op, const mgpu_group *g, int peer) {
@@ -11677,42 +11719,21 @@ MGPU_DEF void mgpu_group_send(mgpu_group *g, const mgpu_tensor *t, int to) {
     mgpu__require_group_tensor("mgpu_group_send", t);
     mgpu__require_peer("mgpu_group_send", g, to);
     mgpu__coll c = {NULL, MGPU__SEND, MGPU_SUM, to, 0, t->numel, NULL, NULL};
-    mgpu__group_run(g, c, t, NULL, 1);
+    mgpu__group_run(g, c, t, NULL, 1, NULL);
 }
 MGPU_DEF void mgpu_group_recv(mgpu_group *g, mgpu_tensor *t, int from) {
     mgpu__require_group_tensor("mgpu_group_recv", t);
     mgpu__require_peer("mgpu_group_recv", g, from);
     mgpu__coll c = {NULL, MGPU__RECV, MGPU_SUM, from, 0, t->numel, NULL, NULL};
-    mgpu__group_run(g, c, NULL, t, 1);
+    mgpu__group_run(g, c, NULL, t, 1, NULL);
 }
 
 static void mgpu__group_p2p(mgpu_group *g, int send, mgpu_tensor *t, int peer, mgpu_event *ready) {
-    const char *op = send ? "a pipeline's send" : "a pipeline's receive";
-    mgpu__require_peer(op, g, peer);
+    mgpu__require_peer(send ? "a pipeline's send" : "a pipeline's receive", g, peer);
     mgpu__coll c = {NULL, send ? MGPU__SEND : MGPU__RECV, MGPU_SUM, peer, 0, t->numel, NULL, NULL};
-#if MGPU_MPI
-    if (t->device->gpu < 0 && g->size > 1) { /* (a GPU's tensors go through the host, as the group's do) */
-        MGPU_REQUIRE(c.count <= INT_MAX, "%s of %zu floats: more than MPI counts (%d)", op, c.count, INT_MAX);
-        if (!g->device) g->device = t->device;
-        MGPU_REQUIRE(g->device == t->device, "%s: a tensor on %s, but the group's collectives run on %s: use a "
-                     "group for one device", op, t->device->name, g->device->name);
-        mgpu__queue *q = &t->device->queue[1];
-        c.group = g;
-        if (send) {
-            mgpu__event_wait_on(q, ready);
-            c.in = t->data;
-        } else { /* (its memory may still be read by the compute queue's work, which it waits for) */
-            mgpu__comm_begin(&t, 1);
-            c.out = t->data;
-        }
-        mgpu__launch_on(q, mgpu__coll_names[c.kind], mgpu__coll_task, NULL, &c, sizeof c);
-        mgpu__comm_track(&t, NULL, 1);
-        if (!send) mgpu_comm_wait(&t->device, 1);
-        return;
-    }
-#endif
-    (void)ready;
-    mgpu__group_run(g, c, send ? t : NULL, send ? NULL : t, 1);
+    /* (the compute queue waits for a receive, not for a send: the next
+       stage takes it when it comes to it) */
+    mgpu__group_run(g, c, send ? t : NULL, send ? NULL : t, !send, ready);
 }
 
 /* The host's collectives, on the caller's thread and communicator. */

@@ -770,7 +770,7 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu__conv_choices[mgpu__conv_choice_count++] = backward;
     mgpu_manual_seed(9);
     mgpu_layer *on_c = mgpu__conv_new("conv", 32, 32, 3, 1, 1, mgpu_cpu());
-    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
+    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu, 0);
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, 6, 6));
     mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
     mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
@@ -789,8 +789,8 @@ TEST(conv_layer_keeps_the_forwards_channels_last_copy) {
     mgpu__layer_forward(on_g, x.g, NULL, NULL, 1);
     CHECK(on_g->copies->input_t == NULL);
     mgpu__conv_choice_count = before;
-    mgpu__layer_free(on_c);
-    mgpu__layer_free(on_g);
+    mgpu__layer_free(on_c, 0);
+    mgpu__layer_free(on_g, 0);
     pair_free(&x);
     pair_free(&dy);
     mgpu_set_tf32(0, 0);
@@ -831,7 +831,7 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
     snprintf(name, sizeof name, "residual block, stride %d, dx by %s", stride, dx_im2col ? "im2col" : how);
     mgpu_manual_seed(11);
     mgpu_layer *on_c = mgpu__residual_new("block", 32, 32, stride, mgpu_cpu());
-    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu);
+    mgpu_layer *on_g = mgpu__layer_clone(on_c, gpu, 0);
     CHECK((on_c->shortcut != NULL) == (stride == 2));
     pair x = pair_randn(xs), dy = pair_randn(mgpu_shape4(2, 32, out_hw, out_hw));
     mgpu__layer_forward(on_c, x.c, NULL, NULL, 1);
@@ -864,8 +864,8 @@ static void residual_block_compare(int stride, mgpu__implicit_kernel kernel, int
         check_same(name, "shortcut db", &db3, 2e-3);
     }
     mgpu__conv_choice_count = before;
-    mgpu__layer_free(on_c);
-    mgpu__layer_free(on_g);
+    mgpu__layer_free(on_c, 0);
+    mgpu__layer_free(on_g, 0);
     pair_free(&x);
     pair_free(&dy);
 }

@@ -150,7 +150,7 @@ check chapter6_runs 0 '^test acc: [0-9]\.[0-9]{2}, [0-9]+ images/sec' \
     '^  naive +1 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.500 ' '^  1F1B +8 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.111 ' \
     '^  1F1B +8 +[0-9.]+ +[0-9]+ +[0-9.]+ +0\.273 ' \
     '^  Megatron MLP 784->512->10 +4 +[0-9]\.[0-9]e-0[6-9] +1920 +150528 +2442300$' \
-    'the two copies of the network differ by 0\.0e\+00' \
+    'differ by 0\.0e\+00 after [0-9]+$' \
     -- ./chapter6 --cpu --train-samples 256 --epochs 1 --batch-size 32 --steps 1 --width 8 --out "$out/ch6"
 for f in chapter6_test_acc.png chapter6_timeline_naive_2_stages.png chapter6_timeline_GPipe_2_stages.png \
          chapter6_timeline_1F1B_4_stages.png; do

@@ -1700,7 +1700,7 @@ TEST(the_wrapper_refuses_what_would_break_its_replicas) {
                 "linear5: the network is held by a data-parallel wrapper, which copied its layers; "
                 "add layers before mgpu_data_parallel_new");
     EXPECT_DIES(mgpu_net_free(net), "mgpu_net_free: a data-parallel wrapper still holds this network; "
-                                    "free the wrapper first (mgpu_data_parallel_free)");
+                                    "free it first (mgpu_data_parallel_free)");
     EXPECT_DIES(mgpu_data_parallel_new(net, devs, 2, MGPU_DP_GATHER),
                 "mgpu_data_parallel_new: another wrapper holds this network already");
     mgpu_data_parallel_free(dp);

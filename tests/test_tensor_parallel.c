@@ -36,8 +36,8 @@ enum { CONV_C = 3, CONV_K = 8, CONV_H = 6, CONV_W = 7 };
 
 /* One device's forward and backward pass against the split one's, on a
    batch of n images: y and dx on every device, dW and db gathered. */
-static void check_conv_step(mgpu_tp_conv *c, const mgpu_tensor *w, const mgpu_tensor *b, int n, int stride,
-                            int pad, int k) {
+static void check_conv_step(mgpu_tp_conv *c, mgpu_device *const *devs, const mgpu_tensor *w, const mgpu_tensor *b,
+                            int n, int stride, int pad, int k) {
     mgpu_device *dev = w->device;
     mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(n, CONV_C, CONV_H, CONV_W), 0, 1);
     mgpu_shape y_shape = mgpu_conv2d_output_shape(x->shape, w->shape, stride, pad);
@@ -51,7 +51,7 @@ static void check_conv_step(mgpu_tp_conv *c, const mgpu_tensor *w, const mgpu_te
     mgpu_tensor *split_dw = mgpu_empty(dev, w->shape), *split_db = mgpu_empty(dev, b->shape);
     mgpu_tp_conv_gather_grads(c, split_dw, split_db);
     for (int i = 0; i < k; i++) {
-        CHECK(mgpu_tp_conv_output(c, i)->device == mgpu_tp_conv_input_grad(c, i)->device);
+        CHECK(mgpu_tp_conv_output(c, i)->device == devs[i] && mgpu_tp_conv_input_grad(c, i)->device == devs[i]);
         CHECK(close_to("the convolution's y", k, mgpu_tp_conv_output(c, i), y));
         CHECK(close_to("the convolution's dx", k, mgpu_tp_conv_input_grad(c, i), dx));
     }
@@ -71,8 +71,8 @@ TEST(a_convolution_split_by_channels_equals_one_device) {
             mgpu_tensor *w = mgpu_randn(devs[0], mgpu_shape4(CONV_K, CONV_C, 3, 3), 0, 1);
             mgpu_tensor *b = mgpu_randn(devs[0], mgpu_shape1(CONV_K), 0, 1);
             mgpu_tp_conv *c = mgpu_tp_conv_new(w, b, strides[s], pads[s], devs, k);
-            check_conv_step(c, w, b, 5, strides[s], pads[s], k);
-            check_conv_step(c, w, b, 3, strides[s], pads[s], k); /* a shorter batch: new buffers */
+            check_conv_step(c, devs, w, b, 5, strides[s], pads[s], k);
+            check_conv_step(c, devs, w, b, 3, strides[s], pads[s], k); /* a shorter batch: new buffers */
             mgpu_tp_conv_free(c);
             mgpu_free(w);
             mgpu_free(b);
