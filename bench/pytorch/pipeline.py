@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """bench/pytorch/pipeline.py: PyTorch's side of bench/pipeline.c, pipeline parallelism on the CPU.
 
-    python3 bench/pytorch/pipeline.py [--batch-size 256] [--micro-batches 8] [--steps 10] [--seed 1]
+    python3 bench/pytorch/pipeline.py [--batch-size 2048] [--micro-batches 8] [--steps 10] [--seed 1]
 
-The model is bench/pipeline.c's MLP on flattened 28x28 images: Linear(784,
-1024), ReLU, 6 x [Linear(1024, 1024), ReLU], Linear(1024, 10), 8 linear
-layers, PyTorch's default initialisation; the loss is the batch's mean
-cross-entropy. It is cut into 2 stages of 4 linear layers each (stage 0:
-layers 1-4 with their ReLUs; stage 1: layers 5-8), one process a stage
+The model is bench/pipeline.c's MLP on random inputs of 1024 features: 8
+blocks [Linear(1024, 1024), ReLU] and a classifier Linear(1024, 10),
+PyTorch's default initialisation; the loss is the batch's mean
+cross-entropy. It is cut into 2 stages of 4 blocks each (stage 0: blocks
+1-4; stage 1: blocks 5-8 and the classifier), one process a stage
 (torch.multiprocessing spawn, gloo on 127.0.0.1), each with
 torch.set_num_threads(1): one core a stage, as mgpu gives each of its 2
 CPU devices one core. The data are random (seeded) images and labels in
@@ -35,7 +35,7 @@ step, an SGD step (lr 0.01), a barrier, time.perf_counter. Each schedule
 takes 2 untimed steps, then --steps timed ones; the schedules take turns
 round by round (naive, gpipe, 1f1b, naive, ...) so that drift hits them
 alike; the medians are reported, with
-    RESULT pipeline.py device=cpu batch=256 micro_batches=8 naive_ms=... gpipe_ms=...
+    RESULT pipeline.py device=cpu batch=2048 micro_batches=8 naive_ms=... gpipe_ms=...
            one_f_one_b_ms=... gpipe_speedup=... one_f_one_b_speedup=... steps=10
 (one line; a speedup is naive_ms over the schedule's).
 
@@ -66,27 +66,25 @@ from torch.nn import functional as F  # noqa: E402
 STAGES = 2
 TOLERANCE = 1e-5
 SCHEDULES = ["naive", "gpipe", "1f1b"]
+WIDTH = 1024
 
 
 def mlp():
-    """The 8 linear layers with their ReLUs, as one Sequential of 15 modules."""
-    widths = [784] + [1024] * 7 + [10]
+    """The 8 blocks and the classifier, as one Sequential of 17 modules."""
     layers = []
-    for i in range(8):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i < 7:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    for _ in range(8):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
 
 
 def stage_of(model, stage):
-    """Stage 0: layers 1-4 with their ReLUs (modules 0-7); stage 1: layers 5-8."""
+    """Stage 0: blocks 1-4 (modules 0-7); stage 1: blocks 5-8 and the classifier."""
     return model[:8] if stage == 0 else model[8:]
 
 
 def data(batch, seed):
     g = torch.Generator().manual_seed(seed + 1000)
-    return torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return torch.randn(batch, WIDTH, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
 def first_line(e):
@@ -128,8 +126,8 @@ def run(rank, a, port):
         # input's gradient, and stage 0 waits for its output's, only where
         # the example tensor requires grad (with none, stage 0's backward
         # gets None for a gradient); the images need none.
-        shape_in = torch.empty(mb, 784 if rank == 0 else 1024, requires_grad=rank > 0)
-        shape_out = torch.empty(mb, 1024 if rank == 0 else 10, requires_grad=True)
+        shape_in = torch.empty(mb, WIDTH, requires_grad=rank > 0)
+        shape_out = torch.empty(mb, WIDTH if rank == 0 else 10, requires_grad=True)
         stage = PipelineStage(module, rank, STAGES, device, input_args=shape_in, output_args=shape_out)
         kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
         schedule = kind(stage, n_microbatches=m, loss_fn=F.cross_entropy)
@@ -213,7 +211,7 @@ def free_port():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=2048)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
