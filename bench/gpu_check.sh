@@ -458,14 +458,8 @@ row "chapter 5's checkpointed ResNet-18 step / plain ($(result checkpoint on), b
 torch_row "PyTorch checkpoint_sequential's step / plain (same cut)" "$(or_dash "$(result checkpoint.py ratio)")" "" ""
 row "chapter 5, largest batch under its limit: plain / checkpointed" \
     "$(sed -n 's/^  without checkpointing *batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null) / $(sed -n 's/^  checkpointed (sqrt n runs) batch \([0-9]*\)$/\1/p' "$LOGS/chapter5.log" 2>/dev/null)" "" ""
-row "23: ZeRO-2 / DDP, ResNet-18 with Adam ($(result zero on), batch $(result zero batch))" \
+row "23: ZeRO-2 / DDP, ResNet-18 with Adam ($(value zero 's/^RESULT zero on=\(\[[^]]*\]\).*/\1/p'), batch $(result zero batch))" \
     "$(or_dash "$(result zero zero2_ratio)")" "<= 1.1" "x <= 1.1"
-for stages in 2 4; do
-    row "pipeline, MLP in $stages stages ($(result pipeline-$stages on)): GPipe / 1F1B throughput over naive, m = 8" \
-        "$(parts 2 "$(result pipeline-$stages gpipe_speedup)" "$(result pipeline-$stages one_f_one_b_speedup)")" "" ""
-done
-row "chapter 6, 1F1B in 2 stages, test accuracy after an epoch" \
-    "$(sed -n 's/^test acc: \([0-9.]*\), .*/\1/p' "$LOGS/chapter6.log" 2>/dev/null)" "" ""
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
 # "a / b / c", or "-" when one of the parts needed is missing (the CPU has
@@ -484,6 +478,12 @@ row "ResNet-18's convolutions, ms a step: mgpu im2col / implicit / best" \
     "$(parts $conv_needed "$(result conv im2col_ms)" "$(result conv implicit_ms)" "$(result conv best_ms)")" "" ""
 torch_row "ResNet-18's convolutions, ms a step: cuDNN NCHW / NHWC / best" \
     "$(parts 3 "$(result conv.py nchw_ms)" "$(result conv.py nhwc_ms)" "$(result conv.py best_ms)")" "" ""
+for stages in 2 4; do
+    row "pipeline, MLP in $stages stages ($(value pipeline-$stages 's/^RESULT pipeline on=\(\[[^]]*\]\).*/\1/p')): GPipe / 1F1B throughput over naive, m = 8" \
+        "$(parts 2 "$(result pipeline-$stages gpipe_speedup)" "$(result pipeline-$stages one_f_one_b_speedup)")" "" ""
+done
+row "chapter 6, 1F1B in 2 stages, test accuracy after an epoch" \
+    "$(sed -n 's/^test acc: \([0-9.]*\), .*/\1/p' "$LOGS/chapter6.log" 2>/dev/null)" "" ""
 
 {
     echo

@@ -337,7 +337,7 @@ row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on
 # -------------------------------------------------------------- pipeline
 for stages in 2 4; do
     step pipeline-$stages ./bench/pipeline --stages $stages
-    row "pipeline, an MLP in $stages stages $(result pipeline-$stages on), batch $(result pipeline-$stages batch)" \
+    row "pipeline, an MLP in $stages stages $(value pipeline-$stages 's/^RESULT pipeline on=\(\[[^]]*\]\).*/\1/p'), batch $(result pipeline-$stages batch)" \
         "ms per step: naive / GPipe / 1F1B (m = $(result pipeline-$stages micro_batches)); bubbles" \
         "$(calc %.1f "$(result pipeline-$stages naive_ms)") / $(calc %.1f "$(result pipeline-$stages gpipe_ms)") / $(calc %.1f "$(result pipeline-$stages one_f_one_b_ms)"); $(calc %.3f "$(result pipeline-$stages gpipe_bubble)") / $(calc %.3f "$(result pipeline-$stages one_f_one_b_bubble)")"
 done
