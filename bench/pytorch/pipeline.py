@@ -3,11 +3,11 @@
 
     python3 bench/pytorch/pipeline.py [--batch-size 2048] [--micro-batches 8] [--steps 10] [--seed 1]
 
-The model is bench/pipeline.c's MLP on random inputs of 1024 features: 8
+The model is bench/pipeline.c's MLP on random inputs of 1024 features: 16
 blocks [Linear(1024, 1024), ReLU] and a classifier Linear(1024, 10),
 PyTorch's default initialisation; the loss is the batch's mean
-cross-entropy. It is cut into 2 stages of 4 blocks each (stage 0: blocks
-1-4; stage 1: blocks 5-8 and the classifier), one process a stage
+cross-entropy. It is cut into 2 stages of 8 blocks each (stage 0: blocks
+1-8; stage 1: blocks 9-16 and the classifier), one process a stage
 (torch.multiprocessing spawn, gloo on 127.0.0.1), each with
 torch.set_num_threads(1): one core a stage, as mgpu gives each of its 2
 CPU devices one core. The data are random (seeded) images and labels in
@@ -66,20 +66,20 @@ from torch.nn import functional as F  # noqa: E402
 STAGES = 2
 TOLERANCE = 1e-5
 SCHEDULES = ["naive", "gpipe", "1f1b"]
-WIDTH = 1024
+BLOCKS, WIDTH = 16, 1024
 
 
 def mlp():
-    """The 8 blocks and the classifier, as one Sequential of 17 modules."""
+    """The blocks and the classifier, as one Sequential."""
     layers = []
-    for _ in range(8):
+    for _ in range(BLOCKS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
 
 
 def stage_of(model, stage):
-    """Stage 0: blocks 1-4 (modules 0-7); stage 1: blocks 5-8 and the classifier."""
-    return model[:8] if stage == 0 else model[8:]
+    """Stage 0: the first half of the blocks; stage 1: the second half and the classifier."""
+    return model[:BLOCKS] if stage == 0 else model[BLOCKS:]
 
 
 def data(batch, seed):
