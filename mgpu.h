@@ -9310,12 +9310,19 @@ static mgpu_layer *mgpu__layer_clone(const mgpu_layer *src, mgpu_device *d, int 
     return l;
 }
 
-MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
+/* A new network on dev with net's settings (its mode, checkpointing and
+   optimizer), and no layers yet. */
+static mgpu_net *mgpu__net_like(const mgpu_net *net, mgpu_device *dev) {
     mgpu_net *copy = mgpu_net_new(dev);
     copy->training = net->training;
     copy->segments = net->segments;
     copy->adam = net->adam, copy->decoupled = net->decoupled;
     copy->beta1 = net->beta1, copy->beta2 = net->beta2, copy->eps = net->eps;
+    return copy;
+}
+
+MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev) {
+    mgpu_net *copy = mgpu__net_like(net, dev);
     for (int i = 0; i < net->nlayers; i++) {
         mgpu__require_own_loops_on_cpu(net->layers[i], dev, "mgpu_net_replicate");
         mgpu__net_add(copy, mgpu__layer_clone(net->layers[i], dev, 0));
@@ -10529,9 +10536,7 @@ static const char *mgpu__pass_name(mgpu_pipeline_pass pass, char *buf, size_t si
    buffers. A stage after the first wants its input's gradient, to send
    it back. */
 static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wants_input_grad) {
-    mgpu_net *slot = mgpu_net_new(st->net->device);
-    slot->training = st->net->training;
-    slot->segments = st->net->segments;
+    mgpu_net *slot = mgpu__net_like(st->net, st->net->device);
     slot->shares_params = 1;
     for (int i = 0; i < st->net->nlayers; i++)
         mgpu__net_add(slot, mgpu__layer_clone(st->net->layers[i], st->net->device, 1));
@@ -10674,20 +10679,17 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
 static void mgpu__pipeline_move_state(mgpu_pipeline *pp, int s, int to_stage) {
     mgpu__pipeline_stage *st = &pp->stage[s];
     mgpu_net *from = to_stage ? pp->net : st->net, *to = to_stage ? st->net : pp->net;
-    int offset = st->first_param, n = st->net->nparams;
-    for (int i = 0; i < n; i++) {
-        mgpu_tensor *const *a = to_stage ? &from->momentum[offset + i] : &from->momentum[i];
-        mgpu_tensor *const *b = to_stage ? &from->second_moment[offset + i] : &from->second_moment[i];
-        mgpu_tensor **x = to_stage ? &to->momentum[i] : &to->momentum[offset + i];
-        mgpu_tensor **y = to_stage ? &to->second_moment[i] : &to->second_moment[offset + i];
-        mgpu_tensor *const *state_from[2] = {a, b};
-        mgpu_tensor **state_to[2] = {x, y};
+    /* (the stage's parameter i is the network's first_param + i) */
+    int from_i = to_stage ? st->first_param : 0, to_i = to_stage ? 0 : st->first_param;
+    for (int i = 0; i < st->net->nparams; i++, from_i++, to_i++) {
+        mgpu_tensor *state_from[2] = {from->momentum[from_i], from->second_moment[from_i]};
+        mgpu_tensor **state_to[2] = {&to->momentum[to_i], &to->second_moment[to_i]};
         for (int k = 0; k < 2; k++) {
-            if (!*state_from[k]) continue;
+            if (!state_from[k]) continue;
             int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
-            mgpu_ensure(state_to[k], to->device, (*state_from[k])->shape);
+            mgpu_ensure(state_to[k], to->device, state_from[k]->shape);
             mgpu__memory_scope((mgpu_memory_category)scope);
-            mgpu_copy(*state_to[k], *state_from[k], 0);
+            mgpu_copy(*state_to[k], state_from[k], 0);
         }
     }
     to->steps = from->steps;
@@ -10737,11 +10739,7 @@ static void mgpu__pipeline_build_stage(mgpu_pipeline *pp, int s, mgpu_device *de
                                        const char *who) {
     mgpu_net *net = pp->net;
     mgpu__pipeline_stage *st = &pp->stage[s];
-    mgpu_net *sn = st->net = mgpu_net_new(dev);
-    sn->training = net->training;
-    sn->segments = net->segments;
-    sn->adam = net->adam, sn->decoupled = net->decoupled;
-    sn->beta1 = net->beta1, sn->beta2 = net->beta2, sn->eps = net->eps;
+    mgpu_net *sn = st->net = mgpu__net_like(net, dev);
     st->first_layer = first;
     st->first_param = net->first_param[first];
     for (int i = 0; i < first; i++) st->first_buffer += mgpu__layer_buffers(net->layers[i]);
@@ -11942,6 +11940,14 @@ static void mgpu__tp_require_on_first(const char *op, const char *name, const mg
     MGPU_REQUIRE(t->device == devices[0], "%s: %s is on %s; it must be on devices[0] (%s)", op, name,
                  t->device->name, devices[0]->name);
 }
+/* A backward pass's output gradient: after a forward pass (output, its
+   output on devices[0], not NULL), on devices[0], of output's shape. */
+static void mgpu__tp_require_output_grad(const char *op, const char *name, const mgpu_tensor *t,
+                                         const mgpu_tensor *output, mgpu_device *const *devices) {
+    MGPU_REQUIRE(output != NULL, "%s: no forward pass before it; the backward pass needs its input", op);
+    mgpu__tp_require_on_first(op, name, t, devices);
+    mgpu__tp_require_shape(op, name, t, output->shape);
+}
 
 /* `shape` with dimension `dim` cut into k equal parts: one device's slice. */
 static mgpu_shape mgpu__tp_slice_shape(mgpu_shape shape, int dim, int k) {
@@ -12066,9 +12072,7 @@ MGPU_DEF mgpu_tensor *mgpu_tp_conv_forward(mgpu_tp_conv *c, const mgpu_tensor *x
 MGPU_DEF mgpu_tensor *mgpu_tp_conv_backward(mgpu_tp_conv *c, const mgpu_tensor *dy) {
     const char *op = "mgpu_tp_conv_backward";
     int k = c->k;
-    MGPU_REQUIRE(c->y[0] != NULL, "%s: no forward pass before it; the backward pass needs its input", op);
-    mgpu__tp_require_on_first(op, "dy", dy, c->devices);
-    mgpu__tp_require_shape(op, "dy", dy, c->y[0]->shape);
+    mgpu__tp_require_output_grad(op, "dy", dy, c->y[0], c->devices);
     for (int j = 0; j < k; j++) {
         mgpu_tensor *dy_part = mgpu_ensure(&c->dy_part[j], c->devices[j], c->y_part[j]->shape);
         mgpu__tp_copy_slice(dy_part, dy, 1, j, k, 0);
@@ -12188,9 +12192,7 @@ MGPU_DEF mgpu_tensor *mgpu_tp_mlp_forward(mgpu_tp_mlp *m, const mgpu_tensor *X) 
 MGPU_DEF mgpu_tensor *mgpu_tp_mlp_backward(mgpu_tp_mlp *m, const mgpu_tensor *dY) {
     const char *op = "mgpu_tp_mlp_backward";
     int k = m->k;
-    MGPU_REQUIRE(m->Y[0] != NULL, "%s: no forward pass before it; the backward pass needs its input", op);
-    mgpu__tp_require_on_first(op, "dY", dY, m->devices);
-    mgpu__tp_require_shape(op, "dY", dY, m->Y[0]->shape);
+    mgpu__tp_require_output_grad(op, "dY", dY, m->Y[0], m->devices);
     mgpu__tp_replicate(dY, m->dY_copy, m->devices, k, m->dY); /* g: nothing to do, every device needs dY */
     for (int j = 0; j < k; j++) {
         mgpu_tensor *dH = mgpu_ensure(&m->dH[j], m->devices[j], m->H[j]->shape);
