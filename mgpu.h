@@ -10956,7 +10956,8 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     for (int i = 0; i < 2 * m * p; i++) {
         int s = pp->sequence[i] / (2 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
         mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
-        mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
+        if (mgpu__library.tracing) /* (a label looks its text up under the library's lock) */
+            mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
         if (pp->stage[s].net && pass.backward)
             mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
         else if (pp->stage[s].net)
