@@ -1940,21 +1940,33 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
      (its number in the group's sequence, kind, length, root and sum or
      mean). A rank that calls something else (a bug: one rank skipped a
      step) stops the job with one line naming both calls and the ranks.
-   - A rank that waits longer than MGPU_DIST_TIMEOUT seconds (default
-     120) in a collective, or for the host's numbers, stops the job with
-     one line naming the collective it was in: the ranks of a collective
-     arrive together, give or take one step's work. A barrier waits as
-     long as the slowest rank works (ranks left out of a sub-group's run
-     wait there).
+   - Every wait on other ranks (a collective, a send or receive, a
+     barrier, the host's all-gathers) is watched. A rank that has waited
+     MGPU_DIST_TIMEOUT seconds (default 120) asks the ranks it waits for,
+     through a watcher thread that each process runs, what they do. It
+     goes on waiting for a rank that is busy (its count of operations
+     launched still moves: ranks left out of a sub-group's run wait at
+     a barrier as long as the run takes); a rank that does not answer
+     (stopped or dead) or makes no progress for the timeout (hung, or
+     waiting in another collective) stops the job with one line from the
+     lowest rank that waits:
+       rank 2 (host h, pid 4242) did not reach barrier #7 within 120 s
+       (MGPU_DIST_TIMEOUT): it does not answer (stopped, or dead)
+     Collectives of devices' tensors are numbered in one sequence, the
+     host's (barriers, all-gathers) in another.
    - A rank that dies (killed, or an error: every error line starts with
      "rank r:") makes the launcher stop the others; each says which
      collective it was in, and mpirun names the rank that died. (Under
      Slurm, srun --kill-on-bad-exit does the same.)
-   - mgpu_group_fatal(g, format, ...) is mgpu_fatal for a mistake that
-     every rank of g sees at once (a bad setting): rank 0 alone writes
-     the line, so the job ends with one line, not one a rank.
-   Making and freeing groups (mgpu_group_first, mgpu_group_free) are MPI
-   calls without a timeout: call them on every rank.
+   - An error that every rank meets alike (a bad flag or setting, a
+     missing file, memory that no rank has) is said once: rank 0 writes
+     the line, and the other ranks wait, silent, for the launcher to stop
+     them (5 s; a rank still running then had an error of its own, and
+     says it). mgpu_group_fatal(g, format, ...) is mgpu_fatal for a
+     mistake that every rank of g sees at once: rank 0 alone writes it.
+   MPI's start and end, and the making of groups (mgpu_group_first), are
+   blocking MPI calls: a rank that does not come to them within the
+   timeout ends its process with one line. Call them on every rank.
 
    Data parallelism across processes (PyTorch's DistributedDataParallel):
        mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(net, g);
@@ -2506,6 +2518,36 @@ extern "C" {
 /* "rank 2: " in a process of a distributed job, so that its errors say
    whose they are; else empty. */
 static char mgpu__error_prefix[32];
+
+/* Were we started by a launcher (mpirun, srun)? Its variables say how
+   many processes it started and which one this is, before MPI starts. */
+static int mgpu__launcher_variable(const char *const names[3]) {
+    for (int k = 0; k < 3; k++) {
+        const char *v = getenv(names[k]);
+        if (v && *v) return atoi(v);
+    }
+    return -1;
+}
+static int mgpu__launcher_size(void) {
+    static const char *const names[3] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"};
+    int size = mgpu__launcher_variable(names);
+    return size > 0 ? size : 1;
+}
+/* This process's rank in the launcher's job, or -1 when it runs alone. */
+static int mgpu__launcher_rank(void) {
+    static const char *const names[3] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"};
+    return mgpu__launcher_size() > 1 ? mgpu__launcher_variable(names) : -1;
+}
+
+/* 1 while a rank waits, silent, for the launcher to stop it: the SIGTERM
+   handler (mgpu__dist_on_signal) then ends it without a word. */
+static volatile sig_atomic_t mgpu__dist_quiet;
+/* Seconds a rank other than 0 keeps an error to itself (below). */
+#define MGPU__ALIKE_ERROR_WAIT 5
+/* 1 in the thread that reports an error of its own rank alone (a
+   timeout that names the ranks it waited for): said at once. */
+static __thread int mgpu__error_is_mine_alone;
+
 MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
     /* One line, written whole, by the first thread that fails: two devices'
        workers failing at once (the same bug in each replica) would
@@ -2514,6 +2556,21 @@ MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *
     static int failing;
     if (__atomic_exchange_n(&failing, 1, __ATOMIC_SEQ_CST))
         for (;;) pause();
+    /* Under a launcher most errors are every rank's alike (a bad flag, a
+       missing file, memory that no rank has): rank 0 says it, and the
+       others wait silently for the launcher, which stops them all once
+       rank 0 has exited, so that a job prints one line, not one a rank.
+       A rank that is still running after the wait had an error of its
+       own, and says it. */
+    int rank = mgpu__launcher_rank();
+    if (rank >= 0 && !mgpu__error_prefix[0])
+        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", rank);
+    if (rank > 0 && !mgpu__error_is_mine_alone) {
+        mgpu__dist_quiet = 1;
+        struct timespec wait = {MGPU__ALIKE_ERROR_WAIT, 0};
+        while (nanosleep(&wait, &wait) != 0 && errno == EINTR) {}
+        mgpu__dist_quiet = 0;
+    }
     char text[2048];
     int at = snprintf(text, sizeof text, "mgpu: error: %s", mgpu__error_prefix);
     if (file) at += snprintf(text + at, sizeof text - at, "%s:%d: ", file, line);
@@ -2799,6 +2856,11 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, const char *label,
    (mgpu_trace_label): one of the library's interned copies, or NULL. */
 static __thread const char *mgpu__trace_label_now;
 
+/* How far this process has got: the operations it has launched and run.
+   A rank that waits for this one asks it (mgpu__dist_wait): a number that
+   moves says "busy, not stuck". */
+static long mgpu__progress;
+
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
     static const mgpu__exec cpu_exec = {0, NULL, NULL, NULL};
@@ -2815,6 +2877,7 @@ static void *mgpu__worker(void *arg) {
         omp_set_num_threads(q->lane ? 1 : mgpu__cpu_threads);
 #endif
         task->fn(task->args, &cpu_exec);
+        __atomic_add_fetch(&mgpu__progress, 1, __ATOMIC_RELAXED);
         if (mgpu__library.tracing && task->name)
             mgpu__trace_add(q, task->name, task->label, start, mgpu_now(), NULL);
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
@@ -2921,6 +2984,7 @@ static void mgpu__queue_synchronize(mgpu__queue *q) {
    operation has no CUDA version in this build. */
 static void mgpu__launch_on(mgpu__queue *q, const char *name, mgpu__kernel_fn cpu,
                             mgpu__kernel_fn cuda, const void *args, size_t args_size) {
+    __atomic_add_fetch(&mgpu__progress, 1, __ATOMIC_RELAXED);
 #if MGPU_CUDA
     if (mgpu__queue_on_gpu(q)) {
         if (!cuda) mgpu_fatal("'%s' has no CUDA version", name);
@@ -3227,6 +3291,13 @@ static void mgpu__after_fork_in_child(void) {
 
 static int mgpu__tf32_allowed(int which);
 static void mgpu__conv_settings_from_environment(void);
+/* MGPU_CHECK_REPLICAS: 1 if data parallelism compares its replicas after each step. */
+static int mgpu__check_replicas_setting(void) {
+    const char *check = getenv("MGPU_CHECK_REPLICAS");
+    MGPU_REQUIRE(!check || !*check || strcmp(check, "0") == 0 || strcmp(check, "1") == 0,
+                 "MGPU_CHECK_REPLICAS=%s: want 1 (compare the replicas after each step) or 0", check);
+    return check && strcmp(check, "1") == 0;
+}
 static void mgpu__init(void) {
     if (mgpu__library.initialised) return;
     mgpu__library.initialised = 1;
@@ -3253,6 +3324,7 @@ static void mgpu__init(void) {
        its work, not at its first convolution. */
     mgpu__tf32_allowed(0);
     mgpu__conv_settings_from_environment();
+    mgpu__check_replicas_setting();
 }
 
 /* ======================================================================
@@ -9785,10 +9857,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
     dp->bucket_bytes = 25u << 20;
     dp->overlap = 1;
     dp->reduce = 1;
-    const char *check = getenv("MGPU_CHECK_REPLICAS");
-    MGPU_REQUIRE(!check || !*check || strcmp(check, "0") == 0 || strcmp(check, "1") == 0,
-                 "MGPU_CHECK_REPLICAS=%s: want 1 (compare the replicas after each step) or 0", check);
-    dp->check_replicas = check && strcmp(check, "1") == 0;
+    dp->check_replicas = mgpu__check_replicas_setting();
     return dp;
 }
 
@@ -11164,7 +11233,11 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp) {
 struct mgpu_group {
     int rank, size, local_rank, local_size;
     char host[256]; /* (MPI_MAX_PROCESSOR_NAME in Open MPI) */
-    long sequence;   /* the collectives called so far: each one's number */
+    long sequence;   /* the collectives of devices' tensors called so far: each one's number */
+    long host_sequence; /* the same for the host's (barriers, all-gathers of host memory) */
+    uint64_t id;     /* the same on every rank of the group, and no other group's */
+    long splits;     /* the groups made from it so far (mgpu_group_first): their ids */
+    int *world_ranks; /* each rank's in the job (whose watchers answer for it) */
     double timeout;  /* seconds a rank waits for the others (MGPU_DIST_TIMEOUT) */
     float *received; /* the chunks a reduction receives (used on one queue at a time) */
     size_t received_floats;
@@ -11195,8 +11268,6 @@ typedef struct mgpu__coll {
     float *out;     /* (in == out where the collective works in place) */
 } mgpu__coll;
 
-/* 1 while a rank waits, silent, for the launcher to stop it (mgpu_group_fatal). */
-static volatile sig_atomic_t mgpu__dist_quiet;
 /* A mistake that every rank sees at once: rank 0 alone writes the line
    and exits; the others wait to be stopped by the launcher, so that the
    job ends with one line instead of one a rank. */
@@ -11233,15 +11304,12 @@ static void mgpu__coll_describe(const mgpu__coll *c, char *buf, size_t size) {
    handler never reads one half written. */
 static char mgpu__dist_doing[2][192];
 static volatile sig_atomic_t mgpu__dist_doing_slot;
-static void mgpu__dist_set_doing(const mgpu__coll *c) {
+static void mgpu__dist_set_doing(const char *what) {
     int slot = !mgpu__dist_doing_slot;
-    if (c) {
-        char what[128];
-        mgpu__coll_describe(c, what, sizeof what);
+    if (what)
         snprintf(mgpu__dist_doing[slot], sizeof mgpu__dist_doing[slot], "in %s", what);
-    } else {
+    else
         snprintf(mgpu__dist_doing[slot], sizeof mgpu__dist_doing[slot], "between collectives");
-    }
     mgpu__dist_doing_slot = slot;
 }
 /* mpirun stops the other ranks with SIGTERM when one dies: each says
@@ -11275,20 +11343,234 @@ static void mgpu__dist_on_signal(int sig) {
         }                                                                              \
     } while (0)
 
-/* Waits for MPI requests, polling so that a rank that never comes is an
-   error after timeout seconds (0: no limit), not a hang. The poll
-   yields, then sleeps longer and longer (20 us to 10 ms): ranks that
-   share cores must not spin on them while another rank still computes. */
-static void mgpu__dist_wait(MPI_Request *requests, int n, const char *what, double timeout) {
-    double start = mgpu_now();
+/* ------------------------------------------------- watching the other ranks
+   A rank that waits for the others does not wait blindly. Each process
+   runs a watcher thread that answers, on a communicator of its own, what
+   its process is doing: how far it has got (mgpu__progress, a count of the
+   operations it has launched and run) and where it waits, if it does. A
+   rank that has waited half the timeout asks the ranks it waits for, and
+   again every half timeout. It goes on waiting while each of them has
+   reached the same point or still makes progress; once it has waited the
+   whole timeout, a rank that does not answer (stopped or dead), or that
+   answers but has made no progress for the timeout (hung, or waiting in
+   another collective: the ranks are out of step), is named, and the job
+   stops. The lowest rank that sees it says so; a rank that knows a lower
+   one waiting too leaves the saying to it. */
+typedef enum { MGPU__ON_HOST, MGPU__ON_DEVICES, MGPU__POINT_TO_POINT } mgpu__wait_channel;
+typedef struct mgpu__wait_point {
+    uint64_t group;  /* the group's id */
+    int channel;     /* an mgpu__wait_channel: whose sequence numbers it */
+    int peer;        /* a send or a receive: the other rank, in the group */
+    long number;     /* a collective: its number in its channel's sequence */
+} mgpu__wait_point;
+
+/* Where this process waits now: a slot a waiting thread (the caller's,
+   for the host's collectives, and a communication queue's). */
+#define MGPU__MAX_WAITS 8
+static struct {
+    pthread_mutex_t mutex;
+    int used[MGPU__MAX_WAITS];
+    mgpu__wait_point point[MGPU__MAX_WAITS];
+    char what[MGPU__MAX_WAITS][96];
+} mgpu__waits = {PTHREAD_MUTEX_INITIALIZER, {0}, {{0, 0, 0, 0}}, {""}};
+
+/* What a watcher answers. */
+typedef struct mgpu__watch_reply {
+    long progress;
+    int nwaits;
+    mgpu__wait_point waits[MGPU__MAX_WAITS];
+    char doing[96]; /* its first wait, described ("" when it waits in none) */
+} mgpu__watch_reply;
+
+/* The job's watchers: their communicator, and every rank's process. */
+enum { MGPU__TAG_QUERY = 1, MGPU__TAG_REPLIES = 2 }; /* (a look's replies: a tag of their own, from 2 on) */
+static struct {
+    MPI_Comm comm;
+    int rank, size, running;
+    int *pids;
+    char (*hosts)[64];
+    pthread_t thread;
+    int stop;
+    int looks; /* the looks this process has made: each replies on a tag of its own */
+} mgpu__watch;
+
+static int mgpu__waits_enter(const mgpu__wait_point *at, const char *what) {
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__waits.mutex));
+    int slot = 0;
+    while (slot < MGPU__MAX_WAITS && mgpu__waits.used[slot]) slot++;
+    if (slot < MGPU__MAX_WAITS) { /* (more waits at once than slots: the extra ones go unreported) */
+        mgpu__waits.used[slot] = 1;
+        mgpu__waits.point[slot] = *at;
+        snprintf(mgpu__waits.what[slot], sizeof mgpu__waits.what[slot], "%s", what);
+    }
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__waits.mutex));
+    return slot;
+}
+static void mgpu__waits_leave(int slot) {
+    if (slot >= MGPU__MAX_WAITS) return;
+    MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__waits.mutex));
+    mgpu__waits.used[slot] = 0;
+    MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__waits.mutex));
+}
+
+static void *mgpu__watcher(void *arg) {
+    (void)arg;
+    struct timespec pause = {0, 10000000};
+    while (!__atomic_load_n(&mgpu__watch.stop, __ATOMIC_ACQUIRE)) {
+        int found = 0, tag = 0;
+        MPI_Message message;
+        MGPU__MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, MGPU__TAG_QUERY, mgpu__watch.comm, &found, &message,
+                                    MPI_STATUS_IGNORE));
+        if (!found) {
+            nanosleep(&pause, NULL);
+            continue;
+        }
+        MPI_Status status;
+        MGPU__MPI_CHECK(MPI_Mrecv(&tag, 1, MPI_INT, &message, &status));
+        mgpu__watch_reply reply;
+        memset(&reply, 0, sizeof reply);
+        reply.progress = __atomic_load_n(&mgpu__progress, __ATOMIC_RELAXED);
+        MGPU__PTHREAD_CHECK(pthread_mutex_lock(&mgpu__waits.mutex));
+        for (int k = 0; k < MGPU__MAX_WAITS; k++) {
+            if (!mgpu__waits.used[k]) continue;
+            if (!reply.nwaits) memcpy(reply.doing, mgpu__waits.what[k], sizeof reply.doing); /* (both 96 bytes) */
+            reply.waits[reply.nwaits++] = mgpu__waits.point[k];
+        }
+        MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__waits.mutex));
+        /* (a small message goes out at once, eagerly: this send does not
+           wait for the asker, who may be gone) */
+        MGPU__MPI_CHECK(MPI_Send(&reply, (int)sizeof reply, MPI_BYTE, status.MPI_SOURCE, tag, mgpu__watch.comm));
+    }
+    return NULL;
+}
+
+/* What a waiting rank has seen of another. */
+typedef struct mgpu__rank_seen {
+    int answered;         /* at the last look */
+    long progress;
+    double progress_since; /* when its progress last moved, as far as the looks saw */
+    mgpu__watch_reply reply;
+} mgpu__rank_seen;
+
+/* The ranks of g that a wait at `at` needs: all others, or a send's or receive's peer. */
+static int mgpu__waits_for(const mgpu_group *g, const mgpu__wait_point *at, int r) {
+    return r != g->rank && (at->channel != MGPU__POINT_TO_POINT || r == at->peer);
+}
+/* Has rank r (its reply) reached the point `at` of rank me? */
+static int mgpu__reached(const mgpu__watch_reply *reply, const mgpu__wait_point *at, int me) {
+    for (int k = 0; k < reply->nwaits; k++) {
+        const mgpu__wait_point *w = &reply->waits[k];
+        if (w->group != at->group || w->channel != at->channel) continue;
+        if (at->channel == MGPU__POINT_TO_POINT ? w->peer == me : w->number >= at->number) return 1;
+    }
+    return 0;
+}
+
+/* Asks the ranks the wait needs what they do (each answers within 2 s,
+   or counts as not answering). Returns 1 if the wait's requests
+   completed meanwhile: then nothing was judged. */
+static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__rank_seen *seen,
+                            MPI_Request *requests, int n) {
+    int tag = MGPU__TAG_REPLIES + mgpu__watch.looks++ % 30000;
+    MPI_Request *asked = (MPI_Request *)mgpu__xmalloc(sizeof *asked * (size_t)g->size);
+    for (int r = 0; r < g->size; r++) {
+        asked[r] = MPI_REQUEST_NULL;
+        if (!mgpu__waits_for(g, at, r)) continue;
+        int to = g->world_ranks[r];
+        MGPU__MPI_CHECK(MPI_Irecv(&seen[r].reply, (int)sizeof seen[r].reply, MPI_BYTE, to, tag, mgpu__watch.comm,
+                                  &asked[r]));
+        MGPU__MPI_CHECK(MPI_Send(&tag, 1, MPI_INT, to, MGPU__TAG_QUERY, mgpu__watch.comm));
+    }
+    int completed = 0, all = 0;
+    struct timespec pause = {0, 1000000};
+    for (double start = mgpu_now(); !completed && !all && mgpu_now() - start < 2.0;) {
+        MGPU__MPI_CHECK(MPI_Testall(n, requests, &completed, MPI_STATUSES_IGNORE));
+        all = 1;
+        for (int r = 0; r < g->size; r++) { /* (one at a time: MPI_Testall frees none until all are done) */
+            int answered = 1;
+            if (asked[r] != MPI_REQUEST_NULL) MGPU__MPI_CHECK(MPI_Test(&asked[r], &answered, MPI_STATUS_IGNORE));
+            all &= answered;
+        }
+        nanosleep(&pause, NULL);
+    }
+    double now = mgpu_now();
+    for (int r = 0; r < g->size; r++) {
+        if (!mgpu__waits_for(g, at, r)) continue;
+        int answered = asked[r] == MPI_REQUEST_NULL;
+        if (!answered) { /* (a late answer comes on a tag no one listens to any more) */
+            MGPU__MPI_CHECK(MPI_Cancel(&asked[r]));
+            MGPU__MPI_CHECK(MPI_Wait(&asked[r], MPI_STATUS_IGNORE));
+        }
+        mgpu__rank_seen *s = &seen[r];
+        if (answered && (!s->answered || s->reply.progress != s->progress || s->progress_since == 0)) {
+            s->progress = s->reply.progress;
+            s->progress_since = now;
+        }
+        s->answered = answered;
+    }
+    free(asked);
+    return completed;
+}
+
+/* After a whole timeout: stops the job if a rank the wait needs does not
+   answer, or makes no progress without having reached it. */
+static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const mgpu__rank_seen *seen,
+                              const char *what) {
+    char line[1536] = "";
+    size_t used = 0;
+    int lower_waiting = 0;
+    double now = mgpu_now();
+    for (int r = 0; r < g->size; r++) {
+        if (!mgpu__waits_for(g, at, r)) continue;
+        const mgpu__rank_seen *s = &seen[r];
+        if (s->answered && r < g->rank && s->reply.nwaits) lower_waiting = 1;
+        if (s->answered && (mgpu__reached(&s->reply, at, g->rank) || now - s->progress_since < g->timeout))
+            continue;
+        char why[160];
+        if (!s->answered)
+            snprintf(why, sizeof why, "it does not answer (stopped, or dead)");
+        else if (s->reply.nwaits)
+            snprintf(why, sizeof why, "it waits in %s", s->reply.doing);
+        else
+            snprintf(why, sizeof why, "it has made no progress for %.0f s", now - s->progress_since);
+        int w = g->world_ranks[r];
+        used += (size_t)snprintf(line + used, used < sizeof line ? sizeof line - used : 0,
+                                 "%srank %d (host %s, pid %d) did not %s %s within %.0f s (MGPU_DIST_TIMEOUT): %s",
+                                 used ? "; " : "", r, mgpu__watch.hosts[w], mgpu__watch.pids[w],
+                                 at->channel == MGPU__POINT_TO_POINT ? "take part in" : "reach", what, g->timeout, why);
+    }
+    if (!used) return;
+    if (lower_waiting) { /* (it will say it; if the launcher has not stopped us after a timeout, we do) */
+        mgpu__dist_quiet = 1;
+        struct timespec wait = {(time_t)g->timeout + 1, 0};
+        while (nanosleep(&wait, &wait) != 0 && errno == EINTR) {}
+        mgpu__dist_quiet = 0;
+    }
+    mgpu__error_is_mine_alone = 1;
+    mgpu_fatal("%s", line);
+}
+
+/* Waits for MPI requests of group g at point `at` (`what` describes it),
+   polling so that a rank that never comes is an error, not a hang
+   (above). The poll yields, then sleeps longer and longer (20 us to
+   10 ms): ranks that share cores must not spin on them while another
+   rank still computes. */
+static void mgpu__dist_wait(mgpu_group *g, const mgpu__wait_point *at, MPI_Request *requests, int n,
+                            const char *what) {
+    int slot = mgpu__waits_enter(at, what);
+    mgpu__rank_seen *seen = NULL;
+    double start = mgpu_now(), next_look = start + g->timeout / 2;
     long pause_ns = 20000;
     for (long polls = 0;; polls++) {
         int done = 0;
         MGPU__MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
-        if (done) return;
-        if (timeout > 0 && mgpu_now() - start > timeout)
-            mgpu_fatal("%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is dead, hung, "
-                       "or did not call it", what, timeout);
+        if (done) break;
+        if (mgpu_now() >= next_look) {
+            if (!seen) seen = (mgpu__rank_seen *)mgpu__xcalloc((size_t)g->size, sizeof *seen);
+            if (mgpu__watch_look(g, at, seen, requests, n)) break;
+            if (mgpu_now() - start >= g->timeout) mgpu__watch_judge(g, at, seen, what);
+            next_look = mgpu_now() + g->timeout / 2;
+        }
         if (polls < 64) {
             sched_yield();
             continue;
@@ -11297,6 +11579,27 @@ static void mgpu__dist_wait(MPI_Request *requests, int n, const char *what, doub
         nanosleep(&pause, NULL);
         if (polls % 256 == 0 && pause_ns < 10000000) pause_ns *= 2;
     }
+    free(seen);
+    mgpu__waits_leave(slot);
+}
+
+/* The points of a group's collectives: a device collective's, a send's or
+   a receive's, and the next host collective's (which numbers it). */
+static mgpu__wait_point mgpu__coll_point(const mgpu__coll *c) {
+    mgpu__wait_point at = {c->group->id, MGPU__ON_DEVICES, 0, c->sequence};
+    if (c->kind == MGPU__SEND || c->kind == MGPU__RECV) {
+        at.channel = MGPU__POINT_TO_POINT;
+        at.peer = c->peer;
+    }
+    return at;
+}
+static void mgpu__coll_wait(const mgpu__coll *c, MPI_Request *request, const char *what) {
+    mgpu__wait_point at = mgpu__coll_point(c);
+    mgpu__dist_wait(c->group, &at, request, 1, what);
+}
+static mgpu__wait_point mgpu__host_point(mgpu_group *g) {
+    mgpu__wait_point at = {g->id, MGPU__ON_HOST, 0, ++g->host_sequence};
+    return at;
 }
 
 /* Before a collective the ranks compare what each is about to run. */
@@ -11308,7 +11611,7 @@ static void mgpu__coll_agree(const mgpu__coll *c) {
     mgpu__coll_describe(c, what, sizeof what);
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Iallgather(mine, 5, MPI_LONG_LONG, all, 5, MPI_LONG_LONG, g->comm, &request));
-    mgpu__dist_wait(&request, 1, what, g->timeout);
+    mgpu__coll_wait(c, &request, what);
     for (int r = 0; r < g->size; r++) {
         if (memcmp(all + 5 * r, all, sizeof mine) == 0) continue;
         mgpu__coll calls[2] = {*c, *c}; /* rank 0's, rank r's */
@@ -11370,11 +11673,11 @@ static void mgpu__mpi_allreduce(const mgpu__coll *c, const char *what) {
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ialltoallv(c->out, counts, starts, MPI_FLOAT, received, mine, mine_at, MPI_FLOAT,
                                    g->comm, &request));
-    mgpu__dist_wait(&request, 1, what, g->timeout);
+    mgpu__coll_wait(c, &request, what);
     mgpu__sum_chunks(c->out + starts[me], received, (size_t)counts[me], size, c->op);
     MGPU__MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, c->out, counts, starts, MPI_FLOAT,
                                     g->comm, &request));
-    mgpu__dist_wait(&request, 1, what, g->timeout);
+    mgpu__coll_wait(c, &request, what);
     free(counts);
 }
 
@@ -11385,7 +11688,7 @@ static void mgpu__mpi_reduce_scatter(const mgpu__coll *c, const char *what) {
     float *received = mgpu__group_received(g, c->count);
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ialltoall(c->in, len, MPI_FLOAT, received, len, MPI_FLOAT, g->comm, &request));
-    mgpu__dist_wait(&request, 1, what, g->timeout);
+    mgpu__coll_wait(c, &request, what);
     mgpu__sum_chunks(c->out, received, (size_t)len, g->size, c->op);
 }
 
@@ -11394,7 +11697,7 @@ static void mgpu__coll_run(const mgpu__coll *c) {
     mgpu_group *g = c->group;
     char what[128];
     mgpu__coll_describe(c, what, sizeof what);
-    mgpu__dist_set_doing(c);
+    mgpu__dist_set_doing(what);
     if (c->kind != MGPU__SEND && c->kind != MGPU__RECV) mgpu__coll_agree(c);
     MPI_Request request;
     int n = (int)c->count;
@@ -11403,19 +11706,19 @@ static void mgpu__coll_run(const mgpu__coll *c) {
     case MGPU__REDUCE_SCATTER: mgpu__mpi_reduce_scatter(c, what); break;
     case MGPU__BROADCAST:
         MGPU__MPI_CHECK(MPI_Ibcast(c->out, n, MPI_FLOAT, c->peer, g->comm, &request));
-        mgpu__dist_wait(&request, 1, what, g->timeout);
+        mgpu__coll_wait(c, &request, what);
         break;
     case MGPU__ALL_GATHER:
         MGPU__MPI_CHECK(MPI_Iallgather(c->in, n, MPI_FLOAT, c->out, n, MPI_FLOAT, g->comm, &request));
-        mgpu__dist_wait(&request, 1, what, g->timeout);
+        mgpu__coll_wait(c, &request, what);
         break;
     case MGPU__SEND:
         MGPU__MPI_CHECK(MPI_Isend(c->in, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
-        mgpu__dist_wait(&request, 1, what, g->timeout);
+        mgpu__coll_wait(c, &request, what);
         break;
     case MGPU__RECV:
         MGPU__MPI_CHECK(MPI_Irecv(c->out, n, MPI_FLOAT, c->peer, 0, g->comm, &request));
-        mgpu__dist_wait(&request, 1, what, g->timeout);
+        mgpu__coll_wait(c, &request, what);
         break;
     }
     mgpu__dist_set_doing(NULL);
@@ -11426,9 +11729,78 @@ static void mgpu__coll_task(const void *args, const mgpu__exec *ex) {
     mgpu__coll_run((const mgpu__coll *)args);
 }
 
-/* A group over comm: its own two communicators, ranks and machine. */
-static mgpu_group *mgpu__group_over(MPI_Comm comm) {
+/* The blocking calls that MPI gives no way to bound otherwise (its start,
+   the making of communicators, its end) run under an alarm: a rank that
+   does not come within the timeout ends the process with one line (rank
+   0's: the others wait, silent, for the launcher, as mgpu__vfatal's do).
+   Only write(2) and nanosleep: this is a signal handler. */
+static char mgpu__guard_line[320];
+static size_t mgpu__guard_length;
+static int mgpu__guard_rank;
+static void mgpu__guard_on_alarm(int sig) {
+    (void)sig;
+    if (mgpu__guard_rank > 0) {
+        mgpu__dist_quiet = 1;
+        struct timespec wait = {MGPU__ALIKE_ERROR_WAIT, 0};
+        nanosleep(&wait, NULL);
+    }
+    if (write(2, mgpu__guard_line, mgpu__guard_length) < 0) _exit(1);
+    _exit(1);
+}
+/* Starts the alarm for `what`, or stops it (what NULL). */
+static void mgpu__dist_guard(const char *what, double timeout) {
+    if (!what) {
+        alarm(0);
+        return;
+    }
+    int n = snprintf(mgpu__guard_line, sizeof mgpu__guard_line,
+                     "mgpu: error: %s%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is stopped, "
+                     "dead, or did not call it\n", mgpu__error_prefix, what, timeout);
+    mgpu__guard_length = n < (int)sizeof mgpu__guard_line ? (size_t)n : sizeof mgpu__guard_line - 1;
+    mgpu__guard_rank = mgpu__launcher_rank();
+    struct sigaction on_alarm;
+    memset(&on_alarm, 0, sizeof on_alarm);
+    on_alarm.sa_handler = mgpu__guard_on_alarm;
+    MGPU_REQUIRE(sigaction(SIGALRM, &on_alarm, NULL) == 0, "sigaction: %s", strerror(errno));
+    alarm((unsigned)ceil(timeout));
+}
+
+/* The job's watchers (above): every rank's process and host, then the thread. */
+static void mgpu__watch_start(double timeout) {
+    mgpu__dist_guard("start-up", timeout);
+    MGPU__MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &mgpu__watch.comm));
+    MGPU__MPI_CHECK(MPI_Comm_set_errhandler(mgpu__watch.comm, MPI_ERRORS_RETURN));
+    MGPU__MPI_CHECK(MPI_Comm_rank(mgpu__watch.comm, &mgpu__watch.rank));
+    MGPU__MPI_CHECK(MPI_Comm_size(mgpu__watch.comm, &mgpu__watch.size));
+    size_t size = (size_t)mgpu__watch.size;
+    mgpu__watch.pids = (int *)mgpu__xmalloc(sizeof(int) * size);
+    mgpu__watch.hosts = (char (*)[64])mgpu__xcalloc(size, sizeof *mgpu__watch.hosts);
+    int pid = (int)getpid();
+    char host[64] = "";
+    if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "unknown");
+    MGPU__MPI_CHECK(MPI_Allgather(&pid, 1, MPI_INT, mgpu__watch.pids, 1, MPI_INT, mgpu__watch.comm));
+    MGPU__MPI_CHECK(MPI_Allgather(host, sizeof host, MPI_CHAR, mgpu__watch.hosts, sizeof host, MPI_CHAR,
+                                  mgpu__watch.comm));
+    mgpu__dist_guard(NULL, 0);
+    MGPU__PTHREAD_CHECK(pthread_create(&mgpu__watch.thread, NULL, mgpu__watcher, NULL));
+    mgpu__watch.running = 1;
+}
+static void mgpu__watch_stop(void) {
+    if (!mgpu__watch.running) return;
+    __atomic_store_n(&mgpu__watch.stop, 1, __ATOMIC_RELEASE);
+    MGPU__PTHREAD_CHECK(pthread_join(mgpu__watch.thread, NULL));
+    mgpu__watch.running = 0;
+    MGPU__MPI_CHECK(MPI_Comm_free(&mgpu__watch.comm));
+    free(mgpu__watch.pids);
+    free(mgpu__watch.hosts);
+}
+
+/* A group over comm, called id: its own two communicators, ranks and machine. */
+static mgpu_group *mgpu__group_over(MPI_Comm comm, uint64_t id, double timeout) {
     mgpu_group *g = (mgpu_group *)mgpu__xcalloc(1, sizeof *g);
+    g->id = id;
+    g->timeout = timeout;
+    mgpu__dist_guard("making a group", timeout);
     MGPU__MPI_CHECK(MPI_Comm_dup(comm, &g->comm));
     MGPU__MPI_CHECK(MPI_Comm_dup(comm, &g->host_comm));
     MGPU__MPI_CHECK(MPI_Comm_set_errhandler(g->comm, MPI_ERRORS_RETURN));
@@ -11440,6 +11812,18 @@ static mgpu_group *mgpu__group_over(MPI_Comm comm) {
     MGPU__MPI_CHECK(MPI_Comm_rank(local, &g->local_rank));
     MGPU__MPI_CHECK(MPI_Comm_size(local, &g->local_size));
     MGPU__MPI_CHECK(MPI_Comm_free(&local));
+    mgpu__dist_guard(NULL, 0);
+    /* each rank's number in the job, whose watcher answers for it */
+    MPI_Group mine, everyone;
+    MGPU__MPI_CHECK(MPI_Comm_group(comm, &mine));
+    MGPU__MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &everyone));
+    int *ranks = (int *)mgpu__xmalloc(sizeof(int) * (size_t)g->size);
+    g->world_ranks = (int *)mgpu__xmalloc(sizeof(int) * (size_t)g->size);
+    for (int r = 0; r < g->size; r++) ranks[r] = r;
+    MGPU__MPI_CHECK(MPI_Group_translate_ranks(mine, g->size, ranks, everyone, g->world_ranks));
+    free(ranks);
+    MGPU__MPI_CHECK(MPI_Group_free(&mine));
+    MGPU__MPI_CHECK(MPI_Group_free(&everyone));
     char name[MPI_MAX_PROCESSOR_NAME + 1] = "";
     int length = 0;
     MGPU__MPI_CHECK(MPI_Get_processor_name(name, &length));
@@ -11447,16 +11831,6 @@ static mgpu_group *mgpu__group_over(MPI_Comm comm) {
     return g;
 }
 #endif /* MGPU_MPI */
-
-/* Were we started by a launcher? Its variables say so, and how many it started. */
-static int mgpu__launcher_size(void) {
-    const char *names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"};
-    for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
-        const char *v = getenv(names[k]);
-        if (v && atoi(v) > 0) return atoi(v);
-    }
-    return 1;
-}
 
 /* A group of one: this process alone. */
 static mgpu_group *mgpu__group_alone(void) {
@@ -11471,7 +11845,8 @@ static double mgpu__dist_timeout(void) {
     if (!v || !*v) return 120.0;
     char *end;
     double t = strtod(v, &end);
-    MGPU_REQUIRE(*end == 0 && t > 0, "MGPU_DIST_TIMEOUT=%s: want a number of seconds above 0", v);
+    MGPU_REQUIRE(*end == 0 && t > 0 && t <= 1e6, "MGPU_DIST_TIMEOUT=%s: want a number of seconds above 0, "
+                 "up to 1000000", v);
     return t;
 }
 
@@ -11480,13 +11855,16 @@ MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
     int launched = mgpu__launcher_size();
 #if MGPU_MPI
     if (launched > 1) {
+        double timeout = mgpu__dist_timeout();
         int provided = 0;
+        mgpu__dist_guard("MPI_Init", timeout);
         MGPU__MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+        mgpu__dist_guard(NULL, 0);
         MGPU_REQUIRE(provided == MPI_THREAD_MULTIPLE,
                      "mgpu_dist_init: this MPI does not allow calls from several threads "
                      "(MPI_THREAD_MULTIPLE), which the devices' queues make");
-        mgpu_group *g = mgpu__group_over(MPI_COMM_WORLD);
-        g->timeout = mgpu__dist_timeout();
+        mgpu__watch_start(timeout);
+        mgpu_group *g = mgpu__group_over(MPI_COMM_WORLD, MGPU__FNV_OFFSET, timeout);
         snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", g->rank);
         mgpu__dist_set_doing(NULL);
         struct sigaction on_term;
@@ -11516,6 +11894,7 @@ MGPU_DEF void mgpu_group_free(mgpu_group *g) {
         MGPU__MPI_CHECK(MPI_Comm_free(&g->host_comm));
     }
 #endif
+    free(g->world_ranks);
     mgpu_free(g->staging);
     free(g->received);
     free(g);
@@ -11524,12 +11903,21 @@ MGPU_DEF void mgpu_group_free(mgpu_group *g) {
 MGPU_DEF void mgpu_dist_finalize(mgpu_group *world) {
     if (!world) return;
     int distributed = world->size > 1;
+    double timeout = world->timeout;
+    /* (a barrier that names a rank that does not come: MPI_Finalize would wait for it without a word) */
+    if (distributed) mgpu_group_barrier(world);
     mgpu_synchronize_all();
     mgpu_group_free(world);
 #if MGPU_MPI
-    if (distributed) MGPU__MPI_CHECK(MPI_Finalize());
+    if (distributed) {
+        mgpu__watch_stop();
+        mgpu__dist_guard("MPI_Finalize", timeout);
+        MGPU__MPI_CHECK(MPI_Finalize());
+        mgpu__dist_guard(NULL, 0);
+    }
 #else
     (void)distributed;
+    (void)timeout;
 #endif
 }
 
@@ -11557,14 +11945,21 @@ MGPU_DEF mgpu_device *mgpu_group_device(mgpu_group *g, int use_gpu) {
 MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n) {
     MGPU_REQUIRE(n >= 1 && n <= g->size, "mgpu_group_first: %d ranks of a group of %d", n, g->size);
     mgpu_group *sub = NULL;
+    long split = ++g->splits;
 #if MGPU_MPI
     if (g->size > 1) {
+        /* (every rank is here, or one is named, before the split, which cannot be bounded) */
+        mgpu_group_barrier(g);
         MPI_Comm part;
+        mgpu__dist_guard("mgpu_group_first", g->timeout);
         MGPU__MPI_CHECK(MPI_Comm_split(g->host_comm, g->rank < n ? 0 : MPI_UNDEFINED, g->rank, &part));
+        mgpu__dist_guard(NULL, 0);
         if (part == MPI_COMM_NULL) return NULL;
-        sub = n > 1 ? mgpu__group_over(part) : NULL;
+        sub = n > 1 ? mgpu__group_over(part, mgpu__fnv1a(g->id, &split, sizeof split), g->timeout) : NULL;
         MGPU__MPI_CHECK(MPI_Comm_free(&part));
     }
+#else
+    (void)split;
 #endif
     if (!sub) sub = mgpu__group_alone(); /* (n is 1) */
     sub->timeout = g->timeout;
@@ -11735,7 +12130,18 @@ static void mgpu__group_p2p(mgpu_group *g, int send, mgpu_tensor *t, int peer, m
     mgpu__group_run(g, c, send ? t : NULL, send ? NULL : t, !send, ready);
 }
 
-/* The host's collectives, on the caller's thread and communicator. */
+/* The host's collectives, on the caller's thread and communicator,
+   numbered in one sequence: "barrier #7", "mgpu_group_sum_host #8". */
+#if MGPU_MPI
+static void mgpu__host_wait(mgpu_group *g, MPI_Request *request, const char *op) {
+    mgpu__wait_point at = mgpu__host_point(g);
+    char what[96];
+    snprintf(what, sizeof what, "%s #%ld", op, at.number);
+    mgpu__dist_set_doing(what);
+    mgpu__dist_wait(g, &at, request, 1, what);
+    mgpu__dist_set_doing(NULL);
+}
+#endif
 static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, size_t bytes, void *all, const char *op) {
     MGPU_REQUIRE(bytes <= INT_MAX, "%s: %zu bytes a rank, more than MPI counts (%d)", op, bytes, INT_MAX);
     if (g->size == 1) {
@@ -11745,7 +12151,7 @@ static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, size_t
 #if MGPU_MPI
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Iallgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, g->host_comm, &request));
-    mgpu__dist_wait(&request, 1, op, g->timeout);
+    mgpu__host_wait(g, &request, op);
 #endif
 }
 MGPU_DEF void mgpu_group_all_gather_host(mgpu_group *g, const void *mine, size_t bytes, void *all) {
@@ -11770,7 +12176,7 @@ MGPU_DEF void mgpu_group_barrier(mgpu_group *g) {
     if (g->size == 1) return;
     MPI_Request request;
     MGPU__MPI_CHECK(MPI_Ibarrier(g->host_comm, &request));
-    mgpu__dist_wait(&request, 1, "mgpu_group_barrier", 0.0); /* (as long as the slowest rank works) */
+    mgpu__host_wait(g, &request, "barrier");
 #else
     (void)g;
 #endif

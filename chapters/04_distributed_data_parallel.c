@@ -369,6 +369,9 @@ int main(int argc, char **argv) {
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     s.use_gpu = use_gpu;
     if (!s.devices_per_process) s.devices_per_process = 1;
+    /* (checked here, where every rank sees it, not in the 1-process run that the others wait out) */
+    if (s.devices_per_process > MGPU_MAX_DEVICES)
+        mgpu_group_fatal(everyone, "--devices-per-process %d: at most %d", s.devices_per_process, MGPU_MAX_DEVICES);
     int reduced = !use_gpu && !o.full;
     /* (every rank sees a bad setting: mgpu_group_fatal says it once) */
     if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)

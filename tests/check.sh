@@ -19,6 +19,7 @@ check() {
     local log="$out/$name.log" start=$SECONDS
     timeout 600 "$@" >"$log" 2>&1
     local status=$? took=$((SECONDS - start)) ok=1
+    echo "$took" >"$out/$name.took"
     if [ "$want" = dies ]; then
         [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && [ "$took" -le 30 ] ||
             { ok=0; echo "  $name: exit status $status after $took s, want non-zero within 30 s"; }
@@ -42,6 +43,29 @@ lacks() {
         echo "FAIL $1_lacks /$2/"; failed=$((failed + 1))
     else
         echo "ok   $1_lacks /$2/"; passed=$((passed + 1))
+    fi
+}
+
+# count NAME N PATTERN: passes when the log of check NAME has exactly N
+# lines matching PATTERN (one error line for a job, not one a rank).
+count() {
+    local n
+    n=$(grep -Ec -- "$3" "$out/$1.log")
+    if [ "$n" = "$2" ]; then
+        echo "ok   $1_has_$2_of /$3/"; passed=$((passed + 1))
+    else
+        echo "FAIL $1_has_$2_of /$3/: $n lines"; failed=$((failed + 1))
+    fi
+}
+
+# within NAME SECONDS: passes when check NAME's command ended within SECONDS.
+within() {
+    local took
+    took=$(cat "$out/$1.took")
+    if [ "$took" -le "$2" ]; then
+        echo "ok   $1_within_$2_s"; passed=$((passed + 1))
+    else
+        echo "FAIL $1_within_$2_s: took $took s"; failed=$((failed + 1))
     fi
 }
 

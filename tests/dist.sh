@@ -48,9 +48,28 @@ if [ "$(grep -c 'out of step' "$out/out_of_step.log")" = 1 ]; then
 else
     echo "FAIL out_of_step_one_line"; failed=$((failed + 1))
 fi
+# A rank that waits names the ranks it waits for, and why: here rank 1
+# has gone on to the barrier of mgpu_dist_finalize.
 check extra_collective dies \
-    '^mgpu: error: rank 0: allreduce #2 of 1000 floats \(sum\): waited 3 s for the other ranks \(MGPU_DIST_TIMEOUT\)' \
+    '^mgpu: error: rank 0: rank 1 \(host [^,]+, pid [0-9]+\) did not reach allreduce #2 of 1000 floats \(sum\) within 3 s \(MGPU_DIST_TIMEOUT\): it waits in barrier #1$' \
     -- env MGPU_DIST_TIMEOUT=3 mpirun -np 2 $tests --fault extra-collective
+count extra_collective 1 'did not reach'
+# A stopped rank (kill -STOP) at a barrier, and in training: named once,
+# by the lowest rank waiting, and the job ends within the timeout plus 10 s.
+check stopped_at_barrier dies \
+    '^mgpu: error: rank 0: rank 2 \(host [^,]+, pid [0-9]+\) did not reach barrier #2 within 3 s \(MGPU_DIST_TIMEOUT\): it does not answer \(stopped, or dead\)$' \
+    -- env MGPU_DIST_TIMEOUT=3 mpirun -np 3 $tests --fault stopped-at-barrier
+count stopped_at_barrier 1 'did not reach'
+within stopped_at_barrier 13
+# ... but not one that is busy: rank 0 computes for 4 timeouts while the
+# others wait at a barrier.
+check busy_rank_waited_out 0 "^the others waited out rank 0's 8 s$" \
+    -- env MGPU_DIST_TIMEOUT=2 mpirun -np 3 $tests --fault busy-rank
+check stopped_in_training dies \
+    '^mgpu: error: rank [02]: rank 1 \(host [^,]+, pid [0-9]+\) did not reach allreduce #[0-9]+ of 1000 floats \(mean\) within 3 s' \
+    -- env MGPU_DIST_TIMEOUT=3 mpirun -np 3 $tests --fault stopped-in-training
+count stopped_in_training 1 'did not reach'
+within stopped_in_training 13
 check killed_rank dies \
     '^mgpu: error: rank [023]: stopped by SIGTERM in allreduce #[0-9]+ of 1000 floats \(mean\)' \
     'process rank 1 .*exited on signal 9' \
@@ -63,19 +82,20 @@ check sync_bn_two_devices dies \
     -- mpirun -np 2 $tests --fault sync-bn-two-devices
 lacks sync_bn_two_devices '^mgpu: error: rank 1:'
 check built_without_mpi dies \
-    '^mgpu: error: a launcher started 2 copies of this program, but it was built without MPI' \
+    '^mgpu: error: rank 0: a launcher started 2 copies of this program, but it was built without MPI' \
     -- mpirun -np 2 build/nompi/dist_tests
+count built_without_mpi 1 '^mgpu: error'
 
 # -------------------------------------------------------------- chapter 4
 small="--train-samples 2048 --test-samples 256 --batch-size 64 --epochs 2 --momentum 0.9"
-# (with a timeout of 1 s: rank 1 waits out the 1-process run, longer than
-# that, at a barrier, which has no timeout)
+# (with a timeout of 3 s: rank 1 waits out the 1-process run, longer than
+# that, at a barrier; it goes on waiting because rank 0 makes progress)
 check chapter4_two_processes 0 \
     '^Rank: 1 \| Epoch \[2/2\] \| Avg\. Loss: [0-9.]+ \| Accuracy: [0-9.]+%$' \
     '^test acc: 0\.[0-9]+, [0-9.]+ sec/epoch, [0-9]+ images/sec, on 1 process \(gradients: none\)' \
     '^test acc: 0\.[0-9]+, [0-9.]+ sec/epoch, [0-9]+ images/sec, on 2 processes \(gradients: mpi\)' \
     '^ +2 +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$' 'ranks. timeline: ' \
-    -- env MGPU_DIST_TIMEOUT=1 mpirun -np 2 ./chapter4 $small --checkpoint-every 5 --out "$out/whole"
+    -- env MGPU_DIST_TIMEOUT=3 mpirun -np 2 ./chapter4 $small --checkpoint-every 5 --out "$out/whole"
 # 1 process and 2 on the same global batch: the first epoch's mean loss
 # (the 1-process run's line, then the 2 ranks' of the 2-process run) agrees
 # to rounding
@@ -140,6 +160,44 @@ check chapter4_sync_bn_two_devices dies \
     '^mgpu: error: rank 0: --sync-bn: synchronised batch norm needs one device a process, not 2$' \
     -- mpirun -np 2 ./chapter4 $tiny_resnet --sync-bn --devices-per-process 2 --out "$out/sync2"
 lacks chapter4_sync_bn_two_devices '^mgpu: error: rank 1:'
+
+# Errors that every rank meets alike: one line for the job, from rank 0.
+check chapter4_bad_flag_one_line dies '^mgpu: error: rank 0: --epochs: ' -- mpirun -np 2 ./chapter4 --epochs abc
+count chapter4_bad_flag_one_line 1 '^mgpu: error'
+check chapter4_unknown_flag_one_line dies "^mgpu: error: rank 0: unknown flag '--epoch'" -- mpirun -np 2 ./chapter4 --epoch 2
+count chapter4_unknown_flag_one_line 1 '^mgpu: error'
+check bad_timeout_one_line dies '^mgpu: error: rank 0: MGPU_DIST_TIMEOUT=nan: ' \
+    -- env MGPU_DIST_TIMEOUT=nan mpirun -np 2 ./chapter4
+count bad_timeout_one_line 1 '^mgpu: error'
+check no_data_one_line dies '^mgpu: error: rank 0: .*nowhere' -- mpirun -np 2 ./chapter4 --data "$out/nowhere"
+count no_data_one_line 1 '^mgpu: error'
+check too_many_devices_one_line dies '^mgpu: error: rank 0: --devices-per-process 100: at most 16$' \
+    -- mpirun -np 2 ./chapter4 --devices-per-process 100
+count too_many_devices_one_line 1 '^mgpu: error'
+check check_replicas_one_line dies '^mgpu: error: rank 0: MGPU_CHECK_REPLICAS=2: ' \
+    -- env MGPU_CHECK_REPLICAS=2 mpirun -np 2 ./chapter4 --train-samples 256 --test-samples 64 --epochs 1
+count check_replicas_one_line 1 '^mgpu: error'
+
+# The issue's own case: a rank stopped (kill -STOP) while the 1-process run
+# trains; the others name it at the barrier after that run.
+stop_rank_when() { # RANK PATTERN LOG: stops that rank once the log matches
+    for _ in $(seq 600); do
+        grep -Eq -- "$2" "$3" 2>/dev/null && break
+        sleep 0.1
+    done
+    for pid in $(pgrep -x chapter4); do
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1"; then
+            kill -STOP "$pid"
+        fi
+    done
+}
+stop_rank_when 2 '^Rank: 0 \| Epoch \[1/2\]' "$out/chapter4_stopped_rank.log" &
+check chapter4_stopped_rank dies \
+    '^mgpu: error: rank [01]: rank 2 \(host [^,]+, pid [0-9]+\) did not reach barrier #[0-9]+ within 3 s \(MGPU_DIST_TIMEOUT\): it does not answer' \
+    -- env MGPU_DIST_TIMEOUT=3 mpirun -np 3 ./chapter4 --train-samples 3072 --test-samples 256 --batch-size 96 \
+       --out "$out/stopped"
+wait
+count chapter4_stopped_rank 1 'did not reach'
 
 # ------------------------------------------------------------- two hosts
 # Two network namespaces joined by a veth pair, each a host with its own
