@@ -11753,11 +11753,13 @@ static void mgpu__dist_guard(const char *what, double timeout) {
         alarm(0);
         return;
     }
+    mgpu__guard_rank = mgpu__launcher_rank();
+    if (!mgpu__error_prefix[0] && mgpu__guard_rank >= 0)
+        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", mgpu__guard_rank);
     int n = snprintf(mgpu__guard_line, sizeof mgpu__guard_line,
                      "mgpu: error: %s%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is stopped, "
                      "dead, or did not call it\n", mgpu__error_prefix, what, timeout);
     mgpu__guard_length = n < (int)sizeof mgpu__guard_line ? (size_t)n : sizeof mgpu__guard_line - 1;
-    mgpu__guard_rank = mgpu__launcher_rank();
     struct sigaction on_alarm;
     memset(&on_alarm, 0, sizeof on_alarm);
     on_alarm.sa_handler = mgpu__guard_on_alarm;

@@ -69,6 +69,12 @@ check stopped_in_training dies \
     '^mgpu: error: rank [02]: rank 1 \(host [^,]+, pid [0-9]+\) did not reach allreduce #[0-9]+ of 1000 floats \(mean\) within 3 s' \
     -- env MGPU_DIST_TIMEOUT=3 mpirun -np 3 $tests --fault stopped-in-training
 count stopped_in_training 1 'did not reach'
+# A rank stopped before MPI starts: the others' MPI_Init is bounded too.
+check stopped_before_start dies \
+    '^mgpu: error: rank 0: MPI_Init: waited 3 s for the other ranks \(MGPU_DIST_TIMEOUT\)' \
+    -- env MGPU_DIST_TIMEOUT=3 mpirun -np 2 sh -c '[ "$OMPI_COMM_WORLD_RANK" = 1 ] && kill -STOP $$; exec '"$tests"
+count stopped_before_start 1 '^mgpu: error'
+within stopped_before_start 13
 within stopped_in_training 13
 check killed_rank dies \
     '^mgpu: error: rank [023]: stopped by SIGTERM in allreduce #[0-9]+ of 1000 floats \(mean\)' \
