@@ -724,6 +724,10 @@ MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n);
    the reduced runs of the chapters train on such a part. */
 MGPU_DEF void mgpu_dataset_truncate(mgpu_dataset *d, int n);
 MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d);
+/* A 64-bit digest of the data set: its size, every image and every label.
+   Two sets with the same digest are, all but surely, the same samples in
+   the same order (a training checkpoint keeps it, to know its data). */
+MGPU_DEF uint64_t mgpu_dataset_digest(const mgpu_dataset *d);
 /* "T-shirt/top", "Trouser", ..., "Ankle boot" for k = 0..9. */
 MGPU_DEF const char *mgpu_fashion_mnist_label(int k);
 
@@ -4901,6 +4905,21 @@ MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d) {
     free(d->images);
     free(d->labels);
     free(d);
+}
+
+/* 64-bit FNV-1a: simple, and any flipped byte changes it. */
+static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+#define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
+
+MGPU_DEF uint64_t mgpu_dataset_digest(const mgpu_dataset *d) {
+    int size[3] = {d->n, d->rows, d->cols};
+    uint64_t h = mgpu__fnv1a(MGPU__FNV_OFFSET, size, sizeof size);
+    h = mgpu__fnv1a(h, d->images, (size_t)d->n * (size_t)d->rows * (size_t)d->cols);
+    return mgpu__fnv1a(h, d->labels, (size_t)d->n);
 }
 
 MGPU_DEF const char *mgpu_fashion_mnist_label(int k) {
@@ -9457,14 +9476,6 @@ static const mgpu__net_file_kind mgpu__net_files[2] = {
    batch, step, world and seed, the net's SGD steps, and the generator's
    seed and offset. */
 #define MGPU__STATE_WORDS 8
-
-/* 64-bit FNV-1a: simple, and any flipped byte changes it. */
-static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
-    const unsigned char *p = (const unsigned char *)data;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
-#define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
 
 /* The tensors of a file, in order: parameters, then buffers; in a
    training checkpoint, then each parameter's momentum buffer, a slot that

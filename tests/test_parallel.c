@@ -505,6 +505,24 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     mgpu_net_free(other);
 }
 
+/* A data set's digest changes with any pixel, any label and its size,
+   and comes back with them. */
+TEST(a_data_sets_digest_changes_with_any_sample) {
+    unsigned char images[3 * 2 * 2] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, labels[3] = {4, 5, 6};
+    mgpu_dataset data = {3, 2, 2, images, labels};
+    uint64_t digest = mgpu_dataset_digest(&data);
+    images[7] ^= 1;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    images[7] ^= 1;
+    labels[2] = 7;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    labels[2] = 6;
+    data.n = 2;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    data.n = 3;
+    CHECK(mgpu_dataset_digest(&data) == digest);
+}
+
 /* A save that fails half-way (here: files limited to 1000 bytes, as a
    full disk would stop it) leaves the checkpoint before it as it was. */
 static void save_into_1000_bytes(const mgpu_net *net, const char *path) {
