@@ -9604,6 +9604,7 @@ static void mgpu__net_read(mgpu_net *net, const char *path, uint64_t *state) {
     fclose(f);
     size_t at = 0;
     const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
+    if (total == 0) mgpu_fatal("%s: empty (0 bytes), not an mgpu %s", path, kind->name);
     if (readable >= 8 && memcmp(bytes, other->magic, 8) == 0) mgpu_fatal("%s: holds %s", path, other->holds);
     if (readable < 8 || memcmp(bytes, kind->magic, 8) != 0)
         mgpu_fatal("%s: not an mgpu %s (no \"%s\" header)", path, kind->name, kind->magic);

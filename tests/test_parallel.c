@@ -462,6 +462,13 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), "checksum mismatch (the file is damaged)");
     bytes[16 + 8] ^= 0x01;
 
+    /* an empty file is said to be empty */
+    write_bytes(bad, bytes, 0);
+    snprintf(want, sizeof want, "mgpu: error: %s: empty (0 bytes), not an mgpu training checkpoint\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+    snprintf(want, sizeof want, "mgpu: error: %s: empty (0 bytes), not an mgpu checkpoint\n", bad);
+    EXPECT_DIES(mgpu_net_load(net, bad), want);
+
     write_bytes(bad, bytes, n - 100);
     snprintf(want, sizeof want, "mgpu: error: %s: truncated in tensor 36 of 38 (linear4's weight's momentum)\n", bad);
     EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
