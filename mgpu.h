@@ -724,6 +724,10 @@ MGPU_DEF mgpu_dataset *mgpu_dataset_subset(const mgpu_dataset *d, int n);
    the reduced runs of the chapters train on such a part. */
 MGPU_DEF void mgpu_dataset_truncate(mgpu_dataset *d, int n);
 MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d);
+/* A 64-bit digest of the data set: its size, every image and every label.
+   Two sets with the same digest are, all but surely, the same samples in
+   the same order (a training checkpoint keeps it, to know its data). */
+MGPU_DEF uint64_t mgpu_dataset_digest(const mgpu_dataset *d);
 /* "T-shirt/top", "Trouser", ..., "Ankle boot" for k = 0..9. */
 MGPU_DEF const char *mgpu_fashion_mnist_label(int k);
 
@@ -1340,37 +1344,63 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    as it was.
        void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info)
        void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info)
+       void mgpu_checkpoint_read_info(const char *path, mgpu_checkpoint_info *info)
    A training checkpoint: all a training needs to go on, once loaded, bit
    for bit as if it had never stopped. Beside the parameters and buffers
-   it holds SGD's momentum buffers and its count of steps (so the first
-   step after a resume is not taken for the training's first, which sets
-   the buffer to the gradient: torch.optim.SGD's rule), the random
-   generator's place (mgpu_rand after the load draws what it would have
-   drawn after the save), and the info (mgpu_checkpoint_info): the epoch
-   and the batch in it to resume at, the steps so far, and the number of
-   processes and the data's seed it was made with (a program resumed on
-   another number of processes sees it, and decides). Saved after a step,
-   loaded at start:
-       mgpu_checkpoint_info info = {epoch, batch + 1, step, world, seed};
+   it holds the optimizer's state (SGD's momentum buffers, Adam's moments)
+   and its count of steps (so the first step after a resume is not taken
+   for the training's first, which sets the buffer to the gradient:
+   torch.optim.SGD's rule), the random generator's place (mgpu_rand after
+   the load draws what it would have drawn after the save), and the info
+   (mgpu_checkpoint_info): the epoch and the batch in it to resume at, the
+   steps so far, the number of processes it ran on (a program resumed on
+   another number sees it, and decides), and the settings that decide the
+   training's path (mgpu_train_settings): the model's name, the global
+   batch, the training set's size and digest (mgpu_dataset_digest), the
+   optimizer with its lr, momentum and weight decay, the data's seed, and
+   the convolutions' method (MGPU_CONV) where the network has any. Resumed
+   with another of these, a training would go on as another one, with no
+   word: another batch size starts at another sample, another training
+   set takes another order. mgpu_train_settings_of fills what the library
+   can tell (the data, the optimizer, the method), the program the rest;
+   mgpu_train_settings_differ names the first setting that differs, and
+   mgpu_checkpoint_read_info reads the info without a network, so that a
+   program compares the settings before the load (another model is then
+   named, not found by its tensors' shapes). Saved after a step, loaded
+   at start:
+       mgpu_train_settings train = mgpu_train_settings_of(net, train_set);
+       snprintf(train.model, sizeof train.model, "lenet");
+       train.batch_size = batch_size, train.lr = lr, train.momentum = momentum, train.seed = seed;
+       ...
+       mgpu_checkpoint_info info = {epoch, batch + 1, step, world, train};
        if (rank == 0) mgpu_checkpoint_save(net, "train.ckpt", &info);
        ...
+       char why[512];
+       mgpu_checkpoint_read_info("train.ckpt", &info);
+       if (mgpu_train_settings_differ(&info.train, &train, why, sizeof why))
+           mgpu_fatal("train.ckpt was %s, or delete it to start afresh", why);
        mgpu_checkpoint_load(net, "train.ckpt", &info);
        for (int epoch = info.epoch; epoch < epochs; epoch++) {
            mgpu_sampler_set_epoch(s, epoch);
            mgpu_loader_start_epoch_at(it, epoch, epoch == info.epoch ? info.batch : 0);
            ...
-   It is written as mgpu_net_save writes (whole, on the disk before the
-   rename), with the magic "MGPUCKP1", the training state after the
-   header and the momentum buffers after the buffers (an empty one before
-   the first step with momentum), and the same checksum. A missing,
-   truncated or damaged file, another network's, or mgpu_net_save's file
-   (and a training checkpoint given to mgpu_net_load) is a one-line error
-   naming the file and what is wrong, and leaves the network as it was:
-   all of it is checked before anything is written. Bit for bit also
-   needs the same computation: the same devices, and the convolutions
-   computed the same way (MGPU_CONV=auto times the ways again in a new
-   process, and may choose another, whose sums round differently: fix
-   one, MGPU_CONV=im2col, where a resumed run must match to the bit).
+   which refuses another batch size in one line: "train.ckpt was saved
+   with --batch-size 64, this run has 128: resume with --batch-size 64, or
+   delete it to start afresh". It is written as mgpu_net_save writes
+   (whole, on the disk before the rename), with the magic "MGPUCKP1" and
+   version 2, the training state after the header, ending in a checksum
+   of the file up to it (the info read alone is checked too), the
+   optimizer's state after the buffers (an empty momentum buffer before
+   the first step with momentum), and the same checksum at the end. A
+   missing, empty, truncated or damaged file, one of version 1 (which
+   kept no settings), another network's, or mgpu_net_save's file (and a
+   training checkpoint given to mgpu_net_load) is a one-line error naming
+   the file and what is wrong, and leaves the network as it was: all of it
+   is checked before anything is written. Bit for bit also needs the same
+   computation: the same devices, and the convolutions computed the same
+   way (MGPU_CONV=auto times the ways again in a new process, and may
+   choose another, whose sums round differently: fix one,
+   MGPU_CONV=im2col, where a resumed run must match to the bit).
        void mgpu_net_free(net)   the layers, parameters, buffers and scratch
 
        double mgpu_net_evaluate_accuracy(net, data, batch_size)
@@ -1508,16 +1538,45 @@ MGPU_DEF mgpu_net *mgpu_net_replicate(const mgpu_net *net, mgpu_device *dev);
 MGPU_DEF void mgpu_net_copy_params(mgpu_net *dst, const mgpu_net *src, int with_buffers);
 MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path);
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path);
-/* Where a training stands, kept in its checkpoint beside the network. */
+/* What decides the path of a training, beside the network's values: a
+   training resumed with another of these would go on as another one
+   (other batches, another model, other steps). The names are strings of
+   under MGPU_SETTING_BYTES bytes: room for Adam's with its constants in
+   full. */
+#define MGPU_SETTING_BYTES 96
+typedef struct mgpu_train_settings {
+    char model[MGPU_SETTING_BYTES]; /* the model's name, as the program's --model says it ("lenet") */
+    int batch_size;                 /* the global batch: one step's samples, over all processes */
+    int samples;                    /* the training set's size */
+    uint64_t data;                  /* and its digest (mgpu_dataset_digest) */
+    char optimizer[MGPU_SETTING_BYTES]; /* "SGD", "Adam (betas 0.9, 0.999, eps 1e-08)" or "AdamW (...)" */
+    float lr, momentum, weight_decay;   /* the steps' (mgpu_net_step) */
+    uint64_t seed;                  /* the data's seed (mgpu_sampler_new, mgpu_loader_new) */
+    char conv[MGPU_SETTING_BYTES];  /* the convolutions' method (MGPU_CONV), "" for a network without any */
+} mgpu_train_settings;
+/* The settings the library can tell of a training of net on train_set:
+   samples, data, optimizer and conv, the rest zero for the program to set. */
+MGPU_DEF mgpu_train_settings mgpu_train_settings_of(const mgpu_net *net, const mgpu_dataset *train_set);
+/* 0 when a training saved with `saved` goes on the same path with `now`;
+   else 1, with the first setting that differs in why, named as the
+   chapters' flags name it: "saved with --batch-size 64, this run has 128:
+   resume with --batch-size 64". */
+MGPU_DEF int mgpu_train_settings_differ(const mgpu_train_settings *saved, const mgpu_train_settings *now,
+                                        char *why, size_t size);
+/* Where a training stands and how it is set, kept in its checkpoint beside
+   the network. */
 typedef struct mgpu_checkpoint_info {
-    int epoch;     /* the epoch to resume in */
-    int batch;     /* and its batch to resume at (mgpu_loader_start_epoch_at) */
-    long step;     /* the training's steps so far */
-    int world;     /* the processes it ran on */
-    uint64_t seed; /* the data's seed (mgpu_sampler_new, mgpu_loader_new) */
+    int epoch;                 /* the epoch to resume in */
+    int batch;                 /* and its batch to resume at (mgpu_loader_start_epoch_at) */
+    long step;                 /* the training's steps so far */
+    int world;                 /* the processes it ran on (for the program to see: another number that
+                                  divides the batch sees the same batches) */
+    mgpu_train_settings train; /* what decides its path */
 } mgpu_checkpoint_info;
 MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info);
 MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info);
+/* The info alone, without a network: to compare the settings before the load. */
+MGPU_DEF void mgpu_checkpoint_read_info(const char *path, mgpu_checkpoint_info *info);
 MGPU_DEF void mgpu_net_free(mgpu_net *net);
 /* Counts, on the net's device, the rows of logits whose argmax is the label,
    over a whole data set in evaluation mode; returns the accuracy. */
@@ -4975,6 +5034,21 @@ MGPU_DEF void mgpu_dataset_free(mgpu_dataset *d) {
     free(d);
 }
 
+/* 64-bit FNV-1a: simple, and any flipped byte changes it. */
+static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+#define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
+
+MGPU_DEF uint64_t mgpu_dataset_digest(const mgpu_dataset *d) {
+    int size[3] = {d->n, d->rows, d->cols};
+    uint64_t h = mgpu__fnv1a(MGPU__FNV_OFFSET, size, sizeof size);
+    h = mgpu__fnv1a(h, d->images, (size_t)d->n * (size_t)d->rows * (size_t)d->cols);
+    return mgpu__fnv1a(h, d->labels, (size_t)d->n);
+}
+
 MGPU_DEF const char *mgpu_fashion_mnist_label(int k) {
     static const char *const names[10] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                                           "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
@@ -5400,6 +5474,7 @@ static size_t mgpu__conv_scratch_floats[2] = {(size_t)1 << 20, (size_t)64 << 20}
                not built in.
    Float32 convolutions (no TF32) always take im2col; a CPU's, see below. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
+static const char *const mgpu__conv_mode_names[] = {"auto", "im2col", "implicit", "cudnn"};
 static mgpu__conv_mode_kind mgpu__conv_mode;
 static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
 /* Read when the library starts (mgpu__init): MGPU_CONV chooses the GPU's
@@ -9517,26 +9592,37 @@ MGPU_DEF double mgpu_net_evaluate_accuracy(mgpu_net *net, const mgpu_dataset *da
    momentum buffers and the training's state). */
 typedef struct mgpu__net_file_kind {
     const char *magic; /* 8 characters */
+    uint32_t version;  /* of the layout this library writes and reads */
     const char *name;  /* for messages: "cannot read the <name>" */
     const char *holds; /* what a file of this kind is, for a load of the other kind */
+    const char *older; /* why an older version is refused, or "" */
 } mgpu__net_file_kind;
 static const mgpu__net_file_kind mgpu__net_files[2] = {
-    {"MGPUNET1", "checkpoint", "a network's parameters and buffers (mgpu_net_save): load it with mgpu_net_load"},
-    {"MGPUCKP1", "training checkpoint", "a training checkpoint (mgpu_checkpoint_save): load it with mgpu_checkpoint_load"},
+    {"MGPUNET1", 1, "checkpoint", "a network's parameters and buffers (mgpu_net_save): load it with mgpu_net_load",
+     ""},
+    {"MGPUCKP1", 2, "training checkpoint",
+     "a training checkpoint (mgpu_checkpoint_save): load it with mgpu_checkpoint_load",
+     " (an older mgpu's, without the training's settings that a resume must match: delete the file to start "
+     "afresh)"},
 };
-#define MGPU__NET_VERSION 1u
-/* A training checkpoint's state, after the header: the info's epoch,
-   batch, step, world and seed, the net's SGD steps, and the generator's
-   seed and offset. */
-#define MGPU__STATE_WORDS 8
-
-/* 64-bit FNV-1a: simple, and any flipped byte changes it. */
-static uint64_t mgpu__fnv1a(uint64_t h, const void *data, size_t n) {
-    const unsigned char *p = (const unsigned char *)data;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
-#define MGPU__FNV_OFFSET 0xcbf29ce484222325ull
+/* magic, version and tensor count */
+#define MGPU__NET_HEADER_BYTES (8 + 2 * sizeof(uint32_t))
+/* A training checkpoint's state, after the header: the info, the
+   network's count of steps and the generator's place, then a checksum of
+   the file up to it, so that the info can be read and trusted without the
+   tensors after it (mgpu_checkpoint_read_info). Numbers of 8 bytes and
+   names of whole words: nothing to pad. */
+typedef struct mgpu__train_state {
+    uint64_t epoch, batch, step, world;
+    char model[MGPU_SETTING_BYTES];
+    uint64_t batch_size, samples, data;
+    char optimizer[MGPU_SETTING_BYTES];
+    double lr, momentum, weight_decay; /* (floats, held exactly) */
+    uint64_t seed;
+    char conv[MGPU_SETTING_BYTES];
+    uint64_t net_steps, generator_seed, generator_offset;
+    uint64_t checksum;
+} mgpu__train_state;
 
 /* The tensors of a file, in order: parameters, then buffers; in a
    training checkpoint, then each parameter's momentum buffer, a slot that
@@ -9591,7 +9677,7 @@ static const char *mgpu__net_saved_name(const mgpu_net *net, int i, int count, c
    count, a training checkpoint's state, then a shape and the values of
    each tensor (every momentum slot full), then the checksum. */
 static size_t mgpu__net_file_bytes(const mgpu_net *net, int training) {
-    size_t bytes = 8 + 2 * sizeof(uint32_t) + (training ? MGPU__STATE_WORDS * sizeof(uint64_t) : 0) + sizeof(uint64_t);
+    size_t bytes = MGPU__NET_HEADER_BYTES + (training ? sizeof(mgpu__train_state) : 0) + sizeof(uint64_t);
     for (int i = 0; i < mgpu__net_num_saved(net, training); i++)
         bytes += (1 + MGPU_MAX_DIMS) * sizeof(uint32_t) + mgpu__net_saved_like(net, i)->numel * sizeof(float);
     return bytes;
@@ -9602,10 +9688,10 @@ static int mgpu__write_all(FILE *f, const void *data, size_t n, uint64_t *hash) 
     return fwrite(data, 1, n, f) == n;
 }
 
-/* Writes the network's file, a training checkpoint when state (its
-   MGPU__STATE_WORDS words) is given, else mgpu_net_save's. An empty
+/* Writes the network's file, a training checkpoint when state is given
+   (its checksum is the writer's to fill), else mgpu_net_save's. An empty
    momentum slot is written as a shape of 0 dimensions and no values. */
-static void mgpu__net_write(const mgpu_net *net, const char *path, const uint64_t *state) {
+static void mgpu__net_write(const mgpu_net *net, const char *path, const mgpu__train_state *state) {
     int training = state != NULL, count = mgpu__net_num_saved(net, training);
     const mgpu__net_file_kind *kind = &mgpu__net_files[training];
     /* Not over what is not a file: a FIFO, say, would be replaced. */
@@ -9617,10 +9703,15 @@ static void mgpu__net_write(const mgpu_net *net, const char *path, const uint64_
     FILE *f = mgpu__whole_file_open(&w, path);
     if (!f) mgpu_fatal("%s: cannot open for writing (%s)", path, strerror(errno));
     uint64_t hash = MGPU__FNV_OFFSET;
-    uint32_t header[2] = {MGPU__NET_VERSION, (uint32_t)count};
+    uint32_t header[2] = {kind->version, (uint32_t)count};
     int written = mgpu__write_all(f, kind->magic, 8, &hash);
     written &= mgpu__write_all(f, header, sizeof header, &hash);
-    if (training) written &= mgpu__write_all(f, state, MGPU__STATE_WORDS * sizeof *state, &hash);
+    if (training) {
+        mgpu__train_state checked = *state;
+        written &= mgpu__write_all(f, &checked, offsetof(mgpu__train_state, checksum), &hash);
+        checked.checksum = hash;
+        written &= mgpu__write_all(f, &checked.checksum, sizeof checked.checksum, &hash);
+    }
     for (int i = 0; i < count && written; i++) {
         const mgpu_tensor *t = *mgpu__net_saved(net, i);
         uint32_t shape[1 + MGPU_MAX_DIMS] = {0};
@@ -9643,46 +9734,66 @@ static void mgpu__net_write(const mgpu_net *net, const char *path, const uint64_
     if (error) mgpu_fatal("%s: cannot write the %s (%s)", path, kind->name, strerror(error));
 }
 
-/* Reads the network's file into net, a training checkpoint when state is
-   given (which gets its state words), else mgpu_net_save's. Everything is
-   checked before the network is touched. */
-static void mgpu__net_read(mgpu_net *net, const char *path, uint64_t *state) {
-    int training = state != NULL, count = mgpu__net_num_saved(net, training);
-    const mgpu__net_file_kind *kind = &mgpu__net_files[training], *other = &mgpu__net_files[!training];
-    /* What it is before opening it: opening a FIFO would wait for a writer. */
+/* The first `most` bytes of the file at path, of the kind (all of it
+   when it is shorter: *readable), and its size in *total. What it is, is
+   asked before it is opened: opening a FIFO would wait for a writer. */
+static unsigned char *mgpu__net_file_read(const char *path, const mgpu__net_file_kind *kind, size_t most,
+                                          size_t *readable, size_t *total) {
     struct stat st;
     if (stat(path, &st) != 0) mgpu_fatal("%s: cannot open the %s (%s)", path, kind->name, strerror(errno));
     if (!S_ISREG(st.st_mode)) mgpu_fatal("%s: cannot read the %s (not a regular file)", path, kind->name);
     FILE *f = fopen(path, "rb");
     if (!f) mgpu_fatal("%s: cannot open the %s (%s)", path, kind->name, strerror(errno));
-    /* Only as many bytes as the network's file can have: a longer file is
-       an error below, and need not fit in memory to be one. */
-    size_t total = (size_t)st.st_size, want = mgpu__net_file_bytes(net, training);
-    size_t readable = total < want ? total : want;
-    unsigned char *bytes = (unsigned char *)mgpu__xmalloc(readable ? readable : 1);
-    if (fread(bytes, 1, readable, f) != readable)
+    *total = (size_t)st.st_size;
+    *readable = *total < most ? *total : most;
+    unsigned char *bytes = (unsigned char *)mgpu__xmalloc(*readable);
+    if (fread(bytes, 1, *readable, f) != *readable)
         mgpu_fatal("%s: cannot read the %s (%s)", path, kind->name, strerror(errno));
     fclose(f);
-    size_t at = 0;
-    const size_t header_bytes = 8 + 2 * sizeof(uint32_t), trailer = sizeof(uint64_t);
+    return bytes;
+}
+
+/* Checks how the file's bytes begin: its kind, its version and, in a
+   training checkpoint, the state and its checksum (into *state). Returns
+   the count of tensors the header gives; *at: where they start. */
+static uint32_t mgpu__net_file_head(const char *path, int training, const unsigned char *bytes, size_t readable,
+                                    size_t total, mgpu__train_state *state, size_t *at) {
+    const mgpu__net_file_kind *kind = &mgpu__net_files[training], *other = &mgpu__net_files[!training];
+    if (total == 0) mgpu_fatal("%s: empty (0 bytes), not an mgpu %s", path, kind->name);
     if (readable >= 8 && memcmp(bytes, other->magic, 8) == 0) mgpu_fatal("%s: holds %s", path, other->holds);
     if (readable < 8 || memcmp(bytes, kind->magic, 8) != 0)
         mgpu_fatal("%s: not an mgpu %s (no \"%s\" header)", path, kind->name, kind->magic);
-    if (readable < header_bytes) mgpu_fatal("%s: truncated in the header", path);
+    if (readable < MGPU__NET_HEADER_BYTES) mgpu_fatal("%s: truncated in the header", path);
     uint32_t header[2];
     memcpy(header, bytes + 8, sizeof header);
-    at = header_bytes;
-    if (header[0] != MGPU__NET_VERSION)
-        mgpu_fatal("%s: %s version %u, this library reads version %u", path, kind->name, header[0],
-                   MGPU__NET_VERSION);
-    if ((int)header[1] != count)
-        mgpu_fatal("%s: holds %u tensors, the network has %d (another network's %s?)", path, header[1], count,
-                   kind->name);
+    if (header[0] != kind->version)
+        mgpu_fatal("%s: %s version %u, this library reads version %u%s", path, kind->name, header[0],
+                   kind->version, header[0] < kind->version ? kind->older : "");
+    *at = MGPU__NET_HEADER_BYTES;
     if (training) {
-        if (readable - at < MGPU__STATE_WORDS * sizeof *state) mgpu_fatal("%s: truncated in the training state", path);
-        memcpy(state, bytes + at, MGPU__STATE_WORDS * sizeof *state);
-        at += MGPU__STATE_WORDS * sizeof *state;
+        if (readable - *at < sizeof *state) mgpu_fatal("%s: truncated in the training state", path);
+        memcpy(state, bytes + *at, sizeof *state);
+        *at += sizeof *state;
+        if (state->checksum != mgpu__fnv1a(MGPU__FNV_OFFSET, bytes, *at - sizeof state->checksum))
+            mgpu_fatal("%s: checksum mismatch in the training state (the file is damaged)", path);
     }
+    return header[1];
+}
+
+/* Reads the network's file into net, a training checkpoint when state is
+   given (which gets its state), else mgpu_net_save's. Everything is
+   checked before the network is touched. */
+static void mgpu__net_read(mgpu_net *net, const char *path, mgpu__train_state *state) {
+    int training = state != NULL, count = mgpu__net_num_saved(net, training);
+    const mgpu__net_file_kind *kind = &mgpu__net_files[training];
+    /* Only as many bytes as the network's file can have: a longer file is
+       an error below, and need not fit in memory to be one. */
+    size_t readable, total, at;
+    unsigned char *bytes = mgpu__net_file_read(path, kind, mgpu__net_file_bytes(net, training), &readable, &total);
+    uint32_t held = mgpu__net_file_head(path, training, bytes, readable, total, state, &at);
+    if ((int)held != count)
+        mgpu_fatal("%s: holds %u tensors, the network has %d (another network's %s?)", path, held, count,
+                   kind->name);
     /* where each tensor's values start; 0 for an empty momentum slot
        (values never start at 0: the header comes first) */
     size_t *offsets = (size_t *)mgpu__xcalloc((size_t)count, sizeof(size_t));
@@ -9713,6 +9824,7 @@ static void mgpu__net_read(mgpu_net *net, const char *path, uint64_t *state) {
         at += t->numel * sizeof(float);
     }
     /* (the bounds are the buffer's, `readable` bytes; `total`, the file's, is for messages) */
+    const size_t trailer = sizeof(uint64_t);
     if (readable - at < trailer) mgpu_fatal("%s: truncated in the checksum at its end", path);
     if (total - at > trailer)
         mgpu_fatal("%s: %zu bytes after the last tensor, expected %zu (damaged file)", path,
@@ -9741,6 +9853,90 @@ static void mgpu__net_read(mgpu_net *net, const char *path, uint64_t *state) {
 MGPU_DEF void mgpu_net_save(const mgpu_net *net, const char *path) { mgpu__net_write(net, path, NULL); }
 MGPU_DEF void mgpu_net_load(mgpu_net *net, const char *path) { mgpu__net_read(net, path, NULL); }
 
+/* ---- a training's settings and checkpoint */
+/* v in the fewest digits that read back as v: 0.1f is "0.1", not
+   "0.100000001", and two floats that differ are never written alike. */
+static const char *mgpu__float_str(float v, char *buf, size_t size) {
+    for (int digits = 1; digits <= 9; digits++) { /* (9 always do) */
+        snprintf(buf, size, "%.*g", digits, (double)v);
+        if (strtof(buf, NULL) == v) break;
+    }
+    return buf;
+}
+
+/* Whether the network computes convolutions (MGPU_CONV's method then
+   decides how their sums round). */
+static int mgpu__net_has_conv(const mgpu_net *net) {
+    for (int i = 0; i < net->nlayers; i++)
+        if (net->layers[i]->kind == MGPU_LAYER_CONV || net->layers[i]->kind == MGPU_LAYER_RESIDUAL) return 1;
+    return 0;
+}
+
+MGPU_DEF mgpu_train_settings mgpu_train_settings_of(const mgpu_net *net, const mgpu_dataset *train_set) {
+    MGPU_REQUIRE(net && train_set, "mgpu_train_settings_of: the network and the training set must not be NULL");
+    mgpu_train_settings t;
+    memset(&t, 0, sizeof t);
+    t.samples = train_set->n;
+    t.data = mgpu_dataset_digest(train_set);
+    if (net->adam) {
+        char beta1[16], beta2[16], eps[16];
+        snprintf(t.optimizer, sizeof t.optimizer, "%s (betas %s, %s, eps %s)", net->decoupled ? "AdamW" : "Adam",
+                 mgpu__float_str(net->beta1, beta1, sizeof beta1), mgpu__float_str(net->beta2, beta2, sizeof beta2),
+                 mgpu__float_str(net->eps, eps, sizeof eps));
+    } else {
+        snprintf(t.optimizer, sizeof t.optimizer, "SGD");
+    }
+    if (mgpu__net_has_conv(net)) {
+        mgpu__conv_settings_from_environment();
+        snprintf(t.conv, sizeof t.conv, "%s", mgpu__conv_mode_names[mgpu__conv_mode]);
+    }
+    return t;
+}
+
+/* The settings that mgpu_train_settings_differ compares, in its order,
+   each named as the chapters' flags (or the environment) set it */
+enum { MGPU__SETTINGS = 10 };
+static const char *const mgpu__setting_names[MGPU__SETTINGS] = {
+    "--model ", "--batch-size ", "--train-samples ", "the training data of digest ", "the optimizer ",
+    "--lr ", "--momentum ", "--weight-decay ", "--seed ", "MGPU_CONV="};
+/* Each of t's settings in words, in that order: two settings are the
+   same exactly when their words are. */
+static void mgpu__settings_words(const mgpu_train_settings *t, char words[MGPU__SETTINGS][MGPU_SETTING_BYTES]) {
+    snprintf(words[0], MGPU_SETTING_BYTES, "%s", t->model);
+    snprintf(words[1], MGPU_SETTING_BYTES, "%d", t->batch_size);
+    snprintf(words[2], MGPU_SETTING_BYTES, "%d", t->samples);
+    snprintf(words[3], MGPU_SETTING_BYTES, "%016llx", (unsigned long long)t->data);
+    snprintf(words[4], MGPU_SETTING_BYTES, "%s", t->optimizer);
+    mgpu__float_str(t->lr, words[5], MGPU_SETTING_BYTES);
+    mgpu__float_str(t->momentum, words[6], MGPU_SETTING_BYTES);
+    mgpu__float_str(t->weight_decay, words[7], MGPU_SETTING_BYTES);
+    snprintf(words[8], MGPU_SETTING_BYTES, "%llu", (unsigned long long)t->seed);
+    snprintf(words[9], MGPU_SETTING_BYTES, "%s", t->conv);
+}
+
+MGPU_DEF int mgpu_train_settings_differ(const mgpu_train_settings *saved, const mgpu_train_settings *now,
+                                        char *why, size_t size) {
+    char was[MGPU__SETTINGS][MGPU_SETTING_BYTES], is[MGPU__SETTINGS][MGPU_SETTING_BYTES];
+    mgpu__settings_words(saved, was);
+    mgpu__settings_words(now, is);
+    for (int i = 0; i < MGPU__SETTINGS; i++) {
+        if (strcmp(was[i], is[i]) == 0) continue;
+        const char *before = *was[i] ? was[i] : "(none)", *after = *is[i] ? is[i] : "(none)";
+        const int most = MGPU_SETTING_BYTES - 1; /* (each word's length, for the compiler to see) */
+        snprintf(why, size, "saved with %s%.*s, this run has %.*s: resume with %s%.*s", mgpu__setting_names[i],
+                 most, before, most, after, mgpu__setting_names[i], most, before);
+        return 1;
+    }
+    return 0;
+}
+
+/* A name of the settings into the state, as a string padded with zeros
+   (the same info makes the same bytes), or back, cut to its room. */
+static void mgpu__setting_copy(char *to, const char *from) {
+    memset(to, 0, MGPU_SETTING_BYTES);
+    snprintf(to, MGPU_SETTING_BYTES, "%.*s", MGPU_SETTING_BYTES - 1, from);
+}
+
 MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const mgpu_checkpoint_info *info) {
     MGPU_REQUIRE(!net->sharded, "mgpu_checkpoint_save: %s: the optimizer's state of this network is spread over a "
                  "ZeRO wrapper's members (mgpu_data_parallel_zero); freeing the wrapper gathers it back", path);
@@ -9748,10 +9944,47 @@ MGPU_DEF void mgpu_checkpoint_save(const mgpu_net *net, const char *path, const 
     MGPU_REQUIRE(info->epoch >= 0 && info->batch >= 0 && info->step >= 0 && info->world >= 1,
                  "mgpu_checkpoint_save: epoch %d, batch %d, step %ld, world %d: the first three must be 0 or "
                  "more, world 1 or more", info->epoch, info->batch, info->step, info->world);
-    uint64_t state[MGPU__STATE_WORDS] = {(uint64_t)info->epoch, (uint64_t)info->batch, (uint64_t)info->step,
-                                         (uint64_t)info->world, info->seed, (uint64_t)net->steps,
-                                         mgpu__library.seed, mgpu__library.offset};
-    mgpu__net_write(net, path, state);
+    const mgpu_train_settings *t = &info->train;
+    const char *names[3] = {t->model, t->optimizer, t->conv}, *fields[3] = {"model", "optimizer", "conv"};
+    for (int k = 0; k < 3; k++)
+        MGPU_REQUIRE(memchr(names[k], 0, MGPU_SETTING_BYTES),
+                     "mgpu_checkpoint_save: info's train.%s does not end within its %d bytes (MGPU_SETTING_BYTES)",
+                     fields[k], MGPU_SETTING_BYTES);
+    mgpu__train_state state;
+    memset(&state, 0, sizeof state);
+    state.epoch = (uint64_t)info->epoch;
+    state.batch = (uint64_t)info->batch;
+    state.step = (uint64_t)info->step;
+    state.world = (uint64_t)info->world;
+    mgpu__setting_copy(state.model, t->model);
+    state.batch_size = (uint64_t)t->batch_size;
+    state.samples = (uint64_t)t->samples;
+    state.data = t->data;
+    mgpu__setting_copy(state.optimizer, t->optimizer);
+    state.lr = t->lr, state.momentum = t->momentum, state.weight_decay = t->weight_decay;
+    state.seed = t->seed;
+    mgpu__setting_copy(state.conv, t->conv);
+    state.net_steps = (uint64_t)net->steps;
+    state.generator_seed = mgpu__library.seed;
+    state.generator_offset = mgpu__library.offset;
+    mgpu__net_write(net, path, &state);
+}
+
+/* The info a training checkpoint's state holds. */
+static void mgpu__checkpoint_info_of(const mgpu__train_state *state, mgpu_checkpoint_info *info) {
+    mgpu_train_settings *t = &info->train;
+    info->epoch = (int)state->epoch;
+    info->batch = (int)state->batch;
+    info->step = (long)state->step;
+    info->world = (int)state->world;
+    mgpu__setting_copy(t->model, state->model);
+    t->batch_size = (int)state->batch_size;
+    t->samples = (int)state->samples;
+    t->data = state->data;
+    mgpu__setting_copy(t->optimizer, state->optimizer);
+    t->lr = (float)state->lr, t->momentum = (float)state->momentum, t->weight_decay = (float)state->weight_decay;
+    t->seed = state->seed;
+    mgpu__setting_copy(t->conv, state->conv);
 }
 
 MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpoint_info *info) {
@@ -9759,16 +9992,24 @@ MGPU_DEF void mgpu_checkpoint_load(mgpu_net *net, const char *path, mgpu_checkpo
     MGPU_REQUIRE(!net->sharded, "mgpu_checkpoint_load: %s: the optimizer's state of this network is spread over a "
                  "ZeRO wrapper's members (mgpu_data_parallel_zero); load the checkpoint before making the "
                  "wrapper", path);
-    uint64_t state[MGPU__STATE_WORDS];
-    mgpu__net_read(net, path, state);
-    info->epoch = (int)state[0];
-    info->batch = (int)state[1];
-    info->step = (long)state[2];
-    info->world = (int)state[3];
-    info->seed = state[4];
-    net->steps = (int)state[5];
-    mgpu__library.seed = state[6];
-    mgpu__library.offset = state[7];
+    mgpu__train_state state;
+    mgpu__net_read(net, path, &state);
+    mgpu__checkpoint_info_of(&state, info);
+    net->steps = (int)state.net_steps;
+    mgpu__library.seed = state.generator_seed;
+    mgpu__library.offset = state.generator_offset;
+}
+
+MGPU_DEF void mgpu_checkpoint_read_info(const char *path, mgpu_checkpoint_info *info) {
+    MGPU_REQUIRE(info, "mgpu_checkpoint_read_info: info is NULL; it gets the checkpoint's info");
+    const mgpu__net_file_kind *kind = &mgpu__net_files[1];
+    size_t readable, total, at;
+    unsigned char *bytes = mgpu__net_file_read(path, kind, MGPU__NET_HEADER_BYTES + sizeof(mgpu__train_state),
+                                               &readable, &total);
+    mgpu__train_state state;
+    mgpu__net_file_head(path, 1, bytes, readable, total, &state, &at);
+    free(bytes);
+    mgpu__checkpoint_info_of(&state, info);
 }
 /* ======================================================================
    Data parallelism

@@ -22,7 +22,11 @@
    saves a checkpoint of each run (chapter4_<N>proc.ckpt in --out) at the
    end of every epoch and every --checkpoint-every steps, written whole;
    --resume continues each run from its checkpoint, bit for bit as if it
-   had not stopped (a finished run is only evaluated).
+   had not stopped (a finished run is only evaluated). A checkpoint keeps
+   the settings that decide the training's path (the model, the global
+   batch, the training images, lr, momentum, the seed, MGPU_CONV): a
+   --resume with another of them is refused, naming it, since it would go
+   on as another training; another number of processes is not one of them.
 
    What you should see (mpirun -np 2 on a 2-core machine without a GPU,
    the reduced run; the 1-process run first, then):
@@ -72,7 +76,8 @@ typedef struct {
     const mgpu_options *o;
 } settings;
 
-/* Where a run goes on: rank 0's checkpoint, if it found one. */
+/* Where a run starts: rank 0's checkpoint, if it found one, else the
+   beginning. */
 typedef struct {
     int found;
     mgpu_checkpoint_info info;
@@ -94,29 +99,57 @@ static mgpu_net *lenet(mgpu_device *dev) {
 }
 
 /* A rank's replica of the model on its devices (devs, s->devices_per_process
-   of them), in the distributed wrapper: rank 0's parameters go to every
-   rank and the others' are checked against them. */
-static mgpu_data_parallel *wrapped_model(mgpu_group *g, const settings *s, mgpu_device **devs, mgpu_net **net,
-                                         const char *checkpoint, mgpu_checkpoint_info *at, int *found) {
-    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
+   of them). */
+static mgpu_net *model(mgpu_group *g, const settings *s, mgpu_device **devs) {
     mgpu_group_devices(g, s->use_gpu, s->devices_per_process, devs);
     mgpu_manual_seed(s->seed);
-    *net = s->resnet ? mgpu_resnet18(10, 1, devs[0]) : lenet(devs[0]);
-    /* Rank 0 alone reads the checkpoint (the others may be on machines
-       without the file): the wrapper's broadcast gives them its network and
-       SGD's state, and the all-gather below where to go on. */
-    resume_point here = {0, {0, 0, 0, world, s->seed}};
+    return s->resnet ? mgpu_resnet18(10, 1, devs[0]) : lenet(devs[0]);
+}
+
+/* What decides the path of the run's training, which its checkpoint keeps. */
+static mgpu_train_settings train_settings(const settings *s, const mgpu_net *net, const mgpu_dataset *train_set) {
+    mgpu_train_settings t = mgpu_train_settings_of(net, train_set);
+    snprintf(t.model, sizeof t.model, "%s", s->resnet ? "resnet18" : "lenet");
+    t.batch_size = s->global_batch;
+    t.lr = s->lr;
+    t.momentum = s->momentum;
+    t.weight_decay = 0.0f; /* (the steps take none) */
+    t.seed = s->seed;
+    return t;
+}
+
+/* Where the run on g starts: its checkpoint, if there is one made with
+   the same settings (one made with others is refused: going on from it
+   would be another training), else the beginning. Rank 0 alone reads the
+   file (the others may be on machines without it): the all-gather gives
+   every rank what it holds, and the wrapper's broadcast its network and
+   SGD's state. The settings are compared before the network is loaded,
+   so that another model is named, not found by its shapes. */
+static resume_point resume_point_of(mgpu_group *g, mgpu_net *net, const char *checkpoint,
+                                    const mgpu_train_settings *now) {
+    int rank = mgpu_group_rank(g), world = mgpu_group_size(g);
+    resume_point here = {0, {0, 0, 0, world, *now}};
     if (checkpoint && rank == 0 && access(checkpoint, F_OK) == 0) {
-        mgpu_checkpoint_load(*net, checkpoint, &here.info);
+        mgpu_checkpoint_read_info(checkpoint, &here.info);
         here.found = 1;
     }
     resume_point *points = (resume_point *)malloc(sizeof here * (size_t)world);
     mgpu_group_all_gather_host(g, &here, sizeof here, points);
-    if (at) *at = points[0].info;
-    if (found) *found = points[0].found;
+    resume_point at = points[0];
     free(points);
-    if (s->sync_bn) mgpu_net_sync_batchnorm(*net, g);
-    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(*net, devs, s->devices_per_process, g);
+    char why[512];
+    if (at.found && mgpu_train_settings_differ(&at.info.train, now, why, sizeof why))
+        mgpu_group_fatal(g, "%s was %s, or delete the file (or leave out --resume) to start afresh", checkpoint,
+                         why);
+    if (here.found) mgpu_checkpoint_load(net, checkpoint, &here.info);
+    return at;
+}
+
+/* The rank's replica in the distributed wrapper: rank 0's parameters go
+   to every rank and the others' are checked against them. */
+static mgpu_data_parallel *wrapped_model(mgpu_group *g, const settings *s, mgpu_device **devs, mgpu_net *net) {
+    if (s->sync_bn) mgpu_net_sync_batchnorm(net, g);
+    mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new_devices(net, devs, s->devices_per_process, g);
     /* LeNet is smaller than one bucket of 25 MiB: in buckets of 64 KiB its
        last layers' reduction runs while the first layers' backward does */
     if (!s->resnet) mgpu_data_parallel_configure(ddp, 64 << 10, 1, 1);
@@ -151,15 +184,13 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
     snprintf(name, sizeof name, "chapter4_%dproc.ckpt", world);
     mgpu_out_path(s->o, name, checkpoint, sizeof checkpoint);
     mgpu_device *devs[MGPU_MAX_DEVICES];
-    mgpu_net *net;
-    mgpu_checkpoint_info at;
-    int found;
-    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, &net, s->resume ? checkpoint : NULL, &at, &found);
-    if (s->resume && !found && rank == 0) printf("no checkpoint %s: this run starts afresh\n", checkpoint);
-    if (found) {
-        if (at.seed != s->seed)
-            mgpu_group_fatal(g, "%s: saved with --seed %llu; resume with the same seed", checkpoint,
-                             (unsigned long long)at.seed);
+    mgpu_net *net = model(g, s, devs);
+    mgpu_train_settings now = train_settings(s, net, train_set);
+    resume_point start = resume_point_of(g, net, s->resume ? checkpoint : NULL, &now);
+    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, net);
+    const mgpu_checkpoint_info at = start.info;
+    if (s->resume && !start.found && rank == 0) printf("no checkpoint %s: this run starts afresh\n", checkpoint);
+    if (start.found) {
         if (rank == 0 && at.epoch >= s->epochs)
             printf("resumed from %s: finished (%ld steps), only evaluated\n", checkpoint, at.step);
         else if (rank == 0 && at.world == world)
@@ -193,7 +224,7 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
             mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, s->momentum, 0.0f);
             step++;
             if (s->checkpoint_every && step % s->checkpoint_every == 0 && i + 1 < steps) {
-                mgpu_checkpoint_info info = {epoch, i + 1, step, world, s->seed};
+                mgpu_checkpoint_info info = {epoch, i + 1, step, world, now};
                 mgpu_group_barrier(g); /* every rank has finished the steps the file says are done */
                 if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
             }
@@ -221,7 +252,7 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
         }
         double ys[3] = {total[0] / (samples * world), total[1] / (samples * world), test_acc};
         if (animator) mgpu_animator_add(animator, epoch + 1, ys);
-        mgpu_checkpoint_info info = {epoch + 1, 0, step, world, s->seed};
+        mgpu_checkpoint_info info = {epoch + 1, 0, step, world, now};
         mgpu_group_barrier(g);
         if (rank == 0) mgpu_checkpoint_save(net, checkpoint, &info);
         result_acc = test_acc;
@@ -282,8 +313,8 @@ static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset 
     enum { MAX_BARS = 512, MAX_LANES = 32 };
     int rank = mgpu_group_rank(g), world = mgpu_group_size(g), per = s->devices_per_process;
     mgpu_device *devs[MGPU_MAX_DEVICES];
-    mgpu_net *net;
-    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, &net, NULL, NULL, NULL);
+    mgpu_net *net = model(g, s, devs);
+    mgpu_data_parallel *ddp = wrapped_model(g, s, devs, net);
     int rows = s->global_batch / world;
     mgpu_dataset part = *train_set;
     part.n = rows;

@@ -141,6 +141,46 @@ check chapter4_resumed_on_4 0 \
     '^resumed from .*chapter4_4proc\.ckpt: epoch 1, batch 15, step 15 \(saved by 2 processes: the epoch.s order is re-split over 4\)$' \
     '^test acc: 0\.[0-9]+, .* on 4 processes \(gradients: mpi\)' \
     -- mpirun -np 4 ./chapter4 $small --devices 4 --resume --out "$out/four"
+# A resume with a setting that changes the training's path is refused
+# before any step, in one line naming the setting and both values, and
+# leaves the checkpoint as it was: step 15's checkpoint as the 1-process
+# run's, and (after a 1-process run that has none) the 2-process run's.
+# refused NAME SAVED NOW CHECKPOINT -- COMMAND...
+refused() {
+    local name=chapter4_refused_$1 saved=$2 now=$3 checkpoint=$4
+    shift 5
+    cp "$out/step15.ckpt" "$checkpoint"
+    check $name dies \
+        "^mgpu: error: (rank 0: )?$checkpoint was saved with $saved, this run has $now: resume with $saved, or delete the file \(or leave out --resume\) to start afresh$" \
+        -- "$@"
+    local lines
+    lines=$(grep -c '^mgpu: error' "$out/$name.log")
+    if [ "$lines" = 1 ] && cmp -s "$out/step15.ckpt" "$checkpoint"; then
+        echo "ok   ${name}_one_line_file_kept"; passed=$((passed + 1))
+    else
+        echo "FAIL ${name}_one_line_file_kept: $lines error lines; the checkpoint $(cmp -s "$out/step15.ckpt" \
+            "$checkpoint" && echo kept || echo changed)"; failed=$((failed + 1))
+    fi
+}
+mkdir -p "$out/refused" "$out/refused2"
+one="$out/refused/chapter4_1proc.ckpt"
+refused batch_size '--batch-size 64' 128 "$out/refused2/chapter4_2proc.ckpt" \
+    -- mpirun -np 2 ./chapter4 $small --resume --batch-size 128 --out "$out/refused2"
+refused train_samples '--train-samples 2048' 1024 "$one" \
+    -- ./chapter4 $small --resume --train-samples 1024 --out "$out/refused"
+refused model '--model lenet' resnet18 "$one" -- ./chapter4 $small --resume --model resnet18 --out "$out/refused"
+refused lr '--lr 0.2' 0.1 "$one" -- ./chapter4 $small --resume --lr 0.1 --out "$out/refused"
+refused momentum '--momentum 0.9' 0.5 "$one" -- ./chapter4 $small --resume --momentum 0.5 --out "$out/refused"
+refused seed '--seed 1' 7 "$one" -- ./chapter4 $small --resume --seed 7 --out "$out/refused"
+refused conv 'MGPU_CONV=im2col' auto "$one" -- env MGPU_CONV=auto ./chapter4 $small --resume --out "$out/refused"
+# a checkpoint of version 1 (which kept no settings), and an empty file
+cp "$out/step15.ckpt" "$one" && printf '\001' | dd of="$one" bs=1 seek=8 conv=notrunc 2>/dev/null
+check chapter4_version_1_checkpoint 1 \
+    "^mgpu: error: $one: training checkpoint version 1, this library reads version 2 \(an older mgpu's, without the training's settings that a resume must match: delete the file to start afresh\)$" \
+    -- ./chapter4 $small --resume --out "$out/refused"
+: >"$one"
+check chapter4_empty_checkpoint 1 "^mgpu: error: $one: empty \(0 bytes\), not an mgpu training checkpoint$" \
+    -- ./chapter4 $small --resume --out "$out/refused"
 # two devices in each process: the in-process ring, then MPI
 check chapter4_two_devices_a_process 0 \
     '^test acc: 0\.[0-9]+, .* on 2 processes x 2 devices \(gradients: ring, then mpi\)' 'ranks. timeline: ' \

@@ -281,6 +281,35 @@ static int same_bits(mgpu_net *a, mgpu_net *b) {
     return same;
 }
 
+/* A training's settings with every one set (each a value that the others
+   do not have): what a checkpoint must give back. */
+static mgpu_train_settings every_setting(void) {
+    mgpu_train_settings t;
+    memset(&t, 0, sizeof t);
+    snprintf(t.model, sizeof t.model, "small_net");
+    t.batch_size = 6;
+    t.samples = 60;
+    t.data = 0x0123456789abcdefull;
+    snprintf(t.optimizer, sizeof t.optimizer, "SGD");
+    t.lr = 0.05f;
+    t.momentum = 0.9f;
+    t.weight_decay = 1e-4f;
+    t.seed = 1234;
+    snprintf(t.conv, sizeof t.conv, "im2col");
+    return t;
+}
+/* Every setting of back is want's. */
+static void check_same_settings(const mgpu_train_settings *back, const mgpu_train_settings *want) {
+    CHECK(strcmp(back->model, want->model) == 0);
+    CHECK_EQ_INT(back->batch_size, want->batch_size);
+    CHECK_EQ_INT(back->samples, want->samples);
+    CHECK(back->data == want->data);
+    CHECK(strcmp(back->optimizer, want->optimizer) == 0);
+    CHECK(back->lr == want->lr && back->momentum == want->momentum && back->weight_decay == want->weight_decay);
+    CHECK(back->seed == want->seed);
+    CHECK(strcmp(back->conv, want->conv) == 0);
+}
+
 /* Train k steps, save, train m more: A. Another network, trained
    elsewhere, loads the checkpoint and trains the same m steps: B. A and
    B are the same bits, and the generator draws after the load what it
@@ -297,7 +326,8 @@ TEST(a_training_resumed_from_its_checkpoint_goes_on_bit_for_bit) {
     sgd_steps(a, 0, 3);
     mgpu_manual_seed(99);
     mgpu_free(mgpu_rand(d, mgpu_shape1(7)));
-    mgpu_checkpoint_info info = {2, 5, 3, 4, 1234}, back = {-1, -1, -1, -1, 0};
+    mgpu_checkpoint_info info = {2, 5, 3, 4, every_setting()}, back;
+    memset(&back, 0xff, sizeof back);
     mgpu_checkpoint_save(a, path, &info);
     float after_save[8], after_load[8];
     mgpu_tensor *drawn = mgpu_rand(d, mgpu_shape1(8));
@@ -317,7 +347,7 @@ TEST(a_training_resumed_from_its_checkpoint_goes_on_bit_for_bit) {
     CHECK_EQ_INT(back.batch, 5);
     CHECK_EQ_INT(back.step, 3);
     CHECK_EQ_INT(back.world, 4);
-    CHECK(back.seed == 1234);
+    check_same_settings(&back.train, &info.train);
     CHECK_EQ_INT(b->steps, 3);
     sgd_steps(b, 3, 4);
     CHECK(same_bits(a, b));
@@ -441,12 +471,15 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     temp_path(path, sizeof path, "good-train.ckpt");
     temp_path(bad, sizeof bad, "bad-train.ckpt");
     temp_path(net_path, sizeof net_path, "net-only.ckpt");
-    mgpu_checkpoint_info info = {1, 7, 40, 2, 99};
+    mgpu_checkpoint_info info = {1, 7, 40, 2, every_setting()};
     mgpu_checkpoint_save(net, path, &info);
     size_t n, m;
     unsigned char *bytes = read_bytes(path, &n);
-    /* header 16, state 64, then 38 tensors: 22 parameters and buffers, 16 momentum buffers */
+    /* header 16, the state (ending in its own checksum), then 38 tensors: 22
+       parameters and buffers, 16 momentum buffers */
+    const size_t state_at = 16;
     CHECK_EQ_INT(memcmp(bytes, "MGPUCKP1", 8), 0);
+    CHECK_EQ_INT(bytes[8], 2); /* the version */
 
     bytes[n - 30] ^= 0x04; /* in linear4's bias's momentum */
     write_bytes(bad, bytes, n);
@@ -457,10 +490,46 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     free(after);
     bytes[n - 30] ^= 0x04;
 
-    bytes[16 + 8] ^= 0x01; /* the state's batch */
+    /* ... which the info alone does not read: it has its own checksum */
+    mgpu_checkpoint_info head;
+    mgpu_checkpoint_read_info(bad, &head);
+    CHECK_EQ_INT(head.batch, 7);
+    check_same_settings(&head.train, &info.train);
+
+    /* a flipped bit in the state: its batch, a setting, its checksum */
+    size_t in_state[3] = {state_at + offsetof(mgpu__train_state, batch), state_at + offsetof(mgpu__train_state, lr),
+                          state_at + offsetof(mgpu__train_state, checksum)};
+    snprintf(want, sizeof want, "mgpu: error: %s: checksum mismatch in the training state (the file is damaged)\n",
+             bad);
+    for (int k = 0; k < 3; k++) {
+        bytes[in_state[k]] ^= 0x01;
+        write_bytes(bad, bytes, n);
+        EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+        EXPECT_DIES(mgpu_checkpoint_read_info(bad, &head), want);
+        bytes[in_state[k]] ^= 0x01;
+    }
+
+    /* another version: an older one (before the settings) says so */
+    bytes[8] = 1;
     write_bytes(bad, bytes, n);
-    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), "checksum mismatch (the file is damaged)");
-    bytes[16 + 8] ^= 0x01;
+    snprintf(want, sizeof want, "mgpu: error: %s: training checkpoint version 1, this library reads version 2 (an "
+             "older mgpu's, without the training's settings that a resume must match: delete the file to start "
+             "afresh)\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+    EXPECT_DIES(mgpu_checkpoint_read_info(bad, &head), want);
+    bytes[8] = 3;
+    write_bytes(bad, bytes, n);
+    snprintf(want, sizeof want, "mgpu: error: %s: training checkpoint version 3, this library reads version 2\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_read_info(bad, &head), want);
+    bytes[8] = 2;
+
+    /* an empty file is said to be empty */
+    write_bytes(bad, bytes, 0);
+    snprintf(want, sizeof want, "mgpu: error: %s: empty (0 bytes), not an mgpu training checkpoint\n", bad);
+    EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), want);
+    EXPECT_DIES(mgpu_checkpoint_read_info(bad, &head), want);
+    snprintf(want, sizeof want, "mgpu: error: %s: empty (0 bytes), not an mgpu checkpoint\n", bad);
+    EXPECT_DIES(mgpu_net_load(net, bad), want);
 
     write_bytes(bad, bytes, n - 100);
     snprintf(want, sizeof want, "mgpu: error: %s: truncated in tensor 36 of 38 (linear4's weight's momentum)\n", bad);
@@ -470,6 +539,7 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     free(after);
     write_bytes(bad, bytes, 16 + 30);
     EXPECT_DIES(mgpu_checkpoint_load(net, bad, &info), "truncated in the training state");
+    EXPECT_DIES(mgpu_checkpoint_read_info(bad, &head), "truncated in the training state");
 
     const char *missing = "/nonexistent/train.ckpt";
     EXPECT_DIES(mgpu_checkpoint_load(net, missing, &info),
@@ -480,18 +550,23 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     mgpu_net_save(net, net_path);
     snprintf(want, sizeof want, "mgpu: error: %s: holds a network's parameters and buffers (mgpu_net_save): load it with mgpu_net_load\n", net_path);
     EXPECT_DIES(mgpu_checkpoint_load(net, net_path, &info), want);
+    EXPECT_DIES(mgpu_checkpoint_read_info(net_path, &head), want);
     EXPECT_DIES(mgpu_net_load(net, path), "holds a training checkpoint (mgpu_checkpoint_save): load it with mgpu_checkpoint_load");
     mgpu_net *other = plain_net(mgpu_cpu());
     EXPECT_DIES(mgpu_checkpoint_load(other, path, &info),
                 "holds 38 tensors, the network has 12 (another network's training checkpoint?)");
 
-    mgpu_checkpoint_info wrong = {-1, 0, 0, 1, 0};
+    mgpu_checkpoint_info wrong = {-1, 0, 0, 1, every_setting()};
     EXPECT_DIES(mgpu_checkpoint_save(net, bad, &wrong),
                 "mgpu: error: mgpu_checkpoint_save: epoch -1, batch 0, step 0, world 1: the first three must be 0 or more");
     wrong.epoch = 0;
     wrong.world = 0;
     EXPECT_DIES(mgpu_checkpoint_save(net, bad, &wrong), "world 0");
     EXPECT_DIES(mgpu_checkpoint_save(net, bad, NULL), "mgpu_checkpoint_save: info is NULL");
+    wrong = info;
+    memset(wrong.train.conv, 'x', sizeof wrong.train.conv);
+    EXPECT_DIES(mgpu_checkpoint_save(net, bad, &wrong), "mgpu: error: mgpu_checkpoint_save: info's train.conv does "
+                "not end within its 96 bytes (MGPU_SETTING_BYTES)\n");
 
     /* none of it touched the good checkpoint */
     after = read_bytes(path, &m);
@@ -503,6 +578,114 @@ TEST(damaged_training_checkpoints_are_clear_errors) {
     unlink(net_path);
     mgpu_net_free(net);
     mgpu_net_free(other);
+}
+
+/* A data set's digest changes with any pixel, any label and its size,
+   and comes back with them. */
+TEST(a_data_sets_digest_changes_with_any_sample) {
+    unsigned char images[3 * 2 * 2] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, labels[3] = {4, 5, 6};
+    mgpu_dataset data = {3, 2, 2, images, labels};
+    uint64_t digest = mgpu_dataset_digest(&data);
+    images[7] ^= 1;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    images[7] ^= 1;
+    labels[2] = 7;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    labels[2] = 6;
+    data.n = 2;
+    CHECK(mgpu_dataset_digest(&data) != digest);
+    data.n = 3;
+    CHECK(mgpu_dataset_digest(&data) == digest);
+}
+
+/* What the library tells of a training by itself: the data set's size
+   and digest, the network's optimizer, and the convolutions' method where
+   it has convolutions. */
+TEST(train_settings_of_a_network_and_its_data) {
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    mgpu__conv_mode = MGPU__CONV_IM2COL;
+    unsigned char images[3 * 2 * 2] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, labels[3] = {4, 5, 6};
+    mgpu_dataset data = {3, 2, 2, images, labels};
+    mgpu_net *net = small_net(mgpu_cpu(), 1);
+    mgpu_train_settings t = mgpu_train_settings_of(net, &data);
+    CHECK_EQ_INT(t.samples, 3);
+    CHECK(t.data == mgpu_dataset_digest(&data));
+    CHECK(strcmp(t.optimizer, "SGD") == 0);
+    CHECK(strcmp(t.conv, "im2col") == 0);
+    CHECK(t.model[0] == 0 && t.batch_size == 0 && t.lr == 0.0f && t.seed == 0); /* the program's */
+
+    mgpu_net_use_adam(net, 0.9f, 0.999f, 1e-8f, 0);
+    t = mgpu_train_settings_of(net, &data);
+    CHECK(strcmp(t.optimizer, "Adam (betas 0.9, 0.999, eps 1e-08)") == 0);
+    mgpu_net_use_adam(net, 0.8f, 0.99f, 1e-6f, 1);
+    t = mgpu_train_settings_of(net, &data);
+    CHECK(strcmp(t.optimizer, "AdamW (betas 0.8, 0.99, eps 1e-06)") == 0);
+    mgpu__conv_mode = MGPU__CONV_AUTO;
+    CHECK(strcmp(mgpu_train_settings_of(net, &data).conv, "auto") == 0);
+    mgpu_net *linear = mgpu_net_new(mgpu_cpu()); /* no convolution: no method */
+    mgpu_net_add_linear(linear, 4, 10);
+    CHECK(strcmp(mgpu_train_settings_of(linear, &data).conv, "") == 0);
+    mgpu_net_free(linear);
+    mgpu_net_free(net);
+    mgpu__conv_mode = saved;
+}
+
+/* now differs from saved: the first setting that does is named as want says. */
+static void check_named(const mgpu_train_settings *saved, const mgpu_train_settings *now, const char *want) {
+    char why[512] = "";
+    CHECK_EQ_INT(mgpu_train_settings_differ(saved, now, why, sizeof why), 1);
+    CHECK(strcmp(why, want) == 0);
+    if (strcmp(why, want) != 0) printf("  said \"%s\"\n  want \"%s\"\n", why, want);
+}
+
+/* Settings that differ name the first setting that does, with both
+   values, as the chapters' flags say them; the same settings differ in
+   nothing. */
+TEST(train_settings_differ_by_the_first_setting_named) {
+    const mgpu_train_settings saved = every_setting();
+    mgpu_train_settings now = saved;
+    char why[512] = "untouched";
+    CHECK_EQ_INT(mgpu_train_settings_differ(&saved, &now, why, sizeof why), 0);
+    CHECK(strcmp(why, "untouched") == 0);
+
+    snprintf(now.model, sizeof now.model, "resnet18");
+    check_named(&saved, &now, "saved with --model small_net, this run has resnet18: resume with --model small_net");
+    now = saved;
+    now.batch_size = 12;
+    check_named(&saved, &now, "saved with --batch-size 6, this run has 12: resume with --batch-size 6");
+    now.seed = 7; /* (a later one too: the batch is named, the first) */
+    check_named(&saved, &now, "saved with --batch-size 6, this run has 12: resume with --batch-size 6");
+    now = saved;
+    now.samples = 30;
+    check_named(&saved, &now, "saved with --train-samples 60, this run has 30: resume with --train-samples 60");
+    now = saved;
+    now.data ^= 1;
+    check_named(&saved, &now, "saved with the training data of digest 0123456789abcdef, this run has "
+                              "0123456789abcdee: resume with the training data of digest 0123456789abcdef");
+    now = saved;
+    snprintf(now.optimizer, sizeof now.optimizer, "Adam (betas 0.9, 0.999, eps 1e-08)");
+    check_named(&saved, &now, "saved with the optimizer SGD, this run has Adam (betas 0.9, 0.999, eps 1e-08): "
+                              "resume with the optimizer SGD");
+    now = saved;
+    now.lr = 0.1f;
+    check_named(&saved, &now, "saved with --lr 0.05, this run has 0.1: resume with --lr 0.05");
+    now.lr = nextafterf(0.05f, 1.0f); /* the next float: as many digits as tell them apart */
+    check_named(&saved, &now, "saved with --lr 0.05, this run has 0.050000004: resume with --lr 0.05");
+    now = saved;
+    now.momentum = 0.5f;
+    check_named(&saved, &now, "saved with --momentum 0.9, this run has 0.5: resume with --momentum 0.9");
+    now = saved;
+    now.weight_decay = 0.0f;
+    check_named(&saved, &now, "saved with --weight-decay 0.0001, this run has 0: resume with --weight-decay 0.0001");
+    now = saved;
+    now.seed = 7;
+    check_named(&saved, &now, "saved with --seed 1234, this run has 7: resume with --seed 1234");
+    now = saved;
+    snprintf(now.conv, sizeof now.conv, "auto");
+    check_named(&saved, &now, "saved with MGPU_CONV=im2col, this run has auto: resume with MGPU_CONV=im2col");
+    now.conv[0] = 0;
+    check_named(&saved, &now, "saved with MGPU_CONV=im2col, this run has (none): resume with MGPU_CONV=im2col");
 }
 
 /* A save that fails half-way (here: files limited to 1000 bytes, as a
