@@ -357,6 +357,9 @@ MGPU_DEF void mgpu_fatal_at(const char *file, int line, const char *fmt, ...)
 /* Checks a condition that depends on the caller's arguments. */
 #define MGPU_REQUIRE(cond, ...) \
     do { if (!(cond)) mgpu_fatal(__VA_ARGS__); } while (0)
+/* malloc that never returns NULL: memory the host cannot give is a
+   one-line error ("out of host memory (asked for N bytes)"). free() frees it. */
+MGPU_DEF void *mgpu_malloc(size_t bytes);
 
 /* --------------------------------------------------------------- devices */
 typedef struct mgpu_device mgpu_device;
@@ -528,9 +531,11 @@ MGPU_DEF void mgpu_philox(uint64_t key, uint64_t counter, uint32_t out[4]);
    a common flag replaces it, help text and all). A bad flag or value is
    a one-line error and exit status 1, before any work: an unknown flag,
    a missing value, a number out of range (--devices up to
-   MGPU_MAX_DEVICES, --epochs up to MGPU_TIMER_MAX, floats within float's
-   range), an empty folder name, an --out that cannot be made or written
-   to (parsing makes it). --help prints the flags. */
+   MGPU_MAX_DEVICES, --epochs up to MGPU_TIMER_MAX, whole numbers up to
+   10^9, floats within float's range), an empty folder name, an --out that
+   cannot be made or written to (parsing makes it). --help prints the
+   flags. Other bounds of its own flags a program checks just after
+   parsing, before its work, in one line too. */
 typedef struct mgpu_options {
     int devices, epochs, batch_size;
     double lr;
@@ -542,10 +547,11 @@ typedef struct mgpu_options {
 } mgpu_options;
 typedef struct mgpu_flag {
     const char *name;  /* "--size" */
-    char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 's' string, 'b' switch,
-                          'n' a common flag this program refuses: giving it fails with help as
-                          the message, and --help omits it (value NULL) */
-    void *value;       /* int*, double*, const char**, int* */
+    char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 'z' double of
+                          0 or more, 's' string, 'b' switch, 'n' a common flag this program
+                          refuses: giving it fails with help as the message, and --help omits it
+                          (value NULL) */
+    void *value;       /* int* ('i', 'u', 'b'), double* ('d', 'z'), const char** ('s') */
     const char *help;
 } mgpu_flag;
 MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
@@ -2335,9 +2341,11 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
    Animator says it once and then only keeps its points), and
        int mgpu_output_errors(void);
    counts such failures, for the program's exit status (the chapters exit
-   with 1 when it is not 0). PNGs and CSVs are written to "<path>.tmp" and
-   renamed, so a viewer never sees half a file, and a failed write leaves
-   the old file as it was. Out of
+   with 1 when it is not 0), and a failed write to the standard output,
+   which printf does not report: it says so once, in one line. PNGs and
+   CSVs are written to "<path>.tmp" and renamed, so a viewer never sees
+   half a file, and a failed write leaves the old file as it was. A write
+   past the file-size limit (ulimit -f) fails as on a full disk. Out of
    memory, a canvas of no pixels or a series an animator does not have are
    bugs, and fatal (mgpu_fatal). */
 
@@ -2434,7 +2442,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
    "filling tensors", in the Shapes and tensors section. Plots is the
    manual's DRAWING; Batch norm, losses, optimisers its TRAINING.
      Errors, files written whole, the clock
-         defines: mgpu_fatal, mgpu_fatal_at, mgpu_now
+         defines: mgpu_fatal, mgpu_fatal_at, mgpu_malloc, mgpu_now
      Queues
          internal: a device's queues, and the structs of devices (with the
          blocks of their caching allocator), events and trace records and
@@ -2669,6 +2677,7 @@ static void *mgpu__xcalloc(size_t n, size_t size) {
     if (!p) mgpu_fatal("out of host memory (asked for %zu x %zu bytes)", n, size);
     return p;
 }
+MGPU_DEF void *mgpu_malloc(size_t bytes) { return mgpu__xmalloc(bytes); }
 /* The layer whose pass this thread is enqueuing (a network's forward
    and backward passes set it), or NULL: the error lines of the
    libraries' calls name it, ", in layer conv1" (MGPU__IN_LAYER gives the
@@ -2721,7 +2730,13 @@ static __thread const char *mgpu__layer_enqueuing;
    file it names is the one replaced, and a file replaced keeps its
    permissions. Open gives the FILE (NULL with errno set); close returns 0,
    or the errno of what failed (EIO where none was set), and removes the
-   temporary file on failure. */
+   temporary file on failure.
+   A write past the file-size limit (ulimit -f) would raise SIGXFSZ, which
+   kills the process without a word and leaves the ".tmp" behind: open
+   ignores it (for the whole process, the first time), so that the write
+   fails with EFBIG and takes the path of a full disk. SIGPIPE is left as
+   it is (a program whose reader is gone, `./chapter4 | head`, should
+   stop): the ".tmp" is a regular file made anew, never a pipe. */
 typedef struct mgpu__whole_file {
     FILE *f;
     char *target, *tmp; /* the file replaced (a link's target), and "<target>.tmp" */
@@ -2738,7 +2753,12 @@ static FILE *mgpu__whole_file_open(mgpu__whole_file *w, const char *path) {
     free(resolved);
     struct stat old;
     int replaces = stat(w->target, &old) == 0;
-    w->f = fopen(w->tmp, "wb");
+    signal(SIGXFSZ, SIG_IGN);
+    /* A ".tmp" already there is a crashed writer's, or something else (a
+       FIFO would block the open): gone, and made anew ("x": not opened if
+       it is still there). */
+    unlink(w->tmp);
+    w->f = fopen(w->tmp, "wbx");
     if (!w->f) {
         int error = errno;
         free(w->target);
@@ -4666,11 +4686,13 @@ static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
             mgpu_fatal("%s: expected %s, got '%s'", f->name,
                        least ? "a positive whole number" : "a whole number of 0 or more", text);
         *(int *)f->value = (int)v;
-    } else if (f->type == 'd') {
+    } else if (f->type == 'd' || f->type == 'z') {
         double v = strtod(text, &end);
-        if (!starts_like_a_number || *end || end == text || !(v > 0))
-            mgpu_fatal("%s: expected a positive number, got '%s'", f->name, text);
-        if (errno || v < FLT_MIN || v > FLT_MAX) /* (the library computes in float) */
+        int zero_too = f->type == 'z';
+        if (!starts_like_a_number || *end || end == text || !(v > 0 || (zero_too && v == 0)))
+            mgpu_fatal("%s: expected %s, got '%s'", f->name, zero_too ? "a number of 0 or more" : "a positive number",
+                       text);
+        if (errno || (v != 0 && v < FLT_MIN) || v > FLT_MAX) /* (the library computes in float) */
             mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
         *(double *)f->value = v;
     } else {
@@ -4708,6 +4730,7 @@ static void mgpu__flag_print(const mgpu_flag *f) {
     if (f->type == 'i' && !*(int *)f->value) snprintf(value, sizeof value, " N");
     if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
     if (f->type == 'd' && !*(double *)f->value) snprintf(value, sizeof value, " X");
+    if (f->type == 'z') snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
     if (f->type == 's') {
         const char *v = *(const char **)f->value;
         snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
@@ -13210,7 +13233,19 @@ MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, u
 }
 
 static int mgpu__output_errors;
-MGPU_DEF int mgpu_output_errors(void) { return mgpu__output_errors; }
+MGPU_DEF int mgpu_output_errors(void) {
+    /* Standard output's failures count too: past the file-size limit its
+       writes fail as a file's do (mgpu__whole_file_open ignores SIGXFSZ),
+       and printf says nothing. (The stream keeps only that one failed, not
+       why.) Said once. */
+    static int stdout_failed;
+    if (!stdout_failed && (fflush(stdout) != 0 || ferror(stdout))) {
+        stdout_failed = 1;
+        fprintf(stderr, "mgpu: error: standard output: cannot write (a write failed: a full disk, or the file-size limit)\n");
+        mgpu__output_errors++;
+    }
+    return mgpu__output_errors;
+}
 
 /* One line on stderr about a file that could not be written; returns -1 so
    that callers can `return mgpu__plot_write_failed(...)`. */

@@ -133,7 +133,7 @@ static resume_point resume_point_of(mgpu_group *g, mgpu_net *net, const char *ch
         mgpu_checkpoint_read_info(checkpoint, &here.info);
         here.found = 1;
     }
-    resume_point *points = (resume_point *)malloc(sizeof here * (size_t)world);
+    resume_point *points = (resume_point *)mgpu_malloc(sizeof here * (size_t)world);
     mgpu_group_all_gather_host(g, &here, sizeof here, points);
     resume_point at = points[0];
     free(points);
@@ -162,7 +162,7 @@ static uint64_t parameters_hash(mgpu_net *net) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (int i = 0; i < mgpu_net_num_params(net); i++) {
         const mgpu_tensor *t = mgpu_net_param(net, i)->value;
-        float *v = (float *)malloc(t->numel * sizeof(float));
+        float *v = (float *)mgpu_malloc(t->numel * sizeof(float));
         mgpu_to_host(t, v);
         const unsigned char *p = (const unsigned char *)v;
         for (size_t k = 0; k < t->numel * sizeof(float); k++) h = (h ^ p[k]) * 0x100000001b3ull;
@@ -234,7 +234,7 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
         mgpu_data_parallel_take_stats(ddp, &mine[0], &mine[1]); /* waits for the steps */
         double seconds = mgpu_now() - start;
         int samples = mgpu_sampler_num_samples(sampler) - first * (s->global_batch / world);
-        double *all = (double *)malloc(sizeof mine * (size_t)world);
+        double *all = (double *)mgpu_malloc(sizeof mine * (size_t)world);
         mgpu_group_all_gather_host(g, mine, sizeof mine, all);
         double total[2] = {0, 0};
         for (int r = 0; r < world; r++) {
@@ -284,7 +284,7 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
    = algbw * 2 (k - 1) / k, what each link carried. */
 static double allreduce_ms(mgpu_group *g, mgpu_device *dev, size_t floats) {
     mgpu_tensor *t = mgpu_zeros(dev, mgpu_shape1((int)floats));
-    double times[9], *every = (double *)malloc(sizeof(double) * (size_t)mgpu_group_size(g));
+    double times[9], *every = (double *)mgpu_malloc(sizeof(double) * (size_t)mgpu_group_size(g));
     for (int i = 0; i < 9; i++) {
         mgpu_group_barrier(g);
         double start = mgpu_now();
@@ -341,7 +341,7 @@ static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset 
         snprintf(mine[i].name, sizeof mine[i].name, "%s", op.name);
     }
     for (int i = n; i < MAX_BARS; i++) mine[i].lane = -1; /* (no bar: left out) */
-    mgpu_timeline_bar *all = (mgpu_timeline_bar *)malloc(sizeof mine * (size_t)world);
+    mgpu_timeline_bar *all = (mgpu_timeline_bar *)mgpu_malloc(sizeof mine * (size_t)world);
     mgpu_group_all_gather_host(g, mine, sizeof mine, all);
     if (rank == 0) {
         char names[MAX_LANES][40], path[1024], title[160];
@@ -384,12 +384,12 @@ int main(int argc, char **argv) {
          "N devices in each process (default 1): data parallelism inside each process too"},
         {"--batch-size", 'i', &o.batch_size, "the global batch, split among the processes (default 256)"},
         {"--model", 's', &model, "lenet or resnet18 (default: lenet in the reduced run, else resnet18)"},
-        {"--momentum", 'd', &momentum, "SGD's momentum (default 0, as the book)"},
+        {"--momentum", 'z', &momentum, "SGD's momentum (0: none, as the book)"},
         {"--sync-bn", 'b', &s.sync_bn,
          "batch norm's statistics over the global batch, not each process's share (SyncBatchNorm)"},
         {"--train-samples", 'i', &train_samples, "use the first N training images"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
-        {"--checkpoint-every", 'i', &s.checkpoint_every, "also save a checkpoint every N steps"},
+        {"--checkpoint-every", 'u', &s.checkpoint_every, "also save a checkpoint every N steps (0: at each epoch's end only)"},
         {"--resume", 'b', &s.resume, "continue each run from its checkpoint, where there is one"},
         {"--kill-at-step", 'i', &s.kill_at_step,
          "the last rank of the last run kills itself (SIGKILL) when N steps are done: to try --resume"},
@@ -402,7 +402,8 @@ int main(int argc, char **argv) {
     if (!s.devices_per_process) s.devices_per_process = 1;
     /* (checked here, where every rank sees it, not in the 1-process run that the others wait out) */
     if (s.devices_per_process > MGPU_MAX_DEVICES)
-        mgpu_group_fatal(everyone, "--devices-per-process %d: at most %d", s.devices_per_process, MGPU_MAX_DEVICES);
+        mgpu_group_fatal(everyone, "--devices-per-process %d: at most %d devices", s.devices_per_process,
+                         MGPU_MAX_DEVICES);
     int reduced = !use_gpu && !o.full;
     /* (every rank sees a bad setting: mgpu_group_fatal says it once) */
     if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)
@@ -439,8 +440,15 @@ int main(int argc, char **argv) {
     }
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
+    if (train_samples > train_set->n)
+        mgpu_group_fatal(everyone, "--train-samples %d: the training set has %d images", train_samples, train_set->n);
+    if (test_samples > test_set->n)
+        mgpu_group_fatal(everyone, "--test-samples %d: the test set has %d images", test_samples, test_set->n);
     mgpu_dataset_truncate(train_set, train_samples);
     mgpu_dataset_truncate(test_set, test_samples);
+    if (s.global_batch > train_set->n) /* (the timeline's step takes one global batch of them) */
+        mgpu_group_fatal(everyone, "--batch-size %d: more than the %d training images", s.global_batch,
+                         train_set->n);
 
     /* The runs: on 1, 2, 4, ... processes, the last on `most`; the
        processes a run leaves out wait for it */

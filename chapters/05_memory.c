@@ -62,12 +62,15 @@
 #include "../mgpu.h"
 #include <unistd.h>
 
+#define MAX_STEPS 64 /* timed steps a number of runs: their median is printed */
+#define MAX_LIMIT_MIB 1048576.0 /* section 3's memory limit at most: 1 TiB, more than a device has */
+
 /* A step's inputs: random images of Fashion-MNIST's shape (memory does
    not depend on the values), the same every step. */
 static void step_batch(mgpu_device *dev, int batch, mgpu_tensor **x, mgpu_tensor **y) {
     mgpu_manual_seed(7);
     *x = mgpu_randn(dev, mgpu_shape4(batch, 1, 28, 28), 0.0f, 1.0f);
-    float *labels = (float *)malloc(sizeof(float) * (size_t)batch);
+    float *labels = (float *)mgpu_malloc(sizeof(float) * (size_t)batch);
     for (int i = 0; i < batch; i++) labels[i] = (float)(i % 10);
     *y = mgpu_from_host(dev, mgpu_shape1(batch), labels);
     free(labels);
@@ -141,7 +144,7 @@ static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, 
     mgpu_net *net = resnet(dev, segments, 0);
     mgpu_net_train_step(net, x, y, 0.1f, 0.9f, 0.0f, NULL);
     mgpu_synchronize(dev);
-    double *ms = (double *)malloc(sizeof(double) * (size_t)steps);
+    double ms[MAX_STEPS];
     for (int s = 0; s < steps; s++) {
         mgpu_device_reset_peak(dev);
         mgpu_device_record_memory(dev, 1);
@@ -154,8 +157,8 @@ static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, 
         if (s == steps - 1) {
             const mgpu_memory_sample *samples;
             r.nsamples = mgpu_device_memory_samples(dev, &samples);
-            r.event = (double *)malloc(sizeof(double) * (size_t)(r.nsamples + 1));
-            r.act_mib = (double *)malloc(sizeof(double) * (size_t)(r.nsamples + 1));
+            r.event = (double *)mgpu_malloc(sizeof(double) * (size_t)(r.nsamples + 1));
+            r.act_mib = (double *)mgpu_malloc(sizeof(double) * (size_t)(r.nsamples + 1));
             for (int i = 0; i < r.nsamples; i++) {
                 r.event[i] = i;
                 r.act_mib[i] = mib(samples[i].held[MGPU_MEMORY_ACTIVATIONS]);
@@ -163,7 +166,6 @@ static checkpoint_run checkpoint_try(mgpu_device *dev, int batch, int segments, 
         }
     }
     r.step_ms = mgpu_median(ms, steps);
-    free(ms);
     mgpu_net_free(net);
     mgpu_free(x);
     mgpu_free(y);
@@ -297,7 +299,7 @@ static int fits(int batch, int segments, double limit_mib, int use_gpu, char *wh
     ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
     if (len <= 0) mgpu_fatal("chapter5: cannot find this program (/proc/self/exe: %s)", strerror(errno));
     self[len] = 0;
-    snprintf(command, sizeof command, "'%s' --try-batch %d --checkpointed %d --limit-mib %g%s 2>&1", self, batch,
+    snprintf(command, sizeof command, "'%s' --try-batch %d --checkpointed %d --limit-mib %.17g%s 2>&1", self, batch,
              segments != 1, limit_mib, use_gpu ? "" : " --cpu");
     FILE *p = popen(command, "r");
     if (!p) mgpu_fatal("chapter5: cannot start %s (%s)", self, strerror(errno));
@@ -367,16 +369,22 @@ int main(int argc, char **argv) {
     double limit_mib = 0;
     const mgpu_flag extra[] = {
         {"--batch-size", 'i', &o.batch_size, "the batch of sections 1 and 2 (default 16 reduced, else 256)"},
-        {"--steps", 'i', &steps, "timed steps for each number of runs (default 3 reduced, else 10)"},
-        {"--limit-mib", 'd', &limit_mib, "section 3's memory limit (default 320 reduced, else 2048)"},
+        {"--steps", 'i', &steps, "timed steps for each number of runs, up to 64 (default 3 reduced, else 10)"},
+        {"--limit-mib", 'd', &limit_mib, "section 3's memory limit, 1 MiB to 1 TiB (default 320 reduced, else 2048)"},
         {"--try-batch", 'i', &try_at, "(a try of section 3: one step at this batch under --limit-mib)"},
         {"--checkpointed", 'u', &segments, "(a try: 1 with about sqrt(n) checkpointed runs)"},
         {"--devices", 'n', NULL, "chapter 5 measures one device"},
         {"--epochs", 'n', NULL, "chapter 5 times steps, not epochs (--steps)"},
         {"--lr", 'n', NULL, "chapter 5 does not train to an accuracy"},
+        {"--data", 'n', NULL, "chapter 5 reads no data: its batches are random images"},
+        {"--seed", 'n', NULL, "chapter 5's weights and batches are fixed (memory does not depend on them)"},
     };
     mgpu_options_parse(&o, argc, argv, "chapter5: where a training step's memory goes, and gradient checkpointing",
                        extra, (int)(sizeof extra / sizeof extra[0]));
+    MGPU_REQUIRE(steps <= MAX_STEPS, "--steps %d: at most %d", steps, MAX_STEPS);
+    MGPU_REQUIRE(limit_mib == 0 || (limit_mib >= 1 && limit_mib <= MAX_LIMIT_MIB),
+                 "--limit-mib %g: want 1 to %.0f (MiB: up to 1 TiB)", limit_mib, MAX_LIMIT_MIB);
+    MGPU_REQUIRE(segments <= 1, "--checkpointed %d: want 0 or 1", segments);
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     if (try_at) return try_batch(try_at, segments ? MGPU_SEGMENTS_SQRT : 1, limit_mib, use_gpu);

@@ -63,6 +63,7 @@
 #include "../mgpu.h"
 
 #define BLOCKS 8 /* equal blocks, so that 2 and 4 stages share them evenly */
+#define MAX_STEPS 64 /* timed steps a schedule: their median is printed */
 
 /* The chapter's network: a stem (a 3x3 convolution at stride 2: 28x28
    images to 14x14, batch norm, ReLU), BLOCKS equal blocks (a 3x3
@@ -164,7 +165,7 @@ typedef struct {
 static step_measure measure_steps(mgpu_pipeline *pp, mgpu_device **devs, int stages, const mgpu_tensor *x,
                                   const mgpu_tensor *y, int steps) {
     step_measure r;
-    double ms[64];
+    double ms[MAX_STEPS];
     mgpu_pipeline_train_step(pp, x, y, 0.01f, 0.0f, 0.0f, NULL);
     mgpu_synchronize_all();
     for (int s = 0; s < stages; s++) mgpu_device_reset_peak(devs[s]);
@@ -223,7 +224,7 @@ static void schedules(int stages, int width, int batch, int steps, int use_gpu, 
 /* 3. The two split layers against one device, and what they move. */
 static double max_relative_diff(const mgpu_tensor *a, const mgpu_tensor *b) {
     size_t n = a->numel;
-    float *va = (float *)malloc(n * sizeof(float)), *vb = (float *)malloc(n * sizeof(float));
+    float *va = (float *)mgpu_malloc(n * sizeof(float)), *vb = (float *)mgpu_malloc(n * sizeof(float));
     mgpu_to_host(a, va);
     mgpu_to_host(b, vb);
     double diff = 0, scale = 1e-30;
@@ -298,7 +299,7 @@ static void hybrid(int width, int batch, int m, int steps, int use_gpu, const mg
         pipes[k] = mgpu_pipeline_new(nets[k], devs + 2 * k, 2, first);
         mgpu_pipeline_set_schedule(pipes[k], mgpu_schedule_1f1b, m);
     }
-    double ms[64];
+    double ms[MAX_STEPS];
     for (int i = 0; i <= steps; i++) { /* (the first to warm up) */
         double start = mgpu_now();
         for (int k = 0; k < 2; k++) {
@@ -345,7 +346,7 @@ int main(int argc, char **argv) {
     int reduced = !use_gpu && !o.full;
     if (!width) width = 32;
     if (!steps) steps = reduced ? 3 : 10;
-    MGPU_REQUIRE(steps <= 64, "--steps %d: at most 64", steps);
+    MGPU_REQUIRE(steps <= MAX_STEPS, "--steps %d: at most %d", steps, MAX_STEPS);
     int batch = o.batch_size ? o.batch_size : reduced ? 128 : 256;
     MGPU_REQUIRE(batch >= 8, "--batch-size %d: at least 8 (8 micro-batches)", batch);
     double lr = o.lr ? o.lr : 0.05;
@@ -361,6 +362,8 @@ int main(int argc, char **argv) {
 
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
+    MGPU_REQUIRE(train_samples <= train_set->n, "--train-samples %d: the training set has %d images", train_samples,
+                 train_set->n);
     if (train_samples) {
         mgpu_dataset *subset = mgpu_dataset_subset(train_set, train_samples);
         mgpu_dataset_free(train_set);

@@ -217,7 +217,7 @@ check bad_timeout_one_line dies '^mgpu: error: rank 0: MGPU_DIST_TIMEOUT=nan: ' 
 count bad_timeout_one_line 1 '^mgpu: error'
 check no_data_one_line dies '^mgpu: error: rank 0: .*nowhere' -- mpirun -np 2 ./chapter4 --data "$out/nowhere"
 count no_data_one_line 1 '^mgpu: error'
-check too_many_devices_one_line dies '^mgpu: error: rank 0: --devices-per-process 100: at most 16$' \
+check too_many_devices_one_line dies '^mgpu: error: rank 0: --devices-per-process 100: at most 16 devices$' \
     -- mpirun -np 2 ./chapter4 --devices-per-process 100
 count too_many_devices_one_line 1 '^mgpu: error'
 check check_replicas_one_line dies '^mgpu: error: rank 0: MGPU_CHECK_REPLICAS=2: ' \

@@ -786,4 +786,39 @@ TEST(cpu_devices_run_their_kernels_on_their_share_of_the_cores) {
     mgpu_devices(1, 0, d); /* (as the other tests expect) */
 }
 
+/* ---------------------------------------------------------------- flags */
+/* One flag parsed as a program's extra flag: its value, or the run dies. */
+static double parse_double_flag(char type, const char *text) {
+    mgpu_options o;
+    memset(&o, 0, sizeof o);
+    o.out = "/tmp";
+    double value = -1;
+    const mgpu_flag extra[] = {{"--x", type, &value, "a number"}};
+    char program[] = "test", name[] = "--x", given[64];
+    snprintf(given, sizeof given, "%s", text);
+    char *argv[] = {program, name, given};
+    mgpu_options_parse(&o, 3, argv, "test", extra, 1);
+    return value;
+}
+
+/* 'z' takes 0 and more, 'd' more than 0 only; both refuse in one line. */
+TEST(double_flags_of_0_or_more_and_of_more_than_0) {
+    CHECK(parse_double_flag('z', "0") == 0.0);
+    CHECK(parse_double_flag('z', "0.9") == 0.9);
+    CHECK(parse_double_flag('d', "0.9") == 0.9);
+    EXPECT_DIES(parse_double_flag('z', "-0.5"), "mgpu: error: --x: expected a number of 0 or more, got '-0.5'\n");
+    EXPECT_DIES(parse_double_flag('z', "nan"), "mgpu: error: --x: expected a number of 0 or more, got 'nan'\n");
+    EXPECT_DIES(parse_double_flag('z', "1e-40"), "mgpu: error: --x: 1e-40 is out of float's range");
+    EXPECT_DIES(parse_double_flag('z', "1e39"), "mgpu: error: --x: 1e39 is out of float's range");
+    EXPECT_DIES(parse_double_flag('d', "0"), "mgpu: error: --x: expected a positive number, got '0'\n");
+}
+
+/* mgpu_malloc: what the host cannot give is one line, not NULL. */
+TEST(host_allocations_that_fail_are_one_line_errors) {
+    char *p = (char *)mgpu_malloc(100);
+    memset(p, 1, 100);
+    free(p);
+    EXPECT_DIES(mgpu_malloc(SIZE_MAX / 2), "mgpu: error: out of host memory (asked for");
+}
+
 TEST_MAIN()

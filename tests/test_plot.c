@@ -11,6 +11,7 @@
 #include "test.h"
 #include <ftw.h>
 #include <stb/stb_image.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 /* ---- helpers ---- */
@@ -536,6 +537,63 @@ TEST(unwritable_paths_report_one_line) {
     CHECK_EQ_INT(mgpu_animator_count(a), 2);
     mgpu_animator_free(a);
     mgpu_canvas_free(c);
+}
+
+/* Files limited to 1000 bytes (ulimit -f), in a child: the write past the
+   limit fails as on a full disk, where SIGXFSZ would kill the process. */
+static void write_png_into_1000_bytes(const mgpu_canvas *c, const char *path) {
+    struct rlimit small;
+    small.rlim_cur = small.rlim_max = 1000;
+    setrlimit(RLIMIT_FSIZE, &small);
+    _exit(mgpu_canvas_write_png(c, path) != 0);
+}
+TEST(a_png_past_the_file_size_limit_is_one_line_and_no_file) {
+    mgpu_canvas *c = mgpu_canvas_new(64, 64, 0);
+    uint32_t noise = 1; /* (which does not compress: 12 KiB of pixels, a PNG of more than 1000 bytes) */
+    for (int i = 0; i < 64 * 64 * 3; i++) c->rgb[i] = (unsigned char)((noise = noise * 1664525u + 1013904223u) >> 24);
+    const char *path = tmp_path("limited.png");
+    char tmp[300], want[400];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    snprintf(want, sizeof want, "mgpu: error: %s: cannot write PNG (File too large)\n", path);
+    EXPECT_DIES(write_png_into_1000_bytes(c, path), want);
+    CHECK(!file_exists(path));
+    CHECK(!file_exists(tmp));
+    mgpu_canvas_free(c);
+}
+
+/* A ".tmp" in the way that is no file, a FIFO (whose opening waits for a
+   reader, and whose writes would raise SIGPIPE), is replaced by the file. */
+TEST(a_fifo_in_the_place_of_the_temporary_file_is_replaced) {
+    mgpu_canvas *c = mgpu_canvas_new(4, 4, 0x123456);
+    const char *path = tmp_path("fifo.png");
+    char tmp[300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    CHECK_EQ_INT(mkfifo(tmp, 0644), 0);
+    alarm(20); /* (the test's end, where the open waits) */
+    CHECK_EQ_INT(mgpu_canvas_write_png(c, path), 0);
+    alarm(0);
+    CHECK(!file_exists(tmp));
+    image im = load_png(path);
+    CHECK_EQ_INT(at(&im, 3, 3), 0x123456);
+    stbi_image_free(im.rgb);
+    mgpu_canvas_free(c);
+}
+
+/* Standard output on a full disk (/dev/full), line by line as the
+   chapters write it, in a child: printf says nothing; mgpu_output_errors
+   says so, and counts it once however often it is asked (exit status 1
+   when it did). */
+static void print_onto_a_full_disk(void) {
+    if (!freopen("/dev/full", "w", stdout)) _exit(0);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    int before = mgpu_output_errors();
+    printf("lost\n");
+    int after = mgpu_output_errors();
+    _exit(after == before + 1 && mgpu_output_errors() == after);
+}
+TEST(a_failed_write_to_standard_output_is_an_output_error) {
+    EXPECT_DIES(print_onto_a_full_disk(),
+                "mgpu: error: standard output: cannot write (a write failed: a full disk, or the file-size limit)\n");
 }
 
 TEST(caller_bugs_are_fatal_with_a_message) {
