@@ -12123,6 +12123,10 @@ MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
     if (launched > 1) {
         double timeout = mgpu__dist_timeout();
         int provided = 0;
+        /* (MPI_Init sizes its shared-memory files: past the file-size limit
+           that raises SIGXFSZ, a death without a word, unless ignored as
+           the files written whole ignore it; then MPI says what failed) */
+        signal(SIGXFSZ, SIG_IGN);
         mgpu__dist_guard("MPI_Init", timeout);
         MGPU__MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
         mgpu__dist_guard(NULL, 0);

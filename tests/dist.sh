@@ -224,6 +224,18 @@ check check_replicas_one_line dies '^mgpu: error: rank 0: MGPU_CHECK_REPLICAS=2:
     -- env MGPU_CHECK_REPLICAS=2 mpirun -np 2 ./chapter4 --train-samples 256 --test-samples 64 --epochs 1
 count check_replicas_one_line 1 '^mgpu: error'
 
+# A file-size limit in each rank (ulimit -f: 100 KiB, less than the
+# checkpoint): one line from rank 0, exit status 1 (not 153, SIGXFSZ's),
+# and no .tmp file left behind.
+check file_size_limit_in_ranks 1 \
+    '^mgpu: error: rank 0: .*/chapter4_1proc\.ckpt: cannot write the training checkpoint \(File too large\)$' \
+    -- mpirun -np 2 bash -c "ulimit -f 200; exec ./chapter4 --train-samples 512 --test-samples 128 --epochs 1 \
+       --out '$out/limited'"
+count file_size_limit_in_ranks 1 'cannot write'
+if [ -z "$(find "$out/limited" -name '*.tmp')" ]; then
+    echo "ok   file_size_limit_in_ranks_leaves_no_tmp"; passed=$((passed + 1))
+else echo "FAIL file_size_limit_in_ranks_leaves_no_tmp"; failed=$((failed + 1)); fi
+
 # The issue's own case: a rank stopped (kill -STOP) while the 1-process run
 # trains; the others name it at the barrier after that run.
 stop_rank_when() { # RANK PATTERN LOG: stops that rank once the log matches
