@@ -115,7 +115,7 @@ else
 COMPILE    = $(CC) $(CFLAGS_C) -I. $< -o $@ $(LIBS)
 endif
 
-HEADERS    := mgpu.h $(wildcard kernels/*.h) $(wildcard parts/*.h)
+HEADERS    := mgpu.h $(wildcard kernels/*.h) $(wildcard mgpu/*.h)
 CHAPTERS   := $(sort $(wildcard chapters/[0-9][0-9]_*.c))
 CPU_TESTS  := $(sort $(wildcard tests/test_*.c))
 GPU_TESTS  := $(sort $(wildcard tests/gpu_*.c))
@@ -292,8 +292,8 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
 test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) $(DIST_TEST_BINS)
-	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
-	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh \
+	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) PARTS_CFLAGS='$(OPENMP) $(ONEDNN) $(MPI_FLAGS)' bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
+	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh \
 	  tests/assignments.sh tests/dist.sh
 
 # A student's solution of an assignment (docs/assignments.md), built with

@@ -5,7 +5,7 @@
    (default 32 on a CPU, 256 on a GPU), random 1x28x28 images, its 12
    layers (stem convolution, batch norm with its ReLU, 8 residual blocks,
    pooling, linear) plain and in about sqrt(12) = 3 checkpointed runs
-   (mgpu_net_checkpoint). The two networks take their steps in turn, step
+   (mgpu_net_recompute). The two networks take their steps in turn, step
    by step, 2 untimed and then --steps timed each, so that a machine's
    changing load falls on both alike. Each step is timed to the device's
    end (mgpu_synchronize). Then each network alone on the device takes
@@ -23,7 +23,7 @@
 static mgpu_net *resnet(mgpu_device *dev, int checkpointed) {
     mgpu_manual_seed(1);
     mgpu_net *net = mgpu_resnet18(10, 1, dev);
-    mgpu_net_checkpoint(net, checkpointed ? MGPU_SEGMENTS_SQRT : 1);
+    mgpu_net_recompute(net, checkpointed ? MGPU_SEGMENTS_SQRT : 1);
     return net;
 }
 

@@ -29,7 +29,11 @@
    same GPU. A 4000x4000 product fills the whole GPU, so the two queues take
    turns and "dev1 & dev2" is about the sum: parallelism needs hardware to
    run on. Without a GPU the two devices are CPU worker threads, each with
-   its own share of the cores, and they do overlap. */
+   its own share of the cores, and they do overlap.
+
+   Reads: mgpu/queues.h (a device's queues), mgpu/devices.h, mgpu/events.h,
+   mgpu/tensor_ops.h (mgpu_matmul, mgpu_to), mgpu/timing.h (timers and
+   the tracer), mgpu/plots.h (the timeline). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

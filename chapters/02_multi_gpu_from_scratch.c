@@ -19,7 +19,12 @@
    per run with train loss, train accuracy and test accuracy.
 
    The model is too small for two devices to speed it up: most of the time
-   goes into moving the data and launching small operations, as in the book. */
+   goes into moving the data and launching small operations, as in the book.
+
+   Reads: mgpu/communication.h (the book's get_params, allreduce and
+   split_batch), mgpu/layers.h and mgpu/convolution.h (LeNet's layers),
+   mgpu/training_ops.h (the loss and SGD), mgpu/data.h, mgpu/plots.h (the
+   Animator). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

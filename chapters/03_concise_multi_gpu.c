@@ -29,7 +29,11 @@
    (which evaluation uses) to settle. The reduced runs test 4 times an
    epoch, so that each curve has points to show, and print images/sec:
    on a CPU the k devices share its cores, so k devices, with k times the
-   images, take longer per epoch; images/sec compares them. */
+   images, take longer per epoch; images/sec compares them.
+
+   Reads: mgpu/data_parallel.h, mgpu/data_parallel_step.h (the wrapper and its
+   step), mgpu/communication.h (the ring and NCCL), mgpu/networks.h and
+   mgpu/net_training.h (ResNet-18 and its training), mgpu/data.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

@@ -62,7 +62,12 @@
    norm too.
 
    Without a GPU it runs a reduced setting (LeNet, 8192 images, 2 epochs);
-   --full trains ResNet-18 on all 60000, as chapter 3. */
+   --full trains ResNet-18 on all 60000, as chapter 3.
+
+   Reads: mgpu/groups.h (processes as a group), mgpu/data_parallel.h
+   (mgpu_distributed_data_parallel_new), mgpu/data_parallel_step.h,
+   mgpu/data.h (the distributed sampler), mgpu/checkpoints.h (resuming),
+   mgpu/timing.h (each rank's timeline). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

@@ -11,7 +11,7 @@
    on a large model or a large batch they are what does not fit.
 
    Gradient checkpointing (Chen et al. 2016, PyTorch's
-   torch.utils.checkpoint.checkpoint_sequential; mgpu_net_checkpoint)
+   torch.utils.checkpoint.checkpoint_sequential; mgpu_net_recompute)
    trades compute for that memory: cut the n layers into k runs, keep
    only each run's input during the forward pass, and make a run's
    activations again, by its forward pass, just before its backward pass.
@@ -57,7 +57,11 @@
 
    Without a GPU it runs a reduced setting (batch 16, 3 timed steps, a
    limit of 320 MiB); --full, or a GPU, runs batch 256 and a limit of
-   2 GiB. */
+   2 GiB.
+
+   Reads: mgpu/memory.h (memory by category), mgpu/networks.h (activation
+   recomputation, mgpu_net_recompute), mgpu/zero.h (ZeRO-1 and ZeRO-2),
+   mgpu/data_parallel_step.h, mgpu/plots.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include <unistd.h>
@@ -79,7 +83,7 @@ static void step_batch(mgpu_device *dev, int batch, mgpu_tensor **x, mgpu_tensor
 static mgpu_net *resnet(mgpu_device *dev, int segments, int adam) {
     mgpu_manual_seed(1);
     mgpu_net *net = mgpu_resnet18(10, 1, dev);
-    mgpu_net_checkpoint(net, segments);
+    mgpu_net_recompute(net, segments);
     if (adam) mgpu_net_use_adam(net, 0.9f, 0.999f, 1e-8f, 0);
     return net;
 }

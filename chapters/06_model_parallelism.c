@@ -58,7 +58,11 @@
 
    Without a GPU it runs a reduced setting (3 epochs of 3072 images, batch
    128, 3 timed steps a schedule); --full, or a GPU, trains on all 60000
-   images for 10 epochs with batch 256 and times 10 steps. */
+   images for 10 epochs with batch 256 and times 10 steps.
+
+   Reads: mgpu/pipelines.h (stages, micro-batches, GPipe and 1F1B),
+   mgpu/tensor_parallel.h (split layers), mgpu/groups.h (stages on ranks),
+   mgpu/timing.h and mgpu/plots.h (the schedules' timelines). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

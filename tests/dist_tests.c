@@ -302,7 +302,7 @@ TEST(checkpointing_inside_the_distributed_wrapper) {
     mgpu_data_parallel *ddps[2];
     for (int k = 0; k < 2; k++) {
         nets[k] = batch_norm_net(dev, 17 + (uint64_t)rank);
-        mgpu_net_checkpoint(nets[k], k ? MGPU_SEGMENTS_SQRT : 1);
+        mgpu_net_recompute(nets[k], k ? MGPU_SEGMENTS_SQRT : 1);
         ddps[k] = mgpu_distributed_data_parallel_new(nets[k], world);
     }
     int size = mgpu_group_size(world);

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Each file of kernels/ builds on its own, right after mgpu.h's core (the
-# lines before it includes the kernel files): no kernel file depends on
-# the order mgpu.h includes them in. A file that uses another's
-# definitions includes it. Checked for the CPU (gcc) and for the CUDA
-# path on the emulated GPUs (g++ with tests/cuda_emu.h, on the files
-# rewritten for it in build/emu/kernels/, which `make test` writes).
+# Each file of kernels/ builds on its own, right after mgpu.h's API and
+# its core part (mgpu/core.h, the ground floor): no kernel file depends on
+# the rest of the implementation, nor on the order mgpu.h includes them
+# in. A file that uses another's definitions includes it. Checked for the
+# CPU (gcc) and for the CUDA path on the emulated GPUs (g++ with
+# tests/cuda_emu.h, on the files rewritten for it in build/emu/kernels/,
+# which `make test` writes).
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# mgpu.h's core: its lines before the kernel includes, and the #endif of
-# each conditional still open there (a test file holds the core, the
-# kernel file's #include and the #endifs)
-core=$(grep -n '^#ifdef MGPU_CUDA_EMU$' mgpu.h | head -n 1 | cut -d: -f1)
+# mgpu.h up to its core part's include, and the #endif of each
+# conditional still open there (a test file holds these lines, the kernel
+# file's #include and the #endifs)
+core=$(grep -n '^#include "mgpu/core.h"' mgpu.h | head -n 1 | cut -d: -f1)
 if [ -z "$core" ]; then
-    echo "FAIL kernels_alone: mgpu.h has no '#ifdef MGPU_CUDA_EMU' line before its kernel includes"
+    echo "FAIL kernels_alone: mgpu.h does not include mgpu/core.h"
     echo "test-summary: 0 passed, 1 failed"
     exit 1
 fi
-head -n $((core - 1)) mgpu.h > "$work/core.h"
+head -n "$core" mgpu.h > "$work/core.h"
 closers=$(awk '/^#if/ { d++ } /^#endif/ { d-- } END { for (i = 0; i < d; i++) print "#endif" }' "$work/core.h")
 passed=0 failed=0
 for kernel in kernels/*.h; do

@@ -72,7 +72,7 @@ static int poison_like(const mgpu_layer *l, mgpu_tensor **out) {
    statistic the same bits. */
 static void checkpointed_like_plain(const char *name, mgpu_net *(*make)(uint64_t), int segments, int size) {
     mgpu_net *plain = make(3), *cut = make(3);
-    mgpu_net_checkpoint(cut, segments);
+    mgpu_net_recompute(cut, segments);
     mgpu_tensor *x, *y;
     batch(4, size, &x, &y);
     mgpu_net *nets[2] = {plain, cut};
@@ -111,7 +111,7 @@ TEST(checkpointed_gradients_are_the_plain_ones_bit_for_bit) {
    (PyTorch's checkpoint would move them twice, to 0.19 of it). */
 TEST(running_statistics_move_once_a_step) {
     mgpu_net *net = with_own_layers(5), *plain = with_own_layers(5);
-    mgpu_net_checkpoint(net, 9);
+    mgpu_net_recompute(net, 9);
     mgpu_tensor *x, *y;
     batch(4, 8, &x, &y);
     mgpu_net_train_step(net, x, y, 0.0f, 0.0f, 0.0f, NULL);
@@ -148,7 +148,7 @@ TEST(checkpointing_inside_the_data_parallel_wrapper) {
         mgpu_net_add_layer(nets[k], &own_relu, NULL, NULL, NULL);
         mgpu_net_add_global_avg_pool(nets[k]);
         mgpu_net_add_linear(nets[k], 8, 10);
-        if (k) mgpu_net_checkpoint(nets[k], MGPU_SEGMENTS_SQRT);
+        if (k) mgpu_net_recompute(nets[k], MGPU_SEGMENTS_SQRT);
         dps[k] = mgpu_data_parallel_new(nets[k], devs, 2, MGPU_DP_ALLREDUCE);
     }
     for (int s = 0; s < 3; s++) {
@@ -185,7 +185,7 @@ TEST(peak_activations_follow_the_formula) {
         double before = (double)mgpu_device_memory_of(dev, MGPU_MEMORY_ACTIVATIONS);
         mgpu_net *net = mgpu_net_new(dev);
         for (int i = 0; i < n; i++) mgpu_net_add_linear(net, width, width);
-        mgpu_net_checkpoint(net, runs[r]);
+        mgpu_net_recompute(net, runs[r]);
         mgpu_net_train_step(net, x, y, 0.01f, 0.0f, 0.0f, NULL); /* (the first step makes the scratch) */
         mgpu_synchronize(dev);
         mgpu_device_reset_peak(dev);
@@ -380,10 +380,10 @@ TEST(bad_zero_settings_are_refused_by_name) {
 
 TEST(bad_checkpoint_settings_are_refused_by_name) {
     mgpu_net *net = with_own_layers(1);
-    EXPECT_DIES(mgpu_net_checkpoint(net, 0), "mgpu_net_checkpoint: 0 runs; want 1 (one run: no checkpointing) up "
+    EXPECT_DIES(mgpu_net_recompute(net, 0), "mgpu_net_recompute: 0 runs; want 1 (one run: no recomputation) up "
                                              "to the number of layers, or MGPU_SEGMENTS_SQRT");
-    EXPECT_DIES(mgpu_net_checkpoint(net, -3), "mgpu_net_checkpoint: -3 runs; want 1");
-    EXPECT_DIES(mgpu_net_checkpoint(net, 10), "mgpu_net_checkpoint: 10 runs of a network of 9 layers; "
+    EXPECT_DIES(mgpu_net_recompute(net, -3), "mgpu_net_recompute: -3 runs; want 1");
+    EXPECT_DIES(mgpu_net_recompute(net, 10), "mgpu_net_recompute: 10 runs of a network of 9 layers; "
                                               "at most one a layer");
     EXPECT_DIES(mgpu_device_memory_of(dev, (mgpu_memory_category)9), "mgpu_device_memory_of: memory category 9 "
                                                                      "does not exist");

@@ -1,0 +1,711 @@
+/* mgpu/pipelines.h: pipeline parallelism (chapter 6): a network cut into
+   stages on devices or ranks, a batch into micro-batches, run by a
+   schedule (naive, GPipe, 1F1B); the bubble measured beside its formula,
+   and each schedule's timeline.
+   defines: mgpu_pipeline_new, mgpu_pipeline_new_group, mgpu_pipeline_free,
+   mgpu_pipeline_set_schedule, mgpu_schedule_gpipe, mgpu_schedule_1f1b,
+   mgpu_pipeline_num_stages, mgpu_pipeline_stage, mgpu_pipeline_slots,
+   mgpu_pipeline_set_training, mgpu_pipeline_forward,
+   mgpu_pipeline_forward_backward, mgpu_pipeline_step,
+   mgpu_pipeline_train_step, mgpu_pipeline_evaluate_accuracy,
+   mgpu_pipelines_average_grads, mgpu_pipeline_measure,
+   mgpu_pipeline_bubble_formula, mgpu_pipeline_write_timeline */
+/* A stage: its network, which holds the parameters, their gradients,
+   batch norm's buffers and the optimizer's state, and its slots, copies
+   of its layers that share those, one for each micro-batch in flight
+   (slot[0] is the network itself); where its layers, parameters and
+   buffers start in the pipeline's network. */
+typedef struct mgpu__pipeline_stage {
+    mgpu_net *net;
+    mgpu_net **slot;
+    int nslots, slots_wanted;
+    int *slot_micro_batch;       /* the micro-batch each slot holds during a step, or -1 */
+    int first_layer, first_param, first_buffer;
+    int backward_passes;         /* done so far in this step: the first writes the gradients */
+} mgpu__pipeline_stage;
+
+struct mgpu_pipeline {
+    mgpu_net *net;
+    int nstages;
+    /* across processes (mgpu_pipeline_new_group): the group, and this
+       rank's stage (the others' stage[].net are NULL); the shape of each
+       stage's output for one row of the batch, found by a forward pass of
+       one row through the whole network (x_row: the row's shape it was
+       found for) */
+    struct mgpu_group *group;
+    int rank;
+    mgpu_shape row_output[MGPU_MAX_DEVICES], x_row;
+    mgpu__pipeline_stage stage[MGPU_MAX_DEVICES];
+    int micro_batches;
+    mgpu_pipeline_pass *order; /* stage s's passes: order[s * 2m ..], in its order */
+    int *sequence;             /* every stage's passes as the host enqueues them: s * 2m + index */
+    /* during a step: the batch on the first stage's device and its
+       labels on the last's (each copied there whole at the start: a copy
+       waits for its source device's work, and the batch's is often the
+       first stage's); for stage s and micro-batch j ([s * m + j]), the
+       stage's input and the gradient of its output */
+    const mgpu_tensor *x, *labels;
+    mgpu_tensor *x_moved, *labels_moved;
+    mgpu_tensor **input, **output_grad;
+    /* what stage s sends for micro-batch j, and when it is written: its
+       output (the slot's) and its input's gradient (its own). The next
+       stage copies it when it comes to use it: a copy enqueued at once
+       would make the receiving queue wait for it before the work the
+       schedule puts first there. */
+    const mgpu_tensor **output;
+    mgpu_tensor **input_grad;
+    mgpu_event **output_ready, **input_grad_ready;
+};
+
+MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    (void)stage, (void)stages;
+    for (int j = 0; j < micro_batches; j++) {
+        order[j].backward = 0, order[j].micro_batch = j;
+        order[micro_batches + j].backward = 1, order[micro_batches + j].micro_batch = j;
+    }
+}
+MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    int warmup = stages - stage - 1 < micro_batches ? stages - stage - 1 : micro_batches;
+    int n = 0, forward = 0, backward = 0;
+    while (forward < warmup) order[n].backward = 0, order[n++].micro_batch = forward++;
+    while (forward < micro_batches) { /* the steady state: one forward, one backward */
+        order[n].backward = 0, order[n++].micro_batch = forward++;
+        order[n].backward = 1, order[n++].micro_batch = backward++;
+    }
+    while (backward < micro_batches) order[n].backward = 1, order[n++].micro_batch = backward++;
+}
+MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches) {
+    return (stages - 1) / (double)(micro_batches + stages - 1);
+}
+
+/* "F3" or "B3": a pass as the trace labels it and the errors name it. */
+static const char *mgpu__pass_name(mgpu_pipeline_pass pass, char *buf, size_t size) {
+    snprintf(buf, size, "%c%d", pass.backward ? 'B' : 'F', pass.micro_batch);
+    return buf;
+}
+
+/* A slot for stage st: copies of its layers sharing its parameters and
+   buffers. A stage after the first wants its input's gradient, to send
+   it back. */
+static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wants_input_grad) {
+    mgpu_net *slot = mgpu__net_like(st->net, st->net->device);
+    slot->shares_params = 1;
+    for (int i = 0; i < st->net->nlayers; i++)
+        mgpu__net_add(slot, mgpu__layer_clone(st->net->layers[i], st->net->device, 1));
+    mgpu_net_want_input_grad(slot, wants_input_grad);
+    return slot;
+}
+
+/* Checks the schedule's passes for every stage and finds how many slots
+   each needs (the most micro-batches between forward and backward). */
+static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
+    const char *who = "mgpu_pipeline_set_schedule";
+    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)2 * m, 1);
+    for (int s = 0; s < pp->nstages; s++) {
+        const mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
+        int in_flight = 0, most = 0;
+        char name[24];
+        memset(seen, 0, (size_t)2 * m);
+        for (int i = 0; i < 2 * m; i++) {
+            mgpu_pipeline_pass pass = order[i];
+            MGPU_REQUIRE(pass.backward != -1 || pass.micro_batch != -1,
+                         "%s: the schedule left pass %d of stage %d unwritten; it must write 2m = %d passes", who, i,
+                         s, 2 * m);
+            MGPU_REQUIRE(pass.backward == 0 || pass.backward == 1,
+                         "%s: the schedule's pass %d of stage %d has backward %d; want 0 (forward) or 1", who, i, s,
+                         pass.backward);
+            MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
+                         "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
+                         who, i, s, pass.micro_batch, m, m - 1);
+            int backward = pass.backward != 0;
+            MGPU_REQUIRE(!seen[2 * pass.micro_batch + backward], "%s: the schedule runs %s twice on stage %d", who,
+                         mgpu__pass_name(pass, name, sizeof name), s);
+            MGPU_REQUIRE(!backward || seen[2 * pass.micro_batch],
+                         "%s: the schedule runs %s on stage %d before that micro-batch's forward pass", who,
+                         mgpu__pass_name(pass, name, sizeof name), s);
+            seen[2 * pass.micro_batch + backward] = 1;
+            in_flight += backward ? -1 : 1;
+            if (in_flight > most) most = in_flight;
+        }
+        pp->stage[s].slots_wanted = most;
+    }
+    free(seen);
+}
+
+/* The order in which the host enqueues the passes: round after round,
+   each stage's next pass once what it takes has been enqueued (a
+   forward pass the stage before's, a backward pass the stage after's),
+   so that every device's queue gets its passes in the schedule's order
+   and no queue waits for work enqueued after it. A round with nothing
+   ready is a schedule that waits for itself. */
+static void mgpu__pipeline_sequence(mgpu_pipeline *pp, int m) {
+    int p = pp->nstages, total = 2 * m * p, n = 0;
+    int *next = (int *)mgpu__xcalloc((size_t)p, sizeof *next);
+    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)total, 1); /* [(s * m + j) * 2 + backward] */
+    pp->sequence = (int *)mgpu__xrealloc(pp->sequence, (size_t)total * sizeof *pp->sequence);
+    while (n < total) {
+        int progress = 0;
+        for (int s = 0; s < p; s++) {
+            if (next[s] == 2 * m) continue;
+            mgpu_pipeline_pass pass = pp->order[s * 2 * m + next[s]];
+            int b = pass.backward != 0, j = pass.micro_batch, from = b ? s + 1 : s - 1;
+            if (from >= 0 && from < p && !done[(from * m + j) * 2 + b]) continue;
+            done[(s * m + j) * 2 + b] = 1;
+            pp->sequence[n++] = s * 2 * m + next[s]++;
+            progress = 1;
+        }
+        if (!progress) {
+            char waits[512] = "", pass_name[24];
+            size_t used = 0;
+            for (int s = 0; s < p && used < sizeof waits; s++)
+                if (next[s] < 2 * m)
+                    used += (size_t)snprintf(waits + used, sizeof waits - used, "%sstage %d at %s", used ? ", " : "",
+                                             s, mgpu__pass_name(pp->order[s * 2 * m + next[s]], pass_name,
+                                                                sizeof pass_name));
+            mgpu_fatal("mgpu_pipeline_set_schedule: the schedule waits for itself (%s: each needs a pass "
+                       "that comes later on its neighbour)", waits);
+        }
+    }
+    free(next);
+    free(done);
+}
+
+/* The arrays of a step's tensors and events (empty between steps). */
+static void mgpu__pipeline_free_step_state(mgpu_pipeline *pp) {
+    for (int i = 0; pp->output_ready && i < pp->micro_batches * pp->nstages; i++) {
+        mgpu_event_free(pp->output_ready[i]);
+        mgpu_event_free(pp->input_grad_ready[i]);
+    }
+    free(pp->input);
+    free(pp->output_grad);
+    free((void *)pp->output);
+    free(pp->input_grad);
+    free(pp->output_ready);
+    free(pp->input_grad_ready);
+}
+
+MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches) {
+    MGPU_REQUIRE(schedule, "mgpu_pipeline_set_schedule: no schedule (mgpu_schedule_gpipe, mgpu_schedule_1f1b)");
+    /* (each pass is a trace label, of which the library keeps 4096) */
+    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 2048,
+                 "mgpu_pipeline_set_schedule: %d micro-batches; want 1 to 2048", micro_batches);
+    int p = pp->nstages, m = micro_batches;
+    mgpu__pipeline_free_step_state(pp);
+    pp->micro_batches = m;
+    /* (one pass more: a schedule that writes past its 2m is caught there) */
+    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)2 * m * p + 1) * sizeof *pp->order);
+    for (int s = 0; s < p; s++) {
+        mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
+        for (int i = 0; i <= 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
+        schedule(s, p, m, order);
+        MGPU_REQUIRE(order[2 * m].backward == -1 && order[2 * m].micro_batch == -1,
+                     "mgpu_pipeline_set_schedule: the schedule wrote past stage %d's 2m = %d passes", s, 2 * m);
+    }
+    mgpu__pipeline_check_order(pp, m);
+    mgpu__pipeline_sequence(pp, m);
+    for (int s = 0; s < p; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        if (st->net && st->slots_wanted > st->nslots) { /* (across processes, this rank's stage alone) */
+            st->slot = (mgpu_net **)mgpu__xrealloc(st->slot, (size_t)st->slots_wanted * sizeof *st->slot);
+            st->slot_micro_batch =
+                (int *)mgpu__xrealloc(st->slot_micro_batch, (size_t)st->slots_wanted * sizeof *st->slot_micro_batch);
+            for (int k = st->nslots; k < st->slots_wanted; k++) st->slot[k] = mgpu__pipeline_new_slot(st, s > 0);
+            st->nslots = st->slots_wanted;
+        }
+    }
+    size_t n = (size_t)m * p;
+    pp->input = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output_grad = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output = (const mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->input_grad = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
+    pp->output_ready = (mgpu_event **)mgpu__xcalloc(n, sizeof(mgpu_event *));
+    pp->input_grad_ready = (mgpu_event **)mgpu__xcalloc(n, sizeof(mgpu_event *));
+    for (size_t i = 0; i < n; i++) {
+        pp->output_ready[i] = mgpu_event_new();
+        pp->input_grad_ready[i] = mgpu_event_new();
+    }
+}
+
+/* The stage's optimizer state from the pipeline's network (to_stage), or
+   back to it: momentum buffers, Adam's moments, the count of steps. */
+static void mgpu__pipeline_move_state(mgpu_pipeline *pp, int s, int to_stage) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *from = to_stage ? pp->net : st->net, *to = to_stage ? st->net : pp->net;
+    /* (the stage's parameter i is the network's first_param + i) */
+    int from_i = to_stage ? st->first_param : 0, to_i = to_stage ? 0 : st->first_param;
+    for (int i = 0; i < st->net->nparams; i++, from_i++, to_i++) {
+        mgpu_tensor *state_from[2] = {from->momentum[from_i], from->second_moment[from_i]};
+        mgpu_tensor **state_to[2] = {&to->momentum[to_i], &to->second_moment[to_i]};
+        for (int k = 0; k < 2; k++) {
+            if (!state_from[k]) continue;
+            int scope = mgpu__memory_scope(MGPU_MEMORY_OPTIMIZER);
+            mgpu_ensure(state_to[k], to->device, state_from[k]->shape);
+            mgpu__memory_scope((mgpu_memory_category)scope);
+            mgpu_copy(*state_to[k], state_from[k], 0);
+        }
+    }
+    to->steps = from->steps;
+}
+
+/* The buffers (batch norm's running statistics) of layer l and its parts. */
+static int mgpu__layer_buffers(const mgpu_layer *l) {
+    if (!l) return 0;
+    int n = l->running_mean ? 2 : 0;
+    const mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++) n += mgpu__layer_buffers(parts[i]);
+    return n;
+}
+
+/* A new pipeline of net in `stages` stages, stage s starting at layer
+   first[s] (first[stages]: the end), after checking the cut. */
+static mgpu_pipeline *mgpu__pipeline_cut(const char *who, mgpu_net *net, int stages, const int *first_layers,
+                                         int *first) {
+    MGPU_REQUIRE(stages >= 1 && stages <= MGPU_MAX_DEVICES, "%s: %d stages; want 1 to %d", who, stages,
+                 MGPU_MAX_DEVICES);
+    MGPU_REQUIRE(stages <= net->nlayers, "%s: %d stages for a network of %d layers; at most one stage a layer",
+                 who, stages, net->nlayers);
+    MGPU_REQUIRE(!net->wrapped, "%s: a wrapper holds this network already", who);
+    MGPU_REQUIRE(!mgpu__net_synced(net), "%s: the network's batch norms are synchronised over a group "
+                 "(mgpu_net_sync_batchnorm); a pipeline's stages hold different layers", who);
+    for (int s = 0; s < stages; s++) {
+        first[s] = first_layers ? first_layers[s] : s * net->nlayers / stages;
+        MGPU_REQUIRE(s > 0 || first[0] == 0, "%s: stage 0 starts at layer %d; it must start at layer 0", who,
+                     first[0]);
+        MGPU_REQUIRE(first[s] >= 0 && first[s] < net->nlayers,
+                     "%s: stage %d starts at layer %d, which does not exist (the network has layers 0 to %d)", who,
+                     s, first[s], net->nlayers - 1);
+        MGPU_REQUIRE(s == 0 || first[s] > first[s - 1],
+                     "%s: stage %d starts at layer %d, not after stage %d's first layer (%d)", who, s, first[s],
+                     s - 1, first[s - 1]);
+    }
+    first[stages] = net->nlayers;
+    mgpu_pipeline *pp = (mgpu_pipeline *)mgpu__xcalloc(1, sizeof *pp);
+    pp->net = net;
+    pp->nstages = stages;
+    return pp;
+}
+
+/* Stage s, layers first .. end - 1 of the pipeline's network, on dev: a
+   network of copies of them with their state, and its first slot. */
+static void mgpu__pipeline_build_stage(mgpu_pipeline *pp, int s, mgpu_device *dev, int first, int end,
+                                       const char *who) {
+    mgpu_net *net = pp->net;
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *sn = st->net = mgpu__net_like(net, dev);
+    st->first_layer = first;
+    st->first_param = net->first_param[first];
+    for (int i = 0; i < first; i++) st->first_buffer += mgpu__layer_buffers(net->layers[i]);
+    for (int i = first; i < end; i++) {
+        mgpu__require_own_loops_on_cpu(net->layers[i], dev, who);
+        mgpu__net_add(sn, mgpu__layer_clone(net->layers[i], dev, 0));
+    }
+    /* (the stage's first layer reads its input as it comes, not a batch
+       norm's channels-last copy of it) */
+    mgpu_layer *l = sn->layers[0];
+    l->copies->input_from_batch_norm = 0;
+    if (l->kind == MGPU_LAYER_RESIDUAL) {
+        l->conv1->copies->input_from_batch_norm = 0;
+        if (l->shortcut) l->shortcut->copies->input_from_batch_norm = 0;
+    }
+    mgpu_net_want_input_grad(sn, s > 0);
+    sn->wrapped = MGPU__HELD_BY_PIPELINE; /* (mgpu_pipeline_stage hands it out; the pipeline frees it) */
+    mgpu__pipeline_move_state(pp, s, 1);
+    st->slot = (mgpu_net **)mgpu__xcalloc(1, sizeof *st->slot);
+    st->slot_micro_batch = (int *)mgpu__xcalloc(1, sizeof *st->slot_micro_batch);
+    st->slot[0] = sn;
+    st->nslots = 1;
+}
+
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
+                                          const int *first_layers) {
+    const char *who = "mgpu_pipeline_new";
+    int first[MGPU_MAX_DEVICES + 1];
+    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
+    for (int s = 0; s < stages; s++)
+        if (!devices[s]) {
+            free(pp);
+            mgpu_fatal("%s: devices[%d] is NULL", who, s);
+        }
+    for (int s = 0; s < stages; s++)
+        for (int t = 0; t < s; t++)
+            if (devices[s] == devices[t]) {
+                free(pp);
+                mgpu_fatal("%s: %s is devices[%d] and devices[%d]; give each stage its own device (mgpu_devices "
+                           "makes virtual ones)", who, devices[s]->name, t, s);
+            }
+    for (int s = 0; s < stages; s++) mgpu__pipeline_build_stage(pp, s, devices[s], first[s], first[s + 1], who);
+    net->wrapped = MGPU__HELD_BY_PIPELINE;
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+    return pp;
+}
+
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers) {
+    const char *who = "mgpu_pipeline_new_group";
+    int first[MGPU_MAX_DEVICES + 1], stages = mgpu_group_size(g), rank = mgpu_group_rank(g);
+    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
+    pp->group = g;
+    pp->rank = rank;
+    mgpu__pipeline_build_stage(pp, rank, net->device, first[rank], first[rank + 1], who);
+    for (int s = 0; s < stages; s++) pp->stage[s].first_layer = first[s];
+    net->wrapped = MGPU__HELD_BY_PIPELINE;
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+    return pp;
+}
+
+/* Rows first .. first + count - 1 of the batch's n are micro-batch j's
+   (as torch.tensor_split: the first n mod m micro-batches a row more). */
+static void mgpu__micro_batch_rows(int n, int m, int j, int *first, int *count) {
+    *count = n / m + (j < n % m);
+    *first = j * (n / m) + (j < n % m ? j : n % m);
+}
+
+/* Shape `row` (of one row) with `rows` rows. */
+static mgpu_shape mgpu__rows_of(mgpu_shape row, int rows) {
+    row.d[0] = rows;
+    return row;
+}
+
+/* t, or where t is on another device, a copy of it on dev (*moved,
+   freed after the step). */
+static const mgpu_tensor *mgpu__on_device(const mgpu_tensor *t, mgpu_device *dev, mgpu_tensor **moved) {
+    *moved = t->device == dev ? NULL : mgpu_to(t, dev, 1);
+    return *moved ? *moved : t;
+}
+
+/* A copy on dev of what another stage sent (src, written once `ready`
+   has passed), counted as category c. */
+static mgpu_tensor *mgpu__pipeline_receive(const mgpu_tensor *src, mgpu_event *ready, mgpu_device *dev,
+                                           mgpu_memory_category c) {
+    int scope = mgpu__memory_scope(c);
+    mgpu_tensor *t = mgpu_empty(dev, src->shape);
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    mgpu__copy(t, src, 1, NULL, ready);
+    return t;
+}
+
+/* Micro-batch j's forward pass on stage s, in a free slot, on what the
+   stage before sent (the first stage: its rows of the batch). */
+static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0, first, count;
+    while (st->slot_micro_batch[k] >= 0) k++; /* (the schedule's check counted enough slots) */
+    st->slot_micro_batch[k] = j;
+    mgpu_tensor **input = &pp->input[s * m + j];
+    if (s == 0) {
+        mgpu__micro_batch_rows(pp->x->shape.d[0], m, j, &first, &count);
+        *input = mgpu_narrow(pp->x, first, count);
+    } else if (pp->group) {
+        mgpu__micro_batch_rows(pp->x->shape.d[0], m, j, &first, &count);
+        int scope = mgpu__memory_scope(MGPU_MEMORY_ACTIVATIONS);
+        *input = mgpu_empty(st->net->device, mgpu__rows_of(pp->row_output[s - 1], count));
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__group_p2p(pp->group, 0, *input, s - 1, NULL);
+    } else {
+        int from = (s - 1) * m + j;
+        *input = mgpu__pipeline_receive(pp->output[from], pp->output_ready[from], st->net->device,
+                                        MGPU_MEMORY_ACTIVATIONS);
+    }
+    st->slot[k]->segments = st->net->segments; /* (mgpu_net_recompute on the stage reaches its slots) */
+    pp->output[s * m + j] = mgpu_net_forward(st->slot[k], *input);
+    mgpu_event_record(pp->output_ready[s * m + j], st->net->device);
+}
+
+/* Micro-batch j's backward pass on stage s, on the gradient the stage
+   after sent (the last stage: from its loss); then what the micro-batch
+   held on this stage is freed, but its input's gradient, which the stage
+   before takes. */
+static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_tensor *loss_sum) {
+    const char *who = "mgpu_pipeline_forward_backward";
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0, first, count, n = pp->labels->shape.d[0];
+    while (st->slot_micro_batch[k] != j) k++;
+    mgpu_net *slot = st->slot[k];
+    mgpu__net_require_backward(slot, who);
+    const mgpu_tensor *dy = NULL;
+    if (s < pp->nstages - 1 && pp->group) {
+        int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
+        mgpu_tensor *received = pp->output_grad[s * m + j] = mgpu_empty(slot->device, pp->output[s * m + j]->shape);
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__group_p2p(pp->group, 0, received, s + 1, NULL);
+        dy = received;
+    } else if (s < pp->nstages - 1) {
+        int from = (s + 1) * m + j;
+        dy = pp->output_grad[s * m + j] = mgpu__pipeline_receive(pp->input_grad[from], pp->input_grad_ready[from],
+                                                                 slot->device, MGPU_MEMORY_WORKSPACE);
+        mgpu_free(pp->input_grad[from]); /* (safe once the copy that reads it is enqueued) */
+        pp->input_grad[from] = NULL;
+    } else {
+        mgpu__micro_batch_rows(n, m, j, &first, &count);
+        mgpu_tensor *labels = mgpu_narrow(pp->labels, first, count);
+        dy = mgpu__net_loss_grad(slot, slot->layers[slot->nlayers - 1]->output, labels, 1.0f / (float)n,
+                                 loss_sum, who, first);
+        mgpu_free(labels); /* (safe once the work that reads it is enqueued) */
+    }
+    mgpu__net_backward(slot, dy, st->backward_passes++ > 0);
+    if (s > 0) { /* (the layer lets go of it: the slot's next pass makes another) */
+        pp->input_grad[s * m + j] = (mgpu_tensor *)mgpu_net_input_grad(slot);
+        slot->layers[0]->dinput = NULL;
+        mgpu_event_record(pp->input_grad_ready[s * m + j], slot->device);
+    }
+    for (int i = 0; i < slot->nlayers; i++) {
+        mgpu__layer_free_activations(slot->layers[i], 0);
+        mgpu__layer_free_gradients(slot->layers[i], 1);
+    }
+    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
+    for (int h = 0; h < 2; h++) {
+        mgpu_free(*held[h]);
+        *held[h] = NULL;
+    }
+    st->slot_micro_batch[k] = -1;
+}
+
+/* Across processes, what each stage's output is for one row of the
+   batch: a rank receives a tensor of that shape from the one before. A
+   forward pass of one row of x through the whole network (which every
+   rank has) in evaluation mode finds it, once for each shape of row. */
+static void mgpu__pipeline_row_shapes(mgpu_pipeline *pp, const mgpu_tensor *x) {
+    mgpu_shape row = mgpu__rows_of(x->shape, 1);
+    if (mgpu_shape_equal(row, pp->x_row)) return;
+    mgpu_net *net = pp->net;
+    mgpu_tensor *one = mgpu_narrow(x, 0, 1), *moved = mgpu_to(one, net->device, 0);
+    int training = net->training;
+    net->training = 0;
+    mgpu_net_forward(net, moved);
+    net->training = training;
+    for (int s = 0; s < pp->nstages; s++) {
+        int last = (s + 1 < pp->nstages ? pp->stage[s + 1].first_layer : net->nlayers) - 1;
+        pp->row_output[s] = net->layers[last]->output->shape;
+    }
+    for (int i = 0; i < net->nlayers; i++) mgpu__layer_free_activations(net->layers[i], 0);
+    mgpu_free(one);
+    mgpu_free(moved);
+    pp->x_row = row;
+}
+
+MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                             mgpu_tensor *loss_sum) {
+    const char *who = "mgpu_pipeline_forward_backward";
+    int p = pp->nstages, m = pp->micro_batches;
+    mgpu__require_alive(x, who);
+    mgpu__require_alive(labels, who);
+    int n = x->shape.d[0];
+    MGPU_REQUIRE(labels->shape.ndim == 1 && labels->shape.d[0] == n,
+                 "%s: %d rows of x but labels of shape [%d%s]; want [%d]", who, n, labels->shape.d[0],
+                 labels->shape.ndim == 1 ? "" : ", ...", n);
+    MGPU_REQUIRE(n >= m, "%s: a batch of %d rows cannot make %d micro-batches", who, n, m);
+    if (pp->stage[p - 1].net) mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
+    for (int s = 0; s < p; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        st->backward_passes = 0;
+        for (int k = 0; k < st->nslots; k++) st->slot_micro_batch[k] = -1;
+    }
+    pp->x = x;
+    pp->labels = labels;
+    if (pp->stage[0].net) pp->x = mgpu__on_device(x, pp->stage[0].net->device, &pp->x_moved);
+    if (pp->stage[p - 1].net) pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
+    if (pp->group) mgpu__pipeline_row_shapes(pp, x);
+    char label[24];
+    for (int i = 0; i < 2 * m * p; i++) {
+        int s = pp->sequence[i] / (2 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
+        mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
+        if (mgpu__library.tracing) /* (a label looks its text up under the library's lock) */
+            mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
+        if (pp->stage[s].net && pass.backward)
+            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
+        else if (pp->stage[s].net)
+            mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
+        else if (!pass.backward && s == pp->rank + 1) { /* (the next rank comes to take our output) */
+            mine = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[mine], s, pp->output_ready[mine]);
+        } else if (pass.backward && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
+            mine = pp->rank * m + pass.micro_batch;
+            mgpu__group_p2p(pp->group, 1, pp->input_grad[mine], s, pp->input_grad_ready[mine]);
+            mgpu_free(pp->input_grad[mine]); /* (safe once the send that reads it is enqueued) */
+            pp->input_grad[mine] = NULL;
+        }
+    }
+    mgpu_trace_label(NULL);
+    mgpu_free(pp->x_moved);
+    mgpu_free(pp->labels_moved);
+    pp->x = pp->labels = pp->x_moved = pp->labels_moved = NULL;
+}
+
+MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay) {
+    for (int s = 0; s < pp->nstages; s++)
+        if (pp->stage[s].net) mgpu_net_step(pp->stage[s].net, lr, momentum, weight_decay);
+}
+MGPU_DEF void mgpu_pipeline_train_step(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
+                                       float lr, float momentum, float weight_decay, mgpu_tensor *loss_sum) {
+    mgpu__require_sgd_settings("mgpu_pipeline_train_step", lr, momentum, weight_decay);
+    mgpu_pipeline_forward_backward(pp, x, labels, loss_sum);
+    mgpu_pipeline_step(pp, lr, momentum, weight_decay);
+}
+
+MGPU_DEF void mgpu_pipelines_average_grads(mgpu_pipeline *const *pipes, int n) {
+    MGPU_REQUIRE(n >= 1 && n <= MGPU_MAX_DEVICES, "mgpu_pipelines_average_grads: %d pipelines", n);
+    for (int k = 0; k < n; k++)
+        MGPU_REQUIRE(!pipes[k]->group, "mgpu_pipelines_average_grads: pipeline %d runs across processes; it "
+                     "averages the pipelines of one process", k);
+    for (int k = 1; k < n; k++) {
+        MGPU_REQUIRE(pipes[k]->nstages == pipes[0]->nstages && pipes[k]->net->nparams == pipes[0]->net->nparams,
+                     "mgpu_pipelines_average_grads: pipeline %d has %d stages and %d parameters, pipeline 0 %d and "
+                     "%d; average pipelines of the same network, cut the same way", k, pipes[k]->nstages,
+                     pipes[k]->net->nparams, pipes[0]->nstages, pipes[0]->net->nparams);
+        for (int s = 0; s < pipes[0]->nstages; s++)
+            MGPU_REQUIRE(pipes[k]->stage[s].first_layer == pipes[0]->stage[s].first_layer,
+                         "mgpu_pipelines_average_grads: pipeline %d's stage %d starts at layer %d, pipeline 0's at "
+                         "%d; average pipelines cut the same way", k, s, pipes[k]->stage[s].first_layer,
+                         pipes[0]->stage[s].first_layer);
+    }
+    mgpu_tensor *grads[MGPU_MAX_DEVICES];
+    for (int s = 0; s < pipes[0]->nstages; s++) {
+        mgpu_net *first = pipes[0]->stage[s].net;
+        for (int i = 0; i < first->nparams; i++) {
+            for (int k = 0; k < n; k++) grads[k] = pipes[k]->stage[s].net->params[i]->grad;
+            mgpu_ring_allreduce(grads, n, 1);
+        }
+        for (int k = 1; k < n; k++) /* (batch norm's statistics: pipeline 0's everywhere, as DDP broadcasts them) */
+            for (int i = 0; i < first->nbuffers; i++)
+                mgpu_copy(*pipes[k]->stage[s].net->buffers[i], *first->buffers[i], 1);
+    }
+}
+
+MGPU_DEF void mgpu_pipeline_set_training(mgpu_pipeline *pp, int training) {
+    for (int s = 0; s < pp->nstages; s++)
+        for (int k = 0; k < pp->stage[s].nslots; k++) pp->stage[s].slot[k]->training = training;
+}
+MGPU_DEF mgpu_tensor *mgpu_pipeline_forward(mgpu_pipeline *pp, const mgpu_tensor *x) {
+    mgpu__require_alive(x, "mgpu_pipeline_forward");
+    MGPU_REQUIRE(!pp->group, "mgpu_pipeline_forward: the pipeline's stages are in several processes; run the "
+                 "network whole on one of them (mgpu_pipeline_free gives each its stage's values)");
+    const mgpu_tensor *h = x;
+    for (int s = 0; s < pp->nstages; s++) {
+        mgpu_net *sn = pp->stage[s].net;
+        mgpu_tensor *moved = h->device == sn->device ? NULL : mgpu_to(h, sn->device, 1);
+        h = mgpu_net_forward(sn, moved ? moved : h);
+        mgpu_free(moved); /* (safe once the pass that reads it is enqueued) */
+    }
+    return (mgpu_tensor *)h;
+}
+static mgpu_tensor *mgpu__pipeline_forward_fn(void *pp, const mgpu_tensor *x) {
+    return mgpu_pipeline_forward((mgpu_pipeline *)pp, x);
+}
+MGPU_DEF double mgpu_pipeline_evaluate_accuracy(mgpu_pipeline *pp, const mgpu_dataset *data, int batch_size) {
+    MGPU_REQUIRE(!pp->group, "mgpu_pipeline_evaluate_accuracy: the pipeline's stages are in several processes; "
+                 "evaluate the network whole on one of them (mgpu_pipeline_free gives each its stage's values)");
+    int training = pp->stage[0].net->training;
+    mgpu_pipeline_set_training(pp, 0);
+    double accuracy = mgpu_evaluate_accuracy(mgpu__pipeline_forward_fn, pp, pp->stage[pp->nstages - 1].net->device,
+                                             data, batch_size);
+    mgpu_pipeline_set_training(pp, training);
+    return accuracy;
+}
+
+MGPU_DEF int mgpu_pipeline_num_stages(const mgpu_pipeline *pp) { return pp->nstages; }
+MGPU_DEF mgpu_net *mgpu_pipeline_stage(mgpu_pipeline *pp, int s) {
+    MGPU_REQUIRE(s >= 0 && s < pp->nstages, "mgpu_pipeline_stage: stage %d of %d", s, pp->nstages);
+    MGPU_REQUIRE(pp->stage[s].net, "mgpu_pipeline_stage: stage %d is rank %d's, this is rank %d", s, s, pp->rank);
+    return pp->stage[s].net;
+}
+MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s) {
+    MGPU_REQUIRE(s >= 0 && s < pp->nstages, "mgpu_pipeline_slots: stage %d of %d", s, pp->nstages);
+    return pp->stage[s].slots_wanted;
+}
+
+/* The stage whose compute queue ran a traced operation of this pipeline's
+   passes, or -1 (another queue's, or not a pass: unlabelled, or labelled
+   by someone else). Its pass in *pass. */
+static int mgpu__pipeline_op_stage(const mgpu_pipeline *pp, const mgpu_trace_op *op, mgpu_pipeline_pass *pass) {
+    char kind = 0, end = 0;
+    if (op->lane != 0 || !op->label || sscanf(op->label, "%c%d%c", &kind, &pass->micro_batch, &end) != 2 ||
+        (kind != 'F' && kind != 'B') || pass->micro_batch < 0 || pass->micro_batch >= pp->micro_batches)
+        return -1;
+    pass->backward = kind == 'B';
+    for (int s = 0; s < pp->nstages; s++)
+        if (pp->stage[s].net && op->device == pp->stage[s].net->device) return s;
+    return -1;
+}
+
+MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
+    mgpu_pipeline_timing t;
+    memset(&t, 0, sizeof t);
+    t.stages = pp->nstages;
+    double lo = INFINITY, hi = -INFINITY;
+    mgpu_pipeline_pass pass;
+    for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        int s = mgpu__pipeline_op_stage(pp, &op, &pass);
+        if (s < 0) continue;
+        t.busy_ms[s] += op.end_ms - op.start_ms;
+        lo = fmin(lo, op.start_ms), hi = fmax(hi, op.end_ms);
+    }
+    MGPU_REQUIRE(hi > lo, "mgpu_pipeline_measure: the trace holds none of this pipeline's passes: run a step "
+                          "between mgpu_trace_begin and mgpu_trace_end");
+    t.span_ms = hi - lo;
+    int measured = 0; /* (across processes, this rank's stage alone) */
+    for (int s = 0; s < pp->nstages; s++)
+        if (pp->stage[s].net) {
+            t.bubble[s] = 1.0 - t.busy_ms[s] / t.span_ms;
+            t.bubble_mean += t.bubble[s];
+            measured++;
+        }
+    t.bubble_mean /= measured;
+    return t;
+}
+
+MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title) {
+    int p = pp->nstages, m = pp->micro_batches, nbars = 2 * m * p;
+    mgpu_timeline_bar *bars = (mgpu_timeline_bar *)mgpu__xcalloc((size_t)nbars, sizeof *bars);
+    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 2 + backward */
+        mgpu_pipeline_pass pass = {b % 2, b / 2 % m};
+        bars[b].lane = b / 2 / m;
+        bars[b].start_ms = INFINITY, bars[b].end_ms = -INFINITY;
+        snprintf(bars[b].name, sizeof bars[b].name, "%s", pass.backward ? "backward" : "forward");
+        mgpu__pass_name(pass, bars[b].label, sizeof bars[b].label);
+    }
+    mgpu_pipeline_pass pass;
+    for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        int s = mgpu__pipeline_op_stage(pp, &op, &pass);
+        if (s < 0) continue;
+        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 2 + pass.backward];
+        bar->start_ms = fmin(bar->start_ms, op.start_ms);
+        bar->end_ms = fmax(bar->end_ms, op.end_ms);
+    }
+    char names[MGPU_MAX_DEVICES][48];
+    const char *lane_names[MGPU_MAX_DEVICES];
+    for (int s = 0; s < p; s++) {
+        if (pp->stage[s].net)
+            snprintf(names[s], sizeof names[s], "stage %d (%s)", s, pp->stage[s].net->device->name);
+        else
+            snprintf(names[s], sizeof names[s], "stage %d (rank %d)", s, s);
+        lane_names[s] = names[s];
+    }
+    int rc = mgpu_timeline_write_png(path, title, p, lane_names, nbars, bars);
+    free(bars);
+    return rc;
+}
+
+MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp) {
+    if (!pp) return;
+    mgpu_net *net = pp->net;
+    net->wrapped = 0;
+    net->changes++;
+    for (int s = 0; s < pp->nstages; s++) {
+        mgpu__pipeline_stage *st = &pp->stage[s];
+        if (!st->net) continue; /* (another rank's) */
+        for (int i = 0; i < st->net->nparams; i++)
+            mgpu_copy(net->params[st->first_param + i]->value, st->net->params[i]->value, 0);
+        for (int i = 0; i < st->net->nbuffers; i++)
+            mgpu_copy(*net->buffers[st->first_buffer + i], *st->net->buffers[i], 0);
+        mgpu__pipeline_move_state(pp, s, 0);
+        st->net->wrapped = 0;
+        for (int k = st->nslots - 1; k >= 0; k--) mgpu_net_free(st->slot[k]); /* (slot 0, the stage's net, last) */
+        free(st->slot);
+        free(st->slot_micro_batch);
+    }
+    mgpu__pipeline_free_step_state(pp);
+    free(pp->order);
+    free(pp->sequence);
+    free(pp);
+}

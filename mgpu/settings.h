@@ -1,0 +1,84 @@
+/* mgpu/settings.h: the settings read from the environment when the
+   library starts (the manual's SETTINGS lists them all): MGPU_TF32, the
+   products that may use TF32 on a GPU; MGPU_CONV and MGPU_WGMMA, how a
+   GPU's convolutions are computed; MGPU_CHECK_REPLICAS. A bad value stops
+   the program before its work, in one line. (MGPU_DIST_TIMEOUT is read by
+   mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
+   defines: mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str */
+/* Which products may use TF32 on a GPU: [0] convolutions, [1] mgpu_matmul
+   and the linear layers. -1 until first asked: then MGPU_TF32 or
+   PyTorch's defaults (conv yes, matmul no). */
+static int mgpu__tf32[2] = {-1, -1};
+MGPU_DEF void mgpu_set_tf32(int conv, int matmul) {
+    mgpu__tf32[0] = conv != 0;
+    mgpu__tf32[1] = matmul != 0;
+}
+enum { MGPU__TF32_CONV, MGPU__TF32_MATMUL };
+static int mgpu__tf32_allowed(int which) {
+    if (mgpu__tf32[which] < 0) {
+        const char *env = getenv("MGPU_TF32");
+        MGPU_REQUIRE(!env || !*env || strcmp(env, "0") == 0 || strcmp(env, "1") == 0,
+                     "MGPU_TF32=%s: want 0 (float32 everywhere) or 1 (TF32 in every product)",
+                     env);
+        if (env && *env) mgpu_set_tf32(env[0] == '1', env[0] == '1');
+        else mgpu_set_tf32(1, 0);
+    }
+    return mgpu__tf32[which];
+}
+MGPU_DEF void mgpu_get_tf32(int *conv, int *matmul) {
+    *conv = mgpu__tf32_allowed(MGPU__TF32_CONV);
+    *matmul = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
+}
+MGPU_DEF const char *mgpu_tf32_str(void) {
+    static const char *words[2][2] = {
+        {"float32 everywhere", "TF32 in matrix products, float32 in convolutions"},
+        {"TF32 in convolutions, float32 in matrix products (PyTorch's defaults)",
+         "TF32 in every product"}};
+    int conv, matmul;
+    mgpu_get_tf32(&conv, &matmul);
+    return words[conv][matmul];
+}
+/* MGPU_CONV: how a GPU's TF32 convolutions compute y, dx and dW.
+     auto      (the default) whichever of the two below is faster for the
+               convolution's shape, timed at the first call with that
+               shape (as PyTorch's cudnn.benchmark does);
+     im2col    conv.h's im2col and cuBLAS products;
+     implicit  the implicit GEMMs of kernels/conv_nhwc.h (or winograd.h,
+               from the same channels-last copies, and
+               conv_few_inputs.h for a first layer), or cuDNN's
+               algorithms where cuDNN is built in, for each pass the
+               kernel and tile shape that was fastest for it (timed the
+               same way); im2col where no such kernel fits;
+     cudnn     cuDNN's algorithms alone (kernels/conv_cudnn.h), the
+               fastest for each pass; im2col where none fits or cuDNN is
+               not built in.
+   Float32 convolutions (no TF32) always take im2col; a CPU's, see below. */
+typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
+static const char *const mgpu__conv_mode_names[] = {"auto", "im2col", "implicit", "cudnn"};
+static mgpu__conv_mode_kind mgpu__conv_mode;
+static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
+/* Read when the library starts (mgpu__init): MGPU_CONV chooses the GPU's
+   algorithm, MGPU_WGMMA whether the wgmma kernels are among the
+   candidates. */
+static int mgpu__conv_env_read;
+static void mgpu__conv_settings_from_environment(void) {
+    if (mgpu__conv_env_read) return;
+    mgpu__conv_env_read = 1;
+    const char *algorithm = getenv("MGPU_CONV");
+    if (!algorithm || !*algorithm || strcmp(algorithm, "auto") == 0) mgpu__conv_mode = MGPU__CONV_AUTO;
+    else if (strcmp(algorithm, "im2col") == 0) mgpu__conv_mode = MGPU__CONV_IM2COL;
+    else if (strcmp(algorithm, "implicit") == 0) mgpu__conv_mode = MGPU__CONV_IMPLICIT;
+    else if (strcmp(algorithm, "cudnn") == 0) mgpu__conv_mode = MGPU__CONV_CUDNN;
+    else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col, implicit or cudnn", algorithm);
+    const char *wgmma = getenv("MGPU_WGMMA");
+    MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
+                 "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);
+    mgpu__conv_wgmma_asked = !wgmma || strcmp(wgmma, "0") != 0;
+}
+/* MGPU_CHECK_REPLICAS: 1 if data parallelism compares its replicas after each step. */
+static int mgpu__check_replicas_setting(void) {
+    const char *check = getenv("MGPU_CHECK_REPLICAS");
+    MGPU_REQUIRE(!check || !*check || strcmp(check, "0") == 0 || strcmp(check, "1") == 0,
+                 "MGPU_CHECK_REPLICAS=%s: want 1 (compare the replicas after each step) or 0", check);
+    return check && strcmp(check, "1") == 0;
+}
