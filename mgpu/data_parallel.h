@@ -8,9 +8,9 @@
    mgpu_data_parallel_module, mgpu_data_parallel_replica,
    mgpu_data_parallel_algorithm, mgpu_distributed_data_parallel_new,
    mgpu_distributed_data_parallel_new_devices, mgpu_dist_evaluate_accuracy */
-/* ======================================================================
-   Data parallelism
-   ====================================================================== */
+/* The wrapper's state: what every mode needs, then one group of fields
+   for each way it works (the gather mode's, the buckets of the allreduce
+   mode, a distributed wrapper's group, ZeRO's shares). */
 struct mgpu_data_parallel {
     int n;
     mgpu_dp_mode mode;
@@ -27,37 +27,44 @@ struct mgpu_data_parallel {
     int set;
     int used;   /* the devices that got rows this step: all but for a short batch */
     mgpu_tensor *loss_sum[MGPU_MAX_DEVICES], *correct[MGPU_MAX_DEVICES], *count[MGPU_MAX_DEVICES];
-    /* gather mode, on device 0: the whole batch's logits, labels and
-       logit gradients, and a staging copy of each other replica's gradients */
-    mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
-    mgpu_tensor **staged[MGPU_MAX_DEVICES]; /* [device][parameter] */
-    /* allreduce mode: the gradients in buckets, each one flat tensor per
-       device that the parameters' gradients are views into */
-    size_t bucket_bytes;
-    int overlap, reduce;
-    mgpu_allreduce_fn yours; /* a reduction of the caller's, or NULL */
-    const char *yours_name;
-    int nbuckets; /* at most one a layer: the arrays have a place for each */
-    int *bucket_last_layer;                /* the bucket is complete once backward reaches it */
-    mgpu_tensor *(*bucket)[MGPU_MAX_DEVICES];  /* [bucket][device] */
-    mgpu_tensor *(*scratch)[MGPU_MAX_DEVICES];
     int check_replicas; /* compare the replicas after each step (mgpu_data_parallel_check_replicas) */
     long steps;
     int accumulated_rows; /* rows whose gradients mgpu_data_parallel_accumulate added since the last step */
-    /* a distributed wrapper's group: one replica a process, its buckets
-       averaged over the ranks (mgpu_distributed_data_parallel_new) */
-    struct mgpu_group *group;
-    char algorithm_name[48]; /* "ring, then mpi": several devices a process */
-    /* ZeRO (mgpu_data_parallel_zero): the stage; each bucket's length, a
-       multiple of the members; the parameters' values as flat buckets too
-       (the values views into them); member i's chunk of each bucket's
-       gradient (stage 2) and its optimizer state for that chunk (SGD's
-       momentum, or Adam's two moments) */
-    int zero;
-    size_t *bucket_len;
-    mgpu_tensor *(*value_bucket)[MGPU_MAX_DEVICES];
-    mgpu_tensor *(*grad_chunk)[MGPU_MAX_DEVICES];
-    mgpu_tensor *(*chunk_state)[MGPU_MAX_DEVICES][2];
+    /* MGPU_DP_GATHER, on device 0: the whole batch's logits, labels and
+       logit gradients, and a staging copy of each other replica's gradients */
+    struct {
+        mgpu_tensor *logits, *labels, *dlogits, *losses, *batch_loss;
+        mgpu_tensor **staged[MGPU_MAX_DEVICES]; /* [device][parameter] */
+    } gather;
+    /* MGPU_DP_ALLREDUCE: the gradients in buckets, each one flat tensor
+       per device that the parameters' gradients are views into */
+    struct {
+        size_t bytes;       /* about this many a bucket (mgpu_data_parallel_configure) */
+        int overlap, reduce;
+        mgpu_allreduce_fn yours; /* a reduction of the caller's, or NULL */
+        const char *yours_name;
+        int count;          /* at most one a layer: the arrays have a place for each */
+        int *last_layer;    /* the bucket is complete once backward reaches it */
+        size_t *len;        /* its floats (under ZeRO, padded to a multiple of the members) */
+        mgpu_tensor *(*grads)[MGPU_MAX_DEVICES];   /* [bucket][device] */
+        mgpu_tensor *(*scratch)[MGPU_MAX_DEVICES];
+    } buckets;
+    /* a distributed wrapper (mgpu_distributed_data_parallel_new): one
+       replica a process, its buckets averaged over the group's ranks */
+    struct {
+        struct mgpu_group *group;
+        char path[48]; /* "ring, then mpi": several devices a process */
+    } dist;
+    /* ZeRO (mgpu_data_parallel_zero): the stage; the parameters' values as
+       flat buckets too (the values views into them); member i's chunk of
+       each bucket's gradient (stage 2) and its optimizer state for that
+       chunk (SGD's momentum, or Adam's two moments) */
+    struct {
+        int stage;
+        mgpu_tensor *(*values)[MGPU_MAX_DEVICES];
+        mgpu_tensor *(*grad_chunk)[MGPU_MAX_DEVICES];
+        mgpu_tensor *(*state)[MGPU_MAX_DEVICES][2];
+    } zero;
 };
 
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -86,15 +93,15 @@ MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *
         dp->loss_sum[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->correct[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
         dp->count[i] = mgpu_zeros(devices[i], mgpu_shape1(1));
-        dp->staged[i] = (mgpu_tensor **)mgpu__xcalloc((size_t)net->nparams + 1, sizeof *dp->staged[i]);
+        dp->gather.staged[i] = (mgpu_tensor **)mgpu__xcalloc((size_t)net->nparams + 1, sizeof *dp->gather.staged[i]);
     }
     /* the optimizer's state too (a loaded checkpoint's, or steps taken before) */
     for (int i = 1; i < n; i++) mgpu__net_copy_sgd_state(dp->replicas[i], net);
     dp->module_changes = net->changes;
     dp->algorithm = n == 1 ? "none" : mode == MGPU_DP_GATHER ? "gather" : NULL;
-    dp->bucket_bytes = 25u << 20;
-    dp->overlap = 1;
-    dp->reduce = 1;
+    dp->buckets.bytes = 25u << 20;
+    dp->buckets.overlap = 1;
+    dp->buckets.reduce = 1;
     dp->check_replicas = mgpu__check_replicas_setting();
     return dp;
 }
@@ -129,7 +136,7 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
                        "shape %s) on %s is not the same as on %s; %s (MGPU_CHECK_REPLICAS)", dp->steps, p,
                        mgpu__param_layer(module, p)->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
                        dp->devices[i]->name, dp->devices[0]->name,
-                       dp->reduce ? "is the gradients' allreduce right?"
+                       dp->buckets.reduce ? "is the gradients' allreduce right?"
                                   : "the reduction is off (mgpu_data_parallel_configure), so they drift apart");
         }
     }
@@ -137,11 +144,11 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
 
 MGPU_DEF void mgpu_data_parallel_configure(mgpu_data_parallel *dp, size_t bucket_bytes,
                                            int overlap, int reduce) {
-    MGPU_REQUIRE(dp->nbuckets == 0,
+    MGPU_REQUIRE(dp->buckets.count == 0,
                  "mgpu_data_parallel_configure: call it before the first step");
-    dp->bucket_bytes = bucket_bytes;
-    dp->overlap = overlap;
-    dp->reduce = reduce;
+    dp->buckets.bytes = bucket_bytes;
+    dp->buckets.overlap = overlap;
+    dp->buckets.reduce = reduce;
 }
 
 MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allreduce_fn fn,
@@ -149,18 +156,18 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
                  "mgpu_data_parallel_use_allreduce: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
                  "a reduction of yours needs MGPU_DP_ALLREDUCE");
-    MGPU_REQUIRE(dp->nbuckets == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
-    MGPU_REQUIRE(!dp->group, "mgpu_data_parallel_use_allreduce: a distributed wrapper reduces over its group");
-    MGPU_REQUIRE(dp->zero != 2, "mgpu_data_parallel_use_allreduce: ZeRO stage 2 reduce-scatters the gradients, so "
+    MGPU_REQUIRE(dp->buckets.count == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
+    MGPU_REQUIRE(!dp->dist.group, "mgpu_data_parallel_use_allreduce: a distributed wrapper reduces over its group");
+    MGPU_REQUIRE(dp->zero.stage != 2, "mgpu_data_parallel_use_allreduce: ZeRO stage 2 reduce-scatters the gradients, so "
                  "it cannot take your allreduce");
     MGPU_REQUIRE(fn && name, "mgpu_data_parallel_use_allreduce: give the function and its name");
-    dp->yours = fn;
-    dp->yours_name = name;
+    dp->buckets.yours = fn;
+    dp->buckets.yours_name = name;
 }
 
 /* Does the wrapper reduce gradients: over several devices, or processes? */
 static int mgpu__dp_reduces(const mgpu_data_parallel *dp) {
-    return dp->n > 1 || (dp->group && mgpu_group_size(dp->group) > 1);
+    return dp->n > 1 || (dp->dist.group && mgpu_group_size(dp->dist.group) > 1);
 }
 /* Bucket b of a distributed wrapper: summed over this process's devices
    (chapter 3's ring, or NCCL), averaged over the ranks from devices[0]
@@ -170,10 +177,10 @@ static int mgpu__dp_reduces(const mgpu_data_parallel *dp) {
    waits for those copies: once it is done, nothing reads its bucket any
    more (mgpu_comm_wait relies on this). */
 static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int b) {
-    mgpu_tensor **bucket = dp->bucket[b];
-    const char *local = dp->n > 1 ? mgpu_allreduce_start(bucket, dp->n, 0, dp->scratch[b]) : "none";
-    if (mgpu_group_size(dp->group) == 1) return local; /* (chapter 3's wrapper) */
-    const char *path = mgpu__group_allreduce("mgpu_data_parallel_step", dp->group, bucket[0], MGPU_MEAN, 0);
+    mgpu_tensor **bucket = dp->buckets.grads[b];
+    const char *local = dp->n > 1 ? mgpu_allreduce_start(bucket, dp->n, 0, dp->buckets.scratch[b]) : "none";
+    if (mgpu_group_size(dp->dist.group) == 1) return local; /* (chapter 3's wrapper) */
+    const char *path = mgpu__group_allreduce("mgpu_data_parallel_step", dp->dist.group, bucket[0], MGPU_MEAN, 0);
     if (dp->n == 1) return path;
     mgpu__queue *first = &dp->devices[0]->queue[1];
     for (int i = 1; i < dp->n; i++) {
@@ -186,28 +193,24 @@ static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int
     }
     for (int i = 1; i < dp->n; i++) mgpu__queue_wait_queue(first, &dp->devices[i]->queue[1]);
     mgpu__comm_track(bucket, NULL, dp->n);
-    snprintf(dp->algorithm_name, sizeof dp->algorithm_name, "%s, then %s", local, path);
-    return dp->algorithm_name;
+    snprintf(dp->dist.path, sizeof dp->dist.path, "%s, then %s", local, path);
+    return dp->dist.path;
 }
 /* Starts the reduction of bucket b on every device: the caller's, the
    group's mean over the processes, or the library's (NCCL or the ring, on
    the communication queues). */
 static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
-    if (dp->group) return mgpu__dp_reduce_bucket_over_ranks(dp, b);
-    if (!dp->yours) return mgpu_allreduce_start(dp->bucket[b], dp->n, 0, dp->scratch[b]);
-    dp->yours(dp->bucket[b], dp->n);
-    return dp->yours_name;
+    if (dp->dist.group) return mgpu__dp_reduce_bucket_over_ranks(dp, b);
+    if (!dp->buckets.yours) return mgpu_allreduce_start(dp->buckets.grads[b], dp->n, 0, dp->buckets.scratch[b]);
+    dp->buckets.yours(dp->buckets.grads[b], dp->n);
+    return dp->buckets.yours_name;
 }
 
-/* Groups the gradients into buckets of about bucket_bytes, from the last
-   layer back (the order backward produces them), and makes every replica's
-   gradients views into one flat tensor per bucket, so a bucket is reduced
-   as one vector. A bucket holds whole top-level layers. */
 /* The members that share out the optimizer's state under ZeRO: the
    wrapper's devices, or its group's ranks (one device each); and device
    i's place among them. */
-static int mgpu__dp_members(const mgpu_data_parallel *dp) { return dp->group ? mgpu_group_size(dp->group) : dp->n; }
-static int mgpu__dp_member(const mgpu_data_parallel *dp, int i) { return dp->group ? mgpu_group_rank(dp->group) : i; }
+static int mgpu__dp_members(const mgpu_data_parallel *dp) { return dp->dist.group ? mgpu_group_size(dp->dist.group) : dp->n; }
+static int mgpu__dp_member(const mgpu_data_parallel *dp, int i) { return dp->dist.group ? mgpu_group_rank(dp->dist.group) : i; }
 
 /* Makes the gradients (or with values, the values) of replica r's
    parameters p0 .. p1 - 1 views into flat, in order; the values are
@@ -231,8 +234,8 @@ static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int
 /* The first and one past the last parameter of bucket b. */
 static void mgpu__dp_bucket_params(const mgpu_data_parallel *dp, int b, int *p0, int *p1) {
     const mgpu_net *net = dp->replicas[0];
-    int last = b == 0 ? net->nlayers - 1 : dp->bucket_last_layer[b - 1] - 1;
-    *p0 = net->first_param[dp->bucket_last_layer[b]];
+    int last = b == 0 ? net->nlayers - 1 : dp->buckets.last_layer[b - 1] - 1;
+    *p0 = net->first_param[dp->buckets.last_layer[b]];
     *p1 = net->first_param[last + 1];
 }
 
@@ -243,9 +246,9 @@ static void mgpu__dp_grad_bucket_make(mgpu_data_parallel *dp, int b) {
     mgpu__dp_bucket_params(dp, b, &p0, &p1);
     for (int i = 0; i < dp->n; i++) {
         int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS); /* (the gradients become views of it) */
-        dp->bucket[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
+        dp->buckets.grads[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->buckets.len[b]));
         mgpu__memory_scope((mgpu_memory_category)scope);
-        mgpu__views_into(dp->bucket[b][i], dp->replicas[i], p0, p1, 0);
+        mgpu__views_into(dp->buckets.grads[b][i], dp->replicas[i], p0, p1, 0);
     }
 }
 static void mgpu__dp_grad_bucket_free(mgpu_data_parallel *dp, int b) {
@@ -256,76 +259,9 @@ static void mgpu__dp_grad_bucket_free(mgpu_data_parallel *dp, int b) {
             mgpu_free(dp->replicas[i]->params[p]->grad);
             dp->replicas[i]->params[p]->grad = NULL;
         }
-        mgpu_free(dp->bucket[b][i]);
-        dp->bucket[b][i] = NULL;
+        mgpu_free(dp->buckets.grads[b][i]);
+        dp->buckets.grads[b][i] = NULL;
     }
-}
-
-static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
-    const mgpu_net *net = dp->replicas[0];
-    dp->bucket_last_layer = (int *)mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket_last_layer);
-    dp->bucket_len = (size_t *)mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket_len);
-    dp->bucket = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->bucket);
-    dp->scratch = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->scratch);
-    dp->value_bucket = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->value_bucket);
-    dp->grad_chunk = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)net->nlayers, sizeof *dp->grad_chunk);
-    dp->chunk_state = (mgpu_tensor *(*)[MGPU_MAX_DEVICES][2])mgpu__xcalloc((size_t)net->nlayers,
-                                                                            sizeof *dp->chunk_state);
-    size_t members = (size_t)mgpu__dp_members(dp);
-    int last = net->nlayers - 1;
-    while (last >= 0) {
-        size_t floats = 0;
-        int first = last;
-        for (; first >= 0; first--) {
-            for (int p = net->first_param[first]; p < net->first_param[first + 1]; p++)
-                floats += net->params[p]->value->numel;
-            if (floats * sizeof(float) >= dp->bucket_bytes) break;
-        }
-        if (first < 0) first = 0;
-        if (floats > 0) {
-            int b = dp->nbuckets++;
-            dp->bucket_last_layer[b] = first;
-            /* (ZeRO: padded with zeros, which stay 0, to equal chunks) */
-            dp->bucket_len[b] = dp->zero ? (floats + members - 1) / members * members : floats;
-            mgpu__dp_grad_bucket_make(dp, b);
-            int p0, p1;
-            mgpu__dp_bucket_params(dp, b, &p0, &p1);
-            for (int i = 0; i < dp->n; i++) {
-                int share = (int)((dp->bucket_len[b] + (size_t)dp->n - 1) / (size_t)dp->n);
-                if (dp->n > 1) dp->scratch[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(share));
-                if (!dp->zero) continue;
-                int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
-                dp->value_bucket[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
-                mgpu__memory_scope((mgpu_memory_category)scope);
-                mgpu__views_into(dp->value_bucket[b][i], dp->replicas[i], p0, p1, 1);
-            }
-            if (dp->zero == 2) mgpu__dp_grad_bucket_free(dp, b); /* (made for each backward pass) */
-        }
-        last = first - 1;
-    }
-}
-
-/* Gives replica 0's gradients their own memory again: the caller keeps
-   that network after the wrapper is gone. */
-static void mgpu__dp_unbucket_module(mgpu_data_parallel *dp) {
-    mgpu_net *net = dp->replicas[0];
-    for (int p = 0; p < net->nparams && dp->nbuckets; p++) {
-        mgpu_param *param = net->params[p];
-        int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS);
-        mgpu_tensor *own = mgpu_zeros(net->device, param->value->shape); /* (ZeRO-2's between steps: none) */
-        if (param->grad) mgpu_copy(own, param->grad, 0);
-        mgpu_free(param->grad);
-        param->grad = own;
-        mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
-        if (dp->zero) { /* (its values, views into ZeRO's buckets, too) */
-            own = mgpu_empty(net->device, param->value->shape);
-            mgpu_copy(own, param->value, 0);
-            mgpu_free(param->value);
-            param->value = own;
-        }
-        mgpu__memory_scope((mgpu_memory_category)scope);
-    }
-    net->sharded = 0;
 }
 
 MGPU_DEF mgpu_net *mgpu_data_parallel_module(mgpu_data_parallel *dp) { return dp->replicas[0]; }
@@ -364,9 +300,6 @@ static void mgpu__dp_shards_used(mgpu_data_parallel *dp) {
     dp->set = !dp->set;
 }
 
-/* A bucket whose gradients the backward pass has completed: divided by
-   the rows they add up where mgpu_data_parallel_accumulate added some,
-   and its reduction started (when it overlaps the backward pass). */
 /* -------------------------------------------- data parallelism across processes */
 /* A hash of what a network is made of: its parameters' and buffers' shapes. */
 static uint64_t mgpu__net_structure_hash(const mgpu_net *net) {
@@ -437,7 +370,7 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
                              op, r);
     net->changes++;
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, n, MGPU_DP_ALLREDUCE);
-    dp->group = g;
+    dp->dist.group = g;
     dp->algorithm = mgpu__dp_reduces(dp) ? NULL : "none";
     return dp;
 }

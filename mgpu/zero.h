@@ -7,7 +7,7 @@
    Bucket b of length L (a multiple of the W members) is cut in W equal
    chunks; member m owns chunk m: [m L/W, (m + 1) L/W). */
 static int mgpu__dp_chunk(const mgpu_data_parallel *dp, int b) {
-    return (int)(dp->bucket_len[b] / (size_t)mgpu__dp_members(dp));
+    return (int)(dp->buckets.len[b] / (size_t)mgpu__dp_members(dp));
 }
 /* ZeRO-2: device i's chunk of bucket b's gradient, summed over the
    devices in their order (the replicas' gradients of a loss already
@@ -16,32 +16,32 @@ static int mgpu__dp_chunk(const mgpu_data_parallel *dp, int b) {
 static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
     int chunk = mgpu__dp_chunk(dp, b);
     for (int i = 0; i < dp->n; i++)
-        if (!dp->grad_chunk[b][i]) {
+        if (!dp->zero.grad_chunk[b][i]) {
             int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS);
-            dp->grad_chunk[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(chunk));
+            dp->zero.grad_chunk[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(chunk));
             mgpu__memory_scope((mgpu_memory_category)scope);
         }
-    if (dp->group && dp->reduce) {
-        mgpu_group_reduce_scatter(dp->group, dp->bucket[b][0], dp->grad_chunk[b][0], MGPU_MEAN);
-        dp->algorithm = mgpu_group_path(dp->group, dp->devices[0]);
+    if (dp->dist.group && dp->buckets.reduce) {
+        mgpu_group_reduce_scatter(dp->dist.group, dp->buckets.grads[b][0], dp->zero.grad_chunk[b][0], MGPU_MEAN);
+        dp->algorithm = mgpu_group_path(dp->dist.group, dp->devices[0]);
     } else {
         for (int i = 0; i < dp->n; i++) {
             int m = mgpu__dp_member(dp, i);
             for (int j = 0; j < dp->n; j++) {
-                int from = dp->reduce ? j : i; /* (without the reduction: its own chunk alone) */
-                mgpu_tensor *part = mgpu_narrow(dp->bucket[b][from], m * chunk, chunk);
+                int from = dp->buckets.reduce ? j : i; /* (without the reduction: its own chunk alone) */
+                mgpu_tensor *part = mgpu_narrow(dp->buckets.grads[b][from], m * chunk, chunk);
                 if (j == 0) {
-                    mgpu_copy(dp->grad_chunk[b][i], part, 1);
-                } else if (dp->reduce) {
-                    mgpu_tensor *here = mgpu_narrow(dp->scratch[b][i], 0, chunk);
+                    mgpu_copy(dp->zero.grad_chunk[b][i], part, 1);
+                } else if (dp->buckets.reduce) {
+                    mgpu_tensor *here = mgpu_narrow(dp->buckets.scratch[b][i], 0, chunk);
                     mgpu_copy(here, part, 1);
-                    mgpu_add_(dp->grad_chunk[b][i], here);
+                    mgpu_add_(dp->zero.grad_chunk[b][i], here);
                     mgpu_free(here);
                 }
                 mgpu_free(part);
             }
         }
-        dp->algorithm = dp->reduce && dp->n > 1 ? "reduce-scatter" : "none";
+        dp->algorithm = dp->buckets.reduce && dp->n > 1 ? "reduce-scatter" : "none";
     }
     mgpu__dp_grad_bucket_free(dp, b);
 }
@@ -57,7 +57,7 @@ static mgpu_tensor *mgpu__dp_chunk_state_new(mgpu_data_parallel *dp, int i, int 
     mgpu__dp_bucket_params(dp, b, &p0, &p1);
     mgpu_tensor *state = mgpu_zeros(dp->devices[i], mgpu_shape1(chunk));
     if (full[p0]) {
-        mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->bucket_len[b]));
+        mgpu_tensor *flat = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->buckets.len[b]));
         int offset = 0;
         for (int p = p0; p < p1; p++) {
             mgpu_tensor *rows = mgpu_narrow(flat, offset, (int)full[p]->numel), *place = mgpu_view(rows, full[p]->shape);
@@ -79,12 +79,12 @@ static mgpu_tensor *mgpu__dp_chunk_state_new(mgpu_data_parallel *dp, int i, int 
    between the devices, or an all-gather over the ranks. */
 static void mgpu__dp_gather_values(mgpu_data_parallel *dp, int b) {
     int chunk = mgpu__dp_chunk(dp, b);
-    if (dp->group) {
-        int m = mgpu_group_rank(dp->group);
-        mgpu_tensor *mine = mgpu_narrow(dp->value_bucket[b][0], m * chunk, chunk);
+    if (dp->dist.group) {
+        int m = mgpu_group_rank(dp->dist.group);
+        mgpu_tensor *mine = mgpu_narrow(dp->zero.values[b][0], m * chunk, chunk);
         mgpu_tensor *sent = mgpu_empty(dp->devices[0], mgpu_shape1(chunk)); /* (in and out may not overlap) */
         mgpu_copy(sent, mine, 0);
-        mgpu_group_all_gather(dp->group, sent, dp->value_bucket[b][0]);
+        mgpu_group_all_gather(dp->dist.group, sent, dp->zero.values[b][0]);
         mgpu_free(sent);
         mgpu_free(mine);
         return;
@@ -92,8 +92,8 @@ static void mgpu__dp_gather_values(mgpu_data_parallel *dp, int b) {
     for (int j = 0; j < dp->n; j++)
         for (int i = 0; i < dp->n; i++) {
             if (i == j) continue;
-            mgpu_tensor *to = mgpu_narrow(dp->value_bucket[b][j], i * chunk, chunk);
-            mgpu_tensor *from = mgpu_narrow(dp->value_bucket[b][i], i * chunk, chunk);
+            mgpu_tensor *to = mgpu_narrow(dp->zero.values[b][j], i * chunk, chunk);
+            mgpu_tensor *from = mgpu_narrow(dp->zero.values[b][i], i * chunk, chunk);
             mgpu_copy(to, from, 1);
             mgpu_free(to);
             mgpu_free(from);
@@ -109,11 +109,11 @@ static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum,
         int m = mgpu__dp_member(dp, i);
         MGPU_REQUIRE(!r->adam || momentum == 0.0f, "%s: momentum %g, but Adam keeps moments of its own: give 0",
                      r->decoupled ? "AdamW" : "Adam", (double)momentum);
-        for (int b = 0; b < dp->nbuckets; b++) {
+        for (int b = 0; b < dp->buckets.count; b++) {
             int chunk = mgpu__dp_chunk(dp, b);
-            mgpu_tensor *value = mgpu_narrow(dp->value_bucket[b][i], m * chunk, chunk);
-            mgpu_tensor *grad = dp->zero == 2 ? dp->grad_chunk[b][i] : mgpu_narrow(dp->bucket[b][i], m * chunk, chunk);
-            mgpu_tensor **state = dp->chunk_state[b][i];
+            mgpu_tensor *value = mgpu_narrow(dp->zero.values[b][i], m * chunk, chunk);
+            mgpu_tensor *grad = dp->zero.stage == 2 ? dp->zero.grad_chunk[b][i] : mgpu_narrow(dp->buckets.grads[b][i], m * chunk, chunk);
+            mgpu_tensor **state = dp->zero.state[b][i];
             for (int k = 0; k < (r->adam ? 2 : momentum != 0.0f); k++)
                 if (!state[k]) state[k] = mgpu__dp_chunk_state_new(dp, i, b, k, m * chunk, chunk);
             if (r->adam)
@@ -123,33 +123,33 @@ static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum,
                 mgpu__sgd_tensors("mgpu_data_parallel_step", &value, (const mgpu_tensor *const *)&grad,
                                   momentum != 0.0f ? &state[0] : NULL, 1, lr, momentum, weight_decay, r->steps == 0);
             mgpu_free(value);
-            if (dp->zero != 2) mgpu_free(grad);
+            if (dp->zero.stage != 2) mgpu_free(grad);
         }
         mgpu__net_keep_momentum(r, 0); /* (the chunks hold the state now) */
         r->steps++;
         r->changes++;
     }
-    for (int b = 0; b < dp->nbuckets; b++) mgpu__dp_gather_values(dp, b);
+    for (int b = 0; b < dp->buckets.count; b++) mgpu__dp_gather_values(dp, b);
 }
 
 /* At the wrapper's end: replica 0 gets its whole optimizer state back
    from the members' chunks, so that it trains on as it would have. */
 static void mgpu__dp_zero_unshard_state(mgpu_data_parallel *dp) {
     mgpu_net *net = dp->replicas[0];
-    if (!dp->zero || dp->nbuckets == 0) return;
-    int kinds = dp->chunk_state[0][0][1] ? 2 : dp->chunk_state[0][0][0] ? 1 : 0;
+    if (!dp->zero.stage || dp->buckets.count == 0) return;
+    int kinds = dp->zero.state[0][0][1] ? 2 : dp->zero.state[0][0][0] ? 1 : 0;
     if (kinds == 0) return;
     mgpu__net_keep_momentum(net, 1);
     for (int k = 0; k < kinds; k++)
-        for (int b = 0; b < dp->nbuckets; b++) {
+        for (int b = 0; b < dp->buckets.count; b++) {
             int chunk = mgpu__dp_chunk(dp, b), p0, p1;
-            mgpu_tensor *flat = mgpu_empty(dp->devices[0], mgpu_shape1((int)dp->bucket_len[b]));
-            if (dp->group) {
-                mgpu_group_all_gather(dp->group, dp->chunk_state[b][0][k], flat);
+            mgpu_tensor *flat = mgpu_empty(dp->devices[0], mgpu_shape1((int)dp->buckets.len[b]));
+            if (dp->dist.group) {
+                mgpu_group_all_gather(dp->dist.group, dp->zero.state[b][0][k], flat);
             } else {
                 for (int i = 0; i < dp->n; i++) {
                     mgpu_tensor *place = mgpu_narrow(flat, i * chunk, chunk);
-                    mgpu_copy(place, dp->chunk_state[b][i][k], 0);
+                    mgpu_copy(place, dp->zero.state[b][i][k], 0);
                     mgpu_free(place);
                 }
             }
@@ -167,17 +167,82 @@ static void mgpu__dp_zero_unshard_state(mgpu_data_parallel *dp) {
         }
 }
 
+/* ---- where ZeRO joins the wrapper's buckets and its step ---- */
+/* Room for ZeRO's share of each bucket (a place a layer, as the buckets). */
+static void mgpu__zero_make_room(mgpu_data_parallel *dp, int nlayers) {
+    dp->zero.values = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.values);
+    dp->zero.grad_chunk = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.grad_chunk);
+    dp->zero.state = (mgpu_tensor *(*)[MGPU_MAX_DEVICES][2])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.state);
+}
+/* A bucket of `floats` gradients: under ZeRO padded with zeros, which
+   stay 0, to equal chunks for the members. */
+static size_t mgpu__zero_bucket_len(const mgpu_data_parallel *dp, size_t floats) {
+    size_t members = (size_t)mgpu__dp_members(dp);
+    return dp->zero.stage ? (floats + members - 1) / members * members : floats;
+}
+/* Bucket b was just made: under ZeRO the parameters' values become views
+   into a flat bucket too (each member steps its chunk of it), and under
+   stage 2 the gradients exist only while the backward pass fills them. */
+static void mgpu__zero_bucket_made(mgpu_data_parallel *dp, int b) {
+    if (!dp->zero.stage) return;
+    int p0, p1;
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    for (int i = 0; i < dp->n; i++) {
+        int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+        dp->zero.values[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->buckets.len[b]));
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu__views_into(dp->zero.values[b][i], dp->replicas[i], p0, p1, 1);
+    }
+    if (dp->zero.stage == 2) mgpu__dp_grad_bucket_free(dp, b);
+}
+/* Whether the whole gradients live between passes (all but stage 2). */
+static int mgpu__zero_keeps_grads(const mgpu_data_parallel *dp) { return dp->zero.stage != 2; }
+/* Before the backward pass reaches bucket b's layers: stage 2 makes its
+   gradients, zeros. */
+static void mgpu__zero_before_bucket(mgpu_data_parallel *dp, int b) {
+    if (dp->zero.stage == 2 && !dp->buckets.grads[b][0]) mgpu__dp_grad_bucket_make(dp, b);
+}
+/* Bucket b is complete: stage 2 reduce-scatters it to its owners and
+   frees it. 1 if ZeRO reduced it, 0 if the wrapper's reduction is to. */
+static int mgpu__zero_reduce_bucket(mgpu_data_parallel *dp, int b) {
+    if (dp->zero.stage != 2) return 0;
+    mgpu__dp_reduce_scatter(dp, b);
+    return 1;
+}
+/* The optimizer's step on the members' chunks, where ZeRO shares them
+   out: 1 if it took the step, 0 if each replica is to take its own. */
+static int mgpu__zero_step(mgpu_data_parallel *dp, float lr, float momentum, float weight_decay) {
+    if (!dp->zero.stage || !mgpu__dp_reduces(dp)) return 0;
+    mgpu__dp_zero_step(dp, lr, momentum, weight_decay);
+    return 1;
+}
+/* At the wrapper's end: the module's values get their own memory again
+   (they were views into ZeRO's buckets). */
+static void mgpu__zero_unshare_values(mgpu_data_parallel *dp) {
+    if (!dp->zero.stage) return;
+    mgpu_net *net = dp->replicas[0];
+    for (int p = 0; p < net->nparams && dp->buckets.count; p++) {
+        mgpu_param *param = net->params[p];
+        int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+        mgpu_tensor *own = mgpu_empty(net->device, param->value->shape);
+        mgpu_copy(own, param->value, 0);
+        mgpu_free(param->value);
+        param->value = own;
+        mgpu__memory_scope((mgpu_memory_category)scope);
+    }
+}
+
 MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
     const char *op = "mgpu_data_parallel_zero";
     MGPU_REQUIRE(stage >= 0 && stage <= 2, "%s: stage %d does not exist here: 0 (none), 1 (the optimizer's state "
                  "sharded) or 2 (the gradients too); stage 3, the parameters too, is not built", op, stage);
-    MGPU_REQUIRE(dp->steps == 0 && dp->nbuckets == 0, "%s: call it before the wrapper's first step", op);
+    MGPU_REQUIRE(dp->steps == 0 && dp->buckets.count == 0, "%s: call it before the wrapper's first step", op);
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE, "%s: the wrapper gathers on device 0 (MGPU_DP_GATHER); ZeRO "
                  "needs MGPU_DP_ALLREDUCE", op);
-    MGPU_REQUIRE(!dp->group || dp->n == 1, "%s: a distributed wrapper of %d devices a process; ZeRO needs one", op,
+    MGPU_REQUIRE(!dp->dist.group || dp->n == 1, "%s: a distributed wrapper of %d devices a process; ZeRO needs one", op,
                  dp->n);
-    MGPU_REQUIRE(stage < 2 || !dp->yours, "%s: stage 2 reduce-scatters the gradients, so it cannot take your "
-                 "allreduce (%s)", op, dp->yours_name);
-    dp->zero = stage;
+    MGPU_REQUIRE(stage < 2 || !dp->buckets.yours, "%s: stage 2 reduce-scatters the gradients, so it cannot take your "
+                 "allreduce (%s)", op, dp->buckets.yours_name);
+    dp->zero.stage = stage;
     for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0 && mgpu__dp_members(dp) > 1;
 }

@@ -1044,10 +1044,10 @@ TEST(a_network_of_any_depth_trains) {
         mgpu_data_parallel_step(dp, x, y, 0.003f, 0.0f, 0.0f);
         if (mode == 0) { /* device 0 staged every gradient of replica 1 (which is updated next step) */
             int staged = 0;
-            for (int p = 0; p < net->nparams; p++) staged += dp->staged[1][p] != NULL;
+            for (int p = 0; p < net->nparams; p++) staged += dp->gather.staged[1][p] != NULL;
             CHECK_EQ_INT(staged, net->nparams);
         } else { /* every replica took the same step */
-            CHECK_EQ_INT(dp->nbuckets, 200);
+            CHECK_EQ_INT(dp->buckets.count, 200);
             double diff = test_max_param_diff(mgpu_data_parallel_replica(dp, 1), net);
             if (diff > 1e-6) fprintf(stderr, "  the replicas differ by %g\n", diff);
             CHECK(diff <= 1e-6);
@@ -1725,8 +1725,8 @@ TEST(bucketed_overlapped_reduction_equals_reduction_after_backward) {
         mgpu_net *ref = train_reduced(k, 1u << 30, 0, 5, NULL, NULL, &dp_ref); /* one bucket, after backward */
         mgpu_net *small = train_reduced(k, 256, 1, 5, NULL, NULL, &dp_small); /* many buckets, overlapped */
         mgpu_net *late = train_reduced(k, 256, 0, 5, NULL, NULL, &dp_late);   /* many buckets, after */
-        CHECK(dp_small->nbuckets >= 3);
-        CHECK_EQ_INT(dp_ref->nbuckets, 1);
+        CHECK(dp_small->buckets.count >= 3);
+        CHECK_EQ_INT(dp_ref->buckets.count, 1);
         /* the same sums in the same order: bitwise equal whatever the timing */
         CHECK(test_max_param_diff(small, late) == 0);
         /* other bucket boundaries chunk the ring differently: rounding only */
@@ -1764,7 +1764,7 @@ TEST(an_allreduce_of_ones_own_trains_like_the_librarys) {
         mgpu_net *ref = train_reduced(k, 256, 1, 5, NULL, NULL, &dp_ref);
         mgpu_net *ring = train_reduced(k, 256, 1, 5, students_ring, "a student's ring", &dp_ring);
         mgpu_net *book = train_reduced(k, 256, 1, 5, mgpu_allreduce, "the book's", &dp_book);
-        CHECK(dp_ring->nbuckets >= 3);
+        CHECK(dp_ring->buckets.count >= 3);
         CHECK(strcmp(mgpu_data_parallel_algorithm(dp_ring), "a student's ring") == 0);
         mgpu_net *nets[2] = {ring, book};
         mgpu_data_parallel *dps[2] = {dp_ring, dp_book};
@@ -2010,7 +2010,7 @@ TEST(a_training_step_writes_every_gradient) {
             mgpu_data_parallel_step(dp, x, y, 0.1f, 0.5f, 1e-4f);
         }
         mgpu_synchronize_all();
-        if (way == 2) CHECK(dps[1]->nbuckets >= 3);
+        if (way == 2) CHECK(dps[1]->buckets.count >= 3);
         double diff = test_max_param_diff(nets[1], nets[0]);
         if (diff != 0) fprintf(stderr, "  way %d: the steps after garbage gradients differ by %g\n", way, diff);
         CHECK(diff == 0);
