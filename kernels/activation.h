@@ -92,7 +92,8 @@ static void mgpu__relu_cuda(const void *args, const mgpu__exec *ex) {
 
 /* In vectors of V values (16-byte accesses for V = 4): the residual
    blocks' backward runs this over whole activations, and one value a
-   thread moved 2.0 TB/s on the H100 (Nsight Compute), 60% of its rate. */
+   thread keeps too few bytes in flight to use memory's full rate
+   (bench/history.md). */
 template <int V> static __global__ void mgpu__relu_backward_kernel(mgpu__relu_backward_args p) {
     MGPU__GRID_STRIDE_LOOP(i, p.n / V) {
         float dy[V], mask[V], dx[V];

@@ -49,8 +49,8 @@
    The residual block's end, y = max(bn(x) + skip, 0), fuses one step
    more: with `skip` given, the forward adds it before the ReLU, and the
    normalised values are never stored on their own. That saves writing
-   them and reading them back for the add (two of the five passes the
-   separate add took over the block's output). The backward of this form
+   them and reading them back for the add (two of the five passes a
+   separate add takes over the block's output). The backward of this form
    is the block's (mgpu.h): the ReLU's mask from the block's output gives
    the gradient of the sum, which goes to skip as it is and through this
    file's backward (without fuse_relu) to x.
@@ -116,8 +116,8 @@
    with thread and slice with slice, by Chan et al.'s formula, which never
    subtracts large numbers either. (Welford's update, the usual way to
    merge one value at a time, costs a division per value: with it this
-   kernel spent 44 instructions a value, more than the GPU can issue while
-   memory delivers 4 bytes; bench/RESULTS.md has the counts.) */
+   kernel would take more instructions a value than the GPU can issue
+   while memory delivers 4 bytes; bench/history.md has the counts.) */
 #ifndef MGPU_KERNELS_BATCHNORM_H
 #define MGPU_KERNELS_BATCHNORM_H
 #include "common.h"
@@ -507,11 +507,12 @@ static __device__ inline void mgpu__bn_slice(int vectors, int splits, int *begin
    a block's threads in the Guide's example): lane l
    those of slices l and l + 32 (S <= 64), then the lanes' in the same
    order every time, so the result does not depend on which block came
-   last. (A warp, not a thread: one thread merging stage 1's 49 partials
-   one after the other took 46 us on the H100, each merge waiting for its
-   load.) Finishing here, rather than in a kernel of its own after the
-   reduction, saves a launch a pass (30 a ResNet-18 step), each a few
-   microseconds for a microsecond's work.
+   last. (A warp, not a thread: one thread merging a channel's partials
+   one after the other waits for each merge's load in turn, longer than
+   the statistics themselves take: bench/history.md.) Finishing here,
+   rather than in a kernel of its own after the reduction, saves a launch
+   a pass (30 a ResNet-18 step), each a few microseconds for a
+   microsecond's work.
    With S = 1 (N*H*W of 4096 or fewer, as ResNet-18's stage 4 at batch
    256) the block is its channel's only one and finishes it at once. */
 

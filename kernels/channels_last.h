@@ -94,9 +94,9 @@ struct mgpu__copy_source {
    reading it by columns hits 32 banks. What bounds a copy is how many
    loads are in flight: every thread's four are issued before the barrier,
    and at most 32 registers a thread let 8 blocks (all 64 warps a
-   multiprocessor holds) share one. (With 50 registers and the index
-   arithmetic in 64 bits, Nsight Compute found 4 blocks resident and 1.4
-   TB/s, 41% of an H100's memory rate.) The tile of matrices o0, o0 +
+   multiprocessor holds) share one. (With more registers, from index
+   arithmetic in 64 bits, half as many blocks fit, and the copy runs far
+   below memory's rate: bench/history.md.) The tile of matrices o0, o0 +
    o_step, ...: */
 template <class Source>
 static __device__ __forceinline__ void mgpu__channels_last_tile(const Source &src,
@@ -134,11 +134,11 @@ mgpu__channels_last_kernel(Source src, mgpu__channels_last_to a) {
 /* The same in 16-byte accesses, where rows and columns are whole vectors
    and nothing is flipped (the activations but those of 7x7 images): a
    block moves a 64 x 64 tile, every thread four vectors of 4 in and four
-   out, all four loads issued before the first is stored. (The kernel
-   above moved stage 1's activations at 1.8 TB/s on the H100, 55% of the
-   memory rate; this one at 2.6 TB/s.) A line of the tile is 16 vectors:
-   16 lanes take one, so a warp's stores to the tile, and its loads from
-   it, hit each bank at most twice. */
+   out, all four loads issued before the first is stored: four times the
+   bytes in flight a thread of the kernel above has, which makes this one
+   the faster on the activations (bench/history.md). A line of the tile
+   is 16 vectors: 16 lanes take one, so a warp's stores to the tile, and
+   its loads from it, hit each bank at most twice. */
 template <class Source>
 static __global__ void __launch_bounds__(256)
 mgpu__channels_last_vectors_kernel(Source src, mgpu__channels_last_to a) {
@@ -219,13 +219,14 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
 /* Many plain copies in one launch: a network's weights, to w_t before its
    forward pass and to w'_t before its backward pass (mgpu.h). ResNet-18
    has 20 convolutions, most of whose weights are a few hundred KB: one
-   launch each, each too small to fill the GPU, took about as long as a
-   copy of a whole batch of activations. As in kernels/sgd.h's lists, copy
-   c takes blocks first_block[c] .. end_block[c] - 1 of the launch for its
-   kind, by tiles (a 32 x 32 tile a block) or by rows (256 rows a block),
-   and a block finds its copy by walking the short list. The two kinds
-   are two launches: a kernel's blocks all meet the same barriers, which
-   the tiles take and the rows do not. */
+   launch each, each too small to fill the GPU, would cost about as much
+   as a copy of a whole batch of activations (bench/history.md). As in
+   kernels/sgd.h's lists, copy c takes blocks first_block[c] ..
+   end_block[c] - 1 of the launch for its kind, by tiles (a 32 x 32 tile
+   a block) or by rows (256 rows a block), and a block finds its copy by
+   walking the short list. The two kinds are two launches: a kernel's
+   blocks all meet the same barriers, which the tiles take and the rows
+   do not. */
 #define MGPU__COPIES_MAX 16
 typedef struct {
     int count;

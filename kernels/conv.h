@@ -53,9 +53,8 @@
    no atomics are needed and the result does not depend on timing. Both
    move a few bytes a thread, so what bounds them is how many loads each
    thread has on their way at once: one at a time, every thread waits a
-   whole trip to memory per value (the H100 profile of ResNet-18's stage
-   4 in bench/RESULTS.md: im2col and col2im each at about a third of the
-   memory's bandwidth). */
+   whole trip to memory per value, and the kernels run far below memory's
+   bandwidth (bench/history.md). */
 #ifndef MGPU_KERNELS_CONV_H
 #define MGPU_KERNELS_CONV_H
 #include "common.h"

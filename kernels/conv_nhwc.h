@@ -10,11 +10,11 @@
    tensors (bench/conv/01_gather_implicit_gemm.cu) loads them one at a
    time: there a pixel's neighbours lie side by side, not
    its channels, so for every value a thread tests the window's edges,
-   loads 4 bytes, rounds to TF32 and stores to shared memory. Nsight
-   Compute found it bound by those instructions, at 35 to 45 TFLOP/s on an
-   H100 (bench/RESULTS.md). In a channels-last copy, x_t[img, h, w, c], a
-   pixel's channels are contiguous: 4 of them move as one 16-byte copy,
-   with one edge test for all 4, and never pass through registers. cuDNN's
+   loads 4 bytes, rounds to TF32 and stores to shared memory, and those
+   instructions are what bound it (its profile: bench/history.md). In a
+   channels-last copy, x_t[img, h, w, c], a pixel's channels are
+   contiguous: 4 of them move as one 16-byte copy, with one edge test for
+   all 4, and never pass through registers. cuDNN's
    fastest convolutions work on NHWC too.
 
    The copies (kernels/channels_last.h). Before the product, x [n, C, H,
@@ -60,23 +60,21 @@
    block takes a slice of the steps and another kernel sums the slices:
    "Slices of the sum", below). (Three steps in flight hide more of a
    copy's trip, but take half as much shared memory again, so that two
-   blocks of 64 x 128 fit on a multiprocessor instead of three: on the
-   H100, 8 warps a multiprocessor instead of 12, and a ResNet-18 step
-   0.5 ms slower. The weight gradient's kernel, below, is faster with
-   three.)
+   blocks of 64 x 128 fit on a multiprocessor instead of three: 8 warps a
+   multiprocessor instead of 12, and on the whole a slower ResNet-18 step
+   (bench/history.md). The weight gradient's kernel, below, is faster
+   with three.)
 
-   Instructions (nvcc 13.0 for sm_90, counted in the SASS of the loop over
-   steps): the 128 x 128 tile issues 413 for its 128 mma (3.2 a multiply
-   of 16 x 8 x 8), the 64 x 128 279 for 64 (4.4); the gathering
-   kernels issue 16 to 48 for the same work. So instructions no longer
-   bound it; on an H100 the operands' trip from L2 does (Nsight Compute,
-   with three steps in flight and 8 warps a multiprocessor: L2 at 60% of
-   its peak, a warp eligible to issue a third of the cycles; hence the
-   copies through L1, and two steps in flight for 12 warps). On
-   ResNet-18's 3x3 layers at stride 1 (H100, bench/RESULTS.md): 88
-   to 132 TFLOP/s, twice as fast as the gathering kernels and still 1.2
-   to 2.2 times slower than cuDNN. The weight gradient (at the end of
-   this file): 75 to 105 TFLOP/s, 1.2 to 1.6 times slower than cuDNN.
+   Instructions. The loop over steps issues a few instructions per
+   tensor-core multiply (16 x 8 x 8), fewer in the larger tiles; the
+   gathering kernels issue several times as many for the same work (the
+   counts, from the SASS: bench/history.md). So instructions do not bound
+   this kernel; the operands' trip from L2 does (Nsight Compute: L2 busy,
+   and a warp seldom eligible to issue; hence the copies through L1, and
+   two steps in flight for 12 warps a multiprocessor). On ResNet-18's 3x3
+   layers at stride 1 it is about twice as fast as the gathering kernels,
+   and still slower than cuDNN; so is the weight gradient (at the end of
+   this file). The figures are in bench/history.md.
 
    Shared memory, two copies of the step's tiles, rows padded from 32 to
    36 floats (144 bytes: 16-byte copies stay aligned, and the 8 rows a
@@ -668,10 +666,9 @@ static __device__ __forceinline__ void mgpu__conv_nhwc_tile(const mgpu__conv_nhw
        window is still there: the windows of taps (r, s) and (r, s + 1)
        are the same pixels but one, and those of (r, s) and (r + 1, s)
        share all but an image row of them. L2's bandwidth is what bounds
-       this kernel (Nsight Compute on the H100: 8 warps a multiprocessor,
-       L2 at 60% of its peak, IPC 1.3). Through L1, ResNet-18's forward
-       and dx ran 10 to 25% faster; the weight gradient's copies (below)
-       ran slower, and skip it. */
+       this kernel. Through L1 the forward pass and dx are faster; the
+       weight gradient's copies (below) are slower that way, and skip it
+       (bench/history.md). */
     /* this block's slice of the steps: `steps` from first_step, step i
        being channels 32 (i / RS).. of tap i % RS */
     int first_step = slice * a.per, after = rsc / STEP - first_step;
@@ -875,11 +872,12 @@ static mgpu__subpixel_class mgpu__subpixel_class_of(const mgpu__conv_geom *g, in
    order (in practice: CUDA promises no order), so the longest blocks
    start first and the short ones fill in the places they leave, as in
    longest-first scheduling. In the order of the classes, a 3x3 window at
-   stride 2 put the 2x2 class last, and the launch ended on a wave of its
-   blocks alone. ResNet-18's stage 3 in 128 x 128 tiles: 392 blocks of 8,
-   16, 16 and 32 steps for 264 places; a block counted as its steps and 3
-   more (its start and its end), the launch takes 54 step-times in the
-   order of the classes, 38 the other way round, 31 if it were even. */
+   stride 2 would put the 2x2 class last, and the launch would end on a
+   wave of its blocks alone. ResNet-18's stage 3 in 128 x 128 tiles: 392
+   blocks of 8, 16, 16 and 32 steps for 264 places; a block counted as its
+   steps and 3 more (its start and its end), the launch takes 54
+   step-times in the order of the classes, 38 the other way round, 31 if
+   it were even. */
 static int mgpu__subpixel_products(const mgpu__conv_geom *g) { return g->stride * g->stride; }
 static mgpu__subpixel_class mgpu__subpixel_product(const mgpu__conv_geom *g, int i) {
     int n = mgpu__subpixel_products(g);
@@ -1005,9 +1003,9 @@ static void mgpu__subpixel_launch(mgpu__subpixel_weights_args *weights, mgpu__co
    (MGPU__NHWC_PRODUCTS_MAX products at a time). Where products have no taps and
    dx is not added to, all of dx is zeroed first (one memset), and those
    products are skipped: run as products of no steps,
-   the 3 empty classes of a 1x1 window at stride 2 took longer than the
-   memset by far (their zeros go out through the product's epilogue, to
-   every other pixel). */
+   the 3 empty classes of a 1x1 window at stride 2 take far longer than
+   the memset (their zeros go out through the product's epilogue, to
+   every other pixel: bench/history.md). */
 static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex) {
     const mgpu__conv_nhwc_subpixel_args *a = (const mgpu__conv_nhwc_subpixel_args *)args;
     int products = mgpu__subpixel_products(&a->g), empty = 0;
@@ -1044,8 +1042,8 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
 /* The sub-pixel classes above are products of their own, each block one
    class: ResNet-18's stage 2 (3x3, stride 2, padding 1, 64 channels of
    dx, 128 filters) sums 4, 8, 8 and 16 steps a class, and a class writes
-   every other value of every other row of dx. On the H100 they ran at a
-   third of cuDNN's pace (bench/RESULTS.md): too few
+   every other value of every other row of dx. They run far behind
+   cuDNN's pace (bench/history.md): too few
    steps a block to hide its start and its end.
 
    Here a block computes all four classes. For a 3x3 window at stride 2
@@ -1070,7 +1068,7 @@ static void mgpu__conv_nhwc_subpixel_cuda(const void *args, const mgpu__exec *ex
    loads its fragments of dy once a step for all of them. K / 32 runs of
    4 steps take each tap once, so that the quad's four values sum K, 2K,
    2K and 4K terms: at stage 2 (K = 128) 16 steps a block, 36 products of
-   64 x 64 x 32 tiles, where a class's block took 4 to 16 steps. A run of
+   64 x 64 x 32 tiles, where a class's block takes 4 to 16 steps. A run of
    4 steps copies 0.09 bytes into shared memory a multiply-add (13 tiles
    of 64 x 32 for 9 products), as the forward kernel's 64 x 128 tile does
    a step. At the end the four tiles go through shared memory, and each
@@ -1261,10 +1259,10 @@ static void mgpu__conv_nhwc_stride2_dx_cuda(const void *args, const mgpu__exec *
    mgpu__wgrad_sum (conv.h) adds the slices in order into dw,
    from (r, s, c) to dw's (c, r, s).
 
-   Instructions a step (SASS, nvcc 13.0, sm_90) per multiply: 4.3 for the
-   128 x 128 tile (555 for 128; the forward kernel: 3.2), 5.2 for 128 x
-   64, 6.2 for 64 x 128, 7.7 for 64 x 64, about half of it the copies'
-   address arithmetic (15 instructions a 16-byte copy). */
+   Instructions a step per multiply: more than the forward kernel's in
+   the same tile, the more the smaller the tile, about half of them the
+   copies' address arithmetic (the counts, from the SASS:
+   bench/history.md). */
 typedef struct {
     float *dw;         /* [K, C, R, S]: beta * dw + the gradient */
     float *partials;   /* [splits, K, R*S*C] scratch */
@@ -1281,9 +1279,9 @@ static int mgpu__conv_nhwc_dw_fits(const mgpu__conv_geom *g) {
 }
 /* Slices of the sum over output pixels: about `blocks` blocks in all,
    each summing at least 512 pixels (fewer, longer slices than the
-   gathering kernels took: this kernel multiplies faster than it could
-   read and write more partial tiles), the partial tiles at most
-   MGPU__PARTIAL_FLOATS_MAX. */
+   gathering kernels' in bench/conv: this kernel multiplies faster than
+   it could read and write more partial tiles), the partial tiles at
+   most MGPU__PARTIAL_FLOATS_MAX. */
 static int mgpu__conv_nhwc_dw_splits(const mgpu__conv_geom *g, mgpu__implicit_tile tile, size_t blocks) {
     size_t crs = (size_t)g->c * g->r * g->s, pixels = (size_t)g->n * g->p * g->q;
     size_t rows = mgpu__implicit_tile_rows[tile], columns = mgpu__implicit_tile_columns[tile];

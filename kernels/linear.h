@@ -41,8 +41,9 @@
    each (global average pooling of ResNet-18's last 4x4 maps: 131072
    channels of 16 values) are the other way round: a block per channel
    would be mostly idle threads and the launch mostly the scheduling of
-   blocks (84 us on an H100 for 8 MB), so there each thread sums whole
-   channels (MGPU__CHAN_SUM_FEW values or fewer), one after another. */
+   blocks (many times what its 8 MB need: bench/history.md), so there
+   each thread sums whole channels (MGPU__CHAN_SUM_FEW values or fewer),
+   one after another. */
 #ifndef MGPU_KERNELS_LINEAR_H
 #define MGPU_KERNELS_LINEAR_H
 #include "common.h"

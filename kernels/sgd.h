@@ -21,10 +21,10 @@
    Many tensors in one launch. A network's update touches every parameter
    tensor, and zero_grad every gradient: ResNet-18 has 62 of each, half of
    them a batch norm's 64 to 512 values. Launched one by one, that is 124
-   launches of about 5 us a step on an H100, 0.75 ms, for work whose bytes
-   take some 60 us. So torch.optim.SGD's update (with PyTorch's "foreach"
-   path) and zeroing take a list of up to MGPU__LIST_MAX tensors per
-   launch (mgpu__tensor_list): tensor t gets the blocks first_block[t] ..
+   launches a step, which take far longer than the work's bytes need
+   (bench/history.md). So torch.optim.SGD's update (with PyTorch's
+   "foreach" path) and zeroing take a list of up to MGPU__LIST_MAX tensors
+   per launch (mgpu__tensor_list): tensor t gets the blocks first_block[t] ..
    first_block[t+1] - 1, each block MGPU__LIST_CHUNK of its values, and a
    block finds its tensor by walking the short list. Kept short, the list
    stays well inside the 4 KB a kernel's arguments may take, and inside a
@@ -127,7 +127,8 @@ static __device__ inline int mgpu__list_block(const mgpu__tensor_list *l, size_t
    tensors it reads and writes (values.tensors(t, ...)) all start 16-byte
    aligned, then one by one for the last few. (A block's values start at a
    multiple of MGPU__LIST_CHUNK, 4 values, so its vectors are aligned too.)
-   One value a thread, the SGD update ran at 1.4 TB/s on the H100. */
+   One value a thread keeps too few bytes in flight to use memory's full
+   rate (bench/history.md). */
 template <typename Values>
 static __device__ inline void mgpu__list_values(const mgpu__tensor_list *l, Values values) {
     size_t begin, end;

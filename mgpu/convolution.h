@@ -11,7 +11,7 @@
    the output in [K, n*P*Q] order, for a chunk of n images. On a GPU, 256
    MiB: one product should cover as many images as it can (fewer, larger
    products beat chunks small enough to stay in the L2 cache: the sweep
-   is in bench/RESULTS.md). On
+   is in bench/history.md). On
    the CPU, 4 MiB: a chunk whose col buffer stays in the processor's cache between
    im2col and the product is faster than one product over the whole
    batch. Indexed by mgpu_device_is_gpu; variables, so that the tests can
@@ -640,10 +640,10 @@ static int mgpu__conv_winograd_fits(mgpu__conv_try what, const mgpu__conv_geom *
    and adds, 10 C K FLOPs, and writes and reads V and M, 16/4 (C + K)
    floats each way, 32 (C + K) bytes more. With C = K that is 0.16 C
    FLOPs saved a byte moved, against the 40 or so that the direct
-   kernel's pace (about 120 TFLOP/s on an H100) over memory's (3 TB/s)
-   asks: C of 256 or more, ResNet-18's stages 3 and 4. (Elsewhere the
-   trial would only lose time, and stage 1's V and M, 200 MB each, would
-   count in the first device's peak memory.) */
+   kernel's pace over memory's bandwidth asks on an H100 (the figures:
+   bench/history.md): C of 256 or more, ResNet-18's stages 3 and 4.
+   (Elsewhere the trial would only lose time, and stage 1's V and M, 200
+   MB each, would count in the first device's peak memory.) */
 static int mgpu__conv_winograd_worth_trying(const mgpu__conv_geom *g) { return g->c >= 256 && g->k >= 256; }
 /* Whether conv_nhwc.h's stride-2 dx kernel computes a pass of geometry
    g: dx at stride 2 of a 3x3 window with padding 1, where it fits. */

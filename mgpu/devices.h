@@ -15,13 +15,13 @@
 /* OpenBLAS picks its kernels for the processor's family and model. On a
    processor it does not know (cloud machines may report a generic name,
    "Intel(R) Xeon(R) Processor") it takes its oldest x86-64 kernels,
-   Prescott's, with neither AVX2 nor AVX-512: its products then run at a
-   fifth of the speed the processor has (bench/RESULTS.md). It chooses
-   when it is loaded, reading OPENBLAS_CORETYPE only then; so where it took
-   kernels without AVX2 on a processor with AVX2 and FMA, the program
-   starts again before main, with OPENBLAS_CORETYPE naming the kernels the
-   processor runs, and says so in one line. A coretype the user set is
-   left alone. */
+   Prescott's, with neither AVX2 nor AVX-512: its products then run
+   several times slower than the processor allows (bench/RESULTS.md). It
+   chooses when it is loaded, reading OPENBLAS_CORETYPE only then; so
+   where it took kernels without AVX2 on a processor with AVX2 and FMA,
+   the program starts again before main, with OPENBLAS_CORETYPE naming
+   the kernels the processor runs, and says so in one line. A coretype
+   the user set is left alone. */
 extern char *openblas_get_corename(void);
 /* The kernels to ask for, given those OpenBLAS took (core) and what the
    processor has; NULL where core uses AVX2 already, or the processor has
