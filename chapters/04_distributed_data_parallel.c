@@ -67,7 +67,10 @@
    Reads: mgpu/groups.h (processes as a group), mgpu/data_parallel.h
    (mgpu_distributed_data_parallel_new), mgpu/data_parallel_step.h,
    mgpu/data.h (the distributed sampler), mgpu/checkpoints.h (resuming),
-   mgpu/timing.h (each rank's timeline). */
+   mgpu/timing.h (each rank's timeline), mgpu/networks.h and
+   mgpu/training_ops.h (--sync-bn's batch norm over the group),
+   mgpu/communication.h (the ring, with --devices-per-process),
+   mgpu/net_training.h, mgpu/plots.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
