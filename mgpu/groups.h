@@ -228,7 +228,8 @@ static void *mgpu__watcher(void *arg) {
 
 /* What a waiting rank has seen of another. */
 typedef struct mgpu__rank_seen {
-    int answered;         /* at the last look */
+    double answered_at;   /* when it last answered (0: never); a look it does not
+                             answer within its window keeps the answer before */
     long progress;
     double progress_since; /* when its progress last moved, as far as the looks saw */
     mgpu__watch_reply reply;
@@ -248,18 +249,21 @@ static int mgpu__reached(const mgpu__watch_reply *reply, const mgpu__wait_point 
     return 0;
 }
 
-/* Asks the ranks the wait needs what they do (each answers within 2 s,
-   or counts as not answering). Returns 1 if the wait's requests
+/* Asks the ranks the wait needs what they do: each answer that comes
+   within 2 s replaces the one before, and a rank that gives none keeps
+   its last (mgpu__watch_judge counts it as not answering once it has
+   been silent a whole timeout). Returns 1 if the wait's requests
    completed meanwhile: then nothing was judged. */
 static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__rank_seen *seen,
                             MPI_Request *requests, int n) {
     int tag = MGPU__TAG_REPLIES + mgpu__watch.looks++ % 30000;
     MPI_Request *asked = (MPI_Request *)mgpu__xmalloc(sizeof *asked * (size_t)g->size);
+    mgpu__watch_reply *replies = (mgpu__watch_reply *)mgpu__xmalloc(sizeof *replies * (size_t)g->size);
     for (int r = 0; r < g->size; r++) {
         asked[r] = MPI_REQUEST_NULL;
         if (!mgpu__waits_for(g, at, r)) continue;
         int to = g->world_ranks[r];
-        MGPU__MPI_CHECK(MPI_Irecv(&seen[r].reply, (int)sizeof seen[r].reply, MPI_BYTE, to, tag, mgpu__watch.comm,
+        MGPU__MPI_CHECK(MPI_Irecv(&replies[r], (int)sizeof replies[r], MPI_BYTE, to, tag, mgpu__watch.comm,
                                   &asked[r]));
         MGPU__MPI_CHECK(MPI_Send(&tag, 1, MPI_INT, to, MGPU__TAG_QUERY, mgpu__watch.comm));
     }
@@ -279,17 +283,24 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
     for (int r = 0; r < g->size; r++) {
         if (!mgpu__waits_for(g, at, r)) continue;
         int answered = asked[r] == MPI_REQUEST_NULL;
-        if (!answered) { /* (a late answer comes on a tag no one listens to any more) */
+        if (!answered) { /* (a later answer comes on a tag no one listens to any more) */
+            MPI_Status status;
+            int cancelled = 0;
             MGPU__MPI_CHECK(MPI_Cancel(&asked[r]));
-            MGPU__MPI_CHECK(MPI_Wait(&asked[r], MPI_STATUS_IGNORE));
+            MGPU__MPI_CHECK(MPI_Wait(&asked[r], &status));
+            MGPU__MPI_CHECK(MPI_Test_cancelled(&status, &cancelled));
+            answered = !cancelled; /* (it came between the last test and the cancel) */
         }
+        if (!answered) continue;
         mgpu__rank_seen *s = &seen[r];
-        if (answered && (!s->answered || s->reply.progress != s->progress || s->progress_since == 0)) {
-            s->progress = s->reply.progress;
+        if (s->answered_at == 0 || replies[r].progress != s->progress) {
+            s->progress = replies[r].progress;
             s->progress_since = now;
         }
-        s->answered = answered;
+        s->reply = replies[r];
+        s->answered_at = now;
     }
+    free(replies);
     free(asked);
     return completed;
 }
@@ -305,11 +316,14 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
     for (int r = 0; r < g->size; r++) {
         if (!mgpu__waits_for(g, at, r)) continue;
         const mgpu__rank_seen *s = &seen[r];
-        if (s->answered && r < g->rank && s->reply.nwaits) lower_waiting = 1;
-        if (s->answered && (mgpu__reached(&s->reply, at, g->rank) || now - s->progress_since < g->timeout))
+        /* answering: within the last timeout (one late answer on a busy
+           machine is no sign of a stopped rank) */
+        int answering = s->answered_at > 0 && now - s->answered_at < g->timeout;
+        if (answering && r < g->rank && s->reply.nwaits) lower_waiting = 1;
+        if (answering && (mgpu__reached(&s->reply, at, g->rank) || now - s->progress_since < g->timeout))
             continue;
         char why[160];
-        if (!s->answered)
+        if (!answering)
             snprintf(why, sizeof why, "it does not answer (stopped, or dead)");
         else if (s->reply.nwaits)
             snprintf(why, sizeof why, "it waits in %s", s->reply.doing);
