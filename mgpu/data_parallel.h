@@ -1,8 +1,11 @@
 /* mgpu/data_parallel.h: the data-parallel wrapper (chapter 3's
    DataParallel, chapter 4's DistributedDataParallel): replicas of a
    network on each device, its gradients in buckets reduced while the
-   backward pass goes on, over devices or over a process group. Making the
-   wrapper and its buckets; the step is in mgpu/data_parallel_step.h.
+   backward pass goes on, over devices or over a process group. Here:
+   making the wrapper, one bucket's memory (its flat gradient, which each
+   replica's gradients become views of) and its reduction. Grouping the
+   parameters into buckets (at the first step, sized for ZeRO, so after
+   mgpu/zero.h) and the step itself are in mgpu/data_parallel_step.h.
    defines: mgpu_data_parallel_new, mgpu_data_parallel_configure,
    mgpu_data_parallel_use_allreduce, mgpu_data_parallel_check_replicas,
    mgpu_data_parallel_module, mgpu_data_parallel_replica,

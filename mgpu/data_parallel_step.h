@@ -1,7 +1,10 @@
-/* mgpu/data_parallel_step.h: one data-parallel step: each replica's
-   forward pass and loss on its shard, the backward pass with each bucket
-   reduced as it fills, then the optimizer's step (on a ZeRO share where
-   the wrapper has one), and accumulation over several batches.
+/* mgpu/data_parallel_step.h: one data-parallel step, as chapters 3 and 4
+   take it: each replica's forward pass and loss on its shard, the
+   backward pass with each bucket reduced as it fills, then the
+   optimizer's step (on a ZeRO share where the wrapper has one), and
+   accumulation over several batches. The buckets are grouped here, at
+   the first step; one bucket's memory and reduction are in
+   mgpu/data_parallel.h.
    defines: mgpu_data_parallel_accumulate, mgpu_data_parallel_step,
    mgpu_data_parallel_take_stats, mgpu_data_parallel_free */
 /* Groups the gradients into buckets of about buckets.bytes, from the last

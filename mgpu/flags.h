@@ -1,6 +1,6 @@
 /* mgpu/flags.h: the chapters' command-line flags, each checked against
    its type and bounds, with --help built from the same table; and where
-   output files go.
+   output files go. Every chapter reads it in main's first lines.
    defines: mgpu_options_parse, mgpu_out_path */
 static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
     char *end = NULL;

@@ -3,7 +3,10 @@
    take tasks from a ring in order. The structs of a device, an event and
    a trace record, and the library's state, are here too, since a queue
    needs them all. Chapter 1 reads it: enqueueing returns at once, and two
-   devices' queues run side by side.
+   devices' queues run side by side. Waiting for a device is here, so the
+   one error a GPU's kernel reports back is raised here too: a label that
+   is not a class index (kernels/loss.h writes it; mgpu/training_ops.h
+   sets up where).
    defines: mgpu_synchronize
    internal: mgpu__launch_on (every operation's way onto a queue),
    mgpu__trace_add (the tracer's record of each operation) */

@@ -1,9 +1,12 @@
 /* mgpu/settings.h: the settings read from the environment when the
    library starts (the manual's SETTINGS lists them all): MGPU_TF32, the
-   products that may use TF32 on a GPU; MGPU_CONV and MGPU_WGMMA, how a
-   GPU's convolutions are computed; MGPU_CHECK_REPLICAS. A bad value stops
-   the program before its work, in one line. (MGPU_DIST_TIMEOUT is read by
-   mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
+   products that may use TF32 on a GPU; MGPU_CONV, how convolutions are
+   computed, on a GPU (the method) and on a CPU (im2col, oneDNN, or
+   whichever a trial finds faster); MGPU_WGMMA, whether a GPU's candidates
+   include the wgmma kernels; MGPU_CHECK_REPLICAS. A bad value stops the
+   program before its work, in one line. Every chapter meets them through
+   the manual; chapter 3's and 4's check of the replicas is here.
+   (MGPU_DIST_TIMEOUT is read by mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
    defines: mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str */
 /* Which products may use TF32 on a GPU: [0] convolutions, [1] mgpu_matmul
    and the linear layers. -1 until first asked: then MGPU_TF32 or
@@ -52,7 +55,10 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
      cudnn     cuDNN's algorithms alone (kernels/conv_cudnn.h), the
                fastest for each pass; im2col where none fits or cuDNN is
                not built in.
-   Float32 convolutions (no TF32) always take im2col; a CPU's, see below. */
+   Float32 convolutions (no TF32) always take im2col. On a CPU (mgpu/
+   convolution.h's mgpu__conv_cpu): auto times im2col against oneDNN at
+   the first call with a shape; im2col takes im2col; implicit takes oneDNN
+   where it is built in. */
 typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
 static const char *const mgpu__conv_mode_names[] = {"auto", "im2col", "implicit", "cudnn"};
 static mgpu__conv_mode_kind mgpu__conv_mode;

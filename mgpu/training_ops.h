@@ -7,7 +7,10 @@
    mgpu_accuracy_count, mgpu_sum, mgpu_mean, mgpu_sgd_book, mgpu_sgd_step */
 /* ======================================================================
    Batch norm, losses, optimisers: checks, then one kernel launch each
-   (the kernels are in kernels/batchnorm.h, loss.h and sgd.h).
+   (the kernels are in kernels/batchnorm.h, loss.h and sgd.h). A GPU's
+   loss kernel cannot stop the program at a bad label: it writes the
+   label to pinned host memory, and mgpu_synchronize (mgpu/queues.h)
+   raises the error once the device is waited for.
    ====================================================================== */
 
 /* A tensor that must be there, on dev. */
