@@ -3,6 +3,9 @@
 #   make chapter1 && ./chapter1     (chapter2, chapter3 likewise)
 #   make test                       everything that needs no GPU (the GPU tests on
 #                                   emulated GPUs too); ends "N passed, N failed"
+#   make test-long                  what make test leaves out to fit in 10 minutes
+#                                   on 2 cores: nvcc's builds, the long emulated
+#                                   tests, the GPU check's rehearsal (CI runs both)
 #   make test-gpu                   the same, plus CUDA against CPU (on a GPU machine)
 #   make test-asan                  the CPU tests under Address/UndefinedBehaviorSanitizer
 #   make bench                      the chapters' workloads beside PyTorch (GPU machine)
@@ -17,6 +20,8 @@
 
 CC         ?= gcc
 CUDA_HOME  ?= /usr/local/cuda
+# On every core unless told otherwise: a -j on the command line wins.
+MAKEFLAGS  += -j$(shell nproc 2>/dev/null || echo 1)
 # NCCL: beside the CUDA toolkit, else the nvidia-nccl package that PyTorch
 # installs (as on the GPU machine), else the toolkit's folder anyway.
 PY_SITE    := $(shell python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
@@ -88,7 +93,11 @@ ASAN       := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-s
 ifeq ($(USE_CUDA),0)
 HAVE_NVCC := 0
 else
-HAVE_NVCC := $(shell mkdir -p $(BUILD) && printf '__global__ void k(){}\nint main(){k<<<1,1>>>();return 0;}\n' > $(BUILD)/probe.cu && $(NVCC) -o $(BUILD)/probe $(BUILD)/probe.cu >/dev/null 2>&1 && echo 1 || echo 0)
+# (the answer is kept in build/, one file for each nvcc asked: the probe
+# takes seconds, and make runs again for each assignment checked; make clean
+# forgets it)
+NVCC_PROBED := $(BUILD)/have-nvcc$(subst /,-,$(NVCC))
+HAVE_NVCC := $(shell cat $(NVCC_PROBED) 2>/dev/null || { mkdir -p $(BUILD) && printf '__global__ void k(){}\nint main(){k<<<1,1>>>();return 0;}\n' > $(BUILD)/probe.cu && $(NVCC) -o $(BUILD)/probe $(BUILD)/probe.cu >/dev/null 2>&1 && echo 1 || echo 0; } | tee $(NVCC_PROBED))
 endif
 # Machine code for each of CUDA_ARCHS, compute capability 9.0's for
 # sm_90a (Hopper's own instructions: kernels/conv_nhwc.h's wgmma), and
@@ -126,7 +135,7 @@ INCLUDED_SOURCES := $(CPU_TESTS) tests/dist_tests.c
 chapter_number = $(shell echo $(notdir $(1)) | sed 's/^0*\([0-9]*\)_.*/\1/')
 CHAPTER_BINS := $(foreach c,$(CHAPTERS),chapter$(call chapter_number,$(c)))
 
-.PHONY: all deps test test-gpu test-asan bench data clean check-assignment
+.PHONY: all deps test test-long test-gpu test-asan bench data clean check-assignment
 
 all: $(CHAPTER_BINS)
 
@@ -188,6 +197,16 @@ chapter$(call chapter_number,$(1)): $(1) $$(HEADERS) $$(DEPS_STAMP) $(call needs
 	$$(COMPILE)
 endef
 $(foreach c,$(CHAPTERS),$(eval $(call chapter_rule,$(c))))
+
+# make test runs the chapters' CPU builds: where nvcc builds ./chapterN,
+# gcc builds them again in build/cpu (nvcc's take a minute each; make
+# test-long runs those).
+define cpu_chapter_rule
+$(BUILD)/cpu/chapter$(call chapter_number,$(1)): $(1) $$(HEADERS) $$(DEPS_STAMP) $(call needs_data,$(1))
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS_C) -I. $$< -o $$@ $$(LIBS)
+endef
+$(foreach c,$(CHAPTERS),$(eval $(call cpu_chapter_rule,$(c))))
 
 # ----------------------------------------------------------------- tests
 $(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(HEADERS) $(DEPS_STAMP)
@@ -282,19 +301,32 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS_CHECK) -I. $< -o $@ $(CUDA_LIBS)
 
-# The chapters are built first (nvcc's longest builds), and the tests run
-# as many at a time as there are cores (TEST_JOBS), the emulator's long
-# ones first: so that neither ends on one long job alone. Each test's
+# The tests run as many at a time as there are cores (TEST_JOBS), the
+# longest first, so that none ends on one long job alone; each test's
 # output is shown whole, in this order. test-gpu runs them one at a time,
 # so that each has the GPU to itself.
-# The GPU check's rehearsal (tests/gpu_check_rehearsal.sh) runs the
-# benchmark programs built above: the checked CUDA builds, or the CPU ones.
+#
+# make test fits in 10 minutes on 2 cores, build included: gcc's builds
+# alone (the chapters' CPU builds, in build/cpu where nvcc builds the
+# checkout's), and each program's tests but those marked TEST_LONG
+# (TEST_SET=quick). make test-long runs the rest: nvcc's builds (the
+# chapters, and every test's and benchmark's checked CUDA build), the
+# TEST_LONG tests, the smoke runs again on nvcc's chapters, and the GPU
+# check's rehearsal (tests/gpu_check_rehearsal.sh: it runs the benchmark
+# programs built here, the checked CUDA builds or the CPU ones). CI runs
+# both.
 TEST_JOBS ?= $(shell nproc)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
-test: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) $(DIST_TEST_BINS)
-	@TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) PARTS_CFLAGS='$(OPENMP) $(ONEDNN) $(MPI_FLAGS)' bash tests/run.sh $(EMU_TEST) $(EMU_GPU_BINS) \
-	  $(CPU_TEST_BINS) $(PLAIN_TEST_BINS) -- tests/smoke.sh tests/gpu_check_rehearsal.sh tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh \
-	  tests/assignments.sh tests/dist.sh
+TEST_CHAPTER_DIR := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cpu,.)
+TEST_PROGRAMS := $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
+test: $(addprefix $(TEST_CHAPTER_DIR)/,$(CHAPTER_BINS)) $(TEST_PROGRAMS) $(DIST_TEST_BINS)
+	@TEST_SET=quick TEST_JOBS=$(TEST_JOBS) CHAPTER_DIR=$(TEST_CHAPTER_DIR) PARTS_CFLAGS='$(OPENMP) $(ONEDNN) $(MPI_FLAGS)' \
+	  bash tests/run.sh tests/smoke.sh tests/dist.sh tests/assignments.sh $(TEST_PROGRAMS) \
+	  tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh
+
+test-long: all $(TEST_BUILDS) $(TEST_PROGRAMS)
+	@TEST_SET=long TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh tests/gpu_check_rehearsal.sh \
+	  $(if $(filter 1,$(HAVE_NVCC)),tests/smoke.sh) $(TEST_PROGRAMS)
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c
@@ -314,7 +346,7 @@ test-asan: $(ASAN_TEST_BINS)
 	@ASAN_OPTIONS=detect_leaks=1 bash tests/run.sh $(ASAN_TEST_BINS)
 
 test-gpu: $(CUDA_TEST_BINS) all
-	@bash tests/run.sh $(CUDA_TEST_BINS) -- tests/smoke.sh
+	@bash tests/run.sh $(CUDA_TEST_BINS) tests/smoke.sh
 
 # ------------------------------------------------------------- benchmarks
 # The convolution variants that lost on every pass of the GPU profile

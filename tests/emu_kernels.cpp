@@ -328,7 +328,7 @@ TEST(few_channels_convolution) {
 /* conv_nhwc.h's kernel (through implicit_case): C, and for dx K, multiples
    of its 32-channel step; partial tiles of filters and pixels, windows
    over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
-TEST(channels_last_convolution) {
+TEST_LONG(channels_last_convolution) {
     subpixel_cases = stride2_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
     /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
@@ -780,7 +780,7 @@ TEST(batchnorm_one_block_per_channel) {
     batchnorm_case(2, 3, 5);
     batchnorm_case(5, 7, 49); /* a value's channel and image found by dividing by 7 and 49 */
 }
-TEST(batchnorm_split_channels) {
+TEST_LONG(batchnorm_split_channels) {
     CHECK(mgpu__bn_splits(2 * 4097) > 1); /* the sums really are split */
     batchnorm_case(2, 1, 4097);
     CHECK(mgpu__bn_splits(2 * 3000) == 2);
@@ -793,7 +793,7 @@ TEST(batchnorm_split_channels) {
 /* Planes of whole 4-value vectors (16-byte loads and stores; the
    emulator fails on any that is not 16-byte aligned), and when the
    kernels fall back to single values. */
-TEST(batchnorm_in_vectors_of_four) {
+TEST_LONG(batchnorm_in_vectors_of_four) {
     std::vector<float> buffer(64);
     const void *aligned[] = {buffer.data(), buffer.data() + 4, NULL};
     const void *one_off[] = {buffer.data(), buffer.data() + 1};

@@ -738,7 +738,7 @@ TEST(conv_backward_im2col_halves) {
 }
 
 /* small enough for compute-sanitizer (bench/gpu_session.sh sanitize) */
-TEST(implicit_gemm_small_tiles) {
+TEST_LONG(implicit_gemm_small_tiles) {
     mgpu_set_tf32(1, 0);
     stride2_checks = 0;
     implicit_tiles_compare("partial tiles", 3, 130, 11, 140, 3, 2, 2);

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# tests/run.sh BIN... [-- SCRIPT...]: runs each test program (and each
-# script after --), TEST_JOBS of them at a time (default 1), shows each
-# one's output whole and in the order given, and adds up the
-# "test-summary: P passed, F failed" lines they print. A program that
-# dies before printing its summary counts as one failure. The last line
-# is the total:
+# tests/run.sh TEST...: runs each test, a program or a bash script (a name
+# ending in .sh), TEST_JOBS of them at a time (default 1), shows each
+# one's output whole and in the order given, with its seconds, and adds
+# up the "test-summary: P passed, F failed" lines they print. A program
+# that dies before printing its summary counts as one failure. The last
+# line is the total:
 #     N passed, N failed
 # and the exit status is non-zero when anything failed.
 jobs_max=${TEST_JOBS:-1}
@@ -18,7 +18,7 @@ failed=0
 # after its .log is complete).
 report() {
     local i=$1 name=${names[$1]}
-    echo "== $name"
+    echo "== $name ($(cat "$logs/$1.seconds") s)"
     cat "$logs/$i.log"
     local status summary p f
     status=$(cat "$logs/$i.status")
@@ -46,18 +46,17 @@ report_finished() {
     done
 }
 
-scripts=0
 for arg in "$@"; do
-    if [ "$arg" = "--" ]; then scripts=1; continue; fi
     while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do
         wait -n
         report_finished
     done
     i=${#names[@]}
     names+=("$arg")
-    if [ $scripts = 1 ]; then command=(bash "$arg"); else command=("$arg"); fi
+    if [ "${arg%.sh}" != "$arg" ]; then command=(bash "$arg"); else command=("$arg"); fi
     # (the status by a rename, so that it is never seen half written)
-    ("${command[@]}" > "$logs/$i.log" 2>&1; echo $? > "$logs/$i.part"; mv "$logs/$i.part" "$logs/$i.status") &
+    (start=$SECONDS; "${command[@]}" > "$logs/$i.log" 2>&1; echo $? > "$logs/$i.part"
+     echo $((SECONDS - start)) > "$logs/$i.seconds"; mv "$logs/$i.part" "$logs/$i.status") &
 done
 wait
 report_finished

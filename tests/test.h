@@ -28,19 +28,31 @@
 #include <unistd.h>
 
 typedef void (*test__fn)(void);
-typedef struct { const char *name; test__fn fn; } test__entry;
+typedef struct { const char *name; test__fn fn; int long_; } test__entry;
 static test__entry test__table[512];
 static int test__count;
 static int test__failures; /* failures inside the running test */
 
-#define TEST(test_name)                                                    \
+#define TEST__REGISTER(test_name, is_long)                                 \
     static void test_##test_name(void);                                   \
     __attribute__((constructor)) static void test__register_##test_name(void) { \
         test__table[test__count].name = #test_name;                        \
         test__table[test__count].fn = test_##test_name;                    \
+        test__table[test__count].long_ = is_long;                          \
         test__count++;                                                     \
     }                                                                      \
     static void test_##test_name(void)
+#define TEST(test_name) TEST__REGISTER(test_name, 0)
+/* A test that takes half a minute or more on emulated GPUs (tests/
+   cuda_emu.h), a second or two elsewhere. Run by hand, a program runs it
+   with the others; make test (TEST_SET=quick) leaves the emulated run to
+   make test-long (TEST_SET=long), which CI runs too, so that make test
+   fits in 10 minutes on 2 cores. */
+#ifdef MGPU_CUDA_EMU
+#define TEST_LONG(test_name) TEST__REGISTER(test_name, 1)
+#else
+#define TEST_LONG(test_name) TEST(test_name)
+#endif
 
 /* A test too slow for emulated GPUs (tests/cuda_emu.h runs every CUDA
    thread of a kernel in turn on one CPU core): it is left out of the
@@ -247,12 +259,30 @@ static int test__run_all(int argc, char **argv) {
 #ifdef MGPU_H /* tests/emu_kernels.cpp runs the kernels without the library */
     mgpu_set_tf32(0, 0);
 #endif
+    /* TEST_SET: unset, every test; quick, those not marked TEST_LONG;
+       long, those alone. TEST_TIMES=1 adds each test's seconds to its
+       line (to find the long ones). */
+    const char *set = getenv("TEST_SET");
+    int want_long = set && strcmp(set, "long") == 0, want_quick = set && strcmp(set, "quick") == 0;
+    if (set && *set && !want_long && !want_quick) {
+        fprintf(stderr, "TEST_SET=%s: want quick or long (or unset: every test)\n", set);
+        return 2;
+    }
+    int times = getenv("TEST_TIMES") && strcmp(getenv("TEST_TIMES"), "1") == 0;
     for (int i = 0; i < test__count; i++) {
         if (argc > 1 && !strstr(test__table[i].name, argv[1])) continue;
+        if ((want_long && !test__table[i].long_) || (want_quick && test__table[i].long_)) continue;
         test__failures = 0;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         test__table[i].fn();
+        clock_gettime(CLOCK_MONOTONIC, &t1);
         if (test__combine) test__failures = test__combine(test__failures);
-        if (test__prints) printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
+        if (test__prints && times)
+            printf("%s %s (%.1f s)\n", test__failures ? "FAIL" : "ok  ", test__table[i].name,
+                   (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+        else if (test__prints)
+            printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
         fflush(stdout);
         if (test__failures) failed++; else passed++;
     }

@@ -185,7 +185,7 @@ TEST(batchnorm_uses_each_shards_statistics) {
 /* With im2col everywhere, whose scratch is the same on both devices: a
    device's oneDNN copies (kernels/conv_onednn.h) would add to its peak
    alone, and the difference would no longer be the gradients'. */
-TEST(gather_puts_more_memory_on_device_0_than_allreduce) {
+TEST_LONG(gather_puts_more_memory_on_device_0_than_allreduce) {
     mgpu__conv_settings_from_environment();
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     mgpu__conv_mode = MGPU__CONV_IM2COL;
@@ -991,7 +991,7 @@ TEST(a_network_refuses_layers_that_do_not_fit) {
    wrapper takes a step on 2 devices, gathering every gradient on device
    0, or reducing 200 buckets of a layer each and leaving the replicas
    equal. */
-TEST(a_network_of_any_depth_trains) {
+TEST_LONG(a_network_of_any_depth_trains) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_device *d = devs[0];
@@ -1932,7 +1932,7 @@ TEST(switching_the_reduction_off_lets_replicas_drift) {
     mgpu_net_free(net);
 }
 
-TEST(reduction_runs_under_the_backward_pass) {
+TEST_LONG(reduction_runs_under_the_backward_pass) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_manual_seed(3);
