@@ -486,7 +486,7 @@ static int conv_twice_by(mgpu__conv_mode_kind mode, const char *label, mgpu_shap
 }
 /* MGPU_CONV=auto (the default): the first call with a shape times im2col
    and every tile and remembers the fastest. */
-TEST(conv_algorithm_chosen_by_measuring) {
+TEST_LONG(conv_algorithm_chosen_by_measuring) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     /* small: on the emulated GPU every trial takes seconds */
     conv_twice_by(MGPU__CONV_AUTO, "auto", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
@@ -1067,7 +1067,7 @@ static void kept_copies_compare(const char *name, mgpu__conv_method method) {
     }
     same_networks(&test, name, nets, logits, 0);
 }
-TEST(network_keeps_its_weights_channels_last_copies_current) {
+TEST_LONG(network_keeps_its_weights_channels_last_copies_current) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     mgpu__conv_settings_from_environment();
     kept_copies_compare("kept weight copies", MGPU__DIRECT);
@@ -1148,7 +1148,7 @@ static void cudnn_compare(const char *name, int n, int c, int h, int k, int r, i
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw);
 }
-TEST(cudnn_algorithms_match_the_cpu) {
+TEST_LONG(cudnn_algorithms_match_the_cpu) {
     mgpu_set_tf32(1, 0);
     /*             name                   N   C   H    K  R  t  d */
     cudnn_compare("LeNet conv 1",         8,  1, 28,   6, 5, 1, 2);

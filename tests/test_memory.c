@@ -96,7 +96,7 @@ static void checkpointed_like_plain(const char *name, mgpu_net *(*make)(uint64_t
     mgpu_net_free(plain);
     mgpu_net_free(cut);
 }
-TEST(checkpointed_gradients_are_the_plain_ones_bit_for_bit) {
+TEST_LONG(checkpointed_gradients_are_the_plain_ones_bit_for_bit) {
     checkpointed_like_plain("ResNet-18", resnet, MGPU_SEGMENTS_SQRT, 8);
     if (!TEST_ON_GPU) { /* (the emulated GPUs' convolutions are slow) */
         checkpointed_like_plain("ResNet-18", resnet, 2, 8);
