@@ -234,6 +234,23 @@ static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int
     }
 }
 
+/* The way back from mgpu__views_into, for a whole network: each
+   parameter's gradient (or with values, its value) gets memory of its own
+   again, holding what it held; a gradient that does not exist (ZeRO-2's,
+   between steps) becomes zeros. */
+static void mgpu__own_memory(mgpu_net *net, int values) {
+    mgpu_memory_category category = values ? MGPU_MEMORY_PARAMETERS : MGPU_MEMORY_GRADIENTS;
+    for (int p = 0; p < net->nparams; p++) {
+        mgpu_tensor **t = values ? &net->params[p]->value : &net->params[p]->grad;
+        int scope = mgpu__memory_scope(category);
+        mgpu_tensor *own = mgpu_zeros(net->device, net->params[p]->value->shape);
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        if (*t) mgpu_copy(own, *t, 0);
+        mgpu_free(*t);
+        *t = own;
+    }
+}
+
 /* The first and one past the last parameter of bucket b. */
 static void mgpu__dp_bucket_params(const mgpu_data_parallel *dp, int b, int *p0, int *p1) {
     const mgpu_net *net = dp->replicas[0];

@@ -46,18 +46,9 @@ static void mgpu__dp_make_buckets(mgpu_data_parallel *dp) {
 /* Gives replica 0's gradients their own memory again: the caller keeps
    that network after the wrapper is gone. */
 static void mgpu__dp_unbucket_module(mgpu_data_parallel *dp) {
-    mgpu_net *net = dp->replicas[0];
-    for (int p = 0; p < net->nparams && dp->buckets.count; p++) {
-        mgpu_param *param = net->params[p];
-        int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS);
-        mgpu_tensor *own = mgpu_zeros(net->device, param->value->shape); /* (ZeRO-2's between steps: none) */
-        if (param->grad) mgpu_copy(own, param->grad, 0);
-        mgpu_free(param->grad);
-        param->grad = own;
-        mgpu__memory_scope((mgpu_memory_category)scope);
-    }
+    if (dp->buckets.count) mgpu__own_memory(dp->replicas[0], 0);
     mgpu__zero_unshare_values(dp);
-    net->sharded = 0;
+    dp->replicas[0]->sharded = 0;
 }
 
 /* A bucket whose gradients the backward pass has completed: divided by
@@ -132,7 +123,7 @@ static void mgpu__dp_finish_step(mgpu_data_parallel *dp, float lr, float momentu
             mgpu_scale_(net->params[p]->grad, 1.0f / (float)dp->accumulated_rows);
     }
     dp->accumulated_rows = 0;
-    if (mgpu__zero_step(dp, lr, momentum, weight_decay)) return;
+    if (mgpu__zero_step(dp, reduces, lr, momentum, weight_decay)) return;
     for (int i = 0; i < dp->n; i++) mgpu_net_step(dp->replicas[i], lr, momentum, weight_decay);
 }
 
@@ -301,18 +292,12 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp) {
         for (int i = 0; i < dp->n; i++) {
             mgpu_free(dp->buckets.grads[b][i]);
             mgpu_free(dp->buckets.scratch[b][i]);
-            mgpu_free(dp->zero.values[b][i]);
-            mgpu_free(dp->zero.grad_chunk[b][i]);
-            mgpu_free(dp->zero.state[b][i][0]);
-            mgpu_free(dp->zero.state[b][i][1]);
         }
+    mgpu__zero_free(dp);
     free(dp->buckets.last_layer);
     free(dp->buckets.len);
     free(dp->buckets.grads);
     free(dp->buckets.scratch);
-    free(dp->zero.values);
-    free(dp->zero.grad_chunk);
-    free(dp->zero.state);
     mgpu_free(dp->gather.logits);
     mgpu_free(dp->gather.labels);
     mgpu_free(dp->gather.dlogits);

@@ -210,26 +210,30 @@ static int mgpu__zero_reduce_bucket(mgpu_data_parallel *dp, int b) {
     return 1;
 }
 /* The optimizer's step on the members' chunks, where ZeRO shares them
-   out: 1 if it took the step, 0 if each replica is to take its own. */
-static int mgpu__zero_step(mgpu_data_parallel *dp, float lr, float momentum, float weight_decay) {
-    if (!dp->zero.stage || !mgpu__dp_reduces(dp)) return 0;
+   out (and the wrapper reduces: one member alone steps its whole copy):
+   1 if it took the step, 0 if each replica is to take its own. */
+static int mgpu__zero_step(mgpu_data_parallel *dp, int reduces, float lr, float momentum, float weight_decay) {
+    if (!dp->zero.stage || !reduces) return 0;
     mgpu__dp_zero_step(dp, lr, momentum, weight_decay);
     return 1;
 }
 /* At the wrapper's end: the module's values get their own memory again
    (they were views into ZeRO's buckets). */
 static void mgpu__zero_unshare_values(mgpu_data_parallel *dp) {
-    if (!dp->zero.stage) return;
-    mgpu_net *net = dp->replicas[0];
-    for (int p = 0; p < net->nparams && dp->buckets.count; p++) {
-        mgpu_param *param = net->params[p];
-        int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
-        mgpu_tensor *own = mgpu_empty(net->device, param->value->shape);
-        mgpu_copy(own, param->value, 0);
-        mgpu_free(param->value);
-        param->value = own;
-        mgpu__memory_scope((mgpu_memory_category)scope);
-    }
+    if (dp->zero.stage && dp->buckets.count) mgpu__own_memory(dp->replicas[0], 1);
+}
+/* ZeRO's shares of every bucket, once the replicas no longer view them. */
+static void mgpu__zero_free(mgpu_data_parallel *dp) {
+    for (int b = 0; b < dp->buckets.count; b++)
+        for (int i = 0; i < dp->n; i++) {
+            mgpu_free(dp->zero.values[b][i]);
+            mgpu_free(dp->zero.grad_chunk[b][i]);
+            mgpu_free(dp->zero.state[b][i][0]);
+            mgpu_free(dp->zero.state[b][i][1]);
+        }
+    free(dp->zero.values);
+    free(dp->zero.grad_chunk);
+    free(dp->zero.state);
 }
 
 MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
