@@ -322,7 +322,7 @@ TEST_PROGRAMS := $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
 test: $(addprefix $(TEST_CHAPTER_DIR)/,$(CHAPTER_BINS)) $(TEST_PROGRAMS) $(DIST_TEST_BINS)
 	@TEST_SET=quick TEST_JOBS=$(TEST_JOBS) CHAPTER_DIR=$(TEST_CHAPTER_DIR) PARTS_CFLAGS='$(OPENMP) $(ONEDNN) $(MPI_FLAGS)' \
 	  bash tests/run.sh tests/dist.sh tests/smoke.sh tests/assignments.sh $(TEST_PROGRAMS) \
-	  tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh
+	  tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh tests/internals_listed.sh
 
 test-long: all $(TEST_BUILDS) $(TEST_PROGRAMS)
 	@TEST_SET=long TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh tests/gpu_check_rehearsal.sh \

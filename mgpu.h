@@ -53,6 +53,8 @@
                                      processes in mgpu/data_parallel.h)
      TENSOR PARALLELISM              mgpu/tensor_parallel.h
      DRAWING                         mgpu/plots.h
+   and, for the tests and benchmarks alone:
+     the internals they reach        mgpu/testing.h
 
    1. Errors
    ---------
@@ -2487,7 +2489,10 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
    stands on the parts before it alone (tests/parts_alone.sh checks it);
    the kernel families (kernels/) stand on mgpu/core.h alone
    (tests/kernels_alone.sh). Each file opens with what it holds, which
-   chapter reads it, and the public functions it defines. */
+   chapter reads it, and the public functions it defines. The last,
+   mgpu/testing.h, defines nothing: it declares the internals that the
+   tests and benchmarks use, the one way they reach inside
+   (tests/internals_listed.sh checks the list). */
 #ifdef MGPU_IMPLEMENTATION
 #ifndef MGPU__IMPLEMENTED
 #define MGPU__IMPLEMENTED
@@ -2540,5 +2545,6 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #include "mgpu/data_parallel_step.h" /* DATA PARALLELISM: the step */
 #include "mgpu/pipelines.h"     /* PIPELINES */
 #include "mgpu/tensor_parallel.h" /* TENSOR PARALLELISM */
+#include "mgpu/testing.h"       /* the internals tests/ and bench/ reach, declared again */
 #endif /* MGPU__IMPLEMENTED */
 #endif /* MGPU_IMPLEMENTATION */

@@ -117,8 +117,10 @@ typedef struct mgpu__trace_record {
 #endif
 } mgpu__trace_record;
 
-/* The library's state: its devices, the random generator and the tracer. */
-static struct {
+/* The library's state: its devices, the random generator and the tracer.
+   (Its type has a name so that mgpu/testing.h can declare it for the
+   tests, which read the tracer's records.) */
+static struct mgpu__library_state {
     int initialised;
     pid_t pid;
     int forked; /* a child of fork(): CUDA cannot be used here */

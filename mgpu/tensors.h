@@ -69,9 +69,10 @@ static size_t mgpu__tensor_numel(mgpu_shape shape, const char *op) {
    (the count of its frees). What it misses: a tensor used after more
    than MGPU__FREED_HEADERS later frees, whose header may be a new
    tensor's by then. The cost: two words of memory per header, and a
-   compare per tensor per operation. */
+   compare per tensor per operation. (The type has a name so that
+   mgpu/testing.h can declare the queue for the test that fills it.) */
 #define MGPU__FREED_HEADERS 4096
-static struct {
+static struct mgpu__header_queue {
     pthread_mutex_t mutex;
     mgpu_tensor **queue; /* the latest freed headers, oldest first: a ring of MGPU__FREED_HEADERS */
     int head, count;
