@@ -44,6 +44,9 @@
 /* "rank 2: " in a process of a distributed job, so that its errors say
    whose they are; else empty. */
 static char mgpu__error_prefix[32];
+static void mgpu__error_prefix_set(int rank) {
+    snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", rank);
+}
 
 /* Were we started by a launcher (mpirun, srun)? Its variables say how
    many processes it started and which one this is, before MPI starts. */
@@ -89,8 +92,7 @@ MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *
        A rank that is still running after the wait had an error of its
        own, and says it. */
     int rank = mgpu__launcher_rank();
-    if (rank >= 0 && !mgpu__error_prefix[0])
-        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", rank);
+    if (rank >= 0 && !mgpu__error_prefix[0]) mgpu__error_prefix_set(rank);
     if (rank > 0 && !mgpu__error_is_mine_alone) {
         mgpu__dist_quiet = 1;
         struct timespec wait = {MGPU__ALIKE_ERROR_WAIT, 0};

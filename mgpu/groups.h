@@ -550,8 +550,7 @@ static void mgpu__dist_guard(const char *what, double timeout) {
         return;
     }
     mgpu__guard_rank = mgpu__launcher_rank();
-    if (!mgpu__error_prefix[0] && mgpu__guard_rank >= 0)
-        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", mgpu__guard_rank);
+    if (!mgpu__error_prefix[0] && mgpu__guard_rank >= 0) mgpu__error_prefix_set(mgpu__guard_rank);
     int n = snprintf(mgpu__guard_line, sizeof mgpu__guard_line,
                      "mgpu: error: %s%s: waited %.0f s for the other ranks (MGPU_DIST_TIMEOUT): a rank is stopped, "
                      "dead, or did not call it\n", mgpu__error_prefix, what, timeout);
@@ -667,7 +666,7 @@ MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
                      "(MPI_THREAD_MULTIPLE), which the devices' queues make");
         mgpu__watch_start(timeout);
         mgpu_group *g = mgpu__group_over(MPI_COMM_WORLD, MGPU__FNV_OFFSET, timeout);
-        snprintf(mgpu__error_prefix, sizeof mgpu__error_prefix, "rank %d: ", g->rank);
+        mgpu__error_prefix_set(g->rank);
         mgpu__dist_set_doing(NULL);
         struct sigaction on_term;
         memset(&on_term, 0, sizeof on_term);
