@@ -297,9 +297,9 @@ MGPU_DEF const char *mgpu_data_parallel_algorithm(const mgpu_data_parallel *dp) 
    buffers of the set whose turn it is. A step's copies wait for the end
    of the step before last, which used the same buffers, so they run on
    the copy queues while the step before computes; copies into new
-   tensors would wait for the whole of it, and the GPU for them (on an
-   H100, two copies of some 15 us each a ResNet-18 step at batch 256,
-   with the GPU idle). Once used, the set's buffers are free again where
+   tensors would wait for the whole of it, and the GPU, idle, for them
+   (bench/history.md has what that cost). Once used, the set's buffers
+   are free again where
    each device's compute queue reaches the end of the step. */
 static void mgpu__dp_scatter(mgpu_data_parallel *dp, const mgpu_tensor *X, const mgpu_tensor *y) {
     int set = dp->set;
