@@ -26,7 +26,8 @@
    ======================================================================
 
    Contents: the manual's sections, and the files that implement them.
-     1. Errors                       mgpu/core.h
+     1. Errors                       mgpu/core.h (a GPU's bad label:
+                                     mgpu/queues.h, at mgpu_synchronize)
      2. Devices are queues           mgpu/queues.h, mgpu/devices.h
      3. Events and timers            mgpu/events.h, mgpu/timing.h
      4. Tensors                      mgpu/tensors.h, mgpu/memory.h
@@ -53,6 +54,8 @@
                                      processes in mgpu/data_parallel.h)
      TENSOR PARALLELISM              mgpu/tensor_parallel.h
      DRAWING                         mgpu/plots.h
+   and, under the kernels: kernels/common.h (what CPU and CUDA kernels
+   share) and kernels/ptx.h (the tensor cores' instructions);
    and, for the tests and benchmarks alone:
      the internals they reach        mgpu/testing.h
 

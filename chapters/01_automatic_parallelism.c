@@ -33,7 +33,7 @@
 
    Reads: mgpu/queues.h (a device's queues), mgpu/devices.h, mgpu/events.h,
    mgpu/tensor_ops.h (mgpu_matmul, mgpu_to), mgpu/timing.h (timers and
-   the tracer), mgpu/plots.h (the timeline). */
+   the tracer), mgpu/plots.h (the timeline), mgpu/flags.h (the flags). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

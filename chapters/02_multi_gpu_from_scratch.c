@@ -24,7 +24,7 @@
    Reads: mgpu/communication.h (the book's get_params, allreduce and
    split_batch), mgpu/layers.h and mgpu/convolution.h (LeNet's layers),
    mgpu/training_ops.h (the loss and SGD), mgpu/data.h, mgpu/plots.h (the
-   Animator). */
+   Animator), mgpu/flags.h (the flags). */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

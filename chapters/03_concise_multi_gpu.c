@@ -33,7 +33,8 @@
 
    Reads: mgpu/data_parallel.h, mgpu/data_parallel_step.h (the wrapper and its
    step), mgpu/communication.h (the ring and NCCL), mgpu/networks.h and
-   mgpu/net_training.h (ResNet-18 and its training), mgpu/data.h. */
+   mgpu/net_training.h (ResNet-18 and its training), mgpu/data.h,
+   mgpu/settings.h (MGPU_CONV, MGPU_CHECK_REPLICAS), mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

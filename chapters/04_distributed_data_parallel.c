@@ -67,10 +67,12 @@
    Reads: mgpu/groups.h (processes as a group), mgpu/data_parallel.h
    (mgpu_distributed_data_parallel_new), mgpu/data_parallel_step.h,
    mgpu/data.h (the distributed sampler), mgpu/checkpoints.h (resuming),
-   mgpu/timing.h (each rank's timeline), mgpu/networks.h and
-   mgpu/training_ops.h (--sync-bn's batch norm over the group),
+   mgpu/timing.h (the tracer that records each rank's step; the chapter
+   draws the ranks' timeline itself, in ranks_timeline), mgpu/networks.h
+   and mgpu/training_ops.h (--sync-bn's batch norm over the group),
    mgpu/communication.h (the ring, with --devices-per-process),
-   mgpu/net_training.h, mgpu/plots.h. */
+   mgpu/net_training.h, mgpu/plots.h, mgpu/settings.h (MGPU_CONV,
+   MGPU_CHECK_REPLICAS), mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

@@ -61,7 +61,7 @@
 
    Reads: mgpu/memory.h (memory by category), mgpu/networks.h (activation
    recomputation, mgpu_net_recompute), mgpu/zero.h (ZeRO-1 and ZeRO-2),
-   mgpu/data_parallel_step.h, mgpu/plots.h. */
+   mgpu/data_parallel_step.h, mgpu/plots.h, mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include <unistd.h>

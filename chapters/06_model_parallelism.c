@@ -62,7 +62,8 @@
 
    Reads: mgpu/pipelines.h (stages, micro-batches, GPipe and 1F1B),
    mgpu/tensor_parallel.h (split layers), mgpu/groups.h (stages on ranks),
-   mgpu/timing.h and mgpu/plots.h (the schedules' timelines). */
+   mgpu/timing.h and mgpu/plots.h (the schedules' timelines),
+   mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 

@@ -31,9 +31,9 @@
    adds it there too. The block's backward pass so saves the ReLU's own
    pass (g read once less) and the shortcut's bias gradient's (dsum read
    once less). Likewise the bias of a convolution right before batch norm
-   has a gradient of exactly 0 (the batch mean cancels it: mgpu.h,
+   has a gradient of exactly 0 (the batch mean cancels it: mgpu/networks.h,
    mgpu__bias_cancelled_by); when the gradients are written rather than
-   added (a network's training step, mgpu.h), given dconv_bias, the
+   added (a network's training step, mgpu/net_training.h), given dconv_bias, the
    backward writes that 0 there with its own.
 
    Why fuse the ReLU: both steps do a few flops per value and are limited
@@ -51,14 +51,14 @@
    normalised values are never stored on their own. That saves writing
    them and reading them back for the add (two of the five passes a
    separate add takes over the block's output). The backward of this form
-   is the block's (mgpu.h): the ReLU's mask from the block's output gives
+   is the block's (mgpu/networks.h): the ReLU's mask from the block's output gives
    the gradient of the sum, which goes to skip as it is and through this
    file's backward (without fuse_relu) to x.
 
-   Synchronised batch norm (PyTorch's SyncBatchNorm; mgpu.h,
+   Synchronised batch norm (PyTorch's SyncBatchNorm; mgpu/networks.h,
    mgpu_net_sync_batchnorm) takes the statistics over every rank's batch.
    Each pass is then cut in parts (the phase), with a collective between
-   them that mgpu.h runs:
+   them that mgpu/training_ops.h runs:
      forward:  MOMENTS    each channel's (count, mean, sum of squared
                           deviations) over this rank's values; the ranks'
                           triples are all-gathered;
@@ -87,7 +87,7 @@
      2. a grid over the whole tensor writes y, or dx; or, when a network
         asks for it (y_t, dx_t), a tile kernel of kernels/channels_last.h
         writes them channels-last, y beside y or alone and dx instead of
-        dx, for the convolution next to this batch norm (mgpu.h says
+        dx, for the convolution next to this batch norm (mgpu/networks.h says
         when).
    Every kernel here does a few flops per byte it moves, so what decides
    its speed is how few instructions it spends per byte: too many, and the
@@ -235,7 +235,7 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_merge_channel(const mgpu__bn_forwar
    each image's run is summed in 8 float lanes that the compiler turns
    into vector instructions (a single running sum is a chain of dependent
    additions). The channels are shared among the device's threads
-   (MGPU__CPU_PARALLEL_FOR, mgpu.h): each channel's sums stay on one
+   (MGPU__CPU_PARALLEL_FOR, kernels/common.h): each channel's sums stay on one
    thread, in one order. The float lanes take blocks of at most
    MGPU__BN_CPU_BLOCK values, whose sums are added in double: a float sum
    loses about sqrt(count) units of its last place, too many over a

@@ -217,7 +217,7 @@ static void mgpu__channels_last_cuda(const void *args, const mgpu__exec *ex) {
 }
 
 /* Many plain copies in one launch: a network's weights, to w_t before its
-   forward pass and to w'_t before its backward pass (mgpu.h). ResNet-18
+   forward pass and to w'_t before its backward pass (mgpu/networks.h). ResNet-18
    has 20 convolutions, most of whose weights are a few hundred KB: one
    launch each, each too small to fill the GPU, would cost about as much
    as a copy of a whole batch of activations (bench/history.md). As in

@@ -1,7 +1,7 @@
 /* kernels/common.h: what the kernels of every kernel file share: the CPU
    loops' threads; for CUDA, division by a launch's constant, the grid and
    its loop, 16-byte loads and stores, and warp and block reductions. Each
-   kernel file includes it; it needs mgpu.h's core (MGPU_CUDA,
+   kernel file includes it; it needs mgpu/core.h (MGPU_CUDA,
    MGPU__HOSTDEVICE) before it.
 
    defines: MGPU__CPU_PARALLEL_FOR, MGPU__PARALLEL_MIN, mgpu__sum_run,
@@ -14,7 +14,7 @@
 #define MGPU_KERNELS_COMMON_H
 
 /* The CPU kernels' outer loops: split over the OpenMP threads of the
-   worker that runs them (mgpu.h sets how many: "Queues"), where the
+   worker that runs them (mgpu/queues.h sets how many), where the
    program was compiled with -fopenmp; else on the worker alone. Each
    thread takes whole iterations and no sum is split between two, so the
    results do not depend on the number of threads. A loop over fewer than

@@ -2,7 +2,7 @@
 
    cuDNN (NVIDIA's deep-learning primitives) is what PyTorch's GPU
    convolutions run on. Here its algorithms are candidates beside the
-   library's own kernels: for each pass of a convolution, mgpu.h's trial
+   library's own kernels: for each pass of a convolution, mgpu/convolution.h's trial
    asks cuDNN which of its algorithms can compute it
    (cudnnGetConvolution*Algorithm_v7, which lists every algorithm with a
    status and the workspace it needs), times each one that can like the
@@ -30,7 +30,7 @@
 
    Handle and workspace: each GPU device's compute queue has its own
    handle, bound to the queue's stream, made at its first cuDNN call
-   (mgpu.h, mgpu__cudnn_ready). The workspace an algorithm needs comes
+   (mgpu/convolution.h, mgpu__cudnn_ready). The workspace an algorithm needs comes
    from the device's caching allocator, so a step allocates nothing after
    the first.
 
@@ -45,7 +45,7 @@
 #endif
 #include "conv.h"
 
-/* Every cuDNN call is checked (MGPU_CUDNN_CHECK, in mgpu.h): a failure
+/* Every cuDNN call is checked (MGPU_CUDNN_CHECK, in mgpu/core.h): a failure
    stops the program with the call, where it was made, the status's name,
    and the layer whose pass was being enqueued. */
 

@@ -21,7 +21,7 @@
    W] goes to x_t [n, H, W, C] and the weights [K, C, R, S] to w_t [K, R,
    S, C], both rounded to TF32 on the way, so that the product's loop has
    no rounding to do. (In a network, batch norm writes x_t itself when a
-   convolution follows it: mgpu.h.)
+   convolution follows it: mgpu/networks.h.)
 
    The product. Y [K, n*P*Q] = W_t [K, R*S*C] col [R*S*C, n*P*Q], where
    im2col's col (kernels/conv.h) is never written: each block loads the
@@ -92,7 +92,7 @@
    shared memory themselves, so the warps load no fragments, and the 128
    x 128 tile, which brings a third fewer bytes per multiply than 64 x
    128, fits in 210 registers. (Tried unless MGPU_WGMMA=0.)
-   Used when MGPU_CONV (mgpu.h) allows the implicit GEMMs and the trial at
+   Used when MGPU_CONV (mgpu/settings.h) allows the implicit GEMMs and the trial at
    the first call with a shape finds it the fastest. */
 #ifndef MGPU_KERNELS_CONV_NHWC_H
 #define MGPU_KERNELS_CONV_NHWC_H
@@ -111,7 +111,7 @@
    or channels; columns: pixels, or (c, r, s) for dW). A larger tile reads
    fewer values from shared memory per multiply-add but gives fewer
    blocks, and a 128-row tile wastes half
-   its work on a layer of 64 filters. mgpu.h times each tile on each
+   its work on a layer of 64 filters. mgpu/convolution.h times each tile on each
    shape and keeps the fastest; bench/convolutions shows them all. */
 typedef enum {
     MGPU__TILE_64x64, MGPU__TILE_128x64, MGPU__TILE_64x128, MGPU__TILE_128x128, MGPU__TILE_KINDS
@@ -259,7 +259,7 @@ typedef struct {
    goes to its own partial, and mgpu__conv_nhwc_slices_sum_kernel adds
    them up in order (so the result does not depend on which block ends
    first) with the bias, into y. The cost: a write and a read of the
-   partials. The trial in mgpu.h times each tile in 1 to 8 slices
+   partials. The trial in mgpu/convolution.h times each tile in 1 to 8 slices
    (mgpu__conv_slice_choices), where a slice keeps at least 8 steps and
    the partials fit in MGPU__PARTIAL_FLOATS_MAX.
 
@@ -1254,7 +1254,7 @@ static void mgpu__conv_nhwc_stride2_dx_cuda(const void *args, const mgpu__exec *
 
    The sum is long and the output small (stage 1: 200704 pixels, 64 x 576
    values), so it is split over blocks (grid.z) in slices of whole steps
-   (how many: the trial in mgpu.h times several, for 256 to 1536 blocks);
+   (how many: the trial in mgpu/convolution.h times several, for 256 to 1536 blocks);
    each slice's tile goes to its own partial [K, R*S*C], and
    mgpu__wgrad_sum (conv.h) adds the slices in order into dw,
    from (r, s, c) to dw's (c, r, s).

@@ -4,7 +4,7 @@
    PyTorch's CPU convolutions run on. Its kernels compute a convolution
    directly, in registers, from its own blocked layouts (for AVX-512,
    16 channels innermost: nChw16c), with no col buffer. Here it is a
-   candidate beside conv.h's im2col and OpenBLAS: mgpu.h's "convolution"
+   candidate beside conv.h's im2col and OpenBLAS: mgpu/convolution.h's
    section times both on the first calls with each shape and pass, and
    keeps the faster (a shape where oneDNN has no kernel keeps im2col).
    Compiled where MGPU_ONEDNN is 1 (the Makefile sets it when oneDNN is
@@ -25,7 +25,7 @@
 
    Threads. Debian's oneDNN runs on OpenMP and uses as many threads as
    the calling thread's OpenMP setting allows: the device's worker sets it
-   to the device's share of the cores (mgpu.h, "Queues"). Its sums (dW's
+   to the device's share of the cores (mgpu/queues.h). Its sums (dW's
    over the batch) are split among them, so its results, unlike the
    library's own kernels', may change with the number of threads.
 

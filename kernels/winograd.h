@@ -31,9 +31,9 @@
    stage 1: 64). Where they are many and the images small (stage 4: 512
    channels of 4x4 pixels, one 2x2 grid of tiles an image, 4096 output
    pixels for 512 filters) the direct kernel has too few output tiles to
-   fill the GPU, and cuBLAS's products are large. The trial in mgpu.h
-   times it beside the channels-last kernels where it fits (3x3, stride
-   1) and the channels and filters are 256 or more
+   fill the GPU, and cuBLAS's products are large. The trial in
+   mgpu/convolution.h times it beside the channels-last kernels where it
+   fits (3x3, stride 1) and the channels and filters are 256 or more
    (mgpu__conv_winograd_worth_trying says why), and keeps it where it is
    faster.
 

@@ -2,7 +2,9 @@
    buffers (mgpu_net_save), and a checkpoint: those, the optimizer's state,
    where the training stopped and the settings it ran with, so that a
    resume refuses a changed setting instead of training something else.
-   Files are written whole or not at all. Chapter 4 resumes from one.
+   Files are written whole or not at all (through mgpu/core.h's
+   mgpu__whole_file_open and mgpu__whole_file_close: a .tmp file, synced,
+   then renamed). Chapter 4 resumes from one.
    defines: mgpu_net_save, mgpu_net_load, mgpu_train_settings_of,
    mgpu_train_settings_differ, mgpu_checkpoint_save, mgpu_checkpoint_load,
    mgpu_checkpoint_read_info */

@@ -5,7 +5,8 @@
    whichever a trial finds faster); MGPU_WGMMA, whether a GPU's candidates
    include the wgmma kernels; MGPU_CHECK_REPLICAS. A bad value stops the
    program before its work, in one line. Every chapter meets them through
-   the manual; chapter 3's and 4's check of the replicas is here.
+   the manual; chapters 3 and 4 read MGPU_CONV and MGPU_CHECK_REPLICAS
+   here (the replicas' check itself is in mgpu/data_parallel.h).
    (MGPU_DIST_TIMEOUT is read by mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
    defines: mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str */
 /* Which products may use TF32 on a GPU: [0] convolutions, [1] mgpu_matmul
