@@ -21,7 +21,8 @@
 CC         ?= gcc
 CUDA_HOME  ?= /usr/local/cuda
 # On every core unless told otherwise: a -j on the command line wins.
-MAKEFLAGS  += -j$(shell nproc 2>/dev/null || echo 1)
+NPROC      := $(shell nproc 2>/dev/null || echo 1)
+MAKEFLAGS  += -j$(NPROC)
 # NCCL: beside the CUDA toolkit, else the nvidia-nccl package that PyTorch
 # installs (as on the GPU machine), else the toolkit's folder anyway.
 PY_SITE    := $(shell python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
@@ -315,7 +316,7 @@ $(BUILD)/cuda-check/bench_%: bench/%.c $(HEADERS) $(DEPS_STAMP)
 # check's rehearsal (tests/gpu_check_rehearsal.sh: it runs the benchmark
 # programs built here, the checked CUDA builds or the CPU ones). CI runs
 # both.
-TEST_JOBS ?= $(shell nproc)
+TEST_JOBS ?= $(NPROC)
 REHEARSE_BENCH := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cuda-check/bench_,bench/)
 TEST_CHAPTER_DIR := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cpu,.)
 TEST_PROGRAMS := $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
@@ -324,9 +325,11 @@ test: $(addprefix $(TEST_CHAPTER_DIR)/,$(CHAPTER_BINS)) $(TEST_PROGRAMS) $(DIST_
 	  bash tests/run.sh tests/dist.sh tests/smoke.sh tests/assignments.sh $(TEST_PROGRAMS) \
 	  tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh tests/internals_listed.sh
 
-test-long: all $(TEST_BUILDS) $(TEST_PROGRAMS)
+# (TEST_LONG marks a test long only on emulated GPUs: the emulated
+# programs alone have any)
+test-long: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS)
 	@TEST_SET=long TEST_JOBS=$(TEST_JOBS) REHEARSE_BENCH=$(REHEARSE_BENCH) bash tests/run.sh tests/gpu_check_rehearsal.sh \
-	  $(if $(filter 1,$(HAVE_NVCC)),tests/smoke.sh) $(TEST_PROGRAMS)
+	  $(if $(filter 1,$(HAVE_NVCC)),tests/smoke.sh) $(EMU_TEST) $(EMU_GPU_BINS)
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c

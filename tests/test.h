@@ -278,11 +278,11 @@ static int test__run_all(int argc, char **argv) {
         test__table[i].fn();
         clock_gettime(CLOCK_MONOTONIC, &t1);
         if (test__combine) test__failures = test__combine(test__failures);
-        if (test__prints && times)
-            printf("%s %s (%.1f s)\n", test__failures ? "FAIL" : "ok  ", test__table[i].name,
-                   (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
-        else if (test__prints)
-            printf("%s %s\n", test__failures ? "FAIL" : "ok  ", test__table[i].name);
+        if (test__prints) {
+            printf("%s %s", test__failures ? "FAIL" : "ok  ", test__table[i].name);
+            if (times) printf(" (%.1f s)", (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+            printf("\n");
+        }
         fflush(stdout);
         if (test__failures) failed++; else passed++;
     }
