@@ -163,6 +163,17 @@
        MGPU_BENCHMARK("GPU1 time") { run(x); }
    runs the block, synchronises every device and prints "GPU1 time: 0.5620 sec".
 
+       int mgpu_bound_hold(const char *figure, double value, mgpu_bound_side side,
+                           double bound, double tolerance, const char *advice)
+   A measured figure against what it cannot be: side MGPU_AT_MOST (a
+   speedup at most the processes), MGPU_AT_LEAST (a pipeline's bubble at
+   least its formula). Returns 1 where value keeps the bound within the
+   relative tolerance; else prints one line to stdout, "  ! <figure>
+   <value> is above its bound <bound>: the machine was busy or too small
+   for it; <advice>", and returns 0. mgpu_bound_line writes that line
+   into a buffer instead (returns 1 where the bound holds and the buffer
+   is left empty). Chapters check each figure they print this way.
+
    4. Tensors
    ----------
    float32, up to 4 dimensions, living on one device. A tensor is freed with
@@ -501,6 +512,12 @@ typedef struct mgpu_benchmark { const char *description; double started; int don
 MGPU_DEF mgpu_benchmark mgpu_benchmark_begin(const char *description);
 /* Synchronises every device, prints "<description>: 0.5620 sec", returns the seconds. */
 MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b);
+/* A measured figure's bound: what it cannot exceed, or fall below. */
+typedef enum { MGPU_AT_MOST, MGPU_AT_LEAST } mgpu_bound_side;
+MGPU_DEF int mgpu_bound_line(char *line, size_t size, const char *figure, double value, mgpu_bound_side side,
+                             double bound, double tolerance, const char *advice);
+MGPU_DEF int mgpu_bound_hold(const char *figure, double value, mgpu_bound_side side, double bound,
+                             double tolerance, const char *advice);
 #define MGPU__CAT2(a, b) a##b
 #define MGPU__CAT(a, b) MGPU__CAT2(a, b)
 #define MGPU_BENCHMARK(description)                                          \

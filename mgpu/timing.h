@@ -5,7 +5,8 @@
    rank's.
    defines: mgpu_timer_init, mgpu_timer_start, mgpu_timer_stop,
    mgpu_timer_sum, mgpu_timer_avg, mgpu_median, mgpu_timer_cumsum,
-   mgpu_benchmark_begin, mgpu_benchmark_end, mgpu_trace_begin,
+   mgpu_benchmark_begin, mgpu_benchmark_end, mgpu_bound_line,
+   mgpu_bound_hold, mgpu_trace_begin,
    mgpu_trace_end, mgpu_trace_write_png, mgpu_trace_summary,
    mgpu_trace_count, mgpu_trace_get, mgpu_trace_label, mgpu_trace_span_ms,
    mgpu_trace_busy_ms */
@@ -49,6 +50,35 @@ MGPU_DEF double mgpu_benchmark_end(mgpu_benchmark *b) {
     fflush(stdout);
     b->done = 1;
     return seconds;
+}
+
+/* ======================================================================
+   Bounds: what a measured figure cannot be
+   ====================================================================== */
+/* A figure past its bound is not a discovery: on a machine shared with
+   other work, or with fewer cores than workers, a baseline is slowed or a
+   run is starved. The chapters say so beside the figure rather than
+   explain it. */
+MGPU_DEF int mgpu_bound_line(char *line, size_t size, const char *figure, double value, mgpu_bound_side side,
+                             double bound, double tolerance, const char *advice) {
+    MGPU_REQUIRE(line && size > 0 && figure && tolerance >= 0,
+                 "mgpu_bound_line: want a buffer, a figure's name and a tolerance >= 0");
+    line[0] = '\0';
+    int above = side == MGPU_AT_MOST;
+    double slack = tolerance * fabs(bound);
+    if (above ? value <= bound + slack : value >= bound - slack) return 1;
+    snprintf(line, size, "  ! %s %.3g is %s its bound %.3g: the machine was busy or too small for it%s%s", figure,
+             value, above ? "above" : "below", bound, advice && *advice ? "; " : ".",
+             advice && *advice ? advice : "");
+    return 0;
+}
+MGPU_DEF int mgpu_bound_hold(const char *figure, double value, mgpu_bound_side side, double bound,
+                             double tolerance, const char *advice) {
+    char line[512];
+    if (mgpu_bound_line(line, sizeof line, figure, value, side, bound, tolerance, advice)) return 1;
+    printf("%s\n", line);
+    fflush(stdout);
+    return 0;
 }
 
 /* ======================================================================

@@ -135,6 +135,26 @@ TEST(median_of_odd_and_even_counts) {
     EXPECT_DIES(mgpu_median(odd, 0), "mgpu_median: 0 values; want 1 or more");
 }
 
+/* Impossible figures are flagged in one line naming the figure, its
+   bound and the advice; possible ones, and those within the tolerance,
+   print nothing. */
+TEST(bounds_flag_impossible_figures) {
+    char line[256];
+    CHECK(mgpu_bound_line(line, sizeof line, "efficiency", 1.0, MGPU_AT_MOST, 1.0, 0.0, NULL) && !line[0]);
+    CHECK(mgpu_bound_line(line, sizeof line, "efficiency", 1.04, MGPU_AT_MOST, 1.0, 0.05, NULL) && !line[0]);
+    CHECK(!mgpu_bound_line(line, sizeof line, "efficiency", 2.05, MGPU_AT_MOST, 1.0, 0.05,
+                           "rerun with no more processes than cores"));
+    CHECK(strcmp(line, "  ! efficiency 2.05 is above its bound 1: the machine was busy or too small for it; "
+                       "rerun with no more processes than cores") == 0);
+    CHECK(mgpu_bound_line(line, sizeof line, "bubble", 0.43, MGPU_AT_LEAST, 0.111, 0.05, NULL) && !line[0]);
+    CHECK(!mgpu_bound_line(line, sizeof line, "bubble", 0.246, MGPU_AT_LEAST, 0.333, 0.05, NULL));
+    CHECK(strcmp(line, "  ! bubble 0.246 is below its bound 0.333: the machine was busy or too small for it.") == 0);
+    CHECK(!mgpu_bound_line(line, sizeof line, "bubble", 0.3, MGPU_AT_LEAST, 0.333, 0.05, NULL)); /* 0.3 < 0.316 */
+    CHECK(mgpu_bound_hold("speedup", 1.5, MGPU_AT_MOST, 2.0, 0.0, NULL) == 1);
+    EXPECT_DIES(mgpu_bound_line(line, sizeof line, "x", 1.0, MGPU_AT_MOST, 1.0, -0.1, NULL),
+                "mgpu_bound_line: want a buffer, a figure's name and a tolerance >= 0");
+}
+
 TEST(timer_sums_averages_and_cumulates) {
     mgpu_timer t;
     mgpu_timer_init(&t);
