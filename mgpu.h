@@ -316,19 +316,24 @@
                         on a GPU. Unset: PyTorch's defaults, TF32 in the
                         convolutions alone. Setter: mgpu_set_tf32(conv,
                         matmul); mgpu_get_tf32 and mgpu_tf32_str read it.
-     MGPU_CONV=auto|im2col|implicit|cudnn
-                        how a GPU's TF32 convolutions compute: auto (the
-                        default) times im2col, the library's convolution
-                        kernels and (built with cuDNN) cuDNN's
-                        algorithms at the first call with each shape and
-                        keeps the fastest for each of the forward pass,
-                        dx and dW; im2col forces im2col and the matrix
+     MGPU_CONV=rule|timed|im2col|implicit|cudnn
+                        how convolutions compute: rule (the default) a
+                        fixed rule per shape and kind of device, so that
+                        a run repeats to the bit (the LAYERS section
+                        says which); timed times im2col, the library's
+                        convolution kernels and (built with cuDNN)
+                        cuDNN's algorithms at the first call with each
+                        shape and keeps the fastest for each of the
+                        forward pass, dx and dW (PyTorch's
+                        cudnn.benchmark: two runs may choose, and round,
+                        differently); im2col forces im2col and the matrix
                         product; implicit the fastest kernels wherever
                         one fits (the LAYERS section lists what is
                         tried); cudnn cuDNN's fastest algorithm alone. On
-                        a CPU with oneDNN, auto chooses between im2col
-                        and oneDNN the same way, implicit means oneDNN,
-                        and cudnn im2col.
+                        a CPU with oneDNN, rule takes oneDNN but for a
+                        few backward passes, timed chooses between im2col
+                        and oneDNN by timing, implicit means oneDNN, and
+                        cudnn im2col.
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
@@ -618,10 +623,10 @@ typedef struct mgpu_options {
 typedef struct mgpu_flag {
     const char *name;  /* "--size" */
     char type;         /* 'i' positive int, 'u' int of 0 or more, 'd' positive double, 'z' double of
-                          0 or more, 's' string, 'b' switch, 'n' a common flag this program
+                          0 or more, 's' a name, 'f' a folder, 'b' switch, 'n' a common flag this program
                           refuses: giving it fails with help as the message, and --help omits it
                           (value NULL) */
-    void *value;       /* int* ('i', 'u', 'b'), double* ('d', 'z'), const char** ('s') */
+    void *value;       /* int* ('i', 'u', 'b'), double* ('d', 'z'), const char** ('s', 'f') */
     const char *help;
 } mgpu_flag;
 MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const char *about,
@@ -869,10 +874,13 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    and 256 MiB on a GPU. That is the reference, on every device.
    On a CPU built with oneDNN (MGPU_ONEDNN=1; the Makefile sets it where
    Debian's libdnnl-dev is installed), each pass may instead take oneDNN's
-   kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h): the first
+   kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h). By rule
+   (the default) every pass takes oneDNN but the backward passes of 1x1
+   windows at a stride and of outputs of 4 x 4 pixels or fewer, where
+   im2col won the trials on 2-core CPUs; with MGPU_CONV=timed the first
    call of a pass with a shape times both ways and keeps the faster (so,
-   as with auto on a GPU, the rounding of the results can differ from run
-   to run, and oneDNN's with the number of threads).
+   as on a GPU, the rounding of the results can differ from run to run).
+   oneDNN's results depend on the number of threads too.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:
@@ -893,11 +901,16 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
        they are, PyTorch's GPU convolutions (kernels/conv_cudnn.h); not
        those whose results may change from run to run;
      - im2col itself, for the whole backward pass or for one gradient.
-   MGPU_CONV chooses: auto (the default) times every candidate at the
-   first call with each shape and keeps the fastest for each pass, as
-   PyTorch's cudnn.benchmark does (so the rounding of TF32 results can
-   differ from run to run), counting the channels-last copies the
-   kernels read (none that a network prepares for them); im2col forces
+   MGPU_CONV chooses: rule (the default) takes, with no clock, what the
+   timed trials chose for most of ResNet-18's shapes on an H200: the
+   first layer by few inputs, the direct kernel in its 64 x 128 tile (by
+   wgmma where the GPU has it), dx at stride 2 by quads, and im2col where
+   the output has 4 x 4 pixels or fewer; so a run repeats to the bit.
+   timed times every candidate at the first call with each shape and
+   keeps the fastest for each pass, as PyTorch's cudnn.benchmark does
+   (so the rounding of TF32 results can differ from run to run),
+   counting the channels-last copies the kernels read (none that a
+   network prepares for them); im2col forces
    im2col; implicit the fastest fast kernel wherever one fits; cudnn
    the fastest of cuDNN's algorithms. On a GPU
    of compute capability 9.0 (H100, H200) with code built for sm_90a
@@ -1357,9 +1370,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    n layers' to the k - 1 kept inputs plus one run's, about n/k + k
    layers' (least near k = sqrt(n)), for a second forward pass of all runs
    but the last. The gradients are bit for bit the plain ones: the same
-   kernels on the same inputs (while the convolutions' trial is timing
-   its candidates in the first steps, two passes may take two of them:
-   fix the method, MGPU_CONV, to compare bits from the first step). Batch
+   kernels on the same inputs (with MGPU_CONV=timed, while the trial is
+   timing its candidates in the first steps, two passes may take two of
+   them). Batch
    norm's running statistics move once a step: the recomputation leaves
    them. A layer of yours is recomputed too: its forward pass must depend
    on its input and parameters alone. More runs than layers, or fewer
@@ -1477,9 +1490,9 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    the file and what is wrong, and leaves the network as it was: all of it
    is checked before anything is written. Bit for bit also needs the same
    computation: the same devices, and the convolutions computed the same
-   way (MGPU_CONV=auto times the ways again in a new process, and may
-   choose another, whose sums round differently: fix one,
-   MGPU_CONV=im2col, where a resumed run must match to the bit).
+   way (MGPU_CONV=timed times the ways again in a new process, and may
+   choose another, whose sums round differently; the default rule does
+   not).
        void mgpu_net_free(net)   the layers, parameters, buffers and scratch
 
        double mgpu_net_evaluate_accuracy(net, data, batch_size)

@@ -35,7 +35,7 @@
    Then a ResNet-18 step's convolutions, summed with their counts: all
    im2col (MGPU_CONV=im2col); all implicit, the fastest kernel and tile
    for each pass (MGPU_CONV=implicit); and the library's choice for each
-   pass (MGPU_CONV=auto, the default: the faster of the two for the
+   pass as MGPU_CONV=timed chooses it (the faster of the two for the
    forward pass; each gradient by the faster of its implicit GEMM and its
    half of im2col, unless im2col's whole backward beats the two). The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */

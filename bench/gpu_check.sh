@@ -296,6 +296,7 @@ do_resnet18() {
     run chapter3 ./chapter3 $CPU --devices 1 "${CH3[@]}" --data "$DATA" --out "$LOGS/out" || rc=1
     torch_or_compile chapter3.py bench/pytorch/chapter3.py "${CH3[@]}" --data "$DATA" || rc=1
     run profile "${BENCH}profile" $CPU "${PROFILE[@]}" --data "$DATA" || rc=1
+    run profile-timed env MGPU_CONV=timed "${BENCH}profile" $CPU "${PROFILE[@]}" --data "$DATA" || rc=1
     return $rc
 }
 
@@ -464,6 +465,8 @@ row "23: ZeRO-2 / DDP, ResNet-18 with Adam ($(value zero 's/^RESULT zero on=\(\[
     "$(or_dash "$(result zero zero2_ratio)")" "<= 1.1" "x <= 1.1"
 row "ResNet-18 step, 1 device, ms ($(result profile on), batch $(result profile batch))" \
     "$(or_dash "$(result profile step_ms)")" "" ""
+row "51: ResNet-18 step, convolutions by rule (the default) / timed (MGPU_CONV=timed)" \
+    "$(calc %.4f "$(result profile step_ms) / $(result profile-timed step_ms)")" "<= 1.03" "x <= 1.03"
 # "a / b / c", or "-" when one of the parts needed is missing (the CPU has
 # im2col alone, so the rehearsal needs only the first)
 parts() {

@@ -159,7 +159,7 @@ wgmma_stage() {
 
 # Each convolution alone, with im2col, each implicit-GEMM tile and cuDNN;
 # then the step's profile at PyTorch's precision with the algorithm chosen
-# by measuring (MGPU_CONV=auto, the default), with the convolutions
+# by rule (MGPU_CONV=rule, the default) and by measuring (timed), with the convolutions
 # making their own channels-last copies of x and dy (not batch norm), and
 # of their weights (not the network, in a few launches), with each
 # algorithm alone, and in float32; then the step time for other sizes of the im2col scratch
@@ -169,6 +169,7 @@ wgmma_stage() {
 profile() {
     ./bench/convolutions && echo && "$PYTHON" bench/pytorch/conv.py && echo &&
         ./bench/profile --data "$MGPU_DATA" &&
+        echo && MGPU_CONV=timed ./bench/profile --data "$MGPU_DATA" &&
         echo && ./bench/profile --data "$MGPU_DATA" --convolutions-copy &&
         echo && ./bench/profile --data "$MGPU_DATA" --weights-copy &&
         echo && MGPU_CONV=im2col ./bench/profile --data "$MGPU_DATA" &&

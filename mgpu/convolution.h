@@ -824,6 +824,12 @@ static const mgpu__conv_plan *mgpu__conv_plan_known(const mgpu__conv_geom *g, in
     }
     return NULL;
 }
+static void mgpu__conv_plan_remember(const mgpu__conv_geom *g, int backward, int with_dx, mgpu__conv_plan plan) {
+    if (mgpu__conv_choice_count < (int)(sizeof mgpu__conv_choices / sizeof mgpu__conv_choices[0])) {
+        mgpu__conv_choice c = {*g, backward, with_dx, plan};
+        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
+    }
+}
 /* Whether a pass by plan p reads the input x (forward), or the output
    gradient dy (backward), only through its channels-last copy: then a
    network's batch norm writes that copy itself (kernels/batchnorm.h) and
@@ -890,6 +896,43 @@ static void mgpu__conv_trial_copies(mgpu__conv_trial *t, mgpu__conv_copies_ms *m
                                               w_turned_ms);
 }
 
+/* The plan by rule (MGPU_CONV=rule, the default), fixed for a shape and
+   a kind of GPU so that the same run computes the same bits every time.
+   It is what the timed trials chose for most of ResNet-18's shapes on an
+   H200 (bench/results-2026-11-26-1221-nvidia-h200.md): a first layer on
+   few inputs by conv_few_inputs.h; the direct kernel in its 64 x 128 tile
+   (by wgmma where the GPU has it), the forward pass and dx in one slice,
+   dW in its default slices; dx of 3x3 windows at stride 2 by quads; and
+   im2col where the output has 4 x 4 pixels or fewer (stage 4, where im2col
+   won every pass but one) or where no kernel fits. */
+static mgpu__conv_plan mgpu__conv_plan_by_rule(mgpu_device *dev, const mgpu__conv_geom *g, int backward,
+                                               int with_dx) {
+    mgpu__conv_plan plan;
+    memset(&plan, 0, sizeof plan);
+    if (g->p * g->q <= 16) return plan;
+    int wgmma = mgpu__wgmma_usable(dev);
+    mgpu__implicit_kernel few = mgpu__kernel_of(MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0);
+    mgpu__implicit_kernel quads = mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0);
+    mgpu__implicit_kernel direct = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x128, 1, 0);
+    int fits_y = (wgmma && mgpu__conv_kernel_choice(MGPU__TRY_Y, g, MGPU__TILE_64x128, 1, 0, &plan.y)) ||
+                 mgpu__conv_kernel_choice(MGPU__TRY_Y, g, MGPU__TILE_64x128, 0, 0, &plan.y);
+    int fits_dx = (wgmma && mgpu__conv_kernel_choice(MGPU__TRY_DX, g, MGPU__TILE_64x128, 1, 0, &plan.dx)) ||
+                  mgpu__conv_kernel_choice(MGPU__TRY_DX, g, MGPU__TILE_64x128, 0, 0, &plan.dx);
+    if (!backward) {
+        if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, MGPU__TRY_Y, g)) plan.y = few, fits_y = 1;
+        plan.implicit = fits_y;
+        return plan;
+    }
+    if (mgpu__conv_method_fits(MGPU__STRIDE2_DX, MGPU__TRY_DX, g)) plan.dx = quads, fits_dx = 1;
+    plan.dx_im2col = with_dx && !fits_dx;
+    plan.dw = direct;
+    plan.dw.splits = 0; /* (the kernel's default) */
+    if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, MGPU__TRY_DW, g)) plan.dw = few;
+    else plan.dw_im2col = !mgpu__conv_channels_last_fits(MGPU__TRY_DW, g);
+    plan.implicit = !(plan.dw_im2col && (!with_dx || plan.dx_im2col)); /* (both halves: the whole path) */
+    return plan;
+}
+
 static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     mgpu__conv_plan plan;
     memset(&plan, 0, sizeof plan);
@@ -898,6 +941,11 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     int with_dx = t->dx != NULL;
     const mgpu__conv_plan *known = mgpu__conv_plan_known(t->g, t->backward, with_dx);
     if (known) return *known;
+    if (mgpu__conv_mode == MGPU__CONV_RULE) {
+        plan = mgpu__conv_plan_by_rule(dev, t->g, t->backward, with_dx);
+        mgpu__conv_plan_remember(t->g, t->backward, with_dx, plan);
+        return plan;
+    }
     mgpu_tensor *dx = NULL, *dw = NULL;
     if (t->backward) { /* scratch gradients */
         if (with_dx) t->dx = dx = mgpu_empty(dev, t->x->shape);
@@ -905,16 +953,16 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     }
     mgpu__conv_copies_ms copy;
     mgpu__conv_trial_copies(t, &copy);
-    int automatic = mgpu__conv_mode == MGPU__CONV_AUTO;
+    int timed = mgpu__conv_mode == MGPU__CONV_TIMED;
     plan.implicit = 1;
     if (!t->backward) {
         mgpu__implicit_kernel channels_last = plan.y;
         double y_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, 0, 0.0, &plan.y);
         double cl_ms = mgpu__conv_fastest_kernel(t, MGPU__TRY_Y, 1, copy.w, &channels_last) + copy.x;
         if (cl_ms < y_ms) y_ms = cl_ms, plan.y = channels_last;
-        plan.implicit = automatic ? y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL) : y_ms < HUGE_VAL;
+        plan.implicit = timed ? y_ms < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL) : y_ms < HUGE_VAL;
     } else {
-        /* each gradient's ways (the im2col half with MGPU_CONV=auto, or
+        /* each gradient's ways (the im2col half with MGPU_CONV=timed, or
            where no kernel fits) */
         double dx_ms[MGPU__WAYS] = {0.0, 0.0, 0.0}, dw_ms[MGPU__WAYS];
         mgpu__implicit_kernel dx_kernel[2] = {plan.dx, plan.dx}, dw_kernel[2] = {plan.dw, plan.dw};
@@ -922,13 +970,13 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
             dx_ms[MGPU__BY_NCHW] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, 0, 0.0, &dx_kernel[0]);
             dx_ms[MGPU__BY_CHANNELS_LAST] =
                 mgpu__conv_fastest_kernel(t, MGPU__TRY_DX, 1, copy.w_turned, &dx_kernel[1]);
-            dx_ms[MGPU__BY_IM2COL_HALF] = automatic || fmin(dx_ms[MGPU__BY_NCHW], dx_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
+            dx_ms[MGPU__BY_IM2COL_HALF] = timed || fmin(dx_ms[MGPU__BY_NCHW], dx_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
                                               ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DX)
                                               : HUGE_VAL;
         }
         dw_ms[MGPU__BY_NCHW] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, 0, 0.0, &dw_kernel[0]);
         dw_ms[MGPU__BY_CHANNELS_LAST] = mgpu__conv_fastest_kernel(t, MGPU__TRY_DW, 1, 0.0, &dw_kernel[1]) + copy.x;
-        dw_ms[MGPU__BY_IM2COL_HALF] = automatic || fmin(dw_ms[MGPU__BY_NCHW], dw_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
+        dw_ms[MGPU__BY_IM2COL_HALF] = timed || fmin(dw_ms[MGPU__BY_NCHW], dw_ms[MGPU__BY_CHANNELS_LAST]) == HUGE_VAL
                                           ? mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL_DW)
                                           : HUGE_VAL;
         int by_dx, by_dw;
@@ -939,7 +987,7 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
         plan.dw = dw_kernel[by_dw == MGPU__BY_CHANNELS_LAST];
         plan.dw_im2col = by_dw == MGPU__BY_IM2COL_HALF;
         /* (without dx, the dW half is the whole path) */
-        if (automatic) plan.implicit = !with_dx || best < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
+        if (timed) plan.implicit = !with_dx || best < mgpu__conv_im2col_ms(t, MGPU__TRY_IM2COL);
         else plan.implicit = !(plan.dw_im2col && (!with_dx || plan.dx_im2col)); /* (both halves: the whole path) */
     }
     mgpu_free(dx);
@@ -948,10 +996,7 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
     mgpu_free(t->dy_t);
     mgpu_free(t->w_t);
     mgpu_free(t->w_turned_t);
-    if (mgpu__conv_choice_count < (int)(sizeof mgpu__conv_choices / sizeof mgpu__conv_choices[0])) {
-        mgpu__conv_choice c = {*t->g, t->backward, with_dx, plan};
-        mgpu__conv_choices[mgpu__conv_choice_count++] = c;
-    }
+    mgpu__conv_plan_remember(t->g, t->backward, with_dx, plan);
     return plan;
 }
 #endif
@@ -1106,10 +1151,21 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
 }
 
 /* A pass on a CPU device, by the way its choice says (above). */
+/* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
+   shape: oneDNN, except the backward passes where im2col won the trials on
+   2-core CPUs (bench/RESULTS.md, 2026-11-26): 1x1 windows at a stride
+   (ResNet's shortcuts) and outputs of 4 x 4 pixels or fewer. */
+static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
+    const mgpu__conv_geom *g = call->g;
+    int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16);
+    return im2col_wins ? MGPU__CPU_BY_IM2COL : MGPU__CPU_BY_ONEDNN;
+}
+
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
-    int onednn = mgpu__conv_mode == MGPU__CONV_IMPLICIT;
-    if (mgpu__conv_mode == MGPU__CONV_AUTO) {
+    int onednn = mgpu__conv_mode == MGPU__CONV_IMPLICIT ||
+                 (mgpu__conv_mode == MGPU__CONV_RULE && mgpu__cpu_conv_way_by_rule(call) == MGPU__CPU_BY_ONEDNN);
+    if (mgpu__conv_mode == MGPU__CONV_TIMED) {
         mgpu_device *dev = call->x->device;
         mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, call->backward);
         if (!c) {

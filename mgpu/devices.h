@@ -160,6 +160,15 @@ static void mgpu__after_fork_in_child(void) {
     }
 }
 
+#if MGPU_CUDA
+/* Whether the machine has an NVIDIA GPU with its driver loaded, whatever
+   CUDA says of it: the driver's device files exist. */
+static int mgpu__gpu_installed(void) { return access("/dev/nvidia0", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0; }
+#endif
+/* Whether this process speaks for its job: it runs alone, or is the
+   launcher's rank 0. */
+static int mgpu__first_process_of_job(void) { return mgpu__launcher_rank() <= 0; }
+
 static void mgpu__init(void) {
     if (mgpu__library.initialised) return;
     mgpu__library.initialised = 1;
@@ -174,10 +183,17 @@ static void mgpu__init(void) {
     if (err == cudaSuccess) {
         mgpu__library.num_gpus = count;
     } else {
-        /* Not an error: a CUDA build on a machine without a GPU runs on the CPU. */
+        /* Not an error: a CUDA build on a machine without a GPU runs on the
+           CPU. Said once a job (by its first process), and in the driver's
+           words only where a GPU is there but cannot be used. */
         cudaGetLastError();
-        fprintf(stderr, "mgpu: no usable GPU (%s); running on the CPU\n",
-                cudaGetErrorString(err));
+        if (mgpu__first_process_of_job()) {
+            if (err == cudaErrorNoDevice || !mgpu__gpu_installed())
+                fprintf(stderr, "mgpu: no GPU found: running on the CPU\n");
+            else
+                fprintf(stderr, "mgpu: a GPU is installed but cannot be used (%s): running on the CPU\n",
+                        cudaGetErrorString(err));
+        }
     }
 #endif
     atexit(mgpu__at_exit);

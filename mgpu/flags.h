@@ -24,7 +24,7 @@ static void mgpu__flag_set(const mgpu_flag *f, const char *text) {
             mgpu_fatal("%s: %s is out of float's range (%g to %g)", f->name, text, FLT_MIN, FLT_MAX);
         *(double *)f->value = v;
     } else {
-        if (!*text) mgpu_fatal("%s: expected a folder, got ''", f->name);
+        if (!*text) mgpu_fatal("%s: expected %s, got ''", f->name, f->type == 'f' ? "a folder" : "a name");
         *(const char **)f->value = text;
     }
 }
@@ -59,9 +59,9 @@ static void mgpu__flag_print(const mgpu_flag *f) {
     if (f->type == 'd' && *(double *)f->value) snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
     if (f->type == 'd' && !*(double *)f->value) snprintf(value, sizeof value, " X");
     if (f->type == 'z') snprintf(value, sizeof value, " X (now %g)", *(double *)f->value);
-    if (f->type == 's') {
+    if (f->type == 's' || f->type == 'f') {
         const char *v = *(const char **)f->value;
-        snprintf(value, sizeof value, " DIR (now %s)", v ? v : "unset");
+        snprintf(value, sizeof value, " %s (now %s)", f->type == 'f' ? "DIR" : "NAME", v ? v : "unset");
     }
     char left[96];
     snprintf(left, sizeof left, "%s%s", f->name, value);
@@ -79,8 +79,8 @@ MGPU_DEF void mgpu_options_parse(mgpu_options *o, int argc, char **argv, const c
         {"--epochs", 'i', &o->epochs, "passes over the training data"},
         {"--batch-size", 'i', &o->batch_size, "global batch size, split over the devices"},
         {"--lr", 'd', &o->lr, "learning rate"},
-        {"--data", 's', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
-        {"--out", 's', &o->out, "folder for the PNG and CSV files"},
+        {"--data", 'f', &o->data, "Fashion-MNIST folder (else $MGPU_DATA, then data/fashion-mnist)"},
+        {"--out", 'f', &o->out, "folder for the PNG and CSV files"},
         {"--seed", 'u', &seed, "random seed"},
         {"--cpu", 'b', &o->cpu, "use CPU devices even when there are GPUs"},
         {"--full", 'b', &o->full, "the book's full setting, also without a GPU"},

@@ -42,10 +42,15 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
     mgpu_get_tf32(&conv, &matmul);
     return words[conv][matmul];
 }
-/* MGPU_CONV: how a GPU's TF32 convolutions compute y, dx and dW.
-     auto      (the default) whichever of the two below is faster for the
-               convolution's shape, timed at the first call with that
-               shape (as PyTorch's cudnn.benchmark does);
+/* MGPU_CONV: how convolutions compute y, dx and dW.
+     rule      (the default) a fixed rule per shape and kind of device
+               (mgpu__conv_plan_by_rule on a GPU, mgpu__cpu_conv_way_by_rule
+               on a CPU): the same command computes the same bits every
+               run;
+     timed     whichever of im2col and the implicit GEMMs is faster for
+               the convolution's shape, timed at the first call with that
+               shape (as PyTorch's cudnn.benchmark does). Timing is noisy,
+               so two runs may choose differently and round differently;
      im2col    conv.h's im2col and cuBLAS products;
      implicit  the implicit GEMMs of kernels/conv_nhwc.h (or winograd.h,
                from the same channels-last copies, and
@@ -54,14 +59,15 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
                kernel and tile shape that was fastest for it (timed the
                same way); im2col where no such kernel fits;
      cudnn     cuDNN's algorithms alone (kernels/conv_cudnn.h), the
-               fastest for each pass; im2col where none fits or cuDNN is
-               not built in.
-   Float32 convolutions (no TF32) always take im2col. On a CPU (mgpu/
-   convolution.h's mgpu__conv_cpu): auto times im2col against oneDNN at
-   the first call with a shape; im2col takes im2col; implicit takes oneDNN
-   where it is built in. */
-typedef enum { MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
-static const char *const mgpu__conv_mode_names[] = {"auto", "im2col", "implicit", "cudnn"};
+               fastest for each pass (timed); im2col where none fits or
+               cuDNN is not built in.
+   Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
+   (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN but for a few
+   backward passes; timed times im2col against oneDNN at the first call
+   with a shape; im2col takes im2col; implicit takes oneDNN where it is
+   built in. */
+typedef enum { MGPU__CONV_RULE, MGPU__CONV_TIMED, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
+static const char *const mgpu__conv_mode_names[] = {"rule", "timed", "im2col", "implicit", "cudnn"};
 static mgpu__conv_mode_kind mgpu__conv_mode;
 static int mgpu__conv_wgmma_asked; /* MGPU_WGMMA, 1 unless set to 0 */
 /* Read when the library starts (mgpu__init): MGPU_CONV chooses the GPU's
@@ -72,11 +78,13 @@ static void mgpu__conv_settings_from_environment(void) {
     if (mgpu__conv_env_read) return;
     mgpu__conv_env_read = 1;
     const char *algorithm = getenv("MGPU_CONV");
-    if (!algorithm || !*algorithm || strcmp(algorithm, "auto") == 0) mgpu__conv_mode = MGPU__CONV_AUTO;
-    else if (strcmp(algorithm, "im2col") == 0) mgpu__conv_mode = MGPU__CONV_IM2COL;
-    else if (strcmp(algorithm, "implicit") == 0) mgpu__conv_mode = MGPU__CONV_IMPLICIT;
-    else if (strcmp(algorithm, "cudnn") == 0) mgpu__conv_mode = MGPU__CONV_CUDNN;
-    else mgpu_fatal("MGPU_CONV=%s: want auto (the default), im2col, implicit or cudnn", algorithm);
+    mgpu__conv_mode = MGPU__CONV_RULE;
+    if (algorithm && *algorithm) {
+        int known = 0;
+        for (int m = 0; m < (int)(sizeof mgpu__conv_mode_names / sizeof *mgpu__conv_mode_names); m++)
+            if (strcmp(algorithm, mgpu__conv_mode_names[m]) == 0) mgpu__conv_mode = (mgpu__conv_mode_kind)m, known = 1;
+        if (!known) mgpu_fatal("MGPU_CONV=%s: want rule (the default), timed, im2col, implicit or cudnn", algorithm);
+    }
     const char *wgmma = getenv("MGPU_WGMMA");
     MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
                  "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);

@@ -24,7 +24,7 @@
 extern __thread const char *mgpu__layer_enqueuing;
 
 /* ---- mgpu/settings.h: the tests set the settings anew, as a restart with other variables would */
-/* types and constants: mgpu__conv_mode_kind (MGPU__CONV_AUTO, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT,
+/* types and constants: mgpu__conv_mode_kind (MGPU__CONV_RULE, MGPU__CONV_TIMED, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT,
    MGPU__CONV_CUDNN), MGPU__TF32_CONV (which product mgpu__tf32_allowed asks about) */
 extern int mgpu__tf32[2];
 static int mgpu__tf32_allowed(int which);
@@ -85,6 +85,8 @@ static inline double mgpu__conv_backward_ways(const double *dx_ms, const double 
    mgpu__conv_try (MGPU__TRY_Y, MGPU__TRY_DX, MGPU__TRY_DW); MGPU__KERNEL_CHOICES (the length of the
    slices' and blocks' lists), MGPU__CANDIDATES and MGPU__CUDNN_CANDIDATES (room for a pass's candidates) */
 static int mgpu__conv_implicit_available(void);
+static mgpu__conv_plan mgpu__conv_plan_by_rule(mgpu_device *dev, const mgpu__conv_geom *g, int backward,
+                                               int with_dx);
 static inline mgpu__implicit_kernel mgpu__kernel_of(mgpu__conv_method method, mgpu__implicit_tile tile, int splits,
                                                     int wgmma);
 #if MGPU_CUDNN

@@ -249,7 +249,7 @@ TEST(tf32_products_are_rounded_but_close) {
     mgpu_conv2d_forward(y.g, x.g, wt.g, NULL, 1, 1);
     tf32_compare("conv", check_same("conv, TF32", "y", &y, 2e-3), conv32);
     pair_free(&x); pair_free(&wt); pair_free(&y);
-    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu__conv_mode = MGPU__CONV_RULE;
 
     /* the ResNet head's product: sums of 512 */
     mgpu_shape as = mgpu_shape2(1024, 512), bs = mgpu_shape2(512, 10);
@@ -444,7 +444,7 @@ TEST_REAL_GPU(implicit_gemm_convolution) { /* emulated: 6 minutes */
     }
     else printf("  (no wgmma kernels on this GPU: they need sm_90a code and compute capability 9.0)\n");
     mgpu_set_tf32(0, 0);
-    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu__conv_mode = MGPU__CONV_RULE;
 }
 /* A convolution's forward and backward passes (dW and db accumulated) on
    the CPU and on the GPU with MGPU_CONV=mode, twice: the trials, then the
@@ -481,15 +481,15 @@ static int conv_twice_by(mgpu__conv_mode_kind mode, const char *label, mgpu_shap
     pair_free(&x); pair_free(&wt); pair_free(&b); pair_free(&y);
     pair_free(&dy); pair_free(&dx); pair_free(&dw); pair_free(&db);
     mgpu_set_tf32(0, 0);
-    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu__conv_mode = MGPU__CONV_RULE;
     return before;
 }
-/* MGPU_CONV=auto (the default): the first call with a shape times im2col
-   and every tile and remembers the fastest. */
+/* MGPU_CONV=timed: the first call with a shape times im2col and every
+   tile and remembers the fastest. */
 TEST_LONG(conv_algorithm_chosen_by_measuring) {
     if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
     /* small: on the emulated GPU every trial takes seconds */
-    conv_twice_by(MGPU__CONV_AUTO, "auto", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
+    conv_twice_by(MGPU__CONV_TIMED, "timed", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
 }
 
 /* The slices of the sum the trial times a pass of a ResNet-18 convolution
@@ -649,6 +649,46 @@ TEST(trial_candidates_stride2_dx) {
     CHECK(mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &stage1, classes));
     CHECK(!mgpu__conv_reads_weights_copy(MGPU__TRY_DX, &stage1, winograd));
 }
+/* MGPU_CONV=rule, the default: a plan fixed by the shape (and whether the
+   GPU has wgmma, which the emulated one has not), asked of no clock. At
+   ResNet-18's shapes: few inputs for the stem, the 64 x 128 tile, quads
+   for dx at stride 2, im2col at stage 4's 4 x 4 outputs. Then a
+   convolution by rule through the public calls against the CPU. ("@"
+   in a plan below: " wgmma" where the GPU has it.) */
+TEST(conv_plan_by_rule) {
+    if (!mgpu__conv_implicit_available()) return; /* a GPU before sm_80: im2col only */
+    struct { mgpu_shape x, w; int stride, pad, backward; const char *plan; } cases[] = {
+        {mgpu_shape4(256, 1, 28, 28), mgpu_shape4(64, 1, 3, 3), 1, 1, 0, "forward by few inputs"},
+        {mgpu_shape4(256, 1, 28, 28), mgpu_shape4(64, 1, 3, 3), 1, 1, 1, "dx by -, dW by few inputs"},
+        {mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1, 0, "forward by channels-last 64x128@"},
+        {mgpu_shape4(256, 64, 28, 28), mgpu_shape4(64, 64, 3, 3), 1, 1, 1,
+         "dx by channels-last 64x128@, dW by channels-last 64x128"},
+        {mgpu_shape4(256, 64, 28, 28), mgpu_shape4(128, 64, 3, 3), 2, 1, 1,
+         "dx by channels-last stride-2 dx, dW by channels-last 64x128"},
+        {mgpu_shape4(256, 256, 7, 7), mgpu_shape4(512, 256, 3, 3), 2, 1, 0, "forward by im2col"},
+        {mgpu_shape4(256, 512, 4, 4), mgpu_shape4(512, 512, 3, 3), 1, 1, 1, "backward by im2col"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        mgpu__conv_geom g = mgpu__conv_geometry("rule", cases[i].x, cases[i].w, cases[i].stride, cases[i].pad);
+        int with_dx = cases[i].backward && cases[i].x.d[1] > 1;
+        mgpu__conv_choice c = {g, cases[i].backward, with_dx,
+                               mgpu__conv_plan_by_rule(gpu, &g, cases[i].backward, with_dx)};
+        char plan[200];
+        mgpu__conv_choice_str(&c, plan, sizeof plan);
+        char want[200];
+        size_t at = 0;
+        for (const char *p = cases[i].plan; *p && at + 8 < sizeof want; p++)
+            at += *p != '@' ? (size_t)snprintf(want + at, 2, "%c", *p)
+                            : (size_t)snprintf(want + at, 7, "%s", mgpu__wgmma_usable(gpu) ? " wgmma" : "");
+        const char *by = strstr(plan, ": ") + 2;
+        if (strcmp(by, want) != 0) {
+            fprintf(stderr, "  %s: want %s\n", plan, want);
+            test__failures++;
+        }
+    }
+    conv_twice_by(MGPU__CONV_RULE, "rule", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
+}
+
 /* A first layer (1 channel, 3x3, 20 filters: two groups of the forward's
    16, five of dW's 4) whose plan takes conv_few_inputs.h's kernels (set by
    hand), through the public calls: y, and dW written and added to, in

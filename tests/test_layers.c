@@ -537,19 +537,20 @@ TEST(conv_settings_from_the_environment) {
     mgpu__conv_scratch_floats[0] = (size_t)3 << 18;
     CHECK_EQ_INT(mgpu__conv_chunk(&g, mgpu_cpu()), 77);
     mgpu__conv_scratch_floats[0] = saved;
-    /* MGPU_CONV chooses the GPU's algorithm (auto by default); a CPU keeps im2col */
-    const char *names[] = {"implicit", "im2col", "auto", "", "cudnn"};
-    int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_AUTO, MGPU__CONV_AUTO, MGPU__CONV_CUDNN};
-    for (int i = 0; i < 5; i++) {
+    /* MGPU_CONV chooses the algorithm (by rule unless told) */
+    const char *names[] = {"implicit", "im2col", "timed", "", "cudnn", "rule"};
+    int modes[] = {MGPU__CONV_IMPLICIT, MGPU__CONV_IM2COL, MGPU__CONV_TIMED, MGPU__CONV_RULE, MGPU__CONV_CUDNN,
+                   MGPU__CONV_RULE};
+    for (int i = 0; i < 6; i++) {
         reread_conv_settings("MGPU_CONV", names[i]);
         CHECK_EQ_INT(mgpu__conv_mode, modes[i]);
     }
     setenv("MGPU_CONV", "winograd", 1);
     mgpu__conv_env_read = 0;
     EXPECT_DIES(mgpu__conv_settings_from_environment(),
-                "MGPU_CONV=winograd: want auto (the default), im2col, implicit or cudnn");
+                "MGPU_CONV=winograd: want rule (the default), timed, im2col, implicit or cudnn");
     reread_conv_settings("MGPU_CONV", NULL);
-    CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_AUTO);
+    CHECK_EQ_INT(mgpu__conv_mode, MGPU__CONV_RULE);
     /* MGPU_WGMMA: 0 leaves the wgmma kernels out; 1 or nothing keeps them */
     const char *wgmma[] = {"1", "0", ""};
     for (int i = 0; i < 3; i++) {
@@ -602,9 +603,9 @@ static int traced(const char *name) {
 }
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
-   and LeNet's, written and added to (dW, then dx); and the default's
-   (auto), whose first call of a shape is the trial, into scratch, then
-   the call itself: it must add once. */
+   and LeNet's, written and added to (dW, then dx); and MGPU_CONV=timed's,
+   whose first call of a shape is the trial, into scratch, then the call
+   itself: it must add once. */
 TEST(conv2d_by_onednn_matches_im2col) {
     struct { int c, h, k, r, stride, pad; } shapes[] = {
         {64, 28, 64, 3, 1, 1}, {64, 28, 128, 3, 2, 1}, {64, 28, 128, 1, 2, 0}, {128, 14, 128, 3, 1, 1},
@@ -622,7 +623,7 @@ TEST(conv2d_by_onednn_matches_im2col) {
             conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_trace_begin();
             conv_results got =
-                conv_by(onednn ? MGPU__CONV_IMPLICIT : MGPU__CONV_AUTO, xs, ws, stride, pad, accumulate, add_to_dx);
+                conv_by(onednn ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_synchronize_all();
             CHECK(!onednn || (traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
                               traced("conv2d_backward oneDNN dW")));
@@ -634,14 +635,44 @@ TEST(conv2d_by_onednn_matches_im2col) {
             check_close_floats("dW", got.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
             if (test__failures != before)
                 fprintf(stderr, "  (%d -> %d, %dx%d, stride %d, accumulate %d, add_to_dx %d, %s)\n", shapes[i].c,
-                        shapes[i].k, shapes[i].r, shapes[i].r, stride, accumulate, add_to_dx, onednn ? "oneDNN" : "auto");
+                        shapes[i].k, shapes[i].r, shapes[i].r, stride, accumulate, add_to_dx, onednn ? "oneDNN" : "timed");
             free(want.y), free(want.dx), free(want.dw), free(got.y), free(got.dx), free(got.dw);
         }
     mgpu__conv_mode = saved;
 }
 
-/* By default a CPU device times both ways at the first call of each pass
-   and shape, and the later calls take the faster. The first call's
+/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit,
+   but for the backward passes of 1x1 windows at a stride and of outputs
+   of 4 x 4 pixels or fewer, which take im2col; and times nothing. */
+static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
+TEST(cpu_convolutions_by_rule) {
+    mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    struct { int c, h, k, r, stride, pad, backward_by_im2col; } shapes[] = {
+        {16, 9, 16, 3, 1, 1, 0}, {16, 9, 32, 1, 2, 0, 1}, {32, 4, 32, 3, 1, 1, 1}, {6, 14, 16, 5, 1, 0, 0}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
+        mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
+        mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
+        int trials = mgpu__cpu_conv_choice_count;
+        conv_results rule = conv_by(MGPU__CONV_RULE, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
+        CHECK_EQ_INT(mgpu__cpu_conv_choice_count, trials); /* (nothing timed) */
+        conv_results im2col = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
+        conv_results onednn = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
+        conv_results *backward = shapes[i].backward_by_im2col ? &im2col : &onednn;
+        CHECK(same_floats(rule.y, onednn.y, mgpu_shape_numel(ys)));
+        CHECK(same_floats(rule.dx, backward->dx, mgpu_shape_numel(xs)));
+        CHECK(same_floats(rule.dw, backward->dw, mgpu_shape_numel(ws)));
+        /* (the two ways differ in their last bits, or the check above could not tell them apart) */
+        CHECK(!same_floats(im2col.dw, onednn.dw, mgpu_shape_numel(ws)));
+        conv_results *all[] = {&rule, &im2col, &onednn};
+        for (int k = 0; k < 3; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
+    }
+    mgpu__conv_mode = saved;
+}
+
+/* With MGPU_CONV=timed a CPU device times both ways at the first call of
+   each pass and shape, and the later calls take the faster. The first call's
    outputs are the faster way's, bit for bit: where the call writes them
    (the forward pass), im2col's from the trial itself or oneDNN's copied
    from its scratch ("conv2d trial's copy"); where it adds to them (dW
@@ -662,7 +693,7 @@ static int same_bits(const mgpu_tensor *a, const float *b) {
 TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
-    mgpu__conv_mode = MGPU__CONV_AUTO;
+    mgpu__conv_mode = MGPU__CONV_TIMED;
     mgpu_device *cpu = mgpu_cpu();
     mgpu_tensor *x = mgpu_randn(cpu, mgpu_shape4(2, 32, 9, 9), 0.0f, 1.0f);
     mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(16, 32, 3, 3), 0.0f, 0.1f);

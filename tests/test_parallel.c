@@ -620,8 +620,8 @@ TEST(train_settings_of_a_network_and_its_data) {
     mgpu_net_use_adam(net, 0.8f, 0.99f, 1e-6f, 1);
     t = mgpu_train_settings_of(net, &data);
     CHECK(strcmp(t.optimizer, "AdamW (betas 0.8, 0.99, eps 1e-06)") == 0);
-    mgpu__conv_mode = MGPU__CONV_AUTO;
-    CHECK(strcmp(mgpu_train_settings_of(net, &data).conv, "auto") == 0);
+    mgpu__conv_mode = MGPU__CONV_TIMED;
+    CHECK(strcmp(mgpu_train_settings_of(net, &data).conv, "timed") == 0);
     mgpu_net *linear = mgpu_net_new(mgpu_cpu()); /* no convolution: no method */
     mgpu_net_add_linear(linear, 4, 10);
     CHECK(strcmp(mgpu_train_settings_of(linear, &data).conv, "") == 0);
@@ -681,8 +681,8 @@ TEST(train_settings_differ_by_the_first_setting_named) {
     now.seed = 7;
     check_named(&saved, &now, "saved with --seed 1234, this run has 7: resume with --seed 1234");
     now = saved;
-    snprintf(now.conv, sizeof now.conv, "auto");
-    check_named(&saved, &now, "saved with MGPU_CONV=im2col, this run has auto: resume with MGPU_CONV=im2col");
+    snprintf(now.conv, sizeof now.conv, "timed");
+    check_named(&saved, &now, "saved with MGPU_CONV=im2col, this run has timed: resume with MGPU_CONV=im2col");
     now.conv[0] = 0;
     check_named(&saved, &now, "saved with MGPU_CONV=im2col, this run has (none): resume with MGPU_CONV=im2col");
 }
