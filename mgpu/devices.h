@@ -164,10 +164,10 @@ static void mgpu__after_fork_in_child(void) {
 /* Whether the machine has an NVIDIA GPU with its driver loaded, whatever
    CUDA says of it: the driver's device files exist. */
 static int mgpu__gpu_installed(void) { return access("/dev/nvidia0", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0; }
-#endif
 /* Whether this process speaks for its job: it runs alone, or is the
    launcher's rank 0. */
 static int mgpu__first_process_of_job(void) { return mgpu__launcher_rank() <= 0; }
+#endif
 
 static void mgpu__init(void) {
     if (mgpu__library.initialised) return;
