@@ -322,7 +322,7 @@ TEST_CHAPTER_DIR := $(if $(filter 1,$(HAVE_NVCC)),$(BUILD)/cpu,.)
 TEST_PROGRAMS := $(EMU_TEST) $(EMU_GPU_BINS) $(CPU_TEST_BINS) $(PLAIN_TEST_BINS)
 test: $(addprefix $(TEST_CHAPTER_DIR)/,$(CHAPTER_BINS)) $(TEST_PROGRAMS) $(DIST_TEST_BINS)
 	@TEST_SET=quick TEST_JOBS=$(TEST_JOBS) CHAPTER_DIR=$(TEST_CHAPTER_DIR) PARTS_CFLAGS='$(OPENMP) $(ONEDNN) $(MPI_FLAGS)' \
-	  bash tests/run.sh tests/dist.sh tests/smoke.sh tests/assignments.sh $(TEST_PROGRAMS) \
+	  bash tests/run.sh tests/dist.sh tests/smoke.sh tests/repeat.sh tests/assignments.sh $(TEST_PROGRAMS) \
 	  tests/kernels_alone.sh tests/parts_alone.sh tests/settings_listed.sh tests/internals_listed.sh
 
 # (TEST_LONG marks a test long only on emulated GPUs: the emulated

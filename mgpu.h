@@ -83,6 +83,7 @@
    cross-entropy" below); mgpu_synchronize_all() waits for every device.
 
        int mgpu_num_gpus(void);              physical GPUs visible (0 without a GPU)
+       int mgpu_num_cores(void);             CPU cores this process may run on
        mgpu_device *mgpu_cpu(void);          the CPU device "cpu" (also the host)
        mgpu_device *mgpu_try_gpu(int i);     GPU i if there is one, else the CPU
        int mgpu_try_all_gpus(mgpu_device **out, int max);  all GPUs, or [cpu]
@@ -437,6 +438,7 @@ typedef struct mgpu_event mgpu_event;
 #define MGPU_MAX_DEVICES 16
 
 MGPU_DEF int mgpu_num_gpus(void);
+MGPU_DEF int mgpu_num_cores(void);
 MGPU_DEF mgpu_device *mgpu_cpu(void);
 MGPU_DEF mgpu_device *mgpu_try_gpu(int i);
 MGPU_DEF int mgpu_try_all_gpus(mgpu_device **out, int max);
@@ -1334,7 +1336,12 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
    runs the layers in order and returns the logits [N, classes] (owned by
    the net: valid until the next forward). In training mode batch norm
    uses the batch's statistics and updates its running ones; in evaluation
-   mode it uses the running ones (mgpu_net_set_training). On a GPU, once
+   mode it uses the running ones (mgpu_net_set_training), which each
+   training pass moves a fraction `momentum` of the way to the batch's
+   (0.1, PyTorch's default; mgpu_net_set_batchnorm_momentum sets every
+   batch norm's, as BatchNorm2d(momentum=...) does: a short run whose
+   activations are far from the running variance's start of 1 needs
+   more). On a GPU, once
    the convolutions' plans are measured (the first step), a batch norm
    also writes the channels-last copy that the next convolution reads,
    and leaves its plain output unwritten where only that convolution
@@ -1528,6 +1535,8 @@ struct mgpu_layer {
     int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
     int batch_statistics;     /* batch norm: its last forward used the batch's statistics */
     int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
+    float momentum;           /* batch norm: how far each training pass moves the running
+                                 statistics towards the batch's (0.1) */
     struct mgpu_group *sync;  /* batch norm: the group over whose batch its statistics are taken
                                  (mgpu_net_sync_batchnorm), or NULL */
     /* parameters: conv/linear weight and bias; batch norm gamma and beta */
@@ -1607,6 +1616,7 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x);
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits);
 MGPU_DEF void mgpu_net_zero_grad(mgpu_net *net);
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training);
+MGPU_DEF void mgpu_net_set_batchnorm_momentum(mgpu_net *net, float momentum);
 #define MGPU_SEGMENTS_SQRT (-1) /* mgpu_net_recompute: about sqrt(n) runs of n layers */
 MGPU_DEF void mgpu_net_recompute(mgpu_net *net, int segments);
 #define mgpu_net_checkpoint mgpu_net_recompute /* the old name, kept for programs written against it */

@@ -158,7 +158,8 @@ static mgpu_tensor *lenet_forward_fn(void *model, const mgpu_tensor *x) {
 /* The book's train(num_gpus, batch_size, lr). */
 static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
                             const mgpu_dataset *train_set, const mgpu_dataset *test_set,
-                            int batch_size, float lr, int epochs, const mgpu_options *o) {
+                            int batch_size, float lr, int epochs, const mgpu_options *o,
+                            double *seconds_per_epoch) {
     mgpu_device *devices[MGPU_MAX_DEVICES];
     mgpu_devices(num_devices, use_gpu, devices);
     replica replicas[MGPU_MAX_DEVICES];
@@ -205,8 +206,9 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
         fprintf(stderr, "  epoch %d/%d: loss %.3f, train acc %.3f, test acc %.3f, %.*f sec\n",
                 epoch + 1, epochs, ys[0], ys[1], ys[2], MGPU_SECONDS(seconds));
     }
+    *seconds_per_epoch = mgpu_timer_avg(&timer);
     printf("test acc: %.2f, %.*f sec/epoch, on %s\n", mgpu_animator_last(animator, 2),
-           MGPU_SECONDS(mgpu_timer_avg(&timer)), list);
+           MGPU_SECONDS(*seconds_per_epoch), list);
     fflush(stdout);
     mgpu_loader_free(train_loader);
     for (int i = 0; i < num_devices; i++) {
@@ -215,6 +217,36 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
         mgpu_free(correct[i]);
     }
     return animator;
+}
+
+/* The chapter's last lines, from its own numbers. */
+static void what_this_run_shows(mgpu_animator **runs, const double *seconds, const int *sizes, int nruns,
+                                int use_gpu) {
+    printf("\nWhat this run shows:\n");
+    if (nruns < 2) {
+        printf("  one run alone: --devices 2 compares two devices with one.\n");
+        return;
+    }
+    double acc1 = mgpu_animator_last(runs[0], 2), acc2 = mgpu_animator_last(runs[1], 2);
+    if (fabs(acc1 - acc2) <= 0.05)
+        printf("  1 and %d devices reached %.2f and %.2f with the same batches and learning rate:\n"
+               "  the same model, as expected. The split changed where the gradients were\n"
+               "  computed and the order of their sums, not what was computed.\n",
+               sizes[1], acc1, acc2);
+    else
+        printf("  1 and %d devices reached %.2f and %.2f with the same batches: %.2f apart, more than\n"
+               "  the order of the sums explains. Train longer (--epochs) for the runs to settle.\n",
+               sizes[1], acc1, acc2, fabs(acc1 - acc2));
+    /* k devices are at most k times as fast, and at most as many times as
+       the GPUs, or the cores, under them */
+    double speedup = seconds[0] / seconds[1];
+    int units = use_gpu ? mgpu_num_gpus() : mgpu_num_cores();
+    double most = sizes[1] < units ? sizes[1] : units;
+    if (!mgpu_bound_hold("speedup of 2 devices", speedup, MGPU_AT_MOST, most, 0.05, "rerun on a quiet machine"))
+        return;
+    printf("  %d devices took %.2f times one device's time an epoch%s\n", sizes[1], seconds[1] / seconds[0],
+           speedup > 1.0 ? ": each computed half of every batch at the same time."
+                         : ": LeNet is too small for the split\n  to pay for the copies and the extra launches.");
 }
 
 int main(int argc, char **argv) {
@@ -298,11 +330,12 @@ int main(int argc, char **argv) {
     printf("\n");
     int sizes[2] = {1, o.devices ? o.devices : 2}, nruns = sizes[1] > 1 ? 2 : 1;
     mgpu_animator *runs[2];
+    double seconds[2];
     char labels[2][32];
     const char *label_ptrs[2];
     for (int k = 0; k < nruns; k++) {
         runs[k] = train(params, sizes[k], use_gpu, train_set, test_set, o.batch_size, (float)o.lr,
-                        o.epochs, &o);
+                        o.epochs, &o, &seconds[k]);
         snprintf(labels[k], sizeof labels[k], "%d device%s", sizes[k], sizes[k] > 1 ? "s" : "");
         label_ptrs[k] = labels[k];
     }
@@ -312,6 +345,8 @@ int main(int argc, char **argv) {
                                      label_ptrs) == 0 &&
         !mgpu_output_errors()) /* (the runs' own plots too) */
         printf("plots: %s, and chapter2_<N>_device(s).png for each run beside it\n", path);
+
+    what_this_run_shows(runs, seconds, sizes, nruns, use_gpu);
 
     for (int k = 0; k < nruns; k++) mgpu_animator_free(runs[k]);
     for (int k = 0; k < NUM_PARAMS; k++) mgpu_free(params[k]);

@@ -42,15 +42,24 @@ typedef struct {
     int devices, batch_size, epochs;
     float lr;
     int evals_per_epoch; /* test accuracy this many times an epoch (the book: once) */
+    int lr_to_zero;      /* lr falls linearly to 0 over the run (the reduced run) */
+    float bn_momentum;   /* batch norm's running statistics (PyTorch's 0.1) */
 } run_config;
 
-/* Trains a fresh ResNet-18 on `devices` devices; returns its animator. */
-static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset *train_set,
+/* What a run leaves for the chapter's last lines. */
+typedef struct {
+    mgpu_animator *curves;
+    double test_acc, images_per_second;
+} run_result;
+
+/* Trains a fresh ResNet-18 on `devices` devices. */
+static run_result train(const run_config *c, int use_gpu, const mgpu_dataset *train_set,
                             const mgpu_dataset *test_set, const mgpu_options *o) {
     mgpu_device *devices[MGPU_MAX_DEVICES];
     mgpu_devices(c->devices, use_gpu, devices);
     mgpu_manual_seed(o->seed);
     mgpu_net *net = mgpu_resnet18(10, 1, devices[0]);
+    mgpu_net_set_batchnorm_momentum(net, c->bn_momentum);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, c->devices, MGPU_DP_ALLREDUCE);
 
     char list[256], name[64], path[1024], title[320];
@@ -62,7 +71,7 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
     mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title, "epoch", "",
                                                 c->evals_per_epoch > 1 ? 0 : 1, c->epochs, 3, series);
     mgpu_loader *loader = mgpu_loader_new(train_set, c->batch_size, 1, o->seed);
-    int steps = mgpu_loader_num_batches(loader);
+    int steps = mgpu_loader_num_batches(loader), total_steps = steps * c->epochs;
     double train_seconds = 0;
     for (int epoch = 0; epoch < c->epochs; epoch++) {
         mgpu_loader_start_epoch(loader, epoch);
@@ -73,7 +82,9 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
             double start = mgpu_now();
             mgpu_batch b;
             MGPU_REQUIRE(mgpu_loader_next(loader, &b), "chapter3: the loader ended before step %d", step);
-            mgpu_data_parallel_step(dp, b.x, b.y, c->lr, 0.0f, 0.0f);
+            int done = epoch * steps + step; /* steps before this one */
+            float lr = c->lr_to_zero ? c->lr * (float)(total_steps - done) / (float)total_steps : c->lr;
+            mgpu_data_parallel_step(dp, b.x, b.y, lr, 0.0f, 0.0f);
             seen += b.n;
             /* evaluate after each evals_per_epoch-th of the steps, the last one included */
             int eval_now = (long long)(step + 1) * c->evals_per_epoch / steps > evals;
@@ -98,14 +109,14 @@ static mgpu_animator *train(const run_config *c, int use_gpu, const mgpu_dataset
         train_seconds += epoch_seconds;
     }
     double per_epoch = train_seconds / c->epochs;
-    printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %s (gradients: %s)\n",
-           mgpu_animator_last(animator, 2), MGPU_SECONDS(per_epoch), train_set->n / per_epoch, list,
-           mgpu_data_parallel_algorithm(dp));
+    run_result r = {animator, mgpu_animator_last(animator, 2), train_set->n / per_epoch};
+    printf("test acc: %.2f, %.*f sec/epoch, %.0f images/sec, on %s (gradients: %s)\n", r.test_acc,
+           MGPU_SECONDS(per_epoch), r.images_per_second, list, mgpu_data_parallel_algorithm(dp));
     fflush(stdout);
     mgpu_loader_free(loader);
     mgpu_data_parallel_free(dp);
     mgpu_net_free(net);
-    return animator;
+    return r;
 }
 
 /* A few steps with each way of combining gradients, then every device's
@@ -169,6 +180,57 @@ static void step_timeline(int batch_size, int use_gpu, const mgpu_dataset *train
     mgpu_net_free(net);
 }
 
+/* The chapter's last lines, from its own numbers: whether the runs
+   trained the same model, and whether more devices were faster than the
+   hardware under them allows. */
+static void what_this_run_shows(const run_result *r, int nruns, int same_batches, int use_gpu) {
+    double lowest = r[0].test_acc, highest = r[0].test_acc;
+    char accuracies[128] = "", devices[64] = "";
+    for (int i = 0; i < nruns; i++) {
+        lowest = fmin(lowest, r[i].test_acc), highest = fmax(highest, r[i].test_acc);
+        const char *sep = i == 0 ? "" : i + 1 == nruns ? " and " : ", ";
+        snprintf(accuracies + strlen(accuracies), sizeof accuracies - strlen(accuracies), "%s%.2f", sep, r[i].test_acc);
+        snprintf(devices + strlen(devices), sizeof devices - strlen(devices), "%s%d", sep, 1 << i);
+    }
+    printf("\nWhat this run shows:\n");
+    if (nruns < 2) {
+        printf("  one run alone: give --devices 2 or more to compare devices.\n");
+        return;
+    }
+    if (same_batches && highest - lowest <= 0.05)
+        printf("  %s devices reached %s on the same batches: the same model, as expected. Each\n"
+               "  device computed the gradient of its share and the shares were summed: only the\n"
+               "  order of the sums (and batch norm's statistics, taken per device) changed.\n",
+               devices, accuracies);
+    else if (same_batches)
+        printf("  %s devices reached %s on the same batches: %.2f apart, more than the 0.05 that\n"
+               "  the order of the sums and batch norm's per-device statistics explain. Train\n"
+               "  longer (--epochs) for the runs to settle.\n",
+               devices, accuracies, highest - lowest);
+    else
+        printf("  %s devices, k times the batch and the learning rate, reached %s.\n", devices, accuracies);
+    /* k devices share what is under them: the CPU's cores, or the GPUs */
+    int units = use_gpu ? mgpu_num_gpus() : mgpu_num_cores();
+    int held = 1;
+    for (int i = 1; i < nruns; i++) {
+        int k = 1 << i;
+        char figure[64];
+        snprintf(figure, sizeof figure, "%d devices' images/sec over one device's", k);
+        held &= mgpu_bound_hold(figure, r[i].images_per_second / r[0].images_per_second, MGPU_AT_MOST,
+                                k < units ? k : units, 0.05, "rerun on a quiet machine");
+    }
+    if (held && !use_gpu)
+        printf("  On a CPU the devices share its %d cores, which one device already uses:\n"
+               "  images/sec of %s devices were %.2f to %.2f times one device's.\n",
+               units, devices + 2, fmin(r[1].images_per_second, r[nruns - 1].images_per_second) / r[0].images_per_second,
+               fmax(r[1].images_per_second, r[nruns - 1].images_per_second) / r[0].images_per_second);
+    else if (held)
+        printf("  Images/sec of %s devices were %.2f to %.2f times one device's, on %d GPU%s.\n", devices + 2,
+               fmin(r[1].images_per_second, r[nruns - 1].images_per_second) / r[0].images_per_second,
+               fmax(r[1].images_per_second, r[nruns - 1].images_per_second) / r[0].images_per_second, units,
+               units > 1 ? "s" : "");
+}
+
 int main(int argc, char **argv) {
     mgpu_options o;
     memset(&o, 0, sizeof o);
@@ -176,10 +238,14 @@ int main(int argc, char **argv) {
     int train_samples = 0, test_samples = 0;
     const mgpu_flag extra[] = {
         {"--train-samples", 'i', &train_samples,
-         "training images per device: a run on k devices takes the first k N (all 60000 at most)"},
+         "training images per device: a run on k devices takes the first k N (all 60000 at most); "
+         "reduced run: every run's"},
         {"--test-samples", 'i', &test_samples, "use the first N test images"},
-        {"--batch-size", 'i', &o.batch_size, "batch per device (the book's 256): k devices take k times it"},
-        {"--lr", 'd', &o.lr, "learning rate of one device (the book's 0.1): k devices take k times it"},
+        {"--batch-size", 'i', &o.batch_size,
+         "batch per device (the book's 256): k devices take k times it; reduced run: every run's whole batch"},
+        {"--lr", 'd', &o.lr,
+         "learning rate of one device (the book's 0.1): k devices take k times it; reduced run: every "
+         "run's, falling to 0"},
         {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... devices, up to N"},
     };
     mgpu_options_parse(&o, argc, argv,
@@ -188,50 +254,61 @@ int main(int argc, char **argv) {
     int max_devices = o.devices ? o.devices : 4; /* runs on 1, 2, 4, ... up to this many */
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
-    /* the book: batch 256 per device, lr 0.1 per 256; reduced: batch 8 per device, so
-       that batch norm's running statistics (momentum 0.1) settle in the few steps */
-    int per_device_batch = o.batch_size ? o.batch_size : reduced ? 8 : 256;
-    double lr = o.lr ? o.lr : reduced ? 0.025 : 0.1; /* of one device */
-    if ((long long)per_device_batch * max_devices > 1000000000)
-        mgpu_fatal("--batch-size %d: %d devices would take a batch of more than 10^9", per_device_batch,
-                   max_devices);
+    /* The book: batch 256 per device and lr 0.1 per 256, so k devices take
+       k times both (and, with --train-samples, k times the images). The
+       reduced run: every run the same images in the same batches of 32 at
+       the same lr, split among its k devices, so that the runs differ in
+       the devices alone; the lr falls to 0 over the run so that the last
+       tests see a settled network, not the noise of its last steps. And
+       batch norm's running statistics move 0.3 of the way a step, not
+       0.1: the book's weights (Normal(0, 0.01)) give activations of a
+       variance near 1e-3, and from its start of 1 the running variance
+       would take some 70 steps at 0.1 to reach them; until then a test
+       sees every image alike. */
+    int batch = o.batch_size ? o.batch_size : reduced ? 32 : 256;
+    double lr = o.lr ? o.lr : reduced ? 0.05 : 0.1;
+    if ((long long)batch * max_devices > 1000000000)
+        mgpu_fatal("--batch-size %d: %d devices would take a batch of more than 10^9", batch, max_devices);
+    if (reduced && batch % max_devices)
+        mgpu_fatal("--batch-size %d: the reduced run splits it among up to %d devices; want a multiple of %d",
+                   batch, max_devices, max_devices);
     if (reduced) {
-        if (!train_samples) train_samples = 256;
-        if (!test_samples) test_samples = 256;
+        if (!train_samples) train_samples = 1024;
+        if (!test_samples) test_samples = 500;
         if (!o.epochs) o.epochs = 2;
-        printf("No GPU: a reduced run on CPU devices: %d training images per device, %d test images, "
-               "%d epochs, batch %d and lr %g per device, tested 4 times an epoch (--full: the book's "
-               "setting).\n",
-               train_samples, test_samples, o.epochs, per_device_batch, lr);
-        printf("A run on k devices takes %d images per device, k times the work of one device; on a "
-               "CPU the devices share its cores, so their epoch takes longer. Compare the runs by "
-               "images/sec.\n",
-               train_samples);
+        printf("No GPU: a reduced run on CPU devices: %d training images, %d test images, %d epochs, batch "
+               "%d, lr %g falling to 0, tested 3 times an epoch (--full: the book's setting).\n",
+               train_samples, test_samples, o.epochs, batch, lr);
+        printf("Every run trains on the same batches, split among its devices: k devices should train "
+               "the same model as one.\n");
     }
     if (!o.epochs) o.epochs = 10;
     if (use_gpu) printf("GPU arithmetic: %s; MGPU_TF32=0 or 1 changes it.\n", mgpu_tf32_str());
     mgpu_dataset *train_set = NULL, *test_set = NULL;
     mgpu_dataset_load_fashion_mnist(mgpu_data_dir(o.data), &train_set, &test_set);
-    if ((long long)train_samples * max_devices > train_set->n) /* (every run the same steps) */
+    if ((long long)train_samples * (reduced ? 1 : max_devices) > train_set->n) /* (every run the same steps) */
         mgpu_fatal("--train-samples %d: %d devices would take %lld images, the training set has %d",
-                   train_samples, max_devices, (long long)train_samples * max_devices, train_set->n);
+                   train_samples, reduced ? 1 : max_devices,
+                   (long long)train_samples * (reduced ? 1 : max_devices), train_set->n);
     if (test_samples > test_set->n)
         mgpu_fatal("--test-samples %d: the test set has %d images", test_samples, test_set->n);
     mgpu_dataset_truncate(test_set, test_samples);
 
     mgpu_animator *runs[8];
+    run_result results[8];
     char labels[8][32];
     const char *label_ptrs[8];
     int nruns = 0;
     for (int k = 1; k <= max_devices && nruns < 8; k *= 2, nruns++) {
-        /* k devices: k times the batch and the learning rate (and with
-           --train-samples, k times the images) */
-        run_config c = {k, per_device_batch * k, o.epochs, (float)(lr * k), reduced ? 4 : 1};
-        int images = train_samples ? train_samples * k : train_set->n;
+        run_config book = {k, batch * k, o.epochs, (float)(lr * k), 1, 0, 0.1f};
+        run_config same_batches = {k, batch, o.epochs, (float)lr, 3, 1, 0.3f};
+        run_config c = reduced ? same_batches : book;
+        int images = !train_samples ? train_set->n : reduced ? train_samples : train_samples * k;
         mgpu_dataset *subset = mgpu_dataset_subset(train_set, images);
-        runs[nruns] = train(&c, use_gpu, subset, test_set, &o);
+        results[nruns] = train(&c, use_gpu, subset, test_set, &o);
+        runs[nruns] = results[nruns].curves;
         mgpu_dataset_free(subset);
-        if (train_samples)
+        if (train_samples && !reduced)
             snprintf(labels[nruns], sizeof labels[nruns], "%d device%s, %d images", k, k > 1 ? "s" : "", images);
         else
             snprintf(labels[nruns], sizeof labels[nruns], "%d device%s", k, k > 1 ? "s" : "");
@@ -244,8 +321,10 @@ int main(int argc, char **argv) {
         !mgpu_output_errors()) /* (the runs' own plots too) */
         printf("plots: %s, and one chapter3_<N>_device(s).png per run beside it\n", path);
 
-    memory_table(max_devices >= 2 ? 2 : 1, per_device_batch * 2, use_gpu, train_set);
-    step_timeline(per_device_batch * 2, use_gpu, train_set, &o);
+    int per_device = reduced ? batch / max_devices : batch;
+    memory_table(max_devices >= 2 ? 2 : 1, per_device * 2, use_gpu, train_set);
+    step_timeline(per_device * 2, use_gpu, train_set, &o);
+    what_this_run_shows(results, nruns, reduced, use_gpu);
 
     for (int i = 0; i < nruns; i++) mgpu_animator_free(runs[i]);
     mgpu_dataset_free(train_set);

@@ -82,6 +82,7 @@ typedef struct {
     int devices_per_process, use_gpu, sync_bn;
     int kill_at_step, kill_in_world; /* (0: never) the last rank of the run on kill_in_world processes dies there */
     float lr, momentum;
+    int lr_to_zero; /* lr falls linearly to 0 over the run (the reduced run) */
     uint64_t seed;
     const mgpu_options *o;
 } settings;
@@ -231,7 +232,9 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
         for (int i = first; mgpu_loader_next(loader, &b); i++) {
             if (s->kill_at_step && step == s->kill_at_step && world == s->kill_in_world && rank == world - 1)
                 raise(SIGKILL);
-            mgpu_data_parallel_step(ddp, b.x, b.y, s->lr, s->momentum, 0.0f);
+            long total = (long)steps * s->epochs;
+            float lr = s->lr_to_zero ? s->lr * (float)(total - step) / (float)total : s->lr;
+            mgpu_data_parallel_step(ddp, b.x, b.y, lr, s->momentum, 0.0f);
             step++;
             if (s->checkpoint_every && step % s->checkpoint_every == 0 && i + 1 < steps) {
                 mgpu_checkpoint_info info = {epoch, i + 1, step, world, now};
@@ -377,6 +380,62 @@ static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset 
     mgpu_net_free(net);
 }
 
+/* How many processes' worth of hardware k processes of the job have
+   under them: k, unless they share it. On a CPU each process computes
+   on mgpu_num_cores() cores, and this machine has so many (the job's
+   other machines taken as alike); on GPUs, as many as there are. */
+static double capacity(mgpu_group *everyone, const settings *s, int k) {
+    int hosts = mgpu_group_size(everyone) / mgpu_group_local_size(everyone);
+    double units = s->use_gpu ? (double)mgpu_num_gpus() * hosts
+                              : (double)sysconf(_SC_NPROCESSORS_ONLN) * hosts / mgpu_num_cores();
+    return k < units ? k : units;
+}
+
+/* The chapter's last lines (rank 0), from its own numbers: whether the
+   runs trained the same model, and whether each speedup is one the
+   hardware allows. */
+static void what_this_run_shows(mgpu_group *everyone, const settings *s, const int *ks, const run_result *r,
+                                const double *speedups, int nruns) {
+    double lowest = r[0].test_acc, highest = r[0].test_acc;
+    char accuracies[128] = "", counts[64] = "";
+    for (int i = 0; i < nruns; i++) {
+        lowest = fmin(lowest, r[i].test_acc), highest = fmax(highest, r[i].test_acc);
+        const char *sep = i == 0 ? "" : i + 1 == nruns ? " and " : ", ";
+        snprintf(accuracies + strlen(accuracies), sizeof accuracies - strlen(accuracies), "%s%.2f", sep,
+                 r[i].test_acc);
+        snprintf(counts + strlen(counts), sizeof counts - strlen(counts), "%s%d", sep, ks[i]);
+    }
+    printf("\nWhat this run shows:\n");
+    if (nruns < 2)
+        printf("  one process alone: start more (mpirun -np 2 ./chapter4) to compare.\n");
+    else if (highest - lowest <= 0.05)
+        printf("  %s processes reached %s on the same global batch: the same model, as expected.\n"
+               "  Each process computed the gradient of its share; the allreduce summed them.\n",
+               counts, accuracies);
+    else
+        printf("  %s processes reached %s on the same global batch: %.2f apart, more than the\n"
+               "  0.05 the order of the sums explains%s. Train longer (--epochs) for the runs to settle.\n",
+               counts, accuracies, highest - lowest, s->resnet && !s->sync_bn ? " (and batch norm's per-process statistics)" : "");
+    int held = 1;
+    for (int i = 1; i < nruns; i++) {
+        char figure[64];
+        snprintf(figure, sizeof figure, "speedup of %d processes", ks[i]);
+        double most = capacity(everyone, s, ks[i]);
+        held &= mgpu_bound_hold(figure, speedups[i], MGPU_AT_MOST, most, 0.05,
+                                "rerun on a quiet machine, with no more processes than cores");
+        snprintf(figure, sizeof figure, "efficiency of %d processes", ks[i]);
+        held &= mgpu_bound_hold(figure, speedups[i] / ks[i], MGPU_AT_MOST, 1.0, 0.05,
+                                "rerun on a quiet machine, with no more processes than cores");
+    }
+    if (nruns >= 2 && held) {
+        int k = ks[nruns - 1];
+        double most = capacity(everyone, s, k);
+        printf("  %d processes did %.2f times the work of one a second, where their hardware allows %.0f%s.\n", k,
+               speedups[nruns - 1], most,
+               most < k ? (s->use_gpu ? ": they share GPUs" : ": they share the cores, each on its own share") : "");
+    }
+}
+
 int main(int argc, char **argv) {
     mgpu_group *everyone = mgpu_dist_init(&argc, &argv);
     int rank = mgpu_group_rank(everyone), size = mgpu_group_size(everyone);
@@ -427,6 +486,9 @@ int main(int argc, char **argv) {
     s.global_batch = o.batch_size ? o.batch_size : 256;
     s.epochs = o.epochs ? o.epochs : reduced ? 2 : 10;
     s.lr = (float)(o.lr ? o.lr : s.resnet ? 0.1 : 0.2); /* the book's, for batch 256 */
+    /* In the reduced run's few steps the last ones' noise would decide
+       the test accuracy: the lr falls to 0 so that the runs settle. */
+    s.lr_to_zero = reduced;
     s.momentum = (float)momentum;
     s.seed = o.seed;
     if (!train_samples && reduced) train_samples = 8192;
@@ -440,8 +502,8 @@ int main(int argc, char **argv) {
     s.o = &o;
     if (rank == 0) {
         if (reduced)
-            printf("No GPU: a reduced run on CPU processes: %s, %d training images, %d test images, %d epochs "
-                   "(--full: ResNet-18 on all of them, 10 epochs).\n", s.resnet ? "ResNet-18" : "LeNet",
+            printf("No GPU: a reduced run on CPU processes: %s, %d training images, %d test images, %d epochs, "
+                   "lr falling to 0 (--full: ResNet-18 on all of them, 10 epochs).\n", s.resnet ? "ResNet-18" : "LeNet",
                    train_samples, test_samples, s.epochs);
         printf("%d process%s on %s (this is rank 0 of %d, local rank %d of %d); global batch %d, lr %g%s\n", size,
                size > 1 ? "es" : "", mgpu_group_host(everyone), size, mgpu_group_local_rank(everyone),
@@ -503,6 +565,7 @@ int main(int argc, char **argv) {
         printf("  %9s %12s %8s %10s %13s %13s %13s\n", "processes", "images/sec", "speedup", "efficiency",
                "allreduce ms", "algbw GB/s", "busbw GB/s");
     }
+    double speedups[8];
     for (int i = 0; i < nruns; i++) {
         int k = ks[i];
         mgpu_group *g = mgpu_group_first(everyone, k);
@@ -510,13 +573,14 @@ int main(int argc, char **argv) {
         if (g) mgpu_group_free(g);
         if (rank == 0) {
             double algbw = k > 1 ? floats * 4.0 / (ms * 1e-3) / 1e9 : 0;
-            double speedup = results[0].images_per_second > 0
-                                 ? results[i].images_per_second / results[0].images_per_second : 0;
-            printf("  %9d %12.0f %8.2f %10.2f %13.3f %13.3f %13.3f\n", k, results[i].images_per_second, speedup,
-                   speedup / k, ms, algbw, algbw * 2.0 * (k - 1) / k);
+            speedups[i] = results[0].images_per_second > 0
+                              ? results[i].images_per_second / results[0].images_per_second : 0;
+            printf("  %9d %12.0f %8.2f %10.2f %13.3f %13.3f %13.3f\n", k, results[i].images_per_second,
+                   speedups[i], speedups[i] / k, ms, algbw, algbw * 2.0 * (k - 1) / k);
         }
         mgpu_group_barrier(everyone);
     }
+    if (rank == 0) what_this_run_shows(everyone, &s, ks, results, speedups, nruns);
     if (rank == 0) {
         char path[1024];
         if (mgpu_animator_write_combined(mgpu_out_path(&o, "chapter4_test_acc.png", path, sizeof path),

@@ -3,7 +3,7 @@
    the settings, shares the cores among CPU devices) and waits for every
    queue at exit. Virtual devices (more devices than GPUs, or CPU devices
    for a machine without one) are made here. Chapter 1 reads it.
-   defines: mgpu_num_gpus, mgpu_cpu, mgpu_try_gpu, mgpu_try_all_gpus,
+   defines: mgpu_num_gpus, mgpu_num_cores, mgpu_cpu, mgpu_try_gpu, mgpu_try_all_gpus,
    mgpu_devices, mgpu_device_name, mgpu_device_is_gpu,
    mgpu_device_gpu_index, mgpu_device_stream, mgpu_synchronize_all,
    mgpu_device_memory_in_use, mgpu_device_memory_peak,
@@ -62,13 +62,22 @@ __attribute__((constructor)) static void mgpu__blas_kernels_check(int argc, char
    own kernels, so that two devices really work side by side instead of
    fighting over the same cores. */
 extern void openblas_set_num_threads(int num_threads);
-/* The cores this process may run on (its affinity: a container or
-   taskset may give it fewer than the machine has). */
+/* The cores this process may run on: its affinity's (a container or
+   taskset may give it fewer than the machine has). Where a launcher
+   started several processes on this machine and bound none to its own
+   cores (Open MPI binds none when the processes outnumber the cores), an
+   even share of them: processes that compute at once then do not take
+   turns on the same cores, and a run on some of the job's processes
+   computes as each process does in a run on all of them. */
 static int mgpu__cores(void) {
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = online > 0 ? (int)online : 1;
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    return cores > 0 ? (int)cores : 1;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cores = CPU_COUNT(&set);
+    static const char *const local_size[3] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
+    int here = mgpu__launcher_variable(local_size);
+    if (here > 1 && cores >= online) cores = cores / here > 1 ? cores / here : 1;
+    return cores;
 }
 static void mgpu__share_cpu_cores(int ncpu_devices) {
     int cores = mgpu__cores();
@@ -233,6 +242,8 @@ static mgpu_device *mgpu__device_get(int gpu, int virtual_index) {
     return found;
 }
 
+/* (its affinity: mpirun may bind a process to fewer than the machine's) */
+MGPU_DEF int mgpu_num_cores(void) { return mgpu__cores(); }
 MGPU_DEF int mgpu_num_gpus(void) {
     mgpu__init();
     return mgpu__library.num_gpus;

@@ -2,7 +2,7 @@
    optimizers over all its parameters, the gradient check against finite
    differences, replicas on other devices (chapter 3's wrapper makes them),
    evaluation, and freeing.
-   defines: mgpu_net_set_training, mgpu_net_sgd, mgpu_net_use_adam,
+   defines: mgpu_net_set_training, mgpu_net_set_batchnorm_momentum, mgpu_net_sgd, mgpu_net_use_adam,
    mgpu_net_step, mgpu_net_loss_backward, mgpu_net_train_step,
    mgpu_net_gradcheck, mgpu_net_num_params, mgpu_net_param,
    mgpu_net_num_buffers, mgpu_net_buffer, mgpu_net_num_weights,
@@ -124,6 +124,15 @@ MGPU_DEF mgpu_gradcheck_result mgpu_net_gradcheck(mgpu_net *net, const mgpu_tens
     return r;
 }
 MGPU_DEF void mgpu_net_set_training(mgpu_net *net, int training) { net->training = training; }
+MGPU_DEF void mgpu_net_set_batchnorm_momentum(mgpu_net *net, float momentum) {
+    MGPU_REQUIRE(net && momentum >= 0.0f && momentum <= 1.0f,
+                 "mgpu_net_set_batchnorm_momentum: want a network and a momentum from 0 to 1, got %g",
+                 (double)momentum);
+    mgpu_layer **bns = (mgpu_layer **)mgpu__xmalloc(sizeof *bns * (2 * (size_t)net->nlayers + 1));
+    int count = mgpu__net_batch_norms(net, bns);
+    for (int i = 0; i < count; i++) bns[i]->momentum = momentum;
+    free(bns);
+}
 
 /* One update of every parameter: a few launches, not one a tensor. */
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay) {

@@ -70,6 +70,7 @@ static mgpu_layer *mgpu__batchnorm_new(const char *name, int channels, int fuse_
     mgpu_layer *l = mgpu__layer_new(MGPU_LAYER_BATCHNORM, name);
     l->in_channels = l->out_channels = channels;
     l->fuse_relu = fuse_relu;
+    l->momentum = 0.1f;
     l->weight = mgpu__param_new(mgpu_ones(d, mgpu_shape1(channels)));
     l->bias = mgpu__param_new(mgpu_zeros(d, mgpu_shape1(channels)));
     l->running_mean = mgpu_zeros(d, mgpu_shape1(channels));
@@ -501,7 +502,7 @@ static void mgpu__batchnorm_layer_forward(mgpu_layer *l, const mgpu_tensor *x, c
                                           mgpu_tensor *y, mgpu_tensor **y_t, const mgpu_layer *next,
                                           int training) {
     /* (a recomputation: the batch's statistics again, the running ones left) */
-    float momentum = training == MGPU__RECOMPUTE ? 0.0f : 0.1f;
+    float momentum = training == MGPU__RECOMPUTE ? 0.0f : l->momentum;
     l->input = x;
     l->batch_statistics = training;
     int n = x->shape.d[0], c = x->shape.d[1], hw = x->shape.d[2] * x->shape.d[3];

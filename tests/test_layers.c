@@ -896,6 +896,36 @@ TEST(lenet_shapes) {
 }
 
 /* ----------------------------------------------------------- bad calls */
+/* A batch norm's running statistics move `momentum` of the way to the
+   batch's at each training pass: 0.1 by default, and what
+   mgpu_net_set_batchnorm_momentum sets. A constant channel of 2 (variance
+   0): mean 0 -> 0.2 -> 0.38 at 0.1, 0 -> 1.0 at 0.5; the variance from 1
+   towards 0 alike. */
+TEST(batchnorm_momentum) {
+    for (int round = 0; round < 2; round++) {
+        mgpu_net *net = mgpu_net_new(mgpu_cpu());
+        mgpu_layer *bn = mgpu_net_add_batchnorm(net, 1);
+        if (round == 1) mgpu_net_set_batchnorm_momentum(net, 0.5f);
+        mgpu_net_set_training(net, 1);
+        mgpu_tensor *x = mgpu_full(mgpu_cpu(), mgpu_shape4(4, 1, 2, 2), 2.0f);
+        float mean, var;
+        mgpu_net_forward(net, x);
+        mgpu_to_host(bn->running_mean, &mean);
+        mgpu_to_host(bn->running_var, &var);
+        CHECK_CLOSE(mean, round ? 1.0 : 0.2, 1e-6, 0);
+        CHECK_CLOSE(var, round ? 0.5 : 0.9, 1e-6, 0);
+        mgpu_net_forward(net, x);
+        mgpu_to_host(bn->running_mean, &mean);
+        CHECK_CLOSE(mean, round ? 1.5 : 0.38, 1e-6, 0);
+        mgpu_free(x);
+        mgpu_net_free(net);
+    }
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    EXPECT_DIES(mgpu_net_set_batchnorm_momentum(net, 1.5f),
+                "mgpu_net_set_batchnorm_momentum: want a network and a momentum from 0 to 1, got 1.5");
+    mgpu_net_free(net);
+}
+
 TEST(errors_name_the_shapes) {
     mgpu_device *cpu = mgpu_cpu();
     mgpu_tensor *x = mgpu_zeros(cpu, mgpu_shape4(2, 3, 8, 8));
