@@ -185,7 +185,7 @@ int main(int argc, char **argv) {
 
     double flops = 2.0 * size * (double)size * size * reps;
     double bytes = 4.0 * size * (double)size * reps;
-    printf("\nWhat the numbers say on this machine:\n");
+    printf("\nWhat this run shows:\n");
     printf("  each device alone: %.1f and %.1f GFLOP/s\n", flops / t1 * 1e-9, flops / t2 * 1e-9);
     printf("  together they took %.2f of the sum of the two alone (1.00: one after the other,\n"
            "  0.50: fully side by side).\n", t12 / (t1 + t2));
