@@ -776,6 +776,23 @@ static void team_task(const void *args, const mgpu__exec *ex) {
 }
 #endif
 
+/* A process that a launcher started beside others on this machine,
+   bound to no cores of its own, takes an even share of them (at least
+   one); one bound to some keeps those. */
+TEST(processes_started_together_share_the_cores) {
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    CHECK(sched_getaffinity(0, sizeof set, &set) == 0);
+    int unbound = CPU_COUNT(&set) >= online, alone = mgpu__cores();
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+    CHECK_EQ_INT(mgpu__cores(), unbound ? (alone / 2 > 1 ? alone / 2 : 1) : alone);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "64", 1);
+    CHECK_EQ_INT(mgpu__cores(), unbound ? 1 : alone);
+    unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    CHECK_EQ_INT(mgpu__cores(), alone);
+    CHECK_EQ_INT(mgpu_num_cores(), alone);
+}
+
 /* CPU devices share the cores, and a device's kernels run on its share
    (with OpenMP) with the same results as on one thread, bit for bit.
    OpenBLAS's products are not bit for bit on every processor: on a
