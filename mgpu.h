@@ -639,6 +639,7 @@ typedef struct mgpu_trace_op {
     int lane;               /* 0: the compute queue, 1: the copy queue */
     const char *queue;      /* "cpu#1 compute" */
     const char *name;       /* the operation: "conv2d im2col", "copy", ... */
+    const char *kind;       /* its kind of work: "forward", "communication", ... (manual 7) */
     double start_ms, end_ms;/* since mgpu_trace_begin */
     const char *label;      /* the label it was enqueued under (mgpu_trace_label), or NULL */
 } mgpu_trace_op;
@@ -2426,6 +2427,8 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
 typedef struct mgpu_canvas {
     int width, height;
     unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
+    int texts_cut;      /* texts drawn so far that ran (partly) off the canvas */
+    char first_cut[40]; /* the first of them, cut short to fit here */
 } mgpu_canvas;
 
 /* A canvas filled with the background colour. */
