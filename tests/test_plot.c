@@ -613,6 +613,20 @@ TEST(text_that_cannot_fit_is_reported) {
     CHECK(file_exists(tmp_path("small.png")));
 }
 
+/* How many of the palette's colours the legend under a timeline's frame shows. */
+static int legend_colors(const char *path) {
+    image im = load_png(path);
+    int y1 = find_row(&im, im.h - 1, -1, 500, MGPU__INK), found = 0;
+    for (int k = 0; k < 10; k++) {
+        int here = 0;
+        for (int y = y1 + 1; y < im.h && !here; y++)
+            for (int x = 0; x < im.w; x++) here |= at(&im, x, y) == mgpu_palette(k);
+        found += here;
+    }
+    stbi_image_free(im.rgb);
+    return found;
+}
+
 /* Chapter 4's timeline: two lanes a rank, bars named by their kind of
    work, an allreduce in its two parts. */
 TEST(a_ranks_timeline_names_every_kind) {
@@ -630,17 +644,7 @@ TEST(a_ranks_timeline_names_every_kind) {
                                          "one ResNet-18 step on 2 processes: buckets averaged under backward", 4,
                                          lanes, n, bars),
                  0);
-    /* every kind has its own colour in the legend, under the frame */
-    image im = load_png(tmp_path("ranks.png"));
-    int y1 = find_row(&im, im.h - 1, -1, 500, MGPU__INK), found = 0;
-    for (int k = 0; k < 10; k++) {
-        int here = 0;
-        for (int y = y1 + 1; y < im.h && !here; y++)
-            for (int x = 0; x < im.w; x++) here |= at(&im, x, y) == mgpu_palette(k);
-        found += here;
-    }
-    CHECK_EQ_INT(found, 8);
-    stbi_image_free(im.rgb);
+    CHECK_EQ_INT(legend_colors(tmp_path("ranks.png")), 8); /* every kind its own colour */
 }
 
 /* The tracer's timeline of a data-parallel step: twenty-odd operations
@@ -676,6 +680,7 @@ TEST(the_tracers_timeline_groups_operations_by_kind) {
     CHECK_EQ_INT(mgpu_trace_write_png(tmp_path("trace.png"), "one LeNet step on 2 devices: buckets reduced under "
                                                             "backward, the ring's copies and adds on the copy queues"),
                  0);
+    CHECK_EQ_INT(legend_colors(tmp_path("trace.png")), nkinds); /* the legend's entries are the kinds */
     mgpu_free(x);
     mgpu_free(y);
     mgpu_data_parallel_free(dp);
