@@ -22,7 +22,9 @@
      4. device timelines.
    Out of memory and calls that make no sense (a canvas of no pixels, a
    series an animator does not have) are fatal here as everywhere in mgpu
-   (mgpu_fatal); a file that cannot be written is not (see the manual). */
+   (mgpu_fatal); a file that cannot be written is not (see the manual),
+   nor is a chart or timeline whose text ran off it: it is written, and
+   reported as a failed write (mgpu__plot_write). */
 #include <errno.h>
 #include <stb/stb_image_write.h>
 
