@@ -1,9 +1,8 @@
 /* mgpu/timing.h: measuring. Timers and benchmarks (the book's Timer and
    Benchmark), and the tracer: every operation a queue runs, with its
    start and end, drawn as a timeline (by kind of work) or summed per
-   operation. Chapter 1
-   shows with it that two devices compute at once; chapter 4 draws each
-   rank's.
+   operation. Chapter 1 shows with it that two devices compute at once;
+   chapter 4 draws each rank's.
    defines: mgpu_timer_init, mgpu_timer_start, mgpu_timer_stop,
    mgpu_timer_sum, mgpu_timer_avg, mgpu_median, mgpu_timer_cumsum,
    mgpu_benchmark_begin, mgpu_benchmark_end, mgpu_bound_line,
