@@ -284,15 +284,24 @@
        mgpu_trace_write_png("timeline.png", "title");
        mgpu_trace_summary(stdout);
    records every operation and copy (device, queue, name, start, end) and
-   draws one lane per device queue, so overlap can be seen. The summary
+   draws one lane per device queue, so overlap can be seen, each bar
+   coloured by its operation's kind of work: "forward", "backward", "loss
+   and accuracy", "optimizer", "communication" (collectives, the ring's
+   copies and adds), "waiting for the other ranks", "copy", "tensor
+   arithmetic" (add, sum, scale, fill); an operation of none of them
+   ("matmul") is a kind of its own. A collective of a process group
+   (DISTRIBUTED) is recorded in two parts: "waiting for the other ranks",
+   until the last rank has called it, then the moving of data under its
+   own name ("allreduce"), so a timeline tells a slow link from a late
+   rank. The summary
    is a profile: per operation name, how often it ran, its total and mean
    time and its share of all traced time, the largest first. On a GPU the
    times come from CUDA events around each operation. A program reads
    what was recorded (ending the trace if it is still on) as data:
        int mgpu_trace_count(void)              operations recorded
        mgpu_trace_op mgpu_trace_get(int i)     the i-th: device, lane (0
-                      compute, 1 copy), queue and operation names, start
-                      and end in ms since mgpu_trace_begin
+                      compute, 1 copy), queue and operation names, its
+                      kind, start and end in ms since mgpu_trace_begin
        double mgpu_trace_span_ms(void)         mgpu_trace_begin to _end
        double mgpu_trace_busy_ms(device, lane) the time that queue was
                       busy (it runs one operation at a time: the sum
@@ -646,6 +655,7 @@ typedef struct mgpu_trace_op {
     int lane;               /* 0: the compute queue, 1: the copy queue */
     const char *queue;      /* "cpu#1 compute" */
     const char *name;       /* the operation: "conv2d im2col", "copy", ... */
+    const char *kind;       /* its kind of work: "forward", "communication", ... (manual 7) */
     double start_ms, end_ms;/* since mgpu_trace_begin */
     const char *label;      /* the label it was enqueued under (mgpu_trace_label), or NULL */
 } mgpu_trace_op;
@@ -2370,7 +2380,9 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
 
    Colours are 0xRRGGBB integers. Coordinates are pixels: x grows to the
    right, y grows downwards, (0, 0) is the top-left pixel. Everything drawn
-   is clipped to the canvas, so drawing partly (or wholly) outside is safe.
+   is clipped to the canvas, so drawing partly (or wholly) outside is safe;
+   a text that loses pixels so is counted on the canvas (texts_cut, and
+   the first of them in first_cut), since a cut title misleads.
 
    Canvas: the building blocks.
        mgpu_canvas *c = mgpu_canvas_new(200, 100, 0xFFFFFF);
@@ -2398,7 +2410,9 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
    (matplotlib's "tab10"; mgpu_palette(i) gives them). Points whose x or y
    is NaN are skipped: the curve goes straight from the point before to the
    point after. A legend lists the named series in the corner of the plot
-   where it hides the least of the curves.
+   where it hides the least of the curves. A title or axis label too long
+   for the picture is broken into lines at spaces, and the margins grow to
+   hold them (up to 6 lines).
 
    Animator (the book's d2l.Animator): a chart that fills in during
    training. Every mgpu_animator_add appends one x and one y per series and
@@ -2426,10 +2440,12 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
    same name get the same colour (a hash of the name picks it, and names in
    one picture never share a colour while the palette lasts); a bar's
    label, or where it is empty its name, is written inside it where it
-   fits, and a legend maps names to colours. Give operations of the same
-   kind the same name ("matmul", "copy to host") rather than numbering
-   them, and number them in the label where that helps ("F3": a pipeline's
-   forward pass of micro-batch 3). Zero the bars before filling them
+   fits, and a legend under the lanes names every name with its colour.
+   Give operations of the same kind the same name ("backward", "copy to
+   host") rather than numbering them, and number them in the label where
+   that helps ("F3": a pipeline's forward pass of micro-batch 3): a legend
+   of a few kinds is read at a glance. The tracer's timeline names its
+   bars by their kind of work so (manual 7). Zero the bars before filling them
    (calloc, memset, or = {0}): an unset label is garbage text.
 
    Errors: a picture or CSV that cannot be written prints one line
@@ -2442,13 +2458,18 @@ MGPU_DEF void mgpu_tp_mlp_free(mgpu_tp_mlp *m);
    which printf does not report: it says so once, in one line. PNGs and
    CSVs are written to "<path>.tmp" and renamed, so a viewer never sees
    half a file, and a failed write leaves the old file as it was. A write
-   past the file-size limit (ulimit -f) fails as on a full disk. Out of
-   memory, a canvas of no pixels or a series an animator does not have are
-   bugs, and fatal (mgpu_fatal). */
+   past the file-size limit (ulimit -f) fails as on a full disk. A chart
+   or timeline with a text that ran off it (a picture too small for its
+   text) is written, and fails all the same, with one line:
+       mgpu: error: out/pic.png: 1 text ran off the picture, the first "..."
+   Out of memory, a canvas of no pixels or a series an animator does not
+   have are bugs, and fatal (mgpu_fatal). */
 
 typedef struct mgpu_canvas {
     int width, height;
     unsigned char *rgb; /* width*height*3 bytes, row by row from the top */
+    int texts_cut;      /* texts drawn so far that ran (partly) off the canvas */
+    char first_cut[40]; /* the first of them, cut short to fit here */
 } mgpu_canvas;
 
 /* A canvas filled with the background colour. */

@@ -321,7 +321,11 @@ static double allreduce_ms(mgpu_group *g, mgpu_device *dev, size_t floats) {
 
 /* One traced step on every rank of g, drawn by rank 0 as one timeline:
    two lanes a rank (compute, and the communication queue where the
-   buckets' allreduces run under the backward pass). */
+   buckets' allreduces run under the backward pass), each bar coloured by
+   its operation's kind of work. On CPU devices the tracer records an
+   allreduce in two parts: until every rank has reached it (kind "waiting
+   for the other ranks"), then the moving and adding of the gradients
+   ("communication"). */
 static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset *train_set, const mgpu_options *o) {
     enum { MAX_BARS = 512, MAX_LANES = 32 };
     int rank = mgpu_group_rank(g), world = mgpu_group_size(g), per = s->devices_per_process;
@@ -351,7 +355,7 @@ static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset 
         mine[i].lane = 2 * (rank * per + d) + op.lane;
         mine[i].start_ms = op.start_ms;
         mine[i].end_ms = op.end_ms;
-        snprintf(mine[i].name, sizeof mine[i].name, "%s", op.name);
+        snprintf(mine[i].name, sizeof mine[i].name, "%s", op.kind);
     }
     for (int i = n; i < MAX_BARS; i++) mine[i].lane = -1; /* (no bar: left out) */
     mgpu_timeline_bar *all = (mgpu_timeline_bar *)mgpu_malloc(sizeof mine * (size_t)world);
@@ -371,8 +375,14 @@ static void ranks_timeline(mgpu_group *g, const settings *s, const mgpu_dataset 
         snprintf(title, sizeof title, "one %s step on %d processes: buckets averaged under backward",
                  s->resnet ? "ResNet-18" : "LeNet", world);
         if (mgpu_timeline_write_png(mgpu_out_path(o, "chapter4_ranks_timeline.png", path, sizeof path), title,
-                                    nlanes, lanes, MAX_BARS * world, all) == 0)
+                                    nlanes, lanes, MAX_BARS * world, all) == 0) {
             printf("ranks' timeline: %s\n", path);
+            if (world > 1 && !s->use_gpu) /* (a GPU's collectives run on the calling thread, untraced) */
+                printf("  an allreduce there is two bars on a comm lane: \"waiting for the other ranks\" (until every\n"
+                       "  rank reached that bucket), then \"communication\" (moving and adding the gradients, beside\n"
+                       "  the backward pass, on the same cores); the table's allreduce ms is one allreduce of all the\n"
+                       "  gradients alone, just after a barrier: next to no waiting.\n");
+        }
     }
     free(all);
     mgpu_loader_free(loader);

@@ -22,7 +22,9 @@
      4. device timelines.
    Out of memory and calls that make no sense (a canvas of no pixels, a
    series an animator does not have) are fatal here as everywhere in mgpu
-   (mgpu_fatal); a file that cannot be written is not (see the manual). */
+   (mgpu_fatal); a file that cannot be written is not (see the manual),
+   nor is a chart or timeline whose text ran off it: it is written, and
+   reported as a failed write (mgpu__plot_write). */
 #include <errno.h>
 #include <stb/stb_image_write.h>
 
@@ -162,6 +164,7 @@ MGPU_DEF mgpu_canvas *mgpu_canvas_new(int width, int height, uint32_t background
     mgpu_canvas *c;
     MGPU_REQUIRE(width > 0 && height > 0, "a canvas of %dx%d pixels cannot be made", width, height);
     c = (mgpu_canvas *)mgpu__xmalloc(sizeof *c);
+    memset(c, 0, sizeof *c);
     c->width = width;
     c->height = height;
     c->rgb = (unsigned char *)mgpu__xmalloc((size_t)width * (size_t)height * 3);
@@ -289,37 +292,44 @@ static const unsigned char *mgpu__plot_glyph(char ch) {
     return mgpu__font[(code < 32 || code > 126 ? '?' : code) - 32];
 }
 
-MGPU_DEF int mgpu_text_width(const char *text, int scale) {
-    int n = text ? (int)strlen(text) : 0;
-    return n ? (n * MGPU__CELL_W - 1) * scale : 0; /* no blank column after the last glyph */
+/* The width of n characters. */
+static int mgpu__plot_chars_width(int n, int scale) {
+    return n > 0 ? (n * MGPU__CELL_W - 1) * scale : 0; /* no blank column after the last glyph */
 }
 
-/* Text in a box whose top-left corner is (x, y); `vertical` turns it a
-   quarter turn anticlockwise, to read from bottom to top (a y-axis label). */
-static void mgpu__plot_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb, int scale,
-                            int vertical) {
-    int length = mgpu_text_width(text, scale);
+MGPU_DEF int mgpu_text_width(const char *text, int scale) {
+    return mgpu__plot_chars_width(text ? (int)strlen(text) : 0, scale);
+}
+
+/* The n characters of text in a box whose top-left corner is (x, y);
+   `vertical` turns it a quarter turn anticlockwise, to read from bottom to
+   top (a y-axis label). A text with a lit pixel off the canvas is counted
+   on it: pictures whose text the reader cannot read whole are found by
+   asking the canvas, not by looking. */
+static void mgpu__plot_text(mgpu_canvas *c, int x, int y, const char *text, int n, uint32_t rgb,
+                            int scale, int vertical) {
+    int length = mgpu__plot_chars_width(n, scale), cut = 0;
     if (scale < 1 || !text) return;
-    for (int i = 0; text[i]; i++) {
+    for (int i = 0; i < n; i++) {
         const unsigned char *glyph = mgpu__plot_glyph(text[i]);
         for (int row = 0; row < MGPU__GLYPH_H; row++)
             for (int col = 0; col < MGPU__GLYPH_W; col++) {
                 /* (along, across): the font pixel's place along the text and across it */
                 int along = (i * MGPU__CELL_W + col) * scale, across = row * scale;
+                int px = vertical ? x + across : x + along,
+                    py = vertical ? y + length - along - scale : y + across;
                 if (!(glyph[row] & (0x10 >> col))) continue;
-                if (vertical)
-                    mgpu_canvas_fill_rect(c, x + across, y + length - along - scale,
-                                          x + across + scale, y + length - along, rgb);
-                else
-                    mgpu_canvas_fill_rect(c, x + along, y + across, x + along + scale,
-                                          y + across + scale, rgb);
+                cut |= px < 0 || py < 0 || px + scale > c->width || py + scale > c->height;
+                mgpu_canvas_fill_rect(c, px, py, px + scale, py + scale, rgb);
             }
     }
+    if (cut && c->texts_cut++ == 0)
+        snprintf(c->first_cut, sizeof c->first_cut, "%.*s", n, text);
 }
 
 MGPU_DEF void mgpu_canvas_text(mgpu_canvas *c, int x, int y, const char *text, uint32_t rgb,
                                int scale) {
-    mgpu__plot_text(c, x, y, text, rgb, scale, 0);
+    mgpu__plot_text(c, x, y, text, text ? (int)strlen(text) : 0, rgb, scale, 0);
 }
 
 static int mgpu__output_errors;
@@ -358,6 +368,20 @@ MGPU_DEF int mgpu_canvas_write_png(const mgpu_canvas *c, const char *path) {
                                          c->width * 3);
     int error = mgpu__whole_file_close(&w, !encoded);
     return error ? mgpu__plot_write_failed(path, "PNG", encoded ? strerror(error) : "encoder failed") : 0;
+}
+
+/* Writes a picture the library laid out itself (a chart, a timeline).
+   Text of it that ran off the canvas is a fault of the layout, or of a
+   picture too small for its text: it is written all the same, to be
+   looked at, and the fault reported as a failed write, so that a program
+   (and a test) cannot miss it. */
+static int mgpu__plot_write(const mgpu_canvas *c, const char *path) {
+    int result = mgpu_canvas_write_png(c, path);
+    if (result != 0 || !c->texts_cut) return result;
+    fprintf(stderr, "mgpu: error: %s: %d text%s ran off the picture, the first \"%s\"\n", path, c->texts_cut,
+            c->texts_cut > 1 ? "s" : "", c->first_cut);
+    mgpu__output_errors++;
+    return -1;
 }
 
 /* ---- 2. the frame: axes, ticks and the data-to-pixel mapping ------------ */
@@ -462,11 +486,72 @@ static void mgpu__plot_ticks(const mgpu__plot_frame *f, int y_axis) {
     }
 }
 
-/* The margins: a title line above the plot area, the tick numbers and an
-   x label below it. */
-static int mgpu__plot_top(const char *title, int s) { return title && *title ? 20 * s : 8 * s; }
-static int mgpu__plot_bottom(const char *xlabel, int s) {
-    return xlabel && *xlabel ? 32 * s : 18 * s;
+/* A title or label broken into lines that fit, at spaces where it can be
+   (a word longer than a line is cut across): line i is the length[i]
+   characters from text + start[i]. The last of MGPU__PLOT_LINES lines
+   takes whatever is left, too long or not; the writers report text that
+   runs off the picture. */
+#define MGPU__PLOT_LINES 6
+#define MGPU__LINE_H 12 /* font pixels from one line's top to the next's */
+typedef struct mgpu__plot_lines {
+    int n, start[MGPU__PLOT_LINES], length[MGPU__PLOT_LINES];
+} mgpu__plot_lines;
+
+static mgpu__plot_lines mgpu__plot_wrap(const char *text, int width, int s) {
+    mgpu__plot_lines w;
+    int fit = (width / s + 1) / MGPU__CELL_W; /* the most characters in `width` pixels */
+    int at = 0, end = text ? (int)strlen(text) : 0;
+    if (fit < 1) fit = 1;
+    w.n = 0;
+    while (w.n < MGPU__PLOT_LINES) {
+        int take, length;
+        while (at < end && text[at] == ' ') at++;
+        if (at == end) break;
+        take = end - at;
+        if (take > fit && w.n < MGPU__PLOT_LINES - 1) {
+            take = fit; /* then back to the last space that leaves a line that fits */
+            for (int k = fit; k > 0; k--)
+                if (text[at + k] == ' ') {
+                    take = k;
+                    break;
+                }
+        }
+        for (length = take; text[at + length - 1] == ' ';) length--;
+        w.start[w.n] = at;
+        w.length[w.n++] = length;
+        at += take;
+    }
+    return w;
+}
+
+/* The lines of a wrapped text, each centred on `centre` along its
+   direction (moved in from an edge of the canvas where it would run off
+   it), the first one's top (turned: its left side) at `first`. */
+static void mgpu__plot_text_lines(mgpu_canvas *c, const char *text, const mgpu__plot_lines *w,
+                                  int centre, int first, int s, int vertical) {
+    int room = vertical ? c->height : c->width;
+    for (int i = 0; i < w->n; i++) {
+        int length = mgpu__plot_chars_width(w->length[i], s);
+        int along = centre - length / 2, across = first + i * MGPU__LINE_H * s;
+        if (along + length > room - 4 * s) along = room - 4 * s - length;
+        if (along < 4 * s) along = 4 * s;
+        mgpu__plot_text(c, vertical ? across : along, vertical ? along : across, text + w->start[i],
+                        w->length[i], MGPU__INK, s, vertical);
+    }
+}
+
+/* The margins: the title's lines above the plot area, the tick numbers
+   and the x label's lines below it, in a picture `width` pixels wide. */
+static mgpu__plot_lines mgpu__plot_title_lines(const char *title, int width, int s) {
+    return mgpu__plot_wrap(title, width - 8 * s, s);
+}
+static int mgpu__plot_top(const char *title, int width, int s) {
+    int lines = mgpu__plot_title_lines(title, width, s).n;
+    return lines ? (8 + MGPU__LINE_H * lines) * s : 8 * s;
+}
+static int mgpu__plot_bottom(const char *xlabel, int width, int s) {
+    int lines = mgpu__plot_title_lines(xlabel, width, s).n;
+    return lines ? (20 + MGPU__LINE_H * lines) * s : 18 * s;
 }
 
 /* Chooses the x axis for data in [xlo, xhi] (see mgpu__plot_axis_new) and
@@ -475,10 +560,11 @@ static int mgpu__plot_bottom(const char *xlabel, int s) {
 static void mgpu__plot_layout(mgpu__plot_frame *f, double xlo, double xhi, int xfixed,
                               int left_width, int below, const char *title, const char *xlabel,
                               const char *ylabel) {
-    int s = f->scale;
-    f->x0 = 4 * s + (ylabel && *ylabel ? 14 * s : 0) + left_width + 5 * s;
-    f->y0 = mgpu__plot_top(title, s);
-    f->y1 = f->c->height - 1 - below - mgpu__plot_bottom(xlabel, s);
+    int s = f->scale, ylines;
+    f->y0 = mgpu__plot_top(title, f->c->width, s);
+    f->y1 = f->c->height - 1 - below - mgpu__plot_bottom(xlabel, f->c->width, s);
+    ylines = mgpu__plot_wrap(ylabel, f->y1 - f->y0 + 1, s).n; /* (turned: as long as the frame is high) */
+    f->x0 = 4 * s + (ylines ? (MGPU__LINE_H * ylines + 2) * s : 0) + left_width + 5 * s;
     /* About one tick per 50 font pixels of width, fewer while the numbers
        would run into each other. The last number is centred on the right
        edge of the frame, so half of it must fit beside the frame. */
@@ -493,17 +579,17 @@ static void mgpu__plot_layout(mgpu__plot_frame *f, double xlo, double xhi, int x
 }
 
 /* Title above the plot area, x label under the tick numbers, y label
-   turned up the left edge of the picture; each centred on the plot area. */
+   turned up the left edge of the picture; each centred on the plot area,
+   in as many lines as the margins mgpu__plot_layout made for them. */
 static void mgpu__plot_labels(const mgpu__plot_frame *f, const char *title, const char *xlabel,
                               const char *ylabel) {
     int s = f->scale, cx = (f->x0 + f->x1) / 2, cy = (f->y0 + f->y1) / 2;
-    int title_x = cx - mgpu_text_width(title, s) / 2,
-        title_max = f->c->width - 4 * s - mgpu_text_width(title, s);
-    /* a long title moves left rather than off the picture */
-    mgpu_canvas_text(f->c, title_x < title_max ? title_x : title_max, 5 * s, title, MGPU__INK, s);
-    mgpu_canvas_text(f->c, cx - mgpu_text_width(xlabel, s) / 2, f->y1 + 19 * s, xlabel, MGPU__INK,
-                     s);
-    mgpu__plot_text(f->c, 4 * s, cy - mgpu_text_width(ylabel, s) / 2, ylabel, MGPU__INK, s, 1);
+    mgpu__plot_lines t = mgpu__plot_title_lines(title, f->c->width, s),
+                     x = mgpu__plot_title_lines(xlabel, f->c->width, s),
+                     y = mgpu__plot_wrap(ylabel, f->y1 - f->y0 + 1, s);
+    mgpu__plot_text_lines(f->c, title, &t, cx, 5 * s, s, 0);
+    mgpu__plot_text_lines(f->c, xlabel, &x, cx, f->y1 + 19 * s, s, 0);
+    mgpu__plot_text_lines(f->c, ylabel, &y, cy, 4 * s, s, 1);
 }
 
 /* ---- 3. line charts and the Animator ------------------------------------ */
@@ -606,7 +692,7 @@ MGPU_DEF int mgpu_chart_write_png(const mgpu_chart *ch, const char *path) {
     mgpu__chart_legend(&f, ch);
     mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
     mgpu__plot_labels(&f, ch->title, ch->xlabel, ch->ylabel);
-    result = mgpu_canvas_write_png(f.c, path);
+    result = mgpu__plot_write(f.c, path);
     mgpu_canvas_free(f.c);
     return result;
 }
@@ -816,21 +902,21 @@ static int mgpu__timeline_key_of(mgpu__timeline_key *keys, int *nkeys, const cha
     return (*nkeys)++;
 }
 
-/* The legend under a timeline: a colour square and a name for each of the
-   first ten keys (then "+N more"), in rows wrapped at `width`. Returns its
-   height; with c == NULL it only measures. */
+/* The legend under a timeline: a colour square and a name for every key,
+   in rows wrapped at `width`. Every name is there: a picture whose
+   colours the legend does not all explain cannot be read (the bars'
+   makers keep the names few: the tracer gives kinds of work, not
+   operations). Returns its height; with c == NULL it only measures. */
 static int mgpu__timeline_legend(mgpu_canvas *c, int x0, int y0, int width,
                                  const mgpu__timeline_key *keys, int nkeys, int s) {
-    int x = x0, y = y0, row = 14 * s, shown = nkeys < 10 ? nkeys : 10;
-    char more[32];
-    snprintf(more, sizeof more, "+%d more", nkeys - shown);
-    for (int k = 0; k < shown + (nkeys > shown); k++) {
-        const char *text = k < shown ? keys[k].name : more;
-        int swatch = k < shown ? 11 * s : 0, w = swatch + mgpu_text_width(text, s);
+    int x = x0, y = y0, row = 14 * s;
+    for (int k = 0; k < nkeys; k++) {
+        int swatch = 11 * s, w = swatch + mgpu_text_width(keys[k].name, s);
         if (x > x0 && x + w > x0 + width) x = x0, y += row; /* wrap */
-        if (c && k < shown)
+        if (c) {
             mgpu_canvas_fill_rect(c, x, y, x + 7 * s, y + 7 * s, mgpu_palette(keys[k].slot));
-        if (c) mgpu_canvas_text(c, x + swatch, y, text, MGPU__INK, s);
+            mgpu_canvas_text(c, x + swatch, y, keys[k].name, MGPU__INK, s);
+        }
         x += w + 14 * s;
     }
     return nkeys ? y + row - y0 : 0;
@@ -865,8 +951,8 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
     /* The picture is as tall as its lanes and legend need. */
     legend_h = mgpu__timeline_legend(NULL, 4 * s, 0, width - 8 * s, keys, nkeys, s);
     f.c = mgpu_canvas_new(width,
-                          mgpu__plot_top(title, s) + nlanes * lane_h + 1 +
-                              mgpu__plot_bottom(xlabel, s) + legend_h + 4 * s,
+                          mgpu__plot_top(title, width, s) + nlanes * lane_h + 1 +
+                              mgpu__plot_bottom(xlabel, width, s) + legend_h + 4 * s,
                           MGPU__WHITE);
     f.scale = s;
     f.ay.lo = f.ay.hi = f.ay.step = 0; /* unused: the vertical direction holds lanes, not values */
@@ -898,9 +984,9 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
     }
     mgpu__plot_outline(f.c, f.x0, f.y0, f.x1, f.y1, MGPU__INK);
     mgpu__plot_labels(&f, title, xlabel, NULL);
-    mgpu__timeline_legend(f.c, 4 * s, f.y1 + mgpu__plot_bottom(xlabel, s), width - 8 * s, keys,
+    mgpu__timeline_legend(f.c, 4 * s, f.y1 + mgpu__plot_bottom(xlabel, width, s), width - 8 * s, keys,
                           nkeys, s);
-    result = mgpu_canvas_write_png(f.c, path);
+    result = mgpu__plot_write(f.c, path);
     mgpu_canvas_free(f.c);
     free(keys);
     free(key_of);

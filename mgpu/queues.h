@@ -193,6 +193,17 @@ static void mgpu__trace_add(mgpu__queue *q, const char *name, const char *label,
 #endif
     MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&mgpu__library.mutex));
 }
+/* The traced task a queue's worker thread is running: its queue (NULL
+   when none is traced), its label, and when what is still to be recorded
+   of it began. A task may record its first part as an operation of its
+   own and move `start` on (mgpu/groups.h: a collective's wait for the
+   other ranks, apart from the moving of data). */
+static __thread struct {
+    mgpu__queue *queue;
+    const char *label;
+    double start;
+} mgpu__traced_task;
+
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
     static const mgpu__exec cpu_exec = {0, NULL, NULL, NULL};
@@ -204,14 +215,17 @@ static void *mgpu__worker(void *arg) {
         mgpu__task *task = &q->ring[q->tail % MGPU__QUEUE_RING];
         q->busy = 1;
         MGPU__PTHREAD_CHECK(pthread_mutex_unlock(&q->mutex));
-        double start = mgpu__library.tracing ? mgpu_now() : 0.0;
+        mgpu__traced_task.queue = mgpu__library.tracing && task->name ? q : NULL;
+        mgpu__traced_task.label = task->label;
+        mgpu__traced_task.start = mgpu__library.tracing ? mgpu_now() : 0.0;
 #ifdef _OPENMP
         omp_set_num_threads(q->lane ? 1 : mgpu__cpu_threads);
 #endif
         task->fn(task->args, &cpu_exec);
         __atomic_add_fetch(&mgpu__progress, 1, __ATOMIC_RELAXED);
         if (mgpu__library.tracing && task->name)
-            mgpu__trace_add(q, task->name, task->label, start, mgpu_now(), NULL);
+            mgpu__trace_add(q, task->name, task->label, mgpu__traced_task.start, mgpu_now(), NULL);
+        mgpu__traced_task.queue = NULL;
         MGPU__PTHREAD_CHECK(pthread_mutex_lock(&q->mutex));
         q->busy = 0;
         q->tail++;

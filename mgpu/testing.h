@@ -33,12 +33,14 @@ extern int mgpu__conv_wgmma_asked;
 extern int mgpu__conv_env_read;
 static void mgpu__conv_settings_from_environment(void);
 
-/* ---- mgpu/plots.h: the tests check a chart's pieces (ticks, dashes, a timeline's colours) one by one */
-/* types and macros: mgpu__plot_box, mgpu__plot_axis, mgpu__timeline_key; MGPU__INK (the frames' colour) */
+/* ---- mgpu/plots.h: the tests check a chart's pieces (ticks, dashes, lines of a title, a timeline's colours) one by one */
+/* types and macros: mgpu__plot_box, mgpu__plot_axis, mgpu__plot_lines, mgpu__timeline_key; MGPU__INK (the
+   frames' colour), MGPU__PLOT_LINES (the most lines of a title or label) */
 static void mgpu__plot_stroke(mgpu_canvas *c, mgpu__plot_box clip, double x0, double y0, double x1,
                               double y1, uint32_t rgb, int thickness, double dash, double *travel);
 static mgpu__plot_axis mgpu__plot_axis_new(double lo, double hi, int fixed, int ticks);
 static int mgpu__plot_tick(const mgpu__plot_axis *a, int i, double *value, char label[32]);
+static mgpu__plot_lines mgpu__plot_wrap(const char *text, int width, int s);
 static int mgpu__timeline_key_of(mgpu__timeline_key *keys, int *nkeys, const char *name);
 
 /* ---- mgpu/queues.h: the tests run their own tasks on a queue and read the tracer's records */

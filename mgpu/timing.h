@@ -1,8 +1,8 @@
 /* mgpu/timing.h: measuring. Timers and benchmarks (the book's Timer and
    Benchmark), and the tracer: every operation a queue runs, with its
-   start and end, drawn as a timeline or summed per operation. Chapter 1
-   shows with it that two devices compute at once; chapter 4 draws each
-   rank's.
+   start and end, drawn as a timeline (by kind of work) or summed per
+   operation. Chapter 1 shows with it that two devices compute at once;
+   chapter 4 draws each rank's.
    defines: mgpu_timer_init, mgpu_timer_start, mgpu_timer_stop,
    mgpu_timer_sum, mgpu_timer_avg, mgpu_median, mgpu_timer_cumsum,
    mgpu_benchmark_begin, mgpu_benchmark_end, mgpu_bound_line,
@@ -124,6 +124,33 @@ static void mgpu__trace_times(const mgpu__trace_record *r, double *start_ms, dou
 #endif
 }
 
+/* What kind of work an operation is, for the timelines' colours and
+   legends: a step of a network runs twenty-odd operations, and a legend
+   of a few kinds can be read at a glance where twenty names (most of
+   them too short to see) cannot. The first row whose part is in the name
+   gives its kind; a name in no row is a kind of its own ("matmul"). */
+static const struct {
+    const char *part, *kind;
+} mgpu__trace_kinds[] = {
+    {"wait", "waiting for the other ranks"}, /* (mgpu/groups.h: a collective until every rank came) */
+    {"backward", "backward"},
+    {"allreduce", "communication"}, {"broadcast", "communication"}, {"all-gather", "communication"},
+    {"reduce-scatter", "communication"}, {"send", "communication"}, {"receive", "communication"},
+    {"ring ", "communication"}, {"ranks' mean", "communication"},
+    {"sgd", "optimizer"}, {"adam", "optimizer"}, {"zero_grad", "optimizer"},
+    {"cross entropy", "loss and accuracy"}, {"accuracy", "loss and accuracy"},
+    {"conv2d", "forward"}, {"linear", "forward"}, {"relu", "forward"}, {"pool", "forward"},
+    {"batchnorm", "forward"}, {"layer", "forward"},
+    {"copy", "copy"},
+    {"add", "tensor arithmetic"}, {"sum", "tensor arithmetic"}, {"scale", "tensor arithmetic"},
+    {"fill", "tensor arithmetic"},
+};
+static const char *mgpu__trace_kind(const char *name) {
+    for (size_t i = 0; i < sizeof mgpu__trace_kinds / sizeof mgpu__trace_kinds[0]; i++)
+        if (strstr(name, mgpu__trace_kinds[i].part)) return mgpu__trace_kinds[i].kind;
+    return name;
+}
+
 MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
     mgpu__init();
     if (mgpu__library.tracing) mgpu_trace_end(); /* every traced operation must have finished */
@@ -146,7 +173,7 @@ MGPU_DEF int mgpu_trace_write_png(const char *path, const char *title) {
         const mgpu__trace_record *r = &mgpu__library.trace[i];
         mgpu_timeline_bar *b = &bars[i];
         b->lane = lane_of[r->queue_id];
-        snprintf(b->name, sizeof b->name, "%s", r->name);
+        snprintf(b->name, sizeof b->name, "%s", mgpu__trace_kind(r->name));
         mgpu__trace_times(r, &b->start_ms, &b->end_ms);
     }
     int rc = mgpu_timeline_write_png(path, title, nlanes, lane_names, mgpu__library.trace_n, bars);
@@ -199,7 +226,8 @@ MGPU_DEF mgpu_trace_op mgpu_trace_get(int i) {
     MGPU_REQUIRE(i >= 0 && i < n, "mgpu_trace_get: operation %d of %d recorded", i, n);
     const mgpu__trace_record *r = &mgpu__library.trace[i];
     const mgpu_device *d = mgpu__library.devices[r->queue_id / 2];
-    mgpu_trace_op op = {d, r->queue_id % 2, d->queue[r->queue_id % 2].name, r->name, 0, 0, r->label};
+    mgpu_trace_op op = {d, r->queue_id % 2, d->queue[r->queue_id % 2].name, r->name, mgpu__trace_kind(r->name),
+                        0, 0, r->label};
     mgpu__trace_times(r, &op.start_ms, &op.end_ms);
     return op;
 }

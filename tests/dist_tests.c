@@ -138,6 +138,44 @@ TEST(broadcast_all_gather_and_reduce_scatter) {
 
 /* Each rank sends to the next one round a ring; even ranks send first, so
    that large messages, which wait for their receiver, cannot deadlock. */
+/* The tracer records a collective in two parts on the communication
+   queue: until the last rank came ("waiting for the other ranks"), then
+   the moving of data under the collective's own name. Rank 0 calls the
+   allreduce at once and the others 50 ms later, so rank 0's wait is at
+   least 40 ms however busy the machine (load only lengthens it). A GPU's
+   collective runs on the calling thread, not on a queue: nothing is
+   traced to split. */
+TEST(an_allreduces_trace_tells_the_wait_from_the_moving) {
+    int rank = mgpu_group_rank(world);
+    if (mgpu_group_size(world) == 1 || dev->gpu >= 0) return;
+    mgpu_tensor *t = mgpu_full(dev, mgpu_shape1(1000), 1.0f);
+    mgpu_group_barrier(world);
+    mgpu_trace_begin();
+    if (rank > 0) {
+        struct timespec later = {0, 50 * 1000 * 1000};
+        nanosleep(&later, NULL);
+    }
+    mgpu_group_allreduce(world, t, MGPU_SUM);
+    mgpu_trace_end();
+    int waits = 0, moves = 0;
+    double wait_end = -1, move_start = -2, waited = 0;
+    for (int i = 0; i < mgpu_trace_count(); i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        if (op.lane != 1) continue;
+        if (strcmp(op.name, "waiting for the other ranks") == 0) {
+            CHECK(strcmp(op.kind, "waiting for the other ranks") == 0);
+            waits++, wait_end = op.end_ms, waited = op.end_ms - op.start_ms;
+        } else if (strcmp(op.name, "allreduce") == 0) {
+            CHECK(strcmp(op.kind, "communication") == 0);
+            moves++, move_start = op.start_ms;
+        }
+    }
+    CHECK(waits == 1 && moves == 1);
+    CHECK(wait_end == move_start); /* one after the other, no time lost between */
+    if (rank == 0) CHECK(waited >= 40.0);
+    mgpu_free(t);
+}
+
 TEST(send_and_receive_leave_the_ranks_in_step) {
     int size = mgpu_group_size(world), rank = mgpu_group_rank(world);
     if (size == 1) return;

@@ -256,6 +256,57 @@ TEST(text_glyphs) {
     }
 }
 
+TEST(text_off_the_canvas_is_counted) {
+    mgpu_canvas *c = mgpu_canvas_new(40, 20, 0xFFFFFF);
+    mgpu_canvas_text(c, 1, 1, "ab", 0x000000, 1); /* inside: 11 x 9 pixels at (1, 1) */
+    mgpu_canvas_text(c, 29, 0, "ab", 0x000000, 1); /* its last column is x = 39, the canvas's last */
+    CHECK_EQ_INT(c->texts_cut, 0);
+    mgpu_canvas_text(c, -3, 1, "xy", 0x000000, 1); /* x's first column is off the left edge */
+    CHECK_EQ_INT(c->texts_cut, 1);
+    CHECK(strcmp(c->first_cut, "xy") == 0);
+    mgpu_canvas_text(c, 10, 12, "g", 0x000000, 1); /* its descender's last row is y = 20: off */
+    mgpu_canvas_text(c, 10, 11, "a", 0x000000, 1); /* "a" has no descender: on */
+    mgpu_canvas_text(c, -100, 1, "  ", 0x000000, 1); /* spaces light no pixel */
+    CHECK_EQ_INT(c->texts_cut, 2);
+    CHECK(strcmp(c->first_cut, "xy") == 0); /* the first one stays */
+    mgpu_canvas_free(c);
+}
+
+/* ---- titles and labels in lines ---- */
+
+/* Line i of a wrapped text, as a string. */
+static const char *wrapped_line(const char *text, const mgpu__plot_lines *w, int i) {
+    static char line[128];
+    snprintf(line, sizeof line, "%.*s", w->length[i], text + w->start[i]);
+    return line;
+}
+
+TEST(titles_and_labels_wrap_at_spaces) {
+    /* 3 characters are 17 pixels at scale 1 and 34 at scale 2 */
+    const char *text = "one two  three";
+    mgpu__plot_lines w = mgpu__plot_wrap(text, 47, 1); /* 8 characters a line */
+    CHECK_EQ_INT(w.n, 2);
+    CHECK(strcmp(wrapped_line(text, &w, 0), "one two") == 0);
+    CHECK(strcmp(wrapped_line(text, &w, 1), "three") == 0); /* the spaces between are dropped */
+    w = mgpu__plot_wrap(text, 46, 1); /* 7 characters: "one two" still fits exactly */
+    CHECK_EQ_INT(w.n, 2);
+    CHECK(strcmp(wrapped_line(text, &w, 0), "one two") == 0);
+    w = mgpu__plot_wrap(text, 40, 1); /* 6: "one" alone */
+    CHECK_EQ_INT(w.n, 3);
+    CHECK(strcmp(wrapped_line(text, &w, 1), "two") == 0);
+    w = mgpu__plot_wrap(text, 1000, 2);
+    CHECK_EQ_INT(w.n, 1);
+    CHECK(strcmp(wrapped_line(text, &w, 0), text) == 0);
+    w = mgpu__plot_wrap("abcdefgh", 17, 1); /* a word longer than a line is cut across */
+    CHECK_EQ_INT(w.n, 3);
+    CHECK(strcmp(wrapped_line("abcdefgh", &w, 2), "gh") == 0);
+    w = mgpu__plot_wrap("a b c d e f g h", 5, 1); /* more lines than there is room for: the last takes the rest */
+    CHECK_EQ_INT(w.n, MGPU__PLOT_LINES);
+    CHECK(strcmp(wrapped_line("a b c d e f g h", &w, MGPU__PLOT_LINES - 1), "f g h") == 0);
+    CHECK_EQ_INT(mgpu__plot_wrap(NULL, 100, 1).n, 0);
+    CHECK_EQ_INT(mgpu__plot_wrap("   ", 100, 1).n, 0);
+}
+
 /* ---- axes ---- */
 
 TEST(nice_axis_and_ticks) {
@@ -486,6 +537,154 @@ TEST(timeline_colors_stay_distinct) {
     CHECK_EQ_INT(nkeys, 12);
     for (int i = 0; i < 10; i++) used[keys[i].slot]++;
     for (int i = 0; i < 10; i++) CHECK_EQ_INT(used[i], 1); /* the first ten share no colour */
+}
+
+/* ---- the chapters' pictures: every text on the canvas ---- */
+
+/* Rows y0..y1-1 of the image hold ink (text, frames) somewhere. */
+static int ink_in_rows(const image *im, int y0, int y1) {
+    for (int y = y0; y < y1; y++)
+        for (int x = 0; x < im->w; x++)
+            if (at(im, x, y) == MGPU__INK) return 1;
+    return 0;
+}
+
+/* The line charts the chapters draw, at their size (640 x 480, the
+   default; bench/allreduce's 800 wide), with their titles and labels at
+   their longest (the device lists of GPUs): a writer returns non-zero
+   when a text ran off the picture. Chapter 6's title takes two lines, and
+   the frame starts under the second. */
+TEST(the_chapters_charts_keep_their_text_on_the_picture) {
+    static const struct {
+        const char *title, *xlabel, *ylabel;
+        int width;
+    } charts[] = {
+        {"LeNet on [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5, cuda:6, cuda:7], batch 256, lr 0.90", "epoch",
+         "", 0},                                                                          /* chapter 2 */
+        {"ResNet-18 on [cuda:0#1, cuda:1#1, cuda:2#1, cuda:3#1], batch 256, lr 0.10", "epoch", "", 0}, /* 3 */
+        {"test accuracy, same global batch", "epoch", "test acc", 0},                    /* chapter 4 */
+        {"activations held during a ResNet-18 step", "time: the allocator's calls during the step, in order",
+         "MiB", 0},                                                                       /* chapter 5 */
+        {"32-channel network in 2 stages on [cuda:0, cuda:1], 1F1B, m = 4", "epoch", "", 0}, /* chapter 6 */
+        {"allreduce on [cuda:0, cuda:1, cuda:2, cuda:3], one shared memory", "log2(bytes per device); 20 is 1 MiB",
+         "busbw (GB/s)", 800},                                                            /* bench/allreduce */
+    };
+    double x[3] = {1, 2, 3}, y[3] = {0.5, 0.7, 0.8};
+    for (size_t i = 0; i < sizeof charts / sizeof charts[0]; i++) {
+        mgpu_series s;
+        mgpu_chart ch;
+        memset(&s, 0, sizeof s);
+        memset(&ch, 0, sizeof ch);
+        s.name = "a series with a long name", s.n = 3, s.x = x, s.y = y;
+        ch.title = charts[i].title, ch.xlabel = charts[i].xlabel, ch.ylabel = charts[i].ylabel;
+        ch.width = charts[i].width;
+        ch.nseries = 1, ch.series = &s;
+        CHECK_EQ_INT(mgpu_chart_write_png(&ch, tmp_path("chapter.png")), 0);
+    }
+    /* chapter 6's: a first line at y = 10 (5 font pixels), a second 24 lower, and the frame under both */
+    mgpu_animator *a = mgpu_animator_new(tmp_path("chapter6.png"), charts[4].title, "epoch", "", 1, 3, 1, NULL);
+    mgpu_animator_add(a, 1, y);
+    mgpu_animator_add(a, 2, y + 1);
+    image im = load_png(tmp_path("chapter6.png"));
+    CHECK(ink_in_rows(&im, 10, 24) && ink_in_rows(&im, 34, 48));
+    CHECK(find_row(&im, 0, 1, 300, MGPU__INK) >= 48);
+    stbi_image_free(im.rgb);
+    mgpu_animator_free(a);
+}
+
+/* A picture too small for its text is written, and said to be wrong. */
+TEST(text_that_cannot_fit_is_reported) {
+    double x[2] = {0, 1}, y[2] = {0, 1};
+    mgpu_series s;
+    mgpu_chart ch;
+    memset(&s, 0, sizeof s);
+    memset(&ch, 0, sizeof ch);
+    s.n = 2, s.x = x, s.y = y;
+    ch.width = 100, ch.height = 200; /* 16 characters a line at scale 1, and 6 lines at most */
+    ch.title = "a title of far more words than six lines of sixteen characters can hold, however they break";
+    ch.nseries = 1, ch.series = &s;
+    int errors = mgpu_output_errors();
+    capture_begin();
+    int rc = mgpu_chart_write_png(&ch, tmp_path("small.png"));
+    const char *err = capture_end();
+    CHECK(rc != 0);
+    CHECK_EQ_INT(mgpu_output_errors(), errors + 1);
+    CHECK(strstr(err, "small.png: 1 text ran off the picture, the first \"") != NULL);
+    CHECK(file_exists(tmp_path("small.png")));
+}
+
+/* How many of the palette's colours the legend under a timeline's frame shows. */
+static int legend_colors(const char *path) {
+    image im = load_png(path);
+    int y1 = find_row(&im, im.h - 1, -1, 500, MGPU__INK), found = 0;
+    for (int k = 0; k < 10; k++) {
+        int here = 0;
+        for (int y = y1 + 1; y < im.h && !here; y++)
+            for (int x = 0; x < im.w; x++) here |= at(&im, x, y) == mgpu_palette(k);
+        found += here;
+    }
+    stbi_image_free(im.rgb);
+    return found;
+}
+
+/* Chapter 4's timeline: two lanes a rank, bars named by their kind of
+   work, an allreduce in its two parts. */
+TEST(a_ranks_timeline_names_every_kind) {
+    const char *lanes[] = {"rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"};
+    const char *kinds[] = {"forward", "backward", "loss and accuracy", "optimizer", "tensor arithmetic", "copy"};
+    mgpu_timeline_bar bars[40];
+    int n = 0;
+    memset(bars, 0, sizeof bars);
+    for (int rank = 0; rank < 2; rank++) {
+        for (int k = 0; k < 6; k++) add_bar(&bars[n++], 2 * rank, 10 * k, 10 * k + 9, kinds[k]);
+        add_bar(&bars[n++], 2 * rank + 1, 20, 30, "waiting for the other ranks");
+        add_bar(&bars[n++], 2 * rank + 1, 30, 35, "communication");
+    }
+    CHECK_EQ_INT(mgpu_timeline_write_png(tmp_path("ranks.png"),
+                                         "one ResNet-18 step on 2 processes: buckets averaged under backward", 4,
+                                         lanes, n, bars),
+                 0);
+    CHECK_EQ_INT(legend_colors(tmp_path("ranks.png")), 8); /* every kind its own colour */
+}
+
+/* The tracer's timeline of a data-parallel step: twenty-odd operations
+   in a few kinds, every one in the legend, no text off the picture. */
+TEST(the_tracers_timeline_groups_operations_by_kind) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_manual_seed(1);
+    mgpu_net *net = mgpu_lenet(devs[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 64 << 10, 1, 1);
+    mgpu_tensor *x = mgpu_rand(devs[0], mgpu_shape4(8, 1, 28, 28));
+    float labels[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    mgpu_tensor *y = mgpu_from_host(devs[0], mgpu_shape1(8), labels);
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0);
+    mgpu_trace_begin();
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0, 0);
+    mgpu_trace_end();
+    const char *names[64], *kinds[64];
+    int nnames = 0, nkinds = 0;
+    for (int i = 0; i < mgpu_trace_count(); i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        int k = 0;
+        while (k < nnames && strcmp(names[k], op.name) != 0) k++;
+        if (k == nnames && nnames < 64) names[nnames++] = op.name;
+        for (k = 0; k < nkinds && strcmp(kinds[k], op.kind) != 0;) k++;
+        if (k == nkinds && nkinds < 64) kinds[nkinds++] = op.kind;
+        if (strstr(op.name, "backward")) CHECK(strcmp(op.kind, "backward") == 0);
+        if (strncmp(op.name, "ring ", 5) == 0) CHECK(strcmp(op.kind, "communication") == 0);
+    }
+    printf("  %d operations in %d kinds\n", nnames, nkinds);
+    CHECK(nnames >= 15 && nkinds <= 8);
+    CHECK_EQ_INT(mgpu_trace_write_png(tmp_path("trace.png"), "one LeNet step on 2 devices: buckets reduced under "
+                                                            "backward, the ring's copies and adds on the copy queues"),
+                 0);
+    CHECK_EQ_INT(legend_colors(tmp_path("trace.png")), nkinds); /* the legend's entries are the kinds */
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
 }
 
 /* ---- errors ---- */
