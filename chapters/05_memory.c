@@ -32,9 +32,11 @@
    The chapter measures, on one device (a GPU, or the CPU):
      1. a ResNet-18 step's memory by category, beside the formulas, with
         SGD and momentum and with Adam;
-     2. the peak activations and the step's time at 1 (none), 2, about sqrt(n)
-        and n checkpointed runs, beside the formula, and a picture of
-        memory through a step (chapter5_memory_timeline.png);
+     2. the peak activations and the step's time at 1 (none), 2, about
+        sqrt(n) and n checkpointed runs, beside the formula, and a
+        picture of the activations through a plain and a checkpointed
+        step, each against the fraction of its step's allocator calls
+        (chapter5_memory_timeline.png);
      3. the largest batch that fits under a memory limit, with and
         without checkpointing, found by trying: each try is this program
         again (--try-batch), stopped by the allocator's one-line error
@@ -42,26 +44,38 @@
      4. with 2 and 4 devices and Adam, what each device holds of the
         model's state with DataParallel's gather, DDP's allreduce, ZeRO-1
         and ZeRO-2, beside the formulas.
+   Each figure is held to its bound (mgpu_bound_hold): the memory to its
+   formulas, or between what any layers allow; a checkpointed step's
+   time between the plain step's and that plus one forward pass. A
+   figure past its bound gets a line starting "!" instead of an
+   explanation. The run ends with "What this run shows:", a few lines
+   from its own figures.
 
    What you should see (a 2-core CPU, the reduced run: batch 16, a limit
    of 320 MiB): about 43 MiB each for the parameters, their gradients and
-   the momentum (P = 11.2 million); activations near 60 MiB at their peak;
-   at about sqrt(12) = 3 runs the activations' peak falls by about 40%
-   and the step takes about 1.2 times as long; the largest batch under the
-   limit grows by about half with checkpointing (48 to 68). ResNet-18's
-   layers are not equal (its first layers' outputs are the largest), so
-   the measured peaks sit above the formula for equal layers printed
-   beside them. With 4 devices and Adam, each device holds 171 MiB of the
-   model's state under DDP, 107 with ZeRO-1 and 75 with ZeRO-2, as the
-   formulas say to the tenth of a MiB.
+   the momentum (P = 11.2 million); activations near 56 MiB at their
+   peak; at about sqrt(12) = 3 runs the activations' peak falls by about
+   45%, and on an idle machine the step takes about 1.2 times as long (a
+   busy one slows the variants unevenly, and "!" lines say so); the
+   largest batch under the limit grows by about half with checkpointing
+   (48 to 68). ResNet-18's layers are not equal (its first layers'
+   outputs are the largest), so the measured peaks sit above the formula
+   for equal layers printed beside them. In the picture the plain step's
+   activations stay level at their peak through the step (its layers'
+   outputs stay allocated from one step to the next); the checkpointed
+   step's rise and fall run by run, highest where the first run is
+   made and made again. With 4 devices and Adam, each device holds 171
+   MiB of the model's state under DDP, 107 with ZeRO-1 and 75 with
+   ZeRO-2, as the formulas say to the tenth of a MiB.
 
-   Without a GPU it runs a reduced setting (batch 16, 3 timed steps, a
-   limit of 320 MiB); --full, or a GPU, runs batch 256 and a limit of
-   2 GiB.
+   Without a GPU it runs a reduced setting (batch 16, 3 timed steps of
+   each number of runs, a limit of 320 MiB); --full, or a GPU, runs batch
+   256, 10 steps and a limit of 2 GiB.
 
    Reads: mgpu/memory.h (memory by category), mgpu/networks.h (activation
    recomputation, mgpu_net_recompute), mgpu/zero.h (ZeRO-1 and ZeRO-2),
-   mgpu/data_parallel_step.h, mgpu/plots.h, mgpu/flags.h. */
+   mgpu/data_parallel_step.h, mgpu/timing.h (mgpu_bound_hold),
+   mgpu/plots.h, mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 #include <unistd.h>
