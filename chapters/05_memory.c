@@ -109,9 +109,12 @@ static double mib(size_t bytes) { return (double)bytes / 1048576.0; }
    allocator's 512-byte granules; the parameters' count leaves out batch
    norm's statistics (0.2% more): 1%. A step's time, the least of its
    repeats, still moves by a few percent from one run to the next on an
-   idle machine: 5%. */
+   idle machine: 5% below the plain step's; 10% above the plain step and
+   a forward pass, for the allocator's work on the recomputed runs'
+   tensors too, which a forward pass alone does not do. */
 #define MEMORY_TOLERANCE 0.01
-#define TIME_TOLERANCE 0.05
+#define TIME_TOLERANCE_BELOW 0.05
+#define TIME_TOLERANCE_ABOVE 0.10
 #define MEMORY_ADVICE "but memory does not vary with the load: please report this run"
 #define TIME_ADVICE "this time is not the step's own; run it again on an idle machine, or with more --steps"
 
@@ -139,8 +142,8 @@ static int peak_holds(int k, double peak_mib, double plain_peak_mib) {
 static int recompute_time_holds(int k, double step_ms, double plain_ms, double forward_ms) {
     char figure[64];
     snprintf(figure, sizeof figure, "the step's time at %d runs (ms)", k);
-    return mgpu_bound_hold(figure, step_ms, MGPU_AT_LEAST, plain_ms, TIME_TOLERANCE, TIME_ADVICE) &&
-           mgpu_bound_hold(figure, step_ms, MGPU_AT_MOST, plain_ms + forward_ms, TIME_TOLERANCE, TIME_ADVICE);
+    return mgpu_bound_hold(figure, step_ms, MGPU_AT_LEAST, plain_ms, TIME_TOLERANCE_BELOW, TIME_ADVICE) &&
+           mgpu_bound_hold(figure, step_ms, MGPU_AT_MOST, plain_ms + forward_ms, TIME_TOLERANCE_ABOVE, TIME_ADVICE);
 }
 
 
