@@ -146,7 +146,6 @@ static int recompute_time_holds(int k, double step_ms, double plain_ms, double f
            mgpu_bound_hold(figure, step_ms, MGPU_AT_MOST, plain_ms + forward_ms, TIME_TOLERANCE_ABOVE, TIME_ADVICE);
 }
 
-
 /* What section 1 found, for the closing lines: the model's state
    (parameters, gradients, optimizer) with momentum and with Adam, the
    activations at the peak, and whether the state held to its formulas. */
@@ -288,6 +287,8 @@ static double time_variants(mgpu_device *dev, checkpoint_variant *v, int nvarian
     return least(ms[nvariants], rounds);
 }
 
+/* chapter5_memory_timeline.png: the plain step's activations and those
+   of the step at about sqrt(n) runs, on the same 0 to 1. */
 static void timeline_picture(const checkpoint_variant *plain, const checkpoint_variant *cut, int n,
                              const mgpu_options *o) {
     char cut_name[48];
@@ -335,12 +336,12 @@ static checkpoint_findings checkpointing(mgpu_device *dev, int batch, int rounds
     step_batch(dev, batch, &x, &y);
     checkpoint_variant v[MAX_VARIANTS];
     memset(v, 0, sizeof v);
-    for (int i = 0; i < MAX_VARIANTS; i++) v[i].net = resnet(dev, 1, 0);
+    v[0].net = resnet(dev, 1, 0);
     int n = v[0].net->nlayers, root = (int)lround(sqrt((double)n));
     const int runs[MAX_VARIANTS] = {1, 2, root, n};
     for (int i = 0; i < MAX_VARIANTS; i++) {
         v[i].runs = runs[i];
-        mgpu_net_recompute(v[i].net, runs[i]);
+        if (i) v[i].net = resnet(dev, runs[i], 0);
     }
     /* O: a layer's output on average, the tensor a run keeps for the next */
     mgpu_net_forward(v[0].net, x);
