@@ -230,6 +230,9 @@ $(BUILD)/cuda-check/%: tests/%.c $(wildcard tests/*.h) $(INCLUDED_SOURCES) $(HEA
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS_CHECK) -I. $< -o $@ $(CUDA_LIBS)
 
+# tests/test_chapter5.c includes chapter 5 whole, to test its own decisions.
+$(BUILD)/tests/test_chapter5 $(BUILD)/asan/test_chapter5 $(BUILD)/cuda-check/test_chapter5: chapters/05_memory.c
+
 CPU_TEST_BINS  := $(patsubst tests/%.c,$(BUILD)/tests/%,$(CPU_TESTS))
 
 # The distributed tests run under mpirun (tests/dist.sh), and once built

@@ -165,13 +165,14 @@ check chapter4_too_many_devices_a_process 1 '^mgpu: error: --devices-per-process
 # Chapter 5, small: the memory table (P = 11.2 million: 42.6 MiB a copy
 # of the parameters), the checkpointing table at k = 1, 2, 3 and 12, the
 # largest batches under 170 MiB, checkpointing's the larger, and the
-# model's state a device holds under DDP, ZeRO-1 and ZeRO-2 on 4 devices.
+# model's state a device holds under DDP, ZeRO-1 and ZeRO-2 on 4 devices,
+# and the closing lines drawn from them.
 check chapter5_runs 0 '^  parameters +42\.7 +42\.7 +4P = 42\.6' '^  optimizer state +42\.6 +85\.3 +4P = 42\.6 / 8P = 85\.3$' \
     '^ +1 +[0-9.]+ MiB +[0-9.]+ MiB +[0-9.]+ +1\.00x$' '^ +3 +[0-9.]+ MiB' '^ +12 +[0-9.]+ MiB' \
     '^  without checkpointing +batch [0-9]+$' '^  checkpointed \(sqrt n runs\) batch [0-9]+$' \
     'the first that did not fit said: mgpu: error: out of memory on cpu: asked for .* past its limit of 170\.0 MiB' \
     '^    allreduce \(DDP\) +42\.7 +42\.6 +85\.3 +170\.6 +170\.5 ' '^    ZeRO-1 +42\.7 +42\.6 +21\.3 +106\.6 +106\.6 ' \
-    '^    ZeRO-2 +42\.7 +10\.7 +21\.3 +74\.7 +74\.6 ' \
+    '^    ZeRO-2 +42\.7 +10\.7 +21\.3 +74\.7 +74\.6 ' '^What this run shows:$' \
     -- $chapters/chapter5 --cpu --batch-size 4 --steps 1 --limit-mib 170 --out "$out/ch5"
 if awk '/^  without checkpointing/{a=$NF} /^  checkpointed/{b=$NF} END{exit !(a > 0 && b > a)}' \
        "$out/chapter5_runs.log"; then echo "ok   chapter5_checkpointing_fits_a_larger_batch"; passed=$((passed + 1));
