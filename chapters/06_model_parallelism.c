@@ -133,7 +133,8 @@ static mgpu_net *convnet(mgpu_device *dev, int width, int stages, int *first) {
    gradients, the input's and the weights'). A wait takes no core, so
    stages of these overlap on any machine, as stages on devices of their
    own do: what a schedule does to the bubble shows alone. */
-static double fixed_ms_per_image = 1.0 / 16; /* a block forward: 8 ms for a batch of 128 */
+#define FIXED_BLOCK_MS 8.0  /* a block's forward pass of the whole batch, whatever its size */
+static double fixed_ms_per_image; /* FIXED_BLOCK_MS / batch: the layers' settings */
 static void wait_ms(double ms) {
     struct timespec left = {(time_t)(ms / 1e3), (long)(fmod(ms, 1e3) * 1e6)};
     while (nanosleep(&left, &left) != 0 && errno == EINTR) {} /* (a signal cuts it short: wait the rest) */
@@ -211,7 +212,8 @@ static void train(int width, int batch, int m, int epochs, double lr, int use_gp
         mgpu_animator_add(animator, epoch + 1, ys);
         printf("  epoch %d: loss %.3f, train acc %.3f, test acc %.3f\n", epoch + 1, loss, train_acc, test_acc);
     }
-    printf("test acc: %.2f (%s; section 2 times this step)\n", mgpu_animator_last(animator, 2), path);
+    printf("test acc: %.2f, after %d epoch%s (%s)\n", mgpu_animator_last(animator, 2), epochs, epochs > 1 ? "s" : "",
+           path);
     mgpu_free(loss_sum);
     mgpu_loader_free(loader);
     mgpu_animator_free(animator);
@@ -291,7 +293,7 @@ static int check_row(const char *schedule, int stages, int m, int fixed, double 
     char figure[96];
     double formula = mgpu_pipeline_bubble_formula(stages, m), slack = BUBBLE_SLACK / formula;
     const char *what = fixed ? "of fixed duration" : "of the network";
-    snprintf(figure, sizeof figure, "%s's bubble on %d stages %s at m = %d", schedule, stages, what, m);
+    snprintf(figure, sizeof figure, "%s's bubble at m = %d on %d stages %s", schedule, m, stages, what);
     int held = mgpu_bound_hold(figure, bubble, MGPU_AT_LEAST, formula, slack,
                                fixed ? "its devices' threads woke early"
                                      : "stages that share the cores work slower while they overlap, which the "
@@ -299,7 +301,7 @@ static int check_row(const char *schedule, int stages, int m, int fixed, double 
     if (fixed)
         held &= mgpu_bound_hold(figure, bubble, MGPU_AT_MOST, formula, slack,
                                 "its devices' threads woke late; run it on a quieter machine");
-    snprintf(figure, sizeof figure, "%s's speedup on %d stages %s at m = %d", schedule, stages, what, m);
+    snprintf(figure, sizeof figure, "%s's speedup at m = %d on %d stages %s", schedule, m, stages, what);
     held &= mgpu_bound_hold(figure, speedup, MGPU_AT_MOST, speedup_bound, SPEEDUP_SLACK,
                             "its micro-batches may fit the caches better than the whole batch");
     return held;
@@ -328,7 +330,7 @@ static int print_peaks(int stages, int batch, step_measure by_m[2][MOST_MICRO_BA
             printf("\n");
             for (int s = 0; s < stages; s++) {
                 char figure[96];
-                snprintf(figure, sizeof figure, "%s's peak activations on stage %d at m = %d, MiB,", name, s, m);
+                snprintf(figure, sizeof figure, "%s's peak activations at m = %d on stage %d in MiB", name, m, s);
                 held &= mgpu_bound_hold(figure, by_m[k][m].peak_mib[s], MGPU_AT_MOST, bound[s], PEAK_SLACK,
                                         "or the schedule holds more micro-batches than it should");
             }
@@ -384,8 +386,9 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
     double speedup_bound = fixed || mgpu_device_is_gpu(devs[0]) || cores >= stages ? stages : (double)cores;
     char list[256];
     mgpu_device_list(list, sizeof list, devs, stages);
-    printf("\n  %s, %d stages on %s (the %s of %d steps):\n", fixed ? "Layers of fixed duration" : "The network's layers",
-           stages, list, fixed ? "least" : "median", steps);
+    printf("\n  %s, %d stages on %s (the %s of %d step%s):\n",
+           fixed ? "Layers of fixed duration" : "The network's layers", stages, list, fixed ? "least" : "median", steps,
+           steps > 1 ? "s" : "");
     printf("  %-7s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
     step_measure by_m[2][MOST_MICRO_BATCHES + 1]; /* [schedule][m]; naive's: [0][1] */
     const step_measure *naive = &by_m[0][1];
@@ -605,9 +608,10 @@ int main(int argc, char **argv) {
            "   the step's, beside the formula (p - 1) / (m + p - 1); speedup: naive's step time over this one's,\n"
            "   at most the stages (p), and on CPU devices the cores (this machine's %ld); work: the stages'\n"
            "   busy time added up. First layers of fixed duration, on CPU devices: each of the %d blocks waits\n"
-           "   %.0f ms forward for a batch of %d and twice that backward, less for fewer images: a wait takes\n"
+           "   %.0f ms forward for the batch of %d and twice that backward, less for fewer images: a wait takes\n"
            "   no core, so the stages overlap as on devices of their own, on any machine.\n",
-           cores, BLOCKS, fixed_ms_per_image * batch, batch);
+           cores, BLOCKS, FIXED_BLOCK_MS, batch);
+    fixed_ms_per_image = FIXED_BLOCK_MS / batch;
     pipeline_runs fixed[2] = {schedules(1, 2, width, batch, steps, use_gpu, values, y, &o),
                               schedules(1, 4, width, batch, steps, use_gpu, values, y, &o)};
     printf("\n  Then the network's layers; each stage's peak activations beside the schedule's bound: m micro-\n"
@@ -637,8 +641,8 @@ int main(int argc, char **argv) {
            net[0].first_stage_mib[1], m, net[0].first_stage_mib[0], choices[1].in_flight(0, 2, m),
            choices[0].in_flight(0, 2, m), net[0].peaks_held && net[1].peaks_held ? "" : " (but for the ! lines above)");
     printf("  On the network's layers 1F1B at m = %d ran %.2f times as fast as naive on 2 stages and %.2f on\n"
-           "  4, with bubbles of %.3f and %.3f against the formula's %.3f and %.3f: its work took %.2f and\n"
-           "  %.2f times naive's, in micro-batches and sharing this machine (the lines after each table).\n",
+           "  4, with bubbles of %.3f and %.3f against the formula's %.3f and %.3f, and work of %.2f and %.2f\n"
+           "  times naive's (the lines after each table say why).\n",
            m, net[0].speedup[1], net[1].speedup[1], net[0].bubble[1], net[1].bubble[1],
            mgpu_pipeline_bubble_formula(2, m), mgpu_pipeline_bubble_formula(4, m),
            net[0].work_ms[1] / net[0].naive_work_ms, net[1].work_ms[1] / net[1].naive_work_ms);
