@@ -128,11 +128,13 @@ static mgpu_net *convnet(mgpu_device *dev, int width, int stages, int *first) {
 }
 
 /* Layers of fixed duration: a block that passes its input on unchanged
-   and waits, on its device's queue, a fixed time for each image of the
-   micro-batch, forward, and twice that backward (which computes two
-   gradients, the input's and the weights'). A wait takes no core, so
-   stages of these overlap on any machine, as stages on devices of their
-   own do: what a schedule does to the bubble shows alone. */
+   and waits a fixed time for each image of the micro-batch, forward,
+   and twice that backward (which computes two gradients, the input's and
+   the weights'). As a layer of one's own with own_loops 1 (mgpu.h, the
+   NETWORKS section), each pass runs on its device's queue, in order with
+   the pipeline's other work there. A wait takes no core, so stages of
+   these overlap on any machine, as stages on devices of their own do:
+   what a schedule does to the bubble shows alone. */
 #define FIXED_BLOCK_MS 8.0  /* a block's forward pass of the whole batch, whatever its size */
 static double fixed_ms_per_image; /* FIXED_BLOCK_MS / batch: the layers' settings */
 static void wait_ms(double ms) {
@@ -194,8 +196,7 @@ static void train(int width, int batch, int m, int epochs, double lr, int use_gp
     mgpu_loader *loader = mgpu_loader_new(train_set, batch, 1, o->seed);
     mgpu_loader_set_drop_last(loader, 1); /* (every step m micro-batches of the same size) */
     mgpu_tensor *loss_sum = mgpu_zeros(devs[1], mgpu_shape1(1));
-    printf("\n1. Training the %d-channel network in 2 stages on %s: 1F1B, %d micro-batches of %d images,\n"
-           "   lr %g\n", width, list, m, batch / m, lr);
+    printf("\n1. Training in 2 stages on %s: 1F1B, %d micro-batches of %d images, lr %g\n", list, m, batch / m, lr);
     for (int epoch = 0; epoch < epochs; epoch++) {
         mgpu_loader_start_epoch(loader, epoch);
         mgpu_fill(loss_sum, 0.0f);
