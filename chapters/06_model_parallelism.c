@@ -357,7 +357,9 @@ static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device 
            "  micro-batch runs a device %s the whole batch. In 1F1B they took %.2f times that",
            m, r->work_ms[0], r->work_ms[1], r->naive_work_ms, m, batch / m, r->alone_work_ms, alone,
            efficiency(alone), shared);
-    if (shared <= 1.05)
+    if (shared < 0.95)
+        printf(":\n  less than alone: other work on the machine, or its caches, favoured this run over those alone.\n");
+    else if (shared <= 1.05)
         printf(":\n  sharing the machine cost them little.\n");
     else if (mgpu_device_is_gpu(dev))
         printf(":\n  its %d stages share %d GPU%s.\n", p, mgpu_num_gpus(), mgpu_num_gpus() > 1 ? "s" : "");
