@@ -351,7 +351,7 @@ static const char *efficiency(double ratio) {
 static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device *dev) {
     int p = r->stages, m = MOST_MICRO_BATCHES;
     double alone = r->alone_work_ms / r->naive_work_ms, shared = r->work_ms[1] / r->alone_work_ms;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN), threads = cores / p > 1 ? cores / p : 1;
+    int cores = mgpu_num_cores(), threads = cores / p > 1 ? cores / p : 1; /* (mgpu_devices' share) */
     printf("  Why: at m = %d the stages' work was %.0f ms for GPipe and %.0f for 1F1B, against naive's %.0f.\n"
            "  %d micro-batches of %d images run alone, one after another, took %.0f ms, %.2f times naive's: a\n"
            "  micro-batch runs a device %s the whole batch. In 1F1B they took %.2f times that",
@@ -364,7 +364,7 @@ static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device 
     else if (mgpu_device_is_gpu(dev))
         printf(":\n  its %d stages share %d GPU%s.\n", p, mgpu_num_gpus(), mgpu_num_gpus() > 1 ? "s" : "");
     else
-        printf(":\n  its %d devices of %ld thread%s each share %ld cores, and any other work there.\n", p,
+        printf(":\n  its %d devices of %d thread%s each share %d cores, and any other work there.\n", p,
                threads, threads > 1 ? "s" : "", cores);
     printf("  Speedup = p (1 - bubble) naive's step / work: for 1F1B %d x %.2f x %.0f / %.0f = %.2f.\n", p,
            1 - r->bubble[1], r->naive_ms, r->work_ms[1], p * (1 - r->bubble[1]) * r->naive_ms / r->work_ms[1]);
@@ -384,7 +384,7 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
     int first[MGPU_MAX_DEVICES];
     mgpu_net *net = fixed ? fixed_net(devs[0]) : convnet(devs[0], width, stages, first);
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, fixed ? NULL : first);
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = mgpu_num_cores();
     double speedup_bound = fixed || mgpu_device_is_gpu(devs[0]) || cores >= stages ? stages : (double)cores;
     char list[256];
     mgpu_device_list(list, sizeof list, devs, stages);
@@ -542,7 +542,7 @@ static double hybrid(int width, int batch, int m, int steps, int use_gpu, double
         apart = fmax(apart, max_relative_diff(mgpu_net_param(nets[0], i)->value, mgpu_net_param(nets[1], i)->value));
     for (int i = 0; i < nets[0]->nbuffers; i++)
         apart = fmax(apart, max_relative_diff(mgpu_net_buffer(nets[0], i), mgpu_net_buffer(nets[1], i)));
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = mgpu_num_cores();
     double speedup = naive_ms / step_ms, bound = mgpu_device_is_gpu(devs[0]) || cores >= 4 ? 4 : (double)cores;
     printf("\n4. Hybrid: 2 pipelines of 2 stages (1F1B, m = %d, half the batch each) with their gradients\n"
            "   averaged between stages 0 and between stages 1, on 4 devices: %.1f ms a step (the median of %d),\n"
@@ -604,10 +604,10 @@ int main(int argc, char **argv) {
 
     mgpu_tensor *x, *y, *values = mgpu_zeros(mgpu_cpu(), mgpu_shape2(batch, 10));
     first_images(train_set, batch, &x, &y);
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = mgpu_num_cores();
     printf("\n2. A training step split in stages. bubble: measured from the trace, each stage's idle time over\n"
            "   the step's, beside the formula (p - 1) / (m + p - 1); speedup: naive's step time over this one's,\n"
-           "   at most the stages (p), and on CPU devices the cores (this machine's %ld); work: the stages'\n"
+           "   at most the stages (p), and on CPU devices the cores (here %d); work: the stages'\n"
            "   busy time added up. First layers of fixed duration, on CPU devices: each of the %d blocks waits\n"
            "   %.0f ms forward for the batch of %d and twice that backward, less for fewer images: a wait takes\n"
            "   no core, so the stages overlap as on devices of their own, on any machine.\n",
