@@ -31,44 +31,78 @@
      1. trains the network split in 2 stages with 1F1B on Fashion-MNIST
         (chapter6_test_acc.png);
      2. times a step of naive model parallelism, GPipe and 1F1B for m = 1,
-        2, 4 and 8 micro-batches on 2 and 4 devices, with the bubble
-        measured from the trace beside the formula and each stage's peak
-        activations beside the schedule's bound, and draws one timeline
-        per schedule at its most micro-batches
-        (chapter6_timeline_<schedule>_<p>_stages.png);
+        2, 4 and 8 micro-batches on 2 and 4 devices, the bubble measured
+        from the trace beside the formula, the speedup over naive beside
+        its bound (p, and on CPU devices the cores), and the stages' work
+        (their busy time added up): first on layers of fixed duration,
+        which wait a fixed time for each image on their device's queue (a
+        wait takes no core, so the stages overlap on any machine, and the
+        schedule's bubble shows alone), then on the network's layers, with
+        each stage's peak activations beside the schedule's bound and the
+        reasons, from the measured work, that their figures differ; one
+        timeline per schedule at its most micro-batches
+        (chapter6_timeline_<schedule>_<p>_stages_fixed.png and
+        chapter6_timeline_<schedule>_<p>_stages.png);
      3. runs the two split layers on 2 and 4 devices against one device,
         with the bytes each moves per step beside data parallelism's;
      4. trains 2 pipelines of 2 stages as data parallelism on 4 devices
         (hybrid parallelism), whose two copies of the network must stay
-        equal.
+        equal;
+     and ends with what the run shows, from its own figures. Every figure
+     is checked against its bound (mgpu_bound_hold): a bubble at least
+     its formula less 0.05 (on layers of fixed duration within 0.05 of
+     it), a speedup at most the bound above plus 10%, peak activations at
+     most the schedule's bound plus 1%; one that breaks its bound is
+     said so, in one line beginning "!".
 
    What you should see (the reduced run on a 2-core CPU): test accuracy
-   about 0.5 after 3 epochs of 3072 images. On 2 devices the measured
-   bubble falls from 0.50 (naive) towards the formula's 0.2 at m = 4 and
-   0.11 at m = 8, and 1F1B's first stage holds 2 micro-batches of
-   activations where GPipe's holds all 8 (the whole batch's). Whether the
-   step gets faster depends on the machine: two CPU devices share its
-   cores, and a smaller micro-batch runs each core less efficiently, so
-   on 2 cores that also run other work the gain is small (bench/RESULTS.md
-   has measured figures); on a GPU's virtual devices the stages overlap.
-   On 4 CPU devices the 2 cores are shared by 4 stages. The split layers
+   about 0.5 after 3 epochs of 3072 images. On layers of fixed duration
+   the bubble sits within a few hundredths of the formula: 0.50, 0.33,
+   0.20 and 0.11 for m = 1, 2, 4 and 8 on 2 stages, and the timelines
+   are the textbook's (GPipe's forward passes, then the backward ones;
+   1F1B's alternating once the pipeline is full). On the network's
+   layers the bubble stays well above the formula and the speedup over
+   naive is small or below 1: the lines after each table say why, from
+   the measured work: 2 CPU devices of one core each share the machine's
+   2 cores with whatever else runs there (4 devices share them two to a
+   core), and micro-batches of 16 images run a core at another speed
+   than the whole batch (bench/RESULTS.md has measured figures). 1F1B's
+   first stage holds 2 micro-batches of activations where GPipe's holds
+   all 8 (the whole batch's), whatever the machine. The split layers
    equal one device to about 1e-6; the MLP moves fewer bytes split than
    data parallelism would, the convolution, whose activations outweigh
    its weights, more.
 
    Without a GPU it runs a reduced setting (3 epochs of 3072 images, batch
    128, 3 timed steps a schedule); --full, or a GPU, trains on all 60000
-   images for 10 epochs with batch 256 and times 10 steps.
+   images for 10 epochs with batch 256 and times 10 steps. The layers of
+   fixed duration run on CPU devices even where there is a GPU: they
+   wait on the host.
 
    Reads: mgpu/pipelines.h (stages, micro-batches, GPipe and 1F1B),
-   mgpu/tensor_parallel.h (split layers), mgpu/groups.h (stages on ranks),
-   mgpu/timing.h and mgpu/plots.h (the schedules' timelines),
+   mgpu/networks.h (mgpu_net_add_layer: a layer of your own, here the
+   fixed-duration one), mgpu/tensor_parallel.h (split layers),
+   mgpu/groups.h (stages on ranks), mgpu/timing.h (the trace, and
+   mgpu_bound_hold) and mgpu/plots.h (the schedules' timelines),
    mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
 #define BLOCKS 8 /* equal blocks, so that 2 and 4 stages share them evenly */
-#define MAX_STEPS 64 /* timed steps a schedule: their median is printed */
+#define MOST_MICRO_BATCHES 8
+#define MAX_STEPS 64 /* timed steps a schedule */
+/* How far a measured bubble may stray from (p - 1) / (m + p - 1): a
+   pass starts when its device's thread wakes, a little after what it
+   waits for is done. */
+#define BUBBLE_SLACK 0.05
+/* How far, relative, a speedup may pass its bound: micro-batches may fit
+   the caches where the whole batch does not. */
+#define SPEEDUP_SLACK 0.10
+/* How far, relative, a stage's peak activations may pass the schedule's
+   bound: the last stage's loss keeps a few values a micro-batch. */
+#define PEAK_SLACK 0.01
+/* The split layers against one device: float32's sums in another order. */
+#define SPLIT_TOLERANCE 1e-5
 
 /* The chapter's network: a stem (a 3x3 convolution at stride 2: 28x28
    images to 14x14, batch norm, ReLU), BLOCKS equal blocks (a 3x3
@@ -93,11 +127,53 @@ static mgpu_net *convnet(mgpu_device *dev, int width, int stages, int *first) {
     return net;
 }
 
+/* Layers of fixed duration: a block that passes its input on unchanged
+   and waits a fixed time for each image of the micro-batch, forward,
+   and twice that backward (which computes two gradients, the input's and
+   the weights'). As a layer of one's own with own_loops 1 (mgpu.h, the
+   NETWORKS section), each pass runs on its device's queue, in order with
+   the pipeline's other work there. A wait takes no core, so stages of
+   these overlap on any machine, as stages on devices of their own do:
+   what a schedule does to the bubble shows alone. */
+#define FIXED_BLOCK_MS 8.0  /* a block's forward pass of the whole batch, whatever its size */
+static double fixed_ms_per_image; /* FIXED_BLOCK_MS / batch: the layers' settings */
+static void wait_ms(double ms) {
+    struct timespec left = {(time_t)(ms / 1e3), (long)(fmod(ms, 1e3) * 1e6)};
+    while (nanosleep(&left, &left) != 0 && errno == EINTR) {} /* (a signal cuts it short: wait the rest) */
+}
+static void fixed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    memcpy(y->data, x->data, x->numel * sizeof(float));
+    wait_ms(*(const double *)l->settings * x->shape.d[0]);
+}
+static void fixed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dweight, (void)dbias, (void)x, (void)y;
+    if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
+    wait_ms(2 * *(const double *)l->settings * dy->shape.d[0]);
+}
+static const mgpu_layer_fns fixed_duration = {"fixed", NULL, fixed_forward, fixed_backward, 1};
+
+/* BLOCKS layers of fixed duration, for inputs of 10 values a row (the
+   loss reads them as they come). Each has a weight of one value, never
+   used: a layer with no gradient to compute gets no backward pass, and
+   the first stage's first layer computes no input gradient. */
+static mgpu_net *fixed_net(mgpu_device *dev) {
+    mgpu_net *net = mgpu_net_new(dev);
+    for (int b = 0; b < BLOCKS; b++)
+        mgpu_net_add_layer(net, &fixed_duration, mgpu_zeros(dev, mgpu_shape1(1)), NULL, &fixed_ms_per_image);
+    return net;
+}
+
 typedef struct {
     const char *name;
     mgpu_schedule_fn schedule;
+    int (*in_flight)(int stage, int stages, int m); /* the micro-batches whose activations a stage holds at most */
 } schedule_choice;
-static const schedule_choice gpipe = {"GPipe", mgpu_schedule_gpipe}, one_f_one_b = {"1F1B", mgpu_schedule_1f1b};
+static int gpipe_in_flight(int stage, int stages, int m) { return (void)stage, (void)stages, m; }
+static int one_f_one_b_in_flight(int stage, int stages, int m) { return m < stages - stage ? m : stages - stage; }
+static const schedule_choice choices[2] = {{"GPipe", mgpu_schedule_gpipe, gpipe_in_flight},
+                                           {"1F1B", mgpu_schedule_1f1b, one_f_one_b_in_flight}};
 
 static double mib(size_t bytes) { return (double)bytes / 1048576.0; }
 
@@ -113,7 +189,7 @@ static void train(int width, int batch, int m, int epochs, double lr, int use_gp
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, m);
     char list[128], path[1024], title[256];
     mgpu_device_list(list, sizeof list, devs, 2);
-    snprintf(title, sizeof title, "%d-channel network in 2 stages on %s, 1F1B, m = %d", width, list, m);
+    snprintf(title, sizeof title, "2 stages on %s, 1F1B, m = %d", list, m);
     const char *series[] = {"train loss", "train acc", "test acc"};
     mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, "chapter6_test_acc.png", path, sizeof path), title,
                                                 "epoch", "", 1, epochs, 3, series);
@@ -121,27 +197,24 @@ static void train(int width, int batch, int m, int epochs, double lr, int use_gp
     mgpu_loader_set_drop_last(loader, 1); /* (every step m micro-batches of the same size) */
     mgpu_tensor *loss_sum = mgpu_zeros(devs[1], mgpu_shape1(1));
     printf("\n1. Training in 2 stages on %s: 1F1B, %d micro-batches of %d images, lr %g\n", list, m, batch / m, lr);
-    double seconds = 0;
     for (int epoch = 0; epoch < epochs; epoch++) {
         mgpu_loader_start_epoch(loader, epoch);
         mgpu_fill(loss_sum, 0.0f);
         mgpu_batch b;
         int seen = 0;
-        double start = mgpu_now();
         while (mgpu_loader_next(loader, &b)) {
             mgpu_pipeline_train_step(pp, b.x, b.y, (float)lr, 0.9f, 0.0f, loss_sum);
             seen += b.n;
         }
-        double loss = mgpu_item(loss_sum, 0) / seen; /* (waits for the epoch's steps) */
-        seconds += mgpu_now() - start;
+        double loss = mgpu_item(loss_sum, 0) / seen;
         double train_acc = mgpu_pipeline_evaluate_accuracy(pp, train_set, 256);
         double test_acc = mgpu_pipeline_evaluate_accuracy(pp, test_set, 256);
         double ys[3] = {loss, train_acc, test_acc};
         mgpu_animator_add(animator, epoch + 1, ys);
         printf("  epoch %d: loss %.3f, train acc %.3f, test acc %.3f\n", epoch + 1, loss, train_acc, test_acc);
     }
-    printf("test acc: %.2f, %.0f images/sec (%s)\n", mgpu_animator_last(animator, 2),
-           epochs * (double)(train_set->n / batch * batch) / seconds, path);
+    printf("test acc: %.2f, after %d epoch%s (%s)\n", mgpu_animator_last(animator, 2), epochs, epochs > 1 ? "s" : "",
+           path);
     mgpu_free(loss_sum);
     mgpu_loader_free(loader);
     mgpu_animator_free(animator);
@@ -160,70 +233,206 @@ static void first_images(const mgpu_dataset *data, int batch, mgpu_tensor **x, m
     mgpu_loader_free(loader);
 }
 
+/* The least of n values. */
+static double least(double *values, int n) {
+    double low = values[0];
+    for (int i = 1; i < n; i++) low = fmin(low, values[i]);
+    return low;
+}
+
 typedef struct {
-    double step_ms, bubble, peak_mib[MGPU_MAX_DEVICES];
+    double step_ms, bubble, work_ms, peak_mib[MGPU_MAX_DEVICES];
 } step_measure;
 
-/* Times `steps` steps of the pipeline (after one to warm up), then
-   traces one more: the median step, the bubble, and each stage's peak
-   activations over a step. */
+/* Runs `steps` traced steps of the pipeline (after one to warm up): the
+   step's time, its bubble and its work (the stages' busy times added
+   up), each `statistic` of the steps' (the least, or the median), and
+   each stage's peak activations over the steps. The last step's trace
+   stays, for its timeline. */
 static step_measure measure_steps(mgpu_pipeline *pp, mgpu_device **devs, int stages, const mgpu_tensor *x,
-                                  const mgpu_tensor *y, int steps) {
+                                  const mgpu_tensor *y, int steps, double (*statistic)(double *, int)) {
     step_measure r;
-    double ms[MAX_STEPS];
+    double ms[MAX_STEPS], bubble[MAX_STEPS], work_ms[MAX_STEPS];
     mgpu_pipeline_train_step(pp, x, y, 0.01f, 0.0f, 0.0f, NULL);
     mgpu_synchronize_all();
     for (int s = 0; s < stages; s++) mgpu_device_reset_peak(devs[s]);
     for (int i = 0; i < steps; i++) {
+        mgpu_trace_begin();
         double start = mgpu_now();
         mgpu_pipeline_train_step(pp, x, y, 0.01f, 0.0f, 0.0f, NULL);
         mgpu_synchronize_all();
         ms[i] = 1e3 * (mgpu_now() - start);
+        mgpu_trace_end();
+        mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+        bubble[i] = t.bubble_mean;
+        work_ms[i] = 0;
+        for (int s = 0; s < stages; s++) work_ms[i] += t.busy_ms[s];
     }
-    r.step_ms = mgpu_median(ms, steps);
+    r.step_ms = statistic(ms, steps);
+    r.bubble = statistic(bubble, steps);
+    r.work_ms = statistic(work_ms, steps);
     for (int s = 0; s < stages; s++) r.peak_mib[s] = mib(mgpu_device_memory_peak_of(devs[s], MGPU_MEMORY_ACTIVATIONS));
-    mgpu_trace_begin();
-    mgpu_pipeline_forward_backward(pp, x, y, NULL);
-    mgpu_trace_end();
-    r.bubble = mgpu_pipeline_measure(pp).bubble_mean;
     return r;
 }
 
-/* 2. Naive model parallelism, GPipe and 1F1B on `stages` devices. */
-static void schedules(int stages, int width, int batch, int steps, int use_gpu, const mgpu_tensor *x,
-                      const mgpu_tensor *y, const mgpu_options *o) {
-    mgpu_device *devs[MGPU_MAX_DEVICES];
-    mgpu_devices(stages, use_gpu, devs);
-    mgpu_manual_seed(o->seed);
-    int first[MGPU_MAX_DEVICES];
-    mgpu_net *net = convnet(devs[0], width, stages, first);
-    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, first);
-    char list[256];
-    printf("\n  %d stages on %s, batch %d:\n", stages, mgpu_device_list(list, sizeof list, devs, stages), batch);
-    printf("  %-7s %3s %9s %11s %8s %8s   %s\n", "", "m", "step ms", "images/sec", "bubble", "formula",
-           "peak activations a stage (MiB)");
-    const schedule_choice *choices[2] = {&gpipe, &one_f_one_b};
-    double naive_ms = 0;
+/* What section 2 keeps of a pipeline's runs, for its explanations and
+   the chapter's last lines. */
+typedef struct {
+    int stages, peaks_held; /* peaks_held: every stage's peak activations kept its bound */
+    double naive_ms, naive_work_ms;
+    double worst_gap; /* the bubble's largest distance from the formula, at any m */
+    /* at MOST_MICRO_BATCHES, GPipe's and 1F1B's: */
+    double bubble[2], speedup[2], work_ms[2], first_stage_mib[2];
+    double alone_work_ms; /* the work of MOST_MICRO_BATCHES micro-batches run alone, one after another */
+} pipeline_runs;
+
+/* One row's checks: the bubble at least its formula (on layers of fixed
+   duration, which share nothing, at most it too), the speedup at most
+   its bound. */
+static void check_row(const char *schedule, int stages, int m, int fixed, double bubble, double speedup,
+                     double speedup_bound) {
+    char figure[96];
+    double formula = mgpu_pipeline_bubble_formula(stages, m), slack = BUBBLE_SLACK / formula;
+    const char *what = fixed ? "of fixed duration" : "of the network";
+    snprintf(figure, sizeof figure, "%s's bubble at m = %d on %d stages %s", schedule, m, stages, what);
+    mgpu_bound_hold(figure, bubble, MGPU_AT_LEAST, formula, slack,
+                    fixed ? "a stage's wait ran long, which the trace counts as busy"
+                          : "stages that share the cores work slower while they overlap, which the trace counts "
+                            "as busy");
+    if (fixed)
+        mgpu_bound_hold(figure, bubble, MGPU_AT_MOST, formula, slack,
+                        "its devices' threads woke late; run it on a quieter machine");
+    snprintf(figure, sizeof figure, "%s's speedup at m = %d on %d stages %s", schedule, m, stages, what);
+    mgpu_bound_hold(figure, speedup, MGPU_AT_MOST, speedup_bound, SPEEDUP_SLACK,
+                    "its micro-batches may fit the caches better than the whole batch");
+}
+
+/* Each stage's peak activations beside the schedule's bound, checked:
+   naive holds one micro-batch, the whole batch, and the largest of m
+   micro-batches is 1/m of it, rounded up. by_m[k][m]: schedule k's
+   measures at m. Returns whether every bound held. */
+static int print_peaks(int stages, int batch, step_measure by_m[2][MOST_MICRO_BATCHES + 1]) {
+    const step_measure *naive = &by_m[0][1];
+    int held = 1;
+    printf("  peak activations a stage, MiB, and the schedule's bound:\n  %-7s %3s", "", "m");
+    for (int s = 0; s < stages; s++) printf("  stage %d  bound", s);
+    printf("\n");
     for (int k = 0; k < 2; k++)
-        for (int m = k == 0 ? 1 : 2; m <= 8; m *= 2) { /* (m = 1 is the same naive step under both) */
-            mgpu_pipeline_set_schedule(pp, choices[k]->schedule, m);
-            step_measure r = measure_steps(pp, devs, stages, x, y, steps);
-            if (m == 1) naive_ms = r.step_ms;
-            printf("  %-7s %3d %9.1f %11.0f %8.3f %8.3f  ", m == 1 ? "naive" : choices[k]->name, m, r.step_ms,
-                   batch / (r.step_ms / 1e3), r.bubble, mgpu_pipeline_bubble_formula(stages, m));
-            for (int s = 0; s < stages; s++) printf(" %6.2f", r.peak_mib[s]);
-            printf(m == 8 ? "   %.2fx naive\n" : "\n", naive_ms / r.step_ms);
-            if (m == 1 || m == 8) { /* the picture of each schedule, at its most micro-batches */
-                char name[64], path[1024], title[128];
-                snprintf(name, sizeof name, "chapter6_timeline_%s_%d_stages.png", m == 1 ? "naive" : choices[k]->name,
-                         stages);
-                snprintf(title, sizeof title, "%s, %d stages, %d micro-batch%s", m == 1 ? "naive" : choices[k]->name,
-                         stages, m, m > 1 ? "es" : "");
-                mgpu_pipeline_write_timeline(pp, mgpu_out_path(o, name, path, sizeof path), title);
+        for (int m = k == 0 ? 1 : 2; m <= MOST_MICRO_BATCHES; m *= 2) {
+            const char *name = m == 1 ? "naive" : choices[k].name;
+            double bound[MGPU_MAX_DEVICES];
+            printf("  %-7s %3d", name, m);
+            for (int s = 0; s < stages; s++) {
+                double one = naive->peak_mib[s] * ((batch + m - 1) / m) / batch;
+                bound[s] = choices[k].in_flight(s, stages, m) * one;
+                printf(" %8.2f %6.2f", by_m[k][m].peak_mib[s], bound[s]);
+            }
+            printf("\n");
+            for (int s = 0; s < stages; s++) {
+                char figure[96];
+                snprintf(figure, sizeof figure, "%s's peak activations at m = %d on stage %d in MiB", name, m, s);
+                held &= mgpu_bound_hold(figure, by_m[k][m].peak_mib[s], MGPU_AT_MOST, bound[s], PEAK_SLACK,
+                                        "or the schedule holds more micro-batches than it should");
             }
         }
+    return held;
+}
+
+/* How a device runs a micro-batch, from the ratio of its time alone to
+   the whole batch's. */
+static const char *efficiency(double ratio) {
+    return ratio > 1.05 ? "less efficiently than" : ratio < 0.95 ? "more efficiently than" : "about as efficiently as";
+}
+
+/* Why the network's layers fall short of the formula where the fixed
+   ones do not, from the runs' own figures: the same work may take
+   longer in micro-batches, and longer again where the stages share the
+   machine; a speedup is p (1 - bubble) naive's step over the work. */
+static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device *dev) {
+    int p = r->stages, m = MOST_MICRO_BATCHES;
+    double alone = r->alone_work_ms / r->naive_work_ms, shared = r->work_ms[1] / r->alone_work_ms;
+    int cores = mgpu_num_cores(), threads = cores / p > 1 ? cores / p : 1; /* (mgpu_devices' share) */
+    printf("  Why: at m = %d the stages' work was %.0f ms for GPipe and %.0f for 1F1B, against naive's %.0f.\n"
+           "  %d micro-batches of %d images run alone, one after another, took %.0f ms, %.2f times naive's: a\n"
+           "  micro-batch runs a device %s the whole batch. In 1F1B they took %.2f times that",
+           m, r->work_ms[0], r->work_ms[1], r->naive_work_ms, m, batch / m, r->alone_work_ms, alone,
+           efficiency(alone), shared);
+    if (shared < 0.95)
+        printf(":\n  less than alone: other work on the machine, or its caches, favoured this run over those alone.\n");
+    else if (shared <= 1.05)
+        printf(":\n  sharing the machine cost them little.\n");
+    else if (mgpu_device_is_gpu(dev))
+        printf(":\n  its %d stages share %d GPU%s.\n", p, mgpu_num_gpus(), mgpu_num_gpus() > 1 ? "s" : "");
+    else
+        printf(":\n  its %d devices of %d thread%s each share %d cores, and any other work there.\n", p,
+               threads, threads > 1 ? "s" : "", cores);
+    printf("  Speedup = p (1 - bubble) naive's step / work: for 1F1B %d x %.2f x %.0f / %.0f = %.2f.\n", p,
+           1 - r->bubble[1], r->naive_ms, r->work_ms[1], p * (1 - r->bubble[1]) * r->naive_ms / r->work_ms[1]);
+}
+
+/* 2. Naive model parallelism, GPipe and 1F1B on `stages` devices: of
+   layers of fixed duration (fixed 1), on CPU devices, or of the
+   chapter's network. */
+static pipeline_runs schedules(int fixed, int stages, int width, int batch, int steps, int use_gpu,
+                               const mgpu_tensor *x, const mgpu_tensor *y, const mgpu_options *o) {
+    pipeline_runs runs;
+    memset(&runs, 0, sizeof runs);
+    runs.stages = stages;
+    mgpu_device *devs[MGPU_MAX_DEVICES];
+    mgpu_devices(stages, use_gpu && !fixed, devs);
+    mgpu_manual_seed(o->seed);
+    int first[MGPU_MAX_DEVICES];
+    mgpu_net *net = fixed ? fixed_net(devs[0]) : convnet(devs[0], width, stages, first);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, fixed ? NULL : first);
+    int cores = mgpu_num_cores();
+    double speedup_bound = fixed || mgpu_device_is_gpu(devs[0]) || cores >= stages ? stages : (double)cores;
+    char list[256];
+    mgpu_device_list(list, sizeof list, devs, stages);
+    printf("\n  %s, %d stages on %s (the %s of %d step%s):\n",
+           fixed ? "Layers of fixed duration" : "The network's layers", stages, list, fixed ? "least" : "median", steps,
+           steps > 1 ? "s" : "");
+    printf("  %-7s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
+    step_measure by_m[2][MOST_MICRO_BATCHES + 1]; /* [schedule][m]; naive's: [0][1] */
+    const step_measure *naive = &by_m[0][1];
+    for (int k = 0; k < 2; k++)
+        for (int m = k == 0 ? 1 : 2; m <= MOST_MICRO_BATCHES; m *= 2) { /* (m = 1: the same naive step) */
+            const char *name = m == 1 ? "naive" : choices[k].name;
+            mgpu_pipeline_set_schedule(pp, choices[k].schedule, m);
+            step_measure r = by_m[k][m] = measure_steps(pp, devs, stages, x, y, steps, fixed ? least : mgpu_median);
+            double speedup = naive->step_ms / r.step_ms, formula = mgpu_pipeline_bubble_formula(stages, m);
+            printf("  %-7s %3d %9.1f %8.3f %8.3f %8.2f %9.1f\n", name, m, r.step_ms, r.bubble, formula, speedup,
+                   r.work_ms);
+            check_row(name, stages, m, fixed, r.bubble, speedup, speedup_bound);
+            runs.worst_gap = fmax(runs.worst_gap, fabs(r.bubble - formula));
+            if (m == MOST_MICRO_BATCHES) {
+                runs.bubble[k] = r.bubble, runs.speedup[k] = speedup, runs.work_ms[k] = r.work_ms;
+                runs.first_stage_mib[k] = r.peak_mib[0];
+            }
+            if (m == 1 || m == MOST_MICRO_BATCHES) { /* the picture of each schedule, at its most micro-batches */
+                char file[96], path[1024], title[128];
+                snprintf(file, sizeof file, "chapter6_timeline_%s_%d_stages%s.png", name, stages,
+                         fixed ? "_fixed" : "");
+                snprintf(title, sizeof title, "%s, %d stages, %d micro-batch%s%s", name, stages, m,
+                         m > 1 ? "es" : "", fixed ? ", layers of fixed duration" : "");
+                mgpu_pipeline_write_timeline(pp, mgpu_out_path(o, file, path, sizeof path), title);
+            }
+        }
+    runs.naive_ms = naive->step_ms, runs.naive_work_ms = naive->work_ms;
+    if (!fixed) {
+        runs.peaks_held = print_peaks(stages, batch, by_m);
+        /* the micro-batches' work without the pipeline: one of them, naive, times their number */
+        int rows = batch / MOST_MICRO_BATCHES;
+        mgpu_tensor *x_micro = mgpu_narrow(x, 0, rows), *y_micro = mgpu_narrow(y, 0, rows);
+        mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+        runs.alone_work_ms =
+            MOST_MICRO_BATCHES * measure_steps(pp, devs, stages, x_micro, y_micro, steps, mgpu_median).work_ms;
+        mgpu_free(x_micro);
+        mgpu_free(y_micro);
+        explain_network_runs(&runs, batch, devs[0]);
+    }
     mgpu_pipeline_free(pp);
     mgpu_net_free(net);
+    return runs;
 }
 
 /* 3. The two split layers against one device, and what they move. */
@@ -241,7 +450,8 @@ static double max_relative_diff(const mgpu_tensor *a, const mgpu_tensor *b) {
     free(vb);
     return diff / scale;
 }
-static void split_layers(int width, int batch, int use_gpu) {
+/* Returns the largest difference from one device. */
+static double split_layers(int width, int batch, int use_gpu) {
     printf("\n3. Splitting layers, batch %d: the largest difference from one device (relative), and the bytes\n"
            "   a device sends per step, beside data parallelism's for the same parameters:\n", batch);
     printf("  %-36s %2s %10s %12s %12s %12s\n", "", "k", "differs", "forward", "backward", "data par.");
@@ -260,6 +470,7 @@ static void split_layers(int width, int batch, int use_gpu) {
     mgpu_linear_forward(H, X, A, a);
     mgpu_relu_forward(H, H);
     mgpu_linear_forward(Y1, H, B, b);
+    double worst = 0;
     for (int k = 2; k <= 4; k *= 2) {
         mgpu_devices(k, use_gpu, devs);
         mgpu_tensor *xk = mgpu_to(x, devs[0], 0), *Xk = mgpu_to(X, devs[0], 0);
@@ -269,14 +480,17 @@ static void split_layers(int width, int batch, int use_gpu) {
         mgpu_tp_bytes cb = mgpu_tp_conv_bytes(c);
         char label[64];
         snprintf(label, sizeof label, "convolution %d->%d, 3x3, 14x14", width, width);
-        printf("  %-36s %2d %10.1e %12zu %12zu %12zu\n", label, k, max_relative_diff(yk, y1), cb.forward,
-               cb.backward, mgpu_data_parallel_bytes(mgpu_tp_conv_parameters(c), k));
+        double conv_diff = max_relative_diff(yk, y1);
+        printf("  %-36s %2d %10.1e %12zu %12zu %12zu\n", label, k, conv_diff, cb.forward, cb.backward,
+               mgpu_data_parallel_bytes(mgpu_tp_conv_parameters(c), k));
         mgpu_tp_mlp *mlp = mgpu_tp_mlp_new(A, a, B, b, devs, k);
         mgpu_tensor *Yk = mgpu_tp_mlp_forward(mlp, Xk);
         mgpu_tp_mlp_backward(mlp, Yk);
         mgpu_tp_bytes mb = mgpu_tp_mlp_bytes(mlp);
-        printf("  %-36s %2d %10.1e %12zu %12zu %12zu\n", "Megatron MLP 784->512->10", k, max_relative_diff(Yk, Y1),
-               mb.forward, mb.backward, mgpu_data_parallel_bytes(mgpu_tp_mlp_parameters(mlp), k));
+        double mlp_diff = max_relative_diff(Yk, Y1);
+        printf("  %-36s %2d %10.1e %12zu %12zu %12zu\n", "Megatron MLP 784->512->10", k, mlp_diff, mb.forward,
+               mb.backward, mgpu_data_parallel_bytes(mgpu_tp_mlp_parameters(mlp), k));
+        worst = fmax(worst, fmax(conv_diff, mlp_diff));
         mgpu_tp_conv_free(c);
         mgpu_tp_mlp_free(mlp);
         mgpu_free(xk);
@@ -288,11 +502,14 @@ static void split_layers(int width, int batch, int use_gpu) {
            "  moves a small fraction of what data parallelism moves.\n");
     mgpu_tensor *all[] = {w, bias, x, y1, A, a, B, b, X, H, Y1};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mgpu_free(all[i]);
+    return worst;
 }
 
-/* 4. Two pipelines of 2 stages as data parallelism on 4 devices. */
-static void hybrid(int width, int batch, int m, int steps, int use_gpu, const mgpu_tensor *x, const mgpu_tensor *y,
-                   const mgpu_options *o) {
+/* 4. Two pipelines of 2 stages as data parallelism on 4 devices,
+   against naive's step of the whole batch on 2 (naive_ms). Returns how
+   far apart the two copies of the network end. */
+static double hybrid(int width, int batch, int m, int steps, int use_gpu, double naive_ms, const mgpu_tensor *x,
+                     const mgpu_tensor *y, const mgpu_options *o) {
     mgpu_device *devs[4];
     mgpu_devices(4, use_gpu, devs);
     mgpu_net *nets[2];
@@ -325,12 +542,17 @@ static void hybrid(int width, int batch, int m, int steps, int use_gpu, const mg
         apart = fmax(apart, max_relative_diff(mgpu_net_param(nets[0], i)->value, mgpu_net_param(nets[1], i)->value));
     for (int i = 0; i < nets[0]->nbuffers; i++)
         apart = fmax(apart, max_relative_diff(mgpu_net_buffer(nets[0], i), mgpu_net_buffer(nets[1], i)));
+    int cores = mgpu_num_cores();
+    double speedup = naive_ms / step_ms, bound = mgpu_device_is_gpu(devs[0]) || cores >= 4 ? 4 : (double)cores;
     printf("\n4. Hybrid: 2 pipelines of 2 stages (1F1B, m = %d, half the batch each) with their gradients\n"
-           "   averaged between stages 0 and between stages 1, on 4 devices: %.1f ms a step, %.0f images/sec;\n"
-           "   the two copies of the network (values and batch norm's statistics) differ by %.1e after %d\n"
-           "   steps (they must stay equal).\n",
-           m, step_ms, batch / (step_ms / 1e3), apart, steps + 1);
+           "   averaged between stages 0 and between stages 1, on 4 devices: %.1f ms a step (the median of %d),\n"
+           "   %.2f times as fast as naive model parallelism on 2; the two copies of the network (values and\n"
+           "   batch norm's statistics) differ by %.1e after %d steps (they must stay equal).\n",
+           m, step_ms, steps, speedup, apart, steps + 1);
+    mgpu_bound_hold("the hybrid's speedup over naive", speedup, MGPU_AT_MOST, bound, SPEEDUP_SLACK,
+                    "at most its 4 devices, and on CPU devices the cores");
     for (int k = 0; k < 2; k++) mgpu_net_free(nets[k]);
+    return apart;
 }
 
 int main(int argc, char **argv) {
@@ -340,7 +562,8 @@ int main(int argc, char **argv) {
     int train_samples = 0, steps = 0, width = 0, micro = 4;
     const mgpu_flag extra[] = {
         {"--train-samples", 'i', &train_samples, "train on the first N images"},
-        {"--steps", 'i', &steps, "timed steps of each schedule (up to 64; the median is printed)"},
+        {"--steps", 'i', &steps, "timed steps of each schedule (up to 64; the median is printed, the least "
+                                 "for layers of fixed duration)"},
         {"--width", 'i', &width, "the network's channels (32)"},
         {"--micro-batches", 'i', &micro, "micro-batches of the training (section 1; default 4)"},
         {"--devices", 'n', NULL, "chapter 6 runs on 2 and 4 devices, its stages"},
@@ -379,18 +602,58 @@ int main(int argc, char **argv) {
     MGPU_REQUIRE(micro >= 1 && micro <= batch, "--micro-batches %d: want 1 to the batch, %d", micro, batch);
     train(width, batch, micro, o.epochs, lr, use_gpu, train_set, test_set, &o);
 
-    mgpu_tensor *x, *y;
+    mgpu_tensor *x, *y, *values = mgpu_zeros(mgpu_cpu(), mgpu_shape2(batch, 10));
     first_images(train_set, batch, &x, &y);
-    printf("\n2. A training step split in stages: the median of %d steps, the bubble measured from a traced\n"
-           "   step (each stage's idle time over the step's), beside (p - 1) / (m + p - 1):\n", steps);
-    schedules(2, width, batch, steps, use_gpu, x, y, &o);
-    schedules(4, width, batch, steps, use_gpu, x, y, &o);
+    int cores = mgpu_num_cores();
+    printf("\n2. A training step split in stages. bubble: measured from the trace, each stage's idle time over\n"
+           "   the step's, beside the formula (p - 1) / (m + p - 1); speedup: naive's step time over this one's,\n"
+           "   at most the stages (p), and on CPU devices the cores (here %d); work: the stages'\n"
+           "   busy time added up. First layers of fixed duration, on CPU devices: each of the %d blocks waits\n"
+           "   %.0f ms forward for the batch of %d and twice that backward, less for fewer images: a wait takes\n"
+           "   no core, so the stages overlap as on devices of their own, on any machine.\n",
+           cores, BLOCKS, FIXED_BLOCK_MS, batch);
+    fixed_ms_per_image = FIXED_BLOCK_MS / batch;
+    pipeline_runs fixed[2] = {schedules(1, 2, width, batch, steps, use_gpu, values, y, &o),
+                              schedules(1, 4, width, batch, steps, use_gpu, values, y, &o)};
+    printf("\n  Then the network's layers; each stage's peak activations beside the schedule's bound: m micro-\n"
+           "  batches for GPipe, min(m, p - s) on stage s for 1F1B, each 1/m of naive's whole batch.\n");
+    pipeline_runs net[2] = {schedules(0, 2, width, batch, steps, use_gpu, x, y, &o),
+                            schedules(0, 4, width, batch, steps, use_gpu, x, y, &o)};
     char path[1024];
     printf("  timelines: %s and the others beside it\n",
-           mgpu_out_path(&o, "chapter6_timeline_1F1B_2_stages.png", path, sizeof path));
+           mgpu_out_path(&o, "chapter6_timeline_1F1B_2_stages_fixed.png", path, sizeof path));
 
-    split_layers(width, batch, use_gpu);
-    hybrid(width, batch, 4, steps, use_gpu, x, y, &o);
+    double split_diff = split_layers(width, batch, use_gpu);
+    double apart = hybrid(width, batch, 4, steps, use_gpu, net[0].naive_ms, x, y, &o);
+    int m = MOST_MICRO_BATCHES;
+    printf("\nWhat this run shows:\n");
+    double worst_gap = fmax(fixed[0].worst_gap, fixed[1].worst_gap);
+    if (worst_gap <= BUBBLE_SLACK)
+        printf("  On layers of fixed duration the measured bubble kept within %.3f of (p - 1) / (m + p - 1) at every\n"
+               "  m on 2 and 4 stages (at m = %d on 2 stages, GPipe %.3f and 1F1B %.3f against %.3f): more\n"
+               "  micro-batches, a smaller bubble, as the formula says.\n",
+               worst_gap, m, fixed[0].bubble[0], fixed[0].bubble[1], mgpu_pipeline_bubble_formula(2, m));
+    else
+        printf("  On layers of fixed duration the measured bubble strayed %.3f from (p - 1) / (m + p - 1) (the !\n"
+               "  lines above): the machine was too busy for this run to show the formula; run it again.\n",
+               worst_gap);
+    printf("  1F1B's first stage held %.2f MiB of activations at m = %d on 2 stages, GPipe's %.2f: %d micro-batches\n"
+           "  against %d, on any machine%s.\n",
+           net[0].first_stage_mib[1], m, net[0].first_stage_mib[0], choices[1].in_flight(0, 2, m),
+           choices[0].in_flight(0, 2, m), net[0].peaks_held && net[1].peaks_held ? "" : " (but for the ! lines above)");
+    printf("  On the network's layers 1F1B at m = %d ran %.2f times as fast as naive on 2 stages and %.2f on\n"
+           "  4, with bubbles of %.3f and %.3f against the formula's %.3f and %.3f, and work of %.2f and %.2f\n"
+           "  times naive's (the lines after each table say why).\n",
+           m, net[0].speedup[1], net[1].speedup[1], net[0].bubble[1], net[1].bubble[1],
+           mgpu_pipeline_bubble_formula(2, m), mgpu_pipeline_bubble_formula(4, m),
+           net[0].work_ms[1] / net[0].naive_work_ms, net[1].work_ms[1] / net[1].naive_work_ms);
+    printf("  The split layers %s one device to %.1e, relative (float32's sums in another order).\n",
+           split_diff <= SPLIT_TOLERANCE ? "equal" : "differ from", split_diff);
+    mgpu_bound_hold("the split layers' difference from one device", split_diff, MGPU_AT_MOST, SPLIT_TOLERANCE, 0,
+                    "or they compute something else");
+    printf("  The hybrid's two copies of the network differ by %.1e: %s.\n", apart,
+           apart == 0 ? "equal, as averaged gradients keep them" : "they should be equal");
+    mgpu_free(values);
     mgpu_free(x);
     mgpu_free(y);
     mgpu_dataset_free(train_set);

@@ -10,7 +10,10 @@
    - 1F1B holds at most min(m, p - s) micro-batches' activations on stage
      s, GPipe m of them: measured against one micro-batch's;
    - the bubble measured from the trace within 0.05 of (p-1)/(m+p-1), for
-     equal stages on 2 CPU devices;
+     GPipe and 1F1B, m = 1, 2, 4 and 8, on 2 and 4 CPU devices whose
+     equal stages sleep a fixed time (the median of 3 steps; on a busy
+     machine, tried again with longer sleeps, which the threads' late
+     wake-ups then weigh less against);
    - data parallelism over 2 pipelines of 2 stages equals one device;
    - bad settings and schedules are refused by name.
    tests/gpu_pipeline.c includes this file with TEST_ON_GPU 1: the same
@@ -250,13 +253,13 @@ TEST(measured_bubble_is_the_formulas) {
     mgpu_devices(4, 0, devs);
     mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
     mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
-    int micro[3] = {1, 4, 8};
+    int micro[4] = {1, 2, 4, 8};
     for (int stages = 2; stages <= 4; stages += 2) {
         mgpu_net *net = mgpu_net_new(mgpu_cpu());
         for (int i = 0; i < 2 * stages; i++) mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, &timed_ms);
         mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
         for (int k = 0; k < 2; k++)
-            for (int i = 0; i < 3; i++) {
+            for (int i = 0; i < 4; i++) {
                 mgpu_pipeline_set_schedule(pp, schedules[k], micro[i]);
                 mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
                 double want = mgpu_pipeline_bubble_formula(stages, micro[i]), got = 0, worst_stage = 0;
