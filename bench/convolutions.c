@@ -187,7 +187,7 @@ int main(int argc, char **argv) {
     printf(" %9s\n", "TFLOP/s");
 
     /* a step's convolutions, in microseconds: [0] im2col, [1] implicit with
-       the fastest kernels, [2] the library's choice per pass (auto) */
+       the fastest kernels, [2] the faster per pass, as MGPU_CONV=timed chooses */
     double step_us[3] = {0, 0, 0}, step_flop = 0;
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
