@@ -9,6 +9,8 @@ failed=0
 chapters=${CHAPTER_DIR:-.}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+# Open MPI refuses root unless told, and more ranks than cores unless told.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 # check NAME STATUS PATTERN... -- COMMAND...: runs COMMAND, and passes when
 # its exit status is STATUS and its output (stdout and stderr) matches every

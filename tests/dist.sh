@@ -7,8 +7,6 @@
 cd "$(dirname "$0")/.."
 . tests/check.sh
 tests=build/tests/dist_tests
-# Open MPI refuses root unless told, and more ranks than cores unless told.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 if ! command -v mpirun >/dev/null; then
     echo "skipped: no mpirun (apt-get install openmpi-bin libopenmpi-dev)"

@@ -6,8 +6,6 @@
 cd "$(dirname "$0")/.."
 . tests/check.sh
 export MGPU_DATA=${MGPU_DATA:-data/fashion-mnist}
-# Open MPI refuses root unless told, and more ranks than cores unless told.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 # The figures of a run's output that must repeat, one a line, in order.
 figures() {
