@@ -899,12 +899,20 @@ static void mgpu__conv_trial_copies(mgpu__conv_trial *t, mgpu__conv_copies_ms *m
 /* The plan by rule (MGPU_CONV=rule, the default), fixed for a shape and
    a kind of GPU so that the same run computes the same bits every time.
    It is what the timed trials chose for most of ResNet-18's shapes on an
-   H200 (bench/results-2026-11-26-1221-nvidia-h200.md): a first layer on
+   H200 (bench/RESULTS.md, "the rule's sources"): a first layer on
    few inputs by conv_few_inputs.h; the direct kernel in its 64 x 128 tile
    (by wgmma where the GPU has it), the forward pass and dx in one slice,
    dW in its default slices; dx of 3x3 windows at stride 2 by quads; and
    im2col where the output has 4 x 4 pixels or fewer (stage 4, where im2col
    won every pass but one) or where no kernel fits. */
+/* The rule's direct kernel for the forward pass or dx, in *k: the 64 x
+   128 tile in one slice, by wgmma where the GPU has it and the pass fits
+   it, else by mma.sync; 0 where neither fits. */
+static int mgpu__conv_rule_direct(mgpu__conv_try what, const mgpu__conv_geom *g, int wgmma,
+                                  mgpu__implicit_kernel *k) {
+    return (wgmma && mgpu__conv_kernel_choice(what, g, MGPU__TILE_64x128, 1, 0, k)) ||
+           mgpu__conv_kernel_choice(what, g, MGPU__TILE_64x128, 0, 0, k);
+}
 static mgpu__conv_plan mgpu__conv_plan_by_rule(mgpu_device *dev, const mgpu__conv_geom *g, int backward,
                                                int with_dx) {
     mgpu__conv_plan plan;
@@ -914,15 +922,13 @@ static mgpu__conv_plan mgpu__conv_plan_by_rule(mgpu_device *dev, const mgpu__con
     mgpu__implicit_kernel few = mgpu__kernel_of(MGPU__FEW_INPUTS, MGPU__TILE_64x64, 1, 0);
     mgpu__implicit_kernel quads = mgpu__kernel_of(MGPU__STRIDE2_DX, MGPU__TILE_64x64, 1, 0);
     mgpu__implicit_kernel direct = mgpu__kernel_of(MGPU__DIRECT, MGPU__TILE_64x128, 1, 0);
-    int fits_y = (wgmma && mgpu__conv_kernel_choice(MGPU__TRY_Y, g, MGPU__TILE_64x128, 1, 0, &plan.y)) ||
-                 mgpu__conv_kernel_choice(MGPU__TRY_Y, g, MGPU__TILE_64x128, 0, 0, &plan.y);
-    int fits_dx = (wgmma && mgpu__conv_kernel_choice(MGPU__TRY_DX, g, MGPU__TILE_64x128, 1, 0, &plan.dx)) ||
-                  mgpu__conv_kernel_choice(MGPU__TRY_DX, g, MGPU__TILE_64x128, 0, 0, &plan.dx);
     if (!backward) {
-        if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, MGPU__TRY_Y, g)) plan.y = few, fits_y = 1;
-        plan.implicit = fits_y;
+        int fits = mgpu__conv_rule_direct(MGPU__TRY_Y, g, wgmma, &plan.y);
+        if (mgpu__conv_method_fits(MGPU__FEW_INPUTS, MGPU__TRY_Y, g)) plan.y = few, fits = 1;
+        plan.implicit = fits;
         return plan;
     }
+    int fits_dx = mgpu__conv_rule_direct(MGPU__TRY_DX, g, wgmma, &plan.dx);
     if (mgpu__conv_method_fits(MGPU__STRIDE2_DX, MGPU__TRY_DX, g)) plan.dx = quads, fits_dx = 1;
     plan.dx_im2col = with_dx && !fits_dx;
     plan.dw = direct;
@@ -1150,10 +1156,9 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     return writes;
 }
 
-/* A pass on a CPU device, by the way its choice says (above). */
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
    shape: oneDNN, except the backward passes where im2col won the trials on
-   2-core CPUs (bench/RESULTS.md, 2026-11-26): 1x1 windows at a stride
+   2-core CPUs (bench/RESULTS.md, "the rule's sources"): 1x1 windows at a stride
    (ResNet's shortcuts) and outputs of 4 x 4 pixels or fewer. */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
@@ -1161,6 +1166,7 @@ static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *
     return im2col_wins ? MGPU__CPU_BY_IM2COL : MGPU__CPU_BY_ONEDNN;
 }
 
+/* A pass on a CPU device, by the way its choice says (above). */
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
     int onednn = mgpu__conv_mode == MGPU__CONV_IMPLICIT ||
