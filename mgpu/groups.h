@@ -488,17 +488,6 @@ static void mgpu__mpi_reduce_scatter(const mgpu__coll *c, const char *what) {
     mgpu__sum_chunks(c->out, received, (size_t)len, g->size, c->op);
 }
 
-/* Inside a traced task on a queue: its time so far is recorded as an
-   operation of its own, `name` (a string literal), and the task's own
-   record starts now. Elsewhere (a GPU's collective runs on the calling
-   thread), nothing. */
-static void mgpu__trace_split(const char *name) {
-    if (!mgpu__traced_task.queue || !mgpu__library.tracing) return;
-    double now = mgpu_now();
-    mgpu__trace_add(mgpu__traced_task.queue, name, mgpu__traced_task.label, mgpu__traced_task.start, now, NULL);
-    mgpu__traced_task.start = now;
-}
-
 /* Runs a collective on host memory: the agreement, then MPI. */
 static void mgpu__coll_run(const mgpu__coll *c) {
     mgpu_group *g = c->group;

@@ -9,7 +9,8 @@
    sets up where).
    defines: mgpu_synchronize
    internal: mgpu__launch_on (every operation's way onto a queue),
-   mgpu__trace_add (the tracer's record of each operation) */
+   mgpu__trace_add (the tracer's record of each operation), mgpu__trace_split
+   (a task's first part recorded apart: a collective's wait) */
 /* ======================================================================
    Queues. A CPU queue is a worker thread that takes tasks from a ring in
    order. A task is a function and a small copy of its arguments, so the
@@ -203,6 +204,16 @@ static __thread struct {
     const char *label;
     double start;
 } mgpu__traced_task;
+/* Inside a traced task on a queue: its time so far is recorded as an
+   operation of its own, `name` (a string literal), and the task's own
+   record starts now. Elsewhere (a GPU's collective runs on the calling
+   thread), nothing. */
+static inline void mgpu__trace_split(const char *name) {
+    if (!mgpu__traced_task.queue || !mgpu__library.tracing) return;
+    double now = mgpu_now();
+    mgpu__trace_add(mgpu__traced_task.queue, name, mgpu__traced_task.label, mgpu__traced_task.start, now, NULL);
+    mgpu__traced_task.start = now;
+}
 
 static void *mgpu__worker(void *arg) {
     mgpu__queue *q = (mgpu__queue *)arg;
