@@ -21,7 +21,13 @@ its own copy of the model (the same initial weights):
           stage at work at a time;
   gpipe   ScheduleGPipe with --micro-batches micro-batches (all forward
           passes, then all backward passes);
-  1f1b    Schedule1F1B with --micro-batches micro-batches.
+  1f1b    Schedule1F1B with --micro-batches micro-batches;
+  interleaved  ScheduleInterleaved1F1B: the blocks cut in 4 stages of 4
+          blocks, process r holding stages r and r + 2 (2 chunks a
+          process, Megatron-LM's virtual stages);
+  zero-bubble  ScheduleInterleavedZeroBubble (ZB1P) on the 2 stages of
+          1f1b's cut, one a process: each backward pass split into the
+          input's gradient and the weights', the latter filling the bubble.
 How the schedules are driven (torch 2.15's pipelining/schedules.py): the
 first stage's step() takes the whole batch and splits it along dim 0, the
 last stage's takes target= (split alike) and fills losses= with one loss
@@ -36,10 +42,11 @@ takes 2 untimed steps, then --steps timed ones; the schedules take turns
 round by round (naive, gpipe, 1f1b, naive, ...) so that drift hits them
 alike; the medians are reported, with
     RESULT pipeline.py device=cpu batch=2048 micro_batches=8 naive_ms=... gpipe_ms=...
-           one_f_one_b_ms=... gpipe_speedup=... one_f_one_b_speedup=... steps=10
+           one_f_one_b_ms=... interleaved_ms=... zero_bubble_ms=... gpipe_speedup=...
+           one_f_one_b_speedup=... interleaved_speedup=... zero_bubble_speedup=... steps=10
 (one line; a speedup is naive_ms over the schedule's).
 
-Before timing, one check: the gradients of GPipe's first step equal, within
+Before timing, one check a schedule: the gradients of its first step equal, within
 1e-5 relative (per tensor, the largest difference over the largest
 reference magnitude), those of the whole model in one process on the same
 batch with the same weights; a failure exits with status 1. When
@@ -65,7 +72,8 @@ from torch.nn import functional as F  # noqa: E402
 
 STAGES = 2
 TOLERANCE = 1e-5
-SCHEDULES = ["naive", "gpipe", "1f1b"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zero-bubble"]
+CHUNKS = 2  # interleaved 1F1B: the model cut in CHUNKS * STAGES stages, CHUNKS a process
 BLOCKS, WIDTH = 16, 1024
 
 
@@ -77,9 +85,10 @@ def mlp():
     return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
 
 
-def stage_of(model, stage):
-    """Stage 0: the first half of the blocks; stage 1: the second half and the classifier."""
-    return model[:BLOCKS] if stage == 0 else model[BLOCKS:]
+def stage_of(model, stage, stages=STAGES):
+    """Stage s of `stages` equal runs of blocks; the last one takes the classifier too."""
+    per = BLOCKS // stages
+    return model[2 * per * stage:2 * per * (stage + 1) if stage + 1 < stages else len(model)]
 
 
 def data(batch, seed):
@@ -107,7 +116,8 @@ def worker(rank, a, port):
 
 
 def run(rank, a, port):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -119,25 +129,37 @@ def run(rank, a, port):
     def build(name):
         m = 1 if name == "naive" else a.micro_batches
         torch.manual_seed(a.seed)
-        module = stage_of(mlp(), rank)
+        model = mlp()
+        chunks = CHUNKS if name == "interleaved" else 1
+        total = chunks * STAGES
         mb = a.batch_size // m
-        # static metadata: one micro-batch's activation in and out of the
-        # stage. Its requires_grad matters: stage 1 computes and sends its
-        # input's gradient, and stage 0 waits for its output's, only where
-        # the example tensor requires grad (with none, stage 0's backward
-        # gets None for a gradient); the images need none.
-        shape_in = torch.empty(mb, WIDTH, requires_grad=rank > 0)
-        shape_out = torch.empty(mb, WIDTH if rank == 0 else 10, requires_grad=True)
-        stage = PipelineStage(module, rank, STAGES, device, input_args=shape_in, output_args=shape_out)
-        kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
-        schedule = kind(stage, n_microbatches=m, loss_fn=F.cross_entropy)
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
-        return module, schedule, optimizer
+        # static metadata: one micro-batch's activation in and out of each
+        # stage. Its requires_grad matters: a stage after the first computes
+        # and sends its input's gradient, and the stage before waits for its
+        # output's, only where the example tensor requires grad (with none,
+        # the backward gets None for a gradient); the images need none.
+        stages, modules = [], []
+        for index in range(rank, total, STAGES):
+            module = stage_of(model, index, total)
+            shape_in = torch.empty(mb, WIDTH, requires_grad=index > 0)
+            shape_out = torch.empty(mb, WIDTH if index + 1 < total else 10, requires_grad=True)
+            stages.append(PipelineStage(module, index, total, device, input_args=shape_in,
+                                        output_args=shape_out))
+            modules.append(module)
+        if name in ("interleaved", "zero-bubble"):
+            kind = ScheduleInterleaved1F1B if name == "interleaved" else ScheduleInterleavedZeroBubble
+            schedule = kind(stages, n_microbatches=m, loss_fn=F.cross_entropy)
+        else:
+            kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+            schedule = kind(stages[0], n_microbatches=m, loss_fn=F.cross_entropy)
+        params = [q for module in modules for q in module.parameters()]
+        optimizer = torch.optim.SGD(params, lr=0.01)
+        return params, schedule, optimizer
 
     runs = {name: build(name) for name in SCHEDULES}
 
     def step(name, check=False):
-        module, schedule, optimizer = runs[name]
+        params, schedule, optimizer = runs[name]
         optimizer.zero_grad(set_to_none=True)
         losses = []
         if rank == 0:
@@ -146,35 +168,38 @@ def run(rank, a, port):
             schedule.step(target=y, losses=losses)
         result = None
         if check:
-            result = [p.grad.clone() for p in module.parameters()], losses
+            result = [q.grad.clone() for q in params], losses
         optimizer.step()
         return result
 
-    # the check: GPipe's first step against the whole model in one process
-    grads, losses = step("gpipe", check=True)
+    # the check: each schedule's first step against the whole model in one process
     torch.manual_seed(a.seed)
     whole = mlp()
     loss = F.cross_entropy(whole(x), y)
     loss.backward()
-    reference = [p.grad for p in stage_of(whole, rank).parameters()]
-    worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference))
-    loss_err = abs(torch.stack(losses).mean().item() - loss.item()) if rank == STAGES - 1 else 0.0
-    t = torch.tensor([worst, loss_err], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    worst, loss_err = t.tolist()
-    ok = worst <= TOLERANCE
-    if rank == 0:
-        print(f"check: GPipe ({a.micro_batches} micro-batches) gradients against one process's, "
-              f"largest relative difference {worst:.2e} (tolerance {TOLERANCE:.0e}), "
-              f"mean loss {loss.item():.6f} (difference {loss_err:.1e}): {'ok' if ok else 'FAILED'}", flush=True)
-    if not ok:
-        dist.destroy_process_group()
-        sys.exit(1)
+    for name in SCHEDULES[1:]:
+        grads, losses = step(name, check=True)
+        total = (CHUNKS if name == "interleaved" else 1) * STAGES
+        reference = [q.grad for index in range(rank, total, STAGES)
+                     for q in stage_of(whole, index, total).parameters()]
+        worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference))
+        loss_err = abs(torch.stack(losses).mean().item() - loss.item()) if losses else 0.0
+        t = torch.tensor([worst, loss_err], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        worst, loss_err = t.tolist()
+        ok = worst <= TOLERANCE
+        if rank == 0:
+            print(f"check: {name} ({a.micro_batches} micro-batches) gradients against one process's, "
+                  f"largest relative difference {worst:.2e} (tolerance {TOLERANCE:.0e}), mean loss "
+                  f"{loss.item():.6f} (difference {loss_err:.1e}): {'ok' if ok else 'FAILED'}", flush=True)
+        if not ok:
+            dist.destroy_process_group()
+            sys.exit(1)
 
-    # the first of gpipe's 2 untimed steps was the check's
+    # (the first of each schedule's 2 untimed steps but naive's was the check's)
     for w in range(2):
         for name in SCHEDULES:
-            if name != "gpipe" or w:
+            if name == "naive" or w:
                 step(name)
     times = {name: [] for name in SCHEDULES}
     for _ in range(a.steps):
@@ -189,17 +214,19 @@ def run(rank, a, port):
         ms = {name: statistics.median(times[name]) for name in SCHEDULES}
         fastest = {name: min(times[name]) for name in SCHEDULES}
         print(f"PyTorch {torch.__version__} torch.distributed.pipelining (gloo), {STAGES} stages in "
-              f"{STAGES} processes of 1 thread, 8-layer MLP, batch {a.batch_size}; median of {a.steps} "
+              f"{STAGES} processes of 1 thread, {BLOCKS}-block MLP, batch {a.batch_size}; median of {a.steps} "
               f"steps after 2 untimed")
-        print(f"  {'schedule':<8} {'micro-batches':>13} {'ms/step':>9} {'fastest':>9} {'speedup':>8}")
+        print(f"  {'schedule':<11} {'micro-batches':>13} {'ms/step':>9} {'fastest':>9} {'speedup':>8}")
         for name in SCHEDULES:
             m = 1 if name == "naive" else a.micro_batches
-            print(f"  {name:<8} {f'{m} x {a.batch_size // m}':>13} {ms[name]:9.2f} {fastest[name]:9.2f} "
+            print(f"  {name:<11} {f'{m} x {a.batch_size // m}':>13} {ms[name]:9.2f} {fastest[name]:9.2f} "
                   f"{ms['naive'] / ms[name]:7.2f}x")
+        key = {"naive": "naive", "gpipe": "gpipe", "1f1b": "one_f_one_b", "interleaved": "interleaved",
+               "zero-bubble": "zero_bubble"}
         print(f"RESULT pipeline.py device=cpu batch={a.batch_size} micro_batches={a.micro_batches} "
-              f"naive_ms={ms['naive']:.3f} gpipe_ms={ms['gpipe']:.3f} one_f_one_b_ms={ms['1f1b']:.3f} "
-              f"gpipe_speedup={ms['naive'] / ms['gpipe']:.3f} "
-              f"one_f_one_b_speedup={ms['naive'] / ms['1f1b']:.3f} steps={a.steps}", flush=True)
+              + " ".join(f"{key[n]}_ms={ms[n]:.3f}" for n in SCHEDULES) + " "
+              + " ".join(f"{key[n]}_speedup={ms['naive'] / ms[n]:.3f}" for n in SCHEDULES[1:])
+              + f" steps={a.steps}", flush=True)
     dist.destroy_process_group()
 
 
