@@ -1,8 +1,9 @@
 /* mgpu/groups.h: processes as a group, over MPI (chapter 4). Starting
    and ending a job; a group's collectives on tensors (allreduce,
-   broadcast, all-gather, reduce-scatter, send and receive) and on host
-   values; and the watch that keeps a job from hanging: every wait on
-   other ranks is bounded (MGPU_DIST_TIMEOUT), and a rank that stopped is
+   broadcast, all-gather, reduce-scatter, send and receive), by MPI or,
+   between GPUs of different processes, by NCCL, and on host values; and
+   the watch that keeps a job from hanging: every wait on other ranks,
+   NCCL's too, is bounded (MGPU_DIST_TIMEOUT), and a rank that stopped is
    named in one line. Without MPI every program is a group of one.
    defines: mgpu_dist_init, mgpu_dist_finalize, mgpu_group_rank,
    mgpu_group_size, mgpu_group_local_rank, mgpu_group_local_size,
@@ -872,7 +873,7 @@ typedef struct mgpu__nccl_awaited {
     cudaStream_t stream;
     cudaEvent_t done;
     int recorded;
-    ncclResult_t state; /* the start's result */
+    ncclResult_t state; /* what ncclCommGetAsyncError said last */
     const char *what;
 } mgpu__nccl_awaited;
 static int mgpu__nccl_came(void *arg) {
@@ -905,6 +906,7 @@ static const char *mgpu__nccl_start(mgpu_group *g, mgpu_device *dev, char *why, 
     ncclComm_t comm = NULL;
     mgpu__nccl_awaited start = {NULL, NULL, NULL, 0, ncclSuccess, "NCCL's start"};
     start.state = ncclCommInitRankConfig(&comm, g->size, id, g->rank, &config);
+    if (comm) mgpu__nccl_live_set(NULL, comm); /* (aborted if the start ends in an error) */
     if (start.state == ncclInProgress || start.state == ncclSuccess) {
         start.comm = comm;
         mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &start};
@@ -918,10 +920,12 @@ static const char *mgpu__nccl_start(mgpu_group *g, mgpu_device *dev, char *why, 
     if (failed >= 0) {
         snprintf(why, size, "rank %d's NCCL did not start (%s)", failed,
                  ncclGetErrorString((ncclResult_t)states[failed]));
-        if (comm) MGPU_NCCL_CHECK(ncclCommAbort(comm));
+        if (comm) {
+            mgpu__nccl_live_set(comm, NULL);
+            MGPU_NCCL_CHECK(ncclCommAbort(comm));
+        }
     } else {
         g->nccl = comm;
-        mgpu__nccl_live_set(NULL, comm);
         MGPU_CUDA_CHECK(cudaEventCreate(&g->nccl_done));
     }
     free(states);
@@ -966,17 +970,23 @@ static void mgpu__nccl_run(mgpu__coll *c, const mgpu_tensor *in, mgpu_tensor *ou
     MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
     ncclRedOp_t op = c->op == MGPU_MEAN ? ncclAvg : ncclSum;
     ncclResult_t called = ncclSuccess;
+    cudaStream_t s = q->stream;
     switch (c->kind) {
-    case MGPU__ALLREDUCE: called = ncclAllReduce(in->data, out->data, out->numel, ncclFloat, op, g->nccl, q->stream); break;
-    case MGPU__BROADCAST: called = ncclBroadcast(in->data, out->data, out->numel, ncclFloat, c->peer, g->nccl, q->stream); break;
-    case MGPU__ALL_GATHER: called = ncclAllGather(in->data, out->data, in->numel, ncclFloat, g->nccl, q->stream); break;
-    case MGPU__REDUCE_SCATTER: called = ncclReduceScatter(in->data, out->data, out->numel, ncclFloat, op, g->nccl, q->stream); break;
-    case MGPU__SEND: case MGPU__RECV: mgpu_fatal("mgpu__nccl_run: a %s goes through the host", mgpu__coll_names[c->kind]);
+    case MGPU__ALLREDUCE: called = ncclAllReduce(in->data, out->data, out->numel, ncclFloat, op, g->nccl, s); break;
+    case MGPU__BROADCAST:
+        called = ncclBroadcast(in->data, out->data, out->numel, ncclFloat, c->peer, g->nccl, s);
+        break;
+    case MGPU__ALL_GATHER: called = ncclAllGather(in->data, out->data, in->numel, ncclFloat, g->nccl, s); break;
+    case MGPU__REDUCE_SCATTER:
+        called = ncclReduceScatter(in->data, out->data, out->numel, ncclFloat, op, g->nccl, s);
+        break;
+    case MGPU__SEND:
+    case MGPU__RECV: mgpu_fatal("mgpu__nccl_run: a %s goes through the host", mgpu__coll_names[c->kind]);
     }
     /* (nonblocking: ncclInProgress says NCCL is still enqueuing it, which the wait polls) */
     if (called != ncclSuccess && called != ncclInProgress)
         mgpu_fatal("NCCL's %s: %s (NCCL_DEBUG=WARN tells more)", what, ncclGetErrorString(called));
-    mgpu__nccl_awaited collective = {g->nccl, q->stream, g->nccl_done, 0, ncclSuccess, what};
+    mgpu__nccl_awaited collective = {g->nccl, s, g->nccl_done, 0, ncclSuccess, what};
     mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &collective};
     mgpu__wait_point at = mgpu__coll_point(c);
     mgpu__dist_wait_for(g, &at, &awaited, what);

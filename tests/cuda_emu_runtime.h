@@ -1042,7 +1042,8 @@ static inline void mgpu_emu_nccl_join(mgpu_emu_comm *c, int root, int tag) {
             world[who[0]] = who[1];
         }
         for (int r = 1; r < n; r++)
-            mgpu_emu_mpi_check(MPI_Send(world.data(), n, MPI_INT, world[r], tag, MPI_COMM_WORLD), "NCCL's start: MPI_Send");
+            mgpu_emu_mpi_check(MPI_Send(world.data(), n, MPI_INT, world[r], tag, MPI_COMM_WORLD),
+                               "NCCL's start: MPI_Send");
     } else {
         int who[2] = {c->rank, me};
         mgpu_emu_mpi_check(MPI_Send(who, 2, MPI_INT, root, tag, MPI_COMM_WORLD), "NCCL's start: MPI_Send");

@@ -265,7 +265,8 @@ TEST(nccl_and_mpi_through_the_host_train_alike) {
     char paths[2][64];
     for (int b = 0; b < 2; b++) {
         mgpu_set_dist_backend(backends[b]);
-        mgpu_group *g = mgpu_group_first(world, size); /* (a group of its own chooses its way at its first collective) */
+        /* (a group of its own: it chooses its way at its first collective) */
+        mgpu_group *g = mgpu_group_first(world, size);
         one[b] = test_plain_net(dev, 5, 0);
         mine[b] = test_plain_net(dev, 5 + (uint64_t)rank, 0);
         mgpu_data_parallel *ddp = mgpu_distributed_data_parallel_new(mine[b], g);
