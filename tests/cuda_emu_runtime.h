@@ -29,7 +29,11 @@
      made, and its calls must find that device current.
    - NCCL: ncclCommInitAll refuses a device twice; a collective's calls
      from every rank are matched in order, and each rank's stream waits in
-     it until all ranks' streams have reached it.
+     it until all ranks' streams have reached it. Communicators between
+     processes (ncclCommInitRank[Config]) carry their collectives over MPI
+     from the stream; each process's GPUs are GPUs of their own (their
+     UUIDs), and faults can be played inside a collective (the NCCL
+     section says how).
 
    What it cannot check: host code that reads or writes device memory
    directly (both are host memory here), kernels that read memory of a
