@@ -2126,15 +2126,23 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
    and reduce-scatter then run with NCCL; sends and receives (a
    pipeline's) still go through the host. NCCL has no timeout of its
    own: every wait for it is watched as MPI's are, polling
-   ncclCommGetAsyncError and the collective's event, and a fatal error
+   ncclCommGetAsyncError and the collective's event. A rank that stops
+   or dies in it is named as above; a collective that every rank has
+   reached but that still has not ended a timeout later (a GPU or NCCL's
+   network that hangs) ends the job with one line:
+       allreduce #5 of 1000 floats (mean) did not end within 120 s of
+       every rank's reaching it (MGPU_DIST_TIMEOUT): NCCL hangs, or a GPU
+   (about two timeouts after the wait began). A fatal error
    aborts the communicators (ncclCommAbort) on the way out, since their
    kernels may be waiting on the GPU for a rank that is gone.
    mgpu_group_free finalizes and destroys them.
-   The allreduce is a reduce-scatter then an all-gather, as the ring of
-   chapter 3: rank r receives chunk r of every rank's vector, adds them in
-   rank order (0, 1, 2, ...) and sends the sum to every rank. So every
-   rank gets the same bits, whatever the network did, and the replicas of
-   a distributed model never drift apart.
+   Through MPI the allreduce is a reduce-scatter then an all-gather, as
+   the ring of chapter 3: rank r receives chunk r of every rank's vector,
+   adds them in rank order (0, 1, 2, ...) and sends the sum to every rank.
+   So every rank gets the same bits, whatever the network did, and the
+   replicas of a distributed model never drift apart. (NCCL's ring and
+   tree also compute each sum once and send it to every rank, in an order
+   of their own: NCCL's and MPI's sums may differ in the last bits.)
    For numbers on the host (losses, counts, checksums):
        mgpu_group_sum_host(g, values, n)   values[i] (doubles) summed over the ranks, in place
        mgpu_group_all_gather_host(g, mine, bytes, all)   every rank's `bytes` bytes at

@@ -251,6 +251,7 @@ typedef struct mgpu__rank_seen {
                              answer within its window keeps the answer before */
     long progress;
     double progress_since; /* when its progress last moved, as far as the looks saw */
+    double reached_at;     /* when a look first saw it at the wait's point (0: not yet) */
     mgpu__watch_reply reply;
 } mgpu__rank_seen;
 
@@ -269,12 +270,15 @@ static int mgpu__reached(const mgpu__watch_reply *reply, const mgpu__wait_point 
 }
 
 /* What a wait waits for: MPI's requests, or (done set) what done(arg)
-   says has come, such as an NCCL collective on a GPU. */
+   says has come, such as an NCCL collective on a GPU. `stuck` says what
+   hangs when it has not come a whole timeout after every rank reached
+   it (NULL: nothing does, as MPI's transfers go on while they answer). */
 typedef struct mgpu__awaited {
     MPI_Request *requests;
     int n;
     int (*done)(void *arg);
     void *arg;
+    const char *stuck;
 } mgpu__awaited;
 static int mgpu__awaited_done(const mgpu__awaited *w) {
     if (w->done) return w->done(w->arg);
@@ -333,6 +337,7 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
         }
         s->reply = replies[r];
         s->answered_at = now;
+        if (!s->reached_at && mgpu__reached(&s->reply, at, g->rank)) s->reached_at = now;
     }
     free(replies);
     free(asked);
@@ -340,12 +345,13 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
 }
 
 /* After a whole timeout: stops the job if a rank the wait needs does not
-   answer, or makes no progress without having reached it. */
+   answer, or makes no progress without having reached it; or, where the
+   wait says what is stuck then, if every rank has been there a timeout. */
 static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const mgpu__rank_seen *seen,
-                              const char *what) {
+                              const char *what, const char *stuck) {
     char line[1536] = "";
     size_t used = 0;
-    int lower_waiting = 0;
+    int lower_waiting = 0, all_there = 1;
     double now = mgpu_now();
     for (int r = 0; r < g->size; r++) {
         if (!mgpu__waits_for(g, at, r)) continue;
@@ -354,6 +360,7 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
            machine is no sign of a stopped rank) */
         int answering = s->answered_at > 0 && now - s->answered_at < g->timeout;
         if (answering && r < g->rank && s->reply.nwaits) lower_waiting = 1;
+        all_there &= answering && s->reached_at > 0 && now - s->reached_at >= g->timeout;
         if (answering && (mgpu__reached(&s->reply, at, g->rank) || now - s->progress_since < g->timeout))
             continue;
         char why[160];
@@ -369,6 +376,9 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
                                  used ? "; " : "", r, mgpu__watch.hosts[w], mgpu__watch.pids[w],
                                  at->channel == MGPU__POINT_TO_POINT ? "take part in" : "reach", what, g->timeout, why);
     }
+    if (!used && stuck && all_there)
+        used = (size_t)snprintf(line, sizeof line, "%s did not end within %.0f s of every rank's reaching it "
+                                "(MGPU_DIST_TIMEOUT): %s", what, g->timeout, stuck);
     if (!used) return;
     if (lower_waiting) { /* (it will say it; if the launcher has not stopped us after a timeout, we do) */
         mgpu__dist_quiet = 1;
@@ -396,7 +406,7 @@ static void mgpu__dist_wait_for(mgpu_group *g, const mgpu__wait_point *at, const
         if (mgpu_now() >= next_look) {
             if (!seen) seen = (mgpu__rank_seen *)mgpu__xcalloc((size_t)g->size, sizeof *seen);
             if (mgpu__watch_look(g, at, seen, awaited)) break;
-            if (mgpu_now() - start >= g->timeout) mgpu__watch_judge(g, at, seen, what);
+            if (mgpu_now() - start >= g->timeout) mgpu__watch_judge(g, at, seen, what, awaited->stuck);
             next_look = mgpu_now() + g->timeout / 2;
         }
         if (polls < 64) {
@@ -413,7 +423,7 @@ static void mgpu__dist_wait_for(mgpu_group *g, const mgpu__wait_point *at, const
 /* The same for MPI requests. */
 static void mgpu__dist_wait(mgpu_group *g, const mgpu__wait_point *at, MPI_Request *requests, int n,
                             const char *what) {
-    mgpu__awaited awaited = {requests, n, NULL, NULL};
+    mgpu__awaited awaited = {requests, n, NULL, NULL, NULL};
     mgpu__dist_wait_for(g, at, &awaited, what);
 }
 
@@ -866,6 +876,9 @@ static void mgpu__nccl_live_set(ncclComm_t comm, ncclComm_t to) {
     MGPU_REQUIRE(to == NULL, "more than %d groups use NCCL at once", MGPU__NCCL_LIVE);
 }
 
+/* NCCL that every rank has reached but that does not end hangs (a GPU
+   or NCCL's network): the watch says so (mgpu__watch_judge). */
+#define MGPU__NCCL_STUCK "NCCL hangs, or a GPU (ncclCommGetAsyncError reports nothing)"
 /* What a wait for NCCL awaits: its start (done NULL), or a collective,
    whose event is recorded once NCCL has enqueued it. */
 typedef struct mgpu__nccl_awaited {
@@ -909,7 +922,7 @@ static const char *mgpu__nccl_start(mgpu_group *g, mgpu_device *dev, char *why, 
     if (comm) mgpu__nccl_live_set(NULL, comm); /* (aborted if the start ends in an error) */
     if (start.state == ncclInProgress || start.state == ncclSuccess) {
         start.comm = comm;
-        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &start};
+        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &start, MGPU__NCCL_STUCK};
         mgpu__wait_point at = mgpu__host_point(g);
         mgpu__dist_wait_for(g, &at, &awaited, "NCCL's start");
     }
@@ -938,7 +951,7 @@ static void mgpu__nccl_end(mgpu_group *g) {
     mgpu__nccl_awaited end = {g->nccl, NULL, NULL, 0, ncclSuccess, "NCCL's end"};
     end.state = ncclCommFinalize(g->nccl);
     if (end.state == ncclInProgress) {
-        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &end};
+        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &end, MGPU__NCCL_STUCK};
         mgpu__wait_point at = mgpu__host_point(g);
         mgpu__dist_wait_for(g, &at, &awaited, "NCCL's end");
     }
@@ -987,7 +1000,7 @@ static void mgpu__nccl_run(mgpu__coll *c, const mgpu_tensor *in, mgpu_tensor *ou
     if (called != ncclSuccess && called != ncclInProgress)
         mgpu_fatal("NCCL's %s: %s (NCCL_DEBUG=WARN tells more)", what, ncclGetErrorString(called));
     mgpu__nccl_awaited collective = {g->nccl, s, g->nccl_done, 0, ncclSuccess, what};
-    mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &collective};
+    mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &collective, MGPU__NCCL_STUCK};
     mgpu__wait_point at = mgpu__coll_point(c);
     mgpu__dist_wait_for(g, &at, &awaited, what);
     mgpu__nccl_trace_close(q, bar);

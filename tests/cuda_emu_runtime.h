@@ -902,6 +902,8 @@ static inline cudnnStatus_t cudnnAddTensor(cudnnHandle_t h, const void *alpha, c
      stop:R:N        rank R stops (SIGSTOP, the whole process: a hung
                      machine) inside its N-th collective
      die:R:N         rank R dies (SIGKILL) there
+     hang:R:N        rank R's stream hangs there, until ncclCommAbort (a
+                     GPU or NCCL that hangs, its process still alive)
      init-error:R    rank R's communicator fails to start (ncclSystemError)
    ncclCommAbort writes "cuda_emu: ncclCommAbort (rank R of N)" on stderr,
    so that a test sees that it was called. */
@@ -1147,6 +1149,8 @@ static inline void mgpu_emu_collective_between_processes(mgpu_emu_collective_kin
                                                          unsigned long number) {
     if (mgpu_emu_nccl_fault("stop", c->rank, number)) raise(SIGSTOP); /* (this thread: it stops before going on) */
     if (mgpu_emu_nccl_fault("die", c->rank, number)) raise(SIGKILL);
+    if (mgpu_emu_nccl_fault("hang", c->rank, number))
+        while (!c->aborted) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     int n = c->nranks;
     size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * n : count;
     size_t out = kind == MGPU_EMU_ALL_GATHER ? count * n : count;

@@ -72,6 +72,13 @@ check nccl_stopped_rank_of_4 dies \
     '^cuda_emu: ncclCommAbort \(rank [013] of 4\)$' \
     -- env MGPU_DIST_TIMEOUT=3 MGPU_EMU_NCCL_FAULT=stop:2:5 mpirun -np 4 build/emu/gpu_dist --fault inside-nccl
 count nccl_stopped_rank_of_4 1 'did not reach'
+# A GPU or NCCL that hangs, every rank there and answering: said once
+# every rank has been there a timeout.
+check nccl_hangs dies \
+    '^mgpu: error: rank 0: allreduce #5 of 1000 floats \(mean\) did not end within 3 s of every rank.s reaching it \(MGPU_DIST_TIMEOUT\): NCCL hangs, or a GPU' \
+    '^cuda_emu: ncclCommAbort \(rank 0 of 2\)$' \
+    -- env MGPU_DIST_TIMEOUT=3 MGPU_EMU_NCCL_FAULT=hang:1:5 mpirun -np 2 build/emu/gpu_dist --fault inside-nccl
+count nccl_hangs 1 'did not end'
 check nccl_killed_rank dies \
     '^mgpu: error: rank 0: stopped by SIGTERM in allreduce #5 of 1000 floats \(mean\)' 'process rank 1 .*exited on signal 9' \
     -- env MGPU_EMU_NCCL_FAULT=die:1:5 mpirun -np 2 build/emu/gpu_dist --fault inside-nccl
