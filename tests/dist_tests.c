@@ -281,7 +281,10 @@ TEST(nccl_and_mpi_through_the_host_train_alike) {
     mgpu_set_dist_backend(asked);
     CHECK(strcmp(paths[0], "nccl") == 0 || strcmp(paths[0], "mpi via host") == 0);
     CHECK(strcmp(paths[1], "mpi via host") == 0);
-    CHECK_CLOSE(test_max_param_diff(mine[0], mine[1]), 0.0, 1e-6, 0);
+    /* (the tolerance of k ranks against one process: the emulated NCCL's
+       mean divides by k where MPI's multiplies by 1 / k, which differ in the
+       last bit on 3 ranks; a real NCCL adds in an order of its own too) */
+    CHECK_CLOSE(test_max_param_diff(mine[0], mine[1]), 0.0, 1e-5, 0);
     if (rank == 0) printf("MGPU_BACKEND_NCCL's gradients went: %s\n", paths[0]);
     for (int b = 0; b < 2; b++) {
         mgpu_net_free(mine[b]);
