@@ -359,6 +359,13 @@
                         collective, a barrier or a send, before it names
                         the ranks that stopped and ends the job
                         (DISTRIBUTED; default 120, at most 1e6).
+     MGPU_DIST_BACKEND=nccl|mpi
+                        how the processes of a group, each with a GPU of
+                        its own, move tensors: nccl (the default) with
+                        NCCL, GPU to GPU, where it can start (else MPI,
+                        said in one line); mpi through host memory
+                        (DISTRIBUTED). Read at start, like MGPU_TF32;
+                        mgpu_set_dist_backend called after that wins.
      OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK, PMI_SIZE, PMI_RANK,
      SLURM_STEP_NUM_TASKS, SLURM_PROCID
                         read, never set: the launcher's (mpirun's, or
@@ -2091,17 +2098,51 @@ MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
    for one device. Each returns, and mgpu_group_path(g, dev) says, the
    way the data went:
      "mpi"           MPI between CPU processes, straight from the tensors;
+     "nccl"          NCCL between the ranks' GPUs, GPU to GPU, on the
+                     device's communication queue (below);
      "mpi via host"  GPU tensors copied to host memory, through MPI, and
                      back, with the calling thread waiting for it: the
-                     way between GPUs of different processes (those that
-                     share a GPU too), so on GPUs a bucket's reduction
-                     does not overlap the backward pass;
+                     way between GPUs of different processes where NCCL
+                     cannot start, or with MGPU_DIST_BACKEND=mpi;
      "none"          a group of one.
-   The allreduce is a reduce-scatter then an all-gather, as the ring of
-   chapter 3: rank r receives chunk r of every rank's vector, adds them in
-   rank order (0, 1, 2, ...) and sends the sum to every rank. So every
-   rank gets the same bits, whatever the network did, and the replicas of
-   a distributed model never drift apart.
+   On GPUs both wait on the calling thread for each collective (a
+   bucket's reduction does not overlap the backward pass), so that a rank
+   that never comes is a timeout (Faults, below), not a hang in a later
+   CUDA call.
+   NCCL between processes, as PyTorch's DDP on GPUs:
+       mgpu_set_dist_backend(MGPU_BACKEND_NCCL or MGPU_BACKEND_MPI)
+       mgpu_get_dist_backend()     MGPU_DIST_BACKEND's, unless set
+   With MGPU_BACKEND_NCCL (the default) a group's first collective of GPU
+   tensors all-gathers the ranks' GPU UUIDs and NCCL versions. Where two
+   ranks share a GPU (NCCL refuses it), a rank's NCCL is older than 2.14,
+   or a rank's communicator fails to start, rank 0 says why in one line,
+       NCCL cannot start between the 2 ranks' GPUs: ranks 0 and 1 share
+       GPU GPU-... (NCCL takes one rank a GPU); the group goes through the
+       host over MPI
+   and the group's collectives go "mpi via host". Else rank 0's
+   ncclUniqueId reaches every rank over MPI, and each starts its
+   communicator without blocking (ncclCommInitRankConfig, config.blocking
+   = 0), polling ncclCommGetAsyncError. Allreduce, broadcast, all-gather
+   and reduce-scatter then run with NCCL; sends and receives (a
+   pipeline's) still go through the host. NCCL has no timeout of its
+   own: every wait for it is watched as MPI's are, polling
+   ncclCommGetAsyncError and the collective's event. A rank that stops
+   or dies in it is named as above; a collective that every rank has
+   reached but that still has not ended a timeout later (a GPU or NCCL's
+   network that hangs) ends the job with one line:
+       allreduce #5 of 1000 floats (mean) did not end within 120 s of
+       every rank's reaching it (MGPU_DIST_TIMEOUT): NCCL hangs, or a GPU
+   (about two timeouts after the wait began). A fatal error
+   aborts the communicators (ncclCommAbort) on the way out, since their
+   kernels may be waiting on the GPU for a rank that is gone.
+   mgpu_group_free finalizes and destroys them.
+   Through MPI the allreduce is a reduce-scatter then an all-gather, as
+   the ring of chapter 3: rank r receives chunk r of every rank's vector,
+   adds them in rank order (0, 1, 2, ...) and sends the sum to every rank.
+   So every rank gets the same bits, whatever the network did, and the
+   replicas of a distributed model never drift apart. (NCCL's ring and
+   tree also compute each sum once and send it to every rank, in an order
+   of their own: NCCL's and MPI's sums may differ in the last bits.)
    For numbers on the host (losses, counts, checksums):
        mgpu_group_sum_host(g, values, n)   values[i] (doubles) summed over the ranks, in place
        mgpu_group_all_gather_host(g, mine, bytes, all)   every rank's `bytes` bytes at
@@ -2207,6 +2248,9 @@ MGPU_DEF int mgpu_group_devices(mgpu_group *g, int use_gpu, int n, mgpu_device *
 MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n);
 MGPU_DEF void mgpu_group_free(mgpu_group *g);
 MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev);
+typedef enum { MGPU_BACKEND_NCCL, MGPU_BACKEND_MPI } mgpu_dist_backend;
+MGPU_DEF void mgpu_set_dist_backend(mgpu_dist_backend backend);
+MGPU_DEF mgpu_dist_backend mgpu_get_dist_backend(void);
 MGPU_DEF const char *mgpu_group_allreduce(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op);
 MGPU_DEF const char *mgpu_group_allreduce_start(mgpu_group *g, mgpu_tensor *t, mgpu_reduce_op op);
 MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root);

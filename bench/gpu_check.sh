@@ -36,7 +36,8 @@
 #              on the GPU, bench/conv/'s variants, each checked and timed
 #   full       ./chapter3 --full on one device (target 12)
 #   dist       processes (chapter 4) sharing the GPU: tests/gpu_dist.c
-#              under mpirun -np 2 ("mpi via host"), ./chapter4 for an
+#              under mpirun -np 2 ("mpi via host", after the line saying
+#              NCCL cannot start with two ranks on one GPU), ./chapter4 for an
 #              epoch on 1 and 2 processes, with --sync-bn too, and
 #              ./bench/nccl_ranks: what NCCL does with two processes on
 #              one GPU, with and without NCCL_MULTI_RANK_GPU_ENABLE=1

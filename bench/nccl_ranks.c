@@ -1,11 +1,11 @@
 /* bench/nccl_ranks.c: NCCL between processes, started by MPI.
 
-   mgpu's process groups move GPU tensors between processes through host
-   memory ("mpi via host", mgpu.h's DISTRIBUTED section). NCCL would move
-   them GPU to GPU, but it refuses two processes on one GPU before version
-   2.30 ("Duplicate GPU detected"), and 2.30's NCCL_MULTI_RANK_GPU_ENABLE=1
-   is experimental. This program finds out what the NCCL at hand does, on
-   the machine at hand:
+   mgpu's process groups move GPU tensors between processes with NCCL
+   where it can start ("nccl", mgpu.h's DISTRIBUTED section), else through
+   host memory ("mpi via host"). NCCL refuses two processes on one GPU
+   before version 2.30 ("Duplicate GPU detected"), and 2.30's
+   NCCL_MULTI_RANK_GPU_ENABLE=1 is experimental. This program finds out
+   what the NCCL at hand does, on the machine at hand:
 
        mpirun -np 2 ./bench/nccl_ranks [--mib 64]
        NCCL_MULTI_RANK_GPU_ENABLE=1 mpirun -np 2 ./bench/nccl_ranks

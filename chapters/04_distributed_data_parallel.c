@@ -60,6 +60,16 @@
    summed over the process's devices (chapter 3's ring), then averaged
    over the processes (MPI).
 
+   On GPUs, one a process, the gradients go GPU to GPU with NCCL
+   (--backend nccl, the default, as PyTorch's DDP): rank 0's
+   ncclUniqueId reaches the others over MPI and each starts its
+   communicator without blocking, so that a rank that stops is named
+   within MGPU_DIST_TIMEOUT instead of hanging the job. Where NCCL cannot
+   start (two processes on one GPU, which NCCL refuses, or an NCCL older
+   than 2.14) one line says why and they go through host memory over MPI,
+   as --backend mpi does. The line "(gradients: ...)" says which ran:
+   nccl, mpi via host, or mpi between CPU processes.
+
    Batch norm (ResNet-18) normalises by each process's own share of the
    batch, as DDP does: with 4 processes and a global batch of 256, by 64
    images. --sync-bn takes the statistics over the whole global batch
@@ -78,7 +88,7 @@
    and mgpu/training_ops.h (--sync-bn's batch norm over the group),
    mgpu/communication.h (the ring, with --devices-per-process),
    mgpu/net_training.h, mgpu/plots.h, mgpu/settings.h (MGPU_CONV,
-   MGPU_CHECK_REPLICAS), mgpu/flags.h. */
+   MGPU_CHECK_REPLICAS, MGPU_DIST_BACKEND), mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
@@ -469,8 +479,11 @@ int main(int argc, char **argv) {
     memset(&s, 0, sizeof s);
     int train_samples = 0, test_samples = 0;
     double momentum = 0;
-    const char *model = NULL;
+    const char *model = NULL, *backend = NULL;
     const mgpu_flag extra[] = {
+        {"--backend", 's', &backend,
+         "nccl or mpi: how the processes' GPUs move gradients (default: nccl where it can start, "
+         "else mpi through the host; MGPU_DIST_BACKEND)"},
         {"--devices", 'i', &o.devices, "runs on 1, 2, 4, ... of the job's processes, up to N (default: all)"},
         {"--devices-per-process", 'i', &s.devices_per_process,
          "N devices in each process (default 1): data parallelism inside each process too"},
@@ -501,6 +514,9 @@ int main(int argc, char **argv) {
     if (model && strcmp(model, "lenet") != 0 && strcmp(model, "resnet18") != 0)
         mgpu_group_fatal(everyone, "--model %s: want lenet or resnet18", model);
     s.resnet = model ? strcmp(model, "resnet18") == 0 : !reduced;
+    if (backend && strcmp(backend, "nccl") != 0 && strcmp(backend, "mpi") != 0)
+        mgpu_group_fatal(everyone, "--backend %s: want nccl or mpi", backend);
+    if (backend) mgpu_set_dist_backend(strcmp(backend, "nccl") == 0 ? MGPU_BACKEND_NCCL : MGPU_BACKEND_MPI);
     if (s.sync_bn && !s.resnet)
         mgpu_group_fatal(everyone, "--sync-bn: LeNet has no batch norm (add --model resnet18)");
     if (s.sync_bn && s.devices_per_process > 1)

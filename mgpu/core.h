@@ -77,6 +77,11 @@ static volatile sig_atomic_t mgpu__dist_quiet;
    timeout that names the ranks it waited for): said at once. */
 static __thread int mgpu__error_is_mine_alone;
 
+/* What must be let go even on the way out of a fatal error, before its
+   line: the groups' NCCL communicators (mgpu/groups.h), whose kernels may
+   be waiting on the GPU for a rank that is gone. */
+static void (*mgpu__on_fatal)(void);
+
 MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *fmt, va_list ap) {
     /* One line, written whole, by the first thread that fails: two devices'
        workers failing at once (the same bug in each replica) would
@@ -85,6 +90,7 @@ MGPU__NORETURN static void mgpu__vfatal(const char *file, int line, const char *
     static int failing;
     if (__atomic_exchange_n(&failing, 1, __ATOMIC_SEQ_CST))
         for (;;) pause();
+    if (mgpu__on_fatal) mgpu__on_fatal();
     /* Under a launcher most errors are every rank's alike (a bad flag, a
        missing file, memory that no rank has): rank 0 says it, and the
        others wait silently for the launcher, which stops them all once

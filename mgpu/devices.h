@@ -212,6 +212,7 @@ static void mgpu__init(void) {
     mgpu__tf32_allowed(0);
     mgpu__conv_settings_from_environment();
     mgpu__check_replicas_setting();
+    mgpu_get_dist_backend();
 }
 static mgpu_device *mgpu__device_get(int gpu, int virtual_index) {
     mgpu__init();

@@ -1,8 +1,9 @@
 /* mgpu/groups.h: processes as a group, over MPI (chapter 4). Starting
    and ending a job; a group's collectives on tensors (allreduce,
-   broadcast, all-gather, reduce-scatter, send and receive) and on host
-   values; and the watch that keeps a job from hanging: every wait on
-   other ranks is bounded (MGPU_DIST_TIMEOUT), and a rank that stopped is
+   broadcast, all-gather, reduce-scatter, send and receive), by MPI or,
+   between GPUs of different processes, by NCCL, and on host values; and
+   the watch that keeps a job from hanging: every wait on other ranks,
+   NCCL's too, is bounded (MGPU_DIST_TIMEOUT), and a rank that stopped is
    named in one line. Without MPI every program is a group of one.
    defines: mgpu_dist_init, mgpu_dist_finalize, mgpu_group_rank,
    mgpu_group_size, mgpu_group_local_rank, mgpu_group_local_size,
@@ -12,6 +13,16 @@
    mgpu_group_all_gather, mgpu_group_reduce_scatter, mgpu_group_send,
    mgpu_group_recv, mgpu_group_barrier, mgpu_group_fatal,
    mgpu_group_sum_host, mgpu_group_all_gather_host */
+/* NCCL between processes needs its nonblocking start (NCCL 2.14 on), so
+   that a rank that never comes is a timeout, not a hang. */
+#if MGPU_CUDA && MGPU_MPI
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+#define MGPU__NCCL_BETWEEN_PROCESSES 1
+#endif
+#endif
+#ifndef MGPU__NCCL_BETWEEN_PROCESSES
+#define MGPU__NCCL_BETWEEN_PROCESSES 0
+#endif
 struct mgpu_group {
     int rank, size, local_rank, local_size;
     char host[256]; /* (MPI_MAX_PROCESSOR_NAME in Open MPI) */
@@ -31,7 +42,15 @@ struct mgpu_group {
        communicator's order. */
     MPI_Comm comm, host_comm;
 #endif
+    int way_chosen; /* its first collective on a GPU chose NCCL or MPI through the host */
+#if MGPU__NCCL_BETWEEN_PROCESSES
+    ncclComm_t nccl;       /* NCCL between the ranks' GPUs (NULL: MPI through the host) */
+    cudaEvent_t nccl_done; /* the end of its last NCCL collective on the device's stream */
+#endif
 };
+#if MGPU__NCCL_BETWEEN_PROCESSES
+static void mgpu__nccl_end(mgpu_group *g);
+#endif
 
 /* What the ranks run, in the order they call it. */
 typedef enum {
@@ -232,6 +251,7 @@ typedef struct mgpu__rank_seen {
                              answer within its window keeps the answer before */
     long progress;
     double progress_since; /* when its progress last moved, as far as the looks saw */
+    double reached_at;     /* when a look first saw it at the wait's point (0: not yet) */
     mgpu__watch_reply reply;
 } mgpu__rank_seen;
 
@@ -249,13 +269,31 @@ static int mgpu__reached(const mgpu__watch_reply *reply, const mgpu__wait_point 
     return 0;
 }
 
+/* What a wait waits for: MPI's requests, or (done set) what done(arg)
+   says has come, such as an NCCL collective on a GPU. `stuck` says what
+   hangs when it has not come a whole timeout after every rank reached
+   it (NULL: nothing does, as MPI's transfers go on while they answer). */
+typedef struct mgpu__awaited {
+    MPI_Request *requests;
+    int n;
+    int (*done)(void *arg);
+    void *arg;
+    const char *stuck;
+} mgpu__awaited;
+static int mgpu__awaited_done(const mgpu__awaited *w) {
+    if (w->done) return w->done(w->arg);
+    int done = 0;
+    MGPU__MPI_CHECK(MPI_Testall(w->n, w->requests, &done, MPI_STATUSES_IGNORE));
+    return done;
+}
+
 /* Asks the ranks the wait needs what they do: each answer that comes
    within 2 s replaces the one before, and a rank that gives none keeps
    its last (mgpu__watch_judge counts it as not answering once it has
-   been silent a whole timeout). Returns 1 if the wait's requests
-   completed meanwhile: then nothing was judged. */
+   been silent a whole timeout). Returns 1 if what the wait awaits came
+   meanwhile: then nothing was judged. */
 static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__rank_seen *seen,
-                            MPI_Request *requests, int n) {
+                            const mgpu__awaited *awaited) {
     int tag = MGPU__TAG_REPLIES + mgpu__watch.looks++ % 30000;
     MPI_Request *asked = (MPI_Request *)mgpu__xmalloc(sizeof *asked * (size_t)g->size);
     mgpu__watch_reply *replies = (mgpu__watch_reply *)mgpu__xmalloc(sizeof *replies * (size_t)g->size);
@@ -270,7 +308,7 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
     int completed = 0, all = 0;
     struct timespec pause = {0, 1000000};
     for (double start = mgpu_now(); !completed && !all && mgpu_now() - start < 2.0;) {
-        MGPU__MPI_CHECK(MPI_Testall(n, requests, &completed, MPI_STATUSES_IGNORE));
+        completed = mgpu__awaited_done(awaited);
         all = 1;
         for (int r = 0; r < g->size; r++) { /* (one at a time: MPI_Testall frees none until all are done) */
             int answered = 1;
@@ -299,6 +337,7 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
         }
         s->reply = replies[r];
         s->answered_at = now;
+        if (!s->reached_at && mgpu__reached(&s->reply, at, g->rank)) s->reached_at = now;
     }
     free(replies);
     free(asked);
@@ -306,12 +345,13 @@ static int mgpu__watch_look(mgpu_group *g, const mgpu__wait_point *at, mgpu__ran
 }
 
 /* After a whole timeout: stops the job if a rank the wait needs does not
-   answer, or makes no progress without having reached it. */
+   answer, or makes no progress without having reached it; or, where the
+   wait says what is stuck then, if every rank has been there a timeout. */
 static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const mgpu__rank_seen *seen,
-                              const char *what) {
+                              const char *what, const char *stuck) {
     char line[1536] = "";
     size_t used = 0;
-    int lower_waiting = 0;
+    int lower_waiting = 0, all_there = 1;
     double now = mgpu_now();
     for (int r = 0; r < g->size; r++) {
         if (!mgpu__waits_for(g, at, r)) continue;
@@ -320,6 +360,7 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
            machine is no sign of a stopped rank) */
         int answering = s->answered_at > 0 && now - s->answered_at < g->timeout;
         if (answering && r < g->rank && s->reply.nwaits) lower_waiting = 1;
+        all_there &= answering && s->reached_at > 0 && now - s->reached_at >= g->timeout;
         if (answering && (mgpu__reached(&s->reply, at, g->rank) || now - s->progress_since < g->timeout))
             continue;
         char why[160];
@@ -335,6 +376,9 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
                                  used ? "; " : "", r, mgpu__watch.hosts[w], mgpu__watch.pids[w],
                                  at->channel == MGPU__POINT_TO_POINT ? "take part in" : "reach", what, g->timeout, why);
     }
+    if (!used && stuck && all_there)
+        used = (size_t)snprintf(line, sizeof line, "%s did not end within %.0f s of every rank's reaching it "
+                                "(MGPU_DIST_TIMEOUT): %s", what, g->timeout, stuck);
     if (!used) return;
     if (lower_waiting) { /* (it will say it; if the launcher has not stopped us after a timeout, we do) */
         mgpu__dist_quiet = 1;
@@ -346,25 +390,23 @@ static void mgpu__watch_judge(mgpu_group *g, const mgpu__wait_point *at, const m
     mgpu_fatal("%s", line);
 }
 
-/* Waits for MPI requests of group g at point `at` (`what` describes it),
+/* Waits for what group g awaits at point `at` (`what` describes it),
    polling so that a rank that never comes is an error, not a hang
    (above). The poll yields, then sleeps longer and longer (20 us to
    10 ms): ranks that share cores must not spin on them while another
    rank still computes. */
-static void mgpu__dist_wait(mgpu_group *g, const mgpu__wait_point *at, MPI_Request *requests, int n,
-                            const char *what) {
+static void mgpu__dist_wait_for(mgpu_group *g, const mgpu__wait_point *at, const mgpu__awaited *awaited,
+                                const char *what) {
     int slot = mgpu__waits_enter(at, what);
     mgpu__rank_seen *seen = NULL;
     double start = mgpu_now(), next_look = start + g->timeout / 2;
     long pause_ns = 20000;
     for (long polls = 0;; polls++) {
-        int done = 0;
-        MGPU__MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
-        if (done) break;
+        if (mgpu__awaited_done(awaited)) break;
         if (mgpu_now() >= next_look) {
             if (!seen) seen = (mgpu__rank_seen *)mgpu__xcalloc((size_t)g->size, sizeof *seen);
-            if (mgpu__watch_look(g, at, seen, requests, n)) break;
-            if (mgpu_now() - start >= g->timeout) mgpu__watch_judge(g, at, seen, what);
+            if (mgpu__watch_look(g, at, seen, awaited)) break;
+            if (mgpu_now() - start >= g->timeout) mgpu__watch_judge(g, at, seen, what, awaited->stuck);
             next_look = mgpu_now() + g->timeout / 2;
         }
         if (polls < 64) {
@@ -377,6 +419,12 @@ static void mgpu__dist_wait(mgpu_group *g, const mgpu__wait_point *at, MPI_Reque
     }
     free(seen);
     mgpu__waits_leave(slot);
+}
+/* The same for MPI requests. */
+static void mgpu__dist_wait(mgpu_group *g, const mgpu__wait_point *at, MPI_Request *requests, int n,
+                            const char *what) {
+    mgpu__awaited awaited = {requests, n, NULL, NULL, NULL};
+    mgpu__dist_wait_for(g, at, &awaited, what);
 }
 
 /* The points of a group's collectives: a device collective's, a send's or
@@ -694,6 +742,9 @@ MGPU_DEF mgpu_group *mgpu_dist_init(int *argc, char ***argv) {
 MGPU_DEF void mgpu_group_free(mgpu_group *g) {
     if (!g) return;
     mgpu_synchronize_all(); /* (the communication queues may still run its collectives) */
+#if MGPU__NCCL_BETWEEN_PROCESSES
+    mgpu__nccl_end(g);
+#endif
 #if MGPU_MPI
     if (g->size > 1) {
         MGPU__MPI_CHECK(MPI_Comm_free(&g->comm));
@@ -774,10 +825,245 @@ MGPU_DEF mgpu_group *mgpu_group_first(mgpu_group *g, int n) {
 
 MGPU_DEF const char *mgpu_group_path(const mgpu_group *g, const mgpu_device *dev) {
     if (g->size == 1) return "none";
+#if MGPU__NCCL_BETWEEN_PROCESSES
+    if (g->nccl && dev->gpu >= 0) return "nccl";
+#endif
     return dev->gpu >= 0 ? "mpi via host" : "mpi";
 }
 
 #if MGPU_MPI
+static void mgpu__group_all_gather_bytes(mgpu_group *g, const void *mine, size_t bytes, void *all, const char *op);
+static void mgpu__host_wait(mgpu_group *g, MPI_Request *request, const char *op);
+
+/* ------------------------------------------- NCCL between the ranks' GPUs
+   A group whose ranks each have a GPU of their own moves its tensors with
+   NCCL, GPU to GPU (MGPU_DIST_BACKEND=nccl, the default), as PyTorch's
+   DDP does. Its first collective on a GPU chooses: the ranks all-gather
+   their GPUs' UUIDs and NCCL's versions, and where two ranks share a GPU
+   (NCCL refuses that) or a rank's NCCL is older than 2.14, rank 0 says
+   why in one line and the group goes through the host over MPI, as with
+   MGPU_DIST_BACKEND=mpi. Else rank 0's ncclUniqueId goes to every rank
+   over MPI, and each starts its communicator without blocking
+   (ncclCommInitRankConfig with config.blocking = 0), polling
+   ncclCommGetAsyncError until it is no longer ncclInProgress. NCCL itself
+   has no timeout: a rank that never comes would leave the others in
+   NCCL for ever. So every wait for NCCL, its start and each collective,
+   is a wait of the group's watch (mgpu__dist_wait_for): it polls
+   ncclCommGetAsyncError and the collective's event, and a rank that
+   stops or dies is named within MGPU_DIST_TIMEOUT, as at MPI's
+   collectives. If any rank's start failed, every rank aborts its
+   communicator and the group goes through the host, said in one line.
+   A fatal error aborts the live communicators on the way out
+   (ncclCommAbort: NCCL's kernels may be spinning on the GPU, waiting for
+   a peer that is gone); mgpu_group_free finalizes and destroys them. */
+#if MGPU__NCCL_BETWEEN_PROCESSES
+#define MGPU__NCCL_LIVE 64
+static ncclComm_t mgpu__nccl_live[MGPU__NCCL_LIVE]; /* the groups' communicators now */
+static void mgpu__nccl_abort_live(void) {
+    for (int i = 0; i < MGPU__NCCL_LIVE; i++) {
+        ncclComm_t comm = __atomic_exchange_n(&mgpu__nccl_live[i], NULL, __ATOMIC_SEQ_CST);
+        if (comm) ncclCommAbort(comm); /* (on the way out: its result changes nothing) */
+    }
+}
+static void mgpu__nccl_live_set(ncclComm_t comm, ncclComm_t to) {
+    for (int i = 0; i < MGPU__NCCL_LIVE; i++) {
+        ncclComm_t expected = comm;
+        if (__atomic_compare_exchange_n(&mgpu__nccl_live[i], &expected, to, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            mgpu__on_fatal = mgpu__nccl_abort_live;
+            return;
+        }
+    }
+    MGPU_REQUIRE(to == NULL, "more than %d groups use NCCL at once", MGPU__NCCL_LIVE);
+}
+
+/* NCCL that every rank has reached but that does not end hangs (a GPU
+   or NCCL's network): the watch says so (mgpu__watch_judge). */
+#define MGPU__NCCL_STUCK "NCCL hangs, or a GPU (ncclCommGetAsyncError reports nothing)"
+/* What a wait for NCCL awaits: its start (done NULL), or a collective,
+   whose event is recorded once NCCL has enqueued it. */
+typedef struct mgpu__nccl_awaited {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    cudaEvent_t done;
+    int recorded;
+    ncclResult_t state; /* what ncclCommGetAsyncError said last */
+    const char *what;
+} mgpu__nccl_awaited;
+static int mgpu__nccl_came(void *arg) {
+    mgpu__nccl_awaited *w = (mgpu__nccl_awaited *)arg;
+    MGPU_NCCL_CHECK(ncclCommGetAsyncError(w->comm, &w->state));
+    if (w->state == ncclInProgress) return 0;
+    if (!w->done) return 1; /* (a start: it failed or it joined the others) */
+    if (w->state != ncclSuccess)
+        mgpu_fatal("NCCL failed in %s: %s (NCCL_DEBUG=WARN tells more)", w->what, ncclGetErrorString(w->state));
+    if (!w->recorded) {
+        MGPU_CUDA_CHECK(cudaEventRecord(w->done, w->stream));
+        w->recorded = 1;
+    }
+    cudaError_t e = cudaEventQuery(w->done);
+    if (e == cudaErrorNotReady) return 0;
+    MGPU_CUDA_CHECK(e);
+    return 1;
+}
+
+/* Starts g's communicator; returns NULL, or why it could not start. */
+static const char *mgpu__nccl_start(mgpu_group *g, mgpu_device *dev, char *why, size_t size) {
+    ncclUniqueId id;
+    if (g->rank == 0) MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
+    MPI_Request request;
+    MGPU__MPI_CHECK(MPI_Ibcast(&id, (int)sizeof id, MPI_BYTE, 0, g->host_comm, &request));
+    mgpu__host_wait(g, &request, "NCCL's unique id");
+    MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = NULL;
+    mgpu__nccl_awaited start = {NULL, NULL, NULL, 0, ncclSuccess, "NCCL's start"};
+    start.state = ncclCommInitRankConfig(&comm, g->size, id, g->rank, &config);
+    if (comm) mgpu__nccl_live_set(NULL, comm); /* (aborted if the start ends in an error) */
+    if (start.state == ncclInProgress || start.state == ncclSuccess) {
+        start.comm = comm;
+        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &start, MGPU__NCCL_STUCK};
+        mgpu__wait_point at = mgpu__host_point(g);
+        mgpu__dist_wait_for(g, &at, &awaited, "NCCL's start");
+    }
+    int *states = (int *)mgpu__xmalloc(sizeof(int) * (size_t)g->size), mine = start.state, failed = -1;
+    mgpu__group_all_gather_bytes(g, &mine, sizeof mine, states, "NCCL's start");
+    for (int r = g->size - 1; r >= 0; r--)
+        if (states[r] != ncclSuccess) failed = r;
+    if (failed >= 0) {
+        snprintf(why, size, "rank %d's NCCL did not start (%s)", failed,
+                 ncclGetErrorString((ncclResult_t)states[failed]));
+        if (comm) {
+            mgpu__nccl_live_set(comm, NULL);
+            MGPU_NCCL_CHECK(ncclCommAbort(comm));
+        }
+    } else {
+        g->nccl = comm;
+        MGPU_CUDA_CHECK(cudaEventCreate(&g->nccl_done));
+    }
+    free(states);
+    return failed >= 0 ? why : NULL;
+}
+
+/* Finalized, then destroyed, every rank together (mgpu_group_free). */
+static void mgpu__nccl_end(mgpu_group *g) {
+    if (!g->nccl) return;
+    mgpu__nccl_awaited end = {g->nccl, NULL, NULL, 0, ncclSuccess, "NCCL's end"};
+    end.state = ncclCommFinalize(g->nccl);
+    if (end.state == ncclInProgress) {
+        mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &end, MGPU__NCCL_STUCK};
+        mgpu__wait_point at = mgpu__host_point(g);
+        mgpu__dist_wait_for(g, &at, &awaited, "NCCL's end");
+    }
+    MGPU_REQUIRE(end.state == ncclSuccess, "ncclCommFinalize: %s", ncclGetErrorString(end.state));
+    mgpu__nccl_live_set(g->nccl, NULL);
+    MGPU_NCCL_CHECK(ncclCommDestroy(g->nccl));
+    MGPU_CUDA_CHECK(cudaEventDestroy(g->nccl_done));
+    g->nccl = NULL;
+}
+
+static const char *const mgpu__nccl_coll_names[] = {"nccl allreduce", "nccl broadcast", "nccl all-gather",
+                                                    "nccl reduce-scatter"};
+/* Collective c of g's tensors with NCCL, on the device's communication
+   queue after what its compute queue was given so far; the calling
+   thread waits for it under the watch, and the compute queue waits for
+   it when `wait`. */
+static void mgpu__nccl_run(mgpu__coll *c, const mgpu_tensor *in, mgpu_tensor *out, int wait) {
+    mgpu_group *g = c->group;
+    mgpu_device *dev = out->device;
+    char what[128];
+    mgpu__coll_describe(c, what, sizeof what);
+    mgpu__dist_set_doing(what);
+    mgpu__coll_agree(c);
+    mgpu_tensor *tensors[2] = {out, (mgpu_tensor *)in};
+    mgpu__comm_begin(tensors, 1);
+    mgpu__queue *q = &dev->queue[1];
+    void *bar[2];
+    mgpu__nccl_trace_open(q, mgpu__nccl_coll_names[c->kind], bar);
+    MGPU_CUDA_CHECK(cudaSetDevice(dev->gpu));
+    ncclRedOp_t op = c->op == MGPU_MEAN ? ncclAvg : ncclSum;
+    ncclResult_t called = ncclSuccess;
+    cudaStream_t s = q->stream;
+    switch (c->kind) {
+    case MGPU__ALLREDUCE: called = ncclAllReduce(in->data, out->data, out->numel, ncclFloat, op, g->nccl, s); break;
+    case MGPU__BROADCAST:
+        called = ncclBroadcast(in->data, out->data, out->numel, ncclFloat, c->peer, g->nccl, s);
+        break;
+    case MGPU__ALL_GATHER: called = ncclAllGather(in->data, out->data, in->numel, ncclFloat, g->nccl, s); break;
+    case MGPU__REDUCE_SCATTER:
+        called = ncclReduceScatter(in->data, out->data, out->numel, ncclFloat, op, g->nccl, s);
+        break;
+    case MGPU__SEND:
+    case MGPU__RECV: mgpu_fatal("mgpu__nccl_run: a %s goes through the host", mgpu__coll_names[c->kind]);
+    }
+    /* (nonblocking: ncclInProgress says NCCL is still enqueuing it, which the wait polls) */
+    if (called != ncclSuccess && called != ncclInProgress)
+        mgpu_fatal("NCCL's %s: %s (NCCL_DEBUG=WARN tells more)", what, ncclGetErrorString(called));
+    mgpu__nccl_awaited collective = {g->nccl, s, g->nccl_done, 0, ncclSuccess, what};
+    mgpu__awaited awaited = {NULL, 0, mgpu__nccl_came, &collective, MGPU__NCCL_STUCK};
+    mgpu__wait_point at = mgpu__coll_point(c);
+    mgpu__dist_wait_for(g, &at, &awaited, what);
+    mgpu__nccl_trace_close(q, bar);
+    mgpu__comm_track(tensors, in != out ? tensors + 1 : NULL, 1);
+    if (wait) mgpu_comm_wait(&dev, 1);
+    mgpu__dist_set_doing(NULL);
+}
+#endif /* MGPU__NCCL_BETWEEN_PROCESSES */
+
+/* The way of g's collectives on GPU dev, chosen at the first: NCCL where
+   it can start and is asked for (above), else MPI through the host. Every
+   rank chooses alike; rank 0 says why NCCL cannot start, once a process
+   for each reason. */
+static void mgpu__group_choose_way(mgpu_group *g, mgpu_device *dev) {
+    g->way_chosen = 1;
+    if (mgpu_get_dist_backend() != MGPU_BACKEND_NCCL) return;
+    char why[256] = "";
+    const char *cannot = why;
+#if MGPU__NCCL_BETWEEN_PROCESSES
+    typedef struct {
+        unsigned char uuid[16];
+        int nccl_version;
+    } rank_gpu;
+    rank_gpu mine, *all = (rank_gpu *)mgpu__xmalloc(sizeof mine * (size_t)g->size);
+    memset(&mine, 0, sizeof mine);
+    struct cudaDeviceProp prop;
+    MGPU_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev->gpu));
+    memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
+    MGPU_NCCL_CHECK(ncclGetVersion(&mine.nccl_version));
+    mgpu__group_all_gather_bytes(g, &mine, sizeof mine, all, "the ranks' GPUs");
+    cannot = NULL;
+    for (int r = 0; r < g->size && !cannot; r++) {
+        int v = all[r].nccl_version, major = v >= 10000 ? v / 10000 : v / 1000; /* (NCCL_VERSION's two codes) */
+        if (v < NCCL_VERSION(2, 14, 0)) {
+            snprintf(why, sizeof why, "rank %d's NCCL is %d.%d.%d, older than 2.14 (whose nonblocking start the "
+                     "watch needs)", r, major, v >= 10000 ? v / 100 % 100 : v / 100 % 10, v % 100);
+            cannot = why;
+        }
+        for (int q = 0; q < r && !cannot; q++) {
+            const unsigned char *u = all[r].uuid;
+            if (memcmp(all[q].uuid, u, sizeof mine.uuid) != 0) continue;
+            snprintf(why, sizeof why, "ranks %d and %d share GPU GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+                     "%02x%02x%02x%02x%02x%02x (NCCL takes one rank a GPU)", q, r, u[0], u[1], u[2], u[3], u[4],
+                     u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+            cannot = why;
+        }
+    }
+    free(all);
+    if (!cannot) cannot = mgpu__nccl_start(g, dev, why, sizeof why);
+    if (!cannot) return;
+#else
+    (void)dev;
+    snprintf(why, sizeof why, "this program was built with an NCCL older than 2.14 (whose nonblocking start the "
+             "watch needs)");
+#endif
+    static char said[256];
+    if (g->rank == 0 && strcmp(said, cannot) != 0) {
+        snprintf(said, sizeof said, "%s", cannot);
+        fflush(stdout);
+        fprintf(stderr, "mgpu: %sNCCL cannot start between the %d ranks' GPUs: %s; the group goes through the "
+                "host over MPI\n", mgpu__error_prefix, g->size, cannot);
+    }
+}
 /* Runs collective c for tensors in (read) and out (written; either may be
    NULL, both on one device). On a CPU device it runs on the device's
    communication queue, after what the compute queue was given so far, or
@@ -796,6 +1082,14 @@ static const char *mgpu__group_run(mgpu_group *g, mgpu__coll c, const mgpu_tenso
     c.group = g;
     c.sequence = c.kind == MGPU__SEND || c.kind == MGPU__RECV ? 0 : ++g->sequence;
     if (g->size == 1) return "none"; /* (the callers did a group of one's work) */
+    int between_two = c.kind == MGPU__SEND || c.kind == MGPU__RECV; /* (only those two ranks are here) */
+    if (dev->gpu >= 0 && !g->way_chosen && !between_two) mgpu__group_choose_way(g, dev);
+#if MGPU__NCCL_BETWEEN_PROCESSES
+    if (dev->gpu >= 0 && g->nccl && !between_two) {
+        mgpu__nccl_run(&c, in, out, wait);
+        return mgpu_group_path(g, dev);
+    }
+#endif
     if (dev->gpu < 0) {
         mgpu_tensor *tensors[2] = {out ? out : (mgpu_tensor *)in, (mgpu_tensor *)in}; /* written (a send: read), read */
         if (ready && !out)

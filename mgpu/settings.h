@@ -7,8 +7,11 @@
    program before its work, in one line. Every chapter meets them through
    the manual; chapters 3 and 4 read MGPU_CONV and MGPU_CHECK_REPLICAS
    here (the replicas' check itself is in mgpu/data_parallel.h).
-   (MGPU_DIST_TIMEOUT is read by mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
-   defines: mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str */
+   MGPU_DIST_BACKEND, NCCL or MPI between processes' GPUs, is read here
+   and used by mgpu/groups.h. (MGPU_DIST_TIMEOUT is read by
+   mgpu/groups.h, MGPU_DATA by mgpu/data.h.)
+   defines: mgpu_set_tf32, mgpu_get_tf32, mgpu_tf32_str, mgpu_set_dist_backend,
+   mgpu_get_dist_backend */
 /* Which products may use TF32 on a GPU: [0] convolutions, [1] mgpu_matmul
    and the linear layers. -1 until first asked: then MGPU_TF32 or
    PyTorch's defaults (conv yes, matmul no). */
@@ -89,6 +92,25 @@ static void mgpu__conv_settings_from_environment(void) {
     MGPU_REQUIRE(!wgmma || !*wgmma || strcmp(wgmma, "0") == 0 || strcmp(wgmma, "1") == 0,
                  "MGPU_WGMMA=%s: want 1 (the default: wgmma too, on sm_90) or 0 (mma.sync alone)", wgmma);
     mgpu__conv_wgmma_asked = !wgmma || strcmp(wgmma, "0") != 0;
+}
+/* MGPU_DIST_BACKEND: how a group of processes moves its GPUs' tensors
+   (mgpu/groups.h): nccl (the default) where NCCL can start between them,
+   else, or with mpi, MPI through host memory. -1 until first asked. */
+static int mgpu__dist_backend = -1;
+MGPU_DEF void mgpu_set_dist_backend(mgpu_dist_backend backend) {
+    MGPU_REQUIRE(backend == MGPU_BACKEND_NCCL || backend == MGPU_BACKEND_MPI,
+                 "mgpu_set_dist_backend: %d; want MGPU_BACKEND_NCCL or MGPU_BACKEND_MPI", (int)backend);
+    mgpu__dist_backend = backend;
+}
+MGPU_DEF mgpu_dist_backend mgpu_get_dist_backend(void) {
+    if (mgpu__dist_backend < 0) {
+        const char *env = getenv("MGPU_DIST_BACKEND");
+        MGPU_REQUIRE(!env || !*env || strcmp(env, "nccl") == 0 || strcmp(env, "mpi") == 0,
+                     "MGPU_DIST_BACKEND=%s: want nccl (the default: NCCL between GPUs where it can start) or mpi "
+                     "(through host memory)", env);
+        mgpu__dist_backend = env && strcmp(env, "mpi") == 0 ? MGPU_BACKEND_MPI : MGPU_BACKEND_NCCL;
+    }
+    return (mgpu_dist_backend)mgpu__dist_backend;
 }
 /* MGPU_CHECK_REPLICAS: 1 if data parallelism compares its replicas after each step. */
 static int mgpu__check_replicas_setting(void) {

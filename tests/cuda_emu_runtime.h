@@ -29,7 +29,11 @@
      made, and its calls must find that device current.
    - NCCL: ncclCommInitAll refuses a device twice; a collective's calls
      from every rank are matched in order, and each rank's stream waits in
-     it until all ranks' streams have reached it.
+     it until all ranks' streams have reached it. Communicators between
+     processes (ncclCommInitRank[Config]) carry their collectives over MPI
+     from the stream; each process's GPUs are GPUs of their own (their
+     UUIDs), and faults can be played inside a collective (the NCCL
+     section says how).
 
    What it cannot check: host code that reads or writes device memory
    directly (both are host memory here), kernels that read memory of a
@@ -37,13 +41,20 @@
 #ifndef MGPU_CUDA_EMU_RUNTIME_H
 #define MGPU_CUDA_EMU_RUNTIME_H
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <signal.h>
+#if MGPU_MPI
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
 
 /* ------------------------------------------------------------- errors */
 typedef int cudaError_t;
@@ -115,6 +126,26 @@ enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapab
 static inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int d) {
     if (d < 0 || d >= mgpu_emu_device_count()) return mgpu_emu_error(cudaErrorInvalidDevice);
     *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+    return cudaSuccess;
+}
+/* A GPU's UUID: emulated GPUs of different processes are different GPUs
+   (the launcher's rank is in the UUID), unless MGPU_EMU_SHARED_GPUS=1 makes
+   every process's GPU d the same one, as processes that share a machine's
+   GPUs see them. */
+typedef struct {
+    char bytes[16];
+} cudaUUID_t;
+struct cudaDeviceProp {
+    cudaUUID_t uuid;
+};
+static inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
+    if (d < 0 || d >= mgpu_emu_device_count()) return mgpu_emu_error(cudaErrorInvalidDevice);
+    const char *shared = getenv("MGPU_EMU_SHARED_GPUS"), *rank = getenv("OMPI_COMM_WORLD_RANK");
+    int process = shared && strcmp(shared, "1") == 0 ? 0 : rank ? atoi(rank) + 1 : 0;
+    memset(p, 0, sizeof *p);
+    memcpy(p->uuid.bytes, "emu-", 4);
+    memcpy(p->uuid.bytes + 4, &process, sizeof process);
+    memcpy(p->uuid.bytes + 8, &d, sizeof d);
     return cudaSuccess;
 }
 struct cudaFuncAttributes {
@@ -284,6 +315,11 @@ static inline unsigned long mgpu_emu_event_recorded(cudaEvent_t e) {
 static inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     mgpu_emu_event_wait(e, mgpu_emu_event_recorded(e));
     return cudaSuccess;
+}
+static inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+    unsigned long generation = mgpu_emu_event_recorded(e);
+    std::lock_guard<std::mutex> hold(e->mutex);
+    return e->completed >= generation ? cudaSuccess : cudaErrorNotReady; /* (not an error: not kept as the last) */
 }
 static inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     unsigned long generation = mgpu_emu_event_recorded(e);
@@ -851,14 +887,64 @@ static inline cudnnStatus_t cudnnAddTensor(cudnnHandle_t h, const void *alpha, c
     return CUDNN_STATUS_SUCCESS;
 }
 
-/* ---------------------------------------------------------------- NCCL */
+/* ---------------------------------------------------------------- NCCL
+   Communicators of one process's GPUs (ncclCommInitAll), and, built with
+   MPI, of GPUs in different processes (ncclGetUniqueId, then
+   ncclCommInitRank or ncclCommInitRankConfig in each): their collectives
+   go over MPI from the stream, in stream order, as a GPU's NCCL kernels
+   run in stream order. A nonblocking communicator (config.blocking = 0)
+   starts on a thread of its own: ncclCommInitRankConfig returns
+   ncclInProgress, and ncclCommGetAsyncError says ncclInProgress until it
+   has joined the others. ncclGetVersion says MGPU_EMU_NCCL_VERSION where
+   set (an older NCCL, to test what a program does then).
+   MGPU_EMU_NCCL_FAULT plays a fault in the communicators between
+   processes, for the tests of what the library does then:
+     stop:R:N        rank R stops (SIGSTOP, the whole process: a hung
+                     machine) inside its N-th collective
+     die:R:N         rank R dies (SIGKILL) there
+     hang:R:N        rank R's stream hangs there, until ncclCommAbort (a
+                     GPU or NCCL that hangs, its process still alive)
+     init-error:R    rank R's communicator fails to start (ncclSystemError)
+   ncclCommAbort writes "cuda_emu: ncclCommAbort (rank R of N)" on stderr,
+   so that a test sees that it was called. */
 typedef int ncclResult_t;
-enum { ncclSuccess = 0, ncclInvalidArgument = 4, ncclInvalidUsage = 5 };
+enum {
+    ncclSuccess = 0,
+    ncclSystemError = 2,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+    ncclInProgress = 7
+};
+#define NCCL_VERSION(X, Y, Z) (((X) <= 2 && (Y) <= 8) ? (X) * 1000 + (Y) * 100 + (Z) : (X) * 10000 + (Y) * 100 + (Z))
+#define NCCL_VERSION_CODE NCCL_VERSION(2, 28, 9)
 typedef enum { ncclFloat } ncclDataType_t;
 typedef enum { ncclSum, ncclAvg } ncclRedOp_t;
 static inline const char *ncclGetErrorString(ncclResult_t r) {
-    return r == ncclSuccess ? "no error" : r == ncclInvalidArgument ? "invalid argument" : "invalid usage";
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
 }
+static inline ncclResult_t ncclGetVersion(int *version) {
+    const char *asked = getenv("MGPU_EMU_NCCL_VERSION");
+    *version = asked ? atoi(asked) : NCCL_VERSION_CODE;
+    return ncclSuccess;
+}
+#define NCCL_UNIQUE_ID_BYTES 128
+typedef struct {
+    char internal[NCCL_UNIQUE_ID_BYTES];
+} ncclUniqueId;
+typedef struct { /* (NCCL's has more fields: the ones a caller sets are here) */
+    size_t size;
+    int blocking;
+} ncclConfig_t;
+#define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 1}
 enum mgpu_emu_collective_kind { MGPU_EMU_ALLREDUCE, MGPU_EMU_BROADCAST, MGPU_EMU_REDUCE_SCATTER, MGPU_EMU_ALL_GATHER };
 /* One collective: every rank's call fills its slot; the last rank's
    stream to arrive computes it, and the others' streams wait until then. */
@@ -880,8 +966,18 @@ struct mgpu_emu_clique { /* the communicators of one ncclCommInitAll */
     std::map<unsigned long, std::shared_ptr<mgpu_emu_collective>> pending; /* by call number */
 };
 struct mgpu_emu_comm {
-    std::shared_ptr<mgpu_emu_clique> clique;
+    mgpu_emu_comm(std::shared_ptr<mgpu_emu_clique> q, int r, int d) : clique(q), rank(r), device(d) {}
+    std::shared_ptr<mgpu_emu_clique> clique; /* one process's GPUs (else NULL) */
     int rank, device;
+#if MGPU_MPI
+    /* between processes */
+    int nranks = 0;
+    MPI_Comm mpi = MPI_COMM_NULL;
+    std::atomic<int> state{ncclSuccess}; /* what ncclCommGetAsyncError says */
+    std::atomic<bool> aborted{false};
+    unsigned long calls = 0; /* collectives called so far */
+    std::thread starting;    /* a nonblocking start */
+#endif
 };
 typedef mgpu_emu_comm *ncclComm_t;
 static thread_local int mgpu_emu_group_depth;
@@ -903,10 +999,115 @@ static inline ncclResult_t ncclCommInitAll(ncclComm_t *comms, int n, const int *
     auto clique = std::make_shared<mgpu_emu_clique>();
     clique->n = n;
     clique->calls.assign(n, 0);
-    for (int i = 0; i < n; i++) comms[i] = new mgpu_emu_comm{clique, i, devices[i]};
+    for (int i = 0; i < n; i++) comms[i] = new mgpu_emu_comm(clique, i, devices[i]);
     return ncclSuccess;
 }
+static inline int mgpu_emu_ranks(ncclComm_t c) {
+#if MGPU_MPI
+    if (!c->clique) return c->nranks;
+#endif
+    return c->clique->n;
+}
+
+#if MGPU_MPI
+static inline void mgpu_emu_mpi_check(int rc, const char *what) {
+    if (rc != MPI_SUCCESS) mgpu_emu_fail(what);
+}
+/* MGPU_EMU_NCCL_FAULT's fault, if it is this rank's: `kind` ("stop",
+   "die", "init-error") with `number` the collective (0 at the start). */
+static inline bool mgpu_emu_nccl_fault(const char *kind, int rank, unsigned long number) {
+    const char *fault = getenv("MGPU_EMU_NCCL_FAULT");
+    char name[16];
+    int r = -1;
+    unsigned long n = 0;
+    if (!fault || sscanf(fault, "%15[a-z-]:%d:%lu", name, &r, &n) < 2) return false;
+    return strcmp(name, kind) == 0 && r == rank && n == number;
+}
+/* The id says which process is rank 0 and which of its communicators
+   this is: the others send it their place in MPI_COMM_WORLD, it answers
+   with everyone's, and they make an MPI communicator of them. */
+static inline ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    static std::atomic<int> made{0};
+    int me;
+    mgpu_emu_mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &me), "ncclGetUniqueId: MPI_Comm_rank");
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "mgpu-emu %d %d", me, made++);
+    return ncclSuccess;
+}
+static inline void mgpu_emu_nccl_join(mgpu_emu_comm *c, int root, int tag) {
+    int me, n = c->nranks;
+    mgpu_emu_mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &me), "NCCL's start: MPI_Comm_rank");
+    std::vector<int> world(n);
+    if (c->rank == 0) {
+        world[0] = me;
+        for (int k = 1; k < n; k++) {
+            int who[2]; /* its rank in the communicator, and in MPI_COMM_WORLD */
+            mgpu_emu_mpi_check(MPI_Recv(who, 2, MPI_INT, MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                               "NCCL's start: MPI_Recv");
+            if (who[0] <= 0 || who[0] >= n) mgpu_emu_fail("ncclCommInitRank: a rank out of range, or twice");
+            world[who[0]] = who[1];
+        }
+        for (int r = 1; r < n; r++)
+            mgpu_emu_mpi_check(MPI_Send(world.data(), n, MPI_INT, world[r], tag, MPI_COMM_WORLD),
+                               "NCCL's start: MPI_Send");
+    } else {
+        int who[2] = {c->rank, me};
+        mgpu_emu_mpi_check(MPI_Send(who, 2, MPI_INT, root, tag, MPI_COMM_WORLD), "NCCL's start: MPI_Send");
+        mgpu_emu_mpi_check(MPI_Recv(world.data(), n, MPI_INT, root, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                           "NCCL's start: MPI_Recv");
+    }
+    MPI_Group everyone, members;
+    mgpu_emu_mpi_check(MPI_Comm_group(MPI_COMM_WORLD, &everyone), "NCCL's start: MPI_Comm_group");
+    mgpu_emu_mpi_check(MPI_Group_incl(everyone, n, world.data(), &members), "NCCL's start: MPI_Group_incl");
+    mgpu_emu_mpi_check(MPI_Comm_create_group(MPI_COMM_WORLD, members, tag, &c->mpi),
+                       "NCCL's start: MPI_Comm_create_group");
+    MPI_Group_free(&members);
+    MPI_Group_free(&everyone);
+    c->state = mgpu_emu_nccl_fault("init-error", c->rank, 0) ? ncclSystemError : ncclSuccess;
+}
+static inline ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                                  ncclConfig_t *config) {
+    int root = -1, number = -1;
+    if (sscanf(id.internal, "mgpu-emu %d %d", &root, &number) != 2 || nranks < 1 || rank < 0 || rank >= nranks)
+        return ncclInvalidArgument;
+    mgpu_emu_comm *c = new mgpu_emu_comm(nullptr, rank, mgpu_emu_device);
+    c->nranks = nranks;
+    *comm = c;
+    int tag = 0x4e00 + number % 4096; /* (this communicator's messages in MPI_COMM_WORLD) */
+    if (config && config->blocking == 0) {
+        c->state = ncclInProgress;
+        c->starting = std::thread(mgpu_emu_nccl_join, c, root, tag);
+        return ncclInProgress;
+    }
+    mgpu_emu_nccl_join(c, root, tag);
+    return c->state;
+}
+static inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+    return ncclCommInitRankConfig(comm, nranks, id, rank, nullptr);
+}
+static inline ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *state) {
+    *state = c->state;
+    return ncclSuccess;
+}
+/* Its collectives still queued or running stop where they are; the
+   communicator itself is left (a stream may still hold its last task). */
+static inline ncclResult_t ncclCommAbort(ncclComm_t c) {
+    if (!c) return ncclSuccess;
+    c->aborted = true;
+    fprintf(stderr, "cuda_emu: ncclCommAbort (rank %d of %d)\n", c->rank, mgpu_emu_ranks(c));
+    if (c->starting.joinable()) c->starting.detach(); /* (it may wait for a rank that never comes) */
+    return ncclSuccess;
+}
+static inline ncclResult_t ncclCommFinalize(ncclComm_t c) {
+    (void)c; /* (the collectives ran in their streams' order, which the caller waited for) */
+    return ncclSuccess;
+}
+#endif /* MGPU_MPI */
 static inline ncclResult_t ncclCommDestroy(ncclComm_t c) {
+#if MGPU_MPI
+    if (c->starting.joinable()) c->starting.join();
+    if (c->mpi != MPI_COMM_NULL) mgpu_emu_mpi_check(MPI_Comm_free(&c->mpi), "ncclCommDestroy: MPI_Comm_free");
+#endif
     delete c;
     return ncclSuccess;
 }
@@ -938,16 +1139,61 @@ static inline void mgpu_emu_compute(mgpu_emu_collective *k, int n) {
     }
     }
 }
+#if MGPU_MPI
+/* Collective `number` of communicator c, on its stream: every rank's
+   input reaches every rank (an all-gather over MPI, polled so that
+   ncclCommAbort stops it), and each computes its own output from them in
+   rank order, as the in-process collectives do. */
+static inline void mgpu_emu_collective_between_processes(mgpu_emu_collective_kind kind, const void *send,
+                                                         void *recv, size_t count, int arg, ncclComm_t c,
+                                                         unsigned long number) {
+    if (mgpu_emu_nccl_fault("stop", c->rank, number)) raise(SIGSTOP); /* (this thread: it stops before going on) */
+    if (mgpu_emu_nccl_fault("die", c->rank, number)) raise(SIGKILL);
+    if (mgpu_emu_nccl_fault("hang", c->rank, number))
+        while (!c->aborted) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    int n = c->nranks;
+    size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * n : count;
+    size_t out = kind == MGPU_EMU_ALL_GATHER ? count * n : count;
+    if (in > INT_MAX) mgpu_emu_fail("NCCL between processes: more floats than MPI counts");
+    std::vector<float> inputs(in * n), others(out * n);
+    MPI_Request request;
+    mgpu_emu_mpi_check(MPI_Iallgather(send, (int)in, MPI_FLOAT, inputs.data(), (int)in, MPI_FLOAT, c->mpi, &request),
+                       "NCCL between processes: MPI_Iallgather");
+    for (int done = 0; !done;) {
+        if (c->aborted) return;
+        mgpu_emu_mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "NCCL between processes: MPI_Test");
+        if (!done) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    mgpu_emu_collective k;
+    k.kind = kind;
+    k.count = count;
+    k.arg = arg;
+    for (int r = 0; r < n; r++) {
+        k.send.push_back(inputs.data() + r * in);
+        k.recv.push_back(r == c->rank ? (float *)recv : others.data() + r * out);
+    }
+    mgpu_emu_compute(&k, n);
+}
+#endif
 static inline ncclResult_t mgpu_emu_collective_call(mgpu_emu_collective_kind kind, const void *send, void *recv,
                                              size_t count, int arg, ncclComm_t c, cudaStream_t s) {
     /* a created stream of the rank's device (the legacy stream, which runs
        at once here, would wait in the collective for ranks not yet called) */
     if (!s || s->device != c->device) return ncclInvalidArgument;
-    size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * c->clique->n : count;
-    size_t out = kind == MGPU_EMU_ALL_GATHER ? count * c->clique->n : count;
+    int n = mgpu_emu_ranks(c);
+    size_t in = kind == MGPU_EMU_REDUCE_SCATTER ? count * n : count;
+    size_t out = kind == MGPU_EMU_ALL_GATHER ? count * n : count;
     if (mgpu_emu_owner(send, in * sizeof(float)) != c->device ||
         mgpu_emu_owner(recv, out * sizeof(float)) != c->device)
         return ncclInvalidArgument;
+#if MGPU_MPI
+    if (!c->clique) {
+        if (c->state != ncclSuccess || c->aborted) return ncclInvalidUsage; /* (not started, failed or aborted) */
+        unsigned long number = ++c->calls;
+        mgpu_emu_submit(s, [=] { mgpu_emu_collective_between_processes(kind, send, recv, count, arg, c, number); });
+        return ncclSuccess;
+    }
+#endif
     mgpu_emu_clique *q = c->clique.get();
     std::shared_ptr<mgpu_emu_collective> k;
     {
@@ -969,7 +1215,6 @@ static inline ncclResult_t mgpu_emu_collective_call(mgpu_emu_collective_kind kin
         k = slot;
         if (std::count(k->recv.begin(), k->recv.end(), nullptr) == 0) q->pending.erase(call);
     }
-    int n = q->n;
     mgpu_emu_submit(s, [k, n] {
         std::unique_lock<std::mutex> lock(k->mutex);
         if (++k->arrived == n) {

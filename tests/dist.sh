@@ -30,9 +30,58 @@ for ranks in 1 2 3 4; do
     failed=$((failed + $(echo "$summary_line" | sed -E 's/.* ([0-9]+) failed.*/\1/')))
 done
 
-# The same tests on 2 emulated GPUs, one a rank: through host memory.
-check emulated_gpus 0 '^test-summary: [0-9]+ passed, 0 failed$' -- mpirun -np 2 build/emu/gpu_dist
+# The same tests on 2 emulated GPUs, one a rank: NCCL between them (the
+# emulated NCCL carries its collectives over MPI), and through host memory
+# (MGPU_DIST_BACKEND=mpi) in the test that compares the two; on 4 ranks
+# that test alone.
+check emulated_gpus 0 '^test-summary: [0-9]+ passed, 0 failed$' "^MGPU_BACKEND_NCCL's gradients went: nccl$" \
+    -- mpirun -np 2 build/emu/gpu_dist
 lacks emulated_gpus '^FAIL'
+lacks emulated_gpus 'NCCL cannot start'
+check emulated_gpus_nccl_4_ranks 0 '^test-summary: 1 passed, 0 failed$' "^MGPU_BACKEND_NCCL's gradients went: nccl$" \
+    -- mpirun -np 4 build/emu/gpu_dist nccl_and_mpi
+# Where NCCL cannot start, one line says why, and the group goes through
+# the host: two ranks on one GPU (the emulated GPU 0 of every process is
+# one GPU), an NCCL older than 2.14, a rank whose start fails (the others
+# abort theirs).
+nccl_fallback() { # NAME WHY ENV...
+    local name=$1 why=$2
+    shift 2
+    check $name 0 \
+        "^mgpu: rank 0: NCCL cannot start between the 2 ranks' GPUs: $why; the group goes through the host over MPI$" \
+        "^MGPU_BACKEND_NCCL's gradients went: mpi via host$" '^test-summary: 1 passed, 0 failed$' \
+        -- env "$@" mpirun -np 2 build/emu/gpu_dist nccl_and_mpi
+    count $name 1 'NCCL cannot start'
+}
+nccl_fallback nccl_two_ranks_on_one_gpu \
+    'ranks 0 and 1 share GPU GPU-[0-9a-f-]+ \(NCCL takes one rank a GPU\)' MGPU_EMU_SHARED_GPUS=1 MGPU_EMU_GPUS=1
+nccl_fallback nccl_too_old "rank 0's NCCL is 2\.13\.0, older than 2\.14 \(whose nonblocking start the watch needs\)" \
+    MGPU_EMU_NCCL_VERSION=21300
+nccl_fallback nccl_start_fails "rank 1's NCCL did not start \(unhandled system error\)" MGPU_EMU_NCCL_FAULT=init-error:1
+count nccl_start_fails 2 '^cuda_emu: ncclCommAbort \(rank [01] of 2\)$'
+# A rank stopped inside an NCCL collective (the emulated NCCL's fault):
+# the lowest rank waiting names it within the timeout and aborts its
+# communicator on the way out. One killed there: mpirun stops the others.
+check nccl_stopped_rank dies \
+    '^mgpu: error: rank 0: rank 1 \(host [^,]+, pid [0-9]+\) did not reach allreduce #5 of 1000 floats \(mean\) within 3 s \(MGPU_DIST_TIMEOUT\): it does not answer \(stopped, or dead\)$' \
+    '^cuda_emu: ncclCommAbort \(rank 0 of 2\)$' \
+    -- env MGPU_DIST_TIMEOUT=3 MGPU_EMU_NCCL_FAULT=stop:1:5 mpirun -np 2 build/emu/gpu_dist --fault inside-nccl
+count nccl_stopped_rank 1 'did not reach'
+check nccl_stopped_rank_of_4 dies \
+    '^mgpu: error: rank [01]: rank 2 \(host [^,]+, pid [0-9]+\) did not reach allreduce #5 of 1000 floats \(mean\) within 3 s \(MGPU_DIST_TIMEOUT\): it does not answer' \
+    '^cuda_emu: ncclCommAbort \(rank [013] of 4\)$' \
+    -- env MGPU_DIST_TIMEOUT=3 MGPU_EMU_NCCL_FAULT=stop:2:5 mpirun -np 4 build/emu/gpu_dist --fault inside-nccl
+count nccl_stopped_rank_of_4 1 'did not reach'
+# A GPU or NCCL that hangs, every rank there and answering: said once
+# every rank has been there a timeout.
+check nccl_hangs dies \
+    '^mgpu: error: rank 0: allreduce #5 of 1000 floats \(mean\) did not end within 3 s of every rank.s reaching it \(MGPU_DIST_TIMEOUT\): NCCL hangs, or a GPU' \
+    '^cuda_emu: ncclCommAbort \(rank 0 of 2\)$' \
+    -- env MGPU_DIST_TIMEOUT=3 MGPU_EMU_NCCL_FAULT=hang:1:5 mpirun -np 2 build/emu/gpu_dist --fault inside-nccl
+count nccl_hangs 1 'did not end'
+check nccl_killed_rank dies \
+    '^mgpu: error: rank 0: stopped by SIGTERM in allreduce #5 of 1000 floats \(mean\)' 'process rank 1 .*exited on signal 9' \
+    -- env MGPU_EMU_NCCL_FAULT=die:1:5 mpirun -np 2 build/emu/gpu_dist --fault inside-nccl
 
 # ----------------------------------------------------------------- faults
 check out_of_step dies \
@@ -186,12 +235,15 @@ lacks chapter4_batch_not_split '^mgpu: error: rank [12]:' # (one line, not one a
 check chapter4_alone 0 '^test acc: 0\.[0-9]+, .* on 1 process \(gradients: none\)' \
     -- $chapters/chapter4 --train-samples 512 --test-samples 128 --epochs 1 --out "$out/alone"
 check chapter4_bad_model 1 '^mgpu: error: --model vgg: want lenet or resnet18$' -- $chapters/chapter4 --model vgg
+check chapter4_bad_backend 1 '^mgpu: error: --backend tcp: want nccl or mpi$' -- $chapters/chapter4 --backend tcp
+check bad_backend_setting 1 '^mgpu: error: MGPU_DIST_BACKEND=tcp: want nccl ' -- env MGPU_DIST_BACKEND=tcp $chapters/chapter4
 # synchronised batch norm: ResNet-18 on 2 processes; refused, in one
 # line, for LeNet (no batch norm) and with 2 devices a process
 tiny_resnet="--model resnet18 --train-samples 64 --test-samples 64 --epochs 1 --batch-size 32"
+# (--backend nccl: CPU processes go by MPI all the same)
 check chapter4_sync_bn 0 '; batch norm synchronised over the processes$' \
     '^test acc: 0\.[0-9]+, .* on 2 processes \(gradients: mpi\)' \
-    -- mpirun -np 2 $chapters/chapter4 $tiny_resnet --sync-bn --out "$out/sync"
+    -- mpirun -np 2 $chapters/chapter4 $tiny_resnet --sync-bn --backend nccl --out "$out/sync"
 check chapter4_sync_bn_lenet 1 '^mgpu: error: --sync-bn: LeNet has no batch norm \(add --model resnet18\)$' \
     -- $chapters/chapter4 --sync-bn
 check chapter4_sync_bn_two_devices dies \
