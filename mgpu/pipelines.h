@@ -1,9 +1,10 @@
 /* mgpu/pipelines.h: pipeline parallelism (chapter 6): a network cut into
    stages on devices or ranks, a batch into micro-batches, run by a
-   schedule (naive, GPipe, 1F1B); the bubble measured beside its formula,
-   and each schedule's timeline.
+   schedule (naive, GPipe, 1F1B, zero-bubble ZB-H1); the bubble measured
+   beside its formula, and each schedule's timeline.
    defines: mgpu_pipeline_new, mgpu_pipeline_new_group, mgpu_pipeline_free,
    mgpu_pipeline_set_schedule, mgpu_schedule_gpipe, mgpu_schedule_1f1b,
+   mgpu_schedule_zb_h1, mgpu_pipeline_zb_h1_bubble_formula,
    mgpu_pipeline_num_stages, mgpu_pipeline_stage, mgpu_pipeline_slots,
    mgpu_pipeline_set_training, mgpu_pipeline_forward,
    mgpu_pipeline_forward_backward, mgpu_pipeline_step,
@@ -21,7 +22,9 @@ typedef struct mgpu__pipeline_stage {
     int nslots, slots_wanted;
     int *slot_micro_batch;       /* the micro-batch each slot holds during a step, or -1 */
     int first_layer, first_param, first_buffer;
-    int backward_passes;         /* done so far in this step: the first writes the gradients */
+    /* done so far in this step (B or whole backward passes, W passes):
+       the first of each writes the gradients it computes */
+    int backward_passes, weight_passes;
 } mgpu__pipeline_stage;
 
 struct mgpu_pipeline {
@@ -37,8 +40,11 @@ struct mgpu_pipeline {
     mgpu_shape row_output[MGPU_MAX_DEVICES], x_row;
     mgpu__pipeline_stage stage[MGPU_MAX_DEVICES];
     int micro_batches;
-    mgpu_pipeline_pass *order; /* stage s's passes: order[s * 2m ..], in its order */
-    int *sequence;             /* every stage's passes as the host enqueues them: s * 2m + index */
+    /* stage s's passes, in its order: order[s * 3m ..], npasses[s] of
+       them (2m, or 3m where its backward passes split into B and W) */
+    mgpu_pipeline_pass *order;
+    int npasses[MGPU_MAX_DEVICES];
+    int *sequence;             /* every stage's passes as the host enqueues them: s * 3m + index */
     /* during a step: the batch on the first stage's device and its
        labels on the last's (each copied there whole at the start: a copy
        waits for its source device's work, and the batch's is often the
@@ -74,13 +80,44 @@ MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_
     }
     while (backward < micro_batches) order[n].backward = 1, order[n++].micro_batch = backward++;
 }
+/* Pass n of a schedule's order. */
+static void mgpu__schedule_add(mgpu_pipeline_pass *order, int *n, int backward, int micro_batch,
+                               mgpu_pass_part part) {
+    order[*n].backward = backward, order[*n].micro_batch = micro_batch, order[*n].part = part;
+    (*n)++;
+}
+/* 1F1B's order with each backward pass split into B and W, stage s
+   putting W off until s more B passes have run: the last stages, whose
+   B passes the others wait for, run their B passes first, and the first
+   stages' W passes fill what was 1F1B's bubble at the end. */
+MGPU_DEF void mgpu_schedule_zb_h1(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    int m = micro_batches, warmup = stages - stage - 1 < m ? stages - stage - 1 : m;
+    int n = 0, forward = 0, backward = 0, weights = 0;
+    while (forward < warmup) mgpu__schedule_add(order, &n, 0, forward++, MGPU_PASS_WHOLE);
+    while (backward < m) {
+        if (forward < m) mgpu__schedule_add(order, &n, 0, forward++, MGPU_PASS_WHOLE);
+        mgpu__schedule_add(order, &n, 1, backward++, MGPU_PASS_INPUT_GRAD);
+        if (backward - weights > stage) mgpu__schedule_add(order, &n, 1, weights++, MGPU_PASS_WEIGHT_GRAD);
+    }
+    while (weights < m) mgpu__schedule_add(order, &n, 1, weights++, MGPU_PASS_WEIGHT_GRAD);
+}
 MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches) {
     return (stages - 1) / (double)(micro_batches + stages - 1);
 }
+MGPU_DEF double mgpu_pipeline_zb_h1_bubble_formula(int stages, int micro_batches) {
+    MGPU_REQUIRE(micro_batches >= stages, "mgpu_pipeline_zb_h1_bubble_formula: %d micro-batches on %d stages; "
+                 "the formula holds for at least as many micro-batches as stages", micro_batches, stages);
+    return (stages - 1) / (double)(3 * micro_batches + stages - 1);
+}
 
-/* "F3" or "B3": a pass as the trace labels it and the errors name it. */
+/* Which of a micro-batch's passes on a stage: 0 forward, 1 backward (B,
+   or the whole), 2 W. */
+static int mgpu__pass_kind(mgpu_pipeline_pass pass) {
+    return !pass.backward ? 0 : pass.part == MGPU_PASS_WEIGHT_GRAD ? 2 : 1;
+}
+/* "F3", "B3" or "W3": a pass as the trace labels it and the errors name it. */
 static const char *mgpu__pass_name(mgpu_pipeline_pass pass, char *buf, size_t size) {
-    snprintf(buf, size, "%c%d", pass.backward ? 'B' : 'F', pass.micro_batch);
+    snprintf(buf, size, "%c%d", "FBW"[mgpu__pass_kind(pass)], pass.micro_batch);
     return buf;
 }
 
@@ -96,37 +133,56 @@ static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wan
     return slot;
 }
 
-/* Checks the schedule's passes for every stage and finds how many slots
-   each needs (the most micro-batches between forward and backward). */
+static int mgpu__pass_unwritten(mgpu_pipeline_pass pass) { return pass.backward == -1 && pass.micro_batch == -1; }
+
+/* Checks the schedule's passes for every stage, counts them (2m, or 3m
+   where the backward passes split) and finds how many slots each stage
+   needs (the most micro-batches between forward and their last backward
+   pass, whole or W). */
 static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
     const char *who = "mgpu_pipeline_set_schedule";
-    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)2 * m, 1);
+    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)3 * m, 1); /* [3j + mgpu__pass_kind] */
     for (int s = 0; s < pp->nstages; s++) {
-        const mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
-        int in_flight = 0, most = 0;
+        const mgpu_pipeline_pass *order = pp->order + (size_t)s * 3 * m;
+        int in_flight = 0, most = 0, written = 0, split = 0;
         char name[24];
-        memset(seen, 0, (size_t)2 * m);
-        for (int i = 0; i < 2 * m; i++) {
+        while (written < 3 * m && !mgpu__pass_unwritten(order[written])) written++;
+        for (int i = 0; i < written; i++) split |= order[i].backward == 1 && order[i].part != MGPU_PASS_WHOLE;
+        int want = split ? 3 * m : 2 * m;
+        const char *count = split ? "3m" : "2m", *why = split ? " (each backward pass split into B and W)" : "";
+        MGPU_REQUIRE(written <= want, "%s: the schedule wrote past stage %d's %s = %d passes%s", who, s, count, want,
+                     why);
+        MGPU_REQUIRE(written == want, "%s: the schedule left pass %d of stage %d unwritten; it must write %s = %d "
+                     "passes%s", who, written, s, count, want, why);
+        memset(seen, 0, (size_t)3 * m);
+        for (int i = 0; i < want; i++) {
             mgpu_pipeline_pass pass = order[i];
-            MGPU_REQUIRE(pass.backward != -1 || pass.micro_batch != -1,
-                         "%s: the schedule left pass %d of stage %d unwritten; it must write 2m = %d passes", who, i,
-                         s, 2 * m);
             MGPU_REQUIRE(pass.backward == 0 || pass.backward == 1,
                          "%s: the schedule's pass %d of stage %d has backward %d; want 0 (forward) or 1", who, i, s,
                          pass.backward);
             MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
                          "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
                          who, i, s, pass.micro_batch, m, m - 1);
-            int backward = pass.backward != 0;
-            MGPU_REQUIRE(!seen[2 * pass.micro_batch + backward], "%s: the schedule runs %s twice on stage %d", who,
+            MGPU_REQUIRE(pass.part == MGPU_PASS_WHOLE || (pass.backward && (pass.part == MGPU_PASS_INPUT_GRAD ||
+                                                                           pass.part == MGPU_PASS_WEIGHT_GRAD)),
+                         "%s: the schedule's pass %d of stage %d has part %d; want MGPU_PASS_WHOLE, or for a "
+                         "backward pass MGPU_PASS_INPUT_GRAD (B) or MGPU_PASS_WEIGHT_GRAD (W)", who, i, s, pass.part);
+            MGPU_REQUIRE(!split || !pass.backward || pass.part != MGPU_PASS_WHOLE,
+                         "%s: the schedule runs %s whole on stage %d but splits other backward passes into B and W; "
+                         "split all of a stage's or none", who, mgpu__pass_name(pass, name, sizeof name), s);
+            int kind = mgpu__pass_kind(pass), j = pass.micro_batch;
+            MGPU_REQUIRE(!seen[3 * j + kind], "%s: the schedule runs %s twice on stage %d", who,
                          mgpu__pass_name(pass, name, sizeof name), s);
-            MGPU_REQUIRE(!backward || seen[2 * pass.micro_batch],
+            MGPU_REQUIRE(kind != 1 || seen[3 * j],
                          "%s: the schedule runs %s on stage %d before that micro-batch's forward pass", who,
                          mgpu__pass_name(pass, name, sizeof name), s);
-            seen[2 * pass.micro_batch + backward] = 1;
-            in_flight += backward ? -1 : 1;
+            MGPU_REQUIRE(kind != 2 || seen[3 * j + 1], "%s: the schedule runs %s on stage %d before its B%d (W "
+                         "reads the output gradient B leaves)", who, mgpu__pass_name(pass, name, sizeof name), s, j);
+            seen[3 * j + kind] = 1;
+            in_flight += kind == 0 ? 1 : pass.part == MGPU_PASS_INPUT_GRAD ? 0 : -1;
             if (in_flight > most) most = in_flight;
         }
+        pp->npasses[s] = want;
         pp->stage[s].slots_wanted = most;
     }
     free(seen);
@@ -139,28 +195,30 @@ static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
    and no queue waits for work enqueued after it. A round with nothing
    ready is a schedule that waits for itself. */
 static void mgpu__pipeline_sequence(mgpu_pipeline *pp, int m) {
-    int p = pp->nstages, total = 2 * m * p, n = 0;
+    int p = pp->nstages, total = 0, n = 0;
+    for (int s = 0; s < p; s++) total += pp->npasses[s];
     int *next = (int *)mgpu__xcalloc((size_t)p, sizeof *next);
-    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)total, 1); /* [(s * m + j) * 2 + backward] */
+    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)3 * m * p, 1); /* [(s * m + j) * 3 + kind] */
     pp->sequence = (int *)mgpu__xrealloc(pp->sequence, (size_t)total * sizeof *pp->sequence);
     while (n < total) {
         int progress = 0;
         for (int s = 0; s < p; s++) {
-            if (next[s] == 2 * m) continue;
-            mgpu_pipeline_pass pass = pp->order[s * 2 * m + next[s]];
-            int b = pass.backward != 0, j = pass.micro_batch, from = b ? s + 1 : s - 1;
-            if (from >= 0 && from < p && !done[(from * m + j) * 2 + b]) continue;
-            done[(s * m + j) * 2 + b] = 1;
-            pp->sequence[n++] = s * 2 * m + next[s]++;
+            if (next[s] == pp->npasses[s]) continue;
+            mgpu_pipeline_pass pass = pp->order[s * 3 * m + next[s]];
+            /* (a W pass takes nothing from another stage) */
+            int kind = mgpu__pass_kind(pass), j = pass.micro_batch, from = kind == 2 ? -1 : kind ? s + 1 : s - 1;
+            if (from >= 0 && from < p && !done[(from * m + j) * 3 + kind]) continue;
+            done[(s * m + j) * 3 + kind] = 1;
+            pp->sequence[n++] = s * 3 * m + next[s]++;
             progress = 1;
         }
         if (!progress) {
             char waits[512] = "", pass_name[24];
             size_t used = 0;
             for (int s = 0; s < p && used < sizeof waits; s++)
-                if (next[s] < 2 * m)
+                if (next[s] < pp->npasses[s])
                     used += (size_t)snprintf(waits + used, sizeof waits - used, "%sstage %d at %s", used ? ", " : "",
-                                             s, mgpu__pass_name(pp->order[s * 2 * m + next[s]], pass_name,
+                                             s, mgpu__pass_name(pp->order[s * 3 * m + next[s]], pass_name,
                                                                 sizeof pass_name));
             mgpu_fatal("mgpu_pipeline_set_schedule: the schedule waits for itself (%s: each needs a pass "
                        "that comes later on its neighbour)", waits);
@@ -192,14 +250,17 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
     int p = pp->nstages, m = micro_batches;
     mgpu__pipeline_free_step_state(pp);
     pp->micro_batches = m;
-    /* (one pass more: a schedule that writes past its 2m is caught there) */
-    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)2 * m * p + 1) * sizeof *pp->order);
+    /* (room for 3m passes a stage, and one more: a schedule that writes
+       past its 3m is caught there; the part is left as before, whole, for
+       schedules that do not write it) */
+    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)3 * m * p + 1) * sizeof *pp->order);
     for (int s = 0; s < p; s++) {
-        mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
-        for (int i = 0; i <= 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
+        mgpu_pipeline_pass *order = pp->order + (size_t)s * 3 * m;
+        for (int i = 0; i <= 3 * m; i++) /* (unwritten) */
+            order[i].backward = -1, order[i].micro_batch = -1, order[i].part = MGPU_PASS_WHOLE;
         schedule(s, p, m, order);
-        MGPU_REQUIRE(order[2 * m].backward == -1 && order[2 * m].micro_batch == -1,
-                     "mgpu_pipeline_set_schedule: the schedule wrote past stage %d's 2m = %d passes", s, 2 * m);
+        MGPU_REQUIRE(mgpu__pass_unwritten(order[3 * m]),
+                     "mgpu_pipeline_set_schedule: the schedule wrote past stage %d's 3m = %d passes", s, 3 * m);
     }
     mgpu__pipeline_check_order(pp, m);
     mgpu__pipeline_sequence(pp, m);
@@ -410,11 +471,44 @@ static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
     mgpu_event_record(pp->output_ready[s * m + j], st->net->device);
 }
 
-/* Micro-batch j's backward pass on stage s, on the gradient the stage
-   after sent (the last stage: from its loss); then what the micro-batch
-   held on this stage is freed, but its input's gradient, which the stage
-   before takes. */
-static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_tensor *loss_sum) {
+/* What micro-batch j held on stage s, in slot k, freed once its last
+   backward pass there is done: its activations and their gradients, its
+   input and output gradient; the slot is free again. */
+static void mgpu__pipeline_release(mgpu_pipeline *pp, int s, int k, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *slot = st->slot[k];
+    int m = pp->micro_batches;
+    for (int i = 0; i < slot->nlayers; i++) {
+        mgpu__layer_free_activations(slot->layers[i], 0);
+        mgpu__layer_free_gradients(slot->layers[i], 1);
+    }
+    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
+    for (int h = 0; h < 2; h++) {
+        mgpu_free(*held[h]);
+        *held[h] = NULL;
+    }
+    st->slot_micro_batch[k] = -1;
+}
+
+/* Micro-batch j's W pass on stage s: its weights' gradients from the
+   output gradients its B pass kept (the last stage's, its loss's, in the
+   slot); then what it held is freed. */
+static void mgpu__pipeline_weight_pass(mgpu_pipeline *pp, int s, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0;
+    while (st->slot_micro_batch[k] != j) k++;
+    mgpu_net *slot = st->slot[k];
+    const mgpu_tensor *dy = s < pp->nstages - 1 ? pp->output_grad[s * m + j] : slot->dlogits;
+    mgpu__net_backward_part(slot, dy, st->weight_passes++ > 0, MGPU_PASS_WEIGHT_GRAD);
+    mgpu__pipeline_release(pp, s, k, j);
+}
+
+/* Micro-batch j's backward pass on stage s (whole, or its B), on the
+   gradient the stage after sent (the last stage: from its loss); then,
+   after a whole pass, what the micro-batch held on this stage is freed,
+   but its input's gradient, which the stage before takes. */
+static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_pass_part part,
+                                         mgpu_tensor *loss_sum) {
     const char *who = "mgpu_pipeline_forward_backward";
     mgpu__pipeline_stage *st = &pp->stage[s];
     int m = pp->micro_batches, k = 0, first, count, n = pp->labels->shape.d[0];
@@ -441,22 +535,13 @@ static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_t
                                  loss_sum, who, first);
         mgpu_free(labels); /* (safe once the work that reads it is enqueued) */
     }
-    mgpu__net_backward(slot, dy, st->backward_passes++ > 0);
+    mgpu__net_backward_part(slot, dy, st->backward_passes++ > 0, part);
     if (s > 0) { /* (the layer lets go of it: the slot's next pass makes another) */
         pp->input_grad[s * m + j] = (mgpu_tensor *)mgpu_net_input_grad(slot);
         slot->layers[0]->dinput = NULL;
         mgpu_event_record(pp->input_grad_ready[s * m + j], slot->device);
     }
-    for (int i = 0; i < slot->nlayers; i++) {
-        mgpu__layer_free_activations(slot->layers[i], 0);
-        mgpu__layer_free_gradients(slot->layers[i], 1);
-    }
-    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
-    for (int h = 0; h < 2; h++) {
-        mgpu_free(*held[h]);
-        *held[h] = NULL;
-    }
-    st->slot_micro_batch[k] = -1;
+    if (part == MGPU_PASS_WHOLE) mgpu__pipeline_release(pp, s, k, j);
 }
 
 /* Across processes, what each stage's output is for one row of the
@@ -496,7 +581,7 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     if (pp->stage[p - 1].net) mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
     for (int s = 0; s < p; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
-        st->backward_passes = 0;
+        st->backward_passes = st->weight_passes = 0;
         for (int k = 0; k < st->nslots; k++) st->slot_micro_batch[k] = -1;
     }
     pp->x = x;
@@ -505,19 +590,24 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     if (pp->stage[p - 1].net) pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
     if (pp->group) mgpu__pipeline_row_shapes(pp, x);
     char label[24];
-    for (int i = 0; i < 2 * m * p; i++) {
-        int s = pp->sequence[i] / (2 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
+    int total = 0;
+    for (int s = 0; s < p; s++) total += pp->npasses[s];
+    for (int i = 0; i < total; i++) {
+        int s = pp->sequence[i] / (3 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
         mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
+        int kind = mgpu__pass_kind(pass);
         if (mgpu__library.tracing) /* (a label looks its text up under the library's lock) */
             mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
-        if (pp->stage[s].net && pass.backward)
-            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
+        if (pp->stage[s].net && kind == 2)
+            mgpu__pipeline_weight_pass(pp, s, pass.micro_batch);
+        else if (pp->stage[s].net && kind == 1)
+            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, pass.part, loss_sum);
         else if (pp->stage[s].net)
             mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
-        else if (!pass.backward && s == pp->rank + 1) { /* (the next rank comes to take our output) */
+        else if (kind == 0 && s == pp->rank + 1) { /* (the next rank comes to take our output) */
             mine = pp->rank * m + pass.micro_batch;
             mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[mine], s, pp->output_ready[mine]);
-        } else if (pass.backward && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
+        } else if (kind == 1 && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
             mine = pp->rank * m + pass.micro_batch;
             mgpu__group_p2p(pp->group, 1, pp->input_grad[mine], s, pp->input_grad_ready[mine]);
             mgpu_free(pp->input_grad[mine]); /* (safe once the send that reads it is enqueued) */
@@ -618,9 +708,11 @@ MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s) {
 static int mgpu__pipeline_op_stage(const mgpu_pipeline *pp, const mgpu_trace_op *op, mgpu_pipeline_pass *pass) {
     char kind = 0, end = 0;
     if (op->lane != 0 || !op->label || sscanf(op->label, "%c%d%c", &kind, &pass->micro_batch, &end) != 2 ||
-        (kind != 'F' && kind != 'B') || pass->micro_batch < 0 || pass->micro_batch >= pp->micro_batches)
+        (kind != 'F' && kind != 'B' && kind != 'W') || pass->micro_batch < 0 ||
+        pass->micro_batch >= pp->micro_batches)
         return -1;
-    pass->backward = kind == 'B';
+    pass->backward = kind != 'F';
+    pass->part = kind == 'W' ? MGPU_PASS_WEIGHT_GRAD : MGPU_PASS_WHOLE;
     for (int s = 0; s < pp->nstages; s++)
         if (pp->stage[s].net && op->device == pp->stage[s].net->device) return s;
     return -1;
@@ -654,13 +746,16 @@ MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
 }
 
 MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title) {
-    int p = pp->nstages, m = pp->micro_batches, nbars = 2 * m * p;
+    int p = pp->nstages, m = pp->micro_batches, nbars = 3 * m * p;
+    /* (a whole backward pass's bar is "backward"; split, "B" and "W") */
+    static const char *const kind_names[2][3] = {{"forward", "backward", ""},
+                                                 {"forward", "B: input gradient", "W: weight gradients"}};
     mgpu_timeline_bar *bars = (mgpu_timeline_bar *)mgpu__xcalloc((size_t)nbars, sizeof *bars);
-    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 2 + backward */
-        mgpu_pipeline_pass pass = {b % 2, b / 2 % m};
-        bars[b].lane = b / 2 / m;
+    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 3 + kind; a kind the schedule has not stays undrawn */
+        mgpu_pipeline_pass pass = {b % 3 != 0, b / 3 % m, b % 3 == 2 ? MGPU_PASS_WEIGHT_GRAD : MGPU_PASS_WHOLE};
+        bars[b].lane = b / 3 / m;
         bars[b].start_ms = INFINITY, bars[b].end_ms = -INFINITY;
-        snprintf(bars[b].name, sizeof bars[b].name, "%s", pass.backward ? "backward" : "forward");
+        snprintf(bars[b].name, sizeof bars[b].name, "%s", kind_names[pp->npasses[bars[b].lane] > 2 * m][b % 3]);
         mgpu__pass_name(pass, bars[b].label, sizeof bars[b].label);
     }
     mgpu_pipeline_pass pass;
@@ -668,7 +763,7 @@ MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *p
         mgpu_trace_op op = mgpu_trace_get(i);
         int s = mgpu__pipeline_op_stage(pp, &op, &pass);
         if (s < 0) continue;
-        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 2 + pass.backward];
+        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 3 + mgpu__pass_kind(pass)];
         bar->start_ms = fmin(bar->start_ms, op.start_ms);
         bar->end_ms = fmax(bar->end_ms, op.end_ms);
     }

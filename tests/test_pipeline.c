@@ -1,21 +1,25 @@
 /* tests/test_pipeline.c: a network cut into stages (mgpu_pipeline).
 
-   - every schedule (naive, GPipe, 1F1B; 2 and 3 stages; micro-batches
-     that do and do not divide the batch) gives one device's gradients on
-     the same batch, within 1e-5, for a network without batch norm;
+   - every schedule (naive, GPipe, 1F1B, zero-bubble ZB-H1; 2 and 3
+     stages; micro-batches that do and do not divide the batch) gives one
+     device's gradients on the same batch, within 1e-5, for a network
+     without batch norm;
    - with batch norm, one device that runs the micro-batches in turn:
      gradients and running statistics, in one stage and in two;
    - steps with momentum train like one device, and freeing the pipeline
      gives the network its trained values and momentum;
    - 1F1B holds at most min(m, p - s) micro-batches' activations on stage
-     s, GPipe m of them: measured against one micro-batch's;
+     s, GPipe m of them, ZB-H1 p of them on every stage (those between B
+     and W keep theirs until W): measured against one micro-batch's;
    - the bubble measured from the trace within 0.05 of (p-1)/(m+p-1), for
-     GPipe and 1F1B, m = 1, 2, 4 and 8, on 2 and 4 CPU devices whose
+     GPipe and 1F1B, m = 1, 2, 4 and 8, and of (p-1)/(3m+p-1) for ZB-H1
+     (F, B and W one unit each), m = p .. 8, on 2 and 4 CPU devices whose
      equal stages sleep a fixed time (the median of 3 steps; on a busy
      machine, tried again with longer sleeps, which the threads' late
      wake-ups then weigh less against);
    - data parallelism over 2 pipelines of 2 stages equals one device;
-   - bad settings and schedules are refused by name.
+   - bad settings and schedules are refused by name, B and W passes'
+     too.
    tests/gpu_pipeline.c includes this file with TEST_ON_GPU 1: the same
    tests on GPU devices, but the bubble's (its layers sleep on the CPU)
    and the refusals' (a forked child cannot use a GPU). */
@@ -90,23 +94,25 @@ static double schedule_diff(mgpu_schedule_fn schedule, int stages, int m, int n,
     return diff;
 }
 
+static mgpu_schedule_fn schedules[3] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b, mgpu_schedule_zb_h1};
+static const char *schedule_names[3] = {"GPipe", "1F1B", "ZB-H1"};
+
 TEST(every_schedule_gives_one_devices_gradients) {
-    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
     int micro[4] = {1, 2, 4, 3}; /* (3 does not divide 12: micro-batches of 4, 4, 4; and of 5, 5, 4 for 14) */
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 3; k++)
         for (int stages = 2; stages <= 3; stages++)
             for (int i = 0; i < 4; i++) {
                 double diff = schedule_diff(schedules[k], stages, micro[i], i == 3 ? 14 : 12, 0);
                 if (diff > TOLERANCE)
-                    printf("  %s, %d stages, m = %d: gradients %.3g off\n", k ? "1F1B" : "GPipe", stages, micro[i],
+                    printf("  %s, %d stages, m = %d: gradients %.3g off\n", schedule_names[k], stages, micro[i],
                            diff);
                 CHECK(diff <= TOLERANCE);
             }
 }
 
 TEST(batch_norm_uses_each_micro_batchs_statistics) {
-    for (int k = 0; k < 2; k++) {
-        double diff = schedule_diff(k ? mgpu_schedule_1f1b : mgpu_schedule_gpipe, 2, 3, 12, 1);
+    for (int k = 0; k < 3; k++) {
+        double diff = schedule_diff(schedules[k], 2, 3, 12, 1);
         CHECK(diff <= TOLERANCE);
     }
     /* and that is not the whole batch's: one device on all 12 rows differs */
@@ -141,13 +147,13 @@ static mgpu_net *two_norms(mgpu_device *d) {
     return net;
 }
 
-TEST(batch_norm_in_two_stages_trains_like_micro_batches_in_turn) {
+static void train_two_norms_like_micro_batches_in_turn(mgpu_schedule_fn schedule) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_net *net = two_norms(test_device()), *ref = two_norms(test_device());
     int cut[2] = {0, 2};
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 2, cut);
-    mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, 3);
+    mgpu_pipeline_set_schedule(pp, schedule, 3);
     for (int step = 0; step < 3; step++) {
         mgpu_tensor *x, *y;
         batch(50 + (uint64_t)step, 12, &x, &y);
@@ -161,6 +167,13 @@ TEST(batch_norm_in_two_stages_trains_like_micro_batches_in_turn) {
     CHECK(test_max_diff(net, ref, 0) <= TOLERANCE);
     CHECK(test_max_diff(net, ref, 1) <= TOLERANCE);
     mgpu_net_free(net), mgpu_net_free(ref);
+}
+
+TEST(batch_norm_in_two_stages_trains_like_micro_batches_in_turn) {
+    /* (under ZB-H1 the convolutions' weight gradients come in W, batch
+       norm's in B, and the convolution's bias, which batch norm cancels,
+       is written 0 in B) */
+    for (int k = 1; k < 3; k++) train_two_norms_like_micro_batches_in_turn(schedules[k]);
 }
 
 TEST(steps_train_like_one_device_and_free_gives_the_state_back) {
@@ -219,16 +232,20 @@ static void activation_peaks(mgpu_pipeline *pp, mgpu_device **devs, int stages, 
     mgpu_free(x), mgpu_free(y);
 }
 
-TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
+TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches_zero_bubble_p) {
     enum { STAGES = 4, M = 8, ROWS = 8 };
     mgpu_device *devs[STAGES];
     mgpu_devices(STAGES, TEST_ON_GPU, devs);
     mgpu_net *net = equal_layers(64, 8);
     mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, STAGES, NULL);
-    size_t one[STAGES], gpipe[STAGES], f1b1[STAGES];
+    size_t one[STAGES], gpipe[STAGES], f1b1[STAGES], zb[STAGES];
+    int zb_slots[STAGES];
     activation_peaks(pp, devs, STAGES, ROWS, one); /* one micro-batch of 8 rows */
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, M);
     activation_peaks(pp, devs, STAGES, M * ROWS, gpipe);
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_zb_h1, M);
+    activation_peaks(pp, devs, STAGES, M * ROWS, zb);
+    for (int s = 0; s < STAGES; s++) zb_slots[s] = mgpu_pipeline_slots(pp, s);
     mgpu_pipeline_set_schedule(pp, mgpu_schedule_1f1b, M);
     activation_peaks(pp, devs, STAGES, M * ROWS, f1b1);
     for (int s = 0; s < STAGES; s++) {
@@ -237,73 +254,88 @@ TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches) {
         CHECK(one[s] > 0);
         CHECK(f1b1[s] == bound); /* within the bound, which the warm-up fills exactly */
         CHECK(gpipe[s] == (size_t)M * one[s]);
+        /* ZB-H1: stage s holds p - s micro-batches between F and B (1F1B's)
+           and s between B and W, each with all its activations: p, 1F1B's
+           peak on stage 0, on every stage */
+        CHECK_EQ_INT(zb_slots[s], STAGES);
+        CHECK(zb[s] == (size_t)STAGES * one[s]);
     }
     mgpu_pipeline_free(pp);
     mgpu_net_free(net);
 }
 
 #if !TEST_ON_GPU
-/* Equal stages of tests/test.h's timed layer, 5 ms forward and 10 ms
-   backward (longer on a retry, below), so that waking the queues'
-   threads takes a small part of each. */
+/* Equal stages of tests/test.h's timed layers, 5 ms forward, and 5 ms
+   for each of B and W (longer on a retry, below), so that waking the
+   queues' threads takes a small part of each. */
 static double timed_ms = 5.0;
+
+/* The bubble of `schedule` with m micro-batches measured on pp, against
+   `want`: the median of 3 steps, and up to 3 tries of that, with longer
+   layers each time: on a machine busy with other work the queues'
+   threads wake late, by a time that the layers' own then outweigh (the
+   bubble is a ratio of times, the same at any layer duration). Returns
+   the mean bubble, and in *worst_stage the worst stage's distance from
+   want. */
+static double measured_bubble(mgpu_pipeline *pp, int stages, double want, double *worst_stage) {
+    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
+    mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
+    static const double tries_ms[3] = {5.0, 25.0, 100.0};
+    double got = 0;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        double bubble[3], stage_bubble[4][3];
+        timed_ms = tries_ms[attempt];
+        for (int r = 0; r < 3; r++) {
+            mgpu_trace_begin();
+            mgpu_pipeline_forward_backward(pp, x, y, NULL);
+            mgpu_trace_end();
+            mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
+            bubble[r] = t.bubble_mean;
+            for (int s = 0; s < stages; s++) stage_bubble[s][r] = t.bubble[s];
+        }
+        got = mgpu_median(bubble, 3), *worst_stage = 0;
+        for (int s = 0; s < stages; s++)
+            *worst_stage = fmax(*worst_stage, fabs(mgpu_median(stage_bubble[s], 3) - want));
+        if (fabs(got - want) <= 0.05 && *worst_stage <= 0.05) break;
+    }
+    timed_ms = tries_ms[0];
+    mgpu_free(x), mgpu_free(y);
+    return got;
+}
 
 TEST(measured_bubble_is_the_formulas) {
     mgpu_device *devs[4];
     mgpu_devices(4, 0, devs);
-    mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
-    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
     int micro[4] = {1, 2, 4, 8};
     for (int stages = 2; stages <= 4; stages += 2) {
-        mgpu_net *net = mgpu_net_new(mgpu_cpu());
-        for (int i = 0; i < 2 * stages; i++) mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, &timed_ms);
-        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, NULL);
-        for (int k = 0; k < 2; k++)
+        int first[4];
+        mgpu_net *net = test_timed_net(stages, &timed_ms, first);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, first);
+        for (int k = 0; k < 3; k++)
             for (int i = 0; i < 4; i++) {
+                int zero_bubble = schedules[k] == mgpu_schedule_zb_h1;
+                if (zero_bubble && micro[i] < stages) continue; /* (its formula wants m >= p) */
                 mgpu_pipeline_set_schedule(pp, schedules[k], micro[i]);
-                mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
-                double want = mgpu_pipeline_bubble_formula(stages, micro[i]), got = 0, worst_stage = 0;
-                /* the median of 3 steps, and up to 3 tries of that, with
-                   longer layers each time: on a machine busy with other work
-                   the queues' threads wake late, by a time that the layers'
-                   own then outweigh (the bubble is a ratio of times, the
-                   same at any layer duration) */
-                static const double tries_ms[3] = {5.0, 25.0, 100.0};
-                for (int attempt = 0; attempt < 3; attempt++) {
-                    double bubble[3], stage_bubble[4][3];
-                    timed_ms = tries_ms[attempt];
-                    for (int r = 0; r < 3; r++) {
-                        mgpu_trace_begin();
-                        mgpu_pipeline_forward_backward(pp, x, y, NULL);
-                        mgpu_trace_end();
-                        mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
-                        bubble[r] = t.bubble_mean;
-                        for (int s = 0; s < stages; s++) stage_bubble[s][r] = t.bubble[s];
-                    }
-                    got = mgpu_median(bubble, 3), worst_stage = 0;
-                    for (int s = 0; s < stages; s++)
-                        worst_stage = fmax(worst_stage, fabs(mgpu_median(stage_bubble[s], 3) - want));
-                    if (fabs(got - want) <= 0.05 && worst_stage <= 0.05) break;
-                }
-                timed_ms = tries_ms[0];
+                double want = zero_bubble ? mgpu_pipeline_zb_h1_bubble_formula(stages, micro[i])
+                                          : mgpu_pipeline_bubble_formula(stages, micro[i]);
+                double worst_stage, got = measured_bubble(pp, stages, want, &worst_stage);
                 if (fabs(got - want) > 0.05 || worst_stage > 0.05)
                     printf("  %s, %d stages, m = %d: bubble %.3f (a stage's off by %.3f), formula %.3f\n",
-                           k ? "1F1B" : "GPipe", stages, micro[i], got, worst_stage, want);
+                           schedule_names[k], stages, micro[i], got, worst_stage, want);
                 CHECK_CLOSE(got, want, 0.05, 0);
                 CHECK(worst_stage <= 0.05);
+                if (stages == 2 && micro[i] == 8 && k > 0) {
+                    const char *path = "/tmp/mgpu_test_pipeline_timeline.png";
+                    CHECK_EQ_INT(mgpu_pipeline_write_timeline(pp, path, schedule_names[k]), 0);
+                    FILE *f = fopen(path, "rb");
+                    CHECK(f != NULL);
+                    if (f) fclose(f);
+                    remove(path);
+                }
             }
-        if (stages == 2) {
-            const char *path = "/tmp/mgpu_test_pipeline_timeline.png";
-            CHECK_EQ_INT(mgpu_pipeline_write_timeline(pp, path, "1F1B, 2 stages, 8 micro-batches"), 0);
-            FILE *f = fopen(path, "rb");
-            CHECK(f != NULL);
-            if (f) fclose(f);
-            remove(path);
-        }
         mgpu_pipeline_free(pp);
         mgpu_net_free(net);
     }
-    mgpu_free(x), mgpu_free(y);
 }
 
 #endif
@@ -362,6 +394,28 @@ static void backward_first(int stage, int stages, int m, mgpu_pipeline_pass *ord
     order[0] = order[m], order[m] = first;
 }
 
+/* Split schedules gone wrong: ZB-H1 with W0 before B0 on every stage;
+   with B0 whole; with W0 left out; a forward pass given a part. */
+static void w_before_b(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_zb_h1(stage, stages, m, order);
+    for (int i = 0; i < 3 * m; i++) /* (W0 takes the place of B0, and B0 of W0) */
+        if (order[i].micro_batch == 0 && order[i].backward)
+            order[i].part = order[i].part == MGPU_PASS_INPUT_GRAD ? MGPU_PASS_WEIGHT_GRAD : MGPU_PASS_INPUT_GRAD;
+}
+static void whole_among_split(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_zb_h1(stage, stages, m, order);
+    for (int i = 0; i < 3 * m; i++)
+        if (order[i].micro_batch == 0 && order[i].part == MGPU_PASS_INPUT_GRAD) order[i].part = MGPU_PASS_WHOLE;
+}
+static void w_left_out(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_zb_h1(stage, stages, m, order);
+    order[3 * m - 1].backward = order[3 * m - 1].micro_batch = -1; /* (the last pass, a W, unwritten) */
+}
+static void forward_with_a_part(int stage, int stages, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_zb_h1(stage, stages, m, order);
+    order[0].part = MGPU_PASS_WEIGHT_GRAD;
+}
+
 TEST(bad_settings_are_refused_by_name) {
     mgpu_device *devs[4];
     mgpu_devices(4, 0, devs);
@@ -381,6 +435,13 @@ TEST(bad_settings_are_refused_by_name) {
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, backward_first, 2), "runs B0 on stage 0 before that micro-batch's");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, one_pass_short, 2), "left pass 2 of stage 0 unwritten");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, one_pass_long, 2), "wrote past stage 0's 2m = 4 passes");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, w_before_b, 2), "the schedule runs W0 on stage 0 before its B0");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, whole_among_split, 2),
+                "runs B0 whole on stage 0 but splits other backward passes into B and W");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, w_left_out, 2),
+                "left pass 5 of stage 0 unwritten; it must write 3m = 6 passes (each backward pass split");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, forward_with_a_part, 2), "pass 0 of stage 0 has part 2; want");
+    EXPECT_DIES(mgpu_pipeline_zb_h1_bubble_formula(4, 3), "3 micro-batches on 4 stages; the formula holds");
     EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, NULL), "a wrapper holds this network already");
     EXPECT_DIES(mgpu_net_free(net), "mgpu_net_free: a pipeline still holds this network; free it first "
                                     "(mgpu_pipeline_free)");
