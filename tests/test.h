@@ -256,7 +256,8 @@ static __attribute__((unused)) mgpu_net *test_timed_net(int stages, double *ms, 
     mgpu_net *net = mgpu_net_new(mgpu_cpu());
     mgpu_net_add_layer(net, &test_timed_layer, NULL, NULL, &no_time);
     for (int i = 0; i < 2 * stages; i++)
-        mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, ms)->split_backward = 1;
+        mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, ms)
+            ->split_backward = 1;
     for (int s = 0; s < stages; s++) first[s] = s == 0 ? 0 : 2 * s + 1;
     return net;
 }
