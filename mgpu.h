@@ -1921,11 +1921,27 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    weight gradients too (splitting them would keep the block's inner
    gradients): it costs bubble, not correctness.
 
+   Interleaved 1F1B (Megatron-LM; PyTorch's ScheduleInterleaved1F1B).
+   The bubble is p - 1 stage-passes long whatever a stage holds, so
+   smaller stages make it shorter: cut the network into p v stages, and
+   give device d the v chunks d, d + p, d + 2p, ... A micro-batch then
+   goes round the devices v times. Each device runs its chunks' passes
+   in rounds of p micro-batches: a warm-up of 2 (p - d - 1) + (v - 1) p
+   forward passes (the k-th of chunk (k / p) mod v, of micro-batch
+   (k / pv) p + k mod p), then one forward and one backward in turn (the
+   backward passes over the chunks the other way), then the backward
+   passes left. With equal chunks the bubble is (p - 1) / (vm + p - 1),
+   1/v of 1F1B's for m much larger than p; the price is v times as many
+   transfers between devices, and device d holds up to 2 (p - d - 1) +
+   (v - 1) p + 1 chunks' micro-batches (each 1/v of a stage's). As in
+   Megatron, m must be a multiple of p.
+
    A schedule is the order of each stage's passes, given by a function:
        typedef enum { MGPU_PASS_WHOLE, MGPU_PASS_INPUT_GRAD, MGPU_PASS_WEIGHT_GRAD } mgpu_pass_part;
        typedef struct mgpu_pipeline_pass {
            int backward, micro_batch;
            mgpu_pass_part part;   a backward pass's part: whole, B or W
+           int chunk;             an interleaved pipeline's: the device's chunk
        } mgpu_pipeline_pass;
        void schedule(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
    writes the 2m passes of `stage` into order, in the order it runs them
@@ -1936,7 +1952,12 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    checked: every pass once, each micro-batch's backward after its
    forward, its W after its B, a stage's backward passes all split or
    none, and no stage waiting for a pass that waits for it (a one-line
-   error naming the stages and passes).
+   error naming the stages and passes). An interleaved pipeline's
+   schedule orders each device's passes over its chunks:
+       void schedule(int device, int devices, int chunks, int micro_batches, mgpu_pipeline_pass *order);
+   writes device's 2vm passes (3vm split), each with its chunk (0 to
+   v - 1: stage chunk * devices + device); mgpu_schedule_interleaved_1f1b
+   is the library's, and it is checked as the others are.
 
    What a step does. The host enqueues every stage's passes in their
    order, each on its stage's device, with the copies between stages
@@ -1971,8 +1992,18 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    trained state back. Refused, by name: more stages than layers, a first
    layer that does not exist or does not come after the one before, a
    device twice.
+       mgpu_pipeline *mgpu_pipeline_new_interleaved(mgpu_net *net, mgpu_device *const *devices, int ndevices,
+                                                    int chunks, const int *first_layers)
+   the same cut into ndevices * chunks stages (first_layers has that many;
+   NULL: equal numbers of layers), stage s on devices[s mod ndevices]; each
+   stage a network of its own, as above. Refused as above, and for more
+   than MGPU_MAX_DEVICES stages.
        void mgpu_pipeline_set_schedule(pp, schedule, micro_batches)
    the default is mgpu_schedule_gpipe with 1 micro-batch: naive.
+       void mgpu_pipeline_set_interleaved_schedule(pp, schedule, micro_batches)
+   an interleaved pipeline's (the default: mgpu_schedule_interleaved_1f1b
+   with m = ndevices); mgpu_pipeline_set_schedule refuses such a
+   pipeline by name.
        void mgpu_pipeline_forward_backward(pp, x, labels, loss_sum)
    runs the schedule on one batch: x [N, ...] and labels [N], on the host
    or any device, N at least the micro-batches (cut as torch.tensor_split
@@ -2013,19 +2044,23 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
 
    Measuring a step. Every operation of micro-batch j's forward pass on a
    stage is labelled "F<j>" in the trace, of its backward pass (or its B)
-   "B<j>", of its W "W<j>" (mgpu_trace_label), so a step between
-   mgpu_trace_begin and
+   "B<j>", of its W "W<j>" (mgpu_trace_label; in an interleaved pipeline
+   with the chunk: "F3c1"), so a step between mgpu_trace_begin and
    mgpu_trace_end tells where the time went:
        mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
    t.span_ms from the first labelled operation's start to the last one's
-   end; per stage, t.busy_ms[s] (its compute queue's labelled operations)
-   and t.bubble[s] = 1 - busy / span; t.bubble_mean, their mean, beside
+   end; per stage (an interleaved pipeline's: per device, t.stages of
+   them), t.busy_ms[s] (its compute queue's labelled operations) and
+   t.bubble[s] = 1 - busy / span; t.bubble_mean, their mean, beside
    mgpu_pipeline_bubble_formula(p, m), (p - 1) / (m + p - 1) (GPipe and
-   1F1B), or mgpu_pipeline_zb_h1_bubble_formula(p, m), (p - 1) /
-   (3m + p - 1) (ZB-H1 with equal F, B and W; m < p is refused by name).
+   1F1B), mgpu_pipeline_zb_h1_bubble_formula(p, m), (p - 1) / (3m + p - 1)
+   (ZB-H1 with equal F, B and W; m < p is refused by name), or
+   mgpu_pipeline_interleaved_bubble_formula(p, v, m), (p - 1) /
+   (vm + p - 1) (interleaved 1F1B with equal chunks).
        int mgpu_pipeline_write_timeline(pp, path, title)
-   draws it: a lane per stage, a bar per pass (forward, backward, and a
-   split one's B and W, each in its colour, numbered by micro-batch); the
+   draws it: a lane per stage (per device, interleaved), a bar per pass
+   (forward, backward, and a split one's B and W, each in its colour, and
+   a colour for each chunk's; labelled by micro-batch and chunk); the
    bubbles are the gaps. */
 typedef struct mgpu_pipeline mgpu_pipeline;
 typedef enum {
@@ -2036,15 +2071,24 @@ typedef enum {
 typedef struct mgpu_pipeline_pass {
     int backward, micro_batch;
     mgpu_pass_part part; /* a backward pass's part (left 0: the whole) */
+    int chunk;           /* an interleaved pipeline's: which of the device's chunks (left 0: the first) */
 } mgpu_pipeline_pass;
 typedef void (*mgpu_schedule_fn)(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+typedef void (*mgpu_interleaved_schedule_fn)(int device, int devices, int chunks, int micro_batches,
+                                             mgpu_pipeline_pass *order);
 MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
 MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
 MGPU_DEF void mgpu_schedule_zb_h1(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF void mgpu_schedule_interleaved_1f1b(int device, int devices, int chunks, int micro_batches,
+                                             mgpu_pipeline_pass *order);
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
                                           const int *first_layers);
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_interleaved(mgpu_net *net, mgpu_device *const *devices, int ndevices,
+                                                      int chunks, const int *first_layers);
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers);
 MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches);
+MGPU_DEF void mgpu_pipeline_set_interleaved_schedule(mgpu_pipeline *pp, mgpu_interleaved_schedule_fn schedule,
+                                                     int micro_batches);
 MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
                                              mgpu_tensor *loss_sum);
 MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay);
@@ -2066,6 +2110,7 @@ typedef struct mgpu_pipeline_timing {
 MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp);
 MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches);
 MGPU_DEF double mgpu_pipeline_zb_h1_bubble_formula(int stages, int micro_batches);
+MGPU_DEF double mgpu_pipeline_interleaved_bubble_formula(int devices, int chunks, int micro_batches);
 MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title);
 MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
 

@@ -6,14 +6,20 @@
      without batch norm;
    - with batch norm, one device that runs the micro-batches in turn:
      gradients and running statistics, in one stage and in two;
+   - interleaved 1F1B (v = 2 chunks a device, 4 and 6 stages on 2 and 3
+     devices) gives one device's gradients within 1e-5;
    - steps with momentum train like one device, and freeing the pipeline
      gives the network its trained values and momentum;
    - 1F1B holds at most min(m, p - s) micro-batches' activations on stage
      s, GPipe m of them, ZB-H1 p of them on every stage (those between B
      and W keep theirs until W): measured against one micro-batch's;
+     interleaved 1F1B its warm-up and one more chunks' micro-batches on
+     device d (Megatron's count, 2 (p - d - 1) + (v - 1) p + 1), at least
+     the warm-up's and at most as many of its larger chunk's;
    - the bubble measured from the trace within 0.05 of (p-1)/(m+p-1), for
      GPipe and 1F1B, m = 1, 2, 4 and 8, and of (p-1)/(3m+p-1) for ZB-H1
-     (F, B and W one unit each), m = p .. 8, on 2 and 4 CPU devices whose
+     (F, B and W one unit each), m = p .. 8, and of (p-1)/(vm+p-1) for
+     interleaved 1F1B with v = 2, m = p .. 8, on 2 and 4 CPU devices whose
      equal stages sleep a fixed time (the median of 3 steps; on a busy
      machine, tried again with longer sleeps, which the threads' late
      wake-ups then weigh less against);
@@ -129,6 +135,39 @@ TEST(batch_norm_uses_each_micro_batchs_statistics) {
     mgpu_pipeline_free(pp);
     mgpu_free(x), mgpu_free(y);
     mgpu_net_free(net), mgpu_net_free(ref);
+}
+
+/* Interleaved 1F1B, `chunks` stages on each of `devices` devices: the
+   pipeline's gradients against one device's for a batch of n rows in m
+   micro-batches. */
+static double interleaved_diff(int devices, int chunks, int m, int n) {
+    mgpu_device *devs[4];
+    mgpu_devices(devices, TEST_ON_GPU, devs);
+    mgpu_net *net = test_plain_net(test_device(), 3, 0), *ref = test_plain_net(test_device(), 3, 0);
+    mgpu_pipeline *pp = mgpu_pipeline_new_interleaved(net, devs, devices, chunks, NULL);
+    mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, m);
+    mgpu_tensor *x, *y;
+    batch(11, n, &x, &y);
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    reference_grads(ref, x, y, 1);
+    double diff = pipeline_diff(pp, ref, 0);
+    mgpu_pipeline_free(pp);
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(net), mgpu_net_free(ref);
+    return diff;
+}
+
+TEST(interleaved_gives_one_devices_gradients) {
+    /* 4 stages on 2 devices, m = 2 and 4; 6 stages on 3, m = 3 (of 5, 5
+       and 4 rows) */
+    int devices[3] = {2, 2, 3}, micro[3] = {2, 4, 3}, rows[3] = {12, 12, 14};
+    for (int i = 0; i < 3; i++) {
+        double diff = interleaved_diff(devices[i], 2, micro[i], rows[i]);
+        if (diff > TOLERANCE)
+            printf("  interleaved, %d devices, m = %d: gradients %.3g off\n", devices[i], micro[i], diff);
+        CHECK(diff <= TOLERANCE);
+    }
 }
 
 /* Two convolutions, each with batch norm and ReLU, pooling, linear: cut
@@ -264,6 +303,38 @@ TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches_zero_bubble_p) {
     mgpu_net_free(net);
 }
 
+TEST(interleaved_holds_at_most_its_warm_up_and_one) {
+    enum { DEVICES = 2, CHUNKS = 2, STAGES = DEVICES * CHUNKS, M = 8, ROWS = 8 };
+    mgpu_device *devs[STAGES];
+    mgpu_devices(STAGES, TEST_ON_GPU, devs);
+    /* one micro-batch's activations on each stage: the same cut, a stage a device */
+    mgpu_net *net = equal_layers(64, 16);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, STAGES, NULL);
+    size_t one[STAGES], peak[DEVICES];
+    activation_peaks(pp, devs, STAGES, ROWS, one);
+    mgpu_pipeline_free(pp);
+    pp = mgpu_pipeline_new_interleaved(net, devs, DEVICES, CHUNKS, NULL);
+    mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, M);
+    activation_peaks(pp, devs, DEVICES, M * ROWS, peak);
+    for (int d = 0; d < DEVICES; d++) {
+        /* Megatron's warm-up, 2 (p - d - 1) + (v - 1) p forward passes, the
+           k-th of chunk (k / p) mod v, then one more before the first
+           backward pass frees one: the most chunks' micro-batches in
+           flight, each at most the larger chunk's; and the warm-up's are
+           all there at once */
+        int in_flight = 2 * (DEVICES - d - 1) + (CHUNKS - 1) * DEVICES + 1;
+        size_t warm_up = 0, largest = 0;
+        for (int k = 0; k < in_flight; k++) warm_up += one[k / DEVICES % CHUNKS * DEVICES + d];
+        for (int c = 0; c < CHUNKS; c++) largest = one[c * DEVICES + d] > largest ? one[c * DEVICES + d] : largest;
+        if (peak[d] < warm_up || peak[d] > (size_t)in_flight * largest)
+            printf("  device %d: peak %zu bytes; want %zu to %d x %zu\n", d, peak[d], warm_up, in_flight, largest);
+        CHECK(peak[d] >= warm_up);
+        CHECK(peak[d] <= (size_t)in_flight * largest);
+    }
+    mgpu_pipeline_free(pp);
+    mgpu_net_free(net);
+}
+
 #if !TEST_ON_GPU
 /* Equal stages of tests/test.h's timed layers, 5 ms forward, and 5 ms
    for each of B and W (longer on a retry, below), so that waking the
@@ -308,7 +379,7 @@ TEST(measured_bubble_is_the_formulas) {
     mgpu_devices(4, 0, devs);
     int micro[4] = {1, 2, 4, 8};
     for (int stages = 2; stages <= 4; stages += 2) {
-        int first[4];
+        int first[8];
         mgpu_net *net = test_timed_net(stages, &timed_ms, first);
         mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, first);
         for (int k = 0; k < 3; k++)
@@ -333,6 +404,27 @@ TEST(measured_bubble_is_the_formulas) {
                     remove(path);
                 }
             }
+        mgpu_pipeline_free(pp);
+        mgpu_net_free(net);
+        /* interleaved 1F1B, 2 chunks a device: equal stages, twice as many */
+        net = test_timed_net(2 * stages, &timed_ms, first);
+        pp = mgpu_pipeline_new_interleaved(net, devs, stages, 2, first);
+        for (int m = stages; m <= 8; m *= 2) {
+            mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, m);
+            double want = mgpu_pipeline_interleaved_bubble_formula(stages, 2, m);
+            double worst_stage, got = measured_bubble(pp, stages, want, &worst_stage);
+            if (fabs(got - want) > 0.05 || worst_stage > 0.05)
+                printf("  interleaved, %d devices, m = %d: bubble %.3f (a device's off by %.3f), formula %.3f\n",
+                       stages, m, got, worst_stage, want);
+            CHECK_CLOSE(got, want, 0.05, 0);
+            CHECK(worst_stage <= 0.05);
+        }
+        const char *path = "/tmp/mgpu_test_pipeline_interleaved.png";
+        CHECK_EQ_INT(mgpu_pipeline_write_timeline(pp, path, "interleaved 1F1B"), 0);
+        FILE *f = fopen(path, "rb");
+        CHECK(f != NULL);
+        if (f) fclose(f);
+        remove(path);
         mgpu_pipeline_free(pp);
         mgpu_net_free(net);
     }
@@ -416,6 +508,12 @@ static void forward_with_a_part(int stage, int stages, int m, mgpu_pipeline_pass
     order[0].part = MGPU_PASS_WEIGHT_GRAD;
 }
 
+/* An interleaved schedule with a pass of chunk 2 of 2. */
+static void chunk_beyond(int device, int devices, int chunks, int m, mgpu_pipeline_pass *order) {
+    mgpu_schedule_interleaved_1f1b(device, devices, chunks, m, order);
+    order[0].chunk = chunks;
+}
+
 TEST(bad_settings_are_refused_by_name) {
     mgpu_device *devs[4];
     mgpu_devices(4, 0, devs);
@@ -442,6 +540,20 @@ TEST(bad_settings_are_refused_by_name) {
                 "left pass 5 of stage 0 unwritten; it must write 3m = 6 passes (each backward pass split");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, forward_with_a_part, 2), "pass 0 of stage 0 has part 2; want");
     EXPECT_DIES(mgpu_pipeline_zb_h1_bubble_formula(4, 3), "3 micro-batches on 4 stages; the formula holds");
+    {
+        mgpu_net *chunked = test_plain_net(mgpu_cpu(), 3, 0);
+        mgpu_pipeline *il = mgpu_pipeline_new_interleaved(chunked, devs, 2, 2, NULL);
+        EXPECT_DIES(mgpu_pipeline_set_interleaved_schedule(il, mgpu_schedule_interleaved_1f1b, 3),
+                    "mgpu_schedule_interleaved_1f1b: 3 micro-batches on 2 devices; Megatron's interleaved schedule "
+                    "takes a multiple of the devices");
+        EXPECT_DIES(mgpu_pipeline_set_schedule(il, mgpu_schedule_1f1b, 2),
+                    "the pipeline has 2 chunks a device; it takes an interleaved schedule");
+        EXPECT_DIES(mgpu_pipeline_set_interleaved_schedule(il, chunk_beyond, 2),
+                    "pass 0 of device 0 is for chunk 2; there are 2 (0 to 1)");
+        mgpu_pipeline_free(il);
+        mgpu_net_free(chunked);
+        EXPECT_DIES(mgpu_pipeline_new_interleaved(net, devs, 2, 4, NULL), "8 stages for a network of 7 layers");
+    }
     EXPECT_DIES(mgpu_pipeline_new(net, devs, 2, NULL), "a wrapper holds this network already");
     EXPECT_DIES(mgpu_net_free(net), "mgpu_net_free: a pipeline still holds this network; free it first "
                                     "(mgpu_pipeline_free)");
