@@ -22,8 +22,11 @@
    which the stage before waits for, and W, the weights', which nobody
    waits for: 1F1B's order with W put off, so that the W passes fill the
    bubble, (p - 1) / (3m + p - 1) of the step with F, B and W equal, a
-   third of 1F1B's; each stage then holds p micro-batches. Batch norm
-   takes each micro-batch's statistics, as PyTorch's pipelines do.
+   third of 1F1B's; each stage then holds p micro-batches. Interleaved
+   1F1B (Megatron-LM) gives each device v chunks of smaller stages
+   (stages d, d + p, ...), which shortens the bubble to (p - 1) /
+   (vm + p - 1). Batch norm takes each micro-batch's statistics, as
+   PyTorch's pipelines do.
 
    Splitting layers (tensor parallelism; mgpu_tp_conv, mgpu_tp_mlp): a
    convolution's output channels divided among the devices, put back
@@ -42,8 +45,10 @@
         (their busy time added up): first on layers of fixed duration,
         which wait a fixed time for each image on their device's queue (a
         wait takes no core, so the stages overlap on any machine, and the
-        schedule's bubble shows alone), with ZB-H1 beside them for m = p
-        to 8 (its formula's range), then on the network's layers, with
+        schedule's bubble shows alone), with ZB-H1 for m = p to 8 (its
+        formula's range) and interleaved 1F1B with 2 chunks a device for
+        m = p to 8 (multiples of p) beside them, then on the network's
+        layers, with
         each stage's peak activations beside the schedule's bound and the
         reasons, from the measured work, that their figures differ; one
         timeline per schedule at its most micro-batches
@@ -65,9 +70,11 @@
    about 0.5 after 3 epochs of 3072 images. On layers of fixed duration
    the bubble sits within a few hundredths of the formula: 0.50, 0.33,
    0.20 and 0.11 for m = 1, 2, 4 and 8 on 2 stages, ZB-H1's 0.14, 0.08
-   and 0.04 for m = 2, 4 and 8, and the timelines are the textbook's
-   (GPipe's forward passes, then the backward ones; 1F1B's alternating
-   once the pipeline is full; ZB-H1's W bars in the gaps 1F1B leaves). On the network's
+   and 0.04 for m = 2, 4 and 8, interleaved 1F1B's 0.20, 0.11 and 0.06,
+   and the timelines are the textbook's (GPipe's forward passes, then
+   the backward ones; 1F1B's alternating once the pipeline is full;
+   ZB-H1's W bars in the gaps 1F1B leaves; interleaved 1F1B's chunks
+   taking turns on each device). On the network's
    layers the bubble stays well above the formula and the speedup over
    naive is small or below 1: the lines after each table say why, from
    the measured work: 2 CPU devices of one core each share the machine's
@@ -86,7 +93,8 @@
    fixed duration run on CPU devices even where there is a GPU: they
    wait on the host.
 
-   Reads: mgpu/pipelines.h (stages, micro-batches, GPipe, 1F1B, ZB-H1),
+   Reads: mgpu/pipelines.h (stages, micro-batches, GPipe, 1F1B, ZB-H1,
+   interleaved 1F1B),
    mgpu/networks.h (mgpu_net_add_layer: a layer of your own, here the
    fixed-duration one), mgpu/tensor_parallel.h (split layers),
    mgpu/groups.h (stages on ranks), mgpu/timing.h (the trace, and
@@ -308,7 +316,13 @@ typedef struct {
     /* at MOST_MICRO_BATCHES, each schedule's: */
     double bubble[SCHEDULES], speedup[SCHEDULES], work_ms[SCHEDULES], first_stage_mib[SCHEDULES];
     double alone_work_ms; /* the work of MOST_MICRO_BATCHES micro-batches run alone, one after another */
+    double interleaved_bubble; /* interleaved 1F1B's, layers of fixed duration, at MOST_MICRO_BATCHES */
 } pipeline_runs;
+
+static void print_row(const char *name, int m, const step_measure *r, double formula, double speedup) {
+    printf("  %-11s %3d %9.1f %8.3f %8.3f %8.2f %9.1f\n", name, m, r->step_ms, r->bubble, formula, speedup,
+           r->work_ms);
+}
 
 /* One row's checks: the bubble at least its formula (on layers of fixed
    duration, which share nothing, at most it too), the speedup at most
@@ -394,6 +408,39 @@ static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device 
            1 - r->bubble[1], r->naive_ms, r->work_ms[1], p * (1 - r->bubble[1]) * r->naive_ms / r->work_ms[1]);
 }
 
+/* Interleaved 1F1B on layers of fixed duration: CHUNKS stages on each of
+   `stages` devices, m = stages to MOST_MICRO_BATCHES (multiples of the
+   devices, as Megatron's schedule takes), beside naive's step (naive_ms)
+   on the same devices; its rows, checked as the others are, and its
+   timeline at the most micro-batches. Returns the bubble there, and
+   widens *worst_gap to its rows' largest distance from the formula. */
+#define CHUNKS 2
+static double interleaved_rows(int stages, mgpu_device **devs, double naive_ms, double speedup_bound, int steps,
+                               const mgpu_tensor *x, const mgpu_tensor *y, const mgpu_options *o,
+                               double *worst_gap) {
+    int first[MGPU_MAX_DEVICES];
+    mgpu_net *net = fixed_net(devs[0], stages * CHUNKS, first);
+    mgpu_pipeline *pp = mgpu_pipeline_new_interleaved(net, devs, stages, CHUNKS, first);
+    double bubble = 0;
+    for (int m = stages; m <= MOST_MICRO_BATCHES; m *= 2) {
+        mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, m);
+        step_measure r = measure_steps(pp, devs, stages, x, y, steps, least);
+        double speedup = naive_ms / r.step_ms, formula = mgpu_pipeline_interleaved_bubble_formula(stages, CHUNKS, m);
+        print_row("interleaved", m, &r, formula, speedup);
+        check_row("interleaved 1F1B", stages, m, 1, r.bubble, formula, speedup, speedup_bound);
+        bubble = r.bubble;
+        *worst_gap = fmax(*worst_gap, fabs(r.bubble - formula));
+    }
+    char file[96], path[1024], title[128];
+    snprintf(file, sizeof file, "chapter6_timeline_interleaved_%d_stages_fixed.png", stages);
+    snprintf(title, sizeof title, "interleaved 1F1B, %d chunks on %d devices, %d micro-batches, layers of fixed "
+             "duration", CHUNKS, stages, MOST_MICRO_BATCHES);
+    mgpu_pipeline_write_timeline(pp, mgpu_out_path(o, file, path, sizeof path), title);
+    mgpu_pipeline_free(pp);
+    mgpu_net_free(net);
+    return bubble;
+}
+
 /* 2. Naive model parallelism, GPipe and 1F1B on `stages` devices: of
    layers of fixed duration (fixed 1), on CPU devices, or of the
    chapter's network. */
@@ -415,7 +462,7 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
     printf("\n  %s, %d stages on %s (the %s of %d step%s):\n",
            fixed ? "Layers of fixed duration" : "The network's layers", stages, list, fixed ? "least" : "median", steps,
            steps > 1 ? "s" : "");
-    printf("  %-7s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
+    printf("  %-11s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
     step_measure by_m[SCHEDULES][MOST_MICRO_BATCHES + 1]; /* [schedule][m]; naive's: [0][1] */
     const step_measure *naive = &by_m[0][1];
     for (int k = 0; k < (fixed ? SCHEDULES : 2); k++)
@@ -424,8 +471,7 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
             mgpu_pipeline_set_schedule(pp, choices[k].schedule, m);
             step_measure r = by_m[k][m] = measure_steps(pp, devs, stages, x, y, steps, fixed ? least : mgpu_median);
             double speedup = naive->step_ms / r.step_ms, formula = choices[k].bubble_formula(stages, m);
-            printf("  %-7s %3d %9.1f %8.3f %8.3f %8.2f %9.1f\n", name, m, r.step_ms, r.bubble, formula, speedup,
-                   r.work_ms);
+            print_row(name, m, &r, formula, speedup);
             check_row(name, stages, m, fixed, r.bubble, formula, speedup, speedup_bound);
             runs.worst_gap = fmax(runs.worst_gap, fabs(r.bubble - formula));
             if (m == MOST_MICRO_BATCHES) {
@@ -442,6 +488,9 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
             }
         }
     runs.naive_ms = naive->step_ms, runs.naive_work_ms = naive->work_ms;
+    if (fixed)
+        runs.interleaved_bubble =
+            interleaved_rows(stages, devs, naive->step_ms, speedup_bound, steps, x, y, o, &runs.worst_gap);
     if (!fixed) {
         runs.peaks_held = print_peaks(stages, batch, by_m);
         /* the micro-batches' work without the pipeline: one of them, naive, times their number */
@@ -593,8 +642,8 @@ int main(int argc, char **argv) {
         {"--devices", 'n', NULL, "chapter 6 runs on 2 and 4 devices, its stages"},
     };
     mgpu_options_parse(&o, argc, argv,
-                       "chapter6: model parallelism: pipelines (naive, GPipe, 1F1B, ZB-H1) and split layers", extra,
-                       (int)(sizeof extra / sizeof extra[0]));
+                       "chapter6: model parallelism: pipelines (naive, GPipe, 1F1B, ZB-H1, interleaved 1F1B) and "
+                       "split layers", extra, (int)(sizeof extra / sizeof extra[0]));
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     if (!width) width = 32;
@@ -631,13 +680,14 @@ int main(int argc, char **argv) {
     first_images(train_set, batch, &x, &y);
     int cores = mgpu_num_cores();
     printf("\n2. A training step split in stages. bubble: measured from the trace, each stage's idle time over\n"
-           "   the step's, beside the formula (p - 1) / (m + p - 1), for ZB-H1 (p - 1) / (3m + p - 1); speedup:\n"
-           "   naive's step time over this one's, at most the stages (p), and on CPU devices the cores (here %d);\n"
-           "   work: the stages' busy time added up. First layers of fixed duration, on CPU devices: each of the\n"
-           "   %d blocks waits %.0f ms forward for the batch of %d, and as long again backward for each of its\n"
-           "   two gradients (ZB-H1's B and W), less for fewer images: a wait takes no core, so the stages\n"
-           "   overlap as on devices of their own, on any machine.\n",
-           cores, BLOCKS, FIXED_BLOCK_MS, batch);
+           "   the step's (interleaved: each device's), beside the formula (p - 1) / (m + p - 1), for ZB-H1\n"
+           "   (p - 1) / (3m + p - 1), for interleaved 1F1B with v = %d chunks a device (p - 1) / (vm + p - 1);\n"
+           "   speedup: naive's step time over this one's, at most the stages (p), and on CPU devices the cores\n"
+           "   (here %d); work: the stages' busy time added up. First layers of fixed duration, on CPU devices:\n"
+           "   each of the %d blocks waits %.0f ms forward for the batch of %d, and as long again backward for\n"
+           "   each of its two gradients (ZB-H1's B and W), less for fewer images: a wait takes no core, so\n"
+           "   the stages overlap as on devices of their own, on any machine.\n",
+           CHUNKS, cores, BLOCKS, FIXED_BLOCK_MS, batch);
     fixed_ms_per_image = FIXED_BLOCK_MS / batch;
     pipeline_runs fixed[2] = {schedules(1, 2, width, batch, steps, use_gpu, values, y, &o),
                               schedules(1, 4, width, batch, steps, use_gpu, values, y, &o)};
@@ -658,10 +708,13 @@ int main(int argc, char **argv) {
         printf("  On layers of fixed duration the measured bubble kept within %.3f of its formula at every m on 2\n"
                "  and 4 stages (at m = %d on 2 stages, GPipe %.3f and 1F1B %.3f against %.3f): more micro-batches,\n"
                "  a smaller bubble, as the formula says. ZB-H1, whose W passes wait for nobody, left %.3f on 2\n"
-               "  stages and %.3f on 4 at m = %d, against (p - 1) / (3m + p - 1) = %.3f and %.3f.\n",
+               "  stages and %.3f on 4 at m = %d, against (p - 1) / (3m + p - 1) = %.3f and %.3f; interleaved\n"
+               "  1F1B with %d chunks a device %.3f and %.3f, against (p - 1) / (vm + p - 1) = %.3f and %.3f.\n",
                worst_gap, m, fixed[0].bubble[0], fixed[0].bubble[1], mgpu_pipeline_bubble_formula(2, m),
                fixed[0].bubble[2], fixed[1].bubble[2], m, mgpu_pipeline_zb_h1_bubble_formula(2, m),
-               mgpu_pipeline_zb_h1_bubble_formula(4, m));
+               mgpu_pipeline_zb_h1_bubble_formula(4, m), CHUNKS, fixed[0].interleaved_bubble,
+               fixed[1].interleaved_bubble, mgpu_pipeline_interleaved_bubble_formula(2, CHUNKS, m),
+               mgpu_pipeline_interleaved_bubble_formula(4, CHUNKS, m));
     else
         printf("  On layers of fixed duration the measured bubble strayed %.3f from its formula (the ! lines\n"
                "  above): the machine was too busy for this run to show the formula; run it again.\n",

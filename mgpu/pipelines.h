@@ -156,8 +156,12 @@ static int mgpu__pass_kind(mgpu_pipeline_pass pass) {
 /* "F3", "B3" or "W3": a pass as the trace labels it and the errors name
    it; in an interleaved pipeline with its chunk, "F3c1". */
 static const char *mgpu__pass_name(const mgpu_pipeline *pp, mgpu_pipeline_pass pass, char *buf, size_t size) {
+    /* (a checked pass's micro-batch is below 2048 and its chunk below
+       MGPU_MAX_DEVICES: as unsigned shorts they fit a timeline bar's 16
+       characters, which the compiler can then see) */
+    unsigned short micro_batch = (unsigned short)pass.micro_batch, chunk = (unsigned short)pass.chunk;
     if (pp->chunks > 1)
-        snprintf(buf, size, "%c%dc%d", "FBW"[mgpu__pass_kind(pass)], pass.micro_batch, pass.chunk);
+        snprintf(buf, size, "%c%uc%u", "FBW"[mgpu__pass_kind(pass)], micro_batch, chunk);
     else
         snprintf(buf, size, "%c%d", "FBW"[mgpu__pass_kind(pass)], pass.micro_batch);
     return buf;
