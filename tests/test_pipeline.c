@@ -271,7 +271,7 @@ static void activation_peaks(mgpu_pipeline *pp, mgpu_device **devs, int stages, 
     mgpu_free(x), mgpu_free(y);
 }
 
-TEST(one_f_one_b_holds_at_most_p_minus_s_micro_batches_zero_bubble_p) {
+TEST(gpipe_1f1b_and_zb_h1_hold_their_micro_batches_activations) {
     enum { STAGES = 4, M = 8, ROWS = 8 };
     mgpu_device *devs[STAGES];
     mgpu_devices(STAGES, TEST_ON_GPU, devs);
