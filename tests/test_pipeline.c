@@ -8,6 +8,9 @@
      gradients and running statistics, in one stage and in two;
    - interleaved 1F1B (v = 2 chunks a device, 4 and 6 stages on 2 and 3
      devices) gives one device's gradients within 1e-5;
+   - ZB-H1 splits a layer of one's own that says it can (a learnt scale):
+     one device's gradients within 1e-5, its B and W each called with
+     their gradients alone;
    - steps with momentum train like one device, and freeing the pipeline
      gives the network its trained values and momentum;
    - 1F1B holds at most min(m, p - s) micro-batches' activations on stage
@@ -169,6 +172,69 @@ TEST(interleaved_gives_one_devices_gradients) {
         CHECK(diff <= TOLERANCE);
     }
 }
+
+/* A layer of one's own, y = w x with w one learnt value, whose backward
+   splits (l->split_backward): dx = w dy, dw = sum dy x, each computed
+   from what it is given alone. It counts the calls that gave both, which
+   a split pass must not. */
+static int scale_whole_calls;
+static void scale_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)training;
+    for (size_t i = 0; i < x->numel; i++) y->data[i] = l->weight.value->data[0] * x->data[i];
+}
+static void scale_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                           const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)dbias, (void)y;
+    scale_whole_calls += dx && dweight;
+    for (size_t i = 0; dx && i < dy->numel; i++) dx->data[i] = l->weight.value->data[0] * dy->data[i];
+    double sum = 0;
+    for (size_t i = 0; dweight && i < dy->numel; i++) sum += (double)dy->data[i] * x->data[i];
+    if (dweight) dweight->data[0] = (float)sum;
+}
+static const mgpu_layer_fns scale_layer = {"scale", NULL, scale_forward, scale_backward, 1};
+
+/* A convolution, ReLU, the scale, pooling, a convolution, ReLU, global
+   pooling, linear. */
+static mgpu_net *net_with_scale(void) {
+    mgpu_manual_seed(5);
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_relu(net);
+    mgpu_tensor *w = mgpu_zeros(mgpu_cpu(), mgpu_shape1(1));
+    mgpu_fill(w, 1.5f);
+    mgpu_net_add_layer(net, &scale_layer, w, NULL, NULL)->split_backward = 1;
+    mgpu_net_add_avg_pool(net, 2);
+    mgpu_net_add_conv(net, 6, 8, 3, 2, 1);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    return net;
+}
+
+#if !TEST_ON_GPU /* (its loops are its own: CPU devices) */
+TEST(zero_bubble_splits_a_layer_of_ones_own) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, 0, devs);
+    mgpu_net *net = net_with_scale(), *ref = net_with_scale();
+    int cut[2] = {0, 2}; /* (the scale starts stage 1: it computes its input's gradient, to send back) */
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, 2, cut);
+    mgpu_pipeline_set_schedule(pp, mgpu_schedule_zb_h1, 4);
+    mgpu_tensor *x, *y;
+    batch(13, 12, &x, &y);
+    scale_whole_calls = 0;
+    mgpu_pipeline_forward_backward(pp, x, y, NULL);
+    mgpu_synchronize_all();
+    CHECK_EQ_INT(scale_whole_calls, 0);
+    reference_grads(ref, x, y, 1);
+    double diff = pipeline_diff(pp, ref, 0);
+    if (diff > TOLERANCE) printf("  gradients %.3g off\n", diff);
+    CHECK(diff <= TOLERANCE);
+    CHECK(scale_whole_calls > 0); /* (one device's whole passes give both) */
+    mgpu_pipeline_free(pp);
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(net), mgpu_net_free(ref);
+}
+#endif
 
 /* Two convolutions, each with batch norm and ReLU, pooling, linear: cut
    at the second convolution, the second stage's buffers come after the
