@@ -117,19 +117,19 @@ MGPU_DEF double mgpu_pipeline_zb_h1_bubble_formula(int stages, int micro_batches
     return (stages - 1) / (double)(3 * micro_batches + stages - 1);
 }
 
-/* Megatron-LM's interleaved 1F1B: device d holds chunks v (stages d,
+/* The k-th forward (or backward) pass of an interleaved schedule (below). */
+static void mgpu__interleaved_add(mgpu_pipeline_pass *order, int *n, int backward, int k, int p, int v) {
+    int round = k / p % v;
+    mgpu__schedule_add(order, n, backward, k / (p * v) * p + k % p, MGPU_PASS_WHOLE);
+    order[*n - 1].chunk = backward ? v - 1 - round : round;
+}
+/* Megatron-LM's interleaved 1F1B: device d holds v chunks (stages d,
    d + p, ...). Its passes go over the chunks in rounds of p
    micro-batches: the k-th forward pass is of chunk (k / p) mod v, the
    k-th backward pass of chunk v - 1 - (k / p) mod v, both of
    micro-batch (k / pv) p + k mod p. A warm-up of 2 (p - d - 1) + (v - 1) p
    forward passes fills the pipeline, then one forward and one backward
    in turn, then the backward passes left. */
-/* The k-th forward (or backward) pass of an interleaved schedule. */
-static void mgpu__interleaved_add(mgpu_pipeline_pass *order, int *n, int backward, int k, int p, int v) {
-    int round = k / p % v;
-    mgpu__schedule_add(order, n, backward, k / (p * v) * p + k % p, MGPU_PASS_WHOLE);
-    order[*n - 1].chunk = backward ? v - 1 - round : round;
-}
 MGPU_DEF void mgpu_schedule_interleaved_1f1b(int device, int devices, int chunks, int micro_batches,
                                              mgpu_pipeline_pass *order) {
     int p = devices, v = chunks, m = micro_batches, total = v * m;
@@ -184,10 +184,11 @@ static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wan
 
 static int mgpu__pass_unwritten(mgpu_pipeline_pass pass) { return pass.backward == -1 && pass.micro_batch == -1; }
 
-/* Checks the schedule's passes for every stage, counts them (2m, or 3m
-   where the backward passes split) and finds how many slots each stage
-   needs (the most micro-batches between forward and their last backward
-   pass, whole or W). */
+/* Checks the schedule's passes for every device (a stage, but in an
+   interleaved pipeline), counts them (2vm, or 3vm where the backward
+   passes split; v the chunks, 1 but interleaved) and finds how many
+   slots each stage needs (the most micro-batches between forward and
+   their last backward pass, whole or W). */
 static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
     const char *who = "mgpu_pipeline_set_schedule", *lane = mgpu__pipeline_lane_word(pp);
     int p = pp->ndevices, v = pp->chunks, vm = v * m;
@@ -333,6 +334,13 @@ static void mgpu__pipeline_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule
                      mgpu__pipeline_lane_word(pp), d, v > 1 ? "3vm" : "3m", 3 * vm);
     }
     mgpu__pipeline_check_order(pp, m);
+    /* (each pass's name is a trace label: "F3", "B3", and "W3" where the
+       backward passes split, for every chunk) */
+    int kinds = 2;
+    for (int d = 0; d < p; d++) kinds = pp->npasses[d] > 2 * vm ? 3 : kinds;
+    MGPU_REQUIRE(kinds * vm <= MGPU__TRACE_LABELS_MAX, "%s: %d micro-batches%s make %d trace labels (F, B%s for each "
+                 "micro-batch%s); want at most %d", who, m, v > 1 ? " over the chunks" : "", kinds * vm,
+                 kinds == 3 ? " and W" : "", v > 1 ? " and chunk" : "", MGPU__TRACE_LABELS_MAX);
     mgpu__pipeline_sequence(pp, m);
     for (int s = 0; s < pp->nstages; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];

@@ -635,6 +635,8 @@ TEST(bad_settings_are_refused_by_name) {
     mgpu_pipeline *b = mgpu_pipeline_new(third, devs + 2, 2, late_cut), *mismatched[2] = {a, b};
     EXPECT_DIES(mgpu_pipelines_average_grads(mismatched, 2), "pipeline 1's stage 1 starts at layer 5, pipeline 0's at 3");
     EXPECT_DIES(mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 2049), "2049 micro-batches; want 1 to 2048");
+    EXPECT_DIES(mgpu_pipeline_set_schedule(pp, mgpu_schedule_zb_h1, 2048),
+                "2048 micro-batches make 6144 trace labels (F, B and W for each micro-batch); want at most 4096");
     mgpu_tensor *x, *y, *wrong = mgpu_zeros(devs[0], mgpu_shape1(1));
     batch(1, 3, &x, &y);
     EXPECT_DIES(mgpu_pipeline_forward_backward(pp, x, y, wrong), "loss_sum is on cpu, the network on cpu#1");
