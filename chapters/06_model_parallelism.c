@@ -284,7 +284,9 @@ typedef struct {
 static step_measure measure_steps(mgpu_pipeline *pp, mgpu_device **devs, int stages, const mgpu_tensor *x,
                                   const mgpu_tensor *y, int steps, double (*statistic)(double *, int)) {
     step_measure r;
-    double ms[MAX_STEPS], bubble[MAX_STEPS], work_ms[MAX_STEPS];
+    /* (zeroed: where it inlines this function, the compiler cannot always
+       see that steps is at least 1) */
+    double ms[MAX_STEPS] = {0}, bubble[MAX_STEPS] = {0}, work_ms[MAX_STEPS] = {0};
     mgpu_pipeline_train_step(pp, x, y, 0.01f, 0.0f, 0.0f, NULL);
     mgpu_synchronize_all();
     for (int s = 0; s < stages; s++) mgpu_device_reset_peak(devs[s]);
