@@ -887,7 +887,8 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
        mgpu_conv2d_forward(y, x, w, b, stride, pad)     b may be NULL: no bias
        mgpu_conv2d_backward(dx, dw, db, dy, x, w, stride, pad, accumulate)
    dx [N, C, H, W] may be NULL (the first layer needs no input gradient);
-   dw [K, C, R, S]; db [K] may be NULL (no bias). x and w are the forward
+   dw [K, C, R, S] may be NULL (the input gradient alone, as a zero-bubble
+   pipeline's B computes it); db [K] may be NULL (no bias). x and w are the forward
    pass's input and weight. A convolution works through im2col in chunks
    of images whose scratch (the col buffer) is at most 4 MiB on the CPU
    and 256 MiB on a GPU. That is the reference, on every device.
@@ -966,8 +967,8 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    as [N, in] (flattened), and dx then has x's shape.
        mgpu_linear_forward(y, x, w, b)          b may be NULL: no bias
        mgpu_linear_backward(dx, dw, db, dy, x, w, accumulate)
-   dx (may be NULL) = dy w^T; dw = x^T dy; db (may be NULL) = the sum of
-   the rows of dy.
+   dx (may be NULL) = dy w^T; dw (may be NULL) = x^T dy; db (may be NULL)
+   = the sum of the rows of dy.
 
    A LeNet step, for instance (h1 = conv + bias, a1 = ReLU, p1 = pooling):
        mgpu_conv2d_forward(h1, x, w1, b1, 1, 0);
@@ -1305,6 +1306,14 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                       devices run their passes at the same time), and
                       works on the values alone: an operation or a wait
                       of the library called from it is a one-line error.
+   A zero-bubble pipeline (PIPELINES) splits a backward pass into the
+   input's gradient (B) and the parameters' (W, later). A layer of yours
+   runs whole in B unless you set l->split_backward = 1 on the layer
+   mgpu_net_add_layer returns: then its backward is called twice for a
+   pass, first with dx alone (dweight and dbias NULL), later with dweight
+   and dbias alone (dx NULL), with the same dy, x and y, so it must
+   compute each from those alone (every other pass gives all three at
+   once).
    weight and bias (either may be NULL) become the layer's parameters,
    l->weight.value and l->bias.value: tensors of their own (not views, not
    another layer's) on the net's device, which the net then owns and
@@ -1552,6 +1561,8 @@ struct mgpu_layer {
     int fuse_relu;            /* batch norm followed by ReLU, done in one pass */
     int batch_statistics;     /* batch norm: its last forward used the batch's statistics */
     int need_dinput;          /* 0 for the first layer: nothing before it wants dx */
+    int split_backward;       /* a layer of yours: its backward may compute dx and the parameters'
+                                 gradients in two calls (a zero-bubble pipeline's B and W) */
     float momentum;           /* batch norm: how far each training pass moves the running
                                  statistics towards the batch's (0.1) */
     struct mgpu_group *sync;  /* batch norm: the group over whose batch its statistics are taken
@@ -1898,14 +1909,62 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    but stage s never holds the activations of more than min(m, p - s)
    micro-batches.
 
+   Zero bubble (ZB-H1, Qi et al. 2023). A backward pass is two: B, the
+   gradient of the stage's input, which the stage before waits for, and
+   W, the gradients of its weights, which nobody waits for. ZB-H1 runs
+   1F1B's order with B in place of the backward pass, and stage s puts
+   each W off until s more B passes have run; the B passes then travel
+   back through the stages without the W passes in their way, and the
+   first stages' W passes fill what was the bubble at the end. With F, B
+   and W taking TF, TB, TW, each stage idles (p - 1)(TF + TB - TW)
+   against m(TF + TB + TW) of work; equal ones, a fraction
+   (p - 1) / (3m + p - 1) of the time, a third of 1F1B's (for m >= p).
+   The price: a micro-batch keeps its activations and the output
+   gradients W reads until its W, so every stage holds p micro-batches
+   (1F1B's stage 0 does; its stage s, p - s). What splits: convolutions
+   and linear layers (dx in B, dW and db in W), and layers of yours that
+   say so (l->split_backward, NETWORKS); batch norm computes dgamma and
+   dbeta in B, and a residual block runs whole in B, its convolutions'
+   weight gradients too (splitting them would keep the block's inner
+   gradients): it costs bubble, not correctness.
+
+   Interleaved 1F1B (Megatron-LM; PyTorch's ScheduleInterleaved1F1B).
+   The bubble is p - 1 stage-passes long whatever a stage holds, so
+   smaller stages make it shorter: cut the network into p v stages, and
+   give device d the v chunks d, d + p, d + 2p, ... A micro-batch then
+   goes round the devices v times. Each device runs its chunks' passes
+   in rounds of p micro-batches: a warm-up of 2 (p - d - 1) + (v - 1) p
+   forward passes (the k-th of chunk (k / p) mod v, of micro-batch
+   (k / pv) p + k mod p), then one forward and one backward in turn (the
+   backward passes over the chunks the other way), then the backward
+   passes left. With equal chunks the bubble is (p - 1) / (vm + p - 1),
+   1/v of 1F1B's for m much larger than p; the price is v times as many
+   transfers between devices, and device d holds up to 2 (p - d - 1) +
+   (v - 1) p + 1 chunks' micro-batches (each 1/v of a stage's). As in
+   Megatron, m must be a multiple of p.
+
    A schedule is the order of each stage's passes, given by a function:
-       typedef struct mgpu_pipeline_pass { int backward, micro_batch; } mgpu_pipeline_pass;
+       typedef enum { MGPU_PASS_WHOLE, MGPU_PASS_INPUT_GRAD, MGPU_PASS_WEIGHT_GRAD } mgpu_pass_part;
+       typedef struct mgpu_pipeline_pass {
+           int backward, micro_batch;
+           mgpu_pass_part part;   a backward pass's part: whole, B or W
+           int chunk;             an interleaved pipeline's: the device's chunk
+       } mgpu_pipeline_pass;
        void schedule(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
-   writes the 2m passes of `stage` into order, in the order it runs them.
-   mgpu_schedule_gpipe and mgpu_schedule_1f1b are the library's; a schedule
-   of your own is checked: every pass once, each micro-batch's backward
-   after its forward, and no stage waiting for a pass that waits for it
-   (a one-line error naming the stages and passes).
+   writes the 2m passes of `stage` into order, in the order it runs them
+   (a schedule that leaves part alone gets whole backward passes), or 3m
+   where it splits each backward pass into B (part MGPU_PASS_INPUT_GRAD)
+   and W (MGPU_PASS_WEIGHT_GRAD). mgpu_schedule_gpipe, mgpu_schedule_1f1b
+   and mgpu_schedule_zb_h1 are the library's; a schedule of your own is
+   checked: every pass once, each micro-batch's backward after its
+   forward, its W after its B, a stage's backward passes all split or
+   none, and no stage waiting for a pass that waits for it (a one-line
+   error naming the stages and passes). An interleaved pipeline's
+   schedule orders each device's passes over its chunks:
+       void schedule(int device, int devices, int chunks, int micro_batches, mgpu_pipeline_pass *order);
+   writes device's 2vm passes (3vm split), each with its chunk (0 to
+   v - 1: stage chunk * devices + device); mgpu_schedule_interleaved_1f1b
+   is the library's, and it is checked as the others are.
 
    What a step does. The host enqueues every stage's passes in their
    order, each on its stage's device, with the copies between stages
@@ -1915,7 +1974,8 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    gradients are the whole batch's mean loss's. A stage keeps, for each
    micro-batch in flight, a copy of its layers (a slot) with that
    micro-batch's activations, sharing the parameters, their gradients and
-   batch norm's buffers: m slots under GPipe, min(m, p - s) under 1F1B.
+   batch norm's buffers: m slots under GPipe, min(m, p - s) under 1F1B,
+   min(m, p) under ZB-H1 (a micro-batch's slot is free after its W).
    (On a GPU each slot also keeps its convolutions' channels-last copies
    of the weights, which its forward pass remakes: parameters' memory
    that grows with the slots.) A micro-batch's activations and input on a
@@ -1939,8 +1999,18 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    trained state back. Refused, by name: more stages than layers, a first
    layer that does not exist or does not come after the one before, a
    device twice.
+       mgpu_pipeline *mgpu_pipeline_new_interleaved(mgpu_net *net, mgpu_device *const *devices, int ndevices,
+                                                    int chunks, const int *first_layers)
+   the same cut into ndevices * chunks stages (first_layers has that many;
+   NULL: equal numbers of layers), stage s on devices[s mod ndevices]; each
+   stage a network of its own, as above. Refused as above, and for more
+   than MGPU_MAX_DEVICES stages.
        void mgpu_pipeline_set_schedule(pp, schedule, micro_batches)
    the default is mgpu_schedule_gpipe with 1 micro-batch: naive.
+       void mgpu_pipeline_set_interleaved_schedule(pp, schedule, micro_batches)
+   an interleaved pipeline's (the default: mgpu_schedule_interleaved_1f1b
+   with m = ndevices); mgpu_pipeline_set_schedule refuses such a
+   pipeline by name.
        void mgpu_pipeline_forward_backward(pp, x, labels, loss_sum)
    runs the schedule on one batch: x [N, ...] and labels [N], on the host
    or any device, N at least the micro-batches (cut as torch.tensor_split
@@ -1964,7 +2034,8 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    batch: rank 0 reads x's values, the last rank the labels, the others
    their shapes); the stages send their activations and gradients with
    the group's send and receive, in an order every rank derives from the
-   schedule, so that no two ranks wait for each other. loss_sum is the
+   schedule, so that no two ranks wait for each other (any schedule: a W
+   pass sends nothing). loss_sum is the
    last rank's; mgpu_pipeline_stage(pp, s) exists on rank s alone, and
    mgpu_pipeline_measure times this rank's stage. mgpu_pipeline_free
    gives each rank's net its own stage's trained state (the rest of it is
@@ -1979,26 +2050,52 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
        void mgpu_pipeline_free(pp)
 
    Measuring a step. Every operation of micro-batch j's forward pass on a
-   stage is labelled "F<j>" in the trace, of its backward pass "B<j>"
-   (mgpu_trace_label), so a step between mgpu_trace_begin and
+   stage is labelled "F<j>" in the trace, of its backward pass (or its B)
+   "B<j>", of its W "W<j>" (mgpu_trace_label; in an interleaved pipeline
+   with the chunk: "F3c1"), so a step between mgpu_trace_begin and
    mgpu_trace_end tells where the time went:
        mgpu_pipeline_timing t = mgpu_pipeline_measure(pp);
    t.span_ms from the first labelled operation's start to the last one's
-   end; per stage, t.busy_ms[s] (its compute queue's labelled operations)
-   and t.bubble[s] = 1 - busy / span; t.bubble_mean, their mean, beside
-   mgpu_pipeline_bubble_formula(p, m), (p - 1) / (m + p - 1).
+   end; per stage (an interleaved pipeline's: per device, t.stages of
+   them), t.busy_ms[s] (its compute queue's labelled operations) and
+   t.bubble[s] = 1 - busy / span; t.bubble_mean, their mean, beside
+   mgpu_pipeline_bubble_formula(p, m), (p - 1) / (m + p - 1) (GPipe and
+   1F1B), mgpu_pipeline_zb_h1_bubble_formula(p, m), (p - 1) / (3m + p - 1)
+   (ZB-H1 with equal F, B and W; m < p is refused by name), or
+   mgpu_pipeline_interleaved_bubble_formula(p, v, m), (p - 1) /
+   (vm + p - 1) (interleaved 1F1B with equal chunks).
        int mgpu_pipeline_write_timeline(pp, path, title)
-   draws it: a lane per stage, a bar per pass (F and B in two colours,
-   numbered by micro-batch); the bubbles are the gaps. */
+   draws it: a lane per stage (per device, interleaved), a bar per pass
+   (forward, backward, and a split one's B and W, each in its colour, and
+   a colour for each chunk's; labelled by micro-batch and chunk); the
+   bubbles are the gaps. */
 typedef struct mgpu_pipeline mgpu_pipeline;
-typedef struct mgpu_pipeline_pass { int backward, micro_batch; } mgpu_pipeline_pass;
+typedef enum {
+    MGPU_PASS_WHOLE,        /* a backward pass: both gradients (GPipe, 1F1B) */
+    MGPU_PASS_INPUT_GRAD,   /* its input's gradient alone: zero-bubble's B */
+    MGPU_PASS_WEIGHT_GRAD   /* its weights' gradients alone, after B: zero-bubble's W */
+} mgpu_pass_part;
+typedef struct mgpu_pipeline_pass {
+    int backward, micro_batch;
+    mgpu_pass_part part; /* a backward pass's part (left 0: the whole) */
+    int chunk;           /* an interleaved pipeline's: which of the device's chunks (left 0: the first) */
+} mgpu_pipeline_pass;
 typedef void (*mgpu_schedule_fn)(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+typedef void (*mgpu_interleaved_schedule_fn)(int device, int devices, int chunks, int micro_batches,
+                                             mgpu_pipeline_pass *order);
 MGPU_DEF void mgpu_schedule_gpipe(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
 MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF void mgpu_schedule_zb_h1(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order);
+MGPU_DEF void mgpu_schedule_interleaved_1f1b(int device, int devices, int chunks, int micro_batches,
+                                             mgpu_pipeline_pass *order);
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
                                           const int *first_layers);
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_interleaved(mgpu_net *net, mgpu_device *const *devices, int ndevices,
+                                                      int chunks, const int *first_layers);
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers);
 MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches);
+MGPU_DEF void mgpu_pipeline_set_interleaved_schedule(mgpu_pipeline *pp, mgpu_interleaved_schedule_fn schedule,
+                                                     int micro_batches);
 MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tensor *x, const mgpu_tensor *labels,
                                              mgpu_tensor *loss_sum);
 MGPU_DEF void mgpu_pipeline_step(mgpu_pipeline *pp, float lr, float momentum, float weight_decay);
@@ -2019,6 +2116,8 @@ typedef struct mgpu_pipeline_timing {
 } mgpu_pipeline_timing;
 MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp);
 MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches);
+MGPU_DEF double mgpu_pipeline_zb_h1_bubble_formula(int stages, int micro_batches);
+MGPU_DEF double mgpu_pipeline_interleaved_bubble_formula(int devices, int chunks, int micro_batches);
 MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title);
 MGPU_DEF void mgpu_pipeline_free(mgpu_pipeline *pp);
 

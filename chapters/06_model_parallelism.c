@@ -17,8 +17,16 @@
    (p - 1) / (m + p - 1) of it, the bubble. 1F1B (PipeDream-Flush, as in
    Megatron-LM) orders the same passes so that each backward pass starts
    as early as it can: the same bubble, but stage s keeps the activations
-   of at most p - s micro-batches instead of m. Batch norm takes each
-   micro-batch's statistics, as PyTorch's pipelines do.
+   of at most p - s micro-batches instead of m. Zero bubble (ZB-H1, Qi et
+   al. 2023) splits each backward pass into B, the input's gradient,
+   which the stage before waits for, and W, the weights', which nobody
+   waits for: 1F1B's order with W put off, so that the W passes fill the
+   bubble, (p - 1) / (3m + p - 1) of the step with F, B and W equal, a
+   third of 1F1B's; each stage then holds p micro-batches. Interleaved
+   1F1B (Megatron-LM) gives each device v chunks of smaller stages
+   (stages d, d + p, ...), which shortens the bubble to (p - 1) /
+   (vm + p - 1). Batch norm takes each micro-batch's statistics, as
+   PyTorch's pipelines do.
 
    Splitting layers (tensor parallelism; mgpu_tp_conv, mgpu_tp_mlp): a
    convolution's output channels divided among the devices, put back
@@ -37,7 +45,10 @@
         (their busy time added up): first on layers of fixed duration,
         which wait a fixed time for each image on their device's queue (a
         wait takes no core, so the stages overlap on any machine, and the
-        schedule's bubble shows alone), then on the network's layers, with
+        schedule's bubble shows alone), with ZB-H1 for m = p to 8 (its
+        formula's range) and interleaved 1F1B with 2 chunks a device for
+        m = p to 8 (multiples of p) beside them, then on the network's
+        layers, with
         each stage's peak activations beside the schedule's bound and the
         reasons, from the measured work, that their figures differ; one
         timeline per schedule at its most micro-batches
@@ -58,9 +69,12 @@
    What you should see (the reduced run on a 2-core CPU): test accuracy
    about 0.5 after 3 epochs of 3072 images. On layers of fixed duration
    the bubble sits within a few hundredths of the formula: 0.50, 0.33,
-   0.20 and 0.11 for m = 1, 2, 4 and 8 on 2 stages, and the timelines
-   are the textbook's (GPipe's forward passes, then the backward ones;
-   1F1B's alternating once the pipeline is full). On the network's
+   0.20 and 0.11 for m = 1, 2, 4 and 8 on 2 stages, ZB-H1's 0.14, 0.08
+   and 0.04 for m = 2, 4 and 8, interleaved 1F1B's 0.20, 0.11 and 0.06,
+   and the timelines are the textbook's (GPipe's forward passes, then
+   the backward ones; 1F1B's alternating once the pipeline is full;
+   ZB-H1's W bars in the gaps 1F1B leaves; interleaved 1F1B's chunks
+   taking turns on each device). On the network's
    layers the bubble stays well above the formula and the speedup over
    naive is small or below 1: the lines after each table say why, from
    the measured work: 2 CPU devices of one core each share the machine's
@@ -79,7 +93,8 @@
    fixed duration run on CPU devices even where there is a GPU: they
    wait on the host.
 
-   Reads: mgpu/pipelines.h (stages, micro-batches, GPipe and 1F1B),
+   Reads: mgpu/pipelines.h (stages, micro-batches, GPipe, 1F1B, ZB-H1,
+   interleaved 1F1B),
    mgpu/networks.h (mgpu_net_add_layer: a layer of your own, here the
    fixed-duration one), mgpu/tensor_parallel.h (split layers),
    mgpu/groups.h (stages on ranks), mgpu/timing.h (the trace, and
@@ -129,8 +144,10 @@ static mgpu_net *convnet(mgpu_device *dev, int width, int stages, int *first) {
 
 /* Layers of fixed duration: a block that passes its input on unchanged
    and waits a fixed time for each image of the micro-batch, forward,
-   and twice that backward (which computes two gradients, the input's and
-   the weights'). As a layer of one's own with own_loops 1 (mgpu.h, the
+   and as long again backward for each of the two gradients it computes,
+   the input's and the weights' (which ZB-H1 runs apart, as B and W: the
+   layer says it can, l->split_backward). As a layer of one's own with
+   own_loops 1 (mgpu.h, the
    NETWORKS section), each pass runs on its device's queue, in order with
    the pipeline's other work there. A wait takes no core, so stages of
    these overlap on any machine, as stages on devices of their own do:
@@ -148,20 +165,27 @@ static void fixed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, i
 }
 static void fixed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
                            const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)dweight, (void)dbias, (void)x, (void)y;
+    (void)dbias, (void)x, (void)y;
     if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
-    wait_ms(2 * *(const double *)l->settings * dy->shape.d[0]);
+    wait_ms(((dx != NULL) + (dweight != NULL)) * *(const double *)l->settings * dy->shape.d[0]);
 }
 static const mgpu_layer_fns fixed_duration = {"fixed", NULL, fixed_forward, fixed_backward, 1};
 
 /* BLOCKS layers of fixed duration, for inputs of 10 values a row (the
-   loss reads them as they come). Each has a weight of one value, never
-   used: a layer with no gradient to compute gets no backward pass, and
-   the first stage's first layer computes no input gradient. */
-static mgpu_net *fixed_net(mgpu_device *dev) {
+   loss reads them as they come), after a first layer that takes no time
+   and has no parameters (it gets no backward pass): a network's first
+   layer computes no input gradient, and every block here must compute
+   both. Each block has a weight of one value, never used, for its
+   weights' gradient to be asked for. first[s] gets stage s's first
+   layer, for `stages` stages of equal numbers of blocks. */
+static mgpu_net *fixed_net(mgpu_device *dev, int stages, int *first) {
+    static double no_time = 0.0;
     mgpu_net *net = mgpu_net_new(dev);
+    mgpu_net_add_layer(net, &fixed_duration, NULL, NULL, &no_time);
     for (int b = 0; b < BLOCKS; b++)
-        mgpu_net_add_layer(net, &fixed_duration, mgpu_zeros(dev, mgpu_shape1(1)), NULL, &fixed_ms_per_image);
+        mgpu_net_add_layer(net, &fixed_duration, mgpu_zeros(dev, mgpu_shape1(1)), NULL, &fixed_ms_per_image)
+            ->split_backward = 1;
+    for (int s = 0; s < stages; s++) first[s] = s == 0 ? 0 : 1 + s * BLOCKS / stages;
     return net;
 }
 
@@ -169,11 +193,19 @@ typedef struct {
     const char *name;
     mgpu_schedule_fn schedule;
     int (*in_flight)(int stage, int stages, int m); /* the micro-batches whose activations a stage holds at most */
+    double (*bubble_formula)(int stages, int m);
+    int least_m; /* (ZB-H1's formula holds for m >= p: 0 there) */
 } schedule_choice;
 static int gpipe_in_flight(int stage, int stages, int m) { return (void)stage, (void)stages, m; }
 static int one_f_one_b_in_flight(int stage, int stages, int m) { return m < stages - stage ? m : stages - stage; }
-static const schedule_choice choices[2] = {{"GPipe", mgpu_schedule_gpipe, gpipe_in_flight},
-                                           {"1F1B", mgpu_schedule_1f1b, one_f_one_b_in_flight}};
+static int zb_h1_in_flight(int stage, int stages, int m) { return (void)stage, m < stages ? m : stages; }
+/* GPipe and 1F1B on both kinds of layers, ZB-H1 on those of fixed
+   duration (its network's runs would lengthen the chapter) */
+#define SCHEDULES 3
+static const schedule_choice choices[SCHEDULES] = {
+    {"GPipe", mgpu_schedule_gpipe, gpipe_in_flight, mgpu_pipeline_bubble_formula, 1},
+    {"1F1B", mgpu_schedule_1f1b, one_f_one_b_in_flight, mgpu_pipeline_bubble_formula, 2},
+    {"ZB-H1", mgpu_schedule_zb_h1, zb_h1_in_flight, mgpu_pipeline_zb_h1_bubble_formula, 0}};
 
 static double mib(size_t bytes) { return (double)bytes / 1048576.0; }
 
@@ -252,7 +284,9 @@ typedef struct {
 static step_measure measure_steps(mgpu_pipeline *pp, mgpu_device **devs, int stages, const mgpu_tensor *x,
                                   const mgpu_tensor *y, int steps, double (*statistic)(double *, int)) {
     step_measure r;
-    double ms[MAX_STEPS], bubble[MAX_STEPS], work_ms[MAX_STEPS];
+    /* (zeroed: where it inlines this function, the compiler cannot always
+       see that steps is at least 1) */
+    double ms[MAX_STEPS] = {0}, bubble[MAX_STEPS] = {0}, work_ms[MAX_STEPS] = {0};
     mgpu_pipeline_train_step(pp, x, y, 0.01f, 0.0f, 0.0f, NULL);
     mgpu_synchronize_all();
     for (int s = 0; s < stages; s++) mgpu_device_reset_peak(devs[s]);
@@ -281,18 +315,24 @@ typedef struct {
     int stages, peaks_held; /* peaks_held: every stage's peak activations kept its bound */
     double naive_ms, naive_work_ms;
     double worst_gap; /* the bubble's largest distance from the formula, at any m */
-    /* at MOST_MICRO_BATCHES, GPipe's and 1F1B's: */
-    double bubble[2], speedup[2], work_ms[2], first_stage_mib[2];
+    /* at MOST_MICRO_BATCHES, each schedule's: */
+    double bubble[SCHEDULES], speedup[SCHEDULES], work_ms[SCHEDULES], first_stage_mib[SCHEDULES];
     double alone_work_ms; /* the work of MOST_MICRO_BATCHES micro-batches run alone, one after another */
+    double interleaved_bubble; /* interleaved 1F1B's, layers of fixed duration, at MOST_MICRO_BATCHES */
 } pipeline_runs;
+
+static void print_row(const char *name, int m, const step_measure *r, double formula, double speedup) {
+    printf("  %-11s %3d %9.1f %8.3f %8.3f %8.2f %9.1f\n", name, m, r->step_ms, r->bubble, formula, speedup,
+           r->work_ms);
+}
 
 /* One row's checks: the bubble at least its formula (on layers of fixed
    duration, which share nothing, at most it too), the speedup at most
    its bound. */
-static void check_row(const char *schedule, int stages, int m, int fixed, double bubble, double speedup,
-                     double speedup_bound) {
+static void check_row(const char *schedule, int stages, int m, int fixed, double bubble, double formula,
+                      double speedup, double speedup_bound) {
     char figure[96];
-    double formula = mgpu_pipeline_bubble_formula(stages, m), slack = BUBBLE_SLACK / formula;
+    double slack = BUBBLE_SLACK / formula;
     const char *what = fixed ? "of fixed duration" : "of the network";
     snprintf(figure, sizeof figure, "%s's bubble at m = %d on %d stages %s", schedule, m, stages, what);
     mgpu_bound_hold(figure, bubble, MGPU_AT_LEAST, formula, slack,
@@ -311,7 +351,7 @@ static void check_row(const char *schedule, int stages, int m, int fixed, double
    naive holds one micro-batch, the whole batch, and the largest of m
    micro-batches is 1/m of it, rounded up. by_m[k][m]: schedule k's
    measures at m. Returns whether every bound held. */
-static int print_peaks(int stages, int batch, step_measure by_m[2][MOST_MICRO_BATCHES + 1]) {
+static int print_peaks(int stages, int batch, step_measure by_m[SCHEDULES][MOST_MICRO_BATCHES + 1]) {
     const step_measure *naive = &by_m[0][1];
     int held = 1;
     printf("  peak activations a stage, MiB, and the schedule's bound:\n  %-7s %3s", "", "m");
@@ -370,6 +410,39 @@ static void explain_network_runs(const pipeline_runs *r, int batch, mgpu_device 
            1 - r->bubble[1], r->naive_ms, r->work_ms[1], p * (1 - r->bubble[1]) * r->naive_ms / r->work_ms[1]);
 }
 
+/* Interleaved 1F1B on layers of fixed duration: CHUNKS stages on each of
+   `stages` devices, m = stages to MOST_MICRO_BATCHES (multiples of the
+   devices, as Megatron's schedule takes), beside naive's step (naive_ms)
+   on the same devices; its rows, checked as the others are, and its
+   timeline at the most micro-batches. Returns the bubble there, and
+   widens *worst_gap to its rows' largest distance from the formula. */
+#define CHUNKS 2
+static double interleaved_rows(int stages, mgpu_device **devs, double naive_ms, double speedup_bound, int steps,
+                               const mgpu_tensor *x, const mgpu_tensor *y, const mgpu_options *o,
+                               double *worst_gap) {
+    int first[MGPU_MAX_DEVICES];
+    mgpu_net *net = fixed_net(devs[0], stages * CHUNKS, first);
+    mgpu_pipeline *pp = mgpu_pipeline_new_interleaved(net, devs, stages, CHUNKS, first);
+    double bubble = 0;
+    for (int m = stages; m <= MOST_MICRO_BATCHES; m *= 2) {
+        mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, m);
+        step_measure r = measure_steps(pp, devs, stages, x, y, steps, least);
+        double speedup = naive_ms / r.step_ms, formula = mgpu_pipeline_interleaved_bubble_formula(stages, CHUNKS, m);
+        print_row("interleaved", m, &r, formula, speedup);
+        check_row("interleaved 1F1B", stages, m, 1, r.bubble, formula, speedup, speedup_bound);
+        bubble = r.bubble;
+        *worst_gap = fmax(*worst_gap, fabs(r.bubble - formula));
+    }
+    char file[96], path[1024], title[128];
+    snprintf(file, sizeof file, "chapter6_timeline_interleaved_%d_stages_fixed.png", stages);
+    snprintf(title, sizeof title, "interleaved 1F1B, %d chunks on %d devices, %d micro-batches, layers of fixed "
+             "duration", CHUNKS, stages, MOST_MICRO_BATCHES);
+    mgpu_pipeline_write_timeline(pp, mgpu_out_path(o, file, path, sizeof path), title);
+    mgpu_pipeline_free(pp);
+    mgpu_net_free(net);
+    return bubble;
+}
+
 /* 2. Naive model parallelism, GPipe and 1F1B on `stages` devices: of
    layers of fixed duration (fixed 1), on CPU devices, or of the
    chapter's network. */
@@ -382,8 +455,8 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
     mgpu_devices(stages, use_gpu && !fixed, devs);
     mgpu_manual_seed(o->seed);
     int first[MGPU_MAX_DEVICES];
-    mgpu_net *net = fixed ? fixed_net(devs[0]) : convnet(devs[0], width, stages, first);
-    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, fixed ? NULL : first);
+    mgpu_net *net = fixed ? fixed_net(devs[0], stages, first) : convnet(devs[0], width, stages, first);
+    mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, stages, first);
     int cores = mgpu_num_cores();
     double speedup_bound = fixed || mgpu_device_is_gpu(devs[0]) || cores >= stages ? stages : (double)cores;
     char list[256];
@@ -391,18 +464,17 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
     printf("\n  %s, %d stages on %s (the %s of %d step%s):\n",
            fixed ? "Layers of fixed duration" : "The network's layers", stages, list, fixed ? "least" : "median", steps,
            steps > 1 ? "s" : "");
-    printf("  %-7s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
-    step_measure by_m[2][MOST_MICRO_BATCHES + 1]; /* [schedule][m]; naive's: [0][1] */
+    printf("  %-11s %3s %9s %8s %8s %8s %9s\n", "", "m", "step ms", "bubble", "formula", "speedup", "work ms");
+    step_measure by_m[SCHEDULES][MOST_MICRO_BATCHES + 1]; /* [schedule][m]; naive's: [0][1] */
     const step_measure *naive = &by_m[0][1];
-    for (int k = 0; k < 2; k++)
-        for (int m = k == 0 ? 1 : 2; m <= MOST_MICRO_BATCHES; m *= 2) { /* (m = 1: the same naive step) */
-            const char *name = m == 1 ? "naive" : choices[k].name;
+    for (int k = 0; k < (fixed ? SCHEDULES : 2); k++)
+        for (int m = choices[k].least_m ? choices[k].least_m : stages; m <= MOST_MICRO_BATCHES; m *= 2) {
+            const char *name = m == 1 ? "naive" : choices[k].name; /* (m = 1: GPipe's, naive) */
             mgpu_pipeline_set_schedule(pp, choices[k].schedule, m);
             step_measure r = by_m[k][m] = measure_steps(pp, devs, stages, x, y, steps, fixed ? least : mgpu_median);
-            double speedup = naive->step_ms / r.step_ms, formula = mgpu_pipeline_bubble_formula(stages, m);
-            printf("  %-7s %3d %9.1f %8.3f %8.3f %8.2f %9.1f\n", name, m, r.step_ms, r.bubble, formula, speedup,
-                   r.work_ms);
-            check_row(name, stages, m, fixed, r.bubble, speedup, speedup_bound);
+            double speedup = naive->step_ms / r.step_ms, formula = choices[k].bubble_formula(stages, m);
+            print_row(name, m, &r, formula, speedup);
+            check_row(name, stages, m, fixed, r.bubble, formula, speedup, speedup_bound);
             runs.worst_gap = fmax(runs.worst_gap, fabs(r.bubble - formula));
             if (m == MOST_MICRO_BATCHES) {
                 runs.bubble[k] = r.bubble, runs.speedup[k] = speedup, runs.work_ms[k] = r.work_ms;
@@ -418,6 +490,9 @@ static pipeline_runs schedules(int fixed, int stages, int width, int batch, int 
             }
         }
     runs.naive_ms = naive->step_ms, runs.naive_work_ms = naive->work_ms;
+    if (fixed)
+        runs.interleaved_bubble =
+            interleaved_rows(stages, devs, naive->step_ms, speedup_bound, steps, x, y, o, &runs.worst_gap);
     if (!fixed) {
         runs.peaks_held = print_peaks(stages, batch, by_m);
         /* the micro-batches' work without the pipeline: one of them, naive, times their number */
@@ -568,8 +643,9 @@ int main(int argc, char **argv) {
         {"--micro-batches", 'i', &micro, "micro-batches of the training (section 1; default 4)"},
         {"--devices", 'n', NULL, "chapter 6 runs on 2 and 4 devices, its stages"},
     };
-    mgpu_options_parse(&o, argc, argv, "chapter6: model parallelism: pipelines (naive, GPipe, 1F1B) and split layers",
-                       extra, (int)(sizeof extra / sizeof extra[0]));
+    mgpu_options_parse(&o, argc, argv,
+                       "chapter6: model parallelism: pipelines (naive, GPipe, 1F1B, ZB-H1, interleaved 1F1B) and "
+                       "split layers", extra, (int)(sizeof extra / sizeof extra[0]));
     int use_gpu = !o.cpu && mgpu_num_gpus() > 0;
     int reduced = !use_gpu && !o.full;
     if (!width) width = 32;
@@ -606,12 +682,14 @@ int main(int argc, char **argv) {
     first_images(train_set, batch, &x, &y);
     int cores = mgpu_num_cores();
     printf("\n2. A training step split in stages. bubble: measured from the trace, each stage's idle time over\n"
-           "   the step's, beside the formula (p - 1) / (m + p - 1); speedup: naive's step time over this one's,\n"
-           "   at most the stages (p), and on CPU devices the cores (here %d); work: the stages'\n"
-           "   busy time added up. First layers of fixed duration, on CPU devices: each of the %d blocks waits\n"
-           "   %.0f ms forward for the batch of %d and twice that backward, less for fewer images: a wait takes\n"
-           "   no core, so the stages overlap as on devices of their own, on any machine.\n",
-           cores, BLOCKS, FIXED_BLOCK_MS, batch);
+           "   the step's (interleaved: each device's), beside the formula (p - 1) / (m + p - 1), for ZB-H1\n"
+           "   (p - 1) / (3m + p - 1), for interleaved 1F1B with v = %d chunks a device (p - 1) / (vm + p - 1);\n"
+           "   speedup: naive's step time over this one's, at most the stages (p), and on CPU devices the cores\n"
+           "   (here %d); work: the stages' busy time added up. First layers of fixed duration, on CPU devices:\n"
+           "   each of the %d blocks waits %.0f ms forward for the batch of %d, and as long again backward for\n"
+           "   each of its two gradients (ZB-H1's B and W), less for fewer images: a wait takes no core, so\n"
+           "   the stages overlap as on devices of their own, on any machine.\n",
+           CHUNKS, cores, BLOCKS, FIXED_BLOCK_MS, batch);
     fixed_ms_per_image = FIXED_BLOCK_MS / batch;
     pipeline_runs fixed[2] = {schedules(1, 2, width, batch, steps, use_gpu, values, y, &o),
                               schedules(1, 4, width, batch, steps, use_gpu, values, y, &o)};
@@ -629,13 +707,19 @@ int main(int argc, char **argv) {
     printf("\nWhat this run shows:\n");
     double worst_gap = fmax(fixed[0].worst_gap, fixed[1].worst_gap);
     if (worst_gap <= BUBBLE_SLACK)
-        printf("  On layers of fixed duration the measured bubble kept within %.3f of (p - 1) / (m + p - 1) at every\n"
-               "  m on 2 and 4 stages (at m = %d on 2 stages, GPipe %.3f and 1F1B %.3f against %.3f): more\n"
-               "  micro-batches, a smaller bubble, as the formula says.\n",
-               worst_gap, m, fixed[0].bubble[0], fixed[0].bubble[1], mgpu_pipeline_bubble_formula(2, m));
+        printf("  On layers of fixed duration the measured bubble kept within %.3f of its formula at every m on 2\n"
+               "  and 4 stages (at m = %d on 2 stages, GPipe %.3f and 1F1B %.3f against %.3f): more micro-batches,\n"
+               "  a smaller bubble, as the formula says. ZB-H1, whose W passes wait for nobody, left %.3f on 2\n"
+               "  stages and %.3f on 4 at m = %d, against (p - 1) / (3m + p - 1) = %.3f and %.3f; interleaved\n"
+               "  1F1B with %d chunks a device %.3f and %.3f, against (p - 1) / (vm + p - 1) = %.3f and %.3f.\n",
+               worst_gap, m, fixed[0].bubble[0], fixed[0].bubble[1], mgpu_pipeline_bubble_formula(2, m),
+               fixed[0].bubble[2], fixed[1].bubble[2], m, mgpu_pipeline_zb_h1_bubble_formula(2, m),
+               mgpu_pipeline_zb_h1_bubble_formula(4, m), CHUNKS, fixed[0].interleaved_bubble,
+               fixed[1].interleaved_bubble, mgpu_pipeline_interleaved_bubble_formula(2, CHUNKS, m),
+               mgpu_pipeline_interleaved_bubble_formula(4, CHUNKS, m));
     else
-        printf("  On layers of fixed duration the measured bubble strayed %.3f from (p - 1) / (m + p - 1) (the !\n"
-               "  lines above): the machine was too busy for this run to show the formula; run it again.\n",
+        printf("  On layers of fixed duration the measured bubble strayed %.3f from its formula (the ! lines\n"
+               "  above): the machine was too busy for this run to show the formula; run it again.\n",
                worst_gap);
     printf("  1F1B's first stage held %.2f MiB of activations at m = %d on 2 stages, GPipe's %.2f: %d micro-batches\n"
            "  against %d, on any machine%s.\n",

@@ -1073,7 +1073,7 @@ static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c) {
     int threads = mgpu__cpu_threads;
     if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, c->b != NULL, 0, threads) != NULL;
     return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, 0, c->add_to_dx, threads)) &&
-           mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads);
+           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads));
 }
 /* The call by oneDNN; 0 (nothing enqueued) where it has no kernel for a
    pass of it. */
@@ -1087,8 +1087,9 @@ static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c) {
     if (c->dx)
         mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dx", g, MGPU__ONEDNN_DX, c->w->data, c->dy->data,
                              c->dx->data, NULL, c->add_to_dx);
-    mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dW", g, MGPU__ONEDNN_DW, c->x->data, c->dy->data,
-                         c->dw->data, NULL, c->accumulate);
+    if (c->dw)
+        mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dW", g, MGPU__ONEDNN_DW, c->x->data, c->dy->data,
+                             c->dw->data, NULL, c->accumulate);
     return 1;
 }
 static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
@@ -1132,7 +1133,7 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     if (!t.backward) t.y = mgpu_empty(dev, call->y->shape);
     else {
         t.dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
-        t.dw = mgpu_empty(dev, call->w->shape);
+        t.dw = call->dw ? mgpu_empty(dev, call->w->shape) : NULL;
     }
     int onednn = mgpu__cpu_conv_onednn_plans(&t); /* (no kernel: its time stays HUGE_VAL) */
     for (int way = 0; way < (onednn ? MGPU__CPU_WAYS : 1); way++) {
@@ -1264,11 +1265,13 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     mgpu_device *dev = x->device;
     mgpu__require_device(w, dev, op);
     mgpu__require_device(dy, dev, op);
-    mgpu__require_device(dw, dev, op);
     mgpu__require_shape(dy, mgpu_shape4(g.n, g.k, g.p, g.q), op, "output gradient dy");
-    mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
     mgpu__require_indexable(x, op);
     mgpu__require_indexable(dy, op);
+    if (dw) {
+        mgpu__require_device(dw, dev, op);
+        mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
+    }
     if (dx) {
         mgpu__require_device(dx, dev, op);
         mgpu__require_shape(dx, x->shape, op, "input gradient dx");
@@ -1279,7 +1282,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     }
     if (dx) mgpu__before_write(dx);
     if (db) mgpu__before_write(db);
-    mgpu__before_write(dw);
+    if (dw) mgpu__before_write(dw);
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_CONV), done = 0; /* done: by a way other than im2col here */
 #if MGPU_CUDA
     mgpu__conv_trial t = {NULL, dx, NULL, x, w, NULL, dy, &g, 1, db ? prepared & ~MGPU__PREPARED_DY : prepared,
@@ -1292,14 +1295,14 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
     if (plan.implicit) {
         /* one channels-last copy of dy for both gradients, when both take one */
         int dx_cl = dx && !plan.dx_im2col && mgpu__conv_reads_copies(plan.dx);
-        int dw_cl = !plan.dw_im2col && mgpu__conv_reads_copies(plan.dw);
+        int dw_cl = dw && !plan.dw_im2col && mgpu__conv_reads_copies(plan.dw);
         mgpu_tensor *own_dy_t = NULL;
         if (!dy_t && dx_cl && dw_cl)
             dy_t = own_dy_t = mgpu__channels_last_copy(dev, dy->data, g.n, g.k, g.p * g.q, 0);
         if (dx && plan.dx_im2col) mgpu__conv_backward_im2col(dx, NULL, dy, x, w, &g, tf32, 0, add_to_dx);
         else if (dx) mgpu__conv_dx_implicit(dx, dy, dy_t, w, keep_w_t, &g, plan.dx, add_to_dx);
-        if (plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
-        else mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
+        if (dw && plan.dw_im2col) mgpu__conv_backward_im2col(NULL, dw, dy, x, w, &g, tf32, accumulate, 0);
+        else if (dw) mgpu__conv_dw_implicit(dw, dy, dy_t, x, x_t, &g, accumulate, plan.dw);
         mgpu_free(own_dy_t);
     }
 #else

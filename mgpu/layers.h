@@ -210,10 +210,12 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
     float beta = accumulate ? 1.0f : 0.0f;
     int tf32 = mgpu__tf32_allowed(MGPU__TF32_MATMUL);
     mgpu__require_device(dy, dev, op);
-    mgpu__require_device(dw, dev, op);
     mgpu__require_shape(dy, mgpu_shape2(n, out), op, "output gradient dy");
     mgpu__require_indexable(dy, op);
-    mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
+    if (dw) {
+        mgpu__require_device(dw, dev, op);
+        mgpu__require_shape(dw, w->shape, op, "weight gradient dw");
+    }
     if (dx) {
         mgpu__require_device(dx, dev, op);
         mgpu__require_shape(dx, x->shape, op, "input gradient dx");
@@ -228,11 +230,12 @@ MGPU_DEF void mgpu_linear_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor
         mgpu__before_write(dx);
         MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dxp);
     }
-    /* dw [in, out] (+)= x^T [in, N] dy [N, out] */
-    mgpu__gemm_args dwp = mgpu__gemm_dense(1, 0, in, out, n, x->data, dy->data, dw->data, beta,
-                                           tf32);
-    mgpu__before_write(dw);
-    MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dwp);
+    if (dw) { /* dw [in, out] (+)= x^T [in, N] dy [N, out] */
+        mgpu__gemm_args dwp = mgpu__gemm_dense(1, 0, in, out, n, x->data, dy->data, dw->data, beta,
+                                               tf32);
+        mgpu__before_write(dw);
+        MGPU__ENQUEUE(dev, "linear_backward", mgpu__gemm, dwp);
+    }
     if (db) {
         mgpu__before_write(db);
         mgpu__enqueue_chan_sum(dev, "linear_backward", db->data, dy->data, n, out, 1, 1.0f, beta);

@@ -881,15 +881,18 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
 
 /* ----------------------------------------------------------- backward */
 
-/* Convolution layer l's backward pass: adds its weight gradient and, with
-   with_db, its bias gradient (with accumulate 0: writes them), and writes
-   its input gradient to dx, or with add_to_dx adds it there (dx NULL: not
-   wanted). dy_t: dy's channels-last copy, when the batch norm after l
-   wrote it in place of dy, else NULL. `next` is as below. */
+/* Convolution layer l's backward pass: with with_dw, adds its weight
+   gradient and, with with_db, its bias gradient (with accumulate 0:
+   writes them), and writes its input gradient to dx, or with add_to_dx
+   adds it there (dx NULL: not wanted). dy_t: dy's channels-last copy,
+   when the batch norm after l wrote it in place of dy, else NULL. `next`
+   is as below. */
 static void mgpu__conv_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_db,
-                                      int accumulate) {
-    mgpu__conv2d_backward(dx, l->weight.grad, with_db && !mgpu__bias_cancelled_by(next) ? l->bias.grad : NULL,
+                                      const mgpu_layer *next, mgpu_tensor *dx, int add_to_dx, int with_dw,
+                                      int with_db, int accumulate) {
+    if (!dx && !with_dw) return;
+    mgpu__conv2d_backward(dx, with_dw ? l->weight.grad : NULL,
+                          with_dw && with_db && !mgpu__bias_cancelled_by(next) ? l->bias.grad : NULL,
                           dy, dy_t, l->input, l->copies->input_t, l->weight.value,
                           mgpu__network_keeps_weight_copies ? &l->copies->weight_turned_t : NULL, l->stride, l->pad,
                           accumulate, add_to_dx, mgpu__conv_layer_prepared(l, 1, next));
@@ -919,13 +922,26 @@ static void mgpu__batchnorm_layer_backward(mgpu_layer *l, const mgpu_tensor *dy,
                                accumulate, end, prev_bias ? prev->bias.grad : NULL, l->sync);
 }
 
+/* Whether layer l's backward pass splits into its input gradient (B)
+   and its parameters' gradients (W), for a zero-bubble pipeline:
+   convolutions, linear layers, and layers of yours that say they can
+   (l->split_backward). Batch norm keeps its dgamma and dbeta in B, and a
+   residual block runs whole in B (its convolutions' weight gradients
+   too): their W would need the block's inner gradients kept. */
+static int mgpu__layer_splits(const mgpu_layer *l) {
+    int kind_splits = l->kind == MGPU_LAYER_CONV || l->kind == MGPU_LAYER_LINEAR ||
+                      (l->kind == MGPU_LAYER_OWN && l->split_backward);
+    return kind_splits && (l->weight.grad || l->bias.grad);
+}
+
 /* A layer of yours: its backward pass gets its gradients zeroed, the
    parameters' own where they are to be written, else scratch that is then
    added to them; dx_made: dx was made anew (its guard floats are read
-   after the pass). */
+   after the pass). with_dw: the parameters' gradients wanted (a split
+   pass's B does without them). */
 static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_tensor *dx, int dx_made,
-                                     int accumulate) {
-    mgpu_tensor *dweight = l->weight.grad, *dbias = l->bias.grad;
+                                     int with_dw, int accumulate) {
+    mgpu_tensor *dweight = with_dw ? l->weight.grad : NULL, *dbias = with_dw ? l->bias.grad : NULL;
     if (!dx && !dweight && !dbias) return; /* nothing wanted */
     if (accumulate && dweight) dweight = mgpu_ensure(&l->dweight, dweight->device, dweight->shape);
     if (accumulate && dbias) dbias = mgpu_ensure(&l->dbias, dbias->device, dbias->shape);
@@ -934,8 +950,8 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
         if (written[i]) mgpu_fill(written[i], 0.0f);
     mgpu__own_layer_pass(l, dx, l->input, dy, dweight, dbias, 0);
     if (dx_made && !l->fns->own_loops) mgpu__require_guard_now(l, dx, 1); /* (own loops: each pass) */
-    if (dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
-    if (dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
+    if (dweight && dweight != l->weight.grad) mgpu_add_(l->weight.grad, dweight);
+    if (dbias && dbias != l->bias.grad) mgpu_add_(l->bias.grad, dbias);
 }
 
 /* Adds l's parameter gradients (with accumulate 0: writes them) and
@@ -944,20 +960,27 @@ static void mgpu__own_layer_backward(mgpu_layer *l, const mgpu_tensor *dy, mgpu_
    not written, and only a convolution takes it); `next` is the layer that
    took l's output (NULL if none), `prev` the one whose output l took
    (NULL if none). The input gradient's channels-last copy, if l wrote
-   one, is then in l->copies->dinput_t (else that is NULL). */
+   one, is then in l->copies->dinput_t (else that is NULL). part: the
+   whole pass, or of a layer that splits (mgpu__layer_splits) its input
+   gradient alone (B, which returns it) or its parameters' alone (W, after
+   B, from the same dy: returns NULL); a layer that does not split runs
+   whole in B, and has no W. */
 static const mgpu_tensor *mgpu__layer_backward_pass(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                                    const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
+                                                    const mgpu_layer *next, const mgpu_layer *prev, int accumulate,
+                                                    mgpu_pass_part part) {
     mgpu_device *d = dy->device;
+    int split = mgpu__layer_splits(l);
+    int with_dx = l->need_dinput && part != MGPU_PASS_WEIGHT_GRAD, with_dw = !split || part != MGPU_PASS_INPUT_GRAD;
     int dx_made = 0; /* (a layer of yours writes dx itself: with guard floats after it) */
-    if (l->need_dinput && l->kind == MGPU_LAYER_OWN)
+    if (with_dx && l->kind == MGPU_LAYER_OWN)
         dx_made = mgpu__ensure_guarded(&l->dinput, d, l->input->shape);
-    mgpu_tensor *dx = l->need_dinput ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
+    mgpu_tensor *dx = with_dx ? mgpu_ensure(&l->dinput, d, l->input->shape) : NULL;
     MGPU_REQUIRE(!dy_t || l->kind == MGPU_LAYER_CONV,
                  "%s: given its output gradient channels-last alone, which only a convolution reads",
                  l->name);
     switch (l->kind) {
     case MGPU_LAYER_CONV:
-        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0, 1, accumulate);
+        mgpu__conv_layer_backward(l, dy, dy_t, next, dx, 0, with_dw, 1, accumulate);
         break;
     case MGPU_LAYER_BATCHNORM:
         mgpu__batchnorm_layer_backward(l, dy, dx, prev, prev && prev->need_dinput, NULL, accumulate);
@@ -988,31 +1011,39 @@ static const mgpu_tensor *mgpu__layer_backward_pass(mgpu_layer *l, const mgpu_te
         /* (conv1's input gradient is the block's: wanted when the block's is) */
         mgpu_tensor *g1 = mgpu_ensure(&l->bn1->dinput, d, g->shape);
         mgpu__batchnorm_layer_backward(l->bn1, g, g1, l->conv1, dx != NULL, NULL, accumulate);
-        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->copies->dinput_t, l->bn1, dx, !l->shortcut, 1, accumulate);
-        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 0, accumulate);
+        mgpu__conv_layer_backward(l->conv1, g1, l->bn1->copies->dinput_t, l->bn1, dx, !l->shortcut, 1, 1, accumulate);
+        if (l->shortcut) mgpu__conv_layer_backward(l->shortcut, dsum, NULL, NULL, dx, 1, 1, 0, accumulate);
         break;
     }
     case MGPU_LAYER_GLOBAL_AVG_POOL:
         if (dx) mgpu_global_avg_pool_backward(dx, dy);
         break;
     case MGPU_LAYER_LINEAR:
-        mgpu_linear_backward(dx, l->weight.grad, l->bias.grad, dy, l->input, l->weight.value, accumulate);
+        if (dx || with_dw)
+            mgpu_linear_backward(dx, with_dw ? l->weight.grad : NULL, with_dw ? l->bias.grad : NULL, dy, l->input,
+                                 l->weight.value, accumulate);
         break;
     case MGPU_LAYER_OWN:
-        mgpu__own_layer_backward(l, dy, dx, dx_made, accumulate);
+        mgpu__own_layer_backward(l, dy, dx, dx_made, with_dw, accumulate);
         break;
     }
     return dx;
 }
 
-/* (the pass, with the layer named in the libraries' error lines) */
-static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
-                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
+/* (the pass, or a part of it, with the layer named in the libraries'
+   error lines) */
+static const mgpu_tensor *mgpu__layer_backward_part(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                                    const mgpu_layer *next, const mgpu_layer *prev, int accumulate,
+                                                    mgpu_pass_part part) {
     const char *outer = mgpu__layer_enqueuing; /* (a block's, around its own layers) */
     mgpu__layer_enqueuing = l->name;
-    const mgpu_tensor *dx = mgpu__layer_backward_pass(l, dy, dy_t, next, prev, accumulate);
+    const mgpu_tensor *dx = mgpu__layer_backward_pass(l, dy, dy_t, next, prev, accumulate, part);
     mgpu__layer_enqueuing = outer;
     return dx;
+}
+static const mgpu_tensor *mgpu__layer_backward(mgpu_layer *l, const mgpu_tensor *dy, const mgpu_tensor *dy_t,
+                                               const mgpu_layer *next, const mgpu_layer *prev, int accumulate) {
+    return mgpu__layer_backward_part(l, dy, dy_t, next, prev, accumulate, MGPU_PASS_WHOLE);
 }
 
 /* Refuses a backward pass that cannot run, before any of its work is
@@ -1041,33 +1072,54 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
 /* The backward pass of the net's layer i (dy's channels-last copy, if the
    layer after it wrote one, in that layer's dinput_t); accumulate as in
    mgpu__layer_backward. */
-static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {
-    const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
+static const mgpu_tensor *mgpu__net_layer_backward_part(mgpu_net *net, int i, const mgpu_tensor *dy,
+                                                        int accumulate, mgpu_pass_part part) {
+    mgpu_layer *l = net->layers[i], *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
     int freed = mgpu__net_freed_segment_ending_at(net, i);
     if (freed >= 0) mgpu__net_recompute_segment(net, freed);
     int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
-    const mgpu_tensor *dx = mgpu__layer_backward(net->layers[i], dy, next ? next->copies->dinput_t : NULL, next,
-                                                 i > 0 ? net->layers[i - 1] : NULL, accumulate);
+    const mgpu_tensor *dx = mgpu__layer_backward_part(l, dy, next ? next->copies->dinput_t : NULL, next,
+                                                      i > 0 ? net->layers[i - 1] : NULL, accumulate, part);
     mgpu__memory_scope((mgpu_memory_category)scope);
     /* the output gradient layer i read (layer i + 1's input gradient) and
        its parts' scratch are done with: freed, so that the backward pass
-       holds the activations' gradients of a layer or two, not of all */
-    if (next) mgpu__layer_free_gradients(net->layers[i + 1], 1);
-    mgpu__layer_free_gradients(net->layers[i], 0);
+       holds the activations' gradients of a layer or two, not of all
+       (but in B, for a layer whose W reads it later) */
+    if (next && !(part == MGPU_PASS_INPUT_GRAD && mgpu__layer_splits(l))) mgpu__layer_free_gradients(next, 1);
+    mgpu__layer_free_gradients(l, 0);
     /* a run's activations go as soon as its backward pass is done (the
        last run's but the output: the logits stay valid until the next
-       forward pass) */
-    for (int s = 0; s < net->nsegments && net->nsegments > 1; s++)
+       forward pass); after B, W still reads them */
+    for (int s = 0; s < net->nsegments && net->nsegments > 1 && part != MGPU_PASS_INPUT_GRAD; s++)
         if (net->segment_start[s] == i) mgpu__net_free_segment(net, s, s + 1 == net->nsegments);
     return dx;
 }
+static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {
+    return mgpu__net_layer_backward_part(net, i, dy, accumulate, MGPU_PASS_WHOLE);
+}
 
-/* The whole backward pass: adds every parameter's gradient, or with
-   accumulate 0 writes it (a training step, which would zero them first:
-   that saves writing zeros to every gradient and reading them back). */
-static void mgpu__net_backward(mgpu_net *net, const mgpu_tensor *dlogits, int accumulate) {
+/* The backward pass, or a part of it (a zero-bubble pipeline's). The
+   whole adds every parameter's gradient, or with accumulate 0 writes it
+   (a training step, which would zero them first: that saves writing zeros
+   to every gradient and reading them back). B: every layer's input
+   gradient, and the whole pass of the layers that do not split, keeping
+   the output gradients of those that do; W, after B and from the same
+   dlogits: the parameters' gradients of the layers that split, each from
+   the output gradient and input that B left, which then go. accumulate
+   as for the whole, for the parameters each part writes. */
+static void mgpu__net_backward_part(mgpu_net *net, const mgpu_tensor *dlogits, int accumulate, mgpu_pass_part part) {
     const mgpu_tensor *g = dlogits;
-    for (int i = net->nlayers - 1; i >= 0; i--) g = mgpu__net_layer_backward(net, i, g, accumulate);
+    for (int i = net->nlayers - 1; i >= 0; i--) {
+        if (part == MGPU_PASS_WEIGHT_GRAD) {
+            const mgpu_layer *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
+            g = next ? next->dinput : dlogits;
+            if (!mgpu__layer_splits(net->layers[i])) continue; /* (done whole in B) */
+        }
+        g = mgpu__net_layer_backward_part(net, i, g, accumulate, part);
+    }
+}
+static void mgpu__net_backward(mgpu_net *net, const mgpu_tensor *dlogits, int accumulate) {
+    mgpu__net_backward_part(net, dlogits, accumulate, MGPU_PASS_WHOLE);
 }
 MGPU_DEF void mgpu_net_backward(mgpu_net *net, const mgpu_tensor *dlogits) {
     mgpu__net_require_backward(net, "mgpu_net_backward");

@@ -1,9 +1,14 @@
 /* mgpu/pipelines.h: pipeline parallelism (chapter 6): a network cut into
    stages on devices or ranks, a batch into micro-batches, run by a
-   schedule (naive, GPipe, 1F1B); the bubble measured beside its formula,
+   schedule (naive, GPipe, 1F1B, zero-bubble ZB-H1, interleaved 1F1B over
+   chunks of stages a device); the bubble measured beside its formula,
    and each schedule's timeline.
-   defines: mgpu_pipeline_new, mgpu_pipeline_new_group, mgpu_pipeline_free,
-   mgpu_pipeline_set_schedule, mgpu_schedule_gpipe, mgpu_schedule_1f1b,
+   defines: mgpu_pipeline_new, mgpu_pipeline_new_interleaved,
+   mgpu_pipeline_new_group, mgpu_pipeline_free, mgpu_pipeline_set_schedule,
+   mgpu_pipeline_set_interleaved_schedule, mgpu_schedule_gpipe,
+   mgpu_schedule_1f1b, mgpu_schedule_zb_h1, mgpu_schedule_interleaved_1f1b,
+   mgpu_pipeline_zb_h1_bubble_formula,
+   mgpu_pipeline_interleaved_bubble_formula,
    mgpu_pipeline_num_stages, mgpu_pipeline_stage, mgpu_pipeline_slots,
    mgpu_pipeline_set_training, mgpu_pipeline_forward,
    mgpu_pipeline_forward_backward, mgpu_pipeline_step,
@@ -21,12 +26,16 @@ typedef struct mgpu__pipeline_stage {
     int nslots, slots_wanted;
     int *slot_micro_batch;       /* the micro-batch each slot holds during a step, or -1 */
     int first_layer, first_param, first_buffer;
-    int backward_passes;         /* done so far in this step: the first writes the gradients */
+    /* done so far in this step (B or whole backward passes, W passes):
+       the first of each writes the gradients it computes */
+    int backward_passes, weight_passes;
 } mgpu__pipeline_stage;
 
 struct mgpu_pipeline {
     mgpu_net *net;
-    int nstages;
+    /* stage s on device s mod ndevices: chunks stages a device (1 but in
+       an interleaved pipeline) */
+    int nstages, ndevices, chunks;
     /* across processes (mgpu_pipeline_new_group): the group, and this
        rank's stage (the others' stage[].net are NULL); the shape of each
        stage's output for one row of the batch, found by a forward pass of
@@ -37,8 +46,12 @@ struct mgpu_pipeline {
     mgpu_shape row_output[MGPU_MAX_DEVICES], x_row;
     mgpu__pipeline_stage stage[MGPU_MAX_DEVICES];
     int micro_batches;
-    mgpu_pipeline_pass *order; /* stage s's passes: order[s * 2m ..], in its order */
-    int *sequence;             /* every stage's passes as the host enqueues them: s * 2m + index */
+    /* device d's passes, in its order: order[d * 3vm ..] (v the chunks),
+       npasses[d] of them (2vm, or 3vm where its backward passes split
+       into B and W) */
+    mgpu_pipeline_pass *order;
+    int npasses[MGPU_MAX_DEVICES];
+    int *sequence;             /* every device's passes as the host enqueues them: d * 3vm + index */
     /* during a step: the batch on the first stage's device and its
        labels on the last's (each copied there whole at the start: a copy
        waits for its source device's work, and the batch's is often the
@@ -74,15 +87,88 @@ MGPU_DEF void mgpu_schedule_1f1b(int stage, int stages, int micro_batches, mgpu_
     }
     while (backward < micro_batches) order[n].backward = 1, order[n++].micro_batch = backward++;
 }
+/* Pass n of a schedule's order. */
+static void mgpu__schedule_add(mgpu_pipeline_pass *order, int *n, int backward, int micro_batch,
+                               mgpu_pass_part part) {
+    order[*n].backward = backward, order[*n].micro_batch = micro_batch, order[*n].part = part;
+    (*n)++;
+}
+/* 1F1B's order with each backward pass split into B and W, stage s
+   putting W off until s more B passes have run: the last stages, whose
+   B passes the others wait for, run their B passes first, and the first
+   stages' W passes fill what was 1F1B's bubble at the end. */
+MGPU_DEF void mgpu_schedule_zb_h1(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
+    int m = micro_batches, warmup = stages - stage - 1 < m ? stages - stage - 1 : m;
+    int n = 0, forward = 0, backward = 0, weights = 0;
+    while (forward < warmup) mgpu__schedule_add(order, &n, 0, forward++, MGPU_PASS_WHOLE);
+    while (backward < m) {
+        if (forward < m) mgpu__schedule_add(order, &n, 0, forward++, MGPU_PASS_WHOLE);
+        mgpu__schedule_add(order, &n, 1, backward++, MGPU_PASS_INPUT_GRAD);
+        if (backward - weights > stage) mgpu__schedule_add(order, &n, 1, weights++, MGPU_PASS_WEIGHT_GRAD);
+    }
+    while (weights < m) mgpu__schedule_add(order, &n, 1, weights++, MGPU_PASS_WEIGHT_GRAD);
+}
 MGPU_DEF double mgpu_pipeline_bubble_formula(int stages, int micro_batches) {
     return (stages - 1) / (double)(micro_batches + stages - 1);
 }
+MGPU_DEF double mgpu_pipeline_zb_h1_bubble_formula(int stages, int micro_batches) {
+    MGPU_REQUIRE(micro_batches >= stages, "mgpu_pipeline_zb_h1_bubble_formula: %d micro-batches on %d stages; "
+                 "the formula holds for at least as many micro-batches as stages", micro_batches, stages);
+    return (stages - 1) / (double)(3 * micro_batches + stages - 1);
+}
 
-/* "F3" or "B3": a pass as the trace labels it and the errors name it. */
-static const char *mgpu__pass_name(mgpu_pipeline_pass pass, char *buf, size_t size) {
-    snprintf(buf, size, "%c%d", pass.backward ? 'B' : 'F', pass.micro_batch);
+/* The k-th forward (or backward) pass of an interleaved schedule (below). */
+static void mgpu__interleaved_add(mgpu_pipeline_pass *order, int *n, int backward, int k, int p, int v) {
+    int round = k / p % v;
+    mgpu__schedule_add(order, n, backward, k / (p * v) * p + k % p, MGPU_PASS_WHOLE);
+    order[*n - 1].chunk = backward ? v - 1 - round : round;
+}
+/* Megatron-LM's interleaved 1F1B: device d holds v chunks (stages d,
+   d + p, ...). Its passes go over the chunks in rounds of p
+   micro-batches: the k-th forward pass is of chunk (k / p) mod v, the
+   k-th backward pass of chunk v - 1 - (k / p) mod v, both of
+   micro-batch (k / pv) p + k mod p. A warm-up of 2 (p - d - 1) + (v - 1) p
+   forward passes fills the pipeline, then one forward and one backward
+   in turn, then the backward passes left. */
+MGPU_DEF void mgpu_schedule_interleaved_1f1b(int device, int devices, int chunks, int micro_batches,
+                                             mgpu_pipeline_pass *order) {
+    int p = devices, v = chunks, m = micro_batches, total = v * m;
+    MGPU_REQUIRE(m % p == 0, "mgpu_schedule_interleaved_1f1b: %d micro-batches on %d devices; Megatron's interleaved "
+                 "schedule takes a multiple of the devices", m, p);
+    int warmup = 2 * (p - device - 1) + (v - 1) * p, n = 0, forward = 0, backward = 0;
+    if (warmup > total) warmup = total;
+    while (forward < warmup) mgpu__interleaved_add(order, &n, 0, forward++, p, v);
+    while (forward < total) { /* the steady state: one forward, one backward */
+        mgpu__interleaved_add(order, &n, 0, forward++, p, v);
+        mgpu__interleaved_add(order, &n, 1, backward++, p, v);
+    }
+    while (backward < total) mgpu__interleaved_add(order, &n, 1, backward++, p, v);
+}
+MGPU_DEF double mgpu_pipeline_interleaved_bubble_formula(int devices, int chunks, int micro_batches) {
+    return (devices - 1) / (double)(chunks * micro_batches + devices - 1);
+}
+
+/* Which of a micro-batch's passes on a stage: 0 forward, 1 backward (B,
+   or the whole), 2 W. */
+static int mgpu__pass_kind(mgpu_pipeline_pass pass) {
+    return !pass.backward ? 0 : pass.part == MGPU_PASS_WEIGHT_GRAD ? 2 : 1;
+}
+/* "F3", "B3" or "W3": a pass as the trace labels it and the errors name
+   it; in an interleaved pipeline with its chunk, "F3c1". */
+static const char *mgpu__pass_name(const mgpu_pipeline *pp, mgpu_pipeline_pass pass, char *buf, size_t size) {
+    /* (a checked pass's micro-batch is below 2048 and its chunk below
+       MGPU_MAX_DEVICES: as unsigned shorts they fit a timeline bar's 16
+       characters, which the compiler can then see) */
+    unsigned short micro_batch = (unsigned short)pass.micro_batch, chunk = (unsigned short)pass.chunk;
+    if (pp->chunks > 1)
+        snprintf(buf, size, "%c%uc%u", "FBW"[mgpu__pass_kind(pass)], micro_batch, chunk);
+    else
+        snprintf(buf, size, "%c%d", "FBW"[mgpu__pass_kind(pass)], pass.micro_batch);
     return buf;
 }
+/* What the errors call a schedule's unit: a device of an interleaved
+   pipeline, else a stage. */
+static const char *mgpu__pipeline_lane_word(const mgpu_pipeline *pp) { return pp->chunks > 1 ? "device" : "stage"; }
 
 /* A slot for stage st: copies of its layers sharing its parameters and
    buffers. A stage after the first wants its input's gradient, to send
@@ -96,38 +182,68 @@ static mgpu_net *mgpu__pipeline_new_slot(const mgpu__pipeline_stage *st, int wan
     return slot;
 }
 
-/* Checks the schedule's passes for every stage and finds how many slots
-   each needs (the most micro-batches between forward and backward). */
+static int mgpu__pass_unwritten(mgpu_pipeline_pass pass) { return pass.backward == -1 && pass.micro_batch == -1; }
+
+/* Checks the schedule's passes for every device (a stage, but in an
+   interleaved pipeline), counts them (2vm, or 3vm where the backward
+   passes split; v the chunks, 1 but interleaved) and finds how many
+   slots each stage needs (the most micro-batches between forward and
+   their last backward pass, whole or W). */
 static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
-    const char *who = "mgpu_pipeline_set_schedule";
-    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)2 * m, 1);
-    for (int s = 0; s < pp->nstages; s++) {
-        const mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
-        int in_flight = 0, most = 0;
-        char name[24];
-        memset(seen, 0, (size_t)2 * m);
-        for (int i = 0; i < 2 * m; i++) {
+    const char *who = "mgpu_pipeline_set_schedule", *lane = mgpu__pipeline_lane_word(pp);
+    int p = pp->ndevices, v = pp->chunks, vm = v * m;
+    unsigned char *seen = (unsigned char *)mgpu__xcalloc((size_t)3 * vm, 1); /* [(c * m + j) * 3 + kind] */
+    for (int d = 0; d < p; d++) {
+        const mgpu_pipeline_pass *order = pp->order + (size_t)d * 3 * vm;
+        int in_flight[MGPU_MAX_DEVICES] = {0}, most[MGPU_MAX_DEVICES] = {0}, written = 0, split = 0; /* [chunk] */
+        char name[24], b_name[24];
+        while (written < 3 * vm && !mgpu__pass_unwritten(order[written])) written++;
+        for (int i = 0; i < written; i++) split |= order[i].backward == 1 && order[i].part != MGPU_PASS_WHOLE;
+        int want = split ? 3 * vm : 2 * vm;
+        const char *count = split ? (v > 1 ? "3vm" : "3m") : (v > 1 ? "2vm" : "2m");
+        const char *why = split ? " (each backward pass split into B and W)" : "";
+        MGPU_REQUIRE(written <= want, "%s: the schedule wrote past %s %d's %s = %d passes%s", who, lane, d, count,
+                     want, why);
+        MGPU_REQUIRE(written == want, "%s: the schedule left pass %d of %s %d unwritten; it must write %s = %d "
+                     "passes%s", who, written, lane, d, count, want, why);
+        memset(seen, 0, (size_t)3 * vm);
+        for (int i = 0; i < want; i++) {
             mgpu_pipeline_pass pass = order[i];
-            MGPU_REQUIRE(pass.backward != -1 || pass.micro_batch != -1,
-                         "%s: the schedule left pass %d of stage %d unwritten; it must write 2m = %d passes", who, i,
-                         s, 2 * m);
             MGPU_REQUIRE(pass.backward == 0 || pass.backward == 1,
-                         "%s: the schedule's pass %d of stage %d has backward %d; want 0 (forward) or 1", who, i, s,
-                         pass.backward);
+                         "%s: the schedule's pass %d of %s %d has backward %d; want 0 (forward) or 1", who, i, lane,
+                         d, pass.backward);
             MGPU_REQUIRE(pass.micro_batch >= 0 && pass.micro_batch < m,
-                         "%s: the schedule's pass %d of stage %d is for micro-batch %d; there are %d (0 to %d)",
-                         who, i, s, pass.micro_batch, m, m - 1);
-            int backward = pass.backward != 0;
-            MGPU_REQUIRE(!seen[2 * pass.micro_batch + backward], "%s: the schedule runs %s twice on stage %d", who,
-                         mgpu__pass_name(pass, name, sizeof name), s);
-            MGPU_REQUIRE(!backward || seen[2 * pass.micro_batch],
-                         "%s: the schedule runs %s on stage %d before that micro-batch's forward pass", who,
-                         mgpu__pass_name(pass, name, sizeof name), s);
-            seen[2 * pass.micro_batch + backward] = 1;
-            in_flight += backward ? -1 : 1;
-            if (in_flight > most) most = in_flight;
+                         "%s: the schedule's pass %d of %s %d is for micro-batch %d; there are %d (0 to %d)",
+                         who, i, lane, d, pass.micro_batch, m, m - 1);
+            MGPU_REQUIRE(pass.chunk >= 0 && pass.chunk < v,
+                         "%s: the schedule's pass %d of %s %d is for chunk %d; there %s %d (0 to %d)", who, i, lane,
+                         d, pass.chunk, v > 1 ? "are" : "is", v, v - 1);
+            MGPU_REQUIRE(pass.part == MGPU_PASS_WHOLE || (pass.backward && (pass.part == MGPU_PASS_INPUT_GRAD ||
+                                                                           pass.part == MGPU_PASS_WEIGHT_GRAD)),
+                         "%s: the schedule's pass %d of %s %d has part %d; want MGPU_PASS_WHOLE, or for a "
+                         "backward pass MGPU_PASS_INPUT_GRAD (B) or MGPU_PASS_WEIGHT_GRAD (W)", who, i, lane, d,
+                         pass.part);
+            MGPU_REQUIRE(!split || !pass.backward || pass.part != MGPU_PASS_WHOLE,
+                         "%s: the schedule runs %s whole on %s %d but splits other backward passes into B and W; "
+                         "split all of a %s's or none", who, mgpu__pass_name(pp, pass, name, sizeof name), lane, d,
+                         lane);
+            int kind = mgpu__pass_kind(pass), c = pass.chunk, at = (c * m + pass.micro_batch) * 3;
+            MGPU_REQUIRE(!seen[at + kind], "%s: the schedule runs %s twice on %s %d", who,
+                         mgpu__pass_name(pp, pass, name, sizeof name), lane, d);
+            MGPU_REQUIRE(kind != 1 || seen[at],
+                         "%s: the schedule runs %s on %s %d before that micro-batch's forward pass", who,
+                         mgpu__pass_name(pp, pass, name, sizeof name), lane, d);
+            mgpu_pipeline_pass its_b = pass;
+            its_b.part = MGPU_PASS_INPUT_GRAD;
+            MGPU_REQUIRE(kind != 2 || seen[at + 1], "%s: the schedule runs %s on %s %d before its %s (W reads the "
+                         "output gradient B leaves)", who, mgpu__pass_name(pp, pass, name, sizeof name), lane, d,
+                         mgpu__pass_name(pp, its_b, b_name, sizeof b_name));
+            seen[at + kind] = 1;
+            in_flight[c] += kind == 0 ? 1 : pass.part == MGPU_PASS_INPUT_GRAD ? 0 : -1;
+            if (in_flight[c] > most[c]) most[c] = in_flight[c];
         }
-        pp->stage[s].slots_wanted = most;
+        pp->npasses[d] = want;
+        for (int c = 0; c < v; c++) pp->stage[c * p + d].slots_wanted = most[c];
     }
     free(seen);
 }
@@ -139,29 +255,33 @@ static void mgpu__pipeline_check_order(mgpu_pipeline *pp, int m) {
    and no queue waits for work enqueued after it. A round with nothing
    ready is a schedule that waits for itself. */
 static void mgpu__pipeline_sequence(mgpu_pipeline *pp, int m) {
-    int p = pp->nstages, total = 2 * m * p, n = 0;
+    int p = pp->ndevices, vm = pp->chunks * m, stages = pp->nstages, total = 0, n = 0;
+    for (int d = 0; d < p; d++) total += pp->npasses[d];
     int *next = (int *)mgpu__xcalloc((size_t)p, sizeof *next);
-    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)total, 1); /* [(s * m + j) * 2 + backward] */
+    unsigned char *done = (unsigned char *)mgpu__xcalloc((size_t)3 * m * stages, 1); /* [(s * m + j) * 3 + kind] */
     pp->sequence = (int *)mgpu__xrealloc(pp->sequence, (size_t)total * sizeof *pp->sequence);
     while (n < total) {
         int progress = 0;
-        for (int s = 0; s < p; s++) {
-            if (next[s] == 2 * m) continue;
-            mgpu_pipeline_pass pass = pp->order[s * 2 * m + next[s]];
-            int b = pass.backward != 0, j = pass.micro_batch, from = b ? s + 1 : s - 1;
-            if (from >= 0 && from < p && !done[(from * m + j) * 2 + b]) continue;
-            done[(s * m + j) * 2 + b] = 1;
-            pp->sequence[n++] = s * 2 * m + next[s]++;
+        for (int d = 0; d < p; d++) {
+            if (next[d] == pp->npasses[d]) continue;
+            mgpu_pipeline_pass pass = pp->order[d * 3 * vm + next[d]];
+            /* (its stage; a W pass takes nothing from another stage) */
+            int s = pass.chunk * p + d, kind = mgpu__pass_kind(pass), j = pass.micro_batch;
+            int from = kind == 2 ? -1 : kind ? s + 1 : s - 1;
+            if (from >= 0 && from < stages && !done[(from * m + j) * 3 + kind]) continue;
+            done[(s * m + j) * 3 + kind] = 1;
+            pp->sequence[n++] = d * 3 * vm + next[d]++;
             progress = 1;
         }
         if (!progress) {
             char waits[512] = "", pass_name[24];
             size_t used = 0;
-            for (int s = 0; s < p && used < sizeof waits; s++)
-                if (next[s] < 2 * m)
-                    used += (size_t)snprintf(waits + used, sizeof waits - used, "%sstage %d at %s", used ? ", " : "",
-                                             s, mgpu__pass_name(pp->order[s * 2 * m + next[s]], pass_name,
-                                                                sizeof pass_name));
+            for (int d = 0; d < p && used < sizeof waits; d++)
+                if (next[d] < pp->npasses[d])
+                    used += (size_t)snprintf(waits + used, sizeof waits - used, "%s%s %d at %s", used ? ", " : "",
+                                             mgpu__pipeline_lane_word(pp), d,
+                                             mgpu__pass_name(pp, pp->order[d * 3 * vm + next[d]], pass_name,
+                                                             sizeof pass_name));
             mgpu_fatal("mgpu_pipeline_set_schedule: the schedule waits for itself (%s: each needs a pass "
                        "that comes later on its neighbour)", waits);
         }
@@ -184,26 +304,45 @@ static void mgpu__pipeline_free_step_state(mgpu_pipeline *pp) {
     free(pp->input_grad_ready);
 }
 
-MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches) {
-    MGPU_REQUIRE(schedule, "mgpu_pipeline_set_schedule: no schedule (mgpu_schedule_gpipe, mgpu_schedule_1f1b)");
+/* Sets the schedule: `schedule` (a stage's passes), or `interleaved` (a
+   device's, over its chunks). */
+static void mgpu__pipeline_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule,
+                                    mgpu_interleaved_schedule_fn interleaved, int micro_batches) {
+    const char *who = "mgpu_pipeline_set_schedule";
+    MGPU_REQUIRE(schedule || interleaved, "%s: no schedule (mgpu_schedule_gpipe, mgpu_schedule_1f1b, "
+                 "mgpu_schedule_zb_h1; mgpu_schedule_interleaved_1f1b for an interleaved pipeline)", who);
+    MGPU_REQUIRE(interleaved || pp->chunks == 1, "%s: the pipeline has %d chunks a device; it takes an interleaved "
+                 "schedule (mgpu_pipeline_set_interleaved_schedule), which orders each device's passes over its "
+                 "chunks", who, pp->chunks);
     /* (each pass is a trace label, of which the library keeps 4096) */
-    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 2048,
-                 "mgpu_pipeline_set_schedule: %d micro-batches; want 1 to 2048", micro_batches);
-    int p = pp->nstages, m = micro_batches;
+    MGPU_REQUIRE(micro_batches >= 1 && micro_batches <= 2048, "%s: %d micro-batches; want 1 to 2048", who,
+                 micro_batches);
+    int p = pp->ndevices, v = pp->chunks, m = micro_batches, vm = v * m;
     mgpu__pipeline_free_step_state(pp);
     pp->micro_batches = m;
-    /* (one pass more: a schedule that writes past its 2m is caught there) */
-    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)2 * m * p + 1) * sizeof *pp->order);
-    for (int s = 0; s < p; s++) {
-        mgpu_pipeline_pass *order = pp->order + (size_t)s * 2 * m;
-        for (int i = 0; i <= 2 * m; i++) order[i].backward = -1, order[i].micro_batch = -1; /* (unwritten) */
-        schedule(s, p, m, order);
-        MGPU_REQUIRE(order[2 * m].backward == -1 && order[2 * m].micro_batch == -1,
-                     "mgpu_pipeline_set_schedule: the schedule wrote past stage %d's 2m = %d passes", s, 2 * m);
+    /* (room for 3vm passes a device, and one more: a schedule that writes
+       past its 3vm is caught there; the part and the chunk are left as
+       before, whole and 0, for schedules that do not write them) */
+    pp->order = (mgpu_pipeline_pass *)mgpu__xrealloc(pp->order, ((size_t)3 * vm * p + 1) * sizeof *pp->order);
+    for (int d = 0; d < p; d++) {
+        mgpu_pipeline_pass *order = pp->order + (size_t)d * 3 * vm;
+        for (int i = 0; i <= 3 * vm; i++) /* (unwritten) */
+            order[i].backward = -1, order[i].micro_batch = -1, order[i].part = MGPU_PASS_WHOLE, order[i].chunk = 0;
+        if (interleaved) interleaved(d, p, v, m, order);
+        else schedule(d, p, m, order);
+        MGPU_REQUIRE(mgpu__pass_unwritten(order[3 * vm]), "%s: the schedule wrote past %s %d's %s = %d passes", who,
+                     mgpu__pipeline_lane_word(pp), d, v > 1 ? "3vm" : "3m", 3 * vm);
     }
     mgpu__pipeline_check_order(pp, m);
+    /* (each pass's name is a trace label: "F3", "B3", and "W3" where the
+       backward passes split, for every chunk) */
+    int kinds = 2;
+    for (int d = 0; d < p; d++) kinds = pp->npasses[d] > 2 * vm ? 3 : kinds;
+    MGPU_REQUIRE(kinds * vm <= MGPU__TRACE_LABELS_MAX, "%s: %d micro-batches%s make %d trace labels (F, B%s for each "
+                 "micro-batch%s); want at most %d", who, m, v > 1 ? " over the chunks" : "", kinds * vm,
+                 kinds == 3 ? " and W" : "", v > 1 ? " and chunk" : "", MGPU__TRACE_LABELS_MAX);
     mgpu__pipeline_sequence(pp, m);
-    for (int s = 0; s < p; s++) {
+    for (int s = 0; s < pp->nstages; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
         if (st->net && st->slots_wanted > st->nslots) { /* (across processes, this rank's stage alone) */
             st->slot = (mgpu_net **)mgpu__xrealloc(st->slot, (size_t)st->slots_wanted * sizeof *st->slot);
@@ -213,7 +352,7 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
             st->nslots = st->slots_wanted;
         }
     }
-    size_t n = (size_t)m * p;
+    size_t n = (size_t)m * pp->nstages;
     pp->input = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
     pp->output_grad = (mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
     pp->output = (const mgpu_tensor **)mgpu__xcalloc(n, sizeof(mgpu_tensor *));
@@ -224,6 +363,14 @@ MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn sch
         pp->output_ready[i] = mgpu_event_new();
         pp->input_grad_ready[i] = mgpu_event_new();
     }
+}
+MGPU_DEF void mgpu_pipeline_set_schedule(mgpu_pipeline *pp, mgpu_schedule_fn schedule, int micro_batches) {
+    mgpu__pipeline_schedule(pp, schedule, NULL, micro_batches);
+}
+MGPU_DEF void mgpu_pipeline_set_interleaved_schedule(mgpu_pipeline *pp, mgpu_interleaved_schedule_fn schedule,
+                                                     int micro_batches) {
+    MGPU_REQUIRE(schedule, "mgpu_pipeline_set_interleaved_schedule: no schedule (mgpu_schedule_interleaved_1f1b)");
+    mgpu__pipeline_schedule(pp, NULL, schedule, micro_batches);
 }
 
 /* The stage's optimizer state from the pipeline's network (to_stage), or
@@ -281,7 +428,8 @@ static mgpu_pipeline *mgpu__pipeline_cut(const char *who, mgpu_net *net, int sta
     first[stages] = net->nlayers;
     mgpu_pipeline *pp = (mgpu_pipeline *)mgpu__xcalloc(1, sizeof *pp);
     pp->net = net;
-    pp->nstages = stages;
+    pp->nstages = pp->ndevices = stages;
+    pp->chunks = 1;
     return pp;
 }
 
@@ -316,27 +464,43 @@ static void mgpu__pipeline_build_stage(mgpu_pipeline *pp, int s, mgpu_device *de
     st->nslots = 1;
 }
 
+/* A pipeline of ndevices * chunks stages, stage s on devices[s mod
+   ndevices]. */
+static mgpu_pipeline *mgpu__pipeline_new_on(const char *who, mgpu_net *net, mgpu_device *const *devices,
+                                           int ndevices, int chunks, const int *first_layers) {
+    int first[MGPU_MAX_DEVICES + 1];
+    MGPU_REQUIRE(chunks >= 1 && ndevices >= 1 && ndevices * chunks <= MGPU_MAX_DEVICES,
+                 "%s: %d chunks on %d devices; want at least 1 of each, and at most %d stages in all", who, chunks,
+                 ndevices, MGPU_MAX_DEVICES);
+    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, ndevices * chunks, first_layers, first);
+    pp->ndevices = ndevices, pp->chunks = chunks;
+    for (int d = 0; d < ndevices; d++)
+        if (!devices[d]) {
+            free(pp);
+            mgpu_fatal("%s: devices[%d] is NULL", who, d);
+        }
+    for (int d = 0; d < ndevices; d++)
+        for (int e = 0; e < d; e++)
+            if (devices[d] == devices[e]) {
+                free(pp);
+                mgpu_fatal("%s: %s is devices[%d] and devices[%d]; give each %s its own device (mgpu_devices "
+                           "makes virtual ones)", who, devices[d]->name, e, d,
+                           chunks > 1 ? "device's chunks" : "stage");
+            }
+    for (int s = 0; s < pp->nstages; s++)
+        mgpu__pipeline_build_stage(pp, s, devices[s % ndevices], first[s], first[s + 1], who);
+    net->wrapped = MGPU__HELD_BY_PIPELINE;
+    if (chunks > 1) mgpu_pipeline_set_interleaved_schedule(pp, mgpu_schedule_interleaved_1f1b, ndevices);
+    else mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
+    return pp;
+}
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new(mgpu_net *net, mgpu_device *const *devices, int stages,
                                           const int *first_layers) {
-    const char *who = "mgpu_pipeline_new";
-    int first[MGPU_MAX_DEVICES + 1];
-    mgpu_pipeline *pp = mgpu__pipeline_cut(who, net, stages, first_layers, first);
-    for (int s = 0; s < stages; s++)
-        if (!devices[s]) {
-            free(pp);
-            mgpu_fatal("%s: devices[%d] is NULL", who, s);
-        }
-    for (int s = 0; s < stages; s++)
-        for (int t = 0; t < s; t++)
-            if (devices[s] == devices[t]) {
-                free(pp);
-                mgpu_fatal("%s: %s is devices[%d] and devices[%d]; give each stage its own device (mgpu_devices "
-                           "makes virtual ones)", who, devices[s]->name, t, s);
-            }
-    for (int s = 0; s < stages; s++) mgpu__pipeline_build_stage(pp, s, devices[s], first[s], first[s + 1], who);
-    net->wrapped = MGPU__HELD_BY_PIPELINE;
-    mgpu_pipeline_set_schedule(pp, mgpu_schedule_gpipe, 1);
-    return pp;
+    return mgpu__pipeline_new_on("mgpu_pipeline_new", net, devices, stages, 1, first_layers);
+}
+MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_interleaved(mgpu_net *net, mgpu_device *const *devices, int ndevices,
+                                                      int chunks, const int *first_layers) {
+    return mgpu__pipeline_new_on("mgpu_pipeline_new_interleaved", net, devices, ndevices, chunks, first_layers);
 }
 
 MGPU_DEF mgpu_pipeline *mgpu_pipeline_new_group(mgpu_net *net, struct mgpu_group *g, const int *first_layers) {
@@ -410,11 +574,44 @@ static void mgpu__pipeline_forward_pass(mgpu_pipeline *pp, int s, int j) {
     mgpu_event_record(pp->output_ready[s * m + j], st->net->device);
 }
 
-/* Micro-batch j's backward pass on stage s, on the gradient the stage
-   after sent (the last stage: from its loss); then what the micro-batch
-   held on this stage is freed, but its input's gradient, which the stage
-   before takes. */
-static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_tensor *loss_sum) {
+/* What micro-batch j held on stage s, in slot k, freed once its last
+   backward pass there is done: its activations and their gradients, its
+   input and output gradient; the slot is free again. */
+static void mgpu__pipeline_release(mgpu_pipeline *pp, int s, int k, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    mgpu_net *slot = st->slot[k];
+    int m = pp->micro_batches;
+    for (int i = 0; i < slot->nlayers; i++) {
+        mgpu__layer_free_activations(slot->layers[i], 0);
+        mgpu__layer_free_gradients(slot->layers[i], 1);
+    }
+    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
+    for (int h = 0; h < 2; h++) {
+        mgpu_free(*held[h]);
+        *held[h] = NULL;
+    }
+    st->slot_micro_batch[k] = -1;
+}
+
+/* Micro-batch j's W pass on stage s: its weights' gradients from the
+   output gradients its B pass kept (the last stage's, its loss's, in the
+   slot); then what it held is freed. */
+static void mgpu__pipeline_weight_pass(mgpu_pipeline *pp, int s, int j) {
+    mgpu__pipeline_stage *st = &pp->stage[s];
+    int m = pp->micro_batches, k = 0;
+    while (st->slot_micro_batch[k] != j) k++;
+    mgpu_net *slot = st->slot[k];
+    const mgpu_tensor *dy = s < pp->nstages - 1 ? pp->output_grad[s * m + j] : slot->dlogits;
+    mgpu__net_backward_part(slot, dy, st->weight_passes++ > 0, MGPU_PASS_WEIGHT_GRAD);
+    mgpu__pipeline_release(pp, s, k, j);
+}
+
+/* Micro-batch j's backward pass on stage s (whole, or its B), on the
+   gradient the stage after sent (the last stage: from its loss); then,
+   after a whole pass, what the micro-batch held on this stage is freed,
+   but its input's gradient, which the stage before takes. */
+static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_pass_part part,
+                                         mgpu_tensor *loss_sum) {
     const char *who = "mgpu_pipeline_forward_backward";
     mgpu__pipeline_stage *st = &pp->stage[s];
     int m = pp->micro_batches, k = 0, first, count, n = pp->labels->shape.d[0];
@@ -441,22 +638,13 @@ static void mgpu__pipeline_backward_pass(mgpu_pipeline *pp, int s, int j, mgpu_t
                                  loss_sum, who, first);
         mgpu_free(labels); /* (safe once the work that reads it is enqueued) */
     }
-    mgpu__net_backward(slot, dy, st->backward_passes++ > 0);
+    mgpu__net_backward_part(slot, dy, st->backward_passes++ > 0, part);
     if (s > 0) { /* (the layer lets go of it: the slot's next pass makes another) */
         pp->input_grad[s * m + j] = (mgpu_tensor *)mgpu_net_input_grad(slot);
         slot->layers[0]->dinput = NULL;
         mgpu_event_record(pp->input_grad_ready[s * m + j], slot->device);
     }
-    for (int i = 0; i < slot->nlayers; i++) {
-        mgpu__layer_free_activations(slot->layers[i], 0);
-        mgpu__layer_free_gradients(slot->layers[i], 1);
-    }
-    mgpu_tensor **held[2] = {&pp->input[s * m + j], &pp->output_grad[s * m + j]};
-    for (int h = 0; h < 2; h++) {
-        mgpu_free(*held[h]);
-        *held[h] = NULL;
-    }
-    st->slot_micro_batch[k] = -1;
+    if (part == MGPU_PASS_WHOLE) mgpu__pipeline_release(pp, s, k, j);
 }
 
 /* Across processes, what each stage's output is for one row of the
@@ -496,7 +684,7 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     if (pp->stage[p - 1].net) mgpu__require_loss_sum(who, loss_sum, pp->stage[p - 1].net);
     for (int s = 0; s < p; s++) {
         mgpu__pipeline_stage *st = &pp->stage[s];
-        st->backward_passes = 0;
+        st->backward_passes = st->weight_passes = 0;
         for (int k = 0; k < st->nslots; k++) st->slot_micro_batch[k] = -1;
     }
     pp->x = x;
@@ -505,19 +693,24 @@ MGPU_DEF void mgpu_pipeline_forward_backward(mgpu_pipeline *pp, const mgpu_tenso
     if (pp->stage[p - 1].net) pp->labels = mgpu__on_device(labels, pp->stage[p - 1].net->device, &pp->labels_moved);
     if (pp->group) mgpu__pipeline_row_shapes(pp, x);
     char label[24];
-    for (int i = 0; i < 2 * m * p; i++) {
-        int s = pp->sequence[i] / (2 * m), mine; /* (mine: this rank's tensors of the micro-batch) */
+    int total = 0;
+    for (int d = 0; d < pp->ndevices; d++) total += pp->npasses[d];
+    for (int i = 0; i < total; i++) {
         mgpu_pipeline_pass pass = pp->order[pp->sequence[i]];
+        int d = pp->sequence[i] / (3 * pp->chunks * m), s = pass.chunk * pp->ndevices + d, kind = mgpu__pass_kind(pass);
+        int mine; /* (this rank's tensors of the micro-batch) */
         if (mgpu__library.tracing) /* (a label looks its text up under the library's lock) */
-            mgpu_trace_label(mgpu__pass_name(pass, label, sizeof label));
-        if (pp->stage[s].net && pass.backward)
-            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, loss_sum);
+            mgpu_trace_label(mgpu__pass_name(pp, pass, label, sizeof label));
+        if (pp->stage[s].net && kind == 2)
+            mgpu__pipeline_weight_pass(pp, s, pass.micro_batch);
+        else if (pp->stage[s].net && kind == 1)
+            mgpu__pipeline_backward_pass(pp, s, pass.micro_batch, pass.part, loss_sum);
         else if (pp->stage[s].net)
             mgpu__pipeline_forward_pass(pp, s, pass.micro_batch);
-        else if (!pass.backward && s == pp->rank + 1) { /* (the next rank comes to take our output) */
+        else if (kind == 0 && s == pp->rank + 1) { /* (the next rank comes to take our output) */
             mine = pp->rank * m + pass.micro_batch;
             mgpu__group_p2p(pp->group, 1, (mgpu_tensor *)pp->output[mine], s, pp->output_ready[mine]);
-        } else if (pass.backward && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
+        } else if (kind == 1 && s == pp->rank - 1) { /* (the rank before, our input's gradient) */
             mine = pp->rank * m + pass.micro_batch;
             mgpu__group_p2p(pp->group, 1, pp->input_grad[mine], s, pp->input_grad_ready[mine]);
             mgpu_free(pp->input_grad[mine]); /* (safe once the send that reads it is enqueued) */
@@ -612,41 +805,50 @@ MGPU_DEF int mgpu_pipeline_slots(const mgpu_pipeline *pp, int s) {
     return pp->stage[s].slots_wanted;
 }
 
-/* The stage whose compute queue ran a traced operation of this pipeline's
-   passes, or -1 (another queue's, or not a pass: unlabelled, or labelled
-   by someone else). Its pass in *pass. */
+/* The stage whose compute queue ran a traced operation of this
+   pipeline's passes, or -1 (another queue's, or not a pass: unlabelled,
+   or labelled by someone else). Its pass in *pass. */
 static int mgpu__pipeline_op_stage(const mgpu_pipeline *pp, const mgpu_trace_op *op, mgpu_pipeline_pass *pass) {
     char kind = 0, end = 0;
-    if (op->lane != 0 || !op->label || sscanf(op->label, "%c%d%c", &kind, &pass->micro_batch, &end) != 2 ||
-        (kind != 'F' && kind != 'B') || pass->micro_batch < 0 || pass->micro_batch >= pp->micro_batches)
+    int chars = 0;
+    if (op->lane != 0 || !op->label || sscanf(op->label, "%c%d%n", &kind, &pass->micro_batch, &chars) != 2 ||
+        (kind != 'F' && kind != 'B' && kind != 'W') || pass->micro_batch < 0 ||
+        pass->micro_batch >= pp->micro_batches)
         return -1;
-    pass->backward = kind == 'B';
-    for (int s = 0; s < pp->nstages; s++)
-        if (pp->stage[s].net && op->device == pp->stage[s].net->device) return s;
+    pass->chunk = 0; /* ("F3", or in an interleaved pipeline "F3c1") */
+    if (pp->chunks > 1 && (sscanf(op->label + chars, "c%d%c", &pass->chunk, &end) != 1 || pass->chunk < 0 ||
+                           pass->chunk >= pp->chunks))
+        return -1;
+    if (pp->chunks == 1 && op->label[chars]) return -1;
+    pass->backward = kind != 'F';
+    pass->part = kind == 'W' ? MGPU_PASS_WEIGHT_GRAD : MGPU_PASS_WHOLE;
+    for (int d = 0; d < pp->nstages; d++)
+        if (pp->stage[d].net && op->device == pp->stage[d].net->device)
+            return pass->chunk * pp->ndevices + d % pp->ndevices;
     return -1;
 }
 
 MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
     mgpu_pipeline_timing t;
     memset(&t, 0, sizeof t);
-    t.stages = pp->nstages;
+    t.stages = pp->ndevices; /* (an interleaved pipeline's: its devices) */
     double lo = INFINITY, hi = -INFINITY;
     mgpu_pipeline_pass pass;
     for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
         mgpu_trace_op op = mgpu_trace_get(i);
         int s = mgpu__pipeline_op_stage(pp, &op, &pass);
         if (s < 0) continue;
-        t.busy_ms[s] += op.end_ms - op.start_ms;
+        t.busy_ms[s % pp->ndevices] += op.end_ms - op.start_ms;
         lo = fmin(lo, op.start_ms), hi = fmax(hi, op.end_ms);
     }
     MGPU_REQUIRE(hi > lo, "mgpu_pipeline_measure: the trace holds none of this pipeline's passes: run a step "
                           "between mgpu_trace_begin and mgpu_trace_end");
     t.span_ms = hi - lo;
     int measured = 0; /* (across processes, this rank's stage alone) */
-    for (int s = 0; s < pp->nstages; s++)
-        if (pp->stage[s].net) {
-            t.bubble[s] = 1.0 - t.busy_ms[s] / t.span_ms;
-            t.bubble_mean += t.bubble[s];
+    for (int d = 0; d < pp->ndevices; d++)
+        if (pp->stage[d].net) {
+            t.bubble[d] = 1.0 - t.busy_ms[d] / t.span_ms;
+            t.bubble_mean += t.bubble[d];
             measured++;
         }
     t.bubble_mean /= measured;
@@ -654,32 +856,42 @@ MGPU_DEF mgpu_pipeline_timing mgpu_pipeline_measure(const mgpu_pipeline *pp) {
 }
 
 MGPU_DEF int mgpu_pipeline_write_timeline(const mgpu_pipeline *pp, const char *path, const char *title) {
-    int p = pp->nstages, m = pp->micro_batches, nbars = 2 * m * p;
+    int p = pp->ndevices, m = pp->micro_batches, nbars = 3 * m * pp->nstages;
+    /* (a whole backward pass's bar is "backward"; split, "B" and "W") */
+    static const char *const kind_names[2][3] = {{"forward", "backward", ""},
+                                                 {"forward", "B: input gradient", "W: weight gradients"}};
     mgpu_timeline_bar *bars = (mgpu_timeline_bar *)mgpu__xcalloc((size_t)nbars, sizeof *bars);
-    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 2 + backward */
-        mgpu_pipeline_pass pass = {b % 2, b / 2 % m};
-        bars[b].lane = b / 2 / m;
+    for (int b = 0; b < nbars; b++) { /* bar (s * m + j) * 3 + kind; a kind the schedule has not stays undrawn */
+        int s = b / 3 / m, kind = b % 3;
+        mgpu_pipeline_pass pass = {kind != 0, b / 3 % m, kind == 2 ? MGPU_PASS_WEIGHT_GRAD : MGPU_PASS_WHOLE, s / p};
+        const char *name = kind_names[pp->npasses[s % p] > 2 * pp->chunks * m][kind];
+        bars[b].lane = s % p;
         bars[b].start_ms = INFINITY, bars[b].end_ms = -INFINITY;
-        snprintf(bars[b].name, sizeof bars[b].name, "%s", pass.backward ? "backward" : "forward");
-        mgpu__pass_name(pass, bars[b].label, sizeof bars[b].label);
+        if (pp->chunks > 1) /* (a colour for each chunk's passes of each kind) */
+            snprintf(bars[b].name, sizeof bars[b].name, "%s, chunk %d", name, pass.chunk);
+        else
+            snprintf(bars[b].name, sizeof bars[b].name, "%s", name);
+        mgpu__pass_name(pp, pass, bars[b].label, sizeof bars[b].label);
     }
     mgpu_pipeline_pass pass;
     for (int i = 0, n = mgpu_trace_count(); i < n; i++) {
         mgpu_trace_op op = mgpu_trace_get(i);
         int s = mgpu__pipeline_op_stage(pp, &op, &pass);
         if (s < 0) continue;
-        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 2 + pass.backward];
+        mgpu_timeline_bar *bar = &bars[(s * m + pass.micro_batch) * 3 + mgpu__pass_kind(pass)];
         bar->start_ms = fmin(bar->start_ms, op.start_ms);
         bar->end_ms = fmax(bar->end_ms, op.end_ms);
     }
     char names[MGPU_MAX_DEVICES][48];
     const char *lane_names[MGPU_MAX_DEVICES];
-    for (int s = 0; s < p; s++) {
-        if (pp->stage[s].net)
-            snprintf(names[s], sizeof names[s], "stage %d (%s)", s, pp->stage[s].net->device->name);
+    for (int d = 0; d < p; d++) {
+        if (pp->stage[d].net && pp->chunks > 1)
+            snprintf(names[d], sizeof names[d], "device %d (%s)", d, pp->stage[d].net->device->name);
+        else if (pp->stage[d].net)
+            snprintf(names[d], sizeof names[d], "stage %d (%s)", d, pp->stage[d].net->device->name);
         else
-            snprintf(names[s], sizeof names[s], "stage %d (rank %d)", s, s);
-        lane_names[s] = names[s];
+            snprintf(names[d], sizeof names[d], "stage %d (rank %d)", d, d);
+        lane_names[d] = names[d];
     }
     int rc = mgpu_timeline_write_png(path, title, p, lane_names, nbars, bars);
     free(bars);

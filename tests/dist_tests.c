@@ -594,16 +594,16 @@ TEST(distributed_evaluation_counts_each_image_once) {
     free(d.labels);
 }
 
-/* A pipeline with a stage in each rank (mgpu_pipeline_new_group), GPipe
-   and 1F1B, micro-batches that do and do not divide the batch: 3 steps
+/* A pipeline with a stage in each rank (mgpu_pipeline_new_group), GPipe,
+   1F1B and ZB-H1 (whose W passes send nothing), micro-batches that do and do not divide the batch: 3 steps
    with momentum train each rank's stage as one process trains those
    layers, within 1e-5; and freeing it gives the rank's network its
    stage's values. */
 TEST(pipeline_stages_in_ranks_train_like_one_process) {
     int ranks = mgpu_group_size(world), rank = mgpu_group_rank(world);
-    mgpu_schedule_fn schedules[2] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b};
+    mgpu_schedule_fn schedules[3] = {mgpu_schedule_gpipe, mgpu_schedule_1f1b, mgpu_schedule_zb_h1};
     int micro[3] = {1, 4, 5}; /* (5 does not divide 12) */
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 3; k++)
         for (int i = 0; i < 3; i++) {
             mgpu_net *net = test_plain_net(dev, 5, 0), *ref = test_plain_net(dev, 5, 0);
             mgpu_pipeline *pp = mgpu_pipeline_new_group(net, world, NULL);

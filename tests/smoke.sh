@@ -195,21 +195,25 @@ check chapter5_limit_past_1_tib 1 '^mgpu: error: --limit-mib 2e\+06: want 1 to 1
 lacks chapter5_limit_past_1_tib '^No GPU'
 
 # Chapter 6, small: training in 2 stages, every schedule on 2 and 4
-# devices of layers of fixed duration and of the network's, beside the
-# formula, a timeline per schedule, the split layers equal to one device
+# devices of layers of fixed duration and of the network's (ZB-H1 and
+# interleaved 1F1B on those of fixed duration), beside the formula, a
+# timeline per schedule, the split layers equal to one device
 # with their bytes (the MLP's forward allreduce of Y [32, 10] on 4
 # devices: 2 (3/4) 1280 bytes), the hybrid's two copies of the network
 # equal, and the run's last lines.
 check chapter6_runs 0 '^test acc: [0-9]\.[0-9]{2}, after 1 epoch ' \
     '^  Layers of fixed duration, 2 stages' '^  naive +1 +[0-9.]+ +[0-9.]+ +0\.500 +[0-9.]+ +[0-9.]+$' \
     '^  1F1B +8 +[0-9.]+ +[0-9.]+ +0\.111 ' '^  1F1B +8 +[0-9.]+ +[0-9.]+ +0\.273 ' \
+    '^  ZB-H1 +8 +[0-9.]+ +[0-9.]+ +0\.040 ' '^  ZB-H1 +4 +[0-9.]+ +[0-9.]+ +0\.200 ' \
+    '^  interleaved +8 +[0-9.]+ +[0-9.]+ +0\.059 ' '^  interleaved +4 +[0-9.]+ +[0-9.]+ +0\.273 ' \
     '^  1F1B +8 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$' '^  Why: at m = 8 ' \
     '^  Megatron MLP 784->512->10 +4 +[0-9]\.[0-9]e-0[6-9] +1920 +150528 +2442300$' \
     'differ by 0\.0e\+00 after [0-9]+ steps' '^What this run shows:$' \
     -- $chapters/chapter6 --cpu --train-samples 256 --epochs 1 --batch-size 32 --steps 1 --width 8 --out "$out/ch6"
 for f in chapter6_test_acc.png chapter6_timeline_naive_2_stages.png chapter6_timeline_GPipe_2_stages.png \
          chapter6_timeline_1F1B_4_stages.png chapter6_timeline_1F1B_2_stages_fixed.png \
-         chapter6_timeline_GPipe_4_stages_fixed.png; do
+         chapter6_timeline_GPipe_4_stages_fixed.png chapter6_timeline_ZB-H1_2_stages_fixed.png \
+         chapter6_timeline_interleaved_4_stages_fixed.png; do
     if png_ok "$out/ch6/$f"; then echo "ok   chapter6_writes_$f"; passed=$((passed + 1));
     else echo "FAIL chapter6_writes_$f"; failed=$((failed + 1)); fi
 done

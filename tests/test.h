@@ -222,11 +222,14 @@ static __attribute__((unused)) const mgpu_layer_fns test_own_relu = {"own_relu",
                                                                      test_own_relu_backward, 0};
 
 /* A layer of one's own that passes its input on and takes a fixed time:
-   it sleeps *(double *)settings milliseconds forward and twice that
-   backward, so that pipeline stages made of it are equal whatever else
-   the machine runs (CPU devices: its loops are its own). Give it a weight
-   of one value (which it leaves alone): a first layer without parameters
-   would have no backward pass to run. */
+   it sleeps *(double *)settings milliseconds forward, and as long again
+   backward for each of its input's gradient and its weight's (which it
+   leaves alone), so that pipeline stages made of it are equal whatever
+   else the machine runs (CPU devices: its loops are its own). Its
+   backward can split (l->split_backward: a zero-bubble pipeline's B and
+   W, each one unit; two units together). Give it a weight of one value, and put it after a
+   layer, so that it has both parts to run: a network's first layer has
+   no input gradient to compute. */
 static void test_sleep_ms(double ms) {
     struct timespec t = {(time_t)(ms / 1e3), (long)(fmod(ms, 1e3) * 1e6)};
     nanosleep(&t, NULL);
@@ -238,12 +241,26 @@ static void test_timed_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor 
 }
 static void test_timed_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
                                 const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
-    (void)dweight, (void)dbias, (void)x, (void)y;
+    (void)dbias, (void)x, (void)y;
     if (dx) memcpy(dx->data, dy->data, dy->numel * sizeof(float));
-    test_sleep_ms(2 * *(const double *)l->settings);
+    test_sleep_ms((double)((dx != NULL) + (dweight != NULL)) * *(const double *)l->settings);
 }
 static __attribute__((unused)) const mgpu_layer_fns test_timed_layer = {"timed", NULL, test_timed_forward,
                                                                         test_timed_backward, 1};
+/* Equal pipeline stages of timed layers (*ms each; read as they run, so
+   the caller may lengthen them): a first layer of no duration and no
+   parameters (which has no backward pass to run), then two timed layers
+   a stage; first[s], stage s's first layer, for mgpu_pipeline_new. */
+static __attribute__((unused)) mgpu_net *test_timed_net(int stages, double *ms, int *first) {
+    static double no_time = 0.0;
+    mgpu_net *net = mgpu_net_new(mgpu_cpu());
+    mgpu_net_add_layer(net, &test_timed_layer, NULL, NULL, &no_time);
+    for (int i = 0; i < 2 * stages; i++)
+        mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, ms)
+            ->split_backward = 1;
+    for (int s = 0; s < stages; s++) first[s] = s == 0 ? 0 : 2 * s + 1;
+    return net;
+}
 #endif
 
 /* Runs the registered tests (those whose name contains argv[1] when given). */

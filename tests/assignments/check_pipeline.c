@@ -304,10 +304,9 @@ TEST(bubble_for_information) {
     mgpu_devices(MAX_STAGES, 0, devs);
     mgpu_tensor *x = mgpu_rand(mgpu_cpu(), mgpu_shape2(64, 10)), *y = mgpu_zeros(mgpu_cpu(), mgpu_shape1(64));
     for (int p = MIN_STAGES; p <= MAX_STAGES; p += 2) {
-        mgpu_net *net = mgpu_net_new(mgpu_cpu());
-        for (int i = 0; i < 2 * p; i++)
-            mgpu_net_add_layer(net, &test_timed_layer, mgpu_zeros(mgpu_cpu(), mgpu_shape1(1)), NULL, &timed_ms);
-        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, NULL);
+        int first[MAX_STAGES];
+        mgpu_net *net = test_timed_net(p, &timed_ms, first);
+        mgpu_pipeline *pp = mgpu_pipeline_new(net, devs, p, first);
         for (int m = 2; m <= 8; m *= 2) {
             if (!accepted(pp, m)) continue;
             mgpu_pipeline_forward_backward(pp, x, y, NULL); /* (warm) */
