@@ -482,6 +482,39 @@ TEST(zero3_memory_follows_the_formula) {
     for (int w = 2; w <= 4; w *= 2) zero3_memory(w);
 }
 
+/* The tracer shows ZeRO-3's gathers on each device's copy queue, under
+   a kind of their own: in a step, each unit gathered twice (for its
+   forward and its backward pass) by a copy from each of the w members. */
+TEST(zero3_gathers_show_on_the_copy_queues) {
+    const int w = 2, units = 3; /* (small_net with a bucket a layer) */
+    mgpu_device *devs[2];
+    mgpu_devices(w, TEST_ON_GPU, devs);
+    mgpu_net *net = small_net(devs[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 256, 1, 1);
+    mgpu_data_parallel_zero(dp, 3);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(8, 1, 8, 8), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(8));
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f); /* (the first step makes the buckets) */
+    mgpu_trace_begin();
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+    mgpu_trace_end();
+    int gathers[2][2] = {{0, 0}, {0, 0}}; /* [device][lane] */
+    for (int i = 0; i < mgpu_trace_count(); i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        if (strcmp(op.name, "ZeRO-3 gather") != 0) continue;
+        CHECK(strcmp(op.kind, "ZeRO-3 gather") == 0);
+        for (int d = 0; d < w; d++) gathers[d][op.lane] += op.device == devs[d];
+    }
+    for (int d = 0; d < w; d++) {
+        CHECK_EQ_INT(gathers[d][1], 2 * units * w);
+        CHECK_EQ_INT(gathers[d][0], 0);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 TEST(bad_zero_settings_are_refused_by_name) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
