@@ -1850,7 +1850,11 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    a time. A recomputed forward pass (mgpu_net_recompute) gathers its
    units again. Between steps param.value of a wrapped network points at
    nothing (a use of it is an error line), but mgpu_net_forward on the
-   module still works: it gathers as it goes. The replicas' check
+   module still works: it gathers as it goes (over a distributed
+   wrapper's ranks each gather is a collective, so every rank must run
+   the same forward passes: mgpu_dist_evaluate_accuracy, whose ranks
+   each take their own rows, refuses such a network until the wrapper
+   is freed). The replicas' check
    compares what there is to compare: every device's gathered values,
    against device 0's, each step. mgpu_data_parallel_accumulate works
    with stage 1, not 2 or 3; a checkpoint of a sharded network is refused

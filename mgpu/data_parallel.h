@@ -417,6 +417,9 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
    data set, with rank 0's network: the buffers are broadcast first. */
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
                                             int batch_size) {
+    MGPU_REQUIRE(!(net->layer_hook && net->sharded && g->size > 1), "mgpu_dist_evaluate_accuracy: the network's "
+                 "values are sharded over the ranks (ZeRO-3): each forward pass gathers them, which every rank "
+                 "must do alike; evaluate after mgpu_data_parallel_free");
     int first = (int)((long long)data->n * g->rank / g->size);
     int last = (int)((long long)data->n * (g->rank + 1) / g->size);
     size_t pixels = (size_t)data->rows * (size_t)data->cols;

@@ -166,10 +166,20 @@ static void mgpu__zero3_release(mgpu_data_parallel *dp, int b, int i) {
     mgpu_free(dp->zero.values[b][i]);
     dp->zero.values[b][i] = NULL;
 }
+/* Whether device i's backward pass holds a unit: the forward pass that
+   runs then is a recomputed one (mgpu_net_recompute). */
+static int mgpu__zero3_backward_under_way(const mgpu_data_parallel *dp, int i) {
+    for (int b = 0; b < dp->buckets.count; b++)
+        if (dp->zero.held[b][i]) return 1;
+    return 0;
+}
 /* The replicas' layer hook (mgpu_net's layer_hook): the gathers and frees
    above around each unit's passes. A unit the backward pass holds stays
-   whole through the recomputed forward passes (mgpu_net_recompute) of
-   its layers; an earlier unit that such a pass runs is gathered again. */
+   whole through the recomputed forward passes of its layers; an earlier
+   unit that such a pass runs is gathered again, and freed after its
+   layers. A recomputed pass prefetches nothing: the unit after its
+   last is the one held, or one whose backward pass is done (a gather of
+   that one would stay, and hold old values after the step). */
 static void mgpu__zero3_layer_hook(void *ctx, mgpu_net *net, int layer, int when) {
     mgpu_data_parallel *dp = (mgpu_data_parallel *)ctx;
     int b = dp->zero.unit_of_layer[layer], i = 0, first, last;
@@ -178,7 +188,7 @@ static void mgpu__zero3_layer_hook(void *ctx, mgpu_net *net, int layer, int when
     mgpu__dp_bucket_layers(dp, b, &first, &last);
     if (when == MGPU__BEFORE_FORWARD) { /* the forward pass goes to bucket b - 1 next */
         mgpu__zero3_gather(dp, b, i);
-        if (layer == first && b > 0) mgpu__zero3_gather_start(dp, b - 1, i);
+        if (layer == first && b > 0 && !mgpu__zero3_backward_under_way(dp, i)) mgpu__zero3_gather_start(dp, b - 1, i);
     } else if (when == MGPU__AFTER_FORWARD) {
         if (layer == last && !dp->zero.held[b][i]) mgpu__zero3_release(dp, b, i);
     } else if (when == MGPU__BEFORE_BACKWARD) { /* the backward pass goes to bucket b + 1 next */

@@ -354,35 +354,49 @@ TEST(zero_stages_train_like_the_unsharded_wrapper) {
         for (int adam = 0; adam <= 1; adam++) zero_like_unsharded(stage, adam);
 }
 
-/* ZeRO-3 against DDP (ZeRO off) and ZeRO-2 on w devices: 20 steps of the
-   small network, a bucket (a unit) a layer with parameters, so that each
-   unit is gathered and freed around its layers and the next one
-   prefetched; with momentum SGD or Adam, and with `segments` recomputed
-   runs (of 3, the middle one spans two units: its forward pass again,
-   within the backward pass of one, gathers the other again; of 2, the
-   first one is a unit, which its backward pass holds through the
-   recomputed forward pass that ends at its last layer). Each step also
-   runs the replicas' check, which under stage 3 compares every device's
-   gathered values. ZeRO-3 takes ZeRO-2's steps on the same chunks, so
+/* ZeRO-3 against DDP (ZeRO off) and ZeRO-2 on w devices: 20 steps of a
+   small network with a residual block, in three units (buckets of 256
+   bytes or more: the layers 0-2, 3-4 and 5), so that each unit is
+   gathered and freed around its layers and the next one prefetched;
+   with momentum SGD or Adam, and with `segments` recomputed runs (of 3,
+   the middle one spans two units: its forward pass again, within the
+   backward pass of one, gathers the other again; of 2, the first one is
+   a unit, which its backward pass holds through the recomputed forward
+   pass that ends at its last layer, and which must prefetch nothing: a
+   unit gathered then would keep the values of before the step). Without
+   recomputation each step also runs the replicas' check, which under
+   stage 3 compares every device's gathered values. ZeRO-3 takes ZeRO-2's steps on the same chunks, so
    their parameters are the same bits. DDP's within 1e-6 of the largest
-   value, 2e-6 on 4 devices: its allreduce adds the four gradients in
-   another order than the reduce-scatter (the ring's, or NCCL's), and
-   Adam's division by the root of the second moment grows the rounding
-   (ZeRO-2 is as far from DDP there). */
+   value on 2 devices (a + b is b + a), 1e-5 on 4: there its allreduce
+   adds the four gradients in another order than the reduce-scatter (the
+   ring's, or NCCL's), and 20 steps through batch norm and Adam grow that
+   rounding to a few 1e-6 (ZeRO-2 is exactly as far from DDP). */
+static mgpu_net *residual_net(mgpu_device *d) {
+    mgpu_manual_seed(13);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_residual(net, 6, 8, 2);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    return net;
+}
 static void zero3_like_ddp(int w, int adam, int segments) {
     mgpu_device *devs[4];
     mgpu_devices(w, TEST_ON_GPU, devs);
     mgpu_net *nets[3]; /* DDP, ZeRO-2, ZeRO-3 */
     mgpu_data_parallel *dps[3];
     for (int k = 0; k < 3; k++) {
-        nets[k] = small_net(devs[0]);
+        nets[k] = residual_net(devs[0]);
         if (adam) mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 1);
         if (segments > 1) mgpu_net_recompute(nets[k], segments);
         dps[k] = mgpu_data_parallel_new(nets[k], devs, w, MGPU_DP_ALLREDUCE);
         mgpu_data_parallel_configure(dps[k], 256, 1, 1);
         if (k) mgpu_data_parallel_zero(dps[k], k + 1);
     }
-    mgpu_data_parallel_check_replicas(dps[2], 1);
+    mgpu_data_parallel_check_replicas(dps[2], segments == 1); /* (its gathers and frees, each step, would hide a
+                                                                 unit left gathered) */
     for (int s = 0; s < 20; s++) {
         mgpu_tensor *x, *y;
         mgpu_manual_seed(100 + (uint64_t)s);
@@ -408,7 +422,7 @@ static void zero3_like_ddp(int w, int adam, int segments) {
     for (int p = 0; p < nets[0]->nparams; p++) same &= same_bits(nets[2]->params[p]->value, nets[1]->params[p]->value);
     for (int b = 0; b < nets[0]->nbuffers; b++) same &= same_bits(*nets[2]->buffers[b], *nets[1]->buffers[b]);
     double diff = test_max_param_diff(nets[2], nets[0]), running = test_max_diff(nets[2], nets[0], 1);
-    double tolerance = w == 2 ? 1e-6 : 2e-6;
+    double tolerance = w == 2 ? 1e-6 : 1e-5;
     if (!same || diff > tolerance || running > tolerance)
         printf("  ZeRO-3 on %d devices%s, %d runs: %s ZeRO-2's; from DDP's, parameters differ by %.3g, running "
                "statistics by %.3g\n", w, adam ? ", AdamW" : "", segments, same ? "the same bits as" : "NOT",
@@ -424,6 +438,7 @@ TEST(zero3_trains_like_ddp) {
         for (int adam = 0; adam <= 1; adam++) zero3_like_ddp(w, adam, 1);
     zero3_like_ddp(2, 1, 3);
     zero3_like_ddp(2, 0, 2);
+    zero3_like_ddp(2, 1, 2);
 }
 
 /* ZeRO-3's memory on w devices with Adam, three linear layers (a unit
