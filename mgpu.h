@@ -1847,7 +1847,8 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    gradients are reduce-scattered and stepped as in stage 2. The next
    unit's gather runs on the copy queue while this unit computes (the
    timeline shows it as "ZeRO-3 gather"): at most two units are whole at
-   a time. A recomputed forward pass (mgpu_net_recompute) gathers its
+   a time. (Across processes a gather is the group's all-gather, which
+   the compute queue waits for where it is called: no overlap there.) A recomputed forward pass (mgpu_net_recompute) gathers its
    units again. Between steps param.value of a wrapped network points at
    nothing (a use of it is an error line), but mgpu_net_forward on the
    module still works: it gathers as it goes (over a distributed
