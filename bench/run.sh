@@ -331,7 +331,8 @@ row "checkpointing" "checkpointed / plain" "$(calc %.3f "$(result checkpoint rat
 
 # ------------------------------------------------------------------ zero
 step zero ./bench/zero
-row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" "ms per step: DDP / ZeRO-1 / ZeRO-2 / ZeRO-3" \
+row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" \
+    "ms per step: DDP / ZeRO-1 / ZeRO-2 / ZeRO-3" \
     "$(calc %.1f "$(result zero ddp_ms)") / $(calc %.1f "$(result zero zero1_ms)") / $(calc %.1f "$(result zero zero2_ms)") / $(calc %.1f "$(result zero zero3_ms)")"
 row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on the same devices (chapter 5's issue)"
 row "ZeRO" "ZeRO-3 / DDP" "$(calc %.3f "$(result zero zero3_ratio)")" "<= 1.3 on the CPU (issue 52)"

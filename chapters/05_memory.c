@@ -509,7 +509,8 @@ static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings 
         /* Rajbhandari et al.'s formulas, float32 and Adam: 4P + 4P + 8P, the optimizer's 8P / w with ZeRO-1,
            the gradients' 4P / w too with ZeRO-2, and the parameters' 4P / w too with ZeRO-3 */
         double four = 4 * p / 1048576.0;
-        double formula = (mode == 4 ? four / w : four) + (mode >= 3 ? four / w : four) + (mode >= 2 ? 2 * four / w : 2 * four);
+        double formula = (mode == 4 ? four / w : four) + (mode >= 3 ? four / w : four) +
+                         (mode >= 2 ? 2 * four / w : 2 * four);
         if (mode == 0) formula = 2 * four; /* (a replica; device 0 also holds Adam's state and the others' gradients) */
         double total = state[0] + state[1] + state[2];
         printf("    %-34s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f\n", names[mode], state[0], state[1], state[2],
@@ -703,7 +704,8 @@ int main(int argc, char **argv) {
     category_findings categories = memory_by_category(dev, batch);
     checkpoint_findings checkpoints = checkpointing(dev, batch, steps, &o);
     batch_findings batches = largest_batches(dev, limit_mib, use_gpu, reduced ? 4 : 16);
-    sharding_findings shards = sharding(use_gpu, batch >= 4 ? batch / 4 : 1, &o); /* (a quarter of the batch a device) */
+    sharding_findings shards = sharding(use_gpu, batch >= 4 ? batch / 4 : 1, &o); /* (a quarter of the batch
+                                                                                      a device) */
     what_this_run_shows(&categories, &checkpoints, &batches, &shards, limit_mib);
     return mgpu_output_errors() ? 1 : 0;
 }

@@ -332,7 +332,8 @@ static void zero_over_ranks(int stage, int adam, int segments) {
     }
     for (int k = 0; k < 2; k++) mgpu_data_parallel_free(ddps[k]); /* (gathers the state back: a collective) */
     double diff = test_max_param_diff(nets[1], nets[0]);
-    if (diff > 1e-6) printf("  ZeRO-%d%s, %d runs: parameters differ by %.3g\n", stage, adam ? ", AdamW" : "", segments, diff);
+    if (diff > 1e-6)
+        printf("  ZeRO-%d%s, %d runs: parameters differ by %.3g\n", stage, adam ? ", AdamW" : "", segments, diff);
     CHECK_CLOSE(diff, 0.0, 1e-6, 0);
     CHECK(net_same_everywhere(nets[1]));
     CHECK(nets[1]->momentum[0] != NULL && !nets[1]->sharded);

@@ -365,8 +365,10 @@ TEST(zero_stages_train_like_the_unsharded_wrapper) {
    pass that ends at its last layer, and which must prefetch nothing: a
    unit gathered then would keep the values of before the step). Without
    recomputation each step also runs the replicas' check, which under
-   stage 3 compares every device's gathered values. ZeRO-3 takes ZeRO-2's steps on the same chunks, so
-   their parameters are the same bits. DDP's within 1e-6 of the largest
+   stage 3 compares every device's gathered values. Between the steps and
+   the end the module evaluates: its forward pass gathers as it goes.
+   ZeRO-3 takes ZeRO-2's steps on the same chunks, so their parameters
+   (and logits) are the same bits. DDP's within 1e-6 of the largest
    value on 2 devices (a + b is b + a), 1e-5 on 4: there its allreduce
    adds the four gradients in another order than the reduce-scatter (the
    ring's, or NCCL's), and 20 steps through batch norm and Adam grow that
@@ -409,7 +411,6 @@ static void zero3_like_ddp(int w, int adam, int segments) {
         mgpu_free(x);
         mgpu_free(y);
     }
-    /* the module evaluates between steps: its forward pass gathers as it goes */
     mgpu_tensor *x = mgpu_randn(devs[0], mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *logits[3];
     for (int k = 0; k < 3; k++) {
         mgpu_net_set_training(nets[k], 0);
@@ -445,8 +446,9 @@ TEST(zero3_trains_like_ddp) {
    each): between steps a device holds (4P + 4P + 8P) / w of the model's
    state, P counted with each unit padded to w equal chunks, within 1%
    (the allocator's 512-byte granules); over a step its parameters peak at
-   its chunks and two whole units (the one that runs and the next one,
-   prefetched), and above its chunks and the largest unit. */
+   most at its chunks and the two largest units whole (the one that runs
+   and the next one, prefetched), and at least at its chunks and the
+   largest unit. */
 static void zero3_memory(int w) {
     mgpu_device *devs[4];
     mgpu_devices(w, TEST_ON_GPU, devs);
