@@ -73,8 +73,12 @@ struct mgpu_data_parallel {
            (its copies' event, which the compute queue waits for before
            the unit runs); whether the backward pass holds the unit (a
            recomputed forward pass must not free it); each layer's bucket
-           (-1: a layer without parameters outside every bucket) */
+           (-1: a layer without parameters outside every bucket); and
+           member i's chunks as its last step left them (an event its
+           compute queue recorded after the step: what a gather of them
+           waits for) */
         mgpu_tensor *(*shard)[MGPU_MAX_DEVICES];
+        mgpu_event *stepped[MGPU_MAX_DEVICES];
         mgpu_event *(*gathering)[MGPU_MAX_DEVICES];
         unsigned char (*held)[MGPU_MAX_DEVICES];
         int *unit_of_layer;
@@ -150,7 +154,8 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
                        "shape %s) on %s is not the same as on %s; %s (MGPU_CHECK_REPLICAS)", dp->steps, p,
                        mgpu__param_layer(module, p)->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
                        dp->devices[i]->name, dp->devices[0]->name,
-                       dp->buckets.reduce ? "is the gradients' allreduce right?"
+                       dp->zero.stage == 3 ? "are ZeRO-3's gathers of the members' chunks right?"
+                       : dp->buckets.reduce ? "is the gradients' allreduce right?"
                                   : "the reduction is off (mgpu_data_parallel_configure), so they drift apart");
         }
     }

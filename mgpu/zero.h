@@ -131,9 +131,11 @@ static void mgpu__zero3_gather_start(mgpu_data_parallel *dp, int b, int i) {
         mgpu__queue_wait_queue(q, &dev->queue[0]); /* (whole's memory is free where the compute queue is now) */
         for (int j = 0; j < dp->n; j++) {
             mgpu_tensor *from = dp->zero.shard[b][j];
-            /* the chunk as member j's last step wrote it, and this gather's
-               event covers the other devices' gathers still reading it */
-            mgpu__queue_wait_queue(q, &dp->devices[j]->queue[0]);
+            /* the chunk as member j's last step wrote it (not all that its
+               compute queue has been given since: the devices' passes run
+               side by side), and this gather's event covers the other
+               devices' gathers still reading it */
+            if (dp->zero.stepped[j]) mgpu__event_wait_on(q, dp->zero.stepped[j]);
             if (from->last_read) mgpu__event_wait_on(q, from->last_read);
             mgpu__memcpy_args copy = {whole->data + (size_t)j * (size_t)chunk, from->data,
                                       (size_t)chunk * sizeof(float), dev->gpu, dp->devices[j]->gpu};
@@ -264,6 +266,9 @@ static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum,
         mgpu__net_keep_momentum(r, 0); /* (the chunks hold the state now) */
         r->steps++;
         r->changes++;
+        if (dp->zero.stage < 3) continue;
+        if (!dp->zero.stepped[i]) dp->zero.stepped[i] = mgpu_event_new();
+        mgpu__event_record_on(dp->zero.stepped[i], &dp->devices[i]->queue[0]);
     }
     for (int b = 0; b < dp->buckets.count && dp->zero.stage < 3; b++) mgpu__dp_gather_values(dp, b);
 }
@@ -380,6 +385,7 @@ static void mgpu__zero_free(mgpu_data_parallel *dp) {
             mgpu_free(dp->zero.shard[b][i]);
             mgpu_event_free(dp->zero.gathering[b][i]);
         }
+    for (int i = 0; i < dp->n; i++) mgpu_event_free(dp->zero.stepped[i]);
     free(dp->zero.values);
     free(dp->zero.grad_chunk);
     free(dp->zero.state);
