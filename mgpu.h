@@ -1600,6 +1600,11 @@ typedef struct mgpu_net {
     mgpu_tensor **second_moment; /* Adam's (mgpu_net_use_adam), made at its first step */
     int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
     int sharded;            /* its optimizer's state is spread over a ZeRO wrapper's members */
+    /* called around each of its layers' passes, or NULL (ZeRO-3 gathers a
+       unit's parameters before its layers run and frees them after):
+       layer_hook(layer_hook_ctx, net, layer, MGPU__BEFORE_FORWARD ...) */
+    void (*layer_hook)(void *ctx, struct mgpu_net *net, int layer, int when);
+    void *layer_hook_ctx;
     float beta1, beta2, eps;
     /* activation recomputation (mgpu_net_recompute): runs asked for (0, as made, or 1: none),
        and for the last forward pass, the runs' first layers (room for
@@ -1850,10 +1855,30 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    in param.grad between steps). The updates are the same operations on
    the same numbers, so the parameters stay those of the unsharded
    wrapper (bit for bit where the sums' order is the same: 2 devices, or
-   ranks). mgpu_data_parallel_accumulate works with stage 1, not 2; a
-   checkpoint of a sharded network is refused until the wrapper is freed,
-   which gathers the state back into the module. Stage 3 (the parameters
-   sharded too) is not built. */
+   ranks). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
+   between steps member m keeps chunk m of each bucket's values too, so
+   each device holds (4P + 4P + 8P)/W of the model's state with Adam. A
+   bucket is the unit gathered (mgpu_data_parallel_configure's size chooses
+   it): before its layers' forward pass, and again before their backward
+   pass, every device gathers the members' chunks into the whole bucket,
+   which the parameters view, and frees it after them; the gradients are
+   reduce-scattered and stepped as in stage 2. The next unit's gather runs
+   on the copy queue while this unit computes (the timeline shows it as
+   "ZeRO-3 gather"): at most two units are whole at a time. (Across
+   processes a gather is the group's all-gather, which the compute queue
+   waits for where it is called: no overlap there.) A recomputed forward
+   pass (mgpu_net_recompute) gathers its units again. Between steps
+   param.value of a wrapped network points at nothing (a use of it is an
+   error line), but mgpu_net_forward on the module still works: it gathers
+   as it goes (over a distributed wrapper's ranks each gather is a
+   collective, so every rank must run the same forward passes:
+   mgpu_dist_evaluate_accuracy, whose ranks each take their own rows,
+   refuses such a network until the wrapper is freed). The replicas' check
+   compares what there is to compare: every device's gathered values,
+   against device 0's, each step. mgpu_data_parallel_accumulate works with
+   stage 1, not 2 or 3; a checkpoint of a sharded network is refused until
+   the wrapper is freed, which gathers the state (and under stage 3 the
+   values) back into the module. */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,
@@ -2748,7 +2773,7 @@ MGPU_DEF int mgpu_timeline_write_png(const char *path, const char *title, int nl
 #include "mgpu/net_training.h"  /* NETWORKS: steps, gradient check, replicas, evaluation */
 #include "mgpu/checkpoints.h"   /* NETWORKS: saving, loading, checkpoints */
 #include "mgpu/data_parallel.h" /* DATA PARALLELISM: the wrapper, buckets, DDP */
-#include "mgpu/zero.h"          /* DATA PARALLELISM: ZeRO-1 and ZeRO-2 */
+#include "mgpu/zero.h"          /* DATA PARALLELISM: ZeRO-1, 2 and 3 */
 #include "mgpu/data_parallel_step.h" /* DATA PARALLELISM: the step */
 #include "mgpu/pipelines.h"     /* PIPELINES */
 #include "mgpu/tensor_parallel.h" /* TENSOR PARALLELISM */

@@ -48,8 +48,9 @@
 #              alternated step by step; the ratio of the medians (at most
 #              1.4, chapter 5's issue) beside checkpoint_sequential's
 #   zero       ./bench/zero: ResNet-18 with Adam on 2 devices under DDP,
-#              ZeRO-1 and ZeRO-2, alternated step by step; ZeRO-2 / DDP at
-#              most 1.1 (chapter 5's issue)
+#              ZeRO-1, ZeRO-2 and ZeRO-3, alternated step by step; ZeRO-2 /
+#              DDP at most 1.1 (chapter 5's issue), ZeRO-3 / DDP at most 1.3
+#              on the CPU (issue 52)
 #   pipeline   ./bench/pipeline --stages 2 and 4, and bench/pytorch/pipeline.py
 #              (on the CPU): an MLP of 8 linear layers in stages, naive model
 #              parallelism, GPipe and 1F1B with 8 micro-batches, alternated
@@ -330,9 +331,11 @@ row "checkpointing" "checkpointed / plain" "$(calc %.3f "$(result checkpoint rat
 
 # ------------------------------------------------------------------ zero
 step zero ./bench/zero
-row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" "ms per step: DDP / ZeRO-1 / ZeRO-2" \
-    "$(calc %.1f "$(result zero ddp_ms)") / $(calc %.1f "$(result zero zero1_ms)") / $(calc %.1f "$(result zero zero2_ms)")"
+row "ZeRO, ResNet-18 with Adam $(result zero on), batch $(result zero batch)" \
+    "ms per step: DDP / ZeRO-1 / ZeRO-2 / ZeRO-3" \
+    "$(calc %.1f "$(result zero ddp_ms)") / $(calc %.1f "$(result zero zero1_ms)") / $(calc %.1f "$(result zero zero2_ms)") / $(calc %.1f "$(result zero zero3_ms)")"
 row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on the same devices (chapter 5's issue)"
+row "ZeRO" "ZeRO-3 / DDP" "$(calc %.3f "$(result zero zero3_ratio)")" "<= 1.3 on the CPU (issue 52)"
 
 # -------------------------------------------------------------- pipeline
 for stages in 2 4; do

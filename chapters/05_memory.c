@@ -27,7 +27,9 @@
    (with Adam 4P + 4P + 8P bytes); ZeRO-1 gives each device the optimizer
    state of a w-th of the parameters (it updates that part, and the parts
    are gathered), ZeRO-2 its gradients too (reduce-scattered instead of
-   allreduced).
+   allreduced), ZeRO-3 (PyTorch's FSDP) its parameters' values too: a
+   unit of layers is gathered whole just before its forward pass and
+   again before its backward pass, and freed after each.
 
    The chapter measures, on one device (a GPU, or the CPU):
      1. a ResNet-18 step's memory by category, beside the formulas, with
@@ -42,8 +44,10 @@
         again (--try-batch), stopped by the allocator's one-line error
         when the step does not fit;
      4. with 2 and 4 devices and Adam, what each device holds of the
-        model's state with DataParallel's gather, DDP's allreduce, ZeRO-1
-        and ZeRO-2, beside the formulas.
+        model's state with DataParallel's gather, DDP's allreduce, ZeRO-1,
+        ZeRO-2 and ZeRO-3, beside the formulas, and a picture of the
+        parameters a device holds through a ZeRO-2 and a ZeRO-3 step on 2
+        devices (chapter5_zero3_timeline.png).
    Each figure is held to its bound (mgpu_bound_hold): the memory to its
    formulas, or between what any layers allow; a checkpointed step's
    time between the plain step's and that plus one forward pass. A
@@ -65,15 +69,18 @@
    outputs stay allocated from one step to the next); the checkpointed
    step's rise and fall run by run, highest where the first run is
    made and made again. With 4 devices and Adam, each device holds 171
-   MiB of the model's state under DDP, 107 with ZeRO-1 and 75 with
-   ZeRO-2, as the formulas say to the tenth of a MiB.
+   MiB of the model's state under DDP, 107 with ZeRO-1, 75 with ZeRO-2
+   and 43 with ZeRO-3, as the formulas say to the tenth of a MiB. In the
+   ZeRO-3 picture the parameters rise by a unit at each gather and fall
+   at each free, twice through the step (forward, then backward), from
+   the device's chunks, a w-th of ZeRO-2's level line.
 
    Without a GPU it runs a reduced setting (batch 16, 3 timed steps of
    each number of runs, a limit of 320 MiB); --full, or a GPU, runs batch
    256, 10 steps and a limit of 2 GiB.
 
    Reads: mgpu/memory.h (memory by category), mgpu/networks.h (activation
-   recomputation, mgpu_net_recompute), mgpu/zero.h (ZeRO-1 and ZeRO-2),
+   recomputation, mgpu_net_recompute), mgpu/zero.h (ZeRO-1, 2 and 3),
    mgpu/data_parallel_step.h, mgpu/timing.h (mgpu_bound_hold),
    mgpu/plots.h, mgpu/flags.h. */
 #define MGPU_IMPLEMENTATION
@@ -213,16 +220,18 @@ static category_findings memory_by_category(mgpu_device *dev, int batch) {
 }
 
 /* The picture's x: the fraction of the step's allocator calls made so far
-   (0 at its first, 1 at its last), and its y: the activations then held,
-   in MiB, less `base` (what other networks hold throughout). A step's
+   (0 at its first, 1 at its last), and its y: what category c then held
+   (the activations, or the parameters), in MiB, less `base` (what other
+   networks hold throughout). A step's
    calls follow its work in order, and a step that recomputes, with more
    of them, is drawn on the same 0 to 1. Not the host's clock: the host
    makes the calls as it hands the work to the device (a CPU device's
    worker thread too), far ahead of it. */
-static void timeline_curve(const mgpu_memory_sample *samples, int n, size_t base, double *fraction, double *held_mib) {
+static void timeline_curve(const mgpu_memory_sample *samples, int n, mgpu_memory_category c, size_t base,
+                           double *fraction, double *held_mib) {
     for (int i = 0; i < n; i++) {
         fraction[i] = n > 1 ? (double)i / (n - 1) : 0.0;
-        held_mib[i] = mib(samples[i].held[MGPU_MEMORY_ACTIVATIONS]) - mib(base);
+        held_mib[i] = mib(samples[i].held[c]) - mib(base);
     }
 }
 
@@ -256,7 +265,7 @@ static void checkpoint_memory(mgpu_device *dev, checkpoint_variant *v, const mgp
     v->npoints = mgpu_device_memory_samples(dev, &samples);
     v->fraction = (double *)mgpu_malloc(sizeof(double) * (size_t)(v->npoints + 1));
     v->held_mib = (double *)mgpu_malloc(sizeof(double) * (size_t)(v->npoints + 1));
-    timeline_curve(samples, v->npoints, base, v->fraction, v->held_mib);
+    timeline_curve(samples, v->npoints, MGPU_MEMORY_ACTIVATIONS, base, v->fraction, v->held_mib);
     mgpu_net_free_activations(v->net);
 }
 
@@ -390,23 +399,74 @@ static checkpoint_findings checkpointing(mgpu_device *dev, int batch, int rounds
    every mode's held to its formula. */
 typedef struct {
     int devices;
-    double ddp_state, zero2_state;
+    double ddp_state, zero2_state, zero3_state;
     int holds;
 } sharding_findings;
 
+/* The parameters device 0 holds through one step (the picture's curve,
+   timeline_curve's), and between steps. */
+typedef struct {
+    int npoints;
+    double *fraction, *held_mib, between_mib;
+} parameters_curve;
+
+/* chapter5_zero3_timeline.png: the parameters device 0 holds through a
+   ZeRO-2 step and a ZeRO-3 step, on the same 0 to 1. */
+static void zero3_picture(const parameters_curve *zero2, const parameters_curve *zero3, int w, double unit_mib,
+                          const mgpu_options *o) {
+    mgpu_series series[2];
+    memset(series, 0, sizeof series);
+    const parameters_curve *drawn[2] = {zero2, zero3};
+    const char *names[2] = {"ZeRO-2: every value, always", "ZeRO-3: its chunks, and the units gathered"};
+    for (int i = 0; i < 2; i++) {
+        series[i].name = names[i];
+        series[i].n = drawn[i]->npoints;
+        series[i].x = drawn[i]->fraction;
+        series[i].y = drawn[i]->held_mib;
+    }
+    char title[96];
+    snprintf(title, sizeof title, "parameters on device 0 through a step, %d devices", w);
+    mgpu_chart chart;
+    memset(&chart, 0, sizeof chart);
+    chart.title = title;
+    chart.xlabel = "fraction of the step's allocator calls";
+    chart.ylabel = "MiB";
+    chart.xmin = 0;
+    chart.xmax = 1;
+    chart.ymin = 0;
+    chart.ymax = 1.4 * zero2->between_mib; /* (room for the legend) */
+    chart.nseries = 2;
+    chart.series = series;
+    char path[1024];
+    if (mgpu_chart_write_png(&chart, mgpu_out_path(o, "chapter5_zero3_timeline.png", path, sizeof path)) == 0)
+        printf("  Parameters through a step: %s\n"
+               "  (ZeRO-3 holds %.1f MiB of chunks between steps; each gather adds a unit, whole blocks of %.0f\n"
+               "  MiB or more, and each free takes it off, through the forward pass and again through the\n"
+               "  backward pass. Two of the last blocks, whole at once, weigh more than the chunks save on 2\n"
+               "  devices: the peak of the parameters needs units small beside the whole model.)\n", path,
+               zero3->between_mib, unit_mib);
+}
+
+/* ZeRO-3's unit: its buckets' size, at least (a bucket holds whole
+   blocks). The wrapper's 25 MiB would cut ResNet-18's 45 MiB of
+   parameters in two units, and two are whole at a time. */
+#define ZERO3_UNIT_MIB 4
+
 /* 4. Data parallelism on w devices, Adam: what each device holds of the
    model's state (parameters, gradients, optimizer state) between steps,
-   and its peak, for DataParallel's gather, DDP's allreduce, ZeRO-1 and
-   ZeRO-2, beside the formulas. */
-static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings *found) {
+   and its peak, for DataParallel's gather, DDP's allreduce, ZeRO-1,
+   ZeRO-2 and ZeRO-3, beside the formulas. With `curves`, the parameters
+   device 0 holds through the second step of ZeRO-2 and of ZeRO-3. */
+static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings *found, parameters_curve *curves) {
     mgpu_device *devs[MGPU_MAX_DEVICES];
     mgpu_devices(w, use_gpu, devs);
     mgpu_tensor *x, *y;
     step_batch(mgpu_cpu(), per_device_batch * w, &x, &y);
-    static const char *names[4] = {"gather on device 0 (DataParallel)", "allreduce (DDP)", "ZeRO-1", "ZeRO-2"};
+    static const char *names[5] = {"gather on device 0 (DataParallel)", "allreduce (DDP)", "ZeRO-1", "ZeRO-2",
+                                   "ZeRO-3 (FSDP)"};
     printf("  %d devices, batch %d:\n", w, per_device_batch * w);
     found->devices = w;
-    for (int mode = 0; mode < 4; mode++) {
+    for (int mode = 0; mode < 5; mode++) {
         size_t base[MGPU_MAX_DEVICES][MGPU_MEMORY_CATEGORIES];
         mgpu_synchronize_all();
         for (int i = 0; i < w; i++) {
@@ -417,9 +477,25 @@ static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings 
         mgpu_net *net = resnet(devs[0], 1, 1);
         double p = (double)mgpu_net_num_weights(net);
         mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, mode == 0 ? MGPU_DP_GATHER : MGPU_DP_ALLREDUCE);
+        if (mode == 4) mgpu_data_parallel_configure(dp, (size_t)ZERO3_UNIT_MIB << 20, 1, 1);
         if (mode >= 2) mgpu_data_parallel_zero(dp, mode - 1);
-        for (int step = 0; step < 2; step++) mgpu_data_parallel_step(dp, x, y, 0.001f, 0.0f, 0.0f);
-        mgpu_synchronize_all();
+        parameters_curve *curve = curves && mode >= 3 ? &curves[mode - 3] : NULL;
+        for (int step = 0; step < 2; step++) {
+            if (curve && step == 1) mgpu_device_record_memory(devs[0], 1);
+            mgpu_data_parallel_step(dp, x, y, 0.001f, 0.0f, 0.0f);
+            mgpu_synchronize_all();
+        }
+        if (curve) {
+            mgpu_device_record_memory(devs[0], 0);
+            const mgpu_memory_sample *samples;
+            curve->npoints = mgpu_device_memory_samples(devs[0], &samples);
+            curve->fraction = (double *)mgpu_malloc(sizeof(double) * (size_t)(curve->npoints + 1));
+            curve->held_mib = (double *)mgpu_malloc(sizeof(double) * (size_t)(curve->npoints + 1));
+            timeline_curve(samples, curve->npoints, MGPU_MEMORY_PARAMETERS, base[0][MGPU_MEMORY_PARAMETERS],
+                           curve->fraction, curve->held_mib);
+            curve->between_mib = mib(mgpu_device_memory_of(devs[0], MGPU_MEMORY_PARAMETERS)) -
+                                 mib(base[0][MGPU_MEMORY_PARAMETERS]);
+        }
         /* the model's state on the device that holds the least of it (device 0 holds more in gather mode) */
         double state[3] = {1e30, 1e30, 1e30}, peak0 = mib(mgpu_device_memory_peak(devs[0])), peak_rest = 0;
         const mgpu_memory_category cats[3] = {MGPU_MEMORY_PARAMETERS, MGPU_MEMORY_GRADIENTS, MGPU_MEMORY_OPTIMIZER};
@@ -431,8 +507,10 @@ static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings 
             if (i > 0 && mib(mgpu_device_memory_peak(devs[i])) > peak_rest) peak_rest = mib(mgpu_device_memory_peak(devs[i]));
         }
         /* Rajbhandari et al.'s formulas, float32 and Adam: 4P + 4P + 8P, the optimizer's 8P / w with ZeRO-1,
-           and the gradients' 4P / w too with ZeRO-2 */
-        double four = 4 * p / 1048576.0, formula = four + (mode == 3 ? four / w : four) + (mode >= 2 ? 2 * four / w : 2 * four);
+           the gradients' 4P / w too with ZeRO-2, and the parameters' 4P / w too with ZeRO-3 */
+        double four = 4 * p / 1048576.0;
+        double formula = (mode == 4 ? four / w : four) + (mode >= 3 ? four / w : four) +
+                         (mode >= 2 ? 2 * four / w : 2 * four);
         if (mode == 0) formula = 2 * four; /* (a replica; device 0 also holds Adam's state and the others' gradients) */
         double total = state[0] + state[1] + state[2];
         printf("    %-34s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f\n", names[mode], state[0], state[1], state[2],
@@ -442,24 +520,33 @@ static void sharded(int w, int use_gpu, int per_device_batch, sharding_findings 
         found->holds &= near_formula(figure, total, formula);
         if (mode == 1) found->ddp_state = total;
         if (mode == 3) found->zero2_state = total;
+        if (mode == 4) found->zero3_state = total;
         mgpu_data_parallel_free(dp);
         mgpu_net_free(net);
     }
     mgpu_free(x);
     mgpu_free(y);
 }
-static sharding_findings sharding(int use_gpu, int per_device_batch) {
+static sharding_findings sharding(int use_gpu, int per_device_batch, const mgpu_options *o) {
     printf("\n4. Data parallelism with Adam: the model's state a device holds between steps (MiB; the device\n"
            "   holding the least), beside the formula, and each device's peak over a step:\n");
     printf("    %-34s %9s %9s %9s %9s %9s %9s %9s\n", "", "params", "grads", "Adam", "state", "formula",
            "peak dev0", "peak rest");
-    sharding_findings found = {0, 0, 0, 1};
-    for (int w = 2; w <= 4; w *= 2) sharded(w, use_gpu, per_device_batch, &found);
+    sharding_findings found = {0, 0, 0, 0, 1};
+    parameters_curve curves[2]; /* ZeRO-2's and ZeRO-3's, on 2 devices */
+    memset(curves, 0, sizeof curves);
+    for (int w = 2; w <= 4; w *= 2) sharded(w, use_gpu, per_device_batch, &found, w == 2 ? curves : NULL);
     printf("  Formulas (float32, Adam's two moments): 4P + 4P + 8P a device; ZeRO-1: 4P + 4P + 8P/w; ZeRO-2:\n"
-           "  4P + 4P/w + 8P/w. DataParallel's replicas hold 4P + 4P; its device 0 also holds Adam's 8P, the\n"
-           "  whole batch's logits and a copy of every replica's gradients for the update it alone makes.\n"
-           "  ZeRO-2 shards what lives between steps: a bucket's whole gradient still lives while the\n"
-           "  backward pass fills it, and the activations weigh most in the peak.\n");
+           "  4P + 4P/w + 8P/w; ZeRO-3: (4P + 4P + 8P)/w. DataParallel's replicas hold 4P + 4P; its device 0\n"
+           "  also holds Adam's 8P, the whole batch's logits and a copy of every replica's gradients for the\n"
+           "  update it alone makes. ZeRO-2 and 3 shard what lives between steps: a bucket's whole gradient\n"
+           "  still lives while the backward pass fills it, ZeRO-3's units (%d MiB buckets) while they run\n"
+           "  and while the next one is gathered, and the activations weigh most in the peak.\n", ZERO3_UNIT_MIB);
+    zero3_picture(&curves[0], &curves[1], 2, ZERO3_UNIT_MIB, o);
+    for (int i = 0; i < 2; i++) {
+        free(curves[i].fraction);
+        free(curves[i].held_mib);
+    }
     return found;
 }
 
@@ -574,9 +661,9 @@ static void what_this_run_shows(const category_findings *categories, const check
                batches->checkpointed, batches->plain);
     else printf("  - Checkpointing's largest batch came out smaller than the plain step's (flagged above).\n");
     if (shards->holds)
-        printf("  - On %d devices with Adam, ZeRO-2 holds %.1f MiB of the model's state a device against\n"
-               "    DDP's %.1f, as the formulas say: the sharded state is what grows the model that fits.\n",
-               shards->devices, shards->zero2_state, shards->ddp_state);
+        printf("  - On %d devices with Adam, ZeRO-2 holds %.1f MiB of the model's state a device and ZeRO-3\n"
+               "    %.1f against DDP's %.1f, as the formulas say: the sharded state is what grows the model\n"
+               "    that fits.\n", shards->devices, shards->zero2_state, shards->zero3_state, shards->ddp_state);
     else printf("  - The model's state under data parallelism did not follow its formulas (flagged above).\n");
 }
 
@@ -617,7 +704,8 @@ int main(int argc, char **argv) {
     category_findings categories = memory_by_category(dev, batch);
     checkpoint_findings checkpoints = checkpointing(dev, batch, steps, &o);
     batch_findings batches = largest_batches(dev, limit_mib, use_gpu, reduced ? 4 : 16);
-    sharding_findings shards = sharding(use_gpu, batch >= 4 ? batch / 4 : 1); /* (a quarter of the batch a device) */
+    sharding_findings shards = sharding(use_gpu, batch >= 4 ? batch / 4 : 1, &o); /* (a quarter of the batch
+                                                                                      a device) */
     what_this_run_shows(&categories, &checkpoints, &batches, &shards, limit_mib);
     return mgpu_output_errors() ? 1 : 0;
 }

@@ -59,14 +59,29 @@ struct mgpu_data_parallel {
         char path[48]; /* "ring, then mpi": several devices a process */
     } dist;
     /* ZeRO (mgpu_data_parallel_zero): the stage; the parameters' values as
-       flat buckets too (the values views into them); member i's chunk of
-       each bucket's gradient (stage 2) and its optimizer state for that
+       flat buckets too (the values views into them; under stage 3 only
+       while the bucket, a unit, is gathered); member i's chunk of each
+       bucket's gradient (stages 2 and 3) and its optimizer state for that
        chunk (SGD's momentum, or Adam's two moments) */
     struct {
         int stage;
         mgpu_tensor *(*values)[MGPU_MAX_DEVICES];
         mgpu_tensor *(*grad_chunk)[MGPU_MAX_DEVICES];
         mgpu_tensor *(*state)[MGPU_MAX_DEVICES][2];
+        /* stage 3: member i's chunk of each bucket's values, all it keeps
+           between steps; the gather into values[b][i] that is under way
+           (its copies' event, which the compute queue waits for before
+           the unit runs); whether the backward pass holds the unit (a
+           recomputed forward pass must not free it); each layer's bucket
+           (-1: a layer without parameters outside every bucket); and
+           member i's chunks as its last step left them (an event its
+           compute queue recorded after the step: what a gather of them
+           waits for) */
+        mgpu_tensor *(*shard)[MGPU_MAX_DEVICES];
+        mgpu_event *stepped[MGPU_MAX_DEVICES];
+        mgpu_event *(*gathering)[MGPU_MAX_DEVICES];
+        unsigned char (*held)[MGPU_MAX_DEVICES];
+        int *unit_of_layer;
     } zero;
 };
 
@@ -139,7 +154,8 @@ static void mgpu__dp_check_replicas(mgpu_data_parallel *dp) {
                        "shape %s) on %s is not the same as on %s; %s (MGPU_CHECK_REPLICAS)", dp->steps, p,
                        mgpu__param_layer(module, p)->name, mgpu_shape_str(module->params[p]->value->shape, sh, sizeof sh),
                        dp->devices[i]->name, dp->devices[0]->name,
-                       dp->buckets.reduce ? "is the gradients' allreduce right?"
+                       dp->zero.stage == 3 ? "are ZeRO-3's gathers of the members' chunks right?"
+                       : dp->buckets.reduce ? "is the gradients' allreduce right?"
                                   : "the reduction is off (mgpu_data_parallel_configure), so they drift apart");
         }
     }
@@ -161,8 +177,8 @@ MGPU_DEF void mgpu_data_parallel_use_allreduce(mgpu_data_parallel *dp, mgpu_allr
                  "a reduction of yours needs MGPU_DP_ALLREDUCE");
     MGPU_REQUIRE(dp->buckets.count == 0, "mgpu_data_parallel_use_allreduce: call it before the first step");
     MGPU_REQUIRE(!dp->dist.group, "mgpu_data_parallel_use_allreduce: a distributed wrapper reduces over its group");
-    MGPU_REQUIRE(dp->zero.stage != 2, "mgpu_data_parallel_use_allreduce: ZeRO stage 2 reduce-scatters the gradients, so "
-                 "it cannot take your allreduce");
+    MGPU_REQUIRE(dp->zero.stage < 2, "mgpu_data_parallel_use_allreduce: ZeRO stage %d reduce-scatters the gradients, "
+                 "so it cannot take your allreduce", dp->zero.stage);
     MGPU_REQUIRE(fn && name, "mgpu_data_parallel_use_allreduce: give the function and its name");
     dp->buckets.yours = fn;
     dp->buckets.yours_name = name;
@@ -216,9 +232,9 @@ static int mgpu__dp_members(const mgpu_data_parallel *dp) { return dp->dist.grou
 static int mgpu__dp_member(const mgpu_data_parallel *dp, int i) { return dp->dist.group ? mgpu_group_rank(dp->dist.group) : i; }
 
 /* Makes the gradients (or with values, the values) of replica r's
-   parameters p0 .. p1 - 1 views into flat, in order; the values are
-   copied there first. */
-static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int values) {
+   parameters p0 .. p1 - 1 views into flat, in order; with keep, the
+   values are copied there first. */
+static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int values, int keep) {
     int offset = 0;
     for (int p = p0; p < p1; p++) {
         mgpu_tensor **t = values ? &r->params[p]->value : &r->params[p]->grad;
@@ -227,7 +243,7 @@ static void mgpu__views_into(mgpu_tensor *flat, mgpu_net *r, int p0, int p1, int
         mgpu_tensor *rows = mgpu_narrow(flat, offset, numel);
         mgpu_tensor *view = mgpu_view(rows, shape);
         mgpu_free(rows);
-        if (values && *t) mgpu_copy(view, *t, 0);
+        if (keep && *t) mgpu_copy(view, *t, 0);
         mgpu_free(*t);
         *t = view;
         offset += numel;
@@ -251,11 +267,18 @@ static void mgpu__own_memory(mgpu_net *net, int values) {
     }
 }
 
+/* Bucket b's layers, first to last (buckets are made from the last
+   layer back: bucket 0 ends the network). */
+static void mgpu__dp_bucket_layers(const mgpu_data_parallel *dp, int b, int *first, int *last) {
+    *first = dp->buckets.last_layer[b];
+    *last = b == 0 ? dp->replicas[0]->nlayers - 1 : dp->buckets.last_layer[b - 1] - 1;
+}
 /* The first and one past the last parameter of bucket b. */
 static void mgpu__dp_bucket_params(const mgpu_data_parallel *dp, int b, int *p0, int *p1) {
     const mgpu_net *net = dp->replicas[0];
-    int last = b == 0 ? net->nlayers - 1 : dp->buckets.last_layer[b - 1] - 1;
-    *p0 = net->first_param[dp->buckets.last_layer[b]];
+    int first, last;
+    mgpu__dp_bucket_layers(dp, b, &first, &last);
+    *p0 = net->first_param[first];
     *p1 = net->first_param[last + 1];
 }
 
@@ -268,7 +291,7 @@ static void mgpu__dp_grad_bucket_make(mgpu_data_parallel *dp, int b) {
         int scope = mgpu__memory_scope(MGPU_MEMORY_GRADIENTS); /* (the gradients become views of it) */
         dp->buckets.grads[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->buckets.len[b]));
         mgpu__memory_scope((mgpu_memory_category)scope);
-        mgpu__views_into(dp->buckets.grads[b][i], dp->replicas[i], p0, p1, 0);
+        mgpu__views_into(dp->buckets.grads[b][i], dp->replicas[i], p0, p1, 0, 0);
     }
 }
 static void mgpu__dp_grad_bucket_free(mgpu_data_parallel *dp, int b) {
@@ -399,6 +422,9 @@ MGPU_DEF mgpu_data_parallel *mgpu_distributed_data_parallel_new_devices(mgpu_net
    data set, with rank 0's network: the buffers are broadcast first. */
 MGPU_DEF double mgpu_dist_evaluate_accuracy(mgpu_group *g, mgpu_net *net, const mgpu_dataset *data,
                                             int batch_size) {
+    MGPU_REQUIRE(!(net->layer_hook && net->sharded && g->size > 1), "mgpu_dist_evaluate_accuracy: the network's "
+                 "values are sharded over the ranks (ZeRO-3): each forward pass gathers them, which every rank "
+                 "must do alike; evaluate after mgpu_data_parallel_free");
     int first = (int)((long long)data->n * g->rank / g->size);
     int last = (int)((long long)data->n * (g->rank + 1) / g->size);
     size_t pixels = (size_t)data->rows * (size_t)data->cols;

@@ -208,13 +208,19 @@ static void mgpu__dp_step_gather(mgpu_data_parallel *dp, int batch, float lr, fl
 /* What the caller did to replica 0 (the module) between steps reaches the
    others: its training mode always, and its values when they may have
    changed (loaded, or written through mgpu_net_param). In gather mode
-   each step copies the values anyway. */
+   each step copies the values anyway. Under ZeRO-3, once sharded, only
+   the buffers: the parameters' values live in the members' chunks (a
+   write through the module's param.value is an error line). */
 static void mgpu__dp_follow_module(mgpu_data_parallel *dp) {
     mgpu_net *module = dp->replicas[0];
     for (int i = 1; i < dp->n; i++) dp->replicas[i]->training = module->training;
     if (module->changes == dp->module_changes) return;
-    if (dp->mode == MGPU_DP_ALLREDUCE)
-        for (int i = 1; i < dp->n; i++) mgpu_net_copy_params(dp->replicas[i], module, 1);
+    int values_sharded = dp->zero.stage == 3 && dp->buckets.count > 0;
+    for (int i = 1; i < dp->n && dp->mode == MGPU_DP_ALLREDUCE; i++) {
+        if (!values_sharded) mgpu_net_copy_params(dp->replicas[i], module, 1);
+        for (int b = 0; b < module->nbuffers && values_sharded; b++)
+            mgpu_copy(*dp->replicas[i]->buffers[b], *module->buffers[b], 1);
+    }
     dp->module_changes = module->changes;
 }
 
@@ -231,8 +237,8 @@ MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_t
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
                  "mgpu_data_parallel_accumulate: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
                  "accumulating gradients needs MGPU_DP_ALLREDUCE");
-    MGPU_REQUIRE(dp->zero.stage != 2, "mgpu_data_parallel_accumulate: ZeRO stage 2 keeps only a chunk of each "
-                 "gradient, so it cannot add up whole ones over passes (stage 1 can)");
+    MGPU_REQUIRE(dp->zero.stage < 2, "mgpu_data_parallel_accumulate: ZeRO stage %d keeps only a chunk of each "
+                 "gradient, so it cannot add up whole ones over passes (stage 1 can)", dp->zero.stage);
     mgpu__dp_follow_module(dp);
     mgpu__dp_broadcast_buffers(dp);
     mgpu__dp_scatter(dp, X, y);
@@ -255,7 +261,7 @@ MGPU_DEF void mgpu_data_parallel_step(mgpu_data_parallel *dp, const mgpu_tensor 
     mgpu__dp_shards_used(dp);
     dp->module_changes = dp->replicas[0]->changes; /* (this step's SGD: every replica took it) */
     dp->steps++;
-    mgpu__dp_check_replicas(dp);
+    mgpu__zero_check_replicas(dp);
 }
 
 MGPU_DEF void mgpu_data_parallel_take_stats(mgpu_data_parallel *dp, double *loss_sum,

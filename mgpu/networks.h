@@ -754,6 +754,31 @@ static void mgpu__net_weight_copies(mgpu_net *net) {
 #endif
 }
 
+/* When a network's layer hook (mgpu_net's layer_hook) is called: around
+   each layer's forward pass (a recomputed one too) and backward pass. */
+enum { MGPU__BEFORE_FORWARD, MGPU__AFTER_FORWARD, MGPU__BEFORE_BACKWARD, MGPU__AFTER_BACKWARD };
+static void mgpu__net_hook(mgpu_net *net, int layer, int when) {
+    if (net->layer_hook) net->layer_hook(net->layer_hook_ctx, net, layer, when);
+}
+/* Layer i's forward pass within the network, with the hook around it. */
+static const mgpu_tensor *mgpu__net_layer_forward(mgpu_net *net, int i, const mgpu_tensor *h, const mgpu_tensor *h_t,
+                                                  int training) {
+    mgpu__net_hook(net, i, MGPU__BEFORE_FORWARD);
+    h = mgpu__layer_forward(net->layers[i], h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, training);
+    mgpu__net_hook(net, i, MGPU__AFTER_FORWARD);
+    return h;
+}
+/* Frees the weights' channels-last copies a convolution keeps (and a
+   block's convolutions): its next pass makes them again from the weights. */
+static void mgpu__layer_free_weight_copies(mgpu_layer *l) {
+    mgpu_free(l->copies->weight_t);
+    mgpu_free(l->copies->weight_turned_t);
+    l->copies->weight_t = l->copies->weight_turned_t = NULL;
+    mgpu_layer *parts[5] = {l->conv1, l->bn1, l->conv2, l->bn2, l->shortcut};
+    for (int i = 0; i < 5 && l->kind == MGPU_LAYER_RESIDUAL; i++)
+        if (parts[i]) mgpu__layer_free_weight_copies(parts[i]);
+}
+
 /* ---- activation recomputation (mgpu_net_recompute) ---- */
 /* Frees what layer l's forward pass made for its backward pass: its
    output (unless keep_output) and channels-last copies, its parts' too. */
@@ -823,9 +848,8 @@ static void mgpu__net_recompute_segment(mgpu_net *net, int s) {
     const mgpu_tensor *h = net->layers[first]->input;
     const mgpu_tensor *h_t = first > 0 ? net->layers[first - 1]->copies->output_t : NULL;
     for (int i = first; i < end; i++) {
-        mgpu_layer *l = net->layers[i];
-        h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, MGPU__RECOMPUTE);
-        h_t = l->copies->output_t;
+        h = mgpu__net_layer_forward(net, i, h, h_t, MGPU__RECOMPUTE);
+        h_t = net->layers[i]->copies->output_t;
     }
     mgpu__memory_scope((mgpu_memory_category)scope);
     net->segment_freed[s] = 0;
@@ -869,9 +893,8 @@ MGPU_DEF mgpu_tensor *mgpu_net_forward(mgpu_net *net, const mgpu_tensor *x) {
     const mgpu_tensor *h = x, *h_t = NULL;
     for (int s = 0; s < net->nsegments; s++) {
         for (int i = net->segment_start[s]; i < net->segment_start[s + 1]; i++) {
-            mgpu_layer *l = net->layers[i];
-            h = mgpu__layer_forward(l, h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, net->training);
-            h_t = l->copies->output_t;
+            h = mgpu__net_layer_forward(net, i, h, h_t, net->training);
+            h_t = net->layers[i]->copies->output_t;
         }
         if (s + 1 < net->nsegments) mgpu__net_free_segment(net, s, 1);
     }
@@ -1075,6 +1098,7 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
 static const mgpu_tensor *mgpu__net_layer_backward_part(mgpu_net *net, int i, const mgpu_tensor *dy,
                                                         int accumulate, mgpu_pass_part part) {
     mgpu_layer *l = net->layers[i], *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
+    mgpu__net_hook(net, i, MGPU__BEFORE_BACKWARD); /* (before the recomputation, which needs it too) */
     int freed = mgpu__net_freed_segment_ending_at(net, i);
     if (freed >= 0) mgpu__net_recompute_segment(net, freed);
     int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
@@ -1092,6 +1116,7 @@ static const mgpu_tensor *mgpu__net_layer_backward_part(mgpu_net *net, int i, co
        forward pass); after B, W still reads them */
     for (int s = 0; s < net->nsegments && net->nsegments > 1 && part != MGPU_PASS_INPUT_GRAD; s++)
         if (net->segment_start[s] == i) mgpu__net_free_segment(net, s, s + 1 == net->nsegments);
+    mgpu__net_hook(net, i, MGPU__AFTER_BACKWARD);
     return dx;
 }
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {

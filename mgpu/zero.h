@@ -1,7 +1,9 @@
 /* mgpu/zero.h: ZeRO (chapter 5): the wrapper's members each keep the
    optimizer's state of a 1/w share of the parameters (stage 1), and the
    gradients of that share too (stage 2): a reduce-scatter instead of an
-   allreduce, a step on the share, an all-gather of the new values.
+   allreduce, a step on the share, an all-gather of the new values. Stage
+   3 keeps the share's values alone between steps, and gathers a unit's
+   whole values around its layers' passes.
    defines: mgpu_data_parallel_zero */
 /* ---- ZeRO (mgpu_data_parallel_zero) ----
    Bucket b of length L (a multiple of the W members) is cut in W equal
@@ -100,9 +102,143 @@ static void mgpu__dp_gather_values(mgpu_data_parallel *dp, int b) {
         }
 }
 
+/* ---- ZeRO-3: the values sharded too ----
+   A bucket is the unit gathered (mgpu_data_parallel_configure's size
+   chooses it). Before its first layer's forward pass, and before its last
+   layer's backward pass, each device gathers the members' chunks into
+   the bucket's whole values, which its parameters then view; after its
+   last layer's forward pass and its first layer's backward pass the
+   whole values are freed, and the parameters' views point at nothing
+   (a use of one is an error line) until the next gather. The next unit's
+   gather starts on the copy queue as soon as this unit's is waited for,
+   so that it runs while this unit computes (prefetch): at most two units
+   are whole at a time on a device. */
+/* Starts gathering bucket b's values on device i, unless they are there
+   or on their way: the members' chunks copied into a whole bucket on the
+   device's copy queue (the compute queue waits for them where the unit
+   runs, mgpu__zero3_gather), or an all-gather over the ranks. */
+static void mgpu__zero3_gather_start(mgpu_data_parallel *dp, int b, int i) {
+    if (dp->zero.values[b][i]) return;
+    int chunk = mgpu__dp_chunk(dp, b), p0, p1;
+    mgpu_device *dev = dp->devices[i];
+    int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+    mgpu_tensor *whole = dp->zero.values[b][i] = mgpu_empty(dev, mgpu_shape1((int)dp->buckets.len[b]));
+    mgpu__memory_scope((mgpu_memory_category)scope);
+    if (dp->dist.group) {
+        mgpu_group_all_gather(dp->dist.group, dp->zero.shard[b][0], whole);
+    } else {
+        mgpu__queue *q = &dev->queue[1];
+        mgpu__queue_wait_queue(q, &dev->queue[0]); /* (whole's memory is free where the compute queue is now) */
+        for (int j = 0; j < dp->n; j++) {
+            mgpu_tensor *from = dp->zero.shard[b][j];
+            /* the chunk as member j's last step wrote it (not all that its
+               compute queue has been given since: the devices' passes run
+               side by side), and this gather's event covers the other
+               devices' gathers still reading it */
+            if (dp->zero.stepped[j]) mgpu__event_wait_on(q, dp->zero.stepped[j]);
+            if (from->last_read) mgpu__event_wait_on(q, from->last_read);
+            mgpu__memcpy_args copy = {whole->data + (size_t)j * (size_t)chunk, from->data,
+                                      (size_t)chunk * sizeof(float), dev->gpu, dp->devices[j]->gpu};
+            mgpu__launch_on(q, "ZeRO-3 gather", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &copy,
+                            sizeof copy);
+        }
+        mgpu_event *done = dp->zero.gathering[b][i] = mgpu_event_new();
+        mgpu__event_record_on(done, q);
+        for (int j = 0; j < dp->n; j++) mgpu__tensor_track(dp->zero.shard[b][j], done);
+    }
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    mgpu__views_into(whole, dp->replicas[i], p0, p1, 1, 0);
+}
+/* Bucket b's whole values on device i, for what its compute queue runs next. */
+static void mgpu__zero3_gather(mgpu_data_parallel *dp, int b, int i) {
+    mgpu__zero3_gather_start(dp, b, i);
+    mgpu_event **done = &dp->zero.gathering[b][i];
+    if (!*done) return;
+    mgpu__event_wait_on(&dp->devices[i]->queue[0], *done);
+    mgpu_event_free(*done);
+    *done = NULL;
+}
+/* Frees bucket b's whole values on device i (and the weights' copies its
+   convolutions keep, made from them); its member keeps its chunk. */
+static void mgpu__zero3_release(mgpu_data_parallel *dp, int b, int i) {
+    int first, last;
+    mgpu__zero3_gather(dp, b, i); /* (a prefetch still writing it) */
+    mgpu__dp_bucket_layers(dp, b, &first, &last);
+    for (int l = first; l <= last; l++) mgpu__layer_free_weight_copies(dp->replicas[i]->layers[l]);
+    mgpu_free(dp->zero.values[b][i]);
+    dp->zero.values[b][i] = NULL;
+}
+/* Whether device i's backward pass holds a unit: the forward pass that
+   runs then is a recomputed one (mgpu_net_recompute). */
+static int mgpu__zero3_backward_under_way(const mgpu_data_parallel *dp, int i) {
+    for (int b = 0; b < dp->buckets.count; b++)
+        if (dp->zero.held[b][i]) return 1;
+    return 0;
+}
+/* The replicas' layer hook (mgpu_net's layer_hook): the gathers and frees
+   above around each unit's passes. A unit the backward pass holds stays
+   whole through the recomputed forward passes of its layers; an earlier
+   unit that such a pass runs is gathered again, and freed after its
+   layers. A recomputed pass prefetches nothing: the unit after its
+   last is the one held, or one whose backward pass is done (a gather of
+   that one would stay, and hold old values after the step). */
+static void mgpu__zero3_layer_hook(void *ctx, mgpu_net *net, int layer, int when) {
+    mgpu_data_parallel *dp = (mgpu_data_parallel *)ctx;
+    int b = dp->zero.unit_of_layer[layer], i = 0, first, last;
+    if (b < 0) return;
+    while (dp->replicas[i] != net) i++;
+    mgpu__dp_bucket_layers(dp, b, &first, &last);
+    if (when == MGPU__BEFORE_FORWARD) { /* the forward pass goes to bucket b - 1 next */
+        mgpu__zero3_gather(dp, b, i);
+        if (layer == first && b > 0 && !mgpu__zero3_backward_under_way(dp, i)) mgpu__zero3_gather_start(dp, b - 1, i);
+    } else if (when == MGPU__AFTER_FORWARD) {
+        if (layer == last && !dp->zero.held[b][i]) mgpu__zero3_release(dp, b, i);
+    } else if (when == MGPU__BEFORE_BACKWARD) { /* the backward pass goes to bucket b + 1 next */
+        mgpu__zero3_gather(dp, b, i);
+        dp->zero.held[b][i] = 1;
+        if (layer == last && b + 1 < dp->buckets.count) mgpu__zero3_gather_start(dp, b + 1, i);
+    } else if (layer == first) {
+        dp->zero.held[b][i] = 0;
+        mgpu__zero3_release(dp, b, i);
+    }
+}
+/* Bucket b was just made, its whole values gathered from the replica's:
+   member i keeps its chunk of them, the whole goes, and the replica's
+   layers get the hook. */
+static void mgpu__zero3_shard_bucket(mgpu_data_parallel *dp, int b) {
+    int chunk = mgpu__dp_chunk(dp, b), first, last;
+    mgpu__dp_bucket_layers(dp, b, &first, &last);
+    for (int l = first; l <= last; l++) dp->zero.unit_of_layer[l] = b;
+    for (int i = 0; i < dp->n; i++) {
+        int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+        dp->zero.shard[b][i] = mgpu_empty(dp->devices[i], mgpu_shape1(chunk));
+        mgpu__memory_scope((mgpu_memory_category)scope);
+        mgpu_tensor *mine = mgpu_narrow(dp->zero.values[b][i], mgpu__dp_member(dp, i) * chunk, chunk);
+        mgpu_copy(dp->zero.shard[b][i], mine, 0);
+        mgpu_free(mine);
+        mgpu__zero3_release(dp, b, i);
+        dp->replicas[i]->layer_hook = mgpu__zero3_layer_hook;
+        dp->replicas[i]->layer_hook_ctx = dp;
+    }
+}
+/* The replicas' check (mgpu_data_parallel_check_replicas). Under stage 3
+   the members hold different chunks between steps: nothing there to
+   compare. Each device gathers every unit instead, and its whole values
+   must be device 0's, bit for bit: a gather that puts a chunk in the
+   wrong place, or an old one, shows. */
+static void mgpu__zero_check_replicas(mgpu_data_parallel *dp) {
+    int gathers = dp->check_replicas && dp->zero.stage == 3;
+    for (int b = 0; b < dp->buckets.count && gathers; b++)
+        for (int i = 0; i < dp->n; i++) mgpu__zero3_gather(dp, b, i);
+    mgpu__dp_check_replicas(dp);
+    for (int b = 0; b < dp->buckets.count && gathers; b++)
+        for (int i = 0; i < dp->n; i++) mgpu__zero3_release(dp, b, i);
+}
+
 /* The ZeRO step: each member updates its chunk of every bucket with its
-   own part of the optimizer's state, then the chunks are gathered into
-   every device's values. */
+   own part of the optimizer's state, then (stages 1 and 2) the chunks are
+   gathered into every device's values; stage 3 gathers them where the
+   next forward pass needs them. */
 static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum, float weight_decay) {
     for (int i = 0; i < dp->n; i++) {
         mgpu_net *r = dp->replicas[i];
@@ -111,8 +247,10 @@ static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum,
                      r->decoupled ? "AdamW" : "Adam", (double)momentum);
         for (int b = 0; b < dp->buckets.count; b++) {
             int chunk = mgpu__dp_chunk(dp, b);
-            mgpu_tensor *value = mgpu_narrow(dp->zero.values[b][i], m * chunk, chunk);
-            mgpu_tensor *grad = dp->zero.stage == 2 ? dp->zero.grad_chunk[b][i] : mgpu_narrow(dp->buckets.grads[b][i], m * chunk, chunk);
+            mgpu_tensor *value = dp->zero.stage == 3 ? dp->zero.shard[b][i]
+                                                     : mgpu_narrow(dp->zero.values[b][i], m * chunk, chunk);
+            mgpu_tensor *grad = dp->zero.stage >= 2 ? dp->zero.grad_chunk[b][i]
+                                                    : mgpu_narrow(dp->buckets.grads[b][i], m * chunk, chunk);
             mgpu_tensor **state = dp->zero.state[b][i];
             for (int k = 0; k < (r->adam ? 2 : momentum != 0.0f); k++)
                 if (!state[k]) state[k] = mgpu__dp_chunk_state_new(dp, i, b, k, m * chunk, chunk);
@@ -122,14 +260,17 @@ static void mgpu__dp_zero_step(mgpu_data_parallel *dp, float lr, float momentum,
             else
                 mgpu__sgd_tensors("mgpu_data_parallel_step", &value, (const mgpu_tensor *const *)&grad,
                                   momentum != 0.0f ? &state[0] : NULL, 1, lr, momentum, weight_decay, r->steps == 0);
-            mgpu_free(value);
-            if (dp->zero.stage != 2) mgpu_free(grad);
+            if (dp->zero.stage < 3) mgpu_free(value);
+            if (dp->zero.stage < 2) mgpu_free(grad);
         }
         mgpu__net_keep_momentum(r, 0); /* (the chunks hold the state now) */
         r->steps++;
         r->changes++;
+        if (dp->zero.stage < 3) continue;
+        if (!dp->zero.stepped[i]) dp->zero.stepped[i] = mgpu_event_new();
+        mgpu__event_record_on(dp->zero.stepped[i], &dp->devices[i]->queue[0]);
     }
-    for (int b = 0; b < dp->buckets.count; b++) mgpu__dp_gather_values(dp, b);
+    for (int b = 0; b < dp->buckets.count && dp->zero.stage < 3; b++) mgpu__dp_gather_values(dp, b);
 }
 
 /* At the wrapper's end: replica 0 gets its whole optimizer state back
@@ -173,6 +314,11 @@ static void mgpu__zero_make_room(mgpu_data_parallel *dp, int nlayers) {
     dp->zero.values = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.values);
     dp->zero.grad_chunk = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.grad_chunk);
     dp->zero.state = (mgpu_tensor *(*)[MGPU_MAX_DEVICES][2])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.state);
+    dp->zero.shard = (mgpu_tensor *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.shard);
+    dp->zero.gathering = (mgpu_event *(*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.gathering);
+    dp->zero.held = (unsigned char (*)[MGPU_MAX_DEVICES])mgpu__xcalloc((size_t)nlayers, sizeof *dp->zero.held);
+    dp->zero.unit_of_layer = (int *)mgpu__xmalloc((size_t)nlayers * sizeof(int));
+    for (int l = 0; l < nlayers; l++) dp->zero.unit_of_layer[l] = -1;
 }
 /* A bucket of `floats` gradients: under ZeRO padded with zeros, which
    stay 0, to equal chunks for the members. */
@@ -181,8 +327,9 @@ static size_t mgpu__zero_bucket_len(const mgpu_data_parallel *dp, size_t floats)
     return dp->zero.stage ? (floats + members - 1) / members * members : floats;
 }
 /* Bucket b was just made: under ZeRO the parameters' values become views
-   into a flat bucket too (each member steps its chunk of it), and under
-   stage 2 the gradients exist only while the backward pass fills them. */
+   into a flat bucket too (each member steps its chunk of it), under
+   stages 2 and 3 the gradients exist only while the backward pass fills
+   them, and under stage 3 the whole values only around the unit's passes. */
 static void mgpu__zero_bucket_made(mgpu_data_parallel *dp, int b) {
     if (!dp->zero.stage) return;
     int p0, p1;
@@ -191,21 +338,22 @@ static void mgpu__zero_bucket_made(mgpu_data_parallel *dp, int b) {
         int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
         dp->zero.values[b][i] = mgpu_zeros(dp->devices[i], mgpu_shape1((int)dp->buckets.len[b]));
         mgpu__memory_scope((mgpu_memory_category)scope);
-        mgpu__views_into(dp->zero.values[b][i], dp->replicas[i], p0, p1, 1);
+        mgpu__views_into(dp->zero.values[b][i], dp->replicas[i], p0, p1, 1, 1);
     }
-    if (dp->zero.stage == 2) mgpu__dp_grad_bucket_free(dp, b);
+    if (dp->zero.stage >= 2) mgpu__dp_grad_bucket_free(dp, b);
+    if (dp->zero.stage == 3) mgpu__zero3_shard_bucket(dp, b);
 }
-/* Whether the whole gradients live between passes (all but stage 2). */
-static int mgpu__zero_keeps_grads(const mgpu_data_parallel *dp) { return dp->zero.stage != 2; }
-/* Before the backward pass reaches bucket b's layers: stage 2 makes its
-   gradients, zeros. */
+/* Whether the whole gradients live between passes (stages 0 and 1). */
+static int mgpu__zero_keeps_grads(const mgpu_data_parallel *dp) { return dp->zero.stage < 2; }
+/* Before the backward pass reaches bucket b's layers: stages 2 and 3
+   make its gradients, zeros. */
 static void mgpu__zero_before_bucket(mgpu_data_parallel *dp, int b) {
-    if (dp->zero.stage == 2 && !dp->buckets.grads[b][0]) mgpu__dp_grad_bucket_make(dp, b);
+    if (dp->zero.stage >= 2 && !dp->buckets.grads[b][0]) mgpu__dp_grad_bucket_make(dp, b);
 }
-/* Bucket b is complete: stage 2 reduce-scatters it to its owners and
-   frees it. 1 if ZeRO reduced it, 0 if the wrapper's reduction is to. */
+/* Bucket b is complete: stages 2 and 3 reduce-scatter it to its owners
+   and free it. 1 if ZeRO reduced it, 0 if the wrapper's reduction is to. */
 static int mgpu__zero_reduce_bucket(mgpu_data_parallel *dp, int b) {
-    if (dp->zero.stage != 2) return 0;
+    if (dp->zero.stage < 2) return 0;
     mgpu__dp_reduce_scatter(dp, b);
     return 1;
 }
@@ -218,9 +366,13 @@ static int mgpu__zero_step(mgpu_data_parallel *dp, int reduces, float lr, float 
     return 1;
 }
 /* At the wrapper's end: the module's values get their own memory again
-   (they were views into ZeRO's buckets). */
+   (they were views into ZeRO's buckets; under stage 3 gathered first),
+   and the replicas lose stage 3's hook. */
 static void mgpu__zero_unshare_values(mgpu_data_parallel *dp) {
-    if (dp->zero.stage && dp->buckets.count) mgpu__own_memory(dp->replicas[0], 1);
+    if (!dp->zero.stage || !dp->buckets.count) return;
+    for (int b = 0; b < dp->buckets.count && dp->zero.stage == 3; b++) mgpu__zero3_gather(dp, b, 0);
+    mgpu__own_memory(dp->replicas[0], 1);
+    for (int i = 0; i < dp->n; i++) dp->replicas[i]->layer_hook = NULL;
 }
 /* ZeRO's shares of every bucket, once the replicas no longer view them. */
 static void mgpu__zero_free(mgpu_data_parallel *dp) {
@@ -230,23 +382,30 @@ static void mgpu__zero_free(mgpu_data_parallel *dp) {
             mgpu_free(dp->zero.grad_chunk[b][i]);
             mgpu_free(dp->zero.state[b][i][0]);
             mgpu_free(dp->zero.state[b][i][1]);
+            mgpu_free(dp->zero.shard[b][i]);
+            mgpu_event_free(dp->zero.gathering[b][i]);
         }
+    for (int i = 0; i < dp->n; i++) mgpu_event_free(dp->zero.stepped[i]);
     free(dp->zero.values);
     free(dp->zero.grad_chunk);
     free(dp->zero.state);
+    free(dp->zero.shard);
+    free(dp->zero.gathering);
+    free(dp->zero.held);
+    free(dp->zero.unit_of_layer);
 }
 
 MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
     const char *op = "mgpu_data_parallel_zero";
-    MGPU_REQUIRE(stage >= 0 && stage <= 2, "%s: stage %d does not exist here: 0 (none), 1 (the optimizer's state "
-                 "sharded) or 2 (the gradients too); stage 3, the parameters too, is not built", op, stage);
+    MGPU_REQUIRE(stage >= 0 && stage <= 3, "%s: stage %d does not exist: 0 (none), 1 (the optimizer's state "
+                 "sharded), 2 (the gradients too) or 3 (the parameters too)", op, stage);
     MGPU_REQUIRE(dp->steps == 0 && dp->buckets.count == 0, "%s: call it before the wrapper's first step", op);
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE, "%s: the wrapper gathers on device 0 (MGPU_DP_GATHER); ZeRO "
                  "needs MGPU_DP_ALLREDUCE", op);
     MGPU_REQUIRE(!dp->dist.group || dp->n == 1, "%s: a distributed wrapper of %d devices a process; ZeRO needs one", op,
                  dp->n);
-    MGPU_REQUIRE(stage < 2 || !dp->buckets.yours, "%s: stage 2 reduce-scatters the gradients, so it cannot take your "
-                 "allreduce (%s)", op, dp->buckets.yours_name);
+    MGPU_REQUIRE(stage < 2 || !dp->buckets.yours, "%s: stage %d reduce-scatters the gradients, so it cannot take "
+                 "your allreduce (%s)", op, stage, dp->buckets.yours_name);
     dp->zero.stage = stage;
     for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0 && mgpu__dp_members(dp) > 1;
 }

@@ -27,18 +27,18 @@ TEST(the_pictures_x_runs_from_0_to_1_whatever_the_number_of_calls) {
     double fraction[9], held[9];
     const size_t base = 3 * 1048576;
     samples_rising(samples, 5, base);
-    timeline_curve(samples, 5, base, fraction, held);
+    timeline_curve(samples, 5, MGPU_MEMORY_ACTIVATIONS, base, fraction, held);
     for (int i = 0; i < 5; i++) {
         CHECK_CLOSE(fraction[i], i / 4.0, 1e-12, 0.0);
         CHECK_CLOSE(held[i], (double)i, 1e-12, 0.0);
     }
     samples_rising(samples, 9, base); /* twice the calls: the same 0 to 1 */
-    timeline_curve(samples, 9, base, fraction, held);
+    timeline_curve(samples, 9, MGPU_MEMORY_ACTIVATIONS, base, fraction, held);
     CHECK_CLOSE(fraction[0], 0.0, 1e-12, 0.0);
     CHECK_CLOSE(fraction[4], 0.5, 1e-12, 0.0);
     CHECK_CLOSE(fraction[8], 1.0, 1e-12, 0.0);
     CHECK_CLOSE(held[8], 8.0, 1e-12, 0.0);
-    timeline_curve(samples, 1, base, fraction, held); /* one call: at 0 */
+    timeline_curve(samples, 1, MGPU_MEMORY_ACTIVATIONS, base, fraction, held); /* one call: at 0 */
     CHECK_CLOSE(fraction[0], 0.0, 1e-12, 0.0);
 }
 

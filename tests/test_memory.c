@@ -354,16 +354,194 @@ TEST(zero_stages_train_like_the_unsharded_wrapper) {
         for (int adam = 0; adam <= 1; adam++) zero_like_unsharded(stage, adam);
 }
 
+/* ZeRO-3 against DDP (ZeRO off) and ZeRO-2 on w devices: 20 steps of a
+   small network with a residual block, in three units (buckets of 256
+   bytes or more: the layers 0-2, 3-4 and 5), so that each unit is
+   gathered and freed around its layers and the next one prefetched;
+   with momentum SGD or Adam, and with `segments` recomputed runs (of 3,
+   the middle one spans two units: its forward pass again, within the
+   backward pass of one, gathers the other again; of 2, the first one is
+   a unit, which its backward pass holds through the recomputed forward
+   pass that ends at its last layer, and which must prefetch nothing: a
+   unit gathered then would keep the values of before the step). Without
+   recomputation each step also runs the replicas' check, which under
+   stage 3 compares every device's gathered values. Between the steps and
+   the end the module evaluates: its forward pass gathers as it goes.
+   ZeRO-3 takes ZeRO-2's steps on the same chunks, so their parameters
+   (and logits) are the same bits. DDP's within 1e-6 of the largest
+   value on 2 devices (a + b is b + a), 1e-5 on 4: there its allreduce
+   adds the four gradients in another order than the reduce-scatter (the
+   ring's, or NCCL's), and 20 steps through batch norm and Adam grow that
+   rounding to a few 1e-6 (ZeRO-2 is exactly as far from DDP). */
+static mgpu_net *residual_net(mgpu_device *d) {
+    mgpu_manual_seed(13);
+    mgpu_net *net = mgpu_net_new(d);
+    mgpu_net_add_conv(net, 1, 6, 3, 1, 1);
+    mgpu_net_add_batchnorm(net, 6);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_residual(net, 6, 8, 2);
+    mgpu_net_add_global_avg_pool(net);
+    mgpu_net_add_linear(net, 8, 10);
+    return net;
+}
+static void zero3_like_ddp(int w, int adam, int segments) {
+    mgpu_device *devs[4];
+    mgpu_devices(w, TEST_ON_GPU, devs);
+    mgpu_net *nets[3]; /* DDP, ZeRO-2, ZeRO-3 */
+    mgpu_data_parallel *dps[3];
+    for (int k = 0; k < 3; k++) {
+        nets[k] = residual_net(devs[0]);
+        if (adam) mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 1);
+        if (segments > 1) mgpu_net_recompute(nets[k], segments);
+        dps[k] = mgpu_data_parallel_new(nets[k], devs, w, MGPU_DP_ALLREDUCE);
+        mgpu_data_parallel_configure(dps[k], 256, 1, 1);
+        if (k) mgpu_data_parallel_zero(dps[k], k + 1);
+    }
+    mgpu_data_parallel_check_replicas(dps[2], segments == 1); /* (its gathers and frees, each step, would hide a
+                                                                 unit left gathered) */
+    for (int s = 0; s < 20; s++) {
+        mgpu_tensor *x, *y;
+        mgpu_manual_seed(100 + (uint64_t)s);
+        x = mgpu_randn(dev, mgpu_shape4(8, 1, 8, 8), 0.0f, 1.0f);
+        float labels[8];
+        for (int i = 0; i < 8; i++) labels[i] = (float)((i * 3 + s) % 10);
+        y = mgpu_from_host(dev, mgpu_shape1(8), labels);
+        for (int k = 0; k < 3; k++)
+            mgpu_data_parallel_step(dps[k], x, y, adam ? 0.01f : 0.1f, adam ? 0.0f : 0.9f, 0.01f);
+        mgpu_free(x);
+        mgpu_free(y);
+    }
+    mgpu_tensor *x = mgpu_randn(devs[0], mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *logits[3];
+    for (int k = 0; k < 3; k++) {
+        mgpu_net_set_training(nets[k], 0);
+        logits[k] = mgpu_net_forward(nets[k], x);
+    }
+    int same = same_bits(logits[2], logits[1]);
+    CHECK_CLOSE(test_relative_diff(logits[2], logits[0]), 0.0, 1e-5, 0);
+    mgpu_free(x);
+    for (int k = 0; k < 3; k++) mgpu_data_parallel_free(dps[k]); /* (stage 3 gathers the values into the module) */
+    for (int p = 0; p < nets[0]->nparams; p++) same &= same_bits(nets[2]->params[p]->value, nets[1]->params[p]->value);
+    for (int b = 0; b < nets[0]->nbuffers; b++) same &= same_bits(*nets[2]->buffers[b], *nets[1]->buffers[b]);
+    double diff = test_max_param_diff(nets[2], nets[0]), running = test_max_diff(nets[2], nets[0], 1);
+    double tolerance = w == 2 ? 1e-6 : 1e-5;
+    if (!same || diff > tolerance || running > tolerance)
+        printf("  ZeRO-3 on %d devices%s, %d runs: %s ZeRO-2's; from DDP's, parameters differ by %.3g, running "
+               "statistics by %.3g\n", w, adam ? ", AdamW" : "", segments, same ? "the same bits as" : "NOT",
+               diff, running);
+    CHECK(same);
+    CHECK_CLOSE(diff, 0.0, tolerance, 0);
+    CHECK_CLOSE(running, 0.0, tolerance, 0);
+    CHECK(nets[2]->steps == 20 && !nets[2]->sharded && !nets[2]->layer_hook);
+    for (int k = 0; k < 3; k++) mgpu_net_free(nets[k]);
+}
+TEST(zero3_trains_like_ddp) {
+    for (int w = 2; w <= 4; w *= 2)
+        for (int adam = 0; adam <= 1; adam++) zero3_like_ddp(w, adam, 1);
+    zero3_like_ddp(2, 1, 3);
+    zero3_like_ddp(2, 0, 2);
+    zero3_like_ddp(2, 1, 2);
+}
+
+/* ZeRO-3's memory on w devices with Adam, three linear layers (a unit
+   each): between steps a device holds (4P + 4P + 8P) / w of the model's
+   state, P counted with each unit padded to w equal chunks, within 1%
+   (the allocator's 512-byte granules); over a step its parameters peak at
+   most at its chunks and the two largest units whole (the one that runs
+   and the next one, prefetched), and at least at its chunks and the
+   largest unit. */
+static void zero3_memory(int w) {
+    mgpu_device *devs[4];
+    mgpu_devices(w, TEST_ON_GPU, devs);
+    size_t base[3][4];
+    const mgpu_memory_category cats[3] = {MGPU_MEMORY_PARAMETERS, MGPU_MEMORY_GRADIENTS, MGPU_MEMORY_OPTIMIZER};
+    mgpu_synchronize_all();
+    for (int k = 0; k < 3; k++) held_all(devs, w, cats[k], base[k]);
+    mgpu_manual_seed(5);
+    mgpu_net *net = mgpu_net_new(devs[0]);
+    const int features[4] = {256, 512, 512, 10};
+    double padded = 0, units[3];
+    for (int l = 0; l < 3; l++) {
+        mgpu_net_add_linear(net, features[l], features[l + 1]);
+        if (l < 2) mgpu_net_add_relu(net);
+        double p = features[l] * features[l + 1] + features[l + 1];
+        units[l] = ceil(p / w) * w;
+        padded += units[l];
+    }
+    mgpu_net_use_adam(net, 0.9f, 0.999f, 1e-8f, 1);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 256, 1, 1);
+    mgpu_data_parallel_zero(dp, 3);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(8, 1, 16, 16), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(8));
+    for (int s = 0; s < 3; s++) {
+        if (s == 2) for (int i = 0; i < w; i++) mgpu_device_reset_peak(devs[i]);
+        mgpu_data_parallel_step(dp, x, y, 0.01f, 0.0f, 0.0f);
+    }
+    mgpu_synchronize_all();
+    double formula = (4 + 4 + 8) * padded / w, chunks = 4 * padded / w; /* (bytes) */
+    double two_units = 4 * (units[1] + units[0]), largest = 4 * units[1];
+    for (int i = 0; i < w; i++) {
+        double state = 0;
+        for (int k = 0; k < 3; k++) state += (double)(mgpu_device_memory_of(devs[i], cats[k]) - base[k][i]);
+        double params_peak = (double)(mgpu_device_memory_peak_of(devs[i], MGPU_MEMORY_PARAMETERS) - base[0][i]);
+        CHECK_CLOSE(state, formula, 0.01 * formula, 0);
+        int peak_ok = params_peak <= (chunks + two_units) * 1.01 && params_peak >= chunks + largest;
+        if (!peak_ok)
+            printf("  ZeRO-3 on %d devices, %s: the parameters' peak %.0f bytes; chunks %.0f, the largest unit %.0f, "
+                   "two units %.0f\n", w, mgpu_device_name(devs[i]), params_peak, chunks, largest, two_units);
+        CHECK(peak_ok);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+TEST(zero3_memory_follows_the_formula) {
+    for (int w = 2; w <= 4; w *= 2) zero3_memory(w);
+}
+
+/* The tracer shows ZeRO-3's gathers on each device's copy queue, under
+   a kind of their own: in a step, each unit gathered twice (for its
+   forward and its backward pass) by a copy from each of the w members. */
+TEST(zero3_gathers_show_on_the_copy_queues) {
+    const int w = 2, units = 3; /* (small_net with a bucket a layer) */
+    mgpu_device *devs[2];
+    mgpu_devices(w, TEST_ON_GPU, devs);
+    mgpu_net *net = small_net(devs[0]);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, w, MGPU_DP_ALLREDUCE);
+    mgpu_data_parallel_configure(dp, 256, 1, 1);
+    mgpu_data_parallel_zero(dp, 3);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(8, 1, 8, 8), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(8));
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f); /* (the first step makes the buckets) */
+    mgpu_trace_begin();
+    mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
+    mgpu_trace_end();
+    int gathers[2][2] = {{0, 0}, {0, 0}}; /* [device][lane] */
+    for (int i = 0; i < mgpu_trace_count(); i++) {
+        mgpu_trace_op op = mgpu_trace_get(i);
+        if (strcmp(op.name, "ZeRO-3 gather") != 0) continue;
+        CHECK(strcmp(op.kind, "ZeRO-3 gather") == 0);
+        for (int d = 0; d < w; d++) gathers[d][op.lane] += op.device == devs[d];
+    }
+    for (int d = 0; d < w; d++) {
+        CHECK_EQ_INT(gathers[d][1], 2 * units * w);
+        CHECK_EQ_INT(gathers[d][0], 0);
+    }
+    mgpu_free(x);
+    mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
 TEST(bad_zero_settings_are_refused_by_name) {
     mgpu_device *devs[2];
     mgpu_devices(2, TEST_ON_GPU, devs);
     mgpu_net *net = small_net(devs[0]);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
-    EXPECT_DIES(mgpu_data_parallel_zero(dp, 3), "mgpu_data_parallel_zero: stage 3 does not exist here: 0 (none), "
-                                                "1 (the optimizer's state sharded) or 2 (the gradients too)");
-    mgpu_data_parallel_zero(dp, 2);
+    EXPECT_DIES(mgpu_data_parallel_zero(dp, 4), "mgpu_data_parallel_zero: stage 4 does not exist: 0 (none), "
+                                                "1 (the optimizer's state sharded), 2 (the gradients too) or 3");
+    mgpu_data_parallel_zero(dp, 3);
     mgpu_tensor *x = mgpu_randn(dev, mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(4));
-    EXPECT_DIES(mgpu_data_parallel_accumulate(dp, x, y), "mgpu_data_parallel_accumulate: ZeRO stage 2 keeps only "
+    EXPECT_DIES(mgpu_data_parallel_accumulate(dp, x, y), "mgpu_data_parallel_accumulate: ZeRO stage 3 keeps only "
                                                          "a chunk of each gradient");
     mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
     EXPECT_DIES(mgpu_data_parallel_zero(dp, 1), "mgpu_data_parallel_zero: call it before the wrapper's first step");
