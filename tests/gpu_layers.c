@@ -686,7 +686,9 @@ TEST(conv_plan_by_rule) {
             test__failures++;
         }
     }
-    conv_twice_by(MGPU__CONV_RULE, "rule", mgpu_shape4(2, 64, 8, 8), mgpu_shape4(64, 64, 3, 3));
+    /* (a shape no other test plans: the plans are remembered by shape, and a
+       whole run would find conv_algorithm_chosen_by_measuring's) */
+    conv_twice_by(MGPU__CONV_RULE, "rule", mgpu_shape4(2, 64, 6, 6), mgpu_shape4(64, 64, 3, 3));
 }
 
 /* A first layer (1 channel, 3x3, 20 filters: two groups of the forward's
