@@ -4,7 +4,7 @@
 
    make bench/ddp
    mpirun -np 2 ./bench/ddp [--model lenet|resnet18] [--batch-size N] [--steps N]
-                            [--warmup N] [--reduce overlapped|after|none|all]
+                            [--warmup N] [--reduce WAY[,WAY...]|all] [--adam]
    ./bench/ddp ...                       one process (a group of one)
    ./bench/ddp --devices 2 ...           one process, 2 devices: chapter 3's wrapper
 
@@ -22,13 +22,22 @@
                  the backward pass has produced it (the default, as DDP);
      after       the buckets are averaged once the whole backward is done;
      none        no reduction (the replicas drift apart: no matter to a
-                 timing); the step's compute alone.
-   --reduce all builds one wrapper for each way and times them in turn,
+                 timing); the step's compute alone;
+     zero3       fully sharded (mgpu_data_parallel_zero(dp, 3)): each
+                 rank keeps 1/procs of the parameters, gradients and
+                 optimizer state; a bucket's values are gathered before
+                 its layers run, its gradients reduce-scattered (the
+                 ZeRO-3 step beside PyTorch's fully_shard,
+                 bench/pytorch/fsdp.py).
+   --reduce takes one way or several (overlapped,zero3); all is the first
+   three. Each way gets a wrapper of its own, and they are timed in turn,
    step by step (the first of each turn rotating), so that a busy moment
-   of the machine hits the three alike.
+   of the machine hits them alike. --adam: Adam (lr 0.001) in place of
+   SGD.
 
    A step, as timed: mgpu_data_parallel_step (the batch's shards copied to
-   the devices, forward, loss, backward, the reduction, SGD with lr 0.01),
+   the devices, forward, loss, backward, the reduction, SGD with lr 0.01
+   or Adam),
    then mgpu_synchronize_all and a barrier of the group, so that the step
    is over on every rank. Each way gets --warmup untimed steps (buckets,
    caches, the convolutions' trials), then --steps timed ones; a step's
@@ -40,12 +49,13 @@
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
 
-#define NWAYS 3
+#define NWAYS 4
 typedef struct {
     const char *name;
     int overlap, reduce; /* for mgpu_data_parallel_configure */
+    int zero;            /* ZeRO's stage (mgpu_data_parallel_zero), 0: none */
 } way;
-static const way ways[NWAYS] = {{"overlapped", 1, 1}, {"after", 0, 1}, {"none", 1, 0}};
+static const way ways[NWAYS] = {{"overlapped", 1, 1, 0}, {"after", 0, 1, 0}, {"none", 1, 0, 0}, {"zero3", 1, 1, 3}};
 
 int main(int argc, char **argv) {
     mgpu_group *world = mgpu_dist_init(&argc, &argv);
@@ -57,13 +67,17 @@ int main(int argc, char **argv) {
     o.seed = 1;
     int steps = 10, warmup = 2;
     const char *model = "lenet", *reduce = "overlapped";
+    int adam = 0;
     const mgpu_flag extra[] = {
         {"--model", 's', &model, "lenet (chapter 2's) or resnet18 (chapter 3's)"},
         {"--batch-size", 'i', &o.batch_size,
          "batch of one process (one device with --devices); default 256 for lenet, 32 for resnet18"},
         {"--steps", 'i', &steps, "timed steps of each way (default 10)"},
         {"--warmup", 'u', &warmup, "untimed steps first (default 2)"},
-        {"--reduce", 's', &reduce, "overlapped, after, none, or all three in turn (default overlapped)"},
+        {"--reduce", 's', &reduce,
+         "overlapped, after, none, zero3, several of them (overlapped,zero3), or all: the first three "
+         "(default overlapped)"},
+        {"--adam", 'b', &adam, "Adam (lr 0.001) in place of SGD (lr 0.01)"},
         {"--devices", 'i', &o.devices,
          "devices of one process: 2 or more times chapter 3's wrapper instead (not under mpirun)"},
         {"--epochs", 'n', NULL, "--epochs: bench/ddp times steps (--steps)"},
@@ -75,12 +89,20 @@ int main(int argc, char **argv) {
                        extra, (int)(sizeof extra / sizeof extra[0]));
     int is_resnet = strcmp(model, "resnet18") == 0;
     MGPU_REQUIRE(is_resnet || strcmp(model, "lenet") == 0, "--model: lenet or resnet18, got '%s'", model);
-    int first = 0, last = NWAYS - 1;
-    if (strcmp(reduce, "all") != 0) {
-        for (first = 0; first < NWAYS && strcmp(ways[first].name, reduce) != 0; first++) {}
-        MGPU_REQUIRE(first < NWAYS, "--reduce: overlapped, after, none or all, got '%s'", reduce);
-        last = first;
+    /* the ways asked for: a list, a comma between, or all (the first three) */
+    int chosen[NWAYS], nways = 0;
+    char names[128];
+    snprintf(names, sizeof names, "%s", strcmp(reduce, "all") == 0 ? "overlapped,after,none" : reduce);
+    for (char *save = NULL, *name = strtok_r(names, ",", &save); name; name = strtok_r(NULL, ",", &save)) {
+        int w = 0;
+        while (w < NWAYS && strcmp(ways[w].name, name) != 0) w++;
+        for (int k = 0; k < nways && w < NWAYS; k++)
+            if (chosen[k] == w) w = NWAYS; /* (each way once) */
+        MGPU_REQUIRE(w < NWAYS, "--reduce %s: want overlapped, after, none or zero3, each once (a comma "
+                     "between), or all", reduce);
+        chosen[nways++] = w;
     }
+    MGPU_REQUIRE(nways > 0, "--reduce: empty; want overlapped, after, none or zero3, or all");
     MGPU_REQUIRE(o.devices == 1 || procs == 1,
                  "--devices %d: one process with several devices, or several processes with one each "
                  "(this is rank %d of %d)", o.devices, rank, procs);
@@ -103,14 +125,18 @@ int main(int argc, char **argv) {
 
     mgpu_net *net[NWAYS] = {NULL};
     mgpu_data_parallel *dp[NWAYS] = {NULL};
-    for (int w = first; w <= last; w++) {
+    float lr = adam ? 0.001f : 0.01f;
+    for (int k = 0; k < nways; k++) {
+        int w = chosen[k];
         mgpu_manual_seed(o.seed);
         net[w] = is_resnet ? mgpu_resnet18(10, 1, devs[0]) : mgpu_lenet(devs[0]);
+        if (adam) mgpu_net_use_adam(net[w], 0.9f, 0.999f, 1e-8f, 0);
         dp[w] = mgpu_distributed_data_parallel_new_devices(net[w], devs, o.devices, world);
         mgpu_data_parallel_configure(dp[w], 25u << 20, ways[w].overlap, ways[w].reduce);
+        if (ways[w].zero) mgpu_data_parallel_zero(dp[w], ways[w].zero);
     }
     for (int s = 0; s < warmup; s++)
-        for (int w = first; w <= last; w++) mgpu_data_parallel_step(dp[w], x, y, 0.01f, 0.0f, 0.0f);
+        for (int k = 0; k < nways; k++) mgpu_data_parallel_step(dp[chosen[k]], x, y, lr, 0.0f, 0.0f);
     mgpu_synchronize_all();
     mgpu_group_barrier(world);
 
@@ -118,12 +144,11 @@ int main(int argc, char **argv) {
     double *times = (double *)malloc(sizeof(double) * NWAYS * (size_t)steps);
     /* The ways take turns, and the turn's first way rotates from step to
        step: no way always runs right after another's step. */
-    int nways = last - first + 1;
     for (int s = 0; s < steps; s++)
         for (int k = 0; k < nways; k++) {
-            int w = first + (s + k) % nways;
+            int w = chosen[(s + k) % nways];
             double t0 = mgpu_now();
-            mgpu_data_parallel_step(dp[w], x, y, 0.01f, 0.0f, 0.0f);
+            mgpu_data_parallel_step(dp[w], x, y, lr, 0.0f, 0.0f);
             mgpu_synchronize_all();
             mgpu_group_barrier(world);
             times[w * steps + s] = mgpu_now() - t0;
@@ -141,7 +166,8 @@ int main(int argc, char **argv) {
                "median of %d steps after %d of warm-up\n", is_resnet ? "ResNet-18" : "LeNet", procs,
                procs > 1 ? "es" : "", o.devices, o.devices > 1 ? "s" : "", list, batch, global_batch, steps,
                warmup);
-    for (int w = first; w <= last; w++) {
+    for (int k = 0; k < nways; k++) {
+        int w = chosen[k];
         for (int s = 0; s < steps; s++) {
             double longest = 0;
             for (int r = 0; r < procs; r++) longest = fmax(longest, all[(size_t)r * n + w * steps + s]);
@@ -154,18 +180,18 @@ int main(int argc, char **argv) {
             printf("  %-10s %9.2f ms per step (fastest %.2f), %8.1f images/s, gradients by %s\n", ways[w].name,
                    median * 1e3, sorted[0] * 1e3, global_batch / median, algorithm);
             printf("RESULT ddp model=%s procs=%d devices=%d batch=%d global_batch=%d reduce=%s algorithm=%s "
-                   "steps=%d step_ms=%.3f min_ms=%.3f images_per_s=%.1f\n", model, procs, o.devices, batch,
-                   global_batch, ways[w].name, algorithm, steps, median * 1e3, sorted[0] * 1e3,
-                   global_batch / median);
+                   "optimizer=%s steps=%d step_ms=%.3f min_ms=%.3f images_per_s=%.1f\n", model, procs, o.devices,
+                   batch, global_batch, ways[w].name, algorithm, adam ? "adam" : "sgd", steps, median * 1e3,
+                   sorted[0] * 1e3, global_batch / median);
         }
     }
 
     free(sorted);
     free(all);
     free(times);
-    for (int w = first; w <= last; w++) {
-        mgpu_data_parallel_free(dp[w]);
-        mgpu_net_free(net[w]);
+    for (int k = 0; k < nways; k++) {
+        mgpu_data_parallel_free(dp[chosen[k]]);
+        mgpu_net_free(net[chosen[k]]);
     }
     mgpu_free(x);
     mgpu_free(y);
