@@ -173,6 +173,7 @@ TEST(interleaved_gives_one_devices_gradients) {
     }
 }
 
+#if !TEST_ON_GPU /* (its loops are its own: CPU devices) */
 /* A layer of one's own, y = w x with w one learnt value, whose backward
    splits (l->split_backward): dx = w dy, dw = sum dy x, each computed
    from what it is given alone. It counts the calls that gave both, which
@@ -211,7 +212,6 @@ static mgpu_net *net_with_scale(void) {
     return net;
 }
 
-#if !TEST_ON_GPU /* (its loops are its own: CPU devices) */
 TEST(zero_bubble_splits_a_layer_of_ones_own) {
     mgpu_device *devs[2];
     mgpu_devices(2, 0, devs);
