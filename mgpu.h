@@ -1885,7 +1885,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    "ZeRO-3 gather"): at most two units are whole at a time. (Across
    processes a gather is the group's all-gather, which the compute queue
    waits for where it is called: no overlap there.) A recomputed forward
-   pass (mgpu_net_recompute) gathers its units again. Between steps
+   pass (mgpu_net_recompute) gathers its units again. The gathers and
+   frees are the replicas' layer hook (mgpu_net_set_layer_hook): stage 3
+   refuses a network that has a hook of yours. Between steps
    param.value of a wrapped network points at nothing (a use of it is an
    error line), but mgpu_net_forward on the module still works: it gathers
    as it goes (over a distributed wrapper's ranks each gather is a

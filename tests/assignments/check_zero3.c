@@ -392,7 +392,8 @@ TEST(at_most_one_layers_parameters_during_a_step) {
         for (int r = 0; r < worlds[i]; r++)
             if (outcomes[i].peak[r] > outcomes[i].bound && ++over)
                 printf("  %d devices: device %d held %zu bytes of whole parameters at its peak besides its shards; "
-                       "one layer's take %zu: free each layer's after its passes, and copy the shards straight into place\n",
+                       "one layer's take %zu: free each layer's after its passes, and copy the shards straight "
+                       "into place\n",
                        worlds[i], r, outcomes[i].peak[r], outcomes[i].bound);
     }
     say_not_trained(left_out);
