@@ -336,7 +336,7 @@ test-long: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS)
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c
-# (NAME: ring, layer, measure, sampler, checkpoint, pipeline or zero_bubble). The checker prints a pass or a
+# (NAME: ring, layer, measure, sampler, checkpoint, pipeline, zero3 or zero_bubble). The checker prints a pass or a
 # fail per test; the exit status says whether all passed. (Warnings, not
 # errors: an unused parameter of a student's is no failure.)
 ASSIGNMENTS := $(patsubst tests/assignments/check_%.c,%,$(wildcard tests/assignments/check_*.c))

@@ -1422,6 +1422,18 @@ MGPU_DEF void mgpu_comm_wait(mgpu_device *const *devices, int n);
                                   backward pass (the net's: valid until the
                                   next one)
 
+       void mgpu_net_set_layer_hook(net, fn, ctx)
+   calls fn(ctx, net, layer, when) around each of the network's layers'
+   passes, `when` one of MGPU_BEFORE_FORWARD, MGPU_AFTER_FORWARD (around
+   a forward pass, and around the forward pass that recomputation runs
+   again within the backward pass, after MGPU_BEFORE_BACKWARD of the
+   run's last layer), MGPU_BEFORE_BACKWARD and MGPU_AFTER_BACKWARD
+   (around the layer's backward pass); fn NULL removes it. ZeRO-3
+   (mgpu_data_parallel_zero) gathers a unit's parameters with one, and
+   the ZeRO-3 assignment writes one: what the hook allocates counts under
+   MGPU_MEMORY_PARAMETERS. A network that a ZeRO-3 wrapper holds has the
+   wrapper's hook: setting another is a one-line error.
+
        void mgpu_net_loss_backward(net, logits, labels, scale, loss_sum_or_NULL)
    the backward pass of scale times the cross-entropy summed over the rows
    of logits (the last forward's): scale 1/N gives the mean over N rows;
@@ -1586,7 +1598,12 @@ struct mgpu_layer {
     mgpu_tensor *dweight, *dbias;
 };
 
-typedef struct mgpu_net {
+/* When a layer hook is called (mgpu_net_set_layer_hook). */
+enum { MGPU_BEFORE_FORWARD, MGPU_AFTER_FORWARD, MGPU_BEFORE_BACKWARD, MGPU_AFTER_BACKWARD };
+typedef struct mgpu_net mgpu_net;
+typedef void (*mgpu_layer_hook_fn)(void *ctx, mgpu_net *net, int layer, int when);
+
+struct mgpu_net {
     mgpu_device *device;
     int training;
     /* the arrays below grow as layers are added (their room: *_room) */
@@ -1600,11 +1617,11 @@ typedef struct mgpu_net {
     mgpu_tensor **second_moment; /* Adam's (mgpu_net_use_adam), made at its first step */
     int adam, decoupled;    /* the optimizer: SGD, or Adam (AdamW when decoupled) */
     int sharded;            /* its optimizer's state is spread over a ZeRO wrapper's members */
-    /* called around each of its layers' passes, or NULL (ZeRO-3 gathers a
-       unit's parameters before its layers run and frees them after):
-       layer_hook(layer_hook_ctx, net, layer, MGPU__BEFORE_FORWARD ...) */
-    void (*layer_hook)(void *ctx, struct mgpu_net *net, int layer, int when);
+    /* called around each of its layers' passes, or NULL
+       (mgpu_net_set_layer_hook) */
+    mgpu_layer_hook_fn layer_hook;
     void *layer_hook_ctx;
+    const char *layer_hook_owner; /* the library's part that set it ("a ZeRO-3 wrapper"), NULL if yours */
     float beta1, beta2, eps;
     /* activation recomputation (mgpu_net_recompute): runs asked for (0, as made, or 1: none),
        and for the last forward pass, the runs' first layers (room for
@@ -1630,7 +1647,7 @@ typedef struct mgpu_net {
        mgpu_net_buffer, which hand out what can be written. A wrapper's
        other replicas copy replica 0 again when it moved between steps. */
     unsigned changes;
-} mgpu_net;
+};
 
 MGPU_DEF mgpu_net *mgpu_net_new(mgpu_device *dev);
 MGPU_DEF mgpu_layer *mgpu_net_add_conv(mgpu_net *net, int in_channels, int out_channels, int kernel, int stride,
@@ -1656,6 +1673,7 @@ MGPU_DEF void mgpu_net_recompute(mgpu_net *net, int segments);
 MGPU_DEF void mgpu_net_free_activations(mgpu_net *net);
 MGPU_DEF void mgpu_net_want_input_grad(mgpu_net *net, int on);
 MGPU_DEF mgpu_tensor *mgpu_net_input_grad(mgpu_net *net);
+MGPU_DEF void mgpu_net_set_layer_hook(mgpu_net *net, mgpu_layer_hook_fn fn, void *ctx);
 MGPU_DEF void mgpu_net_sgd(mgpu_net *net, float lr, float momentum, float weight_decay);
 MGPU_DEF void mgpu_net_use_adam(mgpu_net *net, float beta1, float beta2, float eps, int decoupled);
 MGPU_DEF void mgpu_net_step(mgpu_net *net, float lr, float momentum, float weight_decay);
@@ -1867,7 +1885,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    "ZeRO-3 gather"): at most two units are whole at a time. (Across
    processes a gather is the group's all-gather, which the compute queue
    waits for where it is called: no overlap there.) A recomputed forward
-   pass (mgpu_net_recompute) gathers its units again. Between steps
+   pass (mgpu_net_recompute) gathers its units again. The gathers and
+   frees are the replicas' layer hook (mgpu_net_set_layer_hook): stage 3
+   refuses a network that has a hook of yours. Between steps
    param.value of a wrapped network points at nothing (a use of it is an
    error line), but mgpu_net_forward on the module still works: it gathers
    as it goes (over a distributed wrapper's ranks each gather is a

@@ -754,18 +754,21 @@ static void mgpu__net_weight_copies(mgpu_net *net) {
 #endif
 }
 
-/* When a network's layer hook (mgpu_net's layer_hook) is called: around
-   each layer's forward pass (a recomputed one too) and backward pass. */
-enum { MGPU__BEFORE_FORWARD, MGPU__AFTER_FORWARD, MGPU__BEFORE_BACKWARD, MGPU__AFTER_BACKWARD };
+/* The network's layer hook (mgpu_net_set_layer_hook), if it has one, at
+   `when` of layer `layer`: what it allocates counts with the parameters
+   (it gathers them, or makes them some other way). */
 static void mgpu__net_hook(mgpu_net *net, int layer, int when) {
-    if (net->layer_hook) net->layer_hook(net->layer_hook_ctx, net, layer, when);
+    if (!net->layer_hook) return;
+    int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
+    net->layer_hook(net->layer_hook_ctx, net, layer, when);
+    mgpu__memory_scope((mgpu_memory_category)scope);
 }
 /* Layer i's forward pass within the network, with the hook around it. */
 static const mgpu_tensor *mgpu__net_layer_forward(mgpu_net *net, int i, const mgpu_tensor *h, const mgpu_tensor *h_t,
                                                   int training) {
-    mgpu__net_hook(net, i, MGPU__BEFORE_FORWARD);
+    mgpu__net_hook(net, i, MGPU_BEFORE_FORWARD);
     h = mgpu__layer_forward(net->layers[i], h, h_t, i + 1 < net->nlayers ? net->layers[i + 1] : NULL, training);
-    mgpu__net_hook(net, i, MGPU__AFTER_FORWARD);
+    mgpu__net_hook(net, i, MGPU_AFTER_FORWARD);
     return h;
 }
 /* Frees the weights' channels-last copies a convolution keeps (and a
@@ -867,6 +870,13 @@ MGPU_DEF mgpu_tensor *mgpu_net_input_grad(mgpu_net *net) {
                  "mgpu_net_input_grad: no input gradient: call mgpu_net_want_input_grad(net, 1) before the "
                  "backward pass");
     return net->layers[0]->dinput;
+}
+MGPU_DEF void mgpu_net_set_layer_hook(mgpu_net *net, mgpu_layer_hook_fn fn, void *ctx) {
+    MGPU_REQUIRE(!net->layer_hook_owner, "mgpu_net_set_layer_hook: %s holds this network and gathers its "
+                 "parameters with a layer hook of its own: set yours after mgpu_data_parallel_free",
+                 net->layer_hook_owner);
+    net->layer_hook = fn;
+    net->layer_hook_ctx = ctx;
 }
 MGPU_DEF void mgpu_net_recompute(mgpu_net *net, int segments) {
     MGPU_REQUIRE(segments >= 1 || segments == MGPU_SEGMENTS_SQRT,
@@ -1098,7 +1108,7 @@ static void mgpu__net_require_backward(const mgpu_net *net, const char *who) {
 static const mgpu_tensor *mgpu__net_layer_backward_part(mgpu_net *net, int i, const mgpu_tensor *dy,
                                                         int accumulate, mgpu_pass_part part) {
     mgpu_layer *l = net->layers[i], *next = i + 1 < net->nlayers ? net->layers[i + 1] : NULL;
-    mgpu__net_hook(net, i, MGPU__BEFORE_BACKWARD); /* (before the recomputation, which needs it too) */
+    mgpu__net_hook(net, i, MGPU_BEFORE_BACKWARD); /* (before the recomputation, which needs it too) */
     int freed = mgpu__net_freed_segment_ending_at(net, i);
     if (freed >= 0) mgpu__net_recompute_segment(net, freed);
     int scope = mgpu__memory_scope(MGPU_MEMORY_WORKSPACE);
@@ -1116,7 +1126,7 @@ static const mgpu_tensor *mgpu__net_layer_backward_part(mgpu_net *net, int i, co
        forward pass); after B, W still reads them */
     for (int s = 0; s < net->nsegments && net->nsegments > 1 && part != MGPU_PASS_INPUT_GRAD; s++)
         if (net->segment_start[s] == i) mgpu__net_free_segment(net, s, s + 1 == net->nsegments);
-    mgpu__net_hook(net, i, MGPU__AFTER_BACKWARD);
+    mgpu__net_hook(net, i, MGPU_AFTER_BACKWARD);
     return dx;
 }
 static const mgpu_tensor *mgpu__net_layer_backward(mgpu_net *net, int i, const mgpu_tensor *dy, int accumulate) {

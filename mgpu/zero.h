@@ -175,7 +175,7 @@ static int mgpu__zero3_backward_under_way(const mgpu_data_parallel *dp, int i) {
         if (dp->zero.held[b][i]) return 1;
     return 0;
 }
-/* The replicas' layer hook (mgpu_net's layer_hook): the gathers and frees
+/* The replicas' layer hook (mgpu_net_set_layer_hook): the gathers and frees
    above around each unit's passes. A unit the backward pass holds stays
    whole through the recomputed forward passes of its layers; an earlier
    unit that such a pass runs is gathered again, and freed after its
@@ -188,12 +188,12 @@ static void mgpu__zero3_layer_hook(void *ctx, mgpu_net *net, int layer, int when
     if (b < 0) return;
     while (dp->replicas[i] != net) i++;
     mgpu__dp_bucket_layers(dp, b, &first, &last);
-    if (when == MGPU__BEFORE_FORWARD) { /* the forward pass goes to bucket b - 1 next */
+    if (when == MGPU_BEFORE_FORWARD) { /* the forward pass goes to bucket b - 1 next */
         mgpu__zero3_gather(dp, b, i);
         if (layer == first && b > 0 && !mgpu__zero3_backward_under_way(dp, i)) mgpu__zero3_gather_start(dp, b - 1, i);
-    } else if (when == MGPU__AFTER_FORWARD) {
+    } else if (when == MGPU_AFTER_FORWARD) {
         if (layer == last && !dp->zero.held[b][i]) mgpu__zero3_release(dp, b, i);
-    } else if (when == MGPU__BEFORE_BACKWARD) { /* the backward pass goes to bucket b + 1 next */
+    } else if (when == MGPU_BEFORE_BACKWARD) { /* the backward pass goes to bucket b + 1 next */
         mgpu__zero3_gather(dp, b, i);
         dp->zero.held[b][i] = 1;
         if (layer == last && b + 1 < dp->buckets.count) mgpu__zero3_gather_start(dp, b + 1, i);
@@ -217,8 +217,13 @@ static void mgpu__zero3_shard_bucket(mgpu_data_parallel *dp, int b) {
         mgpu_copy(dp->zero.shard[b][i], mine, 0);
         mgpu_free(mine);
         mgpu__zero3_release(dp, b, i);
-        dp->replicas[i]->layer_hook = mgpu__zero3_layer_hook;
-        dp->replicas[i]->layer_hook_ctx = dp;
+        mgpu_net *r = dp->replicas[i];
+        MGPU_REQUIRE(!r->layer_hook || r->layer_hook_owner, "ZeRO-3 (mgpu_data_parallel_zero(dp, 3)) gathers the "
+                     "parameters with a layer hook, and the network has one of yours (mgpu_net_set_layer_hook): "
+                     "remove it first");
+        r->layer_hook = mgpu__zero3_layer_hook;
+        r->layer_hook_ctx = dp;
+        r->layer_hook_owner = "a ZeRO-3 wrapper (mgpu_data_parallel_zero(dp, 3))";
     }
 }
 /* The replicas' check (mgpu_data_parallel_check_replicas). Under stage 3
@@ -372,7 +377,10 @@ static void mgpu__zero_unshare_values(mgpu_data_parallel *dp) {
     if (!dp->zero.stage || !dp->buckets.count) return;
     for (int b = 0; b < dp->buckets.count && dp->zero.stage == 3; b++) mgpu__zero3_gather(dp, b, 0);
     mgpu__own_memory(dp->replicas[0], 1);
-    for (int i = 0; i < dp->n; i++) dp->replicas[i]->layer_hook = NULL;
+    for (int i = 0; i < dp->n; i++) {
+        dp->replicas[i]->layer_hook = NULL;
+        dp->replicas[i]->layer_hook_owner = NULL;
+    }
 }
 /* ZeRO's shares of every bucket, once the replicas no longer view them. */
 static void mgpu__zero_free(mgpu_data_parallel *dp) {
@@ -406,6 +414,8 @@ MGPU_DEF void mgpu_data_parallel_zero(mgpu_data_parallel *dp, int stage) {
                  dp->n);
     MGPU_REQUIRE(stage < 2 || !dp->buckets.yours, "%s: stage %d reduce-scatters the gradients, so it cannot take "
                  "your allreduce (%s)", op, stage, dp->buckets.yours_name);
+    MGPU_REQUIRE(stage < 3 || !dp->replicas[0]->layer_hook, "%s: stage 3 gathers the parameters with a layer hook, "
+                 "and the network has one of yours (mgpu_net_set_layer_hook): remove it first", op);
     dp->zero.stage = stage;
     for (int i = 0; i < dp->n; i++) dp->replicas[i]->sharded = stage > 0 && mgpu__dp_members(dp) > 1;
 }

@@ -895,6 +895,61 @@ TEST(lenet_shapes) {
                            mgpu_conv2d_output_shape(x, mgpu_shape4(128, 64, 1, 1), 2, 0)));
 }
 
+/* A network's layer hook (mgpu_net_set_layer_hook) is called around
+   each layer's passes in the order they run: forward 0, 1, 2; backward
+   2, 1, 0; and with each layer a run of its own (mgpu_net_recompute), the
+   recomputed forward pass of runs 0 and 1 inside their layer's backward
+   pass, after MGPU_BEFORE_BACKWARD. What the hook allocates counts with
+   the parameters: a tensor of 1000 floats made in layer 1's before-
+   forward call and freed after it. */
+static struct {
+    char calls[64][8];
+    int n;
+    mgpu_net *net;
+    mgpu_tensor *made;
+} hooked;
+static void record_hook(void *ctx, mgpu_net *net, int layer, int when) {
+    static const char *const said[] = {"F<", "F>", "B<", "B>"};
+    CHECK(ctx == &hooked && net == hooked.net);
+    if (hooked.n < 64) snprintf(hooked.calls[hooked.n++], 8, "%s%d", said[when], layer);
+    if (layer == 1 && when == MGPU_BEFORE_FORWARD) hooked.made = mgpu_zeros(net->device, mgpu_shape1(1000));
+    if (layer == 1 && when == MGPU_AFTER_FORWARD) mgpu_free(hooked.made), hooked.made = NULL;
+}
+static void expect_hooked(const char *want) {
+    char got[512] = "";
+    for (int i = 0; i < hooked.n; i++) snprintf(got + strlen(got), sizeof got - strlen(got), "%s%s", i ? " " : "",
+                                                hooked.calls[i]);
+    if (strcmp(got, want) != 0) printf("  hook calls: %s\n  want:       %s\n", got, want);
+    CHECK(strcmp(got, want) == 0);
+    hooked.n = 0;
+}
+TEST(layer_hook_is_called_around_each_pass) {
+    mgpu_device *dev = mgpu_cpu();
+    mgpu_net *net = hooked.net = mgpu_net_new(dev);
+    mgpu_net_add_linear(net, 4, 8);
+    mgpu_net_add_relu(net);
+    mgpu_net_add_linear(net, 8, 3);
+    mgpu_tensor *x = mgpu_randn(dev, mgpu_shape2(5, 4), 0.0f, 1.0f), *y = mgpu_zeros(dev, mgpu_shape1(5));
+    mgpu_net_set_layer_hook(net, record_hook, &hooked);
+    for (int runs = 1; runs <= 3; runs += 2) {
+        mgpu_net_recompute(net, runs);
+        mgpu_synchronize_all();
+        size_t before = mgpu_device_memory_of(dev, MGPU_MEMORY_PARAMETERS);
+        mgpu_device_reset_peak(dev);
+        mgpu_tensor *logits = mgpu_net_forward(net, x);
+        mgpu_synchronize_all();
+        CHECK(mgpu_device_memory_peak_of(dev, MGPU_MEMORY_PARAMETERS) >= before + 1000 * sizeof(float));
+        expect_hooked("F<0 F>0 F<1 F>1 F<2 F>2");
+        mgpu_net_loss_backward(net, logits, y, 1.0f / 5, NULL);
+        expect_hooked(runs == 1 ? "B<2 B>2 B<1 B>1 B<0 B>0" : "B<2 B>2 B<1 F<1 F>1 B>1 B<0 F<0 F>0 B>0");
+    }
+    mgpu_net_set_layer_hook(net, NULL, NULL); /* (none: nothing called) */
+    mgpu_net_forward(net, x);
+    expect_hooked("");
+    mgpu_free(x), mgpu_free(y);
+    mgpu_net_free(net);
+}
+
 /* ----------------------------------------------------------- bad calls */
 /* A batch norm's running statistics move `momentum` of the way to the
    batch's at each training pass: 0.1 by default, and what

@@ -545,6 +545,8 @@ TEST(bad_zero_settings_are_refused_by_name) {
                                                          "a chunk of each gradient");
     mgpu_data_parallel_step(dp, x, y, 0.1f, 0.9f, 0.0f);
     EXPECT_DIES(mgpu_data_parallel_zero(dp, 1), "mgpu_data_parallel_zero: call it before the wrapper's first step");
+    EXPECT_DIES(mgpu_net_set_layer_hook(net, NULL, NULL), "mgpu_net_set_layer_hook: a ZeRO-3 wrapper "
+                                                           "(mgpu_data_parallel_zero(dp, 3)) holds this network");
     EXPECT_DIES(mgpu_checkpoint_save(net, "/tmp/never.ckpt", NULL), "mgpu_checkpoint_save: /tmp/never.ckpt: the "
                                                                    "optimizer's state of this network is spread");
     mgpu_checkpoint_info info;
@@ -552,6 +554,21 @@ TEST(bad_zero_settings_are_refused_by_name) {
                                                                     "optimizer's state of this network is spread");
     mgpu_free(x);
     mgpu_free(y);
+    mgpu_data_parallel_free(dp);
+    mgpu_net_free(net);
+}
+
+/* A layer hook of the program's own and ZeRO-3's cannot both hold a
+   network: stage 3 refuses a network that has one, by name. */
+static void no_hook(void *ctx, mgpu_net *net, int layer, int when) { (void)ctx, (void)net, (void)layer, (void)when; }
+TEST(zero3_refuses_a_network_with_a_hook_of_yours) {
+    mgpu_device *devs[2];
+    mgpu_devices(2, TEST_ON_GPU, devs);
+    mgpu_net *net = small_net(devs[0]);
+    mgpu_net_set_layer_hook(net, no_hook, NULL);
+    mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devs, 2, MGPU_DP_ALLREDUCE);
+    EXPECT_DIES(mgpu_data_parallel_zero(dp, 3), "mgpu_data_parallel_zero: stage 3 gathers the parameters with a "
+                                                "layer hook, and the network has one of yours");
     mgpu_data_parallel_free(dp);
     mgpu_net_free(net);
 }
