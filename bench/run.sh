@@ -52,10 +52,13 @@
 #              DDP at most 1.1 (chapter 5's issue), ZeRO-3 / DDP at most 1.3
 #              on the CPU (issue 52)
 #   pipeline   ./bench/pipeline --stages 2 and 4, and bench/pytorch/pipeline.py
-#              (on the CPU): an MLP of 8 linear layers in stages, naive model
-#              parallelism, GPipe and 1F1B with 8 micro-batches, alternated
-#              step by step; 1F1B / naive throughput at least 1.6 on 2 CPU
-#              devices (chapter 6's issue), and the bubbles.
+#              (on the CPU, 2 stages): an MLP of 16 blocks in stages, naive
+#              model parallelism, GPipe, 1F1B, ZB-H1 (PyTorch: its
+#              ScheduleInterleavedZeroBubble on the same 2 stages) and
+#              interleaved 1F1B (2 chunks a device) with 8 micro-batches,
+#              alternated step by step; 1F1B / naive throughput at least
+#              1.6 on 2 CPU devices (chapter 6's issue), the bubbles beside
+#              their formulas, and mgpu / PyTorch per schedule (issue 52).
 #   allreduce  ./bench/allreduce --devices 2 and 4: each algorithm's time
 #              over its floor (the bytes it must move at the copy rate
 #              measured in the same run) at 64 MiB and the largest size
@@ -338,18 +341,40 @@ row "ZeRO" "ZeRO-2 / DDP" "$(calc %.3f "$(result zero zero2_ratio)")" "<= 1.1 on
 row "ZeRO" "ZeRO-3 / DDP" "$(calc %.3f "$(result zero zero3_ratio)")" "<= 1.3 on the CPU (issue 52)"
 
 # -------------------------------------------------------------- pipeline
+# PIPE_SCHEDULES: each schedule's RESULT key in both programs and its name
+PIPE_SCHEDULES=(naive:naive gpipe:GPipe one_f_one_b:1F1B zero_bubble:ZB-H1 interleaved:"interleaved 1F1B")
 for stages in 2 4; do
-    step pipeline-$stages ./bench/pipeline --stages $stages
-    row "pipeline, an MLP in $stages stages $(value pipeline-$stages 's/^RESULT pipeline on=\(\[[^]]*\]\).*/\1/p'), batch $(result pipeline-$stages batch)" \
-        "ms per step: naive / GPipe / 1F1B (m = $(result pipeline-$stages micro_batches)); bubbles" \
-        "$(calc %.1f "$(result pipeline-$stages naive_ms)") / $(calc %.1f "$(result pipeline-$stages gpipe_ms)") / $(calc %.1f "$(result pipeline-$stages one_f_one_b_ms)"); $(calc %.3f "$(result pipeline-$stages gpipe_bubble)") / $(calc %.3f "$(result pipeline-$stages one_f_one_b_bubble)")"
+    log=pipeline-$stages
+    step $log ./bench/pipeline --stages $stages
+    ms="" bubbles=""
+    for entry in "${PIPE_SCHEDULES[@]}"; do
+        key=${entry%%:*}
+        ms+="${ms:+ / }$(calc %.1f "$(result $log ${key}_ms)")"
+        [ $key = naive ] && continue
+        bubbles+="${bubbles:+, }${entry#*:} $(calc %.3f "$(result $log ${key}_bubble)") ($(calc %.3f "$(result $log ${key}_formula)"))"
+    done
+    row "pipeline, an MLP in $stages stages $(value $log 's/^RESULT pipeline on=\(\[[^]]*\]\).*/\1/p'), batch $(result $log batch)" \
+        "ms per step: naive / GPipe / 1F1B / ZB-H1 / interleaved 1F1B ($(result $log chunks) chunks a device), m = $(result $log micro_batches)" "$ms"
+    row "pipeline, $stages stages" "bubble, measured (formula)" "$bubbles"
 done
 row "pipeline, 2 stages" "1F1B (m = 8) / naive throughput" "$(calc %.3f "$(result pipeline-2 one_f_one_b_speedup)")" \
     ">= 1.6 on 2 CPU devices (chapter 6's issue)"
-[ $TORCH = 1 ] && [ $ON_GPU = 0 ] && step pipeline.py "$PYTHON" -u bench/pytorch/pipeline.py
-[ $TORCH = 1 ] && [ $ON_GPU = 0 ] && row "pipeline, 2 stages, torch.distributed.pipelining (2 processes, gloo)" \
-    "GPipe / naive; 1F1B / naive throughput" \
-    "$(calc %.3f "$(result pipeline.py gpipe_speedup)"); $(calc %.3f "$(result pipeline.py one_f_one_b_speedup)") ($(calc %.1f "$(result pipeline.py naive_ms)") / $(calc %.1f "$(result pipeline.py gpipe_ms)") / $(calc %.1f "$(result pipeline.py one_f_one_b_ms)") ms)"
+if [ $TORCH = 1 ] && [ $ON_GPU = 0 ]; then
+    step pipeline.py "$PYTHON" -u bench/pytorch/pipeline.py
+    for entry in "${PIPE_SCHEDULES[@]}"; do
+        key=${entry%%:*} mgpu_ms=$(result pipeline-2 ${key}_ms) torch_ms=$(result pipeline.py ${key}_ms)
+        figure="ms per step mgpu / PyTorch, time ratio mgpu / PyTorch" speedups=""
+        if [ $key != naive ]; then
+            figure+="; speed-up over naive mgpu, PyTorch"
+            speedups="; $(calc %.3f "$(result pipeline-2 ${key}_speedup)"), $(calc %.3f "$(result pipeline.py ${key}_speedup)")"
+        fi
+        torch_name=""
+        [ $key = zero_bubble ] && torch_name=" (PyTorch's ScheduleInterleavedZeroBubble on the same 2 stages)"
+        row "pipeline, 2 stages, ${entry#*:}$torch_name: mgpu beside torch.distributed.pipelining (2 processes, gloo)" \
+            "$figure" \
+            "$(calc %.1f "$mgpu_ms") / $(calc %.1f "$torch_ms"), $(calc %.3f "$mgpu_ms / $torch_ms")$speedups"
+    done
+fi
 
 # ------------------------------------------------------------- allreduce
 for k in 2 4; do
