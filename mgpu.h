@@ -1896,9 +1896,12 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    refuses such a network until the wrapper is freed). The replicas' check
    compares what there is to compare: every device's gathered values,
    against device 0's, each step. mgpu_data_parallel_accumulate works with
-   stage 1, not 2 or 3; a checkpoint of a sharded network is refused until
-   the wrapper is freed, which gathers the state (and under stage 3 the
-   values) back into the module. */
+   every stage: under stages 2 and 3 the passes without a step keep each
+   bucket's whole gradient, adding to it, and the step's pass
+   reduce-scatters it (FSDP's no_sync does the same: between the passes
+   the gradients take their unsharded memory again). A checkpoint of a
+   sharded network is refused until the wrapper is freed, which gathers
+   the state (and under stage 3 the values) back into the module. */
 typedef enum { MGPU_DP_GATHER, MGPU_DP_ALLREDUCE } mgpu_dp_mode;
 typedef struct mgpu_data_parallel mgpu_data_parallel;
 MGPU_DEF mgpu_data_parallel *mgpu_data_parallel_new(mgpu_net *net, mgpu_device *const *devices,

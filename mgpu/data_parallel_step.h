@@ -237,8 +237,6 @@ MGPU_DEF void mgpu_data_parallel_accumulate(mgpu_data_parallel *dp, const mgpu_t
     MGPU_REQUIRE(dp->mode == MGPU_DP_ALLREDUCE,
                  "mgpu_data_parallel_accumulate: the wrapper gathers on device 0 (MGPU_DP_GATHER); "
                  "accumulating gradients needs MGPU_DP_ALLREDUCE");
-    MGPU_REQUIRE(dp->zero.stage < 2, "mgpu_data_parallel_accumulate: ZeRO stage %d keeps only a chunk of each "
-                 "gradient, so it cannot add up whole ones over passes (stage 1 can)", dp->zero.stage);
     mgpu__dp_follow_module(dp);
     mgpu__dp_broadcast_buffers(dp);
     mgpu__dp_scatter(dp, X, y);
