@@ -1963,7 +1963,8 @@ MGPU_DEF void mgpu_data_parallel_free(mgpu_data_parallel *dp);
    1F1B's order with B in place of the backward pass, and stage s puts
    each W off until s more B passes have run; the B passes then travel
    back through the stages without the W passes in their way, and the
-   first stages' W passes fill what was the bubble at the end. With F, B
+   last stages' W passes, put off longest, fill the time they idled at
+   the end of 1F1B, waiting for the first stages' backward passes. With F, B
    and W taking TF, TB, TW, each stage idles (p - 1)(TF + TB - TW)
    against m(TF + TB + TW) of work; equal ones, a fraction
    (p - 1) / (3m + p - 1) of the time, a third of 1F1B's (for m >= p).

@@ -95,8 +95,8 @@ static void mgpu__schedule_add(mgpu_pipeline_pass *order, int *n, int backward, 
 }
 /* 1F1B's order with each backward pass split into B and W, stage s
    putting W off until s more B passes have run: the last stages, whose
-   B passes the others wait for, run their B passes first, and the first
-   stages' W passes fill what was 1F1B's bubble at the end. */
+   B passes the others wait for, run their B passes first, and their W
+   passes, put off longest, fill the time 1F1B left them idle at the end. */
 MGPU_DEF void mgpu_schedule_zb_h1(int stage, int stages, int micro_batches, mgpu_pipeline_pass *order) {
     int m = micro_batches, warmup = stages - stage - 1 < m ? stages - stage - 1 : m;
     int n = 0, forward = 0, backward = 0, weights = 0;

@@ -216,6 +216,11 @@ static void mgpu__zero3_shard_bucket(mgpu_data_parallel *dp, int b) {
         mgpu_tensor *mine = mgpu_narrow(dp->zero.values[b][i], mgpu__dp_member(dp, i) * chunk, chunk);
         mgpu_copy(dp->zero.shard[b][i], mine, 0);
         mgpu_free(mine);
+        /* the other devices' gathers read the chunk after its copy (on
+           the copy queue, which the compute queue waits for), as after a
+           step */
+        if (!dp->zero.stepped[i]) dp->zero.stepped[i] = mgpu_event_new();
+        mgpu__event_record_on(dp->zero.stepped[i], &dp->devices[i]->queue[0]);
         mgpu__zero3_release(dp, b, i);
         mgpu_net *r = dp->replicas[i];
         MGPU_REQUIRE(!r->layer_hook || r->layer_hook_owner, "ZeRO-3 (mgpu_data_parallel_zero(dp, 3)) gathers the "
