@@ -144,7 +144,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 # one small test of each on the emulator (the rest run in `make test`).
 declare -A REHEARSAL_TEST=([gpu_comm]=nccl_broadcast [gpu_data]=loader [gpu_dist]=broadcast_all_gather
                            [gpu_fixtures]=lenet [gpu_layers]=relu_and_add [gpu_memory]=running_statistics
-                           [gpu_parallel]=resnet18_has [gpu_pipeline]=one_f_one_b
+                           [gpu_parallel]=resnet18_has [gpu_pipeline]=gpipe_1f1b_and_zb_h1
                            [gpu_tensor_parallel]=megatrons_mlp [gpu_train_ops]=sgd_plain)
 # The sanitizer's list: small shapes of every kernel family.
 SANITIZED=("gpu_layers conv2d_small" "gpu_layers implicit_gemm_small" "gpu_layers pooling"
