@@ -336,16 +336,22 @@ test-long: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS)
 
 # A student's solution of an assignment (docs/assignments.md), built with
 # its checker and run: make check-assignment NAME=ring FILE=student.c
-# (NAME: ring, layer, measure, sampler, checkpoint, pipeline, zero3 or zero_bubble). The checker prints a pass or a
-# fail per test; the exit status says whether all passed. (Warnings, not
-# errors: an unused parameter of a student's is no failure.)
+# (NAME: ring, layer, measure, sampler, checkpoint, pipeline, zero3 or
+# zero_bubble). The checker prints a pass or a fail per test; the exit
+# status says whether all passed. The library is compiled once, into
+# $(BUILD)/assignments/mgpu.o (mgpu.h with MGPU_IMPLEMENTATION), and each
+# check compiles only the checker with the student's file and links it,
+# as a course's programs link a library. (Warnings, not errors: an unused
+# parameter of a student's is no failure.)
 ASSIGNMENTS := $(patsubst tests/assignments/check_%.c,%,$(wildcard tests/assignments/check_*.c))
-check-assignment: $(DEPS_STAMP)
+$(BUILD)/assignments/mgpu.o: $(HEADERS) $(DEPS_STAMP)
+	@mkdir -p $(BUILD)/assignments
+	$(CC) $(CFLAGS_C) -DMGPU_IMPLEMENTATION -x c -c mgpu.h -o $@
+check-assignment: $(BUILD)/assignments/mgpu.o
 	@if [ -z "$(filter $(ASSIGNMENTS),$(NAME))" ] || [ ! -f "$(FILE)" ]; then \
 	  echo "usage: make check-assignment NAME=<$(subst $(SPACE),|,$(ASSIGNMENTS))> FILE=<your .c file>" >&2; exit 2; fi
-	@mkdir -p $(BUILD)/assignments
 	@$(CC) $(filter-out -Werror,$(CFLAGS_C)) -O1 -I. -DSTUDENT_FILE='"$(abspath $(FILE))"' tests/assignments/check_$(NAME).c \
-	  -o $(BUILD)/assignments/check_$(NAME) $(LIBS)
+	  $(BUILD)/assignments/mgpu.o -o $(BUILD)/assignments/check_$(NAME) $(LIBS)
 	@$(BUILD)/assignments/check_$(NAME)
 
 # (allocator_may_return_null: an allocation past what ASan allows returns

@@ -8,7 +8,6 @@
    one training pass, forward and backward, through a network cut into k
    runs, keeping only the runs' outputs between the two passes. The same
    network whole, with the library's plain pass, is the answer. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

@@ -3,7 +3,6 @@
        make check-assignment NAME=layer FILE=student.c
    which must define const mgpu_layer_fns leaky_relu, a leaky ReLU whose
    slope is the float its settings point to. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

@@ -5,20 +5,37 @@
    which must define double queues_busy_on_average(void): from the trace
    just recorded (mgpu_trace_count, mgpu_trace_get, mgpu_trace_span_ms),
    the queues busy on average. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE
 
-/* A task of the checker's own that sleeps, so that the times are known. */
-typedef struct { int ms; } sleep_args;
-static void sleep_task(const void *args, const mgpu__exec *ex) {
-    (void)ex;
-    usleep((useconds_t)((const sleep_args *)args)->ms * 1000);
+/* Tasks of known length: a one-layer network of the checker's own whose
+   forward pass sleeps (own_loops 1: it runs on the device's queue, as a
+   layer's pass does, so the trace records it). */
+static void sleep_forward(mgpu_layer *l, mgpu_tensor *y, const mgpu_tensor *x, int training) {
+    (void)y, (void)x, (void)training;
+    usleep((useconds_t)*(const int *)l->settings * 1000);
 }
+static void no_backward(mgpu_layer *l, mgpu_tensor *dx, mgpu_tensor *dweight, mgpu_tensor *dbias,
+                        const mgpu_tensor *dy, const mgpu_tensor *x, const mgpu_tensor *y) {
+    (void)l, (void)dx, (void)dweight, (void)dbias, (void)dy, (void)x, (void)y;
+}
+static const mgpu_layer_fns sleeping = {"sleep", NULL, sleep_forward, no_backward, 1};
+typedef struct { int ms; mgpu_net *net; mgpu_tensor *x; } sleeper;
+static sleeper sleepers[3];
+static int nsleepers;
 static void enqueue_sleep(mgpu_device *d, int ms) {
-    sleep_args a = {ms};
-    mgpu__launch_on(&d->queue[0], "sleep", sleep_task, NULL, &a, sizeof a);
+    sleeper *s = &sleepers[nsleepers++];
+    s->ms = ms;
+    s->net = mgpu_net_new(d);
+    mgpu_net_add_layer(s->net, &sleeping, NULL, NULL, &s->ms);
+    s->x = mgpu_zeros(d, mgpu_shape2(1, 1));
+    mgpu_net_forward(s->net, s->x);
+}
+static void free_sleepers(void) {
+    mgpu_synchronize_all();
+    for (int i = 0; i < nsleepers; i++) mgpu_free(sleepers[i].x), mgpu_net_free(sleepers[i].net);
+    nsleepers = 0;
 }
 /* The library's own answer: each queue's busy time over the span. */
 static double busy_by_the_library(mgpu_device **d, int n) {
@@ -37,6 +54,7 @@ static void check_scene(const char *what, int ndevices, int gap_ms) {
     mgpu_trace_end();
     double want = busy_by_the_library(d, 2), got = queues_busy_on_average();
     printf("  %s: %.4f queues busy on average (the library: %.4f)\n", what, got, want);
+    free_sleepers();
     CHECK(fabs(got - want) <= 1e-6 * want);
 }
 TEST(two_devices_at_once) { check_scene("two devices at once", 2, 0); }

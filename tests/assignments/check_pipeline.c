@@ -9,7 +9,6 @@
    It runs on 2, 3 and 4 CPU devices with 1, 2, 3, 4 and 8 micro-batches
    (fewer than the stages, too); one device's gradients and the library's
    bound min(m, p - s) on the activations are the answer. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

@@ -2,7 +2,6 @@
    assignment (docs/assignments.md). Built with the student's file by
        make check-assignment NAME=ring FILE=student.c
    which must define void ring_allreduce(mgpu_tensor **data, int n). */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

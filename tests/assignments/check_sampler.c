@@ -7,7 +7,6 @@
                                int drop_last, int *out);
    rank's share of the epoch's order of n samples, written into out; it
    returns how many. The library's sampler (mgpu_sampler) is the answer. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

@@ -12,10 +12,10 @@
    device's training on the whole batch, no whole parameter between
    steps, and at most one layer's whole parameters during a step are the
    answer. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
-#include <signal.h>
+#include "tests/assignments/child.h"
+#include <stdarg.h>
 #include <sys/mman.h>
 
 /* What the hook is given (ctx): one replica's view of the shards. */
@@ -257,35 +257,16 @@ static void train_sharded(int w, outcome *o) {
    test with one line rather than the checker's end; the library's error
    line, if it stopped the training, is kept. */
 static char child_said[NWORLDS][2400];
-static void run_in_a_child(int i) {
+static void train_in_the_child(void *arg) {
+    int i = *(const int *)arg;
+    train_sharded(worlds[i], &outcomes[i]);
+}
+static void run_training_in_a_child(int i) {
     outcome *o = &outcomes[i];
     if (o->ran) return;
     o->ran = 1;
-    int fds[2];
-    if (pipe(fds) != 0) { perror("pipe"); exit(2); }
-    mgpu_synchronize_all();
-    fflush(stdout), fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fds[0]);
-        dup2(fds[1], 2);
-        alarm(60);
-        train_sharded(worlds[i], o);
-        fflush(stdout);
-        _exit(0);
-    }
-    close(fds[1]);
-    char err[2048];
-    size_t len = 0;
-    ssize_t r;
-    while ((r = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)r;
-    err[len] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    char *line = strstr(err, "mgpu: error: ");
-    if (!line) line = err;
-    if (strchr(line, '\n')) *strchr(line, '\n') = 0;
+    char line[2048];
+    int status = run_in_a_child(train_in_the_child, &i, 60, line, sizeof line);
     char where[160];
     snprintf(where, sizeof where, "step %d, layer %d, %s your hook's %s call", o->step + 1, o->layer,
              o->in_hook ? "in" : "after", when_said[o->when]);
@@ -314,7 +295,7 @@ static int trained(int i) {
         mgpu_devices(MAX_WORLD, 0, devs);
         train_one_device();
     }
-    run_in_a_child(i);
+    run_training_in_a_child(i);
     return outcomes[i].finished;
 }
 static void say_not_trained(int left_out) {

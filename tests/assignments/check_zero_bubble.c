@@ -10,7 +10,6 @@
    one device's gradients, ZB-H1's bubble (p - 1) / (3m + p - 1) on passes
    of equal times, and its bound of min(m, p) micro-batches' activations
    on every stage are the answer. */
-#define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "tests/test.h"
 #include STUDENT_FILE

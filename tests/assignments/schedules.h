@@ -13,7 +13,7 @@
        ACTIVATION_BOUND(p, s, m)  the micro-batches stage s may hold
        BOUND_SAID                 that in words, for the failure's line
    (measure_in_flight). */
-#include <signal.h>
+#include "tests/assignments/child.h"
 
 #define TOLERANCE 1e-5
 #define MIN_STAGES 2
@@ -33,49 +33,33 @@ static const int micro[] = {1, 2, 3, 4, 8};
 static int tried[MAX_STAGES + 1][9]; /* [p][m]: 0 not yet, 1 accepted, -1 not (why_refused says why) */
 static char why_refused[MAX_STAGES + 1][9][2112]; /* (room for the whole of a child's line) */
 
+/* The child's part: the schedule alone first, into room for PASSES m
+   passes and more, to see that it writes nothing past them (the
+   library's order has no more); then the library's check. */
+typedef struct { mgpu_pipeline *pp; int m; } schedule_trial;
+static void try_schedule(void *arg) {
+    const schedule_trial *t = (const schedule_trial *)arg;
+    int p = mgpu_pipeline_num_stages(t->pp), m = t->m, n = PASSES * m;
+    mgpu_pipeline_pass *order = (mgpu_pipeline_pass *)malloc((size_t)(n + 16) * sizeof *order);
+    for (int s = 0; s < p; s++) {
+        for (int i = 0; i < n + 16; i++) order[i].backward = order[i].micro_batch = -7;
+        STUDENT_SCHEDULE(s, p, m, order);
+        for (int i = n; i < n + 16; i++)
+            if (order[i].backward != -7 || order[i].micro_batch != -7) {
+                fprintf(stderr, "your schedule writes order[%d] on stage %d of %d, m = %d; it has %d m = %d "
+                        "passes (order[0] to order[%d])\n", i, s, p, m, PASSES, n, n - 1);
+                _exit(3);
+            }
+    }
+    free(order);
+    mgpu_pipeline_set_schedule(t->pp, STUDENT_SCHEDULE, m);
+}
 static void try_in_a_child(mgpu_pipeline *pp, int m) {
     int p = mgpu_pipeline_num_stages(pp);
-    int fds[2];
-    if (pipe(fds) != 0) { perror("pipe"); exit(2); }
-    mgpu_synchronize_all(); /* (the child starts with nothing in flight) */
-    fflush(stdout), fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fds[0]);
-        dup2(fds[1], 2);
-        alarm(10);
-        /* first alone, into room for PASSES m passes and more, to see
-           that it writes nothing past them (the library's order has no
-           more) */
-        int n = PASSES * m;
-        mgpu_pipeline_pass *order = (mgpu_pipeline_pass *)malloc((size_t)(n + 16) * sizeof *order);
-        for (int s = 0; s < p; s++) {
-            for (int i = 0; i < n + 16; i++) order[i].backward = order[i].micro_batch = -7;
-            STUDENT_SCHEDULE(s, p, m, order);
-            for (int i = n; i < n + 16; i++)
-                if (order[i].backward != -7 || order[i].micro_batch != -7) {
-                    fprintf(stderr, "your schedule writes order[%d] on stage %d of %d, m = %d; it has %d m = %d "
-                            "passes (order[0] to order[%d])\n", i, s, p, m, PASSES, n, n - 1);
-                    _exit(3);
-                }
-        }
-        free(order);
-        mgpu_pipeline_set_schedule(pp, STUDENT_SCHEDULE, m);
-        _exit(0);
-    }
-    close(fds[1]);
-    char err[2048];
-    size_t len = 0;
-    ssize_t r;
-    while ((r = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)r;
-    err[len] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    /* the library's line (its error is one), not what the schedule printed before it */
-    char *why = why_refused[p][m], *line = strstr(err, "mgpu: error: ");
-    if (!line) line = err;
-    if (strchr(line, '\n')) *strchr(line, '\n') = 0;
+    schedule_trial trial = {pp, m};
+    char line[2048];
+    int status = run_in_a_child(try_schedule, &trial, 10, line, sizeof line);
+    char *why = why_refused[p][m];
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
         tried[p][m] = 1;
     else if (WIFEXITED(status) && WEXITSTATUS(status) == 3)
