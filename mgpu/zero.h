@@ -11,10 +11,35 @@
 static int mgpu__dp_chunk(const mgpu_data_parallel *dp, int b) {
     return (int)(dp->buckets.len[b] / (size_t)mgpu__dp_members(dp));
 }
+/* Adds up [start, start + len) of bucket b's gradients over the devices,
+   into dst (len floats), starting at device `first` and going round:
+   ((g_first + g_first+1) + ...) + g_first-1. Without the reduction, device
+   i's own values alone. */
+static void mgpu__dp_sum_from(mgpu_data_parallel *dp, int b, int i, int first, size_t start, size_t len,
+                              mgpu_tensor *dst) {
+    for (int j = 0; j < dp->n; j++) {
+        int from = dp->buckets.reduce ? (first + j) % dp->n : i;
+        mgpu_tensor *part = mgpu_narrow(dp->buckets.grads[b][from], (int)start, (int)len);
+        if (j == 0) {
+            mgpu_copy(dst, part, 1);
+        } else if (dp->buckets.reduce) {
+            mgpu_tensor *here = mgpu_narrow(dp->buckets.scratch[b][i], 0, (int)len);
+            mgpu_copy(here, part, 1);
+            mgpu_add_(dst, here);
+            mgpu_free(here);
+        }
+        mgpu_free(part);
+    }
+}
 /* ZeRO-2: device i's chunk of bucket b's gradient, summed over the
-   devices in their order (the replicas' gradients of a loss already
-   divided by the whole batch), or averaged over the ranks, into
-   grad_chunk[b][i]; then the whole bucket is freed. */
+   devices (the replicas' gradients of a loss already divided by the
+   whole batch), or averaged over the ranks, into grad_chunk[b][i]; then
+   the whole bucket is freed. Within one process each value is added up
+   in the order DDP's ring adds it (mgpu__ring_run): the ring cuts the
+   bucket's F values (unpadded) in n chunks, [F c/n, F (c+1)/n), and sums
+   chunk c from device c round, so ZeRO's steps are DDP's bit for bit.
+   Member i's chunk may straddle two of the ring's: each piece is summed
+   in its own order (the padding past F is zeros, in any order). */
 static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
     int chunk = mgpu__dp_chunk(dp, b);
     for (int i = 0; i < dp->n; i++)
@@ -27,20 +52,20 @@ static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
         mgpu_group_reduce_scatter(dp->dist.group, dp->buckets.grads[b][0], dp->zero.grad_chunk[b][0], MGPU_MEAN);
         dp->algorithm = mgpu_group_path(dp->dist.group, dp->devices[0]);
     } else {
+        int p0, p1;
+        size_t floats = 0, n = (size_t)dp->n;
+        mgpu__dp_bucket_params(dp, b, &p0, &p1);
+        for (int p = p0; p < p1; p++) floats += dp->replicas[0]->params[p]->value->numel;
         for (int i = 0; i < dp->n; i++) {
-            int m = mgpu__dp_member(dp, i);
-            for (int j = 0; j < dp->n; j++) {
-                int from = dp->buckets.reduce ? j : i; /* (without the reduction: its own chunk alone) */
-                mgpu_tensor *part = mgpu_narrow(dp->buckets.grads[b][from], m * chunk, chunk);
-                if (j == 0) {
-                    mgpu_copy(dp->zero.grad_chunk[b][i], part, 1);
-                } else if (dp->buckets.reduce) {
-                    mgpu_tensor *here = mgpu_narrow(dp->buckets.scratch[b][i], 0, chunk);
-                    mgpu_copy(here, part, 1);
-                    mgpu_add_(dp->zero.grad_chunk[b][i], here);
-                    mgpu_free(here);
-                }
-                mgpu_free(part);
+            size_t start = (size_t)mgpu__dp_member(dp, i) * (size_t)chunk, end = start + (size_t)chunk;
+            for (int c = 0; c <= dp->n; c++) { /* (c = n: the padding) */
+                size_t lo = c < dp->n ? floats * (size_t)c / n : floats, hi = c < dp->n ? floats * (size_t)(c + 1) / n : end;
+                if (lo < start) lo = start;
+                if (hi > end) hi = end;
+                if (hi <= lo) continue;
+                mgpu_tensor *dst = mgpu_narrow(dp->zero.grad_chunk[b][i], (int)(lo - start), (int)(hi - lo));
+                mgpu__dp_sum_from(dp, b, i, c % dp->n, lo, hi - lo, dst);
+                mgpu_free(dst);
             }
         }
         dp->algorithm = dp->buckets.reduce && dp->n > 1 ? "reduce-scatter" : "none";
