@@ -1872,8 +1872,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    only while the backward pass fills it, so there is no gradient to read
    in param.grad between steps). The updates are the same operations on
    the same numbers, so the parameters stay those of the unsharded
-   wrapper (bit for bit where the sums' order is the same: 2 devices, or
-   ranks). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
+   wrapper (bit for bit where the sums' order is the same: within a
+   process the reduce-scatter adds in the order of the ring's allreduce;
+   across ranks both are MPI's, or NCCL's). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
    between steps member m keeps chunk m of each bucket's values too, so
    each device holds (4P + 4P + 8P)/W of the model's state with Adam. A
    bucket is the unit gathered (mgpu_data_parallel_configure's size chooses
@@ -1882,9 +1883,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    which the parameters view, and frees it after them; the gradients are
    reduce-scattered and stepped as in stage 2. The next unit's gather runs
    on the copy queue while this unit computes (the timeline shows it as
-   "ZeRO-3 gather"): at most two units are whole at a time. (Across
-   processes a gather is the group's all-gather, which the compute queue
-   waits for where it is called: no overlap there.) A recomputed forward
+   "ZeRO-3 gather"; across processes it is the group's all-gather, on
+   the communication queue, which MPI through the host on a GPU cannot
+   overlap): at most two units are whole at a time. A recomputed forward
    pass (mgpu_net_recompute) gathers its units again. The gathers and
    frees are the replicas' layer hook (mgpu_net_set_layer_hook): stage 3
    refuses a network that has a hook of yours. Between steps

@@ -1172,11 +1172,14 @@ MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root) {
     mgpu__group_run(g, c, t, t, 1, NULL);
 }
 
-MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out) {
-    mgpu__require_group_tensor("mgpu_group_all_gather", in);
-    mgpu__require_group_tensor("mgpu_group_all_gather", out);
+/* An all-gather that the compute queue waits for (wait), or, on a CPU
+   device or by NCCL, not yet: the caller waits for the communication
+   queue where it needs out (ZeRO-3's prefetch). */
+static void mgpu__group_all_gather(const char *op, mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out, int wait) {
+    mgpu__require_group_tensor(op, in);
+    mgpu__require_group_tensor(op, out);
     MGPU_REQUIRE(out->numel == in->numel * (size_t)g->size && in->device == out->device,
-                 "mgpu_group_all_gather: out must hold %d times in's %zu values, on in's device (%s); it holds %zu on %s",
+                 "%s: out must hold %d times in's %zu values, on in's device (%s); it holds %zu on %s", op,
                  g->size, in->numel, in->device->name, out->numel, out->device->name);
     if (g->size == 1) {
         mgpu_tensor *flat = mgpu_view(out, in->shape);
@@ -1184,7 +1187,10 @@ MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_t
         mgpu_free(flat);
     }
     mgpu__coll c = {NULL, MGPU__ALL_GATHER, MGPU_SUM, 0, 0, in->numel, NULL, NULL};
-    mgpu__group_run(g, c, in, out, 1, NULL);
+    mgpu__group_run(g, c, in, out, wait, NULL);
+}
+MGPU_DEF void mgpu_group_all_gather(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out) {
+    mgpu__group_all_gather("mgpu_group_all_gather", g, in, out, 1);
 }
 
 MGPU_DEF void mgpu_group_reduce_scatter(mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out,

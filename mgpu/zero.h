@@ -139,9 +139,10 @@ static void mgpu__dp_gather_values(mgpu_data_parallel *dp, int b) {
    so that it runs while this unit computes (prefetch): at most two units
    are whole at a time on a device. */
 /* Starts gathering bucket b's values on device i, unless they are there
-   or on their way: the members' chunks copied into a whole bucket on the
-   device's copy queue (the compute queue waits for them where the unit
-   runs, mgpu__zero3_gather), or an all-gather over the ranks. */
+   or on their way, on the device's copy queue, after what its compute
+   queue was given so far (whole's memory is free there): the members'
+   chunks copied into a whole bucket, or an all-gather over the ranks. The
+   compute queue waits for it where the unit runs (mgpu__zero3_gather). */
 static void mgpu__zero3_gather_start(mgpu_data_parallel *dp, int b, int i) {
     if (dp->zero.values[b][i]) return;
     int chunk = mgpu__dp_chunk(dp, b), p0, p1;
@@ -149,11 +150,13 @@ static void mgpu__zero3_gather_start(mgpu_data_parallel *dp, int b, int i) {
     int scope = mgpu__memory_scope(MGPU_MEMORY_PARAMETERS);
     mgpu_tensor *whole = dp->zero.values[b][i] = mgpu_empty(dev, mgpu_shape1((int)dp->buckets.len[b]));
     mgpu__memory_scope((mgpu_memory_category)scope);
+    mgpu__queue *q = &dev->queue[1];
     if (dp->dist.group) {
-        mgpu_group_all_gather(dp->dist.group, dp->zero.shard[b][0], whole);
+        /* (its chunk as the step left it: the collective waits for the
+           compute queue) */
+        mgpu__group_all_gather("ZeRO-3's gather", dp->dist.group, dp->zero.shard[b][0], whole, 0);
     } else {
-        mgpu__queue *q = &dev->queue[1];
-        mgpu__queue_wait_queue(q, &dev->queue[0]); /* (whole's memory is free where the compute queue is now) */
+        mgpu__queue_wait_queue(q, &dev->queue[0]);
         for (int j = 0; j < dp->n; j++) {
             mgpu_tensor *from = dp->zero.shard[b][j];
             /* the chunk as member j's last step wrote it (not all that its
@@ -167,10 +170,10 @@ static void mgpu__zero3_gather_start(mgpu_data_parallel *dp, int b, int i) {
             mgpu__launch_on(q, "ZeRO-3 gather", mgpu__memcpy_cpu, MGPU__CUDA_FN(mgpu__memcpy_cuda), &copy,
                             sizeof copy);
         }
-        mgpu_event *done = dp->zero.gathering[b][i] = mgpu_event_new();
-        mgpu__event_record_on(done, q);
-        for (int j = 0; j < dp->n; j++) mgpu__tensor_track(dp->zero.shard[b][j], done);
     }
+    mgpu_event *done = dp->zero.gathering[b][i] = mgpu_event_new();
+    mgpu__event_record_on(done, q);
+    for (int j = 0; j < dp->n && !dp->dist.group; j++) mgpu__tensor_track(dp->zero.shard[b][j], done);
     mgpu__dp_bucket_params(dp, b, &p0, &p1);
     mgpu__views_into(whole, dp->replicas[i], p0, p1, 1, 0);
 }
