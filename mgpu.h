@@ -900,7 +900,10 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    im2col won the trials on 2-core CPUs; with MGPU_CONV=timed the first
    call of a pass with a shape times both ways and keeps the faster (so,
    as on a GPU, the rounding of the results can differ from run to run).
-   oneDNN's results depend on the number of threads too.
+   oneDNN's results depend on the number of threads too. A first layer's
+   weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
+   takes kernels/conv_few_inputs.h's CPU kernel instead, in every mode
+   but im2col, with or without oneDNN.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:

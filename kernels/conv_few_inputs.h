@@ -1,7 +1,8 @@
 /* kernels/conv_few_inputs.h: the forward pass and the weight gradient of
-   a convolution whose output pixel sees few inputs, C*R*S <= 9 (GPU only,
-   float32): a network's first layer on grayscale images, as ResNet-18's
-   stem (1 channel, 3x3) and LeNet's first convolution.
+   a convolution whose output pixel sees few inputs, C*R*S <= 9 (float32;
+   on a CPU the weight gradient alone):
+   a network's first layer on grayscale images, as ResNet-18's stem (1
+   channel, 3x3) and LeNet's first convolution.
 
    Why. With so few terms a value, these passes are not products worth the
    tensor cores: the forward pass does 9 multiplies and adds for each value
@@ -28,7 +29,23 @@
    Then the block adds its threads' sums (each warp by shuffles, then the
    warps' in order through shared memory) into the slice's partial
    [K, C*R*S], and mgpu__wgrad_sum (conv.h) adds the slices'
-   partials in order into dw: the same result from run to run. */
+   partials in order into dw: the same result from run to run.
+
+   CPU: the weight gradient alone (mgpu/convolution.h takes it for a
+   first layer on CPU devices; their forward pass is oneDNN's), an output
+   row (img, p) at a time. The row's inputs are first laid out as C*R*S
+   rows, in[i][q] (0 in the padding and past Q up to a whole number of
+   vector lanes), and its K rows of dy copied likewise, so that every loop
+   after runs along q over contiguous values, in vector lanes. For its
+   slice of the output rows it keeps K*C*R*S sums of MGPU__FEW_LANES
+   lanes, acc[k][i][j] += dy[k][q] in[i][q] for the q of lane j (no sum
+   across lanes until the slice ends). The slices, a fixed share of the
+   output rows each (as many as the CUDA kernel's), are the threads'
+   units, and their partials are added in order into dw: as with the
+   library's other CPU kernels, the result does not depend on the number
+   of threads. What it replaces: oneDNN's weight gradient for these
+   shapes, which works in its blocked layout (8 channels a vector: x's one
+   channel uses one lane in 8) and copies x and dy into it. */
 #ifndef MGPU_KERNELS_CONV_FEW_INPUTS_H
 #define MGPU_KERNELS_CONV_FEW_INPUTS_H
 #include "common.h"
@@ -69,6 +86,65 @@ typedef struct {
     int slices;
     mgpu__conv_geom g;
 } mgpu__conv_few_inputs_wgrad_args;
+
+/* ---- CPU ---- */
+#define MGPU__FEW_INPUTS_CPU_Q 256 /* the output rows' width, at most, that the CPU kernel takes */
+#define MGPU__FEW_LANES 8          /* values a vector register holds (AVX2's 8 floats) */
+static inline int mgpu__conv_few_inputs_cpu_fits(const mgpu__conv_geom *g) {
+    return mgpu__conv_few_inputs_fits(g) && g->q <= MGPU__FEW_INPUTS_CPU_Q;
+}
+/* Output row (img, p)'s inputs: in[i][q] = x[img, c, p t + r - d, q t + s - d]
+   for i = (c, r, s), 0 in the padding and past Q up to a whole number of
+   lanes. Returns that rounded-up width. */
+static int mgpu__few_inputs_row(const mgpu__conv_geom *g, const float *x, int img, int p,
+                                float (*in)[MGPU__FEW_INPUTS_CPU_Q]) {
+    int rs = g->r * g->s, width = (g->q + MGPU__FEW_LANES - 1) / MGPU__FEW_LANES * MGPU__FEW_LANES;
+    for (int i = 0; i < g->c * rs; i++) {
+        int c = i / rs, r = (i - c * rs) / g->s, s = i - c * rs - r * g->s;
+        int h = p * g->stride + r - g->pad;
+        const float *row = x + (((size_t)img * g->c + c) * g->h + h) * g->w;
+        for (int q = 0; q < width; q++) {
+            int w = q * g->stride + s - g->pad;
+            in[i][q] = q < g->q && h >= 0 && h < g->h && w >= 0 && w < g->w ? row[w] : 0.0f;
+        }
+    }
+    return width;
+}
+static void mgpu__conv_few_inputs_wgrad_cpu(const void *args, const mgpu__exec *ex) {
+    (void)ex;
+    enum { L = MGPU__FEW_LANES };
+    const mgpu__conv_few_inputs_wgrad_args *a = (const mgpu__conv_few_inputs_wgrad_args *)args;
+    const mgpu__conv_geom *g = &a->g;
+    int crs = g->c * g->r * g->s, rows = g->n * g->p;
+    size_t pq = (size_t)g->p * g->q, per_slice = (size_t)g->k * crs;
+    MGPU__CPU_PARALLEL_FOR((size_t)rows * g->q * g->k)
+    for (int slice = 0; slice < a->slices; slice++) {
+        float in[MGPU__FEW_INPUTS_MAX][MGPU__FEW_INPUTS_CPU_Q], dy[MGPU__FEW_INPUTS_CPU_Q];
+        float *acc = (float *)calloc(per_slice * L, sizeof(float)); /* [K][C*R*S][L] */
+        MGPU_REQUIRE(acc, "conv2d_backward few inputs dW: out of host memory (%zu bytes)", per_slice * L * sizeof(float));
+        int first = (int)((long)rows * slice / a->slices), end = (int)((long)rows * (slice + 1) / a->slices);
+        for (int row = first; row < end; row++) {
+            int img = row / g->p, p = row - img * g->p;
+            int width = mgpu__few_inputs_row(g, a->x, img, p, in);
+            for (int k = 0; k < g->k; k++) {
+                memcpy(dy, a->dy + ((size_t)img * g->k + k) * pq + (size_t)p * g->q, (size_t)g->q * sizeof(float));
+                for (int q = g->q; q < width; q++) dy[q] = 0.0f;
+                for (int i = 0; i < crs; i++) {
+                    float *sum = acc + ((size_t)k * crs + i) * L;
+                    for (int q0 = 0; q0 < width; q0 += L)
+                        for (int j = 0; j < L; j++) sum[j] += dy[q0 + j] * in[i][q0 + j];
+                }
+            }
+        }
+        for (size_t j = 0; j < per_slice; j++) a->partials[slice * per_slice + j] = mgpu__sum_run(acc + j * L, L);
+        free(acc);
+    }
+    for (size_t j = 0; j < per_slice; j++) {
+        float total = 0.0f;
+        for (int slice = 0; slice < a->slices; slice++) total += a->partials[slice * per_slice + j];
+        a->dw[j] = a->beta == 0.0f ? total : a->beta * a->dw[j] + total;
+    }
+}
 
 #if MGPU_CUDA
 /* The divisors the kernels use (mgpu__div, kernels/common.h), made once

@@ -1007,6 +1007,31 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
 }
 #endif
 
+/* ------------------------------- a CPU's first layer's weight gradient
+   A CPU device computes the weight gradient of a convolution whose output
+   pixel sees C*R*S <= 9 inputs (a first layer on grayscale images), where
+   dx is not asked for, by conv_few_inputs.h's CPU kernel, in every
+   MGPU_CONV mode but im2col: it reads the NCHW tensors as they are, where
+   oneDNN's blocked layout uses one vector lane in 8 for x and copies x
+   and dy into it (bench/RESULTS.md, 2026-11-29). Their forward pass stays
+   with oneDNN, which wrote it faster. Returns whether it enqueued the
+   pass: dw (=, or += with accumulate) from x and dy. */
+static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x, const mgpu_tensor *dy,
+                                           const mgpu__conv_geom *g, int accumulate) {
+    mgpu_device *dev = x->device;
+    mgpu__conv_settings_from_environment();
+    if (mgpu_device_is_gpu(dev) || mgpu__conv_mode == MGPU__CONV_IM2COL || !mgpu__conv_few_inputs_cpu_fits(g))
+        return 0;
+    mgpu__conv_few_inputs_wgrad_args a = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
+                                          mgpu__conv_few_inputs_slices(g), *g};
+    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.slices * g->k * g->c * g->r * g->s));
+    a.partials = partials->data;
+    mgpu__launch_on(&dev->queue[0], "conv2d_backward few inputs dW", mgpu__conv_few_inputs_wgrad_cpu, NULL, &a,
+                    sizeof a);
+    mgpu_free(partials); /* (reused only by work enqueued after this on the same queue) */
+    return 1;
+}
+
 /* ------------------------------------------ a CPU's: im2col or oneDNN */
 #if MGPU_ONEDNN
 /* A CPU device computes a convolution's pass with conv.h's im2col and
@@ -1308,8 +1333,9 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
+    if (!done && !dx && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
 #if MGPU_ONEDNN
-    if (!mgpu_device_is_gpu(dev)) {
+    if (!done && !mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, tf32};
         mgpu__conv_cpu(&call);
         done = 1;

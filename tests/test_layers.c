@@ -565,6 +565,13 @@ TEST(conv_settings_from_the_environment) {
     CHECK_EQ_INT(mgpu__conv_wgmma_asked, 1);
 }
 
+/* Whether the tracer saw an operation of this name since it began. */
+static int traced(const char *name) {
+    for (int i = 0; i < mgpu__library.trace_n; i++)
+        if (mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0) return 1;
+    return 0;
+}
+
 #if MGPU_ONEDNN
 /* One pass computed both ways on a CPU device: each tensor's values by
    im2col and by oneDNN (MGPU_CONV's modes im2col and implicit). */
@@ -594,12 +601,6 @@ static void check_close_floats(const char *what, const float *got, const float *
         CHECK_CLOSE(got[i], want[i], atol, rtol);
         if (test__failures != before) fprintf(stderr, "  (%s, element %zu)\n", what, i);
     }
-}
-/* Whether the tracer saw an operation of this name since it began. */
-static int traced(const char *name) {
-    for (int i = 0; i < mgpu__library.trace_n; i++)
-        if (mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0) return 1;
-    return 0;
 }
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
@@ -757,6 +758,59 @@ TEST(onednn_errors_are_one_line) {
                 "failed: invalid_arguments, in layer conv3\n");
 }
 #endif
+
+/* A first layer's weight gradient (C*R*S <= 9, dx not asked for) on a
+   CPU device takes conv_few_inputs.h's CPU kernel in every MGPU_CONV mode
+   but im2col: within float rounding of im2col's, written and added to, on
+   LeNet's and ResNet-18's first layers and on shapes with a stride,
+   padding, several channels and rows wider than a vector's lanes; the same
+   bits on 1 and 3 threads; and a pass that wants dx goes the other ways. */
+static float *first_layer_dw(mgpu__conv_mode_kind mode, int threads, mgpu_shape xs, mgpu_shape ws, int stride,
+                             int pad, int accumulate, int with_dx, int *by_few_inputs) {
+    mgpu_device *cpu = mgpu_cpu();
+    int saved = mgpu__cpu_threads;
+    mgpu__conv_mode = mode;
+    mgpu__cpu_threads = threads;
+    mgpu_manual_seed(5);
+    mgpu_tensor *x = mgpu_randn(cpu, xs, 0.0f, 1.0f), *w = mgpu_randn(cpu, ws, 0.0f, 0.1f);
+    mgpu_tensor *dy = mgpu_randn(cpu, mgpu_conv2d_output_shape(xs, ws, stride, pad), 0.0f, 1.0f);
+    mgpu_tensor *dw = mgpu_randn(cpu, ws, 0.0f, 1.0f), *dx = with_dx ? mgpu_empty(cpu, xs) : NULL;
+    mgpu_trace_begin();
+    mgpu_conv2d_backward(dx, dw, NULL, dy, x, w, stride, pad, accumulate);
+    mgpu_trace_end();
+    *by_few_inputs = traced("conv2d_backward few inputs dW");
+    float *got = to_host(dw);
+    mgpu_free(x), mgpu_free(w), mgpu_free(dy), mgpu_free(dw), mgpu_free(dx);
+    mgpu__cpu_threads = saved;
+    return got;
+}
+TEST(cpu_first_layer_weight_gradient_by_few_inputs) {
+    mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    struct { int n, c, h, k, r, stride, pad; } shapes[] = {
+        {8, 1, 28, 20, 3, 1, 0}, {4, 1, 28, 64, 3, 1, 1}, /* LeNet's (the book's) and ResNet-18's first layers */
+        {8, 1, 11, 5, 3, 2, 1}, {8, 3, 9, 7, 1, 1, 0}, {8, 1, 40, 6, 2, 1, 1}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        for (int accumulate = 0; accumulate <= 1; accumulate++) {
+            mgpu_shape xs = mgpu_shape4(shapes[i].n, shapes[i].c, shapes[i].h, shapes[i].h);
+            mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
+            int stride = shapes[i].stride, pad = shapes[i].pad, few[4];
+            size_t n = mgpu_shape_numel(ws);
+            float *want = first_layer_dw(MGPU__CONV_IM2COL, 1, xs, ws, stride, pad, accumulate, 0, &few[0]);
+            float *one = first_layer_dw(MGPU__CONV_RULE, 1, xs, ws, stride, pad, accumulate, 0, &few[1]);
+            float *three = first_layer_dw(MGPU__CONV_RULE, 3, xs, ws, stride, pad, accumulate, 0, &few[2]);
+            float *with_dx = first_layer_dw(MGPU__CONV_RULE, 1, xs, ws, stride, pad, accumulate, 1, &few[3]);
+            int before = test__failures;
+            CHECK(!few[0] && few[1] && few[2] && !few[3]);
+            for (size_t j = 0; j < n && test__failures == before; j++) CHECK_CLOSE(one[j], want[j], 1e-3, 1e-4);
+            CHECK(memcmp(one, three, n * sizeof(float)) == 0);
+            if (test__failures != before)
+                fprintf(stderr, "  (%d x %d -> %d, %dx%d, stride %d, pad %d, accumulate %d)\n", shapes[i].n,
+                        shapes[i].c, shapes[i].k, shapes[i].r, shapes[i].r, stride, pad, accumulate);
+            free(want), free(one), free(three), free(with_dx);
+        }
+    mgpu__conv_mode = saved;
+}
 
 /* The backward plan's choice of ways (mgpu__conv_backward_ways), on times
    made up so that each answer is known: the channels-last kernels' one
