@@ -42,44 +42,57 @@ typedef struct {
     int h, w, k;
 } mgpu__avg_pool_backward_args;
 
+/* One output row of the forward pass from the k image rows under it, and
+   one image row of the backward pass from its output row. The kernels
+   call them with k as the literal 2 where k is 2 (LeNet's): inlined, the
+   compiler then knows the stride and puts the loops over q in vector
+   lanes; with k known only at run time it cannot. */
+static inline __attribute__((always_inline)) void mgpu__avg_pool_row(float *out, const float *rows, int W, int Q,
+                                                                      int k) {
+    for (int q = 0; q < Q; q++) out[q] = 0.0f;
+    for (int di = 0; di < k; di++) /* (each window's values added in the order the CUDA kernel adds them) */
+        for (int dj = 0; dj < k; dj++)
+            for (int q = 0; q < Q; q++) out[q] += rows[(size_t)di * W + q * k + dj];
+    for (int q = 0; q < Q; q++) out[q] /= (float)(k * k);
+}
+static inline __attribute__((always_inline)) void mgpu__avg_pool_backward_row(float *row, const float *g, int Q,
+                                                                               int k) {
+    for (int q = 0; q < Q; q++)
+        for (int dj = 0; dj < k; dj++) row[q * k + dj] = g[q] / (float)(k * k);
+}
 static void mgpu__avg_pool_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__avg_pool_args *a = (const mgpu__avg_pool_args *)args;
-    int k = a->k, P = a->h / k, Q = a->w / k;
+    const int k = a->k, H = a->h, W = a->w, P = H / k, Q = W / k;
     size_t planes = a->n / ((size_t)P * Q);
     MGPU__CPU_PARALLEL_FOR(a->n * k * k)
     for (size_t plane = 0; plane < planes; plane++)
         for (int p = 0; p < P; p++) {
             /* the k image rows under the windows of output row p */
-            const float *rows = a->x + (plane * a->h + (size_t)p * k) * a->w;
+            const float *rows = a->x + (plane * H + (size_t)p * k) * W;
             float *out = a->y + (plane * P + p) * Q;
-            for (int q = 0; q < Q; q++) {
-                float sum = 0.0f;
-                for (int di = 0; di < k; di++)
-                    for (int dj = 0; dj < k; dj++) sum += rows[(size_t)di * a->w + q * k + dj];
-                out[q] = sum / (float)(k * k);
-            }
+            if (k == 2) mgpu__avg_pool_row(out, rows, W, Q, 2);
+            else mgpu__avg_pool_row(out, rows, W, Q, k);
         }
 }
 
 static void mgpu__avg_pool_backward_cpu(const void *args, const mgpu__exec *ex) {
     (void)ex;
     const mgpu__avg_pool_backward_args *a = (const mgpu__avg_pool_backward_args *)args;
-    int k = a->k, P = a->h / k, Q = a->w / k;
-    size_t planes = a->n / ((size_t)a->h * a->w);
+    const int k = a->k, H = a->h, W = a->w, P = H / k, Q = W / k;
+    size_t planes = a->n / ((size_t)H * W);
     MGPU__CPU_PARALLEL_FOR(a->n)
     for (size_t plane = 0; plane < planes; plane++)
-        for (int h = 0; h < a->h; h++) {
-            float *row = a->dx + (plane * a->h + h) * a->w;
+        for (int h = 0; h < H; h++) {
+            float *row = a->dx + (plane * H + h) * W;
             int w = 0;
             if (h / k < P) {
                 const float *g = a->dy + (plane * P + h / k) * Q;
-                for (int q = 0; q < Q; q++) {
-                    float share = g[q] / (float)(k * k);
-                    for (int dj = 0; dj < k; dj++) row[w++] = share;
-                }
+                if (k == 2) mgpu__avg_pool_backward_row(row, g, Q, 2);
+                else mgpu__avg_pool_backward_row(row, g, Q, k);
+                w = Q * k;
             }
-            for (; w < a->w; w++) row[w] = 0.0f; /* rounded off: in no window */
+            for (; w < W; w++) row[w] = 0.0f; /* rounded off: in no window */
         }
 }
 
