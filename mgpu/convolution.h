@@ -1013,9 +1013,9 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
    dx is not asked for, by conv_few_inputs.h's CPU kernel, in every
    MGPU_CONV mode but im2col: it reads the NCHW tensors as they are, where
    oneDNN's blocked layout uses one vector lane in 8 for x and copies x
-   and dy into it (bench/RESULTS.md, 2026-11-29). Their forward pass stays
-   with oneDNN, which wrote it faster. Returns whether it enqueued the
-   pass: dw (=, or += with accumulate) from x and dy. */
+   and dy into it (bench/RESULTS.md, "LeNet on the CPU"). The layer's
+   forward pass stays with oneDNN, which wrote it faster. Returns whether
+   it enqueued the pass: dw (=, or += with accumulate) from x and dy. */
 static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x, const mgpu_tensor *dy,
                                            const mgpu__conv_geom *g, int accumulate) {
     mgpu_device *dev = x->device;
