@@ -1,8 +1,8 @@
 /* kernels/conv_few_inputs.h: the forward pass and the weight gradient of
-   a convolution whose output pixel sees few inputs, C*R*S <= 9 (float32;
-   on a CPU the weight gradient alone):
-   a network's first layer on grayscale images, as ResNet-18's stem (1
-   channel, 3x3) and LeNet's first convolution.
+   a convolution whose output pixel sees few inputs, C*R*S <= 9, in
+   float32 (on a CPU the weight gradient alone): a network's first layer
+   on grayscale images, as ResNet-18's stem (1 channel, 3x3) and LeNet's
+   first convolution.
 
    Why. With so few terms a value, these passes are not products worth the
    tensor cores: the forward pass does 9 multiplies and adds for each value
@@ -38,12 +38,12 @@
    vector lanes), and its K rows of dy copied likewise, so that every loop
    after runs along q over contiguous values, in vector lanes. For its
    slice of the output rows it keeps K*C*R*S sums of MGPU__FEW_LANES
-   lanes, acc[k][i][j] += dy[k][q] in[i][q] for the q of lane j (no sum
-   across lanes until the slice ends). The slices, a fixed share of the
-   output rows each (as many as the CUDA kernel's), are the threads'
-   units, and their partials are added in order into dw: as with the
-   library's other CPU kernels, the result does not depend on the number
-   of threads. What it replaces: oneDNN's weight gradient for these
+   lanes in its part of the scratch, acc[k][i][j] += dy[k][q] in[i][q]
+   for the q of lane j. The slices, a fixed share of the output rows each
+   (as many as the CUDA kernel's), are the threads' units; at the end
+   each slice's lanes, then the slices, are added in order into dw: as
+   with the library's other CPU kernels, the result does not depend on
+   the number of threads. What it replaces: oneDNN's weight gradient for these
    shapes, which works in its blocked layout (8 channels a vector: x's one
    channel uses one lane in 8) and copies x and dy into it. */
 #ifndef MGPU_KERNELS_CONV_FEW_INPUTS_H
@@ -81,7 +81,7 @@ typedef struct {
     float *dw;        /* [K, C*R*S]: beta * dw + the gradient */
     const float *dy;  /* [n, K, P, Q] */
     const float *x;   /* [n, C, H, W] */
-    float *partials;  /* [slices, K, C*R*S] scratch */
+    float *partials;  /* [slices, K, C*R*S] scratch (the CPU kernel's: [slices, K, C*R*S, MGPU__FEW_LANES]) */
     float beta;
     int slices;
     mgpu__conv_geom g;
@@ -102,10 +102,14 @@ static int mgpu__few_inputs_row(const mgpu__conv_geom *g, const float *x, int im
     for (int i = 0; i < g->c * rs; i++) {
         int c = i / rs, r = (i - c * rs) / g->s, s = i - c * rs - r * g->s;
         int h = p * g->stride + r - g->pad;
+        if (h < 0 || h >= g->h) { /* a row of the padding */
+            for (int q = 0; q < width; q++) in[i][q] = 0.0f;
+            continue;
+        }
         const float *row = x + (((size_t)img * g->c + c) * g->h + h) * g->w;
         for (int q = 0; q < width; q++) {
             int w = q * g->stride + s - g->pad;
-            in[i][q] = q < g->q && h >= 0 && h < g->h && w >= 0 && w < g->w ? row[w] : 0.0f;
+            in[i][q] = q < g->q && w >= 0 && w < g->w ? row[w] : 0.0f;
         }
     }
     return width;
@@ -120,8 +124,8 @@ static void mgpu__conv_few_inputs_wgrad_cpu(const void *args, const mgpu__exec *
     MGPU__CPU_PARALLEL_FOR((size_t)rows * g->q * g->k)
     for (int slice = 0; slice < a->slices; slice++) {
         float in[MGPU__FEW_INPUTS_MAX][MGPU__FEW_INPUTS_CPU_Q], dy[MGPU__FEW_INPUTS_CPU_Q];
-        float *acc = (float *)calloc(per_slice * L, sizeof(float)); /* [K][C*R*S][L] */
-        MGPU_REQUIRE(acc, "conv2d_backward few inputs dW: out of host memory (%zu bytes)", per_slice * L * sizeof(float));
+        float *acc = a->partials + (size_t)slice * per_slice * L; /* [K][C*R*S][L] */
+        for (size_t j = 0; j < per_slice * L; j++) acc[j] = 0.0f;
         int first = (int)((long)rows * slice / a->slices), end = (int)((long)rows * (slice + 1) / a->slices);
         for (int row = first; row < end; row++) {
             int img = row / g->p, p = row - img * g->p;
@@ -136,12 +140,11 @@ static void mgpu__conv_few_inputs_wgrad_cpu(const void *args, const mgpu__exec *
                 }
             }
         }
-        for (size_t j = 0; j < per_slice; j++) a->partials[slice * per_slice + j] = mgpu__sum_run(acc + j * L, L);
-        free(acc);
     }
-    for (size_t j = 0; j < per_slice; j++) {
+    for (size_t j = 0; j < per_slice; j++) { /* each slice's lanes, then the slices, in order */
         float total = 0.0f;
-        for (int slice = 0; slice < a->slices; slice++) total += a->partials[slice * per_slice + j];
+        for (int slice = 0; slice < a->slices; slice++)
+            total += mgpu__sum_run(a->partials + ((size_t)slice * per_slice + j) * L, L);
         a->dw[j] = a->beta == 0.0f ? total : a->beta * a->dw[j] + total;
     }
 }

@@ -1024,7 +1024,7 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
         return 0;
     mgpu__conv_few_inputs_wgrad_args a = {dw->data, dy->data, x->data, NULL, accumulate ? 1.0f : 0.0f,
                                           mgpu__conv_few_inputs_slices(g), *g};
-    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.slices * g->k * g->c * g->r * g->s));
+    mgpu_tensor *partials = mgpu_empty(dev, mgpu_shape1(a.slices * g->k * g->c * g->r * g->s * MGPU__FEW_LANES));
     a.partials = partials->data;
     mgpu__launch_on(&dev->queue[0], "conv2d_backward few inputs dW", mgpu__conv_few_inputs_wgrad_cpu, NULL, &a,
                     sizeof a);

@@ -302,6 +302,14 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                 snprintf(name, sizeof name, "few inputs n%d c%d %dx%d k%d r%d stride %d pad %d: dW%s, %d slices", n,
                          c, h, w, k, r, stride, pad, accumulate ? " added" : "", slices);
                 same(name, dw_g, accumulate ? dw_c : dw_alone_c, 1e-5);
+                /* the CPU's kernel, in the same slices */
+                std::vector<float> dw_cpu = accumulate ? dw_start : nans(dw_c.size());
+                std::vector<float> lanes = nans((size_t)slices * k * crs * MGPU__FEW_LANES);
+                wg.dw = dw_cpu.data(), wg.partials = lanes.data();
+                mgpu__conv_few_inputs_wgrad_cpu(&wg, NULL);
+                snprintf(name, sizeof name, "few inputs n%d c%d %dx%d k%d r%d stride %d pad %d: CPU dW%s, %d slices",
+                         n, c, h, w, k, r, stride, pad, accumulate ? " added" : "", slices);
+                same(name, dw_cpu, accumulate ? dw_c : dw_alone_c, 1e-5);
             }
         few_inputs_cases++;
     }
