@@ -136,7 +136,7 @@ INCLUDED_SOURCES := $(CPU_TESTS) tests/dist_tests.c
 chapter_number = $(shell echo $(notdir $(1)) | sed 's/^0*\([0-9]*\)_.*/\1/')
 CHAPTER_BINS := $(foreach c,$(CHAPTERS),chapter$(call chapter_number,$(c)))
 
-.PHONY: all deps test test-long test-gpu test-asan bench data clean check-assignment
+.PHONY: all deps test test-long test-gpu test-asan bench data clean check-assignment FORCE
 
 all: $(CHAPTER_BINS)
 
@@ -341,18 +341,25 @@ test-long: all $(TEST_BUILDS) $(EMU_TEST) $(EMU_GPU_BINS)
 # status says whether all passed. The library is compiled once, into
 # $(BUILD)/assignments/mgpu.o (mgpu.h with MGPU_IMPLEMENTATION), and each
 # check compiles only the checker with the student's file and links it,
-# as a course's programs link a library. (Warnings, not errors: an unused
-# parameter of a student's is no failure.)
+# as a course's programs link a library; the object is made again when
+# the headers or the compile command change (mgpu.flags keeps the last
+# one). (Warnings, not errors, on both: an unused parameter of a
+# student's, or a warning of a compiler newer than ours, is no failure.)
 ASSIGNMENTS := $(patsubst tests/assignments/check_%.c,%,$(wildcard tests/assignments/check_*.c))
-$(BUILD)/assignments/mgpu.o: $(HEADERS) $(DEPS_STAMP)
-	@mkdir -p $(BUILD)/assignments
-	$(CC) $(CFLAGS_C) -DMGPU_IMPLEMENTATION -x c -c mgpu.h -o $@
-check-assignment: $(BUILD)/assignments/mgpu.o
+ASSIGNMENT_CC := $(CC) $(filter-out -Werror,$(CFLAGS_C))
+$(BUILD)/assignments/mgpu.flags: FORCE
+	@mkdir -p $(@D)
+	@echo '$(ASSIGNMENT_CC)' | cmp -s - $@ || echo '$(ASSIGNMENT_CC)' > $@
+$(BUILD)/assignments/mgpu.o: $(HEADERS) $(DEPS_STAMP) $(BUILD)/assignments/mgpu.flags
+	$(ASSIGNMENT_CC) -DMGPU_IMPLEMENTATION -x c -c mgpu.h -o $@
+check-assignment:
 	@if [ -z "$(filter $(ASSIGNMENTS),$(NAME))" ] || [ ! -f "$(FILE)" ]; then \
 	  echo "usage: make check-assignment NAME=<$(subst $(SPACE),|,$(ASSIGNMENTS))> FILE=<your .c file>" >&2; exit 2; fi
-	@$(CC) $(filter-out -Werror,$(CFLAGS_C)) -O1 -I. -DSTUDENT_FILE='"$(abspath $(FILE))"' tests/assignments/check_$(NAME).c \
+	@$(MAKE) -s --no-print-directory $(BUILD)/assignments/mgpu.o
+	@$(ASSIGNMENT_CC) -O1 -I. -DSTUDENT_FILE='"$(abspath $(FILE))"' tests/assignments/check_$(NAME).c \
 	  $(BUILD)/assignments/mgpu.o -o $(BUILD)/assignments/check_$(NAME) $(LIBS)
 	@$(BUILD)/assignments/check_$(NAME)
+FORCE:
 
 # (allocator_may_return_null: an allocation past what ASan allows returns
 # NULL, as glibc's malloc does, so the library's out-of-memory line is what
