@@ -1876,8 +1876,10 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    in param.grad between steps). The updates are the same operations on
    the same numbers, so the parameters stay those of the unsharded
    wrapper (bit for bit where the sums' order is the same: within a
-   process the reduce-scatter adds in the order of the ring's allreduce;
-   across ranks both are MPI's, or NCCL's). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
+   process stage 2's reduce-scatter adds each value in the order the
+   ring's allreduce does; stage 1's ring runs over the bucket padded to a
+   multiple of W, so beyond 2 devices a few values are added in another
+   order). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
    between steps member m keeps chunk m of each bucket's values too, so
    each device holds (4P + 4P + 8P)/W of the model's state with Adam. A
    bucket is the unit gathered (mgpu_data_parallel_configure's size chooses
@@ -1886,9 +1888,11 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    which the parameters view, and frees it after them; the gradients are
    reduce-scattered and stepped as in stage 2. The next unit's gather runs
    on the copy queue while this unit computes (the timeline shows it as
-   "ZeRO-3 gather"; across processes it is the group's all-gather, on
-   the communication queue, which MPI through the host on a GPU cannot
-   overlap): at most two units are whole at a time. A recomputed forward
+   "ZeRO-3 gather"): at most two units are whole at a time. Across
+   processes it is the group's all-gather ("all-gather" in the timeline),
+   on the communication queue: it overlaps the unit's work on CPU
+   devices; on GPUs the host waits for it, by MPI through the host or by
+   NCCL (mgpu/groups.h), so there it does not. A recomputed forward
    pass (mgpu_net_recompute) gathers its units again. The gathers and
    frees are the replicas' layer hook (mgpu_net_set_layer_hook): stage 3
    refuses a network that has a hook of yours. Between steps

@@ -1172,9 +1172,12 @@ MGPU_DEF void mgpu_group_broadcast(mgpu_group *g, mgpu_tensor *t, int root) {
     mgpu__group_run(g, c, t, t, 1, NULL);
 }
 
-/* An all-gather that the compute queue waits for (wait), or, on a CPU
-   device or by NCCL, not yet: the caller waits for the communication
-   queue where it needs out (ZeRO-3's prefetch). */
+/* An all-gather that the compute queue waits for (wait), or not yet:
+   the caller waits for the communication queue where it needs out
+   (ZeRO-3's prefetch). Only on a CPU device does it then run beside the
+   compute queue's work: by NCCL the host still waits for the collective
+   to end (the watch), and MPI through the host runs it on the calling
+   thread. */
 static void mgpu__group_all_gather(const char *op, mgpu_group *g, const mgpu_tensor *in, mgpu_tensor *out, int wait) {
     mgpu__require_group_tensor(op, in);
     mgpu__require_group_tensor(op, out);

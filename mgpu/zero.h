@@ -58,8 +58,9 @@ static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
         for (int p = p0; p < p1; p++) floats += dp->replicas[0]->params[p]->value->numel;
         for (int i = 0; i < dp->n; i++) {
             size_t start = (size_t)mgpu__dp_member(dp, i) * (size_t)chunk, end = start + (size_t)chunk;
-            for (int c = 0; c <= dp->n; c++) { /* (c = n: the padding) */
-                size_t lo = c < dp->n ? floats * (size_t)c / n : floats, hi = c < dp->n ? floats * (size_t)(c + 1) / n : end;
+            for (int c = 0; c <= dp->n; c++) {
+                size_t lo = floats * (size_t)c / n, hi = floats * (size_t)(c + 1) / n; /* the ring's chunk c */
+                if (c == dp->n) lo = floats, hi = end;                                 /* the padding */
                 if (lo < start) lo = start;
                 if (hi > end) hi = end;
                 if (hi <= lo) continue;
