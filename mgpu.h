@@ -1876,10 +1876,9 @@ MGPU_DEF double mgpu_evaluate_accuracy(mgpu_forward_fn forward, void *model, mgp
    in param.grad between steps). The updates are the same operations on
    the same numbers, so the parameters stay those of the unsharded
    wrapper (bit for bit where the sums' order is the same: within a
-   process stage 2's reduce-scatter adds each value in the order the
-   ring's allreduce does; stage 1's ring runs over the bucket padded to a
-   multiple of W, so beyond 2 devices a few values are added in another
-   order). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
+   process stage 1's ring reduces the bucket's values alone, not its
+   padding, and stage 2's reduce-scatter adds each value in the order the
+   ring does). Stage 3 (fully sharded data parallelism, PyTorch's FSDP):
    between steps member m keeps chunk m of each bucket's values too, so
    each device holds (4P + 4P + 8P)/W of the model's state with Adam. A
    bucket is the unit gathered (mgpu_data_parallel_configure's size chooses

@@ -215,14 +215,23 @@ static const char *mgpu__dp_reduce_bucket_over_ranks(mgpu_data_parallel *dp, int
     snprintf(dp->dist.path, sizeof dp->dist.path, "%s, then %s", local, path);
     return dp->dist.path;
 }
+static size_t mgpu__dp_bucket_floats(const mgpu_data_parallel *dp, int b);
 /* Starts the reduction of bucket b on every device: the caller's, the
    group's mean over the processes, or the library's (NCCL or the ring, on
-   the communication queues). */
+   the communication queues). The library's reduces the bucket's values
+   alone, not ZeRO-1's padding after them: the ring then cuts it where
+   it cuts the unsharded wrapper's, and adds each value in the same order. */
 static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
     if (dp->dist.group) return mgpu__dp_reduce_bucket_over_ranks(dp, b);
-    if (!dp->buckets.yours) return mgpu_allreduce_start(dp->buckets.grads[b], dp->n, 0, dp->buckets.scratch[b]);
-    dp->buckets.yours(dp->buckets.grads[b], dp->n);
-    return dp->buckets.yours_name;
+    if (dp->buckets.yours) {
+        dp->buckets.yours(dp->buckets.grads[b], dp->n);
+        return dp->buckets.yours_name;
+    }
+    mgpu_tensor *values[MGPU_MAX_DEVICES];
+    for (int i = 0; i < dp->n; i++) values[i] = mgpu_narrow(dp->buckets.grads[b][i], 0, (int)mgpu__dp_bucket_floats(dp, b));
+    const char *algorithm = mgpu_allreduce_start(values, dp->n, 0, dp->buckets.scratch[b]);
+    for (int i = 0; i < dp->n; i++) mgpu_free(values[i]); /* (views: the reduction tracks their bucket) */
+    return algorithm;
 }
 
 /* The members that share out the optimizer's state under ZeRO: the
@@ -280,6 +289,15 @@ static void mgpu__dp_bucket_params(const mgpu_data_parallel *dp, int b, int *p0,
     mgpu__dp_bucket_layers(dp, b, &first, &last);
     *p0 = net->first_param[first];
     *p1 = net->first_param[last + 1];
+}
+/* How many values bucket b holds: its parameters' (ZeRO pads the bucket
+   past them to a multiple of its members). */
+static size_t mgpu__dp_bucket_floats(const mgpu_data_parallel *dp, int b) {
+    int p0, p1;
+    size_t floats = 0;
+    mgpu__dp_bucket_params(dp, b, &p0, &p1);
+    for (int p = p0; p < p1; p++) floats += dp->replicas[0]->params[p]->value->numel;
+    return floats;
 }
 
 /* Bucket b's flat gradients on every device, zeros (ZeRO-2 makes them

@@ -52,10 +52,7 @@ static void mgpu__dp_reduce_scatter(mgpu_data_parallel *dp, int b) {
         mgpu_group_reduce_scatter(dp->dist.group, dp->buckets.grads[b][0], dp->zero.grad_chunk[b][0], MGPU_MEAN);
         dp->algorithm = mgpu_group_path(dp->dist.group, dp->devices[0]);
     } else {
-        int p0, p1;
-        size_t floats = 0, n = (size_t)dp->n;
-        mgpu__dp_bucket_params(dp, b, &p0, &p1);
-        for (int p = p0; p < p1; p++) floats += dp->replicas[0]->params[p]->value->numel;
+        size_t floats = mgpu__dp_bucket_floats(dp, b), n = (size_t)dp->n;
         for (int i = 0; i < dp->n; i++) {
             size_t start = (size_t)mgpu__dp_member(dp, i) * (size_t)chunk, end = start + (size_t)chunk;
             for (int c = 0; c <= dp->n; c++) {

@@ -370,7 +370,8 @@ TEST(zero_stages_train_like_the_unsharded_wrapper) {
    ZeRO-3 takes ZeRO-2's steps on the same chunks, so their parameters
    (and logits) are the same bits; and ZeRO-2's reduce-scatter adds each
    gradient in the order DDP's allreduce does (the ring's, mgpu/zero.h),
-   so they are DDP's bits too, on 2 and 4 devices, accumulating or not.
+   as ZeRO-1's ring does (over the bucket's values, not its padding), so
+   all three are DDP's bits, on 2 and 4 devices, accumulating or not.
    (A real GPU's DDP takes NCCL's allreduce, whose order is NCCL's own:
    there 1e-5 of the largest value, 20 steps through batch norm and Adam
    growing the rounding to a few 1e-6.) */
@@ -388,17 +389,17 @@ static mgpu_net *residual_net(mgpu_device *d) {
 static void zero3_like_ddp(int w, int adam, int segments, int accumulate) {
     mgpu_device *devs[4];
     mgpu_devices(w, TEST_ON_GPU, devs);
-    mgpu_net *nets[3]; /* DDP, ZeRO-2, ZeRO-3 */
-    mgpu_data_parallel *dps[3];
-    for (int k = 0; k < 3; k++) {
+    mgpu_net *nets[4]; /* DDP, ZeRO-1, ZeRO-2, ZeRO-3: nets[k] under stage k */
+    mgpu_data_parallel *dps[4];
+    for (int k = 0; k < 4; k++) {
         nets[k] = residual_net(devs[0]);
         if (adam) mgpu_net_use_adam(nets[k], 0.9f, 0.999f, 1e-8f, 1);
         if (segments > 1) mgpu_net_recompute(nets[k], segments);
         dps[k] = mgpu_data_parallel_new(nets[k], devs, w, MGPU_DP_ALLREDUCE);
         mgpu_data_parallel_configure(dps[k], 256, 1, 1);
-        if (k) mgpu_data_parallel_zero(dps[k], k + 1);
+        if (k) mgpu_data_parallel_zero(dps[k], k);
     }
-    mgpu_data_parallel_check_replicas(dps[2], segments == 1); /* (its gathers and frees, each step, would hide a
+    mgpu_data_parallel_check_replicas(dps[3], segments == 1); /* (its gathers and frees, each step, would hide a
                                                                  unit left gathered) */
     for (int s = 0; s < 20; s++) {
         mgpu_tensor *x, *y;
@@ -407,7 +408,7 @@ static void zero3_like_ddp(int w, int adam, int segments, int accumulate) {
         float labels[8];
         for (int i = 0; i < 8; i++) labels[i] = (float)((i * 3 + s) % 10);
         y = mgpu_from_host(dev, mgpu_shape1(8), labels);
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 4; k++) {
             /* accumulate: the batch in two passes, the first without a step (no_sync) */
             mgpu_tensor *xs = accumulate ? mgpu_narrow(x, 4, 4) : x, *ys = accumulate ? mgpu_narrow(y, 4, 4) : y;
             if (accumulate) {
@@ -421,33 +422,35 @@ static void zero3_like_ddp(int w, int adam, int segments, int accumulate) {
         mgpu_free(x);
         mgpu_free(y);
     }
-    mgpu_tensor *x = mgpu_randn(devs[0], mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *logits[3];
-    for (int k = 0; k < 3; k++) {
+    mgpu_tensor *x = mgpu_randn(devs[0], mgpu_shape4(4, 1, 8, 8), 0.0f, 1.0f), *logits[4];
+    for (int k = 0; k < 4; k++) {
         mgpu_net_set_training(nets[k], 0);
         logits[k] = mgpu_net_forward(nets[k], x);
     }
-    int same = same_bits(logits[2], logits[1]);
-    double logits_diff = test_relative_diff(logits[2], logits[0]);
+    int same = same_bits(logits[3], logits[2]);
+    double logits_diff = test_relative_diff(logits[3], logits[0]);
     mgpu_free(x);
-    for (int k = 0; k < 3; k++) mgpu_data_parallel_free(dps[k]); /* (stage 3 gathers the values into the module) */
-    for (int p = 0; p < nets[0]->nparams; p++) same &= same_bits(nets[2]->params[p]->value, nets[1]->params[p]->value);
-    for (int b = 0; b < nets[0]->nbuffers; b++) same &= same_bits(*nets[2]->buffers[b], *nets[1]->buffers[b]);
-    double diff = test_max_param_diff(nets[2], nets[0]), running = test_max_diff(nets[2], nets[0], 1);
+    for (int k = 0; k < 4; k++) mgpu_data_parallel_free(dps[k]); /* (stage 3 gathers the values into the module) */
+    for (int p = 0; p < nets[0]->nparams; p++) same &= same_bits(nets[3]->params[p]->value, nets[2]->params[p]->value);
+    for (int b = 0; b < nets[0]->nbuffers; b++) same &= same_bits(*nets[3]->buffers[b], *nets[2]->buffers[b]);
+    double diff = test_max_param_diff(nets[3], nets[0]), running = test_max_diff(nets[3], nets[0], 1);
+    double zero1 = test_max_param_diff(nets[1], nets[0]);
 #if TEST_ON_GPU && !MGPU_CUDA_EMU
     double tolerance = 1e-5;
 #else
     double tolerance = 0;
 #endif
-    if (!same || diff > tolerance || running > tolerance)
+    if (!same || diff > tolerance || running > tolerance || zero1 > tolerance)
         printf("  ZeRO-3 on %d devices%s, %d runs%s: %s ZeRO-2's; from DDP's, parameters differ by %.3g, running "
-               "statistics by %.3g\n", w, adam ? ", AdamW" : "", segments, accumulate ? ", accumulating" : "",
-               same ? "the same bits as" : "NOT", diff, running);
+               "statistics by %.3g (ZeRO-1's parameters by %.3g)\n", w, adam ? ", AdamW" : "", segments,
+               accumulate ? ", accumulating" : "", same ? "the same bits as" : "NOT", diff, running, zero1);
     CHECK(same);
     CHECK_CLOSE(diff, 0.0, tolerance, 0);
     CHECK_CLOSE(running, 0.0, tolerance, 0);
     CHECK_CLOSE(logits_diff, 0.0, tolerance, 0);
-    CHECK(nets[2]->steps == 20 && !nets[2]->sharded && !nets[2]->layer_hook);
-    for (int k = 0; k < 3; k++) mgpu_net_free(nets[k]);
+    CHECK_CLOSE(zero1, 0.0, tolerance, 0);
+    CHECK(nets[3]->steps == 20 && !nets[3]->sharded && !nets[3]->layer_hook);
+    for (int k = 0; k < 4; k++) mgpu_net_free(nets[k]);
 }
 TEST(zero3_trains_like_ddp) {
     for (int w = 2; w <= 4; w *= 2)
