@@ -228,7 +228,8 @@ static const char *mgpu__dp_reduce_bucket(mgpu_data_parallel *dp, int b) {
         return dp->buckets.yours_name;
     }
     mgpu_tensor *values[MGPU_MAX_DEVICES];
-    for (int i = 0; i < dp->n; i++) values[i] = mgpu_narrow(dp->buckets.grads[b][i], 0, (int)mgpu__dp_bucket_floats(dp, b));
+    int floats = (int)mgpu__dp_bucket_floats(dp, b);
+    for (int i = 0; i < dp->n; i++) values[i] = mgpu_narrow(dp->buckets.grads[b][i], 0, floats);
     const char *algorithm = mgpu_allreduce_start(values, dp->n, 0, dp->buckets.scratch[b]);
     for (int i = 0; i < dp->n; i++) mgpu_free(values[i]); /* (views: the reduction tracks their bucket) */
     return algorithm;

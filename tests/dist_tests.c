@@ -395,11 +395,7 @@ static void zero_over_ranks(int stage, int adam, int segments) {
     size_t peak = mgpu_device_memory_peak_of(dev, MGPU_MEMORY_PARAMETERS);
     for (int k = 0; k < 2; k++) mgpu_data_parallel_free(ddps[k]); /* (gathers the state back: a collective) */
     double diff = test_max_param_diff(nets[1], nets[0]);
-#if TEST_ON_GPU && !MGPU_CUDA_EMU
-    double tolerance = 1e-6;
-#else
-    double tolerance = 0;
-#endif
+    double tolerance = TEST_EXACT_BUT_ON_NCCL(1e-6);
     if (diff > tolerance)
         printf("  ZeRO-%d%s, %d runs: parameters differ by %.3g\n", stage, adam ? ", AdamW" : "", segments, diff);
     CHECK_CLOSE(diff, 0.0, tolerance, 0);

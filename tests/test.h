@@ -139,6 +139,15 @@ static int test__failures; /* failures inside the running test */
     } while (0)
 
 #ifdef MGPU_H
+/* The tolerance of a comparison of sums that the library adds in one
+   order on CPU devices and emulated GPUs (0: the same bits), and that
+   NCCL adds in an order of its own on a real GPU (`on_nccl` there). */
+#if TEST_ON_GPU && !defined(MGPU_CUDA_EMU)
+#define TEST_EXACT_BUT_ON_NCCL(on_nccl) (on_nccl)
+#else
+#define TEST_EXACT_BUT_ON_NCCL(on_nccl) 0.0
+#endif
+
 /* The device a test runs on: GPU 0 with TEST_ON_GPU, else the CPU. */
 static inline mgpu_device *test_device(void) { return TEST_ON_GPU ? mgpu_try_gpu(0) : mgpu_cpu(); }
 

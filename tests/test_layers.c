@@ -565,6 +565,16 @@ TEST(conv_settings_from_the_environment) {
     CHECK_EQ_INT(mgpu__conv_wgmma_asked, 1);
 }
 
+/* got against want, element by element, within the tolerances; the first
+   element outside them is named, with `what`. */
+static void check_close_floats(const char *what, const float *got, const float *want, size_t n, double atol,
+                               double rtol) {
+    int before = test__failures;
+    for (size_t i = 0; i < n && test__failures == before; i++) {
+        CHECK_CLOSE(got[i], want[i], atol, rtol);
+        if (test__failures != before) fprintf(stderr, "  (%s, element %zu)\n", what, i);
+    }
+}
 /* Whether the tracer saw an operation of this name since it began. */
 static int traced(const char *name) {
     for (int i = 0; i < mgpu__library.trace_n; i++)
@@ -593,14 +603,6 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     conv_results r = {to_host(y), to_host(dx), to_host(dw)};
     mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
     return r;
-}
-static void check_close_floats(const char *what, const float *got, const float *want, size_t n, double atol,
-                               double rtol) {
-    int before = test__failures;
-    for (size_t i = 0; i < n && test__failures == before; i++) {
-        CHECK_CLOSE(got[i], want[i], atol, rtol);
-        if (test__failures != before) fprintf(stderr, "  (%s, element %zu)\n", what, i);
-    }
 }
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
@@ -802,7 +804,7 @@ TEST(cpu_first_layer_weight_gradient_by_few_inputs) {
             float *with_dx = first_layer_dw(MGPU__CONV_RULE, 1, xs, ws, stride, pad, accumulate, 1, &few[3]);
             int before = test__failures;
             CHECK(!few[0] && few[1] && few[2] && !few[3]);
-            for (size_t j = 0; j < n && test__failures == before; j++) CHECK_CLOSE(one[j], want[j], 1e-3, 1e-4);
+            check_close_floats("dW", one, want, n, 1e-3, 1e-4);
             CHECK(memcmp(one, three, n * sizeof(float)) == 0);
             if (test__failures != before)
                 fprintf(stderr, "  (%d x %d -> %d, %dx%d, stride %d, pad %d, accumulate %d)\n", shapes[i].n,

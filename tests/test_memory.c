@@ -435,11 +435,7 @@ static void zero3_like_ddp(int w, int adam, int segments, int accumulate) {
     for (int b = 0; b < nets[0]->nbuffers; b++) same &= same_bits(*nets[3]->buffers[b], *nets[2]->buffers[b]);
     double diff = test_max_param_diff(nets[3], nets[0]), running = test_max_diff(nets[3], nets[0], 1);
     double zero1 = test_max_param_diff(nets[1], nets[0]);
-#if TEST_ON_GPU && !MGPU_CUDA_EMU
-    double tolerance = 1e-5;
-#else
-    double tolerance = 0;
-#endif
+    double tolerance = TEST_EXACT_BUT_ON_NCCL(1e-5);
     if (!same || diff > tolerance || running > tolerance || zero1 > tolerance)
         printf("  ZeRO-3 on %d devices%s, %d runs%s: %s ZeRO-2's; from DDP's, parameters differ by %.3g, running "
                "statistics by %.3g (ZeRO-1's parameters by %.3g)\n", w, adam ? ", AdamW" : "", segments,
