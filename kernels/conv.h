@@ -68,6 +68,15 @@ typedef struct {
     int stride, pad;
 } mgpu__conv_geom;
 
+/* At stride 1 the input gradient is itself a convolution: of dy with
+   the weights turned half a circle, w'[c, k, r, s] = w[k, c, R-1-r, S-1-s],
+   and padding R - 1 - pad (conv_nhwc.h and winograd.h compute it so). Its
+   geometry: input dy [n, K, P, Q], C filters, output dx [n, C, H, W]. */
+static inline mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
+    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
+    return d;
+}
+
 /* The input coordinate that output coordinate o reads through kernel tap
    t (outside [0, size) it is in the padding). */
 static MGPU__HOSTDEVICE inline int mgpu__conv_in(int o, int t, int stride, int pad) {

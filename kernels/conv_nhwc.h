@@ -214,12 +214,6 @@ template <int TM, int TN> using mgpu__wgmma_tiles = mgpu__nhwc_tiles<TM, TN, mgp
 static int mgpu__conv_nhwc_fits(const mgpu__conv_geom *g) {
     return g->c % MGPU__NHWC_STEP == 0 && g->c / 32 < 65535 && g->k / 64 < 65535;
 }
-/* The input gradient as a convolution of dy (stride 1, above): its input
-   is dy [n, K, P, Q], its filters the C of w', its output dx [n, C, H, W]. */
-static mgpu__conv_geom mgpu__conv_dx_geometry(const mgpu__conv_geom *g) {
-    mgpu__conv_geom d = {g->n, g->k, g->p, g->q, g->c, g->r, g->s, g->h, g->w, 1, g->r - 1 - g->pad};
-    return d;
-}
 static int mgpu__conv_nhwc_subpixel_fits(const mgpu__conv_geom *g);
 /* Whether dx of geometry g has a channels-last kernel: the one above at
    stride 1, the sub-pixel classes (below) at larger strides. */

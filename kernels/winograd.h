@@ -1,6 +1,7 @@
 /* kernels/winograd.h: a 3x3 convolution at stride 1 by Winograd's minimal
-   filtering, F(2x2, 3x3), from a channels-last copy of its input (GPU
-   only, TF32 products by cuBLAS). For the forward pass and, with the
+   filtering, F(2x2, 3x3): on a GPU from a channels-last copy of its input
+   (TF32 products by cuBLAS), on the CPU from the NCHW tensor itself
+   (float32 products by OpenBLAS). For the forward pass and, with the
    weights turned round, the input gradient (conv_nhwc.h says how dx is a
    convolution of dy).
 
@@ -50,97 +51,242 @@
    of tiles half used. */
 #ifndef MGPU_KERNELS_WINOGRAD_H
 #define MGPU_KERNELS_WINOGRAD_H
+#include <limits.h>
 #include "common.h"
 #include "conv.h"
+#include "matmul.h"
 
+/* The tiles of an image in each direction, and in all. */
+static MGPU__HOSTDEVICE inline int mgpu__winograd_tile_rows(const mgpu__conv_geom *g) { return (g->p + 1) / 2; }
+static MGPU__HOSTDEVICE inline int mgpu__winograd_tile_cols(const mgpu__conv_geom *g) { return (g->q + 1) / 2; }
+static inline size_t mgpu__winograd_tiles(const mgpu__conv_geom *g) {
+    return (size_t)g->n * mgpu__winograd_tile_rows(g) * mgpu__winograd_tile_cols(g);
+}
+/* Whether it computes a convolution of geometry g: 3x3 at stride 1, C a
+   multiple of 4 (the GPU's loads take 4 channels), and the transformed
+   tensors indexable by int. */
+static inline int mgpu__winograd_fits(const mgpu__conv_geom *g) {
+    size_t widest = g->c > g->k ? g->c : g->k;
+    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2 && g->c % 4 == 0 &&
+           16 * mgpu__winograd_tiles(g) * widest < INT_MAX && 16 * (size_t)g->c * g->k < INT_MAX;
+}
+
+/* The three transforms of one patch, window or tile, on both sides. */
+/* v = B^T d B: a 4x4 patch of the input. */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_patch(const float d[4][4], float v[4][4]) {
+    float t[4][4];
+    for (int x = 0; x < 4; x++) { /* t = B^T d */
+        t[0][x] = d[0][x] - d[2][x], t[1][x] = d[1][x] + d[2][x];
+        t[2][x] = d[2][x] - d[1][x], t[3][x] = d[1][x] - d[3][x];
+    }
+    for (int y = 0; y < 4; y++) { /* t B */
+        v[y][0] = t[y][0] - t[y][2], v[y][1] = t[y][1] + t[y][2];
+        v[y][2] = t[y][2] - t[y][1], v[y][3] = t[y][1] - t[y][3];
+    }
+}
+/* u = G w G^T: a 3x3 window of the weights. */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_window(const float w[3][3], float u[4][4]) {
+    float t[4][3];
+    for (int x = 0; x < 3; x++) { /* t = G w */
+        t[0][x] = w[0][x];
+        t[1][x] = 0.5f * (w[0][x] + w[1][x] + w[2][x]);
+        t[2][x] = 0.5f * (w[0][x] - w[1][x] + w[2][x]);
+        t[3][x] = w[2][x];
+    }
+    for (int y = 0; y < 4; y++) { /* t G^T */
+        u[y][0] = t[y][0];
+        u[y][1] = 0.5f * (t[y][0] + t[y][1] + t[y][2]);
+        u[y][2] = 0.5f * (t[y][0] - t[y][1] + t[y][2]);
+        u[y][3] = t[y][2];
+    }
+}
+/* o = A^T m A: a tile's 2x2 outputs from its 4x4 products. */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_outputs(const float m[4][4], float o[2][2]) {
+    float t[2][4];
+    for (int x = 0; x < 4; x++) /* t = A^T m */
+        t[0][x] = m[0][x] + m[1][x] + m[2][x], t[1][x] = m[1][x] - m[2][x] - m[3][x];
+    for (int y = 0; y < 2; y++) /* t A */
+        o[y][0] = t[y][0] + t[y][1] + t[y][2], o[y][1] = t[y][1] - t[y][2] - t[y][3];
+}
+/* Filter k's window on channel c, as w stores it; turned: the input
+   gradient's filters, w [C, K, 3, 3] of the layer turned half a circle
+   (g is then mgpu__conv_dx_geometry's: g->c the layer's K, g->k its C). */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_window_of(const float *w, const mgpu__conv_geom *g, int k, int c,
+                                                            int turned, float window[3][3]) {
+    const float *f = turned ? &w[((size_t)c * g->k + k) * 9] : &w[((size_t)k * g->c + c) * 9];
+    for (int j = 0; j < 9; j++) window[j / 3][j % 3] = turned ? f[8 - j] : f[j];
+}
+
+/* ------------------------------------------------------------------ CPU
+   The same four passes on the NCHW tensors, each of the 16 positions xi a
+   plane: V[xi] [C, tiles], U[xi] [K, C], M[xi] [K, tiles] = U[xi] V[xi]
+   by OpenBLAS (16 products), tiles in the order of the output's pixels,
+   so that an image's plane of x or y is read or written along its rows.
+   Each plane is padded by MGPU__WINOGRAD_CPU_PAD floats: the 16 values of
+   one patch are written 16 planes apart, and planes a multiple of 4 KiB
+   apart (ResNet-18's all are) fall in the same cache set, which made the
+   input's transform 3 to 5 times slower (bench/RESULTS.md, "Winograd on
+   the CPU"). Every value is computed in a fixed order, whatever the
+   number of threads (OpenBLAS splits a product's rows and columns among
+   them, never a sum). */
+#define MGPU__WINOGRAD_CPU_PAD 16
+typedef struct {
+    float *out;        /* [n, K, P, Q]: accumulate ? out + y : y */
+    const float *in;   /* [n, C, H, W] */
+    const float *w;    /* [K, C, 3, 3]; turned: [C, K, 3, 3] (above) */
+    const float *b;    /* [K] or NULL */
+    float *v, *u, *m;  /* scratch: 16 planes each, mgpu__winograd_cpu_floats */
+    mgpu__conv_geom g; /* 3x3, stride 1 */
+    int turned, accumulate;
+} mgpu__winograd_cpu_args;
+
+/* One plane of V, U or M, in floats (with its padding). */
+static inline size_t mgpu__winograd_cpu_plane(size_t rows, size_t cols) {
+    return rows * cols + MGPU__WINOGRAD_CPU_PAD;
+}
+/* The scratch of V, U and M, in floats. */
+static inline void mgpu__winograd_cpu_floats(const mgpu__conv_geom *g, size_t *v, size_t *u, size_t *m) {
+    size_t tiles = mgpu__winograd_tiles(g);
+    *v = 16 * mgpu__winograd_cpu_plane(g->c, tiles);
+    *u = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
+    *m = 16 * mgpu__winograd_cpu_plane(g->k, tiles);
+}
+
+/* V[xi][c][tile] = (B^T d B)[xi] of the tile's patch of channel c: one
+   image's plane at a time. */
+static void mgpu__winograd_input_cpu(const mgpu__winograd_cpu_args *a) {
+    const mgpu__conv_geom *g = &a->g;
+    int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
+    size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->c, tiles);
+    size_t planes = (size_t)g->n * g->c;
+    MGPU__CPU_PARALLEL_FOR(planes * g->h * g->w)
+    for (size_t plane = 0; plane < planes; plane++) {
+        size_t img = plane / g->c, c = plane % g->c;
+        const float *x = &a->in[plane * g->h * g->w];
+        float *v = &a->v[c * tiles + img * rows * cols];
+        for (int ty = 0; ty < rows; ty++)
+            for (int tx = 0; tx < cols; tx++) {
+                float d[4][4], t[4][4];
+                for (int y = 0; y < 4; y++)
+                    for (int xx = 0; xx < 4; xx++) {
+                        int h = 2 * ty - g->pad + y, w = 2 * tx - g->pad + xx;
+                        int inside = (unsigned)h < (unsigned)g->h && (unsigned)w < (unsigned)g->w;
+                        d[y][xx] = inside ? x[h * g->w + w] : 0.0f;
+                    }
+                mgpu__winograd_patch(d, t);
+                for (int xi = 0; xi < 16; xi++) v[xi * apart + (size_t)ty * cols + tx] = t[xi / 4][xi % 4];
+            }
+    }
+}
+
+/* U[xi][k][c] = (G w G^T)[xi] of filter k's window on channel c. */
+static void mgpu__winograd_weights_cpu(const mgpu__winograd_cpu_args *a) {
+    const mgpu__conv_geom *g = &a->g;
+    size_t windows = (size_t)g->k * g->c, apart = mgpu__winograd_cpu_plane(g->k, g->c);
+    MGPU__CPU_PARALLEL_FOR(windows * 9)
+    for (size_t i = 0; i < windows; i++) {
+        float window[3][3], u[4][4];
+        mgpu__winograd_window_of(a->w, g, (int)(i / g->c), (int)(i % g->c), a->turned, window);
+        mgpu__winograd_window(window, u);
+        for (int xi = 0; xi < 16; xi++) a->u[xi * apart + i] = u[xi / 4][xi % 4];
+    }
+}
+
+/* out[img, k] (+)= (A^T M A) of each tile + b[k]: one image's plane at a
+   time. */
+static void mgpu__winograd_output_cpu(const mgpu__winograd_cpu_args *a) {
+    const mgpu__conv_geom *g = &a->g;
+    int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
+    size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, tiles);
+    size_t planes = (size_t)g->n * g->k;
+    MGPU__CPU_PARALLEL_FOR(planes * g->p * g->q)
+    for (size_t plane = 0; plane < planes; plane++) {
+        size_t img = plane / g->k, k = plane % g->k;
+        const float *m = &a->m[k * tiles + img * rows * cols];
+        float *out = &a->out[plane * g->p * g->q], bias = a->b ? a->b[k] : 0.0f;
+        for (int ty = 0; ty < rows; ty++)
+            for (int tx = 0; tx < cols; tx++) {
+                float products[4][4], o[2][2];
+                for (int xi = 0; xi < 16; xi++) products[xi / 4][xi % 4] = m[xi * apart + (size_t)ty * cols + tx];
+                mgpu__winograd_outputs(products, o);
+                for (int y = 0; y < 2; y++)
+                    for (int x = 0; x < 2; x++) {
+                        int p = 2 * ty + y, q = 2 * tx + x;
+                        if (p >= g->p || q >= g->q) continue; /* (the half-used last tiles) */
+                        float *o_pq = &out[p * g->q + q], value = o[y][x] + bias;
+                        *o_pq = a->accumulate ? *o_pq + value : value;
+                    }
+            }
+    }
+}
+
+static void mgpu__winograd_cpu(const void *args, const mgpu__exec *ex) {
+    const mgpu__winograd_cpu_args *a = (const mgpu__winograd_cpu_args *)args;
+    const mgpu__conv_geom *g = &a->g;
+    size_t tiles = mgpu__winograd_tiles(g);
+    mgpu__winograd_input_cpu(a);
+    mgpu__winograd_weights_cpu(a);
+    for (int xi = 0; xi < 16; xi++) {
+        mgpu__gemm_args product = {0, 0, g->k, (int)tiles, g->c, 1.0f, 0.0f,
+                                   a->u + xi * mgpu__winograd_cpu_plane(g->k, g->c), g->c,
+                                   a->v + xi * mgpu__winograd_cpu_plane(g->c, tiles), (int)tiles,
+                                   a->m + xi * mgpu__winograd_cpu_plane(g->k, tiles), (int)tiles, 0};
+        mgpu__gemm_cpu(&product, ex);
+    }
+    mgpu__winograd_output_cpu(a);
+}
 
 #if MGPU_CUDA
+/* ------------------------------------------------------------------ GPU */
 typedef struct {
     float *out;          /* [n, K, P, Q]: accumulate ? out + y : y */
     const float *in_t;   /* [n, H, W, C], TF32 (conv_nhwc.h's copies) */
-    const float *w;      /* [K, C, 3, 3]; turned: [C, K, 3, 3], used as w' (conv_nhwc.h) */
+    const float *w;      /* [K, C, 3, 3]; turned: [C, K, 3, 3] (above) */
     const float *b;      /* [K] or NULL */
     float *v, *u, *m;    /* scratch: [16, tiles, C], [16, C, K], [16, tiles, K] */
     mgpu__conv_geom g;   /* 3x3, stride 1; C a multiple of 4 */
     int turned, accumulate;
 } mgpu__winograd_args;
 
-/* The tiles of an image in each direction, and in all. */
-static __host__ __device__ int mgpu__winograd_tile_rows(const mgpu__conv_geom &g) { return (g.p + 1) / 2; }
-static __host__ __device__ int mgpu__winograd_tile_cols(const mgpu__conv_geom &g) { return (g.q + 1) / 2; }
-static size_t mgpu__winograd_tiles(const mgpu__conv_geom *g) {
-    return (size_t)g->n * mgpu__winograd_tile_rows(*g) * mgpu__winograd_tile_cols(*g);
-}
-/* Whether it computes a convolution of geometry g: 3x3 at stride 1, C a
-   multiple of 4, and the transformed tensors indexable by int. */
-static int mgpu__winograd_fits(const mgpu__conv_geom *g) {
-    size_t widest = g->c > g->k ? g->c : g->k;
-    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2 && g->c % 4 == 0 &&
-           16 * mgpu__winograd_tiles(g) * widest < INT_MAX && 16 * (size_t)g->c * g->k < INT_MAX;
-}
-
 /* V[xi][tile][c .. c+3] = (B^T d B)[xi] for 4 channels at once: one
    thread a tile and 4 channels, 16 loads of 16 bytes from in_t and 16
    stores to V. */
 static __global__ void mgpu__winograd_input_kernel(mgpu__winograd_args a) {
     const mgpu__conv_geom &g = a.g;
-    int quads = g.c / 4, rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
+    int quads = g.c / 4, rows = mgpu__winograd_tile_rows(&g), cols = mgpu__winograd_tile_cols(&g);
     size_t tiles = (size_t)g.n * rows * cols;
     MGPU__GRID_STRIDE_LOOP(i, tiles * quads) {
         size_t tile = i / quads;
         int c = (int)(i % quads) * 4, img = (int)(tile / ((size_t)rows * cols));
         int in_image = (int)(tile % ((size_t)rows * cols));
         int h0 = in_image / cols * 2 - g.pad, w0 = in_image % cols * 2 - g.pad;
-        float d[4][4][4], t[4][4][4]; /* [row][column][channel] */
+        float d[4][4][4], v[4][4][4]; /* [channel][row][column] */
         for (int y = 0; y < 4; y++)
             for (int x = 0; x < 4; x++) {
                 int h = h0 + y, w = w0 + x;
+                float quad[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if ((unsigned)h < (unsigned)g.h && (unsigned)w < (unsigned)g.w)
-                    mgpu__load_floats(d[y][x], &a.in_t[(((size_t)img * g.h + h) * g.w + w) * g.c + c]);
-                else
-                    for (int l = 0; l < 4; l++) d[y][x][l] = 0.0f;
+                    mgpu__load_floats(quad, &a.in_t[(((size_t)img * g.h + h) * g.w + w) * g.c + c]);
+                for (int l = 0; l < 4; l++) d[l][y][x] = quad[l];
             }
-        for (int x = 0; x < 4; x++) /* t = B^T d */
-            for (int l = 0; l < 4; l++) {
-                t[0][x][l] = d[0][x][l] - d[2][x][l], t[1][x][l] = d[1][x][l] + d[2][x][l];
-                t[2][x][l] = d[2][x][l] - d[1][x][l], t[3][x][l] = d[1][x][l] - d[3][x][l];
-            }
-        for (int y = 0; y < 4; y++) { /* t B, a row of 4 positions at a time */
-            float v[4][4];
-            for (int l = 0; l < 4; l++) {
-                v[0][l] = t[y][0][l] - t[y][2][l], v[1][l] = t[y][1][l] + t[y][2][l];
-                v[2][l] = t[y][2][l] - t[y][1][l], v[3][l] = t[y][1][l] - t[y][3][l];
-            }
-            for (int x = 0; x < 4; x++)
-                mgpu__store_floats(&a.v[((4 * y + x) * tiles + tile) * g.c + c], v[x]);
+        for (int l = 0; l < 4; l++) mgpu__winograd_patch(d[l], v[l]);
+        for (int xi = 0; xi < 16; xi++) {
+            float quad[4] = {v[0][xi / 4][xi % 4], v[1][xi / 4][xi % 4], v[2][xi / 4][xi % 4], v[3][xi / 4][xi % 4]};
+            mgpu__store_floats(&a.v[(xi * tiles + tile) * g.c + c], quad);
         }
     }
 }
 
-/* U[xi][c][k] = (G g G^T)[xi] of w's window for filter k on channel c
-   (turned: of w[c][k] turned half a circle, the input gradient's
-   filters). One thread a window. */
+/* U[xi][c][k] = (G g G^T)[xi] of w's window for filter k on channel c.
+   One thread a window. */
 static __global__ void mgpu__winograd_weights_kernel(mgpu__winograd_args a) {
     const mgpu__conv_geom &g = a.g;
     size_t windows = (size_t)g.c * g.k;
     MGPU__GRID_STRIDE_LOOP(i, windows) {
-        int k = (int)(i % g.k), c = (int)(i / g.k);
-        const float *window = a.turned ? &a.w[((size_t)c * g.k + k) * 9] : &a.w[((size_t)k * g.c + c) * 9];
-        float w[3][3], t[4][3];
-        for (int j = 0; j < 9; j++) w[j / 3][j % 3] = a.turned ? window[8 - j] : window[j];
-        for (int x = 0; x < 3; x++) { /* t = G w */
-            t[0][x] = w[0][x];
-            t[1][x] = 0.5f * (w[0][x] + w[1][x] + w[2][x]);
-            t[2][x] = 0.5f * (w[0][x] - w[1][x] + w[2][x]);
-            t[3][x] = w[2][x];
-        }
-        for (int y = 0; y < 4; y++) { /* t G^T */
-            float *u = &a.u[(size_t)(4 * y) * windows + i];
-            u[0] = t[y][0];
-            u[windows] = 0.5f * (t[y][0] + t[y][1] + t[y][2]);
-            u[2 * windows] = 0.5f * (t[y][0] - t[y][1] + t[y][2]);
-            u[3 * windows] = t[y][2];
-        }
+        float window[3][3], u[4][4];
+        mgpu__winograd_window_of(a.w, &g, (int)(i % g.k), (int)(i / g.k), a.turned, window);
+        mgpu__winograd_window(window, u);
+        for (int xi = 0; xi < 16; xi++) a.u[xi * windows + i] = u[xi / 4][xi % 4];
     }
 }
 
@@ -149,26 +295,24 @@ static __global__ void mgpu__winograd_weights_kernel(mgpu__winograd_args a) {
    coalesced). */
 static __global__ void mgpu__winograd_output_kernel(mgpu__winograd_args a) {
     const mgpu__conv_geom &g = a.g;
-    int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
+    int rows = mgpu__winograd_tile_rows(&g), cols = mgpu__winograd_tile_cols(&g);
     size_t tiles = (size_t)g.n * rows * cols, apart = tiles * g.k;
     MGPU__GRID_STRIDE_LOOP(i, apart) {
         size_t tile = i / g.k;
         int k = (int)(i % g.k), img = (int)(tile / ((size_t)rows * cols));
         int in_image = (int)(tile % ((size_t)rows * cols));
-        float m[4][4], t[2][4];
+        float m[4][4], o[2][2];
         for (int xi = 0; xi < 16; xi++) m[xi / 4][xi % 4] = a.m[xi * apart + i];
-        for (int x = 0; x < 4; x++) /* t = A^T m */
-            t[0][x] = m[0][x] + m[1][x] + m[2][x], t[1][x] = m[1][x] - m[2][x] - m[3][x];
+        mgpu__winograd_outputs(m, o);
         float bias = a.b ? a.b[k] : 0.0f;
         int p0 = in_image / cols * 2, q0 = in_image % cols * 2;
         float *plane = &a.out[((size_t)img * g.k + k) * g.p * g.q];
         for (int y = 0; y < 2; y++)
             for (int x = 0; x < 2; x++) {
-                /* (t A)[y][x] */
-                float value = (x == 0 ? t[y][0] + t[y][1] + t[y][2] : t[y][1] - t[y][2] - t[y][3]) + bias;
+                float value = o[y][x] + bias;
                 if (p0 + y < g.p && q0 + x < g.q) {
-                    float *o = &plane[(size_t)(p0 + y) * g.q + q0 + x];
-                    *o = a.accumulate ? *o + value : value;
+                    float *out = &plane[(size_t)(p0 + y) * g.q + q0 + x];
+                    *out = a.accumulate ? *out + value : value;
                 }
             }
     }

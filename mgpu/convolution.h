@@ -1032,6 +1032,35 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
     return 1;
 }
 
+/* ------------------------------------ a CPU's 3x3 layers by Winograd
+   By rule (MGPU_CONV's default), a CPU device computes the forward pass
+   and dx of a 3x3 convolution at stride 1 with 128 channels and filters
+   or more by kernels/winograd.h's F(2x2, 3x3), 16 products by OpenBLAS in
+   place of 36 multiplies a 2x2 tile: there it beat both oneDNN's
+   kernels and im2col (bench/RESULTS.md, "Winograd on the CPU"); with
+   fewer channels its passes over the transformed tensors cost what its
+   products save. The other modes leave it out: timed compares im2col and
+   oneDNN, as before. Returns whether it enqueued the pass: out (=, or +=
+   with accumulate) = conv(in, w) + b in geometry g; turned: dx, with g
+   mgpu__conv_dx_geometry's and w the layer's weights. */
+static int mgpu__conv_winograd_on_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
+                                      const float *b, const mgpu__conv_geom *g, int turned, int accumulate) {
+    mgpu__conv_settings_from_environment();
+    if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE || !mgpu__winograd_fits(g) || g->c < 128 ||
+        g->k < 128)
+        return 0;
+    size_t floats[3];
+    mgpu__winograd_cpu_floats(g, &floats[0], &floats[1], &floats[2]);
+    mgpu_tensor *scratch[3];
+    for (int i = 0; i < 3; i++) scratch[i] = mgpu_empty(dev, mgpu_shape1((int)floats[i]));
+    mgpu__winograd_cpu_args a = {out, in, w, b, scratch[0]->data, scratch[1]->data, scratch[2]->data, *g, turned,
+                                 accumulate};
+    mgpu__launch_on(&dev->queue[0], turned ? "conv2d_backward winograd dx" : "conv2d winograd",
+                    mgpu__winograd_cpu, NULL, &a, sizeof a);
+    for (int i = 0; i < 3; i++) mgpu_free(scratch[i]); /* (reused only by work enqueued after this on the queue) */
+    return 1;
+}
+
 /* ------------------------------------------ a CPU's: im2col or oneDNN */
 #if MGPU_ONEDNN
 /* A CPU device computes a convolution's pass with conv.h's im2col and
@@ -1260,6 +1289,7 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
 #endif
     (void)keep_w_t;
     (void)prepared;
+    if (mgpu__conv_winograd_on_cpu(y->data, dev, x->data, w->data, b ? b->data : NULL, &g, 0, 0)) return;
 #if MGPU_ONEDNN
     if (!mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, tf32};
@@ -1333,6 +1363,11 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
+    if (!done && dx && g.stride == 1) { /* dx by Winograd where it takes it, dW as below */
+        mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
+        if (mgpu__conv_winograd_on_cpu(dx->data, dev, dy->data, w->data, NULL, &d, 1, add_to_dx)) dx = NULL;
+        done = !dx && !dw;
+    }
     if (!done && !dx && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
 #if MGPU_ONEDNN
     if (!done && !mgpu_device_is_gpu(dev)) {

@@ -268,10 +268,25 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         mgpu__winograd_cuda(&a, &on_gpu);
         winograd_cases++;
     };
+    /* and the CPU's, in float32 on the NCHW tensors */
+    auto winograd_cpu = [&](const mgpu__conv_geom &wg, const std::vector<float> &in, int turned,
+                            std::vector<float> &out, int accumulate) {
+        size_t floats[3];
+        mgpu__winograd_cpu_floats(&wg, &floats[0], &floats[1], &floats[2]);
+        std::vector<float> v = nans(floats[0]), u = nans(floats[1]), m = nans(floats[2]);
+        mgpu__winograd_cpu_args a = {out.data(), in.data(), wt.data(), turned || !bias ? NULL : b.data(),
+                                     v.data(), u.data(), m.data(), wg, turned, accumulate};
+        mgpu__winograd_cpu(&a, &on_cpu);
+    };
+    char cpu_name[160];
+    snprintf(cpu_name, sizeof cpu_name, "%s, CPU", name);
     if (mgpu__winograd_fits(&g)) {
         std::vector<float> y_g = nans(ys);
         winograd(g, x_t, 0, y_g, 0);
         close_in_tf32(name, "y", y_g, y_c);
+        std::vector<float> y_cpu = nans(ys);
+        winograd_cpu(g, x, 0, y_cpu, 0);
+        same(cpu_name, y_cpu, y_c, 1e-5);
     }
     if (stride == 1 && mgpu__winograd_fits(&d)) {
         std::vector<float> dx_g = nans(x.size());
@@ -280,6 +295,12 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         dx_g = dx_start;
         winograd(d, dy_t, 1, dx_g, 1);
         close_in_tf32(name, "dx added", dx_g, dx_sum_c);
+        std::vector<float> dx_cpu = nans(x.size());
+        winograd_cpu(d, dy, 1, dx_cpu, 0);
+        same(cpu_name, dx_cpu, dx_c, 1e-5);
+        dx_cpu = dx_start;
+        winograd_cpu(d, dy, 1, dx_cpu, 1);
+        same(cpu_name, dx_cpu, dx_sum_c, 1e-5);
     }
     /* conv_few_inputs.h's, where it fits, in float32: y; dW in the
        library's slices of the pixels, in one and in 3, written and added

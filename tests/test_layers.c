@@ -582,9 +582,8 @@ static int traced(const char *name) {
     return 0;
 }
 
-#if MGPU_ONEDNN
-/* One pass computed both ways on a CPU device: each tensor's values by
-   im2col and by oneDNN (MGPU_CONV's modes im2col and implicit). */
+/* One pass computed on a CPU device in one of MGPU_CONV's modes: each
+   tensor's values, from the same random tensors in every mode. */
 typedef struct {
     float *y, *dx, *dw;
 } conv_results;
@@ -604,6 +603,60 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
     return r;
 }
+
+/* By rule (the default) a CPU device computes the forward pass and dx of
+   3x3 layers at stride 1 with 128 channels and filters or more by
+   Winograd's F(2x2, 3x3) (kernels/winograd.h): within float rounding of
+   im2col, written and added to, with padding 0 to 2 and odd outputs (a
+   last row and column of tiles half used); dW as the other ways compute
+   it; the same bits twice; and no other mode takes it, nor fewer
+   channels, nor a stride. (Not the same bits on 1 and 3 threads: the
+   products are OpenBLAS's, whose sums, as im2col's, round differently
+   with the number of threads at these sizes.) */
+TEST(cpu_3x3_layers_by_winograd) {
+    mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    struct { int c, h, k, stride, pad, winograd; } shapes[] = {
+        {128, 6, 128, 1, 1, 1}, {128, 7, 160, 1, 1, 1}, {132, 5, 128, 1, 0, 1}, {128, 4, 136, 1, 2, 1},
+        {124, 6, 128, 1, 1, 0}, {128, 6, 120, 1, 1, 0}, {128, 7, 128, 2, 1, 0}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        for (int add_to_dx = 0; add_to_dx <= 1; add_to_dx++) {
+            mgpu_shape xs = mgpu_shape4(3, shapes[i].c, shapes[i].h, shapes[i].h);
+            mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, 3, 3);
+            mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
+            int stride = shapes[i].stride, pad = shapes[i].pad, before = test__failures;
+            conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            mgpu_trace_begin();
+            conv_results one = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            mgpu_synchronize_all();
+            CHECK_EQ_INT(traced("conv2d winograd"), shapes[i].winograd);
+            CHECK_EQ_INT(traced("conv2d_backward winograd dx"), shapes[i].winograd);
+            mgpu_trace_end();
+            conv_results again = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            check_close_floats("y", one.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
+            check_close_floats("dx", one.dx, want.dx, mgpu_shape_numel(xs), 1e-4, 1e-4);
+            check_close_floats("dW", one.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
+            CHECK(memcmp(one.y, again.y, mgpu_shape_numel(ys) * sizeof(float)) == 0);
+            CHECK(memcmp(one.dx, again.dx, mgpu_shape_numel(xs) * sizeof(float)) == 0);
+#if MGPU_ONEDNN
+            mgpu_trace_begin();
+            conv_results timed = conv_by(MGPU__CONV_TIMED, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            conv_results implicit = conv_by(MGPU__CONV_IMPLICIT, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            mgpu_synchronize_all();
+            CHECK(!traced("conv2d winograd") && !traced("conv2d_backward winograd dx"));
+            mgpu_trace_end();
+            free(timed.y), free(timed.dx), free(timed.dw), free(implicit.y), free(implicit.dx), free(implicit.dw);
+#endif
+            if (test__failures != before)
+                fprintf(stderr, "  (%d -> %d, 3x3, %dx%d, stride %d, pad %d, add_to_dx %d)\n", shapes[i].c,
+                        shapes[i].k, shapes[i].h, shapes[i].h, stride, pad, add_to_dx);
+            conv_results *all[] = {&want, &one, &again};
+            for (int k = 0; k < 3; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
+        }
+    mgpu__conv_mode = saved;
+}
+
+#if MGPU_ONEDNN
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
    and LeNet's, written and added to (dW, then dx); and MGPU_CONV=timed's,
