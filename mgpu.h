@@ -903,7 +903,12 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    oneDNN's results depend on the number of threads too. A first layer's
    weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
    takes kernels/conv_few_inputs.h's CPU kernel instead, in every mode
-   but im2col, with or without oneDNN.
+   but im2col, with or without oneDNN. By rule, too, 3x3 layers at
+   stride 1 take Winograd's F(2x2, 3x3) (kernels/winograd.h: 16 products
+   by OpenBLAS in place of 36 multiplies a 2x2 tile of outputs) for the
+   forward pass from 128 channels and filters, dx from 512 and dW from
+   64, where it beat oneDNN on a 2-core CPU, with or without oneDNN; the
+   other modes leave it out.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:

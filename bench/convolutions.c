@@ -37,7 +37,9 @@
    for each pass (MGPU_CONV=implicit); and the library's choice for each
    pass as MGPU_CONV=timed chooses it (the faster of the two for the
    forward pass; each gradient by the faster of its implicit GEMM and its
-   half of im2col, unless im2col's whole backward beats the two). The last line is for bench/run.sh:
+   half of im2col, unless im2col's whole backward beats the two). On the
+   CPU, the 3x3 stride-1 layers' three passes by oneDNN and by Winograd
+   (kernels/winograd.h), which the rule takes from 128 channels. The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -132,6 +134,78 @@ static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implic
 #endif
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
+
+/* On the CPU: each pass of each 3x3 stride-1 layer by oneDNN
+   (MGPU_CONV=implicit; "-" where the library has no oneDNN) and by
+   Winograd's F(2x2, 3x3) (kernels/winograd.h), whichever the rule takes,
+   in microseconds per call: where Winograd wins is where
+   mgpu/convolution.h's rule should send it. */
+static void winograd_forward(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);
+}
+static void winograd_dx(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(&c->g);
+    mgpu__enqueue_winograd_cpu(c->dx->data, c->dev, c->dy->data, c->w->data, NULL, &d, 1, 0);
+}
+static void winograd_dw(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu__enqueue_winograd_dw_cpu(c->dw->data, c->dev, c->x->data, c->dy->data, &c->g, 0);
+}
+static void forward_as_set(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu_conv2d_forward(c->y, c->x, c->w, c->b, c->stride, c->pad);
+}
+static void dx_as_set(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu_conv2d_backward(c->dx, NULL, NULL, c->dy, c->x, c->w, c->stride, c->pad, 0);
+}
+static void dw_as_set(void *p) {
+    conv_ctx *c = (conv_ctx *)p;
+    mgpu_conv2d_backward(NULL, c->dw, NULL, c->dy, c->x, c->w, c->stride, c->pad, 0);
+}
+static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
+    printf("on the CPU, 3x3 layers at stride 1: oneDNN against Winograd, microseconds per call (mean of %d)\n",
+           steps);
+    printf("%-24s %5s %10s %9s %10s %9s %10s %9s\n", "convolution", "count", "fwd oneDNN", "Winograd", "dx oneDNN",
+           "Winograd", "dW oneDNN", "Winograd");
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    for (int i = 0; i < N_CASES; i++) {
+        const conv_case *cc = &cases[i];
+        if (cc->r != 3 || cc->stride != 1 || cc->c % 4) continue;
+        conv_ctx c;
+        memset(&c, 0, sizeof c);
+        c.dev = dev;
+        c.stride = cc->stride;
+        c.pad = cc->pad;
+        mgpu_manual_seed(1);
+        c.x = mgpu_randn(dev, mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
+        c.w = mgpu_randn(dev, mgpu_shape4(cc->k, cc->c, 3, 3), 0, 0.1f);
+        c.b = mgpu_zeros(dev, mgpu_shape1(cc->k));
+        c.g = mgpu__conv_geometry("bench/convolutions", c.x->shape, c.w->shape, cc->stride, cc->pad);
+        c.y = mgpu_empty(dev, mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
+        c.dy = mgpu_randn(dev, c.y->shape, 0, 1);
+        c.dx = mgpu_empty(dev, c.x->shape);
+        c.dw = mgpu_empty(dev, c.w->shape);
+        /* in pairs, oneDNN then Winograd */
+        conv_run runs[6] = {forward_as_set, winograd_forward, dx_as_set, winograd_dx, dw_as_set, winograd_dw};
+        double us[6] = {0, 0, 0, 0, 0, 0};
+        mgpu__conv_mode = MGPU__CONV_IMPLICIT;
+        for (int k = 0; k < 6; k++)
+            if (MGPU_ONEDNN || k % 2) us[k] = time_us(dev, runs[k], &c, steps);
+        printf("%-24s %5d", cc->name, cc->count);
+        for (int k = 0; k < 6; k++) {
+            if (us[k] > 0) printf(" %*.1f", k % 2 ? 9 : 10, us[k]);
+            else printf(" %*s", k % 2 ? 9 : 10, "-");
+        }
+        printf("\n");
+        mgpu_tensor *all[] = {c.x, c.w, c.b, c.y, c.dy, c.dx, c.dw};
+        for (int k = 0; k < 7; k++) mgpu_free(all[k]);
+    }
+    mgpu__conv_mode = saved;
+}
 
 /* One row of the table: a pass, its time with im2col (0: not timed that
    way) and with each of `tiles` tiles (tile_us; NULL when none; 0: not
@@ -282,6 +356,7 @@ int main(int argc, char **argv) {
         mgpu_free(c.dx);
         mgpu_free(c.dw);
     }
+    if (!on_gpu) winograd_on_cpu(dev[0], batch, steps);
     printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
            step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
     if (tiles)

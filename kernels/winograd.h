@@ -36,7 +36,9 @@
    mgpu/convolution.h times it beside the channels-last kernels where it
    fits (3x3, stride 1) and the channels and filters are 256 or more
    (mgpu__conv_winograd_worth_trying says why), and keeps it where it is
-   faster.
+   faster. On a 2-core CPU, against oneDNN's direct kernels, it won the
+   weight gradient from 64 channels, the forward pass from 128 and dx at
+   512 (mgpu/convolution.h's rule).
 
    Precision. The transforms add and halve in float32; cuBLAS rounds V
    and U to TF32 (CUBLAS_COMPUTE_32F_FAST_TF32), as the direct kernels
@@ -108,6 +110,36 @@ static MGPU__HOSTDEVICE inline void mgpu__winograd_outputs(const float m[4][4], 
     for (int y = 0; y < 2; y++) /* t A */
         o[y][0] = t[y][0] + t[y][1] + t[y][2], o[y][1] = t[y][1] - t[y][2] - t[y][3];
 }
+/* The weight gradient runs the forward pass's transforms backwards: with
+   y = A^T (U * V) A and U = G w G^T, a tile's dy gives dU = (A dy A^T) * V
+   and dw = G^T dU G, each summed over the tiles (and dU over them before
+   G^T . G, which is linear). */
+/* e = A dy A^T: a tile's 2x2 output gradients spread over 4x4. */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_tile_gradient(const float dy[2][2], float e[4][4]) {
+    float t[4][2];
+    for (int x = 0; x < 2; x++) { /* t = A dy */
+        t[0][x] = dy[0][x], t[1][x] = dy[0][x] + dy[1][x];
+        t[2][x] = dy[0][x] - dy[1][x], t[3][x] = -dy[1][x];
+    }
+    for (int y = 0; y < 4; y++) { /* t A^T */
+        e[y][0] = t[y][0], e[y][1] = t[y][0] + t[y][1];
+        e[y][2] = t[y][0] - t[y][1], e[y][3] = -t[y][1];
+    }
+}
+/* dw = G^T du G: a window's 3x3 gradient from its 4x4 sums. */
+static MGPU__HOSTDEVICE inline void mgpu__winograd_window_gradient(const float du[4][4], float dw[3][3]) {
+    float t[3][4];
+    for (int x = 0; x < 4; x++) { /* t = G^T du */
+        t[0][x] = du[0][x] + 0.5f * (du[1][x] + du[2][x]);
+        t[1][x] = 0.5f * (du[1][x] - du[2][x]);
+        t[2][x] = 0.5f * (du[1][x] + du[2][x]) + du[3][x];
+    }
+    for (int y = 0; y < 3; y++) { /* t G */
+        dw[y][0] = t[y][0] + 0.5f * (t[y][1] + t[y][2]);
+        dw[y][1] = 0.5f * (t[y][1] - t[y][2]);
+        dw[y][2] = 0.5f * (t[y][1] + t[y][2]) + t[y][3];
+    }
+}
 /* Filter k's window on channel c, as w stores it; turned: the input
    gradient's filters, w [C, K, 3, 3] of the layer turned half a circle
    (g is then mgpu__conv_dx_geometry's: g->c the layer's K, g->k its C). */
@@ -154,16 +186,15 @@ static inline void mgpu__winograd_cpu_floats(const mgpu__conv_geom *g, size_t *v
 
 /* V[xi][c][tile] = (B^T d B)[xi] of the tile's patch of channel c: one
    image's plane at a time. */
-static void mgpu__winograd_input_cpu(const mgpu__winograd_cpu_args *a) {
-    const mgpu__conv_geom *g = &a->g;
+static void mgpu__winograd_input_cpu(const float *in, float *v_all, const mgpu__conv_geom *g) {
     int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
     size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->c, tiles);
     size_t planes = (size_t)g->n * g->c;
     MGPU__CPU_PARALLEL_FOR(planes * g->h * g->w)
     for (size_t plane = 0; plane < planes; plane++) {
         size_t img = plane / g->c, c = plane % g->c;
-        const float *x = &a->in[plane * g->h * g->w];
-        float *v = &a->v[c * tiles + img * rows * cols];
+        const float *x = &in[plane * g->h * g->w];
+        float *v = &v_all[c * tiles + img * rows * cols];
         for (int ty = 0; ty < rows; ty++)
             for (int tx = 0; tx < cols; tx++) {
                 float d[4][4], t[4][4];
@@ -224,7 +255,7 @@ static void mgpu__winograd_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__winograd_cpu_args *a = (const mgpu__winograd_cpu_args *)args;
     const mgpu__conv_geom *g = &a->g;
     size_t tiles = mgpu__winograd_tiles(g);
-    mgpu__winograd_input_cpu(a);
+    mgpu__winograd_input_cpu(a->in, a->v, g);
     mgpu__winograd_weights_cpu(a);
     for (int xi = 0; xi < 16; xi++) {
         mgpu__gemm_args product = {0, 0, g->k, (int)tiles, g->c, 1.0f, 0.0f,
@@ -234,6 +265,76 @@ static void mgpu__winograd_cpu(const void *args, const mgpu__exec *ex) {
         mgpu__gemm_cpu(&product, ex);
     }
     mgpu__winograd_output_cpu(a);
+}
+
+/* The weight gradient (CPU only), from the same tiles of x: V as above,
+   E[xi] [K, tiles] = (A dy A^T)[xi] of each tile's dy, and 16 products
+   dU[xi] [K, C] = E[xi] V[xi]^T, each a sum over the tiles; then
+   dw[k, c] (+)= G^T dU G. */
+typedef struct {
+    float *dw;          /* [K, C, 3, 3]: accumulate ? dw + the gradient : it */
+    const float *x;     /* [n, C, H, W] */
+    const float *dy;    /* [n, K, P, Q] */
+    float *v, *e, *du;  /* scratch: 16 planes each, mgpu__winograd_dw_cpu_floats */
+    mgpu__conv_geom g;  /* 3x3, stride 1 */
+    int accumulate;
+} mgpu__winograd_dw_cpu_args;
+
+static inline void mgpu__winograd_dw_cpu_floats(const mgpu__conv_geom *g, size_t *v, size_t *e, size_t *du) {
+    size_t tiles = mgpu__winograd_tiles(g);
+    *v = 16 * mgpu__winograd_cpu_plane(g->c, tiles);
+    *e = 16 * mgpu__winograd_cpu_plane(g->k, tiles);
+    *du = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
+}
+
+/* E[xi][k][tile] = (A dy A^T)[xi] of the tile's 2x2 of dy (zeros past
+   the last row or column), one image's plane at a time. */
+static void mgpu__winograd_dy_cpu(const mgpu__winograd_dw_cpu_args *a) {
+    const mgpu__conv_geom *g = &a->g;
+    int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
+    size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, tiles);
+    size_t planes = (size_t)g->n * g->k;
+    MGPU__CPU_PARALLEL_FOR(planes * g->p * g->q)
+    for (size_t plane = 0; plane < planes; plane++) {
+        size_t img = plane / g->k, k = plane % g->k;
+        const float *dy = &a->dy[plane * g->p * g->q];
+        float *e = &a->e[k * tiles + img * rows * cols];
+        for (int ty = 0; ty < rows; ty++)
+            for (int tx = 0; tx < cols; tx++) {
+                float d[2][2], spread[4][4];
+                for (int y = 0; y < 2; y++)
+                    for (int x = 0; x < 2; x++) {
+                        int p = 2 * ty + y, q = 2 * tx + x;
+                        d[y][x] = p < g->p && q < g->q ? dy[p * g->q + q] : 0.0f;
+                    }
+                mgpu__winograd_tile_gradient(d, spread);
+                for (int xi = 0; xi < 16; xi++) e[xi * apart + (size_t)ty * cols + tx] = spread[xi / 4][xi % 4];
+            }
+    }
+}
+
+static void mgpu__winograd_dw_cpu(const void *args, const mgpu__exec *ex) {
+    const mgpu__winograd_dw_cpu_args *a = (const mgpu__winograd_dw_cpu_args *)args;
+    const mgpu__conv_geom *g = &a->g;
+    size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, g->c);
+    mgpu__winograd_input_cpu(a->x, a->v, g);
+    mgpu__winograd_dy_cpu(a);
+    for (int xi = 0; xi < 16; xi++) {
+        mgpu__gemm_args product = {0, 1, g->k, g->c, (int)tiles, 1.0f, 0.0f,
+                                   a->e + xi * mgpu__winograd_cpu_plane(g->k, tiles), (int)tiles,
+                                   a->v + xi * mgpu__winograd_cpu_plane(g->c, tiles), (int)tiles,
+                                   a->du + xi * apart, g->c, 0};
+        mgpu__gemm_cpu(&product, ex);
+    }
+    size_t windows = (size_t)g->k * g->c;
+    MGPU__CPU_PARALLEL_FOR(windows * 9)
+    for (size_t i = 0; i < windows; i++) {
+        float du[4][4], window[3][3];
+        for (int xi = 0; xi < 16; xi++) du[xi / 4][xi % 4] = a->du[xi * apart + i];
+        mgpu__winograd_window_gradient(du, window);
+        float *dw = &a->dw[i * 9];
+        for (int j = 0; j < 9; j++) dw[j] = a->accumulate ? dw[j] + window[j / 3][j % 3] : window[j / 3][j % 3];
+    }
 }
 
 #if MGPU_CUDA

@@ -1033,22 +1033,19 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
 }
 
 /* ------------------------------------ a CPU's 3x3 layers by Winograd
-   By rule (MGPU_CONV's default), a CPU device computes the forward pass
-   and dx of a 3x3 convolution at stride 1 with 128 channels and filters
-   or more by kernels/winograd.h's F(2x2, 3x3), 16 products by OpenBLAS in
-   place of 36 multiplies a 2x2 tile: there it beat both oneDNN's
-   kernels and im2col (bench/RESULTS.md, "Winograd on the CPU"); with
-   fewer channels its passes over the transformed tensors cost what its
-   products save. The other modes leave it out: timed compares im2col and
-   oneDNN, as before. Returns whether it enqueued the pass: out (=, or +=
-   with accumulate) = conv(in, w) + b in geometry g; turned: dx, with g
+   By rule (MGPU_CONV's default), a CPU device computes passes of 3x3
+   convolutions at stride 1 by kernels/winograd.h's F(2x2, 3x3), 16
+   products by OpenBLAS in place of 36 multiplies a 2x2 tile, where it
+   beat oneDNN's kernels (bench/RESULTS.md, "Winograd on the CPU"): the
+   forward pass from 128 channels and filters, dx from 512, dW from 64
+   (below); with fewer its passes over the transformed tensors cost what
+   its products save.
+   The other modes leave it out: timed compares im2col and oneDNN.
+   mgpu__enqueue_winograd_cpu enqueues the forward pass or dx: out (=, or
+   += with accumulate) = conv(in, w) + b in geometry g; turned: dx, with g
    mgpu__conv_dx_geometry's and w the layer's weights. */
-static int mgpu__conv_winograd_on_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
-                                      const float *b, const mgpu__conv_geom *g, int turned, int accumulate) {
-    mgpu__conv_settings_from_environment();
-    if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE || !mgpu__winograd_fits(g) || g->c < 128 ||
-        g->k < 128)
-        return 0;
+static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
+                                       const float *b, const mgpu__conv_geom *g, int turned, int accumulate) {
     size_t floats[3];
     mgpu__winograd_cpu_floats(g, &floats[0], &floats[1], &floats[2]);
     mgpu_tensor *scratch[3];
@@ -1058,7 +1055,32 @@ static int mgpu__conv_winograd_on_cpu(float *out, mgpu_device *dev, const float 
     mgpu__launch_on(&dev->queue[0], turned ? "conv2d_backward winograd dx" : "conv2d winograd",
                     mgpu__winograd_cpu, NULL, &a, sizeof a);
     for (int i = 0; i < 3; i++) mgpu_free(scratch[i]); /* (reused only by work enqueued after this on the queue) */
-    return 1;
+}
+/* dw (=, or += with accumulate) = the weight gradient from x and dy. */
+static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
+                                          const mgpu__conv_geom *g, int accumulate) {
+    size_t floats[3];
+    mgpu__winograd_dw_cpu_floats(g, &floats[0], &floats[1], &floats[2]);
+    mgpu_tensor *scratch[3];
+    for (int i = 0; i < 3; i++) scratch[i] = mgpu_empty(dev, mgpu_shape1((int)floats[i]));
+    mgpu__winograd_dw_cpu_args a = {dw, x, dy, scratch[0]->data, scratch[1]->data, scratch[2]->data, *g,
+                                    accumulate};
+    mgpu__launch_on(&dev->queue[0], "conv2d_backward winograd dW", mgpu__winograd_dw_cpu, NULL, &a, sizeof a);
+    for (int i = 0; i < 3; i++) mgpu_free(scratch[i]); /* (reused only by work enqueued after this on the queue) */
+}
+/* The fewest channels and filters with which the rule takes Winograd for
+   each pass: where it won, at batch 32, in bench/convolutions' table
+   "oneDNN against Winograd" (oneDNN's dx, faster than its forward pass,
+   keeps dx up to 256). */
+enum { MGPU__WINOGRAD_CPU_Y_FROM = 128, MGPU__WINOGRAD_CPU_DX_FROM = 512, MGPU__WINOGRAD_CPU_DW_FROM = 64 };
+/* Whether the rule sends a pass of a layer of geometry g (the layer's
+   own, for all three) on dev to Winograd: from `fewest` channels and
+   filters. */
+static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
+    mgpu__conv_settings_from_environment();
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && mgpu__winograd_fits(g) &&
+           mgpu__winograd_fits(&d) && g->c >= fewest && g->k >= fewest;
 }
 
 /* ------------------------------------------ a CPU's: im2col or oneDNN */
@@ -1289,7 +1311,10 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
 #endif
     (void)keep_w_t;
     (void)prepared;
-    if (mgpu__conv_winograd_on_cpu(y->data, dev, x->data, w->data, b ? b->data : NULL, &g, 0, 0)) return;
+    if (mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_Y_FROM)) {
+        mgpu__enqueue_winograd_cpu(y->data, dev, x->data, w->data, b ? b->data : NULL, &g, 0, 0);
+        return;
+    }
 #if MGPU_ONEDNN
     if (!mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, tf32};
@@ -1363,9 +1388,16 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
-    if (!done && dx && g.stride == 1) { /* dx by Winograd where it takes it, dW as below */
+    if (!done) { /* a gradient that Winograd computes is left out of the ways below */
         mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
-        if (mgpu__conv_winograd_on_cpu(dx->data, dev, dy->data, w->data, NULL, &d, 1, add_to_dx)) dx = NULL;
+        if (dx && mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_DX_FROM)) {
+            mgpu__enqueue_winograd_cpu(dx->data, dev, dy->data, w->data, NULL, &d, 1, add_to_dx);
+            dx = NULL;
+        }
+        if (dw && mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_DW_FROM)) {
+            mgpu__enqueue_winograd_dw_cpu(dw->data, dev, x->data, dy->data, &g, accumulate);
+            dw = NULL;
+        }
         done = !dx && !dw;
     }
     if (!done && !dx && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);

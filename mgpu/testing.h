@@ -79,6 +79,10 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
                                        const mgpu_tensor *x, const mgpu_tensor *w,
                                        const mgpu__conv_geom *g, int tf32, int accumulate,
                                        int add_to_dx);
+static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
+                                       const float *b, const mgpu__conv_geom *g, int turned, int accumulate);
+static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
+                                          const mgpu__conv_geom *g, int accumulate);
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
                                               int dy_prepared, int with_dx, int *by_dx, int *by_dw);
 #if MGPU_CUDA

@@ -604,21 +604,23 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     return r;
 }
 
-/* By rule (the default) a CPU device computes the forward pass and dx of
-   3x3 layers at stride 1 with 128 channels and filters or more by
-   Winograd's F(2x2, 3x3) (kernels/winograd.h): within float rounding of
-   im2col, written and added to, with padding 0 to 2 and odd outputs (a
-   last row and column of tiles half used); dW as the other ways compute
-   it; the same bits twice; and no other mode takes it, nor fewer
-   channels, nor a stride. (Not the same bits on 1 and 3 threads: the
-   products are OpenBLAS's, whose sums, as im2col's, round differently
-   with the number of threads at these sizes.) */
+/* By rule (the default) a CPU device computes passes of 3x3 layers at
+   stride 1 by Winograd's F(2x2, 3x3) (kernels/winograd.h): the forward
+   pass from 128 channels and filters, dx from 512, dW from 64. Within
+   float rounding of im2col, written and added to, with padding 0 to 2
+   and odd outputs (a last row and column of tiles half used); the same
+   bits twice; and no other mode takes it, nor fewer channels, nor a
+   stride. (Not the same bits on 1 and 3 threads: the products are
+   OpenBLAS's, whose sums, as im2col's, round differently with the number
+   of threads at these sizes.) */
 TEST(cpu_3x3_layers_by_winograd) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
-    struct { int c, h, k, stride, pad, winograd; } shapes[] = {
-        {128, 6, 128, 1, 1, 1}, {128, 7, 160, 1, 1, 1}, {132, 5, 128, 1, 0, 1}, {128, 4, 136, 1, 2, 1},
-        {124, 6, 128, 1, 1, 0}, {128, 6, 120, 1, 1, 0}, {128, 7, 128, 2, 1, 0}};
+    struct { int c, h, k, stride, pad, y, dx, dw; } shapes[] = { /* and which passes Winograd takes */
+        {128, 6, 128, 1, 1, 1, 0, 1}, {128, 7, 160, 1, 1, 1, 0, 1}, {132, 5, 128, 1, 0, 1, 0, 1},
+        {128, 4, 136, 1, 2, 1, 0, 1}, {512, 4, 512, 1, 1, 1, 1, 1}, {512, 5, 516, 1, 0, 1, 1, 1},
+        {124, 6, 128, 1, 1, 0, 0, 1}, {64, 7, 64, 1, 1, 0, 0, 1}, {60, 6, 64, 1, 1, 0, 0, 0},
+        {128, 7, 128, 2, 1, 0, 0, 0}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (int add_to_dx = 0; add_to_dx <= 1; add_to_dx++) {
             mgpu_shape xs = mgpu_shape4(3, shapes[i].c, shapes[i].h, shapes[i].h);
@@ -629,8 +631,9 @@ TEST(cpu_3x3_layers_by_winograd) {
             mgpu_trace_begin();
             conv_results one = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, add_to_dx, add_to_dx);
             mgpu_synchronize_all();
-            CHECK_EQ_INT(traced("conv2d winograd"), shapes[i].winograd);
-            CHECK_EQ_INT(traced("conv2d_backward winograd dx"), shapes[i].winograd);
+            CHECK_EQ_INT(traced("conv2d winograd"), shapes[i].y);
+            CHECK_EQ_INT(traced("conv2d_backward winograd dx"), shapes[i].dx);
+            CHECK_EQ_INT(traced("conv2d_backward winograd dW"), shapes[i].dw);
             mgpu_trace_end();
             conv_results again = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, add_to_dx, add_to_dx);
             check_close_floats("y", one.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
@@ -638,12 +641,14 @@ TEST(cpu_3x3_layers_by_winograd) {
             check_close_floats("dW", one.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
             CHECK(memcmp(one.y, again.y, mgpu_shape_numel(ys) * sizeof(float)) == 0);
             CHECK(memcmp(one.dx, again.dx, mgpu_shape_numel(xs) * sizeof(float)) == 0);
+            CHECK(memcmp(one.dw, again.dw, mgpu_shape_numel(ws) * sizeof(float)) == 0);
 #if MGPU_ONEDNN
             mgpu_trace_begin();
             conv_results timed = conv_by(MGPU__CONV_TIMED, xs, ws, stride, pad, add_to_dx, add_to_dx);
             conv_results implicit = conv_by(MGPU__CONV_IMPLICIT, xs, ws, stride, pad, add_to_dx, add_to_dx);
             mgpu_synchronize_all();
-            CHECK(!traced("conv2d winograd") && !traced("conv2d_backward winograd dx"));
+            CHECK(!traced("conv2d winograd") && !traced("conv2d_backward winograd dx") &&
+                  !traced("conv2d_backward winograd dW"));
             mgpu_trace_end();
             free(timed.y), free(timed.dx), free(timed.dw), free(implicit.y), free(implicit.dx), free(implicit.dw);
 #endif
