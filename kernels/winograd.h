@@ -223,29 +223,43 @@ static void mgpu__winograd_weights_cpu(const mgpu__winograd_cpu_args *a) {
     }
 }
 
-/* out[img, k] (+)= (A^T M A) of each tile + b[k]: one image's plane at a
-   time. */
-static void mgpu__winograd_output_cpu(const mgpu__winograd_cpu_args *a) {
-    const mgpu__conv_geom *g = &a->g;
+/* The output's side, a tile at a time: the images' planes [P, Q] of each
+   filter k beside its tiles' 16 planes m[xi][k][tile] (K x tiles, `apart`
+   floats apart). With `out`, the forward pass's last transform: out (+)=
+   (A^T M A) + b[k] (in: out itself, read where it accumulates). Without,
+   the weight gradient's first: M = A dy A^T of each tile's 2x2 of in = dy
+   (zeros past the last row or column). */
+static void mgpu__winograd_output_side_cpu(const float *in, float *out, float *m, const float *b,
+                                           const mgpu__conv_geom *g, int accumulate) {
     int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
     size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, tiles);
     size_t planes = (size_t)g->n * g->k;
+    int reads = !out || accumulate;
     MGPU__CPU_PARALLEL_FOR(planes * g->p * g->q)
-    for (size_t plane = 0; plane < planes; plane++) {
-        size_t img = plane / g->k, k = plane % g->k;
-        const float *m = &a->m[k * tiles + img * rows * cols];
-        float *out = &a->out[plane * g->p * g->q], bias = a->b ? a->b[k] : 0.0f;
+    for (size_t i = 0; i < planes; i++) {
+        size_t img = i / g->k, k = i % g->k, at = i * g->p * g->q;
+        float bias = b ? b[k] : 0.0f;
         for (int ty = 0; ty < rows; ty++)
             for (int tx = 0; tx < cols; tx++) {
-                float products[4][4], o[2][2];
-                for (int xi = 0; xi < 16; xi++) products[xi / 4][xi % 4] = m[xi * apart + (size_t)ty * cols + tx];
-                mgpu__winograd_outputs(products, o);
+                float *tile = &m[k * tiles + (img * rows + ty) * cols + tx], sixteen[4][4], four[2][2], o[2][2];
+                for (int y = 0; y < 2; y++)
+                    for (int x = 0; x < 2; x++) {
+                        int p = 2 * ty + y, q = 2 * tx + x;
+                        four[y][x] = reads && p < g->p && q < g->q ? in[at + p * g->q + q] : 0.0f;
+                    }
+                if (!out) {
+                    mgpu__winograd_tile_gradient(four, sixteen);
+                    for (int xi = 0; xi < 16; xi++) tile[xi * apart] = sixteen[xi / 4][xi % 4];
+                    continue;
+                }
+                for (int xi = 0; xi < 16; xi++) sixteen[xi / 4][xi % 4] = tile[xi * apart];
+                mgpu__winograd_outputs(sixteen, o);
                 for (int y = 0; y < 2; y++)
                     for (int x = 0; x < 2; x++) {
                         int p = 2 * ty + y, q = 2 * tx + x;
                         if (p >= g->p || q >= g->q) continue; /* (the half-used last tiles) */
-                        float *o_pq = &out[p * g->q + q], value = o[y][x] + bias;
-                        *o_pq = a->accumulate ? *o_pq + value : value;
+                        float value = o[y][x] + bias;
+                        out[at + p * g->q + q] = accumulate ? four[y][x] + value : value;
                     }
             }
     }
@@ -264,7 +278,7 @@ static void mgpu__winograd_cpu(const void *args, const mgpu__exec *ex) {
                                    a->m + xi * mgpu__winograd_cpu_plane(g->k, tiles), (int)tiles, 0};
         mgpu__gemm_cpu(&product, ex);
     }
-    mgpu__winograd_output_cpu(a);
+    mgpu__winograd_output_side_cpu(a->out, a->out, a->m, a->b, g, a->accumulate);
 }
 
 /* The weight gradient (CPU only), from the same tiles of x: V as above,
@@ -287,38 +301,12 @@ static inline void mgpu__winograd_dw_cpu_floats(const mgpu__conv_geom *g, size_t
     *du = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
 }
 
-/* E[xi][k][tile] = (A dy A^T)[xi] of the tile's 2x2 of dy (zeros past
-   the last row or column), one image's plane at a time. */
-static void mgpu__winograd_dy_cpu(const mgpu__winograd_dw_cpu_args *a) {
-    const mgpu__conv_geom *g = &a->g;
-    int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
-    size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, tiles);
-    size_t planes = (size_t)g->n * g->k;
-    MGPU__CPU_PARALLEL_FOR(planes * g->p * g->q)
-    for (size_t plane = 0; plane < planes; plane++) {
-        size_t img = plane / g->k, k = plane % g->k;
-        const float *dy = &a->dy[plane * g->p * g->q];
-        float *e = &a->e[k * tiles + img * rows * cols];
-        for (int ty = 0; ty < rows; ty++)
-            for (int tx = 0; tx < cols; tx++) {
-                float d[2][2], spread[4][4];
-                for (int y = 0; y < 2; y++)
-                    for (int x = 0; x < 2; x++) {
-                        int p = 2 * ty + y, q = 2 * tx + x;
-                        d[y][x] = p < g->p && q < g->q ? dy[p * g->q + q] : 0.0f;
-                    }
-                mgpu__winograd_tile_gradient(d, spread);
-                for (int xi = 0; xi < 16; xi++) e[xi * apart + (size_t)ty * cols + tx] = spread[xi / 4][xi % 4];
-            }
-    }
-}
-
 static void mgpu__winograd_dw_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__winograd_dw_cpu_args *a = (const mgpu__winograd_dw_cpu_args *)args;
     const mgpu__conv_geom *g = &a->g;
     size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, g->c);
     mgpu__winograd_input_cpu(a->x, a->v, g);
-    mgpu__winograd_dy_cpu(a);
+    mgpu__winograd_output_side_cpu(a->dy, NULL, a->e, NULL, g, 0);
     for (int xi = 0; xi < 16; xi++) {
         mgpu__gemm_args product = {0, 1, g->k, g->c, (int)tiles, 1.0f, 0.0f,
                                    a->e + xi * mgpu__winograd_cpu_plane(g->k, tiles), (int)tiles,

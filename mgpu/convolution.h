@@ -1039,8 +1039,10 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    beat oneDNN's kernels (bench/RESULTS.md, "Winograd on the CPU"): the
    forward pass from 128 channels and filters, dx from 512, dW from 64
    (below); with fewer its passes over the transformed tensors cost what
-   its products save.
-   The other modes leave it out: timed compares im2col and oneDNN.
+   its products save. Its scratch, the transformed tensors, is 4 times
+   the input and the output of the whole batch (im2col's is cut into
+   chunks of images; these are not). The other modes leave it out: timed
+   compares im2col and oneDNN.
    mgpu__enqueue_winograd_cpu enqueues the forward pass or dx: out (=, or
    += with accumulate) = conv(in, w) + b in geometry g; turned: dx, with g
    mgpu__conv_dx_geometry's and w the layer's weights. */
