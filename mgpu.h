@@ -908,7 +908,10 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    by OpenBLAS in place of 36 multiplies a 2x2 tile of outputs) for the
    forward pass from 128 channels and filters, dx from 512 and dW from
    64, where it beat oneDNN on a 2-core CPU, with or without oneDNN; the
-   other modes leave it out.
+   other modes leave it out. Its scratch, the transformed tensors, is 4
+   times the input and the output of the whole batch, not cut into
+   chunks; its products are OpenBLAS's, whose sums, like im2col's, may
+   round differently with the number of threads.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:

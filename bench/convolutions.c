@@ -39,7 +39,7 @@
    forward pass; each gradient by the faster of its implicit GEMM and its
    half of im2col, unless im2col's whole backward beats the two). On the
    CPU, the 3x3 stride-1 layers' three passes by oneDNN and by Winograd
-   (kernels/winograd.h), which the rule takes from 128 channels. The last line is for bench/run.sh:
+   (kernels/winograd.h), from which mgpu/convolution.h's rule was set. The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -137,9 +137,9 @@ static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 
 
 /* On the CPU: each pass of each 3x3 stride-1 layer by oneDNN
    (MGPU_CONV=implicit; "-" where the library has no oneDNN) and by
-   Winograd's F(2x2, 3x3) (kernels/winograd.h), whichever the rule takes,
-   in microseconds per call: where Winograd wins is where
-   mgpu/convolution.h's rule should send it. */
+   Winograd's F(2x2, 3x3) (kernels/winograd.h), each called directly
+   whatever the rule would take, in microseconds per call: where Winograd
+   wins is where mgpu/convolution.h's rule should send it. */
 static void winograd_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
     mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);

@@ -2,8 +2,8 @@
    filtering, F(2x2, 3x3): on a GPU from a channels-last copy of its input
    (TF32 products by cuBLAS), on the CPU from the NCHW tensor itself
    (float32 products by OpenBLAS). For the forward pass and, with the
-   weights turned round, the input gradient (conv_nhwc.h says how dx is a
-   convolution of dy).
+   weights turned round, the input gradient (conv.h says how dx is a
+   convolution of dy); on the CPU also the weight gradient.
 
    Why. A 2x2 block of outputs of a 3x3 window reads a 4x4 patch of the
    input and takes 36 multiplies a channel directly; Winograd takes 16.
@@ -141,8 +141,9 @@ static MGPU__HOSTDEVICE inline void mgpu__winograd_window_gradient(const float d
     }
 }
 /* Filter k's window on channel c, as w stores it; turned: the input
-   gradient's filters, w [C, K, 3, 3] of the layer turned half a circle
-   (g is then mgpu__conv_dx_geometry's: g->c the layer's K, g->k its C). */
+   gradient's filters, the layer's weights turned half a circle, with g
+   mgpu__conv_dx_geometry's (g->c the layer's filters, g->k its channels,
+   so that w is [g->c, g->k, 3, 3]). */
 static MGPU__HOSTDEVICE inline void mgpu__winograd_window_of(const float *w, const mgpu__conv_geom *g, int k, int c,
                                                             int turned, float window[3][3]) {
     const float *f = turned ? &w[((size_t)c * g->k + k) * 9] : &w[((size_t)k * g->c + c) * 9];
@@ -157,10 +158,10 @@ static MGPU__HOSTDEVICE inline void mgpu__winograd_window_of(const float *w, con
    Each plane is padded by MGPU__WINOGRAD_CPU_PAD floats: the 16 values of
    one patch are written 16 planes apart, and planes a multiple of 4 KiB
    apart (ResNet-18's all are) fall in the same cache set, which made the
-   input's transform 3 to 5 times slower (bench/RESULTS.md, "Winograd on
-   the CPU"). Every value is computed in a fixed order, whatever the
-   number of threads (OpenBLAS splits a product's rows and columns among
-   them, never a sum). */
+   input's transform 3 to 5.6 times slower (bench/RESULTS.md, "Winograd
+   on the CPU"). The transforms compute each value in one order whatever
+   the number of threads; the products are OpenBLAS's, whose sums, as
+   im2col's, can round differently with the number of threads. */
 #define MGPU__WINOGRAD_CPU_PAD 16
 typedef struct {
     float *out;        /* [n, K, P, Q]: accumulate ? out + y : y */
@@ -175,6 +176,14 @@ typedef struct {
 /* One plane of V, U or M, in floats (with its padding). */
 static inline size_t mgpu__winograd_cpu_plane(size_t rows, size_t cols) {
     return rows * cols + MGPU__WINOGRAD_CPU_PAD;
+}
+/* Whether the CPU's passes compute a convolution of geometry g: 3x3 at
+   stride 1, and each scratch tensor (below) indexable by int. */
+static inline int mgpu__winograd_cpu_fits(const mgpu__conv_geom *g) {
+    size_t tiles = mgpu__winograd_tiles(g), widest = g->c > g->k ? g->c : g->k;
+    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2 &&
+           16 * mgpu__winograd_cpu_plane(widest, tiles) < INT_MAX &&
+           16 * mgpu__winograd_cpu_plane(g->k, g->c) < INT_MAX;
 }
 /* The scratch of V, U and M, in floats. */
 static inline void mgpu__winograd_cpu_floats(const mgpu__conv_geom *g, size_t *v, size_t *u, size_t *m) {
@@ -234,32 +243,32 @@ static void mgpu__winograd_output_side_cpu(const float *in, float *out, float *m
     int rows = mgpu__winograd_tile_rows(g), cols = mgpu__winograd_tile_cols(g);
     size_t tiles = mgpu__winograd_tiles(g), apart = mgpu__winograd_cpu_plane(g->k, tiles);
     size_t planes = (size_t)g->n * g->k;
-    int reads = !out || accumulate;
+    int reads_pixels = !out || accumulate;
     MGPU__CPU_PARALLEL_FOR(planes * g->p * g->q)
     for (size_t i = 0; i < planes; i++) {
         size_t img = i / g->k, k = i % g->k, at = i * g->p * g->q;
         float bias = b ? b[k] : 0.0f;
         for (int ty = 0; ty < rows; ty++)
             for (int tx = 0; tx < cols; tx++) {
-                float *tile = &m[k * tiles + (img * rows + ty) * cols + tx], sixteen[4][4], four[2][2], o[2][2];
+                float *tile = &m[k * tiles + (img * rows + ty) * cols + tx], transformed[4][4], pixels[2][2], o[2][2];
                 for (int y = 0; y < 2; y++)
                     for (int x = 0; x < 2; x++) {
                         int p = 2 * ty + y, q = 2 * tx + x;
-                        four[y][x] = reads && p < g->p && q < g->q ? in[at + p * g->q + q] : 0.0f;
+                        pixels[y][x] = reads_pixels && p < g->p && q < g->q ? in[at + p * g->q + q] : 0.0f;
                     }
                 if (!out) {
-                    mgpu__winograd_tile_gradient(four, sixteen);
-                    for (int xi = 0; xi < 16; xi++) tile[xi * apart] = sixteen[xi / 4][xi % 4];
+                    mgpu__winograd_tile_gradient(pixels, transformed);
+                    for (int xi = 0; xi < 16; xi++) tile[xi * apart] = transformed[xi / 4][xi % 4];
                     continue;
                 }
-                for (int xi = 0; xi < 16; xi++) sixteen[xi / 4][xi % 4] = tile[xi * apart];
-                mgpu__winograd_outputs(sixteen, o);
+                for (int xi = 0; xi < 16; xi++) transformed[xi / 4][xi % 4] = tile[xi * apart];
+                mgpu__winograd_outputs(transformed, o);
                 for (int y = 0; y < 2; y++)
                     for (int x = 0; x < 2; x++) {
                         int p = 2 * ty + y, q = 2 * tx + x;
                         if (p >= g->p || q >= g->q) continue; /* (the half-used last tiles) */
                         float value = o[y][x] + bias;
-                        out[at + p * g->q + q] = accumulate ? four[y][x] + value : value;
+                        out[at + p * g->q + q] = accumulate ? pixels[y][x] + value : value;
                     }
             }
     }

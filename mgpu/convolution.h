@@ -1,5 +1,5 @@
 /* mgpu/convolution.h: the convolution, and how it is computed. On the
-   CPU im2col and a product, or oneDNN's; on a GPU im2col with cuBLAS, the
+   CPU im2col and a product, oneDNN's, or Winograd's; on a GPU im2col with cuBLAS, the
    implicit GEMMs of kernels/conv_nhwc.h, Winograd, or cuDNN, chosen per
    shape and pass (MGPU_CONV). Scratch is sized per device kind. Chapter 2
    reads the forward and backward passes; the rest is the fast path.
@@ -1081,8 +1081,8 @@ enum { MGPU__WINOGRAD_CPU_Y_FROM = 128, MGPU__WINOGRAD_CPU_DX_FROM = 512, MGPU__
 static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
     mgpu__conv_settings_from_environment();
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && mgpu__winograd_fits(g) &&
-           mgpu__winograd_fits(&d) && g->c >= fewest && g->k >= fewest;
+    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && mgpu__winograd_cpu_fits(g) &&
+           mgpu__winograd_cpu_fits(&d) && g->c >= fewest && g->k >= fewest;
 }
 
 /* ------------------------------------------ a CPU's: im2col or oneDNN */
@@ -1390,6 +1390,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
+    int dx_asked = dx != NULL;
     if (!done) { /* a gradient that Winograd computes is left out of the ways below */
         mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
         if (dx && mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_DX_FROM)) {
@@ -1402,7 +1403,7 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
         }
         done = !dx && !dw;
     }
-    if (!done && !dx && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
+    if (!done && !dx_asked && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
 #if MGPU_ONEDNN
     if (!done && !mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, tf32};

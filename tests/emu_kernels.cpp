@@ -144,6 +144,7 @@ static int subpixel_cases; /* channels-last dx at stride > 1 checked, by classes
 static int stride2_cases;    /* and by the stride-2 dx kernel (3x3, stride 2, padding 1) */
 static int wgmma_cases;    /* conv_nhwc.h's products by wgmma: y, dx at stride 1, dx's classes */
 static int winograd_cases; /* Winograd's y, dx and dx added checked */
+static int winograd_cpu_cases; /* the CPU's Winograd's y, dx and dW checked */
 static int few_inputs_cases; /* conv_few_inputs.h's y and dW checked */
 /* An r x s window (s = 0: r x r) */
 static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, int pad, int bias, int s = 0) {
@@ -278,15 +279,10 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
                                      v.data(), u.data(), m.data(), wg, turned, accumulate};
         mgpu__winograd_cpu(&a, &on_cpu);
     };
-    char cpu_name[160];
-    snprintf(cpu_name, sizeof cpu_name, "%s, CPU", name);
     if (mgpu__winograd_fits(&g)) {
         std::vector<float> y_g = nans(ys);
         winograd(g, x_t, 0, y_g, 0);
         close_in_tf32(name, "y", y_g, y_c);
-        std::vector<float> y_cpu = nans(ys);
-        winograd_cpu(g, x, 0, y_cpu, 0);
-        same(cpu_name, y_cpu, y_c, 1e-5);
     }
     if (stride == 1 && mgpu__winograd_fits(&d)) {
         std::vector<float> dx_g = nans(x.size());
@@ -295,15 +291,20 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         dx_g = dx_start;
         winograd(d, dy_t, 1, dx_g, 1);
         close_in_tf32(name, "dx added", dx_g, dx_sum_c);
-        std::vector<float> dx_cpu = nans(x.size());
+    }
+    /* the CPU's, where it fits (any C), in float32 on the NCHW tensors: y
+       written, dx and dW written and added to */
+    char cpu_name[160];
+    snprintf(cpu_name, sizeof cpu_name, "%s, CPU", name);
+    if (mgpu__winograd_cpu_fits(&g) && mgpu__winograd_cpu_fits(&d)) {
+        std::vector<float> y_cpu = nans(ys), dx_cpu = nans(x.size());
+        winograd_cpu(g, x, 0, y_cpu, 0);
+        same(cpu_name, y_cpu, y_c, 1e-5);
         winograd_cpu(d, dy, 1, dx_cpu, 0);
         same(cpu_name, dx_cpu, dx_c, 1e-5);
         dx_cpu = dx_start;
         winograd_cpu(d, dy, 1, dx_cpu, 1);
         same(cpu_name, dx_cpu, dx_sum_c, 1e-5);
-    }
-    /* the CPU's weight gradient, written and added to */
-    if (mgpu__winograd_fits(&g)) {
         size_t floats[3];
         mgpu__winograd_dw_cpu_floats(&g, &floats[0], &floats[1], &floats[2]);
         std::vector<float> v = nans(floats[0]), e = nans(floats[1]), du = nans(floats[2]);
@@ -316,6 +317,7 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
             mgpu__winograd_dw_cpu(&a, &on_cpu);
             same(cpu_name, dw_cpu, accumulate ? dw_c : dw_alone_c, 1e-5);
         }
+        winograd_cpu_cases++;
     }
     /* conv_few_inputs.h's, where it fits, in float32: y; dW in the
        library's slices of the pixels, in one and in 3, written and added
@@ -354,7 +356,7 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
    kernels, Winograd and the channels-last dW (C and K in fours) where
    they fit. */
 TEST(few_channels_convolution) {
-    few_inputs_cases = 0; /* count this test's own cases, whichever test ran before */
+    few_inputs_cases = winograd_cpu_cases = 0; /* count this test's own cases, whichever test ran before */
     /* N  C  H  W   K  R  t  d  bias: partial tiles of filters, pixels and (c, r, s) */
     implicit_case(1, 1, 6, 6, 3, 3, 1, 1, 1);
     implicit_case(2, 3, 7, 5, 70, 3, 2, 1, 0);
@@ -368,12 +370,14 @@ TEST(few_channels_convolution) {
     implicit_case(3, 1, 20, 19, 20, 3, 1, 1, 1);
     implicit_case(2, 1, 11, 13, 9, 3, 2, 0, 0);
     CHECK_EQ_INT(few_inputs_cases, 4);
+    CHECK_EQ_INT(winograd_cpu_cases, 4); /* the CPU's Winograd: the 3x3 stride-1 cases, any C */
 }
 /* conv_nhwc.h's kernel (through implicit_case): C, and for dx K, multiples
    of its 32-channel step; partial tiles of filters and pixels, windows
    over the padding, strides 1 and 2, 1x1, steps over several (r, s) */
 TEST_LONG(channels_last_convolution) {
-    subpixel_cases = stride2_cases = wgmma_cases = winograd_cases = 0; /* this test's own cases only */
+    /* this test's own cases only */
+    subpixel_cases = stride2_cases = wgmma_cases = winograd_cases = winograd_cpu_cases = 0;
     /* N  C   H  W   K  R  t  d  bias (and dW, which needs only C and K in fours) */
     implicit_case(2, 32, 5, 6, 32, 3, 1, 1, 1);  /* y, dx and dW */
     implicit_case(1, 64, 7, 7, 70, 3, 1, 2, 0);  /* no dx or dW (K), 2 tiles of 64 filters */
@@ -412,6 +416,7 @@ TEST_LONG(channels_last_convolution) {
     CHECK(wgmma_cases == 2 * 3 * (14 + 4 * 2 + 7 * 2));
     CHECK(mgpu__wgmma_built((cudaStream_t)on_gpu.stream) == 1); /* (the emulator runs them) */
     CHECK(winograd_cases == 8 + 6 * 2); /* y of the 3x3 stride-1 cases with C in fours, and dx where K is */
+    CHECK_EQ_INT(winograd_cpu_cases, 8); /* the CPU's: every 3x3 stride-1 case */
     mgpu__conv_geom unpadded = {1, 32, 9, 9, 32, 3, 3, 4, 4, 2, 0};
     CHECK(!mgpu__conv_nhwc_dx_fits(&unpadded)); /* pad' 1 for even rows, 0 for odd ones */
 }

@@ -619,6 +619,7 @@ TEST(cpu_3x3_layers_by_winograd) {
     struct { int c, h, k, stride, pad, y, dx, dw; } shapes[] = { /* and which passes Winograd takes */
         {128, 6, 128, 1, 1, 1, 0, 1}, {128, 7, 160, 1, 1, 1, 0, 1}, {132, 5, 128, 1, 0, 1, 0, 1},
         {128, 4, 136, 1, 2, 1, 0, 1}, {512, 4, 512, 1, 1, 1, 1, 1}, {512, 5, 516, 1, 0, 1, 1, 1},
+        {514, 3, 512, 1, 2, 1, 1, 1}, /* (dx's padding 0; C not in fours) */
         {124, 6, 128, 1, 1, 0, 0, 1}, {64, 7, 64, 1, 1, 0, 0, 1}, {60, 6, 64, 1, 1, 0, 0, 0},
         {128, 7, 128, 2, 1, 0, 0, 0}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
