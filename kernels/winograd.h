@@ -36,7 +36,7 @@
    mgpu/convolution.h times it beside the channels-last kernels where it
    fits (3x3, stride 1) and the channels and filters are 256 or more
    (mgpu__conv_winograd_worth_trying says why), and keeps it where it is
-   faster. On a 2-core CPU, against oneDNN's direct kernels, it won the
+   faster. On a 2-core CPU, against oneDNN's AVX2 kernels, it won the
    weight gradient from 64 channels, the forward pass from 128 and dx at
    512 (mgpu/convolution.h's rule).
 

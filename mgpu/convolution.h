@@ -1036,10 +1036,10 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    By rule (MGPU_CONV's default), a CPU device computes passes of 3x3
    convolutions at stride 1 by kernels/winograd.h's F(2x2, 3x3), 16
    products by OpenBLAS in place of 36 multiplies a 2x2 tile, where it
-   beat oneDNN's kernels (bench/RESULTS.md, "Winograd on the CPU"): the
-   forward pass from 128 channels and filters, dx from 512, dW from 64
-   (below); with fewer its passes over the transformed tensors cost what
-   its products save. Its scratch, the transformed tensors, is 4 times
+   beat oneDNN's AVX2 kernels (bench/RESULTS.md, "Winograd on the CPU"):
+   the forward pass from 128 channels and filters, dx from 512, dW from
+   64 (below); with fewer its passes over the transformed tensors cost
+   what its products save. oneDNN's AVX-512 kernels beat it. Its scratch, the transformed tensors, is 4 times
    the input and the output of the whole batch (im2col's is cut into
    chunks of images; these are not). The other modes leave it out: timed
    compares im2col and oneDNN.
@@ -1072,17 +1072,41 @@ static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const flo
 }
 /* The fewest channels and filters with which the rule takes Winograd for
    each pass: where it won, at batch 32, in bench/convolutions' table
-   "oneDNN against Winograd" (oneDNN's dx, faster than its forward pass,
-   keeps dx up to 256). */
+   "oneDNN against Winograd" against oneDNN's AVX2 kernels (oneDNN's dx,
+   faster than its forward pass, keeps dx up to 256). */
 enum { MGPU__WINOGRAD_CPU_Y_FROM = 128, MGPU__WINOGRAD_CPU_DX_FROM = 512, MGPU__WINOGRAD_CPU_DW_FROM = 64 };
+/* The widths of the two libraries' vectors on this CPU, which the CPU's
+   rule reads: whether oneDNN runs its AVX-512 kernels, and whether
+   OpenBLAS does (the products of im2col and Winograd). 1 or 0, -1 until
+   first read; a test sets them to take another CPU's rule. The rule's
+   exceptions to oneDNN were measured where the two ran vectors of one
+   width (AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC); where oneDNN
+   runs AVX-512 and OpenBLAS AVX2 (Debian's OpenBLAS on AMD's AVX-512
+   processors), oneDNN won every pass of ResNet-18 (bench/RESULTS.md,
+   "oneDNN's AVX-512 against OpenBLAS's AVX2"). */
+static int mgpu__onednn_avx512 = -1, mgpu__blas_avx512 = -1;
+static void mgpu__cpu_vector_widths(void) {
+    if (mgpu__onednn_avx512 < 0) {
+#if MGPU_ONEDNN
+        dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+        mgpu__onednn_avx512 = (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
+#else
+        mgpu__onednn_avx512 = 0;
+#endif
+    }
+    if (mgpu__blas_avx512 < 0) mgpu__blas_avx512 = mgpu__blas_core_avx512(openblas_get_corename());
+}
 /* Whether the rule sends a pass of a layer of geometry g (the layer's
    own, for all three) on dev to Winograd: from `fewest` channels and
-   filters. */
+   filters, where oneDNN runs no AVX-512 kernels: Winograd won only
+   against its AVX2 ones (against its AVX-512 ones, on an AMD EPYC, it
+   lost all but dW at 512 channels). */
 static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
     mgpu__conv_settings_from_environment();
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && mgpu__winograd_cpu_fits(g) &&
-           mgpu__winograd_cpu_fits(&d) && g->c >= fewest && g->k >= fewest;
+    mgpu__cpu_vector_widths();
+    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && !mgpu__onednn_avx512 &&
+           mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d) && g->c >= fewest && g->k >= fewest;
 }
 
 /* ------------------------------------------ a CPU's: im2col or oneDNN */
@@ -1238,10 +1262,13 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
    shape: oneDNN, except the backward passes where im2col won the trials on
    2-core CPUs (bench/RESULTS.md, "the rule's sources"): 1x1 windows at a stride
-   (ResNet's shortcuts) and outputs of 4 x 4 pixels or fewer. */
+   (ResNet's shortcuts) and outputs of 4 x 4 pixels or fewer; not where
+   oneDNN's vectors are wider than OpenBLAS's (above). */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
-    int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16);
+    mgpu__cpu_vector_widths();
+    int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16) &&
+                      !(mgpu__onednn_avx512 && !mgpu__blas_avx512);
     return im2col_wins ? MGPU__CPU_BY_IM2COL : MGPU__CPU_BY_ONEDNN;
 }
 

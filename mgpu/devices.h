@@ -35,6 +35,14 @@ static inline const char *mgpu__blas_better_core(const char *core, int avx2_fma,
         if (strcasecmp(core, without_avx2[i]) == 0) return avx512 ? "SkylakeX" : "Haswell";
     return NULL;
 }
+/* Whether OpenBLAS's kernels of this name run AVX-512 (mgpu/convolution.h's
+   CPU rule asks). */
+static inline int mgpu__blas_core_avx512(const char *core) {
+    static const char *const avx512[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+    for (size_t i = 0; core && i < sizeof avx512 / sizeof avx512[0]; i++)
+        if (strcasecmp(core, avx512[i]) == 0) return 1;
+    return 0;
+}
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
 static void mgpu__processor_vectors(int *avx2_fma, int *avx512) {
     __builtin_cpu_init();

@@ -59,6 +59,7 @@ extern struct mgpu__header_queue mgpu__headers;
 
 /* ---- mgpu/devices.h: the tests check the BLAS kernels chosen for a processor, and the cores counted */
 static inline const char *mgpu__blas_better_core(const char *core, int avx2_fma, int avx512);
+static inline int mgpu__blas_core_avx512(const char *core);
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
 static void mgpu__processor_vectors(int *avx2_fma, int *avx512);
 #endif
@@ -83,6 +84,8 @@ static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float
                                        const float *b, const mgpu__conv_geom *g, int turned, int accumulate);
 static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
                                           const mgpu__conv_geom *g, int accumulate);
+extern int mgpu__onednn_avx512, mgpu__blas_avx512; /* (a test takes another CPU's rule) */
+static void mgpu__cpu_vector_widths(void);
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
                                               int dy_prepared, int with_dx, int *by_dx, int *by_dw);
 #if MGPU_CUDA

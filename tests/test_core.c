@@ -714,6 +714,10 @@ TEST(blas_kernels_fit_the_processor) {
     CHECK(mgpu__blas_better_core("SkylakeX", 1, 1) == NULL);
     CHECK(mgpu__blas_better_core("Zen", 1, 0) == NULL);
     CHECK(mgpu__blas_better_core(NULL, 1, 1) == NULL);
+    /* (and which of its kernels run AVX-512, for the CPU's convolution rule) */
+    CHECK(mgpu__blas_core_avx512("SkylakeX") && mgpu__blas_core_avx512("cooperlake") &&
+          mgpu__blas_core_avx512("SapphireRapids"));
+    CHECK(!mgpu__blas_core_avx512("Haswell") && !mgpu__blas_core_avx512("Zen") && !mgpu__blas_core_avx512(NULL));
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
     int avx2_fma, avx512;
     mgpu__processor_vectors(&avx2_fma, &avx512);

@@ -604,9 +604,21 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     return r;
 }
 
-/* By rule (the default) a CPU device computes passes of 3x3 layers at
-   stride 1 by Winograd's F(2x2, 3x3) (kernels/winograd.h): the forward
-   pass from 128 channels and filters, dx from 512, dW from 64. Within
+/* The CPU's rule for the vector widths of another CPU: oneDNN's and
+   OpenBLAS's AVX-512 (1) or not (0); restore_widths puts this one's
+   back. */
+static int saved_widths[2];
+static void take_widths(int onednn_avx512, int blas_avx512) {
+    mgpu__cpu_vector_widths();
+    saved_widths[0] = mgpu__onednn_avx512, saved_widths[1] = mgpu__blas_avx512;
+    mgpu__onednn_avx512 = onednn_avx512, mgpu__blas_avx512 = blas_avx512;
+}
+static void restore_widths(void) { mgpu__onednn_avx512 = saved_widths[0], mgpu__blas_avx512 = saved_widths[1]; }
+
+/* By rule (the default) a CPU device whose oneDNN runs AVX2 kernels
+   computes passes of 3x3 layers at stride 1 by Winograd's F(2x2, 3x3)
+   (kernels/winograd.h): the forward pass from 128 channels and filters,
+   dx from 512, dW from 64; where oneDNN runs AVX-512 kernels, none. Within
    float rounding of im2col, written and added to, with padding 0 to 2
    and odd outputs (a last row and column of tiles half used); the same
    bits twice; and no other mode takes it, nor fewer channels, nor a
@@ -616,6 +628,7 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
 TEST(cpu_3x3_layers_by_winograd) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    take_widths(0, 0);
     struct { int c, h, k, stride, pad, y, dx, dw; } shapes[] = { /* and which passes Winograd takes */
         {128, 6, 128, 1, 1, 1, 0, 1}, {128, 7, 160, 1, 1, 1, 0, 1}, {132, 5, 128, 1, 0, 1, 0, 1},
         {128, 4, 136, 1, 2, 1, 0, 1}, {512, 4, 512, 1, 1, 1, 1, 1}, {512, 5, 516, 1, 0, 1, 1, 1},
@@ -653,12 +666,25 @@ TEST(cpu_3x3_layers_by_winograd) {
             mgpu_trace_end();
             free(timed.y), free(timed.dx), free(timed.dw), free(implicit.y), free(implicit.dx), free(implicit.dw);
 #endif
+            mgpu__onednn_avx512 = 1; /* (OpenBLAS's AVX-512 or not) */
+            for (int blas_avx512 = 0; blas_avx512 <= 1; blas_avx512++) {
+                mgpu__blas_avx512 = blas_avx512;
+                mgpu_trace_begin();
+                conv_results wide = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, add_to_dx, add_to_dx);
+                mgpu_synchronize_all();
+                CHECK(!traced("conv2d winograd") && !traced("conv2d_backward winograd dx") &&
+                      !traced("conv2d_backward winograd dW"));
+                mgpu_trace_end();
+                free(wide.y), free(wide.dx), free(wide.dw);
+            }
+            mgpu__onednn_avx512 = mgpu__blas_avx512 = 0;
             if (test__failures != before)
                 fprintf(stderr, "  (%d -> %d, 3x3, %dx%d, stride %d, pad %d, add_to_dx %d)\n", shapes[i].c,
                         shapes[i].k, shapes[i].h, shapes[i].h, stride, pad, add_to_dx);
             conv_results *all[] = {&want, &one, &again};
             for (int k = 0; k < 3; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
         }
+    restore_widths();
     mgpu__conv_mode = saved;
 }
 
@@ -705,14 +731,20 @@ TEST(conv2d_by_onednn_matches_im2col) {
 
 /* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit,
    but for the backward passes of 1x1 windows at a stride and of outputs
-   of 4 x 4 pixels or fewer, which take im2col; and times nothing. */
+   of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's vectors
+   are wider than OpenBLAS's (AVX-512 against AVX2); and times nothing.
+   (The shapes are too small for Winograd.) */
 static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     struct { int c, h, k, r, stride, pad, backward_by_im2col; } shapes[] = {
         {16, 9, 16, 3, 1, 1, 0}, {16, 9, 32, 1, 2, 0, 1}, {32, 4, 32, 3, 1, 1, 1}, {6, 14, 16, 5, 1, 0, 0}};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    const int widths[3][2] = {{0, 0}, {1, 1}, {1, 0}}; /* oneDNN's AVX-512, OpenBLAS's */
+    for (size_t t = 0; t < 3 * sizeof shapes / sizeof shapes[0]; t++) {
+        size_t i = t / 3;
+        take_widths(widths[t % 3][0], widths[t % 3][1]);
+        int by_im2col = shapes[i].backward_by_im2col && !(widths[t % 3][0] && !widths[t % 3][1]);
         mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
         mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
         mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
@@ -721,7 +753,8 @@ TEST(cpu_convolutions_by_rule) {
         CHECK_EQ_INT(mgpu__cpu_conv_choice_count, trials); /* (nothing timed) */
         conv_results im2col = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         conv_results onednn = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
-        conv_results *backward = shapes[i].backward_by_im2col ? &im2col : &onednn;
+        restore_widths();
+        conv_results *backward = by_im2col ? &im2col : &onednn;
         CHECK(same_floats(rule.y, onednn.y, mgpu_shape_numel(ys)));
         CHECK(same_floats(rule.dx, backward->dx, mgpu_shape_numel(xs)));
         CHECK(same_floats(rule.dw, backward->dw, mgpu_shape_numel(ws)));
