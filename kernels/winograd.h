@@ -64,13 +64,18 @@ static MGPU__HOSTDEVICE inline int mgpu__winograd_tile_cols(const mgpu__conv_geo
 static inline size_t mgpu__winograd_tiles(const mgpu__conv_geom *g) {
     return (size_t)g->n * mgpu__winograd_tile_rows(g) * mgpu__winograd_tile_cols(g);
 }
-/* Whether it computes a convolution of geometry g: 3x3 at stride 1, C a
-   multiple of 4 (the GPU's loads take 4 channels), and the transformed
-   tensors indexable by int. */
+/* Whether g is a shape that F(2x2, 3x3) computes: 3x3 at stride 1, with
+   a padding that leaves every 4x4 patch's outputs inside it. */
+static inline int mgpu__winograd_shape(const mgpu__conv_geom *g) {
+    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2;
+}
+/* Whether the GPU's passes compute a convolution of geometry g: its
+   shape, C a multiple of 4 (the loads take 4 channels), and the
+   transformed tensors indexable by int. */
 static inline int mgpu__winograd_fits(const mgpu__conv_geom *g) {
     size_t widest = g->c > g->k ? g->c : g->k;
-    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2 && g->c % 4 == 0 &&
-           16 * mgpu__winograd_tiles(g) * widest < INT_MAX && 16 * (size_t)g->c * g->k < INT_MAX;
+    return mgpu__winograd_shape(g) && g->c % 4 == 0 && 16 * mgpu__winograd_tiles(g) * widest < INT_MAX &&
+           16 * (size_t)g->c * g->k < INT_MAX;
 }
 
 /* The three transforms of one patch, window or tile, on both sides. */
@@ -177,20 +182,21 @@ typedef struct {
 static inline size_t mgpu__winograd_cpu_plane(size_t rows, size_t cols) {
     return rows * cols + MGPU__WINOGRAD_CPU_PAD;
 }
-/* Whether the CPU's passes compute a convolution of geometry g: 3x3 at
-   stride 1, and each scratch tensor (below) indexable by int. */
+/* Whether the CPU's passes compute a convolution of geometry g: its
+   shape, any C, and each scratch tensor (below) indexable by int. */
 static inline int mgpu__winograd_cpu_fits(const mgpu__conv_geom *g) {
     size_t tiles = mgpu__winograd_tiles(g), widest = g->c > g->k ? g->c : g->k;
-    return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2 &&
-           16 * mgpu__winograd_cpu_plane(widest, tiles) < INT_MAX &&
+    return mgpu__winograd_shape(g) && 16 * mgpu__winograd_cpu_plane(widest, tiles) < INT_MAX &&
            16 * mgpu__winograd_cpu_plane(g->k, g->c) < INT_MAX;
 }
-/* The scratch of V, U and M, in floats. */
-static inline void mgpu__winograd_cpu_floats(const mgpu__conv_geom *g, size_t *v, size_t *u, size_t *m) {
+/* The three scratch tensors of each CPU pass, in floats: the input's side
+   [C, tiles] (V), the weights' [K, C] (U, or dU) and the output's [K,
+   tiles] (M, or E), 16 planes each. */
+static inline void mgpu__winograd_cpu_floats(const mgpu__conv_geom *g, size_t floats[3]) {
     size_t tiles = mgpu__winograd_tiles(g);
-    *v = 16 * mgpu__winograd_cpu_plane(g->c, tiles);
-    *u = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
-    *m = 16 * mgpu__winograd_cpu_plane(g->k, tiles);
+    floats[0] = 16 * mgpu__winograd_cpu_plane(g->c, tiles);
+    floats[1] = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
+    floats[2] = 16 * mgpu__winograd_cpu_plane(g->k, tiles);
 }
 
 /* V[xi][c][tile] = (B^T d B)[xi] of the tile's patch of channel c: one
@@ -298,17 +304,10 @@ typedef struct {
     float *dw;          /* [K, C, 3, 3]: accumulate ? dw + the gradient : it */
     const float *x;     /* [n, C, H, W] */
     const float *dy;    /* [n, K, P, Q] */
-    float *v, *e, *du;  /* scratch: 16 planes each, mgpu__winograd_dw_cpu_floats */
+    float *v, *du, *e;  /* scratch: 16 planes each, mgpu__winograd_cpu_floats */
     mgpu__conv_geom g;  /* 3x3, stride 1 */
     int accumulate;
 } mgpu__winograd_dw_cpu_args;
-
-static inline void mgpu__winograd_dw_cpu_floats(const mgpu__conv_geom *g, size_t *v, size_t *e, size_t *du) {
-    size_t tiles = mgpu__winograd_tiles(g);
-    *v = 16 * mgpu__winograd_cpu_plane(g->c, tiles);
-    *e = 16 * mgpu__winograd_cpu_plane(g->k, tiles);
-    *du = 16 * mgpu__winograd_cpu_plane(g->k, g->c);
-}
 
 static void mgpu__winograd_dw_cpu(const void *args, const mgpu__exec *ex) {
     const mgpu__winograd_dw_cpu_args *a = (const mgpu__winograd_dw_cpu_args *)args;

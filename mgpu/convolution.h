@@ -1039,36 +1039,41 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    beat oneDNN's AVX2 kernels (bench/RESULTS.md, "Winograd on the CPU"):
    the forward pass from 128 channels and filters, dx from 512, dW from
    64 (below); with fewer its passes over the transformed tensors cost
-   what its products save. oneDNN's AVX-512 kernels beat it. Its scratch, the transformed tensors, is 4 times
-   the input and the output of the whole batch (im2col's is cut into
-   chunks of images; these are not). The other modes leave it out: timed
-   compares im2col and oneDNN.
-   mgpu__enqueue_winograd_cpu enqueues the forward pass or dx: out (=, or
-   += with accumulate) = conv(in, w) + b in geometry g; turned: dx, with g
-   mgpu__conv_dx_geometry's and w the layer's weights. */
+   what its products save. oneDNN's AVX-512 kernels beat it. Its
+   scratch, the transformed tensors, is 4 times the input and the output
+   of the whole batch (im2col's is cut into chunks of images; these are
+   not). The other modes leave it out: timed compares im2col and oneDNN.
+   mgpu__enqueue_winograd_pass enqueues a pass with its args, whose three
+   scratch pointers (the input's, the weights' and the output's side) it
+   sets to tensors made for it, freed once it is enqueued. */
+static void mgpu__enqueue_winograd_pass(mgpu_device *dev, const char *name, mgpu__kernel_fn pass, void *args,
+                                        size_t size, float **scratch[3], const mgpu__conv_geom *g) {
+    size_t floats[3];
+    mgpu__winograd_cpu_floats(g, floats);
+    mgpu_tensor *t[3];
+    for (int i = 0; i < 3; i++) {
+        t[i] = mgpu_empty(dev, mgpu_shape1((int)floats[i]));
+        *scratch[i] = t[i]->data;
+    }
+    mgpu__launch_on(&dev->queue[0], name, pass, NULL, args, size);
+    for (int i = 0; i < 3; i++) mgpu_free(t[i]); /* (reused only by work enqueued after this on the queue) */
+}
+/* The forward pass or dx: out (=, or += with accumulate) = conv(in, w) +
+   b in geometry g; turned: dx, with g mgpu__conv_dx_geometry's and w the
+   layer's weights. */
 static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
                                        const float *b, const mgpu__conv_geom *g, int turned, int accumulate) {
-    size_t floats[3];
-    mgpu__winograd_cpu_floats(g, &floats[0], &floats[1], &floats[2]);
-    mgpu_tensor *scratch[3];
-    for (int i = 0; i < 3; i++) scratch[i] = mgpu_empty(dev, mgpu_shape1((int)floats[i]));
-    mgpu__winograd_cpu_args a = {out, in, w, b, scratch[0]->data, scratch[1]->data, scratch[2]->data, *g, turned,
-                                 accumulate};
-    mgpu__launch_on(&dev->queue[0], turned ? "conv2d_backward winograd dx" : "conv2d winograd",
-                    mgpu__winograd_cpu, NULL, &a, sizeof a);
-    for (int i = 0; i < 3; i++) mgpu_free(scratch[i]); /* (reused only by work enqueued after this on the queue) */
+    mgpu__winograd_cpu_args a = {out, in, w, b, NULL, NULL, NULL, *g, turned, accumulate};
+    float **scratch[3] = {&a.v, &a.u, &a.m};
+    mgpu__enqueue_winograd_pass(dev, turned ? "conv2d_backward winograd dx" : "conv2d winograd", mgpu__winograd_cpu,
+                                &a, sizeof a, scratch, g);
 }
 /* dw (=, or += with accumulate) = the weight gradient from x and dy. */
 static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
                                           const mgpu__conv_geom *g, int accumulate) {
-    size_t floats[3];
-    mgpu__winograd_dw_cpu_floats(g, &floats[0], &floats[1], &floats[2]);
-    mgpu_tensor *scratch[3];
-    for (int i = 0; i < 3; i++) scratch[i] = mgpu_empty(dev, mgpu_shape1((int)floats[i]));
-    mgpu__winograd_dw_cpu_args a = {dw, x, dy, scratch[0]->data, scratch[1]->data, scratch[2]->data, *g,
-                                    accumulate};
-    mgpu__launch_on(&dev->queue[0], "conv2d_backward winograd dW", mgpu__winograd_dw_cpu, NULL, &a, sizeof a);
-    for (int i = 0; i < 3; i++) mgpu_free(scratch[i]); /* (reused only by work enqueued after this on the queue) */
+    mgpu__winograd_dw_cpu_args a = {dw, x, dy, NULL, NULL, NULL, *g, accumulate};
+    float **scratch[3] = {&a.v, &a.du, &a.e};
+    mgpu__enqueue_winograd_pass(dev, "conv2d_backward winograd dW", mgpu__winograd_dw_cpu, &a, sizeof a, scratch, g);
 }
 /* The fewest channels and filters with which the rule takes Winograd for
    each pass: where it won, at batch 32, in bench/convolutions' table

@@ -273,7 +273,7 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
     auto winograd_cpu = [&](const mgpu__conv_geom &wg, const std::vector<float> &in, int turned,
                             std::vector<float> &out, int accumulate) {
         size_t floats[3];
-        mgpu__winograd_cpu_floats(&wg, &floats[0], &floats[1], &floats[2]);
+        mgpu__winograd_cpu_floats(&wg, floats);
         std::vector<float> v = nans(floats[0]), u = nans(floats[1]), m = nans(floats[2]);
         mgpu__winograd_cpu_args a = {out.data(), in.data(), wt.data(), turned || !bias ? NULL : b.data(),
                                      v.data(), u.data(), m.data(), wg, turned, accumulate};
@@ -306,13 +306,13 @@ static void implicit_case(int n, int c, int h, int w, int k, int r, int stride, 
         winograd_cpu(d, dy, 1, dx_cpu, 1);
         same(cpu_name, dx_cpu, dx_sum_c, 1e-5);
         size_t floats[3];
-        mgpu__winograd_dw_cpu_floats(&g, &floats[0], &floats[1], &floats[2]);
-        std::vector<float> v = nans(floats[0]), e = nans(floats[1]), du = nans(floats[2]);
+        mgpu__winograd_cpu_floats(&g, floats);
+        std::vector<float> v = nans(floats[0]), du = nans(floats[1]), e = nans(floats[2]);
         std::vector<float> dw_alone_c = dw_c;
         for (size_t i = 0; i < dw_c.size(); i++) dw_alone_c[i] -= dw_start[i];
         for (int accumulate = 0; accumulate <= 1; accumulate++) {
             std::vector<float> dw_cpu = accumulate ? dw_start : nans(dw_c.size());
-            mgpu__winograd_dw_cpu_args a = {dw_cpu.data(), x.data(), dy.data(), v.data(), e.data(), du.data(), g,
+            mgpu__winograd_dw_cpu_args a = {dw_cpu.data(), x.data(), dy.data(), v.data(), du.data(), e.data(), g,
                                             accumulate};
             mgpu__winograd_dw_cpu(&a, &on_cpu);
             same(cpu_name, dw_cpu, accumulate ? dw_c : dw_alone_c, 1e-5);
