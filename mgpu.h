@@ -898,9 +898,9 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    (the default) every pass takes oneDNN but the backward passes of 1x1
    windows at a stride and of outputs of 4 x 4 pixels or fewer, where
    im2col won the trials on 2-core CPUs (not where oneDNN runs AVX-512
-   kernels and OpenBLAS AVX2 ones: there oneDNN won them too); with
-   MGPU_CONV=timed the first
-   call of a pass with a shape times both ways and keeps the faster (so,
+   kernels and OpenBLAS AVX2 ones: there oneDNN won all but one of them);
+   with MGPU_CONV=timed the first call of a pass with a shape times both
+   ways and keeps the faster (so,
    as on a GPU, the rounding of the results can differ from run to run).
    oneDNN's results depend on the number of threads too. A first layer's
    weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
@@ -910,7 +910,8 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    by OpenBLAS in place of 36 multiplies a 2x2 tile of outputs) for the
    forward pass from 128 channels and filters, dx from 512 and dW from
    64, where it beat oneDNN's AVX2 kernels on a 2-core CPU, with oneDNN
-   or without; not where oneDNN runs AVX-512 kernels, which beat it. The
+   or without; not where oneDNN runs AVX-512 kernels, which beat it on
+   all of ResNet-18's passes but dW at 512 channels. The
    other modes leave it out. Its scratch, the transformed tensors, is 4
    times the input and the output of the whole batch, not cut into
    chunks; its products are OpenBLAS's, whose sums, like im2col's, may

@@ -139,7 +139,8 @@ static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 
    (MGPU_CONV=implicit; "-" where the library has no oneDNN) and by
    Winograd's F(2x2, 3x3) (kernels/winograd.h), each called directly
    whatever the rule would take, in microseconds per call: where Winograd
-   wins is where mgpu/convolution.h's rule should send it. */
+   wins against oneDNN's AVX2 kernels is where mgpu/convolution.h's rule
+   should send it (the rule leaves it out where oneDNN runs AVX-512). */
 static void winograd_forward(void *p) {
     conv_ctx *c = (conv_ctx *)p;
     mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);

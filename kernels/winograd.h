@@ -64,8 +64,9 @@ static MGPU__HOSTDEVICE inline int mgpu__winograd_tile_cols(const mgpu__conv_geo
 static inline size_t mgpu__winograd_tiles(const mgpu__conv_geom *g) {
     return (size_t)g->n * mgpu__winograd_tile_rows(g) * mgpu__winograd_tile_cols(g);
 }
-/* Whether g is a shape that F(2x2, 3x3) computes: 3x3 at stride 1, with
-   a padding that leaves every 4x4 patch's outputs inside it. */
+/* Whether g is a shape that F(2x2, 3x3) computes: 3x3 at stride 1, and
+   padding at most 2, so that dx's convolution (conv.h), padded by 2 -
+   pad, is one too. */
 static inline int mgpu__winograd_shape(const mgpu__conv_geom *g) {
     return g->r == 3 && g->s == 3 && g->stride == 1 && g->pad <= 2;
 }

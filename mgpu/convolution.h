@@ -1039,13 +1039,15 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    beat oneDNN's AVX2 kernels (bench/RESULTS.md, "Winograd on the CPU"):
    the forward pass from 128 channels and filters, dx from 512, dW from
    64 (below); with fewer its passes over the transformed tensors cost
-   what its products save. oneDNN's AVX-512 kernels beat it. Its
+   what its products save. oneDNN's AVX-512 kernels beat it (all but dW
+   at 512 channels, where OpenBLAS's own AVX-512 kernels won). Its
    scratch, the transformed tensors, is 4 times the input and the output
    of the whole batch (im2col's is cut into chunks of images; these are
    not). The other modes leave it out: timed compares im2col and oneDNN.
    mgpu__enqueue_winograd_pass enqueues a pass with its args, whose three
-   scratch pointers (the input's, the weights' and the output's side) it
-   sets to tensors made for it, freed once it is enqueued. */
+   scratch pointers (the input's, the weights' and the output's side; in
+   scratch, their addresses in args) it sets to tensors made for it,
+   freed once it is enqueued. */
 static void mgpu__enqueue_winograd_pass(mgpu_device *dev, const char *name, mgpu__kernel_fn pass, void *args,
                                         size_t size, float **scratch[3], const mgpu__conv_geom *g) {
     size_t floats[3];
@@ -1087,8 +1089,11 @@ enum { MGPU__WINOGRAD_CPU_Y_FROM = 128, MGPU__WINOGRAD_CPU_DX_FROM = 512, MGPU__
    exceptions to oneDNN were measured where the two ran vectors of one
    width (AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC); where oneDNN
    runs AVX-512 and OpenBLAS AVX2 (Debian's OpenBLAS on AMD's AVX-512
-   processors), oneDNN won every pass of ResNet-18 (bench/RESULTS.md,
-   "oneDNN's AVX-512 against OpenBLAS's AVX2"). */
+   processors), oneDNN won all of ResNet-18's passes but one of im2col's
+   (a shortcut, by 3%; bench/RESULTS.md, "oneDNN's AVX-512 against
+   OpenBLAS's AVX2"). On that EPYC with OpenBLAS made to run its AVX-512
+   kernels, oneDNN still won three of im2col's four passes, by 4 to 34%:
+   where both are AVX-512 the rule rests on the Intel Xeon's trials. */
 static int mgpu__onednn_avx512 = -1, mgpu__blas_avx512 = -1;
 static void mgpu__cpu_vector_widths(void) {
     if (mgpu__onednn_avx512 < 0) {
@@ -1108,10 +1113,11 @@ static void mgpu__cpu_vector_widths(void) {
    lost all but dW at 512 channels). */
 static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
     mgpu__conv_settings_from_environment();
+    if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE) return 0;
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     mgpu__cpu_vector_widths();
-    return !mgpu_device_is_gpu(dev) && mgpu__conv_mode == MGPU__CONV_RULE && !mgpu__onednn_avx512 &&
-           mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d) && g->c >= fewest && g->k >= fewest;
+    return !mgpu__onednn_avx512 && mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d) && g->c >= fewest &&
+           g->k >= fewest;
 }
 
 /* ------------------------------------------ a CPU's: im2col or oneDNN */

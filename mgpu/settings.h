@@ -66,8 +66,9 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
                cuDNN is not built in.
    Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
    (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN but for a few
-   backward passes, and Winograd for 3x3 layers with enough channels,
-   each where it beat oneDNN on a CPU with vectors as wide; timed times im2col against oneDNN at the first call
+   backward passes by im2col (unless oneDNN's vectors are wider than
+   OpenBLAS's) and, where oneDNN runs AVX2 kernels, Winograd for 3x3
+   layers with enough channels; timed times im2col against oneDNN at the first call
    with a shape; im2col takes im2col; implicit takes oneDNN where it is
    built in; every mode but im2col takes conv_few_inputs.h's kernel for a
    first layer's weight gradient (C*R*S <= 9, no dx). */

@@ -665,7 +665,6 @@ TEST(cpu_3x3_layers_by_winograd) {
                   !traced("conv2d_backward winograd dW"));
             mgpu_trace_end();
             free(timed.y), free(timed.dx), free(timed.dw), free(implicit.y), free(implicit.dx), free(implicit.dw);
-#endif
             mgpu__onednn_avx512 = 1; /* (OpenBLAS's AVX-512 or not) */
             for (int blas_avx512 = 0; blas_avx512 <= 1; blas_avx512++) {
                 mgpu__blas_avx512 = blas_avx512;
@@ -677,7 +676,8 @@ TEST(cpu_3x3_layers_by_winograd) {
                 mgpu_trace_end();
                 free(wide.y), free(wide.dx), free(wide.dw);
             }
-            mgpu__onednn_avx512 = mgpu__blas_avx512 = 0;
+            mgpu__onednn_avx512 = mgpu__blas_avx512 = 0; /* (back to the table's kind: take_widths(0, 0)) */
+#endif
             if (test__failures != before)
                 fprintf(stderr, "  (%d -> %d, 3x3, %dx%d, stride %d, pad %d, add_to_dx %d)\n", shapes[i].c,
                         shapes[i].k, shapes[i].h, shapes[i].h, stride, pad, add_to_dx);
@@ -686,6 +686,24 @@ TEST(cpu_3x3_layers_by_winograd) {
         }
     restore_widths();
     mgpu__conv_mode = saved;
+}
+
+/* The widths the rule reads are this machine's: OpenBLAS's from the name
+   of its kernels; oneDNN's AVX-512 where the processor has what oneDNN's
+   avx512_core kernels need (F, CD, BW, DQ, VL), unless a variable caps
+   oneDNN's instruction set, and never without oneDNN. */
+TEST(cpu_vector_widths_are_this_machines) {
+    mgpu__cpu_vector_widths();
+    CHECK_EQ_INT(mgpu__blas_avx512, mgpu__blas_core_avx512(openblas_get_corename()));
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
+    __builtin_cpu_init();
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("avx512vl");
+    int capped = getenv("ONEDNN_MAX_CPU_ISA") || getenv("DNNL_MAX_CPU_ISA");
+    if (!capped) CHECK_EQ_INT(mgpu__onednn_avx512, MGPU_ONEDNN && avx512);
+    if (!avx512) CHECK(!mgpu__onednn_avx512 && !mgpu__blas_avx512);
+#endif
 }
 
 #if MGPU_ONEDNN
@@ -740,11 +758,13 @@ TEST(cpu_convolutions_by_rule) {
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     struct { int c, h, k, r, stride, pad, backward_by_im2col; } shapes[] = {
         {16, 9, 16, 3, 1, 1, 0}, {16, 9, 32, 1, 2, 0, 1}, {32, 4, 32, 3, 1, 1, 1}, {6, 14, 16, 5, 1, 0, 0}};
-    const int widths[3][2] = {{0, 0}, {1, 1}, {1, 0}}; /* oneDNN's AVX-512, OpenBLAS's */
-    for (size_t t = 0; t < 3 * sizeof shapes / sizeof shapes[0]; t++) {
-        size_t i = t / 3;
-        take_widths(widths[t % 3][0], widths[t % 3][1]);
-        int by_im2col = shapes[i].backward_by_im2col && !(widths[t % 3][0] && !widths[t % 3][1]);
+    /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
+    const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
+    for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
+        size_t i = t / 4;
+        const int *kind = widths[t % 4];
+        take_widths(kind[0], kind[1]);
+        int by_im2col = shapes[i].backward_by_im2col && kind[2];
         mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
         mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
         mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
