@@ -899,9 +899,10 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    windows at a stride and of outputs of 4 x 4 pixels or fewer, where
    im2col won the trials on 2-core CPUs (not where oneDNN runs AVX-512
    kernels and OpenBLAS AVX2 ones: there oneDNN won all but one of them);
-   with MGPU_CONV=timed the first call of a pass with a shape times both
-   ways and keeps the faster (so,
-   as on a GPU, the rounding of the results can differ from run to run).
+   with MGPU_CONV=timed the first call of a pass with a shape times each
+   way (im2col, oneDNN and, for 3x3 layers at stride 1, Winograd, below)
+   and keeps the fastest (so, as on a GPU, the rounding of the results
+   can differ from run to run).
    oneDNN's results depend on the number of threads too. A first layer's
    weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
    takes kernels/conv_few_inputs.h's CPU kernel instead, in every mode
@@ -911,8 +912,9 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    forward pass from 128 channels and filters, dx from 512 and dW from
    64, where it beat oneDNN's AVX2 kernels on a 2-core CPU, with oneDNN
    or without; not where oneDNN runs AVX-512 kernels, which beat it on
-   all of ResNet-18's passes but dW at 512 channels. The
-   other modes leave it out. Its scratch, the transformed tensors, is 4
+   all of ResNet-18's passes but dW at 512 channels. With oneDNN, timed
+   times it beside the other two; im2col and implicit leave it out. Its
+   scratch, the transformed tensors, is 4
    times the input and the output of the whole batch, not cut into
    chunks; its products are OpenBLAS's, whose sums, like im2col's, may
    round differently with the number of threads.

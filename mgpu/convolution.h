@@ -1043,7 +1043,8 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    at 512 channels, where OpenBLAS's own AVX-512 kernels won). Its
    scratch, the transformed tensors, is 4 times the input and the output
    of the whole batch (im2col's is cut into chunks of images; these are
-   not). The other modes leave it out: timed compares im2col and oneDNN.
+   not). With oneDNN, MGPU_CONV=timed times it beside im2col and oneDNN
+   (below); im2col and implicit leave it out.
    mgpu__enqueue_winograd_pass enqueues a pass with its args, whose three
    scratch pointers (the input's, the weights' and the output's side; in
    scratch, their addresses in args) it sets to tensors made for it,
@@ -1077,6 +1078,12 @@ static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const flo
     float **scratch[3] = {&a.v, &a.du, &a.e};
     mgpu__enqueue_winograd_pass(dev, "conv2d_backward winograd dW", mgpu__winograd_dw_cpu, &a, sizeof a, scratch, g);
 }
+/* Whether the CPU's Winograd computes all three passes of a layer of
+   geometry g (dx's in mgpu__conv_dx_geometry's). */
+static int mgpu__conv_winograd_cpu_fits(const mgpu__conv_geom *g) {
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    return mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d);
+}
 /* The fewest channels and filters with which the rule takes Winograd for
    each pass: where it won, at batch 32, in bench/convolutions' table
    "oneDNN against Winograd" against oneDNN's AVX2 kernels (oneDNN's dx,
@@ -1088,12 +1095,13 @@ enum { MGPU__WINOGRAD_CPU_Y_FROM = 128, MGPU__WINOGRAD_CPU_DX_FROM = 512, MGPU__
    first read; a test sets them to take another CPU's rule. The rule's
    exceptions to oneDNN were measured where the two ran vectors of one
    width (AVX-512 on an Intel Xeon, AVX2 on an AMD EPYC); where oneDNN
-   runs AVX-512 and OpenBLAS AVX2 (Debian's OpenBLAS on AMD's AVX-512
-   processors), oneDNN won all of ResNet-18's passes but one of im2col's
-   (a shortcut, by 3%; bench/RESULTS.md, "oneDNN's AVX-512 against
-   OpenBLAS's AVX2"). On that EPYC with OpenBLAS made to run its AVX-512
-   kernels, oneDNN still won three of im2col's four passes, by 4 to 34%:
-   where both are AVX-512 the rule rests on the Intel Xeon's trials. */
+   runs AVX-512 and OpenBLAS AVX2 (as on an AMD EPYC whose environment
+   sets OPENBLAS_CORETYPE=Haswell), oneDNN won all of ResNet-18's passes
+   but one of im2col's (a shortcut, by 3%; bench/RESULTS.md, "oneDNN's
+   AVX-512 against OpenBLAS's AVX2"). On that EPYC with OpenBLAS on its
+   AVX-512 kernels, oneDNN still won three of im2col's four passes, by 4
+   to 34% (8% of a step): where both are AVX-512 the rule rests on the
+   Intel Xeon's trials. */
 static int mgpu__onednn_avx512 = -1, mgpu__blas_avx512 = -1;
 static void mgpu__cpu_vector_widths(void) {
     if (mgpu__onednn_avx512 < 0) {
@@ -1114,36 +1122,36 @@ static void mgpu__cpu_vector_widths(void) {
 static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
     mgpu__conv_settings_from_environment();
     if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE) return 0;
-    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     mgpu__cpu_vector_widths();
-    return !mgpu__onednn_avx512 && mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d) && g->c >= fewest &&
-           g->k >= fewest;
+    return !mgpu__onednn_avx512 && mgpu__conv_winograd_cpu_fits(g) && g->c >= fewest && g->k >= fewest;
 }
 
-/* ------------------------------------------ a CPU's: im2col or oneDNN */
+/* -------------------------------- a CPU's: im2col, oneDNN or Winograd */
 #if MGPU_ONEDNN
 /* A CPU device computes a convolution's pass with conv.h's im2col and
-   OpenBLAS's products, or with oneDNN's kernels (kernels/conv_onednn.h),
-   whichever was faster for the pass and shape. As on a GPU, the first
-   call of a pass with a shape on a device times both ways, once each,
-   each call alone (the device synchronised before and after it), and
-   every later call runs by the faster. Where the call writes its outputs
-   (not adding to them), im2col writes them in the trial and oneDNN
-   writes scratch copies, which replace them if oneDNN was faster: the
-   first call costs the two ways, not three. Where it adds to them, both
-   ways write scratch outputs (measuring never adds to a real gradient),
-   and the faster then runs for real. Either way every call of a pass with
-   a shape computes what the faster way computes, and two identical
+   OpenBLAS's products, with oneDNN's kernels (kernels/conv_onednn.h), or
+   for 3x3 layers at stride 1 with Winograd's (above), by the rule or,
+   with MGPU_CONV=timed, whichever was fastest for the pass and shape. As
+   on a GPU, the first call of a pass with a shape on a device times each
+   way that computes it, once each, each call alone (the device
+   synchronised before and after it), and every later call runs by the
+   fastest. Where the call writes its outputs (not adding to them),
+   im2col writes them in the trial and the other ways write scratch
+   copies of their own, the fastest's then replacing them: the first call
+   costs the ways, not one more. Where it adds to them, every way writes
+   scratch outputs (measuring never adds to a real gradient), and the
+   fastest then runs for real. Either way every call of a pass with a
+   shape computes what the fastest way computes, and two identical
    networks compute identical values. MGPU_CONV=im2col keeps im2col;
    implicit takes oneDNN wherever it has a kernel. */
-typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
-static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN"};
+typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
+static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN", "Winograd"};
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
     int backward; /* (with dx or without: dW must not depend on whether dx is asked for) */
     int with_dx;  /* in the trial */
-    double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: oneDNN has no kernel) */
+    double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: a way that does not compute it) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
 static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
@@ -1211,6 +1219,26 @@ static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
     else
         mgpu__conv_forward_im2col(c->y, c->x, c->w, c->b, c->g, c->tf32);
 }
+/* The call by Winograd; 0 (nothing enqueued) where it does not fit. */
+static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
+    mgpu_device *dev = c->x->device;
+    const mgpu__conv_geom *g = c->g;
+    if (!mgpu__conv_winograd_cpu_fits(g)) return 0;
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    if (!c->backward)
+        mgpu__enqueue_winograd_cpu(c->y->data, dev, c->x->data, c->w->data, c->b ? c->b->data : NULL, g, 0, 0);
+    if (c->dx) mgpu__enqueue_winograd_cpu(c->dx->data, dev, c->dy->data, c->w->data, NULL, &d, 1, c->add_to_dx);
+    if (c->dw) mgpu__enqueue_winograd_dw_cpu(c->dw->data, dev, c->x->data, c->dy->data, g, c->accumulate);
+    return 1;
+}
+/* The call by a way; 0 (nothing enqueued) where that way has no kernel
+   for it. */
+static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
+    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c);
+    if (way == MGPU__CPU_BY_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
+    mgpu__cpu_conv_by_im2col(c);
+    return 1;
+}
 
 /* The choice made for a pass and shape on dev, or NULL if none was yet. */
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
@@ -1231,7 +1259,7 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, 
     c->g = *g;
     c->backward = backward;
     c->with_dx = with_dx;
-    c->trial_ms[MGPU__CPU_BY_IM2COL] = c->trial_ms[MGPU__CPU_BY_ONEDNN] = HUGE_VAL;
+    for (int way = 0; way < MGPU__CPU_WAYS; way++) c->trial_ms[way] = HUGE_VAL;
     return c;
 }
 
@@ -1241,31 +1269,38 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, 
 static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
     mgpu_device *dev = call->x->device;
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
-    mgpu__cpu_conv_call t = *call; /* the same, into scratch outputs */
-    t.accumulate = t.add_to_dx = 0;
-    if (!t.backward) t.y = mgpu_empty(dev, call->y->shape);
-    else {
-        t.dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
-        t.dw = call->dw ? mgpu_empty(dev, call->w->shape) : NULL;
+    mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
+    for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+        t[way] = *call;
+        if (way == MGPU__CPU_BY_IM2COL && writes) continue; /* (into the call's own outputs) */
+        t[way].accumulate = t[way].add_to_dx = 0;
+        if (!call->backward) t[way].y = mgpu_empty(dev, call->y->shape);
+        t[way].dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
+        t[way].dw = call->dw ? mgpu_empty(dev, call->w->shape) : NULL;
     }
-    int onednn = mgpu__cpu_conv_onednn_plans(&t); /* (no kernel: its time stays HUGE_VAL) */
-    for (int way = 0; way < (onednn ? MGPU__CPU_WAYS : 1); way++) {
+    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&t[MGPU__CPU_BY_ONEDNN]),
+                                    mgpu__conv_winograd_cpu_fits(call->g)};
+    c->way = MGPU__CPU_BY_IM2COL;
+    for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+        if (!computes[way]) continue; /* (its time stays HUGE_VAL) */
         mgpu_synchronize(dev);
         double t0 = mgpu_now();
-        if (way == MGPU__CPU_BY_IM2COL) mgpu__cpu_conv_by_im2col(writes ? call : &t);
-        else mgpu__cpu_conv_by_onednn(&t);
+        mgpu__cpu_conv_by((mgpu__cpu_conv_way)way, &t[way]);
         mgpu_synchronize(dev);
         c->trial_ms[way] = (mgpu_now() - t0) * 1e3;
+        if (c->trial_ms[way] < c->trial_ms[c->way]) c->way = (mgpu__cpu_conv_way)way;
     }
-    c->way = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL] ? MGPU__CPU_BY_ONEDNN
-                                                                              : MGPU__CPU_BY_IM2COL;
-    mgpu_tensor *outs[3][2] = {{call->y, t.y}, {call->dx, t.dx}, {call->dw, t.dw}}; /* (real, scratch) */
-    for (int i = 0; i < 3; i++) {
-        if (outs[i][1] && writes && c->way == MGPU__CPU_BY_ONEDNN) {
-            mgpu__memcpy_args copy = {outs[i][0]->data, outs[i][1]->data, outs[i][0]->numel * sizeof(float), -1, -1};
-            MGPU__ENQUEUE(dev, "conv2d trial's copy", mgpu__memcpy, copy);
+    for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+        mgpu_tensor *outs[3][2] = {{call->y, t[way].y}, {call->dx, t[way].dx}, {call->dw, t[way].dw}};
+        for (int i = 0; i < 3; i++) { /* (real, scratch) */
+            if (outs[i][1] == outs[i][0]) continue; /* im2col's, the call's own */
+            if (outs[i][1] && writes && way == (int)c->way) {
+                mgpu__memcpy_args copy = {outs[i][0]->data, outs[i][1]->data, outs[i][0]->numel * sizeof(float), -1,
+                                          -1};
+                MGPU__ENQUEUE(dev, "conv2d trial's copy", mgpu__memcpy, copy);
+            }
+            mgpu_free(outs[i][1]); /* (reused only by later work) */
         }
-        if (outs[i][1] != outs[i][0]) mgpu_free(outs[i][1]); /* (reused only by later work) */
     }
     return writes;
 }
@@ -1286,8 +1321,9 @@ static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *
 /* A pass on a CPU device, by the way its choice says (above). */
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
-    int onednn = mgpu__conv_mode == MGPU__CONV_IMPLICIT ||
-                 (mgpu__conv_mode == MGPU__CONV_RULE && mgpu__cpu_conv_way_by_rule(call) == MGPU__CPU_BY_ONEDNN);
+    mgpu__cpu_conv_way way = mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN
+                             : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
+                                                                    : MGPU__CPU_BY_IM2COL;
     if (mgpu__conv_mode == MGPU__CONV_TIMED) {
         mgpu_device *dev = call->x->device;
         mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, call->backward);
@@ -1295,19 +1331,20 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
             c = mgpu__cpu_conv_choice_new(dev, call->g, call->backward, call->dx != NULL);
             if (mgpu__cpu_conv_trial(c, call)) return;
         }
-        onednn = c->way == MGPU__CPU_BY_ONEDNN;
+        way = c->way;
     }
-    if (!onednn || !mgpu__cpu_conv_by_onednn(call)) mgpu__cpu_conv_by_im2col(call);
+    if (!mgpu__cpu_conv_by(way, call)) mgpu__cpu_conv_by_im2col(call);
 }
 
 /* A choice in words, for the benchmarks and tests. */
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
-    snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms)",
+    snprintf(out, size,
+             "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms, "
+             "Winograd %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
-             !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)",
-             mgpu__cpu_conv_way_names[c->way],
-             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN]);
+             !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)", mgpu__cpu_conv_way_names[c->way],
+             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD]);
     return out;
 }
 #endif

@@ -68,8 +68,8 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
    (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN but for a few
    backward passes by im2col (unless oneDNN's vectors are wider than
    OpenBLAS's) and, where oneDNN runs AVX2 kernels, Winograd for 3x3
-   layers with enough channels; timed times im2col against oneDNN at the first call
-   with a shape; im2col takes im2col; implicit takes oneDNN where it is
+   layers with enough channels; timed times im2col, oneDNN and (3x3 at
+   stride 1) Winograd at the first call with a shape; im2col takes im2col; implicit takes oneDNN where it is
    built in; every mode but im2col takes conv_few_inputs.h's kernel for a
    first layer's weight gradient (C*R*S <= 9, no dx). */
 typedef enum { MGPU__CONV_RULE, MGPU__CONV_TIMED, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;

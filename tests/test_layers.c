@@ -621,8 +621,9 @@ static void restore_widths(void) { mgpu__onednn_avx512 = saved_widths[0], mgpu__
    dx from 512, dW from 64; where oneDNN runs AVX-512 kernels, none. Within
    float rounding of im2col, written and added to, with padding 0 to 2
    and odd outputs (a last row and column of tiles half used); the same
-   bits twice; and no other mode takes it, nor fewer channels, nor a
-   stride. (Not the same bits on 1 and 3 threads: the products are
+   bits twice; timed times it beside the other ways (and computes what
+   its choice does), implicit leaves it out, and so do fewer channels and
+   a stride. (Not the same bits on 1 and 3 threads: the products are
    OpenBLAS's, whose sums, as im2col's, round differently with the number
    of threads at these sizes.) */
 TEST(cpu_3x3_layers_by_winograd) {
@@ -657,8 +658,17 @@ TEST(cpu_3x3_layers_by_winograd) {
             CHECK(memcmp(one.dx, again.dx, mgpu_shape_numel(xs) * sizeof(float)) == 0);
             CHECK(memcmp(one.dw, again.dw, mgpu_shape_numel(ws) * sizeof(float)) == 0);
 #if MGPU_ONEDNN
-            mgpu_trace_begin();
+            /* timed times Winograd beside im2col and oneDNN where it fits, and computes what its choice does */
             conv_results timed = conv_by(MGPU__CONV_TIMED, xs, ws, stride, pad, add_to_dx, add_to_dx);
+            mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
+            for (int backward = 0; backward <= 1; backward++) {
+                mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, backward);
+                CHECK(c != NULL && (c->trial_ms[MGPU__CPU_BY_WINOGRAD] < HUGE_VAL) == (stride == 1));
+            }
+            check_close_floats("timed y", timed.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
+            check_close_floats("timed dx", timed.dx, want.dx, mgpu_shape_numel(xs), 1e-4, 1e-4);
+            check_close_floats("timed dW", timed.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
+            mgpu_trace_begin(); /* implicit leaves it out */
             conv_results implicit = conv_by(MGPU__CONV_IMPLICIT, xs, ws, stride, pad, add_to_dx, add_to_dx);
             mgpu_synchronize_all();
             CHECK(!traced("conv2d winograd") && !traced("conv2d_backward winograd dx") &&
@@ -786,12 +796,13 @@ TEST(cpu_convolutions_by_rule) {
     mgpu__conv_mode = saved;
 }
 
-/* With MGPU_CONV=timed a CPU device times both ways at the first call of
-   each pass and shape, and the later calls take the faster. The first call's
-   outputs are the faster way's, bit for bit: where the call writes them
-   (the forward pass), im2col's from the trial itself or oneDNN's copied
-   from its scratch ("conv2d trial's copy"); where it adds to them (dW
-   accumulated), from the faster way run once more after the trial. */
+/* With MGPU_CONV=timed a CPU device times each way (im2col, oneDNN and,
+   for this 3x3 layer, Winograd) at the first call of each pass and shape,
+   and the later calls take the fastest. The first call's outputs are the
+   fastest way's, bit for bit: where the call writes them (the forward
+   pass), im2col's from the trial itself or another's copied from its own
+   scratch ("conv2d trial's copy"); where it adds to them (dW
+   accumulated), from the fastest way run once more after the trial. */
 static int traced_count(const char *name) {
     int calls = 0;
     for (int i = 0; i < mgpu__library.trace_n; i++)
@@ -827,23 +838,29 @@ TEST(cpu_convolutions_keep_the_faster_way) {
         mgpu_copy(dw, w, 0);
         mgpu_conv2d_backward(NULL, dw, NULL, dy, x, w, 1, 1, 1);
         mgpu_synchronize_all();
-        int chose_onednn[2];
+        int chosen[2]; /* the forward pass's way, dW's */
         for (int backward = 0; backward <= 1; backward++) {
             mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward);
             CHECK(c != NULL);
-            CHECK(c->trial_ms[MGPU__CPU_BY_IM2COL] > 0.0 && c->trial_ms[MGPU__CPU_BY_IM2COL] < HUGE_VAL);
-            CHECK(c->trial_ms[MGPU__CPU_BY_ONEDNN] > 0.0 && c->trial_ms[MGPU__CPU_BY_ONEDNN] < HUGE_VAL);
-            chose_onednn[backward] = c->trial_ms[MGPU__CPU_BY_ONEDNN] < c->trial_ms[MGPU__CPU_BY_IM2COL];
-            CHECK_EQ_INT(c->way, chose_onednn[backward] ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_IM2COL);
+            int fastest = 0;
+            for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+                CHECK(c->trial_ms[way] > 0.0 && c->trial_ms[way] < HUGE_VAL); /* (all three compute it) */
+                if (c->trial_ms[way] < c->trial_ms[fastest]) fastest = way;
+            }
+            CHECK_EQ_INT(c->way, fastest);
+            chosen[backward] = c->way;
         }
-        int first = call == 0, onednn = chose_onednn[0], onednn_dw = chose_onednn[1];
-        /* forward: the trial's two ways, then nothing more (first call); the chosen way alone (later) */
-        CHECK_EQ_INT(traced_count("conv2d im2col"), first ? 1 : !onednn);
-        CHECK_EQ_INT(traced_count("conv2d oneDNN forward"), first ? 1 : onednn);
-        CHECK_EQ_INT(traced_count("conv2d trial's copy"), first && onednn);
-        /* dW accumulated: the trial's two ways, then the chosen one */
-        CHECK_EQ_INT(traced_count("conv2d_backward oneDNN dW"), first + onednn_dw);
-        CHECK_EQ_INT(traced_count("conv2d_backward dW product"), first + !onednn_dw);
+        int first = call == 0;
+        const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d oneDNN forward", "conv2d winograd"};
+        const char *dw_by[MGPU__CPU_WAYS] = {"conv2d_backward dW product", "conv2d_backward oneDNN dW",
+                                             "conv2d_backward winograd dW"};
+        for (int way = 0; way < MGPU__CPU_WAYS; way++) {
+            /* forward: the trial's three ways, then nothing more (first call); the chosen way alone (later) */
+            CHECK_EQ_INT(traced_count(forward[way]), first ? 1 : chosen[0] == way);
+            /* dW accumulated: the trial's three ways, then the chosen one */
+            CHECK_EQ_INT(traced_count(dw_by[way]), first + (chosen[1] == way));
+        }
+        CHECK_EQ_INT(traced_count("conv2d trial's copy"), first && chosen[0] != MGPU__CPU_BY_IM2COL);
         mgpu_trace_end();
         if (first) {
             mgpu_to_host(y, first_y);
