@@ -133,7 +133,8 @@ static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size);
 #endif
 #if MGPU_ONEDNN
-/* type and constants: mgpu__cpu_conv_choice; MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
+/* type and constants: mgpu__cpu_conv_choice; MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_WAYS
+   (a CPU's ways) */
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
