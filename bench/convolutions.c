@@ -175,7 +175,9 @@ static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
-        if (cc->r != 3 || cc->stride != 1 || cc->c % 4) continue;
+        mgpu__conv_geom g = mgpu__conv_geometry("bench/convolutions", mgpu_shape4(batch, cc->c, cc->h, cc->h),
+                                                mgpu_shape4(cc->k, cc->c, cc->r, cc->r), cc->stride, cc->pad);
+        if (!mgpu__winograd_cpu_fits_layer(&g) || cc->c < MGPU__WINOGRAD_CPU_DW_FROM) continue; /* (the rule's) */
         conv_ctx c;
         memset(&c, 0, sizeof c);
         c.dev = dev;
@@ -185,7 +187,7 @@ static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
         c.x = mgpu_randn(dev, mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
         c.w = mgpu_randn(dev, mgpu_shape4(cc->k, cc->c, 3, 3), 0, 0.1f);
         c.b = mgpu_zeros(dev, mgpu_shape1(cc->k));
-        c.g = mgpu__conv_geometry("bench/convolutions", c.x->shape, c.w->shape, cc->stride, cc->pad);
+        c.g = g;
         c.y = mgpu_empty(dev, mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
         c.dy = mgpu_randn(dev, c.y->shape, 0, 1);
         c.dx = mgpu_empty(dev, c.x->shape);

@@ -190,6 +190,13 @@ static inline int mgpu__winograd_cpu_fits(const mgpu__conv_geom *g) {
     return mgpu__winograd_shape(g) && 16 * mgpu__winograd_cpu_plane(widest, tiles) < INT_MAX &&
            16 * mgpu__winograd_cpu_plane(g->k, g->c) < INT_MAX;
 }
+/* Whether the CPU's passes compute all three passes of a layer of
+   geometry g: the forward pass and dW in g, dx in conv.h's
+   mgpu__conv_dx_geometry. */
+static inline int mgpu__winograd_cpu_fits_layer(const mgpu__conv_geom *g) {
+    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
+    return mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d);
+}
 /* The three scratch tensors of each CPU pass, in floats: the input's side
    [C, tiles] (V), the weights' [K, C] (U, or dU) and the output's [K,
    tiles] (M, or E), 16 planes each. */

@@ -1,8 +1,9 @@
 /* mgpu/convolution.h: the convolution, and how it is computed. On the
-   CPU im2col and a product, oneDNN's, or Winograd's; on a GPU im2col with cuBLAS, the
-   implicit GEMMs of kernels/conv_nhwc.h, Winograd, or cuDNN, chosen per
-   shape and pass (MGPU_CONV). Scratch is sized per device kind. Chapter 2
-   reads the forward and backward passes; the rest is the fast path.
+   CPU im2col and a product, oneDNN's, or Winograd's; on a GPU im2col
+   with cuBLAS, the implicit GEMMs of kernels/conv_nhwc.h, Winograd, or
+   cuDNN, chosen per shape and pass (MGPU_CONV). Scratch is sized per
+   device kind. Chapter 2 reads the forward and backward passes; the rest
+   is the fast path.
    defines: mgpu_conv2d_output_shape, mgpu_conv2d_forward,
    mgpu_conv2d_backward */
 /* ----------------------------------------------------------- convolution */
@@ -1078,12 +1079,6 @@ static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const flo
     float **scratch[3] = {&a.v, &a.du, &a.e};
     mgpu__enqueue_winograd_pass(dev, "conv2d_backward winograd dW", mgpu__winograd_dw_cpu, &a, sizeof a, scratch, g);
 }
-/* Whether the CPU's Winograd computes all three passes of a layer of
-   geometry g (dx's in mgpu__conv_dx_geometry's). */
-static int mgpu__conv_winograd_cpu_fits(const mgpu__conv_geom *g) {
-    mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
-    return mgpu__winograd_cpu_fits(g) && mgpu__winograd_cpu_fits(&d);
-}
 /* The fewest channels and filters with which the rule takes Winograd for
    each pass: where it won, at batch 32, in bench/convolutions' table
    "oneDNN against Winograd" against oneDNN's AVX2 kernels (oneDNN's dx,
@@ -1123,7 +1118,7 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
     mgpu__conv_settings_from_environment();
     if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE) return 0;
     mgpu__cpu_vector_widths();
-    return !mgpu__onednn_avx512 && mgpu__conv_winograd_cpu_fits(g) && g->c >= fewest && g->k >= fewest;
+    return !mgpu__onednn_avx512 && mgpu__winograd_cpu_fits_layer(g) && g->c >= fewest && g->k >= fewest;
 }
 
 /* -------------------------------- a CPU's: im2col, oneDNN or Winograd */
@@ -1223,7 +1218,7 @@ static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
 static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
     mgpu_device *dev = c->x->device;
     const mgpu__conv_geom *g = c->g;
-    if (!mgpu__conv_winograd_cpu_fits(g)) return 0;
+    if (!mgpu__winograd_cpu_fits_layer(g)) return 0;
     mgpu__conv_geom d = mgpu__conv_dx_geometry(g);
     if (!c->backward)
         mgpu__enqueue_winograd_cpu(c->y->data, dev, c->x->data, c->w->data, c->b ? c->b->data : NULL, g, 0, 0);
@@ -1269,17 +1264,18 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, 
 static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_call *call) {
     mgpu_device *dev = call->x->device;
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
+    mgpu__cpu_conv_call written = *call; /* (the call as the trial runs it: writing, not adding) */
+    written.accumulate = written.add_to_dx = 0;
+    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written), mgpu__winograd_cpu_fits_layer(call->g)};
     mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         t[way] = *call;
-        if (way == MGPU__CPU_BY_IM2COL && writes) continue; /* (into the call's own outputs) */
-        t[way].accumulate = t[way].add_to_dx = 0;
+        if (!computes[way] || (way == MGPU__CPU_BY_IM2COL && writes)) continue; /* (not run; the call's own) */
+        t[way] = written;
         if (!call->backward) t[way].y = mgpu_empty(dev, call->y->shape);
         t[way].dx = call->dx ? mgpu_empty(dev, call->x->shape) : NULL;
         t[way].dw = call->dw ? mgpu_empty(dev, call->w->shape) : NULL;
     }
-    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&t[MGPU__CPU_BY_ONEDNN]),
-                                    mgpu__conv_winograd_cpu_fits(call->g)};
     c->way = MGPU__CPU_BY_IM2COL;
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         if (!computes[way]) continue; /* (its time stays HUGE_VAL) */

@@ -84,6 +84,7 @@ static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float
                                        const float *b, const mgpu__conv_geom *g, int turned, int accumulate);
 static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
                                           const mgpu__conv_geom *g, int accumulate);
+/* constant: MGPU__WINOGRAD_CPU_DW_FROM (the fewest channels with which the rule takes Winograd at all) */
 extern int mgpu__onednn_avx512, mgpu__blas_avx512; /* (a test takes another CPU's rule) */
 static void mgpu__cpu_vector_widths(void);
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
