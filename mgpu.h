@@ -894,14 +894,20 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    and 256 MiB on a GPU. That is the reference, on every device.
    On a CPU built with oneDNN (MGPU_ONEDNN=1; the Makefile sets it where
    Debian's libdnnl-dev is installed), each pass may instead take oneDNN's
-   kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h). By rule
-   (the default) every pass takes oneDNN but the backward passes of 1x1
-   windows at a stride and of outputs of 4 x 4 pixels or fewer, where
-   im2col won the trials on 2-core CPUs (not where oneDNN runs AVX-512
-   kernels and OpenBLAS AVX2 ones: there oneDNN won all but one of them);
-   with MGPU_CONV=timed the first call of a pass with a shape times each
-   way (im2col, oneDNN and, for 3x3 layers at stride 1, Winograd, below)
-   and keeps the fastest (so, as on a GPU, the rounding of the results
+   kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h): its
+   direct ones, which PyTorch takes, or, for 3x3 layers at stride 1 where
+   oneDNN runs AVX-512, its Winograd F(4x4, 3x3) ones (fewer products,
+   more rounding). By rule (the default) 3x3 layers at stride 1 with
+   outputs larger than 4 x 4 pixels take oneDNN's Winograd where it has
+   it, which took half to three quarters of its direct kernels' time on
+   a 2-core CPU; every other pass takes oneDNN's direct kernels but the
+   backward passes of 1x1 windows at a stride and of outputs of 4 x 4
+   pixels or fewer, where im2col won the trials on 2-core CPUs (not
+   where oneDNN runs AVX-512 kernels and OpenBLAS AVX2 ones: there oneDNN
+   won all but one of them); with MGPU_CONV=timed the first call of a
+   pass with a shape times each way (im2col, oneDNN's two algorithms and,
+   for 3x3 layers at stride 1, mgpu's Winograd, below) and keeps the
+   fastest (so, as on a GPU, the rounding of the results
    can differ from run to run).
    oneDNN's results depend on the number of threads too. A first layer's
    weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
@@ -913,7 +919,7 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    64, where it beat oneDNN's AVX2 kernels on a 2-core CPU, with oneDNN
    or without; not where oneDNN runs AVX-512 kernels, which beat it on
    all of ResNet-18's passes but dW at 512 channels. With oneDNN, timed
-   times it beside the other two; im2col and implicit leave it out. Its
+   times it beside the other ways; im2col and implicit leave it out. Its
    scratch, the transformed tensors, is 4
    times the input and the output of the whole batch, not cut into
    chunks; its products are OpenBLAS's, whose sums, like im2col's, may

@@ -38,8 +38,9 @@
    pass as MGPU_CONV=timed chooses it (the faster of the two for the
    forward pass; each gradient by the faster of its implicit GEMM and its
    half of im2col, unless im2col's whole backward beats the two). On the
-   CPU, the 3x3 stride-1 layers' three passes by oneDNN and by Winograd
-   (kernels/winograd.h), from which mgpu/convolution.h's rule was set. The last line is for bench/run.sh:
+   CPU, the 3x3 stride-1 layers' three passes by oneDNN's two algorithms
+   and by mgpu's Winograd (kernels/winograd.h), from which
+   mgpu/convolution.h's rule was set. The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -135,44 +136,57 @@ static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implic
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
-/* On the CPU: each pass of each 3x3 stride-1 layer by oneDNN
-   (MGPU_CONV=implicit; "-" where the library has no oneDNN) and by
-   Winograd's F(2x2, 3x3) (kernels/winograd.h), each called directly
-   whatever the rule would take, in microseconds per call: where Winograd
-   wins against oneDNN's AVX2 kernels is where mgpu/convolution.h's rule
-   should send it (the rule leaves it out where oneDNN runs AVX-512). */
-static void winograd_forward(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
-    mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);
+/* On the CPU: each pass of each 3x3 stride-1 layer from 64 channels by
+   oneDNN's direct kernels, by its Winograd F(4x4, 3x3) ones
+   (kernels/conv_onednn.h; "-" where the library has no oneDNN or oneDNN
+   has no such kernel, as on AVX2) and by mgpu's Winograd F(2x2, 3x3)
+   (kernels/winograd.h), each called directly whatever the rule would
+   take, in microseconds per call: the figures mgpu/convolution.h's rule
+   rests on. */
+enum { BY_ONEDNN, BY_ONEDNN_WINOGRAD, BY_WINOGRAD, CPU_WAYS };
+typedef struct {
+    conv_ctx *c;
+    int pass, way; /* FWD, DX or DW; BY_* */
+} cpu_pass;
+#if MGPU_ONEDNN
+static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
+    conv_ctx *c = p->c;
+    mgpu__cpu_conv_call call = {p->pass == FWD ? c->y : NULL, p->pass == DX ? c->dx : NULL,
+                                p->pass == DW ? c->dw : NULL, c->x, c->w, p->pass == FWD ? c->b : NULL,
+                                c->dy, &c->g, p->pass != FWD, 0, 0, 0};
+    return call;
 }
-static void winograd_dx(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
+static void onednn_pass(void *q) {
+    const cpu_pass *p = (const cpu_pass *)q;
+    mgpu__cpu_conv_call call = cpu_call(p);
+    mgpu__cpu_conv_by(p->way == BY_ONEDNN ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_ONEDNN_WINOGRAD, &call);
+}
+#endif
+static void winograd_pass(void *q) {
+    const cpu_pass *p = (const cpu_pass *)q;
+    conv_ctx *c = p->c;
     mgpu__conv_geom d = mgpu__conv_dx_geometry(&c->g);
-    mgpu__enqueue_winograd_cpu(c->dx->data, c->dev, c->dy->data, c->w->data, NULL, &d, 1, 0);
+    if (p->pass == FWD) mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);
+    if (p->pass == DX) mgpu__enqueue_winograd_cpu(c->dx->data, c->dev, c->dy->data, c->w->data, NULL, &d, 1, 0);
+    if (p->pass == DW) mgpu__enqueue_winograd_dw_cpu(c->dw->data, c->dev, c->x->data, c->dy->data, &c->g, 0);
 }
-static void winograd_dw(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
-    mgpu__enqueue_winograd_dw_cpu(c->dw->data, c->dev, c->x->data, c->dy->data, &c->g, 0);
-}
-static void forward_as_set(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
-    mgpu_conv2d_forward(c->y, c->x, c->w, c->b, c->stride, c->pad);
-}
-static void dx_as_set(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
-    mgpu_conv2d_backward(c->dx, NULL, NULL, c->dy, c->x, c->w, c->stride, c->pad, 0);
-}
-static void dw_as_set(void *p) {
-    conv_ctx *c = (conv_ctx *)p;
-    mgpu_conv2d_backward(NULL, c->dw, NULL, c->dy, c->x, c->w, c->stride, c->pad, 0);
+/* The pass by a way, in microseconds per call; 0 where the way has no kernel for it. */
+static double cpu_pass_us(conv_ctx *c, int pass, int way, int steps) {
+    cpu_pass p = {c, pass, way};
+    if (way == BY_WINOGRAD) return time_us(c->dev, winograd_pass, &p, steps);
+#if MGPU_ONEDNN
+    mgpu__cpu_conv_call call = cpu_call(&p);
+    if (!mgpu__cpu_conv_onednn_plans(&call, way == BY_ONEDNN ? dnnl_convolution_direct : dnnl_convolution_winograd))
+        return 0;
+    return time_us(c->dev, onednn_pass, &p, steps);
+#else
+    return 0;
+#endif
 }
 static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
-    printf("on the CPU, 3x3 layers at stride 1: oneDNN against Winograd, microseconds per call (mean of %d)\n",
-           steps);
-    printf("%-24s %5s %10s %9s %10s %9s %10s %9s\n", "convolution", "count", "fwd oneDNN", "Winograd", "dx oneDNN",
-           "Winograd", "dW oneDNN", "Winograd");
-    mgpu__conv_settings_from_environment();
-    mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    printf("on the CPU, 3x3 layers at stride 1: oneDNN direct, oneDNN Winograd and mgpu's Winograd, microseconds "
+           "per call (mean of %d)\n", steps);
+    printf("%-24s %5s %4s %10s %10s %10s\n", "convolution", "count", "pass", "oneDNN", "oneDNN Win", "Winograd");
     for (int i = 0; i < N_CASES; i++) {
         const conv_case *cc = &cases[i];
         mgpu__conv_geom g = mgpu__conv_geometry("bench/convolutions", mgpu_shape4(batch, cc->c, cc->h, cc->h),
@@ -192,22 +206,19 @@ static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
         c.dy = mgpu_randn(dev, c.y->shape, 0, 1);
         c.dx = mgpu_empty(dev, c.x->shape);
         c.dw = mgpu_empty(dev, c.w->shape);
-        /* in pairs, oneDNN then Winograd */
-        conv_run runs[6] = {forward_as_set, winograd_forward, dx_as_set, winograd_dx, dw_as_set, winograd_dw};
-        double us[6] = {0, 0, 0, 0, 0, 0};
-        mgpu__conv_mode = MGPU__CONV_IMPLICIT;
-        for (int k = 0; k < 6; k++)
-            if (MGPU_ONEDNN || k % 2) us[k] = time_us(dev, runs[k], &c, steps);
-        printf("%-24s %5d", cc->name, cc->count);
-        for (int k = 0; k < 6; k++) {
-            if (us[k] > 0) printf(" %*.1f", k % 2 ? 9 : 10, us[k]);
-            else printf(" %*s", k % 2 ? 9 : 10, "-");
+        const char *pass_names[PASSES] = {"fwd", "dx", "dW"};
+        for (int pass = 0; pass < PASSES; pass++) {
+            printf("%-24s %5d %4s", pass == FWD ? cc->name : "", cc->count, pass_names[pass]);
+            for (int way = 0; way < CPU_WAYS; way++) {
+                double us = cpu_pass_us(&c, pass, way, steps);
+                if (us > 0) printf(" %10.1f", us);
+                else printf(" %10s", "-");
+            }
+            printf("\n");
         }
-        printf("\n");
         mgpu_tensor *all[] = {c.x, c.w, c.b, c.y, c.dy, c.dx, c.dw};
         for (int k = 0; k < 7; k++) mgpu_free(all[k]);
     }
-    mgpu__conv_mode = saved;
 }
 
 /* One row of the table: a pass, its time with im2col (0: not timed that

@@ -1,16 +1,27 @@
 /* kernels/conv_onednn.h: convolutions by oneDNN on CPU devices.
 
    oneDNN (Intel's deep-learning primitives, Debian's libdnnl-dev) is what
-   PyTorch's CPU convolutions run on. Its kernels compute a convolution
-   directly, in registers, from its own blocked layouts (for AVX-512,
-   16 channels innermost: nChw16c), with no col buffer. Here it is a
-   candidate beside conv.h's im2col and OpenBLAS: mgpu/convolution.h's
-   section times both on the first calls with each shape and pass, and
-   keeps the faster (a shape where oneDNN has no kernel keeps im2col).
-   Compiled where MGPU_ONEDNN is 1 (the Makefile sets it when oneDNN is
-   installed); without it this file is empty.
+   PyTorch's CPU convolutions run on. Its kernels work in registers on
+   its own blocked layouts (for AVX-512, 16 channels innermost:
+   nChw16c), with no col buffer. Here it is a candidate beside conv.h's
+   im2col and OpenBLAS: mgpu/convolution.h's CPU section takes a way
+   for each shape and pass, by rule or by timing them (a pass that
+   oneDNN has no kernel for keeps im2col). Compiled where MGPU_ONEDNN is
+   1 (the Makefile sets it when oneDNN is installed); without it this
+   file is empty.
 
-   One pass is a plan, made once per shape and pass and then reused:
+   Two algorithms. Direct (dnnl_convolution_direct), the one PyTorch
+   asks for, takes C R S multiply-adds for each output value. Winograd's
+   (dnnl_convolution_winograd: oneDNN's F(4x4, 3x3), for 3x3 windows at
+   stride 1, on AVX-512 only) turns 6 x 6 tiles of the input and the
+   3 x 3 filters into 6 x 6 tiles, multiplies those element by element
+   and summed over the channels (36 products for a 4 x 4 tile of output
+   where direct takes 144), and turns the result back: fewer products,
+   more memory traffic, and a larger rounding error. Where an algorithm
+   has no kernel for a pass, that pass has no plan by it.
+
+   One pass by one algorithm is a plan, made once per shape and then
+   reused:
      forward  y  = conv(x, w) + b     reads x and w, writes y
      dx       dx = conv_dx(dy, w)     reads w and dy, writes dx
      dW       dW = conv_dw(x, dy)     reads x and dy, writes dW
@@ -18,7 +29,7 @@
    oneDNN chooses the layouts its fastest kernel wants (format "any"),
    and a plan holds the reorders that copy each input into them and the
    output back: three copies of a tensor around one convolution, cheap
-   beside its 2 K C R S multiply-adds per output value. Where oneDNN takes
+   beside the C R S multiply-adds of each output value. Where oneDNN takes
    a tensor as it is, the plan copies nothing. The output's reorder also
    adds to the tensor instead of writing it, where the caller accumulates
    (a sum post-op: dW += its gradient).
@@ -126,6 +137,7 @@ static dnnl_primitive_t mgpu__onednn_reorder(mgpu__onednn_plan *p, int t, const 
 typedef struct {
     mgpu__conv_geom g;
     mgpu__onednn_pass pass;
+    dnnl_alg_kind_t algorithm;
     int with_bias, accumulate, threads;
     mgpu__onednn_plan *plan;
 } mgpu__onednn_known;
@@ -133,8 +145,8 @@ static mgpu__onednn_known mgpu__onednn_plans[512];
 static int mgpu__onednn_plan_count;
 
 /* Makes the pass's plan, or returns NULL if oneDNN has no kernel for it. */
-static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__onednn_pass pass, int with_bias,
-                                                int accumulate) {
+static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
+                                                dnnl_alg_kind_t algorithm, int with_bias, int accumulate) {
     dnnl_engine_t engine = mgpu__onednn_engine();
     dnnl_memory_desc_t x_any, w_any, y_any, x, w, y, bias;
     mgpu__onednn_md(&x, g->n, g->c, g->h, g->w, dnnl_nchw);
@@ -149,7 +161,7 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
     dnnl_convolution_desc_t forward, backward;
     dnnl_primitive_desc_t forward_pd, pd;
     dnnl_primitive_attr_t attr = mgpu__onednn_attr();
-    MGPU_ONEDNN_CHECK(dnnl_convolution_forward_desc_init(&forward, dnnl_forward_training, dnnl_convolution_direct,
+    MGPU_ONEDNN_CHECK(dnnl_convolution_forward_desc_init(&forward, dnnl_forward_training, algorithm,
                                                          &x_any, &w_any, with_bias ? &bias : NULL, &y_any, strides,
                                                          padding, padding));
     if (dnnl_primitive_desc_create(&forward_pd, &forward, attr, engine, NULL) != dnnl_success) {
@@ -161,11 +173,11 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
         pd = forward_pd;
         forward_pd = NULL;
     } else if (pass == MGPU__ONEDNN_DX) {
-        MGPU_ONEDNN_CHECK(dnnl_convolution_backward_data_desc_init(&backward, dnnl_convolution_direct, &x_any, &w_any,
+        MGPU_ONEDNN_CHECK(dnnl_convolution_backward_data_desc_init(&backward, algorithm, &x_any, &w_any,
                                                                    &y_any, strides, padding, padding));
         made = dnnl_primitive_desc_create(&pd, &backward, attr, engine, forward_pd);
     } else {
-        MGPU_ONEDNN_CHECK(dnnl_convolution_backward_weights_desc_init(&backward, dnnl_convolution_direct, &x_any,
+        MGPU_ONEDNN_CHECK(dnnl_convolution_backward_weights_desc_init(&backward, algorithm, &x_any,
                                                                       &w_any, NULL, &y_any, strides, padding,
                                                                       padding));
         made = dnnl_primitive_desc_create(&pd, &backward, attr, engine, forward_pd);
@@ -209,25 +221,26 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
    OpenMP setting: some of oneDNN's kernels cut their work for the thread
    count they are made for. Not thread-safe: the chapters enqueue their
    convolutions from one thread, as the GPU's trial assumes too. */
-static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__onednn_pass pass, int with_bias,
-                                                int accumulate, int threads) {
+static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
+                                                dnnl_alg_kind_t algorithm, int with_bias, int accumulate,
+                                                int threads) {
     for (int i = 0; i < mgpu__onednn_plan_count; i++) {
         const mgpu__onednn_known *k = &mgpu__onednn_plans[i];
-        if (!memcmp(&k->g, g, sizeof *g) && k->pass == pass && k->with_bias == with_bias &&
-            k->accumulate == accumulate && k->threads == threads)
+        if (!memcmp(&k->g, g, sizeof *g) && k->pass == pass && k->algorithm == algorithm &&
+            k->with_bias == with_bias && k->accumulate == accumulate && k->threads == threads)
             return k->plan;
     }
 #ifdef _OPENMP
     int before = omp_get_max_threads();
     omp_set_num_threads(threads);
 #endif
-    mgpu__onednn_plan *plan = mgpu__onednn_plan_new(g, pass, with_bias, accumulate);
+    mgpu__onednn_plan *plan = mgpu__onednn_plan_new(g, pass, algorithm, with_bias, accumulate);
 #ifdef _OPENMP
     omp_set_num_threads(before);
 #endif
     MGPU_REQUIRE(mgpu__onednn_plan_count < (int)(sizeof mgpu__onednn_plans / sizeof mgpu__onednn_plans[0]),
                  "conv2d: more than %d oneDNN plans", (int)(sizeof mgpu__onednn_plans / sizeof mgpu__onednn_plans[0]));
-    mgpu__onednn_known k = {*g, pass, with_bias, accumulate, threads, plan};
+    mgpu__onednn_known k = {*g, pass, algorithm, with_bias, accumulate, threads, plan};
     mgpu__onednn_plans[mgpu__onednn_plan_count++] = k;
     return plan;
 }

@@ -1124,8 +1124,9 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
 /* -------------------------------- a CPU's: im2col, oneDNN or Winograd */
 #if MGPU_ONEDNN
 /* A CPU device computes a convolution's pass with conv.h's im2col and
-   OpenBLAS's products, with oneDNN's kernels (kernels/conv_onednn.h), or
-   for 3x3 layers at stride 1 with Winograd's (above), by the rule or,
+   OpenBLAS's products, with oneDNN's direct kernels or, for 3x3 layers at
+   stride 1, its Winograd ones (kernels/conv_onednn.h), or with mgpu's own
+   Winograd (above, on OpenBLAS's products), by the rule or,
    with MGPU_CONV=timed, whichever was fastest for the pass and shape. As
    on a GPU, the first call of a pass with a shape on a device times each
    way that computes it, once each, each call alone (the device
@@ -1138,9 +1139,16 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
    fastest then runs for real. Either way every call of a pass with a
    shape computes what the fastest way computes, and two identical
    networks compute identical values. MGPU_CONV=im2col keeps im2col;
-   implicit takes oneDNN wherever it has a kernel. */
-typedef enum { MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_WAYS } mgpu__cpu_conv_way;
-static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN", "Winograd"};
+   implicit takes oneDNN's direct kernels wherever they compute a pass. */
+typedef enum {
+    MGPU__CPU_BY_IM2COL,
+    MGPU__CPU_BY_ONEDNN,
+    MGPU__CPU_BY_WINOGRAD,
+    MGPU__CPU_BY_ONEDNN_WINOGRAD,
+    MGPU__CPU_WAYS
+} mgpu__cpu_conv_way;
+static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN", "Winograd",
+                                                                     "oneDNN Winograd"};
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
@@ -1164,9 +1172,9 @@ typedef struct {
 /* Enqueues one oneDNN pass on dev, with its chosen-layout copies from the
    allocator; 0 (nothing enqueued) where oneDNN has no kernel for it. */
 static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__conv_geom *g,
-                                mgpu__onednn_pass pass, const float *in_a, const float *in_b, float *out,
-                                const float *bias, int accumulate) {
-    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, bias != NULL, accumulate, mgpu__cpu_threads);
+                                mgpu__onednn_pass pass, dnnl_alg_kind_t algorithm, const float *in_a,
+                                const float *in_b, float *out, const float *bias, int accumulate) {
+    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, algorithm, bias != NULL, accumulate, mgpu__cpu_threads);
     if (!plan) return 0;
     mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias};
     mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
@@ -1182,30 +1190,32 @@ static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__
     return 1;
 }
 
-/* Whether oneDNN has a kernel for every pass of the call; makes their
-   plans (oneDNN compiles its kernels then: milliseconds). */
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c) {
+/* Whether oneDNN's algorithm has a kernel for every pass of the call;
+   makes their plans (oneDNN compiles its kernels then: milliseconds). */
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm) {
     const mgpu__conv_geom *g = c->g;
     int threads = mgpu__cpu_threads;
-    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, c->b != NULL, 0, threads) != NULL;
-    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, 0, c->add_to_dx, threads)) &&
-           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, 0, c->accumulate, threads));
+    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, algorithm, c->b != NULL, 0, threads) != NULL;
+    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, algorithm, 0, c->add_to_dx, threads)) &&
+           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, algorithm, 0, c->accumulate, threads));
 }
-/* The call by oneDNN; 0 (nothing enqueued) where it has no kernel for a
-   pass of it. */
-static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c) {
+/* The call by oneDNN's algorithm; 0 (nothing enqueued) where it has no
+   kernel for a pass of it. */
+static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm) {
     mgpu_device *dev = c->x->device;
     const mgpu__conv_geom *g = c->g;
-    if (!mgpu__cpu_conv_onednn_plans(c)) return 0;
+    if (!mgpu__cpu_conv_onednn_plans(c, algorithm)) return 0;
+    int winograd = algorithm == dnnl_convolution_winograd;
     if (!c->backward)
-        return mgpu__onednn_enqueue(dev, "conv2d oneDNN forward", g, MGPU__ONEDNN_Y, c->x->data, c->w->data,
-                                    c->y->data, c->b ? c->b->data : NULL, 0);
+        return mgpu__onednn_enqueue(dev, winograd ? "conv2d oneDNN Winograd forward" : "conv2d oneDNN forward", g,
+                                    MGPU__ONEDNN_Y, algorithm, c->x->data, c->w->data, c->y->data,
+                                    c->b ? c->b->data : NULL, 0);
     if (c->dx)
-        mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dx", g, MGPU__ONEDNN_DX, c->w->data, c->dy->data,
-                             c->dx->data, NULL, c->add_to_dx);
+        mgpu__onednn_enqueue(dev, winograd ? "conv2d_backward oneDNN Winograd dx" : "conv2d_backward oneDNN dx", g,
+                             MGPU__ONEDNN_DX, algorithm, c->w->data, c->dy->data, c->dx->data, NULL, c->add_to_dx);
     if (c->dw)
-        mgpu__onednn_enqueue(dev, "conv2d_backward oneDNN dW", g, MGPU__ONEDNN_DW, c->x->data, c->dy->data,
-                             c->dw->data, NULL, c->accumulate);
+        mgpu__onednn_enqueue(dev, winograd ? "conv2d_backward oneDNN Winograd dW" : "conv2d_backward oneDNN dW", g,
+                             MGPU__ONEDNN_DW, algorithm, c->x->data, c->dy->data, c->dw->data, NULL, c->accumulate);
     return 1;
 }
 static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
@@ -1229,7 +1239,8 @@ static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
 /* The call by a way; 0 (nothing enqueued) where that way has no kernel
    for it. */
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
-    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c);
+    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c, dnnl_convolution_direct);
+    if (way == MGPU__CPU_BY_ONEDNN_WINOGRAD) return mgpu__cpu_conv_by_onednn(c, dnnl_convolution_winograd);
     if (way == MGPU__CPU_BY_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
     mgpu__cpu_conv_by_im2col(c);
     return 1;
@@ -1266,7 +1277,9 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
     mgpu__cpu_conv_call written = *call; /* (the call as the trial runs it: writing, not adding) */
     written.accumulate = written.add_to_dx = 0;
-    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written), mgpu__winograd_cpu_fits_layer(call->g)};
+    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written, dnnl_convolution_direct),
+                                    mgpu__winograd_cpu_fits_layer(call->g),
+                                    mgpu__cpu_conv_onednn_plans(&written, dnnl_convolution_winograd)};
     mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         t[way] = *call;
@@ -1302,13 +1315,21 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
 }
 
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
-   shape: oneDNN, except the backward passes where im2col won the trials on
-   2-core CPUs (bench/RESULTS.md, "the rule's sources"): 1x1 windows at a stride
-   (ResNet's shortcuts) and outputs of 4 x 4 pixels or fewer; not where
-   oneDNN's vectors are wider than OpenBLAS's (above). */
+   shape. Where oneDNN runs AVX-512 kernels, 3x3 layers at stride 1 with
+   outputs larger than 4 x 4 pixels take its Winograd kernels: on an AMD
+   EPYC they took 0.47 to 0.74 of its direct kernels' time in every pass
+   of ResNet-18's such layers, while at 4 x 4 the two tied over a
+   backward pass (bench/RESULTS.md, "oneDNN's Winograd"). Otherwise
+   oneDNN's direct kernels, except the backward passes where im2col won
+   the trials on 2-core CPUs (bench/RESULTS.md, "the rule's sources"):
+   1x1 windows at a stride (ResNet's shortcuts) and outputs of 4 x 4
+   pixels or fewer; not where oneDNN's vectors are wider than OpenBLAS's
+   (above). */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
     mgpu__cpu_vector_widths();
+    if (mgpu__onednn_avx512 && g->p * g->q > 16 && mgpu__cpu_conv_onednn_plans(call, dnnl_convolution_winograd))
+        return MGPU__CPU_BY_ONEDNN_WINOGRAD;
     int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16) &&
                       !(mgpu__onednn_avx512 && !mgpu__blas_avx512);
     return im2col_wins ? MGPU__CPU_BY_IM2COL : MGPU__CPU_BY_ONEDNN;
@@ -1337,10 +1358,11 @@ static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice 
     const mgpu__conv_geom *g = &c->g;
     snprintf(out, size,
              "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms, "
-             "Winograd %.2f ms)",
+             "Winograd %.2f ms, oneDNN Winograd %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
              !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)", mgpu__cpu_conv_way_names[c->way],
-             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD]);
+             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD],
+             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD]);
     return out;
 }
 #endif

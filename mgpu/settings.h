@@ -65,12 +65,14 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
                fastest for each pass (timed); im2col where none fits or
                cuDNN is not built in.
    Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
-   (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN but for a few
-   backward passes by im2col (unless oneDNN's vectors are wider than
-   OpenBLAS's) and, where oneDNN runs AVX2 kernels, Winograd for 3x3
-   layers with enough channels; timed times im2col, oneDNN and (3x3 at
-   stride 1) Winograd at the first call with a shape; im2col takes im2col; implicit takes oneDNN where it is
-   built in; every mode but im2col takes conv_few_inputs.h's kernel for a
+   (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN's Winograd
+   for 3x3 layers at stride 1 where it runs AVX-512 (outputs above 4 x 4)
+   and its direct kernels elsewhere, but for a few backward passes by
+   im2col (unless oneDNN's vectors are wider than OpenBLAS's) and, where
+   oneDNN runs AVX2 kernels, mgpu's Winograd for 3x3 layers with enough
+   channels; timed times im2col, oneDNN's two algorithms and (3x3 at
+   stride 1) mgpu's Winograd at the first call with a shape; im2col takes
+   im2col; implicit takes oneDNN's direct kernels where it is built in; every mode but im2col takes conv_few_inputs.h's kernel for a
    first layer's weight gradient (C*R*S <= 9, no dx). */
 typedef enum { MGPU__CONV_RULE, MGPU__CONV_TIMED, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
 static const char *const mgpu__conv_mode_names[] = {"rule", "timed", "im2col", "implicit", "cudnn"};

@@ -134,13 +134,15 @@ static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size);
 #endif
 #if MGPU_ONEDNN
-/* type and constants: mgpu__cpu_conv_choice; MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_WAYS
-   (a CPU's ways) */
+/* types and constants: mgpu__cpu_conv_choice, mgpu__cpu_conv_call, mgpu__cpu_conv_way; MGPU__CPU_BY_IM2COL,
+   MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
                                                          int backward);
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size);
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm);
+static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);
 #endif
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,

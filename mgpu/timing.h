@@ -206,12 +206,15 @@ MGPU_DEF void mgpu_trace_summary(FILE *f) {
         all_ms += end - start;
     }
     qsort(totals, (size_t)ntotals, sizeof *totals, mgpu__trace_total_cmp);
-    fprintf(f, "%-32s %7s %11s %10s %7s\n", "operation", "calls", "total ms", "mean us", "share");
+    int width = (int)strlen("operation"); /* the names' column: as wide as the longest */
     for (int t = 0; t < ntotals; t++)
-        fprintf(f, "%-32s %7d %11.3f %10.1f %6.1f%%\n", totals[t].name, totals[t].calls,
+        if ((int)strlen(totals[t].name) > width) width = (int)strlen(totals[t].name);
+    fprintf(f, "%-*s %7s %11s %10s %7s\n", width, "operation", "calls", "total ms", "mean us", "share");
+    for (int t = 0; t < ntotals; t++)
+        fprintf(f, "%-*s %7d %11.3f %10.1f %6.1f%%\n", width, totals[t].name, totals[t].calls,
                 totals[t].total_ms, 1e3 * totals[t].total_ms / totals[t].calls,
                 all_ms > 0 ? 100.0 * totals[t].total_ms / all_ms : 0.0);
-    fprintf(f, "%-32s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", "all",
+    fprintf(f, "%-*s %7d %11.3f   (summed over the queues; %.3f ms from begin to end)\n", width, "all",
             mgpu__library.trace_n, all_ms, 1e3 * (mgpu__library.trace_stop - mgpu__library.trace_start));
     free(totals);
 }

@@ -582,13 +582,14 @@ static int traced(const char *name) {
     return 0;
 }
 
-/* One pass computed on a CPU device in one of MGPU_CONV's modes: each
-   tensor's values, from the same random tensors in every mode. */
+/* One pass computed on a CPU device in one of MGPU_CONV's modes, or by
+   one of the CPU's ways (conv_by_way): each tensor's values, from the
+   same random tensors every time. */
 typedef struct {
     float *y, *dx, *dw;
 } conv_results;
-static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad, int accumulate,
-                            int add_to_dx) {
+static conv_results conv_computed(mgpu__conv_mode_kind mode, int way, mgpu_shape xs, mgpu_shape ws, int stride,
+                                  int pad, int accumulate, int add_to_dx) {
     mgpu_device *cpu = mgpu_cpu();
     mgpu__conv_mode = mode;
     mgpu_manual_seed(7); /* the same tensors both ways */
@@ -597,12 +598,32 @@ static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
     mgpu_tensor *dy = mgpu_randn(cpu, ys, 0.0f, 1.0f), *y = mgpu_empty(cpu, ys);
     mgpu_tensor *dx = mgpu_randn(cpu, xs, 0.0f, 1.0f), *dw = mgpu_randn(cpu, ws, 0.0f, 1.0f);
-    mgpu_conv2d_forward(y, x, w, b, stride, pad);
-    mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, add_to_dx, 0);
+    if (way < 0) {
+        mgpu_conv2d_forward(y, x, w, b, stride, pad);
+        mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, add_to_dx, 0);
+    } else {
+#if MGPU_ONEDNN
+        mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
+        mgpu__cpu_conv_call forward = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, 0};
+        mgpu__cpu_conv_call backward = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, 0};
+        CHECK(mgpu__cpu_conv_by((mgpu__cpu_conv_way)way, &forward) &&
+              mgpu__cpu_conv_by((mgpu__cpu_conv_way)way, &backward));
+#endif
+    }
     conv_results r = {to_host(y), to_host(dx), to_host(dw)};
     mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
     return r;
 }
+static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad,
+                            int accumulate, int add_to_dx) {
+    return conv_computed(mode, -1, xs, ws, stride, pad, accumulate, add_to_dx);
+}
+#if MGPU_ONEDNN
+static conv_results conv_by_way(mgpu__cpu_conv_way way, mgpu_shape xs, mgpu_shape ws, int stride, int pad,
+                                int accumulate, int add_to_dx) {
+    return conv_computed(mgpu__conv_mode, (int)way, xs, ws, stride, pad, accumulate, add_to_dx);
+}
+#endif
 
 /* The CPU's rule for the vector widths of another CPU: oneDNN's and
    OpenBLAS's AVX-512 (1) or not (0); restore_widths puts this one's
@@ -719,9 +740,13 @@ TEST(cpu_vector_widths_are_this_machines) {
 #if MGPU_ONEDNN
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
-   and LeNet's, written and added to (dW, then dx); and MGPU_CONV=timed's,
-   whose first call of a shape is the trial, into scratch, then the call
-   itself: it must add once. */
+   and LeNet's, written and added to (dW, then dx): its direct kernels
+   (MGPU_CONV=implicit); MGPU_CONV=timed's, whose first call of a shape is
+   the trial, into scratch, then the call itself: it must add once; and
+   its Winograd kernels, which compute the 3x3 layers at stride 1 where
+   oneDNN runs AVX-512 and nothing else. (Winograd's transforms round
+   more than direct sums, but at these shapes stay within the same
+   tolerances.) */
 TEST(conv2d_by_onednn_matches_im2col) {
     struct { int c, h, k, r, stride, pad; } shapes[] = {
         {64, 28, 64, 3, 1, 1}, {64, 28, 128, 3, 2, 1}, {64, 28, 128, 1, 2, 0}, {128, 14, 128, 3, 1, 1},
@@ -729,20 +754,36 @@ TEST(conv2d_by_onednn_matches_im2col) {
         {1, 28, 6, 5, 1, 2}, {6, 14, 16, 5, 1, 0}};                            /* LeNet */
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
+    mgpu__cpu_vector_widths();
     const int adds[3][2] = {{1, 0}, {0, 1}, {0, 0}}; /* accumulate (dW), add_to_dx */
+    enum { BY_DIRECT, BY_TIMED, BY_WINOGRAD, BYS };
+    const char *by_names[BYS] = {"oneDNN", "timed", "oneDNN Winograd"};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
-        for (int t = 0; t < 6; t++) {
-            int accumulate = adds[t % 3][0], add_to_dx = adds[t % 3][1], onednn = t < 3;
+        for (int t = 0; t < 3 * BYS; t++) {
+            int accumulate = adds[t % 3][0], add_to_dx = adds[t % 3][1], by = t / 3;
             mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
             mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
             int stride = shapes[i].stride, pad = shapes[i].pad;
+            mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
+            mgpu__cpu_conv_call call = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, &g, 1, accumulate, add_to_dx, 0};
+            call.dw = call.dx = (mgpu_tensor *)1; /* (both passes: only their presence is read) */
+            int winograd = mgpu__cpu_conv_onednn_plans(&call, dnnl_convolution_winograd);
+            if (by == BY_WINOGRAD) {
+                CHECK_EQ_INT(winograd, mgpu__onednn_avx512 && shapes[i].r == 3 && stride == 1);
+                if (!winograd) continue;
+            }
             conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_trace_begin();
-            conv_results got =
-                conv_by(onednn ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED, xs, ws, stride, pad, accumulate, add_to_dx);
+            conv_results got = by == BY_WINOGRAD ? conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, stride, pad,
+                                                               accumulate, add_to_dx)
+                                                 : conv_by(by == BY_DIRECT ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED,
+                                                           xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_synchronize_all();
-            CHECK(!onednn || (traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
-                              traced("conv2d_backward oneDNN dW")));
+            CHECK(by != BY_DIRECT || (traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
+                                      traced("conv2d_backward oneDNN dW")));
+            CHECK(by != BY_WINOGRAD ||
+                  (traced("conv2d oneDNN Winograd forward") && traced("conv2d_backward oneDNN Winograd dx") &&
+                   traced("conv2d_backward oneDNN Winograd dW")));
             mgpu_trace_end();
             mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
             int before = test__failures;
@@ -751,30 +792,35 @@ TEST(conv2d_by_onednn_matches_im2col) {
             check_close_floats("dW", got.dw, want.dw, mgpu_shape_numel(ws), 1e-3, 1e-4);
             if (test__failures != before)
                 fprintf(stderr, "  (%d -> %d, %dx%d, stride %d, accumulate %d, add_to_dx %d, %s)\n", shapes[i].c,
-                        shapes[i].k, shapes[i].r, shapes[i].r, stride, accumulate, add_to_dx, onednn ? "oneDNN" : "timed");
+                        shapes[i].k, shapes[i].r, shapes[i].r, stride, accumulate, add_to_dx, by_names[by]);
             free(want.y), free(want.dx), free(want.dw), free(got.y), free(got.dx), free(got.dw);
         }
     mgpu__conv_mode = saved;
 }
 
-/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit,
-   but for the backward passes of 1x1 windows at a stride and of outputs
-   of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's vectors
-   are wider than OpenBLAS's (AVX-512 against AVX2); and times nothing.
-   (The shapes are too small for Winograd.) */
+/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit:
+   its Winograd kernels for 3x3 layers at stride 1 with outputs larger
+   than 4 x 4 pixels where it runs AVX-512 (and has them: the machine's
+   own oneDNN, whatever widths the test takes); otherwise its direct
+   kernels, but for the backward passes of 1x1 windows at a stride and of
+   outputs of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's
+   vectors are wider than OpenBLAS's (AVX-512 against AVX2); and times
+   nothing. (The shapes are too small for mgpu's own Winograd.) */
 static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
-    struct { int c, h, k, r, stride, pad, backward_by_im2col; } shapes[] = {
-        {16, 9, 16, 3, 1, 1, 0}, {16, 9, 32, 1, 2, 0, 1}, {32, 4, 32, 3, 1, 1, 1}, {6, 14, 16, 5, 1, 0, 0}};
+    struct { int c, h, k, r, stride, pad, backward_by_im2col, by_winograd; } shapes[] = {
+        {16, 9, 16, 3, 1, 1, 0, 1}, {16, 5, 16, 3, 1, 1, 0, 1}, {16, 9, 32, 1, 2, 0, 1, 0},
+        {32, 4, 32, 3, 1, 1, 1, 0}, {6, 14, 16, 5, 1, 0, 0, 0}};
     /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
     const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
     for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
         size_t i = t / 4;
         const int *kind = widths[t % 4];
         take_widths(kind[0], kind[1]);
-        int by_im2col = shapes[i].backward_by_im2col && kind[2];
+        int by_winograd = shapes[i].by_winograd && kind[0] && saved_widths[0];
+        int by_im2col = !by_winograd && shapes[i].backward_by_im2col && kind[2];
         mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
         mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
         mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
@@ -784,20 +830,30 @@ TEST(cpu_convolutions_by_rule) {
         conv_results im2col = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         conv_results onednn = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         restore_widths();
-        conv_results *backward = by_im2col ? &im2col : &onednn;
-        CHECK(same_floats(rule.y, onednn.y, mgpu_shape_numel(ys)));
+        conv_results winograd = {NULL, NULL, NULL};
+        if (by_winograd) {
+            winograd = conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
+            /* (the two algorithms differ in their last bits, or the checks below could not tell them apart) */
+            CHECK(!same_floats(winograd.y, onednn.y, mgpu_shape_numel(ys)));
+            CHECK(!same_floats(winograd.dx, onednn.dx, mgpu_shape_numel(xs)));
+            CHECK(!same_floats(winograd.dw, onednn.dw, mgpu_shape_numel(ws)));
+        }
+        conv_results *forward = by_winograd ? &winograd : &onednn;
+        conv_results *backward = by_winograd ? &winograd : by_im2col ? &im2col : &onednn;
+        CHECK(same_floats(rule.y, forward->y, mgpu_shape_numel(ys)));
         CHECK(same_floats(rule.dx, backward->dx, mgpu_shape_numel(xs)));
         CHECK(same_floats(rule.dw, backward->dw, mgpu_shape_numel(ws)));
-        /* (the two ways differ in their last bits, or the check above could not tell them apart) */
+        /* (as im2col and oneDNN's direct kernels) */
         CHECK(!same_floats(im2col.dw, onednn.dw, mgpu_shape_numel(ws)));
-        conv_results *all[] = {&rule, &im2col, &onednn};
-        for (int k = 0; k < 3; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
+        conv_results *all[] = {&rule, &im2col, &onednn, &winograd};
+        for (int k = 0; k < 4; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
     }
     mgpu__conv_mode = saved;
 }
 
-/* With MGPU_CONV=timed a CPU device times each way (im2col, oneDNN and,
-   for this 3x3 layer, Winograd) at the first call of each pass and shape,
+/* With MGPU_CONV=timed a CPU device times each way (im2col, oneDNN's
+   direct kernels and, for this 3x3 layer, mgpu's Winograd and, where
+   oneDNN runs AVX-512, oneDNN's) at the first call of each pass and shape,
    and the later calls take the fastest. The first call's outputs are the
    fastest way's, bit for bit: where the call writes them (the forward
    pass), im2col's from the trial itself or another's copied from its own
@@ -820,6 +876,7 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     mgpu__conv_mode = MGPU__CONV_TIMED;
+    mgpu__cpu_vector_widths();
     mgpu_device *cpu = mgpu_cpu();
     mgpu_tensor *x = mgpu_randn(cpu, mgpu_shape4(2, 32, 9, 9), 0.0f, 1.0f);
     mgpu_tensor *w = mgpu_randn(cpu, mgpu_shape4(16, 32, 3, 3), 0.0f, 0.1f);
@@ -844,21 +901,25 @@ TEST(cpu_convolutions_keep_the_faster_way) {
             CHECK(c != NULL);
             int fastest = 0;
             for (int way = 0; way < MGPU__CPU_WAYS; way++) {
-                CHECK(c->trial_ms[way] > 0.0 && c->trial_ms[way] < HUGE_VAL); /* (all three compute it) */
+                /* (all compute it, oneDNN's Winograd where oneDNN runs AVX-512) */
+                int computes = way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512;
+                CHECK(c->trial_ms[way] > 0.0 && (c->trial_ms[way] < HUGE_VAL) == computes);
                 if (c->trial_ms[way] < c->trial_ms[fastest]) fastest = way;
             }
             CHECK_EQ_INT(c->way, fastest);
             chosen[backward] = c->way;
         }
         int first = call == 0;
-        const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d oneDNN forward", "conv2d winograd"};
+        const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d oneDNN forward", "conv2d winograd",
+                                               "conv2d oneDNN Winograd forward"};
         const char *dw_by[MGPU__CPU_WAYS] = {"conv2d_backward dW product", "conv2d_backward oneDNN dW",
-                                             "conv2d_backward winograd dW"};
+                                             "conv2d_backward winograd dW", "conv2d_backward oneDNN Winograd dW"};
         for (int way = 0; way < MGPU__CPU_WAYS; way++) {
-            /* forward: the trial's three ways, then nothing more (first call); the chosen way alone (later) */
-            CHECK_EQ_INT(traced_count(forward[way]), first ? 1 : chosen[0] == way);
-            /* dW accumulated: the trial's three ways, then the chosen one */
-            CHECK_EQ_INT(traced_count(dw_by[way]), first + (chosen[1] == way));
+            int tried = first && (way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512);
+            /* forward: the trial's ways, then nothing more (first call); the chosen way alone (later) */
+            CHECK_EQ_INT(traced_count(forward[way]), first ? tried : chosen[0] == way);
+            /* dW accumulated: the trial's ways, then the chosen one */
+            CHECK_EQ_INT(traced_count(dw_by[way]), tried + (chosen[1] == way));
         }
         CHECK_EQ_INT(traced_count("conv2d trial's copy"), first && chosen[0] != MGPU__CPU_BY_IM2COL);
         mgpu_trace_end();
