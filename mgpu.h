@@ -897,10 +897,13 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    kernels, PyTorch's CPU convolutions (kernels/conv_onednn.h): its
    direct ones, which PyTorch takes, or, for 3x3 layers at stride 1 where
    oneDNN runs AVX-512, its Winograd F(4x4, 3x3) ones (fewer products,
-   more rounding). By rule (the default) 3x3 layers at stride 1 with
-   outputs larger than 4 x 4 pixels take oneDNN's Winograd where it has
-   it, which took half to three quarters of its direct kernels' time on
-   a 2-core CPU; every other pass takes oneDNN's direct kernels but the
+   more rounding). By rule (the default) 3x3 layers at stride 1 from 32
+   channels and filters whose outputs, larger than 4 x 4 pixels, fill at
+   least three quarters of their 4 x 4 tiles take oneDNN's Winograd
+   where it has it, which took half to three quarters of its direct
+   kernels' time on ResNet-18's such layers on a 2-core CPU (it lost at
+   one channel, and where the tiles were mostly padding); every other
+   pass takes oneDNN's direct kernels but the
    backward passes of 1x1 windows at a stride and of outputs of 4 x 4
    pixels or fewer, where im2col won the trials on 2-core CPUs (not
    where oneDNN runs AVX-512 kernels and OpenBLAS AVX2 ones: there oneDNN

@@ -136,7 +136,7 @@ static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implic
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
-/* On the CPU: each pass of each 3x3 stride-1 layer from 64 channels by
+/* On the CPU: each pass of each 3x3 stride-1 layer by
    oneDNN's direct kernels, by its Winograd F(4x4, 3x3) ones
    (kernels/conv_onednn.h; "-" where the library has no oneDNN or oneDNN
    has no such kernel, as on AVX2) and by mgpu's Winograd F(2x2, 3x3)
@@ -173,7 +173,8 @@ static void winograd_pass(void *q) {
 /* The pass by a way, in microseconds per call; 0 where the way has no kernel for it. */
 static double cpu_pass_us(conv_ctx *c, int pass, int way, int steps) {
     cpu_pass p = {c, pass, way};
-    if (way == BY_WINOGRAD) return time_us(c->dev, winograd_pass, &p, steps);
+    if (way == BY_WINOGRAD)
+        return mgpu__winograd_cpu_fits_layer(&c->g) ? time_us(c->dev, winograd_pass, &p, steps) : 0;
 #if MGPU_ONEDNN
     mgpu__cpu_conv_call call = cpu_call(&p);
     if (!mgpu__cpu_conv_onednn_plans(&call, way == BY_ONEDNN ? dnnl_convolution_direct : dnnl_convolution_winograd))
@@ -191,7 +192,7 @@ static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
         const conv_case *cc = &cases[i];
         mgpu__conv_geom g = mgpu__conv_geometry("bench/convolutions", mgpu_shape4(batch, cc->c, cc->h, cc->h),
                                                 mgpu_shape4(cc->k, cc->c, cc->r, cc->r), cc->stride, cc->pad);
-        if (!mgpu__winograd_cpu_fits_layer(&g) || cc->c < MGPU__WINOGRAD_CPU_DW_FROM) continue; /* (the rule's) */
+        if (cc->r != 3 || cc->stride != 1) continue;
         conv_ctx c;
         memset(&c, 0, sizeof c);
         c.dev = dev;

@@ -1314,21 +1314,35 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     return writes;
 }
 
+/* Whether the rule gives a layer of geometry g to oneDNN's Winograd, where
+   oneDNN has it: 3x3 windows at stride 1, 32 channels and filters or
+   more, and an output of more than 4 x 4 pixels that fills at least
+   three quarters of its 4 x 4 tiles. On a 2-core AMD EPYC (AVX-512) it
+   took 0.47 to 0.74 of the direct kernels' time in every pass of
+   ResNet-18's 3x3 layers from 64 channels at 28 x 28, 14 x 14 and
+   7 x 7 (a fill of 0.77), and of 32 channels at 28 x 28; it tied at 16
+   channels, lost at 128 channels and 5 x 5 (a fill of 0.39), lost 4 to 1
+   on a first layer (one channel), and at 4 x 4 (512 channels) it won dW
+   but lost dx: a backward pass is one way, so there the two tie
+   (bench/convolutions --cpu; bench/RESULTS.md, "oneDNN's Winograd").
+   Where unmeasured, direct, PyTorch's choice, stays. */
+static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
+    int tiles = ((g->p + 3) / 4) * ((g->q + 3) / 4), pixels = g->p * g->q;
+    return g->r == 3 && g->s == 3 && g->stride == 1 && g->c >= 32 && g->k >= 32 && pixels > 16 &&
+           4 * pixels >= 3 * 16 * tiles;
+}
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
-   shape. Where oneDNN runs AVX-512 kernels, 3x3 layers at stride 1 with
-   outputs larger than 4 x 4 pixels take its Winograd kernels: on an AMD
-   EPYC they took 0.47 to 0.74 of its direct kernels' time in every pass
-   of ResNet-18's such layers, while at 4 x 4 the two tied over a
-   backward pass (bench/RESULTS.md, "oneDNN's Winograd"). Otherwise
-   oneDNN's direct kernels, except the backward passes where im2col won
-   the trials on 2-core CPUs (bench/RESULTS.md, "the rule's sources"):
-   1x1 windows at a stride (ResNet's shortcuts) and outputs of 4 x 4
-   pixels or fewer; not where oneDNN's vectors are wider than OpenBLAS's
-   (above). */
+   shape: where oneDNN runs AVX-512 kernels, its Winograd ones where they
+   pay (above); otherwise its direct kernels, except the backward passes
+   where im2col won the trials on 2-core CPUs (bench/RESULTS.md, "the
+   rule's sources"): 1x1 windows at a stride (ResNet's shortcuts) and
+   outputs of 4 x 4 pixels or fewer; not where oneDNN's vectors are wider
+   than OpenBLAS's (above). */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
     mgpu__cpu_vector_widths();
-    if (mgpu__onednn_avx512 && g->p * g->q > 16 && mgpu__cpu_conv_onednn_plans(call, dnnl_convolution_winograd))
+    if (mgpu__onednn_avx512 && mgpu__onednn_winograd_pays(g) &&
+        mgpu__cpu_conv_onednn_plans(call, dnnl_convolution_winograd))
         return MGPU__CPU_BY_ONEDNN_WINOGRAD;
     int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16) &&
                       !(mgpu__onednn_avx512 && !mgpu__blas_avx512);

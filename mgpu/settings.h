@@ -66,8 +66,8 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
                cuDNN is not built in.
    Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
    (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN's Winograd
-   for 3x3 layers at stride 1 where it runs AVX-512 (outputs above 4 x 4)
-   and its direct kernels elsewhere, but for a few backward passes by
+   for 3x3 layers at stride 1 where it runs AVX-512 and where it pays
+   (mgpu__onednn_winograd_pays) and its direct kernels elsewhere, but for a few backward passes by
    im2col (unless oneDNN's vectors are wider than OpenBLAS's) and, where
    oneDNN runs AVX2 kernels, mgpu's Winograd for 3x3 layers with enough
    channels; timed times im2col, oneDNN's two algorithms and (3x3 at

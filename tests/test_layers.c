@@ -799,9 +799,10 @@ TEST(conv2d_by_onednn_matches_im2col) {
 }
 
 /* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit:
-   its Winograd kernels for 3x3 layers at stride 1 with outputs larger
-   than 4 x 4 pixels where it runs AVX-512 (and has them: the machine's
-   own oneDNN, whatever widths the test takes); otherwise its direct
+   its Winograd kernels for 3x3 layers at stride 1 from 32 channels and
+   filters with outputs larger than 4 x 4 pixels filling three quarters
+   of their tiles, where it runs AVX-512 (and has them: the machine's own
+   oneDNN, whatever widths the test takes); otherwise its direct
    kernels, but for the backward passes of 1x1 windows at a stride and of
    outputs of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's
    vectors are wider than OpenBLAS's (AVX-512 against AVX2); and times
@@ -811,8 +812,9 @@ TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     struct { int c, h, k, r, stride, pad, backward_by_im2col, by_winograd; } shapes[] = {
-        {16, 9, 16, 3, 1, 1, 0, 1}, {16, 5, 16, 3, 1, 1, 0, 1}, {16, 9, 32, 1, 2, 0, 1, 0},
-        {32, 4, 32, 3, 1, 1, 1, 0}, {6, 14, 16, 5, 1, 0, 0, 0}};
+        {32, 8, 32, 3, 1, 1, 0, 1}, {32, 7, 32, 3, 1, 1, 0, 1}, /* (7 x 7: 49 of 64 pixels in its tiles) */
+        {32, 6, 32, 3, 1, 1, 0, 0}, {16, 8, 32, 3, 1, 1, 0, 0}, {32, 8, 16, 3, 1, 1, 0, 0},
+        {16, 9, 32, 1, 2, 0, 1, 0}, {32, 4, 32, 3, 1, 1, 1, 0}, {6, 14, 16, 5, 1, 0, 0, 0}};
     /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
     const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
     for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
