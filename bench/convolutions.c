@@ -38,8 +38,8 @@
    pass as MGPU_CONV=timed chooses it (the faster of the two for the
    forward pass; each gradient by the faster of its implicit GEMM and its
    half of im2col, unless im2col's whole backward beats the two). On the
-   CPU, the 3x3 stride-1 layers' three passes by oneDNN's two algorithms
-   and by mgpu's Winograd (kernels/winograd.h), from which
+   CPU, the 3x3 stride-1 layers' and LeNet's passes by oneDNN's three
+   methods and by mgpu's Winograd (kernels/winograd.h), from which
    mgpu/convolution.h's rule was set. The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
@@ -136,19 +136,30 @@ static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implic
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
-/* On the CPU: each pass of each 3x3 stride-1 layer by
-   oneDNN's direct kernels, by its Winograd F(4x4, 3x3) ones
-   (kernels/conv_onednn.h; "-" where the library has no oneDNN or oneDNN
-   has no such kernel, as on AVX2) and by mgpu's Winograd F(2x2, 3x3)
-   (kernels/winograd.h), each called directly whatever the rule would
-   take, in microseconds per call: the figures mgpu/convolution.h's rule
-   rests on. */
-enum { BY_ONEDNN, BY_ONEDNN_WINOGRAD, BY_WINOGRAD, CPU_WAYS };
+/* On the CPU: each pass of ResNet-18's 3x3 stride-1 layers (at the
+   bench's batch) and of LeNet's two layers (chapter 2's, at its batch of
+   256) by oneDNN's three methods (kernels/conv_onednn.h): direct on its
+   blocked layouts, direct on channels-last activations, and Winograd's
+   F(4x4, 3x3); and by mgpu's Winograd F(2x2, 3x3) (kernels/winograd.h);
+   each called directly whatever the rule would take, in microseconds per
+   call ("-" where the library has no oneDNN or the method no kernel for
+   the shape: oneDNN's Winograd needs AVX-512): the figures
+   mgpu/convolution.h's rule rests on. */
+static const conv_case lenet_cases[] = {
+    {"LeNet 1->20 3x3", 1, 1, 20, 3, 1, 0, 28},
+    {"LeNet 20->50 5x5", 1, 20, 50, 5, 1, 0, 13},
+};
+enum { LENET_BATCH = 256 };
+enum { BY_ONEDNN, BY_ONEDNN_CHANNELS_LAST, BY_ONEDNN_WINOGRAD, BY_WINOGRAD, CPU_WAYS };
 typedef struct {
     conv_ctx *c;
     int pass, way; /* FWD, DX or DW; BY_* */
 } cpu_pass;
 #if MGPU_ONEDNN
+static const mgpu__cpu_conv_way onednn_ways[] = {MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+                                                 MGPU__CPU_BY_ONEDNN_WINOGRAD};
+static const mgpu__onednn_method onednn_methods[] = {MGPU__ONEDNN_DIRECT, MGPU__ONEDNN_CHANNELS_LAST,
+                                                     MGPU__ONEDNN_WINOGRAD};
 static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
     conv_ctx *c = p->c;
     mgpu__cpu_conv_call call = {p->pass == FWD ? c->y : NULL, p->pass == DX ? c->dx : NULL,
@@ -159,7 +170,7 @@ static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
 static void onednn_pass(void *q) {
     const cpu_pass *p = (const cpu_pass *)q;
     mgpu__cpu_conv_call call = cpu_call(p);
-    mgpu__cpu_conv_by(p->way == BY_ONEDNN ? MGPU__CPU_BY_ONEDNN : MGPU__CPU_BY_ONEDNN_WINOGRAD, &call);
+    mgpu__cpu_conv_by(onednn_ways[p->way], &call);
 }
 #endif
 static void winograd_pass(void *q) {
@@ -177,49 +188,49 @@ static double cpu_pass_us(conv_ctx *c, int pass, int way, int steps) {
         return mgpu__winograd_cpu_fits_layer(&c->g) ? time_us(c->dev, winograd_pass, &p, steps) : 0;
 #if MGPU_ONEDNN
     mgpu__cpu_conv_call call = cpu_call(&p);
-    if (!mgpu__cpu_conv_onednn_plans(&call, way == BY_ONEDNN ? dnnl_convolution_direct : dnnl_convolution_winograd))
-        return 0;
+    if (!mgpu__cpu_conv_onednn_plans(&call, onednn_methods[way])) return 0;
     return time_us(c->dev, onednn_pass, &p, steps);
 #else
     return 0;
 #endif
 }
-static void winograd_on_cpu(mgpu_device *dev, int batch, int steps) {
-    printf("on the CPU, 3x3 layers at stride 1: oneDNN direct, oneDNN Winograd and mgpu's Winograd, microseconds "
-           "per call (mean of %d)\n", steps);
-    printf("%-24s %5s %4s %10s %10s %10s\n", "convolution", "count", "pass", "oneDNN", "oneDNN Win", "Winograd");
-    for (int i = 0; i < N_CASES; i++) {
-        const conv_case *cc = &cases[i];
-        mgpu__conv_geom g = mgpu__conv_geometry("bench/convolutions", mgpu_shape4(batch, cc->c, cc->h, cc->h),
-                                                mgpu_shape4(cc->k, cc->c, cc->r, cc->r), cc->stride, cc->pad);
-        if (cc->r != 3 || cc->stride != 1) continue;
-        conv_ctx c;
-        memset(&c, 0, sizeof c);
-        c.dev = dev;
-        c.stride = cc->stride;
-        c.pad = cc->pad;
-        mgpu_manual_seed(1);
-        c.x = mgpu_randn(dev, mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
-        c.w = mgpu_randn(dev, mgpu_shape4(cc->k, cc->c, 3, 3), 0, 0.1f);
-        c.b = mgpu_zeros(dev, mgpu_shape1(cc->k));
-        c.g = g;
-        c.y = mgpu_empty(dev, mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
-        c.dy = mgpu_randn(dev, c.y->shape, 0, 1);
-        c.dx = mgpu_empty(dev, c.x->shape);
-        c.dw = mgpu_empty(dev, c.w->shape);
-        const char *pass_names[PASSES] = {"fwd", "dx", "dW"};
-        for (int pass = 0; pass < PASSES; pass++) {
-            printf("%-24s %5d %4s", pass == FWD ? cc->name : "", cc->count, pass_names[pass]);
-            for (int way = 0; way < CPU_WAYS; way++) {
-                double us = cpu_pass_us(&c, pass, way, steps);
-                if (us > 0) printf(" %10.1f", us);
-                else printf(" %10s", "-");
-            }
-            printf("\n");
+/* One layer's row of passes. */
+static void cpu_methods_of(mgpu_device *dev, const conv_case *cc, int batch, int steps) {
+    conv_ctx c;
+    memset(&c, 0, sizeof c);
+    c.dev = dev;
+    c.stride = cc->stride;
+    c.pad = cc->pad;
+    mgpu_manual_seed(1);
+    c.x = mgpu_randn(dev, mgpu_shape4(batch, cc->c, cc->h, cc->h), 0, 1);
+    c.w = mgpu_randn(dev, mgpu_shape4(cc->k, cc->c, cc->r, cc->r), 0, 0.1f);
+    c.b = mgpu_zeros(dev, mgpu_shape1(cc->k));
+    c.g = mgpu__conv_geometry("bench/convolutions", c.x->shape, c.w->shape, cc->stride, cc->pad);
+    c.y = mgpu_empty(dev, mgpu_shape4(batch, cc->k, c.g.p, c.g.q));
+    c.dy = mgpu_randn(dev, c.y->shape, 0, 1);
+    c.dx = mgpu_empty(dev, c.x->shape);
+    c.dw = mgpu_empty(dev, c.w->shape);
+    const char *pass_names[PASSES] = {"fwd", "dx", "dW"};
+    for (int pass = 0; pass < PASSES; pass++) {
+        printf("%-24s %5d %5d %4s", pass == FWD ? cc->name : "", cc->count, batch, pass_names[pass]);
+        for (int way = 0; way < CPU_WAYS; way++) {
+            double us = cpu_pass_us(&c, pass, way, steps);
+            if (us > 0) printf(" %10.1f", us);
+            else printf(" %10s", "-");
         }
-        mgpu_tensor *all[] = {c.x, c.w, c.b, c.y, c.dy, c.dx, c.dw};
-        for (int k = 0; k < 7; k++) mgpu_free(all[k]);
+        printf("\n");
     }
+    mgpu_tensor *all[] = {c.x, c.w, c.b, c.y, c.dy, c.dx, c.dw};
+    for (int k = 0; k < 7; k++) mgpu_free(all[k]);
+}
+static void cpu_methods(mgpu_device *dev, int batch, int steps) {
+    printf("on the CPU, by oneDNN's methods and mgpu's Winograd, microseconds per call (mean of %d)\n", steps);
+    printf("%-24s %5s %5s %4s %10s %10s %10s %10s\n", "convolution", "count", "batch", "pass", "oneDNN",
+           "chan-last", "oneDNN Win", "Winograd");
+    for (int i = 0; i < N_CASES; i++)
+        if (cases[i].r == 3 && cases[i].stride == 1) cpu_methods_of(dev, &cases[i], batch, steps);
+    for (size_t i = 0; i < sizeof lenet_cases / sizeof lenet_cases[0]; i++)
+        cpu_methods_of(dev, &lenet_cases[i], LENET_BATCH, steps);
 }
 
 /* One row of the table: a pass, its time with im2col (0: not timed that
@@ -371,7 +382,7 @@ int main(int argc, char **argv) {
         mgpu_free(c.dx);
         mgpu_free(c.dw);
     }
-    if (!on_gpu) winograd_on_cpu(dev[0], batch, steps);
+    if (!on_gpu) cpu_methods(dev[0], batch, steps);
     printf("a step's convolutions, %.1f GFLOP: im2col %.3f ms (%.1f TFLOP/s)\n", step_flop * 1e-9,
            step_us[0] * 1e-3, tflops(step_flop, step_us[0]));
     if (tiles)

@@ -10,24 +10,33 @@
    1 (the Makefile sets it when oneDNN is installed); without it this
    file is empty.
 
-   Two algorithms. Direct (dnnl_convolution_direct), the one PyTorch
-   asks for, takes C R S multiply-adds for each output value. Winograd's
-   (dnnl_convolution_winograd: oneDNN's F(4x4, 3x3), for 3x3 windows at
-   stride 1, on AVX-512 only) turns 6 x 6 tiles of the input and the
-   3 x 3 filters into 6 x 6 tiles, multiplies those element by element
-   and summed over the channels (36 products for a 4 x 4 tile of output
-   where direct takes 144), and turns the result back: fewer products,
-   more memory traffic, and a larger rounding error. Where an algorithm
-   has no kernel for a pass, that pass has no plan by it.
+   Three methods (mgpu__onednn_method):
+     direct         the algorithm PyTorch asks for (dnnl_convolution_direct):
+                    C R S multiply-adds for each output value, in the
+                    layouts oneDNN prefers (below);
+     channels-last  the same, on activations in NHWC (dnnl_acdb): with
+                    16-float vectors a blocked layout pads the channels
+                    to a multiple of 16 and computes on the padding too
+                    (20 channels as 32), where channels-last kernels
+                    work on the channels there are;
+     Winograd       dnnl_convolution_winograd: oneDNN's F(4x4, 3x3), for
+                    3x3 windows at stride 1, on AVX-512 only. It turns
+                    6 x 6 tiles of the input and the 3 x 3 filters into
+                    6 x 6 tiles, multiplies those element by element,
+                    summed over the channels (36 products for a 4 x 4
+                    tile of output where direct takes 144), and turns
+                    the result back: fewer products, more memory
+                    traffic, a larger rounding error.
+   Where a method has no kernel for a pass, that pass has no plan by it.
 
-   One pass by one algorithm is a plan, made once per shape and then
+   One pass by one method is a plan, made once per shape and then
    reused:
      forward  y  = conv(x, w) + b     reads x and w, writes y
      dx       dx = conv_dx(dy, w)     reads w and dy, writes dx
      dW       dW = conv_dw(x, dy)     reads x and dy, writes dW
    The tensors stay in mgpu's layouts (NCHW, and KCRS for the weights).
-   oneDNN chooses the layouts its fastest kernel wants (format "any"),
-   and a plan holds the reorders that copy each input into them and the
+   oneDNN chooses the layouts its fastest kernel wants (format "any";
+   for the activations, channels-last fixes NHWC), and a plan holds the reorders that copy each input into them and the
    output back: three copies of a tensor around one convolution, cheap
    beside the C R S multiply-adds of each output value. Where oneDNN takes
    a tensor as it is, the plan copies nothing. The output's reorder also
@@ -40,7 +49,7 @@
    over the batch) are split among them, so its results, unlike the
    library's own kernels', may change with the number of threads.
 
-   defines: MGPU_ONEDNN_CHECK, mgpu__onednn_pass, mgpu__onednn_plan,
+   defines: MGPU_ONEDNN_CHECK, mgpu__onednn_pass, mgpu__onednn_method, mgpu__onednn_plan,
             mgpu__onednn_plan_for, mgpu__onednn_args, mgpu__onednn_conv_cpu */
 #ifndef MGPU_KERNELS_CONV_ONEDNN_H
 #define MGPU_KERNELS_CONV_ONEDNN_H
@@ -62,6 +71,7 @@
     } while (0)
 
 typedef enum { MGPU__ONEDNN_Y, MGPU__ONEDNN_DX, MGPU__ONEDNN_DW } mgpu__onednn_pass;
+typedef enum { MGPU__ONEDNN_DIRECT, MGPU__ONEDNN_CHANNELS_LAST, MGPU__ONEDNN_WINOGRAD } mgpu__onednn_method;
 
 /* A pass's tensors by role: its two inputs, its output. */
 enum { MGPU__ONEDNN_IN_A, MGPU__ONEDNN_IN_B, MGPU__ONEDNN_OUT, MGPU__ONEDNN_TENSORS };
@@ -137,7 +147,7 @@ static dnnl_primitive_t mgpu__onednn_reorder(mgpu__onednn_plan *p, int t, const 
 typedef struct {
     mgpu__conv_geom g;
     mgpu__onednn_pass pass;
-    dnnl_alg_kind_t algorithm;
+    mgpu__onednn_method method;
     int with_bias, accumulate, threads;
     mgpu__onednn_plan *plan;
 } mgpu__onednn_known;
@@ -146,15 +156,17 @@ static int mgpu__onednn_plan_count;
 
 /* Makes the pass's plan, or returns NULL if oneDNN has no kernel for it. */
 static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
-                                                dnnl_alg_kind_t algorithm, int with_bias, int accumulate) {
+                                                mgpu__onednn_method method, int with_bias, int accumulate) {
     dnnl_engine_t engine = mgpu__onednn_engine();
-    dnnl_memory_desc_t x_any, w_any, y_any, x, w, y, bias;
+    dnnl_alg_kind_t algorithm = method == MGPU__ONEDNN_WINOGRAD ? dnnl_convolution_winograd : dnnl_convolution_direct;
+    dnnl_format_tag_t activations = method == MGPU__ONEDNN_CHANNELS_LAST ? dnnl_acdb : dnnl_format_tag_any;
+    dnnl_memory_desc_t x_any, w_any, y_any, x, w, y, bias; /* (x_any: x in the layout the kernel takes) */
     mgpu__onednn_md(&x, g->n, g->c, g->h, g->w, dnnl_nchw);
     mgpu__onednn_md(&w, g->k, g->c, g->r, g->s, dnnl_oihw);
     mgpu__onednn_md(&y, g->n, g->k, g->p, g->q, dnnl_nchw);
-    mgpu__onednn_md(&x_any, g->n, g->c, g->h, g->w, dnnl_format_tag_any);
+    mgpu__onednn_md(&x_any, g->n, g->c, g->h, g->w, activations);
     mgpu__onednn_md(&w_any, g->k, g->c, g->r, g->s, dnnl_format_tag_any);
-    mgpu__onednn_md(&y_any, g->n, g->k, g->p, g->q, dnnl_format_tag_any);
+    mgpu__onednn_md(&y_any, g->n, g->k, g->p, g->q, activations);
     dnnl_dims_t bias_dims = {g->k}, strides = {g->stride, g->stride}, padding = {g->pad, g->pad};
     MGPU_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&bias, 1, bias_dims, dnnl_f32, dnnl_a));
     /* the forward pass's description: the backward passes take it as a hint */
@@ -222,11 +234,11 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
    count they are made for. Not thread-safe: the chapters enqueue their
    convolutions from one thread, as the GPU's trial assumes too. */
 static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
-                                                dnnl_alg_kind_t algorithm, int with_bias, int accumulate,
+                                                mgpu__onednn_method method, int with_bias, int accumulate,
                                                 int threads) {
     for (int i = 0; i < mgpu__onednn_plan_count; i++) {
         const mgpu__onednn_known *k = &mgpu__onednn_plans[i];
-        if (!memcmp(&k->g, g, sizeof *g) && k->pass == pass && k->algorithm == algorithm &&
+        if (!memcmp(&k->g, g, sizeof *g) && k->pass == pass && k->method == method &&
             k->with_bias == with_bias && k->accumulate == accumulate && k->threads == threads)
             return k->plan;
     }
@@ -234,13 +246,13 @@ static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__
     int before = omp_get_max_threads();
     omp_set_num_threads(threads);
 #endif
-    mgpu__onednn_plan *plan = mgpu__onednn_plan_new(g, pass, algorithm, with_bias, accumulate);
+    mgpu__onednn_plan *plan = mgpu__onednn_plan_new(g, pass, method, with_bias, accumulate);
 #ifdef _OPENMP
     omp_set_num_threads(before);
 #endif
     MGPU_REQUIRE(mgpu__onednn_plan_count < (int)(sizeof mgpu__onednn_plans / sizeof mgpu__onednn_plans[0]),
                  "conv2d: more than %d oneDNN plans", (int)(sizeof mgpu__onednn_plans / sizeof mgpu__onednn_plans[0]));
-    mgpu__onednn_known k = {*g, pass, algorithm, with_bias, accumulate, threads, plan};
+    mgpu__onednn_known k = {*g, pass, method, with_bias, accumulate, threads, plan};
     mgpu__onednn_plans[mgpu__onednn_plan_count++] = k;
     return plan;
 }

@@ -1142,13 +1142,14 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
    implicit takes oneDNN's direct kernels wherever they compute a pass. */
 typedef enum {
     MGPU__CPU_BY_IM2COL,
-    MGPU__CPU_BY_ONEDNN,
+    MGPU__CPU_BY_ONEDNN, /* its direct method */
     MGPU__CPU_BY_WINOGRAD,
     MGPU__CPU_BY_ONEDNN_WINOGRAD,
+    MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
     MGPU__CPU_WAYS
 } mgpu__cpu_conv_way;
 static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN", "Winograd",
-                                                                     "oneDNN Winograd"};
+                                                                     "oneDNN Winograd", "oneDNN channels-last"};
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
@@ -1172,9 +1173,9 @@ typedef struct {
 /* Enqueues one oneDNN pass on dev, with its chosen-layout copies from the
    allocator; 0 (nothing enqueued) where oneDNN has no kernel for it. */
 static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__conv_geom *g,
-                                mgpu__onednn_pass pass, dnnl_alg_kind_t algorithm, const float *in_a,
+                                mgpu__onednn_pass pass, mgpu__onednn_method method, const float *in_a,
                                 const float *in_b, float *out, const float *bias, int accumulate) {
-    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, algorithm, bias != NULL, accumulate, mgpu__cpu_threads);
+    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, method, bias != NULL, accumulate, mgpu__cpu_threads);
     if (!plan) return 0;
     mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias};
     mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
@@ -1190,32 +1191,36 @@ static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__
     return 1;
 }
 
-/* Whether oneDNN's algorithm has a kernel for every pass of the call;
-   makes their plans (oneDNN compiles its kernels then: milliseconds). */
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm) {
+/* Whether oneDNN's method has a kernel for every pass of the call; makes
+   their plans (oneDNN compiles its kernels then: milliseconds). */
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
     const mgpu__conv_geom *g = c->g;
     int threads = mgpu__cpu_threads;
-    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, algorithm, c->b != NULL, 0, threads) != NULL;
-    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, algorithm, 0, c->add_to_dx, threads)) &&
-           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, algorithm, 0, c->accumulate, threads));
+    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, method, c->b != NULL, 0, threads) != NULL;
+    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, method, 0, c->add_to_dx, threads)) &&
+           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, method, 0, c->accumulate, threads));
 }
-/* The call by oneDNN's algorithm; 0 (nothing enqueued) where it has no
-   kernel for a pass of it. */
-static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm) {
+/* The call by oneDNN's method; 0 (nothing enqueued) where it has no
+   kernel for a pass of it. Each method's passes have names of their own
+   in a trace. */
+static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
+    static const char *const names[3][3] = { /* [method][pass] */
+        {"conv2d oneDNN forward", "conv2d_backward oneDNN dx", "conv2d_backward oneDNN dW"},
+        {"conv2d oneDNN channels-last forward", "conv2d_backward oneDNN channels-last dx",
+         "conv2d_backward oneDNN channels-last dW"},
+        {"conv2d oneDNN Winograd forward", "conv2d_backward oneDNN Winograd dx", "conv2d_backward oneDNN Winograd dW"}};
     mgpu_device *dev = c->x->device;
     const mgpu__conv_geom *g = c->g;
-    if (!mgpu__cpu_conv_onednn_plans(c, algorithm)) return 0;
-    int winograd = algorithm == dnnl_convolution_winograd;
+    if (!mgpu__cpu_conv_onednn_plans(c, method)) return 0;
     if (!c->backward)
-        return mgpu__onednn_enqueue(dev, winograd ? "conv2d oneDNN Winograd forward" : "conv2d oneDNN forward", g,
-                                    MGPU__ONEDNN_Y, algorithm, c->x->data, c->w->data, c->y->data,
-                                    c->b ? c->b->data : NULL, 0);
+        return mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_Y], g, MGPU__ONEDNN_Y, method, c->x->data,
+                                    c->w->data, c->y->data, c->b ? c->b->data : NULL, 0);
     if (c->dx)
-        mgpu__onednn_enqueue(dev, winograd ? "conv2d_backward oneDNN Winograd dx" : "conv2d_backward oneDNN dx", g,
-                             MGPU__ONEDNN_DX, algorithm, c->w->data, c->dy->data, c->dx->data, NULL, c->add_to_dx);
+        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DX], g, MGPU__ONEDNN_DX, method, c->w->data,
+                             c->dy->data, c->dx->data, NULL, c->add_to_dx);
     if (c->dw)
-        mgpu__onednn_enqueue(dev, winograd ? "conv2d_backward oneDNN Winograd dW" : "conv2d_backward oneDNN dW", g,
-                             MGPU__ONEDNN_DW, algorithm, c->x->data, c->dy->data, c->dw->data, NULL, c->accumulate);
+        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DW], g, MGPU__ONEDNN_DW, method, c->x->data,
+                             c->dy->data, c->dw->data, NULL, c->accumulate);
     return 1;
 }
 static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
@@ -1239,8 +1244,9 @@ static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
 /* The call by a way; 0 (nothing enqueued) where that way has no kernel
    for it. */
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
-    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c, dnnl_convolution_direct);
-    if (way == MGPU__CPU_BY_ONEDNN_WINOGRAD) return mgpu__cpu_conv_by_onednn(c, dnnl_convolution_winograd);
+    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_DIRECT);
+    if (way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_CHANNELS_LAST);
+    if (way == MGPU__CPU_BY_ONEDNN_WINOGRAD) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_WINOGRAD);
     if (way == MGPU__CPU_BY_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
     mgpu__cpu_conv_by_im2col(c);
     return 1;
@@ -1277,9 +1283,10 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
     mgpu__cpu_conv_call written = *call; /* (the call as the trial runs it: writing, not adding) */
     written.accumulate = written.add_to_dx = 0;
-    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written, dnnl_convolution_direct),
+    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_DIRECT),
                                     mgpu__winograd_cpu_fits_layer(call->g),
-                                    mgpu__cpu_conv_onednn_plans(&written, dnnl_convolution_winograd)};
+                                    mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_WINOGRAD),
+                                    mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_CHANNELS_LAST)};
     mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         t[way] = *call;
@@ -1333,20 +1340,30 @@ static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
 }
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
    shape: where oneDNN runs AVX-512 kernels, its Winograd ones where they
-   pay (above); otherwise its direct kernels, except the backward passes
-   where im2col won the trials on 2-core CPUs (bench/RESULTS.md, "the
-   rule's sources"): 1x1 windows at a stride (ResNet's shortcuts) and
-   outputs of 4 x 4 pixels or fewer; not where oneDNN's vectors are wider
-   than OpenBLAS's (above). */
+   pay (above). Otherwise oneDNN's direct kernels, except the backward
+   passes where im2col won the trials on 2-core CPUs (bench/RESULTS.md,
+   "the rule's sources"): 1x1 windows at a stride (ResNet's shortcuts)
+   and outputs of 4 x 4 pixels or fewer; not where oneDNN's vectors are
+   wider than OpenBLAS's (above). Where oneDNN runs AVX-512, the direct
+   kernels take their activations channels-last where the channels or
+   the filters do not fill 16-float vectors, from 2 channels: on a 2-core
+   AMD EPYC, LeNet's 20 -> 50 5x5 layer took 0.56 of the blocked layouts'
+   time forward, 0.83 for dx and 0.64 for dW; but a first layer on one
+   channel, whose input is the same in both layouts, took 1.16 forward
+   (bench/convolutions --cpu; bench/RESULTS.md, "channels-last"). */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
     mgpu__cpu_vector_widths();
     if (mgpu__onednn_avx512 && mgpu__onednn_winograd_pays(g) &&
-        mgpu__cpu_conv_onednn_plans(call, dnnl_convolution_winograd))
+        mgpu__cpu_conv_onednn_plans(call, MGPU__ONEDNN_WINOGRAD))
         return MGPU__CPU_BY_ONEDNN_WINOGRAD;
     int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16) &&
                       !(mgpu__onednn_avx512 && !mgpu__blas_avx512);
-    return im2col_wins ? MGPU__CPU_BY_IM2COL : MGPU__CPU_BY_ONEDNN;
+    if (im2col_wins) return MGPU__CPU_BY_IM2COL;
+    if (mgpu__onednn_avx512 && g->c > 1 && (g->c % 16 || g->k % 16) &&
+        mgpu__cpu_conv_onednn_plans(call, MGPU__ONEDNN_CHANNELS_LAST))
+        return MGPU__CPU_BY_ONEDNN_CHANNELS_LAST;
+    return MGPU__CPU_BY_ONEDNN;
 }
 
 /* A pass on a CPU device, by the way its choice says (above). */
@@ -1372,11 +1389,11 @@ static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice 
     const mgpu__conv_geom *g = &c->g;
     snprintf(out, size,
              "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms, "
-             "Winograd %.2f ms, oneDNN Winograd %.2f ms)",
+             "Winograd %.2f ms, oneDNN Winograd %.2f ms, oneDNN channels-last %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
              !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)", mgpu__cpu_conv_way_names[c->way],
              c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD],
-             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD]);
+             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD], c->trial_ms[MGPU__CPU_BY_ONEDNN_CHANNELS_LAST]);
     return out;
 }
 #endif

@@ -67,10 +67,12 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
    Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
    (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN's Winograd
    for 3x3 layers at stride 1 where it runs AVX-512 and where it pays
-   (mgpu__onednn_winograd_pays) and its direct kernels elsewhere, but for a few backward passes by
+   (mgpu__onednn_winograd_pays) and its direct kernels elsewhere (on
+   channels-last activations where channels or filters are not a
+   multiple of 16), but for a few backward passes by
    im2col (unless oneDNN's vectors are wider than OpenBLAS's) and, where
    oneDNN runs AVX2 kernels, mgpu's Winograd for 3x3 layers with enough
-   channels; timed times im2col, oneDNN's two algorithms and (3x3 at
+   channels; timed times im2col, oneDNN's three methods and (3x3 at
    stride 1) mgpu's Winograd at the first call with a shape; im2col takes
    im2col; implicit takes oneDNN's direct kernels where it is built in; every mode but im2col takes conv_few_inputs.h's kernel for a
    first layer's weight gradient (C*R*S <= 9, no dx). */

@@ -84,7 +84,6 @@ static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float
                                        const float *b, const mgpu__conv_geom *g, int turned, int accumulate);
 static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
                                           const mgpu__conv_geom *g, int accumulate);
-/* constant: MGPU__WINOGRAD_CPU_DW_FROM (the fewest channels with which the rule takes Winograd at all) */
 extern int mgpu__onednn_avx512, mgpu__blas_avx512; /* (a test takes another CPU's rule) */
 static void mgpu__cpu_vector_widths(void);
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
@@ -135,13 +134,14 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
 #endif
 #if MGPU_ONEDNN
 /* types and constants: mgpu__cpu_conv_choice, mgpu__cpu_conv_call, mgpu__cpu_conv_way; MGPU__CPU_BY_IM2COL,
-   MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
+   MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+   MGPU__CPU_WAYS (a CPU's ways) */
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
                                                          int backward);
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size);
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, dnnl_alg_kind_t algorithm);
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method);
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);
 #endif
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,

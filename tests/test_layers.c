@@ -742,11 +742,12 @@ TEST(cpu_vector_widths_are_this_machines) {
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
    and LeNet's, written and added to (dW, then dx): its direct kernels
    (MGPU_CONV=implicit); MGPU_CONV=timed's, whose first call of a shape is
-   the trial, into scratch, then the call itself: it must add once; and
-   its Winograd kernels, which compute the 3x3 layers at stride 1 where
-   oneDNN runs AVX-512 and nothing else. (Winograd's transforms round
-   more than direct sums, but at these shapes stay within the same
-   tolerances.) */
+   the trial, into scratch, then the call itself: it must add once; its
+   direct kernels on channels-last activations, which compute every
+   shape; and its Winograd kernels, which compute the 3x3 layers at
+   stride 1 where oneDNN runs AVX-512 and nothing else. (Winograd's
+   transforms round more than direct sums, but at these shapes stay
+   within the same tolerances.) */
 TEST(conv2d_by_onednn_matches_im2col) {
     struct { int c, h, k, r, stride, pad; } shapes[] = {
         {64, 28, 64, 3, 1, 1}, {64, 28, 128, 3, 2, 1}, {64, 28, 128, 1, 2, 0}, {128, 14, 128, 3, 1, 1},
@@ -756,8 +757,10 @@ TEST(conv2d_by_onednn_matches_im2col) {
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
     mgpu__cpu_vector_widths();
     const int adds[3][2] = {{1, 0}, {0, 1}, {0, 0}}; /* accumulate (dW), add_to_dx */
-    enum { BY_DIRECT, BY_TIMED, BY_WINOGRAD, BYS };
-    const char *by_names[BYS] = {"oneDNN", "timed", "oneDNN Winograd"};
+    enum { BY_DIRECT, BY_TIMED, BY_WINOGRAD, BY_CHANNELS_LAST, BYS };
+    const char *by_names[BYS] = {"oneDNN", "timed", "oneDNN Winograd", "oneDNN channels-last"};
+    const mgpu__cpu_conv_way ways[BYS] = {MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN_WINOGRAD,
+                                          MGPU__CPU_BY_ONEDNN_CHANNELS_LAST}; /* (by way: the last two) */
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (int t = 0; t < 3 * BYS; t++) {
             int accumulate = adds[t % 3][0], add_to_dx = adds[t % 3][1], by = t / 3;
@@ -767,15 +770,15 @@ TEST(conv2d_by_onednn_matches_im2col) {
             mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
             mgpu__cpu_conv_call call = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, &g, 1, accumulate, add_to_dx, 0};
             call.dw = call.dx = (mgpu_tensor *)1; /* (both passes: only their presence is read) */
-            int winograd = mgpu__cpu_conv_onednn_plans(&call, dnnl_convolution_winograd);
+            int winograd = mgpu__cpu_conv_onednn_plans(&call, MGPU__ONEDNN_WINOGRAD);
             if (by == BY_WINOGRAD) {
                 CHECK_EQ_INT(winograd, mgpu__onednn_avx512 && shapes[i].r == 3 && stride == 1);
                 if (!winograd) continue;
             }
+            if (by == BY_CHANNELS_LAST) CHECK(mgpu__cpu_conv_onednn_plans(&call, MGPU__ONEDNN_CHANNELS_LAST));
             conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_trace_begin();
-            conv_results got = by == BY_WINOGRAD ? conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, stride, pad,
-                                                               accumulate, add_to_dx)
+            conv_results got = by >= BY_WINOGRAD ? conv_by_way(ways[by], xs, ws, stride, pad, accumulate, add_to_dx)
                                                  : conv_by(by == BY_DIRECT ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED,
                                                            xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_synchronize_all();
@@ -784,6 +787,9 @@ TEST(conv2d_by_onednn_matches_im2col) {
             CHECK(by != BY_WINOGRAD ||
                   (traced("conv2d oneDNN Winograd forward") && traced("conv2d_backward oneDNN Winograd dx") &&
                    traced("conv2d_backward oneDNN Winograd dW")));
+            CHECK(by != BY_CHANNELS_LAST || (traced("conv2d oneDNN channels-last forward") &&
+                                             traced("conv2d_backward oneDNN channels-last dx") &&
+                                             traced("conv2d_backward oneDNN channels-last dW")));
             mgpu_trace_end();
             mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
             int before = test__failures;
@@ -805,16 +811,22 @@ TEST(conv2d_by_onednn_matches_im2col) {
    oneDNN, whatever widths the test takes); otherwise its direct
    kernels, but for the backward passes of 1x1 windows at a stride and of
    outputs of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's
-   vectors are wider than OpenBLAS's (AVX-512 against AVX2); and times
-   nothing. (The shapes are too small for mgpu's own Winograd.) */
+   vectors are wider than OpenBLAS's (AVX-512 against AVX2); the direct
+   kernels on channels-last activations where oneDNN runs AVX-512 and the
+   channels (more than one) or filters are not a multiple of 16; and
+   times nothing. (The
+   shapes are too small for mgpu's own Winograd.) */
 static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
     mgpu__conv_mode_kind saved = mgpu__conv_mode;
-    struct { int c, h, k, r, stride, pad, backward_by_im2col, by_winograd; } shapes[] = {
-        {32, 8, 32, 3, 1, 1, 0, 1}, {32, 7, 32, 3, 1, 1, 0, 1}, /* (7 x 7: 49 of 64 pixels in its tiles) */
-        {32, 6, 32, 3, 1, 1, 0, 0}, {16, 8, 32, 3, 1, 1, 0, 0}, {32, 8, 16, 3, 1, 1, 0, 0},
-        {16, 9, 32, 1, 2, 0, 1, 0}, {32, 4, 32, 3, 1, 1, 1, 0}, {6, 14, 16, 5, 1, 0, 0, 0}};
+    struct { int c, h, k, r, stride, pad, backward_by_im2col, by_winograd, channels_last; } shapes[] = {
+        {32, 8, 32, 3, 1, 1, 0, 1, 0}, {32, 7, 32, 3, 1, 1, 0, 1, 0}, /* (7 x 7: 49 of 64 pixels in its tiles) */
+        {32, 6, 32, 3, 1, 1, 0, 0, 0}, {16, 8, 32, 3, 1, 1, 0, 0, 0}, {32, 8, 16, 3, 1, 1, 0, 0, 0},
+        {16, 9, 32, 1, 2, 0, 1, 0, 0}, {32, 4, 32, 3, 1, 1, 1, 0, 0}, {6, 14, 16, 5, 1, 0, 0, 0, 1},
+        {20, 13, 50, 5, 1, 0, 0, 0, 1}, {24, 8, 32, 3, 1, 1, 0, 0, 1}, {32, 6, 40, 3, 1, 1, 0, 0, 1},
+        {20, 4, 32, 3, 1, 1, 1, 0, 1}, /* (its forward pass channels-last, its backward im2col) */
+        {1, 12, 20, 3, 1, 0, 0, 0, 0}}; /* (one channel: blocked) */
     /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
     const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
     for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
@@ -823,39 +835,47 @@ TEST(cpu_convolutions_by_rule) {
         take_widths(kind[0], kind[1]);
         int by_winograd = shapes[i].by_winograd && kind[0] && saved_widths[0];
         int by_im2col = !by_winograd && shapes[i].backward_by_im2col && kind[2];
+        int channels_last = !by_winograd && shapes[i].channels_last && kind[0];
         mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
         mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
         mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
-        int trials = mgpu__cpu_conv_choice_count;
+        int trials = mgpu__cpu_conv_choice_count, before = test__failures;
         conv_results rule = conv_by(MGPU__CONV_RULE, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         CHECK_EQ_INT(mgpu__cpu_conv_choice_count, trials); /* (nothing timed) */
         conv_results im2col = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         conv_results onednn = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         restore_widths();
-        conv_results winograd = {NULL, NULL, NULL};
-        if (by_winograd) {
-            winograd = conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
-            /* (the two algorithms differ in their last bits, or the checks below could not tell them apart) */
-            CHECK(!same_floats(winograd.y, onednn.y, mgpu_shape_numel(ys)));
-            CHECK(!same_floats(winograd.dx, onednn.dx, mgpu_shape_numel(xs)));
-            CHECK(!same_floats(winograd.dw, onednn.dw, mgpu_shape_numel(ws)));
+        conv_results other = {NULL, NULL, NULL}; /* oneDNN's Winograd or its channels-last kernels' */
+        if (by_winograd || channels_last) {
+            other = conv_by_way(by_winograd ? MGPU__CPU_BY_ONEDNN_WINOGRAD : MGPU__CPU_BY_ONEDNN_CHANNELS_LAST, xs,
+                                ws, shapes[i].stride, shapes[i].pad, 1, 0);
+            /* (they differ from the blocked direct kernels in some last bits, or the checks below could not
+               tell them apart) */
+            CHECK(!same_floats(other.y, onednn.y, mgpu_shape_numel(ys)) ||
+                  !same_floats(other.dx, onednn.dx, mgpu_shape_numel(xs)) ||
+                  !same_floats(other.dw, onednn.dw, mgpu_shape_numel(ws)));
         }
-        conv_results *forward = by_winograd ? &winograd : &onednn;
-        conv_results *backward = by_winograd ? &winograd : by_im2col ? &im2col : &onednn;
+        conv_results *forward = by_winograd || channels_last ? &other : &onednn;
+        conv_results *backward = by_winograd ? &other : by_im2col ? &im2col : channels_last ? &other : &onednn;
         CHECK(same_floats(rule.y, forward->y, mgpu_shape_numel(ys)));
         CHECK(same_floats(rule.dx, backward->dx, mgpu_shape_numel(xs)));
         CHECK(same_floats(rule.dw, backward->dw, mgpu_shape_numel(ws)));
         /* (as im2col and oneDNN's direct kernels) */
         CHECK(!same_floats(im2col.dw, onednn.dw, mgpu_shape_numel(ws)));
-        conv_results *all[] = {&rule, &im2col, &onednn, &winograd};
+        if (test__failures != before)
+            fprintf(stderr, "  (%d -> %d, %dx%d, %dx%d, stride %d; oneDNN's AVX-512 %d, OpenBLAS's %d)\n", shapes[i].c,
+                    shapes[i].k, shapes[i].h, shapes[i].h, shapes[i].r, shapes[i].r, shapes[i].stride, kind[0],
+                    kind[1]);
+        conv_results *all[] = {&rule, &im2col, &onednn, &other};
         for (int k = 0; k < 4; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
     }
     mgpu__conv_mode = saved;
 }
 
 /* With MGPU_CONV=timed a CPU device times each way (im2col, oneDNN's
-   direct kernels and, for this 3x3 layer, mgpu's Winograd and, where
-   oneDNN runs AVX-512, oneDNN's) at the first call of each pass and shape,
+   direct kernels on its blocked layouts and on channels-last activations
+   and, for this 3x3 layer, mgpu's Winograd and, where oneDNN runs
+   AVX-512, oneDNN's) at the first call of each pass and shape,
    and the later calls take the fastest. The first call's outputs are the
    fastest way's, bit for bit: where the call writes them (the forward
    pass), im2col's from the trial itself or another's copied from its own
@@ -913,9 +933,10 @@ TEST(cpu_convolutions_keep_the_faster_way) {
         }
         int first = call == 0;
         const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d oneDNN forward", "conv2d winograd",
-                                               "conv2d oneDNN Winograd forward"};
+                                               "conv2d oneDNN Winograd forward", "conv2d oneDNN channels-last forward"};
         const char *dw_by[MGPU__CPU_WAYS] = {"conv2d_backward dW product", "conv2d_backward oneDNN dW",
-                                             "conv2d_backward winograd dW", "conv2d_backward oneDNN Winograd dW"};
+                                             "conv2d_backward winograd dW", "conv2d_backward oneDNN Winograd dW",
+                                             "conv2d_backward oneDNN channels-last dW"};
         for (int way = 0; way < MGPU__CPU_WAYS; way++) {
             int tried = first && (way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512);
             /* forward: the trial's ways, then nothing more (first call); the chosen way alone (later) */
