@@ -69,13 +69,14 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
    for 3x3 layers at stride 1 where it runs AVX-512 and where it pays
    (mgpu__onednn_winograd_pays) and its direct kernels elsewhere (on
    channels-last activations where channels or filters are not a
-   multiple of 16), but for a few backward passes by
-   im2col (unless oneDNN's vectors are wider than OpenBLAS's) and, where
-   oneDNN runs AVX2 kernels, mgpu's Winograd for 3x3 layers with enough
-   channels; timed times im2col, oneDNN's three methods and (3x3 at
-   stride 1) mgpu's Winograd at the first call with a shape; im2col takes
-   im2col; implicit takes oneDNN's direct kernels where it is built in; every mode but im2col takes conv_few_inputs.h's kernel for a
-   first layer's weight gradient (C*R*S <= 9, no dx). */
+   multiple of 16), but for a few backward passes by im2col (unless
+   oneDNN's vectors are wider than OpenBLAS's) and, where oneDNN runs
+   AVX2 kernels, mgpu's Winograd for 3x3 layers with enough channels;
+   timed times im2col, oneDNN's three methods and (3x3 at stride 1)
+   mgpu's Winograd at the first call with a shape; im2col takes im2col;
+   implicit takes oneDNN's direct kernels where it is built in; every
+   mode but im2col takes conv_few_inputs.h's kernel for a first layer's
+   weight gradient (C*R*S <= 9, no dx). */
 typedef enum { MGPU__CONV_RULE, MGPU__CONV_TIMED, MGPU__CONV_IM2COL, MGPU__CONV_IMPLICIT, MGPU__CONV_CUDNN } mgpu__conv_mode_kind;
 static const char *const mgpu__conv_mode_names[] = {"rule", "timed", "im2col", "implicit", "cudnn"};
 static mgpu__conv_mode_kind mgpu__conv_mode;
