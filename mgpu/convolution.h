@@ -1123,11 +1123,13 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
 
 /* -------------------------------- a CPU's: im2col, oneDNN or Winograd */
 #if MGPU_ONEDNN
-/* A CPU device computes a convolution's pass with conv.h's im2col and
-   OpenBLAS's products, with oneDNN's direct kernels or, for 3x3 layers at
-   stride 1, its Winograd ones (kernels/conv_onednn.h), or with mgpu's own
-   Winograd (above, on OpenBLAS's products), by the rule or,
-   with MGPU_CONV=timed, whichever was fastest for the pass and shape. As
+/* A CPU device computes each pass of a convolution (the forward pass, dx
+   and dW, each apart) with conv.h's im2col and OpenBLAS's products, with
+   oneDNN's direct kernels (on its blocked layouts or on channels-last
+   activations) or, for 3x3 layers at stride 1, its Winograd ones
+   (kernels/conv_onednn.h), or with mgpu's own Winograd (above, on
+   OpenBLAS's products), by the rule or, with MGPU_CONV=timed, whichever
+   was fastest for the pass and shape. As
    on a GPU, the first call of a pass with a shape on a device times each
    way that computes it, once each, each call alone (the device
    synchronised before and after it), and every later call runs by the
@@ -1153,16 +1155,15 @@ static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
-    int backward; /* (with dx or without: dW must not depend on whether dx is asked for) */
-    int with_dx;  /* in the trial */
+    mgpu__onednn_pass pass; /* y, dx or dW (each its own way; named as oneDNN's passes) */
     double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: a way that does not compute it) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
 static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 static int mgpu__cpu_conv_choice_count;
 
-/* One call of a pass: the forward (y), or the backward (dx, which may be
-   NULL, and dw), with what they add to. */
+/* One call: the forward pass (y), or the backward (dx or dw, or both:
+   mgpu__conv_cpu computes each by its own way), with what they add to. */
 typedef struct {
     mgpu_tensor *y, *dx, *dw;
     const mgpu_tensor *x, *w, *b, *dy;
@@ -1252,25 +1253,28 @@ static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *
     return 1;
 }
 
+/* The pass of a call of one pass. */
+static mgpu__onednn_pass mgpu__cpu_conv_pass_of(const mgpu__cpu_conv_call *c) {
+    return !c->backward ? MGPU__ONEDNN_Y : c->dx ? MGPU__ONEDNN_DX : MGPU__ONEDNN_DW;
+}
 /* The choice made for a pass and shape on dev, or NULL if none was yet. */
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                         int backward) {
+                                                         mgpu__onednn_pass pass) {
     for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
         mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[i];
-        if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->backward == backward) return c;
+        if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->pass == pass) return c;
     }
     return NULL;
 }
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                        int backward, int with_dx) {
+                                                        mgpu__onednn_pass pass) {
     MGPU_REQUIRE(mgpu__cpu_conv_choice_count < (int)(sizeof mgpu__cpu_conv_choices / sizeof mgpu__cpu_conv_choices[0]),
                  "conv2d: more than %d convolution shapes", mgpu__cpu_conv_choice_count);
     mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[mgpu__cpu_conv_choice_count++];
     memset(c, 0, sizeof *c);
     c->device = dev;
     c->g = *g;
-    c->backward = backward;
-    c->with_dx = with_dx;
+    c->pass = pass;
     for (int way = 0; way < MGPU__CPU_WAYS; way++) c->trial_ms[way] = HUGE_VAL;
     return c;
 }
@@ -1321,21 +1325,22 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     return writes;
 }
 
-/* Whether the rule gives a layer of geometry g to oneDNN's Winograd, where
-   oneDNN has it: 3x3 windows at stride 1, 32 channels and filters or
-   more, and an output of more than 4 x 4 pixels that fills at least
-   three quarters of its 4 x 4 tiles. On a 2-core AMD EPYC (AVX-512) it
-   took 0.47 to 0.74 of the direct kernels' time in every pass of
-   ResNet-18's 3x3 layers from 64 channels at 28 x 28, 14 x 14 and
-   7 x 7 (a fill of 0.77), and of 32 channels at 28 x 28; it tied at 16
-   channels, lost at 128 channels and 5 x 5 (a fill of 0.39), lost 4 to 1
-   on a first layer (one channel), and at 4 x 4 (512 channels) it won dW
-   but lost dx: a backward pass is one way, so there the two tie
-   (bench/convolutions --cpu; bench/RESULTS.md, "oneDNN's Winograd").
-   Where unmeasured, direct, PyTorch's choice, stays. */
+/* Whether the rule gives a layer of geometry g to oneDNN's Winograd,
+   where oneDNN has it: 3x3 windows at stride 1, 32 channels and filters
+   or more, and an output of more than one 4 x 4 tile that fills at least
+   three quarters of its tiles. On a 2-core AMD EPYC (AVX-512) it took
+   0.47 to 0.74 of the direct kernels' time in every pass of ResNet-18's
+   3x3 layers from 64 channels at 28 x 28, 14 x 14 and 7 x 7 (a fill of
+   0.77), and of 32 channels at 28 x 28; it tied at 16 channels, lost at
+   128 channels and 5 x 5 (a fill of 0.39), lost 4 to 1 on a first layer
+   (one channel). At 4 x 4 (512 channels) it tied forward, lost dx, and
+   won dW alone (0.67 to 0.77) but not in the network's step, for 126 MB
+   more scratch (bench/convolutions --cpu, bench/profile --cpu;
+   bench/RESULTS.md, "oneDNN's Winograd"). Where unmeasured, direct,
+   PyTorch's choice, stays. */
 static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
     int tiles = ((g->p + 3) / 4) * ((g->q + 3) / 4), pixels = g->p * g->q;
-    return g->r == 3 && g->s == 3 && g->stride == 1 && g->c >= 32 && g->k >= 32 && pixels > 16 &&
+    return g->r == 3 && g->s == 3 && g->stride == 1 && g->c >= 32 && g->k >= 32 && tiles > 1 &&
            4 * pixels >= 3 * 16 * tiles;
 }
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
@@ -1366,20 +1371,42 @@ static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *
     return MGPU__CPU_BY_ONEDNN;
 }
 
-/* A pass on a CPU device, by the way its choice says (above). */
+/* The way of a pass in the modes that time nothing. */
+static mgpu__cpu_conv_way mgpu__cpu_conv_way_untimed(const mgpu__cpu_conv_call *call) {
+    return mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN
+           : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
+                                                  : MGPU__CPU_BY_IM2COL;
+}
+/* A call on a CPU device: each of its passes by the way its choice says
+   (above); both gradients by im2col in one call, where neither is timed,
+   as they share its copy of dy. */
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
-    mgpu__cpu_conv_way way = mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN
-                             : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
-                                                                    : MGPU__CPU_BY_IM2COL;
-    if (mgpu__conv_mode == MGPU__CONV_TIMED) {
+    int timed = mgpu__conv_mode == MGPU__CONV_TIMED;
+    if (call->dx && call->dw) {
+        mgpu__cpu_conv_call dx = *call, dw = *call;
+        dx.dw = NULL;
+        dw.dx = NULL;
+        if (!timed && mgpu__cpu_conv_way_untimed(&dx) == MGPU__CPU_BY_IM2COL &&
+            mgpu__cpu_conv_way_untimed(&dw) == MGPU__CPU_BY_IM2COL) {
+            mgpu__cpu_conv_by_im2col(call);
+            return;
+        }
+        mgpu__conv_cpu(&dx);
+        mgpu__conv_cpu(&dw);
+        return;
+    }
+    mgpu__cpu_conv_way way = MGPU__CPU_BY_IM2COL;
+    if (timed) {
         mgpu_device *dev = call->x->device;
-        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, call->backward);
+        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, mgpu__cpu_conv_pass_of(call));
         if (!c) {
-            c = mgpu__cpu_conv_choice_new(dev, call->g, call->backward, call->dx != NULL);
+            c = mgpu__cpu_conv_choice_new(dev, call->g, mgpu__cpu_conv_pass_of(call));
             if (mgpu__cpu_conv_trial(c, call)) return;
         }
         way = c->way;
+    } else {
+        way = mgpu__cpu_conv_way_untimed(call);
     }
     if (!mgpu__cpu_conv_by(way, call)) mgpu__cpu_conv_by_im2col(call);
 }
@@ -1391,7 +1418,8 @@ static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice 
              "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms, "
              "Winograd %.2f ms, oneDNN Winograd %.2f ms, oneDNN channels-last %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
-             !c->backward ? "forward" : c->with_dx ? "backward" : "backward (dW)", mgpu__cpu_conv_way_names[c->way],
+             c->pass == MGPU__ONEDNN_Y ? "forward" : c->pass == MGPU__ONEDNN_DX ? "dx" : "dW",
+             mgpu__cpu_conv_way_names[c->way],
              c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD],
              c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD], c->trial_ms[MGPU__CPU_BY_ONEDNN_CHANNELS_LAST]);
     return out;

@@ -139,7 +139,7 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                         int backward);
+                                                         mgpu__onednn_pass pass);
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size);
 static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method);
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);

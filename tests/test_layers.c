@@ -582,6 +582,14 @@ static int traced(const char *name) {
     return 0;
 }
 
+/* How many operations of this name the tracer saw since it began. */
+static int traced_count(const char *name) {
+    int calls = 0;
+    for (int i = 0; i < mgpu__library.trace_n; i++)
+        calls += mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0;
+    return calls;
+}
+
 /* One pass computed on a CPU device in one of MGPU_CONV's modes, or by
    one of the CPU's ways (conv_by_way): each tensor's values, from the
    same random tensors every time. */
@@ -682,8 +690,8 @@ TEST(cpu_3x3_layers_by_winograd) {
             /* timed times Winograd beside im2col and oneDNN where it fits, and computes what its choice does */
             conv_results timed = conv_by(MGPU__CONV_TIMED, xs, ws, stride, pad, add_to_dx, add_to_dx);
             mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
-            for (int backward = 0; backward <= 1; backward++) {
-                mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, backward);
+            for (int pass = MGPU__ONEDNN_Y; pass <= MGPU__ONEDNN_DW; pass++) {
+                mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, (mgpu__onednn_pass)pass);
                 CHECK(c != NULL && (c->trial_ms[MGPU__CPU_BY_WINOGRAD] < HUGE_VAL) == (stride == 1));
             }
             check_close_floats("timed y", timed.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
@@ -804,18 +812,17 @@ TEST(conv2d_by_onednn_matches_im2col) {
     mgpu__conv_mode = saved;
 }
 
-/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit:
-   its Winograd kernels for 3x3 layers at stride 1 from 32 channels and
-   filters with outputs larger than 4 x 4 pixels filling three quarters
-   of their tiles, where it runs AVX-512 (and has them: the machine's own
-   oneDNN, whatever widths the test takes); otherwise its direct
-   kernels, but for the backward passes of 1x1 windows at a stride and of
-   outputs of 4 x 4 pixels or fewer, which take im2col, unless oneDNN's
-   vectors are wider than OpenBLAS's (AVX-512 against AVX2); the direct
-   kernels on channels-last activations where oneDNN runs AVX-512 and the
-   channels (more than one) or filters are not a multiple of 16; and
-   times nothing. (The
-   shapes are too small for mgpu's own Winograd.) */
+/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit,
+   each pass by a way of its own: its Winograd kernels for 3x3 layers at
+   stride 1 from 32 channels and filters whose outputs, of more than one
+   4 x 4 tile, fill three quarters of their tiles, where it runs AVX-512 (and has them: the machine's own oneDNN,
+   whatever widths the test takes); otherwise its direct kernels, but for
+   the backward passes of 1x1 windows at a stride and of outputs of 4 x 4
+   pixels or fewer, which take im2col, unless oneDNN's vectors are wider
+   than OpenBLAS's (AVX-512 against AVX2); the direct kernels on
+   channels-last activations where oneDNN runs AVX-512 and the channels
+   (more than one) or filters are not a multiple of 16; and times
+   nothing. (The shapes are too small for mgpu's own Winograd.) */
 static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
@@ -823,51 +830,59 @@ TEST(cpu_convolutions_by_rule) {
     struct { int c, h, k, r, stride, pad, backward_by_im2col, by_winograd, channels_last; } shapes[] = {
         {32, 8, 32, 3, 1, 1, 0, 1, 0}, {32, 7, 32, 3, 1, 1, 0, 1, 0}, /* (7 x 7: 49 of 64 pixels in its tiles) */
         {32, 6, 32, 3, 1, 1, 0, 0, 0}, {16, 8, 32, 3, 1, 1, 0, 0, 0}, {32, 8, 16, 3, 1, 1, 0, 0, 0},
-        {16, 9, 32, 1, 2, 0, 1, 0, 0}, {32, 4, 32, 3, 1, 1, 1, 0, 0}, {6, 14, 16, 5, 1, 0, 0, 0, 1},
-        {20, 13, 50, 5, 1, 0, 0, 0, 1}, {24, 8, 32, 3, 1, 1, 0, 0, 1}, {32, 6, 40, 3, 1, 1, 0, 0, 1},
-        {20, 4, 32, 3, 1, 1, 1, 0, 1}, /* (its forward pass channels-last, its backward im2col) */
+        {16, 9, 32, 1, 2, 0, 1, 0, 0}, {32, 4, 32, 3, 1, 1, 1, 0, 0}, {32, 3, 32, 3, 1, 1, 1, 0, 0},
+        {6, 14, 16, 5, 1, 0, 0, 0, 1}, {20, 13, 50, 5, 1, 0, 0, 0, 1}, {24, 8, 32, 3, 1, 1, 0, 0, 1},
+        {32, 6, 40, 3, 1, 1, 0, 0, 1}, {20, 4, 32, 3, 1, 1, 1, 0, 1}, /* (forward channels-last, backward im2col) */
         {1, 12, 20, 3, 1, 0, 0, 0, 0}}; /* (one channel: blocked) */
     /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
     const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
+    enum { IM2COL, DIRECT, WINOGRAD, CHANNELS_LAST, WAYS };
     for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
         size_t i = t / 4;
         const int *kind = widths[t % 4];
         take_widths(kind[0], kind[1]);
-        int by_winograd = shapes[i].by_winograd && kind[0] && saved_widths[0];
-        int by_im2col = !by_winograd && shapes[i].backward_by_im2col && kind[2];
-        int channels_last = !by_winograd && shapes[i].channels_last && kind[0];
+        int winograd = kind[0] && saved_widths[0], way[3]; /* the way of y, dx and dW */
+        for (int pass = 0; pass < 3; pass++) {
+            int by_winograd = winograd && shapes[i].by_winograd;
+            int by_im2col = pass > 0 && shapes[i].backward_by_im2col && kind[2];
+            way[pass] = by_winograd ? WINOGRAD : by_im2col ? IM2COL : shapes[i].channels_last && kind[0] ? CHANNELS_LAST
+                                                                                                        : DIRECT;
+        }
         mgpu_shape xs = mgpu_shape4(2, shapes[i].c, shapes[i].h, shapes[i].h);
         mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
         mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, shapes[i].stride, shapes[i].pad);
+        int stride = shapes[i].stride, pad = shapes[i].pad;
         int trials = mgpu__cpu_conv_choice_count, before = test__failures;
-        conv_results rule = conv_by(MGPU__CONV_RULE, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
+        mgpu_trace_begin();
+        conv_results rule = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, 1, 0);
+        mgpu_synchronize_all();
+        /* both gradients by im2col: in one call, which turns dy into its layout once */
+        CHECK_EQ_INT(traced_count("conv2d_backward layout"), (way[1] == IM2COL) + (way[2] == IM2COL) > 0);
+        mgpu_trace_end();
         CHECK_EQ_INT(mgpu__cpu_conv_choice_count, trials); /* (nothing timed) */
-        conv_results im2col = conv_by(MGPU__CONV_IM2COL, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
-        conv_results onednn = conv_by(MGPU__CONV_IMPLICIT, xs, ws, shapes[i].stride, shapes[i].pad, 1, 0);
         restore_widths();
-        conv_results other = {NULL, NULL, NULL}; /* oneDNN's Winograd or its channels-last kernels' */
-        if (by_winograd || channels_last) {
-            other = conv_by_way(by_winograd ? MGPU__CPU_BY_ONEDNN_WINOGRAD : MGPU__CPU_BY_ONEDNN_CHANNELS_LAST, xs,
-                                ws, shapes[i].stride, shapes[i].pad, 1, 0);
-            /* (they differ from the blocked direct kernels in some last bits, or the checks below could not
-               tell them apart) */
-            CHECK(!same_floats(other.y, onednn.y, mgpu_shape_numel(ys)) ||
-                  !same_floats(other.dx, onednn.dx, mgpu_shape_numel(xs)) ||
-                  !same_floats(other.dw, onednn.dw, mgpu_shape_numel(ws)));
-        }
-        conv_results *forward = by_winograd || channels_last ? &other : &onednn;
-        conv_results *backward = by_winograd ? &other : by_im2col ? &im2col : channels_last ? &other : &onednn;
-        CHECK(same_floats(rule.y, forward->y, mgpu_shape_numel(ys)));
-        CHECK(same_floats(rule.dx, backward->dx, mgpu_shape_numel(xs)));
-        CHECK(same_floats(rule.dw, backward->dw, mgpu_shape_numel(ws)));
-        /* (as im2col and oneDNN's direct kernels) */
-        CHECK(!same_floats(im2col.dw, onednn.dw, mgpu_shape_numel(ws)));
+        conv_results by[WAYS] = {conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, 1, 0),
+                                 conv_by(MGPU__CONV_IMPLICIT, xs, ws, stride, pad, 1, 0),
+                                 {NULL, NULL, NULL},
+                                 conv_by_way(MGPU__CPU_BY_ONEDNN_CHANNELS_LAST, xs, ws, stride, pad, 1, 0)};
+        if (shapes[i].by_winograd && winograd)
+            by[WINOGRAD] = conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, stride, pad, 1, 0);
+        CHECK(same_floats(rule.y, by[way[0]].y, mgpu_shape_numel(ys)));
+        CHECK(same_floats(rule.dx, by[way[1]].dx, mgpu_shape_numel(xs)));
+        CHECK(same_floats(rule.dw, by[way[2]].dw, mgpu_shape_numel(ws)));
+        /* (the ways taken differ from oneDNN's blocked direct kernels in some last bits, or the checks above
+           could not tell them apart) */
+        CHECK(!same_floats(by[IM2COL].dw, by[DIRECT].dw, mgpu_shape_numel(ws)));
+        if (way[2] == WINOGRAD) CHECK(!same_floats(by[WINOGRAD].dw, by[DIRECT].dw, mgpu_shape_numel(ws)));
+        if (way[0] == CHANNELS_LAST)
+            CHECK(!same_floats(by[CHANNELS_LAST].y, by[DIRECT].y, mgpu_shape_numel(ys)) ||
+                  !same_floats(by[CHANNELS_LAST].dx, by[DIRECT].dx, mgpu_shape_numel(xs)) ||
+                  !same_floats(by[CHANNELS_LAST].dw, by[DIRECT].dw, mgpu_shape_numel(ws)));
         if (test__failures != before)
             fprintf(stderr, "  (%d -> %d, %dx%d, %dx%d, stride %d; oneDNN's AVX-512 %d, OpenBLAS's %d)\n", shapes[i].c,
-                    shapes[i].k, shapes[i].h, shapes[i].h, shapes[i].r, shapes[i].r, shapes[i].stride, kind[0],
-                    kind[1]);
-        conv_results *all[] = {&rule, &im2col, &onednn, &other};
-        for (int k = 0; k < 4; k++) free(all[k]->y), free(all[k]->dx), free(all[k]->dw);
+                    shapes[i].k, shapes[i].h, shapes[i].h, shapes[i].r, shapes[i].r, stride, kind[0], kind[1]);
+        free(rule.y), free(rule.dx), free(rule.dw);
+        for (int k = 0; k < WAYS; k++) free(by[k].y), free(by[k].dx), free(by[k].dw);
     }
     mgpu__conv_mode = saved;
 }
@@ -881,12 +896,6 @@ TEST(cpu_convolutions_by_rule) {
    pass), im2col's from the trial itself or another's copied from its own
    scratch ("conv2d trial's copy"); where it adds to them (dW
    accumulated), from the fastest way run once more after the trial. */
-static int traced_count(const char *name) {
-    int calls = 0;
-    for (int i = 0; i < mgpu__library.trace_n; i++)
-        calls += mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0;
-    return calls;
-}
 static int same_bits(const mgpu_tensor *a, const float *b) {
     float *got = (float *)malloc(a->numel * sizeof(float));
     mgpu_to_host(a, got);
@@ -908,7 +917,8 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu_to_host(w, dw_before); /* (what dW is accumulated onto) */
     float *first_y = (float *)malloc(y->numel * sizeof(float)), *first_dw = (float *)malloc(w->numel * sizeof(float));
     mgpu__conv_geom g = mgpu__conv_geometry("test", x->shape, w->shape, 1, 1);
-    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, 0) == NULL && mgpu__cpu_conv_choice_find(cpu, &g, 1) == NULL);
+    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, MGPU__ONEDNN_Y) == NULL &&
+          mgpu__cpu_conv_choice_find(cpu, &g, MGPU__ONEDNN_DW) == NULL);
     for (int call = 0; call < 2; call++) {
         mgpu_synchronize_all();
         mgpu_trace_begin();
@@ -919,7 +929,7 @@ TEST(cpu_convolutions_keep_the_faster_way) {
         mgpu_synchronize_all();
         int chosen[2]; /* the forward pass's way, dW's */
         for (int backward = 0; backward <= 1; backward++) {
-            mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward);
+            mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward ? MGPU__ONEDNN_DW : MGPU__ONEDNN_Y);
             CHECK(c != NULL);
             int fastest = 0;
             for (int way = 0; way < MGPU__CPU_WAYS; way++) {
