@@ -582,14 +582,6 @@ static int traced(const char *name) {
     return 0;
 }
 
-/* How many operations of this name the tracer saw since it began. */
-static int traced_count(const char *name) {
-    int calls = 0;
-    for (int i = 0; i < mgpu__library.trace_n; i++)
-        calls += mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0;
-    return calls;
-}
-
 /* One pass computed on a CPU device in one of MGPU_CONV's modes, or by
    one of the CPU's ways (conv_by_way): each tensor's values, from the
    same random tensors every time. */
@@ -746,6 +738,14 @@ TEST(cpu_vector_widths_are_this_machines) {
 }
 
 #if MGPU_ONEDNN
+
+/* How many operations of this name the tracer saw since it began. */
+static int traced_count(const char *name) {
+    int calls = 0;
+    for (int i = 0; i < mgpu__library.trace_n; i++)
+        calls += mgpu__library.trace[i].name && strcmp(mgpu__library.trace[i].name, name) == 0;
+    return calls;
+}
 
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
    and LeNet's, written and added to (dW, then dx): its direct kernels
