@@ -898,25 +898,26 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    direct ones, which PyTorch takes, on its blocked layouts or on
    channels-last activations, or, for 3x3 layers at stride 1 where
    oneDNN runs AVX-512, its Winograd F(4x4, 3x3) ones (fewer products,
-   more rounding). By rule (the default) 3x3 layers at stride 1 from 32
-   channels and filters whose outputs, larger than 4 x 4 pixels, fill at
-   least three quarters of their 4 x 4 tiles take oneDNN's Winograd
-   where it has it, which took half to three quarters of its direct
-   kernels' time on ResNet-18's such layers on a 2-core CPU (it lost at
-   one channel, and where the tiles were mostly padding); where oneDNN
-   runs AVX-512, layers on 2 channels or more whose channels or filters
-   are not a multiple of 16 (LeNet's) take the direct kernels on
-   channels-last activations, as a blocked layout computes on channels
-   padded to 16 (LeNet's second layer took 0.56 to 0.83 of the blocked
-   kernels' time); every other pass takes oneDNN's direct kernels but the
+   more rounding). By rule (the default), in this order: 3x3 layers at
+   stride 1 from 32 channels and filters whose outputs, larger than
+   4 x 4 pixels, fill at least three quarters of their 4 x 4 tiles take
+   oneDNN's Winograd where it has it, which took 0.39 to 0.76 of its
+   direct kernels' time on ResNet-18's such layers on a 2-core CPU (it
+   lost at one channel, and where the tiles were mostly padding); the
    backward passes of 1x1 windows at a stride and of outputs of 4 x 4
-   pixels or fewer, where im2col won the trials on 2-core CPUs (not
+   pixels or fewer take im2col, which won the trials on 2-core CPUs (not
    where oneDNN runs AVX-512 kernels and OpenBLAS AVX2 ones: there oneDNN
-   won all but one of them); with MGPU_CONV=timed the first call of a
-   pass with a shape times each way (im2col, oneDNN's three methods and,
-   for 3x3 layers at stride 1, mgpu's Winograd, below) and keeps the
-   fastest (so, as on a GPU, the rounding of the results
-   can differ from run to run).
+   won all but one of them); where oneDNN runs AVX-512, layers on 2
+   channels or more whose channels or filters are not a multiple of 16
+   (LeNet's) take the direct kernels on channels-last activations, as a
+   blocked layout computes on channels padded to 16 (LeNet's second
+   layer took 0.56 to 0.83 of the blocked kernels' time); every other
+   pass takes oneDNN's direct kernels on its blocked layouts. Each pass
+   (forward, dx, dW) takes its own way. With MGPU_CONV=timed the first
+   call of a pass with a shape times each way (im2col, oneDNN's three
+   methods and, for 3x3 layers at stride 1, mgpu's Winograd, below) and
+   keeps the fastest (so, as on a GPU, the rounding of the results can
+   differ from run to run).
    oneDNN's results depend on the number of threads too. A first layer's
    weight gradient on grayscale images (C*R*S <= 9, no dx asked for)
    takes kernels/conv_few_inputs.h's CPU kernel instead, in every mode

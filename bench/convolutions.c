@@ -156,10 +156,9 @@ typedef struct {
     int pass, way; /* FWD, DX or DW; BY_* */
 } cpu_pass;
 #if MGPU_ONEDNN
-static const mgpu__cpu_conv_way onednn_ways[] = {MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+/* oneDNN's columns as the library's ways */
+static const mgpu__cpu_conv_way onednn_ways[] = {MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
                                                  MGPU__CPU_BY_ONEDNN_WINOGRAD};
-static const mgpu__onednn_method onednn_methods[] = {MGPU__ONEDNN_DIRECT, MGPU__ONEDNN_CHANNELS_LAST,
-                                                     MGPU__ONEDNN_WINOGRAD};
 static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
     conv_ctx *c = p->c;
     mgpu__cpu_conv_call call = {p->pass == FWD ? c->y : NULL, p->pass == DX ? c->dx : NULL,
@@ -188,7 +187,7 @@ static double cpu_pass_us(conv_ctx *c, int pass, int way, int steps) {
         return mgpu__winograd_cpu_fits_layer(&c->g) ? time_us(c->dev, winograd_pass, &p, steps) : 0;
 #if MGPU_ONEDNN
     mgpu__cpu_conv_call call = cpu_call(&p);
-    if (!mgpu__cpu_conv_onednn_plans(&call, onednn_methods[way])) return 0;
+    if (!mgpu__cpu_conv_onednn_plans(&call, mgpu__cpu_conv_onednn_method(onednn_ways[way]))) return 0;
     return time_us(c->dev, onednn_pass, &p, steps);
 #else
     return 0;

@@ -63,9 +63,10 @@
    busy one slows the variants unevenly, and "!" lines say so); the
    largest batch under the limit grows by about half with checkpointing
    (48 to 68; 44 to 68 where oneDNN runs AVX-512 and the 3x3 layers take
-   its Winograd kernels, whose scratch is larger). ResNet-18's layers are not equal (its first layers'
-   outputs are the largest), so the measured peaks sit above the formula
-   for equal layers printed beside them. In the picture the plain step's
+   its Winograd kernels, whose scratch is larger). ResNet-18's layers
+   are not equal (its first layers' outputs are the largest), so the
+   measured peaks sit above the formula for equal layers printed beside
+   them. In the picture the plain step's
    activations stay level at their peak through the step (its layers'
    outputs stay allocated from one step to the next); the checkpointed
    step's rise and fall run by run, highest where the first run is

@@ -36,10 +36,11 @@
      dW       dW = conv_dw(x, dy)     reads x and dy, writes dW
    The tensors stay in mgpu's layouts (NCHW, and KCRS for the weights).
    oneDNN chooses the layouts its fastest kernel wants (format "any";
-   for the activations, channels-last fixes NHWC), and a plan holds the reorders that copy each input into them and the
-   output back: three copies of a tensor around one convolution, cheap
-   beside the C R S multiply-adds of each output value. Where oneDNN takes
-   a tensor as it is, the plan copies nothing. The output's reorder also
+   for the activations, channels-last fixes NHWC), and a plan holds the
+   reorders that copy each input into them and the output back: three
+   copies of a tensor around one convolution, cheap beside the C R S
+   multiply-adds of each output value. Where oneDNN takes a tensor as it
+   is, the plan copies nothing. The output's reorder also
    adds to the tensor instead of writing it, where the caller accumulates
    (a sum post-op: dW += its gradient).
 

@@ -1144,14 +1144,20 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
    implicit takes oneDNN's direct kernels wherever they compute a pass. */
 typedef enum {
     MGPU__CPU_BY_IM2COL,
-    MGPU__CPU_BY_ONEDNN, /* its direct method */
-    MGPU__CPU_BY_WINOGRAD,
-    MGPU__CPU_BY_ONEDNN_WINOGRAD,
+    MGPU__CPU_BY_MGPU_WINOGRAD, /* (winograd.h's, above) */
+    MGPU__CPU_BY_ONEDNN_DIRECT, /* (oneDNN's three methods from here on) */
     MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+    MGPU__CPU_BY_ONEDNN_WINOGRAD,
     MGPU__CPU_WAYS
 } mgpu__cpu_conv_way;
-static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "oneDNN", "Winograd",
-                                                                     "oneDNN Winograd", "oneDNN channels-last"};
+static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "Winograd", "oneDNN",
+                                                                     "oneDNN channels-last", "oneDNN Winograd"};
+/* The method of one of oneDNN's ways. */
+static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way) {
+    return way == MGPU__CPU_BY_ONEDNN_WINOGRAD        ? MGPU__ONEDNN_WINOGRAD
+           : way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST ? MGPU__ONEDNN_CHANNELS_LAST
+                                                      : MGPU__ONEDNN_DIRECT;
+}
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
@@ -1245,10 +1251,9 @@ static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
 /* The call by a way; 0 (nothing enqueued) where that way has no kernel
    for it. */
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
-    if (way == MGPU__CPU_BY_ONEDNN) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_DIRECT);
-    if (way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_CHANNELS_LAST);
-    if (way == MGPU__CPU_BY_ONEDNN_WINOGRAD) return mgpu__cpu_conv_by_onednn(c, MGPU__ONEDNN_WINOGRAD);
-    if (way == MGPU__CPU_BY_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
+    if (way >= MGPU__CPU_BY_ONEDNN_DIRECT)
+        return mgpu__cpu_conv_by_onednn(c, mgpu__cpu_conv_onednn_method(way));
+    if (way == MGPU__CPU_BY_MGPU_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
     mgpu__cpu_conv_by_im2col(c);
     return 1;
 }
@@ -1287,10 +1292,9 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
     mgpu__cpu_conv_call written = *call; /* (the call as the trial runs it: writing, not adding) */
     written.accumulate = written.add_to_dx = 0;
-    int computes[MGPU__CPU_WAYS] = {1, mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_DIRECT),
-                                    mgpu__winograd_cpu_fits_layer(call->g),
-                                    mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_WINOGRAD),
-                                    mgpu__cpu_conv_onednn_plans(&written, MGPU__ONEDNN_CHANNELS_LAST)};
+    int computes[MGPU__CPU_WAYS] = {1, mgpu__winograd_cpu_fits_layer(call->g)};
+    for (int way = MGPU__CPU_BY_ONEDNN_DIRECT; way < MGPU__CPU_WAYS; way++)
+        computes[way] = mgpu__cpu_conv_onednn_plans(&written, mgpu__cpu_conv_onednn_method((mgpu__cpu_conv_way)way));
     mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         t[way] = *call;
@@ -1329,15 +1333,16 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
    where oneDNN has it: 3x3 windows at stride 1, 32 channels and filters
    or more, and an output of more than one 4 x 4 tile that fills at least
    three quarters of its tiles. On a 2-core AMD EPYC (AVX-512) it took
-   0.47 to 0.74 of the direct kernels' time in every pass of ResNet-18's
+   0.39 to 0.76 of the direct kernels' time in every pass of ResNet-18's
    3x3 layers from 64 channels at 28 x 28, 14 x 14 and 7 x 7 (a fill of
-   0.77), and of 32 channels at 28 x 28; it tied at 16 channels, lost at
-   128 channels and 5 x 5 (a fill of 0.39), lost 4 to 1 on a first layer
-   (one channel). At 4 x 4 (512 channels) it tied forward, lost dx, and
-   won dW alone (0.67 to 0.77) but not in the network's step, for 126 MB
-   more scratch (bench/convolutions --cpu, bench/profile --cpu;
-   bench/RESULTS.md, "oneDNN's Winograd"). Where unmeasured, direct,
-   PyTorch's choice, stays. */
+   0.77), and 0.52 to 0.68 at 32 channels and 28 x 28; at 16 channels it
+   tied forward, lost dx by 8% and won dW; it lost at 128 channels and
+   5 x 5 (a fill of 0.39), and took 3.3 to 3.5 times direct's time on a
+   first layer (one channel). At 4 x 4 (512 channels) it tied forward,
+   lost dx, and won dW alone (0.76) but not in the network's step, for
+   126 MB more scratch (bench/convolutions --cpu, bench/profile --cpu;
+   bench/RESULTS.md, "oneDNN's Winograd and channels-last kernels").
+   Where unmeasured, direct, PyTorch's choice, stays. */
 static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
     int tiles = ((g->p + 3) / 4) * ((g->q + 3) / 4), pixels = g->p * g->q;
     return g->r == 3 && g->s == 3 && g->stride == 1 && g->c >= 32 && g->k >= 32 && tiles > 1 &&
@@ -1355,7 +1360,8 @@ static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
    AMD EPYC, LeNet's 20 -> 50 5x5 layer took 0.56 of the blocked layouts'
    time forward, 0.83 for dx and 0.64 for dW; but a first layer on one
    channel, whose input is the same in both layouts, took 1.16 forward
-   (bench/convolutions --cpu; bench/RESULTS.md, "channels-last"). */
+   (bench/convolutions --cpu; bench/RESULTS.md, "oneDNN's Winograd and
+   channels-last kernels"). */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
     mgpu__cpu_vector_widths();
@@ -1368,12 +1374,12 @@ static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *
     if (mgpu__onednn_avx512 && g->c > 1 && (g->c % 16 || g->k % 16) &&
         mgpu__cpu_conv_onednn_plans(call, MGPU__ONEDNN_CHANNELS_LAST))
         return MGPU__CPU_BY_ONEDNN_CHANNELS_LAST;
-    return MGPU__CPU_BY_ONEDNN;
+    return MGPU__CPU_BY_ONEDNN_DIRECT;
 }
 
 /* The way of a pass in the modes that time nothing. */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_untimed(const mgpu__cpu_conv_call *call) {
-    return mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN
+    return mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN_DIRECT
            : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
                                                   : MGPU__CPU_BY_IM2COL;
 }
@@ -1384,9 +1390,11 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
     int timed = mgpu__conv_mode == MGPU__CONV_TIMED;
     if (call->dx && call->dw) {
-        mgpu__cpu_conv_call dx = *call, dw = *call;
+        mgpu__cpu_conv_call dx = *call, dw = *call; /* (each with its own adding alone) */
         dx.dw = NULL;
+        dx.accumulate = 0;
         dw.dx = NULL;
+        dw.add_to_dx = 0;
         if (!timed && mgpu__cpu_conv_way_untimed(&dx) == MGPU__CPU_BY_IM2COL &&
             mgpu__cpu_conv_way_untimed(&dw) == MGPU__CPU_BY_IM2COL) {
             mgpu__cpu_conv_by_im2col(call);
@@ -1415,13 +1423,14 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
     snprintf(out, size,
-             "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, oneDNN %.2f ms, "
-             "Winograd %.2f ms, oneDNN Winograd %.2f ms, oneDNN channels-last %.2f ms)",
+             "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, Winograd %.2f ms, "
+             "oneDNN %.2f ms, oneDNN channels-last %.2f ms, oneDNN Winograd %.2f ms)",
              c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
              c->pass == MGPU__ONEDNN_Y ? "forward" : c->pass == MGPU__ONEDNN_DX ? "dx" : "dW",
              mgpu__cpu_conv_way_names[c->way],
-             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_ONEDNN], c->trial_ms[MGPU__CPU_BY_WINOGRAD],
-             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD], c->trial_ms[MGPU__CPU_BY_ONEDNN_CHANNELS_LAST]);
+             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_MGPU_WINOGRAD],
+             c->trial_ms[MGPU__CPU_BY_ONEDNN_DIRECT], c->trial_ms[MGPU__CPU_BY_ONEDNN_CHANNELS_LAST],
+             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD]);
     return out;
 }
 #endif

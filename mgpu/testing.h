@@ -134,8 +134,8 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
 #endif
 #if MGPU_ONEDNN
 /* types and constants: mgpu__cpu_conv_choice, mgpu__cpu_conv_call, mgpu__cpu_conv_way; MGPU__CPU_BY_IM2COL,
-   MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_WINOGRAD, MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
-   MGPU__CPU_WAYS (a CPU's ways) */
+   MGPU__CPU_BY_MGPU_WINOGRAD, MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+   MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
@@ -143,6 +143,7 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev,
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size);
 static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method);
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);
+static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way);
 #endif
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,

@@ -147,11 +147,11 @@ check chapter4_two_processes 0 \
     -- env MGPU_DIST_TIMEOUT=3 mpirun -np 2 $chapters/chapter4 $small --checkpoint-every 5 --out "$out/whole"
 # 1 process and 2 on the same global batch: the first epoch's mean loss
 # (the 1-process run's line, then the 2 ranks' of the 2-process run) agrees
-# to rounding, over 16 steps. (Over the 32 steps of the run above, the
-# rounding of sums taken in another order, 64 images or 32 and 32 then
-# added, can grow until the runs part: with oneDNN's channels-last
-# kernels they parted by 0.03, as much as the 2-process run by im2col
-# parts from the same run by oneDNN's blocked kernels.)
+# to rounding over chapter 4's first 16 steps, a run of their own. Over
+# more steps the rounding of sums taken in another order (64 images, or
+# 32 and 32 then added) grows through training until it parts the runs by
+# more than this (bench/RESULTS.md, "oneDNN's Winograd and channels-last
+# kernels").
 check chapter4_first_steps 0 '^Rank: 1 \| Epoch \[1/1\]' \
     -- mpirun -np 2 $chapters/chapter4 --train-samples 1024 --test-samples 256 --batch-size 64 --epochs 1 \
     --momentum 0.9 --out "$out/first_steps"

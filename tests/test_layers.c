@@ -588,17 +588,16 @@ static int traced(const char *name) {
 typedef struct {
     float *y, *dx, *dw;
 } conv_results;
-static conv_results conv_computed(mgpu__conv_mode_kind mode, int way, mgpu_shape xs, mgpu_shape ws, int stride,
-                                  int pad, int accumulate, int add_to_dx) {
+static conv_results conv_computed(int way, mgpu_shape xs, mgpu_shape ws, int stride, int pad, int accumulate,
+                                  int add_to_dx) {
     mgpu_device *cpu = mgpu_cpu();
-    mgpu__conv_mode = mode;
     mgpu_manual_seed(7); /* the same tensors both ways */
     mgpu_tensor *x = mgpu_randn(cpu, xs, 0.0f, 1.0f), *w = mgpu_randn(cpu, ws, 0.0f, 0.1f);
     mgpu_tensor *b = mgpu_randn(cpu, mgpu_shape1(ws.d[0]), 0.0f, 1.0f);
     mgpu_shape ys = mgpu_conv2d_output_shape(xs, ws, stride, pad);
     mgpu_tensor *dy = mgpu_randn(cpu, ys, 0.0f, 1.0f), *y = mgpu_empty(cpu, ys);
     mgpu_tensor *dx = mgpu_randn(cpu, xs, 0.0f, 1.0f), *dw = mgpu_randn(cpu, ws, 0.0f, 1.0f);
-    if (way < 0) {
+    if (way < 0) { /* (as MGPU_CONV says) */
         mgpu_conv2d_forward(y, x, w, b, stride, pad);
         mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, add_to_dx, 0);
     } else {
@@ -616,12 +615,13 @@ static conv_results conv_computed(mgpu__conv_mode_kind mode, int way, mgpu_shape
 }
 static conv_results conv_by(mgpu__conv_mode_kind mode, mgpu_shape xs, mgpu_shape ws, int stride, int pad,
                             int accumulate, int add_to_dx) {
-    return conv_computed(mode, -1, xs, ws, stride, pad, accumulate, add_to_dx);
+    mgpu__conv_mode = mode;
+    return conv_computed(-1, xs, ws, stride, pad, accumulate, add_to_dx);
 }
 #if MGPU_ONEDNN
 static conv_results conv_by_way(mgpu__cpu_conv_way way, mgpu_shape xs, mgpu_shape ws, int stride, int pad,
                                 int accumulate, int add_to_dx) {
-    return conv_computed(mgpu__conv_mode, (int)way, xs, ws, stride, pad, accumulate, add_to_dx);
+    return conv_computed((int)way, xs, ws, stride, pad, accumulate, add_to_dx);
 }
 #endif
 
@@ -684,7 +684,7 @@ TEST(cpu_3x3_layers_by_winograd) {
             mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
             for (int pass = MGPU__ONEDNN_Y; pass <= MGPU__ONEDNN_DW; pass++) {
                 mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, (mgpu__onednn_pass)pass);
-                CHECK(c != NULL && (c->trial_ms[MGPU__CPU_BY_WINOGRAD] < HUGE_VAL) == (stride == 1));
+                CHECK(c != NULL && (c->trial_ms[MGPU__CPU_BY_MGPU_WINOGRAD] < HUGE_VAL) == (stride == 1));
             }
             check_close_floats("timed y", timed.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
             check_close_floats("timed dx", timed.dx, want.dx, mgpu_shape_numel(xs), 1e-4, 1e-4);
@@ -747,6 +747,13 @@ static int traced_count(const char *name) {
     return calls;
 }
 
+/* Whether oneDNN's method has a kernel for each pass of a layer of geometry g. */
+static int onednn_has(const mgpu__conv_geom *g, mgpu__onednn_method method) {
+    for (int pass = MGPU__ONEDNN_Y; pass <= MGPU__ONEDNN_DW; pass++)
+        if (!mgpu__onednn_plan_for(g, (mgpu__onednn_pass)pass, method, 0, 0, 1)) return 0;
+    return 1;
+}
+
 /* oneDNN's convolutions against im2col's, at ResNet-18's shapes (batch 2)
    and LeNet's, written and added to (dW, then dx): its direct kernels
    (MGPU_CONV=implicit); MGPU_CONV=timed's, whose first call of a shape is
@@ -767,8 +774,6 @@ TEST(conv2d_by_onednn_matches_im2col) {
     const int adds[3][2] = {{1, 0}, {0, 1}, {0, 0}}; /* accumulate (dW), add_to_dx */
     enum { BY_DIRECT, BY_TIMED, BY_WINOGRAD, BY_CHANNELS_LAST, BYS };
     const char *by_names[BYS] = {"oneDNN", "timed", "oneDNN Winograd", "oneDNN channels-last"};
-    const mgpu__cpu_conv_way ways[BYS] = {MGPU__CPU_BY_ONEDNN, MGPU__CPU_BY_IM2COL, MGPU__CPU_BY_ONEDNN_WINOGRAD,
-                                          MGPU__CPU_BY_ONEDNN_CHANNELS_LAST}; /* (by way: the last two) */
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (int t = 0; t < 3 * BYS; t++) {
             int accumulate = adds[t % 3][0], add_to_dx = adds[t % 3][1], by = t / 3;
@@ -776,19 +781,20 @@ TEST(conv2d_by_onednn_matches_im2col) {
             mgpu_shape ws = mgpu_shape4(shapes[i].k, shapes[i].c, shapes[i].r, shapes[i].r);
             int stride = shapes[i].stride, pad = shapes[i].pad;
             mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
-            mgpu__cpu_conv_call call = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, &g, 1, accumulate, add_to_dx, 0};
-            call.dw = call.dx = (mgpu_tensor *)1; /* (both passes: only their presence is read) */
-            int winograd = mgpu__cpu_conv_onednn_plans(&call, MGPU__ONEDNN_WINOGRAD);
             if (by == BY_WINOGRAD) {
+                int winograd = onednn_has(&g, MGPU__ONEDNN_WINOGRAD);
                 CHECK_EQ_INT(winograd, mgpu__onednn_avx512 && shapes[i].r == 3 && stride == 1);
                 if (!winograd) continue;
             }
-            if (by == BY_CHANNELS_LAST) CHECK(mgpu__cpu_conv_onednn_plans(&call, MGPU__ONEDNN_CHANNELS_LAST));
+            if (by == BY_CHANNELS_LAST) CHECK(onednn_has(&g, MGPU__ONEDNN_CHANNELS_LAST));
             conv_results want = conv_by(MGPU__CONV_IM2COL, xs, ws, stride, pad, accumulate, add_to_dx);
             mgpu_trace_begin();
-            conv_results got = by >= BY_WINOGRAD ? conv_by_way(ways[by], xs, ws, stride, pad, accumulate, add_to_dx)
-                                                 : conv_by(by == BY_DIRECT ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED,
-                                                           xs, ws, stride, pad, accumulate, add_to_dx);
+            conv_results got =
+                by == BY_WINOGRAD        ? conv_by_way(MGPU__CPU_BY_ONEDNN_WINOGRAD, xs, ws, stride, pad, accumulate, add_to_dx)
+                : by == BY_CHANNELS_LAST ? conv_by_way(MGPU__CPU_BY_ONEDNN_CHANNELS_LAST, xs, ws, stride, pad, accumulate,
+                                                       add_to_dx)
+                                         : conv_by(by == BY_DIRECT ? MGPU__CONV_IMPLICIT : MGPU__CONV_TIMED, xs, ws,
+                                                   stride, pad, accumulate, add_to_dx);
             mgpu_synchronize_all();
             CHECK(by != BY_DIRECT || (traced("conv2d oneDNN forward") && traced("conv2d_backward oneDNN dx") &&
                                       traced("conv2d_backward oneDNN dW")));
@@ -812,17 +818,19 @@ TEST(conv2d_by_onednn_matches_im2col) {
     mgpu__conv_mode = saved;
 }
 
-/* By default (MGPU_CONV=rule) a CPU device takes oneDNN, bit for bit,
-   each pass by a way of its own: its Winograd kernels for 3x3 layers at
+/* By default (MGPU_CONV=rule) a CPU device computes each pass by a way
+   of its own, in this order: oneDNN's Winograd kernels for 3x3 layers at
    stride 1 from 32 channels and filters whose outputs, of more than one
-   4 x 4 tile, fill three quarters of their tiles, where it runs AVX-512 (and has them: the machine's own oneDNN,
-   whatever widths the test takes); otherwise its direct kernels, but for
-   the backward passes of 1x1 windows at a stride and of outputs of 4 x 4
-   pixels or fewer, which take im2col, unless oneDNN's vectors are wider
-   than OpenBLAS's (AVX-512 against AVX2); the direct kernels on
-   channels-last activations where oneDNN runs AVX-512 and the channels
-   (more than one) or filters are not a multiple of 16; and times
-   nothing. (The shapes are too small for mgpu's own Winograd.) */
+   4 x 4 tile, fill three quarters of their tiles, where oneDNN runs
+   AVX-512 (and has them: the machine's own oneDNN, whatever widths the
+   test takes); im2col for the backward passes of 1x1 windows at a stride
+   and of outputs of 4 x 4 pixels or fewer, unless oneDNN's vectors are
+   wider than OpenBLAS's (AVX-512 against AVX2); oneDNN's direct kernels
+   on channels-last activations where oneDNN runs AVX-512 and the
+   channels (more than one) or filters are not a multiple of 16; its
+   direct kernels on its blocked layouts. Each pass is that way's, bit
+   for bit, and traced under its name; nothing is timed. (The shapes are
+   too small for mgpu's own Winograd.) */
 static int same_floats(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 TEST(cpu_convolutions_by_rule) {
     mgpu__conv_settings_from_environment(); /* (before the test sets the mode) */
@@ -837,6 +845,13 @@ TEST(cpu_convolutions_by_rule) {
     /* oneDNN's AVX-512, OpenBLAS's, and whether those shapes' backward passes keep im2col */
     const int widths[4][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 1}, {1, 0, 0}};
     enum { IM2COL, DIRECT, WINOGRAD, CHANNELS_LAST, WAYS };
+    const char *traced_as[3][WAYS] = { /* each pass by each way, as the tracer names it */
+        {"conv2d im2col", "conv2d oneDNN forward", "conv2d oneDNN Winograd forward",
+         "conv2d oneDNN channels-last forward"},
+        {"conv2d_backward dcol product", "conv2d_backward oneDNN dx", "conv2d_backward oneDNN Winograd dx",
+         "conv2d_backward oneDNN channels-last dx"},
+        {"conv2d_backward dW product", "conv2d_backward oneDNN dW", "conv2d_backward oneDNN Winograd dW",
+         "conv2d_backward oneDNN channels-last dW"}};
     for (size_t t = 0; t < 4 * sizeof shapes / sizeof shapes[0]; t++) {
         size_t i = t / 4;
         const int *kind = widths[t % 4];
@@ -856,8 +871,11 @@ TEST(cpu_convolutions_by_rule) {
         mgpu_trace_begin();
         conv_results rule = conv_by(MGPU__CONV_RULE, xs, ws, stride, pad, 1, 0);
         mgpu_synchronize_all();
+        for (int pass = 0; pass < 3; pass++)
+            for (int w = 0; w < WAYS; w++)
+                CHECK_EQ_INT(traced_count(traced_as[pass][w]) > 0, way[pass] == w);
         /* both gradients by im2col: in one call, which turns dy into its layout once */
-        CHECK_EQ_INT(traced_count("conv2d_backward layout"), (way[1] == IM2COL) + (way[2] == IM2COL) > 0);
+        CHECK_EQ_INT(traced_count("conv2d_backward layout"), way[1] == IM2COL || way[2] == IM2COL);
         mgpu_trace_end();
         CHECK_EQ_INT(mgpu__cpu_conv_choice_count, trials); /* (nothing timed) */
         restore_widths();
@@ -942,11 +960,11 @@ TEST(cpu_convolutions_keep_the_faster_way) {
             chosen[backward] = c->way;
         }
         int first = call == 0;
-        const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d oneDNN forward", "conv2d winograd",
-                                               "conv2d oneDNN Winograd forward", "conv2d oneDNN channels-last forward"};
-        const char *dw_by[MGPU__CPU_WAYS] = {"conv2d_backward dW product", "conv2d_backward oneDNN dW",
-                                             "conv2d_backward winograd dW", "conv2d_backward oneDNN Winograd dW",
-                                             "conv2d_backward oneDNN channels-last dW"};
+        const char *forward[MGPU__CPU_WAYS] = {"conv2d im2col", "conv2d winograd", "conv2d oneDNN forward",
+                                               "conv2d oneDNN channels-last forward", "conv2d oneDNN Winograd forward"};
+        const char *dw_by[MGPU__CPU_WAYS] = {"conv2d_backward dW product", "conv2d_backward winograd dW",
+                                             "conv2d_backward oneDNN dW", "conv2d_backward oneDNN channels-last dW",
+                                             "conv2d_backward oneDNN Winograd dW"};
         for (int way = 0; way < MGPU__CPU_WAYS; way++) {
             int tried = first && (way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512);
             /* forward: the trial's ways, then nothing more (first call); the chosen way alone (later) */
