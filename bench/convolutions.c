@@ -38,9 +38,9 @@
    pass as MGPU_CONV=timed chooses it (the faster of the two for the
    forward pass; each gradient by the faster of its implicit GEMM and its
    half of im2col, unless im2col's whole backward beats the two). On the
-   CPU, the 3x3 stride-1 layers' and LeNet's passes by oneDNN's three
-   methods and by mgpu's Winograd (kernels/winograd.h), from which
-   mgpu/convolution.h's rule was set. The last line is for bench/run.sh:
+   CPU, ResNet-18's and LeNet's passes by oneDNN's three methods and by
+   mgpu's Winograd (kernels/winograd.h), from which mgpu/convolution.h's
+   rule was set. The last line is for bench/run.sh:
        RESULT conv on=[cuda:0] batch=256 im2col_ms=... implicit_ms=... best_ms=... */
 #define MGPU_IMPLEMENTATION
 #include "../mgpu.h"
@@ -136,8 +136,8 @@ static int candidate(mgpu__conv_try what, const mgpu__conv_geom *g, mgpu__implic
 
 static double tflops(double flop, double us) { return us > 0 ? flop / us * 1e-6 : 0.0; }
 
-/* On the CPU: each pass of ResNet-18's 3x3 stride-1 layers (at the
-   bench's batch) and of LeNet's two layers (chapter 2's, at its batch of
+/* On the CPU: each pass of ResNet-18's layers (at the bench's batch)
+   and of LeNet's two layers (chapter 2's, at its batch of
    256) by oneDNN's three methods (kernels/conv_onednn.h): direct on its
    blocked layouts, direct on channels-last activations, and Winograd's
    F(4x4, 3x3); and by mgpu's Winograd F(2x2, 3x3) (kernels/winograd.h);
@@ -226,8 +226,7 @@ static void cpu_methods(mgpu_device *dev, int batch, int steps) {
     printf("on the CPU, by oneDNN's methods and mgpu's Winograd, microseconds per call (mean of %d)\n", steps);
     printf("%-24s %5s %5s %4s %10s %10s %10s %10s\n", "convolution", "count", "batch", "pass", "oneDNN",
            "chan-last", "oneDNN Win", "Winograd");
-    for (int i = 0; i < N_CASES; i++)
-        if (cases[i].r == 3 && cases[i].stride == 1) cpu_methods_of(dev, &cases[i], batch, steps);
+    for (int i = 0; i < N_CASES; i++) cpu_methods_of(dev, &cases[i], batch, steps);
     for (size_t i = 0; i < sizeof lenet_cases / sizeof lenet_cases[0]; i++)
         cpu_methods_of(dev, &lenet_cases[i], LENET_BATCH, steps);
 }
