@@ -152,7 +152,7 @@ typedef struct {
     int with_bias, accumulate, threads;
     mgpu__onednn_plan *plan;
 } mgpu__onednn_known;
-static mgpu__onednn_known mgpu__onednn_plans[512];
+static mgpu__onednn_known mgpu__onednn_plans[2048]; /* (per shape, pass, method, adding and threads) */
 static int mgpu__onednn_plan_count;
 
 /* Makes the pass's plan, or returns NULL if oneDNN has no kernel for it. */

@@ -1165,7 +1165,7 @@ typedef struct {
     double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: a way that does not compute it) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
-static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
+static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[1024]; /* (a pass of a shape on a device: 33 a device for ResNet-18) */
 static int mgpu__cpu_conv_choice_count;
 
 /* One call: the forward pass (y), or the backward (dx or dw, or both:

@@ -136,7 +136,7 @@ static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char
 /* types and constants: mgpu__cpu_conv_choice, mgpu__cpu_conv_call, mgpu__cpu_conv_way; MGPU__CPU_BY_IM2COL,
    MGPU__CPU_BY_MGPU_WINOGRAD, MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
    MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
-extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[256];
+extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[1024];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
                                                          mgpu__onednn_pass pass);
