@@ -1165,7 +1165,8 @@ typedef struct {
     double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: a way that does not compute it) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
-static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[1024]; /* (a pass of a shape on a device: 33 a device for ResNet-18) */
+/* (one for each pass of each shape on each device: 33 a device for ResNet-18) */
+static mgpu__cpu_conv_choice mgpu__cpu_conv_choices[1024];
 static int mgpu__cpu_conv_choice_count;
 
 /* One call: the forward pass (y), or the backward (dx or dw, or both:
@@ -1177,13 +1178,10 @@ typedef struct {
     int backward, accumulate, add_to_dx, tf32;
 } mgpu__cpu_conv_call;
 
-/* Enqueues one oneDNN pass on dev, with its chosen-layout copies from the
-   allocator; 0 (nothing enqueued) where oneDNN has no kernel for it. */
-static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__conv_geom *g,
-                                mgpu__onednn_pass pass, mgpu__onednn_method method, const float *in_a,
-                                const float *in_b, float *out, const float *bias, int accumulate) {
-    mgpu__onednn_plan *plan = mgpu__onednn_plan_for(g, pass, method, bias != NULL, accumulate, mgpu__cpu_threads);
-    if (!plan) return 0;
+/* Enqueues one oneDNN pass by its plan on dev, with its chosen-layout
+   copies from the allocator. */
+static void mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__onednn_plan *plan,
+                                 const float *in_a, const float *in_b, float *out, const float *bias) {
     mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias};
     mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
     for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) {
@@ -1195,17 +1193,27 @@ static int mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__
     }
     mgpu__launch_on(&dev->queue[0], name, mgpu__onednn_conv_cpu, NULL, &a, sizeof a);
     for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) mgpu_free(scratch[t]); /* (reused only by later work) */
-    return 1;
 }
 
-/* Whether oneDNN's method has a kernel for every pass of the call; makes
-   their plans (oneDNN compiles its kernels then: milliseconds). */
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
+/* The plans of the call's passes by oneDNN's method, in plans[pass]
+   (NULL for a pass the call does not compute); 0 where the method has no
+   kernel for one of them. Made at the first call with a shape (oneDNN
+   compiles its kernels then: milliseconds). */
+static int mgpu__cpu_conv_onednn_plans_of(const mgpu__cpu_conv_call *c, mgpu__onednn_method method,
+                                          mgpu__onednn_plan *plans[3]) {
     const mgpu__conv_geom *g = c->g;
-    int threads = mgpu__cpu_threads;
-    if (!c->backward) return mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, method, c->b != NULL, 0, threads) != NULL;
-    return (!c->dx || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, method, 0, c->add_to_dx, threads)) &&
-           (!c->dw || mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, method, 0, c->accumulate, threads));
+    int threads = mgpu__cpu_threads, with_bias = c->b != NULL;
+    plans[MGPU__ONEDNN_Y] = plans[MGPU__ONEDNN_DX] = plans[MGPU__ONEDNN_DW] = NULL;
+    if (!c->backward) plans[MGPU__ONEDNN_Y] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, method, with_bias, 0, threads);
+    if (c->dx) plans[MGPU__ONEDNN_DX] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, method, 0, c->add_to_dx, threads);
+    if (c->dw) plans[MGPU__ONEDNN_DW] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, method, 0, c->accumulate, threads);
+    return (c->backward || plans[MGPU__ONEDNN_Y]) && (!c->dx || plans[MGPU__ONEDNN_DX]) &&
+           (!c->dw || plans[MGPU__ONEDNN_DW]);
+}
+/* Whether oneDNN's method has a kernel for every pass of the call. */
+static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
+    mgpu__onednn_plan *plans[3];
+    return mgpu__cpu_conv_onednn_plans_of(c, method, plans);
 }
 /* The call by oneDNN's method; 0 (nothing enqueued) where it has no
    kernel for a pass of it. Each method's passes have names of their own
@@ -1217,17 +1225,17 @@ static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c, mgpu__onednn_m
          "conv2d_backward oneDNN channels-last dW"},
         {"conv2d oneDNN Winograd forward", "conv2d_backward oneDNN Winograd dx", "conv2d_backward oneDNN Winograd dW"}};
     mgpu_device *dev = c->x->device;
-    const mgpu__conv_geom *g = c->g;
-    if (!mgpu__cpu_conv_onednn_plans(c, method)) return 0;
+    mgpu__onednn_plan *plans[3];
+    if (!mgpu__cpu_conv_onednn_plans_of(c, method, plans)) return 0;
     if (!c->backward)
-        return mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_Y], g, MGPU__ONEDNN_Y, method, c->x->data,
-                                    c->w->data, c->y->data, c->b ? c->b->data : NULL, 0);
+        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_Y], plans[MGPU__ONEDNN_Y], c->x->data, c->w->data,
+                             c->y->data, c->b ? c->b->data : NULL);
     if (c->dx)
-        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DX], g, MGPU__ONEDNN_DX, method, c->w->data,
-                             c->dy->data, c->dx->data, NULL, c->add_to_dx);
+        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DX], plans[MGPU__ONEDNN_DX], c->w->data, c->dy->data,
+                             c->dx->data, NULL);
     if (c->dw)
-        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DW], g, MGPU__ONEDNN_DW, method, c->x->data,
-                             c->dy->data, c->dw->data, NULL, c->accumulate);
+        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DW], plans[MGPU__ONEDNN_DW], c->x->data, c->dy->data,
+                             c->dw->data, NULL);
     return 1;
 }
 static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
