@@ -180,6 +180,7 @@ static mgpu_animator *train(mgpu_tensor **params, int num_devices, int use_gpu,
     mgpu_animator *animator = mgpu_animator_new(mgpu_out_path(o, name, path, sizeof path), title,
                                                 "epoch", "", 1, epochs, 3, series);
     mgpu_loader *train_loader = mgpu_loader_new(train_set, batch_size, 1, o->seed);
+    mgpu_synchronize_all(); /* the copies above are queued: they belong to the set-up, not the epoch */
     mgpu_timer timer;
     mgpu_timer_init(&timer);
     for (int epoch = 0; epoch < epochs; epoch++) {

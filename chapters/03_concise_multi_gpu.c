@@ -69,6 +69,11 @@ static run_result train(const run_config *c, int use_gpu, const mgpu_dataset *tr
     mgpu_net *net = mgpu_resnet18(10, 1, devices[0]);
     mgpu_net_set_batchnorm_momentum(net, c->bn_momentum);
     mgpu_data_parallel *dp = mgpu_data_parallel_new(net, devices, c->devices, MGPU_DP_ALLREDUCE);
+    /* The weights' random initialisation and their copies to the devices
+       are queued work: waiting for them here keeps building the model out
+       of the first epoch's time, as in the book, where PyTorch builds it
+       before the timer starts. */
+    mgpu_synchronize_all();
 
     char list[256], name[64], path[1024], title[320];
     mgpu_device_list(list, sizeof list, devices, c->devices);

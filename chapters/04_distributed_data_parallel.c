@@ -236,6 +236,7 @@ static run_result train(mgpu_group *g, const settings *s, const mgpu_dataset *tr
     mgpu_loader_set_sampler(loader, sampler);
     int steps = mgpu_loader_num_batches(loader);
     long step = at.step;
+    mgpu_synchronize_all(); /* the model's queued initialisation belongs to building it, not to the epoch */
     double train_seconds = 0, result_acc = -1;
     int timed_epochs = 0;
     for (int epoch = at.epoch; epoch < s->epochs; epoch++) {
