@@ -350,30 +350,27 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward
 }
 
 /* The sums of g and of g xhat over n values of one image's run of channel
-   c (a block: see above), in 8 float lanes (as mgpu__squares_run). What mgpu__bn_grad_out and
+   c (a block: see above), in a vector register's float lanes
+   (MGPU__SIMD_SUMS, kernels/common.h). What mgpu__bn_grad_out and
    mgpu__bn_xhat compute, from the channel's numbers in locals: read
    through a, they would stop the compiler from vectorising the loop; and
-   out of line, as inlined into the channel loop GCC 12 does not either. */
+   out of line, as inlined into the channel loop GCC 12 does not either.
+   dy is read before the ReLU's test: a load under the test is not
+   vectorised either. Runs are short (16 values at 4 x 4 pixels): a
+   loop of 8 explicit lanes was vectorised only over 64 values and more,
+   and took 3 times as long over ResNet-18's stages (bench/RESULTS.md). */
 static __attribute__((noinline)) void mgpu__bn_backward_run_sums(const mgpu__bn_backward_args *a, int c, const float *dy,
                                                                   const float *x, int n, float scale, float shift,
                                                                   double *sum_g, double *sum_g_xhat) {
     const float mean = a->save_mean[c], invstd = a->save_invstd[c];
     const int relu = a->fuse_relu;
-    float lane_g[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lane_gx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float g_sum = 0.0f, gx_sum = 0.0f;
-    int p = 0;
-    for (; p + 8 <= n; p += 8)
-        for (int j = 0; j < 8; j++) {
-            float d = dy[p + j], g = (relu & !(mgpu__bn_affine(scale, x[p + j], shift) > 0.0f)) ? 0.0f : d;
-            lane_g[j] += g;
-            lane_gx[j] += g * ((x[p + j] - mean) * invstd);
-        }
-    for (; p < n; p++) {
-        float g = mgpu__bn_grad_out(a, dy[p], x[p], scale, shift);
+    MGPU__SIMD_SUMS(g_sum, gx_sum)
+    for (int p = 0; p < n; p++) {
+        float d = dy[p], g = (relu & !(mgpu__bn_affine(scale, x[p], shift) > 0.0f)) ? 0.0f : d;
         g_sum += g;
-        gx_sum += g * mgpu__bn_xhat(a, x[p], c);
+        gx_sum += g * ((x[p] - mean) * invstd);
     }
-    for (int j = 0; j < 8; j++) g_sum += lane_g[j], gx_sum += lane_gx[j];
     *sum_g += g_sum;
     *sum_g_xhat += gx_sum;
 }

@@ -4,7 +4,7 @@
    kernel file includes it; it needs mgpu/core.h (MGPU_CUDA,
    MGPU__HOSTDEVICE) before it.
 
-   defines: MGPU__CPU_PARALLEL_FOR, MGPU__PARALLEL_MIN, mgpu__sum_run,
+   defines: MGPU__CPU_PARALLEL_FOR, MGPU__PARALLEL_MIN, MGPU__SIMD_SUMS, mgpu__sum_run,
             mgpu__divisor, mgpu__divisor_for, mgpu__div, mgpu__grid_for,
             MGPU__GRID_STRIDE_LOOP, MGPU__UNROLL, mgpu__load_floats,
             mgpu__store_floats, mgpu__aligned16, mgpu__vector_width,
@@ -19,15 +19,21 @@
    thread takes whole iterations and no sum is split between two, so the
    results do not depend on the number of threads. A loop over fewer than
    MGPU__PARALLEL_MIN values stays on one thread: waking the others would
-   cost more than it saves. */
+   cost more than it saves.
+   MGPU__SIMD_SUMS(a, b) before a loop lets the compiler sum a and b in
+   the lanes of a vector register and add the lanes at the end: an order
+   of its own, the same at every run (OpenMP's simd reduction; without
+   OpenMP, one running sum). */
 #define MGPU__PARALLEL_MIN 32768
 #ifdef _OPENMP
 #include <omp.h>
 #define MGPU__PRAGMA(x) _Pragma(#x)
 #define MGPU__CPU_PARALLEL_FOR(values) \
     MGPU__PRAGMA(omp parallel for num_threads((values) < MGPU__PARALLEL_MIN ? 1 : omp_get_max_threads()))
+#define MGPU__SIMD_SUMS(...) MGPU__PRAGMA(omp simd reduction(+ : __VA_ARGS__))
 #else
 #define MGPU__CPU_PARALLEL_FOR(values)
+#define MGPU__SIMD_SUMS(...)
 #endif
 
 /* The sum of a run of floats, with 8 independent partial sums: the
