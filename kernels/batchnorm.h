@@ -232,14 +232,16 @@ static MGPU__HOSTDEVICE inline void mgpu__bn_merge_channel(const mgpu__bn_forwar
 
 /* The CPU walks each channel image by image: a channel of one image is
    hw contiguous values, so the inner loops read memory in order, and
-   each image's run is summed in 8 float lanes that the compiler turns
-   into vector instructions (a single running sum is a chain of dependent
-   additions). The channels are shared among the device's threads
-   (MGPU__CPU_PARALLEL_FOR, kernels/common.h): each channel's sums stay on one
-   thread, in one order. The float lanes take blocks of at most
-   MGPU__BN_CPU_BLOCK values, whose sums are added in double: a float sum
-   loses about sqrt(count) units of its last place, too many over a
-   whole image of 270000 values. */
+   each image's run is summed in float lanes that become vector
+   instructions (a single running sum is a chain of dependent
+   additions): 8 explicit lanes forward, an OpenMP simd reduction
+   backward (mgpu__bn_backward_run_sums says why). The channels are
+   shared among the device's threads (MGPU__CPU_PARALLEL_FOR,
+   kernels/common.h): each channel's sums stay on one thread, in one
+   order. The float lanes take blocks of at most MGPU__BN_CPU_BLOCK
+   values, whose sums are added in double: a float sum loses about
+   sqrt(count) units of its last place, too many over a whole image of
+   270000 values. */
 #define MGPU__BN_CPU_BLOCK 512
 static float mgpu__squares_run(const float *v, int n, float mean) {
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -356,9 +358,12 @@ static MGPU__HOSTDEVICE inline float mgpu__bn_input_grad(const mgpu__bn_backward
    through a, they would stop the compiler from vectorising the loop; and
    out of line, as inlined into the channel loop GCC 12 does not either.
    dy is read before the ReLU's test: a load under the test is not
-   vectorised either. Runs are short (16 values at 4 x 4 pixels): a
-   loop of 8 explicit lanes was vectorised only over 64 values and more,
-   and took 3 times as long over ResNet-18's stages (bench/RESULTS.md). */
+   vectorised either. Runs are short in ResNet-18's later stages (49
+   values at 7 x 7, 16 at 4 x 4), and GCC vectorises a loop of 8
+   explicit lanes here only over 64 values and more; the simd reduction
+   is one 8-float vector loop at any length, 3 times as fast over the
+   four stages (bench/RESULTS.md). The same change to the forward's
+   loops gained nothing measurable. */
 static __attribute__((noinline)) void mgpu__bn_backward_run_sums(const mgpu__bn_backward_args *a, int c, const float *dy,
                                                                   const float *x, int n, float scale, float shift,
                                                                   double *sum_g, double *sum_g_xhat) {

@@ -21,9 +21,10 @@
    MGPU__PARALLEL_MIN values stays on one thread: waking the others would
    cost more than it saves.
    MGPU__SIMD_SUMS(a, b) before a loop lets the compiler sum a and b in
-   the lanes of a vector register and add the lanes at the end: an order
-   of its own, the same at every run (OpenMP's simd reduction; without
-   OpenMP, one running sum). */
+   the lanes of a vector register and add the lanes at the end (OpenMP's
+   simd reduction): an order of its own, the same at every run of one
+   build, but set by the build's vector width (8 floats with AVX2).
+   Without OpenMP it is empty: one running sum, in order, and slower. */
 #define MGPU__PARALLEL_MIN 32768
 #ifdef _OPENMP
 #include <omp.h>
