@@ -340,10 +340,13 @@
                         product; implicit the fastest kernels wherever
                         one fits (the LAYERS section lists what is
                         tried); cudnn cuDNN's fastest algorithm alone. On
-                        a CPU with oneDNN, rule takes oneDNN but for a
-                        few backward passes, timed chooses between im2col
-                        and oneDNN by timing, implicit means oneDNN, and
-                        cudnn im2col.
+                        a CPU, rule takes mgpu's Winograd for wide 3x3
+                        layers where oneDNN runs no AVX-512 kernels (or
+                        is not built in), and oneDNN elsewhere but for a
+                        few backward passes; timed chooses among im2col,
+                        oneDNN and mgpu's Winograd by timing; implicit
+                        means oneDNN (im2col without it), and cudnn
+                        im2col.
      MGPU_WGMMA=1|0     1 (the default): on an H100 or H200 the trial
                         also times the kernels built on Hopper's
                         warpgroup products; 0 leaves them out.
@@ -898,10 +901,11 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    direct ones, which PyTorch takes, on its blocked layouts or on
    channels-last activations, or, for 3x3 layers at stride 1 where
    oneDNN runs AVX-512, its Winograd F(4x4, 3x3) ones (fewer products,
-   more rounding). By rule (the default), in this order: 3x3 layers at
-   stride 1 from 32 channels and filters whose outputs, larger than
-   4 x 4 pixels, fill at least three quarters of their 4 x 4 tiles take
-   oneDNN's Winograd where it has it, which took 0.39 to 0.76 of its
+   more rounding). By rule (the default), in this order: mgpu's own
+   Winograd where it pays (below: where oneDNN runs no AVX-512); 3x3
+   layers at stride 1 from 32 channels and filters whose outputs, larger
+   than 4 x 4 pixels, fill at least three quarters of their 4 x 4 tiles
+   take oneDNN's Winograd where it has it, which took 0.39 to 0.76 of its
    direct kernels' time on ResNet-18's such layers on a 2-core CPU (it
    lost at one channel, and where the tiles were mostly padding); the
    backward passes of 1x1 windows at a stride and of outputs of 4 x 4
@@ -927,12 +931,12 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    forward pass from 128 channels and filters, dx from 512 and dW from
    64, where it beat oneDNN's AVX2 kernels on a 2-core CPU, with oneDNN
    or without; not where oneDNN runs AVX-512 kernels, which beat it on
-   all of ResNet-18's passes but dW at 512 channels. With oneDNN, timed
-   times it beside the other ways; im2col and implicit leave it out. Its
-   scratch, the transformed tensors, is 4
-   times the input and the output of the whole batch, not cut into
-   chunks; its products are OpenBLAS's, whose sums, like im2col's, may
-   round differently with the number of threads.
+   all of ResNet-18's passes but dW at 512 channels. timed times it
+   beside the other ways; im2col and implicit leave it out. Its scratch,
+   the transformed tensors, is 4 times the input and the output of the
+   whole batch, not cut into chunks; its products are OpenBLAS's, whose
+   sums, like im2col's, may round differently with the number of
+   threads.
    On a GPU, a convolution that may use TF32 (mgpu_set_tf32) may instead
    take a fast kernel that never writes a col buffer. What the library
    tries, for each pass (y, dx, dw) of each shape:

@@ -155,10 +155,9 @@ typedef struct {
     conv_ctx *c;
     int pass, way; /* FWD, DX or DW; BY_* */
 } cpu_pass;
-#if MGPU_ONEDNN
-/* oneDNN's columns as the library's ways */
-static const mgpu__cpu_conv_way onednn_ways[] = {MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
-                                                 MGPU__CPU_BY_ONEDNN_WINOGRAD};
+/* The columns as the library's ways */
+static const mgpu__cpu_conv_way cpu_ways[CPU_WAYS] = {MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
+                                                      MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_BY_MGPU_WINOGRAD};
 static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
     conv_ctx *c = p->c;
     mgpu__cpu_conv_call call = {p->pass == FWD ? c->y : NULL, p->pass == DX ? c->dx : NULL,
@@ -166,32 +165,17 @@ static mgpu__cpu_conv_call cpu_call(const cpu_pass *p) {
                                 c->dy, &c->g, p->pass != FWD, 0, 0, 0};
     return call;
 }
-static void onednn_pass(void *q) {
+static void cpu_pass_run(void *q) {
     const cpu_pass *p = (const cpu_pass *)q;
     mgpu__cpu_conv_call call = cpu_call(p);
-    mgpu__cpu_conv_by(onednn_ways[p->way], &call);
-}
-#endif
-static void winograd_pass(void *q) {
-    const cpu_pass *p = (const cpu_pass *)q;
-    conv_ctx *c = p->c;
-    mgpu__conv_geom d = mgpu__conv_dx_geometry(&c->g);
-    if (p->pass == FWD) mgpu__enqueue_winograd_cpu(c->y->data, c->dev, c->x->data, c->w->data, c->b->data, &c->g, 0, 0);
-    if (p->pass == DX) mgpu__enqueue_winograd_cpu(c->dx->data, c->dev, c->dy->data, c->w->data, NULL, &d, 1, 0);
-    if (p->pass == DW) mgpu__enqueue_winograd_dw_cpu(c->dw->data, c->dev, c->x->data, c->dy->data, &c->g, 0);
+    mgpu__cpu_conv_by(cpu_ways[p->way], &call);
 }
 /* The pass by a way, in microseconds per call; 0 where the way has no kernel for it. */
 static double cpu_pass_us(conv_ctx *c, int pass, int way, int steps) {
     cpu_pass p = {c, pass, way};
-    if (way == BY_WINOGRAD)
-        return mgpu__winograd_cpu_fits_layer(&c->g) ? time_us(c->dev, winograd_pass, &p, steps) : 0;
-#if MGPU_ONEDNN
     mgpu__cpu_conv_call call = cpu_call(&p);
-    if (!mgpu__cpu_conv_onednn_plans(&call, mgpu__cpu_conv_onednn_method(onednn_ways[way]))) return 0;
-    return time_us(c->dev, onednn_pass, &p, steps);
-#else
-    return 0;
-#endif
+    if (!mgpu__cpu_conv_computes(cpu_ways[way], &call)) return 0;
+    return time_us(c->dev, cpu_pass_run, &p, steps);
 }
 /* One layer's row of passes. */
 static void cpu_methods_of(mgpu_device *dev, const conv_case *cc, int batch, int steps) {

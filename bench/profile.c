@@ -84,19 +84,17 @@ int main(int argc, char **argv) {
     printf("profile of the %d traced steps:\n", steps);
     mgpu_trace_summary(stdout);
 #if MGPU_CUDA
-    printf("the convolutions' plans, measured at the first step:\n");
+    if (mgpu__conv_choice_count) printf("the convolutions' plans, measured at the first step:\n");
     for (int i = 0; i < mgpu__conv_choice_count; i++) {
         char plan[160];
         printf("  %s\n", mgpu__conv_choice_str(&mgpu__conv_choices[i], plan, sizeof plan));
     }
 #endif
-#if MGPU_ONEDNN
-    printf("the CPU convolutions' ways, chosen at the first step:\n");
+    if (mgpu__cpu_conv_choice_count) printf("the CPU convolutions' ways, timed at the first step:\n");
     for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
         char way[200];
         printf("  %s\n", mgpu__cpu_conv_choice_str(&mgpu__cpu_conv_choices[i], way, sizeof way));
     }
-#endif
     printf("RESULT profile on=[%s] batch=%d step_ms=%.4f traced_step_ms=%.4f\n",
            mgpu_device_name(dev[0]), batch, ms[0], ms[1]);
 

@@ -68,6 +68,12 @@ typedef struct {
     int stride, pad;
 } mgpu__conv_geom;
 
+/* A convolution's three passes, each of which may take a way of its own:
+   the forward pass y = conv(x, w) + b, the input gradient dx and the
+   weight gradient dW. (A CPU's choices are keyed by them; a GPU's trial
+   has kinds of its own, mgpu__conv_try, with im2col's passes apart.) */
+typedef enum { MGPU__PASS_Y, MGPU__PASS_DX, MGPU__PASS_DW } mgpu__conv_pass;
+
 /* At stride 1 the input gradient is itself a convolution: of dy with
    the weights turned half a circle, w'[c, k, r, s] = w[k, c, R-1-r, S-1-s],
    and padding R - 1 - pad (conv_nhwc.h and winograd.h compute it so). Its

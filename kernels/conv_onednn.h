@@ -50,7 +50,7 @@
    over the batch) are split among them, so its results, unlike the
    library's own kernels', may change with the number of threads.
 
-   defines: MGPU_ONEDNN_CHECK, mgpu__onednn_pass, mgpu__onednn_method, mgpu__onednn_plan,
+   defines: MGPU_ONEDNN_CHECK, mgpu__onednn_method, mgpu__onednn_plan,
             mgpu__onednn_plan_for, mgpu__onednn_args, mgpu__onednn_conv_cpu */
 #ifndef MGPU_KERNELS_CONV_ONEDNN_H
 #define MGPU_KERNELS_CONV_ONEDNN_H
@@ -71,7 +71,6 @@
                           MGPU__IN_LAYER(mgpu__layer_enqueuing));                            \
     } while (0)
 
-typedef enum { MGPU__ONEDNN_Y, MGPU__ONEDNN_DX, MGPU__ONEDNN_DW } mgpu__onednn_pass;
 typedef enum { MGPU__ONEDNN_DIRECT, MGPU__ONEDNN_CHANNELS_LAST, MGPU__ONEDNN_WINOGRAD } mgpu__onednn_method;
 
 /* A pass's tensors by role: its two inputs, its output. */
@@ -147,7 +146,7 @@ static dnnl_primitive_t mgpu__onednn_reorder(mgpu__onednn_plan *p, int t, const 
 /* The plans made so far; NULL where oneDNN has no kernel for the pass. */
 typedef struct {
     mgpu__conv_geom g;
-    mgpu__onednn_pass pass;
+    mgpu__conv_pass pass;
     mgpu__onednn_method method;
     int with_bias, accumulate, threads;
     mgpu__onednn_plan *plan;
@@ -156,7 +155,7 @@ static mgpu__onednn_known mgpu__onednn_plans[2048]; /* (per shape, pass, method,
 static int mgpu__onednn_plan_count;
 
 /* Makes the pass's plan, or returns NULL if oneDNN has no kernel for it. */
-static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
+static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__conv_pass pass,
                                                 mgpu__onednn_method method, int with_bias, int accumulate) {
     dnnl_engine_t engine = mgpu__onednn_engine();
     dnnl_alg_kind_t algorithm = method == MGPU__ONEDNN_WINOGRAD ? dnnl_convolution_winograd : dnnl_convolution_direct;
@@ -182,10 +181,10 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
         return NULL;
     }
     dnnl_status_t made = dnnl_success;
-    if (pass == MGPU__ONEDNN_Y) {
+    if (pass == MGPU__PASS_Y) {
         pd = forward_pd;
         forward_pd = NULL;
-    } else if (pass == MGPU__ONEDNN_DX) {
+    } else if (pass == MGPU__PASS_DX) {
         MGPU_ONEDNN_CHECK(dnnl_convolution_backward_data_desc_init(&backward, algorithm, &x_any, &w_any,
                                                                    &y_any, strides, padding, padding));
         made = dnnl_primitive_desc_create(&pd, &backward, attr, engine, forward_pd);
@@ -234,7 +233,7 @@ static mgpu__onednn_plan *mgpu__onednn_plan_new(const mgpu__conv_geom *g, mgpu__
    OpenMP setting: some of oneDNN's kernels cut their work for the thread
    count they are made for. Not thread-safe: the chapters enqueue their
    convolutions from one thread, as the GPU's trial assumes too. */
-static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__onednn_pass pass,
+static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__conv_pass pass,
                                                 mgpu__onednn_method method, int with_bias, int accumulate,
                                                 int threads) {
     for (int i = 0; i < mgpu__onednn_plan_count; i++) {

@@ -1015,7 +1015,8 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
    MGPU_CONV mode but im2col: it reads the NCHW tensors as they are, where
    oneDNN's blocked layout uses one vector lane in 8 for x and copies x
    and dy into it (bench/RESULTS.md, "LeNet on the CPU"). The layer's
-   forward pass stays with oneDNN, which wrote it faster. Returns whether
+   forward pass stays with the ways below (oneDNN wrote it faster).
+   Returns whether
    it enqueued the pass: dw (=, or += with accumulate) from x and dy. */
 static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x, const mgpu_tensor *dy,
                                            const mgpu__conv_geom *g, int accumulate) {
@@ -1044,8 +1045,9 @@ static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x
    at 512 channels, where OpenBLAS's own AVX-512 kernels won). Its
    scratch, the transformed tensors, is 4 times the input and the output
    of the whole batch (im2col's is cut into chunks of images; these are
-   not). With oneDNN, MGPU_CONV=timed times it beside im2col and oneDNN
-   (below); im2col and implicit leave it out.
+   not). The rule takes it pass by pass (mgpu__winograd_cpu_pays, below),
+   MGPU_CONV=timed times it beside im2col and oneDNN's ways (the next
+   section), and im2col and implicit leave it out.
    mgpu__enqueue_winograd_pass enqueues a pass with its args, whose three
    scratch pointers (the input's, the weights' and the output's side; in
    scratch, their addresses in args) it sets to tensors made for it,
@@ -1109,28 +1111,28 @@ static void mgpu__cpu_vector_widths(void) {
     }
     if (mgpu__blas_avx512 < 0) mgpu__blas_avx512 = mgpu__blas_core_avx512(openblas_get_corename());
 }
-/* Whether the rule sends a pass of a layer of geometry g (the layer's
-   own, for all three) on dev to Winograd: from `fewest` channels and
-   filters, where oneDNN runs no AVX-512 kernels: Winograd won only
-   against its AVX2 ones (against its AVX-512 ones, on an AMD EPYC, it
+/* Whether a pass of a layer of geometry g (the layer's own, for all
+   three passes) has the pass's fewest channels and filters (above) for
+   Winograd to pay, against oneDNN's AVX2 kernels: the rule takes it only
+   where oneDNN runs no AVX-512 ones (against those, on an AMD EPYC, it
    lost all but dW at 512 channels). */
-static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_geom *g, int fewest) {
-    mgpu__conv_settings_from_environment();
-    if (mgpu_device_is_gpu(dev) || mgpu__conv_mode != MGPU__CONV_RULE) return 0;
-    mgpu__cpu_vector_widths();
-    return !mgpu__onednn_avx512 && mgpu__winograd_cpu_fits_layer(g) && g->c >= fewest && g->k >= fewest;
+static int mgpu__winograd_cpu_pays(const mgpu__conv_geom *g, mgpu__conv_pass pass) {
+    int fewest = pass == MGPU__PASS_Y    ? MGPU__WINOGRAD_CPU_Y_FROM
+                 : pass == MGPU__PASS_DX ? MGPU__WINOGRAD_CPU_DX_FROM
+                                         : MGPU__WINOGRAD_CPU_DW_FROM;
+    return mgpu__winograd_cpu_fits_layer(g) && g->c >= fewest && g->k >= fewest;
 }
 
 /* -------------------------------- a CPU's: im2col, oneDNN or Winograd */
-#if MGPU_ONEDNN
 /* A CPU device computes each pass of a convolution (the forward pass, dx
    and dW, each apart) with conv.h's im2col and OpenBLAS's products, with
    oneDNN's direct kernels (on its blocked layouts or on channels-last
    activations) or, for 3x3 layers at stride 1, its Winograd ones
-   (kernels/conv_onednn.h), or with mgpu's own Winograd (above, on
-   OpenBLAS's products), by the rule or, with MGPU_CONV=timed, whichever
-   was fastest for the pass and shape. As
-   on a GPU, the first call of a pass with a shape on a device times each
+   (kernels/conv_onednn.h; where the library is built with oneDNN), or
+   with mgpu's own Winograd (above, on OpenBLAS's products), by the rule
+   or, with MGPU_CONV=timed, whichever was fastest for the pass and
+   shape. As on a GPU, the first call of a pass with a shape on a device
+   times each
    way that computes it, once each, each call alone (the device
    synchronised before and after it), and every later call runs by the
    fastest. Where the call writes its outputs (not adding to them),
@@ -1141,7 +1143,8 @@ static int mgpu__conv_winograd_on_cpu(const mgpu_device *dev, const mgpu__conv_g
    fastest then runs for real. Either way every call of a pass with a
    shape computes what the fastest way computes, and two identical
    networks compute identical values. MGPU_CONV=im2col keeps im2col;
-   implicit takes oneDNN's direct kernels wherever they compute a pass. */
+   implicit takes oneDNN's direct kernels wherever they compute a pass
+   (MGPU__CPU_BY_DEFAULT: im2col without oneDNN). */
 typedef enum {
     MGPU__CPU_BY_IM2COL,
     MGPU__CPU_BY_MGPU_WINOGRAD, /* (winograd.h's, above) */
@@ -1152,16 +1155,13 @@ typedef enum {
 } mgpu__cpu_conv_way;
 static const char *const mgpu__cpu_conv_way_names[MGPU__CPU_WAYS] = {"im2col", "Winograd", "oneDNN",
                                                                      "oneDNN channels-last", "oneDNN Winograd"};
-/* The method of one of oneDNN's ways. */
-static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way) {
-    return way == MGPU__CPU_BY_ONEDNN_WINOGRAD        ? MGPU__ONEDNN_WINOGRAD
-           : way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST ? MGPU__ONEDNN_CHANNELS_LAST
-                                                      : MGPU__ONEDNN_DIRECT;
-}
+/* The way PyTorch's CPU path takes: oneDNN's direct kernels; im2col where
+   the library has no oneDNN. */
+#define MGPU__CPU_BY_DEFAULT (MGPU_ONEDNN ? MGPU__CPU_BY_ONEDNN_DIRECT : MGPU__CPU_BY_IM2COL)
 typedef struct {
     const mgpu_device *device; /* (each device its own: each has its share of the cores) */
     mgpu__conv_geom g;
-    mgpu__onednn_pass pass; /* y, dx or dW (each its own way; named as oneDNN's passes) */
+    mgpu__conv_pass pass; /* y, dx or dW (each its own way) */
     double trial_ms[MGPU__CPU_WAYS]; /* the trial's times (HUGE_VAL: a way that does not compute it) */
     mgpu__cpu_conv_way way;
 } mgpu__cpu_conv_choice;
@@ -1178,6 +1178,13 @@ typedef struct {
     int backward, accumulate, add_to_dx, tf32;
 } mgpu__cpu_conv_call;
 
+#if MGPU_ONEDNN
+/* The method of one of oneDNN's ways. */
+static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way) {
+    return way == MGPU__CPU_BY_ONEDNN_WINOGRAD        ? MGPU__ONEDNN_WINOGRAD
+           : way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST ? MGPU__ONEDNN_CHANNELS_LAST
+                                                      : MGPU__ONEDNN_DIRECT;
+}
 /* Enqueues one oneDNN pass by its plan on dev, with its chosen-layout
    copies from the allocator. */
 static void mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__onednn_plan *plan,
@@ -1203,41 +1210,43 @@ static int mgpu__cpu_conv_onednn_plans_of(const mgpu__cpu_conv_call *c, mgpu__on
                                           mgpu__onednn_plan *plans[3]) {
     const mgpu__conv_geom *g = c->g;
     int threads = mgpu__cpu_threads, with_bias = c->b != NULL;
-    plans[MGPU__ONEDNN_Y] = plans[MGPU__ONEDNN_DX] = plans[MGPU__ONEDNN_DW] = NULL;
-    if (!c->backward) plans[MGPU__ONEDNN_Y] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_Y, method, with_bias, 0, threads);
-    if (c->dx) plans[MGPU__ONEDNN_DX] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_DX, method, 0, c->add_to_dx, threads);
-    if (c->dw) plans[MGPU__ONEDNN_DW] = mgpu__onednn_plan_for(g, MGPU__ONEDNN_DW, method, 0, c->accumulate, threads);
-    return (c->backward || plans[MGPU__ONEDNN_Y]) && (!c->dx || plans[MGPU__ONEDNN_DX]) &&
-           (!c->dw || plans[MGPU__ONEDNN_DW]);
+    plans[MGPU__PASS_Y] = plans[MGPU__PASS_DX] = plans[MGPU__PASS_DW] = NULL;
+    if (!c->backward) plans[MGPU__PASS_Y] = mgpu__onednn_plan_for(g, MGPU__PASS_Y, method, with_bias, 0, threads);
+    if (c->dx) plans[MGPU__PASS_DX] = mgpu__onednn_plan_for(g, MGPU__PASS_DX, method, 0, c->add_to_dx, threads);
+    if (c->dw) plans[MGPU__PASS_DW] = mgpu__onednn_plan_for(g, MGPU__PASS_DW, method, 0, c->accumulate, threads);
+    return (c->backward || plans[MGPU__PASS_Y]) && (!c->dx || plans[MGPU__PASS_DX]) &&
+           (!c->dw || plans[MGPU__PASS_DW]);
 }
-/* Whether oneDNN's method has a kernel for every pass of the call. */
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
-    mgpu__onednn_plan *plans[3];
-    return mgpu__cpu_conv_onednn_plans_of(c, method, plans);
-}
-/* The call by oneDNN's method; 0 (nothing enqueued) where it has no
+/* The call by one of oneDNN's ways; 0 (nothing enqueued) where it has no
    kernel for a pass of it. Each method's passes have names of their own
    in a trace. */
-static int mgpu__cpu_conv_by_onednn(const mgpu__cpu_conv_call *c, mgpu__onednn_method method) {
+static int mgpu__cpu_conv_by_onednn(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
     static const char *const names[3][3] = { /* [method][pass] */
         {"conv2d oneDNN forward", "conv2d_backward oneDNN dx", "conv2d_backward oneDNN dW"},
         {"conv2d oneDNN channels-last forward", "conv2d_backward oneDNN channels-last dx",
          "conv2d_backward oneDNN channels-last dW"},
         {"conv2d oneDNN Winograd forward", "conv2d_backward oneDNN Winograd dx", "conv2d_backward oneDNN Winograd dW"}};
     mgpu_device *dev = c->x->device;
+    mgpu__onednn_method method = mgpu__cpu_conv_onednn_method(way);
     mgpu__onednn_plan *plans[3];
     if (!mgpu__cpu_conv_onednn_plans_of(c, method, plans)) return 0;
     if (!c->backward)
-        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_Y], plans[MGPU__ONEDNN_Y], c->x->data, c->w->data,
+        mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_Y], plans[MGPU__PASS_Y], c->x->data, c->w->data,
                              c->y->data, c->b ? c->b->data : NULL);
     if (c->dx)
-        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DX], plans[MGPU__ONEDNN_DX], c->w->data, c->dy->data,
+        mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_DX], plans[MGPU__PASS_DX], c->w->data, c->dy->data,
                              c->dx->data, NULL);
     if (c->dw)
-        mgpu__onednn_enqueue(dev, names[method][MGPU__ONEDNN_DW], plans[MGPU__ONEDNN_DW], c->x->data, c->dy->data,
+        mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_DW], plans[MGPU__PASS_DW], c->x->data, c->dy->data,
                              c->dw->data, NULL);
     return 1;
 }
+#else
+static int mgpu__cpu_conv_by_onednn(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
+    (void)c, (void)way;
+    return 0; /* (the library without oneDNN) */
+}
+#endif
 static void mgpu__cpu_conv_by_im2col(const mgpu__cpu_conv_call *c) {
     if (c->backward)
         mgpu__conv_backward_im2col(c->dx, c->dw, c->dy, c->x, c->w, c->g, c->tf32, c->accumulate, c->add_to_dx);
@@ -1259,20 +1268,29 @@ static int mgpu__cpu_conv_by_winograd(const mgpu__cpu_conv_call *c) {
 /* The call by a way; 0 (nothing enqueued) where that way has no kernel
    for it. */
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
-    if (way >= MGPU__CPU_BY_ONEDNN_DIRECT)
-        return mgpu__cpu_conv_by_onednn(c, mgpu__cpu_conv_onednn_method(way));
+    if (way >= MGPU__CPU_BY_ONEDNN_DIRECT) return mgpu__cpu_conv_by_onednn(way, c);
     if (way == MGPU__CPU_BY_MGPU_WINOGRAD) return mgpu__cpu_conv_by_winograd(c);
     mgpu__cpu_conv_by_im2col(c);
     return 1;
 }
+/* Whether a way has a kernel for every pass of the call (oneDNN's plans
+   are made then: they are what tells). */
+static int mgpu__cpu_conv_computes(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c) {
+#if MGPU_ONEDNN
+    mgpu__onednn_plan *plans[3];
+    if (way >= MGPU__CPU_BY_ONEDNN_DIRECT)
+        return mgpu__cpu_conv_onednn_plans_of(c, mgpu__cpu_conv_onednn_method(way), plans);
+#endif
+    return way == MGPU__CPU_BY_IM2COL || (way == MGPU__CPU_BY_MGPU_WINOGRAD && mgpu__winograd_cpu_fits_layer(c->g));
+}
 
 /* The pass of a call of one pass. */
-static mgpu__onednn_pass mgpu__cpu_conv_pass_of(const mgpu__cpu_conv_call *c) {
-    return !c->backward ? MGPU__ONEDNN_Y : c->dx ? MGPU__ONEDNN_DX : MGPU__ONEDNN_DW;
+static mgpu__conv_pass mgpu__cpu_conv_pass_of(const mgpu__cpu_conv_call *c) {
+    return !c->backward ? MGPU__PASS_Y : c->dx ? MGPU__PASS_DX : MGPU__PASS_DW;
 }
 /* The choice made for a pass and shape on dev, or NULL if none was yet. */
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                         mgpu__onednn_pass pass) {
+                                                         mgpu__conv_pass pass) {
     for (int i = 0; i < mgpu__cpu_conv_choice_count; i++) {
         mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[i];
         if (c->device == dev && !memcmp(&c->g, g, sizeof *g) && c->pass == pass) return c;
@@ -1280,7 +1298,7 @@ static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev,
     return NULL;
 }
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_new(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                        mgpu__onednn_pass pass) {
+                                                        mgpu__conv_pass pass) {
     MGPU_REQUIRE(mgpu__cpu_conv_choice_count < (int)(sizeof mgpu__cpu_conv_choices / sizeof mgpu__cpu_conv_choices[0]),
                  "conv2d: more than %d convolution shapes", mgpu__cpu_conv_choice_count);
     mgpu__cpu_conv_choice *c = &mgpu__cpu_conv_choices[mgpu__cpu_conv_choice_count++];
@@ -1300,9 +1318,8 @@ static int mgpu__cpu_conv_trial(mgpu__cpu_conv_choice *c, const mgpu__cpu_conv_c
     int writes = !call->accumulate && !call->add_to_dx; /* (the forward pass always) */
     mgpu__cpu_conv_call written = *call; /* (the call as the trial runs it: writing, not adding) */
     written.accumulate = written.add_to_dx = 0;
-    int computes[MGPU__CPU_WAYS] = {1, mgpu__winograd_cpu_fits_layer(call->g)};
-    for (int way = MGPU__CPU_BY_ONEDNN_DIRECT; way < MGPU__CPU_WAYS; way++)
-        computes[way] = mgpu__cpu_conv_onednn_plans(&written, mgpu__cpu_conv_onednn_method((mgpu__cpu_conv_way)way));
+    int computes[MGPU__CPU_WAYS];
+    for (int way = 0; way < MGPU__CPU_WAYS; way++) computes[way] = mgpu__cpu_conv_computes((mgpu__cpu_conv_way)way, &written);
     mgpu__cpu_conv_call t[MGPU__CPU_WAYS]; /* each way's: the call, into scratch outputs of its own */
     for (int way = 0; way < MGPU__CPU_WAYS; way++) {
         t[way] = *call;
@@ -1357,9 +1374,11 @@ static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
            4 * pixels >= 3 * 16 * tiles;
 }
 /* The way by rule (MGPU_CONV=rule, the default), fixed for a pass and
-   shape: where oneDNN runs AVX-512 kernels, its Winograd ones where they
-   pay (above). Otherwise oneDNN's direct kernels, except the backward
-   passes where im2col won the trials on 2-core CPUs (bench/RESULTS.md,
+   shape: where oneDNN runs no AVX-512 kernels, mgpu's Winograd where it
+   pays (mgpu__winograd_cpu_pays); where oneDNN runs AVX-512 kernels,
+   its Winograd ones where they pay (above). Otherwise oneDNN's direct
+   kernels (im2col without oneDNN), except the backward passes where
+   im2col won the trials on 2-core CPUs (bench/RESULTS.md,
    "the rule's sources"): 1x1 windows at a stride (ResNet's shortcuts)
    and outputs of 4 x 4 pixels or fewer; not where oneDNN's vectors are
    wider than OpenBLAS's (above). Where oneDNN runs AVX-512, the direct
@@ -1373,21 +1392,22 @@ static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_by_rule(const mgpu__cpu_conv_call *call) {
     const mgpu__conv_geom *g = call->g;
     mgpu__cpu_vector_widths();
-    if (mgpu__onednn_avx512 && mgpu__onednn_winograd_pays(g) &&
-        mgpu__cpu_conv_onednn_plans(call, MGPU__ONEDNN_WINOGRAD))
+    if (!mgpu__onednn_avx512 && mgpu__winograd_cpu_pays(g, mgpu__cpu_conv_pass_of(call)))
+        return MGPU__CPU_BY_MGPU_WINOGRAD;
+    if (mgpu__onednn_avx512 && mgpu__onednn_winograd_pays(g) && mgpu__cpu_conv_computes(MGPU__CPU_BY_ONEDNN_WINOGRAD, call))
         return MGPU__CPU_BY_ONEDNN_WINOGRAD;
     int im2col_wins = call->backward && ((g->r == 1 && g->s == 1 && g->stride > 1) || g->p * g->q <= 16) &&
                       !(mgpu__onednn_avx512 && !mgpu__blas_avx512);
     if (im2col_wins) return MGPU__CPU_BY_IM2COL;
     if (mgpu__onednn_avx512 && g->c > 1 && (g->c % 16 || g->k % 16) &&
-        mgpu__cpu_conv_onednn_plans(call, MGPU__ONEDNN_CHANNELS_LAST))
+        mgpu__cpu_conv_computes(MGPU__CPU_BY_ONEDNN_CHANNELS_LAST, call))
         return MGPU__CPU_BY_ONEDNN_CHANNELS_LAST;
-    return MGPU__CPU_BY_ONEDNN_DIRECT;
+    return MGPU__CPU_BY_DEFAULT;
 }
 
 /* The way of a pass in the modes that time nothing. */
 static mgpu__cpu_conv_way mgpu__cpu_conv_way_untimed(const mgpu__cpu_conv_call *call) {
-    return mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_ONEDNN_DIRECT
+    return mgpu__conv_mode == MGPU__CONV_IMPLICIT ? MGPU__CPU_BY_DEFAULT
            : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
                                                   : MGPU__CPU_BY_IM2COL;
 }
@@ -1427,21 +1447,24 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     if (!mgpu__cpu_conv_by(way, call)) mgpu__cpu_conv_by_im2col(call);
 }
 
-/* A choice in words, for the benchmarks and tests. */
+/* A choice in words, for the benchmarks and tests: the ways the trial
+   timed, each with its time. */
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size) {
     const mgpu__conv_geom *g = &c->g;
-    snprintf(out, size,
-             "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial: im2col %.2f ms, Winograd %.2f ms, "
-             "oneDNN %.2f ms, oneDNN channels-last %.2f ms, oneDNN Winograd %.2f ms)",
-             c->device->name, g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
-             c->pass == MGPU__ONEDNN_Y ? "forward" : c->pass == MGPU__ONEDNN_DX ? "dx" : "dW",
-             mgpu__cpu_conv_way_names[c->way],
-             c->trial_ms[MGPU__CPU_BY_IM2COL], c->trial_ms[MGPU__CPU_BY_MGPU_WINOGRAD],
-             c->trial_ms[MGPU__CPU_BY_ONEDNN_DIRECT], c->trial_ms[MGPU__CPU_BY_ONEDNN_CHANNELS_LAST],
-             c->trial_ms[MGPU__CPU_BY_ONEDNN_WINOGRAD]);
+    int at = snprintf(out, size, "%s: %dx%d, %d -> %d, stride %d, %d x %dx%d: %s by %s (trial:", c->device->name,
+                      g->r, g->s, g->c, g->k, g->stride, g->n, g->h, g->w,
+                      c->pass == MGPU__PASS_Y ? "forward" : c->pass == MGPU__PASS_DX ? "dx" : "dW",
+                      mgpu__cpu_conv_way_names[c->way]);
+    const char *sep = " ";
+    for (int way = 0; way < MGPU__CPU_WAYS && at > 0 && (size_t)at < size; way++) {
+        if (c->trial_ms[way] == HUGE_VAL) continue; /* (a way that does not compute the pass) */
+        at += snprintf(out + at, size - (size_t)at, "%s%s %.2f ms", sep, mgpu__cpu_conv_way_names[way],
+                       c->trial_ms[way]);
+        sep = ", ";
+    }
+    if (at > 0 && (size_t)at < size) snprintf(out + at, size - (size_t)at, ")");
     return out;
 }
-#endif
 
 /* mgpu_conv2d_forward; x_t: x's channels-last copy, if the caller has
    one (else NULL); with keep_x_t, a channels-last forward that made its
@@ -1482,17 +1505,11 @@ static void mgpu__conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgp
 #endif
     (void)keep_w_t;
     (void)prepared;
-    if (mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_Y_FROM)) {
-        mgpu__enqueue_winograd_cpu(y->data, dev, x->data, w->data, b ? b->data : NULL, &g, 0, 0);
-        return;
-    }
-#if MGPU_ONEDNN
     if (!mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, tf32};
         mgpu__conv_cpu(&call);
         return;
     }
-#endif
     mgpu__conv_forward_im2col(y, x, w, b, &g, tf32);
 }
 MGPU_DEF void mgpu_conv2d_forward(mgpu_tensor *y, const mgpu_tensor *x, const mgpu_tensor *w,
@@ -1559,27 +1576,12 @@ static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor 
 #else
     MGPU_REQUIRE(!dy_t, "%s: given dy's channels-last copy alone, but this pass reads dy itself", op);
 #endif
-    int dx_asked = dx != NULL;
-    if (!done) { /* a gradient that Winograd computes is left out of the ways below */
-        mgpu__conv_geom d = mgpu__conv_dx_geometry(&g);
-        if (dx && mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_DX_FROM)) {
-            mgpu__enqueue_winograd_cpu(dx->data, dev, dy->data, w->data, NULL, &d, 1, add_to_dx);
-            dx = NULL;
-        }
-        if (dw && mgpu__conv_winograd_on_cpu(dev, &g, MGPU__WINOGRAD_CPU_DW_FROM)) {
-            mgpu__enqueue_winograd_dw_cpu(dw->data, dev, x->data, dy->data, &g, accumulate);
-            dw = NULL;
-        }
-        done = !dx && !dw;
-    }
-    if (!done && !dx_asked && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
-#if MGPU_ONEDNN
+    if (!done && !dx && dw) done = mgpu__conv_dw_few_inputs_on_cpu(dw, x, dy, &g, accumulate);
     if (!done && !mgpu_device_is_gpu(dev)) {
         mgpu__cpu_conv_call call = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, tf32};
         mgpu__conv_cpu(&call);
         done = 1;
     }
-#endif
     if (!done) mgpu__conv_backward_im2col(dx, dw, dy, x, w, &g, tf32, accumulate, add_to_dx);
     if (db) {
         mgpu__enqueue_chan_sum(dev, "conv2d_backward bias", db->data, dy->data, g.n, g.k,

@@ -80,10 +80,6 @@ static void mgpu__conv_backward_im2col(mgpu_tensor *dx, mgpu_tensor *dw, const m
                                        const mgpu_tensor *x, const mgpu_tensor *w,
                                        const mgpu__conv_geom *g, int tf32, int accumulate,
                                        int add_to_dx);
-static void mgpu__enqueue_winograd_cpu(float *out, mgpu_device *dev, const float *in, const float *w,
-                                       const float *b, const mgpu__conv_geom *g, int turned, int accumulate);
-static void mgpu__enqueue_winograd_dw_cpu(float *dw, mgpu_device *dev, const float *x, const float *dy,
-                                          const mgpu__conv_geom *g, int accumulate);
 extern int mgpu__onednn_avx512, mgpu__blas_avx512; /* (a test takes another CPU's rule) */
 static void mgpu__cpu_vector_widths(void);
 static inline double mgpu__conv_backward_ways(const double *dx_ms, const double *dw_ms, double dy_ms,
@@ -132,19 +128,16 @@ static int mgpu__conv_reads_weights_copy(mgpu__conv_try what, const mgpu__conv_g
 static inline void mgpu__conv_kernel_str(char *out, size_t size, mgpu__implicit_kernel k, mgpu__conv_try what);
 static inline const char *mgpu__conv_choice_str(const mgpu__conv_choice *c, char *out, size_t size);
 #endif
-#if MGPU_ONEDNN
 /* types and constants: mgpu__cpu_conv_choice, mgpu__cpu_conv_call, mgpu__cpu_conv_way; MGPU__CPU_BY_IM2COL,
    MGPU__CPU_BY_MGPU_WINOGRAD, MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
    MGPU__CPU_BY_ONEDNN_WINOGRAD, MGPU__CPU_WAYS (a CPU's ways) */
 extern mgpu__cpu_conv_choice mgpu__cpu_conv_choices[1024];
 extern int mgpu__cpu_conv_choice_count;
 static mgpu__cpu_conv_choice *mgpu__cpu_conv_choice_find(const mgpu_device *dev, const mgpu__conv_geom *g,
-                                                         mgpu__onednn_pass pass);
+                                                         mgpu__conv_pass pass);
 static inline const char *mgpu__cpu_conv_choice_str(const mgpu__cpu_conv_choice *c, char *out, size_t size);
-static int mgpu__cpu_conv_onednn_plans(const mgpu__cpu_conv_call *c, mgpu__onednn_method method);
+static int mgpu__cpu_conv_computes(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);
 static int mgpu__cpu_conv_by(mgpu__cpu_conv_way way, const mgpu__cpu_conv_call *c);
-static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way);
-#endif
 static void mgpu__conv2d_backward(mgpu_tensor *dx, mgpu_tensor *dw, mgpu_tensor *db,
                                   const mgpu_tensor *dy, const mgpu_tensor *dy_t, const mgpu_tensor *x,
                                   const mgpu_tensor *x_t, const mgpu_tensor *w, mgpu_tensor **keep_w_t,

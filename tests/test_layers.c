@@ -601,13 +601,11 @@ static conv_results conv_computed(int way, mgpu_shape xs, mgpu_shape ws, int str
         mgpu_conv2d_forward(y, x, w, b, stride, pad);
         mgpu__conv2d_backward(dx, dw, NULL, dy, NULL, x, NULL, w, NULL, stride, pad, accumulate, add_to_dx, 0);
     } else {
-#if MGPU_ONEDNN
         mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
         mgpu__cpu_conv_call forward = {y, NULL, NULL, x, w, b, NULL, &g, 0, 0, 0, 0};
         mgpu__cpu_conv_call backward = {NULL, dx, dw, x, w, NULL, dy, &g, 1, accumulate, add_to_dx, 0};
         CHECK(mgpu__cpu_conv_by((mgpu__cpu_conv_way)way, &forward) &&
               mgpu__cpu_conv_by((mgpu__cpu_conv_way)way, &backward));
-#endif
     }
     conv_results r = {to_host(y), to_host(dx), to_host(dw)};
     mgpu_free(x), mgpu_free(w), mgpu_free(b), mgpu_free(dy), mgpu_free(y), mgpu_free(dx), mgpu_free(dw);
@@ -636,8 +634,8 @@ static void take_widths(int onednn_avx512, int blas_avx512) {
 }
 static void restore_widths(void) { mgpu__onednn_avx512 = saved_widths[0], mgpu__blas_avx512 = saved_widths[1]; }
 
-/* By rule (the default) a CPU device whose oneDNN runs AVX2 kernels
-   computes passes of 3x3 layers at stride 1 by Winograd's F(2x2, 3x3)
+/* By rule (the default) a CPU device whose oneDNN runs AVX2 kernels (or
+   that has no oneDNN) computes passes of 3x3 layers at stride 1 by Winograd's F(2x2, 3x3)
    (kernels/winograd.h): the forward pass from 128 channels and filters,
    dx from 512, dW from 64; where oneDNN runs AVX-512 kernels, none. Within
    float rounding of im2col, written and added to, with padding 0 to 2
@@ -678,12 +676,11 @@ TEST(cpu_3x3_layers_by_winograd) {
             CHECK(memcmp(one.y, again.y, mgpu_shape_numel(ys) * sizeof(float)) == 0);
             CHECK(memcmp(one.dx, again.dx, mgpu_shape_numel(xs) * sizeof(float)) == 0);
             CHECK(memcmp(one.dw, again.dw, mgpu_shape_numel(ws) * sizeof(float)) == 0);
-#if MGPU_ONEDNN
-            /* timed times Winograd beside im2col and oneDNN where it fits, and computes what its choice does */
+            /* timed times Winograd beside im2col (and oneDNN) where it fits, and computes what its choice does */
             conv_results timed = conv_by(MGPU__CONV_TIMED, xs, ws, stride, pad, add_to_dx, add_to_dx);
             mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, stride, pad);
-            for (int pass = MGPU__ONEDNN_Y; pass <= MGPU__ONEDNN_DW; pass++) {
-                mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, (mgpu__onednn_pass)pass);
+            for (int pass = MGPU__PASS_Y; pass <= MGPU__PASS_DW; pass++) {
+                mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(mgpu_cpu(), &g, (mgpu__conv_pass)pass);
                 CHECK(c != NULL && (c->trial_ms[MGPU__CPU_BY_MGPU_WINOGRAD] < HUGE_VAL) == (stride == 1));
             }
             check_close_floats("timed y", timed.y, want.y, mgpu_shape_numel(ys), 1e-4, 1e-4);
@@ -708,7 +705,6 @@ TEST(cpu_3x3_layers_by_winograd) {
                 free(wide.y), free(wide.dx), free(wide.dw);
             }
             mgpu__onednn_avx512 = mgpu__blas_avx512 = 0; /* (back to the table's kind: take_widths(0, 0)) */
-#endif
             if (test__failures != before)
                 fprintf(stderr, "  (%d -> %d, 3x3, %dx%d, stride %d, pad %d, add_to_dx %d)\n", shapes[i].c,
                         shapes[i].k, shapes[i].h, shapes[i].h, stride, pad, add_to_dx);
@@ -737,8 +733,6 @@ TEST(cpu_vector_widths_are_this_machines) {
 #endif
 }
 
-#if MGPU_ONEDNN
-
 /* How many operations of this name the tracer saw since it began. */
 static int traced_count(const char *name) {
     int calls = 0;
@@ -747,10 +741,12 @@ static int traced_count(const char *name) {
     return calls;
 }
 
+#if MGPU_ONEDNN
+
 /* Whether oneDNN's method has a kernel for each pass of a layer of geometry g. */
 static int onednn_has(const mgpu__conv_geom *g, mgpu__onednn_method method) {
-    for (int pass = MGPU__ONEDNN_Y; pass <= MGPU__ONEDNN_DW; pass++)
-        if (!mgpu__onednn_plan_for(g, (mgpu__onednn_pass)pass, method, 0, 0, 1)) return 0;
+    for (int pass = MGPU__PASS_Y; pass <= MGPU__PASS_DW; pass++)
+        if (!mgpu__onednn_plan_for(g, (mgpu__conv_pass)pass, method, 0, 0, 1)) return 0;
     return 1;
 }
 
@@ -905,11 +901,13 @@ TEST(cpu_convolutions_by_rule) {
     mgpu__conv_mode = saved;
 }
 
-/* With MGPU_CONV=timed a CPU device times each way (im2col, oneDNN's
-   direct kernels on its blocked layouts and on channels-last activations
-   and, for this 3x3 layer, mgpu's Winograd and, where oneDNN runs
-   AVX-512, oneDNN's) at the first call of each pass and shape,
-   and the later calls take the fastest. The first call's outputs are the
+#endif
+
+/* With MGPU_CONV=timed a CPU device times each way (im2col, for this
+   3x3 layer mgpu's Winograd, and where the library has oneDNN its direct
+   kernels on its blocked layouts and on channels-last activations and,
+   where oneDNN runs AVX-512, its Winograd) at the first call of each
+   pass and shape, and the later calls take the fastest. The first call's outputs are the
    fastest way's, bit for bit: where the call writes them (the forward
    pass), im2col's from the trial itself or another's copied from its own
    scratch ("conv2d trial's copy"); where it adds to them (dW
@@ -935,8 +933,12 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu_to_host(w, dw_before); /* (what dW is accumulated onto) */
     float *first_y = (float *)malloc(y->numel * sizeof(float)), *first_dw = (float *)malloc(w->numel * sizeof(float));
     mgpu__conv_geom g = mgpu__conv_geometry("test", x->shape, w->shape, 1, 1);
-    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, MGPU__ONEDNN_Y) == NULL &&
-          mgpu__cpu_conv_choice_find(cpu, &g, MGPU__ONEDNN_DW) == NULL);
+    CHECK(mgpu__cpu_conv_choice_find(cpu, &g, MGPU__PASS_Y) == NULL &&
+          mgpu__cpu_conv_choice_find(cpu, &g, MGPU__PASS_DW) == NULL);
+    int computes[MGPU__CPU_WAYS]; /* all ways, oneDNN's where the library has it, its Winograd where it runs AVX-512 */
+    for (int way = 0; way < MGPU__CPU_WAYS; way++)
+        computes[way] = way < MGPU__CPU_BY_ONEDNN_DIRECT ||
+                        (MGPU_ONEDNN && (way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512));
     for (int call = 0; call < 2; call++) {
         mgpu_synchronize_all();
         mgpu_trace_begin();
@@ -947,13 +949,11 @@ TEST(cpu_convolutions_keep_the_faster_way) {
         mgpu_synchronize_all();
         int chosen[2]; /* the forward pass's way, dW's */
         for (int backward = 0; backward <= 1; backward++) {
-            mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward ? MGPU__ONEDNN_DW : MGPU__ONEDNN_Y);
+            mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(cpu, &g, backward ? MGPU__PASS_DW : MGPU__PASS_Y);
             CHECK(c != NULL);
             int fastest = 0;
             for (int way = 0; way < MGPU__CPU_WAYS; way++) {
-                /* (all compute it, oneDNN's Winograd where oneDNN runs AVX-512) */
-                int computes = way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512;
-                CHECK(c->trial_ms[way] > 0.0 && (c->trial_ms[way] < HUGE_VAL) == computes);
+                CHECK(c->trial_ms[way] > 0.0 && (c->trial_ms[way] < HUGE_VAL) == computes[way]);
                 if (c->trial_ms[way] < c->trial_ms[fastest]) fastest = way;
             }
             CHECK_EQ_INT(c->way, fastest);
@@ -966,7 +966,7 @@ TEST(cpu_convolutions_keep_the_faster_way) {
                                              "conv2d_backward oneDNN dW", "conv2d_backward oneDNN channels-last dW",
                                              "conv2d_backward oneDNN Winograd dW"};
         for (int way = 0; way < MGPU__CPU_WAYS; way++) {
-            int tried = first && (way != MGPU__CPU_BY_ONEDNN_WINOGRAD || mgpu__onednn_avx512);
+            int tried = first && computes[way];
             /* forward: the trial's ways, then nothing more (first call); the chosen way alone (later) */
             CHECK_EQ_INT(traced_count(forward[way]), first ? tried : chosen[0] == way);
             /* dW accumulated: the trial's ways, then the chosen one */
@@ -988,6 +988,7 @@ TEST(cpu_convolutions_keep_the_faster_way) {
     mgpu__conv_mode = saved;
 }
 
+#if MGPU_ONEDNN
 /* A failed oneDNN call stops the program with one line: where, the call,
    and the status's name. */
 TEST(onednn_errors_are_one_line) {
