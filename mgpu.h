@@ -917,8 +917,7 @@ MGPU_DEF void mgpu_sampler_free(mgpu_sampler *s);
    blocked layout computes on channels padded to 16 (LeNet's second
    layer took 0.56 to 0.83 of the blocked kernels' time); every other
    pass takes oneDNN's direct kernels on its blocked layouts. Each pass
-   (forward, dx, dW) takes its own way; where dx and dW take the same
-   one of oneDNN's, dW reads the copy of dy that dx's pass made. With MGPU_CONV=timed the first
+   (forward, dx, dW) takes its own way. With MGPU_CONV=timed the first
    call of a pass with a shape times each way (im2col, oneDNN's three
    methods and, for 3x3 layers at stride 1, mgpu's Winograd, below) and
    keeps the fastest (so, as on a GPU, the rounding of the results can

@@ -51,7 +51,7 @@
    library's own kernels', may change with the number of threads.
 
    defines: MGPU_ONEDNN_CHECK, mgpu__onednn_method, mgpu__onednn_plan,
-            mgpu__onednn_plan_for, mgpu__onednn_args, mgpu__onednn_same_copy, mgpu__onednn_conv_cpu */
+            mgpu__onednn_plan_for, mgpu__onednn_args, mgpu__onednn_conv_cpu */
 #ifndef MGPU_KERNELS_CONV_ONEDNN_H
 #define MGPU_KERNELS_CONV_ONEDNN_H
 #if MGPU_ONEDNN
@@ -259,23 +259,14 @@ static mgpu__onednn_plan *mgpu__onednn_plan_for(const mgpu__conv_geom *g, mgpu__
 
 /* One pass: the tensors (mgpu's layouts), the chosen-layout copies and
    the scratchpad (from the device's allocator; NULL where the plan copies
-   nothing or needs none), the bias (forward, or NULL). An input's copy
-   that an earlier pass made (ready) is read as it is: dx and dW read dy
-   in the same layout, and one copy serves both. */
+   nothing or needs none), the bias (forward, or NULL). */
 typedef struct {
     const mgpu__onednn_plan *plan;
     float *tensor[MGPU__ONEDNN_TENSORS];
     float *copy[MGPU__ONEDNN_TENSORS];
     void *scratch; /* scratch_bytes of the plan's, or NULL where it needs none */
     const float *bias;
-    int ready[MGPU__ONEDNN_TENSORS]; /* copy[t] holds input t already */
 } mgpu__onednn_args;
-
-/* Whether input ta of plan a and input tb of plan b are the same tensor's
-   copies in one layout, so that one copy serves both passes. */
-static int mgpu__onednn_same_copy(const mgpu__onednn_plan *a, int ta, const mgpu__onednn_plan *b, int tb) {
-    return a->reorder[ta] && b->reorder[tb] && dnnl_memory_desc_equal(&a->chosen[ta], &b->chosen[tb]);
-}
 
 static dnnl_memory_t mgpu__onednn_memory(const dnnl_memory_desc_t *md, const void *data) {
     dnnl_memory_t m;
@@ -315,7 +306,7 @@ static void mgpu__onednn_conv_cpu(const void *args, const mgpu__exec *ex) {
         conv_args[nargs++].memory = bias;
     }
     for (int t = MGPU__ONEDNN_IN_A; t <= MGPU__ONEDNN_IN_B; t++)
-        if (p->reorder[t] && !a->ready[t]) {
+        if (p->reorder[t]) {
             dnnl_exec_arg_t in[3] = {{DNNL_ARG_FROM, plain[t]}, {DNNL_ARG_TO, chosen[t]}};
             mgpu__onednn_run(a, 1 + t, p->reorder[t], stream, 2, in);
         }

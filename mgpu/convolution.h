@@ -1185,26 +1185,16 @@ static mgpu__onednn_method mgpu__cpu_conv_onednn_method(mgpu__cpu_conv_way way) 
            : way == MGPU__CPU_BY_ONEDNN_CHANNELS_LAST ? MGPU__ONEDNN_CHANNELS_LAST
                                                       : MGPU__ONEDNN_DIRECT;
 }
-/* A tensor of at least `bytes` (a chosen-layout copy, a scratchpad). */
-static mgpu_tensor *mgpu__onednn_buffer(mgpu_device *dev, size_t bytes) {
-    return mgpu_empty(dev, mgpu_shape1((int)((bytes + sizeof(float) - 1) / sizeof(float))));
-}
 /* Enqueues one oneDNN pass by its plan on dev, with its chosen-layout
-   copies from the allocator, but for dy's where the caller gives one
-   (dy_copy, which the pass fills unless dy_ready). */
+   copies from the allocator. */
 static void mgpu__onednn_enqueue(mgpu_device *dev, const char *name, const mgpu__onednn_plan *plan,
-                                 const float *in_a, const float *in_b, float *out, const float *bias,
-                                 mgpu_tensor *dy_copy, int dy_ready) {
-    mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias, {0, 0, 0}};
-    if (dy_copy) { /* (dy: the backward passes' input b) */
-        a.copy[MGPU__ONEDNN_IN_B] = dy_copy->data;
-        a.ready[MGPU__ONEDNN_IN_B] = dy_ready;
-    }
+                                 const float *in_a, const float *in_b, float *out, const float *bias) {
+    mgpu__onednn_args a = {plan, {(float *)in_a, (float *)in_b, out}, {NULL, NULL, NULL}, NULL, bias};
     mgpu_tensor *scratch[MGPU__ONEDNN_TENSORS + 1] = {NULL, NULL, NULL, NULL}; /* the copies, the scratchpad */
     for (int t = 0; t <= MGPU__ONEDNN_TENSORS; t++) {
         size_t bytes = t < MGPU__ONEDNN_TENSORS ? plan->bytes[t] : plan->scratch_bytes;
-        if (!bytes || (t < MGPU__ONEDNN_TENSORS && a.copy[t])) continue;
-        scratch[t] = mgpu__onednn_buffer(dev, bytes);
+        if (!bytes) continue;
+        scratch[t] = mgpu_empty(dev, mgpu_shape1((int)((bytes + sizeof(float) - 1) / sizeof(float))));
         if (t < MGPU__ONEDNN_TENSORS) a.copy[t] = scratch[t]->data;
         else a.scratch = scratch[t]->data;
     }
@@ -1240,21 +1230,15 @@ static int mgpu__cpu_conv_by_onednn(mgpu__cpu_conv_way way, const mgpu__cpu_conv
     mgpu__onednn_method method = mgpu__cpu_conv_onednn_method(way);
     mgpu__onednn_plan *plans[3];
     if (!mgpu__cpu_conv_onednn_plans_of(c, method, plans)) return 0;
-    /* both gradients: dx's pass copies dy into the layout both take, and dW's reads that copy */
-    mgpu_tensor *dy_copy = c->dx && c->dw && mgpu__onednn_same_copy(plans[MGPU__PASS_DX], MGPU__ONEDNN_IN_B,
-                                                                    plans[MGPU__PASS_DW], MGPU__ONEDNN_IN_B)
-                               ? mgpu__onednn_buffer(dev, plans[MGPU__PASS_DX]->bytes[MGPU__ONEDNN_IN_B])
-                               : NULL;
     if (!c->backward)
         mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_Y], plans[MGPU__PASS_Y], c->x->data, c->w->data,
-                             c->y->data, c->b ? c->b->data : NULL, NULL, 0);
+                             c->y->data, c->b ? c->b->data : NULL);
     if (c->dx)
         mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_DX], plans[MGPU__PASS_DX], c->w->data, c->dy->data,
-                             c->dx->data, NULL, dy_copy, 0);
+                             c->dx->data, NULL);
     if (c->dw)
         mgpu__onednn_enqueue(dev, names[method][MGPU__PASS_DW], plans[MGPU__PASS_DW], c->x->data, c->dy->data,
-                             c->dw->data, NULL, dy_copy, 1);
-    mgpu_free(dy_copy); /* (reused only by later work) */
+                             c->dw->data, NULL);
     return 1;
 }
 #else
@@ -1427,46 +1411,38 @@ static mgpu__cpu_conv_way mgpu__cpu_conv_way_untimed(const mgpu__cpu_conv_call *
            : mgpu__conv_mode == MGPU__CONV_RULE   ? mgpu__cpu_conv_way_by_rule(call)
                                                   : MGPU__CPU_BY_IM2COL;
 }
-/* The way a pass takes where it is known without a trial (the untimed
-   modes, or a trial done before); 0 where a trial must choose it. */
-static int mgpu__cpu_conv_way_known(const mgpu__cpu_conv_call *call, mgpu__cpu_conv_way *way) {
-    if (mgpu__conv_mode != MGPU__CONV_TIMED) {
-        *way = mgpu__cpu_conv_way_untimed(call);
-        return 1;
-    }
-    mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(call->x->device, call->g, mgpu__cpu_conv_pass_of(call));
-    if (c) *way = c->way;
-    return c != NULL;
-}
 /* A call on a CPU device: each of its passes by the way its choice says
-   (above). Both gradients go in one call where they take one way that
-   then copies dy once for the two: im2col where neither is timed, and
-   oneDNN's ways, whose dx pass leaves dy's copy in the layout dW reads
-   (where the two take the same). */
+   (above); both gradients by im2col in one call, where neither is timed,
+   as they share its copy of dy. */
 static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
     mgpu__conv_settings_from_environment();
-    mgpu__cpu_conv_way way;
+    int timed = mgpu__conv_mode == MGPU__CONV_TIMED;
     if (call->dx && call->dw) {
         mgpu__cpu_conv_call dx = *call, dw = *call; /* (each with its own adding alone) */
         dx.dw = NULL;
         dx.accumulate = 0;
         dw.dx = NULL;
         dw.add_to_dx = 0;
-        mgpu__cpu_conv_way dw_way;
-        int one_way = mgpu__cpu_conv_way_known(&dx, &way) && mgpu__cpu_conv_way_known(&dw, &dw_way) && way == dw_way;
-        if (one_way && way == MGPU__CPU_BY_IM2COL && mgpu__conv_mode != MGPU__CONV_TIMED) {
+        if (!timed && mgpu__cpu_conv_way_untimed(&dx) == MGPU__CPU_BY_IM2COL &&
+            mgpu__cpu_conv_way_untimed(&dw) == MGPU__CPU_BY_IM2COL) {
             mgpu__cpu_conv_by_im2col(call);
             return;
         }
-        if (one_way && way >= MGPU__CPU_BY_ONEDNN_DIRECT && mgpu__cpu_conv_by(way, call)) return;
         mgpu__conv_cpu(&dx);
         mgpu__conv_cpu(&dw);
         return;
     }
-    if (!mgpu__cpu_conv_way_known(call, &way)) {
-        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_new(call->x->device, call->g, mgpu__cpu_conv_pass_of(call));
-        if (mgpu__cpu_conv_trial(c, call)) return;
+    mgpu__cpu_conv_way way = MGPU__CPU_BY_IM2COL;
+    if (timed) {
+        mgpu_device *dev = call->x->device;
+        mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, mgpu__cpu_conv_pass_of(call));
+        if (!c) {
+            c = mgpu__cpu_conv_choice_new(dev, call->g, mgpu__cpu_conv_pass_of(call));
+            if (mgpu__cpu_conv_trial(c, call)) return;
+        }
         way = c->way;
+    } else {
+        way = mgpu__cpu_conv_way_untimed(call);
     }
     if (!mgpu__cpu_conv_by(way, call)) mgpu__cpu_conv_by_im2col(call);
 }

@@ -814,51 +814,6 @@ TEST(conv2d_by_onednn_matches_im2col) {
     mgpu__conv_mode = saved;
 }
 
-/* Both gradients by one of oneDNN's ways in one call: dx's pass copies dy
-   into the layout the two passes take (ResNet-18's 3x3 layers: the same
-   blocked layout, by each method), and dW's pass reads that copy. Bit for
-   bit what the two passes give apart, dx added to and dW accumulated. */
-TEST(cpu_gradients_share_dy_copy) {
-    mgpu__cpu_vector_widths();
-    mgpu_device *cpu = mgpu_cpu();
-    mgpu_shape xs = mgpu_shape4(2, 64, 14, 14), ws = mgpu_shape4(64, 64, 3, 3);
-    mgpu__conv_geom g = mgpu__conv_geometry("test", xs, ws, 1, 1);
-    mgpu_tensor *x = mgpu_randn(cpu, xs, 0.0f, 1.0f), *w = mgpu_randn(cpu, ws, 0.0f, 0.1f);
-    mgpu_tensor *dy = mgpu_randn(cpu, xs, 0.0f, 1.0f), *start_dx = mgpu_randn(cpu, xs, 0.0f, 1.0f);
-    mgpu_tensor *start_dw = mgpu_randn(cpu, ws, 0.0f, 1.0f);
-    const mgpu__cpu_conv_way ways[] = {MGPU__CPU_BY_ONEDNN_DIRECT, MGPU__CPU_BY_ONEDNN_CHANNELS_LAST,
-                                       MGPU__CPU_BY_ONEDNN_WINOGRAD};
-    const mgpu__onednn_method methods[] = {MGPU__ONEDNN_DIRECT, MGPU__ONEDNN_CHANNELS_LAST, MGPU__ONEDNN_WINOGRAD};
-    for (int i = 0; i < 3; i++) {
-        if (methods[i] == MGPU__ONEDNN_WINOGRAD && !mgpu__onednn_avx512) continue; /* (AVX-512 only) */
-        CHECK(mgpu__onednn_same_copy(mgpu__onednn_plan_for(&g, MGPU__PASS_DX, methods[i], 0, 1, 1), MGPU__ONEDNN_IN_B,
-                                     mgpu__onednn_plan_for(&g, MGPU__PASS_DW, methods[i], 0, 1, 1), MGPU__ONEDNN_IN_B));
-        float *got[2][2]; /* [together][dx, dW] */
-        for (int together = 0; together <= 1; together++) {
-            mgpu_tensor *dx = mgpu_empty(cpu, xs), *dw = mgpu_empty(cpu, ws);
-            mgpu_copy(dx, start_dx, 0);
-            mgpu_copy(dw, start_dw, 0);
-            mgpu__cpu_conv_call both = {NULL, dx, dw, x, w, NULL, dy, &g, 1, 1, 1, 0};
-            mgpu__cpu_conv_call dx_alone = both, dw_alone = both;
-            dx_alone.dw = NULL, dx_alone.accumulate = 0;
-            dw_alone.dx = NULL, dw_alone.add_to_dx = 0;
-            if (together) { /* (a block of dy's size left holding NaN, which a copy not made would show) */
-                mgpu_tensor *stale = mgpu_empty(cpu, xs);
-                mgpu_fill(stale, NAN);
-                mgpu_free(stale);
-                CHECK(mgpu__cpu_conv_by(ways[i], &both));
-            }
-            else CHECK(mgpu__cpu_conv_by(ways[i], &dx_alone) && mgpu__cpu_conv_by(ways[i], &dw_alone));
-            got[together][0] = to_host(dx), got[together][1] = to_host(dw);
-            mgpu_free(dx), mgpu_free(dw);
-        }
-        CHECK(memcmp(got[0][0], got[1][0], mgpu_shape_numel(xs) * sizeof(float)) == 0);
-        CHECK(memcmp(got[0][1], got[1][1], mgpu_shape_numel(ws) * sizeof(float)) == 0);
-        for (int k = 0; k < 4; k++) free(got[k / 2][k % 2]);
-    }
-    mgpu_free(x), mgpu_free(w), mgpu_free(dy), mgpu_free(start_dx), mgpu_free(start_dw);
-}
-
 /* By default (MGPU_CONV=rule) a CPU device computes each pass by a way
    of its own, in this order: oneDNN's Winograd kernels for 3x3 layers at
    stride 1 from 32 channels and filters whose outputs, of more than one
