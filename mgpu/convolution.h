@@ -1016,8 +1016,8 @@ static mgpu__conv_plan mgpu__conv_plan_for(mgpu__conv_trial *t) {
    oneDNN's blocked layout uses one vector lane in 8 for x and copies x
    and dy into it (bench/RESULTS.md, "LeNet on the CPU"). The layer's
    forward pass stays with the ways below (oneDNN wrote it faster).
-   Returns whether
-   it enqueued the pass: dw (=, or += with accumulate) from x and dy. */
+   Returns whether it enqueued the pass: dw (=, or += with accumulate)
+   from x and dy. */
 static int mgpu__conv_dw_few_inputs_on_cpu(mgpu_tensor *dw, const mgpu_tensor *x, const mgpu_tensor *dy,
                                            const mgpu__conv_geom *g, int accumulate) {
     mgpu_device *dev = x->device;
@@ -1132,10 +1132,9 @@ static int mgpu__winograd_cpu_pays(const mgpu__conv_geom *g, mgpu__conv_pass pas
    with mgpu's own Winograd (above, on OpenBLAS's products), by the rule
    or, with MGPU_CONV=timed, whichever was fastest for the pass and
    shape. As on a GPU, the first call of a pass with a shape on a device
-   times each
-   way that computes it, once each, each call alone (the device
-   synchronised before and after it), and every later call runs by the
-   fastest. Where the call writes its outputs (not adding to them),
+   times each way that computes it, once each, each call alone (the
+   device synchronised before and after it), and every later call runs
+   by the fastest. Where the call writes its outputs (not adding to them),
    im2col writes them in the trial and the other ways write scratch
    copies of their own, the fastest's then replacing them: the first call
    costs the ways, not one more. Where it adds to them, every way writes
@@ -1378,8 +1377,8 @@ static int mgpu__onednn_winograd_pays(const mgpu__conv_geom *g) {
    pays (mgpu__winograd_cpu_pays); where oneDNN runs AVX-512 kernels,
    its Winograd ones where they pay (above). Otherwise oneDNN's direct
    kernels (im2col without oneDNN), except the backward passes where
-   im2col won the trials on 2-core CPUs (bench/RESULTS.md,
-   "the rule's sources"): 1x1 windows at a stride (ResNet's shortcuts)
+   im2col won the trials on 2-core CPUs (bench/RESULTS.md, "the rule's
+   sources"): 1x1 windows at a stride (ResNet's shortcuts)
    and outputs of 4 x 4 pixels or fewer; not where oneDNN's vectors are
    wider than OpenBLAS's (above). Where oneDNN runs AVX-512, the direct
    kernels take their activations channels-last where the channels or
@@ -1432,7 +1431,7 @@ static void mgpu__conv_cpu(const mgpu__cpu_conv_call *call) {
         mgpu__conv_cpu(&dw);
         return;
     }
-    mgpu__cpu_conv_way way = MGPU__CPU_BY_IM2COL;
+    mgpu__cpu_conv_way way;
     if (timed) {
         mgpu_device *dev = call->x->device;
         mgpu__cpu_conv_choice *c = mgpu__cpu_conv_choice_find(dev, call->g, mgpu__cpu_conv_pass_of(call));

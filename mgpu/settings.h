@@ -65,15 +65,16 @@ MGPU_DEF const char *mgpu_tf32_str(void) {
                fastest for each pass (timed); im2col where none fits or
                cuDNN is not built in.
    Float32 convolutions (no TF32) always take im2col on a GPU. On a CPU
-   (mgpu/convolution.h's mgpu__conv_cpu): rule takes oneDNN's Winograd
-   for 3x3 layers at stride 1 where it runs AVX-512 and where it pays
-   (mgpu__onednn_winograd_pays) and its direct kernels elsewhere (on
-   channels-last activations where channels or filters are not a
-   multiple of 16), but for a few backward passes by im2col (unless
-   oneDNN's vectors are wider than OpenBLAS's) and, where oneDNN runs
-   AVX2 kernels, mgpu's Winograd for 3x3 layers with enough channels;
-   timed times im2col, oneDNN's three methods and (3x3 at stride 1)
-   mgpu's Winograd at the first call with a shape; im2col takes im2col;
+   (mgpu/convolution.h's mgpu__conv_cpu): rule takes, where oneDNN runs
+   AVX2 kernels (or is not built in), mgpu's Winograd for 3x3 layers
+   with enough channels (mgpu__winograd_cpu_pays); where oneDNN runs
+   AVX-512, its Winograd for 3x3 layers at stride 1 where it pays
+   (mgpu__onednn_winograd_pays); im2col for a few backward passes
+   (unless oneDNN's vectors are wider than OpenBLAS's); and oneDNN's
+   direct kernels elsewhere (on channels-last activations where channels
+   or filters are not a multiple of 16; im2col without oneDNN); timed
+   times im2col, oneDNN's three methods and (3x3 at stride 1) mgpu's
+   Winograd at the first call with a shape; im2col takes im2col;
    implicit takes oneDNN's direct kernels where it is built in; every
    mode but im2col takes conv_few_inputs.h's kernel for a first layer's
    weight gradient (C*R*S <= 9, no dx). */

@@ -635,9 +635,10 @@ static void take_widths(int onednn_avx512, int blas_avx512) {
 static void restore_widths(void) { mgpu__onednn_avx512 = saved_widths[0], mgpu__blas_avx512 = saved_widths[1]; }
 
 /* By rule (the default) a CPU device whose oneDNN runs AVX2 kernels (or
-   that has no oneDNN) computes passes of 3x3 layers at stride 1 by Winograd's F(2x2, 3x3)
-   (kernels/winograd.h): the forward pass from 128 channels and filters,
-   dx from 512, dW from 64; where oneDNN runs AVX-512 kernels, none. Within
+   that has no oneDNN) computes passes of 3x3 layers at stride 1 by
+   Winograd's F(2x2, 3x3) (kernels/winograd.h): the forward pass from 128
+   channels and filters, dx from 512, dW from 64; where oneDNN runs
+   AVX-512 kernels, none. Within
    float rounding of im2col, written and added to, with padding 0 to 2
    and odd outputs (a last row and column of tiles half used); the same
    bits twice; timed times it beside the other ways (and computes what
@@ -907,8 +908,8 @@ TEST(cpu_convolutions_by_rule) {
    3x3 layer mgpu's Winograd, and where the library has oneDNN its direct
    kernels on its blocked layouts and on channels-last activations and,
    where oneDNN runs AVX-512, its Winograd) at the first call of each
-   pass and shape, and the later calls take the fastest. The first call's outputs are the
-   fastest way's, bit for bit: where the call writes them (the forward
+   pass and shape, and the later calls take the fastest. The first
+   call's outputs are the fastest way's, bit for bit: where the call writes them (the forward
    pass), im2col's from the trial itself or another's copied from its own
    scratch ("conv2d trial's copy"); where it adds to them (dW
    accumulated), from the fastest way run once more after the trial. */
